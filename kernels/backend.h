@@ -1,0 +1,117 @@
+#ifndef DSV4_KERNELS_BACKEND_H
+#define DSV4_KERNELS_BACKEND_H
+
+/*
+ * The one interface between the daemon and a compute device: a table of function pointers, in the
+ * manner of SQLite's VFS. The CPU backend is the reference; CUDA and Level Zero implement the same
+ * table and must produce the same bytes (SPEC §2).
+ *
+ * Ordering contract (SPEC §5): map_slots is the producer, qkv_insert its consumer. A backend runs
+ * them in submission order on one queue; qkv_insert may not read slots, q, kv or positions, nor
+ * write anything, before map_slots of the same batch has completed. sync() returns once all
+ * submitted work has completed. Argument structs hold device addresses (on the CPU backend, host
+ * addresses), and the memory they point to must stay valid until sync() returns.
+ *
+ * Thread affinity: a backend is driven by one thread at a time (the executor).
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+#include "rope.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct dsv4_backend dsv4_backend_t;
+
+/* A device allocation. On a backend with DSV4_BE_HOST_MEMORY, ptr is an ordinary host pointer. */
+typedef struct {
+  void *ptr;
+  size_t size;
+} dsv4_devbuf_t;
+
+/* Backend capabilities. */
+enum {
+  /* Device memory is host memory: jobs may point straight at host buffers (no staging copies). */
+  DSV4_BE_HOST_MEMORY = 1u << 0,
+};
+
+/* The producer: sequence block tables -> one cache slot per token. */
+typedef struct {
+  uint32_t n_tokens;
+  uint32_t n_segments;
+  uint32_t block_size;
+  uint32_t n_blocks;             /* pool size; a slot is < n_blocks * block_size */
+  const int64_t *positions;      /* [n_tokens] */
+  const int32_t *tok_seg;        /* [n_tokens] segment of each token */
+  const int64_t *seg_first_lb;   /* [n_segments] logical block that block_table[seg_bt_off] maps */
+  const uint32_t *seg_bt_off;    /* [n_segments] first entry of the segment in block_table */
+  const uint32_t *seg_bt_len;    /* [n_segments] entries of the segment in block_table */
+  const int32_t *block_table;    /* physical block ids; < 0 = no block (the token gets slot -1) */
+  int64_t *slots;                /* [n_tokens] out: block * block_size + offset, or -1 */
+} dsv4_map_args_t;
+
+/* The consumer: Q norm + RoPE, KV (norm) + RoPE + fp8/UE8M0 quantise + paged insert (SPEC §2.1-2.2). */
+typedef struct {
+  uint32_t n_tokens;
+  uint32_t heads;                /* 1..128 */
+  const uint16_t *q;             /* [n_tokens, heads, 512] bf16 */
+  const uint16_t *kv;            /* [n_tokens, 512] bf16 */
+  const int64_t *positions;      /* [n_tokens] */
+  const int64_t *slots;          /* [n_tokens] from map_slots; < 0 = do not write */
+  const dsv4_rope_table_t *rope; /* rows of every position in the batch already materialised */
+  const float *kv_norm_weight;   /* [512] fp32, or NULL for kv_norm = prenormed */
+  float eps;                     /* RMSNorm epsilon */
+  int write_kv;                  /* 0: compute q_out only (a replayed batch), never touch the cache */
+  uint16_t *q_out;               /* [n_tokens, heads, 512] bf16 out */
+  uint8_t *cache;                /* the layer's cache: n_blocks * stride bytes */
+  uint32_t block_size;
+  uint32_t n_blocks;
+  uint64_t stride;               /* DSV4_BLOCK_STRIDE(block_size) */
+} dsv4_insert_args_t;
+
+typedef struct dsv4_backend_ops {
+  const char *name;
+  unsigned caps;
+  void (*destroy)(dsv4_backend_t *be);
+  /* A zero-filled device allocation. */
+  int (*buf_alloc)(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out);
+  void (*buf_free)(dsv4_backend_t *be, dsv4_devbuf_t *buf);
+  int (*upload)(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
+                size_t n);
+  int (*download)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n);
+  int (*map_slots)(dsv4_backend_t *be, const dsv4_map_args_t *a);
+  int (*qkv_insert)(dsv4_backend_t *be, const dsv4_insert_args_t *a);
+  int (*sync)(dsv4_backend_t *be);
+} dsv4_backend_ops_t;
+
+/* Every backend's handle starts with this, so generic code can reach the table. */
+struct dsv4_backend {
+  const dsv4_backend_ops_t *ops;
+};
+
+typedef struct {
+  uint32_t threads; /* CPU worker threads; 0 = one per online core */
+} dsv4_backend_options_t;
+
+/*
+ * Open the backend called name ("cpu", later "cuda", "level_zero", or "auto" for the first usable one).
+ * On failure why holds one line that says what was missing.
+ */
+int dsv4_backend_open(const char *name, const dsv4_backend_options_t *opt, dsv4_backend_t **out,
+                      char *why, size_t why_len);
+
+static inline void dsv4_backend_close(dsv4_backend_t *be) {
+  if (be)
+    be->ops->destroy(be);
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DSV4_KERNELS_BACKEND_H */

@@ -1,0 +1,44 @@
+#ifndef DSV4_KERNELS_LAYOUT_H
+#define DSV4_KERNELS_LAYOUT_H
+
+/*
+ * The one definition of DeepSeek V4's attention geometry and of the "fp8_ds_mla" paged cache byte
+ * layout (SPEC §1, §3). Plain C, CUDA and OpenCL C all include this header, so every backend agrees
+ * on every offset by construction.
+ *
+ * A block of bs tokens:
+ *   576*o       .. 576*o+447   fp8 E4M3FN NoPE values of the token at offset o
+ *   576*o+448   .. 576*o+575   64 bf16 RoPE values, little-endian
+ *   576*bs + 8*o .. +6         7 UE8M0 scale codes; byte +7 is padding, written as 0
+ *   584*bs      .. stride-1    padding
+ *   stride = ceil(584*bs / 576) * 576
+ */
+
+#define DSV4_HEAD_DIM 512
+#define DSV4_NOPE_DIM 448
+#define DSV4_ROPE_DIM 64
+#define DSV4_ROPE_PAIRS 32
+#define DSV4_TILE 64
+#define DSV4_NTILES 7
+#define DSV4_TOKEN_DATA_BYTES 576 /* NoPE fp8 (448) + RoPE bf16 (128) */
+#define DSV4_SCALE_BYTES 8        /* 7 UE8M0 codes + 1 pad byte */
+#define DSV4_RECORD_BYTES 584     /* a logical record: NoPE | RoPE | scales */
+#define DSV4_WINDOW 128
+#define DSV4_MAX_HEADS 128
+#define DSV4_MIN_BLOCK_SIZE 16
+#define DSV4_MAX_BLOCK_SIZE 256
+#define DSV4_ROPE_ROW_FLOATS 64 /* cos[0..31] then sin[0..31] */
+
+/* Bytes between consecutive blocks of one layer's cache. */
+#define DSV4_BLOCK_STRIDE(bs)                                                                      \
+  ((((unsigned long)(bs) * DSV4_RECORD_BYTES + DSV4_TOKEN_DATA_BYTES - 1) /                       \
+    DSV4_TOKEN_DATA_BYTES) *                                                                       \
+   DSV4_TOKEN_DATA_BYTES)
+
+/* Offset inside a block of the NoPE bytes of the token at offset o (RoPE follows at +448). */
+#define DSV4_TOKEN_DATA_OFFSET(o) ((unsigned long)(o) * DSV4_TOKEN_DATA_BYTES)
+/* Offset inside a block of the 8 scale bytes of the token at offset o. */
+#define DSV4_SCALE_OFFSET(bs, o)                                                                   \
+  ((unsigned long)(bs) * DSV4_TOKEN_DATA_BYTES + (unsigned long)(o) * DSV4_SCALE_BYTES)
+
+#endif /* DSV4_KERNELS_LAYOUT_H */

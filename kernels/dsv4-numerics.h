@@ -1,0 +1,231 @@
+#ifndef DSV4_KERNELS_NUMERICS_H
+#define DSV4_KERNELS_NUMERICS_H
+
+/*
+ * The canonical numerics of SPEC §2, shared bit for bit by every backend: bf16 and fp8 E4M3FN codecs,
+ * the UE8M0 scale rule, the canonical 512-long reduction order, the RMS factor and the RoPE pair.
+ *
+ * This header is included by plain C (host and CPU backend), CUDA (__host__ __device__) and OpenCL C.
+ * Everything here is integer bit manipulation or a single correctly rounded IEEE operation, so the
+ * result never depends on the compiler's contraction or flush-to-zero settings beyond what SPEC §2
+ * already forbids (-ffp-contract=off, --fmad=false, FP_CONTRACT OFF, no FTZ/DAZ).
+ */
+
+#include "dsv4-layout.h"
+
+#if defined(__OPENCL_VERSION__)
+typedef uint dsv4_u32;
+typedef ushort dsv4_u16;
+typedef uchar dsv4_u8;
+typedef int dsv4_i32;
+#define DSV4_FN static inline
+#define DSV4_FMA(a, b, c) fma((a), (b), (c))
+#define DSV4_SQRT(x) sqrt(x)
+DSV4_FN dsv4_u32 dsv4_f2u(float f) {
+  return as_uint(f);
+}
+DSV4_FN float dsv4_u2f(dsv4_u32 u) {
+  return as_float(u);
+}
+#elif defined(__CUDACC__)
+#include <stdint.h>
+typedef uint32_t dsv4_u32;
+typedef uint16_t dsv4_u16;
+typedef uint8_t dsv4_u8;
+typedef int32_t dsv4_i32;
+#define DSV4_FN static inline __host__ __device__
+#ifdef __CUDA_ARCH__
+#define DSV4_FMA(a, b, c) __fmaf_rn((a), (b), (c))
+#define DSV4_SQRT(x) __fsqrt_rn(x)
+#else
+#include <math.h>
+#define DSV4_FMA(a, b, c) fmaf((a), (b), (c))
+#define DSV4_SQRT(x) sqrtf(x)
+#endif
+DSV4_FN dsv4_u32 dsv4_f2u(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  dsv4_u32 u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+DSV4_FN float dsv4_u2f(dsv4_u32 u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+#else
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+typedef uint32_t dsv4_u32;
+typedef uint16_t dsv4_u16;
+typedef uint8_t dsv4_u8;
+typedef int32_t dsv4_i32;
+#define DSV4_FN static inline
+#define DSV4_FMA(a, b, c) fmaf((a), (b), (c))
+#define DSV4_SQRT(x) sqrtf(x)
+DSV4_FN dsv4_u32 dsv4_f2u(float f) {
+  dsv4_u32 u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+DSV4_FN float dsv4_u2f(dsv4_u32 u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+#endif
+
+/* (float)1e-6, the RMSNorm epsilon of both V4 models (0x358637BD). */
+#define DSV4_RMS_EPS_BITS 0x358637BDu
+/* The softmax scale 512^-0.5 as fp32 (0x3D3504F3). */
+#define DSV4_SOFTMAX_SCALE_BITS 0x3D3504F3u
+/* The smallest tile amax the UE8M0 rule accepts (1e-4f); smaller maxima are raised to it. */
+#define DSV4_AMAX_FLOOR 1e-4f
+/* bf16 bit patterns with (bits & 0x7fff) >= this have |x| >= 2^59 (also Inf and NaN). */
+#define DSV4_BF16_LIMIT_BITS 0x5D00u
+
+/* bf16 -> fp32 is exact: the 16 bits become the high half. */
+DSV4_FN float dsv4_bf16_to_f32(dsv4_u16 h) {
+  return dsv4_u2f((dsv4_u32)h << 16);
+}
+
+/* fp32 -> bf16, round to nearest even; NaN stays a quiet NaN. */
+DSV4_FN dsv4_u16 dsv4_f32_to_bf16(float f) {
+  dsv4_u32 u = dsv4_f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return (dsv4_u16)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (dsv4_u16)(u >> 16);
+}
+
+/*
+ * fp32 -> fp8 E4M3FN byte, round to nearest even, saturating: a magnitude above 448 after rounding
+ * (and +-Inf) gives 0x7E with the sign; NaN gives 0x7F with the sign (the daemon never feeds NaN).
+ * The sign bit is always the input's, so -0.0 and negative values that round to zero give 0x80.
+ */
+DSV4_FN dsv4_u8 dsv4_f32_to_e4m3(float f) {
+  dsv4_u32 u = dsv4_f2u(f);
+  dsv4_u8 sign = (dsv4_u8)((u >> 24) & 0x80u);
+  dsv4_u32 a = u & 0x7fffffffu;
+  if (a > 0x7f800000u)
+    return (dsv4_u8)(sign | 0x7fu);
+  if (a >= 0x3c800000u) { /* |f| >= 2^-6: the normal e4m3 range */
+    /* Round the 23-bit mantissa to 3 bits; a carry moves into the exponent, as it should. */
+    dsv4_u32 r = (a + 0x7ffffu + ((a >> 20) & 1u)) & 0xfff00000u;
+    if (r > 0x43e00000u) /* above 448 */
+      return (dsv4_u8)(sign | 0x7eu);
+    return (dsv4_u8)(sign | ((((r >> 23) - 120u) << 3) | ((r >> 20) & 7u)));
+  }
+  if (a <= 0x3a800000u) /* |f| <= 2^-10: half the subnormal step or less rounds to (signed) zero */
+    return sign;
+  /* Subnormal e4m3: count units of 2^-9 with round-to-nearest-even. Here 2^-10 < |f| < 2^-6, so the
+   * fp32 input is normal with biased exponent 117..120 and |f| / 2^-9 = M * 2^(E - 141). */
+  {
+    dsv4_u32 e = a >> 23;
+    dsv4_u32 m = (a & 0x7fffffu) | 0x800000u;
+    dsv4_u32 shift = 141u - e; /* 21..24 */
+    dsv4_u32 q = m >> shift;
+    dsv4_u32 rem = m & ((1u << shift) - 1u);
+    dsv4_u32 half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u)))
+      q += 1u; /* q == 8 is 2^-6, which is exactly the normal encoding 0x08 */
+    return (dsv4_u8)(sign | q);
+  }
+}
+
+/* fp8 E4M3FN byte -> fp32, exact. 0x7F/0xFF decode to NaN. */
+DSV4_FN float dsv4_e4m3_to_f32(dsv4_u8 b) {
+  dsv4_u32 s = ((dsv4_u32)b & 0x80u) << 24;
+  dsv4_u32 e = ((dsv4_u32)b >> 3) & 15u;
+  dsv4_u32 m = (dsv4_u32)b & 7u;
+  if (e == 15u && m == 7u)
+    return dsv4_u2f(s | 0x7fc00000u);
+  if (e == 0u) /* m * 2^-9, exact */
+    return dsv4_u2f(s | dsv4_f2u((float)m * 0x1p-9f));
+  return dsv4_u2f(s | ((e + 120u) << 23) | (m << 20));
+}
+
+/* The fp32 value 448 * 2^e, exact for the exponents the UE8M0 rule can meet. */
+DSV4_FN float dsv4_448_pow2(dsv4_i32 e) {
+  return dsv4_u2f(((dsv4_u32)(135 + e) << 23) | 0x600000u);
+}
+
+/*
+ * The UE8M0 exponent of a tile (SPEC §2.2): the smallest integer e with amax <= 448 * 2^e, found by
+ * exact comparison. amax must be finite and >= 1e-4f (the caller applies the floor). Writing
+ * amax = m * 2^E with 1 <= m < 2, 448 * 2^(E-8) = 1.75 * 2^E, so e is E-8 or E-7.
+ */
+DSV4_FN dsv4_i32 dsv4_ue8m0_exponent(float amax) {
+  dsv4_i32 e = (dsv4_i32)(dsv4_f2u(amax) >> 23) - 127 - 8;
+  if (amax > dsv4_448_pow2(e))
+    e += 1;
+  return e;
+}
+
+/* 2^-e as fp32, built from its bits (never exp2f). Valid for -126 <= -e <= 127. */
+DSV4_FN float dsv4_pow2_neg(dsv4_i32 e) {
+  return dsv4_u2f((dsv4_u32)(127 - e) << 23);
+}
+
+/* The dequantisation scale 2^(code-127) of a UE8M0 code (1 <= code <= 254). */
+DSV4_FN float dsv4_ue8m0_scale(dsv4_u8 code) {
+  return dsv4_u2f((dsv4_u32)code << 23);
+}
+
+/*
+ * The canonical sum of squares of a 512-vector (SPEC §2): 32 partial fma chains over 16 consecutive
+ * elements each, from +0.0f in index order, then a pairwise fold with steps 16, 8, 4, 2, 1.
+ */
+DSV4_FN float dsv4_sumsq512(const float *x) {
+  float p[32];
+  for (int l = 0; l < 32; l++) {
+    float acc = 0.0f;
+    for (int k = 0; k < 16; k++)
+      acc = DSV4_FMA(x[16 * l + k], x[16 * l + k], acc);
+    p[l] = acc;
+  }
+  for (int step = 16; step >= 1; step >>= 1)
+    for (int l = 0; l < step; l++)
+      p[l] = p[l] + p[l + step];
+  return p[0];
+}
+
+/* The canonical 512-long dot product: the same 32 partials and fold as dsv4_sumsq512. */
+DSV4_FN float dsv4_dot512(const float *x, const float *y) {
+  float p[32];
+  for (int l = 0; l < 32; l++) {
+    float acc = 0.0f;
+    for (int k = 0; k < 16; k++)
+      acc = DSV4_FMA(x[16 * l + k], y[16 * l + k], acc);
+    p[l] = acc;
+  }
+  for (int step = 16; step >= 1; step >>= 1)
+    for (int l = 0; l < step; l++)
+      p[l] = p[l] + p[l + step];
+  return p[0];
+}
+
+/* r = 1 / sqrt(ss * 2^-9 + eps): multiply, add, sqrt and divide, each rounded once. */
+DSV4_FN float dsv4_rms_factor(float ss, float eps) {
+  float t = ss * 0x1p-9f;
+  t = t + eps;
+  return 1.0f / DSV4_SQRT(t);
+}
+
+/* One RoPE pair (GPT-J, interleaved): the inner product is rounded first, then one fma. */
+DSV4_FN float dsv4_rope_even(float e, float o, float c, float s) {
+  return DSV4_FMA(e, c, -(o * s));
+}
+DSV4_FN float dsv4_rope_odd(float e, float o, float c, float s) {
+  return DSV4_FMA(e, s, o * c);
+}
+
+#endif /* DSV4_KERNELS_NUMERICS_H */

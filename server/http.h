@@ -1,0 +1,107 @@
+#ifndef DSV4_SERVER_HTTP_H
+#define DSV4_SERVER_HTTP_H
+
+/*
+ * The HTTP/1.1 layer: libuv + llhttp. One request in flight per connection; pipelined requests are
+ * parsed one at a time (llhttp paused in on_message_complete) and answered in order. Handlers run on
+ * the loop thread and answer exactly once with dsv4_respond*(), now or later (after executor work).
+ *
+ * Limits are checked before the body arrives: Content-Length against the route's body limit (413),
+ * header bytes against max_header_bytes (431). A POST without Content-Length is 411. Every response
+ * carries Dsv4d-Instance.
+ *
+ * Thread affinity: everything here is loop thread only.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+#include <uv.h>
+
+typedef struct dsv4_server dsv4_server_t;
+typedef struct dsv4_req dsv4_req_t;
+
+enum {
+  DSV4_HTTP_GET = 1,
+  DSV4_HTTP_POST = 2,
+  DSV4_HTTP_DELETE = 4,
+  DSV4_HTTP_HEAD = 8,
+};
+
+struct dsv4_req {
+  int method;            /* DSV4_HTTP_* */
+  const char *path;      /* NUL-terminated, percent-decoding not applied, without the query */
+  const char *query;     /* NUL-terminated, "" when none */
+  uint8_t *body;         /* the whole body (64-byte aligned), NULL when empty */
+  size_t body_len;
+  uint64_t t_start_ns;   /* when the request line started arriving (uv_hrtime) */
+  const char *route;     /* the matched route's metric label, e.g. "forward" */
+  void *user;            /* free for the handler */
+};
+
+/* A request header by case-insensitive name, or NULL. Valid until the response is sent. */
+const char *dsv4_req_header(const dsv4_req_t *req, const char *name);
+/* Non-zero once the client has gone away; the handler must still respond (which then frees). */
+int dsv4_req_gone(const dsv4_req_t *req);
+/* Take ownership of the body (free with free()); req->body becomes NULL. */
+uint8_t *dsv4_req_take_body(dsv4_req_t *req);
+
+typedef struct {
+  const char *name;
+  const char *value;
+} dsv4_hdr_t;
+
+/*
+ * Answer req. body[] buffers must stay valid until release(release_arg) is called (after the write
+ * completed or failed); release may be NULL. extra[] strings are copied.
+ */
+void dsv4_respond(dsv4_req_t *req, int status, const char *content_type, const dsv4_hdr_t *extra,
+                  size_t n_extra, const uv_buf_t *body, size_t n_body, void (*release)(void *),
+                  void *release_arg);
+/* Answer with a JSON document (stolen reference). */
+void dsv4_respond_json(dsv4_req_t *req, int status, json_t *doc);
+/*
+ * Answer with {"error": {"code": ..., "message": ..., ...details}} for a dsv4 error code; message NULL
+ * means dsv4_strerror(err); details (stolen, may be NULL) are merged into the error object.
+ * Adds Retry-After: 1 for 503 answers.
+ */
+void dsv4_respond_error(dsv4_req_t *req, int err, const char *message, json_t *details);
+
+typedef void (*dsv4_handler_fn)(dsv4_req_t *req, void *ctx);
+
+typedef struct {
+  unsigned methods;       /* DSV4_HTTP_* mask */
+  const char *path;       /* exact path, or a prefix when it ends with '/' */
+  const char *label;      /* metric label */
+  size_t max_body;        /* body limit for this route */
+  int public_route;       /* 1: no bearer token needed (health, metrics) */
+  dsv4_handler_fn fn;
+  void *ctx;
+} dsv4_route_t;
+
+typedef struct {
+  const char *host;          /* listen address */
+  int port;                  /* 0 = ephemeral */
+  size_t max_header_bytes;
+  uint64_t header_timeout_ms; /* request line + headers */
+  uint64_t body_timeout_ms;   /* between body reads */
+  uint64_t idle_timeout_ms;   /* keep-alive idle */
+  uint64_t write_timeout_ms;  /* a response that does not drain */
+  const char *bearer_token;   /* NULL = no token required */
+  const char *instance;       /* 32 hex digits */
+  const char *name;           /* "data" / "admin", for logs */
+} dsv4_server_config_t;
+
+int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const dsv4_route_t *routes,
+                       size_t n_routes, dsv4_server_t **out);
+/* The bound port (after port 0). */
+int dsv4_server_port(const dsv4_server_t *s);
+/* Stop accepting and close idle connections; busy ones close after their response. */
+void dsv4_server_drain(dsv4_server_t *s);
+/* Connections still open. */
+size_t dsv4_server_connections(const dsv4_server_t *s);
+/* Close everything; cb runs once all handles are closed. */
+void dsv4_server_close(dsv4_server_t *s, void (*cb)(void *), void *arg);
+
+#endif /* DSV4_SERVER_HTTP_H */
