@@ -1,0 +1,115 @@
+#ifndef DSV4_CONFIG_CONFIG_H
+#define DSV4_CONFIG_CONFIG_H
+
+/*
+ * The daemon's configuration. One table row per option (config.c, in the style of redis's
+ * static_configs[]) drives the JSON file, the DSV4D_* environment variables, the --flags, the range
+ * checks, --help and /admin/v1/config, so no option is parsed by hand in two places.
+ *
+ * Precedence: built-in defaults < JSON file (--config FILE or DSV4D_CONFIG) < DSV4D_* environment
+ * < command-line flags. Names: the field name in the file (`block_size`), `--block-size` or
+ * `--block_size` on the command line (`--name=value` or `--name value`; a boolean also as `--name`
+ * or `--no-name`), DSV4D_BLOCK_SIZE in the environment.
+ */
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include <jansson.h>
+
+#include "model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Room for the source of every option; the table has fewer rows (checked at compile time). */
+#define DSV4_CONFIG_MAX_OPTIONS 48
+
+typedef enum {
+  DSV4_CONFIG_SRC_DEFAULT = 0,
+  DSV4_CONFIG_SRC_FILE,
+  DSV4_CONFIG_SRC_ENV,
+  DSV4_CONFIG_SRC_CLI
+} dsv4_config_source_t;
+
+typedef struct dsv4_config {
+  char *host;             /* data plane listener, default 127.0.0.1 */
+  int port;               /* default 8400; 0 = an ephemeral port (tests) */
+  char *api_token_file;   /* bearer token for the data plane; empty = none (secret) */
+  char *admin_host;       /* admin plane listener, default 127.0.0.1 */
+  int admin_port;         /* default 8401; 0 = an ephemeral port */
+  char *admin_token_file; /* bearer token for the admin plane; empty = none (secret) */
+  char *backend;          /* auto|cpu|cuda|level_zero */
+  uint32_t threads;    /* CPU executor threads; 0 in the input = online cores, never 0 after load */
+  uint32_t block_size; /* power of two, 16..256 */
+  uint32_t kv_blocks;  /* block ids in the pool */
+  char *model_config;  /* HF config.json; empty = built-in V4-Flash */
+  uint32_t heads;      /* 0 in the input = the model's num_attention_heads; never 0 after load */
+  uint32_t head_offset;  /* first served head; head_offset + heads <= num_attention_heads */
+  char *layers;          /* e.g. "0-42" or "0,2,5-7"; empty = 0..num_hidden_layers-1 */
+  char *kv_norm;         /* prenormed|fused */
+  char *kv_norm_weights; /* safetensors file of the kv_norm weights, required for fused */
+  uint32_t max_batch_tokens;
+  uint32_t max_segments;
+  uint64_t max_header_bytes;
+  uint64_t max_body_bytes; /* 0 = derived, see max_body_bytes_effective */
+  uint32_t queue_depth;
+  uint64_t sequence_idle_timeout_s;
+  int implicit_create; /* 0 or 1 */
+  uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;
+  uint64_t drain_timeout_ms;
+  char *log_level;   /* debug|info|warn|error */
+  char *config_file; /* the JSON file read, empty when none */
+
+  /* Resolved after load. */
+  dsv4_model_t model;
+  uint32_t *served_layers; /* ascending, no duplicates, each < model.n_layers_total */
+  uint32_t n_served;
+  /*
+   * max_body_bytes when set, else derived: 8 (length prefix) + 1 MiB (safetensors header allowance)
+   * + max_batch_tokens * (heads * 512 * 2 + 512 * 2), rounded up to a multiple of 1 MiB.
+   */
+  uint64_t max_body_bytes_effective;
+
+  /* Where each option's value came from, indexed by the table row (see dsv4_config_source). */
+  unsigned char sources[DSV4_CONFIG_MAX_OPTIONS];
+} dsv4_config_t;
+
+/* What dsv4_config_load returns after printing --help or --version to stdout (main exits 0). */
+#define DSV4_CONFIG_HELP 1
+#define DSV4_CONFIG_VERSION 2
+
+/*
+ * Fill cfg from the defaults, the JSON file, envp (NULL-terminated "NAME=value" strings; NULL = no
+ * environment) and argv[1..argc-1], then load the model and resolve the derived values.
+ * Returns 0; DSV4_CONFIG_HELP or DSV4_CONFIG_VERSION after printing to stdout; DSV4_ENOMEM; or
+ * DSV4_ECONFIG with err naming the option, the value, the source and the allowed range or values.
+ * Unknown DSV4D_* variables, unknown flags and unknown file keys are errors. cfg must be freed with
+ * dsv4_config_free after any return (it is always left in a freeable state).
+ */
+int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, char *err,
+                     size_t errlen);
+
+/*
+ * The effective configuration: {"options": {name: {"value": v, "source": "default|file|env|cli"}},
+ * "resolved": {...}}. Secret options (token files) show their path with "secret": true; the
+ * configuration never reads their contents. NULL on allocation failure; the caller owns the
+ * reference.
+ */
+json_t *dsv4_config_to_json(const dsv4_config_t *cfg);
+
+/* The source of option `name` ("default", "file", "env", "cli"), or NULL for an unknown name. */
+const char *dsv4_config_source(const dsv4_config_t *cfg, const char *name);
+
+void dsv4_config_free(dsv4_config_t *cfg);
+
+/* Every option: its type, default, range or values, environment variable and a one-line
+ * description. */
+void dsv4_config_print_help(FILE *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DSV4_CONFIG_CONFIG_H */
