@@ -3,8 +3,9 @@
 
 /*
  * The HTTP/1.1 layer: libuv + llhttp. One request in flight per connection; pipelined requests are
- * parsed one at a time (llhttp paused in on_message_complete) and answered in order. Handlers run on
- * the loop thread and answer exactly once with dsv4_respond*(), now or later (after executor work).
+ * parsed one at a time (llhttp paused in on_message_complete) and answered in order. Handlers run
+ * on the loop thread and answer exactly once with dsv4_respond*(), now or later (after executor
+ * work).
  *
  * Limits are checked before the body arrives: Content-Length against the route's body limit (413),
  * header bytes against max_header_bytes (431). A POST without Content-Length is 411. Every response
@@ -30,14 +31,14 @@ enum {
 };
 
 struct dsv4_req {
-  int method;            /* DSV4_HTTP_* */
-  const char *path;      /* NUL-terminated, percent-decoding not applied, without the query */
-  const char *query;     /* NUL-terminated, "" when none */
-  uint8_t *body;         /* the whole body (64-byte aligned), NULL when empty */
+  int method;        /* DSV4_HTTP_* */
+  const char *path;  /* NUL-terminated, percent-decoding not applied, without the query */
+  const char *query; /* NUL-terminated, "" when none */
+  uint8_t *body;     /* the whole body (64-byte aligned), NULL when empty */
   size_t body_len;
-  uint64_t t_start_ns;   /* when the request line started arriving (uv_hrtime) */
-  const char *route;     /* the matched route's metric label, e.g. "forward" */
-  void *user;            /* free for the handler */
+  uint64_t t_start_ns; /* when the request line started arriving (uv_hrtime) */
+  const char *route;   /* the matched route's metric label, e.g. "forward" */
+  void *user;          /* free for the handler */
 };
 
 /* A request header by case-insensitive name, or NULL. Valid until the response is sent. */
@@ -46,6 +47,8 @@ const char *dsv4_req_header(const dsv4_req_t *req, const char *name);
 int dsv4_req_gone(const dsv4_req_t *req);
 /* Take ownership of the body (free with free()); req->body becomes NULL. */
 uint8_t *dsv4_req_take_body(dsv4_req_t *req);
+/* The method's name ("GET", ...), for logs. */
+const char *dsv4_req_method_name(const dsv4_req_t *req);
 
 typedef struct {
   const char *name;
@@ -62,8 +65,8 @@ void dsv4_respond(dsv4_req_t *req, int status, const char *content_type, const d
 /* Answer with a JSON document (stolen reference). */
 void dsv4_respond_json(dsv4_req_t *req, int status, json_t *doc);
 /*
- * Answer with {"error": {"code": ..., "message": ..., ...details}} for a dsv4 error code; message NULL
- * means dsv4_strerror(err); details (stolen, may be NULL) are merged into the error object.
+ * Answer with {"error": {"code": ..., "message": ..., ...details}} for a dsv4 error code; message
+ * NULL means dsv4_strerror(err); details (stolen, may be NULL) are merged into the error object.
  * Adds Retry-After: 1 for 503 answers.
  */
 void dsv4_respond_error(dsv4_req_t *req, int err, const char *message, json_t *details);
@@ -71,26 +74,27 @@ void dsv4_respond_error(dsv4_req_t *req, int err, const char *message, json_t *d
 typedef void (*dsv4_handler_fn)(dsv4_req_t *req, void *ctx);
 
 typedef struct {
-  unsigned methods;       /* DSV4_HTTP_* mask */
-  const char *path;       /* exact path, or a prefix when it ends with '/' */
-  const char *label;      /* metric label */
-  size_t max_body;        /* body limit for this route */
-  int public_route;       /* 1: no bearer token needed (health, metrics) */
+  unsigned methods;  /* DSV4_HTTP_* mask */
+  const char *path;  /* exact path, or a prefix when it ends with '/' */
+  const char *label; /* metric label */
+  size_t max_body;   /* body limit for this route */
+  int public_route;  /* 1: no bearer token needed (health, metrics) */
   dsv4_handler_fn fn;
   void *ctx;
 } dsv4_route_t;
 
 typedef struct {
-  const char *host;          /* listen address */
-  int port;                  /* 0 = ephemeral */
+  const char *host; /* listen address */
+  int port;         /* 0 = ephemeral */
   size_t max_header_bytes;
-  uint64_t header_timeout_ms; /* request line + headers */
-  uint64_t body_timeout_ms;   /* between body reads */
-  uint64_t idle_timeout_ms;   /* keep-alive idle */
-  uint64_t write_timeout_ms;  /* a response that does not drain */
-  const char *bearer_token;   /* NULL = no token required */
-  const char *instance;       /* 32 hex digits */
-  const char *name;           /* "data" / "admin", for logs */
+  uint64_t header_timeout_ms;   /* request line + headers */
+  uint64_t body_timeout_ms;     /* between body reads */
+  uint64_t idle_timeout_ms;     /* keep-alive idle */
+  uint64_t write_timeout_ms;    /* a response that does not drain */
+  const char *bearer_token;     /* NULL = no token required */
+  const char *instance;         /* 32 hex digits */
+  const char *name;             /* "data" / "admin", for logs */
+  struct dsv4_metrics *metrics; /* dsv4d_requests_total goes here; NULL = dsv4_metrics_default() */
 } dsv4_server_config_t;
 
 int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const dsv4_route_t *routes,

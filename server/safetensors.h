@@ -1,0 +1,99 @@
+#ifndef DSV4_SERVER_SAFETENSORS_H
+#define DSV4_SERVER_SAFETENSORS_H
+
+/*
+ * A strict safetensors codec (SPEC §6). The parser checks everything the format allows to go wrong
+ * (header length, JSON shape, dtypes, shapes, sizes with checked arithmetic, offsets covering the
+ * data section exactly once, in order, up to the last byte) and returns a view whose tensor
+ * pointers point into the caller's buffer: nothing is copied. The writer produces only the header
+ * bytes, so a response can be sent as [header, tensor buffers...] without copying tensor data.
+ *
+ * Thread affinity: none; a view is read-only after parsing and may be shared.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+#define DSV4_ST_MAX_HEADER ((size_t)1 << 20) /* JSON header bytes, not counting the length prefix  \
+                                              */
+#define DSV4_ST_MAX_DIMS 8
+#define DSV4_ST_ERR_LEN 256
+
+typedef enum {
+  DSV4_ST_BF16 = 0,
+  DSV4_ST_F32 = 1,
+  DSV4_ST_I64 = 2,
+  DSV4_ST_I32 = 3,
+  DSV4_ST_U8 = 4,
+  DSV4_ST_F8_E4M3 = 5,
+} dsv4_st_dtype_t;
+
+/* Bytes per element (0 for an unknown dtype). */
+size_t dsv4_st_dtype_size(int dtype);
+/* The dtype's name in the header, e.g. "BF16" (NULL for an unknown dtype). */
+const char *dsv4_st_dtype_name(int dtype);
+/* The dtype for a header name; DSV4_EINVAL when the name is not one of the six. */
+int dsv4_st_dtype_parse(const char *name, int *out);
+
+typedef struct {
+  const char *name; /* NUL-terminated; owned by the view */
+  int dtype;        /* DSV4_ST_* */
+  int ndim;         /* 0 (a scalar) .. DSV4_ST_MAX_DIMS */
+  int64_t shape[DSV4_ST_MAX_DIMS];
+  size_t numel;        /* product of shape */
+  const uint8_t *data; /* into the parsed buffer; not aligned beyond what the sender chose */
+  size_t nbytes;       /* numel * dtype size */
+  size_t offset;       /* from the start of the data section */
+} dsv4_st_tensor_t;
+
+typedef struct {
+  const char *key;
+  const char *value;
+} dsv4_st_meta_t;
+
+typedef struct {
+  dsv4_st_tensor_t *tensors; /* in header order */
+  size_t n_tensors;
+  dsv4_st_meta_t *meta; /* __metadata__ entries in header order */
+  size_t n_meta;
+  size_t header_len;   /* JSON bytes after the 8-byte prefix */
+  const uint8_t *data; /* the data section */
+  size_t data_len;
+  json_t *doc;                 /* the parsed header; owns the name and metadata strings */
+  char error[DSV4_ST_ERR_LEN]; /* why parsing failed, naming the tensor and the problem */
+} dsv4_st_view_t;
+
+/*
+ * Parse buf[0..len) into *out. On failure returns DSV4_EINVAL (or DSV4_ENOMEM) with out->error set
+ * and nothing to free; on success the view must be released with dsv4_st_view_free(). buf must
+ * outlive the view.
+ */
+int dsv4_st_parse(const uint8_t *buf, size_t len, dsv4_st_view_t *out);
+void dsv4_st_view_free(dsv4_st_view_t *v);
+/* A tensor by name, or NULL. */
+const dsv4_st_tensor_t *dsv4_st_find(const dsv4_st_view_t *v, const char *name);
+/* A __metadata__ value by key, or NULL. */
+const char *dsv4_st_meta(const dsv4_st_view_t *v, const char *key);
+
+/* One tensor of a file to write. */
+typedef struct {
+  const char *name;
+  int dtype;
+  int ndim;
+  int64_t shape[DSV4_ST_MAX_DIMS];
+  size_t nbytes; /* must equal product(shape) * dtype size; the writer checks it */
+} dsv4_st_desc_t;
+
+/*
+ * Build the header for tensors laid out back to back in the order given: the 8-byte length prefix
+ * and the JSON header, padded with spaces so the data section starts 8-byte aligned. *out is
+ * malloc'd (free() it); *out_len is its length and *data_len the total tensor bytes that must
+ * follow. Metadata keys must not repeat and must not be "__metadata__" or a tensor name.
+ */
+int dsv4_st_build_header(const dsv4_st_desc_t *tensors, size_t n_tensors,
+                         const dsv4_st_meta_t *meta, size_t n_meta, uint8_t **out, size_t *out_len,
+                         size_t *data_len);
+
+#endif /* DSV4_SERVER_SAFETENSORS_H */
