@@ -1,0 +1,855 @@
+#include "config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+
+#ifndef DSV4_VERSION
+#define DSV4_VERSION "unknown"
+#endif
+
+typedef enum { OPT_STR, OPT_ENUM, OPT_U32, OPT_U64, OPT_INT, OPT_BOOL } opt_type_t;
+
+enum {
+  OPT_SECRET = 1u << 0,  /* a token file: the path is shown, the contents never read here */
+  OPT_POW2 = 1u << 1,    /* the value must also be a power of two */
+  OPT_ZERO_OK = 1u << 2, /* 0 is accepted outside min..max and means "derive it" */
+  OPT_NOFILE = 1u << 3,  /* may not appear in the JSON file (the file's own name) */
+};
+
+/* One row per option: everything else (file, env, flags, checks, help, JSON) reads this table. */
+typedef struct {
+  const char *name;
+  opt_type_t type;
+  size_t offset;
+  const char *def; /* parsed by the same code as every other source */
+  uint64_t min, max;
+  const char *values; /* OPT_ENUM: the allowed values, separated by '|' */
+  unsigned flags;
+  const char *help;
+} opt_t;
+
+#define F(field) offsetof(dsv4_config_t, field)
+#define DAY_MS 86400000ull
+
+static const opt_t opts[] = {
+    {"host", OPT_STR, F(host), "127.0.0.1", 0, 0, NULL, 0, "data plane listen address"},
+    {"port", OPT_INT, F(port), "8400", 0, 65535, NULL, 0,
+     "data plane TCP port (0 = an ephemeral port)"},
+    {"api_token_file", OPT_STR, F(api_token_file), "", 0, 0, NULL, OPT_SECRET,
+     "file holding the data plane bearer token (empty = no token)"},
+    {"admin_host", OPT_STR, F(admin_host), "127.0.0.1", 0, 0, NULL, 0,
+     "admin plane listen address"},
+    {"admin_port", OPT_INT, F(admin_port), "8401", 0, 65535, NULL, 0,
+     "admin plane TCP port (0 = an ephemeral port)"},
+    {"admin_token_file", OPT_STR, F(admin_token_file), "", 0, 0, NULL, OPT_SECRET,
+     "file holding the admin plane bearer token (empty = no token)"},
+    {"backend", OPT_ENUM, F(backend), "auto", 0, 0, "auto|cpu|cuda|level_zero", 0,
+     "compute backend"},
+    {"threads", OPT_U32, F(threads), "0", 0, 1024, NULL, 0,
+     "CPU backend threads (0 = online cores)"},
+    {"block_size", OPT_U32, F(block_size), "64", DSV4_MIN_BLOCK_SIZE, DSV4_MAX_BLOCK_SIZE, NULL,
+     OPT_POW2, "tokens per KV cache block"},
+    {"kv_blocks", OPT_U32, F(kv_blocks), "256", 1, 1u << 24, NULL, 0,
+     "block ids in the KV cache pool (memory = kv_blocks x stride x served layers)"},
+    {"model_config", OPT_STR, F(model_config), "", 0, 0, NULL, 0,
+     "HuggingFace config.json of the model (empty = built-in DeepSeek V4-Flash)"},
+    {"heads", OPT_U32, F(heads), "0", 1, DSV4_MAX_HEADS, NULL, OPT_ZERO_OK,
+     "query heads served (0 = the model's num_attention_heads)"},
+    {"head_offset", OPT_U32, F(head_offset), "0", 0, DSV4_MAX_HEADS - 1, NULL, 0,
+     "first query head served (tensor-parallel shard)"},
+    {"layers", OPT_STR, F(layers), "", 0, 0, NULL, 0,
+     "layers served, e.g. 0-42 or 0,2,5-7 (empty = 0..num_hidden_layers-1)"},
+    {"kv_norm", OPT_ENUM, F(kv_norm), "prenormed", 0, 0, "prenormed|fused", 0,
+     "kv arrives normalised (prenormed) or the daemon applies the kv RMSNorm (fused)"},
+    {"kv_norm_weights", OPT_STR, F(kv_norm_weights), "", 0, 0, NULL, 0,
+     "safetensors file with the kv_norm weights (required when kv_norm is fused)"},
+    {"max_batch_tokens", OPT_U32, F(max_batch_tokens), "16384", 1, 1u << 20, NULL, 0,
+     "most tokens in one forward batch"},
+    {"max_segments", OPT_U32, F(max_segments), "1024", 1, 1u << 20, NULL, 0,
+     "most segments in one forward batch"},
+    {"max_header_bytes", OPT_U64, F(max_header_bytes), "65536", 1024, 16u << 20, NULL, 0,
+     "most bytes of HTTP request headers (431 beyond)"},
+    {"max_body_bytes", OPT_U64, F(max_body_bytes), "0", 1, (uint64_t)1 << 40, NULL, OPT_ZERO_OK,
+     "most bytes of a request body (413 beyond; 0 = derived from max_batch_tokens and heads)"},
+    {"queue_depth", OPT_U32, F(queue_depth), "64", 1, 65536, NULL, 0,
+     "batches waiting for the executor (503 queue_full beyond)"},
+    {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
+     "seconds without a batch after which a sequence is deleted"},
+    {"implicit_create", OPT_BOOL, F(implicit_create), "false", 0, 1, NULL, 0,
+     "accept unknown sequences without \"new\": true"},
+    {"header_timeout_ms", OPT_U64, F(header_timeout_ms), "10000", 1, DAY_MS, NULL, 0,
+     "milliseconds to receive a request's headers"},
+    {"body_timeout_ms", OPT_U64, F(body_timeout_ms), "30000", 1, DAY_MS, NULL, 0,
+     "milliseconds to receive a request's body"},
+    {"idle_timeout_ms", OPT_U64, F(idle_timeout_ms), "60000", 1, DAY_MS, NULL, 0,
+     "milliseconds a keep-alive connection may stay idle"},
+    {"write_timeout_ms", OPT_U64, F(write_timeout_ms), "30000", 1, DAY_MS, NULL, 0,
+     "milliseconds to send a response"},
+    {"drain_timeout_ms", OPT_U64, F(drain_timeout_ms), "30000", 0, DAY_MS, NULL, 0,
+     "milliseconds to finish in-flight work after SIGTERM"},
+    {"log_level", OPT_ENUM, F(log_level), "info", 0, 0, "debug|info|warn|error", 0,
+     "least severe log level written"},
+    {"config_file", OPT_STR, F(config_file), "", 0, 0, NULL, OPT_NOFILE,
+     "JSON file of options (also --config and DSV4D_CONFIG)"},
+};
+
+#define N_OPTS (sizeof(opts) / sizeof(opts[0]))
+_Static_assert(sizeof(opts) / sizeof(opts[0]) <= DSV4_CONFIG_MAX_OPTIONS,
+               "DSV4_CONFIG_MAX_OPTIONS is too small for the option table");
+
+static const char *const source_names[] = {"default", "file", "env", "cli"};
+
+/* Where a value came from, spelled the way the user wrote it, for error messages. */
+typedef struct {
+  dsv4_config_source_t src;
+  const char *spelling; /* "--block-size", "DSV4D_BLOCK_SIZE", or the file path */
+} origin_t;
+
+static int cfg_fail(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int cfg_fail(char *err, size_t errlen, const char *fmt, ...) {
+  if (err && errlen) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return DSV4_ECONFIG;
+}
+
+static void origin_text(const opt_t *o, const origin_t *org, char *buf, size_t n) {
+  switch (org->src) {
+  case DSV4_CONFIG_SRC_DEFAULT:
+    snprintf(buf, n, "the built-in default");
+    break;
+  case DSV4_CONFIG_SRC_FILE:
+    snprintf(buf, n, "config file %s (key %s)", org->spelling, o->name);
+    break;
+  case DSV4_CONFIG_SRC_ENV:
+    snprintf(buf, n, "environment variable %s", org->spelling);
+    break;
+  case DSV4_CONFIG_SRC_CLI:
+    snprintf(buf, n, "command line %s", org->spelling);
+    break;
+  }
+}
+
+/* The allowed values of an option, in words, shared by errors and --help. */
+static void allowed_text(const opt_t *o, char *buf, size_t n) {
+  switch (o->type) {
+  case OPT_STR:
+    snprintf(buf, n, "any string");
+    break;
+  case OPT_ENUM:
+    snprintf(buf, n, "one of %s", o->values);
+    break;
+  case OPT_BOOL:
+    snprintf(buf, n, "true or false (also 1/0, yes/no, on/off)");
+    break;
+  default:
+    snprintf(buf, n, "%san integer from %llu to %llu%s", (o->flags & OPT_ZERO_OK) ? "0 or " : "",
+             (unsigned long long)o->min, (unsigned long long)o->max,
+             (o->flags & OPT_POW2) ? ", a power of two" : "");
+    break;
+  }
+}
+
+static const char *type_text(const opt_t *o) {
+  switch (o->type) {
+  case OPT_STR:
+    return "string";
+  case OPT_ENUM:
+    return "enum";
+  case OPT_BOOL:
+    return "bool";
+  default:
+    return "integer";
+  }
+}
+
+static int bad_value(const opt_t *o, const char *value, const origin_t *org, const char *why,
+                     char *err, size_t errlen) {
+  char from[512], allowed[160];
+  origin_text(o, org, from, sizeof(from));
+  allowed_text(o, allowed, sizeof(allowed));
+  return cfg_fail(err, errlen, "option %s: value \"%s\" from %s %s; allowed: %s", o->name, value,
+                  from, why, allowed);
+}
+
+static void env_name(const opt_t *o, char *buf, size_t n) {
+  size_t i = 0;
+  int k = snprintf(buf, n, "DSV4D_");
+  for (const char *p = o->name; *p && (size_t)k + i + 1 < n; p++, i++)
+    buf[k + i] = (char)toupper((unsigned char)*p);
+  buf[k + i] = 0;
+}
+
+static void flag_name(const opt_t *o, char *buf, size_t n) {
+  snprintf(buf, n, "--%s", o->name);
+  for (char *p = buf + 2; *p; p++)
+    if (*p == '_')
+      *p = '-';
+}
+
+/* Strict decimal: digits only, no sign, no spaces, no overflow. */
+static int parse_u64(const char *s, uint64_t *out) {
+  if (!*s)
+    return -1;
+  uint64_t v = 0;
+  for (const char *p = s; *p; p++) {
+    if (*p < '0' || *p > '9')
+      return -1;
+    unsigned d = (unsigned)(*p - '0');
+    if (v > (UINT64_MAX - d) / 10)
+      return -1;
+    v = v * 10 + d;
+  }
+  *out = v;
+  return 0;
+}
+
+static int parse_bool(const char *s, int *out) {
+  static const char *const yes[] = {"true", "1", "yes", "on"};
+  static const char *const no[] = {"false", "0", "no", "off"};
+  for (size_t i = 0; i < 4; i++) {
+    if (strcasecmp(s, yes[i]) == 0)
+      return *out = 1, 0;
+    if (strcasecmp(s, no[i]) == 0)
+      return *out = 0, 0;
+  }
+  return -1;
+}
+
+static int enum_has(const char *values, const char *s) {
+  size_t n = strlen(s);
+  for (const char *p = values; *p;) {
+    const char *bar = strchr(p, '|');
+    size_t len = bar ? (size_t)(bar - p) : strlen(p);
+    if (len == n && n && strncmp(p, s, n) == 0)
+      return 1;
+    if (!bar)
+      break;
+    p = bar + 1;
+  }
+  return 0;
+}
+
+/* Validate value for option o and store it; the one place any source's text becomes a value. */
+static int opt_set(dsv4_config_t *cfg, size_t idx, const char *value, const origin_t *org,
+                   char *err, size_t errlen) {
+  const opt_t *o = &opts[idx];
+  char *field = (char *)cfg + o->offset;
+  uint64_t v = 0;
+  switch (o->type) {
+  case OPT_STR:
+  case OPT_ENUM: {
+    if (o->type == OPT_ENUM && !enum_has(o->values, value))
+      return bad_value(o, value, org, "is not an allowed value", err, errlen);
+    if (strlen(value) > 4096)
+      return bad_value(o, "...", org, "is longer than 4096 bytes", err, errlen);
+    char *copy = strdup(value);
+    if (!copy)
+      return cfg_fail(err, errlen, "option %s: out of memory", o->name), DSV4_ENOMEM;
+    free(*(char **)field);
+    *(char **)field = copy;
+    break;
+  }
+  case OPT_BOOL: {
+    int b;
+    if (parse_bool(value, &b))
+      return bad_value(o, value, org, "is not a boolean", err, errlen);
+    *(int *)field = b;
+    break;
+  }
+  case OPT_U32:
+  case OPT_U64:
+  case OPT_INT:
+    if (parse_u64(value, &v))
+      return bad_value(o, value, org, "is not a decimal integer", err, errlen);
+    if (!(v == 0 && (o->flags & OPT_ZERO_OK)) && (v < o->min || v > o->max))
+      return bad_value(o, value, org, "is out of range", err, errlen);
+    if ((o->flags & OPT_POW2) && (v & (v - 1)) != 0)
+      return bad_value(o, value, org, "is not a power of two", err, errlen);
+    if (o->type == OPT_U32)
+      *(uint32_t *)field = (uint32_t)v;
+    else if (o->type == OPT_U64)
+      *(uint64_t *)field = v;
+    else
+      *(int *)field = (int)v;
+    break;
+  }
+  cfg->sources[idx] = (unsigned char)org->src;
+  return 0;
+}
+
+static const opt_t *opt_find(const char *name, size_t len, size_t *idx) {
+  for (size_t i = 0; i < N_OPTS; i++) {
+    const char *a = opts[i].name;
+    size_t k = 0;
+    /* Dashes and underscores are the same character in option names. */
+    for (; k < len && a[k]; k++) {
+      char c = name[k] == '-' ? '_' : name[k];
+      if (c != a[k])
+        break;
+    }
+    if (k == len && !a[k]) {
+      *idx = i;
+      return &opts[i];
+    }
+  }
+  return NULL;
+}
+
+static size_t opt_index_of_field(size_t offset) {
+  for (size_t i = 0; i < N_OPTS; i++)
+    if (opts[i].offset == offset)
+      return i;
+  return 0;
+}
+
+/* One assignment collected from the environment or the command line, applied in precedence order.
+ */
+typedef struct {
+  size_t idx;
+  const char *value;
+  char spelling[96];
+} assign_t;
+
+static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *err, size_t errlen) {
+  *n = 0;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (strncmp(a, "--", 2) != 0 || a[2] == 0)
+      return cfg_fail(err, errlen,
+                      "command line: unexpected argument \"%s\"; options are --name=value or "
+                      "--name value (see --help)",
+                      a);
+    const char *name = a + 2;
+    const char *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    size_t idx;
+    const char *value = eq ? eq + 1 : NULL;
+    const opt_t *o = opt_find(name, len, &idx);
+    if (!o && len == 6 && strncmp(name, "config", 6) == 0)
+      o = opt_find("config_file", 11, &idx);
+    int negated = 0;
+    if (!o && len > 3 && strncmp(name, "no-", 3) == 0) {
+      o = opt_find(name + 3, len - 3, &idx);
+      if (o && o->type != OPT_BOOL)
+        o = NULL;
+      negated = o != NULL;
+    }
+    if (!o)
+      return cfg_fail(err, errlen, "command line: unknown option --%.*s (see --help)", (int)len,
+                      name);
+    if (negated) {
+      if (value)
+        return cfg_fail(err, errlen, "command line: --%.*s takes no value", (int)len, name);
+      value = "false";
+    } else if (!value) {
+      if (o->type == OPT_BOOL)
+        value = "true";
+      else if (i + 1 < argc)
+        value = argv[++i];
+      else
+        return cfg_fail(err, errlen, "command line: option --%.*s needs a value", (int)len, name);
+    }
+    assign_t *as = &out[(*n)++];
+    as->idx = idx;
+    as->value = value;
+    snprintf(as->spelling, sizeof(as->spelling), "--%.*s", (int)len, name);
+  }
+  return 0;
+}
+
+static int collect_env(char **envp, assign_t *out, size_t *n, size_t cap, char *err,
+                       size_t errlen) {
+  *n = 0;
+  for (char **e = envp; e && *e; e++) {
+    if (strncmp(*e, "DSV4D_", 6) != 0)
+      continue;
+    const char *eq = strchr(*e, '=');
+    if (!eq)
+      continue;
+    size_t len = (size_t)(eq - *e);
+    char lower[96];
+    if (len - 6 >= sizeof(lower))
+      return cfg_fail(err, errlen, "environment: unknown variable %.*s", (int)len, *e);
+    for (size_t k = 6; k < len; k++)
+      lower[k - 6] = (char)tolower((unsigned char)(*e)[k]);
+    lower[len - 6] = 0;
+    size_t idx;
+    const opt_t *o = NULL;
+    /* Names are upper case with underscores only, so DSV4D_BLOCK-SIZE is not an alias. */
+    if (!strchr(lower, '-'))
+      o = opt_find(lower, len - 6, &idx);
+    if (!o && strcmp(lower, "config") == 0)
+      o = opt_find("config_file", 11, &idx);
+    if (!o)
+      return cfg_fail(err, errlen, "environment: unknown variable %.*s (see --help)", (int)len, *e);
+    if (*n >= cap)
+      return cfg_fail(err, errlen, "environment: too many DSV4D_ variables");
+    assign_t *as = &out[(*n)++];
+    as->idx = idx;
+    as->value = eq + 1;
+    snprintf(as->spelling, sizeof(as->spelling), "%.*s", (int)len, *e);
+  }
+  return 0;
+}
+
+/* A JSON value in the form the option's parser reads; the type must match the option's. */
+static int json_to_text(const opt_t *o, json_t *v, char *buf, size_t n, const char **out) {
+  switch (o->type) {
+  case OPT_STR:
+  case OPT_ENUM:
+    if (!json_is_string(v))
+      return -1;
+    *out = json_string_value(v);
+    return 0;
+  case OPT_BOOL:
+    if (!json_is_boolean(v))
+      return -1;
+    *out = json_is_true(v) ? "true" : "false";
+    return 0;
+  default:
+    if (!json_is_integer(v))
+      return -1;
+    snprintf(buf, n, "%lld", (long long)json_integer_value(v));
+    *out = buf;
+    return 0;
+  }
+}
+
+static int apply_file(dsv4_config_t *cfg, const char *path, char *err, size_t errlen) {
+  json_error_t je;
+  json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+  if (!root)
+    return cfg_fail(err, errlen, "config file %s: %s (line %d, column %d)", path, je.text, je.line,
+                    je.column);
+  int rc = 0;
+  if (!json_is_object(root)) {
+    rc = cfg_fail(err, errlen, "config file %s: the top level must be a JSON object", path);
+    goto out;
+  }
+  const char *key;
+  json_t *v;
+  origin_t org = {DSV4_CONFIG_SRC_FILE, path};
+  json_object_foreach(root, key, v) {
+    size_t idx;
+    const opt_t *o = opt_find(key, strlen(key), &idx);
+    /* File keys are the field names exactly: a dash is not accepted here. */
+    if (!o || strcmp(o->name, key) != 0) {
+      rc = cfg_fail(err, errlen, "config file %s: unknown key \"%s\" (see --help)", path, key);
+      goto out;
+    }
+    if (o->flags & OPT_NOFILE) {
+      rc = cfg_fail(err, errlen,
+                    "config file %s: key %s cannot be set inside a config file (use --config "
+                    "or DSV4D_CONFIG)",
+                    path, key);
+      goto out;
+    }
+    char buf[32], shown[64];
+    const char *text;
+    if (json_to_text(o, v, buf, sizeof(buf), &text)) {
+      char *dump = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+      snprintf(shown, sizeof(shown), "%s", dump ? dump : "?");
+      free(dump);
+      rc = bad_value(o, shown, &org, "has the wrong JSON type", err, errlen);
+      goto out;
+    }
+    if (o->type == OPT_U32 || o->type == OPT_U64 || o->type == OPT_INT) {
+      if (json_integer_value(v) < 0) {
+        rc = bad_value(o, text, &org, "is out of range", err, errlen);
+        goto out;
+      }
+    }
+    if ((rc = opt_set(cfg, idx, text, &org, err, errlen)))
+      goto out;
+  }
+out:
+  json_decref(root);
+  return rc;
+}
+
+static int apply_assigns(dsv4_config_t *cfg, const assign_t *as, size_t n, dsv4_config_source_t src,
+                         int skip_config, char *err, size_t errlen) {
+  for (size_t i = 0; i < n; i++) {
+    if (skip_config && opts[as[i].idx].offset == F(config_file))
+      continue;
+    origin_t org = {src, as[i].spelling};
+    int rc = opt_set(cfg, as[i].idx, as[i].value, &org, err, errlen);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
+/* A message for a resolve-time check that names the option, its value and where it came from. */
+static int resolve_fail(const dsv4_config_t *cfg, size_t offset, const char *value, const char *why,
+                        char *err, size_t errlen) {
+  size_t idx = opt_index_of_field(offset);
+  const opt_t *o = &opts[idx];
+  char spelling[96], from[512];
+  switch (cfg->sources[idx]) {
+  case DSV4_CONFIG_SRC_ENV:
+    env_name(o, spelling, sizeof(spelling));
+    break;
+  case DSV4_CONFIG_SRC_CLI:
+    flag_name(o, spelling, sizeof(spelling));
+    break;
+  default:
+    snprintf(spelling, sizeof(spelling), "%s", cfg->config_file ? cfg->config_file : "");
+    break;
+  }
+  origin_t org = {(dsv4_config_source_t)cfg->sources[idx], spelling};
+  origin_text(o, &org, from, sizeof(from));
+  return cfg_fail(err, errlen, "option %s: value \"%s\" from %s %s", o->name, value, from, why);
+}
+
+static int parse_layers(dsv4_config_t *cfg, char *err, size_t errlen) {
+  const dsv4_model_t *m = &cfg->model;
+  uint32_t total = m->n_layers_total;
+  unsigned char *seen = calloc(total, 1);
+  if (!seen)
+    return DSV4_ENOMEM;
+  int rc = 0;
+  char why[320];
+  uint32_t count = 0;
+  const char *s = cfg->layers;
+  if (!*s) {
+    for (uint32_t l = 0; l < m->num_hidden_layers; l++)
+      seen[l] = 1;
+    count = m->num_hidden_layers;
+  } else {
+    const char *p = s;
+    for (;;) {
+      while (*p == ' ')
+        p++;
+      uint64_t a, b;
+      char *end;
+      if (*p < '0' || *p > '9')
+        goto syntax;
+      errno = 0;
+      a = strtoull(p, &end, 10);
+      if (errno)
+        goto syntax;
+      p = end;
+      b = a;
+      if (*p == '-') {
+        p++;
+        if (*p < '0' || *p > '9')
+          goto syntax;
+        b = strtoull(p, &end, 10);
+        if (errno)
+          goto syntax;
+        p = end;
+        if (b < a) {
+          snprintf(why, sizeof(why), "has the descending range %llu-%llu", (unsigned long long)a,
+                   (unsigned long long)b);
+          rc = resolve_fail(cfg, F(layers), s, why, err, errlen);
+          goto out;
+        }
+      }
+      if (b >= total) {
+        snprintf(why, sizeof(why),
+                 "names layer %llu beyond the model: %s has layers 0..%u (%u hidden + %u MTP)",
+                 (unsigned long long)b, m->name, total - 1, m->num_hidden_layers,
+                 m->num_nextn_predict_layers);
+        rc = resolve_fail(cfg, F(layers), s, why, err, errlen);
+        goto out;
+      }
+      for (uint64_t l = a; l <= b; l++) {
+        if (seen[l]) {
+          snprintf(why, sizeof(why), "lists layer %llu twice", (unsigned long long)l);
+          rc = resolve_fail(cfg, F(layers), s, why, err, errlen);
+          goto out;
+        }
+        seen[l] = 1;
+        count++;
+      }
+      while (*p == ' ')
+        p++;
+      if (*p == 0)
+        break;
+      if (*p != ',')
+        goto syntax;
+      p++;
+    }
+  }
+  cfg->served_layers = malloc((count ? count : 1) * sizeof(uint32_t));
+  if (!cfg->served_layers) {
+    rc = DSV4_ENOMEM;
+    goto out;
+  }
+  cfg->n_served = 0;
+  for (uint32_t l = 0; l < total; l++)
+    if (seen[l])
+      cfg->served_layers[cfg->n_served++] = l;
+  goto out;
+syntax:
+  rc = resolve_fail(cfg, F(layers), s,
+                    "is not a layer list; allowed: comma-separated layers and inclusive ranges "
+                    "such as 0-42 or 0,2,5-7",
+                    err, errlen);
+out:
+  free(seen);
+  return rc;
+}
+
+static int resolve(dsv4_config_t *cfg, char *err, size_t errlen) {
+  int rc;
+  char why[768], val[32];
+  if (*cfg->model_config) {
+    char merr[512];
+    rc = dsv4_model_load_file(&cfg->model, cfg->model_config, merr, sizeof(merr));
+    if (rc == DSV4_ENOMEM)
+      return rc;
+    if (rc) {
+      snprintf(why, sizeof(why), "is not a usable model: %s", merr);
+      return resolve_fail(cfg, F(model_config), cfg->model_config, why, err, errlen);
+    }
+  } else if ((rc = dsv4_model_builtin_flash(&cfg->model))) {
+    return rc;
+  }
+  uint32_t nh = cfg->model.num_attention_heads;
+  if (cfg->head_offset >= nh) {
+    snprintf(val, sizeof(val), "%u", cfg->head_offset);
+    snprintf(why, sizeof(why), "is beyond the model's %u heads; allowed: 0 to %u", nh, nh - 1);
+    return resolve_fail(cfg, F(head_offset), val, why, err, errlen);
+  }
+  if (cfg->heads == 0)
+    cfg->heads = nh - cfg->head_offset;
+  if ((uint64_t)cfg->head_offset + cfg->heads > nh) {
+    snprintf(val, sizeof(val), "%u", cfg->heads);
+    snprintf(why, sizeof(why),
+             "with head_offset %u exceeds the model's %u heads; allowed: 1 to %u (head_offset + "
+             "heads <= num_attention_heads)",
+             cfg->head_offset, nh, nh - cfg->head_offset);
+    return resolve_fail(cfg, F(heads), val, why, err, errlen);
+  }
+  if ((rc = parse_layers(cfg, err, errlen)))
+    return rc;
+  if (strcmp(cfg->kv_norm, "fused") == 0) {
+    if (!*cfg->kv_norm_weights)
+      return resolve_fail(cfg, F(kv_norm), cfg->kv_norm,
+                          "needs kv_norm_weights (a safetensors file of the layers' kv_norm "
+                          "weights); allowed: prenormed, or fused with kv_norm_weights set",
+                          err, errlen);
+    if (access(cfg->kv_norm_weights, R_OK) != 0) {
+      snprintf(why, sizeof(why), "cannot be read: %s", strerror(errno));
+      return resolve_fail(cfg, F(kv_norm_weights), cfg->kv_norm_weights, why, err, errlen);
+    }
+  }
+  if (cfg->threads == 0) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    cfg->threads = n > 0 ? (uint32_t)(n > 1024 ? 1024 : n) : 1;
+  }
+  if (cfg->max_body_bytes) {
+    cfg->max_body_bytes_effective = cfg->max_body_bytes;
+  } else {
+    /* q [N, H, 512] and kv [N, 512] in bf16, the length prefix and a full-size header. */
+    uint64_t per_token = (uint64_t)cfg->heads * DSV4_HEAD_DIM * 2 + DSV4_HEAD_DIM * 2;
+    uint64_t mib = (uint64_t)1 << 20;
+    uint64_t need = 8 + mib + (uint64_t)cfg->max_batch_tokens * per_token;
+    cfg->max_body_bytes_effective = (need + mib - 1) / mib * mib;
+  }
+  return 0;
+}
+
+void dsv4_config_print_help(FILE *out) {
+  fprintf(out,
+          "Usage: dsv4d [--config FILE] [--name=value | --name value]...\n"
+          "Serves the attention layers of DeepSeek V4 over HTTP.\n\n"
+          "Each option is read, from lowest to highest precedence, from its built-in default,\n"
+          "the JSON config file (key = the option name), the environment (DSV4D_<NAME>) and\n"
+          "the command line (--name or --name with dashes). Booleans also take --name and\n"
+          "--no-name.\n\n"
+          "  --help, -h     print this help and exit\n"
+          "  --version      print the version and exit\n\n");
+  for (size_t i = 0; i < N_OPTS; i++) {
+    const opt_t *o = &opts[i];
+    char flag[96], env[96], allowed[160];
+    flag_name(o, flag, sizeof(flag));
+    env_name(o, env, sizeof(env));
+    allowed_text(o, allowed, sizeof(allowed));
+    fprintf(out, "  %s (%s, default \"%s\"; %s; env %s%s)\n      %s\n", flag, type_text(o), o->def,
+            allowed, env, (o->flags & OPT_SECRET) ? "; secret" : "", o->help);
+  }
+}
+
+int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, char *err,
+                     size_t errlen) {
+  memset(cfg, 0, sizeof(*cfg));
+  if (err && errlen)
+    err[0] = 0;
+  int rc = 0;
+  origin_t def = {DSV4_CONFIG_SRC_DEFAULT, "default"};
+  for (size_t i = 0; i < N_OPTS; i++)
+    if ((rc = opt_set(cfg, i, opts[i].def, &def, err, errlen)))
+      return rc;
+
+  /* --help and --version win over everything else, even a broken configuration. */
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      dsv4_config_print_help(stdout);
+      return DSV4_CONFIG_HELP;
+    }
+    if (strcmp(argv[i], "--version") == 0) {
+      printf("dsv4d %s\n", DSV4_VERSION);
+      return DSV4_CONFIG_VERSION;
+    }
+  }
+
+  size_t nenv = 0, ncli = 0, cap = 0;
+  for (char **e = envp; e && *e; e++)
+    cap++;
+  assign_t *cli = calloc(argc > 0 ? (size_t)argc : 1, sizeof(assign_t));
+  assign_t *env = calloc(cap ? cap : 1, sizeof(assign_t));
+  if (!cli || !env) {
+    rc = DSV4_ENOMEM;
+    goto out;
+  }
+  if ((rc = collect_cli(argc, argv, cli, &ncli, err, errlen)) ||
+      (rc = collect_env(envp, env, &nenv, cap, err, errlen)))
+    goto out;
+
+  /* The file's name comes from the command line, else the environment; it is applied first. */
+  if ((rc = apply_assigns(cfg, env, nenv, DSV4_CONFIG_SRC_ENV, 0, err, errlen)) ||
+      (rc = apply_assigns(cfg, cli, ncli, DSV4_CONFIG_SRC_CLI, 0, err, errlen)))
+    goto out;
+  if (*cfg->config_file) {
+    dsv4_config_source_t cf_src =
+        (dsv4_config_source_t)cfg->sources[opt_index_of_field(F(config_file))];
+    char *path = strdup(cfg->config_file);
+    if (!path) {
+      rc = DSV4_ENOMEM;
+      goto out;
+    }
+    /* Reset to defaults so that the file sits below env and CLI, then re-apply those above it. */
+    for (size_t i = 0; i < N_OPTS; i++)
+      if ((rc = opt_set(cfg, i, opts[i].def, &def, err, errlen)))
+        break;
+    origin_t org = {cf_src, path};
+    if (!rc)
+      rc = opt_set(cfg, opt_index_of_field(F(config_file)), path, &org, err, errlen);
+    if (!rc)
+      rc = apply_file(cfg, path, err, errlen);
+    free(path);
+    if (rc || (rc = apply_assigns(cfg, env, nenv, DSV4_CONFIG_SRC_ENV, 1, err, errlen)) ||
+        (rc = apply_assigns(cfg, cli, ncli, DSV4_CONFIG_SRC_CLI, 1, err, errlen)))
+      goto out;
+  }
+  rc = resolve(cfg, err, errlen);
+  if (rc == DSV4_ENOMEM && err && errlen && !err[0])
+    snprintf(err, errlen, "configuration: out of memory");
+out:
+  free(cli);
+  free(env);
+  return rc;
+}
+
+const char *dsv4_config_source(const dsv4_config_t *cfg, const char *name) {
+  size_t idx;
+  const opt_t *o = opt_find(name, strlen(name), &idx);
+  if (!o || strcmp(o->name, name) != 0 || cfg->sources[idx] > DSV4_CONFIG_SRC_CLI)
+    return NULL;
+  return source_names[cfg->sources[idx]];
+}
+
+static json_t *rope_json(const dsv4_rope_params_t *p) {
+  json_t *r = json_pack("{s:f, s:b}", "theta", p->theta, "yarn", p->yarn);
+  if (r && p->yarn)
+    json_object_update_new(r,
+                           json_pack("{s:f, s:f, s:f, s:f}", "factor", p->factor,
+                                     "original_max_position_embeddings", p->original_max_position,
+                                     "beta_fast", p->beta_fast, "beta_slow", p->beta_slow));
+  return r;
+}
+
+json_t *dsv4_config_to_json(const dsv4_config_t *cfg) {
+  json_t *options = json_object();
+  json_t *root = json_object();
+  if (!options || !root)
+    goto fail;
+  for (size_t i = 0; i < N_OPTS; i++) {
+    const opt_t *o = &opts[i];
+    const char *field = (const char *)cfg + o->offset;
+    json_t *v;
+    switch (o->type) {
+    case OPT_STR:
+    case OPT_ENUM:
+      v = json_string(*(char *const *)field ? *(char *const *)field : "");
+      break;
+    case OPT_BOOL:
+      v = json_boolean(*(const int *)field);
+      break;
+    case OPT_U32:
+      v = json_integer(*(const uint32_t *)field);
+      break;
+    case OPT_U64:
+      v = json_integer((json_int_t) * (const uint64_t *)field);
+      break;
+    default:
+      v = json_integer(*(const int *)field);
+      break;
+    }
+    unsigned s = cfg->sources[i] <= DSV4_CONFIG_SRC_CLI ? cfg->sources[i] : 0;
+    json_t *row = json_pack("{s:o, s:s}", "value", v, "source", source_names[s]);
+    if (row && (o->flags & OPT_SECRET))
+      json_object_set_new(row, "secret", json_true());
+    if (!row || json_object_set_new(options, o->name, row))
+      goto fail;
+  }
+  json_t *layers = json_array(), *ratios = json_array();
+  for (uint32_t i = 0; layers && i < cfg->n_served; i++)
+    json_array_append_new(layers, json_integer(cfg->served_layers[i]));
+  for (uint32_t i = 0; ratios && cfg->model.compress_ratios && i < cfg->model.n_layers_total; i++)
+    json_array_append_new(ratios, json_integer(cfg->model.compress_ratios[i]));
+  const dsv4_model_t *m = &cfg->model;
+  json_t *model = json_pack(
+      "{s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:I, s:o, s:o, s:o}", "name",
+      m->name ? m->name : "", "num_attention_heads", (int)m->num_attention_heads, "head_dim",
+      (int)m->head_dim, "qk_rope_head_dim", (int)m->qk_rope_head_dim, "sliding_window",
+      (int)m->sliding_window, "num_hidden_layers", (int)m->num_hidden_layers,
+      "num_nextn_predict_layers", (int)m->num_nextn_predict_layers, "rms_norm_eps",
+      (double)m->rms_norm_eps, "max_position_embeddings", (json_int_t)m->max_position_embeddings,
+      "compress_ratios", ratios, "rope_plain", rope_json(&m->rope_plain), "rope_compress",
+      rope_json(&m->rope_compress));
+  json_t *resolved =
+      json_pack("{s:o, s:o, s:I}", "model", model, "served_layers", layers,
+                "max_body_bytes_effective", (json_int_t)cfg->max_body_bytes_effective);
+  if (!resolved)
+    goto fail;
+  json_object_set_new(root, "options", options);
+  json_object_set_new(root, "resolved", resolved);
+  return root;
+fail:
+  json_decref(options);
+  json_decref(root);
+  return NULL;
+}
+
+void dsv4_config_free(dsv4_config_t *cfg) {
+  if (!cfg)
+    return;
+  for (size_t i = 0; i < N_OPTS; i++)
+    if (opts[i].type == OPT_STR || opts[i].type == OPT_ENUM) {
+      char **p = (char **)((char *)cfg + opts[i].offset);
+      free(*p);
+      *p = NULL;
+    }
+  dsv4_model_free(&cfg->model);
+  free(cfg->served_layers);
+  cfg->served_layers = NULL;
+  cfg->n_served = 0;
+}

@@ -1,0 +1,366 @@
+#include "model.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+
+/* The V4-Flash geometry of SPEC §1. */
+#define FLASH_HEADS 64
+#define FLASH_HIDDEN_LAYERS 43
+#define FLASH_NEXTN_LAYERS 1
+#define FLASH_ROPE_THETA 10000.0
+#define FLASH_COMPRESS_ROPE_THETA 160000.0
+#define MODEL_MAX_LAYERS 1024
+#define MODEL_MAX_NEXTN 16
+#define MODEL_MAX_RATIO 65536
+
+static int model_fail(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int model_fail(char *err, size_t errlen, const char *fmt, ...) {
+  if (err && errlen) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+  }
+  return DSV4_ECONFIG;
+}
+
+static char *model_strdup(const char *s) {
+  size_t n = strlen(s) + 1;
+  char *d = malloc(n);
+  if (d)
+    memcpy(d, s, n);
+  return d;
+}
+
+int dsv4_model_builtin_flash(dsv4_model_t *m) {
+  memset(m, 0, sizeof(*m));
+  m->num_attention_heads = FLASH_HEADS;
+  m->head_dim = DSV4_HEAD_DIM;
+  m->qk_rope_head_dim = DSV4_ROPE_DIM;
+  m->sliding_window = DSV4_WINDOW;
+  m->num_hidden_layers = FLASH_HIDDEN_LAYERS;
+  m->num_nextn_predict_layers = FLASH_NEXTN_LAYERS;
+  m->n_layers_total = FLASH_HIDDEN_LAYERS + FLASH_NEXTN_LAYERS;
+  m->rms_norm_eps = 1e-6f;
+  m->max_position_embeddings = DSV4_MAX_POSITION_DEFAULT;
+  m->compress_ratios = calloc(m->n_layers_total, sizeof(uint32_t));
+  m->name = model_strdup("builtin:V4-Flash");
+  if (!m->compress_ratios || !m->name) {
+    dsv4_model_free(m);
+    return DSV4_ENOMEM;
+  }
+  /* Layers 0 and 1 are uncompressed, then 4 and 128 alternate; the MTP layer is uncompressed. */
+  for (uint32_t l = 2; l < FLASH_HIDDEN_LAYERS; l++)
+    m->compress_ratios[l] = (l % 2 == 0) ? 4 : 128;
+  /* Copying the shared defaults keeps the built-in inv_freq lists of SPEC §2.3 in force. */
+  m->rope_plain = dsv4_rope_plain_default;
+  m->rope_compress = dsv4_rope_yarn_default;
+  return 0;
+}
+
+const dsv4_rope_params_t *dsv4_model_layer_rope(const dsv4_model_t *m, uint32_t layer) {
+  if (!m || !m->compress_ratios || layer >= m->n_layers_total)
+    return NULL;
+  return m->compress_ratios[layer] >= 2 ? &m->rope_compress : &m->rope_plain;
+}
+
+void dsv4_model_free(dsv4_model_t *m) {
+  if (!m)
+    return;
+  free(m->compress_ratios);
+  free(m->name);
+  memset(m, 0, sizeof(*m));
+}
+
+/* Parsing context: the file name for messages and the error buffer. */
+typedef struct {
+  const char *name;
+  char *err;
+  size_t errlen;
+} model_ctx_t;
+
+/* An optional unsigned integer key; absent or null keeps *out. */
+static int get_uint(model_ctx_t *c, json_t *obj, const char *key, uint64_t min, uint64_t max,
+                    uint64_t *out) {
+  json_t *v = json_object_get(obj, key);
+  if (!v || json_is_null(v))
+    return 0;
+  if (!json_is_integer(v))
+    return model_fail(c->err, c->errlen, "model config %s: key %s must be an integer", c->name,
+                      key);
+  json_int_t x = json_integer_value(v);
+  if (x < 0 || (uint64_t)x < min || (uint64_t)x > max)
+    return model_fail(c->err, c->errlen, "model config %s: key %s is %lld; allowed: %llu to %llu",
+                      c->name, key, (long long)x, (unsigned long long)min, (unsigned long long)max);
+  *out = (uint64_t)x;
+  return 0;
+}
+
+/* An optional positive finite number (integer or real); absent or null keeps *out. */
+static int get_pos_number(model_ctx_t *c, json_t *obj, const char *key, double *out) {
+  json_t *v = json_object_get(obj, key);
+  if (!v || json_is_null(v))
+    return 0;
+  if (!json_is_number(v))
+    return model_fail(c->err, c->errlen, "model config %s: key %s must be a number", c->name, key);
+  double x = json_number_value(v);
+  if (!isfinite(x) || !(x > 0))
+    return model_fail(c->err, c->errlen, "model config %s: key %s is %g; it must be positive",
+                      c->name, key, x);
+  *out = x;
+  return 0;
+}
+
+/* The geometry the daemon implements: other values are refused by name rather than served wrongly.
+ */
+static int check_fixed(model_ctx_t *c, json_t *root, const char *key, uint64_t want) {
+  uint64_t v = want;
+  int rc = get_uint(c, root, key, 0, UINT32_MAX, &v);
+  if (rc)
+    return rc;
+  if (v != want)
+    return model_fail(c->err, c->errlen,
+                      "model config %s: key %s is %llu; the daemon implements only %s = %llu",
+                      c->name, key, (unsigned long long)v, key, (unsigned long long)want);
+  return 0;
+}
+
+/* The scaling type of a section: `type` and `rope_type` are synonyms and must agree if both appear.
+ */
+static int section_type(model_ctx_t *c, json_t *sec, const char *where, const char **out) {
+  *out = NULL;
+  static const char *const keys[2] = {"type", "rope_type"};
+  for (int i = 0; i < 2; i++) {
+    json_t *v = json_object_get(sec, keys[i]);
+    if (!v || json_is_null(v))
+      continue;
+    if (!json_is_string(v))
+      return model_fail(c->err, c->errlen, "model config %s: key %s.%s must be a string", c->name,
+                        where, keys[i]);
+    if (*out && strcmp(*out, json_string_value(v)) != 0)
+      return model_fail(c->err, c->errlen,
+                        "model config %s: %s.type \"%s\" and %s.rope_type \"%s\" disagree", c->name,
+                        where, *out, where, json_string_value(v));
+    *out = json_string_value(v);
+  }
+  return 0;
+}
+
+/* Fill the compress-layer parameters from a scaling section (NULL = no scaling). */
+static int compress_params(model_ctx_t *c, json_t *sec, const char *where, double theta,
+                           dsv4_rope_params_t *out) {
+  const char *type = NULL;
+  int rc;
+  if (sec && (rc = section_type(c, sec, where, &type)))
+    return rc;
+  if (!type || (strcmp(type, "yarn") != 0 && strcmp(type, "deepseek_yarn") != 0)) {
+    /* Without YaRN a compressed layer uses the plain recipe with its own theta. */
+    *out = dsv4_rope_plain_default;
+    out->theta = theta;
+    return 0;
+  }
+  *out = dsv4_rope_yarn_default;
+  out->theta = theta;
+  double factor = 0, orig = 0, beta_fast = 32.0, beta_slow = 1.0;
+  char key[96];
+  if ((rc = get_pos_number(c, sec, "factor", &factor)) ||
+      (rc = get_pos_number(c, sec, "original_max_position_embeddings", &orig)) ||
+      (rc = get_pos_number(c, sec, "beta_fast", &beta_fast)) ||
+      (rc = get_pos_number(c, sec, "beta_slow", &beta_slow)))
+    return rc;
+  if (factor == 0) {
+    snprintf(key, sizeof(key), "%s.factor", where);
+    return model_fail(c->err, c->errlen, "model config %s: YaRN scaling needs key %s", c->name,
+                      key);
+  }
+  if (orig == 0) {
+    snprintf(key, sizeof(key), "%s.original_max_position_embeddings", where);
+    return model_fail(c->err, c->errlen, "model config %s: YaRN scaling needs key %s", c->name,
+                      key);
+  }
+  if (!(beta_fast > beta_slow))
+    return model_fail(c->err, c->errlen,
+                      "model config %s: %s.beta_fast (%g) must exceed %s.beta_slow (%g)", c->name,
+                      where, beta_fast, where, beta_slow);
+  out->yarn = 1;
+  out->factor = factor;
+  out->original_max_position = orig;
+  out->beta_fast = beta_fast;
+  out->beta_slow = beta_slow;
+  return 0;
+}
+
+static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
+  int rc;
+  if (!json_is_object(root))
+    return model_fail(c->err, c->errlen, "model config %s: the top level must be a JSON object",
+                      c->name);
+  if ((rc = check_fixed(c, root, "head_dim", DSV4_HEAD_DIM)) ||
+      (rc = check_fixed(c, root, "qk_rope_head_dim", DSV4_ROPE_DIM)) ||
+      (rc = check_fixed(c, root, "sliding_window", DSV4_WINDOW)))
+    return rc;
+  static const char *const required[] = {"num_attention_heads", "num_hidden_layers",
+                                         "compress_ratios"};
+  for (size_t i = 0; i < sizeof(required) / sizeof(required[0]); i++)
+    if (!json_object_get(root, required[i]))
+      return model_fail(c->err, c->errlen, "model config %s: required key %s is missing", c->name,
+                        required[i]);
+
+  uint64_t heads = 0, hidden = 0, nextn = 0, maxpos = DSV4_MAX_POSITION_DEFAULT;
+  if ((rc = get_uint(c, root, "num_attention_heads", 1, DSV4_MAX_HEADS, &heads)) ||
+      (rc = get_uint(c, root, "num_hidden_layers", 1, MODEL_MAX_LAYERS, &hidden)) ||
+      (rc = get_uint(c, root, "num_nextn_predict_layers", 0, MODEL_MAX_NEXTN, &nextn)) ||
+      (rc = get_uint(c, root, "max_position_embeddings", 1, (uint64_t)1 << 32, &maxpos)))
+    return rc;
+  double eps = 1e-6;
+  if ((rc = get_pos_number(c, root, "rms_norm_eps", &eps)))
+    return rc;
+
+  json_t *ratios = json_object_get(root, "compress_ratios");
+  uint64_t total = hidden + nextn;
+  if (!json_is_array(ratios))
+    return model_fail(c->err, c->errlen, "model config %s: key compress_ratios must be an array",
+                      c->name);
+  if (json_array_size(ratios) != total)
+    return model_fail(c->err, c->errlen,
+                      "model config %s: key compress_ratios has %zu entries; it must have "
+                      "num_hidden_layers + num_nextn_predict_layers = %llu + %llu = %llu",
+                      c->name, json_array_size(ratios), (unsigned long long)hidden,
+                      (unsigned long long)nextn, (unsigned long long)total);
+
+  /* RoPE: rope_parameters (flat, or nested main/compress), else rope_scaling. */
+  json_t *rp = json_object_get(root, "rope_parameters");
+  json_t *rs = json_object_get(root, "rope_scaling");
+  if (rp && json_is_null(rp))
+    rp = NULL;
+  if (rs && json_is_null(rs))
+    rs = NULL;
+  if (rp && !json_is_object(rp))
+    return model_fail(c->err, c->errlen, "model config %s: key rope_parameters must be an object",
+                      c->name);
+  if (rs && !json_is_object(rs))
+    return model_fail(c->err, c->errlen, "model config %s: key rope_scaling must be an object",
+                      c->name);
+  json_t *sec_main = NULL, *sec_comp = NULL;
+  const char *where = NULL;
+  int nested = rp && (json_object_get(rp, "main") || json_object_get(rp, "compress"));
+  if (nested) {
+    sec_main = json_object_get(rp, "main");
+    sec_comp = json_object_get(rp, "compress");
+    if ((sec_main && !json_is_object(sec_main)) || (sec_comp && !json_is_object(sec_comp)))
+      return model_fail(c->err, c->errlen,
+                        "model config %s: rope_parameters.main and .compress must be objects",
+                        c->name);
+    where = "rope_parameters.compress";
+  } else if (rp) {
+    sec_main = rp;
+    sec_comp = rp;
+    where = "rope_parameters";
+  }
+
+  /* The top-level keys, overridden by rope_parameters (the newer, more specific format). */
+  double theta = FLASH_ROPE_THETA, ctheta = FLASH_COMPRESS_ROPE_THETA;
+  if ((rc = get_pos_number(c, root, "rope_theta", &theta)) ||
+      (rc = get_pos_number(c, root, "compress_rope_theta", &ctheta)))
+    return rc;
+  if (sec_main && (rc = get_pos_number(c, sec_main, "rope_theta", &theta)))
+    return rc;
+  if (!nested && rp && (rc = get_pos_number(c, rp, "compress_rope_theta", &ctheta)))
+    return rc;
+  if (nested && sec_comp && (rc = get_pos_number(c, sec_comp, "rope_theta", &ctheta)))
+    return rc;
+
+  /* A flat rope_parameters without a type carries no scaling: then rope_scaling decides. */
+  if (!nested && rp) {
+    const char *t = NULL;
+    if ((rc = section_type(c, rp, "rope_parameters", &t)))
+      return rc;
+    if (!t) {
+      sec_comp = NULL;
+      where = NULL;
+    }
+  }
+  if (!sec_comp && !nested && rs) {
+    sec_comp = rs;
+    where = "rope_scaling";
+  }
+
+  m->num_attention_heads = (uint32_t)heads;
+  m->head_dim = DSV4_HEAD_DIM;
+  m->qk_rope_head_dim = DSV4_ROPE_DIM;
+  m->sliding_window = DSV4_WINDOW;
+  m->num_hidden_layers = (uint32_t)hidden;
+  m->num_nextn_predict_layers = (uint32_t)nextn;
+  m->n_layers_total = (uint32_t)total;
+  m->rms_norm_eps = (float)eps;
+  m->max_position_embeddings = (int64_t)maxpos;
+  m->rope_plain = dsv4_rope_plain_default;
+  m->rope_plain.theta = theta;
+  if ((rc =
+           compress_params(c, sec_comp, where ? where : "rope_scaling", ctheta, &m->rope_compress)))
+    return rc;
+
+  m->compress_ratios = calloc(total, sizeof(uint32_t));
+  if (!m->compress_ratios)
+    return DSV4_ENOMEM;
+  for (size_t i = 0; i < total; i++) {
+    json_t *v = json_array_get(ratios, i);
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > MODEL_MAX_RATIO)
+      return model_fail(c->err, c->errlen,
+                        "model config %s: compress_ratios[%zu] must be an integer from 0 to %d",
+                        c->name, i, MODEL_MAX_RATIO);
+    m->compress_ratios[i] = (uint32_t)json_integer_value(v);
+  }
+  m->name = model_strdup(c->name);
+  if (!m->name)
+    return DSV4_ENOMEM;
+  return 0;
+}
+
+static int model_load_root(dsv4_model_t *m, json_t *root, const char *name, char *err,
+                           size_t errlen) {
+  model_ctx_t c = {name, err, errlen};
+  memset(m, 0, sizeof(*m));
+  int rc = model_parse(m, root, &c);
+  if (rc) {
+    if (rc == DSV4_ENOMEM)
+      model_fail(err, errlen, "model config %s: out of memory", name);
+    dsv4_model_free(m);
+  }
+  return rc;
+}
+
+int dsv4_model_load_json(dsv4_model_t *m, const char *json_text, char *err, size_t errlen) {
+  json_error_t je;
+  memset(m, 0, sizeof(*m));
+  json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES, &je);
+  if (!root)
+    return model_fail(err, errlen, "model config (inline): invalid JSON at line %d: %s", je.line,
+                      je.text);
+  int rc = model_load_root(m, root, "(inline)", err, errlen);
+  json_decref(root);
+  return rc;
+}
+
+int dsv4_model_load_file(dsv4_model_t *m, const char *path, char *err, size_t errlen) {
+  json_error_t je;
+  memset(m, 0, sizeof(*m));
+  json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+  if (!root)
+    return model_fail(err, errlen, "model config %s: cannot load: %s (line %d)", path, je.text,
+                      je.line);
+  int rc = model_load_root(m, root, path, err, errlen);
+  json_decref(root);
+  return rc;
+}
