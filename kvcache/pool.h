@@ -2,11 +2,11 @@
 #define DSV4_KVCACHE_POOL_H
 
 /*
- * The block-id allocator: O(1) allocate and free over a fixed number of block ids. Block ids are shared
- * by every served layer (SPEC §3): block b is the same tokens in every layer's buffer.
+ * The block-id allocator: O(1) allocate and free over a fixed number of block ids. Block ids are
+ * shared by every served layer (SPEC §3): block b is the same tokens in every layer's buffer.
  *
- * Thread affinity: the executor thread only. used/free counts are also published with relaxed atomics
- * so that the loop thread can read them for /metrics.
+ * Thread affinity: the executor thread only. used/free counts are also published with relaxed
+ * atomics so that the loop thread can read them for /metrics.
  */
 
 #include <stdint.h>
@@ -14,8 +14,8 @@
 typedef struct {
   uint32_t n_blocks;
   uint32_t n_free;
-  uint32_t *free_stack; /* free_stack[0..n_free-1] are the free ids */
-  uint32_t *where;      /* position of each id in free_stack, or UINT32_MAX when used */
+  uint32_t *free_stack;    /* free_stack[0..n_free-1] are the free ids */
+  uint32_t *where;         /* position of each id in free_stack, or UINT32_MAX when used */
   uint32_t published_free; /* atomic mirror of n_free for other threads */
 } dsv4_pool_t;
 

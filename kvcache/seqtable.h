@@ -5,14 +5,16 @@
  * The sequence table and SWA slot mapper (SPEC §4).
  *
  * A batch for one layer goes through plan -> (device work) -> commit:
- *  - dsv4_seqtable_plan validates every segment against the table (unknown/expired/existing sequence,
- *    duplicate sequence, position continuity, replay detection) and then, all or nothing, creates new
- *    sequences and allocates the blocks the batch writes. On any error nothing has changed.
+ *  - dsv4_seqtable_plan validates every segment against the table (unknown/expired/existing
+ * sequence, duplicate sequence, position continuity, replay detection) and then, all or nothing,
+ * creates new sequences and allocates the blocks the batch writes. On any error nothing has
+ * changed.
  *  - dsv4_seqtable_commit, called once the batch has completed on the device, advances the layer's
- *    positions, remembers each segment for replay detection and releases the blocks no served layer can
- *    reach any more (SPEC §4 release rule).
+ *    positions, remembers each segment for replay detection and releases the blocks no served layer
+ * can reach any more (SPEC §4 release rule).
  *  - dsv4_seqtable_fail, called instead when the device failed, drops every sequence of the batch.
- * Between plan and commit/fail no other batch may be planned (the executor runs one batch at a time).
+ * Between plan and commit/fail no other batch may be planned (the executor runs one batch at a
+ * time).
  *
  * Layers here are served-layer indices 0..n_layers-1; the server maps them to model layer numbers.
  * Thread affinity: the executor thread only.
@@ -28,12 +30,12 @@
 typedef struct dsv4_seqtable dsv4_seqtable_t;
 
 typedef struct {
-  uint32_t n_layers;         /* served layers */
-  uint32_t block_size;       /* power of two, 16..256 */
-  int64_t max_position;      /* positions must be < this */
-  uint32_t max_sequences;    /* live sequences at most */
-  int implicit_create;       /* accept unknown sequences without "new" */
-  uint64_t idle_timeout_ns;  /* sequences idle this long are deleted; 0 = never */
+  uint32_t n_layers;        /* served layers */
+  uint32_t block_size;      /* power of two, 16..256 */
+  int64_t max_position;     /* positions must be < this */
+  uint32_t max_sequences;   /* live sequences at most; 0 = no limit */
+  int implicit_create;      /* accept unknown sequences without "new" */
+  uint64_t idle_timeout_ns; /* sequences idle this long are deleted; 0 = never */
 } dsv4_seqtable_config_t;
 
 /* One segment of a batch as the gateway sent it. */
@@ -46,7 +48,11 @@ typedef struct {
   uint64_t hash; /* XXH3 of the segment's q bytes then kv bytes, for replay detection */
 } dsv4_seg_req_t;
 
-/* Where one segment's tokens go: block_table[bt_off + (pos / bs - first_lb)] holds position pos. */
+/*
+ * Where one segment's tokens go: block_table[bt_off + (pos / bs - first_lb)] holds position pos.
+ * The map covers the segment's attention window too: every position from max(p0, start - 127) to
+ * start + len - 1, so first_lb = max(p0, start - 127) / bs.
+ */
 typedef struct {
   int64_t first_lb;
   uint32_t bt_off;
@@ -55,18 +61,23 @@ typedef struct {
 
 /* Details of a refused plan, for the JSON error. */
 typedef struct {
-  uint32_t segment;  /* index of the offending segment */
-  int64_t expected;  /* EPOSITION/EEXIST: the expected next position at this layer */
-  uint32_t needed;   /* ENOSPC: blocks the batch needs */
-  uint32_t free;     /* ENOSPC: free blocks */
+  uint32_t segment; /* index of the offending segment */
+  int64_t expected; /* EPOSITION/EEXIST: the expected next position at this layer */
+  uint32_t needed;  /* ENOSPC: blocks the batch needs */
+  uint32_t free;    /* ENOSPC: free blocks */
+  /* ENOSPC because of max_sequences rather than the pool: sequences_full = 1, and the batch would
+   * create new_sequences while only free_sequences more may live (needed/free stay 0). */
+  int sequences_full;
+  uint32_t new_sequences;
+  uint32_t free_sequences;
 } dsv4_plan_error_t;
 
 typedef struct {
   uint32_t layer;
   uint32_t n_segments;
-  int replay;             /* every segment is a replay: compute outputs, write nothing */
-  dsv4_seg_map_t *segs;   /* [n_segments] */
-  int32_t *block_table;   /* [bt_len] physical block ids */
+  int replay;           /* every segment is a replay: compute outputs, write nothing */
+  dsv4_seg_map_t *segs; /* [n_segments] */
+  int32_t *block_table; /* [bt_len] physical block ids */
   uint32_t bt_len;
   dsv4_plan_error_t error;
   /* Private to the table. */
@@ -77,33 +88,43 @@ typedef struct {
 /* Snapshot of one sequence, for GET /v1/sequences/{seq} and the admin plane. */
 typedef struct {
   int64_t p0;
-  int64_t *next;          /* [n_layers] next position per layer */
-  int64_t *last_start;    /* [n_layers] first position of the last applied segment (p0 if none) */
-  int64_t first_lb;       /* logical block of blocks[0] */
-  int32_t *blocks;        /* [n_blocks_held] physical ids, -1 for a hole */
+  int64_t *next;       /* [n_layers] next position per layer */
+  int64_t *last_start; /* [n_layers] first position of the last applied segment (p0 if none) */
+  int64_t first_lb;    /* logical block of blocks[0] */
+  int32_t *blocks;     /* [n_blocks_held] physical ids, -1 for a hole */
   uint32_t n_blocks_held;
-  uint32_t holding_layer; /* the layer whose window keeps the oldest held block */
+  uint32_t holding_layer; /* the layer whose window keeps the oldest held block (lowest on ties) */
   uint64_t last_used_ns;
 } dsv4_seq_info_t;
 
 int dsv4_seqtable_create(const dsv4_seqtable_config_t *cfg, dsv4_pool_t *pool,
                          dsv4_seqtable_t **out);
 void dsv4_seqtable_destroy(dsv4_seqtable_t *st);
+/* The configuration the table was created with. */
+const dsv4_seqtable_config_t *dsv4_seqtable_config(const dsv4_seqtable_t *st);
 
 void dsv4_plan_init(dsv4_plan_t *plan);
 void dsv4_plan_free(dsv4_plan_t *plan);
 
 /*
- * Validate and reserve one batch for layer. Returns 0, or DSV4_EINVAL (bad name/len), DSV4_EPOSRANGE,
- * DSV4_EDUPSEQ, DSV4_ENOSEQ, DSV4_EEXPIRED, DSV4_EEXIST, DSV4_EPOSITION, DSV4_ENOSPC, DSV4_ENOMEM, with
- * plan->error filled. On error the table and the pool are unchanged.
+ * Validate and reserve one batch for layer. Returns 0, or DSV4_ELAYER (layer >= n_layers),
+ * DSV4_EINVAL (no segment, bad name, len 0), DSV4_EPOSRANGE, DSV4_EDUPSEQ, DSV4_ENOSEQ,
+ * DSV4_EEXPIRED, DSV4_EEXIST, DSV4_EPOSITION, DSV4_ENOSPC (pool, or max_sequences: see
+ * dsv4_plan_error_t), DSV4_ENOMEM, with plan->error filled. On error the table and the pool are
+ * unchanged. Checks run in this order: each segment alone and duplicates (first offending segment);
+ * then, unless every segment is a replay, sequence state and continuity (first offending segment);
+ * then capacity.
  */
 int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t *segs, uint32_t n,
                        uint64_t now_ns, dsv4_plan_t *plan);
 void dsv4_seqtable_commit(dsv4_seqtable_t *st, dsv4_plan_t *plan, uint64_t now_ns);
 void dsv4_seqtable_fail(dsv4_seqtable_t *st, dsv4_plan_t *plan);
 
-/* Delete a sequence and free all its blocks; *existed says whether it was live. */
+/*
+ * Delete a sequence and free all its blocks; *existed says whether it was live. Deleting an expired
+ * name forgets it (it answers unknown afterwards). DSV4_EINVAL for an invalid name. Not between
+ * plan and commit/fail (neither is expire).
+ */
 int dsv4_seqtable_delete(dsv4_seqtable_t *st, const char *name, uint32_t name_len, int *existed);
 /* Delete sequences idle past the timeout; forget expired names after one more period. */
 uint32_t dsv4_seqtable_expire(dsv4_seqtable_t *st, uint64_t now_ns);
@@ -113,7 +134,8 @@ int dsv4_seqtable_info(const dsv4_seqtable_t *st, const char *name, uint32_t nam
                        dsv4_seq_info_t *out);
 void dsv4_seq_info_free(dsv4_seq_info_t *info);
 
-/* Visit every live sequence (in no particular order); stop early when fn returns non-zero. */
+/* Visit every live sequence (in no particular order); stop early when fn returns non-zero, which is
+ * then returned. fn must not change the table. */
 typedef int (*dsv4_seq_visit_fn)(const char *name, uint32_t name_len, const dsv4_seq_info_t *info,
                                  void *arg);
 int dsv4_seqtable_foreach(const dsv4_seqtable_t *st, dsv4_seq_visit_fn fn, void *arg);

@@ -1,0 +1,666 @@
+#include "seqtable.h"
+
+#include <assert.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+
+/*
+ * Every sequence holds one contiguous run of logical blocks [first_lb, first_lb + n_blocks):
+ * positions are written contiguously from p0 at every layer, blocks are allocated in increasing
+ * order, and the release rule (SPEC §4) frees a prefix, because max(p0, s_L - 127) only grows. So a
+ * sequence never has holes, and first_lb + n_blocks (the allocation end) only grows.
+ *
+ * The name map is open addressing with linear probing and backward-shift deletion (no tombstone
+ * markers in the probe sequence). It holds live sequences and, for one more idle period, the names
+ * of expired ones (state SEQ_EXPIRED, no blocks), so that they answer EEXPIRED.
+ */
+
+enum { SEQ_LIVE = 0, SEQ_EXPIRED = 1 };
+
+typedef struct {
+  int64_t next;       /* next position this layer writes */
+  int64_t s;          /* first position of the last applied segment; p0 before any */
+  uint32_t last_len;  /* 0 before any segment was applied */
+  uint64_t last_hash; /* with s and last_len: the replay triple */
+} layer_state_t;
+
+typedef struct seq {
+  struct seq *prev, *next; /* every entry of the map, live or expired */
+  uint64_t hash;
+  int state;
+  uint64_t last_used_ns; /* for an expired entry: when it expired */
+  int64_t p0;
+  int64_t first_lb;
+  uint32_t n_blocks, cap_blocks;
+  int32_t *blocks;
+  uint32_t name_len;
+  char name[DSV4_SEQ_NAME_MAX];
+  layer_state_t layers[];
+} seq_t;
+
+struct dsv4_seqtable {
+  dsv4_seqtable_config_t cfg;
+  dsv4_pool_t *pool;
+  seq_t **slots;
+  uint32_t cap; /* power of two */
+  uint32_t n_entries;
+  uint32_t n_live;
+  uint32_t published_live;
+  seq_t *all;
+  int plan_active;
+};
+
+/* Per-segment plan state, kept in plan->priv between plan and commit/fail. */
+typedef struct {
+  seq_t *seq;
+  seq_t *tomb; /* an expired entry of the same name */
+  uint64_t name_hash;
+  int64_t start;
+  uint32_t len;
+  uint64_t hash;
+  uint8_t create;
+  uint8_t replay;
+  uint32_t need; /* new blocks */
+} plan_seg_t;
+
+static uint64_t name_hash(const char *name, uint32_t len) {
+  /* FNV-1a, then a final mix so that the low bits used for the probe start depend on every byte. */
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (uint32_t i = 0; i < len; i++) {
+    h ^= (uint8_t)name[i];
+    h *= 0x100000001b3ull;
+  }
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdull;
+  h ^= h >> 33;
+  return h;
+}
+
+int dsv4_seq_name_valid(const char *name, size_t len) {
+  if (name == NULL || len < 1 || len > DSV4_SEQ_NAME_MAX || name[0] == '.')
+    return 0;
+  for (size_t i = 0; i < len; i++) {
+    unsigned char c = (unsigned char)name[i];
+    int ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+             c == '.' || c == '_' || c == ':' || c == '-';
+    if (!ok)
+      return 0;
+  }
+  return 1;
+}
+
+static void publish(dsv4_seqtable_t *st) {
+  __atomic_store_n(&st->published_live, st->n_live, __ATOMIC_RELAXED);
+}
+
+/* ---- the name map ---- */
+
+static seq_t *map_find(const dsv4_seqtable_t *st, const char *name, uint32_t len, uint64_t h) {
+  uint32_t mask = st->cap - 1;
+  for (uint32_t i = (uint32_t)h & mask;; i = (i + 1) & mask) {
+    seq_t *s = st->slots[i];
+    if (s == NULL)
+      return NULL;
+    if (s->hash == h && s->name_len == len && memcmp(s->name, name, len) == 0)
+      return s;
+  }
+}
+
+static void map_place(seq_t **slots, uint32_t cap, seq_t *s) {
+  uint32_t mask = cap - 1;
+  uint32_t i = (uint32_t)s->hash & mask;
+  while (slots[i] != NULL)
+    i = (i + 1) & mask;
+  slots[i] = s;
+}
+
+/* Make room for extra more entries at a load factor of at most one half. */
+static int map_reserve(dsv4_seqtable_t *st, uint32_t extra) {
+  uint64_t want = (uint64_t)st->n_entries + extra;
+  if (want * 2 <= st->cap)
+    return 0;
+  uint64_t cap = st->cap;
+  while (want * 2 > cap)
+    cap *= 2;
+  if (cap > (1ull << 31))
+    return DSV4_ENOMEM;
+  seq_t **slots = calloc((size_t)cap, sizeof(*slots));
+  if (slots == NULL)
+    return DSV4_ENOMEM;
+  for (uint32_t i = 0; i < st->cap; i++)
+    if (st->slots[i] != NULL)
+      map_place(slots, (uint32_t)cap, st->slots[i]);
+  free(st->slots);
+  st->slots = slots;
+  st->cap = (uint32_t)cap;
+  return 0;
+}
+
+static void map_insert(dsv4_seqtable_t *st, seq_t *s) {
+  assert((uint64_t)(st->n_entries + 1) * 2 <= st->cap);
+  map_place(st->slots, st->cap, s);
+  st->n_entries++;
+  s->prev = NULL;
+  s->next = st->all;
+  if (st->all != NULL)
+    st->all->prev = s;
+  st->all = s;
+}
+
+/* Unlink s from the map and the list and free it (its blocks must already be returned). */
+static void map_remove(dsv4_seqtable_t *st, seq_t *s) {
+  uint32_t mask = st->cap - 1;
+  uint32_t i = (uint32_t)s->hash & mask;
+  while (st->slots[i] != s)
+    i = (i + 1) & mask;
+  /* Backward shift: pull later members of the cluster into the hole when their home allows it. */
+  uint32_t hole = i;
+  for (uint32_t j = (hole + 1) & mask; st->slots[j] != NULL; j = (j + 1) & mask) {
+    uint32_t home = (uint32_t)st->slots[j]->hash & mask;
+    if (((j - home) & mask) >= ((j - hole) & mask)) {
+      st->slots[hole] = st->slots[j];
+      hole = j;
+    }
+  }
+  st->slots[hole] = NULL;
+  st->n_entries--;
+  if (s->prev != NULL)
+    s->prev->next = s->next;
+  else
+    st->all = s->next;
+  if (s->next != NULL)
+    s->next->prev = s->prev;
+  free(s->blocks);
+  free(s);
+}
+
+static void free_blocks(dsv4_seqtable_t *st, seq_t *s) {
+  for (uint32_t i = 0; i < s->n_blocks; i++)
+    dsv4_pool_free(st->pool, (uint32_t)s->blocks[i]);
+  s->first_lb += s->n_blocks;
+  s->n_blocks = 0;
+}
+
+static void drop_live(dsv4_seqtable_t *st, seq_t *s) {
+  assert(s->state == SEQ_LIVE);
+  free_blocks(st, s);
+  st->n_live--;
+  map_remove(st, s);
+}
+
+/* ---- create / destroy ---- */
+
+int dsv4_seqtable_create(const dsv4_seqtable_config_t *cfg, dsv4_pool_t *pool,
+                         dsv4_seqtable_t **out) {
+  *out = NULL;
+  uint32_t bs = cfg->block_size;
+  if (cfg->n_layers == 0 || bs < DSV4_MIN_BLOCK_SIZE || bs > DSV4_MAX_BLOCK_SIZE ||
+      (bs & (bs - 1)) != 0 || cfg->max_position <= 0 || pool == NULL)
+    return DSV4_EINVAL;
+  dsv4_seqtable_t *st = calloc(1, sizeof(*st));
+  if (st == NULL)
+    return DSV4_ENOMEM;
+  st->cfg = *cfg;
+  st->pool = pool;
+  st->cap = 64;
+  st->slots = calloc(st->cap, sizeof(*st->slots));
+  if (st->slots == NULL) {
+    free(st);
+    return DSV4_ENOMEM;
+  }
+  publish(st);
+  *out = st;
+  return 0;
+}
+
+void dsv4_seqtable_destroy(dsv4_seqtable_t *st) {
+  if (st == NULL)
+    return;
+  while (st->all != NULL) {
+    seq_t *s = st->all;
+    if (s->state == SEQ_LIVE)
+      drop_live(st, s);
+    else
+      map_remove(st, s);
+  }
+  free(st->slots);
+  free(st);
+}
+
+const dsv4_seqtable_config_t *dsv4_seqtable_config(const dsv4_seqtable_t *st) {
+  return &st->cfg;
+}
+
+/* ---- plans ---- */
+
+void dsv4_plan_init(dsv4_plan_t *plan) {
+  memset(plan, 0, sizeof(*plan));
+}
+
+void dsv4_plan_free(dsv4_plan_t *plan) {
+  free(plan->priv);
+  free(plan->segs);
+  free(plan->block_table);
+  memset(plan, 0, sizeof(*plan));
+}
+
+static int grow(void **p, uint32_t *cap, uint64_t want, size_t elem) {
+  if (want <= *cap)
+    return 0;
+  if (want > UINT32_MAX / 2)
+    return DSV4_ENOMEM;
+  uint64_t n = *cap ? *cap : 8;
+  while (n < want)
+    n *= 2;
+  void *q = realloc(*p, (size_t)n * elem);
+  if (q == NULL)
+    return DSV4_ENOMEM;
+  *p = q;
+  *cap = (uint32_t)n;
+  return 0;
+}
+
+static int ensure_blocks(seq_t *s, uint64_t want) {
+  return grow((void **)&s->blocks, &s->cap_blocks, want, sizeof(int32_t));
+}
+
+/* The first logical block a segment's map covers: its attention window reaches back to start - 127.
+ */
+static int64_t map_first_lb(int64_t p0, int64_t start, uint32_t bs) {
+  int64_t lo = start - (DSV4_WINDOW - 1);
+  if (lo < p0)
+    lo = p0;
+  return lo / bs;
+}
+
+static uint32_t pow2_at_least(uint64_t n) {
+  uint32_t c = 8;
+  while (c < n)
+    c *= 2;
+  return c;
+}
+
+int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t *segs, uint32_t n,
+                       uint64_t now_ns, dsv4_plan_t *plan) {
+  const uint32_t bs = st->cfg.block_size;
+  assert(!st->plan_active);
+  plan->layer = layer;
+  plan->n_segments = 0;
+  plan->replay = 0;
+  plan->bt_len = 0;
+  memset(&plan->error, 0, sizeof(plan->error));
+  if (layer >= st->cfg.n_layers)
+    return DSV4_ELAYER;
+  if (n == 0 || n > UINT32_MAX / 4)
+    return DSV4_EINVAL;
+
+  /* priv holds the per-segment state, then an index set (open addressing) for duplicate names. */
+  uint32_t dcap = pow2_at_least((uint64_t)n * 2);
+  size_t bytes = (size_t)n * sizeof(plan_seg_t) + (size_t)dcap * sizeof(uint32_t);
+  if (bytes > plan->priv_cap) {
+    void *q = realloc(plan->priv, bytes);
+    if (q == NULL)
+      return DSV4_ENOMEM;
+    plan->priv = q;
+    plan->priv_cap = (uint32_t)bytes;
+  }
+  plan_seg_t *ps = plan->priv;
+  uint32_t *dset = (uint32_t *)(ps + n);
+  for (uint32_t i = 0; i < dcap; i++)
+    dset[i] = UINT32_MAX;
+
+  /* Pass 1: the segment alone (name, length, range) and duplicates within the batch. */
+  for (uint32_t i = 0; i < n; i++) {
+    const dsv4_seg_req_t *r = &segs[i];
+    plan->error.segment = i;
+    if (!dsv4_seq_name_valid(r->name, r->name_len) || r->len < 1)
+      return DSV4_EINVAL;
+    if (r->start < 0 || r->start >= st->cfg.max_position ||
+        (int64_t)r->len > st->cfg.max_position - r->start)
+      return DSV4_EPOSRANGE;
+    memset(&ps[i], 0, sizeof(ps[i]));
+    ps[i].name_hash = name_hash(r->name, r->name_len);
+    ps[i].start = r->start;
+    ps[i].len = r->len;
+    ps[i].hash = r->hash;
+    uint32_t j = (uint32_t)ps[i].name_hash & (dcap - 1);
+    for (; dset[j] != UINT32_MAX; j = (j + 1) & (dcap - 1)) {
+      const dsv4_seg_req_t *o = &segs[dset[j]];
+      if (ps[dset[j]].name_hash == ps[i].name_hash && o->name_len == r->name_len &&
+          memcmp(o->name, r->name, r->name_len) == 0)
+        return DSV4_EDUPSEQ;
+    }
+    dset[j] = i;
+  }
+
+  /* Pass 2: look the sequences up and decide whether the whole batch is a replay. */
+  int all_replay = 1;
+  for (uint32_t i = 0; i < n; i++) {
+    const dsv4_seg_req_t *r = &segs[i];
+    seq_t *s = map_find(st, r->name, r->name_len, ps[i].name_hash);
+    if (s != NULL && s->state == SEQ_EXPIRED) {
+      ps[i].tomb = s;
+      s = NULL;
+    }
+    ps[i].seq = s;
+    if (s != NULL) {
+      const layer_state_t *ls = &s->layers[layer];
+      ps[i].replay = ls->last_len != 0 && ls->s == r->start && ls->last_len == r->len &&
+                     ls->last_hash == r->hash;
+    }
+    all_replay &= ps[i].replay;
+  }
+
+  /* Pass 3 (fresh batches): sequence state, continuity and the blocks the batch needs. */
+  uint64_t needed = 0;
+  uint32_t new_seqs = 0;
+  if (!all_replay) {
+    for (uint32_t i = 0; i < n; i++) {
+      const dsv4_seg_req_t *r = &segs[i];
+      seq_t *s = ps[i].seq;
+      plan->error.segment = i;
+      int64_t last_lb = (r->start + r->len - 1) / bs;
+      if (s != NULL) {
+        /* A segment matching the replay triple in a mixed batch is not a replay: it fails here. */
+        int64_t next = s->layers[layer].next;
+        if (r->is_new || r->start != next) {
+          plan->error.expected = next;
+          return r->is_new ? DSV4_EEXIST : DSV4_EPOSITION;
+        }
+        int64_t end_lb = s->first_lb + s->n_blocks;
+        ps[i].need = last_lb >= end_lb ? (uint32_t)(last_lb - end_lb + 1) : 0;
+      } else {
+        if (!r->is_new && !st->cfg.implicit_create) {
+          const seq_t *t = ps[i].tomb;
+          if (t != NULL && now_ns >= t->last_used_ns &&
+              now_ns - t->last_used_ns < st->cfg.idle_timeout_ns)
+            return DSV4_EEXPIRED;
+          return DSV4_ENOSEQ;
+        }
+        ps[i].create = 1;
+        ps[i].need = (uint32_t)(last_lb - r->start / bs + 1);
+        new_seqs++;
+      }
+      needed += ps[i].need;
+    }
+    plan->error.segment = 0;
+    if (st->cfg.max_sequences != 0 && (uint64_t)st->n_live + new_seqs > st->cfg.max_sequences) {
+      plan->error.new_sequences = new_seqs;
+      plan->error.free_sequences = st->cfg.max_sequences - st->n_live;
+      plan->error.sequences_full = 1;
+      return DSV4_ENOSPC;
+    }
+    uint32_t nfree = dsv4_pool_free_count(st->pool);
+    if (needed > nfree) {
+      plan->error.needed = needed > UINT32_MAX ? UINT32_MAX : (uint32_t)needed;
+      plan->error.free = nfree;
+      return DSV4_ENOSPC;
+    }
+  }
+
+  /* Reserve every piece of memory before the first change, so that ENOMEM leaves nothing behind. */
+  uint64_t bt_total = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    int64_t p0 = ps[i].seq != NULL ? ps[i].seq->p0 : ps[i].start;
+    int64_t last_lb = (ps[i].start + ps[i].len - 1) / bs;
+    bt_total += (uint64_t)(last_lb - map_first_lb(p0, ps[i].start, bs) + 1);
+  }
+  int rc = grow((void **)&plan->segs, &plan->segs_cap, n, sizeof(dsv4_seg_map_t));
+  if (rc == 0)
+    rc = grow((void **)&plan->block_table, &plan->bt_cap, bt_total, sizeof(int32_t));
+  if (rc == 0)
+    rc = map_reserve(st, new_seqs);
+  for (uint32_t i = 0; i < n && rc == 0; i++) {
+    if (ps[i].create) {
+      size_t sz = sizeof(seq_t) + (size_t)st->cfg.n_layers * sizeof(layer_state_t);
+      seq_t *s = calloc(1, sz);
+      if (s == NULL) {
+        rc = DSV4_ENOMEM;
+        break;
+      }
+      ps[i].seq = s;
+      s->p0 = ps[i].start;
+      s->first_lb = ps[i].start / bs;
+      rc = ensure_blocks(s, ps[i].need);
+    } else if (ps[i].need != 0) {
+      rc = ensure_blocks(ps[i].seq, (uint64_t)ps[i].seq->n_blocks + ps[i].need);
+    }
+  }
+  if (rc != 0) {
+    for (uint32_t i = 0; i < n; i++) {
+      if (ps[i].create && ps[i].seq != NULL) {
+        free(ps[i].seq->blocks);
+        free(ps[i].seq);
+      }
+      ps[i].seq = NULL;
+    }
+    return rc;
+  }
+
+  /* Apply: nothing below can fail. */
+  uint32_t off = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    const dsv4_seg_req_t *r = &segs[i];
+    seq_t *s = ps[i].seq;
+    if (ps[i].create) {
+      if (ps[i].tomb != NULL)
+        map_remove(st, ps[i].tomb);
+      ps[i].tomb = NULL;
+      memcpy(s->name, r->name, r->name_len);
+      s->name_len = r->name_len;
+      s->hash = ps[i].name_hash;
+      s->state = SEQ_LIVE;
+      s->last_used_ns = now_ns;
+      for (uint32_t l = 0; l < st->cfg.n_layers; l++) {
+        s->layers[l].next = s->p0;
+        s->layers[l].s = s->p0;
+      }
+      map_insert(st, s);
+      st->n_live++;
+    }
+    for (uint32_t k = 0; k < ps[i].need; k++) {
+      uint32_t id;
+      int arc = dsv4_pool_alloc(st->pool, &id);
+      assert(arc == 0);
+      (void)arc;
+      s->blocks[s->n_blocks++] = (int32_t)id;
+    }
+    int64_t flb = map_first_lb(s->p0, r->start, bs);
+    int64_t last_lb = (r->start + r->len - 1) / bs;
+    assert(flb >= s->first_lb && last_lb < s->first_lb + s->n_blocks);
+    dsv4_seg_map_t *m = &plan->segs[i];
+    m->first_lb = flb;
+    m->bt_off = off;
+    m->bt_len = (uint32_t)(last_lb - flb + 1);
+    for (uint32_t k = 0; k < m->bt_len; k++)
+      plan->block_table[off + k] = s->blocks[flb - s->first_lb + k];
+    off += m->bt_len;
+  }
+  plan->n_segments = n;
+  plan->bt_len = off;
+  plan->replay = all_replay;
+  st->plan_active = 1;
+  publish(st);
+  return 0;
+}
+
+/* Free the prefix of blocks that no served layer can reach (SPEC §4 release rule). */
+static void release(dsv4_seqtable_t *st, seq_t *s) {
+  int64_t low = INT64_MAX;
+  for (uint32_t l = 0; l < st->cfg.n_layers; l++) {
+    int64_t v = s->layers[l].s - (DSV4_WINDOW - 1);
+    if (v < s->p0)
+      v = s->p0;
+    if (v < low)
+      low = v;
+  }
+  /* Block b is released when low > (b+1)*bs - 1, that is for every b < low / bs. */
+  int64_t keep = low / st->cfg.block_size;
+  if (keep <= s->first_lb || s->n_blocks == 0)
+    return;
+  uint32_t k = (uint32_t)(keep - s->first_lb);
+  if (k > s->n_blocks)
+    k = s->n_blocks;
+  for (uint32_t i = 0; i < k; i++)
+    dsv4_pool_free(st->pool, (uint32_t)s->blocks[i]);
+  memmove(s->blocks, s->blocks + k, (size_t)(s->n_blocks - k) * sizeof(int32_t));
+  s->n_blocks -= k;
+  s->first_lb += k;
+}
+
+void dsv4_seqtable_commit(dsv4_seqtable_t *st, dsv4_plan_t *plan, uint64_t now_ns) {
+  assert(st->plan_active);
+  plan_seg_t *ps = plan->priv;
+  for (uint32_t i = 0; i < plan->n_segments; i++) {
+    seq_t *s = ps[i].seq;
+    s->last_used_ns = now_ns;
+    if (plan->replay)
+      continue;
+    layer_state_t *ls = &s->layers[plan->layer];
+    ls->next = ps[i].start + ps[i].len;
+    ls->s = ps[i].start;
+    ls->last_len = ps[i].len;
+    ls->last_hash = ps[i].hash;
+    release(st, s);
+  }
+  st->plan_active = 0;
+}
+
+void dsv4_seqtable_fail(dsv4_seqtable_t *st, dsv4_plan_t *plan) {
+  assert(st->plan_active);
+  plan_seg_t *ps = plan->priv;
+  for (uint32_t i = 0; i < plan->n_segments; i++) {
+    drop_live(st, ps[i].seq);
+    ps[i].seq = NULL;
+  }
+  st->plan_active = 0;
+  publish(st);
+}
+
+/* ---- delete, expiry, queries ---- */
+
+int dsv4_seqtable_delete(dsv4_seqtable_t *st, const char *name, uint32_t name_len, int *existed) {
+  assert(!st->plan_active);
+  *existed = 0;
+  if (!dsv4_seq_name_valid(name, name_len))
+    return DSV4_EINVAL;
+  seq_t *s = map_find(st, name, name_len, name_hash(name, name_len));
+  if (s == NULL)
+    return 0;
+  if (s->state == SEQ_LIVE) {
+    *existed = 1;
+    drop_live(st, s);
+    publish(st);
+  } else {
+    /* The gateway has said it is done with the name: it need not answer "expired" any more. */
+    map_remove(st, s);
+  }
+  return 0;
+}
+
+uint32_t dsv4_seqtable_expire(dsv4_seqtable_t *st, uint64_t now_ns) {
+  assert(!st->plan_active);
+  uint64_t t = st->cfg.idle_timeout_ns;
+  if (t == 0)
+    return 0;
+  uint32_t n = 0;
+  for (seq_t *s = st->all, *nx; s != NULL; s = nx) {
+    nx = s->next;
+    if (now_ns < s->last_used_ns || now_ns - s->last_used_ns < t)
+      continue;
+    if (s->state == SEQ_LIVE) {
+      free_blocks(st, s);
+      s->state = SEQ_EXPIRED;
+      s->last_used_ns = now_ns;
+      free(s->blocks);
+      s->blocks = NULL;
+      s->cap_blocks = 0;
+      st->n_live--;
+      n++;
+    } else {
+      map_remove(st, s);
+    }
+  }
+  publish(st);
+  return n;
+}
+
+static int fill_info(const dsv4_seqtable_t *st, const seq_t *s, dsv4_seq_info_t *out) {
+  uint32_t nl = st->cfg.n_layers;
+  memset(out, 0, sizeof(*out));
+  out->next = malloc(nl * sizeof(int64_t));
+  out->last_start = malloc(nl * sizeof(int64_t));
+  out->blocks = malloc((s->n_blocks ? s->n_blocks : 1) * sizeof(int32_t));
+  if (out->next == NULL || out->last_start == NULL || out->blocks == NULL) {
+    dsv4_seq_info_free(out);
+    return DSV4_ENOMEM;
+  }
+  out->p0 = s->p0;
+  out->first_lb = s->first_lb;
+  out->n_blocks_held = s->n_blocks;
+  memcpy(out->blocks, s->blocks, s->n_blocks * sizeof(int32_t));
+  out->last_used_ns = s->last_used_ns;
+  int64_t low = INT64_MAX;
+  for (uint32_t l = 0; l < nl; l++) {
+    out->next[l] = s->layers[l].next;
+    out->last_start[l] = s->layers[l].s;
+    int64_t v = s->layers[l].s - (DSV4_WINDOW - 1);
+    if (v < s->p0)
+      v = s->p0;
+    if (v < low) {
+      low = v;
+      out->holding_layer = l;
+    }
+  }
+  return 0;
+}
+
+int dsv4_seqtable_info(const dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                       dsv4_seq_info_t *out) {
+  memset(out, 0, sizeof(*out));
+  if (!dsv4_seq_name_valid(name, name_len))
+    return DSV4_ENOSEQ;
+  const seq_t *s = map_find(st, name, name_len, name_hash(name, name_len));
+  if (s == NULL)
+    return DSV4_ENOSEQ;
+  if (s->state != SEQ_LIVE)
+    return DSV4_EEXPIRED;
+  return fill_info(st, s, out);
+}
+
+void dsv4_seq_info_free(dsv4_seq_info_t *info) {
+  free(info->next);
+  free(info->last_start);
+  free(info->blocks);
+  info->next = NULL;
+  info->last_start = NULL;
+  info->blocks = NULL;
+  info->n_blocks_held = 0;
+}
+
+int dsv4_seqtable_foreach(const dsv4_seqtable_t *st, dsv4_seq_visit_fn fn, void *arg) {
+  for (const seq_t *s = st->all; s != NULL; s = s->next) {
+    if (s->state != SEQ_LIVE)
+      continue;
+    dsv4_seq_info_t info;
+    int rc = fill_info(st, s, &info);
+    if (rc != 0)
+      return rc;
+    rc = fn(s->name, s->name_len, &info, arg);
+    dsv4_seq_info_free(&info);
+    if (rc != 0)
+      return rc;
+  }
+  return 0;
+}
+
+uint32_t dsv4_seqtable_count(const dsv4_seqtable_t *st) {
+  return st->n_live;
+}
+
+uint32_t dsv4_seqtable_count_relaxed(const dsv4_seqtable_t *st) {
+  return __atomic_load_n(&st->published_live, __ATOMIC_RELAXED);
+}

@@ -1,0 +1,3 @@
+# The kvcache module: block pool, sequence table / SWA mapper, logical records and digests.
+dsv4_unit_test(pool_test SOURCES unit/pool_test.c LIBS dsv4_kvcache)
+dsv4_unit_test(seqtable_test SOURCES unit/seqtable_test.c LIBS dsv4_kvcache)
