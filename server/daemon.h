@@ -1,0 +1,39 @@
+#ifndef DSV4_SERVER_DAEMON_H
+#define DSV4_SERVER_DAEMON_H
+
+/*
+ * The daemon object: the loop, the configuration, the engine behind the executor, the listeners and
+ * the metrics. Route handlers get it as their context.
+ */
+
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "config.h"
+#include "engine.h"
+#include "executor.h"
+#include "http.h"
+#include "metrics.h"
+
+typedef struct dsv4_daemon {
+  uv_loop_t *loop;
+  const dsv4_config_t *cfg;
+  dsv4_engine_t *engine; /* executor thread only, except its "any thread" functions */
+  dsv4_executor_t ex;
+  dsv4_server_t *data;
+  dsv4_metrics_t *metrics;
+  char instance[33];
+  int draining;
+  uint64_t inflight; /* forward batches submitted and not yet answered (loop thread) */
+  /* Metric families. */
+  dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds,
+      *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes;
+} dsv4_daemon_t;
+
+/* The data-plane route table (forward, sequences, health, readiness, metrics). */
+size_t dsv4_data_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap);
+/* Register the daemon's metric families and the collect hook. */
+int dsv4_daemon_metrics_init(dsv4_daemon_t *d);
+
+#endif /* DSV4_SERVER_DAEMON_H */

@@ -1,0 +1,409 @@
+#include "engine.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#include "dsv4-layout.h"
+#include "dsv4-numerics.h"
+#include "pool.h"
+
+struct dsv4_engine {
+  dsv4_backend_t *be;
+  dsv4_engine_params_t p;
+  uint64_t stride;
+  int32_t *layer_index;     /* [model->n_layers_total]: served index or -1 */
+  dsv4_devbuf_t *cache;     /* [n_served] */
+  dsv4_rope_table_t **rope; /* [n_served], pointing at plain or compress */
+  dsv4_rope_table_t *rope_plain;
+  dsv4_rope_table_t *rope_compress;
+  float *kv_norm; /* [n_served][512] copy, or NULL */
+  dsv4_pool_t pool;
+  dsv4_seqtable_t *st;
+  dsv4_plan_t plan;
+  /* Per-batch scratch, grown on demand. */
+  int64_t *positions;
+  int32_t *tok_seg;
+  uint32_t tok_cap;
+  int64_t *seg_first_lb;
+  uint32_t *seg_bt_off, *seg_bt_len;
+  uint32_t seg_cap;
+  atomic_int healthy;
+};
+
+static uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+int dsv4_bf16_any_out_of_range(const uint16_t *x, size_t n) {
+  /* Branch-free so the compiler vectorises it; an OR of all comparisons. */
+  unsigned bad = 0;
+  for (size_t i = 0; i < n; i++)
+    bad |= (unsigned)((x[i] & 0x7fffu) >= DSV4_BF16_LIMIT_BITS);
+  return bad != 0;
+}
+
+static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_table_t **out) {
+  float inv_freq[DSV4_ROPE_PAIRS];
+  dsv4_rope_inv_freq(rp, inv_freq);
+  return dsv4_rope_table_create(inv_freq, max_pos, out);
+}
+
+int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char *why,
+                       size_t why_len) {
+  dsv4_engine_t *e = calloc(1, sizeof(*e));
+  const dsv4_model_t *m = p->model;
+  dsv4_backend_options_t bo = {.threads = p->threads};
+  int rc;
+  if (!e)
+    return DSV4_ENOMEM;
+  e->p = *p;
+  e->stride = DSV4_BLOCK_STRIDE(p->block_size);
+  dsv4_plan_init(&e->plan);
+  rc = dsv4_backend_open(p->backend, &bo, &e->be, why, why_len);
+  if (rc)
+    goto fail;
+  if (!(e->be->ops->caps & DSV4_BE_HOST_MEMORY)) {
+    /* The staging path for device memory comes with the first device backend. */
+    snprintf(why, why_len, "backend %s needs host staging, which this build does not have",
+             e->be->ops->name);
+    rc = DSV4_EUNSUPPORTED;
+    goto fail;
+  }
+  e->layer_index = malloc(sizeof(int32_t) * m->n_layers_total);
+  e->cache = calloc(p->n_served, sizeof(*e->cache));
+  e->rope = calloc(p->n_served, sizeof(*e->rope));
+  if (!e->layer_index || !e->cache || !e->rope) {
+    rc = DSV4_ENOMEM;
+    goto fail;
+  }
+  for (uint32_t l = 0; l < m->n_layers_total; l++)
+    e->layer_index[l] = -1;
+  rc = make_rope(&m->rope_plain, m->max_position_embeddings, &e->rope_plain);
+  if (!rc)
+    rc = make_rope(&m->rope_compress, m->max_position_embeddings, &e->rope_compress);
+  if (rc) {
+    snprintf(why, why_len, "cannot create RoPE tables: %s", dsv4_strerror(rc));
+    goto fail;
+  }
+  for (uint32_t i = 0; i < p->n_served; i++) {
+    uint32_t layer = p->served_layers[i];
+    size_t bytes = (size_t)p->kv_blocks * e->stride;
+    e->layer_index[layer] = (int32_t)i;
+    e->rope[i] =
+        dsv4_model_layer_rope(m, layer) == &m->rope_plain ? e->rope_plain : e->rope_compress;
+    rc = e->be->ops->buf_alloc(e->be, bytes, &e->cache[i]);
+    if (rc) {
+      snprintf(why, why_len, "cannot allocate %zu bytes of cache for layer %u: %s", bytes, layer,
+               dsv4_strerror(rc));
+      goto fail;
+    }
+  }
+  if (p->kv_norm_weights) {
+    size_t n = (size_t)p->n_served * DSV4_HEAD_DIM;
+    e->kv_norm = malloc(n * sizeof(float));
+    if (!e->kv_norm) {
+      rc = DSV4_ENOMEM;
+      goto fail;
+    }
+    memcpy(e->kv_norm, p->kv_norm_weights, n * sizeof(float));
+  }
+  rc = dsv4_pool_init(&e->pool, p->kv_blocks);
+  if (!rc) {
+    dsv4_seqtable_config_t sc = {
+        .n_layers = p->n_served,
+        .block_size = p->block_size,
+        .max_position = m->max_position_embeddings,
+        .max_sequences = p->max_sequences,
+        .implicit_create = p->implicit_create,
+        .idle_timeout_ns = p->idle_timeout_ns,
+    };
+    rc = dsv4_seqtable_create(&sc, &e->pool, &e->st);
+  }
+  if (rc) {
+    snprintf(why, why_len, "cannot create the sequence table: %s", dsv4_strerror(rc));
+    goto fail;
+  }
+  atomic_store(&e->healthy, 1);
+  *out = e;
+  return 0;
+fail:
+  dsv4_engine_destroy(e);
+  return rc;
+}
+
+void dsv4_engine_destroy(dsv4_engine_t *e) {
+  if (!e)
+    return;
+  if (e->st)
+    dsv4_seqtable_destroy(e->st);
+  if (e->pool.free_stack)
+    dsv4_pool_destroy(&e->pool);
+  if (e->cache && e->be)
+    for (uint32_t i = 0; i < e->p.n_served; i++)
+      if (e->cache[i].ptr)
+        e->be->ops->buf_free(e->be, &e->cache[i]);
+  dsv4_backend_close(e->be);
+  dsv4_rope_table_destroy(e->rope_plain);
+  dsv4_rope_table_destroy(e->rope_compress);
+  dsv4_plan_free(&e->plan);
+  free(e->layer_index);
+  free(e->cache);
+  free(e->rope);
+  free(e->kv_norm);
+  free(e->positions);
+  free(e->tok_seg);
+  free(e->seg_first_lb);
+  free(e->seg_bt_off);
+  free(e->seg_bt_len);
+  free(e);
+}
+
+static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
+  if (n_tokens > e->tok_cap) {
+    int64_t *pos = realloc(e->positions, sizeof(int64_t) * n_tokens);
+    if (pos)
+      e->positions = pos;
+    int32_t *ts = realloc(e->tok_seg, sizeof(int32_t) * n_tokens);
+    if (ts)
+      e->tok_seg = ts;
+    if (!pos || !ts)
+      return DSV4_ENOMEM;
+    e->tok_cap = n_tokens;
+  }
+  if (n_segs > e->seg_cap) {
+    int64_t *fl = realloc(e->seg_first_lb, sizeof(int64_t) * n_segs);
+    if (fl)
+      e->seg_first_lb = fl;
+    uint32_t *bo = realloc(e->seg_bt_off, sizeof(uint32_t) * n_segs);
+    if (bo)
+      e->seg_bt_off = bo;
+    uint32_t *bl = realloc(e->seg_bt_len, sizeof(uint32_t) * n_segs);
+    if (bl)
+      e->seg_bt_len = bl;
+    if (!fl || !bo || !bl)
+      return DSV4_ENOMEM;
+    e->seg_cap = n_segs;
+  }
+  return 0;
+}
+
+/* SPEC §3.1 forward cache_digest: XXH3 over [LE int64 position || 584-byte record] in token order.
+ */
+static uint64_t batch_digest(const uint8_t *cache, uint32_t bs, uint64_t stride,
+                             const int64_t *slots, const int64_t *positions, uint32_t n) {
+  XXH3_state_t st;
+  XXH3_64bits_reset(&st);
+  for (uint32_t t = 0; t < n; t++) {
+    uint8_t pos_le[8];
+    const uint8_t *blk;
+    uint32_t o;
+    if (slots[t] < 0)
+      continue;
+    blk = cache + (uint64_t)(slots[t] / bs) * stride;
+    o = (uint32_t)(slots[t] % bs);
+    for (int i = 0; i < 8; i++)
+      pos_le[i] = (uint8_t)((uint64_t)positions[t] >> (8 * i));
+    XXH3_64bits_update(&st, pos_le, 8);
+    XXH3_64bits_update(&st, blk + DSV4_TOKEN_DATA_OFFSET(o), DSV4_TOKEN_DATA_BYTES);
+    XXH3_64bits_update(&st, blk + DSV4_SCALE_OFFSET(bs, o), DSV4_SCALE_BYTES);
+  }
+  return XXH3_64bits_digest(&st);
+}
+
+/* XXH3 of a segment's q bytes then its kv bytes: the replay identity of SPEC §4. */
+static uint64_t segment_hash(const dsv4_forward_t *f, uint32_t heads, uint32_t tok_off,
+                             uint32_t len) {
+  XXH3_state_t st;
+  size_t q_row = (size_t)heads * DSV4_HEAD_DIM;
+  XXH3_64bits_reset(&st);
+  XXH3_64bits_update(&st, f->q + (size_t)tok_off * q_row, (size_t)len * q_row * 2);
+  XXH3_64bits_update(&st, f->kv + (size_t)tok_off * DSV4_HEAD_DIM, (size_t)len * DSV4_HEAD_DIM * 2);
+  return XXH3_64bits_digest(&st);
+}
+
+static void collect_dropped(dsv4_forward_t *f) {
+  f->dropped = calloc(f->n_segs, sizeof(char *));
+  f->n_dropped = 0;
+  if (!f->dropped)
+    return;
+  for (uint32_t s = 0; s < f->n_segs; s++) {
+    char *name = malloc(f->segs[s].name_len + 1);
+    if (!name)
+      continue;
+    memcpy(name, f->segs[s].name, f->segs[s].name_len);
+    name[f->segs[s].name_len] = '\0';
+    f->dropped[f->n_dropped++] = name;
+  }
+}
+
+int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  uint32_t heads = e->p.heads, n = f->n_tokens;
+  int idx = dsv4_engine_layer_index(e, f->layer);
+  uint64_t t0 = mono_ns(), t1, t2, t3;
+  int rc;
+
+  memset(&f->timing, 0, sizeof(f->timing));
+  f->replayed = 0;
+  if (idx < 0)
+    return DSV4_ELAYER;
+  if (!atomic_load(&e->healthy))
+    return DSV4_EBACKEND;
+
+  /* Validation that needs the bytes: value range, then the replay hashes. Nothing changes yet. */
+  if (dsv4_bf16_any_out_of_range(f->q, (size_t)n * heads * DSV4_HEAD_DIM) ||
+      dsv4_bf16_any_out_of_range(f->kv, (size_t)n * DSV4_HEAD_DIM))
+    return DSV4_ERANGE;
+  rc = grow_scratch(e, n, f->n_segs);
+  if (rc)
+    return rc;
+  {
+    uint32_t t = 0;
+    for (uint32_t s = 0; s < f->n_segs; s++) {
+      const dsv4_seg_req_t *sg = &f->segs[s];
+      if (sg->start < 0 || sg->len < 1 || t + sg->len > n ||
+          sg->start + (int64_t)sg->len > e->p.model->max_position_embeddings)
+        return sg->start < 0 || sg->len < 1 || t + sg->len > n ? DSV4_EINVAL : DSV4_EPOSRANGE;
+      f->segs[s].hash = segment_hash(f, heads, t, sg->len);
+      for (uint32_t i = 0; i < sg->len; i++) {
+        e->positions[t + i] = sg->start + i;
+        e->tok_seg[t + i] = (int32_t)s;
+      }
+      t += sg->len;
+    }
+    if (t != n)
+      return DSV4_EINVAL;
+  }
+  rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, n);
+  if (rc)
+    return rc;
+  t1 = mono_ns();
+  f->timing.validate_ns = t1 - t0;
+
+  rc = dsv4_seqtable_plan(e->st, (uint32_t)idx, f->segs, f->n_segs, t1, &e->plan);
+  if (rc) {
+    f->error = e->plan.error;
+    return rc;
+  }
+  for (uint32_t s = 0; s < f->n_segs; s++) {
+    e->seg_first_lb[s] = e->plan.segs[s].first_lb;
+    e->seg_bt_off[s] = e->plan.segs[s].bt_off;
+    e->seg_bt_len[s] = e->plan.segs[s].bt_len;
+  }
+  t2 = mono_ns();
+  f->timing.plan_ns = t2 - t1;
+
+  {
+    dsv4_map_args_t ma = {
+        .n_tokens = n,
+        .n_segments = f->n_segs,
+        .block_size = e->p.block_size,
+        .n_blocks = e->p.kv_blocks,
+        .positions = e->positions,
+        .tok_seg = e->tok_seg,
+        .seg_first_lb = e->seg_first_lb,
+        .seg_bt_off = e->seg_bt_off,
+        .seg_bt_len = e->seg_bt_len,
+        .block_table = e->plan.block_table,
+        .slots = f->slots,
+    };
+    dsv4_insert_args_t ia = {
+        .n_tokens = n,
+        .heads = heads,
+        .q = f->q,
+        .kv = f->kv,
+        .positions = e->positions,
+        .slots = f->slots,
+        .rope = e->rope[idx],
+        .kv_norm_weight = e->kv_norm ? e->kv_norm + (size_t)idx * DSV4_HEAD_DIM : NULL,
+        .eps = e->p.model->rms_norm_eps,
+        .write_kv = !e->plan.replay,
+        .q_out = f->q_out,
+        .cache = e->cache[idx].ptr,
+        .block_size = e->p.block_size,
+        .n_blocks = e->p.kv_blocks,
+        .stride = e->stride,
+    };
+    rc = ops->map_slots(e->be, &ma);
+    if (!rc)
+      rc = ops->qkv_insert(e->be, &ia);
+    if (!rc)
+      rc = ops->sync(e->be);
+  }
+  t3 = mono_ns();
+  f->timing.kernel_ns = t3 - t2;
+  if (rc) {
+    /* SPEC §4: never serve from a partly written state. Drop the batch's sequences. */
+    collect_dropped(f);
+    dsv4_seqtable_fail(e->st, &e->plan);
+    if (rc != DSV4_EINVAL)
+      atomic_store(&e->healthy, 0);
+    return DSV4_EBACKEND;
+  }
+  f->replayed = e->plan.replay;
+  if (f->want_digest) {
+    f->digest =
+        batch_digest(e->cache[idx].ptr, e->p.block_size, e->stride, f->slots, e->positions, n);
+    f->timing.digest_ns = mono_ns() - t3;
+  }
+  dsv4_seqtable_commit(e->st, &e->plan, t3);
+  return 0;
+}
+
+void dsv4_forward_release(dsv4_forward_t *f) {
+  for (uint32_t i = 0; i < f->n_dropped; i++)
+    free(f->dropped[i]);
+  free(f->dropped);
+  f->dropped = NULL;
+  f->n_dropped = 0;
+}
+
+int dsv4_engine_delete(dsv4_engine_t *e, const char *name, uint32_t len, int *existed) {
+  return dsv4_seqtable_delete(e->st, name, len, existed);
+}
+
+uint32_t dsv4_engine_expire(dsv4_engine_t *e, uint64_t now_ns) {
+  return dsv4_seqtable_expire(e->st, now_ns);
+}
+
+int dsv4_engine_seq_info(dsv4_engine_t *e, const char *name, uint32_t len, dsv4_seq_info_t *out) {
+  return dsv4_seqtable_info(e->st, name, len, out);
+}
+
+int dsv4_engine_layer_index(const dsv4_engine_t *e, uint32_t layer) {
+  if (layer >= e->p.model->n_layers_total)
+    return -1;
+  return e->layer_index[layer];
+}
+
+const char *dsv4_engine_backend_name(const dsv4_engine_t *e) {
+  return e->be->ops->name;
+}
+
+int dsv4_engine_healthy(const dsv4_engine_t *e) {
+  return atomic_load(&((dsv4_engine_t *)e)->healthy);
+}
+
+uint32_t dsv4_engine_blocks_total(const dsv4_engine_t *e) {
+  return e->p.kv_blocks;
+}
+
+uint32_t dsv4_engine_blocks_free(const dsv4_engine_t *e) {
+  return dsv4_pool_free_count_relaxed(&e->pool);
+}
+
+uint32_t dsv4_engine_sequences(const dsv4_engine_t *e) {
+  return dsv4_seqtable_count_relaxed(e->st);
+}
+
+uint64_t dsv4_engine_cache_bytes(const dsv4_engine_t *e) {
+  return (uint64_t)e->p.n_served * e->p.kv_blocks * e->stride;
+}

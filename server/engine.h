@@ -1,0 +1,97 @@
+#ifndef DSV4_SERVER_ENGINE_H
+#define DSV4_SERVER_ENGINE_H
+
+/*
+ * The engine: everything a forward batch touches below HTTP. It owns the backend, one cache buffer
+ * per served layer, the block pool, the sequence table and the RoPE tables, and runs one batch as
+ * validate -> plan -> map_slots (producer) -> qkv_insert (consumer) -> sync -> commit.
+ *
+ * Thread affinity: the executor thread only, except where a function says otherwise. Nothing here
+ * knows about HTTP, so the engine is tested without a socket.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "model.h"
+#include "seqtable.h"
+
+typedef struct dsv4_engine dsv4_engine_t;
+
+typedef struct {
+  const char *backend; /* "auto", "cpu", ... */
+  uint32_t threads;    /* CPU worker threads, 0 = online cores */
+  uint32_t block_size;
+  uint32_t kv_blocks;
+  uint32_t heads;            /* H of every batch */
+  const dsv4_model_t *model; /* geometry; must outlive the engine */
+  const uint32_t *served_layers;
+  uint32_t n_served;
+  const float *kv_norm_weights; /* [n_served][512] fp32 for kv_norm = fused, else NULL */
+  uint32_t max_sequences;
+  int implicit_create;
+  uint64_t idle_timeout_ns;
+} dsv4_engine_params_t;
+
+/* Per-stage timings of one batch, in nanoseconds. */
+typedef struct {
+  uint64_t validate_ns;
+  uint64_t plan_ns;
+  uint64_t kernel_ns;
+  uint64_t digest_ns;
+} dsv4_engine_timing_t;
+
+/* One forward batch. Inputs are host buffers; outputs go to host buffers the caller provides. */
+typedef struct {
+  uint32_t layer; /* model layer number (the engine maps it to its served index) */
+  uint32_t n_tokens;
+  const uint16_t *q;    /* [n_tokens, heads, 512] bf16 */
+  const uint16_t *kv;   /* [n_tokens, 512] bf16 */
+  dsv4_seg_req_t *segs; /* hash is filled in by the engine */
+  uint32_t n_segs;
+  int want_digest;
+  uint16_t *q_out; /* [n_tokens, heads, 512] */
+  int64_t *slots;  /* [n_tokens] */
+  /* Results. */
+  int replayed;
+  uint64_t digest;         /* when want_digest */
+  dsv4_plan_error_t error; /* details of a refused plan */
+  char **dropped;          /* on DSV4_EBACKEND: names of the dropped sequences (malloc'd) */
+  uint32_t n_dropped;
+  dsv4_engine_timing_t timing;
+} dsv4_forward_t;
+
+int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char *why,
+                       size_t why_len);
+void dsv4_engine_destroy(dsv4_engine_t *e);
+
+/*
+ * Run one batch. Returns 0, a validation error (DSV4_ERANGE for a q/kv element with |x| >= 2^59, or
+ * any dsv4_seqtable_plan error with f->error filled: then nothing changed), or DSV4_EBACKEND when
+ * the device failed (every sequence of the batch dropped, names in f->dropped).
+ */
+int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f);
+void dsv4_forward_release(dsv4_forward_t *f);
+
+int dsv4_engine_delete(dsv4_engine_t *e, const char *name, uint32_t len, int *existed);
+uint32_t dsv4_engine_expire(dsv4_engine_t *e, uint64_t now_ns);
+/* Snapshot of a sequence, next/last_start indexed by served layer. */
+int dsv4_engine_seq_info(dsv4_engine_t *e, const char *name, uint32_t len, dsv4_seq_info_t *out);
+
+/* The served index of a model layer, or -1. Any thread. */
+int dsv4_engine_layer_index(const dsv4_engine_t *e, uint32_t layer);
+/* Any thread: the backend's name, and whether it is still usable. */
+const char *dsv4_engine_backend_name(const dsv4_engine_t *e);
+int dsv4_engine_healthy(const dsv4_engine_t *e);
+/* Any thread: block and sequence counts (relaxed snapshots). */
+uint32_t dsv4_engine_blocks_total(const dsv4_engine_t *e);
+uint32_t dsv4_engine_blocks_free(const dsv4_engine_t *e);
+uint32_t dsv4_engine_sequences(const dsv4_engine_t *e);
+/* Bytes of cache memory allocated for all served layers. */
+uint64_t dsv4_engine_cache_bytes(const dsv4_engine_t *e);
+
+/* 1 when any element of n bf16 values has |x| >= 2^59 (this also catches Inf and NaN). */
+int dsv4_bf16_any_out_of_range(const uint16_t *x, size_t n);
+
+#endif /* DSV4_SERVER_ENGINE_H */

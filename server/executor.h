@@ -1,0 +1,59 @@
+#ifndef DSV4_SERVER_EXECUTOR_H
+#define DSV4_SERVER_EXECUTOR_H
+
+/*
+ * The executor: one thread of its own that runs device work in submission order (never the loop
+ * thread, never libuv's shared thread pool). Jobs go in from the loop thread; finished jobs come
+ * back through one uv_async_t whose callback drains the whole completion list (uv_async_send
+ * coalesces).
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <pthread.h>
+#include <uv.h>
+
+typedef struct dsv4_job dsv4_job_t;
+
+struct dsv4_job {
+  void (*run)(dsv4_job_t *job);  /* executor thread */
+  void (*done)(dsv4_job_t *job); /* loop thread, after run */
+  dsv4_job_t *next;
+  uint64_t t_submit_ns;
+  uint64_t t_start_ns;
+};
+
+typedef struct {
+  uv_async_t async; /* first: the handle of this object */
+  uv_loop_t *loop;
+  pthread_t thread;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  dsv4_job_t *q_head, *q_tail; /* submitted, not yet started */
+  dsv4_job_t *d_head, *d_tail; /* finished, not yet handed back */
+  uint32_t queued;             /* jobs submitted and not yet handed back */
+  uint32_t max_queue;
+  int stopping;
+  int started;
+  /* Called on the executor thread about once a second when idle and between jobs. */
+  void (*tick)(void *arg);
+  void *tick_arg;
+  uint64_t last_tick_ns;
+  void (*closed_cb)(void *arg);
+  void *closed_arg;
+} dsv4_executor_t;
+
+/* Start the thread. tick may be NULL. */
+int dsv4_executor_start(dsv4_executor_t *ex, uv_loop_t *loop, uint32_t max_queue,
+                        void (*tick)(void *), void *tick_arg);
+/* Loop thread. DSV4_EQUEUE when max_queue jobs are already in the executor. */
+int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job);
+/* Loop thread. Submit even past max_queue (control jobs such as DELETE must not be refused). */
+void dsv4_executor_submit_force(dsv4_executor_t *ex, dsv4_job_t *job);
+/* Jobs submitted and not yet handed back to the loop. Loop thread. */
+uint32_t dsv4_executor_pending(dsv4_executor_t *ex);
+/* Finish the queued jobs, join the thread and close the async handle (cb after close). */
+void dsv4_executor_stop(dsv4_executor_t *ex, void (*closed)(void *arg), void *arg);
+
+#endif /* DSV4_SERVER_EXECUTOR_H */

@@ -1,0 +1,257 @@
+/*
+ * dsv4d: serves DeepSeek V4 attention layers over HTTP. main() wires the configuration, the engine
+ * (behind the executor thread), the data-plane listener and signal handling, then runs the loop.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "dsv4-error.h"
+#include "kvweights.h"
+#include "log.h"
+
+extern char **environ;
+
+typedef struct {
+  dsv4_daemon_t d;
+  uv_signal_t sigterm, sigint;
+  uv_timer_t drain_timer;
+  uint64_t drain_deadline_ms;
+  int closing;
+  int exit_code;
+} app_t;
+
+static void make_instance(char out[33]) {
+  unsigned char r[16];
+  size_t got = 0;
+  while (got < sizeof(r)) {
+    ssize_t n = getrandom(r + got, sizeof(r) - got, 0);
+    if (n > 0)
+      got += (size_t)n;
+  }
+  for (int i = 0; i < 16; i++)
+    snprintf(out + 2 * i, 3, "%02x", r[i]);
+}
+
+/* Executor thread, about once a second: expire idle sequences. */
+static void tick(void *arg) {
+  dsv4_daemon_t *d = arg;
+  uint32_t n = dsv4_engine_expire(d->engine, uv_hrtime());
+  if (n)
+    dsv4_logp(DSV4_LOG_INFO, "sequences expired", "{s:i}", "count", (int)n);
+}
+
+static void on_walk_close(uv_handle_t *h, void *arg) {
+  (void)arg;
+  if (!uv_is_closing(h))
+    uv_close(h, NULL);
+}
+
+static void on_executor_closed(void *arg) {
+  (void)arg;
+}
+
+static void on_server_closed(void *arg) {
+  app_t *a = arg;
+  dsv4_executor_stop(&a->d.ex, on_executor_closed, a);
+  uv_close((uv_handle_t *)&a->sigterm, NULL);
+  uv_close((uv_handle_t *)&a->sigint, NULL);
+  uv_close((uv_handle_t *)&a->drain_timer, NULL);
+}
+
+static void shutdown_now(app_t *a) {
+  if (a->closing)
+    return;
+  a->closing = 1;
+  dsv4_server_close(a->d.data, on_server_closed, a);
+}
+
+/* While draining: finish once no batch is pending and every connection has gone. */
+static void on_drain_timer(uv_timer_t *t) {
+  app_t *a = t->data;
+  uint32_t pending = dsv4_executor_pending(&a->d.ex);
+  size_t conns = dsv4_server_connections(a->d.data);
+  if (pending == 0 && conns == 0) {
+    dsv4_logp(DSV4_LOG_INFO, "drained", NULL);
+    shutdown_now(a);
+  } else if (uv_now(a->d.loop) >= a->drain_deadline_ms && pending == 0) {
+    /* Batches always finish; past the deadline only idle or slow connections are cut. */
+    dsv4_logp(DSV4_LOG_WARN, "drain deadline passed; closing connections", "{s:I}", "connections",
+              (json_int_t)conns);
+    shutdown_now(a);
+  }
+}
+
+static void on_signal(uv_signal_t *s, int signum) {
+  app_t *a = s->data;
+  if (a->d.draining) {
+    if (signum == SIGINT) /* a second ^C: stop waiting */
+      shutdown_now(a);
+    return;
+  }
+  dsv4_logp(DSV4_LOG_INFO, "draining", "{s:s,s:I}", "signal",
+            signum == SIGTERM ? "SIGTERM" : "SIGINT", "deadline_ms",
+            (json_int_t)a->d.cfg->drain_timeout_ms);
+  a->d.draining = 1;
+  dsv4_server_drain(a->d.data);
+  a->drain_deadline_ms = uv_now(a->d.loop) + a->d.cfg->drain_timeout_ms;
+  uv_timer_start(&a->drain_timer, on_drain_timer, 0, 20);
+}
+
+static int read_token_file(const char *path, char **out) {
+  FILE *f;
+  char buf[4096];
+  size_t n;
+  *out = NULL;
+  if (!path || !*path)
+    return 0;
+  f = fopen(path, "rb");
+  if (!f)
+    return DSV4_EIO;
+  n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
+    n--;
+  if (!n)
+    return DSV4_EINVAL;
+  buf[n] = '\0';
+  *out = strdup(buf);
+  return *out ? 0 : DSV4_ENOMEM;
+}
+
+int main(int argc, char **argv) {
+  static app_t app;
+  dsv4_daemon_t *d = &app.d;
+  dsv4_config_t cfg;
+  char err[512];
+  char *token = NULL;
+  float *kv_w = NULL;
+  uv_loop_t loop;
+  dsv4_route_t routes[8];
+  size_t n_routes;
+  uint64_t t0 = uv_hrtime();
+  int rc, level;
+
+  signal(SIGPIPE, SIG_IGN);
+  memset(&cfg, 0, sizeof(cfg));
+  rc = dsv4_config_load(&cfg, argc, argv, environ, err, sizeof(err));
+  if (rc == DSV4_CONFIG_HELP || rc == DSV4_CONFIG_VERSION)
+    return 0;
+  if (rc) {
+    fprintf(stderr, "dsv4d: %s\n", err);
+    return 2;
+  }
+  if (dsv4_log_parse_level(cfg.log_level, &level) == 0)
+    dsv4_log_set_level(level);
+  if (read_token_file(cfg.api_token_file, &token)) {
+    dsv4_logp(DSV4_LOG_ERROR, "cannot read api_token_file", "{s:s}", "path", cfg.api_token_file);
+    dsv4_config_free(&cfg);
+    return 2;
+  }
+  if (!strcmp(cfg.kv_norm, "fused")) {
+    rc = dsv4_kv_norm_weights_load(cfg.kv_norm_weights, cfg.served_layers, cfg.n_served, &kv_w, err,
+                                   sizeof(err));
+    if (rc) {
+      dsv4_logp(DSV4_LOG_ERROR, "cannot load kv_norm weights", "{s:s}", "why", err);
+      dsv4_config_free(&cfg);
+      return 2;
+    }
+  }
+
+  d->cfg = &cfg;
+  make_instance(d->instance);
+  {
+    dsv4_engine_params_t ep = {
+        .backend = cfg.backend,
+        .threads = cfg.threads,
+        .block_size = cfg.block_size,
+        .kv_blocks = cfg.kv_blocks,
+        .heads = cfg.heads,
+        .model = &cfg.model,
+        .served_layers = cfg.served_layers,
+        .n_served = cfg.n_served,
+        .kv_norm_weights = kv_w,
+        .max_sequences = cfg.kv_blocks, /* every live sequence holds at least one block */
+        .implicit_create = cfg.implicit_create,
+        .idle_timeout_ns = cfg.sequence_idle_timeout_s * 1000000000u,
+    };
+    err[0] = '\0';
+    rc = dsv4_engine_create(&ep, &d->engine, err, sizeof(err));
+    free(kv_w);
+    if (rc) {
+      dsv4_logp(DSV4_LOG_ERROR, "cannot start the engine", "{s:s,s:s,s:s}", "backend", cfg.backend,
+                "error", dsv4_strerror(rc), "why", err);
+      free(token);
+      dsv4_config_free(&cfg);
+      return 1;
+    }
+  }
+
+  uv_loop_init(&loop);
+  d->loop = &loop;
+  if (dsv4_metrics_create(&d->metrics) || dsv4_daemon_metrics_init(d)) {
+    dsv4_logp(DSV4_LOG_ERROR, "cannot create metrics", NULL);
+    return 1;
+  }
+  rc = dsv4_executor_start(&d->ex, &loop, cfg.queue_depth, tick, d);
+  if (rc) {
+    dsv4_logp(DSV4_LOG_ERROR, "cannot start the executor thread", NULL);
+    return 1;
+  }
+  n_routes = dsv4_data_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
+  {
+    dsv4_server_config_t sc = {
+        .host = cfg.host,
+        .port = cfg.port,
+        .max_header_bytes = cfg.max_header_bytes,
+        .header_timeout_ms = cfg.header_timeout_ms,
+        .body_timeout_ms = cfg.body_timeout_ms,
+        .idle_timeout_ms = cfg.idle_timeout_ms,
+        .write_timeout_ms = cfg.write_timeout_ms,
+        .bearer_token = token,
+        .instance = d->instance,
+        .name = "data",
+        .metrics = d->metrics,
+    };
+    rc = dsv4_server_create(&loop, &sc, routes, n_routes, &d->data);
+    if (rc) {
+      dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:i,s:s}", "host", cfg.host, "port",
+                cfg.port, "error", dsv4_strerror(rc));
+      dsv4_executor_stop(&d->ex, NULL, NULL);
+      uv_run(&loop, UV_RUN_DEFAULT);
+      return 1;
+    }
+  }
+  app.sigterm.data = app.sigint.data = app.drain_timer.data = &app;
+  uv_signal_init(&loop, &app.sigterm);
+  uv_signal_init(&loop, &app.sigint);
+  uv_timer_init(&loop, &app.drain_timer);
+  uv_signal_start(&app.sigterm, on_signal, SIGTERM);
+  uv_signal_start(&app.sigint, on_signal, SIGINT);
+
+  dsv4_logp(DSV4_LOG_INFO, "started", "{s:s,s:s,s:s,s:i,s:i,s:i,s:I,s:f}", "version", DSV4_VERSION,
+            "instance", d->instance, "backend", dsv4_engine_backend_name(d->engine), "layers",
+            (int)cfg.n_served, "heads", (int)cfg.heads, "block_size", (int)cfg.block_size,
+            "cache_bytes", (json_int_t)dsv4_engine_cache_bytes(d->engine), "startup_s",
+            (double)(uv_hrtime() - t0) * 1e-9);
+  dsv4_log_listening("data", cfg.host, dsv4_server_port(d->data));
+
+  uv_run(&loop, UV_RUN_DEFAULT);
+
+  /* Every handle must be closed by now; a leak shows as a non-zero uv_loop_close. */
+  uv_walk(&loop, on_walk_close, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  rc = uv_loop_close(&loop);
+  if (rc)
+    dsv4_logp(DSV4_LOG_ERROR, "event loop closed with open handles", NULL);
+  dsv4_engine_destroy(d->engine);
+  dsv4_metrics_destroy(d->metrics);
+  free(token);
+  dsv4_config_free(&cfg);
+  dsv4_logp(DSV4_LOG_INFO, "exit", "{s:i}", "code", rc ? 1 : 0);
+  return rc ? 1 : 0;
+}
