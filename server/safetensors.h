@@ -16,8 +16,9 @@
 
 #include <jansson.h>
 
-#define DSV4_ST_MAX_HEADER ((size_t)1 << 20) /* JSON header bytes, not counting the length prefix  \
-                                              */
+#define DSV4_ST_MAX_HEADER                                                                         \
+  ((size_t)1 << 20) /* JSON header bytes, not counting the length prefix                           \
+                     */
 #define DSV4_ST_MAX_DIMS 8
 #define DSV4_ST_ERR_LEN 256
 
