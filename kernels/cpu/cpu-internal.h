@@ -1,0 +1,66 @@
+#ifndef DSV4_KERNELS_CPU_CPU_INTERNAL_H
+#define DSV4_KERNELS_CPU_CPU_INTERNAL_H
+
+/*
+ * Private pieces of the CPU backend: the worker pool, the per-token kernels and the hooks the unit
+ * tests use. Nothing outside kernels/cpu/ and its tests includes this header.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+
+/* Instruction-set levels of the per-token kernels. Every level produces the same bytes. */
+enum {
+  DSV4__CPU_ISA_SCALAR = 0,
+  DSV4__CPU_ISA_AVX512 = 1,
+};
+
+/* ---- worker pool (cpu_pool.c) ---- */
+
+typedef struct dsv4__cpu_pool dsv4__cpu_pool_t;
+
+/* fn(arg, first, last) processes work items first..last-1; any thread may run any range. */
+typedef void (*dsv4__cpu_job_fn)(void *arg, size_t first, size_t last);
+
+/* A pool of participants: threads - 1 worker threads plus the calling thread (threads >= 1). */
+int dsv4__cpu_pool_create(unsigned threads, dsv4__cpu_pool_t **out);
+void dsv4__cpu_pool_destroy(dsv4__cpu_pool_t *p);
+unsigned dsv4__cpu_pool_threads(const dsv4__cpu_pool_t *p);
+/*
+ * Run fn over items 0..n_items-1 in chunks of `chunk` items on every participant; returns once
+ * every item is done (the join that orders one launch before the next). Caller thread only.
+ */
+void dsv4__cpu_pool_run(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg, size_t n_items,
+                        size_t chunk);
+/* The MXCSR each worker thread saw at its start (x86 only; 0 elsewhere). */
+unsigned dsv4__cpu_pool_start_mxcsr(const dsv4__cpu_pool_t *p, unsigned worker);
+
+/* ---- per-token kernels (cpu_kernels.c) ---- */
+
+/* Whether this machine can run the kernels of isa. */
+int dsv4__cpu_isa_supported(int isa);
+/* The best level this machine supports. */
+int dsv4__cpu_isa_best(void);
+
+/* SPEC §2.1 for heads consecutive heads of one token: q and out point at [heads, 512] bf16. */
+void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads,
+                       const float *rope_row, float eps);
+
+/*
+ * SPEC §2.2 for one token: data receives the 576 bytes NoPE fp8 | RoPE bf16, scales the 8 scale
+ * bytes (pad byte 0). w is the kv_norm weight or NULL (prenormed). Each byte is stored once.
+ */
+void dsv4__cpu_kv_token(int isa, const uint16_t *kv, const float *rope_row, const float *w,
+                        float eps, uint8_t *data, uint8_t *scales);
+
+/* ---- test hooks (cpu_backend.c) ---- */
+
+/* Select the kernel level of a CPU backend; DSV4_EUNSUPPORTED if this machine cannot run it. */
+int dsv4__cpu_backend_set_isa(dsv4_backend_t *be, int isa);
+/* The number of worker threads (participants other than the caller) and their start MXCSR. */
+unsigned dsv4__cpu_backend_workers(dsv4_backend_t *be);
+unsigned dsv4__cpu_backend_worker_mxcsr(dsv4_backend_t *be, unsigned worker);
+
+#endif /* DSV4_KERNELS_CPU_CPU_INTERNAL_H */

@@ -1,0 +1,260 @@
+/*
+ * The CPU reference backend (SPEC §2-3): host memory, and a persistent pool of worker threads over
+ * tokens (and over heads when a batch has fewer tokens than the pool can keep busy). Every launch
+ * is synchronous: map_slots and qkv_insert return once all their work is done, so the join at the
+ * end of each launch is the barrier between producer and consumer (SPEC §5.2), and sync() has
+ * nothing to wait for.
+ */
+#include "cpu_backend.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cpu-internal.h"
+#include "dsv4-numerics.h"
+
+/* Buffers are aligned to a page so vector loads never straddle an allocation's head. */
+#define CPU_BUF_ALIGN 4096
+
+typedef struct {
+  dsv4_backend_t base;
+  dsv4__cpu_pool_t *pool;
+  int isa;
+} cpu_backend_t;
+
+/* One qkv_insert launch, shared read-only by every participant. */
+typedef struct {
+  const dsv4_insert_args_t *a;
+  int isa;
+  uint32_t groups;          /* work items per token */
+  uint32_t heads_per_group; /* the last group of a token may hold fewer */
+  uint64_t n_slots;         /* n_blocks * block_size */
+} insert_job_t;
+
+static cpu_backend_t *cpu_of(dsv4_backend_t *be) {
+  return (cpu_backend_t *)be;
+}
+
+static void cpu_destroy(dsv4_backend_t *be) {
+  cpu_backend_t *c = cpu_of(be);
+  dsv4__cpu_pool_destroy(c->pool);
+  free(c);
+}
+
+static int cpu_buf_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
+  (void)be;
+  if (!out)
+    return DSV4_EINVAL;
+  size_t rounded = (size + CPU_BUF_ALIGN - 1) / CPU_BUF_ALIGN * CPU_BUF_ALIGN;
+  if (rounded < size)
+    return DSV4_ENOMEM;
+  if (rounded == 0)
+    rounded = CPU_BUF_ALIGN;
+  /* calloc of a large size maps fresh zero pages, so memory becomes resident only when touched;
+   * posix_memalign gives no such promise, so over-allocate from calloc and align by hand. */
+  void *raw = calloc(1, rounded + CPU_BUF_ALIGN);
+  if (!raw)
+    return DSV4_ENOMEM;
+  uintptr_t p =
+      ((uintptr_t)raw + sizeof(void *) + CPU_BUF_ALIGN - 1) & ~(uintptr_t)(CPU_BUF_ALIGN - 1);
+  ((void **)p)[-1] = raw;
+  out->ptr = (void *)p;
+  out->size = size;
+  return 0;
+}
+
+static void cpu_buf_free(dsv4_backend_t *be, dsv4_devbuf_t *buf) {
+  (void)be;
+  if (!buf || !buf->ptr)
+    return;
+  free(((void **)buf->ptr)[-1]);
+  buf->ptr = NULL;
+  buf->size = 0;
+}
+
+static int cpu_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
+                      size_t n) {
+  (void)be;
+  if (!dst || off > dst->size || n > dst->size - off || (n && !src))
+    return DSV4_EINVAL;
+  if (n)
+    memcpy((uint8_t *)dst->ptr + off, src, n);
+  return 0;
+}
+
+static int cpu_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                        size_t n) {
+  (void)be;
+  if (!src || off > src->size || n > src->size - off || (n && !dst))
+    return DSV4_EINVAL;
+  if (n)
+    memcpy(dst, (const uint8_t *)src->ptr + off, n);
+  return 0;
+}
+
+static int cpu_sync(dsv4_backend_t *be) {
+  (void)be;
+  return 0;
+}
+
+static int is_block_size(uint32_t bs) {
+  return bs >= DSV4_MIN_BLOCK_SIZE && bs <= DSV4_MAX_BLOCK_SIZE && (bs & (bs - 1)) == 0;
+}
+
+/*
+ * The slot mapper is a few integer operations per token, far cheaper than waking the pool, so it
+ * runs on the calling thread; the arguments are checked in full before the first slot is written.
+ */
+static int cpu_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
+  (void)be;
+  if (!a || !is_block_size(a->block_size))
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->positions || !a->tok_seg || !a->seg_first_lb || !a->seg_bt_off || !a->seg_bt_len ||
+      !a->slots || (a->n_segments && !a->block_table))
+    return DSV4_EINVAL;
+  const int64_t bs = a->block_size;
+  for (uint32_t t = 0; t < a->n_tokens; t++) {
+    int32_t s = a->tok_seg[t];
+    if (s < 0 || (uint32_t)s >= a->n_segments || a->positions[t] < 0)
+      return DSV4_EINVAL;
+  }
+  for (uint32_t t = 0; t < a->n_tokens; t++) {
+    uint32_t s = (uint32_t)a->tok_seg[t];
+    int64_t pos = a->positions[t];
+    int64_t idx = pos / bs - a->seg_first_lb[s];
+    int64_t slot = -1;
+    if (idx >= 0 && idx < (int64_t)a->seg_bt_len[s]) {
+      int32_t b = a->block_table[(uint64_t)a->seg_bt_off[s] + (uint64_t)idx];
+      if (b >= 0) {
+        if ((uint32_t)b >= a->n_blocks)
+          return DSV4_EINVAL;
+        slot = (int64_t)b * bs + pos % bs;
+      }
+    }
+    a->slots[t] = slot;
+  }
+  return 0;
+}
+
+static void insert_items(void *varg, size_t first, size_t last) {
+  const insert_job_t *j = varg;
+  const dsv4_insert_args_t *a = j->a;
+  for (size_t item = first; item < last; item++) {
+    size_t t = item / j->groups;
+    uint32_t g = (uint32_t)(item % j->groups);
+    uint32_t h0 = g * j->heads_per_group;
+    uint32_t nh = a->heads - h0 < j->heads_per_group ? a->heads - h0 : j->heads_per_group;
+    const float *row = dsv4_rope_table_row(a->rope, a->positions[t]);
+    size_t qoff = (t * a->heads + h0) * (size_t)DSV4_HEAD_DIM;
+    dsv4__cpu_q_heads(j->isa, a->q + qoff, a->q_out + qoff, nh, row, a->eps);
+    /* The token's single KV record is the job of its first head group. */
+    int64_t slot = a->slots[t];
+    if (g == 0 && a->write_kv && slot >= 0) {
+      uint64_t block = (uint64_t)slot / a->block_size;
+      uint64_t o = (uint64_t)slot % a->block_size;
+      uint8_t *base = a->cache + block * a->stride;
+      dsv4__cpu_kv_token(j->isa, a->kv + t * DSV4_HEAD_DIM, row, a->kv_norm_weight, a->eps,
+                         base + DSV4_TOKEN_DATA_OFFSET(o),
+                         base + DSV4_SCALE_OFFSET(a->block_size, o));
+    }
+  }
+}
+
+static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
+  cpu_backend_t *c = cpu_of(be);
+  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS)
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->q || !a->kv || !a->positions || !a->slots || !a->rope || !a->q_out)
+    return DSV4_EINVAL;
+  insert_job_t j = {.a = a, .isa = c->isa};
+  if (a->write_kv) {
+    if (!a->cache || !is_block_size(a->block_size) || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
+      return DSV4_EINVAL;
+    j.n_slots = (uint64_t)a->n_blocks * a->block_size;
+    /* Every slot is checked before anything is written, so a bad batch changes nothing. */
+    for (uint32_t t = 0; t < a->n_tokens; t++)
+      if (a->slots[t] >= (int64_t)j.n_slots)
+        return DSV4_EINVAL;
+  }
+  /*
+   * Work items: a token, or a group of a token's heads when there are too few tokens to keep every
+   * participant busy. The split only changes which thread computes a value, never the value.
+   */
+  unsigned threads = dsv4__cpu_pool_threads(c->pool);
+  uint32_t groups = 1;
+  if (threads > 1 && a->n_tokens < 4u * threads) {
+    groups = (4u * threads + a->n_tokens - 1) / a->n_tokens;
+    if (groups > a->heads)
+      groups = a->heads;
+  }
+  j.heads_per_group = (a->heads + groups - 1) / groups;
+  j.groups = (a->heads + j.heads_per_group - 1) / j.heads_per_group;
+  size_t items = (size_t)a->n_tokens * j.groups;
+  size_t chunk = items / ((size_t)threads * 8);
+  if (chunk == 0)
+    chunk = 1;
+  dsv4__cpu_pool_run(c->pool, insert_items, &j, items, chunk);
+  return 0;
+}
+
+static const dsv4_backend_ops_t cpu_ops = {
+    .name = "cpu",
+    .caps = DSV4_BE_HOST_MEMORY,
+    .destroy = cpu_destroy,
+    .buf_alloc = cpu_buf_alloc,
+    .buf_free = cpu_buf_free,
+    .upload = cpu_upload,
+    .download = cpu_download,
+    .map_slots = cpu_map_slots,
+    .qkv_insert = cpu_qkv_insert,
+    .sync = cpu_sync,
+};
+
+int dsv4_cpu_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
+                          size_t why_len) {
+  if (!out)
+    return DSV4_EINVAL;
+  unsigned threads = opt ? opt->threads : 0;
+  if (threads == 0) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    threads = n > 0 ? (unsigned)n : 1;
+  }
+  cpu_backend_t *c = calloc(1, sizeof(*c));
+  if (!c) {
+    if (why_len)
+      snprintf(why, why_len, "cpu backend: out of memory");
+    return DSV4_ENOMEM;
+  }
+  c->base.ops = &cpu_ops;
+  c->isa = dsv4__cpu_isa_best();
+  int err = dsv4__cpu_pool_create(threads, &c->pool);
+  if (err) {
+    if (why_len)
+      snprintf(why, why_len, "cpu backend: cannot start %u worker threads", threads);
+    free(c);
+    return err;
+  }
+  *out = &c->base;
+  return 0;
+}
+
+int dsv4__cpu_backend_set_isa(dsv4_backend_t *be, int isa) {
+  if (!dsv4__cpu_isa_supported(isa))
+    return DSV4_EUNSUPPORTED;
+  cpu_of(be)->isa = isa;
+  return 0;
+}
+
+unsigned dsv4__cpu_backend_workers(dsv4_backend_t *be) {
+  return dsv4__cpu_pool_threads(cpu_of(be)->pool) - 1;
+}
+
+unsigned dsv4__cpu_backend_worker_mxcsr(dsv4_backend_t *be, unsigned worker) {
+  return dsv4__cpu_pool_start_mxcsr(cpu_of(be)->pool, worker);
+}

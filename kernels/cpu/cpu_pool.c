@@ -1,0 +1,218 @@
+/*
+ * A persistent pool of worker threads for the CPU backend. A launch hands every participant (the
+ * workers and the calling thread) the same job; participants take chunks of items from one atomic
+ * counter, and the caller returns only after every participant has finished, so consecutive
+ * launches (map_slots, then qkv_insert) are separated by a join as SPEC §5.2 asks of the CPU.
+ *
+ * Workers spin briefly after a launch before sleeping on a condition variable, because the executor
+ * usually launches again within microseconds and a futex wake costs more than the work of a small
+ * batch.
+ */
+#include "cpu-internal.h"
+
+#include <assert.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+/* MXCSR flush-to-zero (bit 15) and denormals-are-zero (bit 6). */
+#define MXCSR_FTZ_DAZ 0x8040u
+static unsigned read_mxcsr(void) {
+  return _mm_getcsr();
+}
+#else
+#define CPU_RELAX() ((void)0)
+#define MXCSR_FTZ_DAZ 0u
+static unsigned read_mxcsr(void) {
+  return 0;
+}
+#endif
+
+/* Spin iterations before a worker or the caller falls back to sleeping. */
+#define SPIN_LIMIT 20000
+
+typedef struct {
+  dsv4__cpu_pool_t *pool;
+  unsigned index;
+  pthread_t thread;
+} worker_t;
+
+struct dsv4__cpu_pool {
+  unsigned threads; /* participants, including the caller */
+  unsigned n_workers;
+  worker_t *workers;
+  unsigned *start_mxcsr;
+
+  pthread_mutex_t mu;
+  pthread_cond_t cv_start;
+  pthread_cond_t cv_done;
+  atomic_ullong generation; /* bumped by each launch */
+  atomic_uint pending;      /* workers still inside the current launch */
+  atomic_int stop;
+  unsigned started; /* workers that have recorded their MXCSR (under mu) */
+
+  /* The current launch; written by the caller before the generation is bumped. */
+  dsv4__cpu_job_fn fn;
+  void *arg;
+  size_t n_items;
+  size_t chunk;
+  atomic_size_t next;
+};
+
+static void run_chunks(dsv4__cpu_pool_t *p) {
+  for (;;) {
+    size_t first = atomic_fetch_add_explicit(&p->next, p->chunk, memory_order_relaxed);
+    if (first >= p->n_items)
+      break;
+    size_t last = first + p->chunk;
+    if (last > p->n_items)
+      last = p->n_items;
+    p->fn(p->arg, first, last);
+  }
+}
+
+static void *worker_main(void *varg) {
+  worker_t *w = varg;
+  dsv4__cpu_pool_t *p = w->pool;
+  unsigned csr = read_mxcsr();
+  pthread_mutex_lock(&p->mu);
+  p->start_mxcsr[w->index] = csr;
+  p->started++;
+  pthread_cond_broadcast(&p->cv_done);
+  pthread_mutex_unlock(&p->mu);
+  /* SPEC §2: subnormals are honoured, so no executor thread may flush or read them as zero. */
+  assert((csr & MXCSR_FTZ_DAZ) == 0);
+  unsigned long long seen = 0;
+  for (;;) {
+    unsigned long long g = atomic_load_explicit(&p->generation, memory_order_acquire);
+    for (int spin = 0; g == seen && spin < SPIN_LIMIT; spin++) {
+      if (atomic_load_explicit(&p->stop, memory_order_relaxed))
+        break;
+      CPU_RELAX();
+      g = atomic_load_explicit(&p->generation, memory_order_acquire);
+    }
+    if (g == seen) {
+      pthread_mutex_lock(&p->mu);
+      while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen &&
+             !atomic_load_explicit(&p->stop, memory_order_relaxed))
+        pthread_cond_wait(&p->cv_start, &p->mu);
+      pthread_mutex_unlock(&p->mu);
+    }
+    if (g == seen)
+      break; /* stop requested and no launch pending */
+    seen = g;
+    run_chunks(p);
+    if (atomic_fetch_sub_explicit(&p->pending, 1, memory_order_acq_rel) == 1) {
+      pthread_mutex_lock(&p->mu);
+      pthread_cond_signal(&p->cv_done);
+      pthread_mutex_unlock(&p->mu);
+    }
+  }
+  return NULL;
+}
+
+int dsv4__cpu_pool_create(unsigned threads, dsv4__cpu_pool_t **out) {
+  if (threads < 1)
+    return DSV4_EINVAL;
+  dsv4__cpu_pool_t *p = calloc(1, sizeof(*p));
+  if (!p)
+    return DSV4_ENOMEM;
+  p->threads = threads;
+  p->n_workers = threads - 1;
+  p->workers = calloc(threads, sizeof(*p->workers));
+  p->start_mxcsr = calloc(threads, sizeof(*p->start_mxcsr));
+  if (!p->workers || !p->start_mxcsr) {
+    free(p->workers);
+    free(p->start_mxcsr);
+    free(p);
+    return DSV4_ENOMEM;
+  }
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->cv_start, NULL);
+  pthread_cond_init(&p->cv_done, NULL);
+  atomic_init(&p->generation, 0);
+  atomic_init(&p->pending, 0);
+  atomic_init(&p->stop, 0);
+  atomic_init(&p->next, 0);
+  unsigned started = 0;
+  for (; started < p->n_workers; started++) {
+    worker_t *w = &p->workers[started];
+    w->pool = p;
+    w->index = started;
+    if (pthread_create(&w->thread, NULL, worker_main, w) != 0)
+      break;
+  }
+  if (started < p->n_workers) {
+    p->n_workers = started;
+    dsv4__cpu_pool_destroy(p);
+    return DSV4_ENOMEM;
+  }
+  /* Open returns once every worker runs, so a worker's MXCSR check has happened by then. */
+  pthread_mutex_lock(&p->mu);
+  while (p->started < p->n_workers)
+    pthread_cond_wait(&p->cv_done, &p->mu);
+  pthread_mutex_unlock(&p->mu);
+  *out = p;
+  return 0;
+}
+
+void dsv4__cpu_pool_destroy(dsv4__cpu_pool_t *p) {
+  if (!p)
+    return;
+  pthread_mutex_lock(&p->mu);
+  atomic_store(&p->stop, 1);
+  pthread_cond_broadcast(&p->cv_start);
+  pthread_mutex_unlock(&p->mu);
+  for (unsigned i = 0; i < p->n_workers; i++)
+    pthread_join(p->workers[i].thread, NULL);
+  pthread_cond_destroy(&p->cv_done);
+  pthread_cond_destroy(&p->cv_start);
+  pthread_mutex_destroy(&p->mu);
+  free(p->start_mxcsr);
+  free(p->workers);
+  free(p);
+}
+
+unsigned dsv4__cpu_pool_threads(const dsv4__cpu_pool_t *p) {
+  return p->threads;
+}
+
+unsigned dsv4__cpu_pool_start_mxcsr(const dsv4__cpu_pool_t *p, unsigned worker) {
+  return worker < p->n_workers ? p->start_mxcsr[worker] : 0;
+}
+
+void dsv4__cpu_pool_run(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg, size_t n_items,
+                        size_t chunk) {
+  if (n_items == 0)
+    return;
+  if (chunk == 0)
+    chunk = 1;
+  /* A launch that fits in one chunk, or a pool without workers, runs on the caller alone. */
+  if (p->n_workers == 0 || n_items <= chunk) {
+    fn(arg, 0, n_items);
+    return;
+  }
+  p->fn = fn;
+  p->arg = arg;
+  p->n_items = n_items;
+  p->chunk = chunk;
+  atomic_store_explicit(&p->next, 0, memory_order_relaxed);
+  atomic_store_explicit(&p->pending, p->n_workers, memory_order_relaxed);
+  pthread_mutex_lock(&p->mu);
+  atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
+  pthread_cond_broadcast(&p->cv_start);
+  pthread_mutex_unlock(&p->mu);
+  run_chunks(p);
+  for (int spin = 0; spin < SPIN_LIMIT; spin++) {
+    if (atomic_load_explicit(&p->pending, memory_order_acquire) == 0)
+      return;
+    CPU_RELAX();
+  }
+  pthread_mutex_lock(&p->mu);
+  while (atomic_load_explicit(&p->pending, memory_order_acquire) != 0)
+    pthread_cond_wait(&p->cv_done, &p->mu);
+  pthread_mutex_unlock(&p->mu);
+}
