@@ -1,0 +1,220 @@
+"""Process life cycle: start-up time, --help, option errors, configuration sources, SIGTERM/SIGINT
+drain with a batch in flight, and idle sequence expiry."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dsv4_harness as h  # noqa: E402
+from dsv4_harness import Batch, Daemon, Seg, check, check_eq, expect_error  # noqa: E402
+
+STARTUP_LIMIT_S = float(os.environ.get("DSV4_IT_STARTUP_LIMIT", "1.0"))
+FLAGS = ("--host", "--port", "--backend", "--threads", "--block-size", "--kv-blocks", "--heads",
+         "--layers", "--kv-norm", "--max-batch-tokens", "--max-segments", "--max-header-bytes",
+         "--max-body-bytes", "--queue-depth", "--sequence-idle-timeout-s", "--implicit-create",
+         "--header-timeout-ms", "--body-timeout-ms", "--idle-timeout-ms", "--drain-timeout-ms",
+         "--model-config", "--api-token-file", "--config")
+
+
+def run_cli(args, env=None, timeout=5):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([h.DAEMON] + args, env=e, stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=timeout)
+
+
+def test_startup_time_default_config():
+    """Spawn to the listening line on the built-in configuration (64 heads, 43 layers)."""
+    times = []
+    for _ in range(2):
+        d = Daemon([], name="default")
+        d.start()
+        times.append(d.startup_s)
+        check_eq(d.get("/readyz").status, 200, "readyz on the default config")
+        rc = d.stop()
+        check_eq(rc, 0, "exit status after SIGTERM")
+    print("start-up on the default config: %s s" % ", ".join("%.3f" % t for t in times))
+    check(min(times) < STARTUP_LIMIT_S, "start-up took %.3f s (limit %.1f s)" % (min(times),
+                                                                              STARTUP_LIMIT_S))
+
+
+def test_help():
+    r = run_cli(["--help"])
+    check_eq(r.returncode, 0, "--help exit status")
+    text = (r.stdout + r.stderr).decode()
+    for f in FLAGS:
+        check(f in text, "--help does not mention %s" % f)
+
+
+def test_option_errors():
+    """A bad value exits non-zero, naming the option, without serving."""
+    cases = [(["--heads", "0"], "heads"), (["--heads", "129"], "heads"),
+             (["--block-size", "17"], "block"), (["--block-size", "512"], "block"),
+             (["--block-size", "8"], "block"), (["--port", "70000"], "port"),
+             (["--port", "-1"], "port"), (["--kv-blocks", "0"], "kv"),
+             (["--kv-blocks", "many"], "kv"), (["--layers", "5-2"], "layers"),
+             (["--layers", "0-99"], "layers"), (["--implicit-create", "maybe"], "implicit"),
+             (["--kv-norm", "sometimes"], "kv"), (["--backend", "abacus"], "backend"),
+             (["--threads", "-3"], "threads"), (["--no-such-option", "1"], "no-such-option"),
+             (["--heads"], "heads")]
+    for args, name in cases:
+        r = run_cli(args + ["--port", "0"] if "--port" not in args else args)
+        err = (r.stdout + r.stderr).decode()
+        check(r.returncode != 0, "%s: exit status 0 (output %r)" % (args, err[-300:]))
+        check(name in err.replace("_", "-") or name in err,
+              "%s: the error does not name %r: %r" % (args, name, err[-400:]))
+    # The same range checks apply to the environment and the JSON file.
+    r = run_cli(["--port", "0"], env={"DSV4D_HEADS": "0"})
+    check(r.returncode != 0 and b"heads" in (r.stdout + r.stderr).lower(),
+          "DSV4D_HEADS=0: exit %d %r" % (r.returncode, (r.stdout + r.stderr)[-300:]))
+    cfg = os.path.join(os.environ.get("TMPDIR", "/tmp"), "dsv4d-it-cfg-%d.json" % os.getpid())
+    try:
+        with open(cfg, "w") as f:
+            json.dump({"heads": 200}, f)
+        r = run_cli(["--port", "0", "--config", cfg])
+        check(r.returncode != 0 and b"heads" in (r.stdout + r.stderr).lower(),
+              "config heads 200: exit %d %r" % (r.returncode, (r.stdout + r.stderr)[-300:]))
+    finally:
+        os.unlink(cfg)
+
+
+def accepts_heads(d, heads, rng, seq):
+    b = Batch.random(rng, 0, [Seg(seq, 0, 1, True)], heads)
+    r = d.forward_raw(b.body())
+    return r.status == 200
+
+
+def test_config_sources():
+    """file < environment < command line; implicit_create."""
+    rng = np.random.default_rng(51)
+    cfg = os.path.join(os.environ.get("TMPDIR", "/tmp"), "dsv4d-it-cfg2-%d.json" % os.getpid())
+    base = ["--kv-blocks", "8", "--layers", "0-1"]
+    try:
+        with open(cfg, "w") as f:
+            json.dump({"heads": 2, "kv_blocks": 8}, f)
+        with Daemon(base + ["--config", cfg]) as d:
+            check(accepts_heads(d, 2, rng, "f") and not accepts_heads(d, 4, rng, "g"),
+                  "heads from the config file")
+        with Daemon(base + ["--config", cfg], env={"DSV4D_HEADS": "3"}) as d:
+            check(accepts_heads(d, 3, rng, "f") and not accepts_heads(d, 2, rng, "g"),
+                  "the environment over the file")
+        with Daemon(base + ["--config", cfg, "--heads", "5"], env={"DSV4D_HEADS": "3"}) as d:
+            check(accepts_heads(d, 5, rng, "f") and not accepts_heads(d, 3, rng, "g"),
+                  "the command line over the environment")
+    finally:
+        os.unlink(cfg)
+    with Daemon(base + ["--heads", "2", "--implicit-create", "true"]) as d:
+        b = Batch.random(rng, 1, [Seg("imp", 7, 3)], 2)
+        h.check_result(d.forward(b), b, "implicit create", bs=64)
+        j = d.seq("imp")
+        check_eq((j["p0"], j["next"]), (7, {"0": 7, "1": 10}), "implicitly created sequence")
+    with Daemon(base + ["--heads", "2"]) as d:
+        e = expect_error(d.forward_raw(Batch.random(rng, 1, [Seg("imp", 7, 3)], 2).body()), 404,
+                         "unknown_sequence")
+        check_eq(e.get("instance"), d.instance, "instance in the 404")
+
+
+def test_sigterm_drains_inflight_batch():
+    """SIGTERM while a large batch is on the executor: the batch is answered in full and correctly,
+    and the process exits 0."""
+    rng = np.random.default_rng(52)
+    heads = 64
+    for n in (512, 1024, 2048):
+        d = Daemon(["--kv-blocks", "64", "--layers", "0-0", "--threads", "1",
+                    "--drain-timeout-ms", "20000"], name="drain-%d" % n)
+        d.start()
+        b = Batch.random(rng, 0, [Seg("big", 0, n, True)], heads)
+        body = b.body()
+        out = {}
+
+        def send():
+            try:
+                out["r"] = d.forward_raw(body)
+            except Exception as e:  # noqa: BLE001 - reported by the main thread
+                out["e"] = e
+
+        t = threading.Thread(target=send)
+        t.start()
+        seen = False
+        deadline = time.monotonic() + 30
+        while t.is_alive() and time.monotonic() < deadline:
+            try:
+                ms = d.metrics()
+            except (OSError, h.TestFailure):
+                break
+            if h.metric(ms, "dsv4d_inflight_batches") >= 1:
+                seen = True
+                break
+        if seen:
+            d.signal(signal.SIGTERM)
+        t.join(60)
+        check(not t.is_alive(), "the in-flight batch got no answer")
+        if not seen:
+            check("e" not in out, "batch failed without a signal: %r" % out.get("e"))
+            d.stop()
+            print("N=%d finished before it was seen in flight; trying a larger batch" % n)
+            continue
+        check("e" not in out, "the in-flight batch failed: %r" % out.get("e"))
+        r = out["r"]
+        check_eq(r.status, 200, "status of the batch in flight at SIGTERM (%r)" % r)
+        h.check_result(h.ForwardResult(r, b), b, "batch in flight at SIGTERM", bs=64)
+        rc = d.wait(20)
+        check(rc is not None, "no exit within 20 s of SIGTERM")
+        check_eq(rc, 0, "exit status after the drain")
+        print("drained a batch of %d tokens x %d heads in flight at SIGTERM" % (n, heads))
+        return
+    raise h.TestFailure("no batch was ever seen in flight (dsv4d_inflight_batches stayed 0)")
+
+
+def test_sigint_and_idle_sigterm():
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with Daemon(h.SMALL) as d:
+            s = h.connect(d)  # an idle keep-alive connection must not hold the exit up
+            t0 = time.monotonic()
+            d.signal(sig)
+            rc = d.wait(5)
+            check(rc is not None, "%s: no exit within 5 s when idle" % sig.name)
+            check_eq(rc, 0, "%s: exit status" % sig.name)
+            print("%s: exit after %.3f s" % (sig.name, time.monotonic() - t0))
+            s.close()
+
+
+def test_sequence_idle_expiry():
+    """sequence_idle_timeout_s 1: an idle sequence is deleted (blocks freed) and answers 410 for one
+    more period, then 404."""
+    rng = np.random.default_rng(53)
+    with Daemon(h.SMALL + ["--sequence-idle-timeout-s", "1"]) as d:
+        d.forward(Batch.random(rng, 0, [Seg("idle", 0, 100, True)], 8))
+        d.wait_used_blocks(2)
+        deadline = time.monotonic() + 4
+        r = None
+        while time.monotonic() < deadline:
+            r = d.get("/v1/sequences/idle")
+            if r.status != 200:
+                break
+            time.sleep(0.05)
+        expect_error(r, 410, "sequence_expired")
+        e = expect_error(d.forward_raw(Batch.random(rng, 0, [Seg("idle", 100, 1)], 8).body()), 410,
+                         "sequence_expired")
+        check(e is not None, "410 on forward")
+        d.wait_used_blocks(0)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            r = d.get("/v1/sequences/idle")
+            if r.status != 410:
+                break
+            time.sleep(0.1)
+        expect_error(r, 404, "unknown_sequence")
+
+
+if __name__ == "__main__":
+    h.main([test_startup_time_default_config, test_help, test_option_errors, test_config_sources,
+            test_sigterm_drains_inflight_batch, test_sigint_and_idle_sigterm,
+            test_sequence_idle_expiry])

@@ -1,0 +1,241 @@
+"""HTTP behaviour: keep-alive, pipelining, limits checked before the body (413, 431), 411, client
+disconnects mid-body, connection timeouts and the bearer token."""
+
+import os
+import socket
+import struct
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dsv4_harness as h  # noqa: E402
+from dsv4_harness import Batch, Daemon, Seg, check, check_eq, expect_error  # noqa: E402
+
+HEADS = 8
+
+
+def fwd(body, headers=None):
+    return h.raw_request("POST", "/v1/forward", body, headers)
+
+
+def test_keep_alive():
+    rng = np.random.default_rng(41)
+    with Daemon(h.SMALL) as d:
+        s = h.connect(d)
+        buf = b""
+        nxt = 0
+        for i in range(12):
+            b = Batch.random(rng, 0, [Seg("k", nxt, 3, nxt == 0)], HEADS)
+            for req, want in ((h.raw_request("GET", "/healthz"), 200), (fwd(b.body()), 200),
+                              (h.raw_request("GET", "/v1/sequences/k"), 200),
+                              (fwd(b"bad"), 400), (h.raw_request("GET", "/metrics"), 200)):
+                s.sendall(req)
+                r, buf = h.read_response(s, buf)
+                check_eq(r.status, want, "answer %d on one keep-alive connection" % i)
+                check_eq(r.headers.get("dsv4d-instance"), d.instance, "instance")
+                check(r.headers.get("connection", "").lower() != "close",
+                      "the daemon asked to close a keep-alive connection after %d" % r.status)
+                if req.startswith(b"POST") and r.status == 200:
+                    h.check_result(h.ForwardResult(r, b), b, "keep-alive batch %d" % i, bs=64)
+            nxt += 3
+        s.close()
+        check_eq(d.seq("k")["next"]["0"], 36, "next after 12 batches")
+
+
+def test_pipelined_in_order():
+    """Many requests written at once on one socket are answered in order, the sequence state showing
+    that each was applied before the next was read."""
+    rng = np.random.default_rng(42)
+    with Daemon(h.SMALL) as d:
+        b1 = Batch.random(rng, 0, [Seg("p", 0, 200, True)], HEADS)
+        b2 = Batch.random(rng, 0, [Seg("p", 200, 2)], HEADS)
+        b3 = Batch.random(rng, 1, [Seg("p", 0, 1)], HEADS)
+        reqs = [
+            (h.raw_request("GET", "/healthz"), 200, None),
+            (fwd(b1.body()), 200, b1),
+            (h.raw_request("GET", "/v1/sequences/p"), 200, {"0": 200, "1": 0, "2": 0, "3": 0}),
+            (fwd(b"\x08\0\0\0\0\0\0\0{}      "), 400, None),
+            (fwd(b2.body()), 200, b2),
+            (fwd(b2.body()), 200, "replay"),
+            (h.raw_request("GET", "/v1/sequences/p"), 200, {"0": 202, "1": 0, "2": 0, "3": 0}),
+            (fwd(b3.body()), 200, b3),
+            (h.raw_request("DELETE", "/v1/sequences/p"), 204, None),
+            (h.raw_request("GET", "/v1/sequences/p"), 404, None),
+            (h.raw_request("DELETE", "/v1/sequences/p"), 204, None),
+            (h.raw_request("GET", "/readyz"), 200, None),
+        ]
+        s = h.connect(d)
+        s.sendall(b"".join(r for r, _, _ in reqs))
+        buf = b""
+        for i, (req, want, extra) in enumerate(reqs):
+            r, buf = h.read_response(s, buf, timeout=20)
+            check_eq(r.status, want, "pipelined answer %d (%s)" % (i, req[:40]))
+            check_eq(r.headers.get("dsv4d-instance"), d.instance, "instance")
+            if isinstance(extra, Batch):
+                h.check_result(h.ForwardResult(r, extra), extra, "pipelined batch %d" % i, bs=64)
+            elif extra == "replay":
+                check_eq(h.ForwardResult(r, b2).replayed, "true", "pipelined replay")
+            elif isinstance(extra, dict):
+                check_eq(r.json()["next"], extra, "pipelined GET %d" % i)
+            if i == 8:
+                check_eq(r.headers.get("dsv4d-existed"), "1", "first DELETE")
+            if i == 10:
+                check_eq(r.headers.get("dsv4d-existed"), "0", "second DELETE")
+        check_eq(buf, b"", "nothing after the last answer")
+        s.close()
+
+
+def test_limits_before_body():
+    """413 and 431 come back while the body is still unsent: only headers go out."""
+    rng = np.random.default_rng(43)
+    with Daemon(h.SMALL + ["--max-body-bytes", "100000", "--max-header-bytes", "4096"]) as d:
+        ok = Batch.random(rng, 0, [Seg("l", 0, 2, True)], HEADS)
+        before = d.metrics()
+        for cl in (100001, 10 ** 12, 2 ** 63 - 1):
+            s = h.connect(d)
+            s.sendall(("POST /v1/forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream"
+                       "\r\nContent-Length: %d\r\n\r\n" % cl).encode() + b"\0" * 100)
+            r, _ = h.read_response(s, timeout=5)
+            expect_error(r, 413, "payload_too_large")
+            check_eq(r.headers.get("dsv4d-instance"), d.instance, "instance on 413")
+            s.close()
+        # 431: request headers over the limit, on a GET and on a POST whose body is never sent.
+        for req in (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n",
+                    b"POST /v1/forward HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n" +
+                    b"".join(b"X-H%d: %s\r\n" % (i, b"b" * 90) for i in range(60)) + b"\r\n",
+                    b"GET /v1/sequences/" + b"s" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"):
+            s = h.connect(d)
+            s.sendall(req)
+            r, _ = h.read_response(s, timeout=5)
+            expect_error(r, 431, "headers_too_large")
+            s.close()
+        # Just under both limits: accepted.
+        body = ok.body()
+        check(len(body) < 100000, "test body size")
+        r = d.forward_raw(body, headers={"X-Pad": "c" * 3000})
+        check_eq(r.status, 200, "request under both limits")
+        h.check_result(h.ForwardResult(r, ok), ok, "under the limits", bs=64)
+        ms = d.metrics()
+        check_eq(h.metric(ms, "dsv4d_kv_blocks", state="used"), 1.0, "used blocks")
+        check_eq(h.metric(ms, "dsv4d_sequences"), 1.0, "sequences")
+        check_eq(h.metric(ms, "dsv4d_batch_tokens_count") -
+                 h.metric(before, "dsv4d_batch_tokens_count"), 1.0, "only one batch ran")
+    # The default limit (derived from max_batch_tokens) also answers before the body.
+    with Daemon(h.SMALL) as d:
+        s = h.connect(d)
+        s.sendall(b"POST /v1/forward HTTP/1.1\r\nHost: x\r\nContent-Length: 1099511627776\r\n\r\n")
+        r, _ = h.read_response(s, timeout=5)
+        expect_error(r, 413, "payload_too_large")
+        s.close()
+        s = h.connect(d)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n")
+        r, _ = h.read_response(s, timeout=5)
+        expect_error(r, 431, "headers_too_large")
+        s.close()
+
+
+def test_length_required():
+    with Daemon(h.SMALL) as d:
+        s = h.connect(d)
+        s.sendall(b"POST /v1/forward HTTP/1.1\r\nHost: x\r\n\r\n")
+        r, _ = h.read_response(s, timeout=5)
+        expect_error(r, 411, "length_required")
+        s.close()
+
+
+def test_disconnect_mid_body():
+    """Clients that go away mid-body (FIN or RST) leave no trace: the next batch gives the bytes a fresh
+    daemon gives, and the sequence is where it was."""
+    rng = np.random.default_rng(44)
+    b1 = Batch.random(rng, 0, [Seg("dc", 0, 40, True)], HEADS)
+    b2 = Batch.random(rng, 0, [Seg("dc", 40, 30), Seg("dd", 0, 5, True)], HEADS)
+    with Daemon(h.SMALL, name="A") as a, Daemon(h.SMALL, name="B") as b:
+        ra1 = a.forward(b1)
+        rb1 = b.forward(b1)
+        before = a.seq("dc")
+        used = a.used_blocks()
+        body = b2.body()
+        full = fwd(body)
+        head = len(full) - len(body)
+        # Mid-body, one byte short, inside the safetensors header, headers only, mid-headers.
+        for n, rst in ((head + len(body) // 2, False), (len(full) - 1, True), (head + 20, False),
+                       (head, True), (60, False)):
+            s = h.connect(a)
+            s.sendall(full[:n])
+            time.sleep(0.05)
+            if rst:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        time.sleep(0.2)
+        check_eq(a.get("/healthz").status, 200, "healthz after the disconnects")
+        check_eq(a.seq("dc"), before, "dc after the disconnects")
+        check_eq(a.seq("dd"), None, "dd after the disconnects")
+        check_eq(a.used_blocks(), used, "used blocks after the disconnects")
+        ra2 = a.forward(b2)
+        rb2 = b.forward(b2)
+        for x, y, bt in ((ra1, rb1, b1), (ra2, rb2, b2)):
+            check(np.array_equal(x.q_out, y.q_out) and np.array_equal(x.slots, y.slots),
+                  "A and B differ on %r" % bt)
+            check_eq(x.cache_digest, y.cache_digest, "cache_digest A vs B on %r" % bt)
+            h.check_result(x, bt, "after disconnects", bs=64)
+        sa, sb = a.seq("dc"), b.seq("dc")
+        sa.pop("instance")
+        sb.pop("instance")
+        check_eq(sa, sb, "dc on A and B")
+
+
+def test_connection_timeouts():
+    """A request line that never completes, a body that stalls and an idle keep-alive connection are
+    closed after their timeouts (an answer, if any, is 408 timeout)."""
+    with Daemon(h.SMALL + ["--header-timeout-ms", "300", "--body-timeout-ms", "300",
+                           "--idle-timeout-ms", "300"]) as d:
+        cases = (("headers", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"),
+                 ("body", b"POST /v1/forward HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc"),
+                 ("idle", h.raw_request("GET", "/healthz")))
+        for what, data in cases:
+            s = h.connect(d)
+            t0 = time.monotonic()
+            s.sendall(data)
+            closed, got = h.wait_closed(s, 3.0)
+            dt = time.monotonic() - t0
+            s.close()
+            check(closed, "%s: connection still open after 3 s (got %r)" % (what, got[:200]))
+            check(dt >= 0.25, "%s: closed after %.3f s, before the 300 ms timeout" % (what, dt))
+            if what == "idle":
+                check(got.startswith(b"HTTP/1.1 200"), "idle: the answer came first (%r)" % got[:50])
+            elif got:
+                check(got.startswith(b"HTTP/1.1 408"), "%s: answer before closing %r" % (what, got[:80]))
+        check_eq(d.get("/healthz").status, 200, "healthz after the timeouts")
+
+
+def test_bearer_token():
+    rng = np.random.default_rng(45)
+    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), "dsv4d-it-token-%d" % os.getpid())
+    with open(tmp, "w") as f:
+        f.write("s3cret-token")
+    try:
+        with Daemon(h.SMALL + ["--api-token-file", tmp]) as d:
+            b = Batch.random(rng, 0, [Seg("t", 0, 2, True)], HEADS)
+            for hdr in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"},
+                        {"Authorization": "Bearer s3cret-token-and-more"}):
+                expect_error(d.forward_raw(b.body(), headers=hdr), 401, "unauthorized")
+                expect_error(d.get("/v1/sequences/t", headers=hdr), 401, "unauthorized")
+                expect_error(d.delete("/v1/sequences/t", headers=hdr), 401, "unauthorized")
+            for path in ("/healthz", "/readyz", "/metrics"):
+                check_eq(d.get(path).status, 200, "%s without a token" % path)
+            ok = {"Authorization": "Bearer s3cret-token"}
+            r = d.forward_raw(b.body(), headers=ok)
+            check_eq(r.status, 200, "forward with the token")
+            h.check_result(h.ForwardResult(r, b), b, "with a token", bs=64)
+            r = d.get("/v1/sequences/t", headers=ok)
+            check_eq(r.status, 200, "GET with the token")
+            check_eq(r.json()["next"]["0"], 2, "next")
+    finally:
+        os.unlink(tmp)
+
+
+if __name__ == "__main__":
+    h.main([test_keep_alive, test_pipelined_in_order, test_limits_before_body, test_length_required,
+            test_disconnect_mid_body, test_connection_timeouts, test_bearer_token])
