@@ -517,3 +517,224 @@ def pool_digest(layer, cache, used_blocks, bs):
         acc ^= xxhash.xxh3_64_intdigest(struct.pack("<II", layer, b) +
                                         bytes(cache[b * stride:(b + 1) * stride]))
     return "%016x" % acc
+
+
+# ---------------------------------------------------------------------------------------------
+# The sequence table and SWA slot mapper (SPEC §4)
+#
+# Physical block ids are the daemon's choice, so integration tests should compare counts (held,
+# used, free), logical contents (records, digests of record lists) and errors, not ids. The model
+# still hands out its own ids (lowest free first) so that it can produce a complete slot list and
+# cache buffer for kernel-level tests; pass alloc= to follow another policy.
+
+import re as _re
+
+_SEQ_NAME = _re.compile(r"^[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,127}$")
+
+
+class SeqError(Exception):
+    """A refused batch: code and HTTP status as in SPEC §6, with details (expected positions etc.)."""
+
+    STATUS = {"bad_request": 400, "position_out_of_range": 400, "unknown_layer": 400,
+              "duplicate_sequence": 400, "unknown_sequence": 404, "position_mismatch": 409,
+              "sequence_exists": 409, "sequence_expired": 410, "kv_pool_exhausted": 503}
+
+    def __init__(self, code, **details):
+        super().__init__("%s %s" % (code, details))
+        self.code = code
+        self.status = self.STATUS[code]
+        self.details = details
+
+
+class Segment:
+    """One segment of a batch. key identifies its q and kv bytes (the daemon hashes them with XXH3;
+    any value that is equal exactly when the bytes are equal will do, e.g. segment_key(q, kv))."""
+
+    def __init__(self, seq, start, length, new=False, key=None):
+        self.seq, self.start, self.len, self.new, self.key = seq, int(start), int(length), bool(new), key
+
+
+def segment_key(q, kv):
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(q).tobytes() +
+                                    np.ascontiguousarray(kv).tobytes())
+
+
+class _Seq:
+    def __init__(self, p0, layers):
+        self.p0 = p0
+        self.next = {L: p0 for L in layers}         # next position per layer
+        self.seg_start = {L: p0 for L in layers}    # s_L: start of the last applied segment
+        self.last = {}                              # L -> (start, len, key)
+        self.blocks = {}                            # logical block -> physical id
+        self.records = {L: {} for L in layers}      # L -> {position: 584-byte record}
+
+
+class SeqTableModel:
+    def __init__(self, n_blocks, block_size=64, layers=(0,), max_position=MAX_POSITION,
+                 implicit_create=False, alloc=None):
+        self.n_blocks = n_blocks
+        self.bs = block_size
+        self.layers = list(layers)
+        self.max_position = max_position
+        self.implicit_create = implicit_create
+        self.seqs = {}
+        self.expired = set()
+        self.free_ids = set(range(n_blocks))
+        self.alloc = alloc or (lambda free: min(free))
+
+    # -- queries -------------------------------------------------------------------------------
+    def used_blocks(self):
+        return self.n_blocks - len(self.free_ids)
+
+    def free_blocks(self):
+        return len(self.free_ids)
+
+    def held_blocks(self, name):
+        return len(self.seqs[name].blocks)
+
+    def next_positions(self, name):
+        return dict(self.seqs[name].next)
+
+    def stored_range(self, name, layer):
+        """Positions whose records the sequence digest covers at layer (SPEC §3.1)."""
+        s = self.seqs[name]
+        if not s.blocks or s.next[layer] == s.p0:
+            return range(0)
+        first = max(s.p0, min(s.blocks) * self.bs)
+        return range(first, s.next[layer])
+
+    def sequence_digest(self, name, layer):
+        s = self.seqs[name]
+        pos = list(self.stored_range(name, layer))
+        return records_digest(pos, [s.records[layer][p] for p in pos])
+
+    def max_blocks_bound(self, k):
+        """SPEC §4: a batch adding k positions needs at most this many blocks of one sequence."""
+        return -(-(126 + k) // self.bs) + 1
+
+    # -- validation ------------------------------------------------------------------------------
+    def _is_replay(self, layer, seg):
+        s = self.seqs.get(seg.seq)
+        if s is None or layer not in s.last:
+            return False
+        return s.last[layer] == (seg.start, seg.len, seg.key)
+
+    def validate(self, layer, segments):
+        """Raise SeqError as the daemon would, or return (replay, needed_new_blocks_per_segment).
+
+        Precedence when several segments fail differently (the SPEC does not order them; tests
+        should send one kind of error per batch): unknown_layer, bad_request,
+        position_out_of_range, duplicate_sequence, sequence_expired, unknown_sequence,
+        sequence_exists, position_mismatch, kv_pool_exhausted.
+        """
+        if layer not in self.layers:
+            raise SeqError("unknown_layer", layer=layer)
+        for seg in segments:
+            if not isinstance(seg.seq, str) or not _SEQ_NAME.match(seg.seq) or seg.len < 1:
+                raise SeqError("bad_request", seq=seg.seq)
+        for seg in segments:
+            if seg.start < 0 or seg.start + seg.len > self.max_position:
+                raise SeqError("position_out_of_range", seq=seg.seq, start=seg.start, len=seg.len)
+        names = [seg.seq for seg in segments]
+        if len(set(names)) != len(names):
+            raise SeqError("duplicate_sequence", seqs=sorted({n for n in names if names.count(n) > 1}))
+        if all(self._is_replay(layer, seg) for seg in segments):
+            return True, [0] * len(segments)
+        errors = {}
+        expected = {}
+        for seg in segments:
+            s = self.seqs.get(seg.seq)
+            if s is None:
+                if seg.seq in self.expired:
+                    errors.setdefault("sequence_expired", []).append(seg.seq)
+                elif not seg.new and not self.implicit_create:
+                    errors.setdefault("unknown_sequence", []).append(seg.seq)
+                continue
+            if seg.new:
+                errors.setdefault("sequence_exists", []).append(seg.seq)
+                expected[seg.seq] = s.next[layer]
+            elif seg.start != s.next[layer]:
+                errors.setdefault("position_mismatch", []).append(seg.seq)
+                expected[seg.seq] = s.next[layer]
+        for code in ("sequence_expired", "unknown_sequence", "sequence_exists", "position_mismatch"):
+            if code in errors:
+                raise SeqError(code, seqs=errors[code], expected=expected)
+        needed = []
+        for seg in segments:
+            s = self.seqs.get(seg.seq)
+            held = s.blocks if s else {}
+            lbs = range(seg.start // self.bs, (seg.start + seg.len - 1) // self.bs + 1)
+            needed.append(sum(1 for b in lbs if b not in held))
+        if sum(needed) > len(self.free_ids):
+            raise SeqError("kv_pool_exhausted", needed=sum(needed), free=len(self.free_ids))
+        return False, needed
+
+    # -- applying a batch -------------------------------------------------------------------------
+    def forward(self, layer, segments, records=None):
+        """Validate and apply one batch at layer (as if it then completed on the device).
+
+        records: optional [N, 584] logical records of the batch's tokens in segment order (from
+        kv_records), kept so that sequence_digest can be predicted.
+        Returns a dict: replayed, slots (model ids; tokens in segment order), new_blocks, released.
+        """
+        replay, needed = self.validate(layer, segments)
+        slots = []
+        if replay:
+            for seg in segments:
+                s = self.seqs[seg.seq]
+                for p in range(seg.start, seg.start + seg.len):
+                    slots.append(s.blocks[p // self.bs] * self.bs + p % self.bs
+                                 if p // self.bs in s.blocks else -1)
+            return {"replayed": True, "slots": slots, "new_blocks": 0, "released": 0}
+        released = 0
+        t = 0
+        for seg in segments:
+            s = self.seqs.get(seg.seq)
+            if s is None:
+                # A new sequence (or an implicitly created one) starts where its first segment does.
+                s = self.seqs[seg.seq] = _Seq(seg.start, self.layers)
+            for p in range(seg.start, seg.start + seg.len):
+                lb = p // self.bs
+                if lb not in s.blocks:
+                    b = self.alloc(self.free_ids)
+                    self.free_ids.remove(b)
+                    s.blocks[lb] = b
+                slots.append(s.blocks[lb] * self.bs + p % self.bs)
+                if records is not None:
+                    s.records[layer][p] = np.asarray(records[t], dtype=np.uint8).copy()
+                t += 1
+            s.next[layer] = seg.start + seg.len
+            s.seg_start[layer] = seg.start
+            s.last[layer] = (seg.start, seg.len, seg.key)
+        for seg in segments:
+            released += self._release(self.seqs[seg.seq])
+        return {"replayed": False, "slots": slots, "new_blocks": sum(needed), "released": released}
+
+    def _release(self, s):
+        """Release block b once max(p0, s_L - 127) > (b+1)*bs - 1 for every served layer."""
+        horizon = min(max(s.p0, s.seg_start[L] - (WINDOW - 1)) for L in self.layers)
+        gone = [lb for lb in s.blocks if (lb + 1) * self.bs - 1 < horizon]
+        for lb in gone:
+            self.free_ids.add(s.blocks.pop(lb))
+        if gone:
+            first = min(s.blocks) * self.bs if s.blocks else horizon
+            for L in self.layers:
+                for p in [p for p in s.records[L] if p < first]:
+                    del s.records[L][p]
+        return len(gone)
+
+    def delete(self, name):
+        """DELETE /v1/sequences/{name}: frees every block; returns whether it existed."""
+        s = self.seqs.pop(name, None)
+        if s is None:
+            return False
+        self.free_ids.update(s.blocks.values())
+        return True
+
+    def expire(self, name):
+        """The idle timeout: the sequence is deleted and answers sequence_expired for a period."""
+        if self.delete(name):
+            self.expired.add(name)
+
+    def forget_expired(self, name):
+        self.expired.discard(name)
