@@ -15,3 +15,6 @@ foreach(kind_hash "plain:82e5a402b27b92649a5f0220edfc83c7702a3f6fdc3e6c42e00c82d
            COMMAND sh -c "got=$($<TARGET_FILE:rope_dump> ${kind} | sha256sum | cut -d' ' -f1) && echo \"${kind}: $got\" && test \"$got\" = ${hash}")
   set_tests_properties(rope_table_sha256_${kind} PROPERTIES TIMEOUT 600)
 endforeach()
+
+# The correct-rounding fallbacks of rope.c, reached through its static helpers (it compiles rope.c).
+dsv4_unit_test(rope_slowpath_test SOURCES unit/rope_slowpath_test.c LIBS m Threads::Threads TIMEOUT 300)
