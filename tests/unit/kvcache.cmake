@@ -2,3 +2,4 @@
 dsv4_unit_test(pool_test SOURCES unit/pool_test.c LIBS dsv4_kvcache)
 dsv4_unit_test(seqtable_test SOURCES unit/seqtable_test.c LIBS dsv4_kvcache)
 dsv4_unit_test(seqtable_prop_test SOURCES unit/seqtable_prop_test.c LIBS dsv4_kvcache TIMEOUT 300)
+dsv4_unit_test(digest_test SOURCES unit/digest_test.c LIBS dsv4_kvcache)
