@@ -58,13 +58,35 @@ def bf16_tiny(rng, shape):
     return u.astype(np.uint16)
 
 
+def bf16_boundary(rng, shape):
+    """Tiles whose amax sits exactly on 448 * 2^e or one bf16 step either side of it (the UE8M0
+    comparison of SPEC §2.2), filled with values that land on e4m3 rounding ties after scaling:
+    a bf16 mantissa ending in binary 1000 (or 0100) is halfway between two e4m3 values, and in the
+    subnormal range 2^-10 and 1.5 * 2^-9 are the SPEC's own examples."""
+    n = int(np.prod(shape)) // 64
+    e = rng.integers(-22, 51, size=(n, 1))
+    lead = R.f32_to_bf16((448.0 * 2.0 ** e).astype(np.float32)).astype(np.int64)
+    lead = (lead + rng.integers(-1, 2, size=(n, 1))).astype(np.uint16)
+    # Halfway mantissas relative to e4m3's 3 bits, at exponents spread below the lead.
+    ex = (e + 8 + 127 - rng.integers(0, 12, size=(n, 64))).clip(1, 254).astype(np.uint16)
+    mant = (rng.integers(0, 8, size=(n, 64)) << 4 | 8).astype(np.uint16)
+    vals = (ex << 7) | mant
+    # Values scaled into e4m3 subnormals: 2^-10, 1.5 * 2^-9 and 3 * 2^-10.
+    tiny = R.f32_to_bf16((2.0 ** (e - 10) * rng.choice([1.0, 3.0, 1.5], size=(n, 64)))
+                         .astype(np.float32))
+    vals = np.where(rng.random((n, 64)) < 0.2, tiny, vals)
+    vals[np.arange(n), rng.integers(0, 64, size=n)] = lead[:, 0]
+    vals |= (rng.integers(0, 2, size=(n, 64)) << 15).astype(np.uint16)
+    return vals.astype(np.uint16).reshape(shape)
+
+
 def mixed_kv(rng, n):
     """Per token and per 64-wide tile a different regime: normal, tiny, extreme, all zero."""
     kv = bf16_normal(rng, (n, 512), -10, 10)
     for t in range(n):
         for j in range(8):
             sl = slice(64 * j, 64 * j + 64)
-            m = rng.integers(0, 5)
+            m = rng.integers(0, 6)
             if m == 1:
                 kv[t, sl] = bf16_tiny(rng, (64,))
             elif m == 2:
@@ -73,6 +95,8 @@ def mixed_kv(rng, n):
                 kv[t, sl] = 0
             elif m == 4:
                 kv[t, sl] = bf16_normal(rng, (1, 64), -40, 40)[0]
+            elif m == 5:
+                kv[t, sl] = bf16_boundary(rng, (1, 64))[0]
     return kv
 
 
@@ -192,7 +216,7 @@ def run_case(name, rng, heads, n, bs, n_blocks, rope, kv_norm, where, qgen, kvge
 
 def random_sweep(rng, count):
     """Random configurations over every axis the fixed cases cover one at a time."""
-    gens = [bf16_normal, bf16_extreme, bf16_tiny]
+    gens = [bf16_normal, bf16_extreme, bf16_tiny, bf16_boundary]
     for i in range(count):
         heads = int(rng.choice([8, 64, 128]))
         bs = int(rng.choice([16, 64, 256]))
@@ -200,7 +224,7 @@ def random_sweep(rng, count):
         n_blocks = -(-n // bs) + int(rng.integers(0, 4))
         run_case("sweep_%02d" % i, rng, heads, n, bs, n_blocks, str(rng.choice(["plain", "yarn"])),
                  str(rng.choice(["prenormed", "fused"])),
-                 str(rng.choice(["low", "high", "mixed", "random"])), gens[rng.integers(0, 3)],
+                 str(rng.choice(["low", "high", "mixed", "random"])), gens[rng.integers(0, 4)],
                  [bf16_normal, bf16_extreme, bf16_tiny, mixed_kv][rng.integers(0, 4)],
                  minus_one=float(rng.choice([0.0, 0.1, 0.5])),
                  write_kv=int(rng.random() < 0.85),
@@ -295,6 +319,10 @@ def main():
                          bf16_normal, mixed_kv, minus_one=0.05, threads=2),
         lambda: run_case("h64_plain_all_minus_one", rng, 64, 8, 16, 2, "plain", "prenormed", "random",
                          bf16_normal, bf16_normal, minus_one=1.0, cache_init="random"),
+        lambda: run_case("h64_plain_fused_boundaries", rng, 64, 48, 16, 4, "plain", "fused", "random",
+                         bf16_boundary, bf16_boundary),
+        lambda: run_case("h8_yarn_prenormed_boundaries", rng, 8, 256, 64, 5, "yarn", "prenormed",
+                         "high", bf16_boundary, bf16_boundary, minus_one=0.1, cache_init="random"),
         lambda: random_sweep(rng, 18),
         lambda: map_case(rng, "map_slots_bs64", 64, 400, 6),
         lambda: map_case(rng, "map_slots_bs16_holes", 16, 800, 9, holes=0.2),
