@@ -1,0 +1,798 @@
+/*
+ * The HTTP layer against raw sockets: a server on 127.0.0.1 port 0 runs on a loop thread of its
+ * own with test routes; the test thread talks to it with blocking sockets and checks what comes
+ * back byte for byte.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dsv4-error.h"
+#include "http.h"
+#include "log.h"
+#include "metrics.h"
+
+#define TOKEN "sekrit-token"
+#define INSTANCE "0123456789abcdef0123456789abcdef"
+
+/* ---- the server side (loop thread) --------------------------------------------------------- */
+
+static uv_loop_t loop;
+static uv_async_t wake;
+static pthread_t loop_thread;
+static dsv4_server_t *srv;
+static dsv4_metrics_t *registry;
+static int port;
+static atomic_int handler_calls;
+static atomic_int gone_seen;
+static atomic_int gone_responded;
+static atomic_int server_closed;
+
+typedef struct {
+  void (*fn)(void *);
+  void *arg;
+  int done;
+} cmd_t;
+static pthread_mutex_t cmd_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cmd_cv = PTHREAD_COND_INITIALIZER;
+static cmd_t *cmd_pending;
+
+static void on_wake(uv_async_t *a) {
+  (void)a;
+  pthread_mutex_lock(&cmd_mu);
+  cmd_t *c = cmd_pending;
+  cmd_pending = NULL;
+  pthread_mutex_unlock(&cmd_mu);
+  if (!c)
+    return;
+  c->fn(c->arg);
+  pthread_mutex_lock(&cmd_mu);
+  c->done = 1;
+  pthread_cond_broadcast(&cmd_cv);
+  pthread_mutex_unlock(&cmd_mu);
+}
+
+/* Run fn(arg) on the loop thread and wait for it. */
+static void on_loop(void (*fn)(void *), void *arg) {
+  cmd_t c = {fn, arg, 0};
+  pthread_mutex_lock(&cmd_mu);
+  while (cmd_pending)
+    pthread_cond_wait(&cmd_cv, &cmd_mu);
+  cmd_pending = &c;
+  pthread_mutex_unlock(&cmd_mu);
+  uv_async_send(&wake);
+  pthread_mutex_lock(&cmd_mu);
+  while (!c.done)
+    pthread_cond_wait(&cmd_cv, &cmd_mu);
+  pthread_mutex_unlock(&cmd_mu);
+}
+
+/* The immediate responder: echoes what it saw. */
+static void h_imm(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  atomic_fetch_add(&handler_calls, 1);
+  const char *id = dsv4_req_header(req, "x-id");
+  char *body = malloc(256);
+  int n = snprintf(body, 256, "imm id=%s path=%s query=%s len=%zu", id ? id : "-", req->path,
+                   req->query, req->body_len);
+  /* The body is 64-byte aligned and holds exactly what was sent. */
+  if (req->body && ((uintptr_t)req->body % 64 != 0))
+    n = snprintf(body, 256, "misaligned");
+  for (size_t i = 0; req->body && i < req->body_len; i++)
+    if (req->body[i] != (uint8_t)(i * 31 + 7)) {
+      n = snprintf(body, 256, "corrupt at %zu", i);
+      break;
+    }
+  uv_buf_t b = uv_buf_init(body, (unsigned)n);
+  dsv4_hdr_t extra = {"X-Handler", "imm"};
+  dsv4_respond(req, 200, "text/plain", &extra, 1, &b, 1, free, body);
+}
+
+typedef struct {
+  uv_timer_t t;
+  dsv4_req_t *req;
+  int check_gone;
+} defer_t;
+
+static void defer_closed(uv_handle_t *h) {
+  free(h->data);
+}
+
+static void defer_fire(uv_timer_t *t) {
+  defer_t *d = t->data;
+  if (d->check_gone) {
+    if (dsv4_req_gone(d->req))
+      atomic_fetch_add(&gone_seen, 1);
+    dsv4_respond_error(d->req, DSV4_EQUEUE, NULL, json_pack("{s:i}", "depth", 7));
+    atomic_fetch_add(&gone_responded, 1);
+  } else {
+    const char *id = dsv4_req_header(d->req, "x-id");
+    char *body = malloc(64);
+    int n = snprintf(body, 64, "defer id=%s", id ? id : "-");
+    /* Two body buffers: the layer sends them in order after the headers. */
+    uv_buf_t b[2] = {uv_buf_init(body, (unsigned)n), uv_buf_init((char *)"|tail", 5)};
+    dsv4_respond(d->req, 200, "text/plain", NULL, 0, b, 2, free, body);
+  }
+  uv_close((uv_handle_t *)&d->t, defer_closed);
+}
+
+/* The deferred responder: answers from a timer, after ms= milliseconds of the query. */
+static void h_defer(dsv4_req_t *req, void *ctx) {
+  atomic_fetch_add(&handler_calls, 1);
+  defer_t *d = calloc(1, sizeof(*d));
+  d->req = req;
+  d->check_gone = ctx != NULL;
+  int ms = 50;
+  sscanf(req->query, "ms=%d", &ms);
+  uv_timer_init(&loop, &d->t);
+  d->t.data = d;
+  uv_timer_start(&d->t, defer_fire, (uint64_t)ms, 0);
+}
+
+static void h_busy(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  atomic_fetch_add(&handler_calls, 1);
+  dsv4_respond_error(req, DSV4_EQUEUE, "queue is full", json_pack("{s:i}", "depth", 3));
+}
+
+static void h_empty(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  atomic_fetch_add(&handler_calls, 1);
+  dsv4_hdr_t h = {"Dsv4d-Existed", "1"};
+  dsv4_respond(req, 204, NULL, &h, 1, NULL, 0, NULL, NULL);
+}
+
+static const dsv4_route_t routes[] = {
+    {DSV4_HTTP_GET | DSV4_HTTP_POST | DSV4_HTTP_HEAD, "/imm", "imm", 1 << 20, 0, h_imm, NULL},
+    {DSV4_HTTP_GET | DSV4_HTTP_POST, "/defer", "defer", 1 << 20, 0, h_defer, NULL},
+    {DSV4_HTTP_POST, "/gone", "gone", 1 << 20, 0, h_defer, (void *)1},
+    {DSV4_HTTP_POST, "/small", "small", 1024, 0, h_imm, NULL},
+    {DSV4_HTTP_GET, "/public", "public", 0, 1, h_imm, NULL},
+    {DSV4_HTTP_GET | DSV4_HTTP_DELETE, "/v1/things/", "things", 0, 0, h_imm, NULL},
+    {DSV4_HTTP_GET, "/busy", "busy", 0, 0, h_busy, NULL},
+    {DSV4_HTTP_DELETE, "/empty", "empty", 0, 0, h_empty, NULL},
+};
+
+static void *loop_main(void *arg) {
+  (void)arg;
+  uv_run(&loop, UV_RUN_DEFAULT);
+  return NULL;
+}
+
+static void do_create(void *arg) {
+  (void)arg;
+  dsv4_server_config_t cfg = {
+      .host = "127.0.0.1",
+      .port = 0,
+      .max_header_bytes = 8192,
+      .header_timeout_ms = 300,
+      .body_timeout_ms = 300,
+      .idle_timeout_ms = 3000,
+      .write_timeout_ms = 3000,
+      .bearer_token = TOKEN,
+      .instance = INSTANCE,
+      .name = "data",
+      .metrics = registry,
+  };
+  assert_int_equal(
+      dsv4_server_create(&loop, &cfg, routes, sizeof(routes) / sizeof(routes[0]), &srv), 0);
+  port = dsv4_server_port(srv);
+}
+
+static void on_server_closed(void *arg) {
+  (void)arg;
+  atomic_store(&server_closed, 1);
+  uv_close((uv_handle_t *)&wake, NULL);
+}
+
+static void do_close(void *arg) {
+  (void)arg;
+  dsv4_server_close(srv, on_server_closed, NULL);
+}
+
+static void do_drain(void *arg) {
+  (void)arg;
+  dsv4_server_drain(srv);
+}
+
+static void do_count(void *arg) {
+  *(size_t *)arg = dsv4_server_connections(srv);
+}
+
+static int log_fd = -1;
+static char log_path[64];
+
+static int setup(void **state) {
+  (void)state;
+  atomic_store(&handler_calls, 0);
+  atomic_store(&gone_seen, 0);
+  atomic_store(&gone_responded, 0);
+  atomic_store(&server_closed, 0);
+  snprintf(log_path, sizeof(log_path), "/tmp/dsv4-http-test-%d.log", (int)getpid());
+  log_fd = open(log_path, O_CREAT | O_TRUNC | O_RDWR, 0600);
+  dsv4_log_set_fd(log_fd);
+  assert_int_equal(dsv4_metrics_create(&registry), 0);
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(uv_async_init(&loop, &wake, on_wake), 0);
+  assert_int_equal(pthread_create(&loop_thread, NULL, loop_main, NULL), 0);
+  on_loop(do_create, NULL);
+  assert_true(port > 0);
+  return 0;
+}
+
+static int teardown(void **state) {
+  (void)state;
+  on_loop(do_close, NULL);
+  pthread_join(loop_thread, NULL);
+  assert_int_equal(atomic_load(&server_closed), 1);
+  /* Every handle of the server and its connections was closed: the loop closes cleanly. */
+  assert_int_equal(uv_loop_close(&loop), 0);
+  dsv4_metrics_destroy(registry);
+  dsv4_log_set_fd(2);
+  close(log_fd);
+  unlink(log_path);
+  return 0;
+}
+
+/* ---- the client side (test thread) --------------------------------------------------------- */
+
+typedef struct {
+  int fd;
+  char buf[1 << 17];
+  size_t len;
+} client_t;
+
+typedef struct {
+  int status;
+  char head[4096];
+  char body[4096];
+  size_t body_len;
+} resp_t;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int dial(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+    close(fd);
+    return -1;
+  }
+  struct timeval tv = {.tv_sec = 5};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  return fd;
+}
+
+static client_t *client_new(void) {
+  client_t *c = calloc(1, sizeof(*c));
+  assert_non_null(c);
+  c->fd = dial();
+  assert_true(c->fd >= 0);
+  return c;
+}
+
+static void client_free(client_t *c) {
+  if (c->fd >= 0)
+    close(c->fd);
+  free(c);
+}
+
+static void send_str(client_t *c, const char *s, size_t n) {
+  while (n > 0) {
+    ssize_t k = send(c->fd, s, n, MSG_NOSIGNAL);
+    assert_true(k > 0);
+    s += k;
+    n -= (size_t)k;
+  }
+}
+
+static void send_s(client_t *c, const char *s) {
+  send_str(c, s, strlen(s));
+}
+
+/* Read more bytes; 0 on EOF, -1 on timeout or error. */
+static int fill(client_t *c) {
+  if (c->len == sizeof(c->buf))
+    return -1;
+  ssize_t k = recv(c->fd, c->buf + c->len, sizeof(c->buf) - c->len, 0);
+  if (k <= 0)
+    return k == 0 ? 0 : -1;
+  c->len += (size_t)k;
+  return 1;
+}
+
+/* Parse one response (which must arrive); returns the status. */
+static int read_response(client_t *c, resp_t *r, int head_request) {
+  memset(r, 0, sizeof(*r));
+  char *end;
+  while (!(end = memmem(c->buf, c->len, "\r\n\r\n", 4)))
+    if (fill(c) <= 0)
+      fail_msg("connection ended before a response head (%zu bytes)", c->len);
+  size_t hlen = (size_t)(end - c->buf) + 4;
+  assert_true(hlen < sizeof(r->head));
+  memcpy(r->head, c->buf, hlen);
+  assert_int_equal(sscanf(r->head, "HTTP/1.1 %d", &r->status), 1);
+  size_t cl = 0;
+  char *p = strcasestr(r->head, "\r\nContent-Length:");
+  if (p && !head_request)
+    cl = strtoul(p + 17, NULL, 10);
+  while (c->len < hlen + cl)
+    if (fill(c) <= 0)
+      fail_msg("connection ended inside a response body");
+  assert_true(cl < sizeof(r->body));
+  memcpy(r->body, c->buf + hlen, cl);
+  r->body_len = cl;
+  memmove(c->buf, c->buf + hlen + cl, c->len - hlen - cl);
+  c->len -= hlen + cl;
+  return r->status;
+}
+
+/* The connection is closed by the server: EOF with nothing more. */
+static void expect_eof(client_t *c) {
+  assert_int_equal(c->len, 0);
+  assert_int_equal(fill(c), 0);
+}
+
+static const char *header(resp_t *r, const char *name) {
+  static char v[256];
+  char pat[64];
+  snprintf(pat, sizeof(pat), "\r\n%s: ", name);
+  char *p = strcasestr(r->head, pat);
+  if (!p)
+    return NULL;
+  p += strlen(pat);
+  size_t n = strcspn(p, "\r");
+  snprintf(v, sizeof(v), "%.*s", (int)n, p);
+  return v;
+}
+
+static void get(client_t *c, const char *path, const char *id) {
+  char req[512];
+  snprintf(req, sizeof(req),
+           "GET %s HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: %s\r\n\r\n",
+           path, id);
+  send_s(c, req);
+}
+
+static size_t server_connections(void) {
+  size_t n;
+  on_loop(do_count, &n);
+  return n;
+}
+
+static void wait_connections(size_t want) {
+  double t0 = now_s();
+  while (server_connections() != want && now_s() - t0 < 5)
+    usleep(5000);
+  assert_int_equal(server_connections(), want);
+}
+
+/* ---- tests ---------------------------------------------------------------------------------- */
+
+static void test_keep_alive(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  for (int i = 0; i < 3; i++) {
+    char id[8];
+    snprintf(id, sizeof(id), "k%d", i);
+    get(c, "/imm?x=1", id);
+    assert_int_equal(read_response(c, &r, 0), 200);
+    char want[128];
+    snprintf(want, sizeof(want), "imm id=k%d path=/imm query=x=1 len=0", i);
+    assert_int_equal(r.body_len, strlen(want));
+    assert_memory_equal(r.body, want, r.body_len);
+    assert_string_equal(header(&r, "Dsv4d-Instance"), INSTANCE);
+    assert_string_equal(header(&r, "X-Handler"), "imm");
+    assert_string_equal(header(&r, "Content-Type"), "text/plain");
+    assert_null(header(&r, "Connection"));
+  }
+  assert_int_equal(server_connections(), 1);
+  assert_int_equal(atomic_load(&handler_calls), 3);
+  client_free(c);
+  wait_connections(0);
+
+  /* Requests were counted by route and code, and each has a log line. */
+  char *text;
+  size_t len;
+  assert_int_equal(dsv4_metrics_render(registry, &text, &len), 0);
+  assert_non_null(strstr(text, "dsv4d_requests_total{route=\"imm\",code=\"200\"} 3\n"));
+  free(text);
+  char logbuf[8192] = {0};
+  assert_true(pread(log_fd, logbuf, sizeof(logbuf) - 1, 0) > 0);
+  assert_non_null(strstr(logbuf, "\"msg\":\"request\""));
+  assert_non_null(strstr(logbuf, "\"path\":\"/imm\""));
+  assert_non_null(strstr(logbuf, "\"status\":200"));
+}
+
+static void test_pipelining_order(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  /* Three requests in one segment: a slow deferred one first, the immediate one must wait. */
+  send_s(c, "GET /defer?ms=150 HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: a\r\n\r\n"
+            "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: b\r\n"
+            "Content-Length: 3\r\n\r\n\x07\x26\x45"
+            "GET /defer?ms=5 HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: c\r\n\r\n");
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_int_equal(r.body_len, strlen("defer id=a|tail"));
+  assert_memory_equal(r.body, "defer id=a|tail", r.body_len);
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_memory_equal(r.body, "imm id=b path=/imm query= len=3", r.body_len);
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_memory_equal(r.body, "defer id=c|tail", r.body_len);
+  assert_int_equal(atomic_load(&handler_calls), 3);
+  client_free(c);
+}
+
+static void test_body_large_and_split(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  size_t n = 300000;
+  char *body = malloc(n);
+  for (size_t i = 0; i < n; i++)
+    body[i] = (char)(uint8_t)(i * 31 + 7);
+  char head[256];
+  snprintf(head, sizeof(head),
+           "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nContent-Length: %zu\r\n"
+           "X-Id: big\r\n\r\n",
+           n);
+  /* Headers and body arrive in awkward pieces. */
+  send_str(c, head, 10);
+  usleep(20000);
+  send_str(c, head + 10, strlen(head) - 10);
+  send_str(c, body, 1);
+  usleep(20000);
+  send_str(c, body + 1, n - 1);
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 200);
+  char want[128];
+  snprintf(want, sizeof(want), "imm id=big path=/imm query= len=%zu", n);
+  assert_int_equal(r.body_len, strlen(want));
+  assert_memory_equal(r.body, want, r.body_len);
+  free(body);
+  client_free(c);
+}
+
+static void test_413_before_body(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  double t0 = now_s();
+  send_s(c, "POST /small HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n"
+            "Content-Length: 1073741824\r\n\r\n");
+  resp_t r;
+  /* The answer comes at once, without a single body byte sent. */
+  assert_int_equal(read_response(c, &r, 0), 413);
+  assert_true(now_s() - t0 < 1.0);
+  assert_non_null(strstr(r.body, "\"code\":\"payload_too_large\""));
+  assert_string_equal(header(&r, "Connection"), "close");
+  assert_string_equal(header(&r, "Dsv4d-Instance"), INSTANCE);
+  expect_eof(c);
+  client_free(c);
+
+  /* A client that already sent part of the body still reads the 413 (no reset). */
+  c = client_new();
+  char *junk = calloc(1, 200000);
+  send_s(c, "POST /small HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n"
+            "Content-Length: 200000\r\n\r\n");
+  send_str(c, junk, 200000);
+  assert_int_equal(read_response(c, &r, 0), 413);
+  free(junk);
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 0);
+
+  /* At the limit is fine. */
+  c = client_new();
+  char head[256];
+  snprintf(head, sizeof(head),
+           "POST /small HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+           "\r\nContent-Length: 1024\r\n\r\n");
+  send_s(c, head);
+  char body[1024];
+  for (size_t i = 0; i < sizeof(body); i++)
+    body[i] = (char)(uint8_t)(i * 31 + 7);
+  send_str(c, body, sizeof(body));
+  assert_int_equal(read_response(c, &r, 0), 200);
+  client_free(c);
+}
+
+static void test_431(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  char *big = malloc(12000);
+  memset(big, 'a', 11999);
+  big[11999] = 0;
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Big: ");
+  send_s(c, big);
+  send_s(c, "\r\n\r\n");
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 431);
+  assert_non_null(strstr(r.body, "\"code\":\"headers_too_large\""));
+  free(big);
+  client_free(c);
+
+  /* Many small headers count too. */
+  c = client_new();
+  send_s(c, "GET /imm HTTP/1.1\r\n");
+  for (int i = 0; i < 2000; i++)
+    send_s(c, "A: b\r\n");
+  send_s(c, "\r\n");
+  assert_int_equal(read_response(c, &r, 0), 431);
+  client_free(c);
+  /* So does a long URL. */
+  c = client_new();
+  char *url = malloc(10000);
+  memset(url, 'u', 9999);
+  url[0] = '/';
+  url[9999] = 0;
+  send_s(c, "GET ");
+  send_s(c, url);
+  send_s(c, " HTTP/1.1\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 431);
+  free(url);
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 0);
+}
+
+static void test_411(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  send_s(c, "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n\r\n");
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 411);
+  assert_non_null(strstr(r.body, "\"code\":\"length_required\""));
+  /* Without a body the connection stays usable. */
+  get(c, "/imm", "after411");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  client_free(c);
+
+  c = client_new();
+  send_s(c, "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+            "\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 411);
+  assert_string_equal(header(&r, "Connection"), "close");
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 1);
+}
+
+static void test_404_405(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  get(c, "/nope", "x");
+  assert_int_equal(read_response(c, &r, 0), 404);
+  assert_string_equal(header(&r, "Content-Type"), "application/json");
+  assert_string_equal(header(&r, "Dsv4d-Instance"), INSTANCE);
+  assert_non_null(strstr(r.body, "{\"error\":{\"code\":\"not_found\",\"message\":"));
+  send_s(c, "DELETE /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 405);
+  assert_non_null(strstr(r.body, "\"code\":\"method_not_allowed\""));
+  send_s(c, "PUT /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nContent-Length: 0\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 405);
+  /* A prefix route matches below its prefix, not the prefix's parent. */
+  get(c, "/v1/things/abc", "p");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "path=/v1/things/abc"));
+  get(c, "/v1/things", "p");
+  assert_int_equal(read_response(c, &r, 0), 404);
+  /* Still the same connection after the errors. */
+  assert_int_equal(server_connections(), 1);
+  assert_int_equal(atomic_load(&handler_calls), 1);
+  client_free(c);
+}
+
+static void test_401(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  send_s(c, "GET /imm HTTP/1.1\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 401);
+  assert_non_null(strstr(r.body, "\"code\":\"unauthorized\""));
+  assert_string_equal(header(&r, "WWW-Authenticate"), "Bearer");
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Bearer sekrit-tokeN\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 401);
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Bearer sekrit-token2\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 401);
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Bearer sekrit\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 401);
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Basic " TOKEN "\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 401);
+  assert_int_equal(atomic_load(&handler_calls), 0);
+  send_s(c, "GET /imm HTTP/1.1\r\nauthorization:   bearer " TOKEN "  \r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  send_s(c, "GET /public HTTP/1.1\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_int_equal(atomic_load(&handler_calls), 2);
+  client_free(c);
+}
+
+static void test_disconnect_mid_body(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  send_s(c,
+         "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nContent-Length: 100000\r\n\r\n");
+  char part[5000] = {0};
+  send_str(c, part, sizeof(part));
+  usleep(50000);
+  assert_int_equal(server_connections(), 1);
+  client_free(c);
+  wait_connections(0);
+  assert_int_equal(atomic_load(&handler_calls), 0);
+}
+
+static void test_gone_while_handler_works(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  send_s(c, "POST /gone?ms=200 HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+            "\r\nContent-Length: 2\r\n\r\nhi");
+  usleep(50000);
+  assert_int_equal(atomic_load(&handler_calls), 1);
+  client_free(c);
+  double t0 = now_s();
+  while (atomic_load(&gone_responded) == 0 && now_s() - t0 < 5)
+    usleep(5000);
+  assert_int_equal(atomic_load(&gone_responded), 1);
+  assert_int_equal(atomic_load(&gone_seen), 1);
+  wait_connections(0);
+
+  /* A client that stays sees the same handler's 503 with Retry-After and the details. */
+  c = client_new();
+  send_s(c, "POST /gone?ms=20 HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+            "\r\nContent-Length: 2\r\n\r\nhi");
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 503);
+  assert_string_equal(header(&r, "Retry-After"), "1");
+  assert_non_null(strstr(r.body, "\"code\":\"queue_full\""));
+  assert_non_null(strstr(r.body, "\"depth\":7"));
+  assert_int_equal(atomic_load(&gone_seen), 1);
+  client_free(c);
+}
+
+static void test_timeouts(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  double t0 = now_s();
+  send_s(c, "GET /imm HTTP/1.1\r\nHost: x\r\n");
+  assert_int_equal(read_response(c, &r, 0), 408);
+  double dt = now_s() - t0;
+  assert_true(dt > 0.25 && dt < 2.0);
+  assert_non_null(strstr(r.body, "\"code\":\"timeout\""));
+  expect_eof(c);
+  client_free(c);
+
+  /* The body timer runs between body reads: steady trickles survive, a stall does not. */
+  c = client_new();
+  send_s(c, "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nContent-Length: 4\r\n\r\n");
+  const char body[4] = {7, 38, 69, 100};
+  for (int i = 0; i < 3; i++) {
+    usleep(150000);
+    send_str(c, body + i, 1);
+  }
+  t0 = now_s();
+  assert_int_equal(read_response(c, &r, 0), 408);
+  dt = now_s() - t0;
+  assert_true(dt > 0.1 && dt < 2.0);
+  expect_eof(c);
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 0);
+  wait_connections(0);
+}
+
+static void test_http10_head_204_503(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  send_s(c, "GET /public HTTP/1.0\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(c);
+  client_free(c);
+
+  c = client_new();
+  send_s(c, "GET /public HTTP/1.0\r\nConnection: keep-alive\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_string_equal(header(&r, "Connection"), "keep-alive");
+  send_s(c, "HEAD /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 1), 200);
+  assert_non_null(header(&r, "Content-Length"));
+  assert_true(atoi(header(&r, "Content-Length")) > 0);
+  send_s(c, "DELETE /empty HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 204);
+  assert_null(header(&r, "Content-Length"));
+  assert_string_equal(header(&r, "Dsv4d-Existed"), "1");
+  get(c, "/busy", "b");
+  assert_int_equal(read_response(c, &r, 0), 503);
+  assert_string_equal(header(&r, "Retry-After"), "1");
+  assert_non_null(
+      strstr(r.body, "{\"error\":{\"code\":\"queue_full\",\"message\":\"queue is full\""));
+  assert_non_null(strstr(r.body, "\"depth\":3"));
+  /* The HEAD answer carried no body: the next response starts right after its head. */
+  get(c, "/imm", "last");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  client_free(c);
+}
+
+static void test_malformed(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  send_s(c, "GARBAGE\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 400);
+  assert_non_null(strstr(r.body, "\"code\":\"bad_request\""));
+  expect_eof(c);
+  client_free(c);
+  c = client_new();
+  send_s(c, "GET /imm HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 400);
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 0);
+}
+
+static void test_drain(void **state) {
+  (void)state;
+  client_t *idle = client_new();
+  resp_t r;
+  get(idle, "/imm", "i");
+  assert_int_equal(read_response(idle, &r, 0), 200);
+  client_t *busy = client_new();
+  get(busy, "/defer?ms=300", "d");
+  usleep(50000);
+  assert_int_equal(server_connections(), 2);
+  on_loop(do_drain, NULL);
+  /* The idle connection closes now; the busy one gets its answer, marked close, then closes. */
+  expect_eof(idle);
+  assert_int_equal(read_response(busy, &r, 0), 200);
+  assert_memory_equal(r.body, "defer id=d|tail", r.body_len);
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(busy);
+  /* Nothing new is accepted. */
+  assert_int_equal(dial(), -1);
+  wait_connections(0);
+  client_free(idle);
+  client_free(busy);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_keep_alive, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_pipelining_order, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_body_large_and_split, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_413_before_body, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_431, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_411, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_404_405, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_401, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_disconnect_mid_body, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_gone_while_handler_works, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_timeouts, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_http10_head_204_503, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
