@@ -1,0 +1,1028 @@
+/*
+ * http_bench: what the daemon's HTTP path costs beyond the work itself.
+ *
+ * For decode batches of N tokens (N sequences of one token each, positions advancing every step)
+ * and H heads, three figures from the same run and the same bytes: daemon  - POST /v1/forward to
+ * the real daemon (started here from the command after "--"), bare    - the same requests to
+ * bare_server, a libuv + llhttp server that answers with a body of the daemon's response size and
+ * does no work: the ceiling for moving the payload, cpu op  - the CPU backend's map_slots +
+ * qkv_insert on the same batches, called in-process with no HTTP at all: the ceiling for the work.
+ * The table gives each one's tokens/s and per-request latency, and the daemon's share of each
+ * ceiling. Absolute times drift on shared machines; the ratios are the figures to compare.
+ *
+ * The load generator is one thread driving a few keep-alive connections over non-blocking sockets
+ * (poll), so that on a small machine it takes as little CPU from the server as it can. Each
+ * connection owns its own sequences, so at most one batch per sequence is in flight, as a gateway
+ * would keep it. Every phase is bounded in time and in requests, and only loopback is used.
+ *
+ * Usage: http_bench [options] [-- DAEMON COMMAND...]
+ * e.g.   http_bench --cpu-threads 2 -- build/dsv4d --port 0 --threads 2 --layers 0-3 --kv-blocks
+ * 512
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <llhttp.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+
+#include "backend.h"
+#include "dsv4-layout.h"
+#include "rope.h"
+
+#define MAX_CONNS 16
+#define MAX_NS 16
+#define RECV_BYTES (1u << 20)
+#define ERRBODY_MAX 1024
+#define BLOCK_SIZE 64
+/* Phases that overrun this many seconds past their own budget are abandoned as a failure. */
+#define GRACE_S 60
+
+typedef struct {
+  const char *bare_path;
+  char **daemon_argv; /* NULL: no daemon run */
+  uint32_t ns[MAX_NS];
+  int n_ns;
+  uint32_t heads;
+  int conns;
+  double seconds;
+  int warmup;
+  long max_requests;
+  int layers; /* requests cycle over layers 0..layers-1 at each position */
+  int64_t p0;
+  unsigned cpu_threads;
+  int run_bare, run_cpu;
+  int verbose;
+} opts_t;
+
+static opts_t O = {
+    .heads = 64,
+    .conns = 2,
+    .seconds = 3.0,
+    .warmup = 3,
+    .max_requests = 200000,
+    .layers = 1,
+    .p0 = 0,
+    .cpu_threads = 2,
+    .run_bare = 1,
+    .run_cpu = 1,
+};
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void die(const char *fmt, const char *arg) {
+  fprintf(stderr, "http_bench: ");
+  fprintf(stderr, fmt, arg);
+  fputc('\n', stderr);
+  exit(1);
+}
+
+/* ---- Latency samples ---------------------------------------------------------------------- */
+
+typedef struct {
+  uint64_t *v;
+  size_t n, cap;
+  uint64_t tokens;
+  uint64_t t0, t1; /* measured window */
+} stats_t;
+
+static void stats_add(stats_t *s, uint64_t lat_ns, uint32_t tokens) {
+  if (s->n == s->cap) {
+    size_t cap = s->cap ? s->cap * 2 : 4096;
+    uint64_t *p = realloc(s->v, cap * sizeof(*p));
+    if (!p)
+      die("%s", "out of memory");
+    s->v = p;
+    s->cap = cap;
+  }
+  s->v[s->n++] = lat_ns;
+  s->tokens += tokens;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+typedef struct {
+  double tok_s, p50_us, p99_us;
+  size_t requests;
+  int ok;
+} result_t;
+
+/* Nearest-rank percentiles over the measured requests; tokens/s over the measured window. */
+static result_t stats_result(stats_t *s) {
+  result_t r = {0};
+  if (s->n == 0 || s->t1 <= s->t0)
+    return r;
+  qsort(s->v, s->n, sizeof(*s->v), cmp_u64);
+  size_t i50 = (s->n * 50 + 99) / 100, i99 = (s->n * 99 + 99) / 100;
+  r.p50_us = (double)s->v[(i50 ? i50 : 1) - 1] * 1e-3;
+  r.p99_us = (double)s->v[(i99 ? i99 : 1) - 1] * 1e-3;
+  r.tok_s = (double)s->tokens / ((double)(s->t1 - s->t0) * 1e-9);
+  r.requests = s->n;
+  r.ok = 1;
+  return r;
+}
+
+/* ---- Batches -------------------------------------------------------------------------------- */
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+
+static uint32_t rng_next(void) {
+  /* xorshift64*: fast and good enough for test values. */
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+/* A bf16 of magnitude in [2^-8, 2) with a random sign: well inside the daemon's range check. */
+static uint16_t rand_bf16(void) {
+  uint32_t r = rng_next();
+  uint32_t exp = 119u + (r % 8u); /* 2^-8 .. 2^0 */
+  uint32_t mant = (r >> 8) & 0x7Fu;
+  uint32_t sign = (r >> 16) & 1u;
+  return (uint16_t)((sign << 15) | (exp << 7) | mant);
+}
+
+/* Tensor bytes of one batch: q [n, heads, 512] then kv [n, 512], both bf16, as the body lays them.
+ */
+static uint8_t *make_tensors(uint32_t n, uint32_t heads, size_t *len) {
+  size_t elems = (size_t)n * heads * DSV4_HEAD_DIM + (size_t)n * DSV4_HEAD_DIM;
+  uint16_t *v = malloc(elems * 2);
+  if (!v)
+    die("%s", "out of memory");
+  for (size_t i = 0; i < elems; i++)
+    v[i] = rand_bf16(); /* little-endian hosts only, like the daemon */
+  *len = elems * 2;
+  return (uint8_t *)v;
+}
+
+/* The response size the daemon would give when it has not told us: q_out, slots and a header. */
+static size_t expected_response_bytes(uint32_t n, uint32_t heads) {
+  return (size_t)n * heads * DSV4_HEAD_DIM * 2 + (size_t)n * 8 + 8 + 200;
+}
+
+/* ---- Connections ---------------------------------------------------------------------------- */
+
+enum { C_IDLE, C_SENDING, C_RECEIVING, C_DONE };
+
+typedef struct conn {
+  int fd;
+  int state;
+  int id;
+  llhttp_t parser;
+  int status;
+  int complete;
+  char errbody[ERRBODY_MAX + 1];
+  size_t errbody_len;
+  uint64_t content_length;
+  /* The request being sent: head (HTTP head + safetensors header) then the shared tensor bytes. */
+  char *head;
+  size_t head_cap;
+  struct iovec iov[2];
+  int iovcnt;
+  size_t to_send, sent;
+  uint64_t t_start;
+  /* Per-connection progress through the phase. */
+  long step;
+  long done_requests;
+  uint32_t del_next;
+} conn_t;
+
+static llhttp_settings_t rsettings;
+static char *recv_buf;
+
+static int on_r_begin(llhttp_t *p) {
+  conn_t *c = p->data;
+  c->status = 0;
+  c->errbody_len = 0;
+  c->complete = 0;
+  return 0;
+}
+
+static int on_r_headers(llhttp_t *p) {
+  conn_t *c = p->data;
+  c->status = llhttp_get_status_code(p);
+  c->content_length = p->content_length;
+  return 0;
+}
+
+static int on_r_body(llhttp_t *p, const char *at, size_t n) {
+  conn_t *c = p->data;
+  /* Only the start of a body is kept: enough for an error message and a sanity check. */
+  size_t room = ERRBODY_MAX - c->errbody_len;
+  if (n > room)
+    n = room;
+  memcpy(c->errbody + c->errbody_len, at, n);
+  c->errbody_len += n;
+  c->errbody[c->errbody_len] = '\0';
+  return 0;
+}
+
+static int on_r_complete(llhttp_t *p) {
+  conn_t *c = p->data;
+  c->complete = 1;
+  return 0;
+}
+
+static int connect_loopback(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return -1;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0) {
+    close(fd);
+    return -1;
+  }
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  return fd;
+}
+
+static void conn_reserve(conn_t *c, size_t need) {
+  if (need <= c->head_cap)
+    return;
+  char *p = realloc(c->head, need);
+  if (!p)
+    die("%s", "out of memory");
+  c->head = p;
+  c->head_cap = need;
+}
+
+static void conn_start(conn_t *c, size_t head_len, const uint8_t *data, size_t data_len) {
+  c->iov[0].iov_base = c->head;
+  c->iov[0].iov_len = head_len;
+  c->iov[1].iov_base = (void *)data;
+  c->iov[1].iov_len = data_len;
+  c->iovcnt = data_len ? 2 : 1;
+  c->to_send = head_len + data_len;
+  c->sent = 0;
+  c->state = C_SENDING;
+  c->complete = 0;
+  c->t_start = now_ns();
+}
+
+/* Advance a connection; returns -1 on a socket or protocol failure. */
+static int conn_io(conn_t *c, short revents) {
+  if (revents & POLLNVAL)
+    return -1;
+  if (c->state == C_SENDING && (revents & (POLLOUT | POLLERR | POLLHUP))) {
+    while (c->sent < c->to_send) {
+      ssize_t w = writev(c->fd, c->iov, c->iovcnt);
+      if (w < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+          return 0;
+        if (errno == EINTR)
+          continue;
+        return -1;
+      }
+      c->sent += (size_t)w;
+      size_t k = (size_t)w;
+      for (int i = 0; i < c->iovcnt && k; i++) {
+        size_t m = k < c->iov[i].iov_len ? k : c->iov[i].iov_len;
+        c->iov[i].iov_base = (char *)c->iov[i].iov_base + m;
+        c->iov[i].iov_len -= m;
+        k -= m;
+      }
+    }
+    c->state = C_RECEIVING;
+    return 0;
+  }
+  if (c->state == C_RECEIVING && (revents & (POLLIN | POLLERR | POLLHUP))) {
+    for (;;) {
+      ssize_t r = recv(c->fd, recv_buf, RECV_BYTES, 0);
+      if (r < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+          return 0;
+        if (errno == EINTR)
+          continue;
+        return -1;
+      }
+      if (r == 0)
+        return -1; /* the server closed a keep-alive connection mid-exchange */
+      if (llhttp_execute(&c->parser, recv_buf, (size_t)r) != HPE_OK)
+        return -1;
+      if (c->complete) {
+        c->state = C_DONE;
+        return 0;
+      }
+    }
+  }
+  return 0;
+}
+
+/* ---- One target (daemon or bare server) ---------------------------------------------------- */
+
+typedef struct {
+  int port;
+  int is_daemon;
+  uint32_t n;
+  const uint8_t *tensors;
+  size_t tensors_len;
+  size_t resp_bytes; /* Bench-Response-Bytes sent with every forward request */
+  size_t seen_resp_bytes;
+  stats_t st;
+  conn_t conns[MAX_CONNS];
+} run_t;
+
+/* Build the next forward request of connection c: step k is layer k % layers at p0 + k / layers. */
+static void build_forward(run_t *R, conn_t *c) {
+  uint32_t n = R->n;
+  int layer = (int)(c->step % O.layers);
+  int64_t pos = O.p0 + c->step / O.layers;
+  int is_new = c->step == 0;
+  size_t qbytes = (size_t)n * O.heads * DSV4_HEAD_DIM * 2;
+  size_t need = 1024 + (size_t)n * 96;
+  conn_reserve(c, need);
+
+  /* The safetensors header goes after the HTTP head and the 8-byte length; write it first. */
+  char *json = c->head + 512 + 8;
+  size_t cap = c->head_cap - 512 - 8;
+  size_t j = 0;
+  j += (size_t)snprintf(json + j, cap - j, "{\"__metadata__\":{\"layer\":\"%d\",\"segments\":\"[",
+                        layer);
+  for (uint32_t i = 0; i < n; i++)
+    j += (size_t)snprintf(json + j, cap - j,
+                          "%s{\\\"seq\\\":\\\"b%uc%ds%u\\\",\\\"start\\\":%" PRId64
+                          ",\\\"len\\\":1%s}",
+                          i ? "," : "", n, c->id, i, pos, is_new ? ",\\\"new\\\":true" : "");
+  j += (size_t)snprintf(json + j, cap - j,
+                        "]\"},\"q\":{\"dtype\":\"BF16\",\"shape\":[%u,%u,512],\"data_offsets\":[0,"
+                        "%zu]},\"kv\":{\"dtype\":\"BF16\",\"shape\":[%u,512],\"data_offsets\":[%zu,"
+                        "%zu]}}",
+                        n, O.heads, qbytes, n, qbytes, R->tensors_len);
+  if (j + 8 >= cap)
+    die("%s", "request header buffer too small");
+  while (j % 8)
+    json[j++] = ' ';
+  uint64_t hl = j;
+  size_t body = 8 + j + R->tensors_len;
+
+  char http[512];
+  int h = snprintf(http, sizeof(http),
+                   "POST /v1/forward HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                   "Content-Type: application/octet-stream\r\nContent-Length: %zu\r\n"
+                   "Bench-Response-Bytes: %zu\r\n\r\n",
+                   body, R->resp_bytes);
+  /* Slide the HTTP head against the length prefix so the request is one contiguous buffer. */
+  char *start = c->head + 512 - h;
+  memcpy(start, http, (size_t)h);
+  for (int b = 0; b < 8; b++)
+    c->head[512 + b] = (char)((hl >> (8 * b)) & 0xFF);
+  memmove(c->head, start, (size_t)h + 8 + j);
+  conn_start(c, (size_t)h + 8 + j, R->tensors, R->tensors_len);
+}
+
+static void build_delete(run_t *R, conn_t *c, uint32_t i) {
+  conn_reserve(c, 512);
+  int h = snprintf(c->head, c->head_cap,
+                   "DELETE /v1/sequences/b%uc%ds%u HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                   "Content-Length: 0\r\n\r\n",
+                   R->n, c->id, i);
+  conn_start(c, (size_t)h, NULL, 0);
+}
+
+enum { PH_WARMUP, PH_MEASURE, PH_DELETE };
+
+/* Check a finished forward response; prints why and returns -1 when it is not a success. */
+static int check_forward(run_t *R, conn_t *c) {
+  if (c->status != 200) {
+    fprintf(stderr, "http_bench: %s answered %d to a forward of %u tokens: %s\n",
+            R->is_daemon ? "daemon" : "bare server", c->status, R->n, c->errbody);
+    return -1;
+  }
+  if (R->is_daemon && !R->seen_resp_bytes) {
+    /* The first answer shows the real response size, which the bare server then reproduces. */
+    if (!strstr(c->errbody + (c->errbody_len > 8 ? 8 : c->errbody_len), "q_out")) {
+      fprintf(stderr, "http_bench: daemon response has no q_out tensor\n");
+      return -1;
+    }
+    R->seen_resp_bytes = (size_t)c->content_length;
+  }
+  return 0;
+}
+
+/* Drive every connection through one phase. Returns 0, or -1 on any failure. */
+static int run_phase(run_t *R, int phase, uint64_t deadline) {
+  struct pollfd pf[MAX_CONNS];
+  int active = 0;
+  uint64_t hard = (phase == PH_MEASURE ? deadline : now_ns()) + (uint64_t)GRACE_S * 1000000000u;
+  long total = 0;
+  for (int i = 0; i < O.conns; i++) {
+    conn_t *c = &R->conns[i];
+    c->done_requests = 0;
+    c->del_next = 0;
+    if (phase == PH_DELETE) {
+      if (c->del_next < R->n)
+        build_delete(R, c, c->del_next++);
+    } else {
+      build_forward(R, c);
+    }
+    active++;
+  }
+  while (active > 0) {
+    int n = 0;
+    int map[MAX_CONNS];
+    for (int i = 0; i < O.conns; i++) {
+      conn_t *c = &R->conns[i];
+      if (c->state != C_SENDING && c->state != C_RECEIVING)
+        continue;
+      pf[n].fd = c->fd;
+      pf[n].events = c->state == C_SENDING ? POLLOUT : POLLIN;
+      pf[n].revents = 0;
+      map[n++] = i;
+    }
+    int pr = poll(pf, (nfds_t)n, 1000);
+    if (pr < 0 && errno != EINTR)
+      return -1;
+    if (now_ns() > hard) {
+      fprintf(stderr, "http_bench: a phase overran its time bound (N = %u)\n", R->n);
+      return -1;
+    }
+    for (int k = 0; k < n && pr > 0; k++) {
+      if (!pf[k].revents)
+        continue;
+      conn_t *c = &R->conns[map[k]];
+      if (conn_io(c, pf[k].revents)) {
+        fprintf(stderr, "http_bench: connection %d failed (%s)\n", c->id,
+                errno ? strerror(errno) : "closed");
+        return -1;
+      }
+      if (c->state != C_DONE)
+        continue;
+      uint64_t t = now_ns();
+      c->state = C_IDLE;
+      int more = 0;
+      if (phase == PH_DELETE) {
+        if (c->status < 200 || c->status > 299) {
+          fprintf(stderr, "http_bench: DELETE answered %d: %s\n", c->status, c->errbody);
+          return -1;
+        }
+        if (c->del_next < R->n) {
+          build_delete(R, c, c->del_next++);
+          more = 1;
+        }
+      } else {
+        if (check_forward(R, c))
+          return -1;
+        c->step++;
+        c->done_requests++;
+        total++;
+        if (phase == PH_WARMUP) {
+          more = c->done_requests < O.warmup;
+        } else {
+          stats_add(&R->st, t - c->t_start, R->n);
+          R->st.t1 = t;
+          more = t < deadline && total < O.max_requests;
+        }
+        if (more)
+          build_forward(R, c);
+      }
+      if (!more)
+        active--;
+    }
+  }
+  return 0;
+}
+
+/* One target for one N: connect, warm up, measure, delete the sequences, disconnect. */
+static int run_target(int port, int is_daemon, uint32_t n, const uint8_t *tensors, size_t tlen,
+                      size_t resp_bytes, result_t *out, size_t *seen_resp) {
+  run_t *R = calloc(1, sizeof(*R));
+  if (!R)
+    die("%s", "out of memory");
+  R->port = port;
+  R->is_daemon = is_daemon;
+  R->n = n;
+  R->tensors = tensors;
+  R->tensors_len = tlen;
+  R->resp_bytes = resp_bytes;
+  int rc = 0;
+  for (int i = 0; i < O.conns; i++) {
+    conn_t *c = &R->conns[i];
+    c->id = i;
+    c->fd = connect_loopback(port);
+    if (c->fd < 0) {
+      fprintf(stderr, "http_bench: cannot connect to 127.0.0.1:%d: %s\n", port, strerror(errno));
+      rc = -1;
+      break;
+    }
+    llhttp_init(&c->parser, HTTP_RESPONSE, &rsettings);
+    c->parser.data = c;
+  }
+  if (rc == 0)
+    rc = run_phase(R, PH_WARMUP, 0);
+  if (rc == 0) {
+    R->st.t0 = now_ns();
+    rc = run_phase(R, PH_MEASURE, R->st.t0 + (uint64_t)(O.seconds * 1e9));
+  }
+  if (rc == 0)
+    rc = run_phase(R, PH_DELETE, 0);
+  if (rc == 0)
+    *out = stats_result(&R->st);
+  if (seen_resp)
+    *seen_resp = R->seen_resp_bytes;
+  for (int i = 0; i < O.conns; i++) {
+    if (R->conns[i].fd > 0)
+      close(R->conns[i].fd);
+    free(R->conns[i].head);
+  }
+  free(R->st.v);
+  free(R);
+  return rc;
+}
+
+/* ---- Child processes ------------------------------------------------------------------------ */
+
+static pid_t daemon_pid = -1, bare_pid = -1;
+static char daemon_log[64];
+
+static void stop_child(pid_t *pid) {
+  if (*pid <= 0)
+    return;
+  kill(*pid, SIGTERM);
+  for (int i = 0; i < 100; i++) {
+    if (waitpid(*pid, NULL, WNOHANG) == *pid) {
+      *pid = -1;
+      return;
+    }
+    usleep(50000);
+  }
+  kill(*pid, SIGKILL);
+  waitpid(*pid, NULL, 0);
+  *pid = -1;
+}
+
+static void stop_children(void) {
+  stop_child(&daemon_pid);
+  stop_child(&bare_pid);
+}
+
+/* The port of the "data" listener from a JSON-lines log line, or -1. */
+static int listening_port(const char *line) {
+  if (!strstr(line, "\"listening\"") || !strstr(line, "\"data\""))
+    return -1;
+  const char *p = strstr(line, "\"port\"");
+  if (!p)
+    return -1;
+  p += 6;
+  while (*p == ' ' || *p == ':')
+    p++;
+  char *end;
+  long v = strtol(p, &end, 10);
+  return end != p && v > 0 && v < 65536 ? (int)v : -1;
+}
+
+static void print_log_tail(void) {
+  FILE *f = fopen(daemon_log, "r");
+  if (!f)
+    return;
+  char line[4096];
+  fprintf(stderr, "http_bench: daemon log (%s):\n", daemon_log);
+  while (fgets(line, sizeof(line), f))
+    fputs(line, stderr);
+  fclose(f);
+}
+
+/*
+ * Start the daemon with stderr to a file (read here for the listening line; a file never fills up
+ * and blocks the daemon the way an unread pipe would) and wait up to 60 s for its port.
+ */
+static int start_daemon(char **argv) {
+  snprintf(daemon_log, sizeof(daemon_log), "/tmp/http_bench_daemon_XXXXXX");
+  int lfd = mkstemp(daemon_log);
+  if (lfd < 0)
+    die("cannot create a log file: %s", strerror(errno));
+  daemon_pid = fork();
+  if (daemon_pid < 0)
+    die("fork: %s", strerror(errno));
+  if (daemon_pid == 0) {
+    dup2(lfd, 2);
+    int devnull = open("/dev/null", O_RDWR);
+    if (devnull >= 0) {
+      dup2(devnull, 0);
+      dup2(devnull, 1);
+    }
+    execvp(argv[0], argv);
+    fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
+    _exit(127);
+  }
+  close(lfd);
+  FILE *f = fopen(daemon_log, "r");
+  if (!f)
+    die("cannot read %s", daemon_log);
+  char line[4096];
+  size_t have = 0;
+  uint64_t until = now_ns() + 60ull * 1000000000u;
+  while (now_ns() < until) {
+    if (fgets(line + have, (int)(sizeof(line) - have), f)) {
+      have = strlen(line);
+      if (have && line[have - 1] != '\n' && have < sizeof(line) - 1)
+        continue; /* a partial line: the rest comes later */
+      int port = listening_port(line);
+      have = 0;
+      if (port > 0) {
+        fclose(f);
+        return port;
+      }
+      continue;
+    }
+    clearerr(f);
+    if (waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
+      daemon_pid = -1;
+      fclose(f);
+      fprintf(stderr, "http_bench: the daemon exited before listening\n");
+      print_log_tail();
+      return -1;
+    }
+    usleep(20000);
+  }
+  fclose(f);
+  fprintf(stderr, "http_bench: no \"listening\" line from the daemon within 60 s\n");
+  print_log_tail();
+  return -1;
+}
+
+static int start_bare(const char *path) {
+  int pfd[2];
+  if (pipe(pfd))
+    die("pipe: %s", strerror(errno));
+  bare_pid = fork();
+  if (bare_pid < 0)
+    die("fork: %s", strerror(errno));
+  if (bare_pid == 0) {
+    dup2(pfd[1], 1);
+    close(pfd[0]);
+    close(pfd[1]);
+    execl(path, path, "--port", "0", (char *)NULL);
+    fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
+    _exit(127);
+  }
+  close(pfd[1]);
+  char buf[32];
+  size_t have = 0;
+  uint64_t until = now_ns() + 10ull * 1000000000u;
+  while (have < sizeof(buf) - 1 && now_ns() < until) {
+    struct pollfd p = {.fd = pfd[0], .events = POLLIN};
+    if (poll(&p, 1, 200) <= 0)
+      continue;
+    ssize_t r = read(pfd[0], buf + have, sizeof(buf) - 1 - have);
+    if (r <= 0)
+      break;
+    have += (size_t)r;
+    buf[have] = '\0';
+    if (strchr(buf, '\n'))
+      break;
+  }
+  close(pfd[0]);
+  buf[have] = '\0';
+  int port = atoi(buf);
+  if (port <= 0) {
+    fprintf(stderr, "http_bench: bare server %s did not print its port\n", path);
+    return -1;
+  }
+  return port;
+}
+
+/* ---- The CPU op alone ---------------------------------------------------------------------- */
+
+/*
+ * map_slots + qkv_insert through the CPU backend on the same batches the daemon gets: N sequences
+ * of one token each, every sequence cycling through three blocks of its own as its position
+ * advances. Rope rows are ensured inside the timed step, as the daemon's executor does for each
+ * batch.
+ */
+static int run_cpu(uint32_t n, const uint8_t *tensors, result_t *out) {
+  dsv4_backend_options_t bo = {.threads = O.cpu_threads};
+  dsv4_backend_t *be = NULL;
+  char why[256];
+  int rc = dsv4_backend_open("cpu", &bo, &be, why, sizeof(why));
+  if (rc) {
+    fprintf(stderr, "http_bench: cpu backend: %s\n", why);
+    return -1;
+  }
+  float inv_freq[DSV4_ROPE_PAIRS];
+  dsv4_rope_inv_freq(&dsv4_rope_plain_default, inv_freq);
+  dsv4_rope_table_t *rope = NULL;
+  rc = dsv4_rope_table_create(inv_freq, DSV4_MAX_POSITION_DEFAULT, &rope);
+  uint32_t n_blocks = 3 * n;
+  uint64_t stride = DSV4_BLOCK_STRIDE(BLOCK_SIZE);
+  dsv4_devbuf_t cache = {0};
+  if (rc == 0)
+    rc = be->ops->buf_alloc(be, (size_t)n_blocks * stride, &cache);
+  size_t qn = (size_t)n * O.heads * DSV4_HEAD_DIM;
+  uint16_t *q_out = malloc(qn * 2);
+  int64_t *pos = malloc(n * sizeof(*pos));
+  int64_t *slots = malloc(n * sizeof(*slots));
+  int32_t *tok_seg = malloc(n * sizeof(*tok_seg));
+  int64_t *first_lb = malloc(n * sizeof(*first_lb));
+  uint32_t *bt_off = malloc(n * sizeof(*bt_off));
+  uint32_t *bt_len = malloc(n * sizeof(*bt_len));
+  int32_t *bt = malloc(n * sizeof(*bt));
+  if (rc || !q_out || !pos || !slots || !tok_seg || !first_lb || !bt_off || !bt_len || !bt) {
+    fprintf(stderr, "http_bench: cpu op setup failed\n");
+    rc = -1;
+  }
+  stats_t st = {0};
+  uint64_t deadline = 0;
+  for (long step = 0; rc == 0; step++) {
+    if (step == O.warmup) {
+      st.t0 = now_ns();
+      deadline = st.t0 + (uint64_t)(O.seconds * 1e9);
+    }
+    uint64_t t = now_ns();
+    int64_t p = O.p0 + step;
+    for (uint32_t i = 0; i < n; i++) {
+      pos[i] = p;
+      tok_seg[i] = (int32_t)i;
+      first_lb[i] = p / BLOCK_SIZE;
+      bt_off[i] = i;
+      bt_len[i] = 1;
+      bt[i] = (int32_t)(3 * i + (uint32_t)((p / BLOCK_SIZE) % 3));
+    }
+    dsv4_map_args_t ma = {.n_tokens = n,
+                          .n_segments = n,
+                          .block_size = BLOCK_SIZE,
+                          .n_blocks = n_blocks,
+                          .positions = pos,
+                          .tok_seg = tok_seg,
+                          .seg_first_lb = first_lb,
+                          .seg_bt_off = bt_off,
+                          .seg_bt_len = bt_len,
+                          .block_table = bt,
+                          .slots = slots};
+    dsv4_insert_args_t ia = {.n_tokens = n,
+                             .heads = O.heads,
+                             .q = (const uint16_t *)tensors,
+                             .kv = (const uint16_t *)(tensors + qn * 2),
+                             .positions = pos,
+                             .slots = slots,
+                             .rope = rope,
+                             .kv_norm_weight = NULL,
+                             .eps = 1e-6f,
+                             .write_kv = 1,
+                             .q_out = q_out,
+                             .cache = cache.ptr,
+                             .block_size = BLOCK_SIZE,
+                             .n_blocks = n_blocks,
+                             .stride = stride};
+    rc = dsv4_rope_table_ensure(rope, pos, n);
+    if (rc == 0)
+      rc = be->ops->map_slots(be, &ma);
+    if (rc == 0)
+      rc = be->ops->qkv_insert(be, &ia);
+    if (rc == 0)
+      rc = be->ops->sync(be);
+    if (rc) {
+      fprintf(stderr, "http_bench: cpu op failed: %s\n", dsv4_strerror(rc));
+      break;
+    }
+    uint64_t t1 = now_ns();
+    if (step >= O.warmup) {
+      stats_add(&st, t1 - t, n);
+      st.t1 = t1;
+      if (t1 >= deadline || (long)st.n >= O.max_requests)
+        break;
+    }
+  }
+  if (rc == 0)
+    *out = stats_result(&st);
+  free(st.v);
+  free(q_out);
+  free(pos);
+  free(slots);
+  free(tok_seg);
+  free(first_lb);
+  free(bt_off);
+  free(bt_len);
+  free(bt);
+  if (cache.ptr)
+    be->ops->buf_free(be, &cache);
+  dsv4_rope_table_destroy(rope);
+  dsv4_backend_close(be);
+  return rc ? -1 : 0;
+}
+
+/* ---- Main ----------------------------------------------------------------------------------- */
+
+static void usage(const char *argv0) {
+  fprintf(stderr,
+          "usage: %s [options] [-- DAEMON COMMAND...]\n"
+          "  --tokens 1,16,64     batch sizes N (N sequences of one token each)\n"
+          "  --heads H            query heads per token (64); must match the daemon's heads\n"
+          "  --conns C            keep-alive connections (2), each with its own N sequences\n"
+          "  --seconds S          measured time per N and target (3)\n"
+          "  --warmup W           unmeasured requests per connection first (3)\n"
+          "  --max-requests M     measured requests per N and target at most (200000)\n"
+          "  --layers L           cycle over layers 0..L-1 at each position (1)\n"
+          "  --start P            first position of every sequence (0)\n"
+          "  --cpu-threads T      CPU backend threads for the cpu op ceiling (2)\n"
+          "  --bare PATH          bare_server binary (default: beside this program)\n"
+          "  --no-bare, --no-cpu  skip a ceiling\n"
+          "Without a daemon command only the ceilings run. The daemon must be started with\n"
+          "--port 0 (its data port is read from its log) and enough --kv-blocks for\n"
+          "3 * C * max(N) sequences' blocks.\n",
+          argv0);
+  exit(2);
+}
+
+static void parse_args(int argc, char **argv) {
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (strcmp(a, "--") == 0) {
+      if (i + 1 < argc)
+        O.daemon_argv = argv + i + 1;
+      return;
+    } else if (strcmp(a, "--no-bare") == 0) {
+      O.run_bare = 0;
+    } else if (strcmp(a, "--no-cpu") == 0) {
+      O.run_cpu = 0;
+    } else if (!v) {
+      usage(argv[0]);
+    } else if (strcmp(a, "--tokens") == 0) {
+      O.n_ns = 0;
+      for (const char *p = v; *p && O.n_ns < MAX_NS;) {
+        char *end;
+        unsigned long n = strtoul(p, &end, 10);
+        if (end == p || n < 1 || n > 16384)
+          usage(argv[0]);
+        O.ns[O.n_ns++] = (uint32_t)n;
+        p = *end == ',' ? end + 1 : end;
+      }
+      i++;
+    } else if (strcmp(a, "--heads") == 0) {
+      O.heads = (uint32_t)atoi(v), i++;
+    } else if (strcmp(a, "--conns") == 0) {
+      O.conns = atoi(v), i++;
+    } else if (strcmp(a, "--seconds") == 0) {
+      O.seconds = atof(v), i++;
+    } else if (strcmp(a, "--warmup") == 0) {
+      O.warmup = atoi(v), i++;
+    } else if (strcmp(a, "--max-requests") == 0) {
+      O.max_requests = atol(v), i++;
+    } else if (strcmp(a, "--layers") == 0) {
+      O.layers = atoi(v), i++;
+    } else if (strcmp(a, "--start") == 0) {
+      O.p0 = atoll(v), i++;
+    } else if (strcmp(a, "--cpu-threads") == 0) {
+      O.cpu_threads = (unsigned)atoi(v), i++;
+    } else if (strcmp(a, "--bare") == 0) {
+      O.bare_path = v, i++;
+    } else {
+      usage(argv[0]);
+    }
+  }
+}
+
+static void on_fatal_signal(int sig) {
+  /* Leave no server behind when interrupted. */
+  if (daemon_pid > 0)
+    kill(daemon_pid, SIGKILL);
+  if (bare_pid > 0)
+    kill(bare_pid, SIGKILL);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+static void fmt_pct(char *buf, size_t n, const result_t *a, const result_t *b) {
+  if (a->ok && b->ok && b->tok_s > 0)
+    snprintf(buf, n, "%.1f%%", 100.0 * a->tok_s / b->tok_s);
+  else
+    snprintf(buf, n, "-");
+}
+
+static void fmt_res(char *buf, size_t n, const result_t *r) {
+  if (r->ok)
+    snprintf(buf, n, "%10.0f %9.0f %9.0f", r->tok_s, r->p50_us, r->p99_us);
+  else
+    snprintf(buf, n, "%10s %9s %9s", "-", "-", "-");
+}
+
+int main(int argc, char **argv) {
+  static const uint32_t default_ns[] = {1, 16, 64};
+  parse_args(argc, argv);
+  if (O.n_ns == 0) {
+    memcpy(O.ns, default_ns, sizeof(default_ns));
+    O.n_ns = 3;
+  }
+  if (O.heads < 1 || O.heads > DSV4_MAX_HEADS || O.conns < 1 || O.conns > MAX_CONNS ||
+      O.seconds <= 0 || O.seconds > 600 || O.warmup < 1 || O.layers < 1 || O.p0 < 0 ||
+      O.max_requests < 1)
+    usage(argv[0]);
+  static char bare_default[PATH_MAX];
+  if (!O.bare_path) {
+    ssize_t r = readlink("/proc/self/exe", bare_default, sizeof(bare_default) - 32);
+    if (r <= 0)
+      die("%s", "cannot find this program's folder; pass --bare");
+    bare_default[r] = '\0';
+    char *slash = strrchr(bare_default, '/');
+    strcpy(slash ? slash + 1 : bare_default, "bare_server");
+    O.bare_path = bare_default;
+  }
+  signal(SIGPIPE, SIG_IGN);
+  signal(SIGINT, on_fatal_signal);
+  signal(SIGTERM, on_fatal_signal);
+  atexit(stop_children);
+
+  llhttp_settings_init(&rsettings);
+  rsettings.on_message_begin = on_r_begin;
+  rsettings.on_headers_complete = on_r_headers;
+  rsettings.on_body = on_r_body;
+  rsettings.on_message_complete = on_r_complete;
+  recv_buf = malloc(RECV_BYTES);
+  if (!recv_buf)
+    die("%s", "out of memory");
+
+  result_t res[MAX_NS][3];
+  size_t resp[MAX_NS];
+  memset(res, 0, sizeof(res));
+  uint8_t *tensors[MAX_NS];
+  size_t tlen[MAX_NS];
+  for (int k = 0; k < O.n_ns; k++) {
+    tensors[k] = make_tensors(O.ns[k], O.heads, &tlen[k]);
+    resp[k] = expected_response_bytes(O.ns[k], O.heads);
+  }
+
+  int failed = 0;
+  if (O.daemon_argv) {
+    int port = start_daemon(O.daemon_argv);
+    if (port < 0)
+      return 1;
+    for (int k = 0; k < O.n_ns; k++) {
+      size_t seen = 0;
+      if (run_target(port, 1, O.ns[k], tensors[k], tlen[k], resp[k], &res[k][0], &seen)) {
+        failed = 1;
+        print_log_tail();
+        break;
+      }
+      if (seen)
+        resp[k] = seen;
+    }
+    stop_child(&daemon_pid);
+    if (!failed)
+      unlink(daemon_log);
+  }
+  if (O.run_bare && !failed) {
+    int port = start_bare(O.bare_path);
+    if (port < 0)
+      return 1;
+    for (int k = 0; k < O.n_ns && !failed; k++)
+      failed = run_target(port, 0, O.ns[k], tensors[k], tlen[k], resp[k], &res[k][1], NULL) != 0;
+    stop_child(&bare_pid);
+  }
+  /* The CPU op runs last, with no server alive, so it has the machine to itself. */
+  if (O.run_cpu && !failed)
+    for (int k = 0; k < O.n_ns && !failed; k++)
+      failed = run_cpu(O.ns[k], tensors[k], &res[k][2]) != 0;
+
+  printf("# http_bench: H = %u heads, %d connection(s), %.1f s per cell, cpu op on %u thread(s)\n",
+         O.heads, O.conns, O.seconds, O.cpu_threads);
+  printf("# tok/s over the measured window; p50/p99 per request (batch) in microseconds\n");
+  printf("%5s %9s | %10s %9s %9s | %10s %9s %9s | %10s %9s %9s | %7s %7s %7s\n", "N", "resp B",
+         "daemon", "p50", "p99", "bare", "p50", "p99", "cpu op", "p50", "p99", "%bare", "%cpu",
+         "%lower");
+  for (int k = 0; k < O.n_ns; k++) {
+    char d[48], b[48], c[48], pb[16], pc[16], pl[16];
+    fmt_res(d, sizeof(d), &res[k][0]);
+    fmt_res(b, sizeof(b), &res[k][1]);
+    fmt_res(c, sizeof(c), &res[k][2]);
+    fmt_pct(pb, sizeof(pb), &res[k][0], &res[k][1]);
+    fmt_pct(pc, sizeof(pc), &res[k][0], &res[k][2]);
+    const result_t *lower = NULL;
+    if (res[k][1].ok && res[k][2].ok)
+      lower = res[k][1].tok_s < res[k][2].tok_s ? &res[k][1] : &res[k][2];
+    else if (res[k][1].ok || res[k][2].ok)
+      lower = res[k][1].ok ? &res[k][1] : &res[k][2];
+    if (lower)
+      fmt_pct(pl, sizeof(pl), &res[k][0], lower);
+    else
+      snprintf(pl, sizeof(pl), "-");
+    printf("%5u %9zu | %s | %s | %s | %7s %7s %7s\n", O.ns[k], resp[k], d, b, c, pb, pc, pl);
+  }
+  for (int k = 0; k < O.n_ns; k++)
+    free(tensors[k]);
+  free(recv_buf);
+  return failed;
+}
