@@ -55,6 +55,14 @@ void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads
 void dsv4__cpu_kv_token(int isa, const uint16_t *kv, const float *rope_row, const float *w,
                         float eps, uint8_t *data, uint8_t *scales);
 
+#if defined(__x86_64__)
+/* The AVX-512 kernels (cpu_kernels_avx512.c); callers check dsv4__cpu_isa_supported first. */
+void dsv4__cpu_q_heads_avx512(const uint16_t *q, uint16_t *out, uint32_t heads,
+                              const float *rope_row, float eps);
+void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *rope_row, const float *w, float eps,
+                               uint8_t *data, uint8_t *scales);
+#endif
+
 /* ---- test hooks (cpu_backend.c) ---- */
 
 /* Select the kernel level of a CPU backend; DSV4_EUNSUPPORTED if this machine cannot run it. */

@@ -9,13 +9,9 @@
 
 #include "dsv4-numerics.h"
 
-/* Implemented in cpu_kernels_avx512.c on x86-64. */
-#if defined(__x86_64__) && defined(DSV4_CPU_AVX512_KERNELS)
+/* The AVX-512 kernels are built on every x86-64 compiler and chosen at run time. */
+#if defined(__x86_64__)
 #define HAVE_AVX512_KERNELS 1
-void dsv4__cpu_q_heads_avx512(const uint16_t *q, uint16_t *out, uint32_t heads,
-                              const float *rope_row, float eps);
-void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *rope_row, const float *w, float eps,
-                               uint8_t *data, uint8_t *scales);
 #endif
 
 int dsv4__cpu_isa_supported(int isa) {

@@ -1,18 +1,23 @@
 /*
- * A persistent pool of worker threads for the CPU backend. A launch hands every participant (the
+ * A persistent pool of worker threads for the CPU backend. A launch offers every participant (the
  * workers and the calling thread) the same job; participants take chunks of items from one atomic
- * counter, and the caller returns only after every participant has finished, so consecutive
- * launches (map_slots, then qkv_insert) are separated by a join as SPEC §5.2 asks of the CPU.
+ * counter, and the caller returns only after every item is done, so consecutive launches
+ * (map_slots, then qkv_insert) are separated by a join as SPEC §5.2 asks of the CPU.
+ *
+ * A worker must join a launch before it reads the job, and it can join only while the launch is
+ * open. Once the caller has seen the item counter run out it closes the launch and waits only for
+ * workers that joined. A worker that the scheduler keeps off the CPU (the host may be busy with
+ * other work) therefore never delays a launch it did not take part in.
  *
  * Workers spin briefly after a launch before sleeping on a condition variable, because the executor
- * usually launches again within microseconds and a futex wake costs more than the work of a small
- * batch.
+ * usually launches again within microseconds and a futex wake costs more than a small batch's work.
  */
 #include "cpu-internal.h"
 
 #include <assert.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -31,8 +36,14 @@ static unsigned read_mxcsr(void) {
 }
 #endif
 
-/* Spin iterations before a worker or the caller falls back to sleeping. */
-#define SPIN_LIMIT 20000
+/* Spin iterations before a worker or the caller falls back to sleeping (tens of microseconds). */
+#define SPIN_LIMIT 2000
+
+/* The launch word: generation in the high 32 bits, a closed flag, and the count of joined workers.
+ */
+#define W_GEN(w) ((uint32_t)((w) >> 32))
+#define W_CLOSED (UINT64_C(1) << 31)
+#define W_ACTIVE(w) ((uint32_t)((w)&0x7fffffffu))
 
 typedef struct {
   dsv4__cpu_pool_t *pool;
@@ -45,16 +56,16 @@ struct dsv4__cpu_pool {
   unsigned n_workers;
   worker_t *workers;
   unsigned *start_mxcsr;
+  unsigned started; /* workers that have recorded their MXCSR (under mu) */
 
   pthread_mutex_t mu;
   pthread_cond_t cv_start;
   pthread_cond_t cv_done;
-  atomic_ullong generation; /* bumped by each launch */
-  atomic_uint pending;      /* workers still inside the current launch */
+  _Atomic uint64_t word;
   atomic_int stop;
-  unsigned started; /* workers that have recorded their MXCSR (under mu) */
+  atomic_int caller_sleeping;
 
-  /* The current launch; written by the caller before the generation is bumped. */
+  /* The current launch; written by the caller before it publishes a new generation. */
   dsv4__cpu_job_fn fn;
   void *arg;
   size_t n_items;
@@ -74,6 +85,16 @@ static void run_chunks(dsv4__cpu_pool_t *p) {
   }
 }
 
+/* Join the launch of generation gen if it is still open; returns 1 when joined. */
+static int try_join(dsv4__cpu_pool_t *p, uint32_t gen) {
+  uint64_t w = atomic_load_explicit(&p->word, memory_order_acquire);
+  while (W_GEN(w) == gen && !(w & W_CLOSED))
+    if (atomic_compare_exchange_weak_explicit(&p->word, &w, w + 1, memory_order_acq_rel,
+                                              memory_order_acquire))
+      return 1;
+  return 0;
+}
+
 static void *worker_main(void *varg) {
   worker_t *w = varg;
   dsv4__cpu_pool_t *p = w->pool;
@@ -85,27 +106,29 @@ static void *worker_main(void *varg) {
   pthread_mutex_unlock(&p->mu);
   /* SPEC §2: subnormals are honoured, so no executor thread may flush or read them as zero. */
   assert((csr & MXCSR_FTZ_DAZ) == 0);
-  unsigned long long seen = 0;
+  uint32_t seen = 0;
   for (;;) {
-    unsigned long long g = atomic_load_explicit(&p->generation, memory_order_acquire);
+    uint32_t g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire));
     for (int spin = 0; g == seen && spin < SPIN_LIMIT; spin++) {
-      if (atomic_load_explicit(&p->stop, memory_order_relaxed))
-        break;
       CPU_RELAX();
-      g = atomic_load_explicit(&p->generation, memory_order_acquire);
+      g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire));
     }
     if (g == seen) {
       pthread_mutex_lock(&p->mu);
-      while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen &&
+      while ((g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire))) == seen &&
              !atomic_load_explicit(&p->stop, memory_order_relaxed))
         pthread_cond_wait(&p->cv_start, &p->mu);
       pthread_mutex_unlock(&p->mu);
     }
-    if (g == seen)
-      break; /* stop requested and no launch pending */
+    if (atomic_load_explicit(&p->stop, memory_order_relaxed))
+      break;
     seen = g;
+    if (!try_join(p, g))
+      continue; /* the launch finished without us */
     run_chunks(p);
-    if (atomic_fetch_sub_explicit(&p->pending, 1, memory_order_acq_rel) == 1) {
+    uint64_t before = atomic_fetch_sub_explicit(&p->word, 1, memory_order_seq_cst);
+    if ((before & W_CLOSED) && W_ACTIVE(before) == 1 &&
+        atomic_load_explicit(&p->caller_sleeping, memory_order_seq_cst)) {
       pthread_mutex_lock(&p->mu);
       pthread_cond_signal(&p->cv_done);
       pthread_mutex_unlock(&p->mu);
@@ -133,9 +156,9 @@ int dsv4__cpu_pool_create(unsigned threads, dsv4__cpu_pool_t **out) {
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->cv_start, NULL);
   pthread_cond_init(&p->cv_done, NULL);
-  atomic_init(&p->generation, 0);
-  atomic_init(&p->pending, 0);
+  atomic_init(&p->word, 0);
   atomic_init(&p->stop, 0);
+  atomic_init(&p->caller_sleeping, 0);
   atomic_init(&p->next, 0);
   unsigned started = 0;
   for (; started < p->n_workers; started++) {
@@ -150,7 +173,7 @@ int dsv4__cpu_pool_create(unsigned threads, dsv4__cpu_pool_t **out) {
     dsv4__cpu_pool_destroy(p);
     return DSV4_ENOMEM;
   }
-  /* Open returns once every worker runs, so a worker's MXCSR check has happened by then. */
+  /* Open returns once every worker runs, so each worker's MXCSR check has happened by then. */
   pthread_mutex_lock(&p->mu);
   while (p->started < p->n_workers)
     pthread_cond_wait(&p->cv_done, &p->mu);
@@ -164,6 +187,8 @@ void dsv4__cpu_pool_destroy(dsv4__cpu_pool_t *p) {
     return;
   pthread_mutex_lock(&p->mu);
   atomic_store(&p->stop, 1);
+  /* A new generation wakes spinning workers as well as sleeping ones. */
+  atomic_fetch_add(&p->word, UINT64_C(1) << 32);
   pthread_cond_broadcast(&p->cv_start);
   pthread_mutex_unlock(&p->mu);
   for (unsigned i = 0; i < p->n_workers; i++)
@@ -200,19 +225,26 @@ void dsv4__cpu_pool_run(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg, siz
   p->n_items = n_items;
   p->chunk = chunk;
   atomic_store_explicit(&p->next, 0, memory_order_relaxed);
-  atomic_store_explicit(&p->pending, p->n_workers, memory_order_relaxed);
+  /* Publish the job: a new generation, open, nobody joined yet. */
+  uint64_t gen = W_GEN(atomic_load_explicit(&p->word, memory_order_relaxed)) + 1u;
   pthread_mutex_lock(&p->mu);
-  atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
+  atomic_store_explicit(&p->word, (uint64_t)(uint32_t)gen << 32, memory_order_release);
   pthread_cond_broadcast(&p->cv_start);
   pthread_mutex_unlock(&p->mu);
   run_chunks(p);
+  /* Every item is taken: close the launch, then wait for the workers that joined it. */
+  uint64_t w = atomic_fetch_or_explicit(&p->word, W_CLOSED, memory_order_acq_rel);
+  if (W_ACTIVE(w) == 0)
+    return;
   for (int spin = 0; spin < SPIN_LIMIT; spin++) {
-    if (atomic_load_explicit(&p->pending, memory_order_acquire) == 0)
+    if (W_ACTIVE(atomic_load_explicit(&p->word, memory_order_acquire)) == 0)
       return;
     CPU_RELAX();
   }
   pthread_mutex_lock(&p->mu);
-  while (atomic_load_explicit(&p->pending, memory_order_acquire) != 0)
+  atomic_store_explicit(&p->caller_sleeping, 1, memory_order_seq_cst);
+  while (W_ACTIVE(atomic_load_explicit(&p->word, memory_order_seq_cst)) != 0)
     pthread_cond_wait(&p->cv_done, &p->mu);
+  atomic_store_explicit(&p->caller_sleeping, 0, memory_order_relaxed);
   pthread_mutex_unlock(&p->mu);
 }

@@ -575,12 +575,30 @@ static void test_worker_mxcsr(void **state) {
   dsv4_backend_close(be);
 }
 
+/* A machine with AVX-512 runs (and so tests) the AVX-512 kernels: no level is skipped silently. */
+static void test_isa_levels(void **state) {
+  (void)state;
+  assert_true(dsv4__cpu_isa_supported(DSV4__CPU_ISA_SCALAR));
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  assert_int_equal(dsv4__cpu_isa_supported(DSV4__CPU_ISA_AVX512), avx512);
+  assert_int_equal(dsv4__cpu_isa_best(), avx512 ? DSV4__CPU_ISA_AVX512 : DSV4__CPU_ISA_SCALAR);
+  if (!avx512)
+    print_message("this CPU has no AVX-512: only the scalar kernels were checked\n");
+#endif
+  dsv4_backend_t *be = open_cpu(1);
+  assert_int_equal(dsv4__cpu_backend_set_isa(be, 99), DSV4_EUNSUPPORTED);
+  dsv4_backend_close(be);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_spec_vector),     cmocka_unit_test(test_random_batches),
-      cmocka_unit_test(test_cache_untouched), cmocka_unit_test(test_threads_and_repeats),
-      cmocka_unit_test(test_map_slots),       cmocka_unit_test(test_bad_slot_refused),
-      cmocka_unit_test(test_buffers),         cmocka_unit_test(test_worker_mxcsr),
+      cmocka_unit_test(test_isa_levels),          cmocka_unit_test(test_spec_vector),
+      cmocka_unit_test(test_random_batches),      cmocka_unit_test(test_cache_untouched),
+      cmocka_unit_test(test_threads_and_repeats), cmocka_unit_test(test_map_slots),
+      cmocka_unit_test(test_bad_slot_refused),    cmocka_unit_test(test_buffers),
+      cmocka_unit_test(test_worker_mxcsr),
   };
   return cmocka_run_group_tests(tests, setup_tables, teardown_tables);
 }
