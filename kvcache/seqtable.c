@@ -300,6 +300,8 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
   /* priv holds the per-segment state, then an index set (open addressing) for duplicate names. */
   uint32_t dcap = pow2_at_least((uint64_t)n * 2);
   size_t bytes = (size_t)n * sizeof(plan_seg_t) + (size_t)dcap * sizeof(uint32_t);
+  if (bytes > UINT32_MAX)
+    return DSV4_ENOMEM;
   if (bytes > plan->priv_cap) {
     void *q = realloc(plan->priv, bytes);
     if (q == NULL)
