@@ -11,6 +11,7 @@ Only the standard library, numpy and xxhash are used (/usr/bin/python3).
 import decimal
 import fractions
 import math
+import re as _re
 import struct
 
 import numpy as np
@@ -526,8 +527,6 @@ def pool_digest(layer, cache, used_blocks, bs):
 # used, free), logical contents (records, digests of record lists) and errors, not ids. The model
 # still hands out its own ids (lowest free first) so that it can produce a complete slot list and
 # cache buffer for kernel-level tests; pass alloc= to follow another policy.
-
-import re as _re
 
 _SEQ_NAME = _re.compile(r"^[A-Za-z0-9_:\-][A-Za-z0-9._:\-]{0,127}$")
 

@@ -231,6 +231,55 @@ def random_sweep(rng, count):
                  cache_init=str(rng.choice(["zero", "random"])), threads=int(rng.integers(0, 3)))
 
 
+def seqtable_batches(rng):
+    """Several batches of two sequences through the sequence-table model: the slots it assigns, the
+    cache carried from one kernel run to the next (released blocks are reused unscrubbed), and the
+    sequence digest of SPEC §3.1 read back from the C cache against the model's own records."""
+    bs, n_blocks, heads = 16, 24, 8
+    m = R.SeqTableModel(n_blocks, bs, [0])
+    cache = np.zeros(n_blocks * R.block_stride(bs), dtype=np.uint8)
+    nxt = {"alpha": 0, "beta": 1000}
+    lens = [(100, 37), (1, 1), (20, 3), (1, 1), (64, 1), (1, 90), (5, 5), (1, 1)]
+    for step, (la, lb) in enumerate(lens):
+        segs = []
+        for name, k in (("alpha", la), ("beta", lb)):
+            segs.append(R.Segment(name, nxt[name], k, new=step == 0, key=(name, step)))
+            nxt[name] += k
+        positions = np.concatenate([np.arange(sg.start, sg.start + sg.len) for sg in segs])
+        n = len(positions)
+        q = bf16_normal(rng, (n, heads, 512))
+        kv = mixed_kv(rng, n)
+        records = R.kv_records(kv, R.rope_rows(R.inv_freq("yarn"), positions))
+        res = m.forward(0, segs, records=records)
+        slots = np.array(res["slots"], dtype=np.int64)
+        with tempfile.TemporaryDirectory(prefix="dsv4ref-") as d:
+            write_params(d, mode="insert", backend=BACKEND, n_tokens=n, heads=heads, block_size=bs,
+                         n_blocks=n_blocks, rope="yarn", kv_norm="prenormed", write_kv=1, threads=0)
+            q.astype("<u2").tofile(os.path.join(d, "q.bin"))
+            kv.astype("<u2").tofile(os.path.join(d, "kv.bin"))
+            positions.astype("<i8").tofile(os.path.join(d, "positions.bin"))
+            slots.astype("<i8").tofile(os.path.join(d, "slots.bin"))
+            cache.tofile(os.path.join(d, "cache_in.bin"))
+            run_kernel(d)
+            got_q = np.fromfile(os.path.join(d, "q_out.bin"), dtype="<u2").reshape(n, heads, 512)
+            got_cache = np.fromfile(os.path.join(d, "cache.bin"), dtype=np.uint8)
+        want_q, _ = R.qkv_insert(q, kv, positions, slots, cache, bs, rope="yarn")
+        compare("seqtable_batch_%d" % step, got_q, want_q, got_cache, cache, bs, slots)
+        for name in ("alpha", "beta"):
+            s = m.seqs[name]
+            pos = list(m.stored_range(name, 0))
+            got = R.records_digest(pos, [R.read_record(got_cache, s.blocks[p // bs] * bs + p % bs, bs)
+                                         for p in pos])
+            if got != m.sequence_digest(name, 0):
+                raise Failure("seqtable_batch_%d: sequence digest of %s from the C cache %s, model %s"
+                              % (step, name, got, m.sequence_digest(name, 0)))
+            bound = m.max_blocks_bound(1) if (la if name == "alpha" else lb) == 1 else None
+            if bound is not None and m.held_blocks(name) > bound:
+                raise Failure("%s holds %d blocks after a one-token step" % (name, m.held_blocks(name)))
+    print("ok   %-34s %d batches, %d blocks used at the end" % ("seqtable_batches", len(lens),
+                                                            m.used_blocks()))
+
+
 def spec_test_vector():
     """SPEC §2: head (0x0001, 0x8001, 0x0080, 0, ...) at position 5, plain -> 0x01FA 0x81FA 0x057A."""
     rng = np.random.default_rng(5)
@@ -323,6 +372,7 @@ def main():
                          bf16_boundary, bf16_boundary),
         lambda: run_case("h8_yarn_prenormed_boundaries", rng, 8, 256, 64, 5, "yarn", "prenormed",
                          "high", bf16_boundary, bf16_boundary, minus_one=0.1, cache_init="random"),
+        lambda: seqtable_batches(rng),
         lambda: random_sweep(rng, 18),
         lambda: map_case(rng, "map_slots_bs64", 64, 400, 6),
         lambda: map_case(rng, "map_slots_bs16_holes", 16, 800, 9, holes=0.2),
