@@ -164,7 +164,6 @@ def compare(name, got_q, want_q, got_cache, want_cache, bs, slots):
 
 def run_case(name, rng, heads, n, bs, n_blocks, rope, kv_norm, where, qgen, kvgen, minus_one=0.0,
              write_kv=1, cache_init="zero", threads=0, q=None, positions=None):
-    t0 = time.time()
     if q is None:
         q = qgen(rng, (n, heads, 512))
     kv = kvgen(rng, (n, 512)) if kvgen is not mixed_kv else mixed_kv(rng, n)
