@@ -120,7 +120,11 @@ def test_replay():
         r2b = d.forward(b2)
         check_eq(r2b.replayed, "true", "replay of the second batch")
         check(np.array_equal(r2b.q_out, r2.q_out), "replay of the second batch: q_out")
-        e = expect_error(d.forward_raw(b1.body()), 409, "position_mismatch")
+        e = expect_error(d.forward_raw(b1.body()), 409, "sequence_exists")  # it says "new"
+        check(15 in h.find_values(e, "expected"), "expected position 15 in %r" % e)
+        b1n = b1.copy()
+        b1n.segs[0].new = False
+        e = expect_error(d.forward_raw(b1n.body()), 409, "position_mismatch")
         check(15 in h.find_values(e, "expected"), "expected position 15 in %r" % e)
         # Same start and len, other bytes: not a replay.
         b2x = b2.copy()

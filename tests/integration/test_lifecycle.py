@@ -55,25 +55,25 @@ def test_help():
 
 def test_option_errors():
     """A bad value exits non-zero, naming the option, without serving."""
-    cases = [(["--heads", "0"], "heads"), (["--heads", "129"], "heads"),
+    cases = [(["--heads", "129"], "heads"), (["--heads", "-1"], "heads"),
              (["--block-size", "17"], "block"), (["--block-size", "512"], "block"),
              (["--block-size", "8"], "block"), (["--port", "70000"], "port"),
              (["--port", "-1"], "port"), (["--kv-blocks", "0"], "kv"),
              (["--kv-blocks", "many"], "kv"), (["--layers", "5-2"], "layers"),
-             (["--layers", "0-99"], "layers"), (["--implicit-create", "maybe"], "implicit"),
+             (["--layers", "0-99"], "layers"), (["--implicit-create=maybe"], "implicit"),
              (["--kv-norm", "sometimes"], "kv"), (["--backend", "abacus"], "backend"),
              (["--threads", "-3"], "threads"), (["--no-such-option", "1"], "no-such-option"),
              (["--heads"], "heads")]
     for args, name in cases:
-        r = run_cli(args + ["--port", "0"] if "--port" not in args else args)
+        r = run_cli((["--port", "0"] if "--port" not in args else []) + args)
         err = (r.stdout + r.stderr).decode()
         check(r.returncode != 0, "%s: exit status 0 (output %r)" % (args, err[-300:]))
         check(name in err.replace("_", "-") or name in err,
               "%s: the error does not name %r: %r" % (args, name, err[-400:]))
     # The same range checks apply to the environment and the JSON file.
-    r = run_cli(["--port", "0"], env={"DSV4D_HEADS": "0"})
+    r = run_cli(["--port", "0"], env={"DSV4D_HEADS": "129"})
     check(r.returncode != 0 and b"heads" in (r.stdout + r.stderr).lower(),
-          "DSV4D_HEADS=0: exit %d %r" % (r.returncode, (r.stdout + r.stderr)[-300:]))
+          "DSV4D_HEADS=129: exit %d %r" % (r.returncode, (r.stdout + r.stderr)[-300:]))
     cfg = os.path.join(os.environ.get("TMPDIR", "/tmp"), "dsv4d-it-cfg-%d.json" % os.getpid())
     try:
         with open(cfg, "w") as f:
@@ -110,7 +110,7 @@ def test_config_sources():
                   "the command line over the environment")
     finally:
         os.unlink(cfg)
-    with Daemon(base + ["--heads", "2", "--implicit-create", "true"]) as d:
+    with Daemon(base + ["--heads", "2", "--implicit-create=true"]) as d:
         b = Batch.random(rng, 1, [Seg("imp", 7, 3)], 2)
         h.check_result(d.forward(b), b, "implicit create", bs=64)
         j = d.seq("imp")
@@ -119,6 +119,13 @@ def test_config_sources():
         e = expect_error(d.forward_raw(Batch.random(rng, 1, [Seg("imp", 7, 3)], 2).body()), 404,
                          "unknown_sequence")
         check_eq(e.get("instance"), d.instance, "instance in the 404")
+
+
+def test_bool_option_with_a_value():
+    """Booleans take a separate value too (the form the operator documentation uses: --flag true)."""
+    for args in (["--implicit-create", "true"], ["--implicit-create", "false"]):
+        with Daemon(h.SMALL + args) as d:
+            check_eq(d.get("/readyz").status, 200, "readyz with %s" % " ".join(args))
 
 
 def test_sigterm_drains_inflight_batch():
@@ -216,5 +223,5 @@ def test_sequence_idle_expiry():
 
 if __name__ == "__main__":
     h.main([test_startup_time_default_config, test_help, test_option_errors, test_config_sources,
-            test_sigterm_drains_inflight_batch, test_sigint_and_idle_sigterm,
+            test_bool_option_with_a_value, test_sigterm_drains_inflight_batch, test_sigint_and_idle_sigterm,
             test_sequence_idle_expiry])
