@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -122,7 +123,7 @@ static int cmp_u64(const void *a, const void *b) {
 }
 
 typedef struct {
-  double tok_s, p50_us, p99_us;
+  double tok_s, p50_us, p99_us, mean_us;
   size_t requests;
   int ok;
 } result_t;
@@ -137,6 +138,10 @@ static result_t stats_result(stats_t *s) {
   r.p50_us = (double)s->v[(i50 ? i50 : 1) - 1] * 1e-3;
   r.p99_us = (double)s->v[(i99 ? i99 : 1) - 1] * 1e-3;
   r.tok_s = (double)s->tokens / ((double)(s->t1 - s->t0) * 1e-9);
+  double sum = 0;
+  for (size_t i = 0; i < s->n; i++)
+    sum += (double)s->v[i];
+  r.mean_us = sum / (double)s->n * 1e-3;
   r.requests = s->n;
   r.ok = 1;
   return r;
@@ -332,6 +337,82 @@ static int conn_io(conn_t *c, short revents) {
   return 0;
 }
 
+/* ---- The daemon's own stage timings --------------------------------------------------------- */
+
+#define N_STAGES 4
+static const char *const stage_names[N_STAGES] = {"queue", "validate", "plan", "kernel"};
+
+typedef struct {
+  double sum[N_STAGES];
+  double count[N_STAGES];
+  int ok;
+} stages_t;
+
+/*
+ * Read the forward_seconds histogram's _sum and _count per stage from GET /metrics (a blocking
+ * exchange on its own connection, outside any measured window). Differences of two scrapes give the
+ * daemon's mean time per batch in each stage over the window between them.
+ */
+static int scrape_stages(int port, stages_t *out) {
+  memset(out, 0, sizeof(*out));
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return -1;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  struct timeval tv = {.tv_sec = 5};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  static const char req[] = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  size_t cap = 1 << 20, len = 0;
+  char *buf = malloc(cap + 1);
+  if (!buf || connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
+      send(fd, req, sizeof(req) - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof(req) - 1)) {
+    free(buf);
+    close(fd);
+    return -1;
+  }
+  for (;;) {
+    ssize_t r = recv(fd, buf + len, cap - len, 0);
+    if (r <= 0)
+      break;
+    len += (size_t)r;
+    if (len == cap)
+      break;
+  }
+  close(fd);
+  buf[len] = '\0';
+  for (char *line = buf; line && *line;) {
+    char *nl = strchr(line, '\n');
+    if (nl)
+      *nl = '\0';
+    /* e.g. dsv4_forward_seconds_sum{stage="kernel"} 0.0123 */
+    char *m = strstr(line, "forward_seconds_");
+    if (m && line[0] != '#') {
+      int is_sum = strncmp(m + 16, "sum{", 4) == 0, is_count = strncmp(m + 16, "count{", 6) == 0;
+      char *st = strstr(m, "stage=\"");
+      char *close_brace = strchr(m, '}');
+      if ((is_sum || is_count) && st && close_brace) {
+        st += 7;
+        for (int k = 0; k < N_STAGES; k++) {
+          size_t sl = strlen(stage_names[k]);
+          if (strncmp(st, stage_names[k], sl) == 0 && st[sl] == '"') {
+            double v = strtod(close_brace + 1, NULL);
+            if (is_sum)
+              out->sum[k] = v;
+            else
+              out->count[k] = v;
+            out->ok = 1;
+          }
+        }
+      }
+    }
+    line = nl ? nl + 1 : NULL;
+  }
+  free(buf);
+  return out->ok ? 0 : -1;
+}
+
 /* ---- One target (daemon or bare server) ---------------------------------------------------- */
 
 typedef struct {
@@ -508,7 +589,8 @@ static int run_phase(run_t *R, int phase, uint64_t deadline) {
 
 /* One target for one N: connect, warm up, measure, delete the sequences, disconnect. */
 static int run_target(int port, int is_daemon, uint32_t n, const uint8_t *tensors, size_t tlen,
-                      size_t resp_bytes, result_t *out, size_t *seen_resp) {
+                      size_t resp_bytes, result_t *out, size_t *seen_resp,
+                      double stage_us[N_STAGES]) {
   run_t *R = calloc(1, sizeof(*R));
   if (!R)
     die("%s", "out of memory");
@@ -533,9 +615,17 @@ static int run_target(int port, int is_daemon, uint32_t n, const uint8_t *tensor
   }
   if (rc == 0)
     rc = run_phase(R, PH_WARMUP, 0);
+  stages_t s0, s1;
+  int have_stages = is_daemon && stage_us && rc == 0 && scrape_stages(port, &s0) == 0;
   if (rc == 0) {
     R->st.t0 = now_ns();
     rc = run_phase(R, PH_MEASURE, R->st.t0 + (uint64_t)(O.seconds * 1e9));
+  }
+  if (have_stages && rc == 0 && scrape_stages(port, &s1) == 0) {
+    for (int k = 0; k < N_STAGES; k++) {
+      double dc = s1.count[k] - s0.count[k];
+      stage_us[k] = dc > 0 ? (s1.sum[k] - s0.sum[k]) / dc * 1e6 : -1;
+    }
   }
   if (rc == 0)
     rc = run_phase(R, PH_DELETE, 0);
@@ -957,7 +1047,11 @@ int main(int argc, char **argv) {
 
   result_t res[MAX_NS][3];
   size_t resp[MAX_NS];
+  double stage_us[MAX_NS][N_STAGES];
   memset(res, 0, sizeof(res));
+  for (int k = 0; k < MAX_NS; k++)
+    for (int i = 0; i < N_STAGES; i++)
+      stage_us[k][i] = -1;
   uint8_t *tensors[MAX_NS];
   size_t tlen[MAX_NS];
   for (int k = 0; k < O.n_ns; k++) {
@@ -972,7 +1066,8 @@ int main(int argc, char **argv) {
       return 1;
     for (int k = 0; k < O.n_ns; k++) {
       size_t seen = 0;
-      if (run_target(port, 1, O.ns[k], tensors[k], tlen[k], resp[k], &res[k][0], &seen)) {
+      if (run_target(port, 1, O.ns[k], tensors[k], tlen[k], resp[k], &res[k][0], &seen,
+                     stage_us[k])) {
         failed = 1;
         print_log_tail();
         break;
@@ -989,7 +1084,8 @@ int main(int argc, char **argv) {
     if (port < 0)
       return 1;
     for (int k = 0; k < O.n_ns && !failed; k++)
-      failed = run_target(port, 0, O.ns[k], tensors[k], tlen[k], resp[k], &res[k][1], NULL) != 0;
+      failed =
+          run_target(port, 0, O.ns[k], tensors[k], tlen[k], resp[k], &res[k][1], NULL, NULL) != 0;
     stop_child(&bare_pid);
   }
   /* The CPU op runs last, with no server alive, so it has the machine to itself. */
@@ -1020,6 +1116,29 @@ int main(int argc, char **argv) {
     else
       snprintf(pl, sizeof(pl), "-");
     printf("%5u %9zu | %s | %s | %s | %7s %7s %7s\n", O.ns[k], resp[k], d, b, c, pb, pc, pl);
+  }
+  if (O.daemon_argv) {
+    /* Where a daemon request's time goes: its own stage timings against the client's mean. */
+    printf("# daemon mean per batch (us): stages from its /metrics over the measured window;\n"
+           "# rest = client mean - stages = HTTP in/out, parsing, loop<->executor hand-offs\n");
+    printf("%5s | %9s | %9s %9s %9s %9s | %9s\n", "N", "mean", "queue", "validate", "plan",
+           "kernel", "rest");
+    for (int k = 0; k < O.n_ns; k++) {
+      if (!res[k][0].ok)
+        continue;
+      double rest = res[k][0].mean_us;
+      char cols[N_STAGES][16];
+      for (int i = 0; i < N_STAGES; i++) {
+        if (stage_us[k][i] >= 0) {
+          snprintf(cols[i], sizeof(cols[i]), "%.0f", stage_us[k][i]);
+          rest -= stage_us[k][i];
+        } else {
+          snprintf(cols[i], sizeof(cols[i]), "-");
+        }
+      }
+      printf("%5u | %9.0f | %9s %9s %9s %9s | %9.0f\n", O.ns[k], res[k][0].mean_us, cols[0],
+             cols[1], cols[2], cols[3], rest);
+    }
   }
   for (int k = 0; k < O.n_ns; k++)
     free(tensors[k]);
