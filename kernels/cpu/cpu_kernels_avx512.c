@@ -26,38 +26,41 @@
 #include "cpu-internal.h"
 #include "dsv4-numerics.h"
 
-static inline __m512 even_f32(__m512i v) {
+static inline __attribute__((always_inline)) __m512 even_f32(__m512i v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
-static inline __m512 odd_f32(__m512i v) {
+static inline __attribute__((always_inline)) __m512 odd_f32(__m512i v) {
   return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 /* dsv4_f32_to_bf16 per lane, the bf16 left in the high half of each dword (the low half is junk).
  */
-static inline __m512i bf16_high(__m512 f) {
+static inline __attribute__((always_inline)) __m512i bf16_high(__m512 f) {
   __m512i u = _mm512_castps_si512(f);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                          _mm512_set1_epi32(0x7f800000));
+  /* u + 0x7fff + (bit 16 of u): the carry rounds to nearest, ties to even. */
+  __m512i r = _mm512_add_epi32(u, _mm512_set1_epi32(0x7fff));
+  r = _mm512_mask_add_epi32(r, _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000)), r,
+                            _mm512_set1_epi32(1));
+  __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
   return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
 }
 
 /* Two rounded results back into interleaved bf16 pairs. */
-static inline __m512i pack_pairs(__m512i even_hi, __m512i odd_hi) {
+static inline __attribute__((always_inline)) __m512i pack_pairs(__m512i even_hi, __m512i odd_hi) {
   return _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(even_hi, 16), odd_hi);
 }
 
 /* One transpose round: swap lane bit m with the register bit that pairs r[j] and r[j + d]. */
-static inline void exchange(__m512i *r, int m, int d) {
+static inline __attribute__((always_inline)) void exchange(__m512i *r, int m, int d) {
   int lo[16], hi[16];
+#pragma GCC unroll 32
   for (int i = 0; i < 16; i++) {
     lo[i] = (i & m) ? 16 + i - m : i;
     hi[i] = (i & m) ? 16 + i : i + m;
   }
   __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
+#pragma GCC unroll 32
   for (int j = 0; j < 16; j++) {
     if (j & d)
       continue;
@@ -74,14 +77,16 @@ static inline void exchange(__m512i *r, int m, int d) {
 static const int LANE_OF_CHAIN[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
 
 /* The canonical sum of squares (SPEC §2) of 512 bf16 values. */
-static inline float sumsq_bf16(const uint16_t *x) {
+static inline __attribute__((always_inline)) float sumsq_bf16(const uint16_t *x) {
   __m512i r[16];
+#pragma GCC unroll 32
   for (int j = 0; j < 16; j++)
     r[j] = _mm512_loadu_si512(x + 32 * j);
   exchange(r, 1, 1);
   exchange(r, 2, 2);
   exchange(r, 4, 4);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+#pragma GCC unroll 32
   for (int c = 0; c < 8; c++) {
     __m512 e0 = even_f32(r[c]), o0 = odd_f32(r[c]);
     __m512 e1 = even_f32(r[8 + c]), o1 = odd_f32(r[8 + c]);
@@ -101,7 +106,8 @@ static inline float sumsq_bf16(const uint16_t *x) {
 }
 
 /* One RoPE pair vector (16 pairs): the inner product rounded first, then one fma each. */
-static inline __m512i rope16(__m512 e, __m512 o, __m512 c, __m512 s) {
+static inline __attribute__((always_inline)) __m512i rope16(__m512 e, __m512 o, __m512 c,
+                                                            __m512 s) {
   __m512i neg = _mm512_set1_epi32((int)0x80000000u);
   __m512 os = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(o, s)), neg));
   __m512 even = _mm512_fmadd_ps(e, c, os);
@@ -109,15 +115,18 @@ static inline __m512i rope16(__m512 e, __m512 o, __m512 c, __m512 s) {
   return pack_pairs(bf16_high(even), bf16_high(odd));
 }
 
-static inline void q_head(const uint16_t *q, uint16_t *out, const float *cs, float eps) {
-  float r = dsv4_rms_factor(sumsq_bf16(q), eps);
+/* The normalised, rotated head given its RMS factor r. */
+static inline __attribute__((always_inline)) void q_head_out(const uint16_t *q, uint16_t *out,
+                                                             const float *cs, float r) {
   __m512 vr = _mm512_set1_ps(r);
+#pragma GCC unroll 32
   for (int j = 0; j < 14; j++) {
     __m512i v = _mm512_loadu_si512(q + 32 * j);
     __m512i e = bf16_high(_mm512_mul_ps(even_f32(v), vr));
     __m512i o = bf16_high(_mm512_mul_ps(odd_f32(v), vr));
     _mm512_storeu_si512(out + 32 * j, pack_pairs(e, o));
   }
+#pragma GCC unroll 32
   for (int k = 0; k < 2; k++) {
     __m512i v = _mm512_loadu_si512(q + DSV4_NOPE_DIM + 32 * k);
     __m512 e = _mm512_mul_ps(even_f32(v), vr);
@@ -127,14 +136,25 @@ static inline void q_head(const uint16_t *q, uint16_t *out, const float *cs, flo
   }
 }
 
+/* Heads per group: the RMS factors of a group are computed before its outputs, so the long
+ * dependency chain of one head's reduction overlaps with its neighbours' (8 KiB stays in L1). */
+#define Q_GROUP 8
+
 void dsv4__cpu_q_heads_avx512(const uint16_t *q, uint16_t *out, uint32_t heads,
                               const float *rope_row, float eps) {
-  for (uint32_t h = 0; h < heads; h++)
-    q_head(q + (size_t)h * DSV4_HEAD_DIM, out + (size_t)h * DSV4_HEAD_DIM, rope_row, eps);
+  for (uint32_t h0 = 0; h0 < heads; h0 += Q_GROUP) {
+    uint32_t n = heads - h0 < Q_GROUP ? heads - h0 : Q_GROUP;
+    float r[Q_GROUP];
+    for (uint32_t h = 0; h < n; h++)
+      r[h] = dsv4_rms_factor(sumsq_bf16(q + (size_t)(h0 + h) * DSV4_HEAD_DIM), eps);
+    for (uint32_t h = 0; h < n; h++)
+      q_head_out(q + (size_t)(h0 + h) * DSV4_HEAD_DIM, out + (size_t)(h0 + h) * DSV4_HEAD_DIM,
+                 rope_row, r[h]);
+  }
 }
 
 /* dsv4_f32_to_e4m3 per lane, as a byte in the low 8 bits of each dword. */
-static inline __m512i e4m3(__m512 f) {
+static inline __attribute__((always_inline)) __m512i e4m3(__m512 f) {
   __m512i u = _mm512_castps_si512(f);
   __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
   __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
@@ -160,12 +180,14 @@ static inline __m512i e4m3(__m512 f) {
 void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float *w, float eps,
                                uint8_t *data, uint8_t *scales) {
   __m512 z[32];
+#pragma GCC unroll 32
   for (int j = 0; j < 32; j++)
     z[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(kv + 16 * j))), 16));
   if (w) {
     __m512 vr = _mm512_set1_ps(dsv4_rms_factor(sumsq_bf16(kv), eps));
     __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+#pragma GCC unroll 32
     for (int j = 0; j < 32; j++) {
       __m512 y = _mm512_mul_ps(_mm512_mul_ps(z[j], vr), _mm512_loadu_ps(w + 16 * j));
       z[j] = _mm512_castsi512_ps(_mm512_and_si512(bf16_high(y), hi));
@@ -173,6 +195,7 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float 
   }
   uint8_t sc[DSV4_SCALE_BYTES];
   __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+#pragma GCC unroll 32
   for (int t = 0; t < DSV4_NTILES; t++) {
     __m512 m01 =
         _mm512_max_ps(_mm512_and_ps(z[4 * t], absmask), _mm512_and_ps(z[4 * t + 1], absmask));
@@ -183,6 +206,7 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float 
       amax = DSV4_AMAX_FLOOR;
     dsv4_i32 e = dsv4_ue8m0_exponent(amax);
     __m512 scale = _mm512_set1_ps(dsv4_pow2_neg(e));
+#pragma GCC unroll 32
     for (int k = 0; k < 4; k++)
       _mm_storeu_si128((__m128i *)(data + DSV4_TILE * t + 16 * k),
                        _mm512_cvtepi32_epi8(e4m3(_mm512_mul_ps(z[4 * t + k], scale))));
@@ -193,6 +217,7 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float 
    */
   __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#pragma GCC unroll 32
   for (int k = 0; k < 2; k++) {
     __m512 a = z[28 + 2 * k], b = z[29 + 2 * k];
     __m512 e = _mm512_permutex2var_ps(a, ie, b), o = _mm512_permutex2var_ps(a, io, b);
