@@ -754,24 +754,35 @@ static int on_message_complete(llhttp_t *p) {
   return HPE_PAUSED;
 }
 
+typedef struct {
+  uv_write_t w;
+  char msg[96];
+} cont_write_t;
+
 static void on_continue_written(uv_write_t *w, int status) {
   (void)status;
-  free(w);
+  free(w->data);
 }
 
+/* The interim answer to "Expect: 100-continue", sent once the limits have passed. */
 static void send_continue(conn_t *c) {
-  static char msg[] = "HTTP/1.1 100 Continue\r\n\r\n";
-  uv_buf_t b = uv_buf_init(msg, sizeof(msg) - 1);
-  int n = uv_try_write(&c->io.stream, &b, 1);
-  if (n == (int)b.len)
+  char msg[96];
+  int n = snprintf(msg, sizeof(msg), "HTTP/1.1 100 Continue\r\nDsv4d-Instance: %s\r\n\r\n",
+                   c->srv->instance);
+  uv_buf_t b = uv_buf_init(msg, (unsigned)n);
+  int k = uv_try_write(&c->io.stream, &b, 1);
+  if (k == n || (k < 0 && k != UV_EAGAIN))
+    return; /* sent, or the connection failed and the read side will notice */
+  if (k < 0)
+    k = 0;
+  cont_write_t *cw = malloc(sizeof(*cw));
+  if (!cw)
     return;
-  if (n > 0) {
-    b.base += n;
-    b.len -= (size_t)n;
-  }
-  uv_write_t *w = malloc(sizeof(*w));
-  if (w && uv_write(w, &c->io.stream, &b, 1, on_continue_written) != 0)
-    free(w);
+  memcpy(cw->msg, msg + k, (size_t)(n - k));
+  cw->w.data = cw;
+  b = uv_buf_init(cw->msg, (unsigned)(n - k));
+  if (uv_write(&cw->w, &c->io.stream, &b, 1, on_continue_written) != 0)
+    free(cw);
 }
 
 /* Hand a complete request to its handler, or answer the error found while parsing it. */

@@ -16,9 +16,8 @@
 
 #include <jansson.h>
 
-#define DSV4_ST_MAX_HEADER                                                                         \
-  ((size_t)1 << 20) /* JSON header bytes, not counting the length prefix                           \
-                     */
+/* The JSON header's limit in bytes, not counting the 8-byte length prefix. */
+#define DSV4_ST_MAX_HEADER ((size_t)1 << 20)
 #define DSV4_ST_MAX_DIMS 8
 #define DSV4_ST_ERR_LEN 256
 
@@ -91,7 +90,7 @@ typedef struct {
  * Build the header for tensors laid out back to back in the order given: the 8-byte length prefix
  * and the JSON header, padded with spaces so the data section starts 8-byte aligned. *out is
  * malloc'd (free() it); *out_len is its length and *data_len the total tensor bytes that must
- * follow. Metadata keys must not repeat and must not be "__metadata__" or a tensor name.
+ * follow. Tensor names and metadata keys must not repeat; no tensor may be named "__metadata__".
  */
 int dsv4_st_build_header(const dsv4_st_desc_t *tensors, size_t n_tensors,
                          const dsv4_st_meta_t *meta, size_t n_meta, uint8_t **out, size_t *out_len,
