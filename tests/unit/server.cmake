@@ -14,7 +14,7 @@ if(DSV4_SERVER)
                                               ${JANSSON_LIBRARY} Threads::Threads m)
   dsv4_strict(dsv4_http_core)
 
-  foreach(t safetensors_test metrics_test http_test)
+  foreach(t safetensors_test metrics_test log_test http_test)
     if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/unit/${t}.c)
       dsv4_unit_test(${t} SOURCES unit/${t}.c LIBS dsv4_http_core TIMEOUT 120)
     endif()
