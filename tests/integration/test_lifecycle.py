@@ -159,6 +159,7 @@ def test_sigterm_drains_inflight_batch():
             if h.metric(ms, "dsv4d_inflight_batches") >= 1:
                 seen = True
                 break
+            time.sleep(0.002)
         if seen:
             d.signal(signal.SIGTERM)
         t.join(60)
@@ -171,7 +172,13 @@ def test_sigterm_drains_inflight_batch():
         check("e" not in out, "the in-flight batch failed: %r" % out.get("e"))
         r = out["r"]
         check_eq(r.status, 200, "status of the batch in flight at SIGTERM (%r)" % r)
-        h.check_result(h.ForwardResult(r, b), b, "batch in flight at SIGTERM", bs=64)
+        res = h.ForwardResult(r, b)
+        check_eq(res.cache_digest, h.model().cache_digest(b), "cache_digest of the drained batch")
+        h.check_slots(res.slots, b, 64, "drained batch")
+        for lo in (0, n - 32):  # q_out of the first and last 32 tokens against the model
+            part = Batch(0, [Seg("big", lo, 32)], b.q[lo:lo + 32], b.kv[lo:lo + 32])
+            check(np.array_equal(res.q_out[lo:lo + 32], h.model().q_out(part)),
+                  "q_out of tokens %d..%d of the drained batch" % (lo, lo + 31))
         rc = d.wait(20)
         check(rc is not None, "no exit within 20 s of SIGTERM")
         check_eq(rc, 0, "exit status after the drain")

@@ -236,6 +236,53 @@ def test_bearer_token():
         os.unlink(tmp)
 
 
+def test_deadline_and_queue_full():
+    """Behind a long batch on the executor, a batch whose Dsv4d-Deadline-Ms passes while it waits is
+    dropped (504 deadline_exceeded) and batches that find the queue full are refused (503 queue_full
+    with Retry-After); none of them changes anything."""
+    rng = np.random.default_rng(46)
+    with Daemon(["--kv-blocks", "64", "--layers", "0-0", "--threads", "1", "--queue-depth", "2"]) as d:
+        heads = 64
+        big = Batch.random(rng, 0, [Seg("big", 0, 1024, True)], heads, outputs="q")
+        smalls = [Batch.random(rng, 0, [Seg("s%d" % i, 0, 2, True)], heads) for i in range(3)]
+        t0 = time.monotonic()
+        s0 = h.connect(d)
+        s0.sendall(fwd(big.body()))
+        while h.metric(d.metrics(), "dsv4d_inflight_batches") < 1:
+            check(time.monotonic() < t0 + 10, "the long batch never showed in flight")
+            time.sleep(0.002)
+        socks = []
+        for i, b in enumerate(smalls):
+            s = h.connect(d)
+            s.sendall(fwd(b.body(), {"Dsv4d-Deadline-Ms": "1"} if i == 0 else None))
+            socks.append(s)
+            time.sleep(0.02)
+        answers = [h.read_response(s, timeout=30)[0] for s in socks]
+        r0, _ = h.read_response(s0, timeout=30)
+        dt = time.monotonic() - t0
+        check_eq(r0.status, 200, "the long batch")
+        check(dt > 0.1, "the long batch took only %.3f s: the test proves nothing" % dt)
+        full = 0
+        for i, (b, r) in enumerate(zip(smalls, answers)):
+            if r.status == 503:
+                expect_error(r, 503, "queue_full")
+                full += 1
+            elif i == 0:
+                expect_error(r, 504, "deadline_exceeded")
+            else:
+                check_eq(r.status, 200, "queued batch %d (%r)" % (i, r))
+                h.check_result(h.ForwardResult(r, b), b, "queued batch %d" % i, bs=64)
+        check(full >= 1, "no batch met a full queue of depth 2: %r" % answers)
+        for s in socks + [s0]:
+            s.close()
+        for i, (b, r) in enumerate(zip(smalls, answers)):
+            if r.status != 200:
+                check_eq(d.seq("s%d" % i), None, "s%d after %d" % (i, r.status))
+                h.check_result(d.forward(b), b, "s%d after the refusal" % i, bs=64)
+        print("long batch %.3f s; answers %s" % (dt, [r.status for r in answers]))
+
+
 if __name__ == "__main__":
     h.main([test_keep_alive, test_pipelined_in_order, test_limits_before_body, test_length_required,
-            test_disconnect_mid_body, test_connection_timeouts, test_bearer_token])
+            test_disconnect_mid_body, test_connection_timeouts, test_bearer_token,
+            test_deadline_and_queue_full])
