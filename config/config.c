@@ -356,7 +356,11 @@ static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *er
         return cfg_fail(err, errlen, "command line: --%.*s takes no value", (int)len, name);
       value = "false";
     } else if (!value) {
-      if (o->type == OPT_BOOL)
+      int b;
+      /* A boolean takes "--name", or "--name true|false" when a boolean word follows. */
+      if (o->type == OPT_BOOL && i + 1 < argc && parse_bool(argv[i + 1], &b) == 0)
+        value = argv[++i];
+      else if (o->type == OPT_BOOL)
         value = "true";
       else if (i + 1 < argc)
         value = argv[++i];

@@ -617,22 +617,22 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   const char *build[2] = {"version", "backend"};
   dsv4_metrics_t *m = d->metrics;
   int rc = 0;
-  rc |= dsv4_metrics_gauge(m, "dsv4_kv_cache_usage_ratio", "Used KV block ids over all block ids.",
+  rc |= dsv4_metrics_gauge(m, "dsv4d_kv_cache_usage_ratio", "Used KV block ids over all block ids.",
                            NULL, 0, &d->m_usage);
-  rc |= dsv4_metrics_gauge(m, "dsv4_kv_blocks", "KV block ids by state.", state, 1, &d->m_blocks);
-  rc |= dsv4_metrics_gauge(m, "dsv4_sequences", "Live sequences.", NULL, 0, &d->m_sequences);
-  rc |= dsv4_metrics_histogram(m, "dsv4_batch_tokens", "Tokens per forward batch.", NULL, 0,
+  rc |= dsv4_metrics_gauge(m, "dsv4d_kv_blocks", "KV block ids by state.", state, 1, &d->m_blocks);
+  rc |= dsv4_metrics_gauge(m, "dsv4d_sequences", "Live sequences.", NULL, 0, &d->m_sequences);
+  rc |= dsv4_metrics_histogram(m, "dsv4d_batch_tokens", "Tokens per forward batch.", NULL, 0,
                                token_bounds, sizeof(token_bounds) / sizeof(token_bounds[0]),
                                &d->m_batch_tokens);
-  rc |= dsv4_metrics_histogram(m, "dsv4_forward_seconds", "Forward batch time by stage.", stage, 1,
+  rc |= dsv4_metrics_histogram(m, "dsv4d_forward_seconds", "Forward batch time by stage.", stage, 1,
                                sec_bounds, sizeof(sec_bounds) / sizeof(sec_bounds[0]),
                                &d->m_forward_seconds);
-  rc |= dsv4_metrics_counter(m, "dsv4_kv_alloc_failures_total",
+  rc |= dsv4_metrics_counter(m, "dsv4d_kv_alloc_failures_total",
                              "Batches refused because the KV pool was exhausted.", NULL, 0,
                              &d->m_alloc_failures);
-  rc |= dsv4_metrics_gauge(m, "dsv4_inflight_batches", "Forward batches accepted, not answered.",
+  rc |= dsv4_metrics_gauge(m, "dsv4d_inflight_batches", "Forward batches accepted, not answered.",
                            NULL, 0, &d->m_inflight);
-  rc |= dsv4_metrics_gauge(m, "dsv4_build_info", "Build and backend of this daemon.", build, 2,
+  rc |= dsv4_metrics_gauge(m, "dsv4d_build_info", "Build and backend of this daemon.", build, 2,
                            &d->m_build_info);
   if (rc)
     return DSV4_ENOMEM;
