@@ -44,9 +44,13 @@ int dsv4__cpu_isa_supported(int isa);
 /* The best level this machine supports. */
 int dsv4__cpu_isa_best(void);
 
-/* SPEC §2.1 for heads consecutive heads of one token: q and out point at [heads, 512] bf16. */
+/*
+ * SPEC §2.1 for heads consecutive heads of one token: q and out point at [heads, 512] bf16. With
+ * stream set, a level may write out with non-temporal stores (for batches larger than the caches);
+ * the bytes are the same either way, and they are visible to other threads once the call returns.
+ */
 void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads,
-                       const float *rope_row, float eps);
+                       const float *rope_row, float eps, int stream);
 
 /*
  * SPEC §2.2 for one token: data receives the 576 bytes NoPE fp8 | RoPE bf16, scales the 8 scale
@@ -58,7 +62,7 @@ void dsv4__cpu_kv_token(int isa, const uint16_t *kv, const float *rope_row, cons
 #if defined(__x86_64__)
 /* The AVX-512 kernels (cpu_kernels_avx512.c); callers check dsv4__cpu_isa_supported first. */
 void dsv4__cpu_q_heads_avx512(const uint16_t *q, uint16_t *out, uint32_t heads,
-                              const float *rope_row, float eps);
+                              const float *rope_row, float eps, int stream);
 void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *rope_row, const float *w, float eps,
                                uint8_t *data, uint8_t *scales);
 #endif
@@ -67,6 +71,8 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *rope_row, const 
 
 /* Select the kernel level of a CPU backend; DSV4_EUNSUPPORTED if this machine cannot run it. */
 int dsv4__cpu_backend_set_isa(dsv4_backend_t *be, int isa);
+/* q_out bytes per launch from which the kernels write q_out with non-temporal stores. */
+void dsv4__cpu_backend_set_stream_bytes(dsv4_backend_t *be, uint64_t bytes);
 /* The number of worker threads (participants other than the caller) and their start MXCSR. */
 unsigned dsv4__cpu_backend_workers(dsv4_backend_t *be);
 unsigned dsv4__cpu_backend_worker_mxcsr(dsv4_backend_t *be, unsigned worker);

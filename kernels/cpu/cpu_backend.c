@@ -18,16 +18,22 @@
 /* Buffers are aligned to a page so vector loads never straddle an allocation's head. */
 #define CPU_BUF_ALIGN 4096
 
+/* Default q_out size from which stores bypass the caches (about a server CPU's last-level cache).
+ */
+#define CPU_STREAM_BYTES (32u << 20)
+
 typedef struct {
   dsv4_backend_t base;
   dsv4__cpu_pool_t *pool;
   int isa;
+  uint64_t stream_bytes; /* q_out bytes per launch from which q_out bypasses the caches */
 } cpu_backend_t;
 
 /* One qkv_insert launch, shared read-only by every participant. */
 typedef struct {
   const dsv4_insert_args_t *a;
   int isa;
+  int stream;
   uint32_t groups;          /* work items per token */
   uint32_t heads_per_group; /* the last group of a token may hold fewer */
   uint64_t n_slots;         /* n_blocks * block_size */
@@ -150,7 +156,7 @@ static void insert_items(void *varg, size_t first, size_t last) {
     uint32_t nh = a->heads - h0 < j->heads_per_group ? a->heads - h0 : j->heads_per_group;
     const float *row = dsv4_rope_table_row(a->rope, a->positions[t]);
     size_t qoff = (t * a->heads + h0) * (size_t)DSV4_HEAD_DIM;
-    dsv4__cpu_q_heads(j->isa, a->q + qoff, a->q_out + qoff, nh, row, a->eps);
+    dsv4__cpu_q_heads(j->isa, a->q + qoff, a->q_out + qoff, nh, row, a->eps, j->stream);
     /* The token's single KV record is the job of its first head group. */
     int64_t slot = a->slots[t];
     if (g == 0 && a->write_kv && slot >= 0) {
@@ -173,6 +179,8 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   if (!a->q || !a->kv || !a->positions || !a->slots || !a->rope || !a->q_out)
     return DSV4_EINVAL;
   insert_job_t j = {.a = a, .isa = c->isa};
+  /* A q_out larger than the caches would only evict the next batch's inputs on its way out. */
+  j.stream = (uint64_t)a->n_tokens * a->heads * DSV4_HEAD_DIM * 2 >= c->stream_bytes;
   if (a->write_kv) {
     if (!a->cache || !is_block_size(a->block_size) || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
       return DSV4_EINVAL;
@@ -233,6 +241,7 @@ int dsv4_cpu_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **ou
   }
   c->base.ops = &cpu_ops;
   c->isa = dsv4__cpu_isa_best();
+  c->stream_bytes = CPU_STREAM_BYTES;
   int err = dsv4__cpu_pool_create(threads, &c->pool);
   if (err) {
     if (why_len)
@@ -249,6 +258,10 @@ int dsv4__cpu_backend_set_isa(dsv4_backend_t *be, int isa) {
     return DSV4_EUNSUPPORTED;
   cpu_of(be)->isa = isa;
   return 0;
+}
+
+void dsv4__cpu_backend_set_stream_bytes(dsv4_backend_t *be, uint64_t bytes) {
+  cpu_of(be)->stream_bytes = bytes;
 }
 
 unsigned dsv4__cpu_backend_workers(dsv4_backend_t *be) {

@@ -93,14 +93,15 @@ static void kv_token_scalar(const uint16_t *kv, const float *cs, const float *w,
 }
 
 void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads,
-                       const float *rope_row, float eps) {
+                       const float *rope_row, float eps, int stream) {
 #ifdef HAVE_AVX512_KERNELS
   if (isa == DSV4__CPU_ISA_AVX512) {
-    dsv4__cpu_q_heads_avx512(q, out, heads, rope_row, eps);
+    dsv4__cpu_q_heads_avx512(q, out, heads, rope_row, eps, stream);
     return;
   }
 #endif
   (void)isa;
+  (void)stream;
   for (uint32_t h = 0; h < heads; h++)
     q_head_scalar(q + (size_t)h * DSV4_HEAD_DIM, out + (size_t)h * DSV4_HEAD_DIM, rope_row, eps);
 }

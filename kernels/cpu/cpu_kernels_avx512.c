@@ -115,25 +115,38 @@ static inline __attribute__((always_inline)) __m512i rope16(__m512 e, __m512 o, 
   return pack_pairs(bf16_high(even), bf16_high(odd));
 }
 
-/* The normalised, rotated head given its RMS factor r. */
+/* The normalised, rotated head given its RMS factor r; STORE writes one 64-byte vector. */
+#define Q_HEAD_OUT(STORE)                                                                          \
+  do {                                                                                             \
+    __m512 vr = _mm512_set1_ps(r);                                                                 \
+    _Pragma("GCC unroll 32") for (int j = 0; j < 14; j++) {                                        \
+      __m512i v = _mm512_loadu_si512(q + 32 * j);                                                  \
+      __m512i e = bf16_high(_mm512_mul_ps(even_f32(v), vr));                                       \
+      __m512i o = bf16_high(_mm512_mul_ps(odd_f32(v), vr));                                        \
+      STORE(out + 32 * j, pack_pairs(e, o));                                                       \
+    }                                                                                              \
+    _Pragma("GCC unroll 32") for (int k = 0; k < 2; k++) {                                         \
+      __m512i v = _mm512_loadu_si512(q + DSV4_NOPE_DIM + 32 * k);                                  \
+      __m512 e = _mm512_mul_ps(even_f32(v), vr);                                                   \
+      __m512 o = _mm512_mul_ps(odd_f32(v), vr);                                                    \
+      __m512 c = _mm512_loadu_ps(cs + 16 * k);                                                     \
+      __m512 s = _mm512_loadu_ps(cs + DSV4_ROPE_PAIRS + 16 * k);                                   \
+      STORE(out + DSV4_NOPE_DIM + 32 * k, rope16(e, o, c, s));                                     \
+    }                                                                                              \
+  } while (0)
+
+#define STORE_CACHED(p, v) _mm512_storeu_si512((void *)(p), (v))
+#define STORE_STREAM(p, v) _mm512_stream_si512((void *)(p), (v))
+
 static inline __attribute__((always_inline)) void q_head_out(const uint16_t *q, uint16_t *out,
                                                              const float *cs, float r) {
-  __m512 vr = _mm512_set1_ps(r);
-#pragma GCC unroll 32
-  for (int j = 0; j < 14; j++) {
-    __m512i v = _mm512_loadu_si512(q + 32 * j);
-    __m512i e = bf16_high(_mm512_mul_ps(even_f32(v), vr));
-    __m512i o = bf16_high(_mm512_mul_ps(odd_f32(v), vr));
-    _mm512_storeu_si512(out + 32 * j, pack_pairs(e, o));
-  }
-#pragma GCC unroll 32
-  for (int k = 0; k < 2; k++) {
-    __m512i v = _mm512_loadu_si512(q + DSV4_NOPE_DIM + 32 * k);
-    __m512 e = _mm512_mul_ps(even_f32(v), vr);
-    __m512 o = _mm512_mul_ps(odd_f32(v), vr);
-    __m512 c = _mm512_loadu_ps(cs + 16 * k), s = _mm512_loadu_ps(cs + DSV4_ROPE_PAIRS + 16 * k);
-    _mm512_storeu_si512(out + DSV4_NOPE_DIM + 32 * k, rope16(e, o, c, s));
-  }
+  Q_HEAD_OUT(STORE_CACHED);
+}
+
+/* As q_head_out, bypassing the caches: out must be 64-byte aligned. */
+static inline __attribute__((always_inline)) void q_head_out_nt(const uint16_t *q, uint16_t *out,
+                                                                const float *cs, float r) {
+  Q_HEAD_OUT(STORE_STREAM);
 }
 
 /* Heads per group: the RMS factors of a group are computed before its outputs, so the long
@@ -141,16 +154,26 @@ static inline __attribute__((always_inline)) void q_head_out(const uint16_t *q, 
 #define Q_GROUP 8
 
 void dsv4__cpu_q_heads_avx512(const uint16_t *q, uint16_t *out, uint32_t heads,
-                              const float *rope_row, float eps) {
+                              const float *rope_row, float eps, int stream) {
+  /* Non-temporal stores need aligned rows; a misaligned q_out simply takes the cached path. */
+  stream = stream && ((uintptr_t)out & 63) == 0;
   for (uint32_t h0 = 0; h0 < heads; h0 += Q_GROUP) {
     uint32_t n = heads - h0 < Q_GROUP ? heads - h0 : Q_GROUP;
     float r[Q_GROUP];
     for (uint32_t h = 0; h < n; h++)
       r[h] = dsv4_rms_factor(sumsq_bf16(q + (size_t)(h0 + h) * DSV4_HEAD_DIM), eps);
-    for (uint32_t h = 0; h < n; h++)
-      q_head_out(q + (size_t)(h0 + h) * DSV4_HEAD_DIM, out + (size_t)(h0 + h) * DSV4_HEAD_DIM,
-                 rope_row, r[h]);
+    for (uint32_t h = 0; h < n; h++) {
+      const uint16_t *qh = q + (size_t)(h0 + h) * DSV4_HEAD_DIM;
+      uint16_t *oh = out + (size_t)(h0 + h) * DSV4_HEAD_DIM;
+      if (stream)
+        q_head_out_nt(qh, oh, rope_row, r[h]);
+      else
+        q_head_out(qh, oh, rope_row, r[h]);
+    }
   }
+  /* Non-temporal stores are weakly ordered: fence them before the launch's join publishes them. */
+  if (stream)
+    _mm_sfence();
 }
 
 /* dsv4_f32_to_e4m3 per lane, as a byte in the low 8 bits of each dword. */

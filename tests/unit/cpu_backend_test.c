@@ -340,25 +340,31 @@ static void test_spec_vector(void **state) {
 static void check_against_model(uint32_t n, uint32_t heads, int fused, int yarn) {
   batch_t b;
   batch_random(&b, n, heads, fused, yarn);
-  uint16_t *mq = malloc((size_t)n * heads * 1024), *bq = malloc((size_t)n * heads * 1024);
+  /* q_out 64-byte aligned, so the non-temporal path can be taken. */
+  size_t qbytes = ((size_t)n * heads * 1024 + 63) / 64 * 64;
+  uint16_t *mq = malloc(qbytes), *bq = aligned_alloc(64, qbytes);
   uint8_t *mc = malloc(b.cache_bytes), *bc = malloc(b.cache_bytes);
   assert_true(mq && bq && mc && bc);
   model_batch(&b, mq, mc);
   for (size_t k = 0; k < sizeof(isas) / sizeof(isas[0]); k++) {
     if (!dsv4__cpu_isa_supported(isas[k]))
       continue;
-    dsv4_backend_t *be = open_cpu(2);
-    assert_int_equal(dsv4__cpu_backend_set_isa(be, isas[k]), 0);
-    run_backend(be, &b, bq, bc);
-    for (size_t i = 0; i < (size_t)n * heads * 512; i++)
-      if (mq[i] != bq[i])
-        fail_msg("isa %d n %u h %u fused %d yarn %d: q_out[%zu] = %04x, model %04x", isas[k], n,
-                 heads, fused, yarn, i, bq[i], mq[i]);
-    for (size_t i = 0; i < b.cache_bytes; i++)
-      if (mc[i] != bc[i])
-        fail_msg("isa %d n %u h %u fused %d yarn %d bs %u: cache byte %zu = %02x, model %02x",
-                 isas[k], n, heads, fused, yarn, b.bs, i, bc[i], mc[i]);
-    dsv4_backend_close(be);
+    /* Cached stores, then non-temporal stores for every launch. */
+    for (int stream = 0; stream < 2; stream++) {
+      dsv4_backend_t *be = open_cpu(2);
+      assert_int_equal(dsv4__cpu_backend_set_isa(be, isas[k]), 0);
+      dsv4__cpu_backend_set_stream_bytes(be, stream ? 0 : UINT64_MAX);
+      run_backend(be, &b, bq, bc);
+      for (size_t i = 0; i < (size_t)n * heads * 512; i++)
+        if (mq[i] != bq[i])
+          fail_msg("isa %d stream %d n %u h %u fused %d yarn %d: q_out[%zu] = %04x, model %04x",
+                   isas[k], stream, n, heads, fused, yarn, i, bq[i], mq[i]);
+      for (size_t i = 0; i < b.cache_bytes; i++)
+        if (mc[i] != bc[i])
+          fail_msg("isa %d n %u h %u fused %d yarn %d bs %u: cache byte %zu = %02x, model %02x",
+                   isas[k], n, heads, fused, yarn, b.bs, i, bc[i], mc[i]);
+      dsv4_backend_close(be);
+    }
   }
   free(mq);
   free(bq);
