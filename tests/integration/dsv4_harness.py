@@ -463,9 +463,23 @@ class Daemon:
     def __enter__(self):
         return self.start()
 
-    def __exit__(self, *exc):
-        self.kill()
+    def __exit__(self, etype, *exc):
+        """After a passing block the daemon must shut down cleanly on SIGTERM: exit 0, and no
+        sanitizer report (leaks are reported at exit) in its log."""
+        if etype is not None or self.proc is None:
+            self.kill()
+            return False
+        try:
+            rc = self.stop()
+            check_eq(rc, 0, "%s: exit status after SIGTERM" % self.name)
+            self.check_log_clean()
+        finally:
+            self.kill()
         return False
+
+    def check_log_clean(self):
+        bad = [ln for ln in self.lines if "runtime error:" in ln or "Sanitizer" in ln]
+        check(not bad, "%s: sanitizer report in the log: %s" % (self.name, "\n".join(bad[:5])))
 
     # -- requests
 

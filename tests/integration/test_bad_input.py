@@ -366,8 +366,8 @@ def test_malformed_and_invalid_requests():
             "duplicate_sequence"),
         Bad("unknown sequence", Batch(1, [Seg("b", 5, 3), Seg("nope", 0, 6)], g4.q, g4.kv), 404,
             "unknown_sequence", with_instance),
-        Bad("new for an existing sequence", Batch(1, [Seg("b", 5, 3), Seg("a", 0, 6, True)], g4.q,
-                                                  g4.kv), 409, "sequence_exists"),
+        Bad("new for an existing sequence off p0", Batch(1, [Seg("b", 5, 3), Seg("a", 1, 6, True)],
+                                                         g4.q, g4.kv), 409, "sequence_exists"),
         Bad("new for an existing sequence at its p0", Batch(0, [Seg("b", 5, 3, True)], g4.q[:3],
                                                             g4.kv[:3]), 409, "sequence_exists"),
         Good(g4),
@@ -420,6 +420,20 @@ def test_malformed_and_invalid_requests():
         r = d.forward_raw(body)
         check_eq(r.status, 200, "unknown __metadata__ keys are ignored (got %r)" % r)
         h.check_result(h.ForwardResult(r, unknown_meta), unknown_meta, "unknown metadata keys")
+
+
+def test_new_for_an_existing_sequence_on_a_fresh_layer():
+    """SPEC §4: "new": true for an existing sequence is 409 sequence_exists, also on a layer that has
+    not written yet and at the sequence's p0 (only an exact replay of the last applied segment may
+    carry "new" again)."""
+    rng = np.random.default_rng(34)
+    g1 = Batch.random(rng, 0, [Seg("a", 4, 10, True)], HEADS)
+    g2 = Batch.random(rng, 1, [Seg("a", 4, 10)], HEADS)
+    steps = [Good(g1),
+             Bad("new at p0 on a layer not yet written", Batch(1, [Seg("a", 4, 10, True)], g2.q, g2.kv),
+                 409, "sequence_exists", expected_is(4)),
+             Good(g2)]
+    run_scenario(h.SMALL, steps, ["a"])
 
 
 def test_pool_exhausted():
@@ -487,4 +501,5 @@ def test_batch_limits():
 
 
 if __name__ == "__main__":
-    h.main([test_malformed_and_invalid_requests, test_pool_exhausted, test_batch_limits])
+    h.main([test_malformed_and_invalid_requests, test_new_for_an_existing_sequence_on_a_fresh_layer,
+            test_pool_exhausted, test_batch_limits])
