@@ -12,6 +12,7 @@
 #include "dsv4-layout.h"
 #include "dsv4-numerics.h"
 #include "pool.h"
+#include "records.h"
 
 struct dsv4_engine {
   dsv4_backend_t *be;
@@ -26,6 +27,7 @@ struct dsv4_engine {
   dsv4_pool_t pool;
   dsv4_seqtable_t *st;
   dsv4_plan_t plan;
+  dsv4_records_digest_t *digest;
   /* Per-batch scratch, grown on demand. */
   int64_t *positions;
   int32_t *tok_seg;
@@ -115,6 +117,9 @@ int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char 
     }
     memcpy(e->kv_norm, p->kv_norm_weights, n * sizeof(float));
   }
+  rc = dsv4_records_digest_create(&e->digest);
+  if (rc)
+    goto fail;
   rc = dsv4_pool_init(&e->pool, p->kv_blocks);
   if (!rc) {
     dsv4_seqtable_config_t sc = {
@@ -154,6 +159,8 @@ void dsv4_engine_destroy(dsv4_engine_t *e) {
   dsv4_rope_table_destroy(e->rope_plain);
   dsv4_rope_table_destroy(e->rope_compress);
   dsv4_plan_free(&e->plan);
+  if (e->digest)
+    dsv4_records_digest_destroy(e->digest);
   free(e->layer_index);
   free(e->cache);
   free(e->rope);
@@ -193,29 +200,6 @@ static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
     e->seg_cap = n_segs;
   }
   return 0;
-}
-
-/* SPEC §3.1 forward cache_digest: XXH3 over [LE int64 position || 584-byte record] in token order.
- */
-static uint64_t batch_digest(const uint8_t *cache, uint32_t bs, uint64_t stride,
-                             const int64_t *slots, const int64_t *positions, uint32_t n) {
-  XXH3_state_t st;
-  XXH3_64bits_reset(&st);
-  for (uint32_t t = 0; t < n; t++) {
-    uint8_t pos_le[8];
-    const uint8_t *blk;
-    uint32_t o;
-    if (slots[t] < 0)
-      continue;
-    blk = cache + (uint64_t)(slots[t] / bs) * stride;
-    o = (uint32_t)(slots[t] % bs);
-    for (int i = 0; i < 8; i++)
-      pos_le[i] = (uint8_t)((uint64_t)positions[t] >> (8 * i));
-    XXH3_64bits_update(&st, pos_le, 8);
-    XXH3_64bits_update(&st, blk + DSV4_TOKEN_DATA_OFFSET(o), DSV4_TOKEN_DATA_BYTES);
-    XXH3_64bits_update(&st, blk + DSV4_SCALE_OFFSET(bs, o), DSV4_SCALE_BYTES);
-  }
-  return XXH3_64bits_digest(&st);
 }
 
 /* XXH3 of a segment's q bytes then its kv bytes: the replay identity of SPEC §4. */
@@ -350,8 +334,12 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   }
   f->replayed = e->plan.replay;
   if (f->want_digest) {
-    f->digest =
-        batch_digest(e->cache[idx].ptr, e->p.block_size, e->stride, f->slots, e->positions, n);
+    /* SPEC §3.1: the records the batch wrote, in token order. */
+    dsv4_records_digest_reset(e->digest);
+    for (uint32_t t = 0; t < n; t++)
+      dsv4_records_digest_add_slot(e->digest, e->positions[t], e->cache[idx].ptr, e->p.block_size,
+                                   e->stride, f->slots[t]);
+    f->digest = dsv4_records_digest_value(e->digest);
     f->timing.digest_ns = mono_ns() - t3;
   }
   dsv4_seqtable_commit(e->st, &e->plan, t3);
