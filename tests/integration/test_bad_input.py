@@ -400,10 +400,10 @@ def test_malformed_and_invalid_requests():
                                               g6.q, g6.kv), 400,
             "duplicate_sequence"),
     ]
-    # A valid batch with an unknown __metadata__ key is accepted (unknown keys are ignored).
+    # The valid batch: "c" is created only now.
     steps += [Good(g6)]
     g7 = Batch.random(rng, 0, [Seg("c", 2, 3)], HEADS)
-    steps += [Bad("after all: wrong H on c", h.st_encode(
+    steps += [Bad("wrong H (heads + 1) on c", h.st_encode(
         [("q", "BF16", (3, HEADS + 1, 512), h.random_bf16(rng, (3, HEADS + 1, 512)).tobytes()),
          ("kv", "BF16", (3, 512), g7.kv.tobytes())], g7.metadata()), 400, "bad_request"),
         Good(g7), Delete("b"),

@@ -110,6 +110,7 @@ def test_limits_before_body():
             s.sendall(req)
             r, _ = h.read_response(s, timeout=5)
             expect_error(r, 431, "headers_too_large")
+            check_eq(r.headers.get("dsv4d-instance"), d.instance, "instance on 431")
             s.close()
         # Just under both limits: accepted.
         body = ok.body()
@@ -142,6 +143,7 @@ def test_length_required():
         s.sendall(b"POST /v1/forward HTTP/1.1\r\nHost: x\r\n\r\n")
         r, _ = h.read_response(s, timeout=5)
         expect_error(r, 411, "length_required")
+        check_eq(r.headers.get("dsv4d-instance"), d.instance, "instance on 411")
         s.close()
 
 
