@@ -368,10 +368,7 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
       if (s != NULL) {
         /* A segment matching the replay triple in a mixed batch is not a replay: it fails here. */
         int64_t next = s->layers[layer].next;
-        /* "new" is idempotent per layer: a gateway sends the same segment list to every layer, so
-         * the flag is accepted on a layer that has not written yet, at the sequence's p0. */
-        int fresh_layer = s->layers[layer].last_len == 0 && r->start == s->p0;
-        if ((r->is_new && !fresh_layer) || r->start != next) {
+        if (r->is_new || r->start != next) {
           plan->error.expected = next;
           return r->is_new ? DSV4_EEXIST : DSV4_EPOSITION;
         }

@@ -649,9 +649,7 @@ class SeqTableModel:
                 elif not seg.new and not self.implicit_create:
                     errors.setdefault("unknown_sequence", []).append(seg.seq)
                 continue
-            # "new" is accepted again on a layer that has not written yet, at p0 (a gateway sends
-            # one segment list to every layer); anywhere else it is a conflict.
-            if seg.new and (layer in s.last or seg.start != s.p0):
+            if seg.new:
                 errors.setdefault("sequence_exists", []).append(seg.seq)
                 expected[seg.seq] = s.next[layer]
             elif seg.start != s.next[layer]:

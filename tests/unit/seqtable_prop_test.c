@@ -196,8 +196,7 @@ static pred_t predict(uint32_t layer, const dsv4_seg_req_t *g, uint32_t n, uint6
     p.segment = i;
     int64_t last_lb = (g[i].start + g[i].len - 1) / C.bs;
     if (m->state == M_LIVE) {
-      /* "new" is accepted again on a layer that has not written yet, at p0. */
-      if (g[i].is_new && (m->has_last[layer] || g[i].start != m->p0)) {
+      if (g[i].is_new) {
         p.rc = DSV4_EEXIST;
         p.expected = m->next[layer];
         return p;

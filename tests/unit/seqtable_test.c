@@ -208,9 +208,8 @@ static void test_errors(void **state) {
   assert_int_equal(step(&f, 0, s, 2, 0), DSV4_EEXIST);
   assert_int_equal(f.plan.error.segment, 1);
   assert_int_equal(f.plan.error.expected, 10);
-  /* At a layer not yet written, "new" at p0 is accepted (the gateway sends one segment list to
-   * every layer); "new" elsewhere is a conflict whose expected position is p0. */
-  s[1] = seg("x", 3, 1, 1, 1);
+  /* At a layer not yet written, the expected position is p0. */
+  s[1] = seg("x", 0, 1, 1, 1);
   assert_int_equal(step(&f, 1, s, 2, 0), DSV4_EEXIST);
   assert_int_equal(f.plan.error.expected, 0);
 
@@ -275,28 +274,6 @@ static void test_max_sequences(void **state) {
   int existed;
   assert_int_equal(dsv4_seqtable_delete(f.st, "a", 1, &existed), 0);
   assert_int_equal(step(&f, 0, s + 1, 1, 0), 0);
-  fx_close(&f);
-}
-
-/* A gateway sends one segment list to every layer: "new" at p0 is accepted on each layer until that
- * layer has written, and is a conflict afterwards. */
-static void test_new_on_every_layer(void **state) {
-  fx_t f;
-  (void)state;
-  fx_open(&f, 3, 64, 32);
-  assert_int_equal(step1(&f, 0, "g", 5, 4, 1, 1), 0);
-  assert_int_equal(step1(&f, 1, "g", 5, 4, 1, 1), 0);
-  assert_int_equal(step1(&f, 2, "g", 5, 4, 1, 1), 0);
-  assert_int_equal(dsv4_seqtable_count(f.st), 1);
-  /* Layer 0 has written: "new" again is a conflict, not a replay (different hash). */
-  assert_int_equal(step1(&f, 0, "g", 5, 4, 1, 2), DSV4_EEXIST);
-  assert_int_equal(f.plan.error.expected, 9);
-  /* "new" at a position other than p0 on a fresh layer is a conflict too. */
-  fx_close(&f);
-  fx_open(&f, 2, 64, 32);
-  assert_int_equal(step1(&f, 0, "h", 5, 4, 1, 1), 0);
-  assert_int_equal(step1(&f, 1, "h", 6, 4, 1, 1), DSV4_EEXIST);
-  assert_int_equal(f.plan.error.expected, 5);
   fx_close(&f);
 }
 
@@ -678,7 +655,7 @@ int main(void) {
       cmocka_unit_test(test_release_p0),       cmocka_unit_test(test_multilayer_holds_back),
       cmocka_unit_test(test_expiry),           cmocka_unit_test(test_delete),
       cmocka_unit_test(test_fail_drops_batch), cmocka_unit_test(test_implicit_create),
-      cmocka_unit_test(test_foreach_and_many), cmocka_unit_test(test_new_on_every_layer),
+      cmocka_unit_test(test_foreach_and_many),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
