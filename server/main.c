@@ -139,8 +139,10 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   memset(&cfg, 0, sizeof(cfg));
   rc = dsv4_config_load(&cfg, argc, argv, environ, err, sizeof(err));
-  if (rc == DSV4_CONFIG_HELP || rc == DSV4_CONFIG_VERSION)
+  if (rc == DSV4_CONFIG_HELP || rc == DSV4_CONFIG_VERSION) {
+    dsv4_config_free(&cfg);
     return 0;
+  }
   if (rc) {
     fprintf(stderr, "dsv4d: %s\n", err);
     return 2;
