@@ -837,7 +837,8 @@ static int run_cpu(uint32_t n, const uint8_t *tensors, stats_t *st) {
   if (rc == 0)
     rc = be->ops->buf_alloc(be, (size_t)n_blocks * stride, &cache);
   size_t qn = (size_t)n * O.heads * DSV4_HEAD_DIM;
-  uint16_t *q_out = malloc(qn * 2);
+  /* 64-byte aligned as the daemon's output buffers are, so the same store paths are taken. */
+  uint16_t *q_out = aligned_alloc(64, (qn * 2 + 63) & ~(size_t)63);
   int64_t *pos = malloc(n * sizeof(*pos));
   int64_t *slots = malloc(n * sizeof(*slots));
   int32_t *tok_seg = malloc(n * sizeof(*tok_seg));

@@ -1,5 +1,7 @@
 # The HTTP benchmark (NOTES.md, "HTTP path"): the daemon against a bare libuv + llhttp server moving
 # the same payload and against the CPU op alone. Programs that print a table, not ctests.
+# Guarded, since tests/bench/CMakeLists.txt may reach this file both by name and by its *.cmake glob.
+include_guard(DIRECTORY)
 if(DSV4_SERVER AND DSV4_BENCH)
   add_executable(bare_server ${CMAKE_CURRENT_LIST_DIR}/bare_server.c)
   target_include_directories(bare_server PRIVATE ${UV_INCLUDE_DIR})
