@@ -83,7 +83,7 @@ static opts_t O = {
     .warmup = 3,
     .rounds = 3,
     .max_requests = 200000,
-    .layers = 1,
+    .layers = 4,
     .p0 = 0,
     .cpu_threads = 2,
     .run_bare = 1,
@@ -501,6 +501,11 @@ static int check_forward(run_t *R, conn_t *c) {
   if (c->status != 200) {
     fprintf(stderr, "http_bench: %s answered %d to a forward of %u tokens: %s\n",
             R->is_daemon ? "daemon" : "bare server", c->status, R->n, c->errbody);
+    if (strstr(c->errbody, "kv_pool_exhausted"))
+      fprintf(stderr,
+              "http_bench: blocks are released only once every served layer has moved "
+              "on: serve layers 0..%d (--layers), and give --kv-blocks >= 3 * conns * N\n",
+              O.layers - 1);
     return -1;
   }
   if (R->is_daemon && !R->seen_resp_bytes) {
@@ -699,15 +704,32 @@ static int listening_port(const char *line) {
   return end != p && v > 0 && v < 65536 ? (int)v : -1;
 }
 
+/* The last lines of the daemon's log (it logs every request, so the whole file can be long). */
 static void print_log_tail(void) {
+  enum { TAIL = 20, LINE = 1024 };
+  static char ring[TAIL][LINE];
   FILE *f = fopen(daemon_log, "r");
   if (!f)
     return;
-  char line[4096];
-  fprintf(stderr, "http_bench: daemon log (%s):\n", daemon_log);
-  while (fgets(line, sizeof(line), f))
-    fputs(line, stderr);
+  size_t n = 0;
+  while (fgets(ring[n % TAIL], LINE, f)) {
+    size_t l = strlen(ring[n % TAIL]);
+    /* Long lines are cut; skip their remainder so that it does not count as a line. */
+    if (l && ring[n % TAIL][l - 1] != '\n') {
+      int ch;
+      while ((ch = fgetc(f)) != EOF && ch != '\n')
+        ;
+    }
+    n++;
+  }
   fclose(f);
+  fprintf(stderr, "http_bench: last lines of the daemon log (%s):\n", daemon_log);
+  for (size_t i = n > TAIL ? n - TAIL : 0; i < n; i++) {
+    const char *line = ring[i % TAIL];
+    fputs(line, stderr);
+    if (!strchr(line, '\n'))
+      fputc('\n', stderr);
+  }
 }
 
 /*
@@ -940,7 +962,8 @@ static void usage(const char *argv0) {
           "  --rounds R           rounds; the targets take turns in each (3)\n"
           "  --warmup W           unmeasured requests per connection first (3)\n"
           "  --max-requests M     measured requests per N, target and round at most (200000)\n"
-          "  --layers L           cycle over layers 0..L-1 at each position (1)\n"
+          "  --layers L           cycle over layers 0..L-1 at each position (4); the daemon\n"
+          "                       must serve exactly these, or its blocks are never released\n"
           "  --start P            first position of every sequence (0)\n"
           "  --cpu-threads T      CPU backend threads for the cpu op ceiling (2)\n"
           "  --bare PATH          bare_server binary (default: beside this program)\n"
