@@ -1,10 +1,19 @@
 #!/bin/sh
-# Builds dsv4d and runs the whole test suite (unit, reference, integration).
+# Builds dsv4d and runs the whole test suite: unit, reference, integration, then a short libFuzzer run
+# of each fuzzer (a separate clang build; skipped with DSV4_FUZZ=0).
 # Usage: tests/run.sh [build-dir] [extra cmake args...]
 set -eu
 cd "$(dirname "$0")/.."
 build=${1:-build}
 [ $# -gt 0 ] && shift
+jobs=$(nproc)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@"
-cmake --build "$build" -j"$(nproc)"
-ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
+cmake --build "$build" -j"$jobs"
+ctest --test-dir "$build" --output-on-failure -j"$jobs"
+
+if [ "${DSV4_FUZZ:-1}" != 0 ] && command -v clang >/dev/null 2>&1; then
+  fuzz="$build-fuzz"
+  CC=clang cmake -S . -B "$fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF
+  cmake --build "$fuzz" -j"$jobs" --target fuzz_safetensors fuzz_http fuzz_config
+  ctest --test-dir "$fuzz" --output-on-failure -L fuzz
+fi

@@ -17,7 +17,7 @@
  */
 #if defined(__x86_64__)
 
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
+/* Built with -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma (kernels/CMakeLists.txt). */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -135,8 +135,16 @@ static inline __attribute__((always_inline)) __m512i rope16(__m512 e, __m512 o, 
     }                                                                                              \
   } while (0)
 
-#define STORE_CACHED(p, v) _mm512_storeu_si512((void *)(p), (v))
-#define STORE_STREAM(p, v) _mm512_stream_si512((void *)(p), (v))
+#define STORE_CACHED(p, v)                                                                         \
+  do {                                                                                             \
+    _mm512_storeu_si512((void *)(p), (v));                                                         \
+    DSV4__COUNT_STORE((p), 64);                                                                    \
+  } while (0)
+#define STORE_STREAM(p, v)                                                                         \
+  do {                                                                                             \
+    _mm512_stream_si512((void *)(p), (v));                                                         \
+    DSV4__COUNT_STORE((p), 64);                                                                    \
+  } while (0)
 
 static inline __attribute__((always_inline)) void q_head_out(const uint16_t *q, uint16_t *out,
                                                              const float *cs, float r) {
@@ -230,12 +238,23 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float 
     dsv4_i32 e = dsv4_ue8m0_exponent(amax);
     __m512 scale = _mm512_set1_ps(dsv4_pow2_neg(e));
 #pragma GCC unroll 32
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < 4; k++) {
       _mm_storeu_si128((__m128i *)(data + DSV4_TILE * t + 16 * k),
                        _mm512_cvtepi32_epi8(e4m3(_mm512_mul_ps(z[4 * t + k], scale))));
+      DSV4__COUNT_STORE(data + DSV4_TILE * t + 16 * k, 16);
+    }
     sc[t] = (uint8_t)(e + 127);
   }
   sc[DSV4_NTILES] = 0;
+#ifdef DSV4_TEST_BROKEN_BULK_STORE
+  /* Test-only breakage of SPEC §5.1 (the vLLM XPU bug, tests/unit/inv_one_writer.c): store dims
+   * 448..511 unrotated (their bf16 inputs) before the rotated stores below overwrite them. */
+  for (int j = 28; j < 32; j++) {
+    __m256i u = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(z[j]), 16));
+    _mm256_storeu_si256((__m256i *)(data + DSV4_NOPE_DIM + 32 * (j - 28)), u);
+    DSV4__COUNT_STORE(data + DSV4_NOPE_DIM + 32 * (j - 28), 32);
+  }
+#endif
   /* RoPE: split the 64 dims into even and odd lanes, rotate, and interleave the bf16 pairs again.
    */
   __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -246,8 +265,10 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float 
     __m512 e = _mm512_permutex2var_ps(a, ie, b), o = _mm512_permutex2var_ps(a, io, b);
     __m512 c = _mm512_loadu_ps(cs + 16 * k), s = _mm512_loadu_ps(cs + DSV4_ROPE_PAIRS + 16 * k);
     _mm512_storeu_si512(data + DSV4_NOPE_DIM + 64 * k, rope16(e, o, c, s));
+    DSV4__COUNT_STORE(data + DSV4_NOPE_DIM + 64 * k, 64);
   }
   memcpy(scales, sc, sizeof(sc));
+  DSV4__COUNT_STORE(scales, sizeof(sc));
 }
 
 #endif /* __x86_64__ */
