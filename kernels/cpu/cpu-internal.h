@@ -67,6 +67,30 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *rope_row, const 
                                uint8_t *data, uint8_t *scales);
 #endif
 
+/*
+ * ---- test-only hooks of the ordering-invariant tests (tests/unit/inv_*.c, SPEC §5) ----
+ *
+ * Each is compiled only under a DSV4_TEST_* macro that only tests/unit/invariants.cmake defines, so
+ * the daemon's build contains none of them. The DSV4_TEST_BROKEN_* macros break one invariant on
+ * purpose, so that ctest shows on every run that the invariant's test can fail.
+ */
+#ifdef DSV4_TEST_COUNT_STORES
+/* Defined by the test: n bytes at p were stored into q_out or the cache (SPEC §5.1). */
+void dsv4__test_count_store(const void *p, size_t n);
+#define DSV4__COUNT_STORE(p, n) dsv4__test_count_store((p), (n))
+#else
+#define DSV4__COUNT_STORE(p, n) ((void)0)
+#endif
+#ifdef DSV4_TEST_BROKEN_ORDER
+/* The participant running the calling thread: 0 for the launching thread, 1.. for the workers. */
+extern _Thread_local unsigned dsv4__cpu_test_participant;
+unsigned dsv4__cpu_pool_participant(void);
+#endif
+#if defined(DSV4_TEST_DELAY_PRODUCER) || defined(DSV4_TEST_BROKEN_NO_JOIN)
+/* Wait for producer threads that a broken map_slots left running (a no-op when it joined them). */
+void dsv4__cpu_backend_test_drain(dsv4_backend_t *be);
+#endif
+
 /* ---- test hooks (cpu_backend.c) ---- */
 
 /* Select the kernel level of a CPU backend; DSV4_EUNSUPPORTED if this machine cannot run it. */

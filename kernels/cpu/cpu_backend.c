@@ -15,6 +15,12 @@
 #include "cpu-internal.h"
 #include "dsv4-numerics.h"
 
+#if defined(DSV4_TEST_DELAY_PRODUCER) || defined(DSV4_TEST_BROKEN_NO_JOIN)
+#include <pthread.h>
+#include <time.h>
+#define TEST_PRODUCER 1
+#endif
+
 /* Buffers are aligned to a page so vector loads never straddle an allocation's head. */
 #define CPU_BUF_ALIGN 4096
 
@@ -22,11 +28,33 @@
  */
 #define CPU_STREAM_BYTES (32u << 20)
 
+#ifdef TEST_PRODUCER
+/*
+ * Test-only (tests/unit/inv_no_early_read.c, SPEC §5.2): map_slots hands its tokens to producer
+ * threads that sleep before they write their slots, so that a consumer which does not wait for the
+ * producer reads stale slots. map_slots joins them before it returns, as the pool's join does for
+ * real launches; under DSV4_TEST_BROKEN_NO_JOIN it returns at once (the bug the test must catch).
+ */
+#define TEST_PRODUCERS 4
+#define TEST_PRODUCER_DELAY_NS 20000000L
+
+typedef struct {
+  dsv4_map_args_t a; /* a copy: the caller's struct may be gone before a broken producer runs */
+  uint32_t first, last;
+  int rc;
+  int running;
+  pthread_t thread;
+} test_producer_t;
+#endif
+
 typedef struct {
   dsv4_backend_t base;
   dsv4__cpu_pool_t *pool;
   int isa;
   uint64_t stream_bytes; /* q_out bytes per launch from which q_out bypasses the caches */
+#ifdef TEST_PRODUCER
+  test_producer_t producers[TEST_PRODUCERS];
+#endif
 } cpu_backend_t;
 
 /* One qkv_insert launch, shared read-only by every participant. */
@@ -45,6 +73,9 @@ static cpu_backend_t *cpu_of(dsv4_backend_t *be) {
 
 static void cpu_destroy(dsv4_backend_t *be) {
   cpu_backend_t *c = cpu_of(be);
+#ifdef TEST_PRODUCER
+  dsv4__cpu_backend_test_drain(be);
+#endif
   dsv4__cpu_pool_destroy(c->pool);
   free(c);
 }
@@ -109,6 +140,70 @@ static int is_block_size(uint32_t bs) {
   return bs >= DSV4_MIN_BLOCK_SIZE && bs <= DSV4_MAX_BLOCK_SIZE && (bs & (bs - 1)) == 0;
 }
 
+#ifdef TEST_PRODUCER
+static int cpu_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a);
+/* Set on producer threads: their map_slots call maps its tokens itself. */
+static _Thread_local int test_in_producer;
+
+static void *test_producer_main(void *varg) {
+  test_producer_t *p = varg;
+  struct timespec ts = {0, TEST_PRODUCER_DELAY_NS};
+  while (nanosleep(&ts, &ts) != 0) {
+  }
+  test_in_producer = 1;
+  p->rc = cpu_map_slots(NULL, &p->a);
+  return NULL;
+}
+
+/* Joins every running producer; returns the first error among them. */
+static int test_join_producers(cpu_backend_t *c) {
+  int rc = 0;
+  for (unsigned i = 0; i < TEST_PRODUCERS; i++) {
+    test_producer_t *p = &c->producers[i];
+    if (!p->running)
+      continue;
+    pthread_join(p->thread, NULL);
+    p->running = 0;
+    if (rc == 0)
+      rc = p->rc;
+  }
+  return rc;
+}
+
+void dsv4__cpu_backend_test_drain(dsv4_backend_t *be) {
+  (void)test_join_producers(cpu_of(be));
+}
+
+/* Each producer gets the launch's arguments narrowed to its own range of tokens. */
+static int test_delayed_map(cpu_backend_t *c, const dsv4_map_args_t *a) {
+  (void)test_join_producers(c);
+  uint32_t per = (a->n_tokens + TEST_PRODUCERS - 1) / TEST_PRODUCERS;
+  int rc = 0;
+  for (unsigned i = 0; i < TEST_PRODUCERS; i++) {
+    test_producer_t *p = &c->producers[i];
+    uint32_t first = i * per < a->n_tokens ? i * per : a->n_tokens;
+    uint32_t last = first + per < a->n_tokens ? first + per : a->n_tokens;
+    p->a = *a;
+    p->a.n_tokens = last - first;
+    p->a.positions = a->positions + first;
+    p->a.tok_seg = a->tok_seg + first;
+    p->a.slots = a->slots + first;
+    p->rc = 0;
+    if (pthread_create(&p->thread, NULL, test_producer_main, p) != 0) {
+      rc = DSV4_ENOMEM;
+      break;
+    }
+    p->running = 1;
+  }
+#ifdef DSV4_TEST_BROKEN_NO_JOIN
+  if (rc == 0)
+    return 0; /* the broken producer: no join, the consumer may run before the slots exist */
+#endif
+  int jrc = test_join_producers(c);
+  return rc ? rc : jrc;
+}
+#endif
+
 /*
  * The slot mapper is a few integer operations per token, far cheaper than waking the pool, so it
  * runs on the calling thread; the arguments are checked in full before the first slot is written.
@@ -128,6 +223,10 @@ static int cpu_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
     if (s < 0 || (uint32_t)s >= a->n_segments || a->positions[t] < 0)
       return DSV4_EINVAL;
   }
+#ifdef TEST_PRODUCER
+  if (!test_in_producer)
+    return test_delayed_map(cpu_of(be), a);
+#endif
   for (uint32_t t = 0; t < a->n_tokens; t++) {
     uint32_t s = (uint32_t)a->tok_seg[t];
     int64_t pos = a->positions[t];

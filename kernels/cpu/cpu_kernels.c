@@ -47,20 +47,42 @@ int dsv4__cpu_isa_best(void) {
 #define SCALAR_CLONES
 #endif
 
+#ifdef DSV4_TEST_BROKEN_ORDER
+/*
+ * Test-only breakage of SPEC §5.4 (tests/unit/inv_determinism.c): worker threads sum the squares in
+ * plain index order instead of the canonical 32 chains and fold, so the bytes depend on which
+ * thread ran a head. Worker threads also always take the scalar kernels.
+ */
+static float broken_sumsq512(const float *x) {
+  if (dsv4__cpu_pool_participant() == 0)
+    return dsv4_sumsq512(x);
+  float acc = 0.0f;
+  for (int d = 0; d < DSV4_HEAD_DIM; d++)
+    acc = fmaf(x[d], x[d], acc);
+  return acc;
+}
+#define SUMSQ512(x) broken_sumsq512(x)
+#else
+#define SUMSQ512(x) dsv4_sumsq512(x)
+#endif
+
 SCALAR_CLONES static void q_head_scalar(const uint16_t *q, uint16_t *out, const float *cs,
                                         float eps) {
   float x[DSV4_HEAD_DIM];
   for (int d = 0; d < DSV4_HEAD_DIM; d++)
     x[d] = dsv4_bf16_to_f32(q[d]);
-  float r = dsv4_rms_factor(dsv4_sumsq512(x), eps);
-  for (int d = 0; d < DSV4_NOPE_DIM; d++)
+  float r = dsv4_rms_factor(SUMSQ512(x), eps);
+  for (int d = 0; d < DSV4_NOPE_DIM; d++) {
     out[d] = dsv4_f32_to_bf16(x[d] * r);
+    DSV4__COUNT_STORE(&out[d], sizeof(out[d]));
+  }
   for (int i = 0; i < DSV4_ROPE_PAIRS; i++) {
     float e = x[DSV4_NOPE_DIM + 2 * i] * r;
     float o = x[DSV4_NOPE_DIM + 2 * i + 1] * r;
     float c = cs[i], s = cs[DSV4_ROPE_PAIRS + i];
     out[DSV4_NOPE_DIM + 2 * i] = dsv4_f32_to_bf16(dsv4_rope_even(e, o, c, s));
     out[DSV4_NOPE_DIM + 2 * i + 1] = dsv4_f32_to_bf16(dsv4_rope_odd(e, o, c, s));
+    DSV4__COUNT_STORE(&out[DSV4_NOPE_DIM + 2 * i], 2 * sizeof(out[0]));
   }
 }
 
@@ -70,7 +92,7 @@ SCALAR_CLONES static void kv_token_scalar(const uint16_t *kv, const float *cs, c
   for (int d = 0; d < DSV4_HEAD_DIM; d++)
     z[d] = dsv4_bf16_to_f32(kv[d]);
   if (w) {
-    float r = dsv4_rms_factor(dsv4_sumsq512(z), eps);
+    float r = dsv4_rms_factor(SUMSQ512(z), eps);
     for (int d = 0; d < DSV4_HEAD_DIM; d++)
       z[d] = dsv4_bf16_to_f32(dsv4_f32_to_bf16((z[d] * r) * w[d]));
   }
@@ -91,6 +113,17 @@ SCALAR_CLONES static void kv_token_scalar(const uint16_t *kv, const float *cs, c
     sc[j] = (uint8_t)(e + 127);
   }
   sc[DSV4_NTILES] = 0;
+#ifdef DSV4_TEST_BROKEN_BULK_STORE
+  /* Test-only breakage of SPEC §5.1 (the vLLM XPU bug, tests/unit/inv_one_writer.c): store all 512
+   * values unrotated first, then overwrite dims 448..511 with the rotated ones below. */
+  for (int d = 0; d < DSV4_ROPE_DIM; d++) {
+    uint16_t u = dsv4_f32_to_bf16(z[DSV4_NOPE_DIM + d]);
+    rec[DSV4_NOPE_DIM + 2 * d] = (uint8_t)(u & 0xff);
+    rec[DSV4_NOPE_DIM + 2 * d + 1] = (uint8_t)(u >> 8);
+  }
+  memcpy(data, rec, sizeof(rec));
+  DSV4__COUNT_STORE(data, sizeof(rec));
+#endif
   for (int i = 0; i < DSV4_ROPE_PAIRS; i++) {
     float e = z[DSV4_NOPE_DIM + 2 * i];
     float o = z[DSV4_NOPE_DIM + 2 * i + 1];
@@ -103,12 +136,23 @@ SCALAR_CLONES static void kv_token_scalar(const uint16_t *kv, const float *cs, c
     rec[DSV4_NOPE_DIM + 4 * i + 2] = (uint8_t)(bo & 0xff);
     rec[DSV4_NOPE_DIM + 4 * i + 3] = (uint8_t)(bo >> 8);
   }
+#ifdef DSV4_TEST_BROKEN_BULK_STORE
+  memcpy(data + DSV4_NOPE_DIM, rec + DSV4_NOPE_DIM, 2 * DSV4_ROPE_DIM);
+  DSV4__COUNT_STORE(data + DSV4_NOPE_DIM, 2 * DSV4_ROPE_DIM);
+#else
   memcpy(data, rec, sizeof(rec));
+  DSV4__COUNT_STORE(data, sizeof(rec));
+#endif
   memcpy(scales, sc, sizeof(sc));
+  DSV4__COUNT_STORE(scales, sizeof(sc));
 }
 
 void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads,
                        const float *rope_row, float eps, int stream) {
+#ifdef DSV4_TEST_BROKEN_ORDER
+  if (dsv4__cpu_pool_participant() != 0)
+    isa = DSV4__CPU_ISA_SCALAR;
+#endif
 #ifdef HAVE_AVX512_KERNELS
   if (isa == DSV4__CPU_ISA_AVX512) {
     dsv4__cpu_q_heads_avx512(q, out, heads, rope_row, eps, stream);
@@ -123,6 +167,10 @@ void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads
 
 void dsv4__cpu_kv_token(int isa, const uint16_t *kv, const float *rope_row, const float *w,
                         float eps, uint8_t *data, uint8_t *scales) {
+#ifdef DSV4_TEST_BROKEN_ORDER
+  if (dsv4__cpu_pool_participant() != 0)
+    isa = DSV4__CPU_ISA_SCALAR;
+#endif
 #ifdef HAVE_AVX512_KERNELS
   if (isa == DSV4__CPU_ISA_AVX512) {
     dsv4__cpu_kv_token_avx512(kv, rope_row, w, eps, data, scales);

@@ -106,6 +106,9 @@ static void *worker_main(void *varg) {
   pthread_mutex_unlock(&p->mu);
   /* SPEC §2: subnormals are honoured, so no executor thread may flush or read them as zero. */
   assert((csr & MXCSR_FTZ_DAZ) == 0);
+#ifdef DSV4_TEST_BROKEN_ORDER
+  dsv4__cpu_test_participant = w->index + 1;
+#endif
   uint32_t seen = 0;
   for (;;) {
     uint32_t g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire));
@@ -248,3 +251,12 @@ void dsv4__cpu_pool_run(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg, siz
   atomic_store_explicit(&p->caller_sleeping, 0, memory_order_relaxed);
   pthread_mutex_unlock(&p->mu);
 }
+
+#ifdef DSV4_TEST_BROKEN_ORDER
+/* Test-only (tests/unit/inv_determinism.c): which participant this thread is, 0 for the caller. */
+_Thread_local unsigned dsv4__cpu_test_participant;
+
+unsigned dsv4__cpu_pool_participant(void) {
+  return dsv4__cpu_test_participant;
+}
+#endif

@@ -1,0 +1,51 @@
+# The ordering invariants of SPEC §5, each with its test and a deliberately broken build of the same
+# sources that the test must catch (tests/unit/INVARIANTS.md). The broken builds define one
+# DSV4_TEST_BROKEN_* macro and run under inv_expect_fail.sh, which passes only when the test
+# fails with the invariant's own message.
+set(DSV4_INV_DIR ${CMAKE_CURRENT_LIST_DIR})
+set(DSV4_INV_ROOT ${PROJECT_SOURCE_DIR})
+
+# The kernels library again, with test macros: the generic sources once, the CPU backend per variant.
+file(GLOB DSV4_INV_KERNEL_SOURCES CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/*.c)
+file(GLOB DSV4_INV_CPU_SOURCES CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/cpu/*.c)
+# As in kernels/CMakeLists.txt; source properties are per directory, so they are repeated here.
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
+  set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx512.c PROPERTIES
+    COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mfma")
+endif()
+add_library(dsv4_inv_kernels_base OBJECT ${DSV4_INV_KERNEL_SOURCES})
+target_include_directories(dsv4_inv_kernels_base PUBLIC ${DSV4_INV_ROOT}/kernels)
+dsv4_strict(dsv4_inv_kernels_base)
+
+function(dsv4_inv_kernels name)
+  add_library(${name} STATIC ${DSV4_INV_CPU_SOURCES} $<TARGET_OBJECTS:dsv4_inv_kernels_base>)
+  target_include_directories(${name} PUBLIC ${DSV4_INV_ROOT}/kernels)
+  target_link_libraries(${name} PUBLIC Threads::Threads m)
+  # PUBLIC: the test sees the same hook declarations as the library.
+  target_compile_definitions(${name} PUBLIC ${ARGN})
+  dsv4_strict(${name})
+endfunction()
+
+# A test executable of a broken build, registered through the expect-fail wrapper.
+function(dsv4_inv_broken name)
+  cmake_parse_arguments(T "" "SOURCE;EXPECT;TIMEOUT" "LIBS" ${ARGN})
+  add_executable(${name} ${DSV4_INV_DIR}/${T_SOURCE})
+  target_include_directories(${name} PRIVATE ${CMOCKA_INCLUDE_DIR})
+  target_link_libraries(${name} PRIVATE ${T_LIBS} ${CMOCKA_LIBRARY})
+  dsv4_strict(${name})
+  add_test(NAME ${name} COMMAND sh ${DSV4_INV_DIR}/inv_expect_fail.sh "${T_EXPECT}"
+                                 $<TARGET_FILE:${name}>)
+  set_tests_properties(${name} PROPERTIES LABELS invariants)
+  if(T_TIMEOUT)
+    set_tests_properties(${name} PROPERTIES TIMEOUT ${T_TIMEOUT})
+  endif()
+endfunction()
+
+# 5.1 One writer per byte: every store into q_out and the cache is counted per byte.
+dsv4_inv_kernels(dsv4_inv_kernels_count DSV4_TEST_COUNT_STORES)
+dsv4_inv_kernels(dsv4_inv_kernels_bulk DSV4_TEST_COUNT_STORES DSV4_TEST_BROKEN_BULK_STORE)
+dsv4_unit_test(inv_one_writer SOURCES unit/inv_one_writer.c LIBS dsv4_inv_kernels_count
+               TIMEOUT 120 LABELS invariants)
+dsv4_inv_broken(inv_one_writer_broken_bulk_store SOURCE inv_one_writer.c
+                LIBS dsv4_inv_kernels_bulk TIMEOUT 120
+                EXPECT "invariant violated: SPEC 5[.]1: one writer per byte: cache block [0-9]+ offset [0-9]+ record bytes 448[.][.]575 [[]RoPE[]] [(]128 bytes[)] stored 2 times")
