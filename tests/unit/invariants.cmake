@@ -49,3 +49,12 @@ dsv4_unit_test(inv_one_writer SOURCES unit/inv_one_writer.c LIBS dsv4_inv_kernel
 dsv4_inv_broken(inv_one_writer_broken_bulk_store SOURCE inv_one_writer.c
                 LIBS dsv4_inv_kernels_bulk TIMEOUT 120
                 EXPECT "invariant violated: SPEC 5[.]1: one writer per byte: cache block [0-9]+ offset [0-9]+ record bytes 448[.][.]575 [[]RoPE[]] [(]128 bytes[)] stored 2 times")
+
+# 5.2 Nothing touches mutable memory before the dependency wait: a delayed map_slots producer.
+dsv4_inv_kernels(dsv4_inv_kernels_delay DSV4_TEST_DELAY_PRODUCER)
+dsv4_inv_kernels(dsv4_inv_kernels_nojoin DSV4_TEST_DELAY_PRODUCER DSV4_TEST_BROKEN_NO_JOIN)
+dsv4_unit_test(inv_no_early_read SOURCES unit/inv_no_early_read.c LIBS dsv4_inv_kernels_delay
+               TIMEOUT 120 LABELS invariants)
+dsv4_inv_broken(inv_no_early_read_broken_no_join SOURCE inv_no_early_read.c
+                LIBS dsv4_inv_kernels_nojoin TIMEOUT 120
+                EXPECT "invariant violated: SPEC 5[.]2: the consumer wrote [0-9]+ bytes of canary block")
