@@ -177,6 +177,27 @@ static void map_remove(dsv4_seqtable_t *st, seq_t *s) {
   free(s);
 }
 
+#ifdef DSV4_TEST_BROKEN_SHARED_BLOCK
+/*
+ * Test-only breakage of SPEC §5.3 (tests/unit/inv_unique_slots.c): allocation hands out the top of
+ * the free stack without popping it, so the next allocation gets the same id while its first
+ * holder still uses it. The pool never sees such an id taken, so freeing it is dropped.
+ */
+static int broken_pool_alloc(dsv4_pool_t *p, uint32_t *id) {
+  if (p->n_free == 0)
+    return DSV4_ENOSPC;
+  *id = p->free_stack[p->n_free - 1];
+  return 0;
+}
+
+static void broken_pool_free(dsv4_pool_t *p, uint32_t id) {
+  if (dsv4_pool_is_used(p, id))
+    dsv4_pool_free(p, id);
+}
+#define dsv4_pool_alloc broken_pool_alloc
+#define dsv4_pool_free broken_pool_free
+#endif
+
 static void free_blocks(dsv4_seqtable_t *st, seq_t *s) {
   for (uint32_t i = 0; i < s->n_blocks; i++)
     dsv4_pool_free(st->pool, (uint32_t)s->blocks[i]);

@@ -58,3 +58,21 @@ dsv4_unit_test(inv_no_early_read SOURCES unit/inv_no_early_read.c LIBS dsv4_inv_
 dsv4_inv_broken(inv_no_early_read_broken_no_join SOURCE inv_no_early_read.c
                 LIBS dsv4_inv_kernels_nojoin TIMEOUT 120
                 EXPECT "invariant violated: SPEC 5[.]2: the consumer wrote [0-9]+ bytes of canary block")
+
+# 5.3 Slots are unique within a launch: random multi-sequence batches through the sequence table.
+file(GLOB DSV4_INV_KVCACHE_SOURCES CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kvcache/*.c)
+add_library(dsv4_inv_kvcache_shared STATIC ${DSV4_INV_KVCACHE_SOURCES})
+target_include_directories(dsv4_inv_kvcache_shared PUBLIC ${DSV4_INV_ROOT}/kvcache)
+target_link_libraries(dsv4_inv_kvcache_shared PUBLIC dsv4_kernels)
+target_compile_definitions(dsv4_inv_kvcache_shared PUBLIC DSV4_TEST_BROKEN_SHARED_BLOCK)
+if(DSV4_HAVE_XXHASH)
+  target_include_directories(dsv4_inv_kvcache_shared PUBLIC ${XXHASH_INCLUDE_DIR})
+  target_link_libraries(dsv4_inv_kvcache_shared PUBLIC ${XXHASH_LIBRARY})
+  target_compile_definitions(dsv4_inv_kvcache_shared PUBLIC DSV4_HAVE_XXHASH=1)
+endif()
+dsv4_strict(dsv4_inv_kvcache_shared)
+dsv4_unit_test(inv_unique_slots SOURCES unit/inv_unique_slots.c LIBS dsv4_kvcache TIMEOUT 120
+               LABELS invariants)
+dsv4_inv_broken(inv_unique_slots_broken_shared_block SOURCE inv_unique_slots.c
+                LIBS dsv4_inv_kvcache_shared TIMEOUT 120
+                EXPECT "invariant violated: SPEC 5[.]3: (block [0-9]+ is held by sequence|slot [0-9]+ is written twice in one launch)")
