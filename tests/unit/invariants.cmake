@@ -76,3 +76,11 @@ dsv4_unit_test(inv_unique_slots SOURCES unit/inv_unique_slots.c LIBS dsv4_kvcach
 dsv4_inv_broken(inv_unique_slots_broken_shared_block SOURCE inv_unique_slots.c
                 LIBS dsv4_inv_kvcache_shared TIMEOUT 120
                 EXPECT "invariant violated: SPEC 5[.]3: (block [0-9]+ is held by sequence|slot [0-9]+ is written twice in one launch)")
+
+# 5.4 Determinism: the same batch, 20 runs on 1, 2 and 4 threads, from zeroed and non-zero caches.
+dsv4_inv_kernels(dsv4_inv_kernels_order DSV4_TEST_BROKEN_ORDER)
+dsv4_unit_test(inv_determinism SOURCES unit/inv_determinism.c LIBS dsv4_kernels TIMEOUT 120
+               LABELS invariants)
+dsv4_inv_broken(inv_determinism_broken_order SOURCE inv_determinism.c
+                LIBS dsv4_inv_kernels_order TIMEOUT 120
+                EXPECT "invariant violated: SPEC 5[.]4: determinism: .* with [24] threads, .* differ from the 1-thread run")
