@@ -302,7 +302,12 @@ static void req_record(req_t *r, int status, int written) {
   snprintf(code, sizeof(code), "%d", status);
   const char *labels[2] = {r->pub.route, code};
   dsv4_metric_add(r->requests_total, labels, 1);
-  if (!dsv4_log_enabled(DSV4_LOG_INFO))
+  /* Answered requests log at debug (a decode step is thousands of them a second, and the counters
+   * above already tell), refused ones at info, failures at warn. */
+  int level = status >= 500               ? DSV4_LOG_WARN
+              : status >= 400 || !written ? DSV4_LOG_INFO
+                                          : DSV4_LOG_DEBUG;
+  if (!dsv4_log_enabled(level))
     return;
   double ms = (double)(uv_hrtime() - r->pub.t_start_ns) * 1e-6;
   json_t *f = json_object();
@@ -318,7 +323,7 @@ static void req_record(req_t *r, int status, int written) {
   json_object_set_new(f, "duration_ms", json_real((double)(long long)(ms * 1000.0) / 1000.0));
   if (!written)
     json_object_set_new(f, "client_gone", json_true());
-  dsv4_log(DSV4_LOG_INFO, "request", f);
+  dsv4_log(level, "request", f);
 }
 
 static void write_done(conn_t *c, int status_ok) {
