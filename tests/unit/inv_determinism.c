@@ -211,12 +211,19 @@ static void test_same_batch_same_bytes(void **state) {
   }
   f.rope = inv_rope_plain();
   assert_non_null(f.rope);
-  /* Many tokens (split by token), and few tokens with many heads (split into head groups). */
+  /* Many tokens (split by token), and few tokens with many heads (split into head groups), each
+   * large enough for the backend to spread it over its workers. */
   batch_t batches[2];
   batch_make(&batches[0], "tokens", 64, 8, 1, f.rope);
-  batch_make(&batches[1], "heads", 3, 64, 0, f.rope);
-  int levels = 0;
+  batch_make(&batches[1], "heads", 3, 128, 0, f.rope);
+#ifdef DSV4__CPU_INLINE_Q_BYTES
+  /* Smaller launches run on the calling thread alone and would not test the split at all. */
+  for (size_t k = 0; k < 2; k++)
+    assert_true(batches[k].q_bytes >= DSV4__CPU_INLINE_Q_BYTES);
+#endif
+  int levels = 0, per_batch[2];
   for (size_t k = 0; k < 2; k++) {
+    int before = f.violations;
     uint16_t *q_first = inv_alloc(batches[k].q_bytes);
     uint8_t *c_first = inv_alloc(batches[k].cache_bytes);
     int have_first = 0;
@@ -227,6 +234,7 @@ static void test_same_batch_same_bytes(void **state) {
       check_batch(&f, &batches[k], isa, &have_first, q_first, c_first);
       levels++;
     }
+    per_batch[k] = f.violations - before;
     free(q_first);
     free(c_first);
     batch_free(&batches[k]);
@@ -234,8 +242,9 @@ static void test_same_batch_same_bytes(void **state) {
   for (size_t i = 0; i < N_THREAD_COUNTS; i++)
     dsv4_backend_close(f.be[i]);
   dsv4_rope_table_destroy(f.rope);
-  printf("determinism: 2 batches, %d kernel levels, threads 1/2/4 x %d runs: %d violations\n",
-         levels, RUNS, f.violations);
+  printf("determinism: 2 batches, %d kernel levels, threads 1/2/4 x %d runs: %d violations "
+         "(%d by token, %d by head group)\n",
+         levels, RUNS, f.violations, per_batch[0], per_batch[1]);
   assert_int_equal(f.violations, 0);
 }
 
