@@ -203,14 +203,33 @@ static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
 }
 
 /* XXH3 of a segment's q bytes then its kv bytes: the replay identity of SPEC §4. */
-static uint64_t segment_hash(const dsv4_forward_t *f, uint32_t heads, uint32_t tok_off,
-                             uint32_t len) {
+/* Feed bytes to the hash in cache-sized pieces, range-checking each piece just before it is hashed,
+ * so the bytes are read from memory once for both. Returns 1 when a value is out of range. */
+static int check_and_hash(XXH3_state_t *st, const uint16_t *x, size_t n) {
+  enum { PIECE = 8192 }; /* bf16 values: 16 KiB, well inside L1 */
+  for (size_t off = 0; off < n; off += PIECE) {
+    size_t len = n - off < PIECE ? n - off : PIECE;
+    if (dsv4_bf16_any_out_of_range(x + off, len))
+      return 1;
+    XXH3_64bits_update(st, x + off, len * 2);
+  }
+  return 0;
+}
+
+/*
+ * The replay identity of SPEC §4, XXH3 of a segment's q bytes then its kv bytes, computed in the
+ * same pass as the |x| < 2^59 check. DSV4_ERANGE when a value is out of range.
+ */
+static int segment_check_hash(const dsv4_forward_t *f, uint32_t heads, uint32_t tok_off,
+                              uint32_t len, uint64_t *hash) {
   XXH3_state_t st;
   size_t q_row = (size_t)heads * DSV4_HEAD_DIM;
   XXH3_64bits_reset(&st);
-  XXH3_64bits_update(&st, f->q + (size_t)tok_off * q_row, (size_t)len * q_row * 2);
-  XXH3_64bits_update(&st, f->kv + (size_t)tok_off * DSV4_HEAD_DIM, (size_t)len * DSV4_HEAD_DIM * 2);
-  return XXH3_64bits_digest(&st);
+  if (check_and_hash(&st, f->q + (size_t)tok_off * q_row, (size_t)len * q_row) ||
+      check_and_hash(&st, f->kv + (size_t)tok_off * DSV4_HEAD_DIM, (size_t)len * DSV4_HEAD_DIM))
+    return DSV4_ERANGE;
+  *hash = XXH3_64bits_digest(&st);
+  return 0;
 }
 
 static void collect_dropped(dsv4_forward_t *f) {
@@ -242,10 +261,8 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   if (!atomic_load(&e->healthy))
     return DSV4_EBACKEND;
 
-  /* Validation that needs the bytes: value range, then the replay hashes. Nothing changes yet. */
-  if (dsv4_bf16_any_out_of_range(f->q, (size_t)n * heads * DSV4_HEAD_DIM) ||
-      dsv4_bf16_any_out_of_range(f->kv, (size_t)n * DSV4_HEAD_DIM))
-    return DSV4_ERANGE;
+  /* Validation that needs the bytes (value range, replay hashes) comes first: nothing changes yet.
+   */
   rc = grow_scratch(e, n, f->n_segs);
   if (rc)
     return rc;
@@ -256,7 +273,9 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
       if (sg->start < 0 || sg->len < 1 || t + sg->len > n ||
           sg->start + (int64_t)sg->len > e->p.model->max_position_embeddings)
         return sg->start < 0 || sg->len < 1 || t + sg->len > n ? DSV4_EINVAL : DSV4_EPOSRANGE;
-      f->segs[s].hash = segment_hash(f, heads, t, sg->len);
+      rc = segment_check_hash(f, heads, t, sg->len, &f->segs[s].hash);
+      if (rc)
+        return rc;
       for (uint32_t i = 0; i < sg->len; i++) {
         e->positions[t + i] = sg->start + i;
         e->tok_seg[t + i] = (int32_t)s;

@@ -22,6 +22,9 @@ enum {
 typedef struct dsv4__cpu_pool dsv4__cpu_pool_t;
 
 /* fn(arg, first, last) processes work items first..last-1; any thread may run any range. */
+/* Launches whose q input is smaller than this run on the calling thread alone. */
+#define DSV4__CPU_INLINE_Q_BYTES (256u * 1024u)
+
 typedef void (*dsv4__cpu_job_fn)(void *arg, size_t first, size_t last);
 
 /* A pool of participants: threads - 1 worker threads plus the calling thread (threads >= 1). */

@@ -306,6 +306,9 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   size_t chunk = items / ((size_t)threads * 8);
   if (chunk == 0)
     chunk = 1;
+  /* A launch this small (a few µs of work) is done by the caller before a worker could wake up. */
+  if ((uint64_t)a->n_tokens * a->heads * DSV4_HEAD_DIM * 2 < DSV4__CPU_INLINE_Q_BYTES)
+    chunk = items;
   dsv4__cpu_pool_run(c->pool, insert_items, &j, items, chunk);
   return 0;
 }
