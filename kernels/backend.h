@@ -45,17 +45,18 @@ typedef struct {
   uint32_t n_tokens;
   uint32_t n_segments;
   uint32_t block_size;
-  uint32_t n_blocks;             /* pool size; a slot is < n_blocks * block_size */
-  const int64_t *positions;      /* [n_tokens] */
-  const int32_t *tok_seg;        /* [n_tokens] segment of each token */
-  const int64_t *seg_first_lb;   /* [n_segments] logical block that block_table[seg_bt_off] maps */
-  const uint32_t *seg_bt_off;    /* [n_segments] first entry of the segment in block_table */
-  const uint32_t *seg_bt_len;    /* [n_segments] entries of the segment in block_table */
-  const int32_t *block_table;    /* physical block ids; < 0 = no block (the token gets slot -1) */
-  int64_t *slots;                /* [n_tokens] out: block * block_size + offset, or -1 */
+  uint32_t n_blocks;           /* pool size; a slot is < n_blocks * block_size */
+  const int64_t *positions;    /* [n_tokens] */
+  const int32_t *tok_seg;      /* [n_tokens] segment of each token */
+  const int64_t *seg_first_lb; /* [n_segments] logical block that block_table[seg_bt_off] maps */
+  const uint32_t *seg_bt_off;  /* [n_segments] first entry of the segment in block_table */
+  const uint32_t *seg_bt_len;  /* [n_segments] entries of the segment in block_table */
+  const int32_t *block_table;  /* physical block ids; < 0 = no block (the token gets slot -1) */
+  int64_t *slots;              /* [n_tokens] out: block * block_size + offset, or -1 */
 } dsv4_map_args_t;
 
-/* The consumer: Q norm + RoPE, KV (norm) + RoPE + fp8/UE8M0 quantise + paged insert (SPEC §2.1-2.2). */
+/* The consumer: Q norm + RoPE, KV (norm) + RoPE + fp8/UE8M0 quantise + paged insert (SPEC
+ * §2.1-2.2). */
 typedef struct {
   uint32_t n_tokens;
   uint32_t heads;                /* 1..128 */
@@ -66,12 +67,12 @@ typedef struct {
   const dsv4_rope_table_t *rope; /* rows of every position in the batch already materialised */
   const float *kv_norm_weight;   /* [512] fp32, or NULL for kv_norm = prenormed */
   float eps;                     /* RMSNorm epsilon */
-  int write_kv;                  /* 0: compute q_out only (a replayed batch), never touch the cache */
-  uint16_t *q_out;               /* [n_tokens, heads, 512] bf16 out */
-  uint8_t *cache;                /* the layer's cache: n_blocks * stride bytes */
+  int write_kv;    /* 0: compute q_out only (a replayed batch), never touch the cache */
+  uint16_t *q_out; /* [n_tokens, heads, 512] bf16 out */
+  uint8_t *cache;  /* the layer's cache: n_blocks * stride bytes */
   uint32_t block_size;
   uint32_t n_blocks;
-  uint64_t stride;               /* DSV4_BLOCK_STRIDE(block_size) */
+  uint64_t stride; /* DSV4_BLOCK_STRIDE(block_size) */
 } dsv4_insert_args_t;
 
 typedef struct dsv4_backend_ops {
@@ -99,8 +100,8 @@ typedef struct {
 } dsv4_backend_options_t;
 
 /*
- * Open the backend called name ("cpu", later "cuda", "level_zero", or "auto" for the first usable one).
- * On failure why holds one line that says what was missing.
+ * Open the backend called name ("cpu", later "cuda", "level_zero", or "auto" for the first usable
+ * one). On failure why holds one line that says what was missing.
  */
 int dsv4_backend_open(const char *name, const dsv4_backend_options_t *opt, dsv4_backend_t **out,
                       char *why, size_t why_len);

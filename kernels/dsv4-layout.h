@@ -31,14 +31,13 @@
 
 /* Bytes between consecutive blocks of one layer's cache. */
 #define DSV4_BLOCK_STRIDE(bs)                                                                      \
-  ((((unsigned long)(bs) * DSV4_RECORD_BYTES + DSV4_TOKEN_DATA_BYTES - 1) /                       \
-    DSV4_TOKEN_DATA_BYTES) *                                                                       \
+  ((((unsigned long)(bs)*DSV4_RECORD_BYTES + DSV4_TOKEN_DATA_BYTES - 1) / DSV4_TOKEN_DATA_BYTES) * \
    DSV4_TOKEN_DATA_BYTES)
 
 /* Offset inside a block of the NoPE bytes of the token at offset o (RoPE follows at +448). */
-#define DSV4_TOKEN_DATA_OFFSET(o) ((unsigned long)(o) * DSV4_TOKEN_DATA_BYTES)
+#define DSV4_TOKEN_DATA_OFFSET(o) ((unsigned long)(o)*DSV4_TOKEN_DATA_BYTES)
 /* Offset inside a block of the 8 scale bytes of the token at offset o. */
 #define DSV4_SCALE_OFFSET(bs, o)                                                                   \
-  ((unsigned long)(bs) * DSV4_TOKEN_DATA_BYTES + (unsigned long)(o) * DSV4_SCALE_BYTES)
+  ((unsigned long)(bs)*DSV4_TOKEN_DATA_BYTES + (unsigned long)(o)*DSV4_SCALE_BYTES)
 
 #endif /* DSV4_KERNELS_LAYOUT_H */

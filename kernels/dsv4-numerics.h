@@ -2,13 +2,14 @@
 #define DSV4_KERNELS_NUMERICS_H
 
 /*
- * The canonical numerics of SPEC §2, shared bit for bit by every backend: bf16 and fp8 E4M3FN codecs,
- * the UE8M0 scale rule, the canonical 512-long reduction order, the RMS factor and the RoPE pair.
+ * The canonical numerics of SPEC §2, shared bit for bit by every backend: bf16 and fp8 E4M3FN
+ * codecs, the UE8M0 scale rule, the canonical 512-long reduction order, the RMS factor and the RoPE
+ * pair.
  *
- * This header is included by plain C (host and CPU backend), CUDA (__host__ __device__) and OpenCL C.
- * Everything here is integer bit manipulation or a single correctly rounded IEEE operation, so the
- * result never depends on the compiler's contraction or flush-to-zero settings beyond what SPEC §2
- * already forbids (-ffp-contract=off, --fmad=false, FP_CONTRACT OFF, no FTZ/DAZ).
+ * This header is included by plain C (host and CPU backend), CUDA (__host__ __device__) and OpenCL
+ * C. Everything here is integer bit manipulation or a single correctly rounded IEEE operation, so
+ * the result never depends on the compiler's contraction or flush-to-zero settings beyond what SPEC
+ * §2 already forbids (-ffp-contract=off, --fmad=false, FP_CONTRACT OFF, no FTZ/DAZ).
  */
 
 #include "dsv4-layout.h"

@@ -3,9 +3,9 @@
 
 /*
  * RoPE tables (SPEC §2.3). Row `pos` holds cos[0..31] then sin[0..31] (fp32) of the fp32 angle
- * (float)pos * inv_freq[i], correctly rounded. Tables are computed on the host and shared bit for bit
- * by every backend. Rows are materialised lazily in chunks, so a daemon that only ever sees positions
- * below 10,000 never pays for the 256 MiB a full table would take.
+ * (float)pos * inv_freq[i], correctly rounded. Tables are computed on the host and shared bit for
+ * bit by every backend. Rows are materialised lazily in chunks, so a daemon that only ever sees
+ * positions below 10,000 never pays for the 256 MiB a full table would take.
  */
 
 #include <stddef.h>
@@ -21,14 +21,15 @@ extern "C" {
 #define DSV4_ROPE_CHUNK_ROWS 256
 
 typedef struct {
-  double theta;                 /* rope_theta (plain layers) or compress_rope_theta */
-  int yarn;                     /* 1: YaRN scaling (ratio >= 2 layers with type yarn/deepseek_yarn) */
-  double factor;                /* YaRN factor */
+  double theta;  /* rope_theta (plain layers) or compress_rope_theta */
+  int yarn;      /* 1: YaRN scaling (ratio >= 2 layers with type yarn/deepseek_yarn) */
+  double factor; /* YaRN factor */
   double original_max_position; /* YaRN original_max_position_embeddings */
   double beta_fast, beta_slow;  /* YaRN correction range, default 32 and 1 */
 } dsv4_rope_params_t;
 
-/* The built-in V4 parameters: plain (theta 10000) and YaRN (theta 160000, factor 16, 65536, 32/1). */
+/* The built-in V4 parameters: plain (theta 10000) and YaRN (theta 160000, factor 16, 65536, 32/1).
+ */
 extern const dsv4_rope_params_t dsv4_rope_plain_default;
 extern const dsv4_rope_params_t dsv4_rope_yarn_default;
 
@@ -53,8 +54,9 @@ int dsv4_rope_table_create(const float inv_freq[DSV4_ROPE_PAIRS], int64_t max_po
 void dsv4_rope_table_destroy(dsv4_rope_table_t *t);
 
 /*
- * Materialise the rows of positions[0..n-1] (each 0 <= pos < max_positions). Call from one thread at a
- * time (the executor); rows once materialised never change, so any thread may read them afterwards.
+ * Materialise the rows of positions[0..n-1] (each 0 <= pos < max_positions). Call from one thread
+ * at a time (the executor); rows once materialised never change, so any thread may read them
+ * afterwards.
  */
 int dsv4_rope_table_ensure(dsv4_rope_table_t *t, const int64_t *positions, size_t n);
 /* Materialise rows first..first+count-1. */

@@ -139,9 +139,9 @@ int main(int argc, char **argv) {
 
   signal(SIGPIPE, SIG_IGN);
   /*
-   * Request and response bodies are megabytes each and come and go with every batch. Served from the
-   * heap and kept there, their pages stay mapped between batches; left to mmap, every batch would
-   * fault in and zero fresh pages (measured: most of a 64-token batch's time).
+   * Request and response bodies are megabytes each and come and go with every batch. Served from
+   * the heap and kept there, their pages stay mapped between batches; left to mmap, every batch
+   * would fault in and zero fresh pages (measured: most of a 64-token batch's time).
    */
   mallopt(M_MMAP_THRESHOLD, 512 << 20);
   mallopt(M_TRIM_THRESHOLD, 1024 << 20);
