@@ -99,6 +99,16 @@ typedef struct {
   uint32_t threads; /* CPU worker threads; 0 = one per online core */
 } dsv4_backend_options_t;
 
+typedef int (*dsv4_backend_open_fn)(const dsv4_backend_options_t *opt, dsv4_backend_t **out,
+                                    char *why, size_t why_len);
+
+/*
+ * Add a backend under name, opened only when asked for by that name (never by "auto"): for programs
+ * that embed the engine with a device of their own, and for tests that wrap a backend to inject
+ * faults. Call before any backend is opened; not thread-safe. DSV4_ENOSPC when the table is full.
+ */
+int dsv4_backend_register(const char *name, dsv4_backend_open_fn open);
+
 /*
  * Open the backend called name ("cpu", later "cuda", "level_zero", or "auto" for the first usable
  * one). On failure why holds one line that says what was missing.

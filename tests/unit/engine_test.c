@@ -1,0 +1,334 @@
+/*
+ * The engine without HTTP: forward batches through plan -> map_slots -> qkv_insert -> commit, the
+ * guarantee that a refused batch changes nothing, and the device-failure path (SPEC §4: every
+ * sequence of the failed batch is dropped, the engine reports itself unusable, nothing is served
+ * afterwards). Device failures are injected by a backend that wraps the CPU backend.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "backend.h"
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+#include "engine.h"
+#include "model.h"
+
+/* ---- a CPU backend whose qkv_insert fails on demand ---- */
+
+typedef struct {
+  dsv4_backend_t base; /* first */
+  dsv4_backend_t *inner;
+  dsv4_backend_ops_t ops;
+} faulty_t;
+
+static int fail_next_insert;
+
+static dsv4_backend_t *inner_of(dsv4_backend_t *be) {
+  return ((faulty_t *)be)->inner;
+}
+static void f_destroy(dsv4_backend_t *be) {
+  dsv4_backend_close(inner_of(be));
+  free(be);
+}
+static int f_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
+  return inner_of(be)->ops->buf_alloc(inner_of(be), size, out);
+}
+static void f_free(dsv4_backend_t *be, dsv4_devbuf_t *buf) {
+  inner_of(be)->ops->buf_free(inner_of(be), buf);
+}
+static int f_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
+                    size_t n) {
+  return inner_of(be)->ops->upload(inner_of(be), dst, off, src, n);
+}
+static int f_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                      size_t n) {
+  return inner_of(be)->ops->download(inner_of(be), dst, src, off, n);
+}
+static int f_map(dsv4_backend_t *be, const dsv4_map_args_t *a) {
+  return inner_of(be)->ops->map_slots(inner_of(be), a);
+}
+static int f_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
+  if (fail_next_insert) {
+    fail_next_insert = 0;
+    /* A device fault after part of the batch was written: write one record's worth of garbage. */
+    if (a->write_kv && a->slots[0] >= 0)
+      memset(a->cache + (uint64_t)(a->slots[0] / a->block_size) * a->stride, 0xA5, 64);
+    return DSV4_EBACKEND;
+  }
+  return inner_of(be)->ops->qkv_insert(inner_of(be), a);
+}
+static int f_sync(dsv4_backend_t *be) {
+  return inner_of(be)->ops->sync(inner_of(be));
+}
+
+static int faulty_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
+                       size_t why_len) {
+  faulty_t *f = calloc(1, sizeof(*f));
+  int rc;
+  if (!f)
+    return DSV4_ENOMEM;
+  rc = dsv4_backend_open("cpu", opt, &f->inner, why, why_len);
+  if (rc) {
+    free(f);
+    return rc;
+  }
+  f->ops = *f->inner->ops;
+  f->ops.name = "faulty";
+  f->ops.destroy = f_destroy;
+  f->ops.buf_alloc = f_alloc;
+  f->ops.buf_free = f_free;
+  f->ops.upload = f_upload;
+  f->ops.download = f_download;
+  f->ops.map_slots = f_map;
+  f->ops.qkv_insert = f_insert;
+  f->ops.sync = f_sync;
+  f->base.ops = &f->ops;
+  *out = &f->base;
+  return 0;
+}
+
+/* ---- fixtures ---- */
+
+#define HEADS 8
+#define BLOCKS 16
+
+static dsv4_model_t model;
+static const uint32_t served[2] = {0, 2}; /* a plain and a YaRN layer of V4-Flash */
+
+static dsv4_engine_t *open_engine(const char *backend) {
+  dsv4_engine_params_t p = {
+      .backend = backend,
+      .threads = 2,
+      .block_size = 64,
+      .kv_blocks = BLOCKS,
+      .heads = HEADS,
+      .model = &model,
+      .served_layers = served,
+      .n_served = 2,
+      .max_sequences = 64,
+      .idle_timeout_ns = 0,
+  };
+  dsv4_engine_t *e = NULL;
+  char why[256];
+  assert_int_equal(dsv4_engine_create(&p, &e, why, sizeof(why)), 0);
+  return e;
+}
+
+/* Deterministic small bf16 inputs for token t of a batch. */
+static uint16_t val(uint64_t seed, size_t i) {
+  uint64_t x = (seed + 1) * 0x9E3779B97F4A7C15ull ^ (i * 0xBF58476D1CE4E5B9ull);
+  x ^= x >> 31;
+  /* Exponents around 1.0 with random mantissa and sign: always in range. */
+  return (uint16_t)(((x & 1) << 15) | ((0x7C + (x >> 8) % 6) << 7) | ((x >> 16) & 0x7F));
+}
+
+typedef struct {
+  uint32_t n;
+  uint16_t *q, *kv, *q_out;
+  int64_t *slots;
+  dsv4_seg_req_t segs[4];
+  dsv4_forward_t f;
+} batch_t;
+
+static void batch_make(batch_t *b, uint32_t layer, uint64_t seed, uint32_t n_segs,
+                       const char *const *names, const int64_t *starts, const uint32_t *lens,
+                       const int *is_new) {
+  memset(b, 0, sizeof(*b));
+  for (uint32_t s = 0; s < n_segs; s++) {
+    b->segs[s].name = names[s];
+    b->segs[s].name_len = (uint32_t)strlen(names[s]);
+    b->segs[s].start = starts[s];
+    b->segs[s].len = lens[s];
+    b->segs[s].is_new = is_new[s];
+    b->n += lens[s];
+  }
+  size_t nq = (size_t)b->n * HEADS * DSV4_HEAD_DIM, nk = (size_t)b->n * DSV4_HEAD_DIM;
+  b->q = malloc(nq * 2);
+  b->kv = malloc(nk * 2);
+  b->q_out = malloc(nq * 2);
+  b->slots = malloc(b->n * sizeof(int64_t));
+  for (size_t i = 0; i < nq; i++)
+    b->q[i] = val(seed, i);
+  for (size_t i = 0; i < nk; i++)
+    b->kv[i] = val(seed ^ 0xABCDEF, i);
+  b->f.layer = layer;
+  b->f.n_tokens = b->n;
+  b->f.q = b->q;
+  b->f.kv = b->kv;
+  b->f.segs = b->segs;
+  b->f.n_segs = n_segs;
+  b->f.want_digest = 1;
+  b->f.q_out = b->q_out;
+  b->f.slots = b->slots;
+}
+
+static void batch_free(batch_t *b) {
+  dsv4_forward_release(&b->f);
+  free(b->q);
+  free(b->kv);
+  free(b->q_out);
+  free(b->slots);
+}
+
+static int run1(dsv4_engine_t *e, uint32_t layer, uint64_t seed, const char *name, int64_t start,
+                uint32_t len, int is_new, uint64_t *digest) {
+  batch_t b;
+  const char *names[1] = {name};
+  int64_t starts[1] = {start};
+  uint32_t lens[1] = {len};
+  int nw[1] = {is_new};
+  batch_make(&b, layer, seed, 1, names, starts, lens, nw);
+  int rc = dsv4_engine_forward(e, &b.f);
+  if (rc == 0 && digest)
+    *digest = b.f.digest;
+  batch_free(&b);
+  return rc;
+}
+
+static int group_setup(void **state) {
+  (void)state;
+  assert_int_equal(dsv4_model_builtin_flash(&model), 0);
+  assert_int_equal(dsv4_backend_register("faulty", faulty_open), 0);
+  return 0;
+}
+
+static int group_teardown(void **state) {
+  (void)state;
+  dsv4_model_free(&model);
+  return 0;
+}
+
+/* ---- tests ---- */
+
+/* Prefill then decode across a block boundary on two layers: digests equal on two engines. */
+static void test_prefill_decode_deterministic(void **state) {
+  (void)state;
+  dsv4_engine_t *a = open_engine("cpu"), *b = open_engine("faulty");
+  uint64_t da, db;
+  for (uint32_t li = 0; li < 2; li++) {
+    assert_int_equal(run1(a, served[li], 1, "s", 0, 60, li == 0, &da), 0);
+    assert_int_equal(run1(b, served[li], 1, "s", 0, 60, li == 0, &db), 0);
+    assert_int_equal(da, db);
+  }
+  for (int64_t p = 60; p < 70; p++)
+    for (uint32_t li = 0; li < 2; li++) {
+      assert_int_equal(run1(a, served[li], 100 + (uint64_t)p, "s", p, 1, 0, &da), 0);
+      assert_int_equal(run1(b, served[li], 100 + (uint64_t)p, "s", p, 1, 0, &db), 0);
+      assert_int_equal(da, db);
+    }
+  dsv4_seq_info_t ia;
+  assert_int_equal(dsv4_engine_seq_info(a, "s", 1, &ia), 0);
+  assert_int_equal(ia.next[0], 70);
+  assert_int_equal(ia.next[1], 70);
+  dsv4_seq_info_free(&ia);
+  assert_int_equal(dsv4_engine_blocks_free(a), BLOCKS - 2);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+}
+
+/* A batch refused for any reason leaves the next valid batch's bytes as on a fresh engine. */
+static void test_refused_batch_changes_nothing(void **state) {
+  (void)state;
+  dsv4_engine_t *a = open_engine("cpu"), *fresh = open_engine("cpu");
+  uint64_t da, df;
+  assert_int_equal(run1(a, 0, 7, "x", 3, 10, 1, NULL), 0);
+  assert_int_equal(run1(fresh, 0, 7, "x", 3, 10, 1, NULL), 0);
+
+  /* |x| >= 2^59 in kv, at the very last element. */
+  {
+    batch_t b;
+    const char *names[1] = {"x"};
+    int64_t starts[1] = {13};
+    uint32_t lens[1] = {4};
+    int nw[1] = {0};
+    batch_make(&b, 0, 9, 1, names, starts, lens, nw);
+    b.kv[(size_t)4 * DSV4_HEAD_DIM - 1] = 0x5D00;
+    assert_int_equal(dsv4_engine_forward(a, &b.f), DSV4_ERANGE);
+    batch_free(&b);
+  }
+  /* A position gap, an unknown sequence, an existing one with "new", and a pool overrun. */
+  assert_int_equal(run1(a, 0, 9, "x", 14, 4, 0, NULL), DSV4_EPOSITION);
+  assert_int_equal(run1(a, 0, 9, "nobody", 0, 4, 0, NULL), DSV4_ENOSEQ);
+  assert_int_equal(run1(a, 0, 9, "x", 13, 4, 1, NULL), DSV4_EEXIST);
+  assert_int_equal(run1(a, 0, 9, "big", 0, 64 * BLOCKS, 1, NULL), DSV4_ENOSPC);
+  assert_int_equal(dsv4_engine_sequences(a), 1);
+
+  assert_int_equal(run1(a, 0, 9, "x", 13, 4, 0, &da), 0);
+  assert_int_equal(run1(fresh, 0, 9, "x", 13, 4, 0, &df), 0);
+  assert_int_equal(da, df);
+  assert_int_equal(dsv4_engine_blocks_free(a), dsv4_engine_blocks_free(fresh));
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(fresh);
+}
+
+/* A replayed batch writes nothing and answers the same q_out and digest. */
+static void test_replay(void **state) {
+  (void)state;
+  dsv4_engine_t *e = open_engine("cpu");
+  batch_t b1, b2;
+  const char *names[1] = {"r"};
+  int64_t starts[1] = {0};
+  uint32_t lens[1] = {5};
+  int nw[1] = {1};
+  batch_make(&b1, 0, 3, 1, names, starts, lens, nw);
+  batch_make(&b2, 0, 3, 1, names, starts, lens, nw);
+  assert_int_equal(dsv4_engine_forward(e, &b1.f), 0);
+  assert_false(b1.f.replayed);
+  assert_int_equal(dsv4_engine_forward(e, &b2.f), 0);
+  assert_true(b2.f.replayed);
+  assert_memory_equal(b1.q_out, b2.q_out, (size_t)5 * HEADS * DSV4_HEAD_DIM * 2);
+  assert_memory_equal(b1.slots, b2.slots, 5 * sizeof(int64_t));
+  assert_int_equal(b1.f.digest, b2.f.digest);
+  batch_free(&b1);
+  batch_free(&b2);
+  dsv4_engine_destroy(e);
+}
+
+/* SPEC §4: a device failure drops every sequence of the batch and nothing is served afterwards. */
+static void test_device_failure_drops_batch(void **state) {
+  (void)state;
+  dsv4_engine_t *e = open_engine("faulty");
+  assert_int_equal(run1(e, 0, 1, "a", 0, 20, 1, NULL), 0);
+  assert_int_equal(run1(e, 0, 2, "other", 0, 3, 1, NULL), 0);
+  assert_true(dsv4_engine_healthy(e));
+  {
+    batch_t b;
+    const char *names[2] = {"a", "b"};
+    int64_t starts[2] = {20, 0};
+    uint32_t lens[2] = {2, 3};
+    int nw[2] = {0, 1};
+    batch_make(&b, 0, 5, 2, names, starts, lens, nw);
+    fail_next_insert = 1;
+    assert_int_equal(dsv4_engine_forward(e, &b.f), DSV4_EBACKEND);
+    assert_int_equal(b.f.n_dropped, 2);
+    assert_string_equal(b.f.dropped[0], "a");
+    assert_string_equal(b.f.dropped[1], "b");
+    batch_free(&b);
+  }
+  dsv4_seq_info_t info;
+  assert_int_equal(dsv4_engine_seq_info(e, "a", 1, &info), DSV4_ENOSEQ);
+  assert_int_equal(dsv4_engine_seq_info(e, "b", 1, &info), DSV4_ENOSEQ);
+  /* The sequence outside the batch is untouched, but the device is no longer trusted. */
+  assert_int_equal(dsv4_engine_seq_info(e, "other", 5, &info), 0);
+  dsv4_seq_info_free(&info);
+  assert_false(dsv4_engine_healthy(e));
+  assert_int_equal(run1(e, 0, 6, "other", 3, 1, 0, NULL), DSV4_EBACKEND);
+  assert_int_equal(dsv4_engine_blocks_free(e), BLOCKS - 1);
+  dsv4_engine_destroy(e);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_prefill_decode_deterministic),
+      cmocka_unit_test(test_refused_batch_changes_nothing),
+      cmocka_unit_test(test_replay),
+      cmocka_unit_test(test_device_failure_drops_batch),
+  };
+  return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}
