@@ -223,6 +223,11 @@ static int cpu_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
     if (s < 0 || (uint32_t)s >= a->n_segments || a->positions[t] < 0)
       return DSV4_EINVAL;
   }
+  /* Every block id a segment maps is in the pool, so a bad launch writes no slot at all. */
+  for (uint32_t s = 0; s < a->n_segments; s++)
+    for (uint32_t i = 0; i < a->seg_bt_len[s]; i++)
+      if (a->block_table[(uint64_t)a->seg_bt_off[s] + i] >= (int64_t)a->n_blocks)
+        return DSV4_EINVAL;
 #ifdef TEST_PRODUCER
   if (!test_in_producer)
     return test_delayed_map(cpu_of(be), a);
@@ -234,11 +239,8 @@ static int cpu_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
     int64_t slot = -1;
     if (idx >= 0 && idx < (int64_t)a->seg_bt_len[s]) {
       int32_t b = a->block_table[(uint64_t)a->seg_bt_off[s] + (uint64_t)idx];
-      if (b >= 0) {
-        if ((uint32_t)b >= a->n_blocks)
-          return DSV4_EINVAL;
+      if (b >= 0)
         slot = (int64_t)b * bs + pos % bs;
-      }
     }
     a->slots[t] = slot;
   }
