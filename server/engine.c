@@ -8,6 +8,10 @@
 
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
+#if defined(__x86_64__)
+/* libxxhash's run-time dispatch picks the AVX2/AVX-512 XXH3 loop (2.5x the default SSE2 one here). */
+#include <xxh_x86dispatch.h>
+#endif
 
 #include "dsv4-layout.h"
 #include "dsv4-numerics.h"
@@ -270,9 +274,11 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
     uint32_t t = 0;
     for (uint32_t s = 0; s < f->n_segs; s++) {
       const dsv4_seg_req_t *sg = &f->segs[s];
-      if (sg->start < 0 || sg->len < 1 || t + sg->len > n ||
-          sg->start + (int64_t)sg->len > e->p.model->max_position_embeddings)
-        return sg->start < 0 || sg->len < 1 || t + sg->len > n ? DSV4_EINVAL : DSV4_EPOSRANGE;
+      /* Written so that neither t + len (32 bits) nor start + len (64 bits) can wrap. */
+      if (sg->start < 0 || sg->len < 1 || sg->len > n - t)
+        return DSV4_EINVAL;
+      if (sg->start > e->p.model->max_position_embeddings - (int64_t)sg->len)
+        return DSV4_EPOSRANGE;
       rc = segment_check_hash(f, heads, t, sg->len, &f->segs[s].hash);
       if (rc)
         return rc;
