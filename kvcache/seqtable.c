@@ -396,13 +396,15 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
         int64_t end_lb = s->first_lb + s->n_blocks;
         ps[i].need = last_lb >= end_lb ? (uint32_t)(last_lb - end_lb + 1) : 0;
       } else {
-        if (!r->is_new && !st->cfg.implicit_create) {
-          const seq_t *t = ps[i].tomb;
-          if (t != NULL && now_ns >= t->last_used_ns &&
-              now_ns - t->last_used_ns < st->cfg.idle_timeout_ns)
-            return DSV4_EEXPIRED;
+        /* An expired name answers EEXPIRED for one period even under implicit_create: it is not
+         * unknown, and creating it afresh at this segment's start would silently lose its window.
+         * Only "new" recreates it. */
+        const seq_t *t = ps[i].tomb;
+        if (!r->is_new && t != NULL && now_ns >= t->last_used_ns &&
+            now_ns - t->last_used_ns < st->cfg.idle_timeout_ns)
+          return DSV4_EEXPIRED;
+        if (!r->is_new && !st->cfg.implicit_create)
           return DSV4_ENOSEQ;
-        }
         ps[i].create = 1;
         ps[i].need = (uint32_t)(last_lb - r->start / bs + 1);
         new_seqs++;

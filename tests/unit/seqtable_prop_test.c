@@ -209,8 +209,12 @@ static pred_t predict(uint32_t layer, const dsv4_seg_req_t *g, uint32_t n, uint6
       int64_t end = m_alloc_end(m);
       need += last_lb >= end ? (uint64_t)(last_lb - end + 1) : 0;
     } else {
+      if (!g[i].is_new && m->state == M_EXPIRED && now - m->t < C.timeout) {
+        p.rc = DSV4_EEXPIRED;
+        return p;
+      }
       if (!g[i].is_new && !C.implicit_create) {
-        p.rc = (m->state == M_EXPIRED && now - m->t < C.timeout) ? DSV4_EEXPIRED : DSV4_ENOSEQ;
+        p.rc = DSV4_ENOSEQ;
         return p;
       }
       creates++;

@@ -581,6 +581,41 @@ static void test_implicit_create(void **state) {
   fx_close(&f);
 }
 
+static void test_implicit_create_expired(void **state) {
+  (void)state;
+  /* SPEC §4: an expired sequence answers 410 for one more period; implicit_create only concerns
+   * unknown names, so it must not recreate the sequence at the continuing position. */
+  const uint64_t T = 1000;
+  fx_t f;
+  fx_open(&f, 1, 16, 64);
+  f.cfg.implicit_create = 1;
+  f.cfg.idle_timeout_ns = T;
+  fx_reopen(&f);
+  dsv4_seg_req_t a = seg("a", 0, 20, 0, 1);
+  assert_int_equal(step(&f, 0, &a, 1, 100), 0);
+  assert_int_equal(dsv4_seqtable_expire(f.st, 100 + T), 1);
+  a = seg("a", 20, 1, 0, 2);
+  assert_int_equal(step(&f, 0, &a, 1, 100 + T), DSV4_EEXPIRED);
+  assert_int_equal(dsv4_seqtable_count(f.st), 0);
+  assert_int_equal(used(&f), 0);
+  /* "new" recreates it within the period. */
+  a = seg("a", 0, 5, 1, 3);
+  assert_int_equal(step(&f, 0, &a, 1, 100 + T + 1), 0);
+  dsv4_seq_info_t info;
+  get_info(&f, "a", &info);
+  assert_int_equal(info.p0, 0);
+  assert_int_equal(info.next[0], 5);
+  dsv4_seq_info_free(&info);
+  /* After the period an expired name is unknown, and implicit_create accepts it again. */
+  assert_int_equal(dsv4_seqtable_expire(f.st, 100 + 2 * T + 1), 1);
+  a = seg("a", 5, 1, 0, 4);
+  assert_int_equal(step(&f, 0, &a, 1, 100 + 3 * T + 1), 0);
+  get_info(&f, "a", &info);
+  assert_int_equal(info.p0, 5);
+  dsv4_seq_info_free(&info);
+  fx_close(&f);
+}
+
 static int visit(const char *name, uint32_t len, const dsv4_seq_info_t *info, void *arg) {
   int *seen = arg;
   assert_int_equal(len, 2);
@@ -647,14 +682,23 @@ static void test_foreach_and_many(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_name_valid),       cmocka_unit_test(test_create_and_block_table),
-      cmocka_unit_test(test_errors),           cmocka_unit_test(test_pool_exhausted),
-      cmocka_unit_test(test_max_sequences),    cmocka_unit_test(test_replay),
-      cmocka_unit_test(test_release_bs16),     cmocka_unit_test(test_release_bs64),
-      cmocka_unit_test(test_release_bs256),    cmocka_unit_test(test_release_uses_segment_start),
-      cmocka_unit_test(test_release_p0),       cmocka_unit_test(test_multilayer_holds_back),
-      cmocka_unit_test(test_expiry),           cmocka_unit_test(test_delete),
-      cmocka_unit_test(test_fail_drops_batch), cmocka_unit_test(test_implicit_create),
+      cmocka_unit_test(test_name_valid),
+      cmocka_unit_test(test_create_and_block_table),
+      cmocka_unit_test(test_errors),
+      cmocka_unit_test(test_pool_exhausted),
+      cmocka_unit_test(test_max_sequences),
+      cmocka_unit_test(test_replay),
+      cmocka_unit_test(test_release_bs16),
+      cmocka_unit_test(test_release_bs64),
+      cmocka_unit_test(test_release_bs256),
+      cmocka_unit_test(test_release_uses_segment_start),
+      cmocka_unit_test(test_release_p0),
+      cmocka_unit_test(test_multilayer_holds_back),
+      cmocka_unit_test(test_expiry),
+      cmocka_unit_test(test_delete),
+      cmocka_unit_test(test_fail_drops_batch),
+      cmocka_unit_test(test_implicit_create),
+      cmocka_unit_test(test_implicit_create_expired),
       cmocka_unit_test(test_foreach_and_many),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
