@@ -212,10 +212,13 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
     return rc;
   static const char *const required[] = {"num_attention_heads", "num_hidden_layers",
                                          "compress_ratios"};
-  for (size_t i = 0; i < sizeof(required) / sizeof(required[0]); i++)
-    if (!json_object_get(root, required[i]))
+  for (size_t i = 0; i < sizeof(required) / sizeof(required[0]); i++) {
+    /* A null value counts as missing: the readers below would otherwise keep a zero. */
+    json_t *v = json_object_get(root, required[i]);
+    if (!v || json_is_null(v))
       return model_fail(c->err, c->errlen, "model config %s: required key %s is missing", c->name,
                         required[i]);
+  }
 
   uint64_t heads = 0, hidden = 0, nextn = 0, maxpos = DSV4_MAX_POSITION_DEFAULT;
   if ((rc = get_uint(c, root, "num_attention_heads", 1, DSV4_MAX_HEADS, &heads)) ||
@@ -281,17 +284,20 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
   if (nested && sec_comp && (rc = get_pos_number(c, sec_comp, "rope_theta", &ctheta)))
     return rc;
 
-  /* A flat rope_parameters without a type carries no scaling: then rope_scaling decides. */
-  if (!nested && rp) {
+  /*
+   * A rope_parameters section for the compressed layers (flat, or nested compress) without a type
+   * carries no scaling: then rope_scaling decides, in the nested form as in the flat one.
+   */
+  if (sec_comp) {
     const char *t = NULL;
-    if ((rc = section_type(c, rp, "rope_parameters", &t)))
+    if ((rc = section_type(c, sec_comp, where, &t)))
       return rc;
     if (!t) {
       sec_comp = NULL;
       where = NULL;
     }
   }
-  if (!sec_comp && !nested && rs) {
+  if (!sec_comp && rs) {
     sec_comp = rs;
     where = "rope_scaling";
   }

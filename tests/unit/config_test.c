@@ -615,6 +615,28 @@ static void test_model_rope_variants(void **state) {
   assert_int_equal(c.yarn, 1);
   assert_true(c.factor == 4.0 && c.original_max_position == 8192.0 && c.theta == 160000.0);
 
+  /* Nested sections that carry only thetas: the scaling comes from rope_scaling, as in the flat
+   * form (without a compress section at all, too). */
+  c = load_variant(
+      "\"rope_parameters\": {\"main\": {\"rope_theta\": 10000}, \"compress\": "
+      "{\"rope_theta\": 160000}}, \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, "
+      "\"original_max_position_embeddings\": 65536}",
+      &plain);
+  assert_true(rope_equal(&c, &dsv4_rope_yarn_default));
+  assert_true(rope_equal(&plain, &dsv4_rope_plain_default));
+  c = load_variant("\"compress_rope_theta\": 160000, \"rope_parameters\": {\"main\": "
+                   "{\"rope_theta\": 10000}}, \"rope_scaling\": {\"rope_type\": \"deepseek_yarn\", "
+                   "\"factor\": 16, \"original_max_position_embeddings\": 65536}",
+                   NULL);
+  assert_true(rope_equal(&c, &dsv4_rope_yarn_default));
+  /* A typed nested compress section still wins over rope_scaling. */
+  c = load_variant("\"rope_parameters\": {\"compress\": {\"type\": \"default\", \"rope_theta\": "
+                   "160000}}, \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, "
+                   "\"original_max_position_embeddings\": 65536}",
+                   NULL);
+  assert_int_equal(c.yarn, 0);
+  assert_true(c.theta == 160000.0);
+
   /* A non-YaRN type: compressed layers use the plain recipe with compress_rope_theta. */
   c = load_variant("\"rope_theta\": 10000, \"compress_rope_theta\": 40000, \"rope_scaling\": "
                    "{\"type\": \"linear\", \"factor\": 2}",
@@ -690,6 +712,13 @@ static void test_model_shape_errors(void **state) {
   expect_model_error("{\"num_attention_heads\": 8, \"num_hidden_layers\": 2, \"compress_ratios\": "
                      "[0, -4]}",
                      "compress_ratios[1]");
+  /* A required key that is null is missing, not zero. */
+  expect_model_error("{\"num_attention_heads\": null, \"num_hidden_layers\": 2, "
+                     "\"compress_ratios\": [0, 0]}",
+                     "num_attention_heads");
+  expect_model_error("{\"num_attention_heads\": 8, \"num_hidden_layers\": null, "
+                     "\"num_nextn_predict_layers\": 1, \"compress_ratios\": [0]}",
+                     "num_hidden_layers");
   expect_model_error("[]", "object");
   expect_model_error("{", "JSON");
 
