@@ -391,12 +391,12 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *msg, size_t msg_len
     }
     for (size_t s = 0; s < ns; s++) {
       const dsv4_seg_req_t *sg = &j->f.segs[s];
-      if (sg->start + (int64_t)sg->len > cfg->model.max_position_embeddings) {
+      /* start may be anything up to INT64_MAX: compare without forming start + len. */
+      if (sg->start > cfg->model.max_position_embeddings - (int64_t)sg->len) {
         snprintf(msg, msg_len,
-                 "segment %zu: positions %" PRId64 "..%" PRId64
+                 "segment %zu: positions from %" PRId64 " (%u of them)"
                  " reach past max_position_embeddings = %" PRId64,
-                 s, sg->start, sg->start + (int64_t)sg->len - 1,
-                 cfg->model.max_position_embeddings);
+                 s, sg->start, sg->len, cfg->model.max_position_embeddings);
         return DSV4_EPOSRANGE;
       }
     }
@@ -451,7 +451,9 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
       fwd_free(j);
       return;
     }
-    j->deadline_ns = req->t_start_ns + ms * 1000000u;
+    /* A deadline beyond the clock's range saturates rather than wrap into the past. */
+    uint64_t span = ms * 1000000u;
+    j->deadline_ns = span > UINT64_MAX - req->t_start_ns ? UINT64_MAX : req->t_start_ns + span;
   }
   msg[0] = '\0';
   rc = fwd_prepare(d, j, msg, sizeof(msg));
