@@ -11,10 +11,15 @@
 
 #include "backend.h"
 
-/* Instruction-set levels of the per-token kernels. Every level produces the same bytes. */
+/*
+ * Instruction-set levels of the per-token kernels, in increasing order of width. Every level
+ * produces the same bytes; DSV4__CPU_ISA_COUNT is one past the last, for loops over the levels.
+ */
 enum {
   DSV4__CPU_ISA_SCALAR = 0,
-  DSV4__CPU_ISA_AVX512 = 1,
+  DSV4__CPU_ISA_AVX2 = 1, /* AVX2 + FMA (x86-64-v3) */
+  DSV4__CPU_ISA_AVX512 = 2,
+  DSV4__CPU_ISA_COUNT = 3,
 };
 
 /* ---- worker pool (cpu_pool.c) ---- */
@@ -46,6 +51,8 @@ unsigned dsv4__cpu_pool_start_mxcsr(const dsv4__cpu_pool_t *p, unsigned worker);
 int dsv4__cpu_isa_supported(int isa);
 /* The best level this machine supports. */
 int dsv4__cpu_isa_best(void);
+/* The level's short name ("scalar", "avx2", "avx512"), or "unknown". */
+const char *dsv4__cpu_isa_name(int isa);
 
 /*
  * SPEC §2.1 for heads consecutive heads of one token: q and out point at [heads, 512] bf16. With
@@ -68,6 +75,11 @@ void dsv4__cpu_q_heads_avx512(const uint16_t *q, uint16_t *out, uint32_t heads,
                               const float *rope_row, float eps, int stream);
 void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *rope_row, const float *w, float eps,
                                uint8_t *data, uint8_t *scales);
+/* The AVX2 + FMA kernels (cpu_kernels_avx2.c), for machines without AVX-512; same contract. */
+void dsv4__cpu_q_heads_avx2(const uint16_t *q, uint16_t *out, uint32_t heads, const float *rope_row,
+                            float eps, int stream);
+void dsv4__cpu_kv_token_avx2(const uint16_t *kv, const float *rope_row, const float *w, float eps,
+                             uint8_t *data, uint8_t *scales);
 #endif
 
 /*

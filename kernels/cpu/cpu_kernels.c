@@ -1,7 +1,7 @@
 /*
  * The per-token kernels of the CPU backend (SPEC §2.1-2.2). The scalar versions read like the SPEC;
- * the vector versions (cpu_kernels_avx512.c) compute the same operations in the same order on more
- * lanes, so every level produces the same bytes.
+ * the vector versions (cpu_kernels_avx2.c, cpu_kernels_avx512.c) compute the same operations in the
+ * same order on more lanes, so every level produces the same bytes.
  */
 #include "cpu-internal.h"
 
@@ -9,15 +9,22 @@
 
 #include "dsv4-numerics.h"
 
-/* The AVX-512 kernels are built on every x86-64 compiler and chosen at run time. */
+/* The AVX2 and AVX-512 kernels are built on every x86-64 compiler and chosen at run time. */
 #if defined(__x86_64__)
 #define HAVE_AVX512_KERNELS 1
+#define HAVE_AVX2_KERNELS 1
 #endif
 
 int dsv4__cpu_isa_supported(int isa) {
   switch (isa) {
   case DSV4__CPU_ISA_SCALAR:
     return 1;
+#ifdef HAVE_AVX2_KERNELS
+  case DSV4__CPU_ISA_AVX2:
+    /* libgcc and compiler-rt report avx2 only when the OS saves the ymm state as well. */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
 #ifdef HAVE_AVX512_KERNELS
   case DSV4__CPU_ISA_AVX512:
     __builtin_cpu_init();
@@ -29,8 +36,23 @@ int dsv4__cpu_isa_supported(int isa) {
 }
 
 int dsv4__cpu_isa_best(void) {
-  return dsv4__cpu_isa_supported(DSV4__CPU_ISA_AVX512) ? DSV4__CPU_ISA_AVX512
-                                                       : DSV4__CPU_ISA_SCALAR;
+  for (int isa = DSV4__CPU_ISA_COUNT - 1; isa > DSV4__CPU_ISA_SCALAR; isa--)
+    if (dsv4__cpu_isa_supported(isa))
+      return isa;
+  return DSV4__CPU_ISA_SCALAR;
+}
+
+const char *dsv4__cpu_isa_name(int isa) {
+  switch (isa) {
+  case DSV4__CPU_ISA_SCALAR:
+    return "scalar";
+  case DSV4__CPU_ISA_AVX2:
+    return "avx2";
+  case DSV4__CPU_ISA_AVX512:
+    return "avx512";
+  default:
+    return "unknown";
+  }
 }
 
 /*
@@ -159,6 +181,12 @@ void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads
     return;
   }
 #endif
+#ifdef HAVE_AVX2_KERNELS
+  if (isa == DSV4__CPU_ISA_AVX2) {
+    dsv4__cpu_q_heads_avx2(q, out, heads, rope_row, eps, stream);
+    return;
+  }
+#endif
   (void)isa;
   (void)stream;
   for (uint32_t h = 0; h < heads; h++)
@@ -174,6 +202,12 @@ void dsv4__cpu_kv_token(int isa, const uint16_t *kv, const float *rope_row, cons
 #ifdef HAVE_AVX512_KERNELS
   if (isa == DSV4__CPU_ISA_AVX512) {
     dsv4__cpu_kv_token_avx512(kv, rope_row, w, eps, data, scales);
+    return;
+  }
+#endif
+#ifdef HAVE_AVX2_KERNELS
+  if (isa == DSV4__CPU_ISA_AVX2) {
+    dsv4__cpu_kv_token_avx2(kv, rope_row, w, eps, data, scales);
     return;
   }
 #endif

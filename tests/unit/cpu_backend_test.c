@@ -301,7 +301,7 @@ static void run_backend(dsv4_backend_t *be, const batch_t *b, uint16_t *q_out, u
   assert_int_equal(be->ops->sync(be), 0);
 }
 
-static const int isas[] = {DSV4__CPU_ISA_SCALAR, DSV4__CPU_ISA_AVX512};
+static const int isas[] = {DSV4__CPU_ISA_SCALAR, DSV4__CPU_ISA_AVX2, DSV4__CPU_ISA_AVX512};
 
 /* ---- tests ---- */
 
@@ -357,12 +357,12 @@ static void check_against_model(uint32_t n, uint32_t heads, int fused, int yarn)
       run_backend(be, &b, bq, bc);
       for (size_t i = 0; i < (size_t)n * heads * 512; i++)
         if (mq[i] != bq[i])
-          fail_msg("isa %d stream %d n %u h %u fused %d yarn %d: q_out[%zu] = %04x, model %04x",
-                   isas[k], stream, n, heads, fused, yarn, i, bq[i], mq[i]);
+          fail_msg("isa %s stream %d n %u h %u fused %d yarn %d: q_out[%zu] = %04x, model %04x",
+                   dsv4__cpu_isa_name(isas[k]), stream, n, heads, fused, yarn, i, bq[i], mq[i]);
       for (size_t i = 0; i < b.cache_bytes; i++)
         if (mc[i] != bc[i])
-          fail_msg("isa %d n %u h %u fused %d yarn %d bs %u: cache byte %zu = %02x, model %02x",
-                   isas[k], n, heads, fused, yarn, b.bs, i, bc[i], mc[i]);
+          fail_msg("isa %s n %u h %u fused %d yarn %d bs %u: cache byte %zu = %02x, model %02x",
+                   dsv4__cpu_isa_name(isas[k]), n, heads, fused, yarn, b.bs, i, bc[i], mc[i]);
       dsv4_backend_close(be);
     }
   }
@@ -581,30 +581,110 @@ static void test_worker_mxcsr(void **state) {
   dsv4_backend_close(be);
 }
 
-/* A machine with AVX-512 runs (and so tests) the AVX-512 kernels: no level is skipped silently. */
+/*
+ * A machine with AVX2 or AVX-512 runs (and so tests) those kernels: no level is skipped silently.
+ * The best level is AVX-512 where it exists, else AVX2, and every supported level can be forced.
+ */
 static void test_isa_levels(void **state) {
   (void)state;
   assert_true(dsv4__cpu_isa_supported(DSV4__CPU_ISA_SCALAR));
+  assert_int_equal(sizeof(isas) / sizeof(isas[0]), DSV4__CPU_ISA_COUNT);
 #if defined(__x86_64__)
   __builtin_cpu_init();
   int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   assert_int_equal(dsv4__cpu_isa_supported(DSV4__CPU_ISA_AVX512), avx512);
-  assert_int_equal(dsv4__cpu_isa_best(), avx512 ? DSV4__CPU_ISA_AVX512 : DSV4__CPU_ISA_SCALAR);
+  assert_int_equal(dsv4__cpu_isa_supported(DSV4__CPU_ISA_AVX2), avx2);
+  assert_int_equal(dsv4__cpu_isa_best(), avx512 ? DSV4__CPU_ISA_AVX512
+                                         : avx2 ? DSV4__CPU_ISA_AVX2
+                                                : DSV4__CPU_ISA_SCALAR);
+  if (!avx2)
+    print_message("this CPU has no AVX2 + FMA: the AVX2 kernels were not checked\n");
   if (!avx512)
-    print_message("this CPU has no AVX-512: only the scalar kernels were checked\n");
+    print_message("this CPU has no AVX-512: the AVX-512 kernels were not checked\n");
 #endif
+  assert_string_equal(dsv4__cpu_isa_name(DSV4__CPU_ISA_SCALAR), "scalar");
+  assert_string_equal(dsv4__cpu_isa_name(DSV4__CPU_ISA_AVX2), "avx2");
+  assert_string_equal(dsv4__cpu_isa_name(DSV4__CPU_ISA_AVX512), "avx512");
   dsv4_backend_t *be = open_cpu(1);
+  for (int isa = 0; isa < DSV4__CPU_ISA_COUNT; isa++)
+    assert_int_equal(dsv4__cpu_backend_set_isa(be, isa),
+                     dsv4__cpu_isa_supported(isa) ? 0 : DSV4_EUNSUPPORTED);
   assert_int_equal(dsv4__cpu_backend_set_isa(be, 99), DSV4_EUNSUPPORTED);
+  assert_int_equal(dsv4__cpu_backend_set_isa(be, DSV4__CPU_ISA_COUNT), DSV4_EUNSUPPORTED);
   dsv4_backend_close(be);
+}
+
+/*
+ * Inputs the random batches avoid, straight into the per-token kernels of every level, compared
+ * with the scalar level byte for byte: q heads of arbitrary admissible bf16 bit patterns (SPEC §6:
+ * |x| < 2^59, so no Inf or NaN, whose payloads IEEE leaves open; huge, tiny and subnormal values
+ * side by side), and kv tokens with magnitudes across the same range, whole tiles of subnormals or
+ * zeros, and values on the e4m3 rounding boundaries.
+ */
+static void test_levels_edge_values(void **state) {
+  (void)state;
+  enum { HEADS = 24, ROUNDS = 400 };
+  static _Alignas(64) uint16_t q[HEADS * 512], ref_q[HEADS * 512], out_q[HEADS * 512];
+  uint16_t kv[512];
+  float w[512], row[64];
+  uint8_t ref_d[576], ref_s[8], out_d[576], out_s[8];
+  float eps = dsv4_u2f(DSV4_RMS_EPS_BITS);
+  size_t checked = 0;
+  for (int round = 0; round < ROUNDS; round++) {
+    for (int i = 0; i < 64; i++)
+      row[i] =
+          dsv4_u2f(0x3f000000u + (uint32_t)(rnd() % 0x1000000u)) * (rnd_below(2) ? -1.0f : 1.0f);
+    for (size_t i = 0; i < HEADS * 512; i++)
+      q[i] = (uint16_t)((rnd() & 0x8000u) | rnd_below(DSV4_BF16_LIMIT_BITS));
+    /* Some heads of ordinary values, so that not every factor is NaN or zero. */
+    for (int h = 0; h < HEADS; h += 3)
+      fill_bf16(q + h * 512, 512);
+    uint32_t mode = rnd_below(4);
+    for (int d = 0; d < 512; d++) {
+      uint16_t sign = (uint16_t)(rnd() & 1 ? 0x8000u : 0u);
+      uint32_t e = mode == 0 ? 1 + rnd_below(127 + 58) : 127 - 10 + rnd_below(20);
+      uint32_t m = rnd_below(128);
+      if (mode == 1 && d % 64 < 60) /* e4m3 ties and midpoints: mantissa bits below the top 3 */
+        m = (m & 0x70u) | (rnd_below(2) ? 0x08u : 0x00u);
+      if (mode == 2 && (d / 64) % 2 == 0)
+        e = rnd_below(3) ? 0 : 1; /* tiles of bf16 subnormals and zeros, below the amax floor */
+      kv[d] = (uint16_t)(sign | (e << 7) | m);
+      w[d] = dsv4_u2f(0x3e000000u + (uint32_t)(rnd() % 0x3000000u));
+    }
+    dsv4__cpu_q_heads(DSV4__CPU_ISA_SCALAR, q, ref_q, HEADS, row, eps, 0);
+    const float *wsel = round % 2 ? w : NULL;
+    dsv4__cpu_kv_token(DSV4__CPU_ISA_SCALAR, kv, row, wsel, eps, ref_d, ref_s);
+    for (int isa = DSV4__CPU_ISA_SCALAR + 1; isa < DSV4__CPU_ISA_COUNT; isa++) {
+      if (!dsv4__cpu_isa_supported(isa))
+        continue;
+      memset(out_q, 0x5A, sizeof(out_q));
+      dsv4__cpu_q_heads(isa, q, out_q, HEADS, row, eps, round % 3 == 0);
+      for (size_t i = 0; i < HEADS * 512; i++)
+        if (out_q[i] != ref_q[i])
+          fail_msg("%s round %d: q_out[%zu] = %04x, scalar %04x (q %04x)", dsv4__cpu_isa_name(isa),
+                   round, i, out_q[i], ref_q[i], q[i]);
+      memset(out_d, 0x5A, sizeof(out_d));
+      memset(out_s, 0x5A, sizeof(out_s));
+      dsv4__cpu_kv_token(isa, kv, row, wsel, eps, out_d, out_s);
+      for (int i = 0; i < 576; i++)
+        if (out_d[i] != ref_d[i])
+          fail_msg("%s round %d mode %u fused %d: data[%d] = %02x, scalar %02x",
+                   dsv4__cpu_isa_name(isa), round, mode, wsel != NULL, i, out_d[i], ref_d[i]);
+      assert_memory_equal(out_s, ref_s, 8);
+      checked++;
+    }
+  }
+  print_message("edge values: %zu rounds compared with the scalar level\n", checked);
 }
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_isa_levels),          cmocka_unit_test(test_spec_vector),
-      cmocka_unit_test(test_random_batches),      cmocka_unit_test(test_cache_untouched),
-      cmocka_unit_test(test_threads_and_repeats), cmocka_unit_test(test_map_slots),
-      cmocka_unit_test(test_bad_slot_refused),    cmocka_unit_test(test_buffers),
-      cmocka_unit_test(test_worker_mxcsr),
+      cmocka_unit_test(test_isa_levels),      cmocka_unit_test(test_levels_edge_values),
+      cmocka_unit_test(test_spec_vector),     cmocka_unit_test(test_random_batches),
+      cmocka_unit_test(test_cache_untouched), cmocka_unit_test(test_threads_and_repeats),
+      cmocka_unit_test(test_map_slots),       cmocka_unit_test(test_bad_slot_refused),
+      cmocka_unit_test(test_buffers),         cmocka_unit_test(test_worker_mxcsr),
   };
   return cmocka_run_group_tests(tests, setup_tables, teardown_tables);
 }

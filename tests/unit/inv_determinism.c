@@ -162,7 +162,7 @@ static int compare(fixture_t *f, const batch_t *b, const char *isa, uint32_t thr
 
 static void check_batch(fixture_t *f, const batch_t *b, int isa, int *have_first, uint16_t *q_first,
                         uint8_t *c_first) {
-  const char *isa_name = isa == DSV4__CPU_ISA_AVX512 ? "avx512" : "scalar";
+  const char *isa_name = dsv4__cpu_isa_name(isa);
   uint16_t *q_ref = inv_alloc(b->q_bytes), *q_out = inv_alloc(b->q_bytes);
   uint8_t *c_ref = inv_alloc(b->cache_bytes), *cache = inv_alloc(b->cache_bytes);
   uint8_t *start = inv_alloc(b->cache_bytes);
@@ -228,7 +228,7 @@ static void test_same_batch_same_bytes(void **state) {
     uint8_t *c_first = inv_alloc(batches[k].cache_bytes);
     int have_first = 0;
     levels = 0;
-    for (int isa = DSV4__CPU_ISA_SCALAR; isa <= DSV4__CPU_ISA_AVX512; isa++) {
+    for (int isa = DSV4__CPU_ISA_SCALAR; isa < DSV4__CPU_ISA_COUNT; isa++) {
       if (!dsv4__cpu_isa_supported(isa))
         continue;
       check_batch(&f, &batches[k], isa, &have_first, q_first, c_first);

@@ -8,7 +8,10 @@
  *
  * Built again with DSV4_TEST_BROKEN_BULK_STORE (the KV path stores all 512 values unrotated, then
  * the rotated RoPE values over bytes 448..575: the vLLM XPU bug), this test must fail and name the
- * bytes that were written twice (ctest: inv_one_writer_broken_bulk_store).
+ * bytes that were written twice (ctest: inv_one_writer_broken_bulk_store), at every kernel level.
+ *
+ * Usage: inv_one_writer [level]. With a level name ("scalar", "avx2", "avx512") only that level
+ * runs, and the test fails if this machine cannot run it; without one, every level it can run.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -67,9 +70,8 @@ typedef struct {
   uint32_t neg_pct;
 } case_t;
 
-static const char *isa_name(int isa) {
-  return isa == DSV4__CPU_ISA_AVX512 ? "avx512" : "scalar";
-}
+/* The one level to run, or -1 for every level the machine supports (main's argument). */
+static int only_isa = -1;
 
 /* Reports runs of equal wrong counts; returns the number of wrong bytes. */
 static size_t check_counts(const uint8_t *count, const uint8_t *expect, size_t n, const char *what,
@@ -112,8 +114,9 @@ static size_t check_counts(const uint8_t *count, const uint8_t *expect, size_t n
       INV_REPORT(1,
                  "one writer per byte: %s (%zu bytes) stored %u times, expected %u "
                  "[%s, %s H=%u N=%u threads=%u bs=%u%s%s]",
-                 where, j - i, count[i], expect[i], what, isa_name(isa), c->heads, c->n_tokens,
-                 c->threads, bs, c->write_kv ? "" : " replay", c->stream ? " stream" : "");
+                 where, j - i, count[i], expect[i], what, dsv4__cpu_isa_name(isa), c->heads,
+                 c->n_tokens, c->threads, bs, c->write_kv ? "" : " replay",
+                 c->stream ? " stream" : "");
     }
     i = j;
   }
@@ -241,32 +244,50 @@ static void test_one_writer_per_byte(void **state) {
   static const uint32_t thread_counts[] = {1, 3};
   dsv4_rope_table_t *rope = inv_rope_plain();
   assert_non_null(rope);
-  size_t wrong = 0, launches = 0;
+  size_t wrong = 0, launches = 0, wrong_at[DSV4__CPU_ISA_COUNT] = {0};
   for (size_t ti = 0; ti < sizeof(thread_counts) / sizeof(thread_counts[0]); ti++) {
     dsv4_backend_options_t opt = {.threads = thread_counts[ti]};
     dsv4_backend_t *be = NULL;
     char why[128];
     assert_int_equal(dsv4_cpu_backend_open(&opt, &be, why, sizeof(why)), 0);
-    for (int isa = DSV4__CPU_ISA_SCALAR; isa <= DSV4__CPU_ISA_AVX512; isa++) {
-      if (!dsv4__cpu_isa_supported(isa))
+    for (int isa = DSV4__CPU_ISA_SCALAR; isa < DSV4__CPU_ISA_COUNT; isa++) {
+      if (!dsv4__cpu_isa_supported(isa) || (only_isa >= 0 && isa != only_isa))
         continue;
       assert_int_equal(dsv4__cpu_backend_set_isa(be, isa), 0);
       for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
         case_t c = cases[ci];
         c.threads = thread_counts[ti];
         int reports = 0;
-        wrong += run_case(be, rope, isa, &c, &reports);
+        size_t w = run_case(be, rope, isa, &c, &reports);
+        wrong += w;
+        wrong_at[isa] += w;
         launches++;
       }
     }
     dsv4_backend_close(be);
   }
   dsv4_rope_table_destroy(rope);
-  printf("one writer per byte: %zu launches, %zu wrongly stored bytes\n", launches, wrong);
+  printf("one writer per byte: %zu launches, %zu wrongly stored bytes (", launches, wrong);
+  const char *sep = "";
+  for (int isa = DSV4__CPU_ISA_SCALAR; isa < DSV4__CPU_ISA_COUNT; isa++)
+    if (dsv4__cpu_isa_supported(isa) && (only_isa < 0 || isa == only_isa)) {
+      printf("%s%s %zu", sep, dsv4__cpu_isa_name(isa), wrong_at[isa]);
+      sep = ", ";
+    }
+  printf(")\n");
   assert_int_equal(wrong, 0);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  if (argc > 1) {
+    for (int isa = DSV4__CPU_ISA_SCALAR; isa < DSV4__CPU_ISA_COUNT; isa++)
+      if (strcmp(argv[1], dsv4__cpu_isa_name(isa)) == 0)
+        only_isa = isa;
+    if (only_isa < 0 || !dsv4__cpu_isa_supported(only_isa)) {
+      fprintf(stderr, "inv_one_writer: this machine cannot run kernel level '%s'\n", argv[1]);
+      return 1;
+    }
+  }
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_one_writer_per_byte),
   };

@@ -12,6 +12,8 @@ file(GLOB DSV4_INV_CPU_SOURCES CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/cpu/*.
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
   set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx512.c PROPERTIES
     COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mfma")
+  set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx2.c PROPERTIES
+    COMPILE_OPTIONS "-mavx2;-mfma")
 endif()
 add_library(dsv4_inv_kernels_base OBJECT ${DSV4_INV_KERNEL_SOURCES})
 target_include_directories(dsv4_inv_kernels_base PUBLIC ${DSV4_INV_ROOT}/kernels)
@@ -28,13 +30,23 @@ endfunction()
 
 # A test executable of a broken build, registered through the expect-fail wrapper.
 function(dsv4_inv_broken name)
-  cmake_parse_arguments(T "" "SOURCE;EXPECT;TIMEOUT" "LIBS" ${ARGN})
+  cmake_parse_arguments(T "" "SOURCE;EXPECT;TIMEOUT;TARGET" "LIBS;ARGS" ${ARGN})
+  # TARGET: run the executable of another broken variant (with other ARGS) instead of building one.
+  if(T_TARGET)
+    add_test(NAME ${name} COMMAND sh ${DSV4_INV_DIR}/inv_expect_fail.sh "${T_EXPECT}"
+                                   $<TARGET_FILE:${T_TARGET}> ${T_ARGS})
+    set_tests_properties(${name} PROPERTIES LABELS invariants)
+    if(T_TIMEOUT)
+      set_tests_properties(${name} PROPERTIES TIMEOUT ${T_TIMEOUT})
+    endif()
+    return()
+  endif()
   add_executable(${name} ${DSV4_INV_DIR}/${T_SOURCE})
   target_include_directories(${name} PRIVATE ${CMOCKA_INCLUDE_DIR})
   target_link_libraries(${name} PRIVATE ${T_LIBS} ${CMOCKA_LIBRARY})
   dsv4_strict(${name})
   add_test(NAME ${name} COMMAND sh ${DSV4_INV_DIR}/inv_expect_fail.sh "${T_EXPECT}"
-                                 $<TARGET_FILE:${name}>)
+                                 $<TARGET_FILE:${name}> ${T_ARGS})
   set_tests_properties(${name} PROPERTIES LABELS invariants)
   if(T_TIMEOUT)
     set_tests_properties(${name} PROPERTIES TIMEOUT ${T_TIMEOUT})
@@ -49,6 +61,12 @@ dsv4_unit_test(inv_one_writer SOURCES unit/inv_one_writer.c LIBS dsv4_inv_kernel
 dsv4_inv_broken(inv_one_writer_broken_bulk_store SOURCE inv_one_writer.c
                 LIBS dsv4_inv_kernels_bulk TIMEOUT 120
                 EXPECT "invariant violated: SPEC 5[.]1: one writer per byte: cache block [0-9]+ offset [0-9]+ record bytes 448[.][.]575 [[]RoPE[]] [(]128 bytes[)] stored 2 times")
+# The same broken build on the AVX2 kernels alone (x86-64 machines have them since 2013-2015).
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
+  dsv4_inv_broken(inv_one_writer_broken_bulk_store_avx2 TARGET inv_one_writer_broken_bulk_store
+                  ARGS avx2 TIMEOUT 120
+                  EXPECT "invariant violated: SPEC 5[.]1: one writer per byte: cache block [0-9]+ offset [0-9]+ record bytes 448[.][.]575 [[]RoPE[]] [(]128 bytes[)] stored 2 times, expected 1 [[]cache, avx2 ")
+endif()
 
 # 5.2 Nothing touches mutable memory before the dependency wait: a delayed map_slots producer.
 dsv4_inv_kernels(dsv4_inv_kernels_delay DSV4_TEST_DELAY_PRODUCER)
