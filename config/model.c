@@ -193,6 +193,12 @@ static int compress_params(model_ctx_t *c, json_t *sec, const char *where, doubl
     return model_fail(c->err, c->errlen,
                       "model config %s: %s.beta_fast (%g) must exceed %s.beta_slow (%g)", c->name,
                       where, beta_fast, where, beta_slow);
+  /* The YaRN correction range divides by ln(theta): theta = 1 would make every inv_freq NaN. */
+  if (!(theta > 1.0))
+    return model_fail(c->err, c->errlen,
+                      "model config %s: YaRN scaling (%s) needs a compress RoPE theta above 1, "
+                      "not %g",
+                      c->name, where, theta);
   out->yarn = 1;
   out->factor = factor;
   out->original_max_position = orig;

@@ -668,6 +668,12 @@ static void test_model_rope_variants(void **state) {
                  "\"rope_scaling\": {\"type\": \"yarn\", \"original_max_position_embeddings\": 1}");
   expect_model_error(js, "rope_scaling.factor");
   free(js);
+  /* YaRN with theta 1 divides by ln(1) = 0 in the correction range: refused, not NaN tables. */
+  js = model_json(64, 43, 1, 0,
+                  "\"compress_rope_theta\": 1, \"rope_scaling\": {\"type\": \"yarn\", \"factor\": "
+                  "16, \"original_max_position_embeddings\": 65536}");
+  expect_model_error(js, "theta");
+  free(js);
   js = model_json(64, 43, 1, 0, "\"rope_theta\": -1");
   expect_model_error(js, "rope_theta");
   free(js);
