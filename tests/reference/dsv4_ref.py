@@ -644,7 +644,8 @@ class SeqTableModel:
         for seg in segments:
             s = self.seqs.get(seg.seq)
             if s is None:
-                if seg.seq in self.expired:
+                # An expired name answers 410 for one more period, unless the segment recreates it.
+                if seg.seq in self.expired and not seg.new:
                     errors.setdefault("sequence_expired", []).append(seg.seq)
                 elif not seg.new and not self.implicit_create:
                     errors.setdefault("unknown_sequence", []).append(seg.seq)
@@ -692,6 +693,7 @@ class SeqTableModel:
             if s is None:
                 # A new sequence (or an implicitly created one) starts where its first segment does.
                 s = self.seqs[seg.seq] = _Seq(seg.start, self.layers)
+                self.expired.discard(seg.seq)
             for p in range(seg.start, seg.start + seg.len):
                 lb = p // self.bs
                 if lb not in s.blocks:
