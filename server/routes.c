@@ -188,10 +188,15 @@ static void fwd_done(dsv4_job_t *job) {
     /* The header buffer is freed with the job: keep it in the job's body slot. */
     free(j->body);
     j->body = hdr;
+    /* uv_buf_init takes an unsigned length, and q_out reaches 2^37 bytes (N = 2^20, H = 128): set
+     * the size_t lengths directly. */
     bufs[nb++] = uv_buf_init((char *)hdr, (unsigned)hdr_len);
-    if (j->want_q)
-      bufs[nb++] = uv_buf_init((char *)j->out, (unsigned)j->q_bytes);
-    bufs[nb++] = uv_buf_init((char *)j->f.slots, (unsigned)((size_t)n * 8));
+    if (j->want_q) {
+      bufs[nb].base = (char *)j->out;
+      bufs[nb++].len = j->q_bytes;
+    }
+    bufs[nb].base = (char *)j->f.slots;
+    bufs[nb++].len = (size_t)n * 8;
     dsv4_respond(req, 200, "application/octet-stream", NULL, 0, bufs, nb, fwd_release, j);
   }
 }
