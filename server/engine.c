@@ -9,7 +9,7 @@
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 #if defined(__x86_64__)
-/* libxxhash's run-time dispatch picks the AVX2/AVX-512 XXH3 loop (2.5x the default SSE2 one here). */
+/* libxxhash's run-time dispatch picks its AVX2/AVX-512 XXH3 loop (2.5x the SSE2 one here). */
 #include <xxh_x86dispatch.h>
 #endif
 
