@@ -38,7 +38,9 @@ int dsv4_model_builtin_flash(dsv4_model_t *m);
 
 /*
  * Parse a HuggingFace-style config.json. Keys absent from the file take the V4-Flash value, except
- * num_attention_heads, num_hidden_layers and compress_ratios, which are required. RoPE scaling
+ * num_attention_heads, num_hidden_layers and compress_ratios, which are required, and
+ * num_nextn_predict_layers, which is 0 when absent (compress_ratios must then have exactly
+ * num_hidden_layers entries). RoPE scaling
  * comes from `rope_parameters` (flat, or nested `main`/`compress`), else from `rope_scaling`;
  * `type` and `rope_type` are synonyms. Returns 0, or DSV4_ECONFIG with a message in err naming the
  * key. On error *m is left zeroed (nothing to free).
