@@ -177,36 +177,32 @@ void dsv4_engine_destroy(dsv4_engine_t *e) {
   free(e);
 }
 
+/* Grow *p to hold n elements of size elem (contents kept); DSV4_ENOMEM leaves *p as it was. */
+static int grow_array(void **p, size_t elem, size_t n) {
+  void *q = realloc(*p, elem * n);
+  if (!q)
+    return DSV4_ENOMEM;
+  *p = q;
+  return 0;
+}
+
 static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
   if (n_tokens > e->tok_cap) {
-    int64_t *pos = realloc(e->positions, sizeof(int64_t) * n_tokens);
-    if (pos)
-      e->positions = pos;
-    int32_t *ts = realloc(e->tok_seg, sizeof(int32_t) * n_tokens);
-    if (ts)
-      e->tok_seg = ts;
-    if (!pos || !ts)
+    if (grow_array((void **)&e->positions, sizeof(int64_t), n_tokens) ||
+        grow_array((void **)&e->tok_seg, sizeof(int32_t), n_tokens))
       return DSV4_ENOMEM;
     e->tok_cap = n_tokens;
   }
   if (n_segs > e->seg_cap) {
-    int64_t *fl = realloc(e->seg_first_lb, sizeof(int64_t) * n_segs);
-    if (fl)
-      e->seg_first_lb = fl;
-    uint32_t *bo = realloc(e->seg_bt_off, sizeof(uint32_t) * n_segs);
-    if (bo)
-      e->seg_bt_off = bo;
-    uint32_t *bl = realloc(e->seg_bt_len, sizeof(uint32_t) * n_segs);
-    if (bl)
-      e->seg_bt_len = bl;
-    if (!fl || !bo || !bl)
+    if (grow_array((void **)&e->seg_first_lb, sizeof(int64_t), n_segs) ||
+        grow_array((void **)&e->seg_bt_off, sizeof(uint32_t), n_segs) ||
+        grow_array((void **)&e->seg_bt_len, sizeof(uint32_t), n_segs))
       return DSV4_ENOMEM;
     e->seg_cap = n_segs;
   }
   return 0;
 }
 
-/* XXH3 of a segment's q bytes then its kv bytes: the replay identity of SPEC §4. */
 /* Feed bytes to the hash in cache-sized pieces, range-checking each piece just before it is hashed,
  * so the bytes are read from memory once for both. Returns 1 when a value is out of range. */
 static int check_and_hash(XXH3_state_t *st, const uint16_t *x, size_t n) {

@@ -17,6 +17,9 @@
 
 /* ---- helpers ---- */
 
+/* SPEC §4, for error messages. */
+#define SEQ_NAME_RULE "1..128 bytes of [A-Za-z0-9._:-], not starting with '.'"
+
 static void free_release(void *p) {
   free(p);
 }
@@ -223,7 +226,7 @@ static const char *parse_segment(json_t *o, dsv4_seg_req_t *sg) {
   if (!json_is_string(seq))
     return "segment \"seq\" must be a string";
   if (!dsv4_seq_name_valid(json_string_value(seq), json_string_length(seq)))
-    return "segment \"seq\" must be 1..128 bytes of [A-Za-z0-9._:-], not starting with '.'";
+    return "segment \"seq\" must be " SEQ_NAME_RULE;
   if (!json_is_integer(start) || json_integer_value(start) < 0)
     return "segment \"start\" must be an integer >= 0";
   if (!json_is_integer(len) || json_integer_value(len) < 1 ||
@@ -539,9 +542,7 @@ static void on_sequence(dsv4_req_t *req, void *ctx) {
   size_t len = strlen(name);
   seq_job_t *j;
   if (!dsv4_seq_name_valid(name, len)) {
-    dsv4_respond_error(req, DSV4_EINVAL,
-                       "a sequence name is 1..128 bytes of [A-Za-z0-9._:-], not starting with '.'",
-                       NULL);
+    dsv4_respond_error(req, DSV4_EINVAL, "a sequence name must be " SEQ_NAME_RULE, NULL);
     return;
   }
   j = calloc(1, sizeof(*j));
