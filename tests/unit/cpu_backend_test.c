@@ -620,8 +620,15 @@ static void test_isa_levels(void **state) {
  * with the scalar level byte for byte: q heads of arbitrary admissible bf16 bit patterns (SPEC §6:
  * |x| < 2^59, so no Inf or NaN, whose payloads IEEE leaves open; huge, tiny and subnormal values
  * side by side), and kv tokens with magnitudes across the same range, whole tiles of subnormals or
- * zeros, and values on the e4m3 rounding boundaries.
+ * zeros, and values on the e4m3 rounding boundaries. Every fourth round also gives a few q heads
+ * values beyond the range (up to the largest finite bf16, Inf, NaN), and every eighth round runs
+ * the q heads with a NaN eps whose payload fills the mantissa: their outputs must match too, except
+ * that any NaN matches any NaN.
  */
+static int bf16_same(uint16_t a, uint16_t b) {
+  return a == b || ((a & 0x7fffu) > 0x7f80u && (b & 0x7fffu) > 0x7f80u);
+}
+
 static void test_levels_edge_values(void **state) {
   (void)state;
   enum { HEADS = 24, ROUNDS = 400 };
@@ -640,6 +647,10 @@ static void test_levels_edge_values(void **state) {
     /* Some heads of ordinary values, so that not every factor is NaN or zero. */
     for (int h = 0; h < HEADS; h += 3)
       fill_bf16(q + h * 512, 512);
+    for (int h = 1; round % 4 == 0 && h < HEADS; h += 5)
+      for (int k = 0; k < 3; k++)
+        q[h * 512 + rnd_below(512)] =
+            (uint16_t)(DSV4_BF16_LIMIT_BITS + rnd_below(0x10000u - DSV4_BF16_LIMIT_BITS));
     uint32_t mode = rnd_below(4);
     for (int d = 0; d < 512; d++) {
       uint16_t sign = (uint16_t)(rnd() & 1 ? 0x8000u : 0u);
@@ -652,16 +663,17 @@ static void test_levels_edge_values(void **state) {
       kv[d] = (uint16_t)(sign | (e << 7) | m);
       w[d] = dsv4_u2f(0x3e000000u + (uint32_t)(rnd() % 0x3000000u));
     }
-    dsv4__cpu_q_heads(DSV4__CPU_ISA_SCALAR, q, ref_q, HEADS, row, eps, 0);
+    float q_eps = round % 8 == 4 ? dsv4_u2f(0x7fffffffu) : eps;
+    dsv4__cpu_q_heads(DSV4__CPU_ISA_SCALAR, q, ref_q, HEADS, row, q_eps, 0);
     const float *wsel = round % 2 ? w : NULL;
     dsv4__cpu_kv_token(DSV4__CPU_ISA_SCALAR, kv, row, wsel, eps, ref_d, ref_s);
     for (int isa = DSV4__CPU_ISA_SCALAR + 1; isa < DSV4__CPU_ISA_COUNT; isa++) {
       if (!dsv4__cpu_isa_supported(isa))
         continue;
       memset(out_q, 0x5A, sizeof(out_q));
-      dsv4__cpu_q_heads(isa, q, out_q, HEADS, row, eps, round % 3 == 0);
+      dsv4__cpu_q_heads(isa, q, out_q, HEADS, row, q_eps, round % 3 == 0);
       for (size_t i = 0; i < HEADS * 512; i++)
-        if (out_q[i] != ref_q[i])
+        if (!bf16_same(out_q[i], ref_q[i]))
           fail_msg("%s round %d: q_out[%zu] = %04x, scalar %04x (q %04x)", dsv4__cpu_isa_name(isa),
                    round, i, out_q[i], ref_q[i], q[i]);
       memset(out_d, 0x5A, sizeof(out_d));
