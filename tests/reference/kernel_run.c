@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "cpu/cpu-internal.h"
 #include "dsv4-layout.h"
 #include "rope.h"
 
@@ -388,6 +389,20 @@ int main(int argc, char **argv) {
     fprintf(stderr, "kernel_run: backend %s: %s (%s)\n", param_str("backend", "cpu"),
             dsv4_strerror(rc), why);
     return 1;
+  }
+  /* isa=scalar|avx2|avx512 runs the CPU backend at that kernel level; exit 77 when this CPU lacks
+   * it. */
+  if (strcmp(param_str("isa", "best"), "best") != 0) {
+    int isa = -1;
+    for (int i = 0; i < DSV4__CPU_ISA_COUNT; i++)
+      if (strcmp(param_str("isa", ""), dsv4__cpu_isa_name(i)) == 0)
+        isa = i;
+    if (isa < 0 || dsv4__cpu_backend_set_isa(be, isa) != 0) {
+      fprintf(stderr, "kernel_run: kernel level %s is not available on this CPU\n",
+              param_str("isa", ""));
+      dsv4_backend_close(be);
+      return 77;
+    }
   }
   mode = param_str("mode", "insert");
   if (strcmp(mode, "insert") == 0) {
