@@ -88,6 +88,13 @@ typedef struct dsv4_backend_ops {
   int (*map_slots)(dsv4_backend_t *be, const dsv4_map_args_t *a);
   int (*qkv_insert)(dsv4_backend_t *be, const dsv4_insert_args_t *a);
   int (*sync)(dsv4_backend_t *be);
+  /*
+   * Optional (NULL: the caller runs the items itself). Run fn over items 0..n_items-1 on the
+   * backend's host threads, returning once all are done: host-side work such as input validation,
+   * which would otherwise leave those threads idle between launches. fn must not call the backend.
+   */
+  void (*host_parallel)(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
+                        void *arg, size_t n_items);
 } dsv4_backend_ops_t;
 
 /* Every backend's handle starts with this, so generic code can reach the table. */

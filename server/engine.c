@@ -37,7 +37,7 @@ struct dsv4_engine {
   int32_t *tok_seg;
   uint32_t tok_cap;
   int64_t *seg_first_lb;
-  uint32_t *seg_bt_off, *seg_bt_len;
+  uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
   uint32_t seg_cap;
   atomic_int healthy;
 };
@@ -174,6 +174,7 @@ void dsv4_engine_destroy(dsv4_engine_t *e) {
   free(e->seg_first_lb);
   free(e->seg_bt_off);
   free(e->seg_bt_len);
+  free(e->seg_tok_off);
   free(e);
 }
 
@@ -196,7 +197,8 @@ static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
   if (n_segs > e->seg_cap) {
     if (grow_array((void **)&e->seg_first_lb, sizeof(int64_t), n_segs) ||
         grow_array((void **)&e->seg_bt_off, sizeof(uint32_t), n_segs) ||
-        grow_array((void **)&e->seg_bt_len, sizeof(uint32_t), n_segs))
+        grow_array((void **)&e->seg_bt_len, sizeof(uint32_t), n_segs) ||
+        grow_array((void **)&e->seg_tok_off, sizeof(uint32_t), n_segs))
       return DSV4_ENOMEM;
     e->seg_cap = n_segs;
   }
@@ -232,6 +234,23 @@ static int segment_check_hash(const dsv4_forward_t *f, uint32_t heads, uint32_t 
   return 0;
 }
 
+/* The per-segment range check and hash, spread over the backend's host threads. */
+typedef struct {
+  dsv4_forward_t *f;
+  uint32_t heads;
+  const uint32_t *tok_off; /* first token of each segment */
+  atomic_int bad;
+} validate_job_t;
+
+static void validate_items(void *arg, size_t first, size_t last) {
+  validate_job_t *v = arg;
+  for (size_t s = first; s < last; s++) {
+    dsv4_seg_req_t *sg = &v->f->segs[s];
+    if (segment_check_hash(v->f, v->heads, v->tok_off[s], sg->len, &sg->hash))
+      atomic_store_explicit(&v->bad, 1, memory_order_relaxed);
+  }
+}
+
 static void collect_dropped(dsv4_forward_t *f) {
   f->dropped = calloc(f->n_segs, sizeof(char *));
   f->n_dropped = 0;
@@ -261,7 +280,7 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   if (!atomic_load(&e->healthy))
     return DSV4_EBACKEND;
 
-  /* Validation that needs the bytes (value range, replay hashes) comes first: nothing changes yet.
+  /* Validation comes first, so that a refused batch changes nothing: bounds, value range, hashes.
    */
   rc = grow_scratch(e, n, f->n_segs);
   if (rc)
@@ -275,9 +294,7 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
         return DSV4_EINVAL;
       if (sg->start > e->p.model->max_position_embeddings - (int64_t)sg->len)
         return DSV4_EPOSRANGE;
-      rc = segment_check_hash(f, heads, t, sg->len, &f->segs[s].hash);
-      if (rc)
-        return rc;
+      e->seg_tok_off[s] = t;
       for (uint32_t i = 0; i < sg->len; i++) {
         e->positions[t + i] = sg->start + i;
         e->tok_seg[t + i] = (int32_t)s;
@@ -286,6 +303,16 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
     }
     if (t != n)
       return DSV4_EINVAL;
+  }
+  {
+    validate_job_t v = {.f = f, .heads = heads, .tok_off = e->seg_tok_off};
+    atomic_init(&v.bad, 0);
+    if (ops->host_parallel)
+      ops->host_parallel(e->be, validate_items, &v, f->n_segs);
+    else
+      validate_items(&v, 0, f->n_segs);
+    if (atomic_load(&v.bad))
+      return DSV4_ERANGE;
   }
   rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, n);
   if (rc)

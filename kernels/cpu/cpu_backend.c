@@ -315,6 +315,14 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   return 0;
 }
 
+static void cpu_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
+                              void *arg, size_t n_items) {
+  cpu_backend_t *c = cpu_of(be);
+  /* A few chunks per participant balance uneven items (segments of different lengths). */
+  size_t chunk = n_items / ((size_t)dsv4__cpu_pool_threads(c->pool) * 4);
+  dsv4__cpu_pool_run(c->pool, fn, arg, n_items, chunk ? chunk : 1);
+}
+
 static const dsv4_backend_ops_t cpu_ops = {
     .name = "cpu",
     .caps = DSV4_BE_HOST_MEMORY,
@@ -326,6 +334,7 @@ static const dsv4_backend_ops_t cpu_ops = {
     .map_slots = cpu_map_slots,
     .qkv_insert = cpu_qkv_insert,
     .sync = cpu_sync,
+    .host_parallel = cpu_host_parallel,
 };
 
 int dsv4_cpu_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
