@@ -67,6 +67,11 @@ static int f_sync(dsv4_backend_t *be) {
   return inner_of(be)->ops->sync(inner_of(be));
 }
 
+static void f_host_parallel(dsv4_backend_t *be, void (*fn)(void *, size_t, size_t), void *arg,
+                            size_t n) {
+  inner_of(be)->ops->host_parallel(inner_of(be), fn, arg, n);
+}
+
 static int faulty_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
                        size_t why_len) {
   faulty_t *f = calloc(1, sizeof(*f));
@@ -88,6 +93,7 @@ static int faulty_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, 
   f->ops.map_slots = f_map;
   f->ops.qkv_insert = f_insert;
   f->ops.sync = f_sync;
+  f->ops.host_parallel = f->inner->ops->host_parallel ? f_host_parallel : NULL;
   f->base.ops = &f->ops;
   *out = &f->base;
   return 0;
