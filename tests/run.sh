@@ -1,6 +1,8 @@
 #!/bin/sh
-# Builds dsv4d and runs the whole test suite: unit, reference, integration, then a short libFuzzer run
-# of each fuzzer (a separate clang build; skipped with DSV4_FUZZ=0).
+# Builds dsv4d and runs the whole test suite: unit, invariants, reference and integration tests in a
+# normal build, the same suite again under AddressSanitizer + UndefinedBehaviorSanitizer
+# (DSV4_ASAN=0 skips it), then a short libFuzzer run of each fuzzer in a clang build (DSV4_FUZZ=0
+# skips it).
 # Usage: tests/run.sh [build-dir] [extra cmake args...]
 set -eu
 cd "$(dirname "$0")/.."
@@ -11,9 +13,17 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@"
 cmake --build "$build" -j"$jobs"
 ctest --test-dir "$build" --output-on-failure -j"$jobs"
 
+if [ "${DSV4_ASAN:-1}" != 0 ]; then
+  asan="$build-asan"
+  cmake -S . -B "$asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF \
+    -DDSV4_SANITIZE=address,undefined "$@"
+  cmake --build "$asan" -j"$jobs"
+  ctest --test-dir "$asan" --output-on-failure -j"$jobs"
+fi
+
 if [ "${DSV4_FUZZ:-1}" != 0 ] && command -v clang >/dev/null 2>&1; then
   fuzz="$build-fuzz"
-  CC=clang cmake -S . -B "$fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF
+  CC=clang cmake -S . -B "$fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF "$@"
   cmake --build "$fuzz" -j"$jobs" --target fuzz_safetensors fuzz_http fuzz_config
   ctest --test-dir "$fuzz" --output-on-failure -L fuzz
 fi
