@@ -10,6 +10,10 @@
  * C. Everything here is integer bit manipulation or a single correctly rounded IEEE operation, so
  * the result never depends on the compiler's contraction or flush-to-zero settings beyond what SPEC
  * §2 already forbids (-ffp-contract=off, --fmad=false, FP_CONTRACT OFF, no FTZ/DAZ).
+ *
+ * OpenCL C's `/` and `sqrt` are correctly rounded only when the program is built with
+ * -cl-fp32-correctly-rounded-divide-sqrt on a device that reports it; elsewhere a backend must use
+ * the SPEC §2 double-precision fallback for dsv4_rms_factor.
  */
 
 #include "dsv4-layout.h"
