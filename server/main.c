@@ -14,6 +14,7 @@
 #include "dsv4-error.h"
 #include "kvweights.h"
 #include "log.h"
+#include "sdnotify.h"
 
 extern char **environ;
 
@@ -98,6 +99,7 @@ static void on_signal(uv_signal_t *s, int signum) {
             signum == SIGTERM ? "SIGTERM" : "SIGINT", "deadline_ms",
             (json_int_t)a->d.cfg->drain_timeout_ms);
   a->d.draining = 1;
+  dsv4_sd_notify("STOPPING=1");
   dsv4_server_drain(a->d.data);
   a->drain_deadline_ms = uv_now(a->d.loop) + a->d.cfg->drain_timeout_ms;
   uv_timer_start(&a->drain_timer, on_drain_timer, 0, 20);
@@ -249,6 +251,9 @@ int main(int argc, char **argv) {
             "cache_bytes", (json_int_t)dsv4_engine_cache_bytes(d->engine), "startup_s",
             (double)(uv_hrtime() - t0) * 1e-9);
   dsv4_log_listening("data", cfg.host, dsv4_server_port(d->data));
+  if (dsv4_sd_notify("READY=1"))
+    dsv4_logp(DSV4_LOG_WARN, "cannot notify the service manager", "{s:s}", "socket",
+              getenv("NOTIFY_SOCKET"));
 
   uv_run(&loop, UV_RUN_DEFAULT);
 

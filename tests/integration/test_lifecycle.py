@@ -200,6 +200,25 @@ def test_sigint_and_idle_sigterm():
             s.close()
 
 
+def test_service_manager_notifications():
+    """sd_notify: READY=1 once the daemon listens, STOPPING=1 when a drain starts."""
+    import socket
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(prefix="dsv4d-notify-"), "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(5)
+    try:
+        with Daemon(h.SMALL, env={"NOTIFY_SOCKET": path}) as d:
+            check_eq(sock.recv(256), b"READY=1", "first notification")
+            d.signal(signal.SIGTERM)
+            check_eq(sock.recv(256), b"STOPPING=1", "notification when draining")
+            check_eq(d.wait(5), 0, "exit status after SIGTERM")
+    finally:
+        sock.close()
+        os.unlink(path)
+
+
 def test_sequence_idle_expiry():
     """sequence_idle_timeout_s 1: an idle sequence is deleted (blocks freed) and answers 410 for one
     more period, then 404."""
@@ -231,4 +250,4 @@ def test_sequence_idle_expiry():
 if __name__ == "__main__":
     h.main([test_startup_time_default_config, test_help, test_option_errors, test_config_sources,
             test_bool_option_with_a_value, test_sigterm_drains_inflight_batch, test_sigint_and_idle_sigterm,
-            test_sequence_idle_expiry])
+            test_sequence_idle_expiry, test_service_manager_notifications])
