@@ -12,31 +12,14 @@
 #include "daemon.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
+#include "forward_parse.h"
 #include "log.h"
 #include "safetensors.h"
 
 /* ---- helpers ---- */
 
-/* SPEC §4, for error messages. */
-#define SEQ_NAME_RULE "1..128 bytes of [A-Za-z0-9._:-], not starting with '.'"
-
 static void free_release(void *p) {
   free(p);
-}
-
-static int parse_u64_strict(const char *s, uint64_t max, uint64_t *out) {
-  uint64_t v = 0;
-  if (!s || !*s || strlen(s) > 20)
-    return DSV4_EINVAL;
-  for (const char *c = s; *c; c++) {
-    if (*c < '0' || *c > '9')
-      return DSV4_EINVAL;
-    if (v > (max - (uint64_t)(*c - '0')) / 10)
-      return DSV4_ERANGE;
-    v = v * 10 + (uint64_t)(*c - '0');
-  }
-  *out = v;
-  return 0;
 }
 
 static json_t *seq_name_json(const char *name, uint32_t len) {
@@ -50,10 +33,7 @@ typedef struct {
   dsv4_daemon_t *d;
   dsv4_req_t *req;
   uint8_t *body;
-  dsv4_st_view_t view;
-  json_t *segs_doc;
-  uint16_t *q_copy, *kv_copy; /* aligned copies when the sender's offsets were not 2-aligned */
-  int want_q;
+  dsv4_forward_req_t p; /* the parsed body; f's inputs point into it */
   uint64_t deadline_ns; /* 0 = none */
   dsv4_forward_t f;
   uint8_t *out; /* q_out then slots, one aligned allocation */
@@ -64,12 +44,8 @@ typedef struct {
 
 static void fwd_free(fwd_job_t *j) {
   dsv4_forward_release(&j->f);
-  free(j->f.segs);
-  json_decref(j->segs_doc);
   json_decref(j->err_details);
-  dsv4_st_view_free(&j->view);
-  free(j->q_copy);
-  free(j->kv_copy);
+  dsv4_forward_req_free(&j->p);
   free(j->body);
   free(j->out);
   free(j);
@@ -174,7 +150,7 @@ static void fwd_done(dsv4_job_t *job) {
     uint8_t *hdr = NULL;
     uv_buf_t bufs[3];
     size_t nb = 0;
-    if (j->want_q)
+    if (j->p.want_q)
       desc[nd++] = (dsv4_st_desc_t){"q_out", DSV4_ST_BF16, 3, {n, h, DSV4_HEAD_DIM}, j->q_bytes};
     desc[nd++] = (dsv4_st_desc_t){"slots", DSV4_ST_I64, 1, {n}, (size_t)n * 8};
     if (j->f.want_digest) {
@@ -194,7 +170,7 @@ static void fwd_done(dsv4_job_t *job) {
     /* uv_buf_init takes an unsigned length, and q_out reaches 2^37 bytes (N = 2^20, H = 128): set
      * the size_t lengths directly. */
     bufs[nb++] = uv_buf_init((char *)hdr, (unsigned)hdr_len);
-    if (j->want_q) {
+    if (j->p.want_q) {
       bufs[nb].base = (char *)j->out;
       bufs[nb++].len = j->q_bytes;
     }
@@ -204,220 +180,32 @@ static void fwd_done(dsv4_job_t *job) {
   }
 }
 
-/* Parse one segments entry into sg. Returns NULL or a message. */
-static const char *parse_segment(json_t *o, dsv4_seg_req_t *sg) {
-  const char *key;
-  json_t *v;
-  json_t *seq = NULL, *start = NULL, *len = NULL, *isnew = NULL;
-  if (!json_is_object(o))
-    return "each segment must be a JSON object";
-  json_object_foreach(o, key, v) {
-    if (!strcmp(key, "seq"))
-      seq = v;
-    else if (!strcmp(key, "start"))
-      start = v;
-    else if (!strcmp(key, "len"))
-      len = v;
-    else if (!strcmp(key, "new"))
-      isnew = v;
-    else
-      return "unknown key in a segment (allowed: seq, start, len, new)";
-  }
-  if (!json_is_string(seq))
-    return "segment \"seq\" must be a string";
-  if (!dsv4_seq_name_valid(json_string_value(seq), json_string_length(seq)))
-    return "segment \"seq\" must be " SEQ_NAME_RULE;
-  if (!json_is_integer(start) || json_integer_value(start) < 0)
-    return "segment \"start\" must be an integer >= 0";
-  if (!json_is_integer(len) || json_integer_value(len) < 1 ||
-      json_integer_value(len) > (json_int_t)UINT32_MAX)
-    return "segment \"len\" must be an integer >= 1";
-  if (isnew && !json_is_boolean(isnew))
-    return "segment \"new\" must be true or false";
-  sg->name = json_string_value(seq);
-  sg->name_len = (uint32_t)json_string_length(seq);
-  sg->start = json_integer_value(start);
-  sg->len = (uint32_t)json_integer_value(len);
-  sg->is_new = isnew && json_is_true(isnew);
-  sg->hash = 0;
-  return NULL;
-}
-
-static int check_tensor(const dsv4_st_tensor_t *t, int ndim, const int64_t *shape, char *msg,
-                        size_t msg_len) {
-  if (t->dtype != DSV4_ST_BF16) {
-    snprintf(msg, msg_len, "tensor \"%s\" must be BF16, not %s", t->name,
-             dsv4_st_dtype_name(t->dtype));
-    return DSV4_EINVAL;
-  }
-  if (t->ndim != ndim) {
-    snprintf(msg, msg_len, "tensor \"%s\" must have %d dimensions, not %d", t->name, ndim, t->ndim);
-    return DSV4_EINVAL;
-  }
-  for (int i = 0; i < ndim; i++)
-    if (t->shape[i] != shape[i]) {
-      snprintf(msg, msg_len, "tensor \"%s\" dimension %d is %" PRId64 ", expected %" PRId64,
-               t->name, i, t->shape[i], shape[i]);
-      return DSV4_EINVAL;
-    }
-  return 0;
-}
-
-/* bf16 data straight from the body when 2-aligned, else an aligned copy (kept in *copy). */
-static const uint16_t *bf16_data(const dsv4_st_tensor_t *t, uint16_t **copy) {
-  if (((uintptr_t)t->data & 1u) == 0)
-    return (const uint16_t *)(const void *)t->data;
-  *copy = aligned_alloc(64, (t->nbytes + 63) & ~(size_t)63);
-  if (*copy)
-    memcpy(*copy, t->data, t->nbytes);
-  return *copy;
+static int layer_served(const void *engine, uint32_t layer) {
+  return dsv4_engine_layer_index(engine, layer) >= 0;
 }
 
 static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *msg, size_t msg_len) {
   const dsv4_config_t *cfg = d->cfg;
-  const dsv4_st_tensor_t *q, *kv;
-  const char *layer_s, *segs_s, *outputs_s;
-  uint64_t layer;
-  int64_t n, h = cfg->heads;
-  json_error_t jerr;
-  int rc;
-
-  rc = dsv4_st_parse(j->body, j->req->body_len, &j->view);
-  if (rc) {
-    snprintf(msg, msg_len, "malformed safetensors body: %s", j->view.error);
-    return DSV4_EINVAL;
-  }
-  for (size_t i = 0; i < j->view.n_tensors; i++) {
-    const char *name = j->view.tensors[i].name;
-    if (strcmp(name, "q") && strcmp(name, "kv")) {
-      snprintf(msg, msg_len, "unknown tensor \"%s\" (a forward body has q and kv)", name);
-      return DSV4_EINVAL;
-    }
-  }
-  q = dsv4_st_find(&j->view, "q");
-  kv = dsv4_st_find(&j->view, "kv");
-  if (!q || !kv) {
-    snprintf(msg, msg_len, "missing tensor \"%s\"", q ? "kv" : "q");
-    return DSV4_EINVAL;
-  }
-  if (q->ndim < 1 || q->shape[0] < 1) {
-    snprintf(msg, msg_len, "tensor \"q\" must be [N, %" PRId64 ", 512] with N >= 1", h);
-    return DSV4_EINVAL;
-  }
-  n = q->shape[0];
-  if (n > (int64_t)cfg->max_batch_tokens) {
-    snprintf(msg, msg_len, "N = %" PRId64 " exceeds max_batch_tokens = %u", n,
-             cfg->max_batch_tokens);
-    return DSV4_EINVAL;
-  }
-  if (q->ndim == 3 && q->shape[1] != h && q->shape[2] == DSV4_HEAD_DIM) {
-    snprintf(msg, msg_len, "q has H = %" PRId64 " heads, this daemon serves heads = %" PRId64,
-             q->shape[1], h);
-    return DSV4_EINVAL;
-  }
-  {
-    int64_t qs[3] = {n, h, DSV4_HEAD_DIM}, ks[2] = {n, DSV4_HEAD_DIM};
-    rc = check_tensor(q, 3, qs, msg, msg_len);
-    if (!rc)
-      rc = check_tensor(kv, 2, ks, msg, msg_len);
-    if (rc)
-      return rc;
-  }
-
-  layer_s = dsv4_st_meta(&j->view, "layer");
-  segs_s = dsv4_st_meta(&j->view, "segments");
-  outputs_s = dsv4_st_meta(&j->view, "outputs");
-  if (!layer_s || !segs_s) {
-    snprintf(msg, msg_len, "__metadata__ must have \"layer\" and \"segments\"");
-    return DSV4_EINVAL;
-  }
-  if (parse_u64_strict(layer_s, UINT32_MAX, &layer)) {
-    snprintf(msg, msg_len, "__metadata__ \"layer\" must be a decimal layer number");
-    return DSV4_EINVAL;
-  }
-  if (dsv4_engine_layer_index(d->engine, (uint32_t)layer) < 0) {
-    snprintf(msg, msg_len, "layer %" PRIu64 " is not served by this daemon", layer);
-    return DSV4_ELAYER;
-  }
-  j->want_q = 1;
-  j->f.want_digest = 0;
-  if (outputs_s) {
-    const char *p = outputs_s;
-    j->want_q = 0;
-    while (*p) {
-      const char *end = strchr(p, ',');
-      size_t len = end ? (size_t)(end - p) : strlen(p);
-      while (len && *p == ' ')
-        p++, len--;
-      while (len && p[len - 1] == ' ')
-        len--;
-      if (len == 1 && p[0] == 'q') {
-        j->want_q = 1;
-      } else if (len == 6 && !memcmp(p, "digest", 6)) {
-        j->f.want_digest = 1;
-      } else if (len == 4 && !memcmp(p, "attn", 4)) {
-        snprintf(msg, msg_len, "output \"attn\" is not available in this version");
-        return DSV4_EINVAL;
-      } else {
-        snprintf(msg, msg_len, "unknown output \"%.*s\" (outputs: q, digest)", (int)len, p);
-        return DSV4_EINVAL;
-      }
-      if (!end)
-        break;
-      p = end + 1;
-    }
-  }
-
-  j->segs_doc = json_loads(segs_s, JSON_REJECT_DUPLICATES, &jerr);
-  if (!j->segs_doc || !json_is_array(j->segs_doc)) {
-    snprintf(msg, msg_len, "__metadata__ \"segments\" must be a JSON array: %s",
-             j->segs_doc ? "not an array" : jerr.text);
-    return DSV4_EINVAL;
-  }
-  {
-    size_t ns = json_array_size(j->segs_doc);
-    int64_t total = 0;
-    if (ns < 1 || ns > cfg->max_segments) {
-      snprintf(msg, msg_len, "a batch has 1..%u segments, not %zu", cfg->max_segments, ns);
-      return DSV4_EINVAL;
-    }
-    j->f.segs = calloc(ns, sizeof(*j->f.segs));
-    if (!j->f.segs)
-      return DSV4_ENOMEM;
-    for (size_t s = 0; s < ns; s++) {
-      const char *why = parse_segment(json_array_get(j->segs_doc, s), &j->f.segs[s]);
-      if (why) {
-        snprintf(msg, msg_len, "segment %zu: %s", s, why);
-        return DSV4_EINVAL;
-      }
-      total += j->f.segs[s].len;
-    }
-    j->f.n_segs = (uint32_t)ns;
-    if (total != n) {
-      snprintf(msg, msg_len, "segment lengths add up to %" PRId64 ", but N = %" PRId64, total, n);
-      return DSV4_EINVAL;
-    }
-    for (size_t s = 0; s < ns; s++) {
-      const dsv4_seg_req_t *sg = &j->f.segs[s];
-      /* start may be anything up to INT64_MAX: compare without forming start + len. */
-      if (sg->start > cfg->model.max_position_embeddings - (int64_t)sg->len) {
-        snprintf(msg, msg_len,
-                 "segment %zu: positions from %" PRId64 " (%u of them)"
-                 " reach past max_position_embeddings = %" PRId64,
-                 s, sg->start, sg->len, cfg->model.max_position_embeddings);
-        return DSV4_EPOSRANGE;
-      }
-    }
-  }
-
-  j->f.layer = (uint32_t)layer;
-  j->f.n_tokens = (uint32_t)n;
-  j->f.q = bf16_data(q, &j->q_copy);
-  j->f.kv = bf16_data(kv, &j->kv_copy);
-  if (!j->f.q || !j->f.kv)
-    return DSV4_ENOMEM;
-  j->q_bytes = (size_t)n * (size_t)h * DSV4_HEAD_DIM * 2;
-  j->out = aligned_alloc(64, (j->q_bytes + (size_t)n * 8 + 63) & ~(size_t)63);
+  const dsv4_forward_limits_t lim = {
+      .heads = cfg->heads,
+      .max_batch_tokens = cfg->max_batch_tokens,
+      .max_segments = cfg->max_segments,
+      .max_position_embeddings = cfg->model.max_position_embeddings,
+      .layer_served = layer_served,
+      .layer_arg = d->engine,
+  };
+  int rc = dsv4_forward_parse(j->body, j->req->body_len, &lim, &j->p, msg, msg_len);
+  if (rc)
+    return rc;
+  j->f.layer = j->p.layer;
+  j->f.n_tokens = j->p.n_tokens;
+  j->f.q = j->p.q;
+  j->f.kv = j->p.kv;
+  j->f.segs = j->p.segs;
+  j->f.n_segs = j->p.n_segs;
+  j->f.want_digest = j->p.want_digest;
+  j->q_bytes = j->p.q_bytes;
+  j->out = aligned_alloc(64, (j->q_bytes + (size_t)j->p.n_tokens * 8 + 63) & ~(size_t)63);
   if (!j->out)
     return DSV4_ENOMEM;
   j->f.q_out = (uint16_t *)(void *)j->out;
@@ -454,7 +242,7 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
   dl = dsv4_req_header(req, "Dsv4d-Deadline-Ms");
   if (dl) {
     uint64_t ms;
-    if (parse_u64_strict(dl, UINT64_MAX / 1000000u, &ms)) {
+    if (dsv4_parse_u64_strict(dl, UINT64_MAX / 1000000u, &ms)) {
       dsv4_respond_error(req, DSV4_EINVAL, "Dsv4d-Deadline-Ms must be a whole number of ms", NULL);
       fwd_free(j);
       return;
@@ -545,7 +333,7 @@ static void on_sequence(dsv4_req_t *req, void *ctx) {
   size_t len = strlen(name);
   seq_job_t *j;
   if (!dsv4_seq_name_valid(name, len)) {
-    dsv4_respond_error(req, DSV4_EINVAL, "a sequence name must be " SEQ_NAME_RULE, NULL);
+    dsv4_respond_error(req, DSV4_EINVAL, "a sequence name must be " DSV4_SEQ_NAME_RULE, NULL);
     return;
   }
   j = calloc(1, sizeof(*j));

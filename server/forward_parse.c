@@ -1,0 +1,282 @@
+/*
+ * POST /v1/forward request parsing (SPEC §6): safetensors view -> q/kv checked -> layer -> outputs
+ * -> segments checked against N and the limits. The messages here are the ones clients see in the
+ * error object, so they name the field and the rule that was broken.
+ */
+#include "forward_parse.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+
+int dsv4_parse_u64_strict(const char *s, uint64_t max, uint64_t *out) {
+  uint64_t v = 0;
+  if (!s || !*s || strlen(s) > 20)
+    return DSV4_EINVAL;
+  for (const char *c = s; *c; c++) {
+    if (*c < '0' || *c > '9')
+      return DSV4_EINVAL;
+    if (v > (max - (uint64_t)(*c - '0')) / 10)
+      return DSV4_ERANGE;
+    v = v * 10 + (uint64_t)(*c - '0');
+  }
+  *out = v;
+  return 0;
+}
+
+/* Parse one segments entry into sg. Returns NULL or a message. */
+static const char *parse_segment(json_t *o, dsv4_seg_req_t *sg) {
+  const char *key;
+  json_t *v;
+  json_t *seq = NULL, *start = NULL, *len = NULL, *isnew = NULL;
+  if (!json_is_object(o))
+    return "each segment must be a JSON object";
+  json_object_foreach(o, key, v) {
+    if (!strcmp(key, "seq"))
+      seq = v;
+    else if (!strcmp(key, "start"))
+      start = v;
+    else if (!strcmp(key, "len"))
+      len = v;
+    else if (!strcmp(key, "new"))
+      isnew = v;
+    else
+      return "unknown key in a segment (allowed: seq, start, len, new)";
+  }
+  if (!json_is_string(seq))
+    return "segment \"seq\" must be a string";
+  if (!dsv4_seq_name_valid(json_string_value(seq), json_string_length(seq)))
+    return "segment \"seq\" must be " DSV4_SEQ_NAME_RULE;
+  if (!json_is_integer(start) || json_integer_value(start) < 0)
+    return "segment \"start\" must be an integer >= 0";
+  if (!json_is_integer(len) || json_integer_value(len) < 1 ||
+      json_integer_value(len) > (json_int_t)UINT32_MAX)
+    return "segment \"len\" must be an integer >= 1";
+  if (isnew && !json_is_boolean(isnew))
+    return "segment \"new\" must be true or false";
+  sg->name = json_string_value(seq);
+  sg->name_len = (uint32_t)json_string_length(seq);
+  sg->start = json_integer_value(start);
+  sg->len = (uint32_t)json_integer_value(len);
+  sg->is_new = isnew && json_is_true(isnew);
+  sg->hash = 0;
+  return NULL;
+}
+
+static int check_tensor(const dsv4_st_tensor_t *t, int ndim, const int64_t *shape, char *msg,
+                        size_t msg_len) {
+  if (t->dtype != DSV4_ST_BF16) {
+    snprintf(msg, msg_len, "tensor \"%s\" must be BF16, not %s", t->name,
+             dsv4_st_dtype_name(t->dtype));
+    return DSV4_EINVAL;
+  }
+  if (t->ndim != ndim) {
+    snprintf(msg, msg_len, "tensor \"%s\" must have %d dimensions, not %d", t->name, ndim, t->ndim);
+    return DSV4_EINVAL;
+  }
+  for (int i = 0; i < ndim; i++)
+    if (t->shape[i] != shape[i]) {
+      snprintf(msg, msg_len, "tensor \"%s\" dimension %d is %" PRId64 ", expected %" PRId64,
+               t->name, i, t->shape[i], shape[i]);
+      return DSV4_EINVAL;
+    }
+  return 0;
+}
+
+/* bf16 data straight from the body when 2-aligned, else an aligned copy (kept in *copy). */
+static const uint16_t *bf16_data(const dsv4_st_tensor_t *t, uint16_t **copy) {
+  if (((uintptr_t)t->data & 1u) == 0)
+    return (const uint16_t *)(const void *)t->data;
+  *copy = aligned_alloc(64, (t->nbytes + 63) & ~(size_t)63);
+  if (*copy)
+    memcpy(*copy, t->data, t->nbytes);
+  return *copy;
+}
+
+static int layer_served(const dsv4_forward_limits_t *lim, uint32_t layer) {
+  if (lim->layer_served)
+    return lim->layer_served(lim->layer_arg, layer);
+  for (uint32_t i = 0; i < lim->n_served; i++)
+    if (lim->served_layers[i] == layer)
+      return 1;
+  return 0;
+}
+
+/* The comma-separated "outputs" list: entries trimmed of spaces, q and digest known. */
+static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *msg, size_t msg_len) {
+  const char *p = outputs_s;
+  r->want_q = 0;
+  while (*p) {
+    const char *end = strchr(p, ',');
+    size_t len = end ? (size_t)(end - p) : strlen(p);
+    while (len && *p == ' ')
+      p++, len--;
+    while (len && p[len - 1] == ' ')
+      len--;
+    if (len == 1 && p[0] == 'q') {
+      r->want_q = 1;
+    } else if (len == 6 && !memcmp(p, "digest", 6)) {
+      r->want_digest = 1;
+    } else if (len == 4 && !memcmp(p, "attn", 4)) {
+      snprintf(msg, msg_len, "output \"attn\" is not available in this version");
+      return DSV4_EINVAL;
+    } else {
+      snprintf(msg, msg_len, "unknown output \"%.*s\" (outputs: q, digest)", (int)len, p);
+      return DSV4_EINVAL;
+    }
+    if (!end)
+      break;
+    p = end + 1;
+  }
+  return 0;
+}
+
+static int parse_segments(const char *segs_s, const dsv4_forward_limits_t *lim, int64_t n,
+                          dsv4_forward_req_t *r, char *msg, size_t msg_len) {
+  json_error_t jerr;
+  size_t ns;
+  int64_t total = 0;
+  r->segs_doc = json_loads(segs_s, JSON_REJECT_DUPLICATES, &jerr);
+  if (!r->segs_doc || !json_is_array(r->segs_doc)) {
+    snprintf(msg, msg_len, "__metadata__ \"segments\" must be a JSON array: %s",
+             r->segs_doc ? "not an array" : jerr.text);
+    return DSV4_EINVAL;
+  }
+  ns = json_array_size(r->segs_doc);
+  if (ns < 1 || ns > lim->max_segments) {
+    snprintf(msg, msg_len, "a batch has 1..%u segments, not %zu", lim->max_segments, ns);
+    return DSV4_EINVAL;
+  }
+  r->segs = calloc(ns, sizeof(*r->segs));
+  if (!r->segs)
+    return DSV4_ENOMEM;
+  for (size_t s = 0; s < ns; s++) {
+    const char *why = parse_segment(json_array_get(r->segs_doc, s), &r->segs[s]);
+    if (why) {
+      snprintf(msg, msg_len, "segment %zu: %s", s, why);
+      return DSV4_EINVAL;
+    }
+    /* At most max_segments lengths below 2^32 each: the sum cannot overflow. */
+    total += r->segs[s].len;
+  }
+  r->n_segs = (uint32_t)ns;
+  if (total != n) {
+    snprintf(msg, msg_len, "segment lengths add up to %" PRId64 ", but N = %" PRId64, total, n);
+    return DSV4_EINVAL;
+  }
+  for (size_t s = 0; s < ns; s++) {
+    const dsv4_seg_req_t *sg = &r->segs[s];
+    /* start may be anything up to INT64_MAX: compare without forming start + len. */
+    if (sg->start > lim->max_position_embeddings - (int64_t)sg->len) {
+      snprintf(msg, msg_len,
+               "segment %zu: positions from %" PRId64 " (%u of them)"
+               " reach past max_position_embeddings = %" PRId64,
+               s, sg->start, sg->len, lim->max_position_embeddings);
+      return DSV4_EPOSRANGE;
+    }
+  }
+  return 0;
+}
+
+int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limits_t *lim,
+                       dsv4_forward_req_t *out, char *msg, size_t msg_len) {
+  dsv4_forward_req_t *r = out;
+  const dsv4_st_tensor_t *q, *kv;
+  const char *layer_s, *segs_s, *outputs_s;
+  uint64_t layer;
+  int64_t n, h = lim->heads;
+  int rc;
+
+  memset(r, 0, sizeof(*r));
+  rc = dsv4_st_parse(body, len, &r->view);
+  if (rc) {
+    snprintf(msg, msg_len, "malformed safetensors body: %s", r->view.error);
+    /* A failed parse leaves nothing to free; keep the view empty for dsv4_forward_req_free. */
+    memset(&r->view, 0, sizeof(r->view));
+    return DSV4_EINVAL;
+  }
+  for (size_t i = 0; i < r->view.n_tensors; i++) {
+    const char *name = r->view.tensors[i].name;
+    if (strcmp(name, "q") && strcmp(name, "kv")) {
+      snprintf(msg, msg_len, "unknown tensor \"%s\" (a forward body has q and kv)", name);
+      return DSV4_EINVAL;
+    }
+  }
+  q = dsv4_st_find(&r->view, "q");
+  kv = dsv4_st_find(&r->view, "kv");
+  if (!q || !kv) {
+    snprintf(msg, msg_len, "missing tensor \"%s\"", q ? "kv" : "q");
+    return DSV4_EINVAL;
+  }
+  if (q->ndim < 1 || q->shape[0] < 1) {
+    snprintf(msg, msg_len, "tensor \"q\" must be [N, %" PRId64 ", 512] with N >= 1", h);
+    return DSV4_EINVAL;
+  }
+  n = q->shape[0];
+  if (n > (int64_t)lim->max_batch_tokens) {
+    snprintf(msg, msg_len, "N = %" PRId64 " exceeds max_batch_tokens = %u", n,
+             lim->max_batch_tokens);
+    return DSV4_EINVAL;
+  }
+  if (q->ndim == 3 && q->shape[1] != h && q->shape[2] == DSV4_HEAD_DIM) {
+    snprintf(msg, msg_len, "q has H = %" PRId64 " heads, this daemon serves heads = %" PRId64,
+             q->shape[1], h);
+    return DSV4_EINVAL;
+  }
+  {
+    int64_t qs[3] = {n, h, DSV4_HEAD_DIM}, ks[2] = {n, DSV4_HEAD_DIM};
+    rc = check_tensor(q, 3, qs, msg, msg_len);
+    if (!rc)
+      rc = check_tensor(kv, 2, ks, msg, msg_len);
+    if (rc)
+      return rc;
+  }
+
+  layer_s = dsv4_st_meta(&r->view, "layer");
+  segs_s = dsv4_st_meta(&r->view, "segments");
+  outputs_s = dsv4_st_meta(&r->view, "outputs");
+  if (!layer_s || !segs_s) {
+    snprintf(msg, msg_len, "__metadata__ must have \"layer\" and \"segments\"");
+    return DSV4_EINVAL;
+  }
+  if (dsv4_parse_u64_strict(layer_s, UINT32_MAX, &layer)) {
+    snprintf(msg, msg_len, "__metadata__ \"layer\" must be a decimal layer number");
+    return DSV4_EINVAL;
+  }
+  if (!layer_served(lim, (uint32_t)layer)) {
+    snprintf(msg, msg_len, "layer %" PRIu64 " is not served by this daemon", layer);
+    return DSV4_ELAYER;
+  }
+  r->want_q = 1;
+  if (outputs_s) {
+    rc = parse_outputs(outputs_s, r, msg, msg_len);
+    if (rc)
+      return rc;
+  }
+  rc = parse_segments(segs_s, lim, n, r, msg, msg_len);
+  if (rc)
+    return rc;
+
+  r->layer = (uint32_t)layer;
+  r->n_tokens = (uint32_t)n;
+  r->q = bf16_data(q, &r->q_copy);
+  r->kv = bf16_data(kv, &r->kv_copy);
+  if (!r->q || !r->kv)
+    return DSV4_ENOMEM;
+  r->q_bytes = q->nbytes;
+  r->kv_bytes = kv->nbytes;
+  return 0;
+}
+
+void dsv4_forward_req_free(dsv4_forward_req_t *r) {
+  free(r->segs);
+  json_decref(r->segs_doc);
+  dsv4_st_view_free(&r->view);
+  free(r->q_copy);
+  free(r->kv_copy);
+  memset(r, 0, sizeof(*r));
+}

@@ -1,0 +1,73 @@
+#ifndef DSV4_SERVER_FORWARD_PARSE_H
+#define DSV4_SERVER_FORWARD_PARSE_H
+
+/*
+ * The request side of POST /v1/forward (SPEC §6): a safetensors body with tensors q [N, H, 512] and
+ * kv [N, 512] in BF16 and __metadata__ "layer", "segments" (JSON text) and optionally "outputs",
+ * turned into checked fields ready for a dsv4_forward_t. Everything here is pure: no engine, no
+ * HTTP request, so the most exposed parser of the daemon is unit-tested and fuzzed on its own.
+ *
+ * Thread affinity: none.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+#include "safetensors.h"
+#include "seqtable.h"
+
+/* SPEC §4's rule for sequence names, as error messages state it. */
+#define DSV4_SEQ_NAME_RULE "1..128 bytes of [A-Za-z0-9._:-], not starting with '.'"
+
+/* What a body is checked against. */
+typedef struct {
+  uint32_t heads; /* H of every batch */
+  uint32_t max_batch_tokens;
+  uint32_t max_segments;
+  int64_t max_position_embeddings;
+  /* Whether a model layer is served: layer_served(layer_arg, layer) when set, else membership in
+   * served_layers[0..n_served). */
+  int (*layer_served)(const void *layer_arg, uint32_t layer);
+  const void *layer_arg;
+  const uint32_t *served_layers;
+  uint32_t n_served;
+} dsv4_forward_limits_t;
+
+/* A parsed forward body. The pointers point into the body, the view or the segments document. */
+typedef struct {
+  uint32_t layer;
+  uint32_t n_tokens;    /* N */
+  const uint16_t *q;    /* [N, heads, 512] bf16, 2-aligned: into the body or into q_copy */
+  const uint16_t *kv;   /* [N, 512] bf16, likewise */
+  size_t q_bytes;       /* N * heads * 512 * 2 */
+  size_t kv_bytes;      /* N * 512 * 2 */
+  dsv4_seg_req_t *segs; /* [n_segs]; names point into segs_doc; hash = 0 */
+  uint32_t n_segs;
+  int want_q;      /* "outputs" absent or naming q */
+  int want_digest; /* "outputs" naming digest */
+  /* Owned storage, released by dsv4_forward_req_free(). */
+  dsv4_st_view_t view;
+  json_t *segs_doc;
+  uint16_t *q_copy, *kv_copy; /* aligned copies when the sender's offsets were not 2-aligned */
+} dsv4_forward_req_t;
+
+/*
+ * Parse body[0..len) into *out. Returns 0, DSV4_EINVAL (malformed body or metadata), DSV4_ELAYER (a
+ * layer not served), DSV4_EPOSRANGE (a segment past max_position_embeddings) or DSV4_ENOMEM; on
+ * every error but DSV4_ENOMEM msg holds why. Whatever the result, *out must be released with
+ * dsv4_forward_req_free(). body must outlive *out.
+ */
+int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limits_t *lim,
+                       dsv4_forward_req_t *out, char *msg, size_t msg_len);
+void dsv4_forward_req_free(dsv4_forward_req_t *r);
+
+/*
+ * A strictly decimal unsigned number (digits only, no sign or spaces, at most 20 characters) up to
+ * max: 0, DSV4_EINVAL for anything else, DSV4_ERANGE when above max. Also parses the
+ * Dsv4d-Deadline-Ms header.
+ */
+int dsv4_parse_u64_strict(const char *s, uint64_t max, uint64_t *out);
+
+#endif /* DSV4_SERVER_FORWARD_PARSE_H */
