@@ -1009,14 +1009,26 @@ static conn_t *conn_new(dsv4_server_t *s) {
 }
 
 /* Link c (whose stream is initialised) into the server and start serving it. */
-static void conn_start(dsv4_server_t *s, conn_t *c) {
-  uv_timer_init(s->loop, &c->timer);
-  c->handles_open = 2;
+/* Put c on the server's list; its close callbacks take it off again. */
+static void conn_link(dsv4_server_t *s, conn_t *c, int handles_open) {
+  c->handles_open = handles_open;
   c->next = s->conns;
   if (s->conns)
     s->conns->prev = c;
   s->conns = c;
   s->n_conns++;
+}
+
+/* A connection whose stream could not be set up: close and free it through the usual path. */
+static void conn_abandon(dsv4_server_t *s, conn_t *c) {
+  conn_link(s, c, 1);
+  c->closing = 1;
+  uv_close(&c->io.handle, on_conn_handle_closed);
+}
+
+static void conn_start(dsv4_server_t *s, conn_t *c) {
+  uv_timer_init(s->loop, &c->timer);
+  conn_link(s, c, 2);
   if (s->draining || s->closing) {
     conn_close(c);
     return;
@@ -1036,14 +1048,7 @@ static void on_connection(uv_stream_t *ls, int status) {
   c->io.handle.data = c;
   if (uv_accept(ls, &c->io.stream) != 0) {
     /* Nothing was accepted; the handle is closed and freed alone. */
-    c->handles_open = 1;
-    c->next = s->conns;
-    if (s->conns)
-      s->conns->prev = c;
-    s->conns = c;
-    s->n_conns++;
-    c->closing = 1;
-    uv_close(&c->io.handle, on_conn_handle_closed);
+    conn_abandon(s, c);
     return;
   }
   uv_tcp_nodelay(&c->io.tcp, 1);
@@ -1057,14 +1062,7 @@ int dsv4__server_adopt_fd(dsv4_server_t *s, int fd) {
   uv_pipe_init(s->loop, &c->io.pipe, 0);
   c->io.handle.data = c;
   if (uv_pipe_open(&c->io.pipe, fd) != 0) {
-    c->handles_open = 1;
-    c->next = s->conns;
-    if (s->conns)
-      s->conns->prev = c;
-    s->conns = c;
-    s->n_conns++;
-    c->closing = 1;
-    uv_close(&c->io.handle, on_conn_handle_closed);
+    conn_abandon(s, c);
     return DSV4_EIO;
   }
   conn_start(s, c);
