@@ -1,5 +1,7 @@
 #include "config.h"
 
+#include "config-internal.h"
+
 #include <ctype.h>
 #include <errno.h>
 #include <stdarg.h>
@@ -113,10 +115,7 @@ typedef struct {
   const char *spelling; /* "--block-size", "DSV4D_BLOCK_SIZE", or the file path */
 } origin_t;
 
-static int cfg_fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int cfg_fail(char *err, size_t errlen, const char *fmt, ...) {
+int dsv4__config_fail(char *err, size_t errlen, const char *fmt, ...) {
   if (err && errlen) {
     va_list ap;
     va_start(ap, fmt);
@@ -181,8 +180,8 @@ static int bad_value(const opt_t *o, const char *value, const origin_t *org, con
   char from[512], allowed[160];
   origin_text(o, org, from, sizeof(from));
   allowed_text(o, allowed, sizeof(allowed));
-  return cfg_fail(err, errlen, "option %s: value \"%s\" from %s %s; allowed: %s", o->name, value,
-                  from, why, allowed);
+  return dsv4__config_fail(err, errlen, "option %s: value \"%s\" from %s %s; allowed: %s", o->name,
+                           value, from, why, allowed);
 }
 
 static void env_name(const opt_t *o, char *buf, size_t n) {
@@ -258,7 +257,7 @@ static int opt_set(dsv4_config_t *cfg, size_t idx, const char *value, const orig
       return bad_value(o, "...", org, "is longer than 4096 bytes", err, errlen);
     char *copy = strdup(value);
     if (!copy)
-      return cfg_fail(err, errlen, "option %s: out of memory", o->name), DSV4_ENOMEM;
+      return dsv4__config_fail(err, errlen, "option %s: out of memory", o->name), DSV4_ENOMEM;
     free(*(char **)field);
     *(char **)field = copy;
     break;
@@ -329,10 +328,11 @@ static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *er
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (strncmp(a, "--", 2) != 0 || a[2] == 0)
-      return cfg_fail(err, errlen,
-                      "command line: unexpected argument \"%s\"; options are --name=value or "
-                      "--name value (see --help)",
-                      a);
+      return dsv4__config_fail(
+          err, errlen,
+          "command line: unexpected argument \"%s\"; options are --name=value or "
+          "--name value (see --help)",
+          a);
     const char *name = a + 2;
     const char *eq = strchr(name, '=');
     size_t len = eq ? (size_t)(eq - name) : strlen(name);
@@ -349,11 +349,12 @@ static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *er
       negated = o != NULL;
     }
     if (!o)
-      return cfg_fail(err, errlen, "command line: unknown option --%.*s (see --help)", (int)len,
-                      name);
+      return dsv4__config_fail(err, errlen, "command line: unknown option --%.*s (see --help)",
+                               (int)len, name);
     if (negated) {
       if (value)
-        return cfg_fail(err, errlen, "command line: --%.*s takes no value", (int)len, name);
+        return dsv4__config_fail(err, errlen, "command line: --%.*s takes no value", (int)len,
+                                 name);
       value = "false";
     } else if (!value) {
       int b;
@@ -365,7 +366,8 @@ static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *er
       else if (i + 1 < argc)
         value = argv[++i];
       else
-        return cfg_fail(err, errlen, "command line: option --%.*s needs a value", (int)len, name);
+        return dsv4__config_fail(err, errlen, "command line: option --%.*s needs a value", (int)len,
+                                 name);
     }
     assign_t *as = &out[(*n)++];
     as->idx = idx;
@@ -387,7 +389,7 @@ static int collect_env(char **envp, assign_t *out, size_t *n, size_t cap, char *
     size_t len = (size_t)(eq - *e);
     char lower[96];
     if (len - 6 >= sizeof(lower))
-      return cfg_fail(err, errlen, "environment: unknown variable %.*s", (int)len, *e);
+      return dsv4__config_fail(err, errlen, "environment: unknown variable %.*s", (int)len, *e);
     for (size_t k = 6; k < len; k++)
       lower[k - 6] = (char)tolower((unsigned char)(*e)[k]);
     lower[len - 6] = 0;
@@ -399,9 +401,10 @@ static int collect_env(char **envp, assign_t *out, size_t *n, size_t cap, char *
     if (!o && strcmp(lower, "config") == 0)
       o = opt_find("config_file", 11, &idx);
     if (!o)
-      return cfg_fail(err, errlen, "environment: unknown variable %.*s (see --help)", (int)len, *e);
+      return dsv4__config_fail(err, errlen, "environment: unknown variable %.*s (see --help)",
+                               (int)len, *e);
     if (*n >= cap)
-      return cfg_fail(err, errlen, "environment: too many DSV4D_ variables");
+      return dsv4__config_fail(err, errlen, "environment: too many DSV4D_ variables");
     assign_t *as = &out[(*n)++];
     as->idx = idx;
     as->value = eq + 1;
@@ -437,11 +440,12 @@ static int apply_file(dsv4_config_t *cfg, const char *path, char *err, size_t er
   json_error_t je;
   json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
   if (!root)
-    return cfg_fail(err, errlen, "config file %s: %s (line %d, column %d)", path, je.text, je.line,
-                    je.column);
+    return dsv4__config_fail(err, errlen, "config file %s: %s (line %d, column %d)", path, je.text,
+                             je.line, je.column);
   int rc = 0;
   if (!json_is_object(root)) {
-    rc = cfg_fail(err, errlen, "config file %s: the top level must be a JSON object", path);
+    rc =
+        dsv4__config_fail(err, errlen, "config file %s: the top level must be a JSON object", path);
     goto out;
   }
   const char *key;
@@ -452,14 +456,16 @@ static int apply_file(dsv4_config_t *cfg, const char *path, char *err, size_t er
     const opt_t *o = opt_find(key, strlen(key), &idx);
     /* File keys are the field names exactly: a dash is not accepted here. */
     if (!o || strcmp(o->name, key) != 0) {
-      rc = cfg_fail(err, errlen, "config file %s: unknown key \"%s\" (see --help)", path, key);
+      rc = dsv4__config_fail(err, errlen, "config file %s: unknown key \"%s\" (see --help)", path,
+                             key);
       goto out;
     }
     if (o->flags & OPT_NOFILE) {
-      rc = cfg_fail(err, errlen,
-                    "config file %s: key %s cannot be set inside a config file (use --config "
-                    "or DSV4D_CONFIG)",
-                    path, key);
+      rc = dsv4__config_fail(
+          err, errlen,
+          "config file %s: key %s cannot be set inside a config file (use --config "
+          "or DSV4D_CONFIG)",
+          path, key);
       goto out;
     }
     char buf[32], shown[64];
@@ -517,7 +523,8 @@ static int resolve_fail(const dsv4_config_t *cfg, size_t offset, const char *val
   }
   origin_t org = {(dsv4_config_source_t)cfg->sources[idx], spelling};
   origin_text(o, &org, from, sizeof(from));
-  return cfg_fail(err, errlen, "option %s: value \"%s\" from %s %s", o->name, value, from, why);
+  return dsv4__config_fail(err, errlen, "option %s: value \"%s\" from %s %s", o->name, value, from,
+                           why);
 }
 
 static int parse_layers(dsv4_config_t *cfg, char *err, size_t errlen) {

@@ -1,5 +1,7 @@
 #include "model.h"
 
+#include "config-internal.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -21,19 +23,6 @@
 #define MODEL_MAX_LAYERS 1024
 #define MODEL_MAX_NEXTN 16
 #define MODEL_MAX_RATIO 65536
-
-static int model_fail(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static int model_fail(char *err, size_t errlen, const char *fmt, ...) {
-  if (err && errlen) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-  }
-  return DSV4_ECONFIG;
-}
 
 static char *model_strdup(const char *s) {
   size_t n = strlen(s) + 1;
@@ -97,12 +86,13 @@ static int get_uint(model_ctx_t *c, json_t *obj, const char *key, uint64_t min, 
   if (!v || json_is_null(v))
     return 0;
   if (!json_is_integer(v))
-    return model_fail(c->err, c->errlen, "model config %s: key %s must be an integer", c->name,
-                      key);
+    return dsv4__config_fail(c->err, c->errlen, "model config %s: key %s must be an integer",
+                             c->name, key);
   json_int_t x = json_integer_value(v);
   if (x < 0 || (uint64_t)x < min || (uint64_t)x > max)
-    return model_fail(c->err, c->errlen, "model config %s: key %s is %lld; allowed: %llu to %llu",
-                      c->name, key, (long long)x, (unsigned long long)min, (unsigned long long)max);
+    return dsv4__config_fail(c->err, c->errlen,
+                             "model config %s: key %s is %lld; allowed: %llu to %llu", c->name, key,
+                             (long long)x, (unsigned long long)min, (unsigned long long)max);
   *out = (uint64_t)x;
   return 0;
 }
@@ -113,11 +103,12 @@ static int get_pos_number(model_ctx_t *c, json_t *obj, const char *key, double *
   if (!v || json_is_null(v))
     return 0;
   if (!json_is_number(v))
-    return model_fail(c->err, c->errlen, "model config %s: key %s must be a number", c->name, key);
+    return dsv4__config_fail(c->err, c->errlen, "model config %s: key %s must be a number", c->name,
+                             key);
   double x = json_number_value(v);
   if (!isfinite(x) || !(x > 0))
-    return model_fail(c->err, c->errlen, "model config %s: key %s is %g; it must be positive",
-                      c->name, key, x);
+    return dsv4__config_fail(c->err, c->errlen,
+                             "model config %s: key %s is %g; it must be positive", c->name, key, x);
   *out = x;
   return 0;
 }
@@ -130,9 +121,9 @@ static int check_fixed(model_ctx_t *c, json_t *root, const char *key, uint64_t w
   if (rc)
     return rc;
   if (v != want)
-    return model_fail(c->err, c->errlen,
-                      "model config %s: key %s is %llu; the daemon implements only %s = %llu",
-                      c->name, key, (unsigned long long)v, key, (unsigned long long)want);
+    return dsv4__config_fail(
+        c->err, c->errlen, "model config %s: key %s is %llu; the daemon implements only %s = %llu",
+        c->name, key, (unsigned long long)v, key, (unsigned long long)want);
   return 0;
 }
 
@@ -146,12 +137,12 @@ static int section_type(model_ctx_t *c, json_t *sec, const char *where, const ch
     if (!v || json_is_null(v))
       continue;
     if (!json_is_string(v))
-      return model_fail(c->err, c->errlen, "model config %s: key %s.%s must be a string", c->name,
-                        where, keys[i]);
+      return dsv4__config_fail(c->err, c->errlen, "model config %s: key %s.%s must be a string",
+                               c->name, where, keys[i]);
     if (*out && strcmp(*out, json_string_value(v)) != 0)
-      return model_fail(c->err, c->errlen,
-                        "model config %s: %s.type \"%s\" and %s.rope_type \"%s\" disagree", c->name,
-                        where, *out, where, json_string_value(v));
+      return dsv4__config_fail(c->err, c->errlen,
+                               "model config %s: %s.type \"%s\" and %s.rope_type \"%s\" disagree",
+                               c->name, where, *out, where, json_string_value(v));
     *out = json_string_value(v);
   }
   return 0;
@@ -181,24 +172,25 @@ static int compress_params(model_ctx_t *c, json_t *sec, const char *where, doubl
     return rc;
   if (factor == 0) {
     snprintf(key, sizeof(key), "%s.factor", where);
-    return model_fail(c->err, c->errlen, "model config %s: YaRN scaling needs key %s", c->name,
-                      key);
+    return dsv4__config_fail(c->err, c->errlen, "model config %s: YaRN scaling needs key %s",
+                             c->name, key);
   }
   if (orig == 0) {
     snprintf(key, sizeof(key), "%s.original_max_position_embeddings", where);
-    return model_fail(c->err, c->errlen, "model config %s: YaRN scaling needs key %s", c->name,
-                      key);
+    return dsv4__config_fail(c->err, c->errlen, "model config %s: YaRN scaling needs key %s",
+                             c->name, key);
   }
   if (!(beta_fast > beta_slow))
-    return model_fail(c->err, c->errlen,
-                      "model config %s: %s.beta_fast (%g) must exceed %s.beta_slow (%g)", c->name,
-                      where, beta_fast, where, beta_slow);
+    return dsv4__config_fail(c->err, c->errlen,
+                             "model config %s: %s.beta_fast (%g) must exceed %s.beta_slow (%g)",
+                             c->name, where, beta_fast, where, beta_slow);
   /* The YaRN correction range divides by ln(theta): theta = 1 would make every inv_freq NaN. */
   if (!(theta > 1.0))
-    return model_fail(c->err, c->errlen,
-                      "model config %s: YaRN scaling (%s) needs a compress RoPE theta above 1, "
-                      "not %g",
-                      c->name, where, theta);
+    return dsv4__config_fail(
+        c->err, c->errlen,
+        "model config %s: YaRN scaling (%s) needs a compress RoPE theta above 1, "
+        "not %g",
+        c->name, where, theta);
   out->yarn = 1;
   out->factor = factor;
   out->original_max_position = orig;
@@ -210,8 +202,8 @@ static int compress_params(model_ctx_t *c, json_t *sec, const char *where, doubl
 static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
   int rc;
   if (!json_is_object(root))
-    return model_fail(c->err, c->errlen, "model config %s: the top level must be a JSON object",
-                      c->name);
+    return dsv4__config_fail(c->err, c->errlen,
+                             "model config %s: the top level must be a JSON object", c->name);
   if ((rc = check_fixed(c, root, "head_dim", DSV4_HEAD_DIM)) ||
       (rc = check_fixed(c, root, "qk_rope_head_dim", DSV4_ROPE_DIM)) ||
       (rc = check_fixed(c, root, "sliding_window", DSV4_WINDOW)))
@@ -222,8 +214,8 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
     /* A null value counts as missing: the readers below would otherwise keep a zero. */
     json_t *v = json_object_get(root, required[i]);
     if (!v || json_is_null(v))
-      return model_fail(c->err, c->errlen, "model config %s: required key %s is missing", c->name,
-                        required[i]);
+      return dsv4__config_fail(c->err, c->errlen, "model config %s: required key %s is missing",
+                               c->name, required[i]);
   }
 
   uint64_t heads = 0, hidden = 0, nextn = 0, maxpos = DSV4_MAX_POSITION_DEFAULT;
@@ -239,14 +231,14 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
   json_t *ratios = json_object_get(root, "compress_ratios");
   uint64_t total = hidden + nextn;
   if (!json_is_array(ratios))
-    return model_fail(c->err, c->errlen, "model config %s: key compress_ratios must be an array",
-                      c->name);
+    return dsv4__config_fail(c->err, c->errlen,
+                             "model config %s: key compress_ratios must be an array", c->name);
   if (json_array_size(ratios) != total)
-    return model_fail(c->err, c->errlen,
-                      "model config %s: key compress_ratios has %zu entries; it must have "
-                      "num_hidden_layers + num_nextn_predict_layers = %llu + %llu = %llu",
-                      c->name, json_array_size(ratios), (unsigned long long)hidden,
-                      (unsigned long long)nextn, (unsigned long long)total);
+    return dsv4__config_fail(c->err, c->errlen,
+                             "model config %s: key compress_ratios has %zu entries; it must have "
+                             "num_hidden_layers + num_nextn_predict_layers = %llu + %llu = %llu",
+                             c->name, json_array_size(ratios), (unsigned long long)hidden,
+                             (unsigned long long)nextn, (unsigned long long)total);
 
   /* RoPE: rope_parameters (flat, or nested main/compress), else rope_scaling. */
   json_t *rp = json_object_get(root, "rope_parameters");
@@ -256,11 +248,11 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
   if (rs && json_is_null(rs))
     rs = NULL;
   if (rp && !json_is_object(rp))
-    return model_fail(c->err, c->errlen, "model config %s: key rope_parameters must be an object",
-                      c->name);
+    return dsv4__config_fail(c->err, c->errlen,
+                             "model config %s: key rope_parameters must be an object", c->name);
   if (rs && !json_is_object(rs))
-    return model_fail(c->err, c->errlen, "model config %s: key rope_scaling must be an object",
-                      c->name);
+    return dsv4__config_fail(c->err, c->errlen,
+                             "model config %s: key rope_scaling must be an object", c->name);
   json_t *sec_main = NULL, *sec_comp = NULL;
   const char *where = NULL;
   int nested = rp && (json_object_get(rp, "main") || json_object_get(rp, "compress"));
@@ -268,9 +260,9 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
     sec_main = json_object_get(rp, "main");
     sec_comp = json_object_get(rp, "compress");
     if ((sec_main && !json_is_object(sec_main)) || (sec_comp && !json_is_object(sec_comp)))
-      return model_fail(c->err, c->errlen,
-                        "model config %s: rope_parameters.main and .compress must be objects",
-                        c->name);
+      return dsv4__config_fail(
+          c->err, c->errlen, "model config %s: rope_parameters.main and .compress must be objects",
+          c->name);
     where = "rope_parameters.compress";
   } else if (rp) {
     sec_main = rp;
@@ -329,9 +321,10 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
   for (size_t i = 0; i < total; i++) {
     json_t *v = json_array_get(ratios, i);
     if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > MODEL_MAX_RATIO)
-      return model_fail(c->err, c->errlen,
-                        "model config %s: compress_ratios[%zu] must be an integer from 0 to %d",
-                        c->name, i, MODEL_MAX_RATIO);
+      return dsv4__config_fail(
+          c->err, c->errlen,
+          "model config %s: compress_ratios[%zu] must be an integer from 0 to %d", c->name, i,
+          MODEL_MAX_RATIO);
     m->compress_ratios[i] = (uint32_t)json_integer_value(v);
   }
   m->name = model_strdup(c->name);
@@ -347,7 +340,7 @@ static int model_load_root(dsv4_model_t *m, json_t *root, const char *name, char
   int rc = model_parse(m, root, &c);
   if (rc) {
     if (rc == DSV4_ENOMEM)
-      model_fail(err, errlen, "model config %s: out of memory", name);
+      dsv4__config_fail(err, errlen, "model config %s: out of memory", name);
     dsv4_model_free(m);
   }
   return rc;
@@ -358,8 +351,8 @@ int dsv4_model_load_json(dsv4_model_t *m, const char *json_text, char *err, size
   memset(m, 0, sizeof(*m));
   json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES, &je);
   if (!root)
-    return model_fail(err, errlen, "model config (inline): invalid JSON at line %d: %s", je.line,
-                      je.text);
+    return dsv4__config_fail(err, errlen, "model config (inline): invalid JSON at line %d: %s",
+                             je.line, je.text);
   int rc = model_load_root(m, root, "(inline)", err, errlen);
   json_decref(root);
   return rc;
@@ -370,8 +363,8 @@ int dsv4_model_load_file(dsv4_model_t *m, const char *path, char *err, size_t er
   memset(m, 0, sizeof(*m));
   json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
   if (!root)
-    return model_fail(err, errlen, "model config %s: cannot load: %s (line %d)", path, je.text,
-                      je.line);
+    return dsv4__config_fail(err, errlen, "model config %s: cannot load: %s (line %d)", path,
+                             je.text, je.line);
   int rc = model_load_root(m, root, path, err, errlen);
   json_decref(root);
   return rc;
