@@ -4,6 +4,12 @@
 #include <string.h>
 
 #include "cpu/cpu_backend.h"
+#ifdef DSV4_HAVE_CUDA
+#include "cuda/cuda_backend.h"
+#endif
+#ifdef DSV4_HAVE_LEVEL_ZERO
+#include "level_zero/lz_backend.h"
+#endif
 
 typedef struct {
   const char *name;
@@ -12,6 +18,12 @@ typedef struct {
 
 /* In the order "auto" tries them: the fastest device first, the CPU reference last. */
 static const registry_row_t registry[] = {
+#ifdef DSV4_HAVE_CUDA
+    {"cuda", dsv4_cuda_backend_open},
+#endif
+#ifdef DSV4_HAVE_LEVEL_ZERO
+    {"level_zero", dsv4_level_zero_backend_open},
+#endif
     {"cpu", dsv4_cpu_backend_open},
 };
 
@@ -29,24 +41,46 @@ int dsv4_backend_register(const char *name, dsv4_backend_open_fn open) {
   return 0;
 }
 
+/* Append "name: reason" to the semicolon-separated list in why (truncated, never overflowing). */
+static void note_skipped(char *why, size_t why_len, const char *name, const char *reason) {
+  size_t used = strnlen(why, why_len);
+  if (used + 1 >= why_len)
+    return;
+  snprintf(why + used, why_len - used, "%s%s: %s", used ? "; " : "", name,
+           reason[0] ? reason : "unavailable");
+}
+
 int dsv4_backend_open(const char *name, const dsv4_backend_options_t *opt, dsv4_backend_t **out,
                       char *why, size_t why_len) {
   size_t n = sizeof(registry) / sizeof(registry[0]);
   int is_auto = strcmp(name, "auto") == 0;
   int err = DSV4_ENODEV;
+  char one[256];
   if (why_len)
     why[0] = '\0';
   for (size_t i = 0; i < n; i++) {
     if (!is_auto && strcmp(name, registry[i].name) != 0)
       continue;
-    err = registry[i].open(opt, out, why, why_len);
-    if (err == 0 || !is_auto)
-      return err;
+    if (!is_auto)
+      return registry[i].open(opt, out, why, why_len);
+    /* Under "auto" every backend skipped on the way is named with its reason, so the daemon can
+     * say in one line why it runs on the one it found. */
+    one[0] = '\0';
+    err = registry[i].open(opt, out, one, sizeof(one));
+    if (err == 0)
+      return 0;
+    if (why_len)
+      note_skipped(why, why_len, registry[i].name, one);
   }
   for (size_t i = 0; !is_auto && i < n_extra; i++)
     if (strcmp(name, extra[i].name) == 0)
       return extra[i].open(opt, out, why, why_len);
-  if (!is_auto && why_len)
-    snprintf(why, why_len, "unknown backend \"%s\" (this build has: cpu)", name);
+  if (!is_auto && why_len) {
+    int len = snprintf(why, why_len, "unknown backend \"%s\" (this build has:", name);
+    for (size_t i = 0; i < n && len > 0 && (size_t)len < why_len; i++)
+      len += snprintf(why + len, why_len - (size_t)len, " %s", registry[i].name);
+    if (len > 0 && (size_t)len < why_len)
+      snprintf(why + len, why_len - (size_t)len, ")");
+  }
   return err;
 }

@@ -117,8 +117,11 @@ typedef int (*dsv4_backend_open_fn)(const dsv4_backend_options_t *opt, dsv4_back
 int dsv4_backend_register(const char *name, dsv4_backend_open_fn open);
 
 /*
- * Open the backend called name ("cpu", later "cuda", "level_zero", or "auto" for the first usable
- * one). On failure why holds one line that says what was missing.
+ * Open the backend called name ("cpu", "cuda", "level_zero", or "auto" for the first usable one, in
+ * that order: cuda, level_zero, cpu, of those this build has). On failure why holds one line that
+ * says what was missing. Under "auto" why also holds, on success, the backends skipped on the way
+ * with their reasons ("cuda: no CUDA device; level_zero: zeInit found no driver"), or "" when the
+ * first one opened.
  */
 int dsv4_backend_open(const char *name, const dsv4_backend_options_t *opt, dsv4_backend_t **out,
                       char *why, size_t why_len);

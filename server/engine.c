@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "engine-internal.h"
 
 #include <stdatomic.h>
 #include <stdio.h>
@@ -17,30 +18,6 @@
 #include "dsv4-numerics.h"
 #include "pool.h"
 #include "records.h"
-
-struct dsv4_engine {
-  dsv4_backend_t *be;
-  dsv4_engine_params_t p;
-  uint64_t stride;
-  int32_t *layer_index;     /* [model->n_layers_total]: served index or -1 */
-  dsv4_devbuf_t *cache;     /* [n_served] */
-  dsv4_rope_table_t **rope; /* [n_served], pointing at plain or compress */
-  dsv4_rope_table_t *rope_plain;
-  dsv4_rope_table_t *rope_compress;
-  float *kv_norm; /* [n_served][512] copy, or NULL */
-  dsv4_pool_t pool;
-  dsv4_seqtable_t *st;
-  dsv4_plan_t plan;
-  dsv4_records_digest_t *digest;
-  /* Per-batch scratch, grown on demand. */
-  int64_t *positions;
-  int32_t *tok_seg;
-  uint32_t tok_cap;
-  int64_t *seg_first_lb;
-  uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
-  uint32_t seg_cap;
-  atomic_int healthy;
-};
 
 static uint64_t mono_ns(void) {
   struct timespec ts;
@@ -442,4 +419,15 @@ uint32_t dsv4_engine_sequences(const dsv4_engine_t *e) {
 
 uint64_t dsv4_engine_cache_bytes(const dsv4_engine_t *e) {
   return (uint64_t)e->p.n_served * e->p.kv_blocks * e->stride;
+}
+
+int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t n, void *dst) {
+  const dsv4_devbuf_t *buf = &e->cache[idx];
+  if (off > buf->size || n > buf->size - off)
+    return DSV4_EINVAL;
+  if (e->be->ops->caps & DSV4_BE_HOST_MEMORY) {
+    memcpy(dst, (const uint8_t *)buf->ptr + off, n);
+    return 0;
+  }
+  return e->be->ops->download(e->be, dst, buf, off, n);
 }

@@ -201,6 +201,9 @@ int main(int argc, char **argv) {
       dsv4_config_free(&cfg);
       return 1;
     }
+    if (err[0]) /* backend = auto passed over unusable devices: say which, and why, in one line */
+      dsv4_logp(DSV4_LOG_INFO, "backends skipped", "{s:s,s:s}", "using",
+                dsv4_engine_backend_name(d->engine), "why", err);
   }
 
   uv_loop_init(&loop);

@@ -1,0 +1,45 @@
+#ifndef DSV4_SERVER_ENGINE_INTERNAL_H
+#define DSV4_SERVER_ENGINE_INTERNAL_H
+
+/*
+ * The engine's state, shared by engine.c (the forward path) and the engine's other files (admin
+ * reads of the cache). Executor thread only, like the engine itself.
+ */
+
+#include <stdatomic.h>
+
+#include "engine.h"
+#include "pool.h"
+#include "records.h"
+
+struct dsv4_engine {
+  dsv4_backend_t *be;
+  dsv4_engine_params_t p;
+  uint64_t stride;
+  int32_t *layer_index;     /* [model->n_layers_total]: served index or -1 */
+  dsv4_devbuf_t *cache;     /* [n_served] */
+  dsv4_rope_table_t **rope; /* [n_served], pointing at plain or compress */
+  dsv4_rope_table_t *rope_plain;
+  dsv4_rope_table_t *rope_compress;
+  float *kv_norm; /* [n_served][512] copy, or NULL */
+  dsv4_pool_t pool;
+  dsv4_seqtable_t *st;
+  dsv4_plan_t plan;
+  dsv4_records_digest_t *digest;
+  /* Per-batch scratch, grown on demand. */
+  int64_t *positions;
+  int32_t *tok_seg;
+  uint32_t tok_cap;
+  int64_t *seg_first_lb;
+  uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
+  uint32_t seg_cap;
+  atomic_int healthy;
+};
+
+/*
+ * Copy n bytes at offset off of served layer idx's cache into dst, whatever memory the backend
+ * keeps the cache in. Executor thread only, between batches.
+ */
+int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t n, void *dst);
+
+#endif /* DSV4_SERVER_ENGINE_INTERNAL_H */
