@@ -1,0 +1,94 @@
+#ifndef DSV4_KERNELS_CUDA_CUDA_KERNELS_H
+#define DSV4_KERNELS_CUDA_CUDA_KERNELS_H
+
+/*
+ * The CUDA kernels of the backend (kernels/cuda/*.cu) behind C-callable launch wrappers, for the
+ * host glue (cuda_backend.c) and the GPU tests. The wrappers enqueue work on a stream and return;
+ * they never synchronise and never read device memory.
+ *
+ * Device memory. Every pointer inside the argument structs is a device address from cudaMalloc
+ * (never managed memory, never a host pointer), valid until the stream has run the launch:
+ *
+ *   dsv4_map_args_t (producer, SPEC §4 slot mapper):
+ *     positions [n_tokens] int64, tok_seg [n_tokens] int32, seg_first_lb [n_segments] int64,
+ *     seg_bt_off / seg_bt_len [n_segments] uint32, block_table [sum of seg_bt_len] int32,
+ *     slots [n_tokens] int64 (written).
+ *   dsv4_insert_args_t (consumer, SPEC §2.1-2.2 and the paged insert of §3):
+ *     q [n_tokens, heads, 512] bf16, kv [n_tokens, 512] bf16, q_out [n_tokens, heads, 512] bf16
+ *     (written), positions [n_tokens] int64, slots [n_tokens] int64, kv_norm_weight [512] fp32 or
+ *     NULL, cache n_blocks * stride bytes (written). q, kv, q_out, kv_norm_weight and cache must be
+ *     16-byte aligned (cudaMalloc gives 256). The field `rope` (a host table) is not read: the
+ *     rows come from rope_rows_dev.
+ *
+ * RoPE rows. rope_rows_dev is the device mirror of one host table (dsv4_rope_table_t of rope.h),
+ * dense and indexed by position: the 64 floats of row p (cos[0..31] then sin[0..31], exactly the
+ * 256 bytes dsv4_rope_table_row(t, p) points at) lie at rope_rows_dev + 64 * p. It must be
+ * 16-byte aligned. Only rows of the positions of a launch are read, so the host glue may allocate
+ * max_positions * 256 bytes once (256 MiB for 1,048,576 positions) and copy each chunk of
+ * DSV4_ROPE_CHUNK_ROWS rows (64 KiB, contiguous in the host table) when dsv4_rope_table_ensure
+ * materialises it, before the launch that reads it, on the same stream. Rows never change once
+ * written, which is what lets the consumer read them before its dependency wait.
+ *
+ * Validation. The wrappers check what the host can see (sizes, alignment, null pointers) and
+ * return DSV4_EINVAL before launching anything. They cannot see the contents of device arrays:
+ * the caller validates tok_seg, block ids and positions on its host copies before uploading them,
+ * as cpu_map_slots does, to answer DSV4_EINVAL as the CPU backend would. The kernels still never
+ * write outside their buffers: a block id >= n_blocks maps to slot -1, and the consumer writes no
+ * record for a slot >= n_blocks * block_size or a position outside 0..max_positions-1 (q_out is
+ * then left unwritten for that token; valid batches never meet either case).
+ *
+ * Ordering (SPEC §5.2). With pdl != 0 on a device of compute capability 9.0 or more, the launch
+ * carries cudaLaunchAttributeProgrammaticStreamSerialization: it may start while the previous
+ * kernel on the stream still runs. Both kernels execute griddepcontrol.wait in every thread block
+ * before they read any mutable memory or write anything; before it the consumer only computes
+ * indices and loads the kv_norm weight. The producer triggers its dependents at its start, so the
+ * consumer's prologue overlaps it. Without PDL (pdl == 0, or an sm_80 device) the same code runs
+ * in plain stream order.
+ *
+ * Return values: 0, DSV4_EINVAL for bad arguments, or the mapping of the CUDA error of the launch
+ * (dsv4__cuda_err). n_tokens == 0 launches nothing and returns 0.
+ */
+
+#include <cuda_runtime_api.h>
+
+#include "backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* SPEC §4: one slot per token from the segments' block tables (the producer). */
+int dsv4__cuda_map_slots(const dsv4_map_args_t *a, cudaStream_t s, int pdl);
+
+/*
+ * SPEC §2.1-2.2 and §3: q_out for every token, and the record of every token with slot >= 0 when
+ * a->write_kv (the consumer). max_positions is the number of rows rope_rows_dev holds.
+ */
+int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_dev,
+                          int64_t max_positions, cudaStream_t s, int pdl);
+
+/*
+ * A CUDA error as a project error code: cudaSuccess -> 0, out of memory -> DSV4_ENOMEM, no device
+ * or no usable driver -> DSV4_ENODEV, everything else -> DSV4_EBACKEND. For the host glue's own
+ * CUDA calls as well, so that one table maps them all.
+ */
+int dsv4__cuda_err(cudaError_t e);
+
+/* Whether launches on device dev use programmatic dependent launch (compute capability >= 9.0). */
+int dsv4__cuda_pdl_supported(int dev);
+
+#if defined(DSV4_TEST_COUNT_STORES)
+/*
+ * Test-only (tests/gpu, SPEC §5.1): in a build with DSV4_TEST_COUNT_STORES every store of the
+ * consumer into [base_k, base_k + len_k) also adds 1 to counts_k[byte offset] (uint32 device
+ * arrays) for each byte it stores. Up to two regions (q_out and the cache); len 0 disables one.
+ */
+int dsv4__cuda_test_count_regions(void *base0, size_t len0, unsigned *counts0, void *base1,
+                                  size_t len1, unsigned *counts1);
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DSV4_KERNELS_CUDA_CUDA_KERNELS_H */
