@@ -33,6 +33,9 @@ struct dsv4_engine {
   int64_t *seg_first_lb;
   uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
   uint32_t seg_cap;
+  /* Device copies of the batch's inputs and outputs for a backend without DSV4_BE_HOST_MEMORY
+   * (engine.c), or NULL when jobs point straight at host memory. */
+  struct dsv4__engine_stage *stage;
   atomic_int healthy;
 };
 
