@@ -34,7 +34,10 @@
   X(ECONFIG, -24, "bad_config", 400, "bad configuration")                                          \
   X(ETIMEDOUT, -25, "timeout", 408, "request timed out")                                           \
   X(ELENGTH, -26, "length_required", 411, "Content-Length required")                               \
-  X(EUNSUPPORTED, -27, "unsupported", 400, "unsupported")
+  X(EUNSUPPORTED, -27, "unsupported", 400, "unsupported")                                          \
+  X(EDUMPBUSY, -28, "dump_in_progress", 429, "another dump is streaming")                          \
+  X(ENOTWRITTEN, -29, "position_not_written", 404, "position never written at this layer")         \
+  X(ERELEASED, -30, "position_released", 410, "position no longer stored (out of the window)")
 
 typedef enum {
 #define DSV4__ERR_ENUM(name, val, code, status, msg) DSV4_##name = (val),
