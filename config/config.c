@@ -53,6 +53,8 @@ static const opt_t opts[] = {
      "admin plane TCP port (0 = an ephemeral port)"},
     {"admin_token_file", OPT_STR, F(admin_token_file), "", 0, 0, NULL, OPT_SECRET,
      "file holding the admin plane bearer token (empty = no token)"},
+    {"admin_dump_chunk_bytes", OPT_U32, F(admin_dump_chunk_bytes), "1048576", 4096, 64u << 20, NULL,
+     0, "bytes a dump reads per executor step (a batch waits at most one step)"},
     {"backend", OPT_ENUM, F(backend), "auto", 0, 0, "auto|cpu|cuda|level_zero", 0,
      "compute backend"},
     {"threads", OPT_U32, F(threads), "0", 0, 1024, NULL, 0,

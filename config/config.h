@@ -34,13 +34,14 @@ typedef enum {
 } dsv4_config_source_t;
 
 typedef struct dsv4_config {
-  char *host;             /* data plane listener, default 127.0.0.1 */
-  int port;               /* default 8400; 0 = an ephemeral port (tests) */
-  char *api_token_file;   /* bearer token for the data plane; empty = none (secret) */
-  char *admin_host;       /* admin plane listener, default 127.0.0.1 */
-  int admin_port;         /* default 8401; 0 = an ephemeral port */
-  char *admin_token_file; /* bearer token for the admin plane; empty = none (secret) */
-  char *backend;          /* auto|cpu|cuda|level_zero */
+  char *host;                      /* data plane listener, default 127.0.0.1 */
+  int port;                        /* default 8400; 0 = an ephemeral port (tests) */
+  char *api_token_file;            /* bearer token for the data plane; empty = none (secret) */
+  char *admin_host;                /* admin plane listener, default 127.0.0.1 */
+  int admin_port;                  /* default 8401; 0 = an ephemeral port */
+  char *admin_token_file;          /* bearer token for the admin plane; empty = none (secret) */
+  uint32_t admin_dump_chunk_bytes; /* bytes a dump reads per executor step */
+  char *backend;                   /* auto|cpu|cuda|level_zero */
   uint32_t threads;    /* CPU executor threads; 0 in the input = online cores, never 0 after load */
   uint32_t block_size; /* power of two, 16..256 */
   uint32_t kv_blocks;  /* block ids in the pool */
