@@ -99,11 +99,50 @@ static void test_random_churn(void **state) {
   dsv4_pool_destroy(&p);
 }
 
+/* A pinned id freed by its owner stays unavailable until the last unpin, then comes back. */
+static void test_pin_defers_free(void **state) {
+  (void)state;
+  dsv4_pool_t p;
+  uint32_t a, b, c;
+  assert_int_equal(dsv4_pool_init(&p, 2), 0);
+  assert_int_equal(dsv4_pool_alloc(&p, &a), 0);
+  assert_int_equal(dsv4_pool_pin(&p, a + 1), DSV4_EINVAL); /* not allocated */
+  assert_int_equal(dsv4_pool_pin(&p, 7), DSV4_EINVAL);     /* out of range */
+  assert_int_equal(dsv4_pool_pin(&p, a), 0);
+  assert_int_equal(dsv4_pool_pin(&p, a), 0);
+  dsv4_pool_free(&p, a);
+  assert_int_equal(p.n_deferred, 1);
+  assert_true(dsv4_pool_is_used(&p, a));
+  assert_int_equal(dsv4_pool_free_count(&p), 1);
+  assert_int_equal(dsv4_pool_pin(&p, a), DSV4_EINVAL); /* freed: no new pins */
+  assert_int_equal(dsv4_pool_alloc(&p, &b), 0);
+  assert_int_not_equal(b, a);
+  assert_int_equal(dsv4_pool_alloc(&p, &c), DSV4_ENOSPC);
+  dsv4_pool_unpin(&p, a);
+  assert_int_equal(dsv4_pool_free_count(&p), 0);
+  dsv4_pool_unpin(&p, a);
+  assert_int_equal(p.n_deferred, 0);
+  assert_false(dsv4_pool_is_used(&p, a));
+  assert_int_equal(dsv4_pool_free_count(&p), 1);
+  assert_int_equal(dsv4_pool_alloc(&p, &c), 0);
+  assert_int_equal(c, a);
+  /* Unpinning a live id changes nothing about its ownership. */
+  assert_int_equal(dsv4_pool_pin(&p, b), 0);
+  dsv4_pool_unpin(&p, b);
+  assert_true(dsv4_pool_is_used(&p, b));
+  assert_int_equal(dsv4_pool_free_count(&p), 0);
+  for (int i = 0; i < DSV4_POOL_MAX_PINS; i++)
+    assert_int_equal(dsv4_pool_pin(&p, b), 0);
+  assert_int_equal(dsv4_pool_pin(&p, b), DSV4_ENOSPC);
+  dsv4_pool_destroy(&p);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_init_rejects_bad_sizes),
       cmocka_unit_test(test_exhaustion_and_counts),
       cmocka_unit_test(test_random_churn),
+      cmocka_unit_test(test_pin_defers_free),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
