@@ -37,6 +37,7 @@ typedef enum {
   REQ_PARSING = 0, /* request line, headers or body still arriving */
   REQ_DISPATCHED,  /* complete; the handler (or an error answer) owns it */
   REQ_WRITING,     /* answered; the response is being written */
+  REQ_STREAMING,   /* a streamed answer: the handler writes the body piece by piece */
 } req_state_t;
 
 typedef struct conn conn_t;
@@ -66,6 +67,16 @@ typedef struct {
   size_t body_received;
   uint64_t content_length;
   size_t bytes_out;
+  int authed;      /* carried the listener's bearer token */
+  char peer[64];   /* "ip:port" of the client */
+  int resp_status; /* a streamed answer's status, recorded at its end */
+  uint64_t stream_len, stream_sent;
+  int stream_hdr_sent, stream_failed;
+  dsv4_stream_cb stream_cb;
+  void *stream_arg;
+  /* The listener's completion hook, copied: the request may outlive its connection. */
+  void (*on_complete)(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
+  void *on_complete_arg;
 } req_t;
 
 struct conn {
@@ -92,6 +103,9 @@ struct conn {
   uv_buf_t *wbufs;
   void (*wrelease)(void *);
   void *wrelease_arg;
+  int stream_pending; /* a streamed piece is being written */
+  uv_buf_t sbufs[2];  /* that piece: the response head (first piece only) and the caller's bytes */
+  char peer[64];
 };
 
 struct dsv4_server {
@@ -112,6 +126,8 @@ struct dsv4_server {
   void (*close_cb)(void *);
   void *close_arg;
   dsv4_metric_t *requests_total;
+  void (*on_complete)(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
+  void *on_complete_arg;
 };
 
 static void conn_close(conn_t *c);
@@ -132,6 +148,9 @@ static req_t *req_new(conn_t *c) {
   r->pub.t_start_ns = uv_hrtime();
   r->requests_total = c->srv->requests_total;
   snprintf(r->listener, sizeof(r->listener), "%s", c->srv->name);
+  snprintf(r->peer, sizeof(r->peer), "%s", c->peer[0] ? c->peer : "unknown");
+  r->on_complete = c->srv->on_complete;
+  r->on_complete_arg = c->srv->on_complete_arg;
   return r;
 }
 
@@ -172,6 +191,14 @@ const char *dsv4_req_header(const dsv4_req_t *pub, const char *name) {
 
 int dsv4_req_gone(const dsv4_req_t *pub) {
   return req_of(pub)->gone;
+}
+
+const char *dsv4_req_peer(const dsv4_req_t *pub) {
+  return req_of(pub)->peer;
+}
+
+int dsv4_req_authenticated(const dsv4_req_t *pub) {
+  return req_of(pub)->authed;
 }
 
 uint8_t *dsv4_req_take_body(dsv4_req_t *req) {
@@ -283,6 +310,8 @@ static const char *reason(int status) {
     return "Length Required";
   case 413:
     return "Payload Too Large";
+  case 429:
+    return "Too Many Requests";
   case 431:
     return "Request Header Fields Too Large";
   case 500:
@@ -302,6 +331,8 @@ static void req_record(req_t *r, int status, int written) {
   snprintf(code, sizeof(code), "%d", status);
   const char *labels[2] = {r->pub.route, code};
   dsv4_metric_add(r->requests_total, labels, 1);
+  if (r->on_complete)
+    r->on_complete(&r->pub, status, r->bytes_out, written, r->on_complete_arg);
   /* Answered requests log at debug (a decode step is thousands of them a second, and the counters
    * above already tell), refused ones at info, failures at warn. */
   int level = status >= 500               ? DSV4_LOG_WARN
@@ -367,8 +398,14 @@ static void write_done(conn_t *c, int status_ok) {
   conn_process(c);
 }
 
+static void stream_piece_done(conn_t *c, int status);
+
 static void on_write(uv_write_t *w, int status) {
   conn_t *c = w->data;
+  if (c->stream_pending) {
+    stream_piece_done(c, status);
+    return;
+  }
   write_done(c, status == 0);
 }
 
@@ -468,6 +505,156 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   set_phase(c, PHASE_WRITE);
   if (uv_write(&c->wreq, &c->io.stream, bufs + first, (unsigned)(nb - first), on_write) != 0)
     write_done(c, 0);
+}
+
+/* ---- streamed responses --------------------------------------------------------------------- */
+
+/* The response head of a streamed answer, written in front of its first piece. */
+static char *stream_head(const conn_t *c, const req_t *r, int status, const char *content_type,
+                         const dsv4_hdr_t *extra, size_t n_extra, size_t *len) {
+  size_t cap = 256 + strlen(c->srv->instance) + (content_type ? strlen(content_type) : 0);
+  for (size_t i = 0; i < n_extra; i++)
+    cap += strlen(extra[i].name) + strlen(extra[i].value) + 4;
+  char *h = malloc(cap);
+  if (!h)
+    return NULL;
+  size_t n = (size_t)snprintf(h, cap, "HTTP/1.1 %d %s\r\n", status, reason(status));
+  if (content_type)
+    n += (size_t)snprintf(h + n, cap - n, "Content-Type: %s\r\n", content_type);
+  n += (size_t)snprintf(h + n, cap - n, "Content-Length: %llu\r\n",
+                        (unsigned long long)r->stream_len);
+  n += (size_t)snprintf(h + n, cap - n, "Dsv4d-Instance: %s\r\n", c->srv->instance);
+  if (!r->keep_alive)
+    n += (size_t)snprintf(h + n, cap - n, "Connection: close\r\n");
+  else if (r->http_minor == 0)
+    n += (size_t)snprintf(h + n, cap - n, "Connection: keep-alive\r\n");
+  for (size_t i = 0; i < n_extra; i++) {
+    if (strpbrk(extra[i].name, "\r\n:") || strpbrk(extra[i].value, "\r\n"))
+      continue;
+    n += (size_t)snprintf(h + n, cap - n, "%s: %s\r\n", extra[i].name, extra[i].value);
+  }
+  n += (size_t)snprintf(h + n, cap - n, "\r\n");
+  assert(n < cap);
+  *len = n;
+  return h;
+}
+
+int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_type,
+                              const dsv4_hdr_t *extra, size_t n_extra, uint64_t content_length) {
+  req_t *r = req_of(pub);
+  assert(r->state == REQ_DISPATCHED);
+  conn_t *c = r->conn;
+  r->state = REQ_STREAMING;
+  r->resp_status = status;
+  r->stream_len = content_length;
+  if (content_length == 0 || pub->method == DSV4_HTTP_HEAD) {
+    r->stream_failed = 1;
+    return DSV4_EINVAL;
+  }
+  if (!c || c->closing) {
+    r->stream_failed = 1;
+    return DSV4_EIO;
+  }
+  r->keep_alive = r->keep_alive && !c->close_after && !c->peer_eof && !c->srv->draining;
+  size_t n = 0;
+  char *h = stream_head(c, r, status, content_type, extra, n_extra, &n);
+  if (!h) {
+    r->stream_failed = 1;
+    return DSV4_ENOMEM;
+  }
+  c->whdr = h;
+  c->sbufs[0] = uv_buf_init(h, (unsigned)n);
+  c->writing = 1; /* no reading while the answer streams: one request in flight per connection */
+  conn_update_reading(c);
+  return 0;
+}
+
+int dsv4_respond_stream_write(dsv4_req_t *pub, const uv_buf_t *buf, dsv4_stream_cb cb, void *arg) {
+  req_t *r = req_of(pub);
+  assert(r->state == REQ_STREAMING);
+  conn_t *c = r->conn;
+  if (r->stream_failed || !c || c->closing)
+    return DSV4_EIO;
+  assert(!c->stream_pending);
+  if (buf->len > r->stream_len - r->stream_sent)
+    return DSV4_EINVAL;
+  size_t nb = 0;
+  uv_buf_t bufs[2];
+  if (!r->stream_hdr_sent)
+    bufs[nb++] = c->sbufs[0];
+  bufs[nb++] = *buf;
+  c->sbufs[1] = *buf;
+  r->stream_cb = cb;
+  r->stream_arg = arg;
+  c->stream_pending = 1;
+  c->wreq.data = c;
+  /* uv_write tries the socket at once and queues the rest; its callback is always deferred, so
+   * the caller's callback never runs inside this call. */
+  if (uv_write(&c->wreq, &c->io.stream, bufs, (unsigned)nb, on_write) != 0) {
+    c->stream_pending = 0;
+    r->stream_failed = 1;
+    return DSV4_EIO;
+  }
+  set_phase(c, PHASE_WRITE);
+  return 0;
+}
+
+/* A streamed piece has been written (status 0) or failed; runs the caller's callback. */
+static void stream_piece_done(conn_t *c, int status) {
+  req_t *r = c->req;
+  c->stream_pending = 0;
+  assert(r && r->state == REQ_STREAMING);
+  if (status == 0) {
+    if (!r->stream_hdr_sent) {
+      r->bytes_out += c->sbufs[0].len;
+      r->stream_hdr_sent = 1;
+    }
+    r->bytes_out += c->sbufs[1].len;
+    r->stream_sent += c->sbufs[1].len;
+    uv_timer_stop(&c->timer);
+    c->phase = PHASE_NONE;
+  } else {
+    /* The client went away or stalled past write_timeout_ms: the answer cannot complete. */
+    r->stream_failed = 1;
+    r->gone = 1;
+    if (!c->closing)
+      conn_close(c); /* detaches r: the caller ends the stream, which frees it */
+    else {
+      r->conn = NULL;
+      c->req = NULL;
+    }
+  }
+  if (r->stream_cb)
+    r->stream_cb(&r->pub, status == 0 ? 0 : DSV4_EIO, r->stream_arg);
+}
+
+void dsv4_respond_stream_end(dsv4_req_t *pub) {
+  req_t *r = req_of(pub);
+  assert(r->state == REQ_STREAMING);
+  conn_t *c = r->conn;
+  int complete = !r->stream_failed && r->stream_sent == r->stream_len;
+  if (c && c->stream_pending) {
+    /* Ended while a piece is still in the socket's queue: the answer cannot complete. */
+    complete = 0;
+    r->stream_cb = NULL;
+  }
+  req_record(r, r->resp_status, complete);
+  if (!c) {
+    req_free(r);
+    return;
+  }
+  if (!complete) {
+    /* Short of Content-Length: closing is the only honest end. The request is freed here. */
+    r->conn = NULL;
+    c->req = NULL;
+    c->close_after = 1;
+    free(c->whdr);
+    c->whdr = NULL;
+    conn_close(c);
+    req_free(r);
+    return;
+  }
+  write_done(c, 1);
 }
 
 static void free_release(void *p) {
@@ -698,6 +885,7 @@ static int on_headers_complete(llhttp_t *p) {
   if (rt) {
     r->route = rt;
     q->route = rt->label;
+    r->authed = s->token != NULL && authorized(s, q);
   }
   if (!rt)
     early_error(r, path_seen ? DSV4_EMETHOD : DSV4_ENOTFOUND,
@@ -985,10 +1173,13 @@ static void conn_close(conn_t *c) {
     /* Disconnected mid-request: the handler never saw it, so it is simply dropped. */
     req_free(r);
     c->req = NULL;
-  } else if (r && r->state == REQ_DISPATCHED) {
-    /* The handler still owns the request and will respond; that response only frees it. */
+  } else if (r &&
+             (r->state == REQ_DISPATCHED || (r->state == REQ_STREAMING && !c->stream_pending))) {
+    /* The handler still owns the request and will respond (or end its stream); that only frees
+     * it. A streamed piece in flight is cancelled by uv_close, and its callback detaches. */
     r->conn = NULL;
     r->gone = 1;
+    r->stream_failed = 1;
     c->req = NULL;
   }
   /* A request being written is freed by the write callback, which uv_close cancels first. */
@@ -1052,6 +1243,22 @@ static void on_connection(uv_stream_t *ls, int status) {
     return;
   }
   uv_tcp_nodelay(&c->io.tcp, 1);
+  {
+    struct sockaddr_storage peer;
+    int len = sizeof(peer);
+    char ip[INET6_ADDRSTRLEN] = "?";
+    if (uv_tcp_getpeername(&c->io.tcp, (struct sockaddr *)&peer, &len) == 0) {
+      if (peer.ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&peer;
+        uv_ip6_name(a, ip, sizeof(ip));
+        snprintf(c->peer, sizeof(c->peer), "[%s]:%d", ip, ntohs(a->sin6_port));
+      } else {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)&peer;
+        uv_ip4_name(a, ip, sizeof(ip));
+        snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, ntohs(a->sin_port));
+      }
+    }
+  }
   conn_start(s, c);
 }
 
@@ -1143,6 +1350,8 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   s->body_timeout_ms = cfg->body_timeout_ms;
   s->idle_timeout_ms = cfg->idle_timeout_ms;
   s->write_timeout_ms = cfg->write_timeout_ms;
+  s->on_complete = cfg->on_complete;
+  s->on_complete_arg = cfg->on_complete_arg;
 
   dsv4_metrics_t *reg = cfg->metrics ? cfg->metrics : dsv4_metrics_default();
   static const char *const labels[2] = {"route", "code"};

@@ -45,6 +45,10 @@ struct dsv4_req {
 const char *dsv4_req_header(const dsv4_req_t *req, const char *name);
 /* Non-zero once the client has gone away; the handler must still respond (which then frees). */
 int dsv4_req_gone(const dsv4_req_t *req);
+/* The client's "ip:port" ("[ip]:port" for IPv6), captured when the connection was accepted. */
+const char *dsv4_req_peer(const dsv4_req_t *req);
+/* 1 when the listener requires a bearer token and the request carried it. */
+int dsv4_req_authenticated(const dsv4_req_t *req);
 /* Take ownership of the body (free with free()); req->body becomes NULL. */
 uint8_t *dsv4_req_take_body(dsv4_req_t *req);
 /* The method's name ("GET", ...), for logs. */
@@ -71,6 +75,22 @@ void dsv4_respond_json(dsv4_req_t *req, int status, json_t *doc);
  */
 void dsv4_respond_error(dsv4_req_t *req, int err, const char *message, json_t *details);
 
+/*
+ * A streamed answer (an admin dump): begin sends nothing yet, it fixes the status, the headers and
+ * Content-Length (> 0); each write sends one piece, the first with the response head, and cb runs
+ * from the loop once the piece is in the socket (status 0) or the connection failed (DSV4_EIO),
+ * never inside the call. One piece at a time: the next write only after cb, so a slow reader slows
+ * the writer down (back-pressure). write_timeout_ms applies to each piece. end always follows,
+ * exactly once, whatever happened (it frees the request): an answer shorter than Content-Length
+ * closes the connection. begin and write return DSV4_EIO once the client has gone (then only end is
+ * left).
+ */
+typedef void (*dsv4_stream_cb)(dsv4_req_t *req, int status, void *arg);
+int dsv4_respond_stream_begin(dsv4_req_t *req, int status, const char *content_type,
+                              const dsv4_hdr_t *extra, size_t n_extra, uint64_t content_length);
+int dsv4_respond_stream_write(dsv4_req_t *req, const uv_buf_t *buf, dsv4_stream_cb cb, void *arg);
+void dsv4_respond_stream_end(dsv4_req_t *req);
+
 typedef void (*dsv4_handler_fn)(dsv4_req_t *req, void *ctx);
 
 typedef struct {
@@ -95,6 +115,10 @@ typedef struct {
   const char *instance;         /* 32 hex digits */
   const char *name;             /* "data" / "admin", for logs */
   struct dsv4_metrics *metrics; /* dsv4d_requests_total goes here; NULL = dsv4_metrics_default() */
+  /* Called once per request when its answer is complete or abandoned (bytes written so far; written
+   * 0 when the client went away first): the admin plane's audit log. NULL = none. */
+  void (*on_complete)(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
+  void *on_complete_arg;
 } dsv4_server_config_t;
 
 int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const dsv4_route_t *routes,
