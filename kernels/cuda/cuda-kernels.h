@@ -2,7 +2,7 @@
 #define DSV4_KERNELS_CUDA_CUDA_KERNELS_H
 
 /*
- * The CUDA kernels of the backend (kernels/cuda/*.cu) behind C-callable launch wrappers, for the
+ * The CUDA kernels of the backend (the .cu files of kernels/cuda) behind C-callable launch wrappers, for the
  * host glue (cuda_backend.c) and the GPU tests. The wrappers enqueue work on a stream and return;
  * they never synchronise and never read device memory.
  *

@@ -1,0 +1,65 @@
+#ifndef DSV4_KERNELS_CUDA_CUDA_INTERNAL_CUH
+#define DSV4_KERNELS_CUDA_CUDA_INTERNAL_CUH
+
+/*
+ * Pieces shared by the kernel files of kernels/cuda: the programmatic-dependent-launch primitives,
+ * the launch helper and the per-device facts the launches are sized by. CUDA C++ only.
+ */
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda-kernels.h"
+
+/*
+ * griddepcontrol (PTX ISA 7.8, sm_90+). wait: block until every grid this one depends on has
+ * completed and its memory operations are visible; a no-op when the launch had no programmatic
+ * dependency. launch_dependents: allow the next kernel on the stream to start its prologue once
+ * every block of this grid has issued it or exited. sm_80 has neither: there the launch order
+ * itself is the dependency.
+ */
+static __device__ __forceinline__ void dsv4__dep_wait(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void dsv4__dep_trigger(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/* Facts of the current device, read once per device. */
+typedef struct {
+  int sms;
+  int pdl; /* compute capability >= 9.0 */
+} dsv4__cuda_dev_t;
+
+/* 0 or a project error code. */
+int dsv4__cuda_dev_info(dsv4__cuda_dev_t *out);
+
+/* Launch kernel k on s, with programmatic stream serialization when pdl. */
+template <typename... Params, typename... Args>
+static cudaError_t dsv4__cuda_launch(void (*k)(Params...), unsigned grid, unsigned block,
+                                     cudaStream_t s, int pdl, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  cfg.gridDim = dim3(grid, 1, 1);
+  cfg.blockDim = dim3(block, 1, 1);
+  cfg.stream = s;
+  if (pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  cudaError_t e = cudaLaunchKernelEx(&cfg, k, args...);
+  /* A launch error is also the thread's "last error": clear it so it is reported once. */
+  if (e != cudaSuccess)
+    (void)cudaGetLastError();
+  return e;
+}
+
+#endif /* DSV4_KERNELS_CUDA_CUDA_INTERNAL_CUH */

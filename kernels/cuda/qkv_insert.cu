@@ -1,0 +1,375 @@
+/*
+ * The consumer: Q weightless RMSNorm + RoPE, and KV (optional RMSNorm) + RoPE + fp8/UE8M0
+ * quantisation + paged insert (SPEC §2.1-2.2, §3), computing exactly the CPU reference's bytes.
+ *
+ * Work items and thread mapping. A token has `heads` Q items and, when the launch writes the
+ * cache, one KV item (the last). One warp processes one item: a 512-value bf16 row of 1 KiB. Lane l
+ * holds dims 8l..8l+7 ("a") and 256+8l..256+8l+7 ("b"): two 16-byte loads at byte 16l and 512+16l,
+ * so every warp-wide load and store covers 512 contiguous bytes. The canonical sum of squares
+ * (SPEC §2: 32 fma chains over 16 consecutive dims, then a fold 16, 8, 4, 2, 1) maps onto this
+ * layout exactly: chain m covers dims 16m..16m+15, that is lane 2m's eight values and then lane
+ * 2m+1's, so each even lane starts the chain and hands it to its odd neighbour with one shuffle;
+ * chain m of "a" and chain 16+m of "b" then meet in odd lane 2m+1 (the fold's first step), and the
+ * remaining steps are xor shuffles over the odd lanes. The RoPE dims 448..511 are "b" of lanes
+ * 24..31, four pairs each, with one 16-byte load of cos and one of sin from the resident RoPE row.
+ *
+ * KV: the seven 64-value NoPE tiles are eight lanes each ("a" of lanes 8j..8j+7 for tiles 0..3,
+ * "b" of lanes 8(j-4).. for tiles 4..6), so a tile's amax takes three xor shuffles. Each lane
+ * stores its 8 fp8 bytes (or, on lanes 24..31, 16 bytes of rotated bf16), and lane 0 stores the 8
+ * scale bytes: every output byte has exactly one store (SPEC §5.1), computed in registers first.
+ *
+ * Grid. 128-thread blocks. A launch with no more items than the device holds warps at once gets
+ * one warp per item (small batches: the shortest path to the last byte); a larger one gets a
+ * resident grid whose warps stride over the items, U items per pass with all their loads issued
+ * before the first is used, so each warp keeps U KiB in flight (large batches move 94 % or more of
+ * the copy bandwidth only with several items per warp; a block per item leaves the device
+ * scheduling blocks instead of moving bytes).
+ *
+ * Ordering (SPEC §5.2): every block executes griddepcontrol.wait before it reads positions, slots,
+ * q or kv or stores anything; before it there is only index arithmetic.
+ */
+#include "cuda-internal.cuh"
+
+#include "dsv4-error.h"
+#include "dsv4-numerics.h"
+
+#define QKV_BLOCK 128
+#define WARPS_PER_BLOCK (QKV_BLOCK / 32)
+#define FULL 0xffffffffu
+#define ROW_U4 (DSV4_HEAD_DIM * 2 / 16) /* uint4s in a 512-value bf16 row */
+
+typedef struct {
+  const uint4 *q;
+  const uint4 *kv;
+  const int64_t *pos;
+  const int64_t *slots;
+  const float4 *rope; /* 16 float4 per row: cos 0..7, sin 8..15 */
+  const float4 *w;    /* kv_norm weight, 128 float4, or NULL */
+  uint4 *q_out;
+  uint8_t *cache;
+  float eps;
+  uint32_t heads;
+  uint32_t ipt; /* items per token: heads, + 1 with the KV item */
+  uint32_t bs_shift;
+  uint64_t stride;
+  uint64_t n_slots;
+  int64_t max_pos;
+  uint64_t n_items;
+} insert_params_t;
+
+/* ---- stores (counted in the single-writer test build) ---- */
+
+#ifdef DSV4_TEST_COUNT_STORES
+typedef struct {
+  uintptr_t base;
+  size_t len;
+  unsigned *counts;
+} count_region_t;
+__device__ count_region_t count_regions[2];
+
+static __device__ void count_store(const void *p, unsigned n) {
+  uintptr_t a = (uintptr_t)p;
+  for (int r = 0; r < 2; r++) {
+    const count_region_t *c = &count_regions[r];
+    if (a >= c->base && a - c->base < c->len)
+      for (unsigned k = 0; k < n && a - c->base + k < c->len; k++)
+        atomicAdd(&c->counts[a - c->base + k], 1u);
+  }
+}
+
+extern "C" int dsv4__cuda_test_count_regions(void *base0, size_t len0, unsigned *counts0,
+                                             void *base1, size_t len1, unsigned *counts1) {
+  count_region_t r[2] = {{(uintptr_t)base0, len0, counts0}, {(uintptr_t)base1, len1, counts1}};
+  return dsv4__cuda_err(cudaMemcpyToSymbol(count_regions, r, sizeof(r)));
+}
+#define COUNT_STORE(p, n) count_store((p), (n))
+#else
+#define COUNT_STORE(p, n) ((void)0)
+#endif
+
+static __device__ __forceinline__ void st16(void *p, uint4 v) {
+  *(uint4 *)p = v;
+  COUNT_STORE(p, 16);
+}
+
+static __device__ __forceinline__ void st8(void *p, uint2 v) {
+  *(uint2 *)p = v;
+  COUNT_STORE(p, 8);
+}
+
+/* ---- numerics on a lane's eight values ---- */
+
+static __device__ __forceinline__ void unpack8(uint4 v, float x[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    x[2 * k] = __uint_as_float(w[k] << 16);
+    x[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+
+static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return (uint32_t)dsv4_f32_to_bf16(lo) | ((uint32_t)dsv4_f32_to_bf16(hi) << 16);
+}
+
+static __device__ __forceinline__ float chain8(const float x[8], float acc) {
+#pragma unroll
+  for (int k = 0; k < 8; k++)
+    acc = __fmaf_rn(x[k], x[k], acc);
+  return acc;
+}
+
+/* The canonical sum of squares of the warp's row (see the comment at the top); every lane gets it.
+ */
+static __device__ __forceinline__ float warp_sumsq(const float xa[8], const float xb[8]) {
+  float ca = chain8(xa, 0.0f), cb = chain8(xb, 0.0f);
+  float ea = __shfl_xor_sync(FULL, ca, 1), eb = __shfl_xor_sync(FULL, cb, 1);
+  /* Odd lanes continue their even neighbour's chain; the even lanes' results are not used. */
+  float p = __fadd_rn(chain8(xa, ea), chain8(xb, eb));
+  p = __fadd_rn(p, __shfl_xor_sync(FULL, p, 16));
+  p = __fadd_rn(p, __shfl_xor_sync(FULL, p, 8));
+  p = __fadd_rn(p, __shfl_xor_sync(FULL, p, 4));
+  p = __fadd_rn(p, __shfl_xor_sync(FULL, p, 2));
+  return __shfl_sync(FULL, p, 1);
+}
+
+/* Four RoPE pairs of a lane's "b" values y (already normalised), rounded to bf16. */
+static __device__ __forceinline__ uint4 rope4(const float y[8], float4 c, float4 s) {
+  const float cc[4] = {c.x, c.y, c.z, c.w}, ss[4] = {s.x, s.y, s.z, s.w};
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    float e = y[2 * k], o = y[2 * k + 1];
+    w[k] = pack2(dsv4_rope_even(e, o, cc[k], ss[k]), dsv4_rope_odd(e, o, cc[k], ss[k]));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/* ---- one item ---- */
+
+typedef struct {
+  uint4 a, b;     /* the row's two 16-byte pieces of this lane */
+  float4 c, s;    /* cos and sin of this lane's four pairs (lanes 24..31) */
+  int64_t slot;   /* KV item: the token's slot */
+  uint64_t t;     /* token */
+  uint32_t sub;   /* head, or heads for the KV item */
+  int ok;         /* position in range (the item is computed) */
+} item_t;
+
+static __device__ __forceinline__ void load_item(const insert_params_t &p, uint64_t idx,
+                                                 uint32_t lane, item_t &it) {
+  it.t = idx / p.ipt;
+  it.sub = (uint32_t)(idx - it.t * p.ipt);
+  int64_t pos = p.pos[it.t];
+  const uint4 *row = it.sub < p.heads ? p.q + (it.t * p.heads + it.sub) * ROW_U4 : p.kv + it.t * ROW_U4;
+  it.a = row[lane];
+  it.b = row[32 + lane];
+  it.slot = it.sub < p.heads ? -1 : p.slots[it.t];
+  it.ok = pos >= 0 && pos < p.max_pos;
+  if (lane >= 24 && it.ok) {
+    const float4 *r = p.rope + (uint64_t)pos * 16 + (lane - 24);
+    it.c = r[0];
+    it.s = r[8];
+  }
+}
+
+static __device__ __forceinline__ void q_item(const insert_params_t &p, uint32_t lane,
+                                              const item_t &it) {
+  float xa[8], xb[8];
+  unpack8(it.a, xa);
+  unpack8(it.b, xb);
+  float r = dsv4_rms_factor(warp_sumsq(xa, xb), p.eps);
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    xa[k] = __fmul_rn(xa[k], r);
+    xb[k] = __fmul_rn(xb[k], r);
+  }
+  uint4 *out = p.q_out + (it.t * p.heads + it.sub) * ROW_U4;
+  uint4 oa = make_uint4(pack2(xa[0], xa[1]), pack2(xa[2], xa[3]), pack2(xa[4], xa[5]),
+                        pack2(xa[6], xa[7]));
+  uint4 ob = lane < 24 ? make_uint4(pack2(xb[0], xb[1]), pack2(xb[2], xb[3]), pack2(xb[4], xb[5]),
+                                    pack2(xb[6], xb[7]))
+                       : rope4(xb, it.c, it.s);
+  st16(out + lane, oa);
+  st16(out + 32 + lane, ob);
+}
+
+/* The tile maximum of |z| over the 8 lanes of an aligned group, from the 1e-4 floor. */
+static __device__ __forceinline__ float tile_amax(const float z[8]) {
+  float m = DSV4_AMAX_FLOOR;
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    float a = fabsf(z[k]);
+    m = a > m ? a : m; /* as the CPU: a NaN never becomes the maximum */
+  }
+  m = fmaxf(m, __shfl_xor_sync(FULL, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(FULL, m, 2));
+  return fmaxf(m, __shfl_xor_sync(FULL, m, 4));
+}
+
+static __device__ __forceinline__ uint2 quant8(const float z[8], dsv4_i32 e) {
+  float scale = dsv4_pow2_neg(e);
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int k = 0; k < 8; k++)
+    w[k >> 2] |= (uint32_t)dsv4_f32_to_e4m3(__fmul_rn(z[k], scale)) << (8 * (k & 3));
+  return make_uint2(w[0], w[1]);
+}
+
+static __device__ __forceinline__ void kv_item(const insert_params_t &p, uint32_t lane,
+                                               const item_t &it) {
+  float za[8], zb[8];
+  unpack8(it.a, za);
+  unpack8(it.b, zb);
+  if (p.w) {
+    float r = dsv4_rms_factor(warp_sumsq(za, zb), p.eps);
+    const float4 w0 = p.w[2 * lane], w1 = p.w[2 * lane + 1];
+    const float4 w2 = p.w[64 + 2 * lane], w3 = p.w[64 + 2 * lane + 1];
+    const float wa[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    const float wb[8] = {w2.x, w2.y, w2.z, w2.w, w3.x, w3.y, w3.z, w3.w};
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      za[k] = dsv4_bf16_to_f32(dsv4_f32_to_bf16(__fmul_rn(__fmul_rn(za[k], r), wa[k])));
+      zb[k] = dsv4_bf16_to_f32(dsv4_f32_to_bf16(__fmul_rn(__fmul_rn(zb[k], r), wb[k])));
+    }
+  }
+  dsv4_i32 ea = dsv4_ue8m0_exponent(tile_amax(za));
+  dsv4_i32 eb = dsv4_ue8m0_exponent(tile_amax(zb)); /* lanes 24..31: not a tile, unused */
+  uint32_t code_a = (uint32_t)(ea + 127), code_b = (uint32_t)(eb + 127);
+  uint32_t lo = __shfl_sync(FULL, code_a, 0) | (__shfl_sync(FULL, code_a, 8) << 8) |
+                (__shfl_sync(FULL, code_a, 16) << 16) | (__shfl_sync(FULL, code_a, 24) << 24);
+  uint32_t hi = __shfl_sync(FULL, code_b, 0) | (__shfl_sync(FULL, code_b, 8) << 8) |
+                (__shfl_sync(FULL, code_b, 16) << 16); /* byte 7: the pad, 0 */
+  uint64_t block = (uint64_t)it.slot >> p.bs_shift;
+  uint64_t o = (uint64_t)it.slot & ((1ull << p.bs_shift) - 1);
+  uint8_t *base = p.cache + block * p.stride;
+  uint8_t *rec = base + o * DSV4_TOKEN_DATA_BYTES;
+  st8(rec + 8 * lane, quant8(za, ea));
+  if (lane < 24) {
+    st8(rec + 256 + 8 * lane, quant8(zb, eb));
+  } else {
+#ifdef DSV4_TEST_BROKEN_BULK_STORE
+    /* Test-only breakage of SPEC §5.1 (the vLLM XPU bug): the unrotated values first. */
+    st16(rec + DSV4_NOPE_DIM + 16 * (lane - 24),
+         make_uint4(pack2(zb[0], zb[1]), pack2(zb[2], zb[3]), pack2(zb[4], zb[5]),
+                    pack2(zb[6], zb[7])));
+#endif
+    st16(rec + DSV4_NOPE_DIM + 16 * (lane - 24), rope4(zb, it.c, it.s));
+  }
+  if (lane == 0)
+    st8(base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) + DSV4_SCALE_BYTES * o,
+        make_uint2(lo, hi));
+}
+
+template <int U>
+__global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_params_t p) {
+  const uint32_t lane = threadIdx.x & 31;
+  const uint64_t warp = ((uint64_t)blockIdx.x * QKV_BLOCK + threadIdx.x) >> 5;
+  const uint64_t nwarps = (uint64_t)gridDim.x * WARPS_PER_BLOCK;
+#ifdef DSV4_TEST_BROKEN_EARLY_READ
+  /* Test-only breakage of SPEC §5.2 (the SGLang bug): the first item's slot is read before the
+   * wait, while the producer may not have written it yet. */
+  int64_t early_slot = -1;
+  if (warp < p.n_items) {
+    uint64_t t0 = warp / p.ipt;
+    if ((uint32_t)(warp - t0 * p.ipt) == p.heads)
+      early_slot = p.slots[t0];
+  }
+#endif
+  dsv4__dep_wait();
+  dsv4__dep_trigger();
+  for (uint64_t first = warp; first < p.n_items; first += nwarps * U) {
+    item_t it[U];
+#pragma unroll
+    for (int u = 0; u < U; u++)
+      if (first + u * nwarps < p.n_items)
+        load_item(p, first + u * nwarps, lane, it[u]);
+#ifdef DSV4_TEST_BROKEN_EARLY_READ
+    if (first == warp)
+      it[0].slot = early_slot;
+#endif
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (first + u * nwarps >= p.n_items || !it[u].ok)
+        continue; /* warp-uniform */
+      if (it[u].sub < p.heads)
+        q_item(p, lane, it[u]);
+      else if (it[u].slot >= 0 && (uint64_t)it[u].slot < p.n_slots)
+        kv_item(p, lane, it[u]);
+    }
+  }
+}
+
+/* Resident blocks per SM of each kernel variant, read once (the same on every device we build
+ * for: it depends on registers and block size). */
+template <int U> static int blocks_per_sm(void) {
+  static int cached = 0;
+  if (cached == 0) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dsv4__qkv_insert_kernel<U>, QKV_BLOCK,
+                                                      0) != cudaSuccess || n < 1) {
+      (void)cudaGetLastError();
+      n = 1;
+    }
+    cached = n;
+  }
+  return cached;
+}
+
+extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_dev,
+                                     int64_t max_positions, cudaStream_t s, int pdl) {
+  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS)
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->q || !a->kv || !a->positions || !a->slots || !rope_rows_dev || !a->q_out ||
+      max_positions <= 0)
+    return DSV4_EINVAL;
+  if (((uintptr_t)a->q | (uintptr_t)a->kv | (uintptr_t)a->q_out | (uintptr_t)rope_rows_dev |
+       (uintptr_t)a->kv_norm_weight) &
+      15u)
+    return DSV4_EINVAL;
+  insert_params_t p = {};
+  if (a->write_kv) {
+    uint32_t bs = a->block_size;
+    if (!a->cache || ((uintptr_t)a->cache & 15u) || bs < DSV4_MIN_BLOCK_SIZE ||
+        bs > DSV4_MAX_BLOCK_SIZE || (bs & (bs - 1)) != 0 || a->stride != DSV4_BLOCK_STRIDE(bs))
+      return DSV4_EINVAL;
+    while ((1u << p.bs_shift) < bs)
+      p.bs_shift++;
+    p.n_slots = (uint64_t)a->n_blocks * bs;
+  }
+  dsv4__cuda_dev_t dev;
+  int err = dsv4__cuda_dev_info(&dev);
+  if (err)
+    return err;
+  p.q = (const uint4 *)a->q;
+  p.kv = (const uint4 *)a->kv;
+  p.pos = a->positions;
+  p.slots = a->slots;
+  p.rope = (const float4 *)rope_rows_dev;
+  p.w = (const float4 *)a->kv_norm_weight;
+  p.q_out = (uint4 *)a->q_out;
+  p.cache = a->cache;
+  p.eps = a->eps;
+  p.heads = a->heads;
+  p.ipt = a->heads + (a->write_kv ? 1u : 0u);
+  p.stride = a->stride;
+  p.max_pos = max_positions;
+  p.n_items = (uint64_t)a->n_tokens * p.ipt;
+  pdl = pdl && dev.pdl;
+
+  uint64_t resident1 = (uint64_t)dev.sms * blocks_per_sm<1>() * WARPS_PER_BLOCK;
+  cudaError_t e;
+  if (p.n_items <= resident1) {
+    unsigned grid = (unsigned)((p.n_items + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK);
+    e = dsv4__cuda_launch(dsv4__qkv_insert_kernel<1>, grid, QKV_BLOCK, s, pdl, p);
+  } else {
+    const int U = 2;
+    uint64_t need = (p.n_items + (uint64_t)WARPS_PER_BLOCK * U - 1) / ((uint64_t)WARPS_PER_BLOCK * U);
+    uint64_t resident = (uint64_t)dev.sms * blocks_per_sm<U>();
+    unsigned grid = (unsigned)(need < resident ? need : resident);
+    e = dsv4__cuda_launch(dsv4__qkv_insert_kernel<U>, grid, QKV_BLOCK, s, pdl, p);
+  }
+  return dsv4__cuda_err(e);
+}
