@@ -39,6 +39,217 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
   return dsv4_rope_table_create(inv_freq, max_pos, out);
 }
 
+/*
+ * Device staging, for a backend whose memory the host cannot address (no DSV4_BE_HOST_MEMORY): the
+ * batch's inputs are uploaded into device buffers, the launches are pointed at those, and q_out and
+ * the slots are downloaded into the caller's host buffers.
+ *
+ * One buffer per argument, reused from batch to batch and grown on demand. Single buffers are
+ * enough under SPEC §5.2 only because dsv4_engine_forward returns after the backend's sync(): no
+ * upload of batch k+1 is submitted before every launch of batch k has completed, so nothing a
+ * launch still reads is overwritten. Submitting a batch before the previous one's sync would need
+ * a second set (double buffering).
+ */
+enum {
+  ST_Q,
+  ST_KV,
+  ST_Q_OUT,
+  ST_POSITIONS,
+  ST_TOK_SEG,
+  ST_SEG_FIRST_LB,
+  ST_SEG_BT_OFF,
+  ST_SEG_BT_LEN,
+  ST_BLOCK_TABLE,
+  ST_SLOTS,
+  ST_COUNT
+};
+
+struct dsv4__engine_stage {
+  dsv4_devbuf_t buf[ST_COUNT];
+  dsv4_devbuf_t kv_norm; /* [n_served][512] fp32, uploaded once; size 0 for prenormed */
+  uint8_t *span;         /* host copy of up to one block, for the forward digest */
+};
+
+static void stage_destroy(dsv4_engine_t *e) {
+  struct dsv4__engine_stage *s = e->stage;
+  if (!s)
+    return;
+  for (int i = 0; i < ST_COUNT; i++)
+    if (s->buf[i].ptr)
+      e->be->ops->buf_free(e->be, &s->buf[i]);
+  if (s->kv_norm.ptr)
+    e->be->ops->buf_free(e->be, &s->kv_norm);
+  free(s->span);
+  free(s);
+  e->stage = NULL;
+}
+
+static int stage_create(dsv4_engine_t *e) {
+  struct dsv4__engine_stage *s = calloc(1, sizeof(*s));
+  int rc = 0;
+  if (!s)
+    return DSV4_ENOMEM;
+  e->stage = s;
+  s->span = malloc(e->stride);
+  if (!s->span)
+    return DSV4_ENOMEM;
+  if (e->kv_norm) {
+    size_t bytes = (size_t)e->p.n_served * DSV4_HEAD_DIM * sizeof(float);
+    rc = e->be->ops->buf_alloc(e->be, bytes, &s->kv_norm);
+    if (!rc)
+      rc = e->be->ops->upload(e->be, &s->kv_norm, 0, e->kv_norm, bytes);
+    if (!rc)
+      rc = e->be->ops->sync(e->be);
+  }
+  return rc;
+}
+
+/* Make staging buffer i hold at least bytes; the old contents are not kept. Growth doubles, so a
+ * daemon whose batches grow slowly reallocates only a few times. */
+static int stage_reserve(dsv4_engine_t *e, int i, size_t bytes) {
+  dsv4_devbuf_t *b = &e->stage->buf[i];
+  size_t want;
+  if (b->ptr && b->size >= bytes)
+    return 0;
+  want = b->size * 2 > bytes ? b->size * 2 : bytes;
+  if (want < 256)
+    want = 256;
+  if (b->ptr)
+    e->be->ops->buf_free(e->be, b);
+  return e->be->ops->buf_alloc(e->be, want, b);
+}
+
+/*
+ * Reserve every staging buffer of a batch before it is planned, so that a device allocation that
+ * fails refuses the batch with nothing changed. The block table's size is known only after the
+ * plan, so it is reserved for its bound: a segment maps the positions max(p0, start - 127) .. start
+ * + len
+ * - 1, at most (126 + len) / bs + 2 blocks.
+ */
+static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
+  size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  size_t bt = 0;
+  for (uint32_t s = 0; s < f->n_segs; s++)
+    bt += ((size_t)DSV4_WINDOW - 2 + f->segs[s].len) / e->p.block_size + 2;
+  int rc = stage_reserve(e, ST_Q, q_bytes);
+  if (!rc)
+    rc = stage_reserve(e, ST_KV, n * DSV4_HEAD_DIM * sizeof(uint16_t));
+  if (!rc)
+    rc = stage_reserve(e, ST_Q_OUT, q_bytes);
+  if (!rc)
+    rc = stage_reserve(e, ST_POSITIONS, n * sizeof(int64_t));
+  if (!rc)
+    rc = stage_reserve(e, ST_TOK_SEG, n * sizeof(int32_t));
+  if (!rc)
+    rc = stage_reserve(e, ST_SLOTS, n * sizeof(int64_t));
+  if (!rc)
+    rc = stage_reserve(e, ST_SEG_FIRST_LB, f->n_segs * sizeof(int64_t));
+  if (!rc)
+    rc = stage_reserve(e, ST_SEG_BT_OFF, f->n_segs * sizeof(uint32_t));
+  if (!rc)
+    rc = stage_reserve(e, ST_SEG_BT_LEN, f->n_segs * sizeof(uint32_t));
+  if (!rc)
+    rc = stage_reserve(e, ST_BLOCK_TABLE, bt * sizeof(int32_t));
+  return rc;
+}
+
+/* Upload n bytes of host src into staging buffer i; *dev receives the buffer's device address. */
+static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, void **dev) {
+  dsv4_devbuf_t *b = &e->stage->buf[i];
+  if (n > b->size)
+    return DSV4_EINVAL; /* stage_reserve_batch's bound was wrong: never launch past a buffer */
+  *dev = b->ptr;
+  return e->be->ops->upload(e->be, b, 0, src, n);
+}
+
+/*
+ * The device half of a batch on a staged backend: ma and ia arrive pointing at host memory and are
+ * re-pointed at the staging buffers (the cache already lives on the device). Order on the backend's
+ * queue: uploads, map_slots, qkv_insert, then the downloads, which return once their bytes are in
+ * host memory, then sync.
+ */
+static int stage_run(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f, dsv4_map_args_t *ma,
+                     dsv4_insert_args_t *ia) {
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  struct dsv4__engine_stage *s = e->stage;
+  size_t n = f->n_tokens, nseg = f->n_segs;
+  size_t q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  void *d;
+  int rc = stage_put(e, ST_POSITIONS, e->positions, n * sizeof(int64_t), &d);
+  ma->positions = ia->positions = d;
+  if (!rc)
+    rc = stage_put(e, ST_TOK_SEG, e->tok_seg, n * sizeof(int32_t), &d);
+  ma->tok_seg = d;
+  if (!rc)
+    rc = stage_put(e, ST_SEG_FIRST_LB, e->seg_first_lb, nseg * sizeof(int64_t), &d);
+  ma->seg_first_lb = d;
+  if (!rc)
+    rc = stage_put(e, ST_SEG_BT_OFF, e->seg_bt_off, nseg * sizeof(uint32_t), &d);
+  ma->seg_bt_off = d;
+  if (!rc)
+    rc = stage_put(e, ST_SEG_BT_LEN, e->seg_bt_len, nseg * sizeof(uint32_t), &d);
+  ma->seg_bt_len = d;
+  if (!rc)
+    rc = stage_put(e, ST_BLOCK_TABLE, e->plan.block_table, e->plan.bt_len * sizeof(int32_t), &d);
+  ma->block_table = d;
+  if (!rc)
+    rc = stage_put(e, ST_Q, f->q, q_bytes, &d);
+  ia->q = d;
+  if (!rc)
+    rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), &d);
+  ia->kv = d;
+  if (rc)
+    return rc;
+  ma->slots = s->buf[ST_SLOTS].ptr;
+  ia->slots = s->buf[ST_SLOTS].ptr;
+  ia->q_out = s->buf[ST_Q_OUT].ptr;
+  ia->kv_norm_weight =
+      e->kv_norm ? (const float *)s->kv_norm.ptr + (size_t)idx * DSV4_HEAD_DIM : NULL;
+  rc = ops->map_slots(e->be, ma);
+  if (!rc)
+    rc = ops->qkv_insert(e->be, ia);
+  if (!rc)
+    rc = ops->download(e->be, f->q_out, &s->buf[ST_Q_OUT], 0, q_bytes);
+  if (!rc)
+    rc = ops->download(e->be, f->slots, &s->buf[ST_SLOTS], 0, n * sizeof(int64_t));
+  if (!rc)
+    rc = ops->sync(e->be);
+  return rc;
+}
+
+/*
+ * The forward cache_digest on a staged backend: the records the batch wrote, read back through
+ * dsv4__engine_cache_read. A run of tokens at consecutive offsets of one block (a segment's tokens
+ * are) costs one read, from its first record to the end of its last scale entry, rather than two
+ * small reads per token.
+ */
+static int stage_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f) {
+  const uint32_t bs = e->p.block_size;
+  uint8_t *span = e->stage->span, rec[DSV4_RECORD_BYTES];
+  dsv4_records_digest_reset(e->digest);
+  for (uint32_t t = 0, k; t < f->n_tokens; t += k) {
+    int64_t slot = f->slots[t];
+    if (slot < 0)
+      return DSV4_EINVAL; /* every token of a batch that ran has a slot */
+    uint64_t block = (uint64_t)slot / bs;
+    uint32_t o0 = (uint32_t)((uint64_t)slot % bs);
+    for (k = 1; t + k < f->n_tokens && o0 + k < bs && f->slots[t + k] == slot + k; k++) {
+    }
+    uint64_t lo = DSV4_TOKEN_DATA_OFFSET(o0);
+    uint64_t hi = DSV4_SCALE_OFFSET(bs, o0 + k - 1) + DSV4_SCALE_BYTES;
+    int rc = dsv4__engine_cache_read(e, idx, block * e->stride + lo, hi - lo, span);
+    if (rc)
+      return rc;
+    for (uint32_t j = 0; j < k; j++) {
+      memcpy(rec, span + DSV4_TOKEN_DATA_OFFSET(o0 + j) - lo, DSV4_TOKEN_DATA_BYTES);
+      memcpy(rec + DSV4_TOKEN_DATA_BYTES, span + DSV4_SCALE_OFFSET(bs, o0 + j) - lo,
+             DSV4_SCALE_BYTES);
+      dsv4_records_digest_add(e->digest, e->positions[t + j], rec);
+    }
+  }
+  return 0;
+}
+
 int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char *why,
                        size_t why_len) {
   dsv4_engine_t *e = calloc(1, sizeof(*e));
@@ -53,13 +264,6 @@ int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char 
   rc = dsv4_backend_open(p->backend, &bo, &e->be, why, why_len);
   if (rc)
     goto fail;
-  if (!(e->be->ops->caps & DSV4_BE_HOST_MEMORY)) {
-    /* The staging path for device memory comes with the first device backend. */
-    snprintf(why, why_len, "backend %s needs host staging, which this build does not have",
-             e->be->ops->name);
-    rc = DSV4_EUNSUPPORTED;
-    goto fail;
-  }
   e->layer_index = malloc(sizeof(int32_t) * m->n_layers_total);
   e->cache = calloc(p->n_served, sizeof(*e->cache));
   e->rope = calloc(p->n_served, sizeof(*e->rope));
@@ -98,6 +302,14 @@ int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char 
     }
     memcpy(e->kv_norm, p->kv_norm_weights, n * sizeof(float));
   }
+  if (!(e->be->ops->caps & DSV4_BE_HOST_MEMORY)) {
+    rc = stage_create(e);
+    if (rc) {
+      snprintf(why, why_len, "cannot set up device staging on %s: %s", e->be->ops->name,
+               dsv4_strerror(rc));
+      goto fail;
+    }
+  }
   rc = dsv4_records_digest_create(&e->digest);
   if (rc)
     goto fail;
@@ -128,6 +340,7 @@ fail:
 void dsv4_engine_destroy(dsv4_engine_t *e) {
   if (!e)
     return;
+  stage_destroy(e);
   if (e->st)
     dsv4_seqtable_destroy(e->st);
   if (e->pool.free_stack)
@@ -292,6 +505,8 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
       return DSV4_ERANGE;
   }
   rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, n);
+  if (!rc && e->stage)
+    rc = stage_reserve_batch(e, f);
   if (rc)
     return rc;
   t1 = mono_ns();
@@ -341,14 +556,31 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
         .n_blocks = e->p.kv_blocks,
         .stride = e->stride,
     };
-    rc = ops->map_slots(e->be, &ma);
-    if (!rc)
-      rc = ops->qkv_insert(e->be, &ia);
-    if (!rc)
-      rc = ops->sync(e->be);
+    if (e->stage) {
+      rc = stage_run(e, (uint32_t)idx, f, &ma, &ia);
+    } else {
+      rc = ops->map_slots(e->be, &ma);
+      if (!rc)
+        rc = ops->qkv_insert(e->be, &ia);
+      if (!rc)
+        rc = ops->sync(e->be);
+    }
   }
   t3 = mono_ns();
   f->timing.kernel_ns = t3 - t2;
+  if (!rc && f->want_digest) {
+    /* SPEC §3.1: the records the batch wrote, in token order. */
+    if (e->stage) {
+      rc = stage_digest(e, (uint32_t)idx, f);
+    } else {
+      dsv4_records_digest_reset(e->digest);
+      for (uint32_t t = 0; t < n; t++)
+        dsv4_records_digest_add_slot(e->digest, e->positions[t], e->cache[idx].ptr, e->p.block_size,
+                                     e->stride, f->slots[t]);
+    }
+    f->digest = dsv4_records_digest_value(e->digest);
+    f->timing.digest_ns = mono_ns() - t3;
+  }
   if (rc) {
     /* SPEC §4: never serve from a partly written state. Drop the batch's sequences. */
     collect_dropped(f);
@@ -358,15 +590,6 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
     return DSV4_EBACKEND;
   }
   f->replayed = e->plan.replay;
-  if (f->want_digest) {
-    /* SPEC §3.1: the records the batch wrote, in token order. */
-    dsv4_records_digest_reset(e->digest);
-    for (uint32_t t = 0; t < n; t++)
-      dsv4_records_digest_add_slot(e->digest, e->positions[t], e->cache[idx].ptr, e->p.block_size,
-                                   e->stride, f->slots[t]);
-    f->digest = dsv4_records_digest_value(e->digest);
-    f->timing.digest_ns = mono_ns() - t3;
-  }
   dsv4_seqtable_commit(e->st, &e->plan, t3);
   return 0;
 }

@@ -15,6 +15,9 @@
 #include "kvweights.h"
 #include "log.h"
 #include "sdnotify.h"
+#ifdef DSV4_TEST_CPU_STAGED
+#include "cpu_staged.h"
+#endif
 
 extern char **environ;
 
@@ -177,8 +180,16 @@ int main(int argc, char **argv) {
   d->cfg = &cfg;
   make_instance(d->instance);
   {
+    const char *backend = cfg.backend;
+#ifdef DSV4_TEST_CPU_STAGED
+    /* The test daemon dsv4d_staged: the CPU backend behind device staging stands in for cpu and
+     * auto, so the integration suite runs through the engine's staging path without a device. */
+    if (dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open) == 0 &&
+        (!strcmp(backend, "cpu") || !strcmp(backend, "auto")))
+      backend = "cpu_staged";
+#endif
     dsv4_engine_params_t ep = {
-        .backend = cfg.backend,
+        .backend = backend,
         .threads = cfg.threads,
         .block_size = cfg.block_size,
         .kv_blocks = cfg.kv_blocks,
@@ -195,7 +206,7 @@ int main(int argc, char **argv) {
     rc = dsv4_engine_create(&ep, &d->engine, err, sizeof(err));
     free(kv_w);
     if (rc) {
-      dsv4_logp(DSV4_LOG_ERROR, "cannot start the engine", "{s:s,s:s,s:s}", "backend", cfg.backend,
+      dsv4_logp(DSV4_LOG_ERROR, "cannot start the engine", "{s:s,s:s,s:s}", "backend", backend,
                 "error", dsv4_strerror(rc), "why", err);
       free(token);
       dsv4_config_free(&cfg);

@@ -7,7 +7,12 @@ test runner: each test file is one ctest, run as
 
     /usr/bin/python3 test_x.py <path to dsv4d> <path to tests/reference/dsv4_ref.py>
 
-Only the standard library, numpy and xxhash are used.
+Only the standard library, numpy and xxhash are used (where the xxhash module is missing, XXH3 is
+called in libxxhash through ctypes).
+
+DSV4_TEST_BACKEND=<name> starts every daemon with --backend <name> (e.g. cuda); the daemon must then
+report that backend, or DSV4_TEST_BACKEND_NAME when set (a test daemon that stands one backend in
+for another).
 """
 
 import http.client
@@ -29,6 +34,62 @@ import traceback
 
 import numpy as np
 
+
+def _xxhash_fallback():
+    """A stand-in for the xxhash module (the two calls the reference model makes), calling XXH3_64bits
+    in libxxhash.so.0 through ctypes: for an interpreter without Debian's python3-xxhash. The library
+    is $DSV4_XXHASH_LIB, the one the loader finds, or one unpacked under the checkout's .devroot."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import types
+    here = os.path.dirname(os.path.abspath(__file__))
+    cands = [os.environ.get("DSV4_XXHASH_LIB"), ctypes.util.find_library("xxhash"),
+             "libxxhash.so.0"] + sorted(glob.glob(os.path.join(
+                 here, "..", "..", ".devroot", "usr", "lib", "*", "libxxhash.so.0")))
+    lib = None
+    for c in cands:
+        if not c:
+            continue
+        try:
+            lib = ctypes.CDLL(c)
+            break
+        except OSError:
+            continue
+    if lib is None:
+        raise ImportError("no xxhash module and no libxxhash.so.0 (tried %r)" % [c for c in cands if c])
+    lib.XXH3_64bits.restype = ctypes.c_uint64
+    lib.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+
+    def xxh3_64_intdigest(data):
+        data = bytes(data)
+        return int(lib.XXH3_64bits(data, len(data)))
+
+    class xxh3_64:  # noqa: N801 - the name the xxhash module gives it
+        def __init__(self, data=b""):
+            self._buf = bytearray(data)
+
+        def update(self, data):
+            self._buf += bytes(data)
+
+        def intdigest(self):
+            return xxh3_64_intdigest(self._buf)
+
+        def hexdigest(self):
+            return "%016x" % self.intdigest()
+
+    mod = types.ModuleType("xxhash")
+    mod.xxh3_64_intdigest = xxh3_64_intdigest
+    mod.xxh3_64 = xxh3_64
+    mod.FALLBACK = lib
+    return mod
+
+
+try:
+    import xxhash  # noqa: F401 - imported here so that the reference model finds it or the stand-in
+except ImportError:
+    sys.modules["xxhash"] = _xxhash_fallback()
+
 HEAD_DIM = 512
 RECORD_BYTES = 584
 WINDOW = 128
@@ -40,6 +101,10 @@ DAEMON = None
 REF_PATH = None
 # Generous start-up limit: sanitizer builds start slower than the 1 s of the release build.
 START_TIMEOUT_S = float(os.environ.get("DSV4_IT_START_TIMEOUT", "20"))
+
+# The backend daemons are started with (None: the daemon's default, auto) and the name they report.
+BACKEND = os.environ.get("DSV4_TEST_BACKEND") or None
+BACKEND_NAME = os.environ.get("DSV4_TEST_BACKEND_NAME") or BACKEND or "cpu"
 
 # Small defaults for speed: 4 served layers (two plain RoPE, two YaRN), 8 heads, a 64-block pool.
 SMALL = ["--kv-blocks", "64", "--layers", "0-3", "--heads", "8", "--threads", "1"]
@@ -385,7 +450,10 @@ class Daemon:
         env = dict(os.environ)
         env.update(self.env or {})
         # The admin plane also gets an ephemeral port, so that daemons run side by side.
-        cmd = [DAEMON, "--host", "127.0.0.1", "--port", "0", "--admin-port", "0"] + self.args
+        cmd = [DAEMON, "--host", "127.0.0.1", "--port", "0", "--admin-port", "0"]
+        if BACKEND:
+            cmd += ["--backend", BACKEND]  # before the test's own arguments, which may override it
+        cmd += self.args
         self.cmd = cmd
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=self.tmp, env=env, stdin=subprocess.DEVNULL,

@@ -15,8 +15,13 @@
 #include "backend.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
+#include "cpu_staged.h"
 #include "engine.h"
 #include "model.h"
+
+/* The backend under test: "cpu", or "cpu_staged" (the engine's device staging path) from argv[1].
+ */
+static const char *backend = "cpu";
 
 #define HEADS 4
 #define BLOCKS 8
@@ -26,7 +31,7 @@ static const uint32_t served[1] = {0};
 
 static dsv4_engine_t *open_engine(void) {
   dsv4_engine_params_t p = {
-      .backend = "cpu",
+      .backend = backend,
       .threads = 1,
       .block_size = 64,
       .kv_blocks = BLOCKS,
@@ -161,7 +166,11 @@ static void test_start_near_int64_max(void **state) {
   dsv4_engine_destroy(e);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  if (argc > 1)
+    backend = argv[1];
+  if (dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open))
+    return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_segment_lengths_wrapping),
       cmocka_unit_test(test_start_near_int64_max),

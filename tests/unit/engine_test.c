@@ -16,8 +16,14 @@
 #include "backend.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
+#include "cpu_staged.h"
+#include "engine-internal.h"
 #include "engine.h"
 #include "model.h"
+
+/* The backend under test: "cpu", or "cpu_staged" (the engine's device staging path) from argv[1].
+ */
+static const char *backend = "cpu";
 
 /* ---- a CPU backend whose qkv_insert fails on demand ---- */
 
@@ -55,10 +61,26 @@ static int f_map(dsv4_backend_t *be, const dsv4_map_args_t *a) {
 }
 static int f_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   if (fail_next_insert) {
+    dsv4_backend_t *in = inner_of(be);
+    int64_t slot0 = -1;
     fail_next_insert = 0;
-    /* A device fault after part of the batch was written: write one record's worth of garbage. */
-    if (a->write_kv && a->slots[0] >= 0)
-      memset(a->cache + (uint64_t)(a->slots[0] / a->block_size) * a->stride, 0xA5, 64);
+    /* A device fault after part of the batch was written: write one record's worth of garbage,
+     * through the inner backend's copies when its memory is not host memory. */
+    if (in->ops->caps & DSV4_BE_HOST_MEMORY) {
+      slot0 = a->slots[0];
+      if (a->write_kv && slot0 >= 0)
+        memset(a->cache + (uint64_t)(slot0 / a->block_size) * a->stride, 0xA5, 64);
+    } else {
+      uint8_t junk[64];
+      dsv4_devbuf_t slots = {(void *)a->slots, sizeof(int64_t)};
+      dsv4_devbuf_t cache = {a->cache, (size_t)a->n_blocks * a->stride};
+      memset(junk, 0xA5, sizeof(junk));
+      assert_int_equal(in->ops->download(in, &slot0, &slots, 0, sizeof(slot0)), 0);
+      if (a->write_kv && slot0 >= 0)
+        assert_int_equal(in->ops->upload(in, &cache, (uint64_t)(slot0 / a->block_size) * a->stride,
+                                         junk, sizeof(junk)),
+                         0);
+    }
     return DSV4_EBACKEND;
   }
   return inner_of(be)->ops->qkv_insert(inner_of(be), a);
@@ -78,7 +100,7 @@ static int faulty_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, 
   int rc;
   if (!f)
     return DSV4_ENOMEM;
-  rc = dsv4_backend_open("cpu", opt, &f->inner, why, why_len);
+  rc = dsv4_backend_open(backend, opt, &f->inner, why, why_len);
   if (rc) {
     free(f);
     return rc;
@@ -107,9 +129,9 @@ static int faulty_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, 
 static dsv4_model_t model;
 static const uint32_t served[2] = {0, 2}; /* a plain and a YaRN layer of V4-Flash */
 
-static dsv4_engine_t *open_engine(const char *backend) {
+static dsv4_engine_t *open_engine_w(const char *name, const float *kv_norm_weights) {
   dsv4_engine_params_t p = {
-      .backend = backend,
+      .backend = name,
       .threads = 2,
       .block_size = 64,
       .kv_blocks = BLOCKS,
@@ -119,11 +141,16 @@ static dsv4_engine_t *open_engine(const char *backend) {
       .n_served = 2,
       .max_sequences = 64,
       .idle_timeout_ns = 0,
+      .kv_norm_weights = kv_norm_weights,
   };
   dsv4_engine_t *e = NULL;
   char why[256];
   assert_int_equal(dsv4_engine_create(&p, &e, why, sizeof(why)), 0);
   return e;
+}
+
+static dsv4_engine_t *open_engine(const char *name) {
+  return open_engine_w(name, NULL);
 }
 
 /* Deterministic small bf16 inputs for token t of a batch. */
@@ -201,6 +228,7 @@ static int group_setup(void **state) {
   (void)state;
   assert_int_equal(dsv4_model_builtin_flash(&model), 0);
   assert_int_equal(dsv4_backend_register("faulty", faulty_open), 0);
+  assert_int_equal(dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open), 0);
   return 0;
 }
 
@@ -215,7 +243,7 @@ static int group_teardown(void **state) {
 /* Prefill then decode across a block boundary on two layers: digests equal on two engines. */
 static void test_prefill_decode_deterministic(void **state) {
   (void)state;
-  dsv4_engine_t *a = open_engine("cpu"), *b = open_engine("faulty");
+  dsv4_engine_t *a = open_engine(backend), *b = open_engine("faulty");
   uint64_t da, db;
   for (uint32_t li = 0; li < 2; li++) {
     assert_int_equal(run1(a, served[li], 1, "s", 0, 60, li == 0, &da), 0);
@@ -241,7 +269,7 @@ static void test_prefill_decode_deterministic(void **state) {
 /* A batch refused for any reason leaves the next valid batch's bytes as on a fresh engine. */
 static void test_refused_batch_changes_nothing(void **state) {
   (void)state;
-  dsv4_engine_t *a = open_engine("cpu"), *fresh = open_engine("cpu");
+  dsv4_engine_t *a = open_engine(backend), *fresh = open_engine(backend);
   uint64_t da, df;
   assert_int_equal(run1(a, 0, 7, "x", 3, 10, 1, NULL), 0);
   assert_int_equal(run1(fresh, 0, 7, "x", 3, 10, 1, NULL), 0);
@@ -276,7 +304,7 @@ static void test_refused_batch_changes_nothing(void **state) {
 /* A replayed batch writes nothing and answers the same q_out and digest. */
 static void test_replay(void **state) {
   (void)state;
-  dsv4_engine_t *e = open_engine("cpu");
+  dsv4_engine_t *e = open_engine(backend);
   batch_t b1, b2;
   const char *names[1] = {"r"};
   int64_t starts[1] = {0};
@@ -329,12 +357,94 @@ static void test_device_failure_drops_batch(void **state) {
   dsv4_engine_destroy(e);
 }
 
-int main(void) {
+/* Every cache byte of every served layer, read through the engine (whatever memory it is in). */
+static uint8_t *cache_bytes(dsv4_engine_t *e, size_t *len) {
+  size_t per = (size_t)BLOCKS * DSV4_BLOCK_STRIDE(64);
+  uint8_t *all = malloc(per * 2);
+  assert_non_null(all);
+  for (uint32_t i = 0; i < 2; i++)
+    assert_int_equal(dsv4__engine_cache_read(e, i, 0, per, all + i * per), 0);
+  *len = per * 2;
+  return all;
+}
+
+/* One batch on two engines: both succeed with identical q_out, slots, digest and replay flag. */
+static void same_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint32_t layer, uint64_t seed,
+                       uint32_t n_segs, const char *const *names, const int64_t *starts,
+                       const uint32_t *lens, const int *is_new) {
+  batch_t ba, bb;
+  batch_make(&ba, layer, seed, n_segs, names, starts, lens, is_new);
+  batch_make(&bb, layer, seed, n_segs, names, starts, lens, is_new);
+  assert_int_equal(dsv4_engine_forward(a, &ba.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &bb.f), 0);
+  assert_memory_equal(ba.q_out, bb.q_out, (size_t)ba.n * HEADS * DSV4_HEAD_DIM * 2);
+  assert_memory_equal(ba.slots, bb.slots, ba.n * sizeof(int64_t));
+  assert_int_equal(ba.f.digest, bb.f.digest);
+  assert_int_equal(ba.f.replayed, bb.f.replayed);
+  batch_free(&ba);
+  batch_free(&bb);
+}
+
+/*
+ * The device staging path gives the host-memory path's bytes: q_out, slots, digests and every
+ * cache byte, over two-segment prefills across block boundaries, decode steps, a replay and the
+ * fused kv_norm (whose weights the engine uploads once). The staged backend refuses any launch
+ * argument that is not one of its device buffers, so this also shows that nothing reaches a launch
+ * unstaged.
+ */
+static void test_staged_matches_cpu(void **state) {
+  (void)state;
+  float w[2 * DSV4_HEAD_DIM];
+  for (int i = 0; i < 2 * DSV4_HEAD_DIM; i++)
+    w[i] = 0.5f + (float)(i % 37) / 16.0f;
+  for (int fused = 0; fused < 2; fused++) {
+    dsv4_engine_t *a = open_engine_w("cpu", fused ? w : NULL);
+    dsv4_engine_t *b = open_engine_w("cpu_staged", fused ? w : NULL);
+    assert_string_equal(dsv4_engine_backend_name(b), "cpu_staged");
+    const char *names[2] = {"u", "v"};
+    int64_t starts[2] = {0, 5};
+    uint32_t lens[2] = {70, 61};
+    int nw[2] = {1, 1};
+    for (uint32_t li = 0; li < 2; li++) {
+      nw[0] = nw[1] = li == 0;
+      same_batch(a, b, served[li], 40 + li, 2, names, starts, lens, nw);
+      same_batch(a, b, served[li], 40 + li, 2, names, starts, lens, nw); /* a replay */
+    }
+    for (int64_t step = 0; step < 70; step++)
+      for (uint32_t li = 0; li < 2; li++) {
+        int64_t st2[2] = {70 + step, 66 + step};
+        uint32_t one[2] = {1, 1};
+        int old[2] = {0, 0};
+        same_batch(a, b, served[li], 1000 + (uint64_t)step * 2 + li, 2, names, st2, one, old);
+      }
+    size_t la, lb;
+    uint8_t *ca = cache_bytes(a, &la), *cb = cache_bytes(b, &lb);
+    assert_int_equal(la, lb);
+    assert_memory_equal(ca, cb, la);
+    free(ca);
+    free(cb);
+    dsv4_test_cpu_staged_stats_t st;
+    dsv4_test_cpu_staged_stats(b->be, &st);
+    const size_t batches = 2 * 2 + 70 * 2;
+    assert_true(st.uploads >= 8 * batches);   /* 8 arrays per batch */
+    assert_true(st.downloads >= 3 * batches); /* q_out, slots and at least one digest read */
+    assert_true(st.syncs >= batches);
+    assert_int_equal(dsv4_engine_blocks_free(a), dsv4_engine_blocks_free(b));
+    dsv4_engine_destroy(a);
+    dsv4_engine_destroy(b);
+  }
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1)
+    backend = argv[1];
+  print_message("backend under test: %s\n", backend);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_prefill_decode_deterministic),
       cmocka_unit_test(test_refused_batch_changes_nothing),
       cmocka_unit_test(test_replay),
       cmocka_unit_test(test_device_failure_drops_batch),
+      cmocka_unit_test(test_staged_matches_cpu),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

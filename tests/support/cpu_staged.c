@@ -1,0 +1,226 @@
+/*
+ * The staged CPU backend (cpu_staged.h): device addresses are made up, translated back to the CPU
+ * backend's buffers only inside this file, so any use of them as host pointers outside it faults.
+ */
+#include "cpu_staged.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dsv4-layout.h"
+
+/* Device addresses start here: non-canonical on x86-64 (and beyond any 48-bit user address), so a
+ * host load or store through one faults instead of silently reading the right bytes. */
+#define DEV_BASE ((uintptr_t)0xdead000000000000ull)
+#define DEV_ALIGN ((uintptr_t)4096)
+
+typedef struct {
+  uintptr_t dev;
+  dsv4_devbuf_t real; /* the inner CPU backend's buffer */
+} staged_buf_t;
+
+typedef struct {
+  dsv4_backend_t base; /* first */
+  dsv4_backend_t *inner;
+  dsv4_backend_ops_t ops;
+  staged_buf_t *bufs;
+  size_t n_bufs, cap_bufs;
+  uintptr_t next_dev;
+  dsv4_test_cpu_staged_stats_t stats;
+} staged_t;
+
+static staged_t *staged_of(dsv4_backend_t *be) {
+  return (staged_t *)be;
+}
+
+/* The host address of [p, p + n) when it lies inside one buffer, else NULL. */
+static void *to_host(staged_t *s, const void *p, size_t n) {
+  uintptr_t a = (uintptr_t)p;
+  for (size_t i = 0; i < s->n_bufs; i++) {
+    staged_buf_t *b = &s->bufs[i];
+    if (a >= b->dev && a - b->dev <= b->real.size && n <= b->real.size - (a - b->dev))
+      return (uint8_t *)b->real.ptr + (a - b->dev);
+  }
+  return NULL;
+}
+
+/* The buffer a devbuf names: its address is a buffer's start, its size at most that buffer's. */
+static staged_buf_t *find_buf(staged_t *s, const dsv4_devbuf_t *d) {
+  for (size_t i = 0; d && i < s->n_bufs; i++)
+    if (s->bufs[i].dev == (uintptr_t)d->ptr && d->size <= s->bufs[i].real.size)
+      return &s->bufs[i];
+  return NULL;
+}
+
+static void st_destroy(dsv4_backend_t *be) {
+  staged_t *s = staged_of(be);
+  for (size_t i = 0; i < s->n_bufs; i++)
+    s->inner->ops->buf_free(s->inner, &s->bufs[i].real);
+  dsv4_backend_close(s->inner);
+  free(s->bufs);
+  free(s);
+}
+
+static int st_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
+  staged_t *s = staged_of(be);
+  if (!out)
+    return DSV4_EINVAL;
+  if (s->n_bufs == s->cap_bufs) {
+    size_t cap = s->cap_bufs ? 2 * s->cap_bufs : 16;
+    staged_buf_t *nb = realloc(s->bufs, cap * sizeof(*nb));
+    if (!nb)
+      return DSV4_ENOMEM;
+    s->bufs = nb;
+    s->cap_bufs = cap;
+  }
+  staged_buf_t *b = &s->bufs[s->n_bufs];
+  int rc = s->inner->ops->buf_alloc(s->inner, size, &b->real);
+  if (rc)
+    return rc;
+  b->dev = s->next_dev;
+  /* A guard gap after each buffer: a pointer one past the end of one is inside no other. */
+  s->next_dev += (size + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN + DEV_ALIGN;
+  s->n_bufs++;
+  out->ptr = (void *)b->dev;
+  out->size = size;
+  return 0;
+}
+
+static void st_free(dsv4_backend_t *be, dsv4_devbuf_t *d) {
+  staged_t *s = staged_of(be);
+  staged_buf_t *b = find_buf(s, d);
+  if (!b)
+    return;
+  s->inner->ops->buf_free(s->inner, &b->real);
+  *b = s->bufs[--s->n_bufs];
+  d->ptr = NULL;
+  d->size = 0;
+}
+
+static int st_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
+                     size_t n) {
+  staged_t *s = staged_of(be);
+  staged_buf_t *b = find_buf(s, dst);
+  if (!b || off > dst->size || n > dst->size - off || (n && !src))
+    return DSV4_EINVAL;
+  /* The source must be host memory: a device address here would be a staging bug. */
+  if (n && to_host(s, src, 0))
+    return DSV4_EINVAL;
+  s->stats.uploads++;
+  return s->inner->ops->upload(s->inner, &b->real, off, src, n);
+}
+
+static int st_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                       size_t n) {
+  staged_t *s = staged_of(be);
+  staged_buf_t *b = find_buf(s, src);
+  if (!b || off > src->size || n > src->size - off || (n && !dst))
+    return DSV4_EINVAL;
+  if (n && to_host(s, dst, 0))
+    return DSV4_EINVAL;
+  s->stats.downloads++;
+  return s->inner->ops->download(s->inner, dst, &b->real, off, n);
+}
+
+/* Translate field f of a launch (n bytes from it); a field that is not inside a buffer refuses the
+ * launch. */
+#define XLATE(s, f, n)                                                                             \
+  do {                                                                                             \
+    void *h_ = to_host((s), (f), (n));                                                             \
+    if (!h_)                                                                                       \
+      return DSV4_EINVAL;                                                                          \
+    (f) = h_;                                                                                      \
+  } while (0)
+
+static int st_map(dsv4_backend_t *be, const dsv4_map_args_t *a) {
+  staged_t *s = staged_of(be);
+  if (!a)
+    return DSV4_EINVAL;
+  dsv4_map_args_t h = *a;
+  size_t n = a->n_tokens, nseg = a->n_segments;
+  XLATE(s, h.positions, n * sizeof(int64_t));
+  XLATE(s, h.tok_seg, n * sizeof(int32_t));
+  XLATE(s, h.seg_first_lb, nseg * sizeof(int64_t));
+  XLATE(s, h.seg_bt_off, nseg * sizeof(uint32_t));
+  XLATE(s, h.seg_bt_len, nseg * sizeof(uint32_t));
+  XLATE(s, h.slots, n * sizeof(int64_t));
+  uint64_t bt = 0;
+  for (size_t i = 0; i < nseg; i++)
+    if ((uint64_t)h.seg_bt_off[i] + h.seg_bt_len[i] > bt)
+      bt = (uint64_t)h.seg_bt_off[i] + h.seg_bt_len[i];
+  if (nseg)
+    XLATE(s, h.block_table, bt * sizeof(int32_t));
+  s->stats.launches++;
+  return s->inner->ops->map_slots(s->inner, &h);
+}
+
+static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
+  staged_t *s = staged_of(be);
+  if (!a)
+    return DSV4_EINVAL;
+  dsv4_insert_args_t h = *a;
+  size_t n = a->n_tokens, q_bytes = n * a->heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  XLATE(s, h.q, q_bytes);
+  XLATE(s, h.kv, n * DSV4_HEAD_DIM * sizeof(uint16_t));
+  XLATE(s, h.positions, n * sizeof(int64_t));
+  XLATE(s, h.slots, n * sizeof(int64_t));
+  XLATE(s, h.q_out, q_bytes);
+  if (h.kv_norm_weight)
+    XLATE(s, h.kv_norm_weight, DSV4_HEAD_DIM * sizeof(float));
+  if (h.write_kv)
+    XLATE(s, h.cache, (size_t)a->n_blocks * a->stride);
+  /* The RoPE table is a host structure by contract (a device backend mirrors its rows). */
+  s->stats.launches++;
+  return s->inner->ops->qkv_insert(s->inner, &h);
+}
+
+static int st_sync(dsv4_backend_t *be) {
+  staged_t *s = staged_of(be);
+  s->stats.syncs++;
+  return s->inner->ops->sync(s->inner);
+}
+
+static void st_host_parallel(dsv4_backend_t *be, void (*fn)(void *, size_t, size_t), void *arg,
+                             size_t n) {
+  staged_t *s = staged_of(be);
+  s->inner->ops->host_parallel(s->inner, fn, arg, n);
+}
+
+int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
+                              size_t why_len) {
+  staged_t *s = calloc(1, sizeof(*s));
+  int rc;
+  if (!s || !out) {
+    free(s);
+    return s ? DSV4_EINVAL : DSV4_ENOMEM;
+  }
+  rc = dsv4_backend_open("cpu", opt, &s->inner, why, why_len);
+  if (rc) {
+    free(s);
+    return rc;
+  }
+  s->ops = *s->inner->ops;
+  s->ops.name = "cpu_staged";
+  s->ops.caps = 0; /* no DSV4_BE_HOST_MEMORY: the engine must stage */
+  s->ops.destroy = st_destroy;
+  s->ops.buf_alloc = st_alloc;
+  s->ops.buf_free = st_free;
+  s->ops.upload = st_upload;
+  s->ops.download = st_download;
+  s->ops.map_slots = st_map;
+  s->ops.qkv_insert = st_insert;
+  s->ops.sync = st_sync;
+  s->ops.host_parallel = s->inner->ops->host_parallel ? st_host_parallel : NULL;
+  s->next_dev = DEV_BASE;
+  s->base.ops = &s->ops;
+  *out = &s->base;
+  return 0;
+}
+
+void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out) {
+  staged_t *s = staged_of(be);
+  *out = s->stats;
+  out->live_buffers = s->n_bufs;
+}

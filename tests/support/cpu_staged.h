@@ -1,0 +1,30 @@
+#ifndef DSV4_TESTS_CPU_STAGED_H
+#define DSV4_TESTS_CPU_STAGED_H
+
+/*
+ * Test-only backend "cpu_staged": the CPU backend behind the interface of a device backend. It
+ * reports no DSV4_BE_HOST_MEMORY, keeps every buffer in an allocation of its own and hands out
+ * addresses that are not host addresses (dereferencing one faults), so the engine can only reach
+ * the bytes through upload/download, and a launch whose argument points anywhere but into one of
+ * its buffers is refused with DSV4_EINVAL. The bytes it computes are the CPU backend's.
+ *
+ * Never built into the daemon that is installed: tests link it, and the test daemon dsv4d_staged
+ * opens it for backend = cpu.
+ */
+
+#include <stddef.h>
+
+#include "backend.h"
+
+int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
+                              size_t why_len);
+
+/* Counters of the staged backend be (for tests that check the engine staged what it should). */
+typedef struct {
+  size_t uploads, downloads, launches, syncs;
+  size_t live_buffers;
+} dsv4_test_cpu_staged_stats_t;
+
+void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out);
+
+#endif /* DSV4_TESTS_CPU_STAGED_H */
