@@ -1,0 +1,314 @@
+#include "commands.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "client.h"
+#include "dsv4-error.h"
+#include "fmt.h"
+#include "verify.h"
+
+typedef struct {
+  const dsv4_ctl_args_t *a;
+  FILE *out, *err;
+  dsv4_ctl_url_t url;
+  char *token;
+  dsv4_ctl_request_t req;
+} ctx_t;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A daemon's answer other than 200: the error line on err (and with --json the document itself on
+ * out, for scripts that read the code). Exit 1. */
+static int daemon_error(ctx_t *c, const char *target, const dsv4_ctl_response_t *r) {
+  char line[512];
+  dsv4_ctl_format_error(r->status, r->body, r->body_len, line, sizeof(line));
+  if (r->retry_after[0])
+    fprintf(c->err, "dsv4ctl: GET %s: %s (retry after %s s)\n", target, line, r->retry_after);
+  else
+    fprintf(c->err, "dsv4ctl: GET %s: %s\n", target, line);
+  if (c->a->json && r->body) {
+    json_t *doc = json_loadb(r->body, r->body_len, 0, NULL);
+    if (doc) {
+      json_dumpf(doc, c->out, JSON_COMPACT);
+      fputc('\n', c->out);
+      json_decref(doc);
+    }
+  }
+  return DSV4_CTL_EXIT_ERROR;
+}
+
+/* GET target and parse its JSON document: 0 with *doc, or the exit code after printing why. */
+static int get_json(ctx_t *c, const char *target, json_t **doc) {
+  *doc = NULL;
+  dsv4_ctl_response_t r;
+  char err[DSV4_CTL_ERR_LEN];
+  int rc = dsv4_ctl_get(&c->req, target, &r, err, sizeof(err));
+  if (rc != 0) {
+    fprintf(c->err, "dsv4ctl: GET %s: %s\n", target, err);
+    return DSV4_CTL_EXIT_USAGE;
+  }
+  if (r.status != 200) {
+    rc = daemon_error(c, target, &r);
+    dsv4_ctl_response_free(&r);
+    return rc;
+  }
+  json_error_t je;
+  *doc = json_loadb(r.body ? r.body : "", r.body_len, 0, &je);
+  if (!*doc || !json_is_object(*doc)) {
+    fprintf(c->err, "dsv4ctl: GET %s: the answer is not a JSON object (%s)\n", target,
+            *doc ? "another JSON value" : je.text);
+    json_decref(*doc);
+    *doc = NULL;
+    dsv4_ctl_response_free(&r);
+    return DSV4_CTL_EXIT_USAGE;
+  }
+  dsv4_ctl_response_free(&r);
+  return 0;
+}
+
+static int show(ctx_t *c, const char *target, void (*print)(FILE *, const json_t *)) {
+  json_t *doc;
+  int rc = get_json(c, target, &doc);
+  if (rc != 0)
+    return rc;
+  if (c->a->json) {
+    json_dumpf(doc, c->out, JSON_COMPACT);
+    fputc('\n', c->out);
+  } else {
+    print(c->out, doc);
+  }
+  json_decref(doc);
+  return DSV4_CTL_EXIT_OK;
+}
+
+/* -- dump: the body goes straight to FILE.part; the rename happens only after it all arrived. */
+
+typedef struct {
+  ctx_t *c;
+  const char *part;
+  int fd;
+  int show; /* 0 none, 1 a line rewritten in place (tty), 2 a line per second */
+  uint64_t got;
+  int64_t total;
+  double t0, last;
+  char why[DSV4_CTL_ERR_LEN];
+} dump_t;
+
+static void progress(dump_t *d, int final) {
+  if (!d->show)
+    return;
+  double t = now_s();
+  if (!final && t - d->last < (d->show == 1 ? 0.1 : 1.0))
+    return;
+  d->last = t;
+  double mib = (double)d->got / (1024.0 * 1024.0), el = t - d->t0;
+  char tot[64] = "";
+  if (d->total >= 0)
+    snprintf(tot, sizeof(tot), " / %.2f MiB (%3.0f%%)", (double)d->total / (1024.0 * 1024.0),
+             d->total ? 100.0 * (double)d->got / (double)d->total : 100.0);
+  fprintf(d->c->err, "%sdump %s: %.2f MiB%s, %.1f MiB/s%s", d->show == 1 ? "\r" : "", d->c->a->seq,
+          mib, tot, el > 0 ? mib / el : 0.0, d->show == 1 && !final ? "   " : "\n");
+  fflush(d->c->err);
+}
+
+static int dump_headers(void *ud, const dsv4_ctl_response_t *r) {
+  dump_t *d = ud;
+  if (r->status != 200)
+    return 0; /* an error document: buffer it */
+  d->total = r->content_length;
+  d->fd = open(d->part, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (d->fd < 0) {
+    snprintf(d->why, sizeof(d->why), "%s: %s", d->part, strerror(errno));
+    return DSV4_EIO;
+  }
+  d->t0 = d->last = now_s();
+  progress(d, 0);
+  return 1;
+}
+
+static int dump_data(void *ud, const uint8_t *p, size_t n) {
+  dump_t *d = ud;
+  while (n > 0) {
+    ssize_t w = write(d->fd, p, n);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0) {
+      snprintf(d->why, sizeof(d->why), "writing %s: %s", d->part, strerror(errno));
+      return DSV4_EIO;
+    }
+    p += w;
+    n -= (size_t)w;
+    d->got += (uint64_t)w;
+  }
+  progress(d, 0);
+  return 0;
+}
+
+static int cmd_dump(ctx_t *c, const char *target) {
+  const dsv4_ctl_args_t *a = c->a;
+  size_t plen = strlen(a->output) + 6;
+  char *part = malloc(plen);
+  if (!part) {
+    fprintf(c->err, "dsv4ctl: out of memory\n");
+    return DSV4_CTL_EXIT_USAGE;
+  }
+  snprintf(part, plen, "%s.part", a->output);
+  dump_t d = {.c = c, .part = part, .fd = -1, .total = -1};
+  d.show = a->progress == 1 ? (c->err && isatty(fileno(c->err)) ? 1 : 2) : 0;
+  dsv4_ctl_sink_t sink = {.on_headers = dump_headers, .on_data = dump_data, .ud = &d};
+  dsv4_ctl_request_t req = c->req;
+  req.sink = &sink;
+  dsv4_ctl_response_t r;
+  char err[DSV4_CTL_ERR_LEN];
+  int rc = dsv4_ctl_get(&req, target, &r, err, sizeof(err));
+  int exit_code = DSV4_CTL_EXIT_OK;
+  if (rc != 0) {
+    if (d.show == 1 && d.got)
+      fputc('\n', c->err);
+    fprintf(c->err, "dsv4ctl: GET %s: %s\n", target, d.why[0] ? d.why : err);
+    exit_code = DSV4_CTL_EXIT_USAGE;
+  } else if (r.status != 200) {
+    exit_code = daemon_error(c, target, &r);
+  } else if (r.content_length >= 0 && (uint64_t)r.content_length != d.got) {
+    fprintf(c->err, "dsv4ctl: GET %s: %" PRIu64 " bytes written of %lld\n", target, d.got,
+            (long long)r.content_length);
+    exit_code = DSV4_CTL_EXIT_USAGE;
+  } else {
+    progress(&d, 1);
+  }
+  if (rc == 0)
+    dsv4_ctl_response_free(&r);
+  if (d.fd >= 0) {
+    /* The file is renamed into place only once its bytes are on disk. */
+    if (exit_code == DSV4_CTL_EXIT_OK && fsync(d.fd) != 0) {
+      fprintf(c->err, "dsv4ctl: fsync %s: %s\n", part, strerror(errno));
+      exit_code = DSV4_CTL_EXIT_USAGE;
+    }
+    if (close(d.fd) != 0 && exit_code == DSV4_CTL_EXIT_OK) {
+      fprintf(c->err, "dsv4ctl: close %s: %s\n", part, strerror(errno));
+      exit_code = DSV4_CTL_EXIT_USAGE;
+    }
+    if (exit_code == DSV4_CTL_EXIT_OK && rename(part, a->output) != 0) {
+      fprintf(c->err, "dsv4ctl: rename %s to %s: %s\n", part, a->output, strerror(errno));
+      exit_code = DSV4_CTL_EXIT_USAGE;
+    }
+    if (exit_code != DSV4_CTL_EXIT_OK)
+      unlink(part);
+  }
+  free(part);
+  if (exit_code != DSV4_CTL_EXIT_OK)
+    return exit_code;
+
+  /* What arrived is checked like any file: the digests the daemon computed against the bytes. */
+  dsv4_ctl_verify_t v;
+  rc = dsv4_ctl_verify_file(a->output, &v);
+  if (rc != 0) {
+    fprintf(c->err, "dsv4ctl: %s: the dump is not well-formed: %s\n", a->output, v.error);
+    exit_code = DSV4_CTL_EXIT_USAGE;
+  } else {
+    dsv4_ctl_verify_print(c->out, a->output, &v, a->json);
+    exit_code = dsv4_ctl_verify_all_ok(&v) ? DSV4_CTL_EXIT_OK : DSV4_CTL_EXIT_ERROR;
+  }
+  dsv4_ctl_verify_free(&v);
+  return exit_code;
+}
+
+static int cmd_verify(const dsv4_ctl_args_t *a, FILE *out, FILE *err) {
+  dsv4_ctl_verify_t v;
+  int rc = dsv4_ctl_verify_file(a->file, &v);
+  int exit_code;
+  if (rc != 0) {
+    fprintf(err, "dsv4ctl: verify %s: %s\n", a->file, v.error);
+    exit_code = DSV4_CTL_EXIT_USAGE;
+  } else {
+    dsv4_ctl_verify_print(out, a->file, &v, a->json);
+    exit_code = dsv4_ctl_verify_all_ok(&v) ? DSV4_CTL_EXIT_OK : DSV4_CTL_EXIT_ERROR;
+  }
+  dsv4_ctl_verify_free(&v);
+  return exit_code;
+}
+
+int dsv4_ctl_run(const dsv4_ctl_args_t *a, FILE *out, FILE *err, int err_is_tty) {
+  switch (a->cmd) {
+  case DSV4_CTL_CMD_HELP:
+    fputs(dsv4_ctl_usage, out);
+    return DSV4_CTL_EXIT_OK;
+  case DSV4_CTL_CMD_VERSION:
+    fprintf(out, "dsv4ctl %s\n", DSV4_VERSION);
+    return DSV4_CTL_EXIT_OK;
+  case DSV4_CTL_CMD_VERIFY:
+    return cmd_verify(a, out, err);
+  default:
+    break;
+  }
+
+  ctx_t c = {.a = a, .out = out, .err = err};
+  char msg[DSV4_CTL_ERR_LEN];
+  if (dsv4_ctl_url_parse(a->admin, &c.url, msg, sizeof(msg)) != 0) {
+    fprintf(err, "dsv4ctl: %s\n", msg);
+    return DSV4_CTL_EXIT_USAGE;
+  }
+  if (a->token_file && dsv4_ctl_read_token(a->token_file, &c.token, msg, sizeof(msg)) != 0) {
+    fprintf(err, "dsv4ctl: %s\n", msg);
+    return DSV4_CTL_EXIT_USAGE;
+  }
+  c.req.url = &c.url;
+  c.req.token = c.token;
+  c.req.timeout_ms = a->timeout_ms;
+
+  char target[512];
+  int rc;
+  switch (a->cmd) {
+  case DSV4_CTL_CMD_STATUS:
+    rc = show(&c, "/admin/v1/cache", dsv4_ctl_print_cache);
+    break;
+  case DSV4_CTL_CMD_SEQ:
+    if (a->seq) {
+      snprintf(target, sizeof(target), "/admin/v1/sequences/%s", a->seq);
+      rc = show(&c, target, dsv4_ctl_print_sequence);
+    } else {
+      rc = show(&c, "/admin/v1/sequences", dsv4_ctl_print_sequences);
+    }
+    break;
+  case DSV4_CTL_CMD_TOKEN:
+    snprintf(target, sizeof(target), "/admin/v1/sequences/%s/tokens/%" PRId64 "?layer=%" PRIu32,
+             a->seq, a->pos, a->layer);
+    rc = show(&c, target, dsv4_ctl_print_token);
+    break;
+  case DSV4_CTL_CMD_CHECKSUM:
+    snprintf(target, sizeof(target), "/admin/v1/checksums?layer=%" PRIu32 "%s%s", a->layer,
+             a->seq ? "&seq=" : "", a->seq ? a->seq : "");
+    rc = show(&c, target, dsv4_ctl_print_checksums);
+    break;
+  case DSV4_CTL_CMD_DUMP: {
+    char layers[48] = "";
+    if (a->has_layers)
+      snprintf(layers, sizeof(layers), "&layers=%" PRIu32 "-%" PRIu32, a->layer_first,
+               a->layer_last);
+    snprintf(target, sizeof(target), "/admin/v1/dump?seq=%s%s", a->seq, layers);
+    dsv4_ctl_args_t copy = *a;
+    if (copy.progress < 0)
+      copy.progress = err_is_tty;
+    c.a = &copy;
+    rc = cmd_dump(&c, target);
+    break;
+  }
+  default:
+    fprintf(err, "dsv4ctl: no command\n");
+    rc = DSV4_CTL_EXIT_USAGE;
+  }
+  free(c.token);
+  return rc;
+}

@@ -1,0 +1,349 @@
+#include "verify.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "args.h"
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+#include "records.h"
+#include "safetensors.h"
+
+__attribute__((format(printf, 2, 3))) static int fail(dsv4_ctl_verify_t *v, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(v->error, sizeof(v->error), fmt, ap);
+  va_end(ap);
+  return DSV4_EINVAL;
+}
+
+static void copy_meta(const dsv4_st_view_t *st, const char *key, char *dst, size_t cap) {
+  const char *s = dsv4_st_meta(st, key);
+  snprintf(dst, cap, "%s", s ? s : "");
+}
+
+static int is_hex16(const char *s) {
+  if (strlen(s) != 16)
+    return 0;
+  for (int i = 0; i < 16; i++)
+    if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f')))
+      return 0;
+  return 1;
+}
+
+/* "layers.{L}.records" or "layers.{L}.positions" with L a decimal without leading zeros: the layer
+ * and which of the two (0 records, 1 positions), or -1 for any other name. */
+static int tensor_kind(const char *name, uint32_t *layer) {
+  if (strncmp(name, "layers.", 7) != 0)
+    return -1;
+  const char *p = name + 7;
+  uint64_t l = 0;
+  const char *d = p;
+  while (*p >= '0' && *p <= '9') {
+    l = l * 10 + (uint64_t)(*p - '0');
+    if (l > INT32_MAX)
+      return -1;
+    p++;
+  }
+  if (p == d || (p - d > 1 && *d == '0'))
+    return -1;
+  *layer = (uint32_t)l;
+  if (strcmp(p, ".records") == 0)
+    return 0;
+  if (strcmp(p, ".positions") == 0)
+    return 1;
+  return -1;
+}
+
+/* A metadata key whose value, when present, must be exactly want. */
+static int check_fixed(dsv4_ctl_verify_t *v, const dsv4_st_view_t *st, const char *key,
+                       const char *want) {
+  const char *s = dsv4_st_meta(st, key);
+  if (s && strcmp(s, want) != 0)
+    return fail(v, "metadata %s is \"%.64s\", a dump has \"%s\"", key, s, want);
+  return 0;
+}
+
+static int64_t le64(const uint8_t *p) {
+  uint64_t x = 0;
+  for (int i = 7; i >= 0; i--)
+    x = (x << 8) | p[i];
+  return (int64_t)x;
+}
+
+/* Recompute one layer's digest and check its positions (increasing by one from the first, as the
+ * stored range of SPEC §3.1 is, and agreeing with positions.{L} when given). */
+static int check_layer(const dsv4_st_view_t *st, dsv4_records_digest_t *d,
+                       const dsv4_st_tensor_t *rec, const dsv4_st_tensor_t *pos,
+                       dsv4_ctl_layer_check_t *c) {
+  uint64_t t = (uint64_t)pos->shape[0];
+  c->records = t;
+  dsv4_records_digest_reset(d);
+  for (uint64_t i = 0; i < t; i++) {
+    int64_t p = le64(pos->data + 8 * i);
+    if (i == 0)
+      c->first = p;
+    else if (p != c->last + 1 && !c->problem[0])
+      snprintf(c->problem, sizeof(c->problem),
+               "positions not consecutive: %lld follows %lld at index %llu", (long long)p,
+               (long long)c->last, (unsigned long long)i);
+    c->last = p;
+    if (p < 0 && !c->problem[0])
+      snprintf(c->problem, sizeof(c->problem), "negative position %lld at index %llu", (long long)p,
+               (unsigned long long)i);
+    dsv4_records_digest_add(d, p, rec->data + (size_t)i * DSV4_RECORD_BYTES);
+  }
+  dsv4_digest_hex(dsv4_records_digest_value(d), c->computed);
+
+  char key[48];
+  snprintf(key, sizeof(key), "positions.%u", c->layer);
+  const char *range = dsv4_st_meta(st, key);
+  if (range && !c->problem[0]) {
+    char want[48] = "";
+    if (t > 0)
+      snprintf(want, sizeof(want), "%lld-%lld", (long long)c->first, (long long)c->last);
+    if (strcmp(range, want) != 0)
+      snprintf(c->problem, sizeof(c->problem),
+               "metadata %s is \"%.32s\" but the tensor holds \"%s\"", key, range, want);
+  }
+  c->ok = strcmp(c->expected, c->computed) == 0 && !c->problem[0];
+  return 0;
+}
+
+int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *out) {
+  memset(out, 0, sizeof(*out));
+  out->file_bytes = len;
+  dsv4_st_view_t st;
+  int rc = dsv4_st_parse(buf, len, &st);
+  if (rc != 0) {
+    if (rc == DSV4_ENOMEM)
+      return fail(out, "out of memory reading the header");
+    return fail(out, "not a safetensors file: %s", st.error);
+  }
+  copy_meta(&st, "seq", out->seq, sizeof(out->seq));
+  copy_meta(&st, "p0", out->p0, sizeof(out->p0));
+  copy_meta(&st, "instance", out->instance, sizeof(out->instance));
+  copy_meta(&st, "version", out->version, sizeof(out->version));
+
+  const dsv4_st_tensor_t **rec = NULL, **pos = NULL;
+  dsv4_records_digest_t *d = NULL;
+  const char *layout = dsv4_st_meta(&st, "layout");
+  const char *range = dsv4_st_meta(&st, "layers");
+  uint32_t a = 0, b = 0;
+  size_t n = 0;
+  if (!layout)
+    rc = fail(out, "metadata has no \"layout\" (a dump has layout \"fp8_ds_mla\")");
+  else if (strcmp(layout, "fp8_ds_mla") != 0)
+    rc = fail(out, "metadata layout is \"%.64s\", a dump has \"fp8_ds_mla\"", layout);
+  else if ((rc = check_fixed(out, &st, "fp8", "F8_E4M3FN")) != 0 ||
+           (rc = check_fixed(out, &st, "scale", "UE8M0")) != 0 ||
+           (rc = check_fixed(out, &st, "record_bytes", "584")) != 0 ||
+           (rc = check_fixed(out, &st, "window", "128")) != 0)
+    ;
+  else if (!range)
+    rc = fail(out, "metadata has no \"layers\" range");
+  else if (dsv4_ctl_parse_layers(range, &a, &b) != 0)
+    rc = fail(out, "metadata layers \"%.64s\" is not a range a-b", range);
+  else if ((uint64_t)b - a + 1 > st.n_tensors / 2 || st.n_tensors != 2 * ((size_t)b - a + 1))
+    rc = fail(out,
+              "metadata layers \"%s\" names %llu layers but the file has %zu tensors (two "
+              "per layer)",
+              range, (unsigned long long)b - a + 1, st.n_tensors);
+  if (rc != 0)
+    goto done;
+  n = (size_t)b - a + 1;
+  rec = calloc(n, sizeof(*rec));
+  pos = calloc(n, sizeof(*pos));
+  out->layers = calloc(n, sizeof(*out->layers));
+  if (!rec || !pos || !out->layers) {
+    rc = fail(out, "out of memory");
+    goto done;
+  }
+
+  /* Every tensor is one of the two of a layer in the range, with the dump's dtype and shape. */
+  for (size_t i = 0; i < st.n_tensors; i++) {
+    const dsv4_st_tensor_t *t = &st.tensors[i];
+    uint32_t l;
+    int kind = tensor_kind(t->name, &l);
+    if (kind < 0) {
+      rc = fail(out, "tensor \"%.64s\" is not layers.{L}.records or layers.{L}.positions", t->name);
+      goto done;
+    }
+    if (l < a || l > b) {
+      rc = fail(out, "tensor \"%.64s\" is outside the layers %s of the metadata", t->name, range);
+      goto done;
+    }
+    if (kind == 0) {
+      if (t->dtype != DSV4_ST_U8 || t->ndim != 2 || t->shape[1] != DSV4_RECORD_BYTES) {
+        rc = fail(out, "tensor \"%.64s\" must be U8 [T, %d]", t->name, DSV4_RECORD_BYTES);
+        goto done;
+      }
+      rec[l - a] = t;
+    } else {
+      if (t->dtype != DSV4_ST_I64 || t->ndim != 1) {
+        rc = fail(out, "tensor \"%.64s\" must be I64 [T]", t->name);
+        goto done;
+      }
+      pos[l - a] = t;
+    }
+  }
+  /* Every digest.{L} key belongs to a layer of the range. */
+  for (size_t i = 0; i < st.n_meta; i++) {
+    const char *k = st.meta[i].key;
+    if (strncmp(k, "digest.", 7) == 0) {
+      char name[64];
+      uint32_t l;
+      snprintf(name, sizeof(name), "layers.%.40s.records", k + 7);
+      if (tensor_kind(name, &l) != 0 || l < a || l > b) {
+        rc = fail(out, "metadata %.64s names no layer of the range %s", k, range);
+        goto done;
+      }
+    }
+  }
+  rc = dsv4_records_digest_create(&d);
+  if (rc != 0) {
+    rc = fail(out, "out of memory");
+    goto done;
+  }
+  for (size_t i = 0; i < n; i++) {
+    dsv4_ctl_layer_check_t *c = &out->layers[i];
+    c->layer = a + (uint32_t)i;
+    if (!rec[i] || !pos[i]) {
+      rc = fail(out, "layer %u has no layers.%u.%s tensor", c->layer, c->layer,
+                rec[i] ? "positions" : "records");
+      goto done;
+    }
+    if (rec[i]->shape[0] != pos[i]->shape[0]) {
+      rc = fail(out, "layer %u has %lld records but %lld positions", c->layer,
+                (long long)rec[i]->shape[0], (long long)pos[i]->shape[0]);
+      goto done;
+    }
+    char key[32];
+    snprintf(key, sizeof(key), "digest.%u", c->layer);
+    const char *want = dsv4_st_meta(&st, key);
+    if (!want) {
+      rc = fail(out, "metadata has no %s", key);
+      goto done;
+    }
+    if (!is_hex16(want)) {
+      rc = fail(out, "metadata %s \"%.64s\" is not 16 lowercase hex digits", key, want);
+      goto done;
+    }
+    memcpy(c->expected, want, 17);
+    check_layer(&st, d, rec[i], pos[i], c);
+    out->n_layers++;
+  }
+
+done:
+  if (d)
+    dsv4_records_digest_destroy(d);
+  free(rec);
+  free(pos);
+  dsv4_st_view_free(&st);
+  return rc;
+}
+
+int dsv4_ctl_verify_file(const char *path, dsv4_ctl_verify_t *out) {
+  memset(out, 0, sizeof(*out));
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    snprintf(out->error, sizeof(out->error), "%s: %s", path, strerror(errno));
+    return DSV4_EIO;
+  }
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    snprintf(out->error, sizeof(out->error), "%s: not a regular file", path);
+    close(fd);
+    return DSV4_EIO;
+  }
+  size_t len = (size_t)sb.st_size;
+  const uint8_t *buf = (const uint8_t *)"";
+  void *map = NULL;
+  if (len > 0) {
+    map = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) {
+      snprintf(out->error, sizeof(out->error), "%s: mmap: %s", path, strerror(errno));
+      close(fd);
+      return DSV4_EIO;
+    }
+    buf = map;
+  }
+  close(fd);
+  int rc = dsv4_ctl_verify_buffer(buf, len, out);
+  if (map)
+    munmap(map, len);
+  return rc;
+}
+
+void dsv4_ctl_verify_free(dsv4_ctl_verify_t *v) {
+  free(v->layers);
+  v->layers = NULL;
+  v->n_layers = 0;
+}
+
+int dsv4_ctl_verify_all_ok(const dsv4_ctl_verify_t *v) {
+  for (size_t i = 0; i < v->n_layers; i++)
+    if (!v->layers[i].ok)
+      return 0;
+  return 1;
+}
+
+void dsv4_ctl_verify_print(FILE *out, const char *path, const dsv4_ctl_verify_t *v, int json) {
+  if (json) {
+    json_t *doc = json_object();
+    json_t *layers = json_array();
+    for (size_t i = 0; i < v->n_layers; i++) {
+      const dsv4_ctl_layer_check_t *c = &v->layers[i];
+      json_t *l = json_pack("{s:I, s:I, s:o, s:o, s:s, s:s, s:b}", "layer", (json_int_t)c->layer,
+                            "records", (json_int_t)c->records, "first",
+                            c->records ? json_integer(c->first) : json_null(), "last",
+                            c->records ? json_integer(c->last) : json_null(), "expected",
+                            c->expected, "computed", c->computed, "ok", c->ok);
+      if (c->problem[0])
+        json_object_set_new(l, "problem", json_string(c->problem));
+      json_array_append_new(layers, l);
+    }
+    json_object_set_new(doc, "file", json_string(path));
+    json_object_set_new(doc, "ok", json_boolean(dsv4_ctl_verify_all_ok(v)));
+    json_object_set_new(doc, "bytes", json_integer((json_int_t)v->file_bytes));
+    json_object_set_new(doc, "seq", json_string(v->seq));
+    json_object_set_new(doc, "p0", json_string(v->p0));
+    json_object_set_new(doc, "instance", json_string(v->instance));
+    json_object_set_new(doc, "layers", layers);
+    json_dumpf(doc, out, JSON_COMPACT);
+    fputc('\n', out);
+    json_decref(doc);
+    return;
+  }
+  fprintf(out, "%s: %llu bytes, seq %s, p0 %s, instance %s\n", path,
+          (unsigned long long)v->file_bytes, v->seq[0] ? v->seq : "-", v->p0[0] ? v->p0 : "-",
+          v->instance[0] ? v->instance : "-");
+  fprintf(out, "%-5s  %7s  %-17s  %-16s  %-16s  %s\n", "LAYER", "RECORDS", "POSITIONS", "EXPECTED",
+          "COMPUTED", "OK");
+  size_t bad = 0;
+  for (size_t i = 0; i < v->n_layers; i++) {
+    const dsv4_ctl_layer_check_t *c = &v->layers[i];
+    char range[48] = "-";
+    if (c->records)
+      snprintf(range, sizeof(range), "%lld-%lld", (long long)c->first, (long long)c->last);
+    const char *verdict = c->ok ? "ok" : strcmp(c->expected, c->computed) != 0 ? "MISMATCH" : "BAD";
+    fprintf(out, "%-5u  %7llu  %-17s  %-16s  %-16s  %s", c->layer, (unsigned long long)c->records,
+            range, c->expected, c->computed, verdict);
+    if (c->problem[0])
+      fprintf(out, " (%s)", c->problem);
+    fputc('\n', out);
+    bad += !c->ok;
+  }
+  if (bad)
+    fprintf(out, "%zu of %zu layers do not match\n", bad, v->n_layers);
+  else
+    fprintf(out, "all %zu layers match\n", v->n_layers);
+}
