@@ -372,3 +372,18 @@ const float *dsv4_rope_table_row(const dsv4_rope_table_t *t, int64_t pos) {
 size_t dsv4_rope_table_bytes(const dsv4_rope_table_t *t) {
   return atomic_load_explicit(&((dsv4_rope_table_t *)t)->bytes, memory_order_relaxed);
 }
+
+int64_t dsv4_rope_table_positions(const dsv4_rope_table_t *t) {
+  return t->max_positions;
+}
+
+const float *dsv4_rope_table_chunk(const dsv4_rope_table_t *t, int64_t c, int64_t *rows) {
+  if (c < 0 || c >= t->nchunks)
+    return NULL;
+  float *chunk = atomic_load_explicit(&t->chunks[c], memory_order_acquire);
+  if (chunk && rows) {
+    int64_t left = t->max_positions - c * DSV4_ROPE_CHUNK_ROWS;
+    *rows = left < DSV4_ROPE_CHUNK_ROWS ? left : DSV4_ROPE_CHUNK_ROWS;
+  }
+  return chunk;
+}

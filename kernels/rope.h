@@ -68,6 +68,18 @@ const float *dsv4_rope_table_row(const dsv4_rope_table_t *t, int64_t pos);
 /* Bytes currently materialised (for metrics and the README's memory statement). */
 size_t dsv4_rope_table_bytes(const dsv4_rope_table_t *t);
 
+/* The positions the table covers (max_positions at creation). Any thread. */
+int64_t dsv4_rope_table_positions(const dsv4_rope_table_t *t);
+
+/*
+ * For a device backend that mirrors the rows: the rows of chunk c (positions from
+ * c * DSV4_ROPE_CHUNK_ROWS, *rows of them, fewer in the last chunk), contiguous, or NULL while the
+ * chunk is not materialised. A chunk appears only in dsv4_rope_table_ensure*, and
+ * dsv4_rope_table_bytes grows with every one, so a mirror rescans only when that changed. Any
+ * thread.
+ */
+const float *dsv4_rope_table_chunk(const dsv4_rope_table_t *t, int64_t c, int64_t *rows);
+
 #ifdef __cplusplus
 }
 #endif

@@ -250,7 +250,29 @@ static void test_table_lazy(void **state) {
 
   /* A table whose length is not a multiple of the chunk: the last chunk holds only its rows. */
   assert_int_equal(dsv4_rope_table_create(inv, 1000, &t), 0);
+  assert_int_equal(dsv4_rope_table_positions(t), 1000);
+  {
+    /* The chunk view a device mirror copies from: NULL until materialised, then the rows. */
+    int64_t rows = -1;
+    assert_null(dsv4_rope_table_chunk(t, 1, &rows));
+    assert_int_equal(rows, -1);
+    int64_t p300[] = {300};
+    assert_int_equal(dsv4_rope_table_ensure(t, p300, 1), 0);
+    const float *c1 = dsv4_rope_table_chunk(t, 1, &rows);
+    assert_non_null(c1);
+    assert_int_equal(rows, DSV4_ROPE_CHUNK_ROWS);
+    assert_ptr_equal(c1 + (300 - DSV4_ROPE_CHUNK_ROWS) * DSV4_ROPE_ROW_FLOATS,
+                     dsv4_rope_table_row(t, 300));
+    assert_null(dsv4_rope_table_chunk(t, 0, NULL));
+    assert_null(dsv4_rope_table_chunk(t, -1, NULL));
+    assert_null(dsv4_rope_table_chunk(t, 4, NULL));
+  }
   assert_int_equal(dsv4_rope_table_ensure_range(t, 0, 1000), 0);
+  {
+    int64_t rows = 0;
+    assert_non_null(dsv4_rope_table_chunk(t, 3, &rows));
+    assert_int_equal(rows, 1000 - 3 * DSV4_ROPE_CHUNK_ROWS);
+  }
   assert_int_equal(dsv4_rope_table_bytes(t), 1000 * DSV4_ROPE_ROW_FLOATS * sizeof(float));
   for (int64_t p = 0; p < 1000; p++) {
     dsv4_rope_row_compute(inv, p, want);
