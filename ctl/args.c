@@ -139,7 +139,7 @@ int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *err, size_t err
   memcpy(out->host, host, hlen);
   if (port) {
     size_t plen = (size_t)(p + alen - port);
-    char pb[8];
+    char pb[16];
     uint64_t v;
     if (plen == 0 || plen >= sizeof(pb))
       return fail(err, errlen, "admin URL \"%.200s\": bad port", s);
@@ -209,7 +209,8 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
 
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
-    if (only_positional || a[0] != '-' || strcmp(a, "-") == 0) {
+    /* "-1" is a (bad) position, not an option: let the command say so. */
+    if (only_positional || a[0] != '-' || strcmp(a, "-") == 0 || (a[1] >= '0' && a[1] <= '9')) {
       if (n_pos == (int)(sizeof(pos_args) / sizeof(pos_args[0])))
         return fail(err, errlen, "too many arguments (\"%.64s\")", a);
       pos_args[n_pos++] = a;

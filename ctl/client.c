@@ -336,25 +336,28 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
       rc = fail(DSV4_EIO, err, errlen, "reading the answer: %s", strerror(errno));
       break;
     }
-    llhttp_errno_t e =
-        n == 0 ? llhttp_finish(&rx.parser) : llhttp_execute(&rx.parser, buf, (size_t)n);
+    if (n == 0) {
+      /* EOF ends a body that had no length; anywhere else the answer was cut short. */
+      llhttp_finish(&rx.parser);
+      if (rx.complete)
+        break;
+      rc = fail(DSV4_EIO, err, errlen,
+                "connection closed before the answer was complete (%llu of %lld body bytes)",
+                (unsigned long long)resp->body_bytes, (long long)resp->content_length);
+      break;
+    }
+    llhttp_errno_t e = llhttp_execute(&rx.parser, buf, (size_t)n);
     if (rx.complete)
       break;
-    if (e != HPE_OK && e != HPE_PAUSED) {
+    if (e != HPE_OK) {
       if (rx.rc != 0) {
         rc = rx.rc;
-        if (rc != DSV4_ETOOBIG && rc != DSV4_ENOMEM && err[0] == '\0')
+        if (err[0] == '\0')
           snprintf(err, errlen, "the answer's body could not be stored: %s", dsv4_strerror(rc));
       } else {
         rc = fail(DSV4_EIO, err, errlen, "bad HTTP answer from %s:%s: %s", u->host, u->port,
                   llhttp_get_error_reason(&rx.parser));
       }
-      break;
-    }
-    if (n == 0) {
-      rc = fail(DSV4_EIO, err, errlen,
-                "connection closed before the answer was complete (%llu of %lld body bytes)",
-                (unsigned long long)resp->body_bytes, (long long)resp->content_length);
       break;
     }
   }
