@@ -22,6 +22,10 @@ typedef struct dsv4_daemon {
   dsv4_engine_t *engine; /* executor thread only, except its "any thread" functions */
   dsv4_executor_t ex;
   dsv4_server_t *data;
+  dsv4_server_t *admin;   /* the admin plane's listener (admin.c) */
+  int admin_token;        /* admin_token_file is set: every admin route needs the token */
+  int admin_loopback;     /* admin_host is a loopback address */
+  struct dsv4_dump *dump; /* the dump streaming now, or NULL (at most one at a time) */
   dsv4_metrics_t *metrics;
   char instance[33];
   int draining;
@@ -33,6 +37,12 @@ typedef struct dsv4_daemon {
 
 /* The data-plane route table (forward, sequences, health, readiness, metrics). */
 size_t dsv4_data_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap);
+/* The admin-plane route table (SPEC §6 admin routes, admin.c). */
+size_t dsv4_admin_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap);
+/* The admin listener's completion hook: one audit log line per admin call. */
+void dsv4_admin_audit(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
+/* 1 when host is a loopback address (127.0.0.0/8, ::1). */
+int dsv4_host_is_loopback(const char *host);
 /* Register the daemon's metric families and the collect hook. */
 int dsv4_daemon_metrics_init(dsv4_daemon_t *d);
 

@@ -696,7 +696,7 @@ void dsv4_respond_error(dsv4_req_t *req, int err, const char *message, json_t *d
     json_decref(details);
   dsv4_hdr_t extra[2];
   size_t n = 0;
-  if (status == 503)
+  if (status == 503 || status == 429)
     extra[n++] = (dsv4_hdr_t){"Retry-After", "1"};
   if (status == 401)
     extra[n++] = (dsv4_hdr_t){"WWW-Authenticate", "Bearer"};

@@ -71,7 +71,7 @@ void dsv4_respond_json(dsv4_req_t *req, int status, json_t *doc);
 /*
  * Answer with {"error": {"code": ..., "message": ..., ...details}} for a dsv4 error code; message
  * NULL means dsv4_strerror(err); details (stolen, may be NULL) are merged into the error object.
- * Adds Retry-After: 1 for 503 answers.
+ * Adds Retry-After: 1 for 503 and 429 answers.
  */
 void dsv4_respond_error(dsv4_req_t *req, int err, const char *message, json_t *details);
 

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "daemon.h"
@@ -26,6 +27,7 @@ typedef struct {
   uv_signal_t sigterm, sigint;
   uv_timer_t drain_timer;
   uint64_t drain_deadline_ms;
+  int servers_open; /* listeners not yet closed: the executor stops after the last */
   int closing;
   int exit_code;
 } app_t;
@@ -62,6 +64,8 @@ static void on_executor_closed(void *arg) {
 
 static void on_server_closed(void *arg) {
   app_t *a = arg;
+  if (--a->servers_open > 0)
+    return;
   dsv4_executor_stop(&a->d.ex, on_executor_closed, a);
   uv_close((uv_handle_t *)&a->sigterm, NULL);
   uv_close((uv_handle_t *)&a->sigint, NULL);
@@ -72,14 +76,18 @@ static void shutdown_now(app_t *a) {
   if (a->closing)
     return;
   a->closing = 1;
+  a->servers_open = a->d.admin ? 2 : 1;
   dsv4_server_close(a->d.data, on_server_closed, a);
+  if (a->d.admin)
+    dsv4_server_close(a->d.admin, on_server_closed, a);
 }
 
 /* While draining: finish once no batch is pending and every connection has gone. */
 static void on_drain_timer(uv_timer_t *t) {
   app_t *a = t->data;
   uint32_t pending = dsv4_executor_pending(&a->d.ex);
-  size_t conns = dsv4_server_connections(a->d.data);
+  size_t conns =
+      dsv4_server_connections(a->d.data) + (a->d.admin ? dsv4_server_connections(a->d.admin) : 0);
   if (pending == 0 && conns == 0) {
     dsv4_logp(DSV4_LOG_INFO, "drained", NULL);
     shutdown_now(a);
@@ -104,20 +112,38 @@ static void on_signal(uv_signal_t *s, int signum) {
   a->d.draining = 1;
   dsv4_sd_notify("STOPPING=1");
   dsv4_server_drain(a->d.data);
+  if (a->d.admin)
+    dsv4_server_drain(a->d.admin);
   a->drain_deadline_ms = uv_now(a->d.loop) + a->d.cfg->drain_timeout_ms;
   uv_timer_start(&a->drain_timer, on_drain_timer, 0, 20);
 }
 
-static int read_token_file(const char *path, char **out) {
+/*
+ * Read a bearer token file. With private_only, a file that its group or others may read or write
+ * (mode & 077) is refused with DSV4_EFORBID and *mode set: a token everyone on the host can read
+ * protects nothing.
+ */
+static int read_token_file(const char *path, int private_only, char **out, unsigned *mode) {
   FILE *f;
   char buf[4096];
   size_t n;
+  struct stat st;
   *out = NULL;
   if (!path || !*path)
     return 0;
   f = fopen(path, "rb");
   if (!f)
     return DSV4_EIO;
+  /* fstat on the open file: the mode checked is the mode of the bytes read. */
+  if (fstat(fileno(f), &st) != 0) {
+    fclose(f);
+    return DSV4_EIO;
+  }
+  *mode = (unsigned)st.st_mode & 07777u;
+  if (private_only && (st.st_mode & 077)) {
+    fclose(f);
+    return DSV4_EFORBID;
+  }
   n = fread(buf, 1, sizeof(buf) - 1, f);
   fclose(f);
   while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
@@ -134,7 +160,8 @@ int main(int argc, char **argv) {
   dsv4_daemon_t *d = &app.d;
   dsv4_config_t cfg;
   char err[512];
-  char *token = NULL;
+  char *token = NULL, *admin_token = NULL;
+  unsigned mode = 0;
   float *kv_w = NULL;
   uv_loop_t loop;
   dsv4_route_t routes[8];
@@ -162,8 +189,26 @@ int main(int argc, char **argv) {
   }
   if (dsv4_log_parse_level(cfg.log_level, &level) == 0)
     dsv4_log_set_level(level);
-  if (read_token_file(cfg.api_token_file, &token)) {
+  if (read_token_file(cfg.api_token_file, 0, &token, &mode)) {
     dsv4_logp(DSV4_LOG_ERROR, "cannot read api_token_file", "{s:s}", "path", cfg.api_token_file);
+    dsv4_config_free(&cfg);
+    return 2;
+  }
+  rc = read_token_file(cfg.admin_token_file, 1, &admin_token, &mode);
+  if (rc == DSV4_EFORBID) {
+    char m[8];
+    snprintf(m, sizeof(m), "0%03o", mode);
+    dsv4_logp(DSV4_LOG_ERROR, "admin_token_file is readable or writable by group or others",
+              "{s:s,s:s,s:s}", "path", cfg.admin_token_file, "mode", m, "fix",
+              "chmod 600 the file");
+    free(token);
+    dsv4_config_free(&cfg);
+    return 2;
+  }
+  if (rc) {
+    dsv4_logp(DSV4_LOG_ERROR, "cannot read admin_token_file", "{s:s}", "path",
+              cfg.admin_token_file);
+    free(token);
     dsv4_config_free(&cfg);
     return 2;
   }
@@ -209,6 +254,7 @@ int main(int argc, char **argv) {
       dsv4_logp(DSV4_LOG_ERROR, "cannot start the engine", "{s:s,s:s,s:s}", "backend", backend,
                 "error", dsv4_strerror(rc), "why", err);
       free(token);
+      free(admin_token);
       dsv4_config_free(&cfg);
       return 1;
     }
@@ -252,6 +298,39 @@ int main(int argc, char **argv) {
       return 1;
     }
   }
+  n_routes = dsv4_admin_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
+  d->admin_token = admin_token != NULL;
+  d->admin_loopback = dsv4_host_is_loopback(cfg.admin_host);
+  {
+    dsv4_server_config_t sc = {
+        .host = cfg.admin_host,
+        .port = cfg.admin_port,
+        .max_header_bytes = cfg.max_header_bytes,
+        .header_timeout_ms = cfg.header_timeout_ms,
+        .body_timeout_ms = cfg.body_timeout_ms,
+        .idle_timeout_ms = cfg.idle_timeout_ms,
+        .write_timeout_ms = cfg.write_timeout_ms,
+        .bearer_token = admin_token,
+        .instance = d->instance,
+        .name = "admin",
+        .metrics = d->metrics,
+        .on_complete = dsv4_admin_audit,
+        .on_complete_arg = d,
+    };
+    rc = dsv4_server_create(&loop, &sc, routes, n_routes, &d->admin);
+    if (rc) {
+      dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:s,s:i,s:s}", "listener", "admin", "host",
+                cfg.admin_host, "port", cfg.admin_port, "error", dsv4_strerror(rc));
+      d->admin = NULL;
+      dsv4_server_close(d->data, NULL, NULL);
+      dsv4_executor_stop(&d->ex, NULL, NULL);
+      uv_run(&loop, UV_RUN_DEFAULT);
+      return 1;
+    }
+  }
+  if (!d->admin_token && !d->admin_loopback)
+    dsv4_logp(DSV4_LOG_WARN, "admin listener is not loopback and has no token: dumps are refused",
+              "{s:s}", "admin_host", cfg.admin_host);
   app.sigterm.data = app.sigint.data = app.drain_timer.data = &app;
   uv_signal_init(&loop, &app.sigterm);
   uv_signal_init(&loop, &app.sigint);
@@ -265,6 +344,7 @@ int main(int argc, char **argv) {
             "cache_bytes", (json_int_t)dsv4_engine_cache_bytes(d->engine), "startup_s",
             (double)(uv_hrtime() - t0) * 1e-9);
   dsv4_log_listening("data", cfg.host, dsv4_server_port(d->data));
+  dsv4_log_listening("admin", cfg.admin_host, dsv4_server_port(d->admin));
   if (dsv4_sd_notify("READY=1"))
     dsv4_logp(DSV4_LOG_WARN, "cannot notify the service manager", "{s:s}", "socket",
               getenv("NOTIFY_SOCKET"));
@@ -280,6 +360,7 @@ int main(int argc, char **argv) {
   dsv4_engine_destroy(d->engine);
   dsv4_metrics_destroy(d->metrics);
   free(token);
+  free(admin_token);
   dsv4_config_free(&cfg);
   dsv4_logp(DSV4_LOG_INFO, "exit", "{s:i}", "code", rc ? 1 : 0);
   return rc ? 1 : 0;

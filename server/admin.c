@@ -1,0 +1,597 @@
+/*
+ * The admin plane (SPEC §6 admin routes, README "Admin API"): GET /admin/v1/cache, /sequences,
+ * /sequences/{seq}, /sequences/{seq}/tokens/{pos}, /checksums and /config, the audit log line of
+ * every admin call, and the route table (the dump lives in admin_dump.c).
+ *
+ * Handlers run on the loop thread and check the request there; every read of cache or sequence
+ * state runs as an executor job, between batches, so it sees the state at one batch boundary and
+ * never races the forward path.
+ */
+#include "admin.h"
+
+#include <arpa/inet.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+#include "dsv4-numerics.h"
+#include "engine_admin.h"
+#include "forward_parse.h"
+#include "log.h"
+#include "records.h"
+
+/* ---- helpers --------------------------------------------------------------------------------- */
+
+int dsv4_host_is_loopback(const char *host) {
+  struct in_addr a4;
+  struct in6_addr a6;
+  if (host && inet_pton(AF_INET, host, &a4) == 1)
+    return (ntohl(a4.s_addr) >> 24) == 127;
+  if (host && inet_pton(AF_INET6, host, &a6) == 1)
+    return IN6_IS_ADDR_LOOPBACK(&a6);
+  return 0;
+}
+
+static json_t *hex_json(uint64_t v) {
+  char h[17];
+  dsv4_digest_hex(v, h);
+  return json_string(h);
+}
+
+/* A JSON object key for a model layer or a block id. */
+static void key_u32(char out[16], uint32_t v) {
+  snprintf(out, 16, "%u", v);
+}
+
+/* A finite number, or null (a NaN or an infinity has no JSON spelling). */
+static json_t *num_json(double v) {
+  return isfinite(v) ? json_real(v) : json_null();
+}
+
+void dsv4_admin_audit(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg) {
+  (void)arg;
+  double ms = (double)(uv_hrtime() - req->t_start_ns) * 1e-6;
+  json_t *f = json_object();
+  if (!f)
+    return;
+  json_t *path = json_string(req->path);
+  json_object_set_new(f, "peer", json_string(dsv4_req_peer(req)));
+  json_object_set_new(f, "auth", json_string(dsv4_req_authenticated(req) ? "token" : "none"));
+  json_object_set_new(f, "method", json_string(dsv4_req_method_name(req)));
+  json_object_set_new(f, "route", path ? path : json_string("(not UTF-8)"));
+  if (req->query && req->query[0]) {
+    json_t *q = json_string(req->query);
+    json_object_set_new(f, "query", q ? q : json_string("(not UTF-8)"));
+  }
+  json_object_set_new(f, "status", json_integer(status));
+  json_object_set_new(f, "bytes", json_integer((json_int_t)bytes));
+  json_object_set_new(f, "duration_ms", json_real((double)(long long)(ms * 1000.0) / 1000.0));
+  if (!written)
+    json_object_set_new(f, "client_gone", json_true());
+  dsv4_log(DSV4_LOG_INFO, "admin", f);
+}
+
+int dsv4__admin_query(dsv4_daemon_t *d, dsv4_req_t *req, unsigned allowed, unsigned required,
+                      dsv4_admin_query_t *q) {
+  char msg[160];
+  if (dsv4_admin_query_parse(req->query, allowed, q, msg, sizeof(msg))) {
+    dsv4_respond_error(req, DSV4_EINVAL, msg, NULL);
+    return 1;
+  }
+  if ((q->have & required) != required) {
+    const char *miss = (required & ~q->have & DSV4_AQ_LAYER) ? "layer"
+                       : (required & ~q->have & DSV4_AQ_SEQ) ? "seq"
+                                                             : "layers";
+    snprintf(msg, sizeof(msg), "query: \"%s\" is required for this route", miss);
+    dsv4_respond_error(req, DSV4_EINVAL, msg, NULL);
+    return 1;
+  }
+  if ((q->have & DSV4_AQ_LAYER) && dsv4_engine_layer_index(d->engine, q->layer) < 0) {
+    snprintf(msg, sizeof(msg), "layer %u is not served by this daemon", q->layer);
+    dsv4_respond_error(req, DSV4_ELAYER, msg, json_pack("{s:I}", "layer", (json_int_t)q->layer));
+    return 1;
+  }
+  if (q->have & DSV4_AQ_LAYERS)
+    for (uint32_t l = q->lo; l <= q->hi; l++)
+      if (dsv4_engine_layer_index(d->engine, l) < 0) {
+        snprintf(msg, sizeof(msg), "layer %u of layers=%u-%u is not served by this daemon", l,
+                 q->lo, q->hi);
+        dsv4_respond_error(req, DSV4_ELAYER, msg, json_pack("{s:I}", "layer", (json_int_t)l));
+        return 1;
+      }
+  return 0;
+}
+
+void dsv4__admin_seq_error(dsv4_daemon_t *d, dsv4_req_t *req, int rc, const char *seq) {
+  json_t *det = json_pack("{s:s}", "seq", seq);
+  if (rc == DSV4_ENOSEQ)
+    json_object_set_new(det, "instance", json_string(d->instance));
+  dsv4_respond_error(req, rc, NULL, det);
+}
+
+/* ---- the read jobs --------------------------------------------------------------------------- */
+
+typedef enum { AJ_CACHE, AJ_SEQUENCES, AJ_SEQUENCE, AJ_TOKEN, AJ_CHECKSUMS } aj_kind_t;
+
+typedef struct {
+  dsv4_job_t job; /* first */
+  dsv4_daemon_t *d;
+  dsv4_req_t *req;
+  aj_kind_t kind;
+  dsv4_admin_query_t q;
+  char seq[DSV4_SEQ_NAME_MAX + 1];
+  uint32_t seq_len;
+  int64_t pos;
+  int rc;
+  char msg[160];
+  json_t *details; /* merged into an error */
+  json_t *doc;     /* the answer */
+} admin_job_t;
+
+/* Per-layer next and last-start objects keyed by model layer. */
+static json_t *per_layer(const dsv4_config_t *cfg, const int64_t *v) {
+  json_t *o = json_object();
+  for (uint32_t i = 0; o && i < cfg->n_served; i++) {
+    char k[16];
+    key_u32(k, cfg->served_layers[i]);
+    json_object_set_new(o, k, json_integer(v[i]));
+  }
+  return o;
+}
+
+static void run_cache(admin_job_t *j) {
+  dsv4_daemon_t *d = j->d;
+  const dsv4_config_t *cfg = d->cfg;
+  dsv4_engine_counts_t c;
+  dsv4_engine_counts(d->engine, &c);
+  json_t *layers = json_array(), *digests = json_object();
+  for (uint32_t i = 0; i < cfg->n_served && !j->rc; i++) {
+    char k[16];
+    uint64_t pd = 0;
+    key_u32(k, cfg->served_layers[i]);
+    json_array_append_new(layers, json_integer(cfg->served_layers[i]));
+    j->rc = dsv4_engine_pool_digest(d->engine, i, cfg->served_layers[i], &pd, NULL, NULL);
+    json_object_set_new(digests, k, hex_json(pd));
+  }
+  uint32_t used = c.kv_blocks - c.blocks_free;
+  j->doc =
+      json_pack("{s:s,s:s,s:s,s:s,s:s,s:s,s:I,s:i,s:i,s:I,s:i,s:o,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:o}",
+                "instance", d->instance, "version", DSV4_VERSION, "backend",
+                dsv4_engine_backend_name(d->engine), "layout", "fp8_ds_mla", "fp8", "F8_E4M3FN",
+                "scale", "UE8M0", "block_size", (json_int_t)c.block_size, "window", DSV4_WINDOW,
+                "record_bytes", DSV4_RECORD_BYTES, "stride", (json_int_t)c.stride, "heads",
+                (int)cfg->heads, "served_layers", layers, "kv_blocks", (json_int_t)c.kv_blocks,
+                "blocks_used", (json_int_t)used, "blocks_free", (json_int_t)c.blocks_free,
+                "usage_ratio", c.kv_blocks ? (double)used / (double)c.kv_blocks : 0.0,
+                "blocks_pinned_released", (json_int_t)c.blocks_pinned_released, "cache_bytes",
+                (json_int_t)dsv4_engine_cache_bytes(d->engine), "sequences",
+                (json_int_t)c.sequences, "pool_digests", digests);
+}
+
+typedef struct {
+  dsv4_daemon_t *d;
+  json_t *arr;
+  uint64_t now;
+} list_ctx_t;
+
+static int list_one(const char *name, uint32_t len, const dsv4_seq_info_t *info, void *arg) {
+  list_ctx_t *lc = arg;
+  uint64_t idle = lc->now > info->last_used_ns ? lc->now - info->last_used_ns : 0;
+  uint32_t held = 0;
+  for (uint32_t b = 0; b < info->n_blocks_held; b++)
+    held += info->blocks[b] >= 0;
+  json_t *row =
+      json_pack("{s:s#,s:I,s:I,s:o,s:I}", "seq", name, (int)len, "p0", (json_int_t)info->p0,
+                "blocks", (json_int_t)held, "next", per_layer(lc->d->cfg, info->next), "idle_ms",
+                (json_int_t)(idle / 1000000u));
+  return row && json_array_append_new(lc->arr, row) == 0 ? 0 : DSV4_ENOMEM;
+}
+
+static int by_name(const void *a, const void *b) {
+  json_t *x = *(json_t *const *)a, *y = *(json_t *const *)b;
+  return strcmp(json_string_value(json_object_get(x, "seq")),
+                json_string_value(json_object_get(y, "seq")));
+}
+
+static void run_sequences(admin_job_t *j) {
+  list_ctx_t lc = {j->d, json_array(), uv_hrtime()};
+  if (!lc.arr) {
+    j->rc = DSV4_ENOMEM;
+    return;
+  }
+  j->rc = dsv4_engine_foreach_seq(j->d->engine, list_one, &lc);
+  size_t n = json_array_size(lc.arr);
+  json_t **rows = malloc((n ? n : 1) * sizeof(*rows));
+  json_t *sorted = json_array();
+  if (!rows || !sorted) {
+    free(rows);
+    json_decref(sorted);
+    json_decref(lc.arr);
+    j->rc = DSV4_ENOMEM;
+    return;
+  }
+  for (size_t i = 0; i < n; i++)
+    rows[i] = json_array_get(lc.arr, i);
+  qsort(rows, n, sizeof(*rows), by_name);
+  for (size_t i = 0; i < n; i++)
+    json_array_append(sorted, rows[i]);
+  free(rows);
+  json_decref(lc.arr);
+  j->doc = json_pack("{s:s,s:I,s:o}", "instance", j->d->instance, "count", (json_int_t)n,
+                     "sequences", sorted);
+}
+
+static void run_sequence(admin_job_t *j, const dsv4_seq_info_t *info) {
+  const dsv4_config_t *cfg = j->d->cfg;
+  const uint32_t bs = dsv4_engine_block_size(j->d->engine);
+  json_t *stored = json_object(), *table = json_array();
+  int64_t low_min = INT64_MAX, low_max = INT64_MIN;
+  for (uint32_t i = 0; i < cfg->n_served; i++) {
+    char k[16];
+    int64_t f, e, low = info->last_start[i] - (DSV4_WINDOW - 1);
+    key_u32(k, cfg->served_layers[i]);
+    dsv4_seq_stored_range(info, bs, i, &f, &e);
+    json_object_set_new(
+        stored, k, f < e ? json_pack("[I,I]", (json_int_t)f, (json_int_t)(e - 1)) : json_null());
+    if (low < info->p0)
+      low = info->p0;
+    low_min = low < low_min ? low : low_min;
+    low_max = low > low_max ? low : low_max;
+  }
+  uint32_t held = 0;
+  for (uint32_t b = 0; b < info->n_blocks_held; b++) {
+    if (info->blocks[b] < 0)
+      continue;
+    int64_t lb = info->first_lb + b, first = lb * bs;
+    held++;
+    json_array_append_new(table, json_pack("{s:I,s:I,s:I,s:I}", "logical", (json_int_t)lb, "block",
+                                           (json_int_t)info->blocks[b], "first",
+                                           (json_int_t)(first < info->p0 ? info->p0 : first),
+                                           "last", (json_int_t)(first + bs - 1)));
+  }
+  json_t *holder =
+      low_min == low_max ? json_null() : json_integer(cfg->served_layers[info->holding_layer]);
+  j->doc =
+      json_pack("{s:s,s:s#,s:I,s:o,s:o,s:o,s:o,s:I,s:o}", "instance", j->d->instance, "seq", j->seq,
+                (int)j->seq_len, "p0", (json_int_t)info->p0, "next", per_layer(cfg, info->next),
+                "last_start", per_layer(cfg, info->last_start), "stored", stored, "release_held_by",
+                holder, "blocks", (json_int_t)held, "block_table", table);
+}
+
+static void run_token(admin_job_t *j, const dsv4_seq_info_t *info) {
+  dsv4_daemon_t *d = j->d;
+  const uint32_t bs = dsv4_engine_block_size(d->engine);
+  uint32_t idx = (uint32_t)dsv4_engine_layer_index(d->engine, j->q.layer);
+  int64_t first, end;
+  uint8_t rec[DSV4_RECORD_BYTES];
+  dsv4_seq_stored_range(info, bs, idx, &first, &end);
+  if (j->pos < info->p0 || j->pos >= info->next[idx]) {
+    j->rc = DSV4_ENOTWRITTEN;
+    snprintf(j->msg, sizeof(j->msg), "position %" PRId64 " was never written at layer %u", j->pos,
+             j->q.layer);
+    j->details = json_pack("{s:s,s:I,s:I,s:I,s:I}", "seq", j->seq, "layer", (json_int_t)j->q.layer,
+                           "position", (json_int_t)j->pos, "p0", (json_int_t)info->p0, "next",
+                           (json_int_t)info->next[idx]);
+    return;
+  }
+  if (j->pos < first) {
+    j->rc = DSV4_ERELEASED;
+    snprintf(j->msg, sizeof(j->msg),
+             "position %" PRId64 " at layer %u is out of the window: stored from %" PRId64, j->pos,
+             j->q.layer, first);
+    j->details = json_pack("{s:s,s:I,s:I,s:I}", "seq", j->seq, "layer", (json_int_t)j->q.layer,
+                           "position", (json_int_t)j->pos, "first_stored", (json_int_t)first);
+    return;
+  }
+  j->rc = dsv4_engine_read_records(d->engine, idx, info, j->pos, 1, rec);
+  if (j->rc)
+    return;
+  int64_t slot = dsv4_seq_slot(info, bs, j->pos);
+  json_t *fp8 = json_array(), *nope = json_array(), *codes = json_array(), *scales = json_array();
+  json_t *rope_bits = json_array(), *rope = json_array();
+  const uint8_t *sc = rec + DSV4_TOKEN_DATA_BYTES;
+  for (int t = 0; t < DSV4_NTILES; t++) {
+    json_array_append_new(codes, json_integer(sc[t]));
+    /* UE8M0: 2^(code-127); 255 is NaN. Doubles hold every one of them exactly. */
+    json_array_append_new(scales, sc[t] == 255 ? json_null() : json_real(ldexp(1.0, sc[t] - 127)));
+  }
+  for (int i = 0; i < DSV4_NOPE_DIM; i++) {
+    uint8_t c = sc[i / DSV4_TILE];
+    double v = (double)dsv4_e4m3_to_f32(rec[i]);
+    json_array_append_new(fp8, json_integer(rec[i]));
+    /* e4m3 * 2^(code-127) in double is exact (at most 4 significant bits, exponent in range). */
+    json_array_append_new(nope, c == 255 ? json_null() : num_json(ldexp(v, c - 127)));
+  }
+  for (int i = 0; i < DSV4_ROPE_DIM; i++) {
+    const uint8_t *p = rec + DSV4_NOPE_DIM + 2 * i;
+    uint32_t bits = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    uint32_t f = bits << 16;
+    float x;
+    memcpy(&x, &f, sizeof(x));
+    json_array_append_new(rope_bits, json_integer(bits));
+    json_array_append_new(rope, num_json((double)x));
+  }
+  dsv4_records_digest_t *rd;
+  uint64_t dig = 0;
+  j->rc = dsv4_records_digest_create(&rd);
+  if (!j->rc) {
+    dsv4_records_digest_add(rd, j->pos, rec);
+    dig = dsv4_records_digest_value(rd);
+    dsv4_records_digest_destroy(rd);
+  }
+  j->doc = json_pack("{s:s,s:s#,s:I,s:I,s:I,s:I,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:o}", "instance",
+                     d->instance, "seq", j->seq, (int)j->seq_len, "layer", (json_int_t)j->q.layer,
+                     "position", (json_int_t)j->pos, "block", (json_int_t)(slot / bs), "offset",
+                     (json_int_t)(slot % bs), "slot", (json_int_t)slot, "fp8", fp8, "nope", nope,
+                     "scale_codes", codes, "scales", scales, "rope_bf16", rope_bits, "rope", rope,
+                     "record_digest", hex_json(dig));
+}
+
+/* One sequence's digest entry at served layer idx. */
+static json_t *seq_digest_json(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
+                               int *rc) {
+  uint64_t dig = 0;
+  int64_t f, t;
+  *rc = dsv4_engine_seq_digest(e, idx, info, &dig, &f, &t);
+  if (*rc)
+    return NULL;
+  return json_pack("{s:o,s:o,s:o,s:I}", "digest", hex_json(dig), "first",
+                   f < t ? json_integer(f) : json_null(), "last",
+                   f < t ? json_integer(t - 1) : json_null(), "records", (json_int_t)(t - f));
+}
+
+typedef struct {
+  dsv4_engine_t *e;
+  uint32_t idx;
+  json_t *obj;
+  int rc;
+} digest_ctx_t;
+
+static int digest_one(const char *name, uint32_t len, const dsv4_seq_info_t *info, void *arg) {
+  digest_ctx_t *dc = arg;
+  char key[DSV4_SEQ_NAME_MAX + 1];
+  json_t *row = seq_digest_json(dc->e, dc->idx, info, &dc->rc);
+  if (!row)
+    return dc->rc ? dc->rc : DSV4_ENOMEM;
+  memcpy(key, name, len);
+  key[len] = '\0';
+  return json_object_set_new(dc->obj, key, row) ? DSV4_ENOMEM : 0;
+}
+
+static void run_checksums(admin_job_t *j, const dsv4_seq_info_t *info) {
+  dsv4_daemon_t *d = j->d;
+  dsv4_engine_t *e = d->engine;
+  uint32_t idx = (uint32_t)dsv4_engine_layer_index(e, j->q.layer);
+  uint32_t nb = dsv4_engine_blocks_total(e);
+  uint64_t pool = 0, *bd = calloc(nb, sizeof(uint64_t));
+  uint8_t *used = calloc(nb, 1);
+  json_t *blocks = json_object(), *seqs = json_object();
+  if (!bd || !used || !blocks || !seqs) {
+    j->rc = DSV4_ENOMEM;
+    goto out;
+  }
+  j->rc = dsv4_engine_pool_digest(e, idx, j->q.layer, &pool, bd, used);
+  if (j->rc)
+    goto out;
+  if (info) {
+    /* Only the sequence's blocks, in logical order (JSON objects keep insertion order). */
+    for (uint32_t b = 0; b < info->n_blocks_held; b++) {
+      char k[16];
+      if (info->blocks[b] < 0)
+        continue;
+      key_u32(k, (uint32_t)info->blocks[b]);
+      json_object_set_new(blocks, k, hex_json(bd[info->blocks[b]]));
+    }
+    json_t *row = seq_digest_json(e, idx, info, &j->rc);
+    if (!row)
+      goto out;
+    json_object_set_new(seqs, j->seq, row);
+  } else {
+    for (uint32_t b = 0; b < nb; b++) {
+      char k[16];
+      if (!used[b])
+        continue;
+      key_u32(k, b);
+      json_object_set_new(blocks, k, hex_json(bd[b]));
+    }
+    digest_ctx_t dc = {e, idx, seqs, 0};
+    j->rc = dsv4_engine_foreach_seq(e, digest_one, &dc);
+    if (j->rc)
+      goto out;
+  }
+  j->doc =
+      json_pack("{s:s,s:I,s:o,s:o,s:o}", "instance", d->instance, "layer", (json_int_t)j->q.layer,
+                "pool", hex_json(pool), "blocks", blocks, "sequences", seqs);
+  blocks = seqs = NULL;
+out:
+  json_decref(blocks);
+  json_decref(seqs);
+  free(bd);
+  free(used);
+}
+
+/* Executor thread. */
+static void admin_run(dsv4_job_t *job) {
+  admin_job_t *j = (admin_job_t *)job;
+  dsv4_engine_t *e = j->d->engine;
+  dsv4_seq_info_t info;
+  int have_info = 0;
+  /* Sweep first, so that 404 / 410 agree with what a batch would be told now. */
+  dsv4_engine_expire(e, uv_hrtime());
+  if (j->seq_len) {
+    j->rc = dsv4_engine_seq_info(e, j->seq, j->seq_len, &info);
+    if (j->rc)
+      return;
+    have_info = 1;
+  }
+  switch (j->kind) {
+  case AJ_CACHE:
+    run_cache(j);
+    break;
+  case AJ_SEQUENCES:
+    run_sequences(j);
+    break;
+  case AJ_SEQUENCE:
+    run_sequence(j, &info);
+    break;
+  case AJ_TOKEN:
+    run_token(j, &info);
+    break;
+  case AJ_CHECKSUMS:
+    run_checksums(j, have_info ? &info : NULL);
+    break;
+  }
+  if (have_info)
+    dsv4_seq_info_free(&info);
+  if (!j->rc && !j->doc)
+    j->rc = DSV4_ENOMEM;
+}
+
+/* Loop thread. */
+static void admin_done(dsv4_job_t *job) {
+  admin_job_t *j = (admin_job_t *)job;
+  if (j->rc == DSV4_ENOSEQ || j->rc == DSV4_EEXPIRED) {
+    dsv4__admin_seq_error(j->d, j->req, j->rc, j->seq);
+    json_decref(j->details);
+  } else if (j->rc) {
+    dsv4_respond_error(j->req, j->rc, j->msg[0] ? j->msg : NULL, j->details);
+  } else {
+    dsv4_respond_json(j->req, 200, j->doc);
+    j->doc = NULL;
+  }
+  json_decref(j->doc);
+  free(j);
+}
+
+static void submit(dsv4_daemon_t *d, dsv4_req_t *req, admin_job_t *j) {
+  j->d = d;
+  j->req = req;
+  j->job.run = admin_run;
+  j->job.done = admin_done;
+  int rc = dsv4_executor_submit(&d->ex, &j->job);
+  if (rc) {
+    dsv4_respond_error(req, rc, NULL, NULL);
+    free(j);
+  }
+}
+
+static admin_job_t *new_job(dsv4_req_t *req, aj_kind_t kind) {
+  admin_job_t *j = calloc(1, sizeof(*j));
+  if (!j)
+    dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
+  else
+    j->kind = kind;
+  return j;
+}
+
+/* ---- handlers -------------------------------------------------------------------------------- */
+
+static void on_cache(dsv4_req_t *req, void *ctx) {
+  dsv4_daemon_t *d = ctx;
+  dsv4_admin_query_t q;
+  if (dsv4__admin_query(d, req, 0, 0, &q))
+    return;
+  admin_job_t *j = new_job(req, AJ_CACHE);
+  if (j)
+    submit(d, req, j);
+}
+
+static void on_sequences(dsv4_req_t *req, void *ctx) {
+  dsv4_daemon_t *d = ctx;
+  dsv4_admin_query_t q;
+  if (dsv4__admin_query(d, req, 0, 0, &q))
+    return;
+  admin_job_t *j = new_job(req, AJ_SEQUENCES);
+  if (j)
+    submit(d, req, j);
+}
+
+/* /admin/v1/sequences/{seq} and /admin/v1/sequences/{seq}/tokens/{pos}. */
+static void on_sequence(dsv4_req_t *req, void *ctx) {
+  dsv4_daemon_t *d = ctx;
+  const char *name = req->path + strlen("/admin/v1/sequences/");
+  const char *slash = strchr(name, '/');
+  size_t len = slash ? (size_t)(slash - name) : strlen(name);
+  dsv4_admin_query_t q;
+  int64_t pos = 0;
+  int token = 0;
+  if (!dsv4_seq_name_valid(name, len)) {
+    dsv4_respond_error(req, DSV4_EINVAL, "a sequence name must be " DSV4_SEQ_NAME_RULE, NULL);
+    return;
+  }
+  if (slash) {
+    static const char tok[] = "/tokens/";
+    const char *p = slash + sizeof(tok) - 1;
+    if (strncmp(slash, tok, sizeof(tok) - 1) != 0) {
+      dsv4_respond_error(req, DSV4_ENOTFOUND, "no such route", NULL);
+      return;
+    }
+    if (dsv4_admin_parse_decimal(p, strlen(p), &pos)) {
+      dsv4_respond_error(req, DSV4_EINVAL, "a position must be a non-negative decimal number",
+                         NULL);
+      return;
+    }
+    token = 1;
+  }
+  if (dsv4__admin_query(d, req, token ? DSV4_AQ_LAYER : 0, token ? DSV4_AQ_LAYER : 0, &q))
+    return;
+  admin_job_t *j = new_job(req, token ? AJ_TOKEN : AJ_SEQUENCE);
+  if (!j)
+    return;
+  memcpy(j->seq, name, len);
+  j->seq_len = (uint32_t)len;
+  j->q = q;
+  j->pos = pos;
+  submit(d, req, j);
+}
+
+static void on_checksums(dsv4_req_t *req, void *ctx) {
+  dsv4_daemon_t *d = ctx;
+  dsv4_admin_query_t q;
+  if (dsv4__admin_query(d, req, DSV4_AQ_LAYER | DSV4_AQ_SEQ, DSV4_AQ_LAYER, &q))
+    return;
+  admin_job_t *j = new_job(req, AJ_CHECKSUMS);
+  if (!j)
+    return;
+  j->q = q;
+  if (q.have & DSV4_AQ_SEQ) {
+    memcpy(j->seq, q.seq, q.seq_len + 1);
+    j->seq_len = q.seq_len;
+  }
+  submit(d, req, j);
+}
+
+/* The configuration never changes after start-up: answered on the loop thread. */
+static void on_config(dsv4_req_t *req, void *ctx) {
+  dsv4_daemon_t *d = ctx;
+  dsv4_admin_query_t q;
+  if (dsv4__admin_query(d, req, 0, 0, &q))
+    return;
+  json_t *doc = dsv4_config_to_json(d->cfg);
+  if (!doc || json_object_set_new(doc, "instance", json_string(d->instance))) {
+    json_decref(doc);
+    dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
+    return;
+  }
+  dsv4_respond_json(req, 200, doc);
+}
+
+size_t dsv4_admin_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap) {
+  const dsv4_route_t routes[] = {
+      {DSV4_HTTP_GET, "/admin/v1/cache", "admin_cache", 0, 0, on_cache, d},
+      {DSV4_HTTP_GET, "/admin/v1/sequences", "admin_sequences", 0, 0, on_sequences, d},
+      {DSV4_HTTP_GET, "/admin/v1/sequences/", "admin_sequence", 0, 0, on_sequence, d},
+      {DSV4_HTTP_GET, "/admin/v1/checksums", "admin_checksums", 0, 0, on_checksums, d},
+      {DSV4_HTTP_GET, "/admin/v1/dump", "admin_dump", 0, 0, dsv4__admin_on_dump, d},
+      {DSV4_HTTP_GET, "/admin/v1/config", "admin_config", 0, 0, on_config, d},
+  };
+  size_t n = sizeof(routes) / sizeof(routes[0]);
+  if (n > cap)
+    n = cap;
+  memcpy(out, routes, n * sizeof(routes[0]));
+  return n;
+}

@@ -1,0 +1,46 @@
+#ifndef DSV4_SERVER_ADMIN_QUERY_H
+#define DSV4_SERVER_ADMIN_QUERY_H
+
+/*
+ * The admin plane's query strings and path numbers (SPEC §6, README "Admin API"). Strict: a key the
+ * route does not take, a key given twice, an empty key or a value that is not what the key expects
+ * is DSV4_EINVAL with a message naming the key. Values are percent-decoded ('+' is not a space:
+ * no admin value contains one). Whether a layer is served is the caller's check.
+ *
+ * Thread affinity: none (pure functions of their arguments).
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "seqtable.h"
+
+enum {
+  DSV4_AQ_LAYER = 1u,  /* layer=L */
+  DSV4_AQ_LAYERS = 2u, /* layers=a-b (inclusive) or layers=a */
+  DSV4_AQ_SEQ = 4u,    /* seq=S */
+};
+
+/* Layer numbers above this are refused as not a layer at all (no model has that many). */
+#define DSV4_AQ_MAX_LAYER 1000000u
+
+typedef struct {
+  unsigned have;   /* DSV4_AQ_* of the keys present */
+  uint32_t layer;  /* layer=L */
+  uint32_t lo, hi; /* layers=a-b, lo <= hi */
+  char seq[DSV4_SEQ_NAME_MAX + 1];
+  uint32_t seq_len; /* seq=S, a valid sequence name, NUL-terminated in seq */
+} dsv4_admin_query_t;
+
+/*
+ * Parse query (without the '?', "" when none) allowing only the keys in `allowed`. Returns 0 or
+ * DSV4_EINVAL with msg (NUL-terminated, truncated to msg_len) saying which key and why.
+ */
+int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query_t *out, char *msg,
+                           size_t msg_len);
+
+/* A non-negative decimal of at most 18 digits (no sign, no spaces) in s[0..len); DSV4_EINVAL else.
+ */
+int dsv4_admin_parse_decimal(const char *s, size_t len, int64_t *out);
+
+#endif /* DSV4_SERVER_ADMIN_QUERY_H */

@@ -1,0 +1,170 @@
+#include "engine_admin.h"
+#include "engine-internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>
+#endif
+
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+
+void dsv4_engine_counts(dsv4_engine_t *e, dsv4_engine_counts_t *out) {
+  out->block_size = e->p.block_size;
+  out->stride = e->stride;
+  out->kv_blocks = e->p.kv_blocks;
+  out->blocks_free = dsv4_pool_free_count(&e->pool);
+  out->blocks_pinned_released = e->pool.n_deferred;
+  out->sequences = dsv4_seqtable_count(e->st);
+}
+
+uint32_t dsv4_engine_block_size(const dsv4_engine_t *e) {
+  return e->p.block_size;
+}
+
+int dsv4_engine_foreach_seq(dsv4_engine_t *e, dsv4_seq_visit_fn fn, void *arg) {
+  return dsv4_seqtable_foreach(e->st, fn, arg);
+}
+
+int dsv4_engine_read_records(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
+                             int64_t pos, uint32_t n, uint8_t *out) {
+  const uint32_t bs = e->p.block_size;
+  uint8_t *data = NULL;
+  int rc = 0;
+  if (idx >= e->p.n_served)
+    return DSV4_EINVAL;
+  while (n > 0) {
+    int64_t slot = dsv4_seq_slot(info, bs, pos);
+    if (slot < 0) {
+      rc = DSV4_EINVAL;
+      break;
+    }
+    uint64_t block = (uint64_t)(slot / bs);
+    uint32_t o = (uint32_t)(slot % bs);
+    uint32_t run = bs - o < n ? bs - o : n;
+    uint64_t base = block * e->stride;
+    uint8_t scales[DSV4_MAX_BLOCK_SIZE * DSV4_SCALE_BYTES];
+    if (!data) {
+      data = malloc((size_t)bs * DSV4_TOKEN_DATA_BYTES);
+      if (!data)
+        return DSV4_ENOMEM;
+    }
+    /* The run's NoPE|RoPE bytes are contiguous in the block, and so are its scale bytes. */
+    rc = dsv4__engine_cache_read(e, idx, base + DSV4_TOKEN_DATA_OFFSET(o),
+                                 (size_t)run * DSV4_TOKEN_DATA_BYTES, data);
+    if (!rc)
+      rc = dsv4__engine_cache_read(e, idx, base + DSV4_SCALE_OFFSET(bs, o),
+                                   (size_t)run * DSV4_SCALE_BYTES, scales);
+    if (rc)
+      break;
+    for (uint32_t i = 0; i < run; i++) {
+      uint8_t *rec = out + (size_t)i * DSV4_RECORD_BYTES;
+      memcpy(rec, data + (size_t)i * DSV4_TOKEN_DATA_BYTES, DSV4_TOKEN_DATA_BYTES);
+      memcpy(rec + DSV4_TOKEN_DATA_BYTES, scales + (size_t)i * DSV4_SCALE_BYTES, DSV4_SCALE_BYTES);
+    }
+    out += (size_t)run * DSV4_RECORD_BYTES;
+    pos += run;
+    n -= run;
+  }
+  free(data);
+  return rc;
+}
+
+int dsv4_engine_seq_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
+                           uint64_t *digest, int64_t *first, int64_t *end) {
+  const uint32_t bs = e->p.block_size;
+  int64_t f, t;
+  dsv4_records_digest_t *d;
+  uint8_t *recs;
+  int rc;
+  if (idx >= e->p.n_served)
+    return DSV4_EINVAL;
+  dsv4_seq_stored_range(info, bs, idx, &f, &t);
+  if (first)
+    *first = f;
+  if (end)
+    *end = t;
+  rc = dsv4_records_digest_create(&d);
+  if (rc)
+    return rc;
+  recs = malloc((size_t)bs * DSV4_RECORD_BYTES);
+  if (!recs) {
+    dsv4_records_digest_destroy(d);
+    return DSV4_ENOMEM;
+  }
+  /* One block's worth of records at a time: bounded memory whatever the sequence holds. */
+  for (int64_t p = f; p < t && !rc;) {
+    uint32_t n = t - p < (int64_t)bs ? (uint32_t)(t - p) : bs;
+    rc = dsv4_engine_read_records(e, idx, info, p, n, recs);
+    for (uint32_t i = 0; i < n && !rc; i++)
+      dsv4_records_digest_add(d, p + i, recs + (size_t)i * DSV4_RECORD_BYTES);
+    p += n;
+  }
+  if (!rc)
+    *digest = dsv4_records_digest_value(d);
+  free(recs);
+  dsv4_records_digest_destroy(d);
+  return rc;
+}
+
+static void put_le32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+int dsv4_engine_pool_digest(dsv4_engine_t *e, uint32_t idx, uint32_t layer, uint64_t *pool,
+                            uint64_t *block_digests, uint8_t *used) {
+  uint8_t *buf;
+  uint64_t acc = 0;
+  int rc = 0;
+  if (idx >= e->p.n_served)
+    return DSV4_EINVAL;
+  buf = malloc(8 + e->stride);
+  if (!buf)
+    return DSV4_ENOMEM;
+  /* The block's bytes land after an 8-byte slot for LE32 layer || LE32 block, so the pool term
+   * is one hash over the buffer and the block digest one over its tail. */
+  for (uint32_t b = 0; b < e->p.kv_blocks && !rc; b++) {
+    if (!dsv4_pool_is_used(&e->pool, b))
+      continue;
+    rc = dsv4__engine_cache_read(e, idx, (uint64_t)b * e->stride, e->stride, buf + 8);
+    if (rc)
+      break;
+    put_le32(buf, layer);
+    put_le32(buf + 4, b);
+    acc ^= XXH3_64bits(buf, 8 + e->stride);
+    if (block_digests)
+      block_digests[b] = XXH3_64bits(buf + 8, e->stride);
+    if (used)
+      used[b] = 1;
+  }
+  free(buf);
+  if (!rc)
+    *pool = acc;
+  return rc;
+}
+
+int dsv4_engine_pin(dsv4_engine_t *e, const dsv4_seq_info_t *info) {
+  for (uint32_t i = 0; i < info->n_blocks_held; i++) {
+    if (info->blocks[i] < 0)
+      continue;
+    int rc = dsv4_pool_pin(&e->pool, (uint32_t)info->blocks[i]);
+    if (rc) {
+      while (i-- > 0)
+        if (info->blocks[i] >= 0)
+          dsv4_pool_unpin(&e->pool, (uint32_t)info->blocks[i]);
+      return rc;
+    }
+  }
+  return 0;
+}
+
+void dsv4_engine_unpin(dsv4_engine_t *e, const dsv4_seq_info_t *info) {
+  for (uint32_t i = 0; i < info->n_blocks_held; i++)
+    if (info->blocks[i] >= 0)
+      dsv4_pool_unpin(&e->pool, (uint32_t)info->blocks[i]);
+}

@@ -1,0 +1,68 @@
+#ifndef DSV4_SERVER_ENGINE_ADMIN_H
+#define DSV4_SERVER_ENGINE_ADMIN_H
+
+/*
+ * The engine's side of the admin plane (SPEC §3.1, §6): counts, sequence snapshots, logical
+ * records and the digests, read through dsv4__engine_cache_read so that they work whatever memory
+ * the backend keeps the cache in, and pins that keep a dump's blocks as they are.
+ *
+ * Thread affinity: the executor thread only, between batches (like the engine), except where a
+ * function says otherwise.
+ */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine.h"
+
+typedef struct {
+  uint32_t block_size;
+  uint64_t stride;
+  uint32_t kv_blocks;
+  uint32_t blocks_free;
+  uint32_t blocks_pinned_released; /* freed by their sequence, held back by a dump's pins */
+  uint32_t sequences;
+} dsv4_engine_counts_t;
+
+/* Exact counts (not the relaxed snapshots the loop reads for /metrics). */
+void dsv4_engine_counts(dsv4_engine_t *e, dsv4_engine_counts_t *out);
+/* Any thread: the geometry the engine was created with. */
+uint32_t dsv4_engine_block_size(const dsv4_engine_t *e);
+
+/* Visit every live sequence (see dsv4_seqtable_foreach); next/last_start by served index. */
+int dsv4_engine_foreach_seq(dsv4_engine_t *e, dsv4_seq_visit_fn fn, void *arg);
+
+/*
+ * Copy the logical records (584 bytes each, SPEC §3) of positions pos .. pos+n-1 at served layer
+ * idx into out, using the block table of a sequence snapshot; every position must be in a held
+ * block. Reads each block's run of records with two cache reads. DSV4_EINVAL for a position outside
+ * the table, DSV4_ENOMEM, or the backend's read error.
+ */
+int dsv4_engine_read_records(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
+                             int64_t pos, uint32_t n, uint8_t *out);
+
+/*
+ * The §3.1 sequence digest at served layer idx of a snapshot: its stored records in position order.
+ * *first / *end (may be NULL) receive the stored range [first, end).
+ */
+int dsv4_engine_seq_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
+                           uint64_t *digest, int64_t *first, int64_t *end);
+
+/*
+ * The §3.1 pool digest of served layer idx (model layer `layer` in the hash) and, when
+ * block_digests is not NULL, the block digest of every used block b in block_digests[b]
+ * (kv_blocks entries; entries of unused blocks are left alone). used[b] (may be NULL) is set to 1
+ * for every used block. One read of each used block serves both.
+ */
+int dsv4_engine_pool_digest(dsv4_engine_t *e, uint32_t idx, uint32_t layer, uint64_t *pool,
+                            uint64_t *block_digests, uint8_t *used);
+
+/*
+ * Pin the blocks a snapshot holds (its -1 holes skipped), so that a release, a delete or an expiry
+ * defers their return to the pool until the unpin: their bytes stay as the snapshot saw them. All
+ * or nothing. The unpin takes the same snapshot.
+ */
+int dsv4_engine_pin(dsv4_engine_t *e, const dsv4_seq_info_t *info);
+void dsv4_engine_unpin(dsv4_engine_t *e, const dsv4_seq_info_t *info);
+
+#endif /* DSV4_SERVER_ENGINE_ADMIN_H */
