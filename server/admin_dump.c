@@ -1,0 +1,515 @@
+/*
+ * GET /admin/v1/dump?seq=S[&layers=a-b]: a sequence's stored records as a streamed safetensors file
+ * (SPEC §6), a consistent snapshot at one batch boundary while the data plane keeps serving.
+ *
+ * The dump is a chain of executor jobs, one in the executor at a time, so a forward batch submitted
+ * during a dump waits behind at most one step of admin_dump_chunk_bytes:
+ *  1. snapshot: copy the sequence's block table and stored range per layer, and pin its blocks, so
+ *     that a release, DELETE, expiry or device failure defers their return to the pool: nothing can
+ *     reuse them, and positions once written are never rewritten, so the snapshot's bytes hold
+ *     still for the whole dump while new positions keep arriving in later batches;
+ *  2. digest steps: the §3.1 sequence digest of each layer, a bounded run of records per step (the
+ *     safetensors header carries the digests, so they come first);
+ *  3. fill steps: the file's bytes in chunks, each into one of two buffers; a buffer is written to
+ *     the socket when filled, and the next fill is queued only once a buffer is free again, that is
+ *     once its previous write completed: a slow client slows the dump down (back-pressure) and
+ *     nothing beyond two chunks is ever buffered;
+ *  4. unpin, whether the dump completed, failed or the client went away.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "admin.h"
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+#include "engine_admin.h"
+#include "log.h"
+#include "records.h"
+#include "safetensors.h"
+
+typedef enum { ST_SNAPSHOT, ST_DIGEST, ST_FILL, ST_UNPIN } step_t;
+typedef enum { BUF_FREE, BUF_FILLING, BUF_READY, BUF_WRITING } buf_state_t;
+
+typedef struct {
+  uint8_t *p;
+  size_t len;
+  buf_state_t state;
+} dump_buf_t;
+
+struct dsv4_dump {
+  dsv4_job_t job; /* first; one job in the executor at a time */
+  dsv4_daemon_t *d;
+  dsv4_req_t *req; /* NULL once answered or ended */
+  char seq[DSV4_SEQ_NAME_MAX + 1];
+  uint32_t seq_len;
+  uint32_t n;      /* layers in the dump */
+  uint32_t *layer; /* [n] model layer numbers, ascending */
+  uint32_t *idx;   /* [n] served index */
+  int64_t *first;  /* [n] stored range [first, end) */
+  int64_t *end;
+  uint64_t *digest; /* [n] */
+  uint64_t *off;    /* [n] file offset of the layer's records; its positions follow them */
+  dsv4_seq_info_t info;
+  int have_info, pinned, begun, failed, job_busy, write_busy;
+  step_t step;
+  int rc; /* of the last job */
+  size_t chunk;
+  /* Digest progress. */
+  uint32_t dig_layer;
+  int64_t dig_pos;
+  dsv4_records_digest_t *rd;
+  /* The file. */
+  uint8_t *head;
+  size_t head_len;
+  uint64_t total, produced, sent;
+  dump_buf_t buf[2];
+  uint64_t fill_k, write_k; /* chunks filled / written so far (buffer = k & 1) */
+  uint64_t fill_off;
+  size_t fill_len;
+};
+
+typedef struct dsv4_dump dump_t;
+
+static void pump(dump_t *dm);
+
+static void dump_free(dump_t *dm) {
+  if (dm->have_info)
+    dsv4_seq_info_free(&dm->info);
+  dsv4_records_digest_destroy(dm->rd);
+  free(dm->layer);
+  free(dm->idx);
+  free(dm->first);
+  free(dm->end);
+  free(dm->digest);
+  free(dm->off);
+  free(dm->head);
+  free(dm->buf[0].p);
+  free(dm->buf[1].p);
+  free(dm);
+}
+
+static uint64_t layer_records(const dump_t *dm, uint32_t i) {
+  return (uint64_t)(dm->end[i] - dm->first[i]);
+}
+
+/* ---- executor thread ------------------------------------------------------------------------- */
+
+static void snapshot(dump_t *dm) {
+  dsv4_engine_t *e = dm->d->engine;
+  const uint32_t bs = dsv4_engine_block_size(e);
+  dsv4_engine_expire(e, uv_hrtime());
+  dm->rc = dsv4_engine_seq_info(e, dm->seq, dm->seq_len, &dm->info);
+  if (dm->rc)
+    return;
+  dm->have_info = 1;
+  for (uint32_t i = 0; i < dm->n; i++)
+    dsv4_seq_stored_range(&dm->info, bs, dm->idx[i], &dm->first[i], &dm->end[i]);
+  dm->rc = dsv4_engine_pin(e, &dm->info);
+  dm->pinned = dm->rc == 0;
+}
+
+/* One bounded step of the per-layer digests: at most chunk bytes of records. */
+static void digest_step(dump_t *dm) {
+  dsv4_engine_t *e = dm->d->engine;
+  uint32_t budget = (uint32_t)(dm->chunk / DSV4_RECORD_BYTES);
+  while (budget > 0 && dm->dig_layer < dm->n) {
+    uint32_t i = dm->dig_layer;
+    if (dm->dig_pos < dm->first[i])
+      dm->dig_pos = dm->first[i];
+    int64_t left = dm->end[i] - dm->dig_pos;
+    uint32_t m = left < (int64_t)budget ? (uint32_t)left : budget;
+    if (m > 0) {
+      dm->rc = dsv4_engine_read_records(e, dm->idx[i], &dm->info, dm->dig_pos, m, dm->buf[0].p);
+      if (dm->rc)
+        return;
+      for (uint32_t k = 0; k < m; k++)
+        dsv4_records_digest_add(dm->rd, dm->dig_pos + k,
+                                dm->buf[0].p + (size_t)k * DSV4_RECORD_BYTES);
+      dm->dig_pos += m;
+      budget -= m;
+    }
+    if (dm->dig_pos == dm->end[i]) {
+      dm->digest[i] = dsv4_records_digest_value(dm->rd);
+      dsv4_records_digest_reset(dm->rd);
+      dm->dig_layer++;
+      dm->dig_pos = 0;
+    }
+  }
+}
+
+static void put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* Bytes [off, off + len) of the file into dst. */
+static int fill(dump_t *dm, uint64_t off, uint8_t *dst, size_t len) {
+  dsv4_engine_t *e = dm->d->engine;
+  while (len > 0) {
+    size_t n;
+    if (off < dm->head_len) {
+      n = dm->head_len - off < len ? (size_t)(dm->head_len - off) : len;
+      memcpy(dst, dm->head + off, n);
+    } else {
+      uint32_t i = 0;
+      while (i + 1 < dm->n && dm->off[i + 1] <= off)
+        i++;
+      uint64_t t = layer_records(dm, i);
+      uint64_t pos_base = dm->off[i] + t * DSV4_RECORD_BYTES;
+      if (off < pos_base) {
+        uint64_t x = off - dm->off[i], k = x / DSV4_RECORD_BYTES;
+        size_t within = (size_t)(x % DSV4_RECORD_BYTES);
+        if (within == 0 && len >= DSV4_RECORD_BYTES) {
+          uint64_t m = len / DSV4_RECORD_BYTES;
+          if (m > t - k)
+            m = t - k;
+          int rc = dsv4_engine_read_records(e, dm->idx[i], &dm->info, dm->first[i] + (int64_t)k,
+                                            (uint32_t)m, dst);
+          if (rc)
+            return rc;
+          n = (size_t)m * DSV4_RECORD_BYTES;
+        } else {
+          /* A record cut by the chunk boundary. */
+          uint8_t rec[DSV4_RECORD_BYTES];
+          int rc =
+              dsv4_engine_read_records(e, dm->idx[i], &dm->info, dm->first[i] + (int64_t)k, 1, rec);
+          if (rc)
+            return rc;
+          n = DSV4_RECORD_BYTES - within < len ? DSV4_RECORD_BYTES - within : len;
+          memcpy(dst, rec + within, n);
+        }
+      } else {
+        uint64_t x = off - pos_base, k = x / 8;
+        size_t within = (size_t)(x % 8);
+        uint8_t le[8];
+        put_le64(le, (uint64_t)(dm->first[i] + (int64_t)k));
+        n = 8 - within < len ? 8 - within : len;
+        memcpy(dst, le + within, n);
+      }
+    }
+    dst += n;
+    off += n;
+    len -= n;
+  }
+  return 0;
+}
+
+static void dump_run(dsv4_job_t *job) {
+  dump_t *dm = (dump_t *)job;
+  dm->rc = 0;
+  switch (dm->step) {
+  case ST_SNAPSHOT:
+    snapshot(dm);
+    break;
+  case ST_DIGEST:
+    digest_step(dm);
+    break;
+  case ST_FILL:
+    dm->rc = fill(dm, dm->fill_off, dm->buf[dm->fill_k & 1].p, dm->fill_len);
+    break;
+  case ST_UNPIN:
+    dsv4_engine_unpin(dm->d->engine, &dm->info);
+    dm->pinned = 0;
+    break;
+  }
+}
+
+/* ---- loop thread ----------------------------------------------------------------------------- */
+
+static void dump_done(dsv4_job_t *job);
+
+/* Queue the dump's next step. Continuation steps are never refused for a full queue: only one is
+ * ever in the executor. Once the executor has stopped (shutdown), nothing can run: fail. */
+static int submit_step(dump_t *dm, step_t step) {
+  if (dm->d->ex.stopping)
+    return DSV4_EDRAIN;
+  dm->step = step;
+  dm->job.run = dump_run;
+  dm->job.done = dump_done;
+  dm->job_busy = 1;
+  dsv4_executor_submit_force(&dm->d->ex, &dm->job);
+  return 0;
+}
+
+/* The stream is over (complete, failed or abandoned): answer or end it, then unpin and free. */
+static void finish(dump_t *dm) {
+  if (dm->req) {
+    if (dm->begun)
+      dsv4_respond_stream_end(dm->req);
+    else
+      dsv4_respond_error(dm->req, dm->rc ? dm->rc : DSV4_EIO, NULL, NULL);
+    dm->req = NULL;
+  }
+  /* The next dump may start now: the executor runs this one's unpin before its snapshot. */
+  if (dm->d->dump == dm)
+    dm->d->dump = NULL;
+  if (dm->pinned) {
+    if (submit_step(dm, ST_UNPIN) == 0)
+      return;
+    /* The executor thread has been joined (shutdown): unpinning from here races nothing. */
+    dsv4_engine_unpin(dm->d->engine, &dm->info);
+    dm->pinned = 0;
+  }
+  dump_free(dm);
+}
+
+/* Answer an error found by the snapshot (unknown or expired sequence, ...) and clean up. */
+static void fail_early(dump_t *dm) {
+  if (dm->rc == DSV4_ENOSEQ || dm->rc == DSV4_EEXPIRED)
+    dsv4__admin_seq_error(dm->d, dm->req, dm->rc, dm->seq);
+  else
+    dsv4_respond_error(dm->req, dm->rc, NULL, NULL);
+  dm->req = NULL;
+  finish(dm);
+}
+
+static int build_head(dump_t *dm) {
+  dsv4_daemon_t *d = dm->d;
+  size_t nd = 2 * (size_t)dm->n, nm = 0, data_len = 0;
+  dsv4_st_desc_t *desc = calloc(nd, sizeof(*desc));
+  dsv4_st_meta_t *meta = calloc(13 + 2 * (size_t)dm->n, sizeof(*meta));
+  char(*names)[48] = calloc(nd, sizeof(*names));
+  char(*keys)[40] = calloc(2 * (size_t)dm->n, sizeof(*keys));
+  char(*vals)[48] = calloc(2 * (size_t)dm->n, sizeof(*vals));
+  char bs[16], p0[24], *layers = calloc(dm->n, 24);
+  int rc = DSV4_ENOMEM;
+  if (!desc || !meta || !names || !keys || !vals || !layers)
+    goto out;
+  for (uint32_t i = 0; i < dm->n; i++) {
+    uint32_t layer = dm->layer[i];
+    uint64_t t = layer_records(dm, i);
+    snprintf(names[2 * i], 48, "layers.%u.records", layer);
+    snprintf(names[2 * i + 1], 48, "layers.%u.positions", layer);
+    desc[2 * i] = (dsv4_st_desc_t){names[2 * i],
+                                   DSV4_ST_U8,
+                                   2,
+                                   {(int64_t)t, DSV4_RECORD_BYTES},
+                                   (size_t)t * DSV4_RECORD_BYTES};
+    desc[2 * i + 1] =
+        (dsv4_st_desc_t){names[2 * i + 1], DSV4_ST_I64, 1, {(int64_t)t}, (size_t)t * 8};
+    snprintf(keys[2 * i], 40, "positions.%u", layer);
+    if (t)
+      snprintf(vals[2 * i], 48, "%" PRId64 "-%" PRId64, dm->first[i], dm->end[i] - 1);
+    snprintf(keys[2 * i + 1], 40, "digest.%u", layer);
+    dsv4_digest_hex(dm->digest[i], vals[2 * i + 1]);
+  }
+  snprintf(bs, sizeof(bs), "%u", dsv4_engine_block_size(d->engine));
+  snprintf(p0, sizeof(p0), "%" PRId64, dm->info.p0);
+  /* The layers as runs "a-b", comma-separated when the served set has gaps. */
+  for (uint32_t i = 0, len = 0; i < dm->n;) {
+    uint32_t k = i;
+    while (k + 1 < dm->n && dm->layer[k + 1] == dm->layer[k] + 1)
+      k++;
+    len += (uint32_t)snprintf(layers + len, (size_t)dm->n * 24 - len, "%s%u-%u", i ? "," : "",
+                              dm->layer[i], dm->layer[k]);
+    i = k + 1;
+  }
+  meta[nm++] = (dsv4_st_meta_t){"layout", "fp8_ds_mla"};
+  meta[nm++] = (dsv4_st_meta_t){"fp8", "F8_E4M3FN"};
+  meta[nm++] = (dsv4_st_meta_t){"scale", "UE8M0"};
+  meta[nm++] = (dsv4_st_meta_t){"block_size", bs};
+  meta[nm++] = (dsv4_st_meta_t){"window", "128"};
+  meta[nm++] = (dsv4_st_meta_t){"record_bytes", "584"};
+  meta[nm++] =
+      (dsv4_st_meta_t){"records", "NoPE(448 e4m3) | RoPE(64 bf16 LE) | scales(7 UE8M0 + 1 pad)"};
+  meta[nm++] = (dsv4_st_meta_t){"p0", p0};
+  meta[nm++] = (dsv4_st_meta_t){"seq", dm->seq};
+  meta[nm++] = (dsv4_st_meta_t){"layers", layers};
+  meta[nm++] = (dsv4_st_meta_t){"version", DSV4_VERSION};
+  meta[nm++] = (dsv4_st_meta_t){"instance", d->instance};
+  for (uint32_t i = 0; i < 2 * dm->n; i++)
+    meta[nm++] = (dsv4_st_meta_t){keys[i], vals[i]};
+  rc = dsv4_st_build_header(desc, nd, meta, nm, &dm->head, &dm->head_len, &data_len);
+  if (rc)
+    goto out;
+  uint64_t off = dm->head_len;
+  for (uint32_t i = 0; i < dm->n; i++) {
+    dm->off[i] = off;
+    off += layer_records(dm, i) * (DSV4_RECORD_BYTES + 8);
+  }
+  dm->total = off;
+  rc = dm->total == dm->head_len + data_len ? 0 : DSV4_EINVAL;
+out:
+  free(desc);
+  free(meta);
+  free(names);
+  free(keys);
+  free(vals);
+  free(layers);
+  return rc;
+}
+
+static void start_stream(dump_t *dm) {
+  char digests[24];
+  int rc = build_head(dm);
+  if (rc) {
+    dm->rc = rc;
+    fail_early(dm);
+    return;
+  }
+  snprintf(digests, sizeof(digests), "%u", dm->n);
+  dsv4_hdr_t extra[1] = {{"Dsv4d-Dump-Layers", digests}};
+  rc = dsv4_respond_stream_begin(dm->req, 200, "application/octet-stream", extra, 1, dm->total);
+  dm->begun = 1;
+  if (rc)
+    dm->failed = 1;
+  pump(dm);
+}
+
+static void on_piece_written(dsv4_req_t *req, int status, void *arg) {
+  dump_t *dm = arg;
+  (void)req;
+  dump_buf_t *b = &dm->buf[dm->write_k & 1];
+  dm->write_busy = 0;
+  b->state = BUF_FREE;
+  if (status) {
+    dm->failed = 1;
+  } else {
+    dm->sent += b->len;
+    dm->write_k++;
+  }
+  pump(dm);
+}
+
+/* Move the stream along: write a filled buffer, queue the next fill, or finish. */
+static void pump(dump_t *dm) {
+  if (!dm->failed && !dm->write_busy) {
+    dump_buf_t *b = &dm->buf[dm->write_k & 1];
+    if (b->state == BUF_READY) {
+      uv_buf_t ub = uv_buf_init((char *)b->p, (unsigned)b->len);
+      b->state = BUF_WRITING;
+      dm->write_busy = 1;
+      if (dsv4_respond_stream_write(dm->req, &ub, on_piece_written, dm)) {
+        dm->write_busy = 0;
+        dm->failed = 1;
+      }
+    }
+  }
+  if (!dm->failed && !dm->job_busy && dm->produced < dm->total) {
+    dump_buf_t *b = &dm->buf[dm->fill_k & 1];
+    if (b->state == BUF_FREE) {
+      uint64_t left = dm->total - dm->produced;
+      b->state = BUF_FILLING;
+      b->len = left < dm->chunk ? (size_t)left : dm->chunk;
+      dm->fill_off = dm->produced;
+      dm->fill_len = b->len;
+      dm->produced += b->len;
+      if (submit_step(dm, ST_FILL))
+        dm->failed = 1;
+    }
+  }
+  if (dm->job_busy || dm->write_busy)
+    return;
+  if (dm->failed || dm->sent == dm->total)
+    finish(dm);
+}
+
+static void dump_done(dsv4_job_t *job) {
+  dump_t *dm = (dump_t *)job;
+  dm->job_busy = 0;
+  switch (dm->step) {
+  case ST_UNPIN:
+    dump_free(dm);
+    return;
+  case ST_SNAPSHOT:
+    if (!dm->rc && dsv4_req_gone(dm->req))
+      dm->rc = DSV4_EIO;
+    if (dm->rc) {
+      fail_early(dm);
+      return;
+    }
+    if (submit_step(dm, ST_DIGEST)) {
+      dm->rc = DSV4_EDRAIN;
+      fail_early(dm);
+    }
+    return;
+  case ST_DIGEST:
+    if (!dm->rc && dsv4_req_gone(dm->req))
+      dm->rc = DSV4_EIO;
+    if (dm->rc) {
+      fail_early(dm);
+      return;
+    }
+    if (dm->dig_layer < dm->n) {
+      if (submit_step(dm, ST_DIGEST)) {
+        dm->rc = DSV4_EDRAIN;
+        fail_early(dm);
+      }
+      return;
+    }
+    start_stream(dm);
+    return;
+  case ST_FILL:
+    if (dm->rc) {
+      dsv4_logp(DSV4_LOG_ERROR, "dump: cannot read the cache", "{s:s,s:s}", "seq", dm->seq, "error",
+                dsv4_strerror(dm->rc));
+      dm->failed = 1;
+    }
+    dm->buf[dm->fill_k & 1].state = BUF_READY;
+    dm->fill_k++;
+    pump(dm);
+    return;
+  }
+}
+
+void dsv4__admin_on_dump(dsv4_req_t *req, void *ctx) {
+  dsv4_daemon_t *d = ctx;
+  dsv4_admin_query_t q;
+  if (!d->admin_token && !d->admin_loopback) {
+    dsv4_respond_error(req, DSV4_EFORBID,
+                       "dumps need admin_token_file when the admin listener is not loopback", NULL);
+    return;
+  }
+  if (dsv4__admin_query(d, req, DSV4_AQ_SEQ | DSV4_AQ_LAYERS, DSV4_AQ_SEQ, &q))
+    return;
+  if (d->dump) {
+    dsv4_respond_error(req, DSV4_EDUMPBUSY, "another dump is streaming; one at a time",
+                       json_pack("{s:s}", "seq", d->dump->seq));
+    return;
+  }
+  /* Without layers=: every served layer. */
+  uint32_t n = q.have & DSV4_AQ_LAYERS ? q.hi - q.lo + 1 : d->cfg->n_served;
+  dump_t *dm = calloc(1, sizeof(*dm));
+  if (!dm) {
+    dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
+    return;
+  }
+  dm->d = d;
+  dm->req = req;
+  memcpy(dm->seq, q.seq, q.seq_len + 1);
+  dm->seq_len = q.seq_len;
+  dm->n = n;
+  dm->chunk = d->cfg->admin_dump_chunk_bytes;
+  dm->layer = calloc(n, sizeof(*dm->layer));
+  dm->idx = calloc(n, sizeof(*dm->idx));
+  dm->first = calloc(n, sizeof(*dm->first));
+  dm->end = calloc(n, sizeof(*dm->end));
+  dm->digest = calloc(n, sizeof(*dm->digest));
+  dm->off = calloc(n, sizeof(*dm->off));
+  dm->buf[0].p = malloc(dm->chunk);
+  dm->buf[1].p = malloc(dm->chunk);
+  if (!dm->layer || !dm->idx || !dm->first || !dm->end || !dm->digest || !dm->off ||
+      !dm->buf[0].p || !dm->buf[1].p || dsv4_records_digest_create(&dm->rd)) {
+    dump_free(dm);
+    dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
+    return;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    dm->layer[i] = q.have & DSV4_AQ_LAYERS ? q.lo + i : d->cfg->served_layers[i];
+    dm->idx[i] = (uint32_t)dsv4_engine_layer_index(d->engine, dm->layer[i]);
+  }
+  dm->step = ST_SNAPSHOT;
+  dm->job.run = dump_run;
+  dm->job.done = dump_done;
+  /* The first step queues like any request (queue_full when the executor is full). */
+  int rc = dsv4_executor_submit(&d->ex, &dm->job);
+  if (rc) {
+    dump_free(dm);
+    dsv4_respond_error(req, rc, NULL, NULL);
+    return;
+  }
+  dm->job_busy = 1;
+  d->dump = dm;
+}
