@@ -437,6 +437,8 @@ class Daemon:
         self.name = name
         self.proc = None
         self.port = None
+        self.admin_port = None  # the admin listener's port, from its "listening" line
+        self._admin_ready = threading.Event()
         self.instance = None
         self.lines = []
         self.startup_s = None
@@ -480,7 +482,7 @@ class Daemon:
         for raw in self.proc.stderr:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             self.lines.append(line)
-            if self.port is None:
+            if self.port is None or self.admin_port is None:
                 try:
                     j = json.loads(line)
                 except ValueError:
@@ -490,7 +492,12 @@ class Daemon:
                     self.startup_s = time.monotonic() - self._t0
                     self.port = j["port"]
                     self._ready.set()
+                elif isinstance(j, dict) and j.get("msg") == "listening" and \
+                        j.get("listener") == "admin" and isinstance(j.get("port"), int):
+                    self.admin_port = j["port"]
+                    self._admin_ready.set()
         self._ready.set()
+        self._admin_ready.set()
 
     def _read_stdout(self):
         for raw in self.proc.stdout:
@@ -581,6 +588,51 @@ class Daemon:
     def get(self, path, **kw):
         return self.request("GET", path, **kw)
 
+    # -- the admin plane (its own listener)
+
+    def admin_conn(self, timeout=30.0):
+        self._admin_ready.wait(START_TIMEOUT_S)
+        check(self.admin_port is not None, "%s logged no admin listening line" % self.name)
+        return http.client.HTTPConnection("127.0.0.1", self.admin_port, timeout=timeout)
+
+    def admin(self, path, token=None, method="GET", headers=None, conn=None):
+        """One admin request (Authorization: Bearer token when given): the Response."""
+        own = conn is None
+        c = conn or self.admin_conn()
+        h = dict(headers or {})
+        if token is not None:
+            h["Authorization"] = "Bearer " + token
+        try:
+            c.request(method, path, headers=h)
+            r = c.getresponse()
+            data = r.read()
+            resp = Response(r.status, {k.lower(): v for k, v in r.getheaders()}, data)
+        finally:
+            if own:
+                c.close()
+        self._check_instance(resp.headers, "admin %s %s" % (method, path))
+        return resp
+
+    def admin_json(self, path, token=None):
+        """An admin GET that must answer 200 JSON carrying this daemon's instance."""
+        r = self.admin(path, token=token)
+        check_eq(r.status, 200, "admin GET %s (body %r)" % (path, r.body[:300]))
+        j = r.json()
+        check_eq(j.get("instance"), self.instance, "instance in admin GET %s" % path)
+        return j
+
+    def admin_log(self):
+        """The audit lines ({"msg": "admin", ...}) logged so far."""
+        out = []
+        for ln in list(self.lines):
+            try:
+                j = json.loads(ln)
+            except ValueError:
+                continue
+            if isinstance(j, dict) and j.get("msg") == "admin":
+                out.append(j)
+        return out
+
     def delete(self, path, **kw):
         return self.request("DELETE", path, **kw)
 
@@ -637,6 +689,39 @@ class Daemon:
                 check_eq(got, want, "dsv4d_kv_blocks{state=\"used\"}")
                 return got
             time.sleep(0.02)
+
+
+def write_token_file(directory, token, mode=0o600, name="admin.token"):
+    """A bearer token file with the given mode; returns its path."""
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        f.write(token + "\n")
+    os.chmod(path, mode)
+    return path
+
+
+def parse_dump(buf):
+    """A GET /admin/v1/dump file: (metadata, {layer: (positions int64 [T], records uint8 [T, 584])}).
+    Checks the tensor names, dtypes and shapes and that they come by layer, records first."""
+    meta, t = st_decode(buf)
+    layers = {}
+    order = []
+    for name in t:
+        m = re.match(r"^layers\.(\d+)\.(records|positions)$", name)
+        check(m is not None, "dump: unexpected tensor %r" % name)
+        order.append((int(m.group(1)), 0 if m.group(2) == "records" else 1))
+    (hlen,) = struct.unpack_from("<Q", buf, 0)
+    hdr = json.loads(bytes(buf[8:8 + hlen]).decode())
+    by_offset = sorted((v["data_offsets"][0], k) for k, v in hdr.items() if k != "__metadata__")
+    got = [(int(k.split(".")[1]), 0 if k.endswith("records") else 1) for _, k in by_offset]
+    check_eq(got, sorted(order), "dump: tensors ordered by layer, records before positions")
+    for layer in sorted({x[0] for x in order}):
+        dt, shape, _ = t["layers.%d.records" % layer]
+        n = shape[0]
+        recs = st_array(t, "layers.%d.records" % layer, "U8", (n, RECORD_BYTES))
+        pos = st_array(t, "layers.%d.positions" % layer, "I64", (n,))
+        layers[layer] = (pos, recs)
+    return meta, layers
 
 
 def expect_error(resp, status, code):
