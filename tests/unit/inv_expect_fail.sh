@@ -15,6 +15,10 @@ shift
 out=$("$@" 2>&1)
 rc=$?
 printf '%s\n' "$out"
+# 77: the test needs hardware this machine lacks (a GPU) and said "skipped"; ctest shows it so.
+if [ "$rc" -eq 77 ]; then
+  exit 77
+fi
 if [ "$rc" -eq 0 ]; then
   echo "FAIL: the broken build passed: its test did not catch the broken invariant" >&2
   exit 1
