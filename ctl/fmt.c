@@ -343,7 +343,7 @@ static void print_numbers(FILE *out, const json_t *list, size_t first, size_t co
       } else {
         char s[48];
         dsv4_ctl_format_value(v, s, sizeof(s));
-        fprintf(out, " %12s", s);
+        fprintf(out, " %15s", s);
       }
     }
     fputc('\n', out);

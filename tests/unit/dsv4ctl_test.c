@@ -444,9 +444,10 @@ static void test_views(void **state) {
   assert_non_null(strstr(s, "record_digest    0123456789abcdef\n"));
   assert_non_null(strstr(s, "\nNoPE dims 0-63: scale code 120 = 0.0078125\n"));
   assert_non_null(strstr(s, "\nNoPE dims 384-447: scale code 126 = 0.5\n"));
-  assert_non_null(strstr(s, "   440:          220        220.5          221"));
+  assert_non_null(strstr(s, "   440:             220           220.5             221"));
   assert_non_null(strstr(s, "   432: b0 b1 b2 b3"));
-  assert_non_null(strstr(s, "\nRoPE (64 values):\n     0:            0        -0.25         -0.5"));
+  assert_non_null(
+      strstr(s, "\nRoPE (64 values):\n     0:               0           -0.25            -0.5"));
   assert_non_null(strstr(s, "    48: beb0 beb1"));
   free(s);
 }
