@@ -18,7 +18,7 @@
 
 #include "dsv4-layout.h"
 
-#if defined(__OPENCL_VERSION__)
+#if defined(__OPENCL_VERSION__) || defined(__OPENCL_C_VERSION__)
 typedef uint dsv4_u32;
 typedef ushort dsv4_u16;
 typedef uchar dsv4_u8;
@@ -139,8 +139,8 @@ DSV4_FN dsv4_u8 dsv4_f32_to_e4m3(float f) {
     dsv4_u32 shift = 141u - e; /* 21..24 */
     dsv4_u32 q = m >> shift;
     dsv4_u32 rem = m & ((1u << shift) - 1u);
-    dsv4_u32 half = 1u << (shift - 1u);
-    if (rem > half || (rem == half && (q & 1u)))
+    dsv4_u32 halfway = 1u << (shift - 1u);
+    if (rem > halfway || (rem == halfway && (q & 1u)))
       q += 1u; /* q == 8 is 2^-6, which is exactly the normal encoding 0x08 */
     return (dsv4_u8)(sign | q);
   }
@@ -186,6 +186,18 @@ DSV4_FN float dsv4_ue8m0_scale(dsv4_u8 code) {
 }
 
 /*
+ * The fold of the 32 canonical partials (SPEC §2): p[l] = p[l] + p[l + step] for l < step, with
+ * steps 16, 8, 4, 2, 1; returns p[0]. p is overwritten. Kernels that compute one partial per lane
+ * gather the 32 partials and call this, so every backend folds in one order.
+ */
+DSV4_FN float dsv4_fold32(float *p) {
+  for (int step = 16; step >= 1; step >>= 1)
+    for (int l = 0; l < step; l++)
+      p[l] = p[l] + p[l + step];
+  return p[0];
+}
+
+/*
  * The canonical sum of squares of a 512-vector (SPEC §2): 32 partial fma chains over 16 consecutive
  * elements each, from +0.0f in index order, then a pairwise fold with steps 16, 8, 4, 2, 1.
  */
@@ -197,10 +209,7 @@ DSV4_FN float dsv4_sumsq512(const float *x) {
       acc = DSV4_FMA(x[16 * l + k], x[16 * l + k], acc);
     p[l] = acc;
   }
-  for (int step = 16; step >= 1; step >>= 1)
-    for (int l = 0; l < step; l++)
-      p[l] = p[l] + p[l + step];
-  return p[0];
+  return dsv4_fold32(p);
 }
 
 /* The canonical 512-long dot product: the same 32 partials and fold as dsv4_sumsq512. */
@@ -212,10 +221,7 @@ DSV4_FN float dsv4_dot512(const float *x, const float *y) {
       acc = DSV4_FMA(x[16 * l + k], y[16 * l + k], acc);
     p[l] = acc;
   }
-  for (int step = 16; step >= 1; step >>= 1)
-    for (int l = 0; l < step; l++)
-      p[l] = p[l] + p[l + step];
-  return p[0];
+  return dsv4_fold32(p);
 }
 
 /* r = 1 / sqrt(ss * 2^-9 + eps): multiply, add, sqrt and divide, each rounded once. */
