@@ -1,0 +1,269 @@
+/*
+ * The Level Zero backend's kernels in OpenCL C (SPEC §2-3, §5): the slot map producer and the fused
+ * Q/KV norm + RoPE + fp8 insert consumer. The build compiles this file to SPIR-V for Intel GPUs;
+ * the tests build the same file with PoCL and compare it with the CPU reference byte for byte.
+ *
+ * Build options (the same everywhere): -cl-fp32-correctly-rounded-divide-sqrt, -I <kernels/>, and
+ * never -cl-denorms-are-zero, -cl-mad-enable or -cl-fast-relaxed-math.
+ *
+ * Test-only macros (never set in the daemon's SPIR-V):
+ *   DSV4_CL_COUNT_STORES       every global store also increments one counter per stored byte
+ *                              (extra kernel arguments), so a test can prove SPEC §5.1.
+ *   DSV4_CL_BROKEN_BULK_STORE  the vLLM XPU bug on purpose: lanes 0..3 of a KV row store the
+ *                              unrotated RoPE values while lanes 28..31 store the rotated ones over
+ *                              the same bytes, with nothing ordering the two.
+ * DSV4_CL_RMS_FP64 selects the SPEC §2 double-precision divide and sqrt, for devices whose fp32
+ * divide and sqrt are not correctly rounded.
+ *
+ * Thread mapping of dsv4_qkv_insert (lz_kernels.h): one row of 512 values per 32 lanes, lane l
+ * owning dims 16l..16l+15, 8 rows per work-group. A lane computes the canonical partial of its 16
+ * dims; the 32 partials meet in local memory and every lane folds them in the canonical order, so
+ * each lane holds the RMS factor without a second barrier. The four lanes of a 64-value scale tile
+ * meet once more in local memory for the tile maximum. Every output byte has one owning lane,
+ * which computes its final value in registers and stores it once: NoPE fp8 bytes and Q dims by
+ * their lane, RoPE bf16 by lanes 28..31, scale code j by lane 4j, the scale pad byte by lane 28.
+ */
+#pragma OPENCL FP_CONTRACT OFF
+
+#include "dsv4-numerics.h"
+#include "level_zero/lz_kernels.h"
+
+#ifndef __ENDIAN_LITTLE__
+#error "the cache stores bf16 little-endian: this device is big-endian"
+#endif
+
+#ifdef DSV4_CL_RMS_FP64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+/* SPEC §2: (float)sqrt((double)v) and (float)(1.0 / (double)s) equal the correctly rounded fp32
+ * results, for devices whose fp32 divide and sqrt are not. */
+static float rms_factor(float ss, float eps) {
+  float t = ss * 0x1p-9f;
+  t = t + eps;
+  float s = (float)sqrt((double)t);
+  return (float)(1.0 / (double)s);
+}
+#else
+#define rms_factor dsv4_rms_factor
+#endif
+
+#ifdef DSV4_CL_COUNT_STORES
+#define MAP_COUNT_ARGS , __global uint *slot_count
+#define INSERT_COUNT_ARGS , __global uint *q_count, __global uint *cache_count
+/* n bytes stored at byte offset off of the region whose counters are cnt. */
+#define COUNT(cnt, off, n)                                                                         \
+  do {                                                                                             \
+    for (uint k_ = 0; k_ < (uint)(n); k_++)                                                        \
+      atomic_inc(&(cnt)[(off) + k_]);                                                              \
+  } while (0)
+#else
+#define MAP_COUNT_ARGS
+#define INSERT_COUNT_ARGS
+#define COUNT(cnt, off, n) ((void)0)
+#endif
+
+/* Every global store of the launch goes through one of these. Offsets are in elements of the
+ * destination (slots, q_out) or in bytes (cache). */
+#define STORE_SLOT(t, v)                                                                           \
+  do {                                                                                             \
+    slots[(t)] = (v);                                                                              \
+    COUNT(slot_count, (size_t)(t)*8u, 8u);                                                         \
+  } while (0)
+#define STORE_Q16(idx, arr)                                                                        \
+  do {                                                                                             \
+    vstore16(vload16(0, (arr)), 0, q_out + (idx));                                                 \
+    COUNT(q_count, (size_t)(idx)*2u, 32u);                                                         \
+  } while (0)
+#define STORE_CACHE_U8X16(off, arr)                                                                \
+  do {                                                                                             \
+    vstore16(vload16(0, (arr)), 0, cache + (off));                                                 \
+    COUNT(cache_count, (off), 16u);                                                                \
+  } while (0)
+#define STORE_CACHE_BF16X16(off, arr)                                                              \
+  do {                                                                                             \
+    vstore16(vload16(0, (arr)), 0, (__global ushort *)(cache + (off)));                            \
+    COUNT(cache_count, (off), 32u);                                                                \
+  } while (0)
+#define STORE_CACHE_U8(off, v)                                                                     \
+  do {                                                                                             \
+    cache[(off)] = (v);                                                                            \
+    COUNT(cache_count, (off), 1u);                                                                 \
+  } while (0)
+
+/*
+ * The producer: one work-item per token. A token whose logical block is not in its segment's block
+ * table (or maps to a negative id) gets slot -1. Arguments the CPU backend would refuse (a segment
+ * index out of range, a negative position, a block id beyond the pool) set a bit of *err and give
+ * slot -1, so the launch never reads or writes out of bounds; the host turns the bits into an error.
+ */
+__kernel __attribute__((reqd_work_group_size(DSV4_LZ_MAP_GROUP_SIZE, 1, 1))) void
+dsv4_map_slots(uint n_tokens, uint block_size, uint n_blocks, __global const long *positions,
+               __global const int *tok_seg, __global const long *seg_first_lb,
+               __global const uint *seg_bt_off, __global const uint *seg_bt_len,
+               __global const int *block_table, uint n_segments, __global long *slots,
+               __global uint *err MAP_COUNT_ARGS) {
+  size_t t = get_global_id(0);
+  if (t >= n_tokens)
+    return;
+  int s = tok_seg[t];
+  long pos = positions[t];
+  long slot = -1;
+  if (s < 0 || (uint)s >= n_segments) {
+    atomic_or(err, DSV4_LZ_ERR_SEGMENT);
+  } else if (pos < 0) {
+    atomic_or(err, DSV4_LZ_ERR_POSITION);
+  } else {
+    long bs = (long)block_size;
+    long idx = pos / bs - seg_first_lb[s];
+    if (idx >= 0 && idx < (long)seg_bt_len[s]) {
+      int b = block_table[(ulong)seg_bt_off[s] + (ulong)idx];
+      if (b >= 0 && (uint)b >= n_blocks)
+        atomic_or(err, DSV4_LZ_ERR_BLOCK);
+      else if (b >= 0)
+        slot = (long)b * bs + pos % bs;
+    }
+  }
+  STORE_SLOT(t, slot);
+}
+
+/*
+ * The consumer (SPEC §2.1-2.2). Rows row0.. of this launch, n_rows rows in the whole batch. Every
+ * work-item reaches both barriers, whatever its row, so that rows past the end and KV rows without
+ * a slot never leave a barrier unmatched.
+ */
+__kernel __attribute__((reqd_work_group_size(DSV4_LZ_GROUP_SIZE, 1, 1))) void
+dsv4_qkv_insert(uint row0, uint n_rows, uint n_tokens, uint heads, uint write_kv,
+                __global const ushort *q, __global const ushort *kv, __global const long *slots,
+                __global const float *rope_rows, __global const float *kv_w, uint fused, float eps,
+                __global ushort *q_out, __global uchar *cache, uint block_size, uint n_blocks,
+                ulong stride, __global uint *err INSERT_COUNT_ARGS) {
+  __local float partial[DSV4_LZ_ROWS_PER_GROUP][DSV4_LZ_LANES];
+  __local float lane_max[DSV4_LZ_ROWS_PER_GROUP][DSV4_LZ_LANES];
+  uint lid = (uint)get_local_id(0);
+  uint r_in = lid / DSV4_LZ_LANES, lane = lid % DSV4_LZ_LANES;
+  ulong row = (ulong)row0 + (ulong)get_group_id(0) * DSV4_LZ_ROWS_PER_GROUP + r_in;
+  ulong nq = (ulong)n_tokens * heads;
+  int live = row < (ulong)n_rows && (row < nq || write_kv);
+  int is_kv = live && write_kv && row >= nq;
+  int norm = live && (!is_kv || fused); /* this row's values are scaled by an RMS factor */
+  ulong t = !live ? 0 : is_kv ? row - nq : row / heads;
+  uint d0 = lane * DSV4_LZ_DIMS_PER_LANE;
+  int rope_lane = lane >= DSV4_LZ_ROPE_LANE0;
+
+  float x[DSV4_LZ_DIMS_PER_LANE];
+  ushort in[DSV4_LZ_DIMS_PER_LANE];
+  float acc = 0.0f;
+  if (live) {
+    __global const ushort *src = is_kv ? kv + t * DSV4_HEAD_DIM : q + row * DSV4_HEAD_DIM;
+    vstore16(vload16(0, src + d0), 0, in);
+    for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
+      x[k] = dsv4_bf16_to_f32(in[k]);
+    /* This lane's canonical partial: an fma chain over its 16 dims in index order from +0.0f. */
+    if (norm)
+      for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
+        acc = fma(x[k], x[k], acc);
+  }
+  partial[r_in][lane] = acc;
+  barrier(CLK_LOCAL_MEM_FENCE);
+
+  float r = 1.0f;
+  if (norm) {
+    float p[DSV4_LZ_LANES];
+    for (int l = 0; l < DSV4_LZ_LANES; l++)
+      p[l] = partial[r_in][l];
+    r = rms_factor(dsv4_fold32(p), eps);
+  }
+
+  /* KV: the stored values z (after the fused norm, rounded to bf16) and this lane's tile maximum. */
+  float tmax = DSV4_AMAX_FLOOR;
+  if (is_kv) {
+    if (fused)
+      for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
+        x[k] = dsv4_bf16_to_f32(dsv4_f32_to_bf16((x[k] * r) * kv_w[d0 + k]));
+    if (!rope_lane)
+      for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++) {
+        float a = fabs(x[k]);
+        tmax = a > tmax ? a : tmax;
+      }
+  }
+  lane_max[r_in][lane] = tmax;
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (!live)
+    return;
+
+  /* RoPE lanes: 8 pairs (448 + 2i, 449 + 2i), i = 8 * (lane - 28) .. + 7. */
+  ushort bf[DSV4_LZ_DIMS_PER_LANE];
+  if (rope_lane) {
+    __global const float *cs = rope_rows + t * DSV4_ROPE_ROW_FLOATS;
+    for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k += 2) {
+      uint i = (lane - DSV4_LZ_ROPE_LANE0) * (DSV4_LZ_DIMS_PER_LANE / 2) + (uint)k / 2;
+      float e = is_kv ? x[k] : x[k] * r;
+      float o = is_kv ? x[k + 1] : x[k + 1] * r;
+      float c = cs[i], s = cs[DSV4_ROPE_PAIRS + i];
+      bf[k] = dsv4_f32_to_bf16(dsv4_rope_even(e, o, c, s));
+      bf[k + 1] = dsv4_f32_to_bf16(dsv4_rope_odd(e, o, c, s));
+    }
+  }
+
+  if (!is_kv) {
+    if (!rope_lane)
+      for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
+        bf[k] = dsv4_f32_to_bf16(x[k] * r);
+    STORE_Q16(row * DSV4_HEAD_DIM + d0, bf);
+    return;
+  }
+
+  long slot = slots[t];
+  ulong n_slots = (ulong)n_blocks * block_size;
+  if (slot < 0)
+    return;
+  if ((ulong)slot >= n_slots) {
+    if (lane == 0)
+      atomic_or(err, DSV4_LZ_ERR_SLOT);
+    return;
+  }
+  ulong o = (ulong)slot % block_size;
+  ulong base = (ulong)slot / block_size * stride;
+  ulong rec = base + DSV4_TOKEN_DATA_OFFSET(o);
+  ulong sc = base + DSV4_SCALE_OFFSET(block_size, o);
+
+  if (rope_lane) {
+    STORE_CACHE_BF16X16(rec + DSV4_NOPE_DIM + 2 * (d0 - DSV4_NOPE_DIM), bf);
+    if (lane == DSV4_LZ_ROPE_LANE0)
+      STORE_CACHE_U8(sc + DSV4_NTILES, (uchar)0);
+    return;
+  }
+
+  uint j = lane / (DSV4_TILE / DSV4_LZ_DIMS_PER_LANE), first = j * 4;
+  float amax = lane_max[r_in][first];
+  for (uint l = first + 1; l < first + 4; l++)
+    amax = lane_max[r_in][l] > amax ? lane_max[r_in][l] : amax;
+  dsv4_i32 e = dsv4_ue8m0_exponent(amax);
+  float scale = dsv4_pow2_neg(e);
+  uchar f8[DSV4_LZ_DIMS_PER_LANE];
+  for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
+    f8[k] = dsv4_f32_to_e4m3(x[k] * scale);
+  STORE_CACHE_U8X16(rec + d0, f8);
+  if (lane == first)
+    STORE_CACHE_U8(sc + j, (uchar)(e + 127));
+#ifdef DSV4_CL_BROKEN_BULK_STORE
+  /* Test-only: the unmasked bulk store. Lanes 0..3 also store the unrotated bf16 RoPE values of
+   * lanes 28..31, racing with their rotated stores above. */
+  if (lane < DSV4_LZ_LANES - DSV4_LZ_ROPE_LANE0) {
+    ulong d = DSV4_NOPE_DIM + lane * DSV4_LZ_DIMS_PER_LANE;
+    ushort raw[DSV4_LZ_DIMS_PER_LANE];
+    for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
+      raw[k] = kv[t * DSV4_HEAD_DIM + d + (ulong)k];
+    STORE_CACHE_BF16X16(rec + DSV4_NOPE_DIM + 2 * (d - DSV4_NOPE_DIM), raw);
+  }
+#endif
+}
+
+/*
+ * SPEC §2's device checks, run by the backend when it opens a device: out[0] = a * b + c as
+ * written must not be contracted into an fma ((1 + 2^-12)^2 - (1 + 2^-11) gives +0), and out[1] =
+ * a product in the subnormal range must not be flushed to zero.
+ */
+__kernel void dsv4_fp_probe(__global const float *in, __global float *out) {
+  out[0] = in[0] * in[1] + in[2];
+  out[1] = in[3] * in[4];
+}

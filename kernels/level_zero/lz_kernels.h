@@ -1,0 +1,50 @@
+#ifndef DSV4_KERNELS_LEVEL_ZERO_LZ_KERNELS_H
+#define DSV4_KERNELS_LEVEL_ZERO_LZ_KERNELS_H
+
+/*
+ * What the OpenCL C kernels (dsv4_kernels.cl) and the programs that launch them (the Level Zero
+ * glue, the PoCL tests) must agree on: the work-group shape, the kernel names and the order of
+ * their arguments. Included by OpenCL C and by plain C.
+ *
+ * dsv4_qkv_insert works on rows of 512 values: rows 0..N*H-1 are the Q heads (token t = row / H,
+ * head h = row % H), rows N*H..N*H+N-1 the KV rows of the N tokens (only when write_kv is set). One
+ * row is 32 work-items ("lanes"), lane l owning dims 16l..16l+15: lanes 0..27 the NoPE dims (four
+ * lanes per 64-value scale tile), lanes 28..31 the 32 RoPE pairs. A work-group holds
+ * DSV4_LZ_ROWS_PER_GROUP rows.
+ */
+
+#include "dsv4-layout.h"
+
+#define DSV4_LZ_LANES 32
+#define DSV4_LZ_DIMS_PER_LANE 16
+#define DSV4_LZ_ROWS_PER_GROUP 8
+#define DSV4_LZ_GROUP_SIZE (DSV4_LZ_LANES * DSV4_LZ_ROWS_PER_GROUP)
+#define DSV4_LZ_ROPE_LANE0 (DSV4_NOPE_DIM / DSV4_LZ_DIMS_PER_LANE) /* 28 */
+#define DSV4_LZ_MAP_GROUP_SIZE 64
+
+/* Bits of the error word both kernels may set (the launch never writes out of bounds instead). */
+#define DSV4_LZ_ERR_SEGMENT 1u  /* a token's segment index is out of range */
+#define DSV4_LZ_ERR_POSITION 2u /* a negative position */
+#define DSV4_LZ_ERR_BLOCK 4u    /* a block id >= n_blocks in a segment's block table */
+#define DSV4_LZ_ERR_SLOT 8u     /* a slot >= n_blocks * block_size given to qkv_insert */
+
+/*
+ * dsv4_map_slots(n_tokens, block_size, n_blocks, positions, tok_seg, seg_first_lb, seg_bt_off,
+ *                seg_bt_len, block_table, n_segments, slots, err [, slot_count])
+ */
+#define DSV4_LZ_MAP_KERNEL "dsv4_map_slots"
+#define DSV4_LZ_MAP_NARGS 12
+
+/*
+ * dsv4_qkv_insert(row0, n_rows, n_tokens, heads, write_kv, q, kv, slots, rope_rows, kv_w, fused,
+ *                 eps, q_out, cache, block_size, n_blocks, stride, err [, q_count, cache_count])
+ * rope_rows holds the 64 floats of each token's RoPE row ([N, 64]); row0 is the first row of this
+ * launch, so that a large batch may be split into several launches.
+ */
+#define DSV4_LZ_INSERT_KERNEL "dsv4_qkv_insert"
+#define DSV4_LZ_INSERT_NARGS 18
+
+/* dsv4_fp_probe(in, out): out[0] = in[0] * in[1] + in[2] as written (SPEC §2 contraction check). */
+#define DSV4_LZ_PROBE_KERNEL "dsv4_fp_probe"
+
+#endif /* DSV4_KERNELS_LEVEL_ZERO_LZ_KERNELS_H */

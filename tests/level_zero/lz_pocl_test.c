@@ -1,0 +1,734 @@
+/*
+ * The Level Zero backend's OpenCL C kernels (kernels/level_zero/dsv4_kernels.cl), executed for real
+ * on the CPU through OpenCL (PoCL), against the CPU reference backend.
+ *
+ * The program builds the same .cl source the daemon's SPIR-V is made from, with the same options
+ * (-cl-fp32-correctly-rounded-divide-sqrt and the include directory), then for random batches
+ * (several head counts, block sizes, plain and YaRN RoPE, prenormed and fused kv_norm, slot -1
+ * rows, replays, zeroed and random initial caches) runs the producer (dsv4_map_slots) and then the
+ * consumer (dsv4_qkv_insert) on one in-order queue with a barrier between them, and compares slots,
+ * q_out and every cache byte with the CPU backend's map_slots + qkv_insert.
+ *
+ * Usage: lz_pocl_test <mode>
+ *   identity          byte identity with the CPU backend, each batch 20 times (SPEC §2, §5.4)
+ *   identity-fp64     the same with the double-precision divide/sqrt (DSV4_CL_RMS_FP64)
+ *   one-writer        a build where every global store counts its bytes (DSV4_CL_COUNT_STORES):
+ *                     every output byte stored exactly once, every other byte never (SPEC §5.1)
+ *   one-writer-broken the same with DSV4_CL_BROKEN_BULK_STORE; must fail with "invariant violated"
+ *   identity-broken   the broken build without counters, through the identity check (to see
+ *                     whether repeated runs alone would notice the race on this device)
+ * Exit status: 0 pass, 1 fail, 77 skipped (no OpenCL platform or device, or no fp64 for
+ * identity-fp64).
+ */
+#define CL_TARGET_OPENCL_VERSION 120
+#include <CL/cl.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../unit/inv_common.h"
+#include "backend.h"
+#include "dsv4-numerics.h"
+#include "level_zero/lz_kernels.h"
+#include "rope.h"
+
+#define RUNS 20
+#define RANDOM_SHAPES 16
+
+static void die(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fputs("lz_pocl_test: ", stderr);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  va_end(ap);
+  exit(1);
+}
+
+static void check_cl(cl_int err, const char *what) {
+  if (err != CL_SUCCESS)
+    die("%s failed (OpenCL error %d)", what, (int)err);
+}
+
+/* ---- the OpenCL side ---- */
+
+typedef struct {
+  cl_device_id dev;
+  cl_context ctx;
+  cl_command_queue queue;
+  cl_program prog;
+  cl_kernel map, insert, probe;
+  int counting;
+} clrt_t;
+
+static char *read_file(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f)
+    die("cannot open %s", path);
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  fseek(f, 0, SEEK_SET);
+  char *s = inv_alloc((size_t)n + 1);
+  if (n < 0 || fread(s, 1, (size_t)n, f) != (size_t)n)
+    die("cannot read %s", path);
+  s[n] = '\0';
+  fclose(f);
+  *len = (size_t)n;
+  return s;
+}
+
+/* 0 on success, 77 when there is no OpenCL platform or device to run on. */
+static int clrt_open(clrt_t *rt, const char *defines, int need_fp64) {
+  cl_platform_id plats[8];
+  cl_uint n_plats = 0;
+  cl_int err = clGetPlatformIDs(8, plats, &n_plats);
+  if (err != CL_SUCCESS || n_plats == 0) {
+    printf("skipped: no OpenCL platform (clGetPlatformIDs: %d)\n", (int)err);
+    return 77;
+  }
+  cl_uint n_dev = 0;
+  for (cl_uint i = 0; i < n_plats && n_dev == 0; i++)
+    if (clGetDeviceIDs(plats[i], CL_DEVICE_TYPE_ALL, 1, &rt->dev, &n_dev) != CL_SUCCESS)
+      n_dev = 0;
+  if (n_dev == 0) {
+    printf("skipped: no OpenCL device\n");
+    return 77;
+  }
+  char name[256] = "", version[256] = "";
+  cl_device_fp_config fp = 0, fp64 = 0;
+  check_cl(clGetDeviceInfo(rt->dev, CL_DEVICE_NAME, sizeof(name), name, NULL), "device name");
+  check_cl(clGetDeviceInfo(rt->dev, CL_DEVICE_VERSION, sizeof(version), version, NULL), "version");
+  check_cl(clGetDeviceInfo(rt->dev, CL_DEVICE_SINGLE_FP_CONFIG, sizeof(fp), &fp, NULL),
+           "fp config");
+  (void)clGetDeviceInfo(rt->dev, CL_DEVICE_DOUBLE_FP_CONFIG, sizeof(fp64), &fp64, NULL);
+  printf("device: %s (%s); fp32 denormals %s, correctly rounded divide/sqrt %s, fp64 %s\n", name,
+         version, fp & CL_FP_DENORM ? "yes" : "no",
+         fp & CL_FP_CORRECTLY_ROUNDED_DIVIDE_SQRT ? "yes" : "no", fp64 ? "yes" : "no");
+  /* SPEC §2: subnormals are honoured; a device that flushes them cannot be byte-identical. */
+  if (!(fp & CL_FP_DENORM))
+    die("the OpenCL device does not support fp32 denormals (SPEC §2 needs them)");
+  if (need_fp64 && !fp64) {
+    printf("skipped: the OpenCL device has no fp64\n");
+    return 77;
+  }
+  rt->ctx = clCreateContext(NULL, 1, &rt->dev, NULL, NULL, &err);
+  check_cl(err, "clCreateContext");
+  rt->queue = clCreateCommandQueue(rt->ctx, rt->dev, 0, &err); /* in-order */
+  check_cl(err, "clCreateCommandQueue");
+
+  size_t len;
+  char *src = read_file(DSV4_LZ_CL_SOURCE, &len);
+  const char *srcs[] = {src};
+  rt->prog = clCreateProgramWithSource(rt->ctx, 1, srcs, &len, &err);
+  check_cl(err, "clCreateProgramWithSource");
+  char opts[1024];
+  snprintf(opts, sizeof(opts), "-cl-std=CL1.2 -cl-fp32-correctly-rounded-divide-sqrt -I%s %s",
+           DSV4_LZ_KERNELS_DIR, defines);
+  err = clBuildProgram(rt->prog, 1, &rt->dev, opts, NULL, NULL);
+  if (err != CL_SUCCESS) {
+    size_t log_len = 0;
+    clGetProgramBuildInfo(rt->prog, rt->dev, CL_PROGRAM_BUILD_LOG, 0, NULL, &log_len);
+    char *log = inv_alloc(log_len + 1);
+    clGetProgramBuildInfo(rt->prog, rt->dev, CL_PROGRAM_BUILD_LOG, log_len, log, NULL);
+    log[log_len] = '\0';
+    die("clBuildProgram (%s) failed (%d):\n%s", opts, (int)err, log);
+  }
+  printf("built %s with: %s\n", DSV4_LZ_CL_SOURCE, opts);
+  free(src);
+  rt->map = clCreateKernel(rt->prog, DSV4_LZ_MAP_KERNEL, &err);
+  check_cl(err, "clCreateKernel map");
+  rt->insert = clCreateKernel(rt->prog, DSV4_LZ_INSERT_KERNEL, &err);
+  check_cl(err, "clCreateKernel insert");
+  rt->probe = clCreateKernel(rt->prog, DSV4_LZ_PROBE_KERNEL, &err);
+  check_cl(err, "clCreateKernel probe");
+  rt->counting = strstr(defines, "DSV4_CL_COUNT_STORES") != NULL;
+  return 0;
+}
+
+static void clrt_close(clrt_t *rt) {
+  clReleaseKernel(rt->probe);
+  clReleaseKernel(rt->insert);
+  clReleaseKernel(rt->map);
+  clReleaseProgram(rt->prog);
+  clReleaseCommandQueue(rt->queue);
+  clReleaseContext(rt->ctx);
+}
+
+static cl_mem buf_from(clrt_t *rt, const void *host, size_t n) {
+  cl_int err;
+  int copy = host && n;
+  cl_mem m = clCreateBuffer(rt->ctx, CL_MEM_READ_WRITE | (copy ? CL_MEM_COPY_HOST_PTR : 0),
+                            n ? n : 1, copy ? (void *)host : NULL, &err);
+  check_cl(err, "clCreateBuffer");
+  return m;
+}
+
+static cl_mem buf_zero(clrt_t *rt, size_t n) {
+  void *z = calloc(1, n ? n : 1);
+  if (!z)
+    die("out of memory");
+  cl_mem m = buf_from(rt, z, n ? n : 1);
+  free(z);
+  return m;
+}
+
+static void set_arg(cl_kernel k, cl_uint i, size_t size, const void *v) {
+  char what[64];
+  snprintf(what, sizeof(what), "clSetKernelArg %u", i);
+  check_cl(clSetKernelArg(k, i, size, v), what);
+}
+
+/* SPEC §2: (1 + 2^-12)^2 - (1 + 2^-11) written as a * b + c gives +0 (no contraction), and
+ * 2^-70 * 2^-70 gives the subnormal 2^-140 (no flush to zero). */
+static void check_fp_probe(clrt_t *rt) {
+  float in[5] = {1.0f + 0x1p-12f, 1.0f + 0x1p-12f, -(1.0f + 0x1p-11f), 0x1p-70f, 0x1p-70f};
+  float out[2] = {-1.0f, -1.0f};
+  cl_mem bin = buf_from(rt, in, sizeof(in)), bout = buf_zero(rt, sizeof(out));
+  set_arg(rt->probe, 0, sizeof(cl_mem), &bin);
+  set_arg(rt->probe, 1, sizeof(cl_mem), &bout);
+  size_t one = 1;
+  check_cl(clEnqueueNDRangeKernel(rt->queue, rt->probe, 1, NULL, &one, &one, 0, NULL, NULL),
+           "probe launch");
+  check_cl(clEnqueueReadBuffer(rt->queue, bout, CL_TRUE, 0, sizeof(out), out, 0, NULL, NULL),
+           "probe read");
+  clReleaseMemObject(bin);
+  clReleaseMemObject(bout);
+  if (dsv4_f2u(out[0]) != 0u)
+    die("a * b + c was contracted into an fma: got 0x%08x, expected +0", dsv4_f2u(out[0]));
+  if (dsv4_f2u(out[1]) != 0x200u)
+    die("2^-70 * 2^-70 gave 0x%08x, expected the subnormal 0x00000200", dsv4_f2u(out[1]));
+  printf("fp probe: a*b+c = +0 (not contracted), 2^-70*2^-70 = 0x00000200 (subnormal kept)\n");
+}
+
+/* ---- one batch ---- */
+
+typedef struct {
+  uint32_t heads, n_tokens, bs;
+  int yarn, fused, replay, random_cache; /* replay: q_out only, the cache untouched */
+  uint32_t neg_pct;                      /* block table entries that are -1 */
+} shape_t;
+
+typedef struct {
+  shape_t s;
+  uint32_t n_blocks, n_seg, n_bt;
+  uint16_t *q, *kv;
+  int64_t *pos, *seg_first_lb;
+  int32_t *tok_seg, *bt;
+  uint32_t *bt_off, *bt_len;
+  float w[DSV4_HEAD_DIM];
+  float *rope_rows; /* [N, 64] */
+  uint8_t *cache0;
+  size_t cache_bytes, q_bytes;
+} batch_t;
+
+typedef struct {
+  int64_t *slots;
+  uint16_t *q_out;
+  uint8_t *cache;
+  uint32_t err;
+  /* Store counters (counting builds): one per byte. */
+  uint32_t *slot_count, *q_count, *cache_count;
+} result_t;
+
+/*
+ * Segments of contiguous positions, each with a block table of distinct physical ids (no id is in
+ * two tables, so slots are unique, SPEC §5.3). A table may start one logical block early or end
+ * short, and some entries are -1, so some tokens get slot -1.
+ */
+static void make_batch(batch_t *b, const shape_t *s, dsv4_rope_table_t *rope) {
+  memset(b, 0, sizeof(*b));
+  b->s = *s;
+  uint32_t n = s->n_tokens, bs = s->bs;
+  b->n_seg = 1 + inv_below(n < 5 ? n : 5);
+  b->tok_seg = inv_alloc(n * sizeof(int32_t));
+  b->pos = inv_alloc(n * sizeof(int64_t));
+  b->seg_first_lb = inv_alloc(b->n_seg * sizeof(int64_t));
+  b->bt_off = inv_alloc(b->n_seg * sizeof(uint32_t));
+  b->bt_len = inv_alloc(b->n_seg * sizeof(uint32_t));
+  b->bt = inv_alloc(((size_t)n / bs + 3) * b->n_seg * sizeof(int32_t));
+  b->n_blocks = (n / bs + 3) * b->n_seg + 4;
+  uint32_t *perm = inv_alloc(b->n_blocks * sizeof(uint32_t));
+  for (uint32_t i = 0; i < b->n_blocks; i++)
+    perm[i] = i;
+  for (uint32_t i = b->n_blocks - 1; i > 0; i--) {
+    uint32_t j = inv_below(i + 1), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  uint32_t t = 0, next_id = 0;
+  for (uint32_t sg = 0; sg < b->n_seg; sg++) {
+    uint32_t len = sg + 1 == b->n_seg ? n - t : 1 + inv_below(n - t - (b->n_seg - sg - 1));
+    int64_t start = (int64_t)inv_below(DSV4_MAX_POSITION_DEFAULT - len);
+    for (uint32_t k = 0; k < len; k++, t++) {
+      b->tok_seg[t] = (int32_t)sg;
+      b->pos[t] = start + k;
+    }
+    int64_t lb0 = start / bs, lb1 = (start + len - 1) / bs;
+    b->seg_first_lb[sg] = lb0 + (inv_below(8) == 0 ? 1 : 0);
+    uint32_t entries = (uint32_t)(lb1 - b->seg_first_lb[sg] + 1);
+    if (entries > 1 && inv_below(8) == 0)
+      entries--;
+    b->bt_off[sg] = b->n_bt;
+    b->bt_len[sg] = entries;
+    for (uint32_t e = 0; e < entries; e++)
+      b->bt[b->n_bt++] = inv_below(100) < s->neg_pct ? -1 : (int32_t)perm[next_id++];
+  }
+  free(perm);
+
+  b->q_bytes = (size_t)n * s->heads * DSV4_HEAD_DIM * 2;
+  b->q = inv_alloc(b->q_bytes);
+  b->kv = inv_alloc((size_t)n * DSV4_HEAD_DIM * 2);
+  inv_fill_bf16(b->q, b->q_bytes / 2);
+  inv_fill_bf16(b->kv, (size_t)n * DSV4_HEAD_DIM);
+  inv_fill_weight(b->w);
+  b->cache_bytes = (size_t)b->n_blocks * DSV4_BLOCK_STRIDE(bs);
+  b->cache0 = calloc(1, b->cache_bytes);
+  if (!b->cache0)
+    die("out of memory");
+  if (s->random_cache)
+    for (size_t i = 0; i < b->cache_bytes; i++)
+      b->cache0[i] = (uint8_t)inv_rnd();
+  if (dsv4_rope_table_ensure(rope, b->pos, n) != 0)
+    die("rope rows");
+  b->rope_rows = inv_alloc((size_t)n * DSV4_ROPE_ROW_FLOATS * sizeof(float));
+  for (uint32_t k = 0; k < n; k++)
+    memcpy(b->rope_rows + (size_t)k * DSV4_ROPE_ROW_FLOATS, dsv4_rope_table_row(rope, b->pos[k]),
+           DSV4_ROPE_ROW_FLOATS * sizeof(float));
+}
+
+static void free_batch(batch_t *b) {
+  free(b->q);
+  free(b->kv);
+  free(b->pos);
+  free(b->seg_first_lb);
+  free(b->tok_seg);
+  free(b->bt);
+  free(b->bt_off);
+  free(b->bt_len);
+  free(b->rope_rows);
+  free(b->cache0);
+}
+
+static void alloc_result(result_t *r, const batch_t *b, int counting) {
+  memset(r, 0, sizeof(*r));
+  r->slots = inv_alloc(b->s.n_tokens * sizeof(int64_t));
+  r->q_out = inv_alloc(b->q_bytes);
+  r->cache = inv_alloc(b->cache_bytes);
+  if (counting) {
+    r->slot_count = inv_alloc(b->s.n_tokens * sizeof(int64_t) * sizeof(uint32_t));
+    r->q_count = inv_alloc(b->q_bytes * sizeof(uint32_t));
+    r->cache_count = inv_alloc(b->cache_bytes * sizeof(uint32_t));
+  }
+}
+
+static void free_result(result_t *r) {
+  free(r->slots);
+  free(r->q_out);
+  free(r->cache);
+  free(r->slot_count);
+  free(r->q_count);
+  free(r->cache_count);
+}
+
+/* The reference: the CPU backend's producer and consumer on host memory. */
+static void run_cpu(dsv4_backend_t *be, const batch_t *b, dsv4_rope_table_t *rope, result_t *r) {
+  const shape_t *s = &b->s;
+  dsv4_map_args_t m = {
+      .n_tokens = s->n_tokens,
+      .n_segments = b->n_seg,
+      .block_size = s->bs,
+      .n_blocks = b->n_blocks,
+      .positions = b->pos,
+      .tok_seg = b->tok_seg,
+      .seg_first_lb = b->seg_first_lb,
+      .seg_bt_off = b->bt_off,
+      .seg_bt_len = b->bt_len,
+      .block_table = b->bt,
+      .slots = r->slots,
+  };
+  if (be->ops->map_slots(be, &m) != 0)
+    die("cpu map_slots refused the batch");
+  memcpy(r->cache, b->cache0, b->cache_bytes);
+  dsv4_insert_args_t a = {
+      .n_tokens = s->n_tokens,
+      .heads = s->heads,
+      .q = b->q,
+      .kv = b->kv,
+      .positions = b->pos,
+      .slots = r->slots,
+      .rope = rope,
+      .kv_norm_weight = s->fused ? b->w : NULL,
+      .eps = 1e-6f,
+      .write_kv = !s->replay,
+      .q_out = r->q_out,
+      .cache = r->cache,
+      .block_size = s->bs,
+      .n_blocks = b->n_blocks,
+      .stride = DSV4_BLOCK_STRIDE(s->bs),
+  };
+  if (be->ops->qkv_insert(be, &a) != 0 || be->ops->sync(be) != 0)
+    die("cpu qkv_insert refused the batch");
+}
+
+/*
+ * The kernels: map_slots, a barrier, then qkv_insert in launches of at most max_rows rows (a
+ * multiple of the rows per work-group), all on one in-order queue; the slots never leave the
+ * device between producer and consumer.
+ */
+static void run_cl(clrt_t *rt, const batch_t *b, uint32_t max_rows, result_t *r) {
+  const shape_t *s = &b->s;
+  uint32_t n = s->n_tokens;
+  cl_mem pos = buf_from(rt, b->pos, n * sizeof(int64_t));
+  cl_mem tok_seg = buf_from(rt, b->tok_seg, n * sizeof(int32_t));
+  cl_mem first_lb = buf_from(rt, b->seg_first_lb, b->n_seg * sizeof(int64_t));
+  cl_mem bt_off = buf_from(rt, b->bt_off, b->n_seg * sizeof(uint32_t));
+  cl_mem bt_len = buf_from(rt, b->bt_len, b->n_seg * sizeof(uint32_t));
+  cl_mem bt = buf_from(rt, b->bt, b->n_bt * sizeof(int32_t));
+  /* The slot buffer starts as garbage, as a reused device buffer would. */
+  int64_t *junk = inv_alloc(n * sizeof(int64_t));
+  for (uint32_t i = 0; i < n; i++)
+    junk[i] = (int64_t)inv_rnd();
+  cl_mem slots = buf_from(rt, junk, n * sizeof(int64_t));
+  free(junk);
+  cl_mem err = buf_zero(rt, sizeof(cl_uint));
+  cl_mem q = buf_from(rt, b->q, b->q_bytes);
+  cl_mem kv = buf_from(rt, b->kv, (size_t)n * DSV4_HEAD_DIM * 2);
+  cl_mem rope = buf_from(rt, b->rope_rows, (size_t)n * DSV4_ROPE_ROW_FLOATS * sizeof(float));
+  cl_mem w = buf_from(rt, b->w, sizeof(b->w));
+  cl_mem q_out = buf_zero(rt, b->q_bytes);
+  cl_mem cache = buf_from(rt, b->cache0, b->cache_bytes);
+  cl_mem c_slot = NULL, c_q = NULL, c_cache = NULL;
+  if (rt->counting) {
+    c_slot = buf_zero(rt, (size_t)n * 8 * sizeof(cl_uint));
+    c_q = buf_zero(rt, b->q_bytes * sizeof(cl_uint));
+    c_cache = buf_zero(rt, b->cache_bytes * sizeof(cl_uint));
+  }
+
+  cl_uint u_n = n, u_bs = s->bs, u_nb = b->n_blocks, u_nseg = b->n_seg;
+  set_arg(rt->map, 0, sizeof(cl_uint), &u_n);
+  set_arg(rt->map, 1, sizeof(cl_uint), &u_bs);
+  set_arg(rt->map, 2, sizeof(cl_uint), &u_nb);
+  set_arg(rt->map, 3, sizeof(cl_mem), &pos);
+  set_arg(rt->map, 4, sizeof(cl_mem), &tok_seg);
+  set_arg(rt->map, 5, sizeof(cl_mem), &first_lb);
+  set_arg(rt->map, 6, sizeof(cl_mem), &bt_off);
+  set_arg(rt->map, 7, sizeof(cl_mem), &bt_len);
+  set_arg(rt->map, 8, sizeof(cl_mem), &bt);
+  set_arg(rt->map, 9, sizeof(cl_uint), &u_nseg);
+  set_arg(rt->map, 10, sizeof(cl_mem), &slots);
+  set_arg(rt->map, 11, sizeof(cl_mem), &err);
+  if (rt->counting)
+    set_arg(rt->map, DSV4_LZ_MAP_NARGS, sizeof(cl_mem), &c_slot);
+  size_t local = DSV4_LZ_MAP_GROUP_SIZE;
+  size_t global = (n + local - 1) / local * local;
+  check_cl(clEnqueueNDRangeKernel(rt->queue, rt->map, 1, NULL, &global, &local, 0, NULL, NULL),
+           "map launch");
+  /* The producer/consumer ordering (SPEC §5.2): the queue is in order, and the barrier says so. */
+  check_cl(clEnqueueBarrierWithWaitList(rt->queue, 0, NULL, NULL), "barrier");
+
+  uint64_t rows = (uint64_t)n * s->heads + (s->replay ? 0 : n);
+  cl_uint u_rows = (cl_uint)rows, u_h = s->heads, u_wkv = (cl_uint)!s->replay;
+  cl_uint u_fused = (cl_uint)s->fused;
+  cl_float eps = 1e-6f;
+  cl_ulong stride = DSV4_BLOCK_STRIDE(s->bs);
+  set_arg(rt->insert, 1, sizeof(cl_uint), &u_rows);
+  set_arg(rt->insert, 2, sizeof(cl_uint), &u_n);
+  set_arg(rt->insert, 3, sizeof(cl_uint), &u_h);
+  set_arg(rt->insert, 4, sizeof(cl_uint), &u_wkv);
+  set_arg(rt->insert, 5, sizeof(cl_mem), &q);
+  set_arg(rt->insert, 6, sizeof(cl_mem), &kv);
+  set_arg(rt->insert, 7, sizeof(cl_mem), &slots);
+  set_arg(rt->insert, 8, sizeof(cl_mem), &rope);
+  /* A NULL weight for prenormed rows, as the daemon passes for kv_norm = prenormed. */
+  set_arg(rt->insert, 9, sizeof(cl_mem), s->fused ? &w : NULL);
+  set_arg(rt->insert, 10, sizeof(cl_uint), &u_fused);
+  set_arg(rt->insert, 11, sizeof(cl_float), &eps);
+  set_arg(rt->insert, 12, sizeof(cl_mem), &q_out);
+  set_arg(rt->insert, 13, sizeof(cl_mem), &cache);
+  set_arg(rt->insert, 14, sizeof(cl_uint), &u_bs);
+  set_arg(rt->insert, 15, sizeof(cl_uint), &u_nb);
+  set_arg(rt->insert, 16, sizeof(cl_ulong), &stride);
+  set_arg(rt->insert, 17, sizeof(cl_mem), &err);
+  if (rt->counting) {
+    set_arg(rt->insert, DSV4_LZ_INSERT_NARGS, sizeof(cl_mem), &c_q);
+    set_arg(rt->insert, DSV4_LZ_INSERT_NARGS + 1, sizeof(cl_mem), &c_cache);
+  }
+  for (uint64_t row0 = 0; row0 < rows; row0 += max_rows) {
+    uint64_t chunk = rows - row0 < max_rows ? rows - row0 : max_rows;
+    cl_uint u_row0 = (cl_uint)row0;
+    set_arg(rt->insert, 0, sizeof(cl_uint), &u_row0);
+    size_t lsz = DSV4_LZ_GROUP_SIZE;
+    size_t gsz = (size_t)((chunk + DSV4_LZ_ROWS_PER_GROUP - 1) / DSV4_LZ_ROWS_PER_GROUP) * lsz;
+    check_cl(clEnqueueNDRangeKernel(rt->queue, rt->insert, 1, NULL, &gsz, &lsz, 0, NULL, NULL),
+             "insert launch");
+  }
+  check_cl(clEnqueueReadBuffer(rt->queue, slots, CL_FALSE, 0, n * sizeof(int64_t), r->slots, 0,
+                               NULL, NULL),
+           "read slots");
+  check_cl(clEnqueueReadBuffer(rt->queue, q_out, CL_FALSE, 0, b->q_bytes, r->q_out, 0, NULL, NULL),
+           "read q_out");
+  check_cl(
+      clEnqueueReadBuffer(rt->queue, cache, CL_FALSE, 0, b->cache_bytes, r->cache, 0, NULL, NULL),
+      "read cache");
+  check_cl(
+      clEnqueueReadBuffer(rt->queue, err, CL_FALSE, 0, sizeof(cl_uint), &r->err, 0, NULL, NULL),
+      "read err");
+  if (rt->counting) {
+    check_cl(clEnqueueReadBuffer(rt->queue, c_slot, CL_FALSE, 0, (size_t)n * 8 * sizeof(cl_uint),
+                                 r->slot_count, 0, NULL, NULL),
+             "read slot counters");
+    check_cl(clEnqueueReadBuffer(rt->queue, c_q, CL_FALSE, 0, b->q_bytes * sizeof(cl_uint),
+                                 r->q_count, 0, NULL, NULL),
+             "read q counters");
+    check_cl(clEnqueueReadBuffer(rt->queue, c_cache, CL_FALSE, 0, b->cache_bytes * sizeof(cl_uint),
+                                 r->cache_count, 0, NULL, NULL),
+             "read cache counters");
+  }
+  check_cl(clFinish(rt->queue), "clFinish");
+  cl_mem all[] = {pos, tok_seg, first_lb, bt_off, bt_len, bt,     slots, err,    q,
+                  kv,  rope,    w,        q_out,  cache,  c_slot, c_q,   c_cache};
+  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+    if (all[i])
+      clReleaseMemObject(all[i]);
+}
+
+static const char *shape_str(const shape_t *s, char *buf, size_t len) {
+  snprintf(buf, len, "H=%u N=%u bs=%u %s %s%s%s", s->heads, s->n_tokens, s->bs,
+           s->yarn ? "yarn" : "plain", s->fused ? "fused" : "prenormed", s->replay ? " replay" : "",
+           s->random_cache ? " random-cache" : "");
+  return buf;
+}
+
+/* Returns the number of differing bytes, reporting the first. */
+static size_t diff_bytes(const void *got, const void *want, size_t n, const char *what,
+                         const char *shape, int run) {
+  const uint8_t *g = got, *w = want;
+  size_t bad = 0, first = 0;
+  for (size_t i = 0; i < n; i++)
+    if (g[i] != w[i] && bad++ == 0)
+      first = i;
+  if (bad)
+    fprintf(stderr,
+            "MISMATCH [%s] run %d: %s differs from the CPU backend in %zu of %zu bytes, first at "
+            "byte %zu (got 0x%02x, cpu 0x%02x)\n",
+            shape, run, what, bad, n, first, g[first], w[first]);
+  return bad;
+}
+
+/* ---- the single-writer check (SPEC §5.1) ---- */
+
+/* Reports runs of equal wrong counts in the format of tests/unit/inv_one_writer.c. */
+static size_t check_counts(const uint32_t *count, const uint8_t *expect, size_t n,
+                           const char *region, const batch_t *b, const char *shape) {
+  size_t wrong = 0, stride = DSV4_BLOCK_STRIDE(b->s.bs), bs = b->s.bs;
+  int reports = 0;
+  for (size_t i = 0; i < n;) {
+    if (count[i] == expect[i]) {
+      i++;
+      continue;
+    }
+    size_t j = i;
+    while (j < n && count[j] == count[i] && expect[j] == expect[i])
+      j++;
+    wrong += j - i;
+    if (reports++ < 3) {
+      char where[160];
+      size_t blk = i / stride, in = i % stride, in_last = (j - 1) % stride;
+      if (strcmp(region, "cache") != 0)
+        snprintf(where, sizeof(where), "%s bytes %zu..%zu", region, i, j - 1);
+      else if (in < DSV4_TOKEN_DATA_BYTES * bs) {
+        size_t a = in % DSV4_TOKEN_DATA_BYTES, z = in_last % DSV4_TOKEN_DATA_BYTES;
+        snprintf(where, sizeof(where), "cache block %zu offset %zu record bytes %zu..%zu [%s]", blk,
+                 in / DSV4_TOKEN_DATA_BYTES, a, z,
+                 z < DSV4_NOPE_DIM    ? "NoPE"
+                 : a >= DSV4_NOPE_DIM ? "RoPE"
+                                      : "NoPE+RoPE");
+      } else if (in < DSV4_RECORD_BYTES * bs)
+        snprintf(where, sizeof(where), "cache block %zu offset %zu scale bytes %zu..%zu", blk,
+                 (in - DSV4_TOKEN_DATA_BYTES * bs) / DSV4_SCALE_BYTES,
+                 (in - DSV4_TOKEN_DATA_BYTES * bs) % DSV4_SCALE_BYTES,
+                 (in_last - DSV4_TOKEN_DATA_BYTES * bs) % DSV4_SCALE_BYTES);
+      else
+        snprintf(where, sizeof(where), "cache block %zu padding bytes %zu..%zu", blk, in, in_last);
+      INV_REPORT(1, "one writer per byte: %s (%zu bytes) stored %u times, expected %u [opencl %s]",
+                 where, j - i, count[i], expect[i], shape);
+    }
+    i = j;
+  }
+  return wrong;
+}
+
+static size_t check_one_writer(const batch_t *b, const result_t *r, const char *shape) {
+  uint32_t n = b->s.n_tokens, bs = b->s.bs;
+  size_t stride = DSV4_BLOCK_STRIDE(bs);
+  uint8_t *qe = inv_alloc(b->q_bytes), *se = inv_alloc((size_t)n * 8);
+  uint8_t *ce = calloc(1, b->cache_bytes);
+  if (!ce)
+    die("out of memory");
+  memset(qe, 1, b->q_bytes);
+  memset(se, 1, (size_t)n * 8);
+  for (uint32_t t = 0; t < n && !b->s.replay; t++) {
+    if (r->slots[t] < 0)
+      continue;
+    uint8_t *blk = ce + (size_t)r->slots[t] / bs * stride;
+    size_t o = (size_t)r->slots[t] % bs;
+    memset(blk + DSV4_TOKEN_DATA_OFFSET(o), 1, DSV4_TOKEN_DATA_BYTES);
+    memset(blk + DSV4_SCALE_OFFSET(bs, o), 1, DSV4_SCALE_BYTES);
+  }
+  size_t wrong = check_counts(r->slot_count, se, (size_t)n * 8, "slots", b, shape);
+  wrong += check_counts(r->q_count, qe, b->q_bytes, "q_out", b, shape);
+  wrong += check_counts(r->cache_count, ce, b->cache_bytes, "cache", b, shape);
+  free(qe);
+  free(se);
+  free(ce);
+  return wrong;
+}
+
+/* ---- the cases ---- */
+
+static const shape_t shapes[] = {
+    {.heads = 8, .n_tokens = 300, .bs = 16, .neg_pct = 10},
+    {.heads = 64, .n_tokens = 37, .bs = 64, .yarn = 1, .fused = 1, .neg_pct = 20},
+    {.heads = 128, .n_tokens = 17, .bs = 256, .fused = 1, .random_cache = 1},
+    {.heads = 128, .n_tokens = 5, .bs = 64, .yarn = 1, .random_cache = 1, .neg_pct = 30},
+    {.heads = 64, .n_tokens = 9, .bs = 16, .replay = 1, .random_cache = 1},
+    {.heads = 8, .n_tokens = 1, .bs = 64, .yarn = 1, .fused = 1},
+    {.heads = 3, .n_tokens = 70, .bs = 16, .fused = 1, .random_cache = 1, .neg_pct = 15},
+};
+
+/* SPEC §2's subnormal vector: (0x0001, 0x8001, 0x0080, 0...) at position 5 of a plain layer. */
+static void check_subnormal_vector(clrt_t *rt, dsv4_rope_table_t *plain) {
+  shape_t s = {.heads = 1, .n_tokens = 1, .bs = 16};
+  batch_t b;
+  make_batch(&b, &s, plain);
+  memset(b.q, 0, b.q_bytes);
+  b.q[0] = 0x0001;
+  b.q[1] = 0x8001;
+  b.q[2] = 0x0080;
+  b.pos[0] = 5;
+  if (dsv4_rope_table_ensure(plain, b.pos, 1) != 0)
+    die("rope rows");
+  memcpy(b.rope_rows, dsv4_rope_table_row(plain, 5), DSV4_ROPE_ROW_FLOATS * sizeof(float));
+  b.seg_first_lb[0] = 0;
+  result_t r;
+  alloc_result(&r, &b, rt->counting);
+  run_cl(rt, &b, 1u << 20, &r);
+  if (r.q_out[0] != 0x01FA || r.q_out[1] != 0x81FA || r.q_out[2] != 0x057A)
+    die("subnormal vector: q_out[0..2] = %04x %04x %04x, expected 01fa 81fa 057a", r.q_out[0],
+        r.q_out[1], r.q_out[2]);
+  printf("subnormal vector: q_out[0..2] = 01fa 81fa 057a\n");
+  free_result(&r);
+  free_batch(&b);
+}
+
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "identity";
+  const char *defines;
+  int counting = 0, fp64 = 0, runs = RUNS;
+  if (!strcmp(mode, "identity"))
+    defines = "";
+  else if (!strcmp(mode, "identity-fp64"))
+    defines = "-DDSV4_CL_RMS_FP64", fp64 = 1;
+  else if (!strcmp(mode, "one-writer"))
+    defines = "-DDSV4_CL_COUNT_STORES", counting = 1, runs = 1;
+  else if (!strcmp(mode, "one-writer-broken"))
+    defines = "-DDSV4_CL_COUNT_STORES -DDSV4_CL_BROKEN_BULK_STORE", counting = 1, runs = 1;
+  else if (!strcmp(mode, "identity-broken"))
+    defines = "-DDSV4_CL_BROKEN_BULK_STORE";
+  else
+    die("unknown mode %s (identity, identity-fp64, one-writer, one-writer-broken, "
+        "identity-broken)",
+        mode);
+
+  clrt_t rt = {0};
+  int rc = clrt_open(&rt, defines, fp64);
+  if (rc)
+    return rc;
+  check_fp_probe(&rt);
+
+  float f[DSV4_ROPE_PAIRS];
+  dsv4_rope_table_t *plain = NULL, *yarn = NULL;
+  dsv4_rope_inv_freq(&dsv4_rope_plain_default, f);
+  if (dsv4_rope_table_create(f, DSV4_MAX_POSITION_DEFAULT, &plain) != 0)
+    die("rope table");
+  dsv4_rope_inv_freq(&dsv4_rope_yarn_default, f);
+  if (dsv4_rope_table_create(f, DSV4_MAX_POSITION_DEFAULT, &yarn) != 0)
+    die("rope table");
+  check_subnormal_vector(&rt, plain);
+
+  dsv4_backend_options_t opt = {.threads = 2};
+  dsv4_backend_t *cpu = NULL;
+  char why[256];
+  if (dsv4_backend_open("cpu", &opt, &cpu, why, sizeof(why)) != 0)
+    die("cannot open the cpu backend: %s", why);
+
+  /* The fixed shapes, then random ones: H 8/64/128, up to 16384 Q rows. */
+  size_t n_fixed = sizeof(shapes) / sizeof(shapes[0]), n_shapes = n_fixed + RANDOM_SHAPES;
+  shape_t *all = inv_alloc(n_shapes * sizeof(shape_t));
+  memcpy(all, shapes, sizeof(shapes));
+  for (size_t i = n_fixed; i < n_shapes; i++) {
+    static const uint32_t hs[] = {8, 64, 128}, bss[] = {16, 64, 256};
+    shape_t *s = &all[i];
+    s->heads = hs[inv_below(3)];
+    s->n_tokens = 1 + inv_below(16384 / s->heads < 400 ? 16384 / s->heads : 400);
+    s->bs = bss[inv_below(3)];
+    s->yarn = (int)inv_below(2);
+    s->fused = (int)inv_below(2);
+    s->replay = inv_below(8) == 0;
+    s->random_cache = (int)inv_below(2);
+    s->neg_pct = inv_below(40);
+  }
+
+  size_t mismatched = 0, wrong_writes = 0, launches = 0;
+  for (size_t si = 0; si < n_shapes; si++) {
+    const shape_t *s = &all[si];
+    dsv4_rope_table_t *rope = s->yarn ? yarn : plain;
+    char shape[160];
+    shape_str(s, shape, sizeof(shape));
+    batch_t b;
+    make_batch(&b, s, rope);
+    result_t want, got;
+    alloc_result(&want, &b, 0);
+    alloc_result(&got, &b, counting);
+    run_cpu(cpu, &b, rope, &want);
+    /* Odd launch splits (a multiple of the rows per group) exercise row0. */
+    uint32_t max_rows = si % 2 ? 8u * (1 + inv_below(40)) : 1u << 30;
+    size_t bad_here = 0;
+    for (int run = 0; run < runs; run++) {
+      run_cl(&rt, &b, max_rows, &got);
+      launches++;
+      if (got.err)
+        die("[%s] the kernels set error bits 0x%x on a valid batch", shape, got.err);
+      size_t bad =
+          diff_bytes(got.slots, want.slots, s->n_tokens * sizeof(int64_t), "slots", shape, run);
+      bad += diff_bytes(got.q_out, want.q_out, b.q_bytes, "q_out", shape, run);
+      bad += diff_bytes(got.cache, want.cache, b.cache_bytes, "cache", shape, run);
+      bad_here += bad;
+      if (counting)
+        wrong_writes += check_one_writer(&b, &got, shape);
+    }
+    mismatched += bad_here;
+    printf("%-60s %d run%s, %s\n", shape, runs, runs > 1 ? "s" : "",
+           bad_here ? "DIFFERENT from the cpu backend" : "byte-identical to the cpu backend");
+    free_result(&want);
+    free_result(&got);
+    free_batch(&b);
+  }
+
+  free(all);
+  dsv4_backend_close(cpu);
+  dsv4_rope_table_destroy(plain);
+  dsv4_rope_table_destroy(yarn);
+  clrt_close(&rt);
+  if (counting)
+    printf("one writer per byte: %zu launches, %zu wrongly stored bytes\n", launches, wrong_writes);
+  if (mismatched || wrong_writes) {
+    fprintf(stderr, "FAIL: %zu bytes differ from the cpu backend, %zu bytes stored wrongly\n",
+            mismatched, wrong_writes);
+    return 1;
+  }
+  printf("PASS: %s, %zu launches\n", mode, launches);
+  return 0;
+}

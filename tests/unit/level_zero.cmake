@@ -1,0 +1,30 @@
+# The Level Zero backend's OpenCL C kernels, executed on the CPU through OpenCL (PoCL) against the CPU
+# backend (tests/level_zero/lz_pocl_test.c). Without an OpenCL ICD loader at build time nothing is
+# registered; without a platform at run time the tests print "skipped" and return 77.
+find_package(OpenCL QUIET)
+if(NOT OpenCL_FOUND)
+  message(STATUS "OpenCL not found: the PoCL tests of the Level Zero kernels are not built")
+  return()
+endif()
+
+set(DSV4_LZ_TEST_DIR ${PROJECT_SOURCE_DIR}/tests/level_zero)
+add_executable(lz_pocl_test ${DSV4_LZ_TEST_DIR}/lz_pocl_test.c)
+target_link_libraries(lz_pocl_test PRIVATE dsv4_kernels OpenCL::OpenCL)
+target_compile_definitions(lz_pocl_test PRIVATE
+  DSV4_LZ_CL_SOURCE="${PROJECT_SOURCE_DIR}/kernels/level_zero/dsv4_kernels.cl"
+  DSV4_LZ_KERNELS_DIR="${PROJECT_SOURCE_DIR}/kernels")
+dsv4_strict(lz_pocl_test)
+
+# PoCL keeps compiled kernels in a cache directory that must be writable; each build tree has its own.
+set(DSV4_LZ_TEST_ENV "POCL_CACHE_DIR=${CMAKE_CURRENT_BINARY_DIR}/pocl-cache")
+if(DSV4_SANITIZE)
+  # PoCL's and the ICD loader's allocations that live until exit are theirs, not ours.
+  list(APPEND DSV4_LZ_TEST_ENV "ASAN_OPTIONS=detect_leaks=0")
+endif()
+
+foreach(mode identity identity-fp64)
+  string(REPLACE "-" "_" tname "lz_pocl_${mode}")
+  add_test(NAME ${tname} COMMAND lz_pocl_test ${mode})
+  set_tests_properties(${tname} PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl"
+                                           ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+endforeach()
