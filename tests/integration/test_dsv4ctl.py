@@ -91,6 +91,8 @@ def ctl(d, *args, env=None, admin=True):
     e.update(env or {})
     p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, env=e, timeout=60, universal_newlines=True)
+    bad = [ln for ln in p.stderr.splitlines() if "runtime error:" in ln or "Sanitizer" in ln]
+    check(not bad, "sanitizer report from dsv4ctl %s: %s" % (" ".join(args), "\n".join(bad[:5])))
     return Run(p)
 
 
