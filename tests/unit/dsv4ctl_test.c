@@ -52,15 +52,21 @@ static char *cap_close(capture_t *c) {
   return c->buf;
 }
 
-static int parse(dsv4_ctl_args_t *a, const char *env_admin, const char *env_token, ...) {
-  char *argv[32];
+/* argv of "dsv4ctl" and the NULL-terminated strings of ap (at most 31); returns argc. */
+static int make_argv(char **argv, va_list ap) {
   int argc = 0;
   argv[argc++] = (char *)"dsv4ctl";
+  const char *s;
+  while ((s = va_arg(ap, const char *)) != NULL && argc < 32)
+    argv[argc++] = (char *)s;
+  return argc;
+}
+
+static int parse(dsv4_ctl_args_t *a, const char *env_admin, const char *env_token, ...) {
+  char *argv[32];
   va_list ap;
   va_start(ap, env_token);
-  const char *s;
-  while ((s = va_arg(ap, const char *)) != NULL)
-    argv[argc++] = (char *)s;
+  int argc = make_argv(argv, ap);
   va_end(ap);
   char err[DSV4_CTL_ERR_LEN] = "";
   int rc = dsv4_ctl_args_parse(argc, argv, env_admin, env_token, a, err, sizeof(err));
@@ -792,13 +798,9 @@ static char *write_temp(const blob_t *b) {
 
 static int run_cmd(char **out, char **err, ...) {
   char *argv[32];
-  int argc = 0;
-  argv[argc++] = (char *)"dsv4ctl";
   va_list ap;
   va_start(ap, err);
-  const char *s;
-  while ((s = va_arg(ap, const char *)) != NULL)
-    argv[argc++] = (char *)s;
+  int argc = make_argv(argv, ap);
   va_end(ap);
   dsv4_ctl_args_t a;
   char msg[DSV4_CTL_ERR_LEN];
