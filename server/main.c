@@ -227,10 +227,10 @@ int main(int argc, char **argv) {
   {
     const char *backend = cfg.backend;
 #ifdef DSV4_TEST_CPU_STAGED
-    /* The test daemon dsv4d_staged: the CPU backend behind device staging stands in for cpu and
-     * auto, so the integration suite runs through the engine's staging path without a device. */
+    /* The test daemon dsv4d_staged: the CPU backend behind device staging stands in for cpu, so
+     * the integration suite runs through the engine's staging path without a device. */
     if (dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open) == 0 &&
-        (!strcmp(backend, "cpu") || !strcmp(backend, "auto")))
+        !strcmp(backend, "cpu"))
       backend = "cpu_staged";
 #endif
     dsv4_engine_params_t ep = {

@@ -1,0 +1,409 @@
+/*
+ * The CUDA backend's host glue (cuda_backend.h): the backend.h table over the CUDA runtime API and
+ * the launch wrappers of cuda-kernels.h.
+ *
+ * Everything runs on one stream, in submission order: uploads, map_slots, qkv_insert, downloads.
+ * That order is the producer/consumer contract of backend.h; with programmatic dependent launch
+ * (compute capability 9.0+) the consumer's prologue may overlap the producer, and the kernels wait
+ * (griddepcontrol.wait) before they touch mutable memory (SPEC §5.2).
+ *
+ * Host copies go through a pinned buffer of two halves. An upload copies the caller's bytes into
+ * the current half and queues the DMA from there, so it returns without waiting for the device;
+ * an event per half, recorded after each DMA that reads it, says when its bytes may be overwritten.
+ * A download queues the DMA into a half, waits for it and copies out, alternating halves so that
+ * the copy-out of one piece overlaps the DMA of the next. Pinned memory moves about 55 GB/s over
+ * PCIe gen5 against 16-20 GB/s from pageable memory (FIELD-NOTES).
+ *
+ * RoPE rows: per host table (rope.h), a dense device mirror of max_positions rows, allocated at the
+ * first launch that uses the table (256 MiB for 1,048,576 positions); every chunk the host has
+ * materialised is uploaded once, on the stream, before the next launch. Rows never change once
+ * written, which is what lets the consumer read them before its dependency wait.
+ *
+ * Thread affinity: one thread at a time (the engine's executor), as backend.h says; the CUDA
+ * current device is per thread, so every entry point selects the backend's device first.
+ */
+#include "cuda_backend.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "cuda-kernels.h"
+#include "dsv4-error.h"
+#include "dsv4-layout.h"
+#include "rope.h"
+
+/* Each half of the pinned staging buffer: large enough that a decode batch's uploads share one
+ * half, small enough that two of them are cheap to pin. */
+#define STAGE_HALF ((size_t)16 << 20)
+#define STAGE_ALIGN ((size_t)256)
+/* Host tables mirrored at once: the engine has two (plain and YaRN). */
+#define MAX_MIRRORS 8
+#define ROPE_ROW_BYTES (DSV4_ROPE_ROW_FLOATS * sizeof(float))
+
+typedef struct {
+  const dsv4_rope_table_t *table;
+  float *dev; /* positions rows of 64 floats */
+  int64_t positions;
+  int64_t nchunks;
+  uint8_t *have;     /* [nchunks]: 1 once the chunk is on the device */
+  size_t seen_bytes; /* dsv4_rope_table_bytes at the last scan */
+} rope_mirror_t;
+
+typedef struct {
+  dsv4_backend_t base; /* first */
+  int dev;
+  int pdl;
+  cudaStream_t stream;
+  uint8_t *pin; /* two halves of STAGE_HALF bytes, pinned */
+  size_t used[2];
+  int half;
+  cudaEvent_t done[2]; /* recorded after the last DMA that reads each half */
+  rope_mirror_t mirrors[MAX_MIRRORS];
+  int n_mirrors;
+} cuda_backend_t;
+
+static cuda_backend_t *cuda_of(dsv4_backend_t *be) {
+  return (cuda_backend_t *)be;
+}
+
+/* A CUDA result as a project error code; a failure is also cleared from the thread's last error,
+ * so that it is reported once. */
+static int cu(cudaError_t e) {
+  if (e == cudaSuccess)
+    return 0;
+  (void)cudaGetLastError();
+  return dsv4__cuda_err(e);
+}
+
+static int use_device(cuda_backend_t *c) {
+  return cu(cudaSetDevice(c->dev));
+}
+
+/* The stream is idle: both halves of the staging buffer are free again. */
+static void stage_reset(cuda_backend_t *c) {
+  c->used[0] = c->used[1] = 0;
+  c->half = 0;
+}
+
+/*
+ * n (<= STAGE_HALF) bytes of pinned space for an upload: in the current half, or in the other one
+ * once every DMA that read it has completed. *h receives the half, to record its event after the
+ * DMA is queued.
+ */
+static int stage_take(cuda_backend_t *c, size_t n, uint8_t **p, int *h) {
+  size_t need = (n + STAGE_ALIGN - 1) & ~(STAGE_ALIGN - 1);
+  if (c->used[c->half] + need > STAGE_HALF) {
+    c->half ^= 1;
+    int rc = cu(cudaEventSynchronize(c->done[c->half]));
+    if (rc)
+      return rc;
+    c->used[c->half] = 0;
+  }
+  *p = c->pin + (size_t)c->half * STAGE_HALF + c->used[c->half];
+  *h = c->half;
+  c->used[c->half] += need;
+  return 0;
+}
+
+/* Queue a copy of n host bytes to device address dst; returns once src may be reused. */
+static int h2d(cuda_backend_t *c, void *dst, const void *src, size_t n) {
+  const uint8_t *s = src;
+  uint8_t *d = dst;
+  while (n) {
+    size_t k = n < STAGE_HALF ? n : STAGE_HALF;
+    uint8_t *p;
+    int h;
+    int rc = stage_take(c, k, &p, &h);
+    if (rc)
+      return rc;
+    memcpy(p, s, k);
+    rc = cu(cudaMemcpyAsync(d, p, k, cudaMemcpyHostToDevice, c->stream));
+    if (!rc)
+      rc = cu(cudaEventRecord(c->done[h], c->stream));
+    if (rc)
+      return rc;
+    s += k;
+    d += k;
+    n -= k;
+  }
+  return 0;
+}
+
+/*
+ * Copy n bytes at device address src to host dst, after all work queued before it. Pieces
+ * alternate between the halves: the DMA of piece j is queued before piece j - 1 is copied out.
+ * The DMAs write pinned memory only after every earlier DMA on the stream (that read it) is done.
+ */
+static int d2h(cuda_backend_t *c, void *dst, const void *src, size_t n) {
+  const uint8_t *s = src;
+  uint8_t *d = dst, *prev_dst = NULL;
+  size_t prev_n = 0;
+  int j = 0, rc = 0;
+  for (; n || prev_n; j++) {
+    size_t k = n < STAGE_HALF ? n : STAGE_HALF;
+    int h = j & 1;
+    if (k) {
+      rc = cu(cudaMemcpyAsync(c->pin + (size_t)h * STAGE_HALF, s, k, cudaMemcpyDeviceToHost,
+                              c->stream));
+      if (!rc)
+        rc = cu(cudaEventRecord(c->done[h], c->stream));
+      if (rc)
+        return rc;
+    }
+    if (prev_n) {
+      rc = cu(cudaEventSynchronize(c->done[h ^ 1]));
+      if (rc)
+        return rc;
+      memcpy(prev_dst, c->pin + (size_t)(h ^ 1) * STAGE_HALF, prev_n);
+    }
+    prev_dst = d;
+    prev_n = k;
+    s += k;
+    d += k;
+    n -= k;
+  }
+  /* Everything queued so far has completed (the last piece waited on its event). */
+  stage_reset(c);
+  return 0;
+}
+
+static void mirror_free(rope_mirror_t *m) {
+  if (m->dev)
+    (void)cudaFree(m->dev);
+  free(m->have);
+  memset(m, 0, sizeof(*m));
+}
+
+/* Upload the chunks of m's table that the host has materialised since the last scan. */
+static int mirror_refresh(cuda_backend_t *c, rope_mirror_t *m) {
+  size_t bytes = dsv4_rope_table_bytes(m->table);
+  if (bytes == m->seen_bytes)
+    return 0;
+  for (int64_t k = 0; k < m->nchunks; k++) {
+    int64_t rows = 0;
+    const float *chunk;
+    if (m->have[k] || !(chunk = dsv4_rope_table_chunk(m->table, k, &rows)))
+      continue;
+    int rc = h2d(c, m->dev + k * DSV4_ROPE_CHUNK_ROWS * DSV4_ROPE_ROW_FLOATS, chunk,
+                 (size_t)rows * ROPE_ROW_BYTES);
+    if (rc)
+      return rc;
+    m->have[k] = 1;
+  }
+  m->seen_bytes = bytes;
+  return 0;
+}
+
+static int mirrors_refresh(cuda_backend_t *c) {
+  for (int i = 0; i < c->n_mirrors; i++) {
+    int rc = mirror_refresh(c, &c->mirrors[i]);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
+/* The mirror of table t, made at its first use, with every materialised chunk queued for upload. */
+static int mirror_get(cuda_backend_t *c, const dsv4_rope_table_t *t, rope_mirror_t **out) {
+  for (int i = 0; i < c->n_mirrors; i++)
+    if (c->mirrors[i].table == t) {
+      *out = &c->mirrors[i];
+      return mirror_refresh(c, *out);
+    }
+  if (c->n_mirrors == MAX_MIRRORS)
+    return DSV4_ENOSPC;
+  rope_mirror_t *m = &c->mirrors[c->n_mirrors];
+  m->table = t;
+  m->positions = dsv4_rope_table_positions(t);
+  m->nchunks = (m->positions + DSV4_ROPE_CHUNK_ROWS - 1) / DSV4_ROPE_CHUNK_ROWS;
+  m->have = calloc((size_t)m->nchunks, 1);
+  if (!m->have) {
+    mirror_free(m);
+    return DSV4_ENOMEM;
+  }
+  int rc = cu(cudaMalloc((void **)&m->dev, (size_t)m->positions * ROPE_ROW_BYTES));
+  if (rc) {
+    m->dev = NULL;
+    mirror_free(m);
+    return rc;
+  }
+  c->n_mirrors++;
+  *out = m;
+  return mirror_refresh(c, m);
+}
+
+static void cuda_destroy(dsv4_backend_t *be) {
+  cuda_backend_t *c = cuda_of(be);
+  (void)cudaSetDevice(c->dev);
+  if (c->stream)
+    (void)cudaStreamSynchronize(c->stream);
+  for (int i = 0; i < c->n_mirrors; i++)
+    mirror_free(&c->mirrors[i]);
+  for (int h = 0; h < 2; h++)
+    if (c->done[h])
+      (void)cudaEventDestroy(c->done[h]);
+  if (c->pin)
+    (void)cudaFreeHost(c->pin);
+  if (c->stream)
+    (void)cudaStreamDestroy(c->stream);
+  (void)cudaGetLastError();
+  free(c);
+}
+
+/* Device memory, never managed memory: zero-filled by a memset queued on the stream, so every later
+ * use (all of it on the stream) sees zeros. */
+static int cuda_buf_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
+  cuda_backend_t *c = cuda_of(be);
+  void *p = NULL;
+  if (!out)
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  if (!rc)
+    rc = cu(cudaMalloc(&p, size ? size : 1));
+  if (rc)
+    return rc;
+  rc = cu(cudaMemsetAsync(p, 0, size, c->stream));
+  if (rc) {
+    (void)cudaFree(p);
+    return rc;
+  }
+  out->ptr = p;
+  out->size = size;
+  return 0;
+}
+
+static void cuda_buf_free(dsv4_backend_t *be, dsv4_devbuf_t *buf) {
+  cuda_backend_t *c = cuda_of(be);
+  if (!buf || !buf->ptr)
+    return;
+  (void)cudaSetDevice(c->dev);
+  /* cudaFree waits for the work that may still use the buffer. */
+  (void)cudaFree(buf->ptr);
+  (void)cudaGetLastError();
+  buf->ptr = NULL;
+  buf->size = 0;
+}
+
+static int cuda_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
+                       size_t n) {
+  cuda_backend_t *c = cuda_of(be);
+  if (!dst || !dst->ptr || off > dst->size || n > dst->size - off || (n && !src))
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  return rc ? rc : h2d(c, (uint8_t *)dst->ptr + off, src, n);
+}
+
+static int cuda_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                         size_t n) {
+  cuda_backend_t *c = cuda_of(be);
+  if (!src || !src->ptr || off > src->size || n > src->size - off || (n && !dst))
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  return rc ? rc : d2h(c, dst, (const uint8_t *)src->ptr + off, n);
+}
+
+/*
+ * The producer. The wrapper cannot see the contents of device arrays; the engine builds tok_seg,
+ * positions and block tables itself, and the kernel maps a block id outside the pool to slot -1
+ * rather than writing past a buffer. Chunks of RoPE rows that appeared since the last launch are
+ * queued here, ahead of the producer, so the consumer can follow it at once.
+ */
+static int cuda_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
+  cuda_backend_t *c = cuda_of(be);
+  int rc = use_device(c);
+  if (!rc)
+    rc = mirrors_refresh(c);
+  return rc ? rc : dsv4__cuda_map_slots(a, c->stream, c->pdl);
+}
+
+static int cuda_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
+  cuda_backend_t *c = cuda_of(be);
+  rope_mirror_t *m;
+  if (!a || !a->rope)
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  if (!rc)
+    rc = mirror_get(c, a->rope, &m);
+  return rc ? rc : dsv4__cuda_qkv_insert(a, m->dev, m->positions, c->stream, c->pdl);
+}
+
+static int cuda_sync(dsv4_backend_t *be) {
+  cuda_backend_t *c = cuda_of(be);
+  int rc = use_device(c);
+  if (!rc)
+    rc = cu(cudaStreamSynchronize(c->stream));
+  if (!rc)
+    stage_reset(c);
+  return rc;
+}
+
+static const dsv4_backend_ops_t cuda_ops = {
+    .name = "cuda",
+    .caps = 0, /* device memory: the engine stages through upload/download */
+    .destroy = cuda_destroy,
+    .buf_alloc = cuda_buf_alloc,
+    .buf_free = cuda_buf_free,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .map_slots = cuda_map_slots,
+    .qkv_insert = cuda_qkv_insert,
+    .sync = cuda_sync,
+    .host_parallel = NULL,
+};
+
+/* One line for why: what failed and CUDA's words for it. */
+static int fail(cuda_backend_t *c, cudaError_t e, const char *what, char *why, size_t why_len) {
+  int rc = cu(e);
+  if (why_len)
+    snprintf(why, why_len, "cuda: %s: %s", what, cudaGetErrorString(e));
+  if (c)
+    cuda_destroy(&c->base);
+  return rc;
+}
+
+int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
+                           size_t why_len) {
+  int count = 0;
+  cudaError_t e;
+  (void)opt; /* the host threads option is the CPU backend's */
+  if (!out)
+    return DSV4_EINVAL;
+  e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count < 1) {
+    if (why_len)
+      snprintf(why, why_len, "no CUDA device (cudaGetDeviceCount: %s)",
+               e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    (void)cudaGetLastError();
+    return DSV4_ENODEV;
+  }
+  cuda_backend_t *c = calloc(1, sizeof(*c));
+  if (!c) {
+    if (why_len)
+      snprintf(why, why_len, "cuda backend: out of memory");
+    return DSV4_ENOMEM;
+  }
+  c->base.ops = &cuda_ops;
+  c->dev = 0;
+  if ((e = cudaSetDevice(c->dev)) != cudaSuccess)
+    return fail(c, e, "cudaSetDevice(0)", why, why_len);
+  if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+    c->stream = NULL;
+    return fail(c, e, "cudaStreamCreateWithFlags", why, why_len);
+  }
+  if ((e = cudaMallocHost((void **)&c->pin, 2 * STAGE_HALF)) != cudaSuccess) {
+    c->pin = NULL;
+    return fail(c, e, "cudaMallocHost (pinned staging)", why, why_len);
+  }
+  for (int h = 0; h < 2; h++)
+    if ((e = cudaEventCreateWithFlags(&c->done[h], cudaEventDisableTiming)) != cudaSuccess) {
+      c->done[h] = NULL;
+      return fail(c, e, "cudaEventCreateWithFlags", why, why_len);
+    }
+  c->pdl = dsv4__cuda_pdl_supported(c->dev);
+  *out = &c->base;
+  return 0;
+}
