@@ -1,0 +1,207 @@
+/*
+ * The CUDA forward step (slot-map producer + insert consumer, launched back to back with PDL) on
+ * one GPU: GPU time per forward from CUDA-graph replays, the minimal bytes it must move, and the
+ * device-to-device copy bandwidth measured in the same run as the ceiling (DESIGN.md, "Performance
+ * method"; tests/bench/NOTES.md has the table).
+ *
+ * Minimal bytes per forward: q read and q_out written (2 N H 1024), kv read (N 1024), 584 cache
+ * bytes per inserted token, positions and slots (16 per token). Every slot is valid, block size
+ * 64, up to 64 sequences per batch. Each graph holds a sequence of forwards over rotating input
+ * sets whose total is at least twice the L2, so no forward finds its inputs in the cache.
+ *
+ * Usage: cuda_insert_bench [heads...]   (default 64 128)
+ */
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../gpu/gpu_common.h"
+
+#define MAX_POS 65536
+#define BS 64
+
+typedef struct {
+  gpu_plan_dev_t d;
+  uint16_t *q, *kv, *q_out;
+  int64_t *slots;
+  uint8_t *cache;
+  dsv4_map_args_t ma;
+  dsv4_insert_args_t ia;
+} set_t;
+
+static double copy_ceiling(size_t bytes) {
+  void *a = gpu_dev_alloc(bytes), *b = gpu_dev_alloc(bytes);
+  CK(cudaMemset(a, 1, bytes));
+  CK(cudaMemset(b, 2, bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 2; i++)
+    CK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  const int reps = 10;
+  CK(cudaEventRecord(e0, 0));
+  for (int i = 0; i < reps; i++)
+    CK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice, 0));
+  CK(cudaEventRecord(e1, 0));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaFree(a);
+  cudaFree(b);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return 2.0 * (double)bytes * reps / (ms * 1e-3) / 1e9; /* read + written */
+}
+
+/* vLLM's CUDA op on the same GPU at H = 64 (FIELD-NOTES.md), for the last column. */
+static double vllm_us(uint32_t n) {
+  switch (n) {
+  case 1:
+    return 2.41;
+  case 64:
+    return 8.36;
+  case 1024:
+    return 48.7;
+  case 4096:
+    return 149;
+  case 16384:
+    return 554;
+  default:
+    return 0;
+  }
+}
+
+static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
+                  dsv4_rope_table_t *rope, cudaStream_t s) {
+  uint64_t rng = 0x3C6EF372FE94F82Bull ^ ((uint64_t)n << 8) ^ heads;
+  double bytes =
+      (double)n * ((double)heads * DSV4_HEAD_DIM * 4 + DSV4_HEAD_DIM * 2 + DSV4_RECORD_BYTES + 16);
+  /* Input sets: together at least 2 x 60 MB of L2, at least 2, at most 64. */
+  uint32_t sets = (uint32_t)(240e6 / bytes) + 1;
+  sets = sets < 2 ? 2 : sets > 64 ? 64 : sets;
+  /* Forwards per graph: every set at least once and at least 64 in all. */
+  uint32_t per_graph = sets * ((64 + sets - 1) / sets);
+  set_t *st = calloc(sets, sizeof(*st));
+  gpu_plan_t p;
+  gpu_plan_make(&rng, &p, n, n < 64 ? n : 64, BS, MAX_POS, 0);
+  gpu_rope_upload(rope, mirror, MAX_POS, p.pos, n);
+  size_t q_bytes = (size_t)n * heads * DSV4_HEAD_DIM * 2;
+  uint64_t stride = DSV4_BLOCK_STRIDE(BS);
+  uint16_t *hq = gpu_host_alloc(q_bytes), *hkv = gpu_host_alloc((size_t)n * 1024);
+  gpu_fill_bf16(&rng, hq, q_bytes / 2, 127, 6);
+  gpu_fill_bf16(&rng, hkv, (size_t)n * DSV4_HEAD_DIM, 127, 6);
+  for (uint32_t i = 0; i < sets; i++) {
+    set_t *x = &st[i];
+    gpu_plan_upload(&p, &x->d);
+    x->q = gpu_dev_alloc(q_bytes);
+    x->q_out = gpu_dev_alloc(q_bytes);
+    x->kv = gpu_dev_alloc((size_t)n * 1024);
+    x->slots = gpu_dev_alloc(sizeof(int64_t) * n);
+    x->cache = gpu_dev_alloc((size_t)p.n_blocks * stride);
+    CK(cudaMemcpy(x->q, hq, q_bytes, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(x->kv, hkv, (size_t)n * 1024, cudaMemcpyHostToDevice));
+    CK(cudaMemset(x->cache, 0, (size_t)p.n_blocks * stride));
+    x->ma = gpu_plan_map_args(&p, x->d.pos, x->d.tok_seg, x->d.seg_first_lb, x->d.seg_bt_off,
+                              x->d.seg_bt_len, x->d.block_table, x->slots);
+    dsv4_insert_args_t ia = {.n_tokens = n,
+                             .heads = heads,
+                             .q = x->q,
+                             .kv = x->kv,
+                             .positions = x->d.pos,
+                             .slots = x->slots,
+                             .eps = 1e-6f,
+                             .write_kv = 1,
+                             .q_out = x->q_out,
+                             .cache = x->cache,
+                             .block_size = BS,
+                             .n_blocks = p.n_blocks,
+                             .stride = stride};
+    x->ia = ia;
+  }
+  CK(cudaDeviceSynchronize());
+
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (uint32_t k = 0; k < per_graph; k++) {
+    set_t *x = &st[k % sets];
+    CKD(dsv4__cuda_map_slots(&x->ma, s, 1));
+    CKD(dsv4__cuda_qkv_insert(&x->ia, mirror, MAX_POS, s, 1));
+  }
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; i++)
+    CK(cudaGraphLaunch(ge, s));
+  const int reps = 10;
+  CK(cudaEventRecord(e0, s));
+  for (int i = 0; i < reps; i++)
+    CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(e1, s));
+  CK(cudaEventSynchronize(e1));
+  CK(cudaGetLastError());
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  double us = ms * 1e3 / ((double)reps * per_graph);
+  double gbs = bytes / (us * 1e-6) / 1e9;
+  double v = heads == 64 ? vllm_us(n) : 0;
+  printf("%6u %4u %10.2f %10.1f %8.1f%%", n, heads, us, gbs, 100.0 * gbs / ceiling);
+  if (v > 0)
+    printf(" %10.2f %7.2fx", v, v / us);
+  printf("   (%u sets, %u forwards per graph)\n", sets, per_graph);
+  fflush(stdout);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  for (uint32_t i = 0; i < sets; i++) {
+    set_t *x = &st[i];
+    gpu_plan_dev_free(&x->d);
+    cudaFree(x->q);
+    cudaFree(x->q_out);
+    cudaFree(x->kv);
+    cudaFree(x->slots);
+    cudaFree(x->cache);
+  }
+  free(st);
+  free(hq);
+  free(hkv);
+  gpu_plan_free(&p);
+}
+
+int main(int argc, char **argv) {
+  if (!gpu_available("cuda_insert_bench"))
+    return GPU_SKIP;
+  uint32_t heads_list[8] = {64, 128};
+  int n_heads = 2;
+  if (argc > 1) {
+    n_heads = 0;
+    for (int i = 1; i < argc && n_heads < 8; i++)
+      heads_list[n_heads++] = (uint32_t)strtoul(argv[i], NULL, 10);
+  }
+  double c1 = copy_ceiling((size_t)1 << 30), c4 = copy_ceiling((size_t)4 << 30);
+  double ceiling = c1 > c4 ? c1 : c4;
+  printf("device-to-device copy (read + written): %.1f GB/s at 1 GiB, %.1f GB/s at 4 GiB; "
+         "ceiling %.1f GB/s\n",
+         c1, c4, ceiling);
+  float f[DSV4_ROPE_PAIRS];
+  dsv4_rope_table_t *rope = NULL;
+  dsv4_rope_inv_freq(&dsv4_rope_plain_default, f);
+  CKD(dsv4_rope_table_create(f, MAX_POS, &rope));
+  float *mirror = gpu_rope_mirror(MAX_POS);
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  static const uint32_t ns[] = {1, 16, 64, 256, 1024, 4096, 16384};
+  printf("%6s %4s %10s %10s %9s %10s %8s\n", "N", "H", "us", "GB/s", "%copy", "vLLM us", "speedup");
+  for (int h = 0; h < n_heads; h++)
+    for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++)
+      bench(heads_list[h], ns[i], ceiling, mirror, rope, s);
+  cudaStreamDestroy(s);
+  cudaFree(mirror);
+  dsv4_rope_table_destroy(rope);
+  return 0;
+}

@@ -1,0 +1,278 @@
+#ifndef DSV4_TESTS_GPU_GPU_COMMON_H
+#define DSV4_TESTS_GPU_GPU_COMMON_H
+
+/*
+ * Shared pieces of the GPU tests (tests/gpu): the device check that turns a machine without a CUDA
+ * device into "skipped" (exit 77), checked CUDA calls, fast random inputs, and batch plans with
+ * their block tables. Plain C on the CUDA runtime API; no cmocka, so a -DDSV4_SERVER=OFF tree on a
+ * machine with only the CUDA toolkit builds and runs them.
+ */
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "cuda-kernels.h"
+#include "dsv4-layout.h"
+#include "rope.h"
+
+#define GPU_SKIP 77
+
+/* 1 when a CUDA device is usable; otherwise prints why the test is skipped and returns 0. */
+static inline int gpu_available(const char *test) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess || n == 0) {
+    printf("%s: skipped: no CUDA device (%s)\n", test,
+           e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    return 0;
+  }
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
+    printf("%s: device 0: %s, sm_%d%d, %d SMs\n", test, prop.name, prop.major, prop.minor,
+           prop.multiProcessorCount);
+  return 1;
+}
+
+#define CK(call)                                                                                   \
+  do {                                                                                             \
+    cudaError_t ck_e_ = (call);                                                                    \
+    if (ck_e_ != cudaSuccess) {                                                                    \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(ck_e_));    \
+      exit(1);                                                                                     \
+    }                                                                                              \
+  } while (0)
+
+#define CKD(call)                                                                                  \
+  do {                                                                                             \
+    int ckd_rc_ = (call);                                                                          \
+    if (ckd_rc_ != 0) {                                                                            \
+      fprintf(stderr, "%s:%d: %s: %s (%d)\n", __FILE__, __LINE__, #call, dsv4_strerror(ckd_rc_),   \
+              ckd_rc_);                                                                            \
+      exit(1);                                                                                     \
+    }                                                                                              \
+  } while (0)
+
+static inline void *gpu_host_alloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  if (!p) {
+    fprintf(stderr, "out of memory (%zu bytes)\n", n);
+    exit(1);
+  }
+  return p;
+}
+
+static inline void *gpu_dev_alloc(size_t n) {
+  void *p = NULL;
+  CK(cudaMalloc(&p, n ? n : 16));
+  return p;
+}
+
+/* splitmix64: deterministic, so a failure reproduces. */
+static inline uint64_t gpu_rnd(uint64_t *s) {
+  uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static inline uint32_t gpu_below(uint64_t *s, uint32_t n) {
+  return (uint32_t)(gpu_rnd(s) % n);
+}
+
+/*
+ * bf16 values whose biased exponents spread over 2*spread+1 octaves around centre (clamped to
+ * 0..185, so |x| < 2^59 as the daemon admits; exponent 0 gives subnormals), about 1 in 16 zero.
+ * Four values per random draw: fast enough for the gigabyte inputs of the large cases.
+ */
+static inline void gpu_fill_bf16(uint64_t *s, uint16_t *v, size_t n, int centre, int spread) {
+  for (size_t i = 0; i < n; i += 4) {
+    uint64_t r = gpu_rnd(s);
+    for (size_t k = 0; k < 4 && i + k < n; k++, r >>= 16) {
+      uint16_t sign = (uint16_t)(r & 0x8000u);
+      uint16_t man = (uint16_t)(r & 0x7fu);
+      if (((r >> 7) & 15u) == 0) {
+        v[i + k] = sign;
+        continue;
+      }
+      int e = centre + (int)((r >> 11) % (uint64_t)(2 * spread + 1)) - spread;
+      e = e < 0 ? 0 : e > 185 ? 185 : e;
+      v[i + k] = (uint16_t)(sign | ((uint16_t)e << 7) | man);
+    }
+  }
+}
+
+/* ---- batch plans: segments of contiguous positions over block tables ---- */
+
+typedef struct {
+  uint32_t n, n_segs, bs, n_blocks, bt_len;
+  int64_t *pos;          /* [n] */
+  int32_t *tok_seg;      /* [n] */
+  int64_t *seg_first_lb; /* [n_segs] */
+  uint32_t *seg_bt_off, *seg_bt_len;
+  int32_t *block_table; /* [bt_len] */
+} gpu_plan_t;
+
+/*
+ * n tokens in n_segs segments (n_segs <= n), each starting at a random position so that its last
+ * position is at most max_pos - 1 (one segment ends exactly there), over distinct physical blocks
+ * out of n_blocks (returned: the blocks used plus spare ones, so that block ids are scattered).
+ * About one table entry in no_block_in has no block (-1): the tokens there get slot -1.
+ */
+static inline void gpu_plan_make(uint64_t *s, gpu_plan_t *p, uint32_t n, uint32_t n_segs,
+                                 uint32_t bs, int64_t max_pos, uint32_t no_block_in) {
+  memset(p, 0, sizeof(*p));
+  p->n = n;
+  p->n_segs = n_segs;
+  p->bs = bs;
+  p->pos = gpu_host_alloc(sizeof(int64_t) * n);
+  p->tok_seg = gpu_host_alloc(sizeof(int32_t) * n);
+  p->seg_first_lb = gpu_host_alloc(sizeof(int64_t) * n_segs);
+  p->seg_bt_off = gpu_host_alloc(sizeof(uint32_t) * n_segs);
+  p->seg_bt_len = gpu_host_alloc(sizeof(uint32_t) * n_segs);
+  /* Each segment's table covers its blocks; the sum is at most n / bs + 2 per segment. */
+  size_t bt_cap = (size_t)n / bs + 2u * n_segs + 2u;
+  p->block_table = gpu_host_alloc(sizeof(int32_t) * bt_cap);
+  uint32_t t = 0, off = 0;
+  for (uint32_t g = 0; g < n_segs; g++) {
+    uint32_t len = g + 1 == n_segs ? n - t : (n - t) / (n_segs - g);
+    if (len == 0)
+      len = 1;
+    int64_t start;
+    if (g == 0)
+      start = max_pos - len; /* the last position of the table */
+    else
+      start = (int64_t)(gpu_rnd(s) % (uint64_t)(max_pos - len + 1));
+    int64_t lb0 = start / bs, lb1 = (start + len - 1) / bs;
+    p->seg_first_lb[g] = lb0;
+    p->seg_bt_off[g] = off;
+    p->seg_bt_len[g] = (uint32_t)(lb1 - lb0 + 1);
+    for (int64_t lb = lb0; lb <= lb1; lb++)
+      p->block_table[off++] = 0; /* ids below */
+    for (uint32_t k = 0; k < len; k++) {
+      p->pos[t] = start + k;
+      p->tok_seg[t] = (int32_t)g;
+      t++;
+    }
+  }
+  p->bt_len = off;
+  /* Distinct block ids in a random order, with spare ids in between. */
+  p->n_blocks = off + off / 2 + 2;
+  uint32_t *perm = gpu_host_alloc(sizeof(uint32_t) * p->n_blocks);
+  for (uint32_t i = 0; i < p->n_blocks; i++)
+    perm[i] = i;
+  for (uint32_t i = p->n_blocks - 1; i > 0; i--) {
+    uint32_t j = gpu_below(s, i + 1), x = perm[i];
+    perm[i] = perm[j];
+    perm[j] = x;
+  }
+  for (uint32_t i = 0; i < off; i++)
+    p->block_table[i] = no_block_in && gpu_below(s, no_block_in) == 0 ? -1 : (int32_t)perm[i];
+  free(perm);
+}
+
+static inline void gpu_plan_free(gpu_plan_t *p) {
+  free(p->pos);
+  free(p->tok_seg);
+  free(p->seg_first_lb);
+  free(p->seg_bt_off);
+  free(p->seg_bt_len);
+  free(p->block_table);
+}
+
+/* The plan's map arguments over host (or, with the dev_* pointers, device) arrays. */
+typedef struct {
+  int64_t *pos;
+  int32_t *tok_seg;
+  int64_t *seg_first_lb;
+  uint32_t *seg_bt_off, *seg_bt_len;
+  int32_t *block_table;
+} gpu_plan_dev_t;
+
+static inline void gpu_plan_upload(const gpu_plan_t *p, gpu_plan_dev_t *d) {
+  d->pos = gpu_dev_alloc(sizeof(int64_t) * p->n);
+  d->tok_seg = gpu_dev_alloc(sizeof(int32_t) * p->n);
+  d->seg_first_lb = gpu_dev_alloc(sizeof(int64_t) * p->n_segs);
+  d->seg_bt_off = gpu_dev_alloc(sizeof(uint32_t) * p->n_segs);
+  d->seg_bt_len = gpu_dev_alloc(sizeof(uint32_t) * p->n_segs);
+  d->block_table = gpu_dev_alloc(sizeof(int32_t) * (p->bt_len ? p->bt_len : 1));
+  CK(cudaMemcpy(d->pos, p->pos, sizeof(int64_t) * p->n, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d->tok_seg, p->tok_seg, sizeof(int32_t) * p->n, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d->seg_first_lb, p->seg_first_lb, sizeof(int64_t) * p->n_segs,
+                cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d->seg_bt_off, p->seg_bt_off, sizeof(uint32_t) * p->n_segs,
+                cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d->seg_bt_len, p->seg_bt_len, sizeof(uint32_t) * p->n_segs,
+                cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d->block_table, p->block_table, sizeof(int32_t) * p->bt_len,
+                cudaMemcpyHostToDevice));
+}
+
+static inline void gpu_plan_dev_free(gpu_plan_dev_t *d) {
+  cudaFree(d->pos);
+  cudaFree(d->tok_seg);
+  cudaFree(d->seg_first_lb);
+  cudaFree(d->seg_bt_off);
+  cudaFree(d->seg_bt_len);
+  cudaFree(d->block_table);
+}
+
+static inline dsv4_map_args_t gpu_plan_map_args(const gpu_plan_t *p, const int64_t *pos,
+                                                const int32_t *tok_seg, const int64_t *first_lb,
+                                                const uint32_t *bt_off, const uint32_t *bt_len,
+                                                const int32_t *bt, int64_t *slots) {
+  dsv4_map_args_t a = {
+      .n_tokens = p->n,
+      .n_segments = p->n_segs,
+      .block_size = p->bs,
+      .n_blocks = p->n_blocks,
+      .positions = pos,
+      .tok_seg = tok_seg,
+      .seg_first_lb = first_lb,
+      .seg_bt_off = bt_off,
+      .seg_bt_len = bt_len,
+      .block_table = bt,
+      .slots = slots,
+  };
+  return a;
+}
+
+/*
+ * The device mirror of a host RoPE table, as cuda-kernels.h describes it: max_pos rows of 64
+ * floats, of which the chunks holding the plan's positions are copied from the host table.
+ */
+static inline float *gpu_rope_mirror(int64_t max_pos) {
+  return gpu_dev_alloc((size_t)max_pos * DSV4_ROPE_ROW_FLOATS * sizeof(float));
+}
+
+static inline void gpu_rope_upload(dsv4_rope_table_t *t, float *mirror, int64_t max_pos,
+                                   const int64_t *pos, uint32_t n) {
+  CKD(dsv4_rope_table_ensure(t, pos, n));
+  int64_t last_chunk = -1;
+  for (uint32_t k = 0; k < n; k++) {
+    int64_t c = pos[k] / DSV4_ROPE_CHUNK_ROWS;
+    if (c == last_chunk)
+      continue;
+    last_chunk = c;
+    int64_t first = c * DSV4_ROPE_CHUNK_ROWS;
+    int64_t rows = max_pos - first < DSV4_ROPE_CHUNK_ROWS ? max_pos - first : DSV4_ROPE_CHUNK_ROWS;
+    CK(cudaMemcpy(mirror + first * DSV4_ROPE_ROW_FLOATS, dsv4_rope_table_row(t, first),
+                  (size_t)rows * DSV4_ROPE_ROW_FLOATS * sizeof(float), cudaMemcpyHostToDevice));
+  }
+}
+
+/* The first index where two byte arrays differ, or -1. */
+static inline long long gpu_first_diff(const void *a, const void *b, size_t n) {
+  if (memcmp(a, b, n) == 0)
+    return -1;
+  const uint8_t *x = a, *y = b;
+  for (size_t i = 0; i < n; i++)
+    if (x[i] != y[i])
+      return (long long)i;
+  return -1;
+}
+
+#endif /* DSV4_TESTS_GPU_GPU_COMMON_H */
