@@ -22,9 +22,19 @@ if(DSV4_SANITIZE)
   list(APPEND DSV4_LZ_TEST_ENV "ASAN_OPTIONS=detect_leaks=0")
 endif()
 
-foreach(mode identity identity-fp64)
+foreach(mode identity identity-fp64 one-writer)
   string(REPLACE "-" "_" tname "lz_pocl_${mode}")
   add_test(NAME ${tname} COMMAND lz_pocl_test ${mode})
   set_tests_properties(${tname} PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl"
                                            ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
 endforeach()
+set_tests_properties(lz_pocl_one_writer PROPERTIES LABELS "level_zero;opencl;invariants")
+
+# SPEC §5.1's broken build: the unmasked bulk store of the vLLM XPU bug must be caught by the counters.
+add_test(NAME lz_pocl_one_writer_broken_bulk_store
+         COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
+                 "invariant violated: SPEC 5[.]1: one writer per byte: cache block [0-9]+ offset [0-9]+ record bytes 448[.][.]575 [[]RoPE[]] [(]128 bytes[)] stored 2 times, expected 1 [[]opencl "
+                 $<TARGET_FILE:lz_pocl_test> one-writer-broken)
+set_tests_properties(lz_pocl_one_writer_broken_bulk_store PROPERTIES
+  TIMEOUT 600 LABELS "level_zero;opencl;invariants" SKIP_REGULAR_EXPRESSION "^skipped: "
+  ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
