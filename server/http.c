@@ -1159,6 +1159,9 @@ static void on_conn_handle_closed(uv_handle_t *h) {
   if (c->next)
     c->next->prev = c->prev;
   s->n_conns--;
+  /* A streamed answer abandoned between pieces leaves its head here (write_done frees it else). */
+  free(c->whdr);
+  free(c->wbufs);
   free(c->rbuf);
   free(c);
   server_maybe_done(s);
