@@ -2,12 +2,13 @@
 must be the route's document), the tables, exit codes, bearer tokens, dumps streamed to a file and
 verified, and the README's "load a dump in Python" block run on a real dump.
 
-dsv4ctl is found beside the daemon binary (both are built into the build directory's root).
+dsv4ctl is found beside the daemon binary or in a directory above it (see ctl_path).
 """
 
 import http.client
 import json
 import os
+import pty
 import re
 import subprocess
 import sys
@@ -29,7 +30,17 @@ EMPTY_DIGEST = xxhash.xxh3_64_hexdigest(b"")
 
 
 def ctl_path():
-    return os.path.join(os.path.dirname(h.DAEMON), "dsv4ctl")
+    """$DSV4CTL_BIN, else dsv4ctl in the daemon's directory or one above it (the build directory's
+    root, where test-only daemon builds in tests/integration/ also find it)."""
+    if os.environ.get("DSV4CTL_BIN"):
+        return os.environ["DSV4CTL_BIN"]
+    d = os.path.dirname(h.DAEMON)
+    for _ in range(3):
+        p = os.path.join(d, "dsv4ctl")
+        if os.access(p, os.X_OK):
+            return p
+        d = os.path.dirname(d)
+    raise h.TestFailure("no dsv4ctl beside %s or above it (set DSV4CTL_BIN)" % h.DAEMON)
 
 
 def admin_port(d, timeout=5.0):
@@ -246,6 +257,31 @@ def test_token_and_checksum():
                       "checksum block row %s: %r" % (b, r.out))
 
 
+def tty_stderr(cmd):
+    """Run cmd with stderr on a pseudo-terminal; returns what it wrote there (exit status 0)."""
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=slave)
+        os.close(slave)
+        slave = -1
+        got = b""
+        while True:
+            try:
+                c = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's last writer has gone
+                break
+            if not c:
+                break
+            got += c
+        check_eq(p.wait(60), 0, "%s: exit status" % " ".join(cmd))
+        return got.decode("utf-8", "replace")
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+
+
 def read_dump(path):
     with open(path, "rb") as f:
         return h.st_decode(f.read())
@@ -281,6 +317,18 @@ def test_dump_and_verify():
             ck = admin_json(d, "/admin/v1/checksums?layer=%d&seq=a" % layer)
             check_eq(meta["digest.%d" % layer], ck["sequences"]["a"]["digest"],
                      "digest.%d vs the checksums route" % layer)
+
+        # On a terminal the progress line is rewritten in place (carriage returns) and ends the
+        # line when done; without one and without --progress there is none.
+        os.unlink(path)
+        tty = tty_stderr([ctl_path(), "--admin", admin_url(d), "dump", "--seq", "a", "-o", path])
+        # (The terminal turns the final "\n" into "\r\n".)
+        check(tty.startswith("\rdump a: ") and tty.endswith("\r\n") and tty.count("\n") == 1,
+              "tty progress: one line rewritten in place: %r" % tty)
+        check("(100%)" in tty.rsplit("\rdump a: ", 1)[1], "tty progress ends at 100%%: %r" % tty)
+        r = ctl(d, "dump", "--seq", "a", "-o", path)
+        expect_rc(r, 0, "dump without a terminal")
+        check_eq(r.err, "", "no progress line without a terminal")
 
         r = ctl(d, "--json", "verify", path)
         expect_rc(r, 0, "verify")
