@@ -1,3 +1,18 @@
+# The SPIR-V modules embedded in the daemon (kernels/level_zero): the embedded bytes are the modules
+# llvm-spirv wrote, and the modules keep SPEC §2 (no fast-math, no contraction, explicit fma).
+if(TARGET dsv4_lz_spirv)
+  set(DSV4_LZ_SPV_DIR ${PROJECT_BINARY_DIR}/kernels/level_zero)
+  add_executable(lz_spirv_embed_test ${PROJECT_SOURCE_DIR}/tests/level_zero/lz_spirv_embed_test.c)
+  target_link_libraries(lz_spirv_embed_test PRIVATE dsv4_lz_spirv)
+  dsv4_strict(lz_spirv_embed_test)
+  add_test(NAME lz_spirv_embed COMMAND lz_spirv_embed_test ${DSV4_LZ_SPV_DIR}/dsv4_kernels_cr.spv
+                                                           ${DSV4_LZ_SPV_DIR}/dsv4_kernels_fp64.spv)
+  add_test(NAME lz_spirv_check
+           COMMAND sh ${PROJECT_SOURCE_DIR}/tests/level_zero/spirv_check.sh ${DSV4_LLVM_SPIRV}
+                   ${DSV4_LZ_SPV_DIR}/dsv4_kernels_cr.spv ${DSV4_LZ_SPV_DIR}/dsv4_kernels_fp64.spv)
+  set_tests_properties(lz_spirv_embed lz_spirv_check PROPERTIES LABELS level_zero)
+endif()
+
 # The Level Zero backend's OpenCL C kernels, executed on the CPU through OpenCL (PoCL) against the CPU
 # backend (tests/level_zero/lz_pocl_test.c). Without an OpenCL ICD loader at build time nothing is
 # registered; without a platform at run time the tests print "skipped" and return 77.
