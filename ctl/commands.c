@@ -36,6 +36,8 @@ static int daemon_error(ctx_t *c, const char *target, const dsv4_ctl_response_t 
   dsv4_ctl_format_error(r->status, r->body, r->body_len, line, sizeof(line));
   if (r->retry_after[0])
     fprintf(c->err, "dsv4ctl: GET %s: %s (retry after %s s)\n", target, line, r->retry_after);
+  else if (r->status == 401 && !c->token)
+    fprintf(c->err, "dsv4ctl: GET %s: %s (no --token-file given)\n", target, line);
   else
     fprintf(c->err, "dsv4ctl: GET %s: %s\n", target, line);
   if (c->a->json && r->body) {
