@@ -27,4 +27,8 @@ typedef struct {
 
 void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out);
 
+/* 1 (after printing "skipped: ..." on stdout) when backend name opens with DSV4_ENODEV: a test of a
+ * device backend on a machine without that device then exits 77. */
+int dsv4_test_backend_absent(const char *name);
+
 #endif /* DSV4_TESTS_CPU_STAGED_H */

@@ -9,3 +9,9 @@ if(DSV4_SERVER)
   # The same tests with every engine on the staged backend.
   add_test(NAME engine_test_staged COMMAND engine_test cpu_staged)
 endif()
+if(DSV4_SERVER AND DSV4_CUDA)
+  # The engine on the CUDA backend, compared byte for byte with the CPU backend (needs a device;
+  # "skipped" with 77 without one).
+  add_test(NAME engine_test_cuda COMMAND engine_test cuda)
+  set_tests_properties(engine_test_cuda PROPERTIES SKIP_RETURN_CODE 77 LABELS gpu)
+endif()
