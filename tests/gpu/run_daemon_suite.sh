@@ -5,7 +5,8 @@
 #   2. builds dsv4d and the CUDA tests against them, for the local GPU's architecture;
 #   3. runs the CUDA backend's host-glue test and the engine tests on backend cuda (every byte of
 #      q_out, slots, digests and the cache against the CPU backend);
-#   4. runs the integration suite with every daemon on backend = cuda (DSV4_TEST_BACKEND=cuda).
+#   4. runs the integration suite with every daemon on backend = cuda (DSV4_TEST_BACKEND=cuda);
+#   5. prints where a forward batch's time goes on cpu and cuda (tests/gpu/forward_stages.py).
 # Logs go to $OUT when it is set, else into the build directory. Exit status 0 only if all passed.
 # Usage: tests/gpu/run_daemon_suite.sh [build-dir]
 set -euo pipefail
@@ -57,5 +58,8 @@ ctest --test-dir "$build" --output-on-failure \
 DSV4_TEST_BACKEND=cuda DSV4_IT_STARTUP_LIMIT=${DSV4_IT_STARTUP_LIMIT:-5} PYTHONUNBUFFERED=1 \
   ctest --test-dir "$build" --output-on-failure -L integration -LE staged -j4 2>&1 |
   tee "$out/ctest-integration.log" || rc=1
+# Where a batch's time goes on each backend (a table; it fails only on a wrong answer).
+PYTHONUNBUFFERED=1 "$py" tests/gpu/forward_stages.py "$build/dsv4d" tests/reference/dsv4_ref.py \
+  cpu cuda 2>&1 | tee "$out/forward-stages.txt" || rc=1
 echo "total: $(($(date +%s) - t0)) s, status $rc"
 exit $rc

@@ -1,0 +1,96 @@
+"""Where a forward batch's time goes, per backend: prints a table, asserts nothing beyond correct
+answers (a benchmark, not a test).
+
+For each backend named on the command line, a daemon serving one layer at 64 heads gets a prefill of
+16 sequences x 64 tokens (one batch of 1024 tokens) and then 30 decode steps of those 16 sequences
+(16 tokens a batch); every answer's q_out is checked against the reference model. The daemon's own
+dsv4d_forward_seconds{stage} histograms give the mean time of validate, plan and kernel (on a device
+backend, kernel is the uploads, both launches, the downloads and the sync) per batch; "client" is the
+request's wall time seen over loopback HTTP. The ceiling for the kernel stage on a device is the PCIe
+time of q in and q_out back: 2 x N x 64 x 1 KiB at 55 GB/s (FIELD-NOTES), printed beside it.
+
+    python3 tests/gpu/forward_stages.py <dsv4d> <dsv4_ref.py> cpu cuda
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
+import dsv4_harness as h  # noqa: E402
+
+HEADS = 64
+SEQS = 16
+PREFILL = 64
+STEPS = 30
+PCIE_BPS = 55e9
+
+
+def stage_sums(d):
+    ms = d.metrics()
+    out = {}
+    for (name, labels), v in ms.items():
+        lab = dict(labels)
+        if name in ("dsv4d_forward_seconds_sum", "dsv4d_forward_seconds_count") and "stage" in lab:
+            out[(name.rsplit("_", 1)[1], lab["stage"])] = v
+    return out
+
+
+def means(before, after):
+    res = {}
+    for stage in ("validate", "plan", "kernel"):
+        n = after.get(("count", stage), 0) - before.get(("count", stage), 0)
+        s = after.get(("sum", stage), 0) - before.get(("sum", stage), 0)
+        res[stage] = s / n * 1e6 if n else float("nan")
+    return res
+
+
+def run(backend, rng, rows):
+    args = ["--backend", backend, "--layers", "0-0", "--heads", str(HEADS), "--kv-blocks", "256",
+            "--max-batch-tokens", "2048"]
+    with h.Daemon(args, name=backend) as d:
+        conn = d.conn()
+        segs = [h.Seg("s%d" % i, 0, PREFILL, True) for i in range(SEQS)]
+        b = h.Batch.random(rng, 0, segs, HEADS, outputs="q")
+        m0 = stage_sums(d)
+        t0 = time.perf_counter()
+        res = d.forward(b, conn=conn)
+        client = (time.perf_counter() - t0) * 1e6
+        h.check_result(res, b, "%s prefill" % backend)
+        rows.append((backend, "prefill", b.n, client, means(m0, stage_sums(d))))
+        m1 = stage_sums(d)
+        t_client = 0.0
+        for step in range(STEPS):
+            segs = [h.Seg("s%d" % i, PREFILL + step, 1) for i in range(SEQS)]
+            b = h.Batch.random(rng, 0, segs, HEADS, outputs="q")
+            t0 = time.perf_counter()
+            res = d.forward(b, conn=conn)
+            t_client += time.perf_counter() - t0
+            if step % 10 == 0:
+                h.check_result(res, b, "%s decode step %d" % (backend, step))
+        rows.append((backend, "decode", SEQS, t_client / STEPS * 1e6, means(m1, stage_sums(d))))
+        conn.close()
+
+
+def main():
+    if len(sys.argv) < 4:
+        print(__doc__)
+        sys.exit(2)
+    h.DAEMON, h.REF_PATH = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+    rng = np.random.default_rng(7)
+    rows = []
+    for backend in sys.argv[3:]:
+        run(backend, rng, rows)
+    print("%-8s %-8s %6s %12s %12s %10s %12s %14s" % ("backend", "batch", "tokens", "client us",
+                                                       "validate us", "plan us", "kernel us",
+                                                       "PCIe floor us"))
+    for backend, phase, n, client, st in rows:
+        floor = 2.0 * n * HEADS * 1024 / PCIE_BPS * 1e6
+        print("%-8s %-8s %6d %12.0f %12.0f %10.0f %12.0f %14.0f" % (
+            backend, phase, n, client, st["validate"], st["plan"], st["kernel"], floor))
+
+
+if __name__ == "__main__":
+    main()
