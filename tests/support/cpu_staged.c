@@ -237,3 +237,11 @@ int dsv4_test_backend_absent(const char *name) {
   dsv4_backend_close(be);
   return 0;
 }
+
+int dsv4_test_backend_from_args(int argc, char **argv, const char **backend) {
+  if (argc > 1)
+    *backend = argv[1];
+  if (dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open))
+    return 1;
+  return dsv4_test_backend_absent(*backend) ? 77 : 0;
+}

@@ -31,4 +31,11 @@ void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t
  * device backend on a machine without that device then exits 77. */
 int dsv4_test_backend_absent(const char *name);
 
+/*
+ * The start of a test that runs against the backend named by argv[1] (else *backend stays as it
+ * is): registers cpu_staged, then returns 0 to run the tests, 77 when that backend's device is
+ * absent, or 1 when the registration failed.
+ */
+int dsv4_test_backend_from_args(int argc, char **argv, const char **backend);
+
 #endif /* DSV4_TESTS_CPU_STAGED_H */

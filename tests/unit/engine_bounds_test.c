@@ -167,12 +167,9 @@ static void test_start_near_int64_max(void **state) {
 }
 
 int main(int argc, char **argv) {
-  if (argc > 1)
-    backend = argv[1];
-  if (dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open))
-    return 1;
-  if (dsv4_test_backend_absent(backend))
-    return 77; /* a device backend without its device: skipped, never passed */
+  int skip = dsv4_test_backend_from_args(argc, argv, &backend);
+  if (skip)
+    return skip;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_segment_lengths_wrapping),
       cmocka_unit_test(test_start_near_int64_max),

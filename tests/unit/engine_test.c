@@ -441,12 +441,9 @@ static void test_staged_matches_cpu(void **state) {
 }
 
 int main(int argc, char **argv) {
-  if (argc > 1)
-    backend = argv[1];
-  if (dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open))
-    return 1;
-  if (dsv4_test_backend_absent(backend))
-    return 77; /* a device backend without its device: skipped, never passed */
+  int skip = dsv4_test_backend_from_args(argc, argv, &backend);
+  if (skip)
+    return skip;
   print_message("backend under test: %s\n", backend);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_prefill_decode_deterministic),
