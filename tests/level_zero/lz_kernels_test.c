@@ -1,24 +1,31 @@
 /*
- * The Level Zero backend's OpenCL C kernels (kernels/level_zero/dsv4_kernels.cl), executed for real
- * on the CPU through OpenCL (PoCL), against the CPU reference backend.
+ * The Level Zero backend's kernels (kernels/level_zero/dsv4_kernels.cl) against the CPU reference
+ * backend, byte for byte: executed for real on the CPU through OpenCL (PoCL), and on an Intel GPU
+ * through the backend itself where one is present.
  *
- * The program builds the same .cl source the daemon's SPIR-V is made from, with the same options
- * (-cl-fp32-correctly-rounded-divide-sqrt and the include directory), then for random batches
- * (several head counts, block sizes, plain and YaRN RoPE, prenormed and fused kv_norm, slot -1
- * rows, replays, zeroed and random initial caches) runs the producer (dsv4_map_slots) and then the
- * consumer (dsv4_qkv_insert) on one in-order queue with a barrier between them, and compares slots,
- * q_out and every cache byte with the CPU backend's map_slots + qkv_insert.
+ * The OpenCL modes build the same .cl source the daemon's SPIR-V is made from, with the same
+ * options (-cl-fp32-correctly-rounded-divide-sqrt and the include directory), then for random
+ * batches (several head counts, block sizes, plain and YaRN RoPE, prenormed and fused kv_norm, slot
+ * -1 rows, replays, zeroed and random initial caches) run the producer (dsv4_map_slots) and then
+ * the consumer (dsv4_qkv_insert) on one in-order queue with a barrier between them, and compare
+ * slots, q_out and every cache byte with the CPU backend's map_slots + qkv_insert.
  *
- * Usage: lz_pocl_test <mode>
- *   identity          byte identity with the CPU backend, each batch 20 times (SPEC §2, §5.4)
+ * Usage: lz_kernels_test <mode>
+ *   identity          byte identity with the CPU backend, each batch 20 times (SPEC §2, §5.4),
+ *                     and the error bits for arguments the CPU backend refuses
  *   identity-fp64     the same with the double-precision divide/sqrt (DSV4_CL_RMS_FP64)
  *   one-writer        a build where every global store counts its bytes (DSV4_CL_COUNT_STORES):
  *                     every output byte stored exactly once, every other byte never (SPEC §5.1)
  *   one-writer-broken the same with DSV4_CL_BROKEN_BULK_STORE; must fail with "invariant violated"
  *   identity-broken   the broken build without counters, through the identity check (to see
  *                     whether repeated runs alone would notice the race on this device)
- * Exit status: 0 pass, 1 fail, 77 skipped (no OpenCL platform or device, or no fp64 for
- * identity-fp64).
+ *   level-zero        the identity batches through the "level_zero" backend (upload, map_slots,
+ *                     qkv_insert, sync, download) on a Level Zero GPU
+ *   no-driver         where zeInit finds no driver: opening "level_zero" fails with DSV4_ENODEV and
+ *                     "zeInit found no driver (ZE_RESULT_...)", and "auto" opens the CPU backend
+ *                     naming that reason
+ * Exit status: 0 pass, 1 fail, 77 skipped (no OpenCL platform or device, no fp64 for
+ * identity-fp64, no Level Zero GPU for level-zero, a Level Zero driver present for no-driver).
  */
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
@@ -40,7 +47,7 @@
 static void die(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  fputs("lz_pocl_test: ", stderr);
+  fputs("lz_kernels_test: ", stderr);
   vfprintf(stderr, fmt, ap);
   fputc('\n', stderr);
   va_end(ap);
@@ -221,6 +228,7 @@ typedef struct {
   float *rope_rows; /* [N, 64] */
   uint8_t *cache0;
   size_t cache_bytes, q_bytes;
+  uint32_t insert_blocks; /* n_blocks as qkv_insert is told (0: the same as map_slots) */
 } batch_t;
 
 typedef struct {
@@ -430,6 +438,7 @@ static void run_cl(clrt_t *rt, const batch_t *b, uint32_t max_rows, result_t *r)
 
   uint64_t rows = (uint64_t)n * s->heads + (s->replay ? 0 : n);
   cl_uint u_rows = (cl_uint)rows, u_h = s->heads, u_wkv = (cl_uint)!s->replay;
+  cl_uint u_inb = b->insert_blocks ? b->insert_blocks : b->n_blocks;
   cl_uint u_fused = (cl_uint)s->fused;
   cl_float eps = 1e-6f;
   cl_ulong stride = DSV4_BLOCK_STRIDE(s->bs);
@@ -448,7 +457,7 @@ static void run_cl(clrt_t *rt, const batch_t *b, uint32_t max_rows, result_t *r)
   set_arg(rt->insert, 12, sizeof(cl_mem), &q_out);
   set_arg(rt->insert, 13, sizeof(cl_mem), &cache);
   set_arg(rt->insert, 14, sizeof(cl_uint), &u_bs);
-  set_arg(rt->insert, 15, sizeof(cl_uint), &u_nb);
+  set_arg(rt->insert, 15, sizeof(cl_uint), &u_inb);
   set_arg(rt->insert, 16, sizeof(cl_ulong), &stride);
   set_arg(rt->insert, 17, sizeof(cl_mem), &err);
   if (rt->counting) {
@@ -499,6 +508,95 @@ static const char *shape_str(const shape_t *s, char *buf, size_t len) {
            s->yarn ? "yarn" : "plain", s->fused ? "fused" : "prenormed", s->replay ? " replay" : "",
            s->random_cache ? " random-cache" : "");
   return buf;
+}
+
+/* The kernels through the "level_zero" backend: device buffers, uploads, the two launches, sync. */
+static void run_lz(dsv4_backend_t *be, const batch_t *b, dsv4_rope_table_t *rope, result_t *r) {
+  const shape_t *s = &b->s;
+  uint32_t n = s->n_tokens;
+  struct {
+    const void *src;
+    size_t size;
+    dsv4_devbuf_t buf;
+  } in[] = {
+      {b->pos, n * sizeof(int64_t), {0}},
+      {b->tok_seg, n * sizeof(int32_t), {0}},
+      {b->seg_first_lb, b->n_seg * 8u, {0}},
+      {b->bt_off, b->n_seg * 4u, {0}},
+      {b->bt_len, b->n_seg * 4u, {0}},
+      {b->bt, b->n_bt * 4u, {0}},
+      {b->q, b->q_bytes, {0}},
+      {b->kv, (size_t)n * DSV4_HEAD_DIM * 2, {0}},
+      {b->w, sizeof(b->w), {0}},
+      {b->cache0, b->cache_bytes, {0}},
+      {NULL, n * sizeof(int64_t), {0}} /* slots */,
+      {NULL, b->q_bytes, {0}} /* q_out */,
+  };
+  enum { POS, SEG, FIRST, OFF, LEN, BT, Q, KV, W, CACHE, SLOTS, QOUT, N_IN };
+  for (int i = 0; i < N_IN; i++) {
+    if (be->ops->buf_alloc(be, in[i].size, &in[i].buf) != 0)
+      die("level_zero buf_alloc(%zu)", in[i].size);
+    if (in[i].src && be->ops->upload(be, &in[i].buf, 0, in[i].src, in[i].size) != 0)
+      die("level_zero upload");
+  }
+  dsv4_map_args_t m = {
+      .n_tokens = n,
+      .n_segments = b->n_seg,
+      .block_size = s->bs,
+      .n_blocks = b->n_blocks,
+      .positions = in[POS].buf.ptr,
+      .tok_seg = in[SEG].buf.ptr,
+      .seg_first_lb = in[FIRST].buf.ptr,
+      .seg_bt_off = in[OFF].buf.ptr,
+      .seg_bt_len = in[LEN].buf.ptr,
+      .block_table = in[BT].buf.ptr,
+      .slots = in[SLOTS].buf.ptr,
+  };
+  dsv4_insert_args_t a = {
+      .n_tokens = n,
+      .heads = s->heads,
+      .q = in[Q].buf.ptr,
+      .kv = in[KV].buf.ptr,
+      .positions = in[POS].buf.ptr,
+      .slots = in[SLOTS].buf.ptr,
+      .rope = rope,
+      .kv_norm_weight = s->fused ? in[W].buf.ptr : NULL,
+      .eps = 1e-6f,
+      .write_kv = !s->replay,
+      .q_out = in[QOUT].buf.ptr,
+      .cache = in[CACHE].buf.ptr,
+      .block_size = s->bs,
+      .n_blocks = b->n_blocks,
+      .stride = DSV4_BLOCK_STRIDE(s->bs),
+  };
+  int rc = be->ops->map_slots(be, &m);
+  if (rc == 0)
+    rc = be->ops->qkv_insert(be, &a);
+  if (rc == 0)
+    rc = be->ops->sync(be);
+  if (rc != 0)
+    die("level_zero launch failed: %s", dsv4_strerror(rc));
+  r->err = 0;
+  if (be->ops->download(be, r->slots, &in[SLOTS].buf, 0, in[SLOTS].size) != 0 ||
+      be->ops->download(be, r->q_out, &in[QOUT].buf, 0, in[QOUT].size) != 0 ||
+      be->ops->download(be, r->cache, &in[CACHE].buf, 0, in[CACHE].size) != 0)
+    die("level_zero download");
+  for (int i = 0; i < N_IN; i++)
+    be->ops->buf_free(be, &in[i].buf);
+}
+
+/* Where the kernels run: OpenCL (PoCL) or the level_zero backend. */
+typedef struct {
+  clrt_t *cl;
+  dsv4_backend_t *lz;
+} device_t;
+
+static void run_dev(const device_t *d, const batch_t *b, dsv4_rope_table_t *rope, uint32_t max_rows,
+                    result_t *r) {
+  if (d->cl)
+    run_cl(d->cl, b, max_rows, r);
+  else
+    run_lz(d->lz, b, rope, r);
 }
 
 /* Returns the number of differing bytes, reporting the first. */
@@ -599,7 +697,7 @@ static const shape_t shapes[] = {
 };
 
 /* SPEC §2's subnormal vector: (0x0001, 0x8001, 0x0080, 0...) at position 5 of a plain layer. */
-static void check_subnormal_vector(clrt_t *rt, dsv4_rope_table_t *plain) {
+static void check_subnormal_vector(const device_t *d, dsv4_rope_table_t *plain) {
   shape_t s = {.heads = 1, .n_tokens = 1, .bs = 16};
   batch_t b;
   make_batch(&b, &s, plain);
@@ -613,14 +711,103 @@ static void check_subnormal_vector(clrt_t *rt, dsv4_rope_table_t *plain) {
   memcpy(b.rope_rows, dsv4_rope_table_row(plain, 5), DSV4_ROPE_ROW_FLOATS * sizeof(float));
   b.seg_first_lb[0] = 0;
   result_t r;
-  alloc_result(&r, &b, rt->counting);
-  run_cl(rt, &b, 1u << 20, &r);
+  alloc_result(&r, &b, d->cl && d->cl->counting);
+  run_dev(d, &b, plain, 1u << 20, &r);
   if (r.q_out[0] != 0x01FA || r.q_out[1] != 0x81FA || r.q_out[2] != 0x057A)
     die("subnormal vector: q_out[0..2] = %04x %04x %04x, expected 01fa 81fa 057a", r.q_out[0],
         r.q_out[1], r.q_out[2]);
   printf("subnormal vector: q_out[0..2] = 01fa 81fa 057a\n");
   free_result(&r);
   free_batch(&b);
+}
+
+/*
+ * Arguments the CPU backend refuses with DSV4_EINVAL: the kernels set their error bit, give the
+ * token slot -1 (or skip the store) and write nothing out of bounds.
+ */
+static void check_error_bits(clrt_t *rt, dsv4_rope_table_t *plain) {
+  static const struct {
+    const char *what;
+    uint32_t bit;
+  } cases[] = {
+      {"a segment index out of range", DSV4_LZ_ERR_SEGMENT},
+      {"a negative position", DSV4_LZ_ERR_POSITION},
+      {"a block id beyond the pool", DSV4_LZ_ERR_BLOCK},
+      {"a slot beyond the pool given to qkv_insert", DSV4_LZ_ERR_SLOT},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    shape_t s = {.heads = 8, .n_tokens = 40, .bs = 16, .random_cache = 1};
+    batch_t b;
+    make_batch(&b, &s, plain);
+    uint32_t bad_token = 0, limit = b.n_blocks;
+    if (cases[i].bit == DSV4_LZ_ERR_SEGMENT)
+      b.tok_seg[0] = (int32_t)b.n_seg;
+    else if (cases[i].bit == DSV4_LZ_ERR_POSITION)
+      b.pos[0] = -1;
+    else if (cases[i].bit == DSV4_LZ_ERR_BLOCK)
+      for (uint32_t e = 0; e < b.n_bt; e++)
+        b.bt[e] = (int32_t)b.n_blocks + 3; /* every mapped token hits it */
+    else
+      b.insert_blocks = limit = b.n_blocks / 2;
+    result_t r;
+    alloc_result(&r, &b, rt->counting);
+    run_cl(rt, &b, 1u << 30, &r);
+    if (!(r.err & cases[i].bit))
+      die("%s: error word 0x%x lacks bit 0x%x", cases[i].what, r.err, cases[i].bit);
+    if (cases[i].bit != DSV4_LZ_ERR_SLOT && cases[i].bit != DSV4_LZ_ERR_BLOCK &&
+        r.slots[bad_token] != -1)
+      die("%s: the token got slot %lld, not -1", cases[i].what, (long long)r.slots[bad_token]);
+    size_t from = (size_t)limit * DSV4_BLOCK_STRIDE(s.bs);
+    if (cases[i].bit == DSV4_LZ_ERR_SLOT &&
+        memcmp(r.cache + from, b.cache0 + from, b.cache_bytes - from) != 0)
+      die("%s: the kernel wrote beyond the pool it was given", cases[i].what);
+    if (cases[i].bit == DSV4_LZ_ERR_BLOCK)
+      for (uint32_t t = 0; t < s.n_tokens; t++)
+        if (r.slots[t] != -1)
+          die("%s: token %u got slot %lld, not -1", cases[i].what, t, (long long)r.slots[t]);
+    printf("error bits: %s sets 0x%x, nothing written out of bounds\n", cases[i].what,
+           cases[i].bit);
+    free_result(&r);
+    free_batch(&b);
+  }
+}
+
+/* SPEC §2's numerics through the whole backend where a Level Zero driver is present, or else the
+ * one clear line the daemon prints and the fall back of "auto" to the CPU backend. */
+static int check_no_driver(void) {
+  dsv4_backend_t *be = NULL;
+  char why[512];
+  int rc = dsv4_backend_open("level_zero", NULL, &be, why, sizeof(why));
+  if (rc == 0) {
+    printf("skipped: a Level Zero GPU is present (the no-driver path cannot be seen here)\n");
+    dsv4_backend_close(be);
+    return 77;
+  }
+  printf("level_zero: %s (%s)\n", why, dsv4_strerror(rc));
+  if (strstr(why, "unknown backend"))
+    die("this build has no level_zero backend: %s", why);
+  if (rc != DSV4_ENODEV || strncmp(why, "zeInit found no driver (ZE_RESULT_", 34) != 0 ||
+      why[strlen(why) - 1] != ')' || strchr(why, '\n'))
+    die("opening level_zero without a driver: rc %d, why \"%s\"; expected DSV4_ENODEV and "
+        "\"zeInit found no driver (ZE_RESULT_...)\"",
+        rc, why);
+  dsv4_backend_options_t opt = {.threads = 1};
+  rc = dsv4_backend_open("auto", &opt, &be, why, sizeof(why));
+  if (rc != 0)
+    die("auto did not fall back: %s", why);
+  printf("auto: opened %s, skipped: %s\n", be->ops->name, why);
+  if (!strcmp(be->ops->name, "cuda")) { /* a CUDA GPU comes first: level_zero was not tried */
+    dsv4_backend_close(be);
+    printf("PASS: no-driver (auto found a CUDA device before level_zero)\n");
+    return 0;
+  }
+  if (strcmp(be->ops->name, "cpu") != 0 ||
+      !strstr(why, "level_zero: zeInit found no driver (ZE_RESULT_"))
+    die("auto: opened %s with why \"%s\"; expected cpu and the level_zero reason", be->ops->name,
+        why);
+  dsv4_backend_close(be);
+  printf("PASS: no-driver\n");
+  return 0;
 }
 
 int main(int argc, char **argv) {
@@ -637,16 +824,32 @@ int main(int argc, char **argv) {
     defines = "-DDSV4_CL_COUNT_STORES -DDSV4_CL_BROKEN_BULK_STORE", counting = 1, runs = 1;
   else if (!strcmp(mode, "identity-broken"))
     defines = "-DDSV4_CL_BROKEN_BULK_STORE";
+  else if (!strcmp(mode, "level-zero"))
+    defines = NULL;
+  else if (!strcmp(mode, "no-driver"))
+    return check_no_driver();
   else
     die("unknown mode %s (identity, identity-fp64, one-writer, one-writer-broken, "
-        "identity-broken)",
+        "identity-broken, level-zero, no-driver)",
         mode);
 
   clrt_t rt = {0};
-  int rc = clrt_open(&rt, defines, fp64);
-  if (rc)
-    return rc;
-  check_fp_probe(&rt);
+  device_t dev = {0};
+  if (defines) {
+    int rc = clrt_open(&rt, defines, fp64);
+    if (rc)
+      return rc;
+    check_fp_probe(&rt);
+    dev.cl = &rt;
+  } else {
+    char lz_why[512];
+    int rc = dsv4_backend_open("level_zero", NULL, &dev.lz, lz_why, sizeof(lz_why));
+    if (rc) {
+      printf("skipped: no Level Zero GPU: %s\n", lz_why);
+      return 77;
+    }
+    printf("level_zero backend open (its SPEC §2 probe passed)\n");
+  }
 
   float f[DSV4_ROPE_PAIRS];
   dsv4_rope_table_t *plain = NULL, *yarn = NULL;
@@ -656,7 +859,9 @@ int main(int argc, char **argv) {
   dsv4_rope_inv_freq(&dsv4_rope_yarn_default, f);
   if (dsv4_rope_table_create(f, DSV4_MAX_POSITION_DEFAULT, &yarn) != 0)
     die("rope table");
-  check_subnormal_vector(&rt, plain);
+  check_subnormal_vector(&dev, plain);
+  if (dev.cl && !strcmp(mode, "identity"))
+    check_error_bits(&rt, plain);
 
   dsv4_backend_options_t opt = {.threads = 2};
   dsv4_backend_t *cpu = NULL;
@@ -697,7 +902,7 @@ int main(int argc, char **argv) {
     uint32_t max_rows = si % 2 ? 8u * (1 + inv_below(40)) : 1u << 30;
     size_t bad_here = 0;
     for (int run = 0; run < runs; run++) {
-      run_cl(&rt, &b, max_rows, &got);
+      run_dev(&dev, &b, rope, max_rows, &got);
       launches++;
       if (got.err)
         die("[%s] the kernels set error bits 0x%x on a valid batch", shape, got.err);
@@ -721,7 +926,10 @@ int main(int argc, char **argv) {
   dsv4_backend_close(cpu);
   dsv4_rope_table_destroy(plain);
   dsv4_rope_table_destroy(yarn);
-  clrt_close(&rt);
+  if (dev.cl)
+    clrt_close(&rt);
+  else
+    dsv4_backend_close(dev.lz);
   if (counting)
     printf("one writer per byte: %zu launches, %zu wrongly stored bytes\n", launches, wrong_writes);
   if (mismatched || wrong_writes) {
