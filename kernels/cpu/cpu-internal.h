@@ -3,7 +3,8 @@
 
 /*
  * Private pieces of the CPU backend: the worker pool, the per-token kernels and the hooks the unit
- * tests use. Nothing outside kernels/cpu/ and its tests includes this header.
+ * tests use. Nothing outside kernels/cpu/ and its tests includes this header, except the CUDA
+ * backend's host glue, which runs its host-side work (validation, staging copies) on the pool.
  */
 
 #include <stddef.h>

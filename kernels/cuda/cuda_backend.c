@@ -12,7 +12,8 @@
  * an event per half, recorded after each DMA that reads it, says when its bytes may be overwritten.
  * A download queues the DMA into a half, waits for it and copies out, alternating halves so that
  * the copy-out of one piece overlaps the DMA of the next. Pinned memory moves about 55 GB/s over
- * PCIe gen5 against 16-20 GB/s from pageable memory (FIELD-NOTES).
+ * PCIe gen5 against 16-20 GB/s from pageable memory (FIELD-NOTES); large copies into and out of it
+ * run on the host threads (`threads`, the CPU backend's pool), which also validate batches.
  *
  * RoPE rows: per host table (rope.h), a dense device mirror of max_positions rows, allocated at the
  * first launch that uses the table (256 MiB for 1,048,576 positions); every chunk the host has
@@ -28,9 +29,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
+#include "cpu/cpu-internal.h"
 #include "cuda-kernels.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
@@ -40,6 +43,9 @@
  * half, small enough that two of them are cheap to pin. */
 #define STAGE_HALF ((size_t)16 << 20)
 #define STAGE_ALIGN ((size_t)256)
+/* Host copies at least this large are split over the host threads, in pieces of COPY_PIECE. */
+#define COPY_PARALLEL ((size_t)2 << 20)
+#define COPY_PIECE ((size_t)512 << 10)
 /* Host tables mirrored at once: the engine has two (plain and YaRN). */
 #define MAX_MIRRORS 8
 #define ROPE_ROW_BYTES (DSV4_ROPE_ROW_FLOATS * sizeof(float))
@@ -64,6 +70,10 @@ typedef struct {
   cudaEvent_t done[2]; /* recorded after the last DMA that reads each half */
   rope_mirror_t mirrors[MAX_MIRRORS];
   int n_mirrors;
+  /* Host threads (the CPU backend's pool): batch validation through host_parallel, and the copies
+   * between the caller's memory and the pinned staging, which one core cannot feed at PCIe speed.
+   */
+  dsv4__cpu_pool_t *pool;
 } cuda_backend_t;
 
 static cuda_backend_t *cuda_of(dsv4_backend_t *be) {
@@ -81,6 +91,28 @@ static int cu(cudaError_t e) {
 
 static int use_device(cuda_backend_t *c) {
   return cu(cudaSetDevice(c->dev));
+}
+
+typedef struct {
+  uint8_t *dst;
+  const uint8_t *src;
+  size_t n;
+} copy_job_t;
+
+static void copy_pieces(void *arg, size_t first, size_t last) {
+  const copy_job_t *j = arg;
+  size_t lo = first * COPY_PIECE, hi = last * COPY_PIECE < j->n ? last * COPY_PIECE : j->n;
+  memcpy(j->dst + lo, j->src + lo, hi - lo);
+}
+
+/* memcpy, on every host thread when it is large. */
+static void host_copy(cuda_backend_t *c, void *dst, const void *src, size_t n) {
+  if (n < COPY_PARALLEL || dsv4__cpu_pool_threads(c->pool) < 2) {
+    memcpy(dst, src, n);
+    return;
+  }
+  copy_job_t j = {dst, src, n};
+  dsv4__cpu_pool_run(c->pool, copy_pieces, &j, (n + COPY_PIECE - 1) / COPY_PIECE, 1);
 }
 
 /* The stream is idle: both halves of the staging buffer are free again. */
@@ -120,7 +152,7 @@ static int h2d(cuda_backend_t *c, void *dst, const void *src, size_t n) {
     int rc = stage_take(c, k, &p, &h);
     if (rc)
       return rc;
-    memcpy(p, s, k);
+    host_copy(c, p, s, k);
     rc = cu(cudaMemcpyAsync(d, p, k, cudaMemcpyHostToDevice, c->stream));
     if (!rc)
       rc = cu(cudaEventRecord(c->done[h], c->stream));
@@ -158,7 +190,7 @@ static int d2h(cuda_backend_t *c, void *dst, const void *src, size_t n) {
       rc = cu(cudaEventSynchronize(c->done[h ^ 1]));
       if (rc)
         return rc;
-      memcpy(prev_dst, c->pin + (size_t)(h ^ 1) * STAGE_HALF, prev_n);
+      host_copy(c, prev_dst, c->pin + (size_t)(h ^ 1) * STAGE_HALF, prev_n);
     }
     prev_dst = d;
     prev_n = k;
@@ -251,6 +283,8 @@ static void cuda_destroy(dsv4_backend_t *be) {
   if (c->stream)
     (void)cudaStreamDestroy(c->stream);
   (void)cudaGetLastError();
+  if (c->pool)
+    dsv4__cpu_pool_destroy(c->pool);
   free(c);
 }
 
@@ -341,6 +375,14 @@ static int cuda_sync(dsv4_backend_t *be) {
   return rc;
 }
 
+static void cuda_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
+                               void *arg, size_t n_items) {
+  cuda_backend_t *c = cuda_of(be);
+  /* A few chunks per participant balance uneven items (segments of different lengths). */
+  size_t chunk = n_items / ((size_t)dsv4__cpu_pool_threads(c->pool) * 4);
+  dsv4__cpu_pool_run(c->pool, fn, arg, n_items, chunk ? chunk : 1);
+}
+
 static const dsv4_backend_ops_t cuda_ops = {
     .name = "cuda",
     .caps = 0, /* device memory: the engine stages through upload/download */
@@ -352,7 +394,7 @@ static const dsv4_backend_ops_t cuda_ops = {
     .map_slots = cuda_map_slots,
     .qkv_insert = cuda_qkv_insert,
     .sync = cuda_sync,
-    .host_parallel = NULL,
+    .host_parallel = cuda_host_parallel,
 };
 
 /* One line for why: what failed and CUDA's words for it. */
@@ -369,7 +411,6 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
                            size_t why_len) {
   int count = 0;
   cudaError_t e;
-  (void)opt; /* the host threads option is the CPU backend's */
   if (!out)
     return DSV4_EINVAL;
   e = cudaGetDeviceCount(&count);
@@ -404,6 +445,18 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
       return fail(c, e, "cudaEventCreateWithFlags", why, why_len);
     }
   c->pdl = dsv4__cuda_pdl_supported(c->dev);
+  unsigned threads = opt ? opt->threads : 0;
+  if (threads == 0) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    threads = n > 0 ? (unsigned)n : 1;
+  }
+  if (dsv4__cpu_pool_create(threads, &c->pool)) {
+    c->pool = NULL;
+    if (why_len)
+      snprintf(why, why_len, "cuda backend: cannot start %u host threads", threads);
+    cuda_destroy(&c->base);
+    return DSV4_ENOMEM;
+  }
   *out = &c->base;
   return 0;
 }
