@@ -59,7 +59,7 @@ struct dsv4_dump {
   /* Digest progress. */
   uint32_t dig_layer;
   int64_t dig_pos;
-  dsv4_records_digest_t *rd;
+  dsv4_engine_digest_t *rd;
   /* The file. */
   uint8_t *head;
   size_t head_len;
@@ -77,7 +77,7 @@ static void pump(dump_t *dm);
 static void dump_free(dump_t *dm) {
   if (dm->have_info)
     dsv4_seq_info_free(&dm->info);
-  dsv4_records_digest_destroy(dm->rd);
+  dsv4_engine_digest_destroy(dm->rd);
   free(dm->layer);
   free(dm->idx);
   free(dm->first);
@@ -121,18 +121,15 @@ static void digest_step(dump_t *dm) {
     int64_t left = dm->end[i] - dm->dig_pos;
     uint32_t m = left < (int64_t)budget ? (uint32_t)left : budget;
     if (m > 0) {
-      dm->rc = dsv4_engine_read_records(e, dm->idx[i], &dm->info, dm->dig_pos, m, dm->buf[0].p);
+      dm->rc = dsv4_engine_digest_records(e, dm->idx[i], &dm->info, dm->dig_pos, m, dm->rd);
       if (dm->rc)
         return;
-      for (uint32_t k = 0; k < m; k++)
-        dsv4_records_digest_add(dm->rd, dm->dig_pos + k,
-                                dm->buf[0].p + (size_t)k * DSV4_RECORD_BYTES);
       dm->dig_pos += m;
       budget -= m;
     }
     if (dm->dig_pos == dm->end[i]) {
-      dm->digest[i] = dsv4_records_digest_value(dm->rd);
-      dsv4_records_digest_reset(dm->rd);
+      dm->digest[i] = dsv4_engine_digest_value(dm->rd);
+      dsv4_engine_digest_reset(dm->rd);
       dm->dig_layer++;
       dm->dig_pos = 0;
     }
@@ -491,7 +488,7 @@ void dsv4__admin_on_dump(dsv4_req_t *req, void *ctx) {
   dm->buf[0].p = malloc(dm->chunk);
   dm->buf[1].p = malloc(dm->chunk);
   if (!dm->layer || !dm->idx || !dm->first || !dm->end || !dm->digest || !dm->off ||
-      !dm->buf[0].p || !dm->buf[1].p || dsv4_records_digest_create(&dm->rd)) {
+      !dm->buf[0].p || !dm->buf[1].p || dsv4_engine_digest_create(&dm->rd)) {
     dump_free(dm);
     dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
     return;

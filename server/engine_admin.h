@@ -42,6 +42,19 @@ int dsv4_engine_read_records(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info
                              int64_t pos, uint32_t n, uint8_t *out);
 
 /*
+ * A §3.1 records digest (XXH3 over [LE64 position || record] in list order), fed straight from the
+ * cache: dsv4_engine_digest_records adds positions pos .. pos+n-1 of a snapshot at served layer
+ * idx. Any thread for create/destroy/reset/value.
+ */
+typedef struct dsv4_engine_digest dsv4_engine_digest_t;
+int dsv4_engine_digest_create(dsv4_engine_digest_t **out);
+void dsv4_engine_digest_destroy(dsv4_engine_digest_t *d);
+void dsv4_engine_digest_reset(dsv4_engine_digest_t *d);
+uint64_t dsv4_engine_digest_value(const dsv4_engine_digest_t *d);
+int dsv4_engine_digest_records(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
+                               int64_t pos, uint32_t n, dsv4_engine_digest_t *d);
+
+/*
  * The §3.1 sequence digest at served layer idx of a snapshot: its stored records in position order.
  * *first / *end (may be NULL) receive the stored range [first, end).
  */
