@@ -144,6 +144,12 @@ def test_read_routes_against_model():
         check_eq(cfg["options"]["kv_blocks"], {"value": KV_BLOCKS, "source": "cli"}, "kv_blocks")
         check_eq(cfg["options"]["block_size"]["source"], "default", "block_size source")
 
+        # The forward answer's cache_digest has the same definition: a batch that wrote everything
+        # its sequence stores digests to the sequence's digest.
+        r = send(d, exp, rng, 2, [Seg("c", 0, 5, new=True)])
+        ck = d.admin_json("/admin/v1/checksums?layer=2&seq=c")["sequences"]["c"]
+        check_eq(ck["digest"], r.cache_digest, "sequence digest = the batch's cache_digest")
+
 
 def test_errors():
     args = h.SMALL + ["--sequence-idle-timeout-s", "1"]
