@@ -16,7 +16,10 @@ root=$PWD/.devroot
 out=${OUT:-$build}
 mkdir -p "$root" "$out"
 t0=$(date +%s)
-for f in .debs/*.deb; do dpkg -x "$f" "$root"; done
+for f in .debs/*.deb; do
+  # dpkg where there is one; else the data member of the ar archive (all of ours are .tar.xz).
+  if command -v dpkg >/dev/null; then dpkg -x "$f" "$root"; else ar p "$f" data.tar.xz | tar -xJ -C "$root"; fi
+done
 lib=$(dirname "$(find "$root/usr/lib" -name 'libuv.so.1' | head -n 1)")
 export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The harness calls XXH3 here through ctypes if the interpreter has no xxhash module.
