@@ -101,3 +101,34 @@ if(DSV4_LEVEL_ZERO)
   set_property(TEST lz_fake_ze_backend_fp64_split APPEND PROPERTY ENVIRONMENT
                "FAKE_ZE_FP32_FLAGS=0x1" "FAKE_ZE_MAX_GROUPS=7")
 endif()
+
+# The daemon itself on the Level Zero backend over the test double: dsv4d_lz_fake (never installed)
+# is dsv4d with lz_backend.c and fake_ze.c linked in place of the loader, and the integration suite
+# runs against it with DSV4_TEST_BACKEND=level_zero (it_lz_fake_*): the engine's device staging path
+# through the real glue, every answer checked against the numpy model.
+if(DSV4_LEVEL_ZERO AND TARGET dsv4d AND EXISTS ${PROJECT_SOURCE_DIR}/tests/integration)
+  add_executable(dsv4d_lz_fake ${PROJECT_SOURCE_DIR}/server/main.c ${DSV4_LZ_TEST_DIR}/fake_ze.c
+                               ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
+  target_include_directories(dsv4d_lz_fake PRIVATE ${PROJECT_SOURCE_DIR}/kernels
+                                                   ${PROJECT_SOURCE_DIR}/kernels/level_zero
+                                                   ${DSV4_LZ_TEST_DIR})
+  target_include_directories(dsv4d_lz_fake SYSTEM PRIVATE ${DSV4_ZE_INCLUDE_DIR})
+  target_link_libraries(dsv4d_lz_fake PRIVATE dsv4_server dsv4_lz_spirv OpenCL::OpenCL)
+  target_compile_definitions(dsv4d_lz_fake PRIVATE
+    DSV4_LZ_CL_SOURCE="${PROJECT_SOURCE_DIR}/kernels/level_zero/dsv4_kernels.cl"
+    DSV4_LZ_KERNELS_DIR="${PROJECT_SOURCE_DIR}/kernels")
+  dsv4_strict(dsv4d_lz_fake)
+  file(GLOB DSV4_LZ_IT_TESTS CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/tests/integration/test_*.py)
+  foreach(t ${DSV4_LZ_IT_TESTS})
+    get_filename_component(n ${t} NAME_WE)
+    # Backend selection without a device is what that test is about; here there is one.
+    if(n STREQUAL "test_backend_select")
+      continue()
+    endif()
+    add_test(NAME it_lz_fake_${n} COMMAND /usr/bin/python3 ${t} $<TARGET_FILE:dsv4d_lz_fake>
+                                          ${PROJECT_SOURCE_DIR}/tests/reference/dsv4_ref.py)
+    set_tests_properties(it_lz_fake_${n} PROPERTIES TIMEOUT 300
+      LABELS "integration;level_zero;lz_fake"
+      ENVIRONMENT "${DSV4_LZ_TEST_ENV};DSV4_TEST_BACKEND=level_zero")
+  endforeach()
+endif()
