@@ -977,7 +977,7 @@ static void test_client_json_and_errors(void **state) {
   snprintf(chunked, sizeof(chunked),
            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
            "\r\n%zx\r\n%.*s\r\n%zx\r\n%s\r\n0\r\n\r\n",
-           h, (int)h, CACHE_JSON, strlen(CACHE_JSON) - h, CACHE_JSON + h);
+           h, (int)h, CACHE_JSON, strlen(CACHE_JSON) - h, &CACHE_JSON[h]);
   char *e404 = json_answer("404 Not Found", "",
                            "{\"error\":{\"code\":\"unknown_sequence\",\"message\":\"no "
                            "sequence a\",\"instance\":\"0011\"}}");
