@@ -623,7 +623,7 @@ static size_t diff_bytes(const void *got, const void *want, size_t n, const char
 /* Reports runs of equal wrong counts in the format of tests/unit/inv_one_writer.c. */
 static size_t check_counts(const uint32_t *count, const uint8_t *expect, size_t n,
                            const char *region, const batch_t *b, const char *shape) {
-  size_t wrong = 0, stride = DSV4_BLOCK_STRIDE(b->s.bs), bs = b->s.bs;
+  size_t wrong = 0;
   int reports = 0;
   for (size_t i = 0; i < n;) {
     if (count[i] == expect[i]) {
@@ -636,23 +636,10 @@ static size_t check_counts(const uint32_t *count, const uint8_t *expect, size_t 
     wrong += j - i;
     if (reports++ < 3) {
       char where[160];
-      size_t blk = i / stride, in = i % stride, in_last = (j - 1) % stride;
       if (strcmp(region, "cache") != 0)
         snprintf(where, sizeof(where), "%s bytes %zu..%zu", region, i, j - 1);
-      else if (in < DSV4_TOKEN_DATA_BYTES * bs) {
-        size_t a = in % DSV4_TOKEN_DATA_BYTES, z = in_last % DSV4_TOKEN_DATA_BYTES;
-        snprintf(where, sizeof(where), "cache block %zu offset %zu record bytes %zu..%zu [%s]", blk,
-                 in / DSV4_TOKEN_DATA_BYTES, a, z,
-                 z < DSV4_NOPE_DIM    ? "NoPE"
-                 : a >= DSV4_NOPE_DIM ? "RoPE"
-                                      : "NoPE+RoPE");
-      } else if (in < DSV4_RECORD_BYTES * bs)
-        snprintf(where, sizeof(where), "cache block %zu offset %zu scale bytes %zu..%zu", blk,
-                 (in - DSV4_TOKEN_DATA_BYTES * bs) / DSV4_SCALE_BYTES,
-                 (in - DSV4_TOKEN_DATA_BYTES * bs) % DSV4_SCALE_BYTES,
-                 (in_last - DSV4_TOKEN_DATA_BYTES * bs) % DSV4_SCALE_BYTES);
       else
-        snprintf(where, sizeof(where), "cache block %zu padding bytes %zu..%zu", blk, in, in_last);
+        inv_describe_cache(where, sizeof(where), i, j - 1, b->s.bs);
       INV_REPORT(1, "one writer per byte: %s (%zu bytes) stored %u times, expected %u [opencl %s]",
                  where, j - i, count[i], expect[i], shape);
     }

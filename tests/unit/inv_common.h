@@ -73,6 +73,30 @@ static inline dsv4_rope_table_t *inv_rope_plain(void) {
   return t;
 }
 
+/*
+ * Names the cache bytes i..last (offsets into a layer's cache of block size bs) for a report:
+ * "cache block B offset O record bytes a..z [NoPE|RoPE|NoPE+RoPE]", "... scale bytes ..." or
+ * "... padding bytes ...". The SPEC §5.1 tests of every backend word their reports this way.
+ */
+static inline void inv_describe_cache(char *where, size_t len, size_t i, size_t last, uint32_t bs) {
+  size_t stride = DSV4_BLOCK_STRIDE(bs);
+  size_t blk = i / stride, in = i % stride, in_last = last % stride;
+  if (in < (size_t)DSV4_TOKEN_DATA_BYTES * bs) {
+    size_t a = in % DSV4_TOKEN_DATA_BYTES, z = in_last % DSV4_TOKEN_DATA_BYTES;
+    snprintf(where, len, "cache block %zu offset %zu record bytes %zu..%zu [%s]", blk,
+             in / DSV4_TOKEN_DATA_BYTES, a, z,
+             z < DSV4_NOPE_DIM    ? "NoPE"
+             : a >= DSV4_NOPE_DIM ? "RoPE"
+                                  : "NoPE+RoPE");
+  } else if (in < (size_t)DSV4_RECORD_BYTES * bs)
+    snprintf(where, len, "cache block %zu offset %zu scale bytes %zu..%zu", blk,
+             (in - DSV4_TOKEN_DATA_BYTES * bs) / DSV4_SCALE_BYTES,
+             (in - DSV4_TOKEN_DATA_BYTES * bs) % DSV4_SCALE_BYTES,
+             (in_last - DSV4_TOKEN_DATA_BYTES * bs) % DSV4_SCALE_BYTES);
+  else
+    snprintf(where, len, "cache block %zu padding bytes %zu..%zu", blk, in, in_last);
+}
+
 /* Allocation that a test cannot continue without. */
 static inline void *inv_alloc(size_t n) {
   void *p = malloc(n ? n : 1);

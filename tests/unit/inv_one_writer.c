@@ -94,22 +94,7 @@ static size_t check_counts(const uint8_t *count, const uint8_t *expect, size_t n
                  i / head_bytes / c->heads, i / head_bytes % c->heads, i % head_bytes,
                  (j - 1) % head_bytes);
       } else {
-        size_t blk = i / stride, in = i % stride, in_last = (j - 1) % stride;
-        if (in < (size_t)DSV4_TOKEN_DATA_BYTES * bs) {
-          size_t a = in % DSV4_TOKEN_DATA_BYTES, b = in_last % DSV4_TOKEN_DATA_BYTES;
-          snprintf(where, sizeof(where), "cache block %zu offset %zu record bytes %zu..%zu [%s]",
-                   blk, in / DSV4_TOKEN_DATA_BYTES, a, b,
-                   b < DSV4_NOPE_DIM    ? "NoPE"
-                   : a >= DSV4_NOPE_DIM ? "RoPE"
-                                        : "NoPE+RoPE");
-        } else if (in < (size_t)DSV4_RECORD_BYTES * bs)
-          snprintf(where, sizeof(where), "cache block %zu offset %zu scale bytes %zu..%zu", blk,
-                   (in - DSV4_TOKEN_DATA_BYTES * bs) / DSV4_SCALE_BYTES,
-                   (in - DSV4_TOKEN_DATA_BYTES * bs) % DSV4_SCALE_BYTES,
-                   (in_last - DSV4_TOKEN_DATA_BYTES * bs) % DSV4_SCALE_BYTES);
-        else
-          snprintf(where, sizeof(where), "cache block %zu padding bytes %zu..%zu", blk, in,
-                   in_last);
+        inv_describe_cache(where, sizeof(where), i, j - 1, bs);
       }
       INV_REPORT(1,
                  "one writer per byte: %s (%zu bytes) stored %u times, expected %u "
