@@ -114,6 +114,19 @@ class TestFailure(AssertionError):
     pass
 
 
+def log_records(text):
+    """The JSON objects among the daemon's log lines in text (other lines are skipped)."""
+    out = []
+    for ln in text.splitlines():
+        try:
+            j = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(j, dict):
+            out.append(j)
+    return out
+
+
 def check(cond, msg):
     if not cond:
         raise TestFailure(msg)

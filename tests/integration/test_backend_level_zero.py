@@ -7,29 +7,16 @@ the CI machines), backend = level_zero exits non-zero with one error line whose 
 A build without the backend (DSV4_LEVEL_ZERO=OFF) answers backend = level_zero with
 'unknown backend "level_zero"'; the test then checks that instead."""
 
-import json
 import os
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dsv4_harness as h  # noqa: E402
-from dsv4_harness import Daemon, check, check_eq  # noqa: E402
+from dsv4_harness import Daemon, check, check_eq, log_records  # noqa: E402
 
 DEVICE = h.BACKEND == "level_zero"
 SMALL = ["--kv-blocks", "8", "--layers", "0-0", "--heads", "2"]
-
-
-def log_records(text):
-    out = []
-    for ln in text.splitlines():
-        try:
-            j = json.loads(ln)
-        except ValueError:
-            continue
-        if isinstance(j, dict):
-            out.append(j)
-    return out
 
 
 def run_level_zero():

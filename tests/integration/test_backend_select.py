@@ -5,30 +5,17 @@ device, both run on it.
 Whether this build has the CUDA backend comes from DSV4_TEST_BUILD_CUDA (set by CMake); whether a
 device is present, from DSV4_TEST_BACKEND=cuda (a run on a GPU machine) or /dev/nvidiactl."""
 
-import json
 import os
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dsv4_harness as h  # noqa: E402
-from dsv4_harness import Daemon, check, check_eq  # noqa: E402
+from dsv4_harness import Daemon, check, check_eq, log_records  # noqa: E402
 
 BUILD_CUDA = os.environ.get("DSV4_TEST_BUILD_CUDA", "0") not in ("", "0", "OFF", "FALSE", "false")
 DEVICE = h.BACKEND == "cuda" or os.path.exists("/dev/nvidiactl")
 SMALL = ["--kv-blocks", "8", "--layers", "0-0", "--heads", "2"]
-
-
-def log_records(text):
-    out = []
-    for ln in text.splitlines():
-        try:
-            j = json.loads(ln)
-        except ValueError:
-            continue
-        if isinstance(j, dict):
-            out.append(j)
-    return out
 
 
 def test_backend_cuda():
