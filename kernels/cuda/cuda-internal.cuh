@@ -31,6 +31,19 @@ static __device__ __forceinline__ void dsv4__dep_trigger(void) {
 #endif
 }
 
+/*
+ * Two fp32 values to a packed pair of bf16 (lo in the low half), round to nearest even, in one
+ * instruction (sm_80+). For every non-NaN input this is dsv4_f32_to_bf16 of each half
+ * (tests/gpu/gpu_numerics_test checks all 2^32); a NaN becomes the canonical 0x7FFF instead of
+ * keeping its payload, and the kernels never produce one: their inputs are finite bf16 (the daemon
+ * refuses others) and every step from them stays finite.
+ */
+static __device__ __forceinline__ uint32_t dsv4__bf16x2_rn(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 /* Facts of the current device, read once per device. */
 typedef struct {
   int sms;

@@ -2,9 +2,9 @@
 #define DSV4_KERNELS_CUDA_CUDA_KERNELS_H
 
 /*
- * The CUDA kernels of the backend (the .cu files of kernels/cuda) behind C-callable launch wrappers, for the
- * host glue (cuda_backend.c) and the GPU tests. The wrappers enqueue work on a stream and return;
- * they never synchronise and never read device memory.
+ * The CUDA kernels of the backend (the .cu files of kernels/cuda) behind C-callable launch
+ * wrappers, for the host glue (cuda_backend.c) and the GPU tests. The wrappers enqueue work on a
+ * stream and return; they never synchronise and never read device memory.
  *
  * Device memory. Every pointer inside the argument structs is a device address from cudaMalloc
  * (never managed memory, never a host pointer), valid until the stream has run the launch:
@@ -85,6 +85,15 @@ int dsv4__cuda_pdl_supported(int dev);
  */
 int dsv4__cuda_test_count_regions(void *base0, size_t len0, unsigned *counts0, void *base1,
                                   size_t len1, unsigned *counts1);
+#endif
+
+#if defined(DSV4_TEST_TUNE)
+/* Test-only (the benchmark's tuning build): rows per warp of the insert kernel; 0 = its own choice.
+ */
+extern unsigned dsv4__cuda_test_rows_per_warp;
+/* Test-only: 1 = rows copied without arithmetic, 2 = the same in grid-stride row order, 4 = q_out
+ * with plain stores instead of evict-first ones. */
+extern unsigned dsv4__cuda_test_flags_host;
 #endif
 
 #ifdef __cplusplus

@@ -1,7 +1,7 @@
 /*
  * The producer: sequence block tables -> one cache slot per token (SPEC §4), the device twin of
- * cpu_map_slots. One thread per token; a few integer operations and three dependent loads each, so
- * the grid is as small as the batch allows and the kernel's cost is its launch.
+ * cpu_map_slots. One thread per token; a few integer operations and two dependent loads each, so
+ * the grid is as small as the batch allows and the kernel's cost is its launch and its latency.
  *
  * Under programmatic dependent launch the kernel first lets its dependent (the insert kernel)
  * launch, so that kernel's prologue overlaps this one; the dependent still waits for this grid's
@@ -33,6 +33,8 @@ static __device__ __forceinline__ uint64_t globaltimer(void) {
 #endif
 
 __global__ void __launch_bounds__(MAP_BLOCK) dsv4__map_slots_kernel(map_params_t p) {
+  __shared__ int64_t s_first[MAP_BLOCK];
+  __shared__ uint32_t s_off[MAP_BLOCK], s_len[MAP_BLOCK];
   dsv4__dep_trigger();
   /* The inputs may have been written by the kernel this launch overlaps. */
   dsv4__dep_wait();
@@ -42,23 +44,36 @@ __global__ void __launch_bounds__(MAP_BLOCK) dsv4__map_slots_kernel(map_params_t
     __nanosleep(1000);
 #endif
   const dsv4_map_args_t *a = &p.a;
-  const int64_t bs = a->block_size;
-  for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < a->n_tokens;
-       t += gridDim.x * blockDim.x) {
-    int32_t s = a->tok_seg[t];
-    int64_t pos = a->positions[t];
-    int64_t slot = -1;
-    /* The host validated the batch (cuda-kernels.h); these checks only keep a bad one in bounds. */
-    if (s >= 0 && (uint32_t)s < a->n_segments && pos >= 0) {
-      int64_t idx = (pos >> p.bs_shift) - a->seg_first_lb[s];
-      if (idx >= 0 && idx < (int64_t)a->seg_bt_len[s]) {
-        int32_t b = a->block_table[(uint64_t)a->seg_bt_off[s] + (uint64_t)idx];
-        if (b >= 0 && (uint32_t)b < a->n_blocks)
-          slot = (int64_t)b * bs + (pos & (bs - 1));
-      }
-    }
-    a->slots[t] = slot;
+  const uint32_t t = blockIdx.x * MAP_BLOCK + threadIdx.x;
+  const int in = t < a->n_tokens;
+  /* The token's loads and, for up to MAP_BLOCK segments, every segment's entry are issued together,
+   * so only the block-table load waits for another: two memory latencies instead of three. */
+  int32_t s = in ? a->tok_seg[t] : -1;
+  int64_t pos = in ? a->positions[t] : -1;
+  const int staged = a->n_segments <= MAP_BLOCK;
+  if (staged && threadIdx.x < a->n_segments) {
+    s_first[threadIdx.x] = a->seg_first_lb[threadIdx.x];
+    s_off[threadIdx.x] = a->seg_bt_off[threadIdx.x];
+    s_len[threadIdx.x] = a->seg_bt_len[threadIdx.x];
   }
+  __syncthreads();
+  if (!in)
+    return;
+  const int64_t bs = a->block_size;
+  int64_t slot = -1;
+  /* The host validated the batch (cuda-kernels.h); these checks only keep a bad one in bounds. */
+  if (s >= 0 && (uint32_t)s < a->n_segments && pos >= 0) {
+    int64_t first = staged ? s_first[s] : a->seg_first_lb[s];
+    uint32_t off = staged ? s_off[s] : a->seg_bt_off[s];
+    uint32_t len = staged ? s_len[s] : a->seg_bt_len[s];
+    int64_t idx = (pos >> p.bs_shift) - first;
+    if (idx >= 0 && idx < (int64_t)len) {
+      int32_t b = a->block_table[(uint64_t)off + (uint64_t)idx];
+      if (b >= 0 && (uint32_t)b < a->n_blocks)
+        slot = (int64_t)b * bs + (pos & (bs - 1));
+    }
+  }
+  a->slots[t] = slot;
 }
 
 extern "C" int dsv4__cuda_map_slots(const dsv4_map_args_t *a, cudaStream_t s, int pdl) {
@@ -80,7 +95,8 @@ extern "C" int dsv4__cuda_map_slots(const dsv4_map_args_t *a, cudaStream_t s, in
   while ((1u << p.bs_shift) < a->block_size)
     p.bs_shift++;
   uint32_t blocks = (a->n_tokens + MAP_BLOCK - 1) / MAP_BLOCK;
-  uint32_t threads = a->n_tokens < MAP_BLOCK ? (a->n_tokens + 31) / 32 * 32 : MAP_BLOCK;
+  if (blocks > 0x7fffffffu)
+    return DSV4_EINVAL;
   return dsv4__cuda_err(
-      dsv4__cuda_launch(dsv4__map_slots_kernel, blocks, threads, s, pdl && dev.pdl, p));
+      dsv4__cuda_launch(dsv4__map_slots_kernel, blocks, MAP_BLOCK, s, pdl && dev.pdl, p));
 }

@@ -2,28 +2,29 @@
  * The consumer: Q weightless RMSNorm + RoPE, and KV (optional RMSNorm) + RoPE + fp8/UE8M0
  * quantisation + paged insert (SPEC §2.1-2.2, §3), computing exactly the CPU reference's bytes.
  *
- * Work items and thread mapping. A token has `heads` Q items and, when the launch writes the
- * cache, one KV item (the last). One warp processes one item: a 512-value bf16 row of 1 KiB. Lane l
- * holds dims 8l..8l+7 ("a") and 256+8l..256+8l+7 ("b"): two 16-byte loads at byte 16l and 512+16l,
- * so every warp-wide load and store covers 512 contiguous bytes. The canonical sum of squares
- * (SPEC §2: 32 fma chains over 16 consecutive dims, then a fold 16, 8, 4, 2, 1) maps onto this
- * layout exactly: chain m covers dims 16m..16m+15, that is lane 2m's eight values and then lane
- * 2m+1's, so each even lane starts the chain and hands it to its odd neighbour with one shuffle;
- * chain m of "a" and chain 16+m of "b" then meet in odd lane 2m+1 (the fold's first step), and the
- * remaining steps are xor shuffles over the odd lanes. The RoPE dims 448..511 are "b" of lanes
- * 24..31, four pairs each, with one 16-byte load of cos and one of sin from the resident RoPE row.
+ * Rows and thread mapping. A token has `heads` Q rows and, when the launch writes the cache, one KV
+ * row (the last): 512 bf16 values, 1 KiB. A warp processes a row at a time. Lane l holds dims
+ * 8l..8l+7 ("a") and 256+8l..256+8l+7 ("b"): two 16-byte pieces at byte 16l and 512+16l, so every
+ * warp-wide access covers 512 contiguous bytes. The canonical sum of squares (SPEC §2: 32 fma
+ * chains over 16 consecutive dims, then a fold 16, 8, 4, 2, 1) maps onto this layout exactly:
+ * chain m covers dims 16m..16m+15, that is lane 2m's eight values and then lane 2m+1's, so each
+ * even lane starts the chain and hands it to its odd neighbour with one shuffle; chain m of "a" and
+ * chain 16+m of "b" then meet in odd lane 2m+1 (the fold's first step), and the remaining steps are
+ * xor shuffles over the odd lanes. The RoPE dims 448..511 are "b" of lanes 24..31, four pairs
+ * each, with one 16-byte load of cos and one of sin from the resident RoPE row.
  *
  * KV: the seven 64-value NoPE tiles are eight lanes each ("a" of lanes 8j..8j+7 for tiles 0..3,
  * "b" of lanes 8(j-4).. for tiles 4..6), so a tile's amax takes three xor shuffles. Each lane
  * stores its 8 fp8 bytes (or, on lanes 24..31, 16 bytes of rotated bf16), and lane 0 stores the 8
  * scale bytes: every output byte has exactly one store (SPEC §5.1), computed in registers first.
  *
- * Grid. 128-thread blocks. A launch with no more items than the device holds warps at once gets
- * one warp per item (small batches: the shortest path to the last byte); a larger one gets a
- * resident grid whose warps stride over the items, U items per pass with all their loads issued
- * before the first is used, so each warp keeps U KiB in flight (large batches move 94 % or more of
- * the copy bandwidth only with several items per warp; a block per item leaves the device
- * scheduling blocks instead of moving bytes).
+ * Grid. 128-thread blocks; the launch's rows in token order are cut into equal contiguous runs,
+ * one per warp. A small launch gets one row per warp (the shortest path to its last byte); a large
+ * one as many warps as the device holds at once, each streaming its run through a ring of 8 rows in
+ * shared memory filled by cp.async, so that 8 KiB per warp are in flight whatever the registers
+ * allow (a large batch moves most of the copy bandwidth only with many bytes in flight per SM and
+ * with every warp busy until the end; a block per row leaves the device scheduling blocks instead
+ * of moving bytes).
  *
  * Ordering (SPEC §5.2): every block executes griddepcontrol.wait before it reads positions, slots,
  * q or kv or stores anything; before it there is only index arithmetic.
@@ -37,6 +38,10 @@
 #define WARPS_PER_BLOCK (QKV_BLOCK / 32)
 #define FULL 0xffffffffu
 #define ROW_U4 (DSV4_HEAD_DIM * 2 / 16) /* uint4s in a 512-value bf16 row */
+/* Rows in flight per warp (the shared-memory ring) for small and for large launches; powers of 2.
+ */
+#define RING_SMALL 2
+#define RING_LARGE 8
 
 typedef struct {
   const uint4 *q;
@@ -54,8 +59,14 @@ typedef struct {
   uint64_t stride;
   uint64_t n_slots;
   int64_t max_pos;
-  uint64_t n_items;
+  uint32_t n_rows; /* n_tokens * ipt */
+  uint32_t per;    /* rows per warp */
 } insert_params_t;
+
+#ifdef DSV4_TEST_TUNE
+/* Test-only (tests/bench, the tuning build): rows per warp instead of the launcher's choice. */
+unsigned dsv4__cuda_test_rows_per_warp;
+#endif
 
 /* ---- stores (counted in the single-writer test build) ---- */
 
@@ -92,6 +103,23 @@ static __device__ __forceinline__ void st16(void *p, uint4 v) {
   COUNT_STORE(p, 16);
 }
 
+/* q_out: written once and never read here, so it is stored evict-first (st.global.cs). */
+#ifdef DSV4_TEST_TUNE
+__device__ unsigned dsv4__cuda_test_flags_dev;
+#define dsv4__cuda_test_flags dsv4__cuda_test_flags_dev
+#endif
+
+static __device__ __forceinline__ void st16cs(uint4 *p, uint4 v) {
+#ifdef DSV4_TEST_TUNE
+  if (dsv4__cuda_test_flags & 4) {
+    *p = v;
+    return;
+  }
+#endif
+  __stcs(p, v);
+  COUNT_STORE(p, 16);
+}
+
 static __device__ __forceinline__ void st8(void *p, uint2 v) {
   *(uint2 *)p = v;
   COUNT_STORE(p, 8);
@@ -109,7 +137,7 @@ static __device__ __forceinline__ void unpack8(uint4 v, float x[8]) {
 }
 
 static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  return (uint32_t)dsv4_f32_to_bf16(lo) | ((uint32_t)dsv4_f32_to_bf16(hi) << 16);
+  return dsv4__bf16x2_rn(lo, hi);
 }
 
 static __device__ __forceinline__ float chain8(const float x[8], float acc) {
@@ -145,53 +173,34 @@ static __device__ __forceinline__ uint4 rope4(const float y[8], float4 c, float4
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-/* ---- one item ---- */
+/* ---- one row ---- */
 
+/* The token a warp is at: its position's RoPE values for this lane, and its slot. */
 typedef struct {
-  uint4 a, b;     /* the row's two 16-byte pieces of this lane */
-  float4 c, s;    /* cos and sin of this lane's four pairs (lanes 24..31) */
-  int64_t slot;   /* KV item: the token's slot */
-  uint64_t t;     /* token */
-  uint32_t sub;   /* head, or heads for the KV item */
-  int ok;         /* position in range (the item is computed) */
-} item_t;
+  float4 c, s;  /* cos and sin of this lane's four pairs (lanes 24..31) */
+  int64_t slot; /* the token's slot when the warp's run holds its KV row */
+  uint32_t t;
+} tok_t;
 
-static __device__ __forceinline__ void load_item(const insert_params_t &p, uint64_t idx,
-                                                 uint32_t lane, item_t &it) {
-  it.t = idx / p.ipt;
-  it.sub = (uint32_t)(idx - it.t * p.ipt);
-  int64_t pos = p.pos[it.t];
-  const uint4 *row = it.sub < p.heads ? p.q + (it.t * p.heads + it.sub) * ROW_U4 : p.kv + it.t * ROW_U4;
-  it.a = row[lane];
-  it.b = row[32 + lane];
-  it.slot = it.sub < p.heads ? -1 : p.slots[it.t];
-  it.ok = pos >= 0 && pos < p.max_pos;
-  if (lane >= 24 && it.ok) {
-    const float4 *r = p.rope + (uint64_t)pos * 16 + (lane - 24);
-    it.c = r[0];
-    it.s = r[8];
-  }
-}
-
-static __device__ __forceinline__ void q_item(const insert_params_t &p, uint32_t lane,
-                                              const item_t &it) {
+static __device__ __forceinline__ void q_row(const insert_params_t &p, uint32_t lane,
+                                             const tok_t &k, uint32_t h, uint4 ra, uint4 rb) {
   float xa[8], xb[8];
-  unpack8(it.a, xa);
-  unpack8(it.b, xb);
+  unpack8(ra, xa);
+  unpack8(rb, xb);
   float r = dsv4_rms_factor(warp_sumsq(xa, xb), p.eps);
 #pragma unroll
-  for (int k = 0; k < 8; k++) {
-    xa[k] = __fmul_rn(xa[k], r);
-    xb[k] = __fmul_rn(xb[k], r);
+  for (int j = 0; j < 8; j++) {
+    xa[j] = __fmul_rn(xa[j], r);
+    xb[j] = __fmul_rn(xb[j], r);
   }
-  uint4 *out = p.q_out + (it.t * p.heads + it.sub) * ROW_U4;
+  uint4 *out = p.q_out + ((uint64_t)k.t * p.heads + h) * ROW_U4;
   uint4 oa = make_uint4(pack2(xa[0], xa[1]), pack2(xa[2], xa[3]), pack2(xa[4], xa[5]),
                         pack2(xa[6], xa[7]));
   uint4 ob = lane < 24 ? make_uint4(pack2(xb[0], xb[1]), pack2(xb[2], xb[3]), pack2(xb[4], xb[5]),
                                     pack2(xb[6], xb[7]))
-                       : rope4(xb, it.c, it.s);
-  st16(out + lane, oa);
-  st16(out + 32 + lane, ob);
+                       : rope4(xb, k.c, k.s);
+  st16cs(out + lane, oa);
+  st16cs(out + 32 + lane, ob);
 }
 
 /* The tile maximum of |z| over the 8 lanes of an aligned group, from the 1e-4 floor. */
@@ -216,11 +225,11 @@ static __device__ __forceinline__ uint2 quant8(const float z[8], dsv4_i32 e) {
   return make_uint2(w[0], w[1]);
 }
 
-static __device__ __forceinline__ void kv_item(const insert_params_t &p, uint32_t lane,
-                                               const item_t &it) {
+static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t lane,
+                                              const tok_t &k, uint4 ra, uint4 rb) {
   float za[8], zb[8];
-  unpack8(it.a, za);
-  unpack8(it.b, zb);
+  unpack8(ra, za);
+  unpack8(rb, zb);
   if (p.w) {
     float r = dsv4_rms_factor(warp_sumsq(za, zb), p.eps);
     const float4 w0 = p.w[2 * lane], w1 = p.w[2 * lane + 1];
@@ -240,8 +249,8 @@ static __device__ __forceinline__ void kv_item(const insert_params_t &p, uint32_
                 (__shfl_sync(FULL, code_a, 16) << 16) | (__shfl_sync(FULL, code_a, 24) << 24);
   uint32_t hi = __shfl_sync(FULL, code_b, 0) | (__shfl_sync(FULL, code_b, 8) << 8) |
                 (__shfl_sync(FULL, code_b, 16) << 16); /* byte 7: the pad, 0 */
-  uint64_t block = (uint64_t)it.slot >> p.bs_shift;
-  uint64_t o = (uint64_t)it.slot & ((1ull << p.bs_shift) - 1);
+  uint64_t block = (uint64_t)k.slot >> p.bs_shift;
+  uint64_t o = (uint64_t)k.slot & ((1ull << p.bs_shift) - 1);
   uint8_t *base = p.cache + block * p.stride;
   uint8_t *rec = base + o * DSV4_TOKEN_DATA_BYTES;
   st8(rec + 8 * lane, quant8(za, ea));
@@ -254,60 +263,187 @@ static __device__ __forceinline__ void kv_item(const insert_params_t &p, uint32_
          make_uint4(pack2(zb[0], zb[1]), pack2(zb[2], zb[3]), pack2(zb[4], zb[5]),
                     pack2(zb[6], zb[7])));
 #endif
-    st16(rec + DSV4_NOPE_DIM + 16 * (lane - 24), rope4(zb, it.c, it.s));
+    st16(rec + DSV4_NOPE_DIM + 16 * (lane - 24), rope4(zb, k.c, k.s));
   }
   if (lane == 0)
     st8(base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) + DSV4_SCALE_BYTES * o,
         make_uint2(lo, hi));
 }
 
-template <int U>
+/* ---- asynchronous copies into the warp's ring of rows (cp.async, sm_80+) ---- */
+
+static __device__ __forceinline__ void cp16(uint4 *smem, const uint4 *gmem) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+}
+
+static __device__ __forceinline__ void cp_commit(void) {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N> static __device__ __forceinline__ void cp_wait(void) {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+/* The row r of token t: Q head r, or the KV row (r == heads). */
+static __device__ __forceinline__ const uint4 *row_of(const insert_params_t &p, uint32_t t,
+                                                      uint32_t r) {
+  return r < p.heads ? p.q + ((uint64_t)t * p.heads + r) * ROW_U4 : p.kv + (uint64_t)t * ROW_U4;
+}
+
+/* Issue the copies of row r of token t into ring entry e. */
+static __device__ __forceinline__ void fetch_row(const insert_params_t &p, uint4 *e, uint32_t lane,
+                                                 uint32_t t, uint32_t r) {
+  const uint4 *row = row_of(p, t, r);
+  cp16(e + lane, row + lane);
+  cp16(e + 32 + lane, row + 32 + lane);
+}
+
+/*
+ * The rows of the launch in token order (token t: Q heads 0..heads-1, then its KV row when the
+ * launch writes the cache), cut into one contiguous run of `per` rows per warp, so that every warp
+ * has the same work. A warp streams its run through a ring of S rows in shared memory: each lane
+ * copies (cp.async) the 32 bytes of each row it later reads itself, so the lane's own
+ * cp.async.wait_group is all the synchronisation there is, and a copy group is committed for every
+ * row, empty or not, so that "the oldest row has arrived" is always "at most S-1 groups pending".
+ * The ring runs across token boundaries; at each new token the warp reads its position, RoPE row
+ * and slot.
+ */
+template <int S>
 __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_params_t p) {
+  __shared__ uint4 rings[WARPS_PER_BLOCK][S * ROW_U4];
   const uint32_t lane = threadIdx.x & 31;
-  const uint64_t warp = ((uint64_t)blockIdx.x * QKV_BLOCK + threadIdx.x) >> 5;
-  const uint64_t nwarps = (uint64_t)gridDim.x * WARPS_PER_BLOCK;
+  const uint32_t warp = (blockIdx.x * QKV_BLOCK + threadIdx.x) >> 5;
+  const uint32_t g0 = warp * p.per;
+  const uint32_t g1 = min(g0 + p.per, p.n_rows);
+  uint4 *ring = rings[threadIdx.x >> 5];
 #ifdef DSV4_TEST_BROKEN_EARLY_READ
-  /* Test-only breakage of SPEC §5.2 (the SGLang bug): the first item's slot is read before the
-   * wait, while the producer may not have written it yet. */
-  int64_t early_slot = -1;
-  if (warp < p.n_items) {
-    uint64_t t0 = warp / p.ipt;
-    if ((uint32_t)(warp - t0 * p.ipt) == p.heads)
-      early_slot = p.slots[t0];
-  }
+  /* Test-only breakage of SPEC §5.2 (the SGLang bug): the slot of the warp's first token is read
+   * before the wait, while the producer may not have written it yet. */
+  const int64_t early_slot = g0 < g1 ? p.slots[g0 / p.ipt] : -1;
 #endif
   dsv4__dep_wait();
   dsv4__dep_trigger();
-  for (uint64_t first = warp; first < p.n_items; first += nwarps * U) {
-    item_t it[U];
+  if (g0 >= g1)
+    return;
+  /* The prologue: the first S rows. */
+  uint32_t gp = g0, pt = g0 / p.ipt, pr = g0 - pt * p.ipt;
 #pragma unroll
-    for (int u = 0; u < U; u++)
-      if (first + u * nwarps < p.n_items)
-        load_item(p, first + u * nwarps, lane, it[u]);
+  for (int d = 0; d < S; d++) {
+    if (gp < g1) {
+      fetch_row(p, ring + d * ROW_U4, lane, pt, pr);
+      gp++;
+      if (++pr == p.ipt) {
+        pr = 0;
+        pt++;
+      }
+    }
+    cp_commit();
+  }
+  tok_t k;
+  k.t = 0xffffffffu;
+  int ok = 0;
+  uint32_t t = g0 / p.ipt, r = g0 - t * p.ipt;
+  for (uint32_t g = g0; g < g1; g++) {
+    if (t != k.t) {
+      k.t = t;
+      const int64_t pos = p.pos[t];
+      /* The token's KV row is the last of its rows: the slot is needed when it is in this run. */
+      k.slot = p.ipt > p.heads && t * p.ipt + p.heads < g1 ? p.slots[t] : -1;
 #ifdef DSV4_TEST_BROKEN_EARLY_READ
-    if (first == warp)
-      it[0].slot = early_slot;
+      if (g == g0)
+        k.slot = early_slot;
 #endif
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      if (first + u * nwarps >= p.n_items || !it[u].ok)
-        continue; /* warp-uniform */
-      if (it[u].sub < p.heads)
-        q_item(p, lane, it[u]);
-      else if (it[u].slot >= 0 && (uint64_t)it[u].slot < p.n_slots)
-        kv_item(p, lane, it[u]);
+      ok = pos >= 0 && pos < p.max_pos;
+      if (lane >= 24 && ok) {
+        const float4 *cs = p.rope + (uint64_t)pos * 16 + (lane - 24);
+        k.c = cs[0];
+        k.s = cs[8];
+      }
+    }
+    uint4 *e = ring + ((g - g0) & (S - 1)) * ROW_U4;
+    cp_wait<S - 1>();
+    uint4 ra = e[lane], rb = e[32 + lane];
+    if (!ok) {
+      /* warp-uniform; valid batches never get here (cuda-kernels.h) */
+#ifdef DSV4_TEST_TUNE
+    } else if (dsv4__cuda_test_flags & 1) {
+      /* Tuning: the same traffic without the arithmetic. */
+      uint4 *out = p.q_out + ((uint64_t)k.t * p.heads + (r < p.heads ? r : 0)) * ROW_U4;
+      st16cs(out + lane, ra);
+      st16cs(out + 32 + lane, rb);
+#endif
+    } else if (r < p.heads) {
+      q_row(p, lane, k, r, ra, rb);
+    } else if (k.slot >= 0 && (uint64_t)k.slot < p.n_slots) {
+      kv_row(p, lane, k, ra, rb);
+    }
+    if (gp < g1) {
+      fetch_row(p, e, lane, pt, pr);
+      gp++;
+      if (++pr == p.ipt) {
+        pr = 0;
+        pt++;
+      }
+    }
+    cp_commit();
+    if (++r == p.ipt) {
+      r = 0;
+      t++;
     }
   }
+  cp_wait<0>();
 }
 
-/* Resident blocks per SM of each kernel variant, read once (the same on every device we build
- * for: it depends on registers and block size). */
-template <int U> static int blocks_per_sm(void) {
+#ifdef DSV4_TEST_TUNE
+unsigned dsv4__cuda_test_flags_host;
+/* Tuning: row g = warp + k * warps, through the same ring, copied to q_out without arithmetic. */
+template <int S> __global__ void __launch_bounds__(QKV_BLOCK) tune_stride_copy(insert_params_t p) {
+  __shared__ uint4 rings[WARPS_PER_BLOCK][S * ROW_U4];
+  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t warp = (blockIdx.x * QKV_BLOCK + threadIdx.x) >> 5;
+  const uint32_t W = p.per, qrows = p.n_rows / p.ipt * p.heads;
+  uint4 *ring = rings[threadIdx.x >> 5];
+  dsv4__dep_wait();
+  dsv4__dep_trigger();
+  uint32_t gp = warp;
+#pragma unroll
+  for (int d = 0; d < S; d++) {
+    if (gp < p.n_rows)
+      fetch_row(p, ring + d * ROW_U4, lane, gp / p.ipt, gp % p.ipt);
+    gp += W;
+    cp_commit();
+  }
+  uint32_t i = 0;
+  for (uint32_t g = warp; g < p.n_rows; g += W, i++) {
+    uint4 *e = ring + (i & (S - 1)) * ROW_U4;
+    cp_wait<S - 1>();
+    uint4 ra = e[lane], rb = e[32 + lane];
+    uint4 *out = p.q_out + (uint64_t)(g % qrows) * ROW_U4;
+    st16cs(out + lane, ra);
+    st16cs(out + 32 + lane, rb);
+    if (gp < p.n_rows)
+      fetch_row(p, e, lane, gp / p.ipt, gp % p.ipt);
+    gp += W;
+    cp_commit();
+  }
+  cp_wait<0>();
+}
+#endif
+
+/* Resident blocks per SM of a kernel variant, read once (it depends on the registers, the shared
+ * memory and the block size, which are the same on every device of one build). */
+template <int S> static int blocks_per_sm(void) {
   static int cached = 0;
   if (cached == 0) {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dsv4__qkv_insert_kernel<U>, QKV_BLOCK,
-                                                      0) != cudaSuccess || n < 1) {
+    /* The rings live in shared memory: ask for the carveout that holds the most of them. */
+    (void)cudaFuncSetAttribute(dsv4__qkv_insert_kernel<S>,
+                               cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dsv4__qkv_insert_kernel<S>, QKV_BLOCK,
+                                                      0) != cudaSuccess ||
+        n < 1) {
       (void)cudaGetLastError();
       n = 1;
     }
@@ -356,20 +492,52 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   p.ipt = a->heads + (a->write_kv ? 1u : 0u);
   p.stride = a->stride;
   p.max_pos = max_positions;
-  p.n_items = (uint64_t)a->n_tokens * p.ipt;
   pdl = pdl && dev.pdl;
 
-  uint64_t resident1 = (uint64_t)dev.sms * blocks_per_sm<1>() * WARPS_PER_BLOCK;
-  cudaError_t e;
-  if (p.n_items <= resident1) {
-    unsigned grid = (unsigned)((p.n_items + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK);
-    e = dsv4__cuda_launch(dsv4__qkv_insert_kernel<1>, grid, QKV_BLOCK, s, pdl, p);
-  } else {
-    const int U = 2;
-    uint64_t need = (p.n_items + (uint64_t)WARPS_PER_BLOCK * U - 1) / ((uint64_t)WARPS_PER_BLOCK * U);
-    uint64_t resident = (uint64_t)dev.sms * blocks_per_sm<U>();
-    unsigned grid = (unsigned)(need < resident ? need : resident);
-    e = dsv4__cuda_launch(dsv4__qkv_insert_kernel<U>, grid, QKV_BLOCK, s, pdl, p);
+  /*
+   * Rows per warp: as few as fill the device once (a small batch gets one row per warp: the
+   * shortest path to its last byte), and as many warps as then share the rows evenly.
+   */
+  uint64_t rows = (uint64_t)a->n_tokens * p.ipt;
+  if (rows > 0x7fffffffu)
+    return DSV4_EINVAL;
+  p.n_rows = (uint32_t)rows;
+#ifdef DSV4_TEST_TUNE
+  {
+    static unsigned flags_set = ~0u;
+    if (flags_set != dsv4__cuda_test_flags_host) {
+      flags_set = dsv4__cuda_test_flags_host;
+      if (cudaMemcpyToSymbol(dsv4__cuda_test_flags_dev, &flags_set, sizeof(flags_set)) != 0)
+        return DSV4_EBACKEND;
+    }
   }
+  if (dsv4__cuda_test_flags_host & 2) {
+    /* Tuning: rows in grid-stride order, copied without arithmetic. */
+    uint64_t large = (uint64_t)dev.sms * blocks_per_sm<RING_LARGE>() * WARPS_PER_BLOCK;
+    p.per = (uint32_t)large;
+    return dsv4__cuda_err(dsv4__cuda_launch(
+        tune_stride_copy<RING_LARGE>, (unsigned)(large / WARPS_PER_BLOCK), QKV_BLOCK, s, pdl, p));
+  }
+  if (dsv4__cuda_test_rows_per_warp) {
+    p.per = dsv4__cuda_test_rows_per_warp;
+    uint64_t w = (rows + p.per - 1) / p.per;
+    unsigned g = (unsigned)((w + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK);
+    return dsv4__cuda_err(
+        p.per <= RING_SMALL
+            ? dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING_SMALL>, g, QKV_BLOCK, s, pdl, p)
+            : dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING_LARGE>, g, QKV_BLOCK, s, pdl, p));
+  }
+#endif
+  uint64_t small = (uint64_t)dev.sms * blocks_per_sm<RING_SMALL>() * WARPS_PER_BLOCK;
+  uint64_t large = (uint64_t)dev.sms * blocks_per_sm<RING_LARGE>() * WARPS_PER_BLOCK;
+  int use_small = rows <= 2 * small;
+  uint64_t resident = use_small ? small : large;
+  p.per = (uint32_t)((rows + resident - 1) / resident);
+  uint64_t warps = (rows + p.per - 1) / p.per;
+  unsigned grid = (unsigned)((warps + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK);
+  cudaError_t e =
+      use_small
+          ? dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING_SMALL>, grid, QKV_BLOCK, s, pdl, p)
+          : dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING_LARGE>, grid, QKV_BLOCK, s, pdl, p);
   return dsv4__cuda_err(e);
 }

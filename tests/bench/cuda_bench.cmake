@@ -4,3 +4,18 @@ if(DSV4_CUDA)
              LIBS dsv4_cuda dsv4_kernels)
   add_dependencies(benchmarks cuda_insert_bench)
 endif()
+
+# The same benchmark on a build of the kernels with DSV4_TEST_TUNE, whose rows per warp the
+# environment sets (DSV4_ROWS_PER_WARP): for choosing the launcher's rule, not for the table.
+if(DSV4_CUDA AND TARGET dsv4_cuda)
+  file(GLOB DSV4_TUNE_CU ${PROJECT_SOURCE_DIR}/kernels/cuda/*.cu)
+  add_library(dsv4_cuda_tune STATIC ${DSV4_TUNE_CU})
+  target_include_directories(dsv4_cuda_tune PUBLIC ${PROJECT_SOURCE_DIR}/kernels/cuda
+                                                   ${PROJECT_SOURCE_DIR}/kernels)
+  target_compile_definitions(dsv4_cuda_tune PUBLIC DSV4_TEST_TUNE)
+  target_compile_options(dsv4_cuda_tune PRIVATE ${DSV4_CUDA_NUMERICS_FLAGS})
+  target_link_libraries(dsv4_cuda_tune PUBLIC dsv4_kernels CUDA::cudart_static)
+  dsv4_strict(dsv4_cuda_tune)
+  dsv4_bench(cuda_insert_bench_tune SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_insert_bench.c
+             LIBS dsv4_cuda_tune dsv4_kernels)
+endif()

@@ -78,9 +78,10 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
   uint64_t rng = 0x3C6EF372FE94F82Bull ^ ((uint64_t)n << 8) ^ heads;
   double bytes =
       (double)n * ((double)heads * DSV4_HEAD_DIM * 4 + DSV4_HEAD_DIM * 2 + DSV4_RECORD_BYTES + 16);
-  /* Input sets: together at least 2 x 60 MB of L2, at least 2, at most 64. */
-  uint32_t sets = (uint32_t)(240e6 / bytes) + 1;
-  sets = sets < 2 ? 2 : sets > 64 ? 64 : sets;
+  /* Input sets: together at least twice the 60 MB of L2 (counting the minimal bytes), at least 2.
+   */
+  uint32_t sets = (uint32_t)(120e6 / bytes) + 1;
+  sets = sets < 2 ? 2 : sets;
   /* Forwards per graph: every set at least once and at least 64 in all. */
   uint32_t per_graph = sets * ((64 + sets - 1) / sets);
   set_t *st = calloc(sets, sizeof(*st));
@@ -122,42 +123,52 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
   }
   CK(cudaDeviceSynchronize());
 
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (uint32_t k = 0; k < per_graph; k++) {
-    set_t *x = &st[k % sets];
-    CKD(dsv4__cuda_map_slots(&x->ma, s, 1));
-    CKD(dsv4__cuda_qkv_insert(&x->ia, mirror, MAX_POS, s, 1));
-  }
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; i++)
-    CK(cudaGraphLaunch(ge, s));
-  const int reps = 10;
-  CK(cudaEventRecord(e0, s));
-  for (int i = 0; i < reps; i++)
-    CK(cudaGraphLaunch(ge, s));
-  CK(cudaEventRecord(e1, s));
-  CK(cudaEventSynchronize(e1));
-  CK(cudaGetLastError());
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  double us = ms * 1e3 / ((double)reps * per_graph);
-  double gbs = bytes / (us * 1e-6) / 1e9;
+  /* Forwards (producer + consumer), each kernel alone, and forwards without PDL. */
+  double us[4];
+  for (int mode = 0; mode < 4; mode++) {
+    int pdl = mode != 3;
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (uint32_t k = 0; k < per_graph; k++) {
+      set_t *x = &st[k % sets];
+      if (mode != 2)
+        CKD(dsv4__cuda_map_slots(&x->ma, s, pdl));
+      if (mode != 1)
+        CKD(dsv4__cuda_qkv_insert(&x->ia, mirror, MAX_POS, s, pdl));
+    }
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    for (int i = 0; i < 3; i++)
+      CK(cudaGraphLaunch(ge, s));
+    const int reps = 10;
+    CK(cudaEventRecord(e0, s));
+    for (int i = 0; i < reps; i++)
+      CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaGetLastError());
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    us[mode] = ms * 1e3 / ((double)reps * per_graph);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+  }
+  double gbs = bytes / (us[0] * 1e-6) / 1e9;
   double v = heads == 64 ? vllm_us(n) : 0;
-  printf("%6u %4u %10.2f %10.1f %8.1f%%", n, heads, us, gbs, 100.0 * gbs / ceiling);
+  printf("%6u %4u %10.2f %10.1f %8.1f%% %9.2f %9.2f %9.2f", n, heads, us[0], gbs,
+         100.0 * gbs / ceiling, us[1], us[2], us[3]);
   if (v > 0)
-    printf(" %10.2f %7.2fx", v, v / us);
+    printf(" %9.2f %7.2fx", v, v / us[0]);
+  else
+    printf(" %9s %8s", "", "");
   printf("   (%u sets, %u forwards per graph)\n", sets, per_graph);
   fflush(stdout);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
   for (uint32_t i = 0; i < sets; i++) {
     set_t *x = &st[i];
     gpu_plan_dev_free(&x->d);
@@ -176,6 +187,15 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
 int main(int argc, char **argv) {
   if (!gpu_available("cuda_insert_bench"))
     return GPU_SKIP;
+#ifdef DSV4_TEST_TUNE
+  /* The tuning build: DSV4_ROWS_PER_WARP overrides the insert kernel's rows per warp. */
+  const char *rpw = getenv("DSV4_ROWS_PER_WARP");
+  dsv4__cuda_test_rows_per_warp = rpw ? (unsigned)strtoul(rpw, NULL, 10) : 0;
+  const char *fl = getenv("DSV4_TUNE_FLAGS");
+  dsv4__cuda_test_flags_host = fl ? (unsigned)strtoul(fl, NULL, 10) : 0;
+  printf("tuning flags: %u\n", dsv4__cuda_test_flags_host);
+  printf("rows per warp: %u (0: the launcher's choice)\n", dsv4__cuda_test_rows_per_warp);
+#endif
   uint32_t heads_list[8] = {64, 128};
   int n_heads = 2;
   if (argc > 1) {
@@ -195,10 +215,21 @@ int main(int argc, char **argv) {
   float *mirror = gpu_rope_mirror(MAX_POS);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  static const uint32_t ns[] = {1, 16, 64, 256, 1024, 4096, 16384};
+  uint32_t ns[16] = {1, 16, 64, 256, 1024, 4096, 16384};
+  size_t n_ns = 7;
+  /* DSV4_BENCH_N="64,1024" measures those batch sizes only. */
+  const char *only = getenv("DSV4_BENCH_N");
+  if (only && *only) {
+    n_ns = 0;
+    for (char *end = NULL; *only && n_ns < 16; only = *end ? end + 1 : end) {
+      ns[n_ns++] = (uint32_t)strtoul(only, &end, 10);
+      if (end == only)
+        break;
+    }
+  }
   printf("%6s %4s %10s %10s %9s %10s %8s\n", "N", "H", "us", "GB/s", "%copy", "vLLM us", "speedup");
   for (int h = 0; h < n_heads; h++)
-    for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]); i++)
+    for (size_t i = 0; i < n_ns; i++)
       bench(heads_list[h], ns[i], ceiling, mirror, rope, s);
   cudaStreamDestroy(s);
   cudaFree(mirror);

@@ -2,7 +2,9 @@
  * SPEC §2 on the GPU, exhaustively: the device builds of the shared codecs (dsv4-numerics.h,
  * compiled with the kernels' flags) equal the host's over all 2^32 fp32 inputs: the fp8 E4M3FN
  * byte, the UE8M0 code of a tile whose amax is |x| (with the 1e-4 floor, as the insert kernel
- * takes it) and the bf16 rounding. The host side runs on every core. Also the contraction check:
+ * takes it) and the bf16 rounding, both the shared routine and the one-instruction conversion the
+ * kernels use (dsv4__bf16x2_rn: equal for every non-NaN input, a NaN for a NaN). The host side runs
+ * on every core. Also the contraction check:
  * (1+2^-12)*(1+2^-12) - (1+2^-11) from runtime inputs, written a*b+c, is +0 on the device.
  */
 #include <cuda_runtime.h>
@@ -13,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cuda-internal.cuh"
 #include "dsv4-numerics.h"
 
 #define CHUNK_BITS 28
@@ -23,7 +26,7 @@
   do {                                                                                             \
     cudaError_t ck_e_ = (call);                                                                    \
     if (ck_e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(ck_e_));   \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(ck_e_));    \
       exit(1);                                                                                     \
     }                                                                                              \
   } while (0)
@@ -35,13 +38,17 @@ static __host__ __device__ inline uint8_t ue8m0_code(float x) {
   return (uint8_t)(dsv4_ue8m0_exponent(m) + 127);
 }
 
-__global__ void convert_kernel(uint32_t hi, uint8_t *e4m3, uint8_t *ue8m0, uint16_t *bf16) {
+__global__ void convert_kernel(uint32_t hi, uint8_t *e4m3, uint8_t *ue8m0, uint16_t *bf16,
+                               uint16_t *bf16hw) {
   for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < CHUNK;
        i += (uint64_t)gridDim.x * blockDim.x) {
     float x = __uint_as_float((hi << CHUNK_BITS) | (uint32_t)i);
     e4m3[i] = dsv4_f32_to_e4m3(x);
     ue8m0[i] = ue8m0_code(x);
     bf16[i] = dsv4_f32_to_bf16(x);
+    /* Each half of the pair, so both operand positions of the instruction are covered. */
+    uint32_t pair = i & 1 ? dsv4__bf16x2_rn(-1.0f, x) >> 16 : dsv4__bf16x2_rn(x, -1.0f) & 0xffffu;
+    bf16hw[i] = (uint16_t)pair;
   }
 }
 
@@ -53,7 +60,7 @@ typedef struct {
   uint32_t hi;
   uint64_t first, last;
   const uint8_t *e4m3, *ue8m0;
-  const uint16_t *bf16;
+  const uint16_t *bf16, *bf16hw;
   uint64_t bad;
   uint64_t first_bad;
 } job_t;
@@ -64,8 +71,11 @@ static void *check(void *arg) {
     uint32_t u = (j->hi << CHUNK_BITS) | (uint32_t)i;
     float x;
     memcpy(&x, &u, 4);
+    uint16_t hw = j->bf16hw[i];
+    int hw_ok =
+        (u & 0x7fffffffu) > 0x7f800000u ? (hw & 0x7fffu) > 0x7f80u : hw == dsv4_f32_to_bf16(x);
     if (j->e4m3[i] != dsv4_f32_to_e4m3(x) || j->ue8m0[i] != ue8m0_code(x) ||
-        j->bf16[i] != dsv4_f32_to_bf16(x)) {
+        j->bf16[i] != dsv4_f32_to_bf16(x) || !hw_ok) {
       if (j->bad++ == 0)
         j->first_bad = u;
     }
@@ -98,10 +108,12 @@ int main(void) {
   failures += ob != 0;
 
   uint8_t *de4, *due, *he4, *hue;
-  uint16_t *dbf, *hbf;
+  uint16_t *dbf, *hbf, *dbh, *hbh;
   CK(cudaMalloc(&de4, CHUNK));
   CK(cudaMalloc(&due, CHUNK));
   CK(cudaMalloc(&dbf, CHUNK * 2));
+  CK(cudaMalloc(&dbh, CHUNK * 2));
+  CK(cudaMallocHost(&hbh, CHUNK * 2));
   CK(cudaMallocHost(&he4, CHUNK));
   CK(cudaMallocHost(&hue, CHUNK));
   CK(cudaMallocHost(&hbf, CHUNK * 2));
@@ -109,15 +121,16 @@ int main(void) {
   int threads = cores < 1 ? 1 : cores > 64 ? 64 : (int)cores;
   uint64_t bad = 0, first_bad = 0;
   for (uint32_t hi = 0; hi < (1u << (32 - CHUNK_BITS)); hi++) {
-    convert_kernel<<<4096, BLOCK>>>(hi, de4, due, dbf);
+    convert_kernel<<<4096, BLOCK>>>(hi, de4, due, dbf, dbh);
     CK(cudaGetLastError());
     CK(cudaMemcpy(he4, de4, CHUNK, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hue, due, CHUNK, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hbf, dbf, CHUNK * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hbh, dbh, CHUNK * 2, cudaMemcpyDeviceToHost));
     pthread_t th[64];
     job_t jobs[64];
     for (int t = 0; t < threads; t++) {
-      jobs[t] = job_t{hi, CHUNK * t / threads, CHUNK * (t + 1) / threads, he4, hue, hbf, 0, 0};
+      jobs[t] = job_t{hi, CHUNK * t / threads, CHUNK * (t + 1) / threads, he4, hue, hbf, hbh, 0, 0};
       pthread_create(&th[t], NULL, check, &jobs[t]);
     }
     for (int t = 0; t < threads; t++) {
@@ -127,7 +140,8 @@ int main(void) {
       bad += jobs[t].bad;
     }
   }
-  printf("%s fp8 E4M3, UE8M0 and bf16 over all 2^32 fp32 inputs: %llu differ from the host",
+  printf("%s fp8 E4M3, UE8M0, bf16 and the bf16x2 instruction over all 2^32 fp32 inputs: %llu "
+         "differ from the host",
          bad ? "FAIL" : "ok  ", (unsigned long long)bad);
   if (bad)
     printf(" (first: input bits %08llx)", (unsigned long long)first_bad);
@@ -139,6 +153,8 @@ int main(void) {
   cudaFreeHost(he4);
   cudaFreeHost(hue);
   cudaFreeHost(hbf);
+  cudaFree(dbh);
+  cudaFreeHost(hbh);
   cudaFree(din);
   cudaFree(dout);
   return failures ? 1 : 0;
