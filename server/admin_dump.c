@@ -10,10 +10,11 @@
  *     still for the whole dump while new positions keep arriving in later batches;
  *  2. digest steps: the §3.1 sequence digest of each layer, a bounded run of records per step (the
  *     safetensors header carries the digests, so they come first);
- *  3. fill steps: the file's bytes in chunks, each into one of two buffers; a buffer is written to
+ *  3. fill steps: the file's bytes in chunks, each into one of NBUF buffers; a buffer is written to
  *     the socket when filled, and the next fill is queued only once a buffer is free again, that is
  *     once its previous write completed: a slow client slows the dump down (back-pressure) and
- *     nothing beyond two chunks is ever buffered;
+ *     nothing beyond NBUF chunks is ever buffered (more than two, so that the socket never waits
+ *     for the hand-over of a filled buffer from the executor to the loop);
  *  4. unpin, whether the dump completed, failed or the client went away.
  */
 #include <inttypes.h>
@@ -30,6 +31,9 @@
 #include "safetensors.h"
 
 typedef enum { ST_SNAPSHOT, ST_DIGEST, ST_FILL, ST_UNPIN } step_t;
+
+/* Chunk buffers of a dump, filled and written in turn. */
+#define NBUF 4u
 typedef enum { BUF_FREE, BUF_FILLING, BUF_READY, BUF_WRITING } buf_state_t;
 
 typedef struct {
@@ -56,18 +60,19 @@ struct dsv4_dump {
   step_t step;
   int rc; /* of the last job */
   size_t chunk;
-  /* Digest progress. */
-  uint32_t dig_layer;
-  int64_t dig_pos;
-  dsv4_engine_digest_t *rd;
+  /* Digest progress, per layer. */
+  int64_t *dig_pos;                /* [n] next position to hash */
+  dsv4_engine_digest_t **rd;       /* [n] */
+  dsv4_engine_digest_job_t *djobs; /* [n] one step's work */
   /* The file. */
   uint8_t *head;
   size_t head_len;
   uint64_t total, produced, sent;
-  dump_buf_t buf[2];
-  uint64_t fill_k, write_k; /* chunks filled / written so far (buffer = k & 1) */
+  dump_buf_t buf[NBUF];
+  uint64_t fill_k, write_k; /* chunks filled / written so far (buffer = k % NBUF) */
   uint64_t fill_off;
   size_t fill_len;
+  uint64_t t_start, t_head; /* uv_hrtime at the request and when the head was ready */
 };
 
 typedef struct dsv4_dump dump_t;
@@ -77,7 +82,11 @@ static void pump(dump_t *dm);
 static void dump_free(dump_t *dm) {
   if (dm->have_info)
     dsv4_seq_info_free(&dm->info);
-  dsv4_engine_digest_destroy(dm->rd);
+  for (uint32_t i = 0; dm->rd && i < dm->n; i++)
+    dsv4_engine_digest_destroy(dm->rd[i]);
+  free(dm->rd);
+  free(dm->dig_pos);
+  free(dm->djobs);
   free(dm->layer);
   free(dm->idx);
   free(dm->first);
@@ -85,8 +94,8 @@ static void dump_free(dump_t *dm) {
   free(dm->digest);
   free(dm->off);
   free(dm->head);
-  free(dm->buf[0].p);
-  free(dm->buf[1].p);
+  for (uint32_t i = 0; i < NBUF; i++)
+    free(dm->buf[i].p);
   free(dm);
 }
 
@@ -104,36 +113,51 @@ static void snapshot(dump_t *dm) {
   if (dm->rc)
     return;
   dm->have_info = 1;
-  for (uint32_t i = 0; i < dm->n; i++)
+  for (uint32_t i = 0; i < dm->n; i++) {
     dsv4_seq_stored_range(&dm->info, bs, dm->idx[i], &dm->first[i], &dm->end[i]);
+    dm->dig_pos[i] = dm->first[i];
+  }
   dm->rc = dsv4_engine_pin(e, &dm->info);
   dm->pinned = dm->rc == 0;
 }
 
-/* One bounded step of the per-layer digests: at most chunk bytes of records. */
+/*
+ * One bounded step of the per-layer digests: at most chunk bytes of records in all, shared among
+ * the layers not yet done, which progress side by side (on the backend's host threads when the
+ * cache is in host memory).
+ */
 static void digest_step(dump_t *dm) {
-  dsv4_engine_t *e = dm->d->engine;
-  uint32_t budget = (uint32_t)(dm->chunk / DSV4_RECORD_BYTES);
-  while (budget > 0 && dm->dig_layer < dm->n) {
-    uint32_t i = dm->dig_layer;
-    if (dm->dig_pos < dm->first[i])
-      dm->dig_pos = dm->first[i];
-    int64_t left = dm->end[i] - dm->dig_pos;
-    uint32_t m = left < (int64_t)budget ? (uint32_t)left : budget;
-    if (m > 0) {
-      dm->rc = dsv4_engine_digest_records(e, dm->idx[i], &dm->info, dm->dig_pos, m, dm->rd);
-      if (dm->rc)
-        return;
-      dm->dig_pos += m;
-      budget -= m;
-    }
-    if (dm->dig_pos == dm->end[i]) {
-      dm->digest[i] = dsv4_engine_digest_value(dm->rd);
-      dsv4_engine_digest_reset(dm->rd);
-      dm->dig_layer++;
-      dm->dig_pos = 0;
-    }
+  uint32_t budget = (uint32_t)(dm->chunk / DSV4_RECORD_BYTES), active = 0, k = 0;
+  for (uint32_t i = 0; i < dm->n; i++)
+    active += dm->dig_pos[i] < dm->end[i];
+  if (active == 0)
+    return;
+  uint32_t share = budget / active ? budget / active : 1;
+  for (uint32_t i = 0; i < dm->n; i++) {
+    int64_t left = dm->end[i] - dm->dig_pos[i];
+    if (left <= 0)
+      continue;
+    uint32_t m = left < (int64_t)share ? (uint32_t)left : share;
+    dm->djobs[k++] =
+        (dsv4_engine_digest_job_t){dm->idx[i], &dm->info, dm->dig_pos[i], m, dm->rd[i]};
   }
+  dm->rc = dsv4_engine_digest_records_multi(dm->d->engine, dm->djobs, k);
+  if (dm->rc)
+    return;
+  for (uint32_t j = 0, i = 0; j < k; j++) {
+    while (dm->idx[i] != dm->djobs[j].idx)
+      i++;
+    dm->dig_pos[i] += dm->djobs[j].n;
+    if (dm->dig_pos[i] == dm->end[i])
+      dm->digest[i] = dsv4_engine_digest_value(dm->rd[i]);
+  }
+}
+
+static int digests_done(const dump_t *dm) {
+  for (uint32_t i = 0; i < dm->n; i++)
+    if (dm->dig_pos[i] < dm->end[i])
+      return 0;
+  return 1;
 }
 
 static void put_le64(uint8_t *p, uint64_t v) {
@@ -204,7 +228,7 @@ static void dump_run(dsv4_job_t *job) {
     digest_step(dm);
     break;
   case ST_FILL:
-    dm->rc = fill(dm, dm->fill_off, dm->buf[dm->fill_k & 1].p, dm->fill_len);
+    dm->rc = fill(dm, dm->fill_off, dm->buf[dm->fill_k % NBUF].p, dm->fill_len);
     break;
   case ST_UNPIN:
     dsv4_engine_unpin(dm->d->engine, &dm->info);
@@ -232,6 +256,14 @@ static int submit_step(dump_t *dm, step_t step) {
 
 /* The stream is over (complete, failed or abandoned): answer or end it, then unpin and free. */
 static void finish(dump_t *dm) {
+  if (dm->begun) {
+    uint64_t now = uv_hrtime();
+    dsv4_logp(DSV4_LOG_INFO, "dump", "{s:s,s:i,s:I,s:I,s:b,s:f,s:f}", "seq", dm->seq, "layers",
+              (int)dm->n, "bytes", (json_int_t)dm->total, "sent", (json_int_t)dm->sent, "complete",
+              dm->sent == dm->total, "snapshot_digest_ms",
+              (double)(dm->t_head - dm->t_start) * 1e-6, "stream_ms",
+              (double)(now - dm->t_head) * 1e-6);
+  }
   if (dm->req) {
     if (dm->begun)
       dsv4_respond_stream_end(dm->req);
@@ -340,6 +372,7 @@ out:
 
 static void start_stream(dump_t *dm) {
   char digests[24];
+  dm->t_head = uv_hrtime();
   int rc = build_head(dm);
   if (rc) {
     dm->rc = rc;
@@ -358,7 +391,7 @@ static void start_stream(dump_t *dm) {
 static void on_piece_written(dsv4_req_t *req, int status, void *arg) {
   dump_t *dm = arg;
   (void)req;
-  dump_buf_t *b = &dm->buf[dm->write_k & 1];
+  dump_buf_t *b = &dm->buf[dm->write_k % NBUF];
   dm->write_busy = 0;
   b->state = BUF_FREE;
   if (status) {
@@ -373,7 +406,7 @@ static void on_piece_written(dsv4_req_t *req, int status, void *arg) {
 /* Move the stream along: write a filled buffer, queue the next fill, or finish. */
 static void pump(dump_t *dm) {
   if (!dm->failed && !dm->write_busy) {
-    dump_buf_t *b = &dm->buf[dm->write_k & 1];
+    dump_buf_t *b = &dm->buf[dm->write_k % NBUF];
     if (b->state == BUF_READY) {
       uv_buf_t ub = uv_buf_init((char *)b->p, (unsigned)b->len);
       b->state = BUF_WRITING;
@@ -385,7 +418,7 @@ static void pump(dump_t *dm) {
     }
   }
   if (!dm->failed && !dm->job_busy && dm->produced < dm->total) {
-    dump_buf_t *b = &dm->buf[dm->fill_k & 1];
+    dump_buf_t *b = &dm->buf[dm->fill_k % NBUF];
     if (b->state == BUF_FREE) {
       uint64_t left = dm->total - dm->produced;
       b->state = BUF_FILLING;
@@ -429,7 +462,7 @@ static void dump_done(dsv4_job_t *job) {
       fail_early(dm);
       return;
     }
-    if (dm->dig_layer < dm->n) {
+    if (!digests_done(dm)) {
       if (submit_step(dm, ST_DIGEST)) {
         dm->rc = DSV4_EDRAIN;
         fail_early(dm);
@@ -444,7 +477,7 @@ static void dump_done(dsv4_job_t *job) {
                 dsv4_strerror(dm->rc));
       dm->failed = 1;
     }
-    dm->buf[dm->fill_k & 1].state = BUF_READY;
+    dm->buf[dm->fill_k % NBUF].state = BUF_READY;
     dm->fill_k++;
     pump(dm);
     return;
@@ -485,18 +518,26 @@ void dsv4__admin_on_dump(dsv4_req_t *req, void *ctx) {
   dm->end = calloc(n, sizeof(*dm->end));
   dm->digest = calloc(n, sizeof(*dm->digest));
   dm->off = calloc(n, sizeof(*dm->off));
-  dm->buf[0].p = malloc(dm->chunk);
-  dm->buf[1].p = malloc(dm->chunk);
-  if (!dm->layer || !dm->idx || !dm->first || !dm->end || !dm->digest || !dm->off ||
-      !dm->buf[0].p || !dm->buf[1].p || dsv4_engine_digest_create(&dm->rd)) {
+  int bufs_ok = 1;
+  for (uint32_t i = 0; i < NBUF; i++)
+    bufs_ok &= (dm->buf[i].p = malloc(dm->chunk)) != NULL;
+  if (!dm->layer || !dm->idx || !dm->first || !dm->end || !dm->digest || !dm->off || !bufs_ok ||
+      !(dm->dig_pos = calloc(n, sizeof(*dm->dig_pos))) || !(dm->rd = calloc(n, sizeof(*dm->rd))) ||
+      !(dm->djobs = calloc(n, sizeof(*dm->djobs)))) {
     dump_free(dm);
     dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
     return;
   }
   for (uint32_t i = 0; i < n; i++) {
+    if (dsv4_engine_digest_create(&dm->rd[i])) {
+      dump_free(dm);
+      dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
+      return;
+    }
     dm->layer[i] = q.have & DSV4_AQ_LAYERS ? q.lo + i : d->cfg->served_layers[i];
     dm->idx[i] = (uint32_t)dsv4_engine_layer_index(d->engine, dm->layer[i]);
   }
+  dm->t_start = req->t_start_ns;
   dm->step = ST_SNAPSHOT;
   dm->job.run = dump_run;
   dm->job.done = dump_done;

@@ -148,6 +148,41 @@ int dsv4_engine_digest_records(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_in
   return 0;
 }
 
+typedef struct {
+  dsv4_engine_t *e;
+  const dsv4_engine_digest_job_t *jobs;
+  int *rc;
+} multi_t;
+
+static void digest_items(void *arg, size_t first, size_t last) {
+  multi_t *m = arg;
+  for (size_t i = first; i < last; i++) {
+    const dsv4_engine_digest_job_t *j = &m->jobs[i];
+    m->rc[i] = dsv4_engine_digest_records(m->e, j->idx, j->info, j->pos, j->n, j->d);
+  }
+}
+
+int dsv4_engine_digest_records_multi(dsv4_engine_t *e, const dsv4_engine_digest_job_t *jobs,
+                                     uint32_t count) {
+  int rcs[64];
+  int *rc = count <= 64 ? rcs : malloc(count * sizeof(int));
+  multi_t m = {e, jobs, rc};
+  int out = 0;
+  if (!rc)
+    return DSV4_ENOMEM;
+  /* The host threads only when reading the cache is a memcpy: a device backend's download is a
+   * backend call, which host_parallel's work must not make. */
+  if ((e->be->ops->caps & DSV4_BE_HOST_MEMORY) && e->be->ops->host_parallel && count > 1)
+    e->be->ops->host_parallel(e->be, digest_items, &m, count);
+  else
+    digest_items(&m, 0, count);
+  for (uint32_t i = 0; i < count && !out; i++)
+    out = rc[i];
+  if (rc != rcs)
+    free(rc);
+  return out;
+}
+
 int dsv4_engine_seq_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
                            uint64_t *digest, int64_t *first, int64_t *end) {
   int64_t f, t;

@@ -54,6 +54,18 @@ uint64_t dsv4_engine_digest_value(const dsv4_engine_digest_t *d);
 int dsv4_engine_digest_records(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
                                int64_t pos, uint32_t n, dsv4_engine_digest_t *d);
 
+/* Several digests fed at once, one job per digest, spread over the backend's host threads when the
+ * cache is in host memory (else one after the other). The first failure is returned. */
+typedef struct {
+  uint32_t idx;
+  const dsv4_seq_info_t *info;
+  int64_t pos;
+  uint32_t n;
+  dsv4_engine_digest_t *d;
+} dsv4_engine_digest_job_t;
+int dsv4_engine_digest_records_multi(dsv4_engine_t *e, const dsv4_engine_digest_job_t *jobs,
+                                     uint32_t count);
+
 /*
  * The §3.1 sequence digest at served layer idx of a snapshot: its stored records in position order.
  * *first / *end (may be NULL) receive the stored range [first, end).
