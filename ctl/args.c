@@ -27,6 +27,7 @@ const char dsv4_ctl_usage[] =
     "  --progress         progress line for dump even when stderr is not a terminal\n"
     "  --no-progress      no progress line\n"
     "  --timeout S        seconds to connect and between reads (default 30)\n"
+    "  --                 the rest are arguments (for a sequence name starting with '-')\n"
     "\n"
     "exit status: 0 ok, 1 the daemon answered an error or verify found a mismatch,\n"
     "2 usage, connection or I/O error\n";

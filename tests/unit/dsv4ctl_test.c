@@ -228,6 +228,12 @@ static void test_args_commands(void **state) {
   assert_int_equal(a.layer_last, 7);
   assert_int_equal(a.progress, 0);
 
+  /* A sequence name may start with '-': after "--" it is no option. */
+  assert_int_equal(parse(&a, NULL, NULL, "seq", "--json", "--", "-x", NULL), 0);
+  assert_string_equal(a.seq, "-x");
+  assert_int_equal(a.json, 1);
+  assert_int_equal(parse(&a, NULL, NULL, "seq", "-7", NULL), 0);
+  assert_string_equal(a.seq, "-7");
   assert_int_equal(parse(&a, NULL, NULL, "verify", "--", "-odd-name", NULL), 0);
   assert_int_equal(a.cmd, DSV4_CTL_CMD_VERIFY);
   assert_string_equal(a.file, "-odd-name");
