@@ -168,6 +168,34 @@ static ze_result_t lz_set_u32(ze_kernel_handle_t k, uint32_t i, uint32_t v) {
   return zeKernelSetArgumentValue(k, i, sizeof(v), &v);
 }
 
+/* One kernel argument: its size and where its value is (for a pointer, the address of the
+ * pointer). A kernel's arguments are set from an array of these, in the order of lz_kernels.h. */
+typedef struct {
+  size_t size;
+  const void *value;
+} lz_arg_t;
+
+#define LZ_U32(v)                                                                                  \
+  {                                                                                                \
+    sizeof(uint32_t), &(uint32_t) {                                                                \
+      (v)                                                                                          \
+    }                                                                                              \
+  }
+#define LZ_PTR(p)                                                                                  \
+  {                                                                                                \
+    sizeof(void *), &(const void *) {                                                              \
+      (p)                                                                                          \
+    }                                                                                              \
+  }
+
+static ze_result_t lz_set_args(ze_kernel_handle_t k, uint32_t first, const lz_arg_t *args,
+                               uint32_t n) {
+  ze_result_t r = ZE_RESULT_SUCCESS;
+  for (uint32_t i = 0; i < n && r == ZE_RESULT_SUCCESS; i++)
+    r = zeKernelSetArgumentValue(k, first + i, args[i].size, args[i].value);
+  return r;
+}
+
 static ze_result_t lz_launch(lz_backend_t *z, ze_kernel_handle_t k, uint32_t groups) {
   ze_group_count_t g = {.groupCountX = groups, .groupCountY = 1, .groupCountZ = 1};
 #ifdef DSV4_TEST_BROKEN_NO_BARRIER
@@ -308,30 +336,13 @@ static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
     return DSV4_EBACKEND;
   /* A table without entries still needs a valid address; the kernel never reads it then. */
   const void *bt = a->block_table ? (const void *)a->block_table : (const void *)z->err;
+  const lz_arg_t args[DSV4_LZ_MAP_NARGS] = {
+      LZ_U32(a->n_tokens), LZ_U32(a->block_size),   LZ_U32(a->n_blocks),   LZ_PTR(a->positions),
+      LZ_PTR(a->tok_seg),  LZ_PTR(a->seg_first_lb), LZ_PTR(a->seg_bt_off), LZ_PTR(a->seg_bt_len),
+      LZ_PTR(bt),          LZ_U32(a->n_segments),   LZ_PTR(a->slots),      LZ_PTR(z->err),
+  };
   ze_kernel_handle_t k = z->k_map;
-  ze_result_t r = lz_set_u32(k, 0, a->n_tokens);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 1, a->block_size);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 2, a->n_blocks);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 3, a->positions);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 4, a->tok_seg);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 5, a->seg_first_lb);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 6, a->seg_bt_off);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 7, a->seg_bt_len);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 8, bt);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 9, a->n_segments);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 10, a->slots);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 11, z->err);
+  ze_result_t r = lz_set_args(k, 0, args, DSV4_LZ_MAP_NARGS);
   if (r == ZE_RESULT_SUCCESS)
     r = lz_launch(z, k, (uint32_t)groups);
   return r == ZE_RESULT_SUCCESS ? 0 : lz_fail(z);
@@ -417,42 +428,30 @@ static int lz_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   /* Unused pointers (prenormed weight, the cache of a replay) still get a valid address. */
   const void *w = a->kv_norm_weight ? (const void *)a->kv_norm_weight : (const void *)z->err;
   const void *cache = a->write_kv ? (const void *)a->cache : (const void *)z->err;
-  ze_kernel_handle_t k = z->k_insert;
   uint64_t stride = a->stride;
   float eps = a->eps;
-  ze_result_t r = lz_set_u32(k, 1, (uint32_t)rows);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 2, a->n_tokens);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 3, a->heads);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 4, a->write_kv ? 1u : 0u);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 5, a->q);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 6, a->kv);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 7, a->slots);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 8, z->rope_dev);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 9, w);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 10, a->kv_norm_weight ? 1u : 0u);
-  if (r == ZE_RESULT_SUCCESS)
-    r = zeKernelSetArgumentValue(k, 11, sizeof(eps), &eps);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 12, a->q_out);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 13, cache);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 14, a->block_size);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_u32(k, 15, a->n_blocks);
-  if (r == ZE_RESULT_SUCCESS)
-    r = zeKernelSetArgumentValue(k, 16, sizeof(stride), &stride);
-  if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_ptr(k, 17, z->err);
+  /* Argument 0, the first row of a launch, is set per launch below. */
+  const lz_arg_t args[DSV4_LZ_INSERT_NARGS - 1] = {
+      LZ_U32((uint32_t)rows),
+      LZ_U32(a->n_tokens),
+      LZ_U32(a->heads),
+      LZ_U32(a->write_kv ? 1u : 0u),
+      LZ_PTR(a->q),
+      LZ_PTR(a->kv),
+      LZ_PTR(a->slots),
+      LZ_PTR(z->rope_dev),
+      LZ_PTR(w),
+      LZ_U32(a->kv_norm_weight ? 1u : 0u),
+      {sizeof(eps), &eps},
+      LZ_PTR(a->q_out),
+      LZ_PTR(cache),
+      LZ_U32(a->block_size),
+      LZ_U32(a->n_blocks),
+      {sizeof(stride), &stride},
+      LZ_PTR(z->err),
+  };
+  ze_kernel_handle_t k = z->k_insert;
+  ze_result_t r = lz_set_args(k, 1, args, DSV4_LZ_INSERT_NARGS - 1);
   /* Launches of at most max_groups_x groups; the arguments are captured at each append. */
   uint64_t per_launch = (uint64_t)z->max_groups_x * DSV4_LZ_ROWS_PER_GROUP;
   for (uint64_t row0 = 0; r == ZE_RESULT_SUCCESS && row0 < rows; row0 += per_launch) {
