@@ -2,7 +2,8 @@
 # Checks the SPIR-V modules the daemon embeds (kernels/level_zero), in the text form llvm-spirv
 # prints, for what no Intel GPU is needed to see:
 #   - the three kernels are entry points;
-#   - nothing may reassociate or contract: no FPFastMathMode decoration, no mad or fmuladd (what a
+#   - nothing may reassociate or contract: every entry point has ExecutionMode ContractionOff, no
+#     FPFastMathMode decoration, no mad or fmuladd (what a
 #     contracted a*b+c becomes), the fma calls are OpenCL's fma (explicit), and the divide is an
 #     FDiv;
 #   - no SPIR-V extension is required (any driver that takes SPIR-V 1.0 takes the module);
@@ -23,6 +24,10 @@ for spv in "$2" "$3"; do
   printf '%s\n' "$txt" | head -1 | sed "s/^/$name: /"
   for k in dsv4_map_slots dsv4_qkv_insert dsv4_fp_probe; do
     check "$name: entry point $k" sh -c "printf '%s\n' \"\$1\" | grep -q 'EntryPoint 6 [0-9]* \"$k\"'" _ "$txt"
+    # Execution mode 31 is ContractionOff: without it SPIR-V allows the device compiler to fuse a
+    # multiply and an add even where the source kept them apart.
+    id=$(printf '%s\n' "$txt" | sed -n "s/^[0-9]* EntryPoint 6 \([0-9]*\) \"$k\".*/\1/p")
+    check "$name: $k has ExecutionMode ContractionOff" sh -c "printf '%s\n' \"\$1\" | grep -Eq '^3 ExecutionMode $id 31 *\$'" _ "$txt"
   done
   check "$name: no FPFastMathMode" sh -c "! printf '%s\n' \"\$1\" | grep -q FPFastMathMode" _ "$txt"
   # A contracted a*b+c becomes OpenCL's mad (which may or may not round once) or an fmuladd.
