@@ -25,6 +25,6 @@ if [ "${DSV4_FUZZ:-1}" != 0 ] && command -v clang >/dev/null 2>&1; then
   fuzz="$build-fuzz"
   CC=clang cmake -S . -B "$fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF "$@"
   cmake --build "$fuzz" -j"$jobs" --target fuzz_safetensors fuzz_http fuzz_config fuzz_forward \
-    fuzz_admin_query
+    fuzz_admin_query fuzz_dsv4ctl
   ctest --test-dir "$fuzz" --output-on-failure -L fuzz
 fi
