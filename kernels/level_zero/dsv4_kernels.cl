@@ -259,11 +259,14 @@ dsv4_qkv_insert(uint row0, uint n_rows, uint n_tokens, uint heads, uint write_kv
 }
 
 /*
- * SPEC §2's device checks, run by the backend when it opens a device: out[0] = a * b + c as
- * written must not be contracted into an fma ((1 + 2^-12)^2 - (1 + 2^-11) gives +0), and out[1] =
- * a product in the subnormal range must not be flushed to zero.
+ * SPEC §2's device checks, run by the backend when it opens a device (lz_probe.h): out[0] = a * b +
+ * c as written must not be contracted into an fma ((1 + 2^-12)^2 - (1 + 2^-11) gives +0), out[1] =
+ * a product in the subnormal range must not be flushed to zero, and the RMS factors (multiply, add,
+ * sqrt, divide) must be the correctly rounded ones the host computes.
  */
 __kernel void dsv4_fp_probe(__global const float *in, __global float *out) {
   out[0] = in[0] * in[1] + in[2];
   out[1] = in[3] * in[4];
+  for (int i = 0; i < DSV4_LZ_PROBE_RMS; i++)
+    out[2 + i] = rms_factor(in[5 + i], dsv4_u2f(DSV4_RMS_EPS_BITS));
 }

@@ -44,7 +44,14 @@
 #define DSV4_LZ_INSERT_KERNEL "dsv4_qkv_insert"
 #define DSV4_LZ_INSERT_NARGS 18
 
-/* dsv4_fp_probe(in, out): out[0] = in[0] * in[1] + in[2] as written (SPEC §2 contraction check). */
+/*
+ * dsv4_fp_probe(in, out), one work-item (SPEC §2 on the device, see lz_probe.h): out[0] =
+ * in[0] * in[1] + in[2] as written, out[1] = in[3] * in[4], out[2 + i] = the RMS factor of in[5 +
+ * i] with eps = (float)1e-6, for i < DSV4_LZ_PROBE_RMS.
+ */
 #define DSV4_LZ_PROBE_KERNEL "dsv4_fp_probe"
+#define DSV4_LZ_PROBE_RMS 64
+#define DSV4_LZ_PROBE_IN (5 + DSV4_LZ_PROBE_RMS)
+#define DSV4_LZ_PROBE_OUT (2 + DSV4_LZ_PROBE_RMS)
 
 #endif /* DSV4_KERNELS_LEVEL_ZERO_LZ_KERNELS_H */

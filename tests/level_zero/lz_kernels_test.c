@@ -39,6 +39,7 @@
 #include "backend.h"
 #include "dsv4-numerics.h"
 #include "level_zero/lz_kernels.h"
+#include "level_zero/lz_probe.h"
 #include "rope.h"
 #ifdef DSV4_LZ_FAKE_ZE
 #include "fake_ze.h"
@@ -190,11 +191,11 @@ static void set_arg(cl_kernel k, cl_uint i, size_t size, const void *v) {
   check_cl(clSetKernelArg(k, i, size, v), what);
 }
 
-/* SPEC §2: (1 + 2^-12)^2 - (1 + 2^-11) written as a * b + c gives +0 (no contraction), and
- * 2^-70 * 2^-70 gives the subnormal 2^-140 (no flush to zero). */
+/* SPEC §2 on the device (lz_probe.h): no contraction, no subnormal flush, correctly rounded
+ * divide and sqrt in the RMS factor. */
 static void check_fp_probe(clrt_t *rt) {
-  float in[5] = {1.0f + 0x1p-12f, 1.0f + 0x1p-12f, -(1.0f + 0x1p-11f), 0x1p-70f, 0x1p-70f};
-  float out[2] = {-1.0f, -1.0f};
+  float in[DSV4_LZ_PROBE_IN], out[DSV4_LZ_PROBE_OUT];
+  dsv4__lz_probe_inputs(in);
   cl_mem bin = buf_from(rt, in, sizeof(in)), bout = buf_zero(rt, sizeof(out));
   set_arg(rt->probe, 0, sizeof(cl_mem), &bin);
   set_arg(rt->probe, 1, sizeof(cl_mem), &bout);
@@ -205,11 +206,12 @@ static void check_fp_probe(clrt_t *rt) {
            "probe read");
   clReleaseMemObject(bin);
   clReleaseMemObject(bout);
-  if (dsv4_f2u(out[0]) != 0u)
-    die("a * b + c was contracted into an fma: got 0x%08x, expected +0", dsv4_f2u(out[0]));
-  if (dsv4_f2u(out[1]) != 0x200u)
-    die("2^-70 * 2^-70 gave 0x%08x, expected the subnormal 0x00000200", dsv4_f2u(out[1]));
-  printf("fp probe: a*b+c = +0 (not contracted), 2^-70*2^-70 = 0x00000200 (subnormal kept)\n");
+  char why[192];
+  if (dsv4__lz_probe_check(in, out, why, sizeof(why)) != 0)
+    die("fp probe: %s", why);
+  printf("fp probe: a*b+c = +0 (not contracted), 2^-70*2^-70 = 0x00000200 (subnormal kept), %d "
+         "RMS factors correctly rounded\n",
+         DSV4_LZ_PROBE_RMS);
 }
 
 /* ---- one batch ---- */
