@@ -490,24 +490,22 @@ static admin_job_t *new_job(dsv4_req_t *req, aj_kind_t kind) {
 
 /* ---- handlers -------------------------------------------------------------------------------- */
 
-static void on_cache(dsv4_req_t *req, void *ctx) {
-  dsv4_daemon_t *d = ctx;
+/* A route without a query and a read job of the given kind. */
+static void on_plain(dsv4_req_t *req, dsv4_daemon_t *d, aj_kind_t kind) {
   dsv4_admin_query_t q;
   if (dsv4__admin_query(d, req, 0, 0, &q))
     return;
-  admin_job_t *j = new_job(req, AJ_CACHE);
+  admin_job_t *j = new_job(req, kind);
   if (j)
     submit(d, req, j);
 }
 
+static void on_cache(dsv4_req_t *req, void *ctx) {
+  on_plain(req, ctx, AJ_CACHE);
+}
+
 static void on_sequences(dsv4_req_t *req, void *ctx) {
-  dsv4_daemon_t *d = ctx;
-  dsv4_admin_query_t q;
-  if (dsv4__admin_query(d, req, 0, 0, &q))
-    return;
-  admin_job_t *j = new_job(req, AJ_SEQUENCES);
-  if (j)
-    submit(d, req, j);
+  on_plain(req, ctx, AJ_SEQUENCES);
 }
 
 /* /admin/v1/sequences/{seq} and /admin/v1/sequences/{seq}/tokens/{pos}. */
@@ -589,9 +587,5 @@ size_t dsv4_admin_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap) {
       {DSV4_HTTP_GET, "/admin/v1/dump", "admin_dump", 0, 0, dsv4__admin_on_dump, d},
       {DSV4_HTTP_GET, "/admin/v1/config", "admin_config", 0, 0, on_config, d},
   };
-  size_t n = sizeof(routes) / sizeof(routes[0]);
-  if (n > cap)
-    n = cap;
-  memcpy(out, routes, n * sizeof(routes[0]));
-  return n;
+  return dsv4_routes_copy(routes, sizeof(routes) / sizeof(routes[0]), out, cap);
 }

@@ -116,6 +116,8 @@ static void snapshot(dump_t *dm) {
   for (uint32_t i = 0; i < dm->n; i++) {
     dsv4_seq_stored_range(&dm->info, bs, dm->idx[i], &dm->first[i], &dm->end[i]);
     dm->dig_pos[i] = dm->first[i];
+    /* A layer with nothing stored has the digest of the empty list (no step will touch it). */
+    dm->digest[i] = dsv4_engine_digest_value(dm->rd[i]);
   }
   dm->rc = dsv4_engine_pin(e, &dm->info);
   dm->pinned = dm->rc == 0;
@@ -444,31 +446,18 @@ static void dump_done(dsv4_job_t *job) {
     dump_free(dm);
     return;
   case ST_SNAPSHOT:
-    if (!dm->rc && dsv4_req_gone(dm->req))
-      dm->rc = DSV4_EIO;
-    if (dm->rc) {
-      fail_early(dm);
-      return;
-    }
-    if (submit_step(dm, ST_DIGEST)) {
-      dm->rc = DSV4_EDRAIN;
-      fail_early(dm);
-    }
-    return;
   case ST_DIGEST:
+    /* Before the head is sent a failure, or a client gone, is answered (or just freed). */
     if (!dm->rc && dsv4_req_gone(dm->req))
       dm->rc = DSV4_EIO;
+    if (!dm->rc && !digests_done(dm) && submit_step(dm, ST_DIGEST))
+      dm->rc = DSV4_EDRAIN;
     if (dm->rc) {
       fail_early(dm);
       return;
     }
-    if (!digests_done(dm)) {
-      if (submit_step(dm, ST_DIGEST)) {
-        dm->rc = DSV4_EDRAIN;
-        fail_early(dm);
-      }
+    if (dm->job_busy)
       return;
-    }
     start_stream(dm);
     return;
   case ST_FILL:

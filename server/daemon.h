@@ -37,6 +37,8 @@ typedef struct dsv4_daemon {
 
 /* The data-plane route table (forward, sequences, health, readiness, metrics). */
 size_t dsv4_data_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap);
+/* Copy a route table into out (at most cap rows); the rows copied. */
+size_t dsv4_routes_copy(const dsv4_route_t *routes, size_t n, dsv4_route_t *out, size_t cap);
 /* The admin-plane route table (SPEC §6 admin routes, admin.c). */
 size_t dsv4_admin_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap);
 /* The admin listener's completion hook: one audit log line per admin call. */

@@ -409,6 +409,43 @@ static void on_write(uv_write_t *w, int status) {
   write_done(c, status == 0);
 }
 
+/*
+ * The status line and headers of an answer, sized exactly: extra headers are copied (and dropped
+ * when they hold CR, LF or a colon in the name, so a handler cannot split the response).
+ * Content-Type and Content-Length only when the answer has a body. malloc'd; NULL when out of
+ * memory.
+ */
+static char *response_head(const conn_t *c, const req_t *r, int status, const char *content_type,
+                           const dsv4_hdr_t *extra, size_t n_extra, int has_body,
+                           uint64_t content_length, int keep, size_t *len) {
+  size_t cap = 256 + strlen(c->srv->instance) + (content_type ? strlen(content_type) : 0);
+  for (size_t i = 0; i < n_extra; i++)
+    cap += strlen(extra[i].name) + strlen(extra[i].value) + 4;
+  char *h = malloc(cap);
+  if (!h)
+    return NULL;
+  size_t n = (size_t)snprintf(h, cap, "HTTP/1.1 %d %s\r\n", status, reason(status));
+  if (content_type && has_body)
+    n += (size_t)snprintf(h + n, cap - n, "Content-Type: %s\r\n", content_type);
+  if (has_body)
+    n += (size_t)snprintf(h + n, cap - n, "Content-Length: %llu\r\n",
+                          (unsigned long long)content_length);
+  n += (size_t)snprintf(h + n, cap - n, "Dsv4d-Instance: %s\r\n", c->srv->instance);
+  if (!keep)
+    n += (size_t)snprintf(h + n, cap - n, "Connection: close\r\n");
+  else if (r->http_minor == 0)
+    n += (size_t)snprintf(h + n, cap - n, "Connection: keep-alive\r\n");
+  for (size_t i = 0; i < n_extra; i++) {
+    if (strpbrk(extra[i].name, "\r\n:") || strpbrk(extra[i].value, "\r\n"))
+      continue;
+    n += (size_t)snprintf(h + n, cap - n, "%s: %s\r\n", extra[i].name, extra[i].value);
+  }
+  n += (size_t)snprintf(h + n, cap - n, "\r\n");
+  assert(n < cap);
+  *len = n;
+  return h;
+}
+
 void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const dsv4_hdr_t *extra,
                   size_t n_extra, const uv_buf_t *body, size_t n_body, void (*release)(void *),
                   void *release_arg) {
@@ -432,12 +469,8 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   r->state = REQ_WRITING;
   int keep = r->keep_alive && !c->close_after && !c->peer_eof && !c->srv->draining;
 
-  /* Status line and headers, sized exactly: extra headers are copied here (and stripped of CR/LF
-   * so a handler cannot split the response). */
-  size_t cap = 256 + strlen(c->srv->instance) + (content_type ? strlen(content_type) : 0);
-  for (size_t i = 0; i < n_extra; i++)
-    cap += strlen(extra[i].name) + strlen(extra[i].value) + 4;
-  char *h = malloc(cap);
+  size_t n = 0;
+  char *h = response_head(c, r, status, content_type, extra, n_extra, !no_body, total, keep, &n);
   uv_buf_t *bufs = malloc((n_body + 1) * sizeof(uv_buf_t));
   if (!h || !bufs) {
     free(h);
@@ -449,23 +482,6 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
     write_done(c, 0);
     return;
   }
-  size_t n = (size_t)snprintf(h, cap, "HTTP/1.1 %d %s\r\n", status, reason(status));
-  if (content_type && !no_body)
-    n += (size_t)snprintf(h + n, cap - n, "Content-Type: %s\r\n", content_type);
-  if (!no_body)
-    n += (size_t)snprintf(h + n, cap - n, "Content-Length: %zu\r\n", total);
-  n += (size_t)snprintf(h + n, cap - n, "Dsv4d-Instance: %s\r\n", c->srv->instance);
-  if (!keep)
-    n += (size_t)snprintf(h + n, cap - n, "Connection: close\r\n");
-  else if (r->http_minor == 0)
-    n += (size_t)snprintf(h + n, cap - n, "Connection: keep-alive\r\n");
-  for (size_t i = 0; i < n_extra; i++) {
-    if (strpbrk(extra[i].name, "\r\n:") || strpbrk(extra[i].value, "\r\n"))
-      continue;
-    n += (size_t)snprintf(h + n, cap - n, "%s: %s\r\n", extra[i].name, extra[i].value);
-  }
-  n += (size_t)snprintf(h + n, cap - n, "\r\n");
-  assert(n < cap);
 
   size_t nb = 0;
   bufs[nb++] = uv_buf_init(h, (unsigned)n);
@@ -509,36 +525,6 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
 
 /* ---- streamed responses --------------------------------------------------------------------- */
 
-/* The response head of a streamed answer, written in front of its first piece. */
-static char *stream_head(const conn_t *c, const req_t *r, int status, const char *content_type,
-                         const dsv4_hdr_t *extra, size_t n_extra, size_t *len) {
-  size_t cap = 256 + strlen(c->srv->instance) + (content_type ? strlen(content_type) : 0);
-  for (size_t i = 0; i < n_extra; i++)
-    cap += strlen(extra[i].name) + strlen(extra[i].value) + 4;
-  char *h = malloc(cap);
-  if (!h)
-    return NULL;
-  size_t n = (size_t)snprintf(h, cap, "HTTP/1.1 %d %s\r\n", status, reason(status));
-  if (content_type)
-    n += (size_t)snprintf(h + n, cap - n, "Content-Type: %s\r\n", content_type);
-  n += (size_t)snprintf(h + n, cap - n, "Content-Length: %llu\r\n",
-                        (unsigned long long)r->stream_len);
-  n += (size_t)snprintf(h + n, cap - n, "Dsv4d-Instance: %s\r\n", c->srv->instance);
-  if (!r->keep_alive)
-    n += (size_t)snprintf(h + n, cap - n, "Connection: close\r\n");
-  else if (r->http_minor == 0)
-    n += (size_t)snprintf(h + n, cap - n, "Connection: keep-alive\r\n");
-  for (size_t i = 0; i < n_extra; i++) {
-    if (strpbrk(extra[i].name, "\r\n:") || strpbrk(extra[i].value, "\r\n"))
-      continue;
-    n += (size_t)snprintf(h + n, cap - n, "%s: %s\r\n", extra[i].name, extra[i].value);
-  }
-  n += (size_t)snprintf(h + n, cap - n, "\r\n");
-  assert(n < cap);
-  *len = n;
-  return h;
-}
-
 int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_type,
                               const dsv4_hdr_t *extra, size_t n_extra, uint64_t content_length) {
   req_t *r = req_of(pub);
@@ -557,7 +543,8 @@ int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_t
   }
   r->keep_alive = r->keep_alive && !c->close_after && !c->peer_eof && !c->srv->draining;
   size_t n = 0;
-  char *h = stream_head(c, r, status, content_type, extra, n_extra, &n);
+  char *h = response_head(c, r, status, content_type, extra, n_extra, 1, content_length,
+                          r->keep_alive, &n);
   if (!h) {
     r->stream_failed = 1;
     return DSV4_ENOMEM;

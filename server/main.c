@@ -155,6 +155,36 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
   return *out ? 0 : DSV4_ENOMEM;
 }
 
+/* One listener with the configuration's limits and timeouts; logs why when it cannot listen. */
+static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int port,
+                     const char *token, const dsv4_route_t *routes, size_t n_routes,
+                     void (*on_complete)(const dsv4_req_t *, int, uint64_t, int, void *),
+                     dsv4_server_t **out) {
+  const dsv4_config_t *cfg = d->cfg;
+  dsv4_server_config_t sc = {
+      .host = host,
+      .port = port,
+      .max_header_bytes = cfg->max_header_bytes,
+      .header_timeout_ms = cfg->header_timeout_ms,
+      .body_timeout_ms = cfg->body_timeout_ms,
+      .idle_timeout_ms = cfg->idle_timeout_ms,
+      .write_timeout_ms = cfg->write_timeout_ms,
+      .bearer_token = token,
+      .instance = d->instance,
+      .name = name,
+      .metrics = d->metrics,
+      .on_complete = on_complete,
+      .on_complete_arg = d,
+  };
+  int rc = dsv4_server_create(d->loop, &sc, routes, n_routes, out);
+  if (rc) {
+    *out = NULL;
+    dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:s,s:i,s:s}", "listener", name, "host", host,
+              "port", port, "error", dsv4_strerror(rc));
+  }
+  return rc;
+}
+
 int main(int argc, char **argv) {
   static app_t app;
   dsv4_daemon_t *d = &app.d;
@@ -275,58 +305,22 @@ int main(int argc, char **argv) {
     return 1;
   }
   n_routes = dsv4_data_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
-  {
-    dsv4_server_config_t sc = {
-        .host = cfg.host,
-        .port = cfg.port,
-        .max_header_bytes = cfg.max_header_bytes,
-        .header_timeout_ms = cfg.header_timeout_ms,
-        .body_timeout_ms = cfg.body_timeout_ms,
-        .idle_timeout_ms = cfg.idle_timeout_ms,
-        .write_timeout_ms = cfg.write_timeout_ms,
-        .bearer_token = token,
-        .instance = d->instance,
-        .name = "data",
-        .metrics = d->metrics,
-    };
-    rc = dsv4_server_create(&loop, &sc, routes, n_routes, &d->data);
-    if (rc) {
-      dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:i,s:s}", "host", cfg.host, "port",
-                cfg.port, "error", dsv4_strerror(rc));
-      dsv4_executor_stop(&d->ex, NULL, NULL);
-      uv_run(&loop, UV_RUN_DEFAULT);
-      return 1;
-    }
+  rc = listen_on(d, "data", cfg.host, cfg.port, token, routes, n_routes, NULL, &d->data);
+  if (rc) {
+    dsv4_executor_stop(&d->ex, NULL, NULL);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    return 1;
   }
   n_routes = dsv4_admin_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
   d->admin_token = admin_token != NULL;
   d->admin_loopback = dsv4_host_is_loopback(cfg.admin_host);
-  {
-    dsv4_server_config_t sc = {
-        .host = cfg.admin_host,
-        .port = cfg.admin_port,
-        .max_header_bytes = cfg.max_header_bytes,
-        .header_timeout_ms = cfg.header_timeout_ms,
-        .body_timeout_ms = cfg.body_timeout_ms,
-        .idle_timeout_ms = cfg.idle_timeout_ms,
-        .write_timeout_ms = cfg.write_timeout_ms,
-        .bearer_token = admin_token,
-        .instance = d->instance,
-        .name = "admin",
-        .metrics = d->metrics,
-        .on_complete = dsv4_admin_audit,
-        .on_complete_arg = d,
-    };
-    rc = dsv4_server_create(&loop, &sc, routes, n_routes, &d->admin);
-    if (rc) {
-      dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:s,s:i,s:s}", "listener", "admin", "host",
-                cfg.admin_host, "port", cfg.admin_port, "error", dsv4_strerror(rc));
-      d->admin = NULL;
-      dsv4_server_close(d->data, NULL, NULL);
-      dsv4_executor_stop(&d->ex, NULL, NULL);
-      uv_run(&loop, UV_RUN_DEFAULT);
-      return 1;
-    }
+  rc = listen_on(d, "admin", cfg.admin_host, cfg.admin_port, admin_token, routes, n_routes,
+                 dsv4_admin_audit, &d->admin);
+  if (rc) {
+    dsv4_server_close(d->data, NULL, NULL);
+    dsv4_executor_stop(&d->ex, NULL, NULL);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    return 1;
   }
   if (!d->admin_token && !d->admin_loopback)
     dsv4_logp(DSV4_LOG_WARN, "admin listener is not loopback and has no token: dumps are refused",

@@ -453,7 +453,10 @@ size_t dsv4_data_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap) {
       {DSV4_HTTP_GET, "/readyz", "readyz", 0, 1, on_readyz, d},
       {DSV4_HTTP_GET, "/metrics", "metrics", 0, 1, on_metrics, d},
   };
-  size_t n = sizeof(routes) / sizeof(routes[0]);
+  return dsv4_routes_copy(routes, sizeof(routes) / sizeof(routes[0]), out, cap);
+}
+
+size_t dsv4_routes_copy(const dsv4_route_t *routes, size_t n, dsv4_route_t *out, size_t cap) {
   if (n > cap)
     n = cap;
   memcpy(out, routes, n * sizeof(routes[0]));

@@ -581,9 +581,10 @@ class Daemon:
         if self.instance is not None:
             check_eq(inst, self.instance, "%s: Dsv4d-Instance stable for one process" % what)
 
-    def request(self, method, path, body=None, headers=None, conn=None):
+    def request(self, method, path, body=None, headers=None, conn=None, admin=False):
+        """One request on the data listener (or the admin one), checking Dsv4d-Instance."""
         own = conn is None
-        c = conn or self.conn()
+        c = conn or (self.admin_conn() if admin else self.conn())
         h = dict(headers or {})
         if body is not None:
             h.setdefault("Content-Type", "application/octet-stream")
@@ -610,21 +611,10 @@ class Daemon:
 
     def admin(self, path, token=None, method="GET", headers=None, conn=None):
         """One admin request (Authorization: Bearer token when given): the Response."""
-        own = conn is None
-        c = conn or self.admin_conn()
         h = dict(headers or {})
         if token is not None:
             h["Authorization"] = "Bearer " + token
-        try:
-            c.request(method, path, headers=h)
-            r = c.getresponse()
-            data = r.read()
-            resp = Response(r.status, {k.lower(): v for k, v in r.getheaders()}, data)
-        finally:
-            if own:
-                c.close()
-        self._check_instance(resp.headers, "admin %s %s" % (method, path))
-        return resp
+        return self.request(method, path, headers=h, conn=conn, admin=True)
 
     def admin_json(self, path, token=None):
         """An admin GET that must answer 200 JSON carrying this daemon's instance."""
@@ -725,8 +715,11 @@ def parse_dump(buf):
         order.append((int(m.group(1)), 0 if m.group(2) == "records" else 1))
     (hlen,) = struct.unpack_from("<Q", buf, 0)
     hdr = json.loads(bytes(buf[8:8 + hlen]).decode())
-    by_offset = sorted((v["data_offsets"][0], k) for k, v in hdr.items() if k != "__metadata__")
-    got = [(int(k.split(".")[1]), 0 if k.endswith("records") else 1) for _, k in by_offset]
+    # In header order (empty tensors share an offset with their neighbour), with offsets rising.
+    names = [k for k in hdr if k != "__metadata__"]
+    offs = [hdr[k]["data_offsets"] for k in names]
+    check(all(a[1] == b[0] for a, b in zip(offs, offs[1:])), "dump: tensors back to back %r" % offs)
+    got = [(int(k.split(".")[1]), 0 if k.endswith("records") else 1) for k in names]
     check_eq(got, sorted(order), "dump: tensors ordered by layer, records before positions")
     for layer in sorted({x[0] for x in order}):
         dt, shape, _ = t["layers.%d.records" % layer]

@@ -393,6 +393,15 @@ def test_dump_matches_checksums():
         r = d.admin("/admin/v1/dump?seq=a&layers=2")
         meta, layers = check_dump(d, exp, r.body, "a", [2])
         check_eq(meta["layers"], "2-2", "one layer")
+        # A layer the sequence never wrote: no records, the digest of the empty list.
+        send(d, exp, rng, 0, [Seg("z", 0, 3, new=True)])
+        meta, layers = check_dump(d, exp, d.admin("/admin/v1/dump?seq=z&layers=0-1").body, "z",
+                                  [0, 1])
+        check_eq(len(layers[1][0]), 0, "no records at layer 1")
+        check_eq(meta["digest.1"], h.model().mod.records_digest([], []), "empty digest")
+        ck = d.admin_json("/admin/v1/checksums?layer=1&seq=z")["sequences"]["z"]
+        check_eq(ck, {"digest": meta["digest.1"], "first": None, "last": None, "records": 0},
+                 "checksums of a layer never written")
 
 
 def test_two_daemons_same_checksums():
