@@ -18,13 +18,11 @@
  * stores its 8 fp8 bytes (or, on lanes 24..31, 16 bytes of rotated bf16), and lane 0 stores the 8
  * scale bytes: every output byte has exactly one store (SPEC §5.1), computed in registers first.
  *
- * Grid. 128-thread blocks; the launch's rows in token order are cut into equal contiguous runs,
- * one per warp. A small launch gets one row per warp (the shortest path to its last byte); a large
- * one as many warps as the device holds at once, each streaming its run through a ring of 8 rows in
- * shared memory filled by cp.async, so that 8 KiB per warp are in flight whatever the registers
- * allow (a large batch moves most of the copy bandwidth only with many bytes in flight per SM and
- * with every warp busy until the end; a block per row leaves the device scheduling blocks instead
- * of moving bytes).
+ * Grid. 128-thread blocks; the launch's rows in token order are cut into runs of one row per warp
+ * (a small launch: the shortest path to its last byte) or two (a large one: many short blocks in
+ * launch order, so that the rows in flight at any moment lie close together in memory, which the
+ * DRAM serves best). A warp streams its run through a ring of two rows in shared memory filled by
+ * cp.async, so the next row is in flight while one is computed.
  *
  * Ordering (SPEC §5.2): every block executes griddepcontrol.wait before it reads positions, slots,
  * q or kv or stores anything; before it there is only index arithmetic.
@@ -38,10 +36,8 @@
 #define WARPS_PER_BLOCK (QKV_BLOCK / 32)
 #define FULL 0xffffffffu
 #define ROW_U4 (DSV4_HEAD_DIM * 2 / 16) /* uint4s in a 512-value bf16 row */
-/* Rows in flight per warp (the shared-memory ring) for small and for large launches; powers of 2.
- */
-#define RING_SMALL 2
-#define RING_LARGE 8
+/* Rows in flight per warp: the entries of its shared-memory ring (a power of two). */
+#define RING 2
 
 typedef struct {
   const uint4 *q;
@@ -313,7 +309,7 @@ template <int S>
 __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_params_t p) {
   __shared__ uint4 rings[WARPS_PER_BLOCK][S * ROW_U4];
   const uint32_t lane = threadIdx.x & 31;
-  const uint32_t warp = (blockIdx.x * QKV_BLOCK + threadIdx.x) >> 5;
+  const uint32_t warp = blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
   const uint32_t g0 = warp * p.per;
   const uint32_t g1 = min(g0 + p.per, p.n_rows);
   uint4 *ring = rings[threadIdx.x >> 5];
@@ -397,38 +393,6 @@ __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_para
 
 #ifdef DSV4_TEST_TUNE
 unsigned dsv4__cuda_test_flags_host;
-/* Tuning: row g = warp + k * warps, through the same ring, copied to q_out without arithmetic. */
-template <int S> __global__ void __launch_bounds__(QKV_BLOCK) tune_stride_copy(insert_params_t p) {
-  __shared__ uint4 rings[WARPS_PER_BLOCK][S * ROW_U4];
-  const uint32_t lane = threadIdx.x & 31;
-  const uint32_t warp = (blockIdx.x * QKV_BLOCK + threadIdx.x) >> 5;
-  const uint32_t W = p.per, qrows = p.n_rows / p.ipt * p.heads;
-  uint4 *ring = rings[threadIdx.x >> 5];
-  dsv4__dep_wait();
-  dsv4__dep_trigger();
-  uint32_t gp = warp;
-#pragma unroll
-  for (int d = 0; d < S; d++) {
-    if (gp < p.n_rows)
-      fetch_row(p, ring + d * ROW_U4, lane, gp / p.ipt, gp % p.ipt);
-    gp += W;
-    cp_commit();
-  }
-  uint32_t i = 0;
-  for (uint32_t g = warp; g < p.n_rows; g += W, i++) {
-    uint4 *e = ring + (i & (S - 1)) * ROW_U4;
-    cp_wait<S - 1>();
-    uint4 ra = e[lane], rb = e[32 + lane];
-    uint4 *out = p.q_out + (uint64_t)(g % qrows) * ROW_U4;
-    st16cs(out + lane, ra);
-    st16cs(out + 32 + lane, rb);
-    if (gp < p.n_rows)
-      fetch_row(p, e, lane, gp / p.ipt, gp % p.ipt);
-    gp += W;
-    cp_commit();
-  }
-  cp_wait<0>();
-}
 #endif
 
 /* Resident blocks per SM of a kernel variant, read once (it depends on the registers, the shared
@@ -495,13 +459,18 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   pdl = pdl && dev.pdl;
 
   /*
-   * Rows per warp: as few as fill the device once (a small batch gets one row per warp: the
-   * shortest path to its last byte), and as many warps as then share the rows evenly.
+   * Rows per warp: one while the rows fit on the device at once (a small batch: the shortest path
+   * to its last byte), else two. Many short blocks in launch order keep the rows in flight at any
+   * moment close together in memory, which the DRAM serves best: on an H200 two rows per warp
+   * moved 94-98 % of the copy bandwidth at N >= 4096 where one resident wave of warps with long
+   * runs moved 84-89 % (tests/bench/NOTES.md).
    */
   uint64_t rows = (uint64_t)a->n_tokens * p.ipt;
   if (rows > 0x7fffffffu)
     return DSV4_EINVAL;
   p.n_rows = (uint32_t)rows;
+  uint64_t resident = (uint64_t)dev.sms * blocks_per_sm<RING>() * WARPS_PER_BLOCK;
+  p.per = rows <= resident ? 1 : 2;
 #ifdef DSV4_TEST_TUNE
   {
     static unsigned flags_set = ~0u;
@@ -511,33 +480,14 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
         return DSV4_EBACKEND;
     }
   }
-  if (dsv4__cuda_test_flags_host & 2) {
-    /* Tuning: rows in grid-stride order, copied without arithmetic. */
-    uint64_t large = (uint64_t)dev.sms * blocks_per_sm<RING_LARGE>() * WARPS_PER_BLOCK;
-    p.per = (uint32_t)large;
-    return dsv4__cuda_err(dsv4__cuda_launch(
-        tune_stride_copy<RING_LARGE>, (unsigned)(large / WARPS_PER_BLOCK), QKV_BLOCK, s, pdl, p));
-  }
-  if (dsv4__cuda_test_rows_per_warp) {
+  if (dsv4__cuda_test_rows_per_warp)
     p.per = dsv4__cuda_test_rows_per_warp;
-    uint64_t w = (rows + p.per - 1) / p.per;
-    unsigned g = (unsigned)((w + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK);
-    return dsv4__cuda_err(
-        p.per <= RING_SMALL
-            ? dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING_SMALL>, g, QKV_BLOCK, s, pdl, p)
-            : dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING_LARGE>, g, QKV_BLOCK, s, pdl, p));
-  }
 #endif
-  uint64_t small = (uint64_t)dev.sms * blocks_per_sm<RING_SMALL>() * WARPS_PER_BLOCK;
-  uint64_t large = (uint64_t)dev.sms * blocks_per_sm<RING_LARGE>() * WARPS_PER_BLOCK;
-  int use_small = rows <= 2 * small;
-  uint64_t resident = use_small ? small : large;
-  p.per = (uint32_t)((rows + resident - 1) / resident);
   uint64_t warps = (rows + p.per - 1) / p.per;
-  unsigned grid = (unsigned)((warps + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK);
+  uint64_t grid = (warps + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
+  if (grid > 0x7fffffffu)
+    return DSV4_EINVAL;
   cudaError_t e =
-      use_small
-          ? dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING_SMALL>, grid, QKV_BLOCK, s, pdl, p)
-          : dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING_LARGE>, grid, QKV_BLOCK, s, pdl, p);
+      dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING>, (unsigned)grid, QKV_BLOCK, s, pdl, p);
   return dsv4__cuda_err(e);
 }
