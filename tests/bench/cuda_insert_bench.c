@@ -9,7 +9,9 @@
  * 64, up to 64 sequences per batch. Each graph holds a sequence of forwards over rotating input
  * sets whose total is at least twice the L2, so no forward finds its inputs in the cache.
  *
- * Usage: cuda_insert_bench [heads...]   (default 64 128)
+ * Usage: cuda_insert_bench [heads...]   (default 64 128; DSV4_BENCH_N="64,1024" picks batch sizes)
+ * The tuning build cuda_insert_bench_tune also reads DSV4_ROWS_PER_WARP and DSV4_TUNE_FLAGS
+ * (cuda-kernels.h).
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -227,7 +229,10 @@ int main(int argc, char **argv) {
         break;
     }
   }
-  printf("%6s %4s %10s %10s %9s %10s %8s\n", "N", "H", "us", "GB/s", "%copy", "vLLM us", "speedup");
+  /* us: a forward (producer + consumer, PDL); map, insert: each kernel alone; no-PDL: a forward
+   * launched in plain stream order; vLLM: its CUDA op on the same GPU (FIELD-NOTES.md). */
+  printf("%6s %4s %10s %10s %9s %9s %9s %9s %9s %8s\n", "N", "H", "us", "GB/s", "%copy", "map us",
+         "insert us", "no-PDL us", "vLLM us", "speedup");
   for (int h = 0; h < n_heads; h++)
     for (size_t i = 0; i < n_ns; i++)
       bench(heads_list[h], ns[i], ceiling, mirror, rope, s);
