@@ -40,10 +40,10 @@
  * Ordering (SPEC §5.2). With pdl != 0 on a device of compute capability 9.0 or more, the launch
  * carries cudaLaunchAttributeProgrammaticStreamSerialization: it may start while the previous
  * kernel on the stream still runs. Both kernels execute griddepcontrol.wait in every thread block
- * before they read any mutable memory or write anything; before it the consumer only computes
- * indices and loads the kv_norm weight. The producer triggers its dependents at its start, so the
- * consumer's prologue overlaps it. Without PDL (pdl == 0, or an sm_80 device) the same code runs
- * in plain stream order.
+ * before they read any mutable memory or write anything; before it they only compute indices. The
+ * producer triggers its dependents at its start, so the consumer's launch and block scheduling
+ * overlap the producer's work; the consumer triggers its own after its wait. Without PDL (pdl == 0,
+ * or an sm_80 device) the same code runs in plain stream order.
  *
  * Return values: 0, DSV4_EINVAL for bad arguments, or the mapping of the CUDA error of the launch
  * (dsv4__cuda_err). n_tokens == 0 launches nothing and returns 0.
