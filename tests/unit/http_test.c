@@ -15,6 +15,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -158,7 +159,79 @@ static void h_empty(dsv4_req_t *req, void *ctx) {
   dsv4_respond(req, 204, NULL, &h, 1, NULL, 0, NULL, NULL);
 }
 
+/* The streaming responder: n pieces of `piece` bytes (piece i filled with byte i), each written
+ * once the previous one is in the socket; with short=1 it ends one piece early. */
+typedef struct {
+  dsv4_req_t *req;
+  int n, sent, piece, short_end;
+  char *buf;
+} stream_t;
+
+static atomic_int stream_failed_cbs;
+static atomic_int streams_ended;
+static atomic_int completions;
+static atomic_llong completion_bytes;
+
+static void stream_end(stream_t *st) {
+  dsv4_respond_stream_end(st->req);
+  atomic_fetch_add(&streams_ended, 1);
+  free(st->buf);
+  free(st);
+}
+
+static void stream_next(stream_t *st);
+
+static void on_piece(dsv4_req_t *req, int status, void *arg) {
+  (void)req;
+  stream_t *st = arg;
+  if (status) {
+    atomic_fetch_add(&stream_failed_cbs, 1);
+    stream_end(st);
+    return;
+  }
+  st->sent++;
+  stream_next(st);
+}
+
+static void stream_next(stream_t *st) {
+  if (st->sent == st->n - st->short_end) {
+    stream_end(st);
+    return;
+  }
+  memset(st->buf, st->sent & 0xff, (size_t)st->piece);
+  uv_buf_t b = uv_buf_init(st->buf, (unsigned)st->piece);
+  if (dsv4_respond_stream_write(st->req, &b, on_piece, st))
+    stream_end(st); /* the client has gone: only the end is left */
+}
+
+static void h_stream(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  atomic_fetch_add(&handler_calls, 1);
+  stream_t *st = calloc(1, sizeof(*st));
+  st->req = req;
+  st->n = 4;
+  st->piece = 1000;
+  sscanf(req->query, "n=%d&piece=%d&short=%d", &st->n, &st->piece, &st->short_end);
+  st->buf = malloc((size_t)st->piece);
+  dsv4_hdr_t h = {"X-Stream", "yes"};
+  if (dsv4_respond_stream_begin(req, 200, "application/octet-stream", &h, 1,
+                                (uint64_t)st->n * (uint64_t)st->piece))
+    stream_end(st);
+  else
+    stream_next(st);
+}
+
+static void on_complete(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg) {
+  (void)req;
+  (void)status;
+  (void)written;
+  (void)arg;
+  atomic_fetch_add(&completions, 1);
+  atomic_store(&completion_bytes, (long long)bytes);
+}
+
 static const dsv4_route_t routes[] = {
+    {DSV4_HTTP_GET, "/stream", "stream", 0, 0, h_stream, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST | DSV4_HTTP_HEAD, "/imm", "imm", 1 << 20, 0, h_imm, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST, "/defer", "defer", 1 << 20, 0, h_defer, NULL},
     {DSV4_HTTP_POST, "/gone", "gone", 1 << 20, 0, h_defer, (void *)1},
@@ -189,6 +262,7 @@ static void do_create(void *arg) {
       .instance = INSTANCE,
       .name = "data",
       .metrics = registry,
+      .on_complete = on_complete,
   };
   assert_int_equal(
       dsv4_server_create(&loop, &cfg, routes, sizeof(routes) / sizeof(routes[0]), &srv), 0);
@@ -220,10 +294,15 @@ static char log_path[64];
 
 static int setup(void **state) {
   (void)state;
+  /* As in the daemon: a write to a connection the client reset fails with EPIPE, not a signal. */
+  signal(SIGPIPE, SIG_IGN);
   atomic_store(&handler_calls, 0);
   atomic_store(&gone_seen, 0);
   atomic_store(&gone_responded, 0);
   atomic_store(&server_closed, 0);
+  atomic_store(&stream_failed_cbs, 0);
+  atomic_store(&streams_ended, 0);
+  atomic_store(&completions, 0);
   snprintf(log_path, sizeof(log_path), "/tmp/dsv4-http-test-%d.log", (int)getpid());
   log_fd = open(log_path, O_CREAT | O_TRUNC | O_RDWR, 0600);
   dsv4_log_set_fd(log_fd);
@@ -779,6 +858,67 @@ static void test_drain(void **state) {
   client_free(busy);
 }
 
+/* A streamed answer: the head with its Content-Length, then every piece in order, and the
+ * connection stays usable; the completion hook sees it once, with every byte counted. */
+static void test_stream(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  atomic_store(&completions, 0);
+  get(c, "/stream?n=3&piece=1000&short=0", "s1");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_string_equal(header(&r, "Content-Length"), "3000");
+  assert_string_equal(header(&r, "X-Stream"), "yes");
+  assert_string_equal(header(&r, "Dsv4d-Instance"), INSTANCE);
+  assert_int_equal(r.body_len, 3000);
+  for (size_t i = 0; i < 3000; i++)
+    assert_int_equal((unsigned char)r.body[i], i / 1000);
+  double t1 = now_s();
+  while (atomic_load(&completions) < 1 && now_s() - t1 < 5)
+    usleep(2000);
+  assert_int_equal(atomic_load(&completion_bytes), (long long)(strlen(r.head) + 3000));
+  get(c, "/imm", "after");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=after"));
+  double t0 = now_s();
+  while (atomic_load(&completions) < 2 && now_s() - t0 < 5)
+    usleep(2000);
+  assert_int_equal(atomic_load(&streams_ended), 1);
+  assert_int_equal(atomic_load(&stream_failed_cbs), 0);
+  client_free(c);
+
+  /* Ended short of its Content-Length: the connection closes after what was sent. */
+  c = client_new();
+  get(c, "/stream?n=3&piece=100&short=1", "s2");
+  char *end;
+  while (!(end = memmem(c->buf, c->len, "\r\n\r\n", 4)) || c->len < (size_t)(end - c->buf) + 204)
+    assert_int_equal(fill(c), 1);
+  assert_int_equal(c->len, (size_t)(end - c->buf) + 4 + 200);
+  c->len = 0;
+  expect_eof(c);
+  client_free(c);
+  wait_connections(0);
+  assert_int_equal(atomic_load(&streams_ended), 2);
+}
+
+/* The client leaves mid-stream: the writer hears of it (a failed piece or a refused write), ends
+ * the stream once, and the connection goes. */
+static void test_stream_client_gone(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  int small = 4096;
+  setsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  get(c, "/stream?n=4096&piece=65536&short=0", "big");
+  while (!memmem(c->buf, c->len, "\r\n\r\n", 4))
+    assert_int_equal(fill(c), 1);
+  client_free(c);
+  double t0 = now_s();
+  while (atomic_load(&streams_ended) == 0 && now_s() - t0 < 10)
+    usleep(5000);
+  assert_int_equal(atomic_load(&streams_ended), 1);
+  wait_connections(0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_keep_alive, setup, teardown),
@@ -795,6 +935,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_http10_head_204_503, setup, teardown),
       cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_stream, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
