@@ -210,11 +210,8 @@ int main(int argc, char **argv) {
   printf("device-to-device copy (read + written): %.1f GB/s at 1 GiB, %.1f GB/s at 4 GiB; "
          "ceiling %.1f GB/s\n",
          c1, c4, ceiling);
-  float f[DSV4_ROPE_PAIRS];
-  dsv4_rope_table_t *rope = NULL;
-  dsv4_rope_inv_freq(&dsv4_rope_plain_default, f);
-  CKD(dsv4_rope_table_create(f, MAX_POS, &rope));
-  float *mirror = gpu_rope_mirror(MAX_POS);
+  float *mirror = NULL;
+  dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &mirror);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   uint32_t ns[16] = {1, 16, 64, 256, 1024, 4096, 16384};

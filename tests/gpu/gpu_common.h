@@ -16,35 +16,9 @@
 
 #include "backend.h"
 #include "cuda-kernels.h"
+#include "gpu_check.h"
 #include "dsv4-layout.h"
 #include "rope.h"
-
-#define GPU_SKIP 77
-
-/* 1 when a CUDA device is usable; otherwise prints why the test is skipped and returns 0. */
-static inline int gpu_available(const char *test) {
-  int n = 0;
-  cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess || n == 0) {
-    printf("%s: skipped: no CUDA device (%s)\n", test,
-           e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-    return 0;
-  }
-  struct cudaDeviceProp prop;
-  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
-    printf("%s: device 0: %s, sm_%d%d, %d SMs\n", test, prop.name, prop.major, prop.minor,
-           prop.multiProcessorCount);
-  return 1;
-}
-
-#define CK(call)                                                                                   \
-  do {                                                                                             \
-    cudaError_t ck_e_ = (call);                                                                    \
-    if (ck_e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(ck_e_));    \
-      exit(1);                                                                                     \
-    }                                                                                              \
-  } while (0)
 
 #define CKD(call)                                                                                  \
   do {                                                                                             \
@@ -241,11 +215,17 @@ static inline dsv4_map_args_t gpu_plan_map_args(const gpu_plan_t *p, const int64
 }
 
 /*
- * The device mirror of a host RoPE table, as cuda-kernels.h describes it: max_pos rows of 64
- * floats, of which the chunks holding the plan's positions are copied from the host table.
+ * A host RoPE table for params and its device mirror as cuda-kernels.h describes it: max_pos rows
+ * of 64 floats, of which gpu_rope_upload copies the chunks holding a plan's positions.
  */
-static inline float *gpu_rope_mirror(int64_t max_pos) {
-  return gpu_dev_alloc((size_t)max_pos * DSV4_ROPE_ROW_FLOATS * sizeof(float));
+static inline dsv4_rope_table_t *gpu_rope_open(const dsv4_rope_params_t *params, int64_t max_pos,
+                                               float **mirror) {
+  float f[DSV4_ROPE_PAIRS];
+  dsv4_rope_table_t *t = NULL;
+  dsv4_rope_inv_freq(params, f);
+  CKD(dsv4_rope_table_create(f, max_pos, &t));
+  *mirror = gpu_dev_alloc((size_t)max_pos * DSV4_ROPE_ROW_FLOATS * sizeof(float));
+  return t;
 }
 
 static inline void gpu_rope_upload(dsv4_rope_table_t *t, float *mirror, int64_t max_pos,

@@ -261,13 +261,8 @@ int main(int argc, char **argv) {
   char why[256];
   dsv4_backend_options_t opt = {.threads = 0};
   CKD(dsv4_backend_open("cpu", &opt, &c.cpu, why, sizeof(why)));
-  float f[DSV4_ROPE_PAIRS];
-  dsv4_rope_inv_freq(&dsv4_rope_plain_default, f);
-  CKD(dsv4_rope_table_create(f, MAX_POS, &c.rope[0]));
-  dsv4_rope_inv_freq(&dsv4_rope_yarn_default, f);
-  CKD(dsv4_rope_table_create(f, MAX_POS, &c.rope[1]));
-  c.mirror[0] = gpu_rope_mirror(MAX_POS);
-  c.mirror[1] = gpu_rope_mirror(MAX_POS);
+  c.rope[0] = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &c.mirror[0]);
+  c.rope[1] = gpu_rope_open(&dsv4_rope_yarn_default, MAX_POS, &c.mirror[1]);
   CK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
 
   subnormal_vector(&c);

@@ -38,11 +38,8 @@ int main(void) {
   char why[256];
   dsv4_backend_options_t opt = {.threads = 0};
   CKD(dsv4_backend_open("cpu", &opt, &cpu, why, sizeof(why)));
-  float f[DSV4_ROPE_PAIRS];
-  dsv4_rope_table_t *rope = NULL;
-  dsv4_rope_inv_freq(&dsv4_rope_plain_default, f);
-  CKD(dsv4_rope_table_create(f, MAX_POS, &rope));
-  float *mirror = gpu_rope_mirror(MAX_POS);
+  float *mirror = NULL;
+  dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &mirror);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   uint64_t rng = 0x13198A2E03707344ull;

@@ -48,11 +48,8 @@ static const char *part_of(uint64_t off, uint32_t bs, uint64_t *tok, uint64_t *l
 int main(void) {
   if (!gpu_available("gpu_inv_one_writer"))
     return GPU_SKIP;
-  float f[DSV4_ROPE_PAIRS];
-  dsv4_rope_table_t *rope = NULL;
-  dsv4_rope_inv_freq(&dsv4_rope_yarn_default, f);
-  CKD(dsv4_rope_table_create(f, MAX_POS, &rope));
-  float *mirror = gpu_rope_mirror(MAX_POS);
+  float *mirror = NULL;
+  dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_yarn_default, MAX_POS, &mirror);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   uint64_t rng = 0xA4093822299F31D0ull;

@@ -17,19 +17,11 @@
 
 #include "cuda-internal.cuh"
 #include "dsv4-numerics.h"
+#include "gpu_check.h"
 
 #define CHUNK_BITS 28
 #define CHUNK (1ull << CHUNK_BITS)
 #define BLOCK 256
-
-#define CK(call)                                                                                   \
-  do {                                                                                             \
-    cudaError_t ck_e_ = (call);                                                                    \
-    if (ck_e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(ck_e_));    \
-      exit(1);                                                                                     \
-    }                                                                                              \
-  } while (0)
 
 /* The UE8M0 code of a one-value tile, as the insert kernel derives it. */
 static __host__ __device__ inline uint8_t ue8m0_code(float x) {
@@ -84,13 +76,8 @@ static void *check(void *arg) {
 }
 
 int main(void) {
-  int n = 0;
-  cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess || n == 0) {
-    printf("gpu_numerics_test: skipped: no CUDA device (%s)\n",
-           e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-    return 77;
-  }
+  if (!gpu_available("gpu_numerics_test"))
+    return GPU_SKIP;
   int failures = 0;
 
   float in[3] = {1.0f + 0x1p-12f, 1.0f + 0x1p-12f, -(1.0f + 0x1p-11f)}, out = 1.0f;
