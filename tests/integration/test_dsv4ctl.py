@@ -5,7 +5,6 @@ verified, and the README's "load a dump in Python" block run on a real dump.
 dsv4ctl is found beside the daemon binary or in a directory above it (see ctl_path).
 """
 
-import http.client
 import json
 import os
 import pty
@@ -13,7 +12,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 import xxhash
@@ -43,41 +41,9 @@ def ctl_path():
     raise h.TestFailure("no dsv4ctl beside %s or above it (set DSV4CTL_BIN)" % h.DAEMON)
 
 
-def admin_port(d, timeout=5.0):
-    """The admin listener's port, from its {"msg":"listening","listener":"admin"} line."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for ln in list(d.lines):
-            try:
-                j = json.loads(ln)
-            except ValueError:
-                continue
-            if isinstance(j, dict) and j.get("msg") == "listening" and \
-                    j.get("listener") == "admin" and isinstance(j.get("port"), int):
-                return j["port"]
-        if time.monotonic() > deadline:
-            raise h.TestFailure("%s logged no admin listening line: %s" % (d.name, d.log_tail(20)))
-        time.sleep(0.02)
-
-
 def admin_url(d):
-    return "http://127.0.0.1:%d" % admin_port(d)
-
-
-def admin_get(d, path, token=None):
-    c = http.client.HTTPConnection("127.0.0.1", admin_port(d), timeout=30)
-    try:
-        c.request("GET", path, headers={"Authorization": "Bearer " + token} if token else {})
-        r = c.getresponse()
-        return h.Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
-    finally:
-        c.close()
-
-
-def admin_json(d, path, token=None):
-    r = admin_get(d, path, token)
-    check_eq(r.status, 200, "GET %s (body %r)" % (path, r.body[:300]))
-    return r.json()
+    d.admin_conn().close()  # waits for the admin listening line, fails without one
+    return "http://127.0.0.1:%d" % d.admin_port
 
 
 class Run:
@@ -148,7 +114,7 @@ def test_status_and_seq():
 
         r = ctl(d, "--json", "status")
         expect_rc(r, 0, "status --json")
-        route = admin_json(d, "/admin/v1/cache")
+        route = d.admin_json("/admin/v1/cache")
         same_doc(r.json(), route, "dsv4ctl --json status vs GET /admin/v1/cache")
         check_eq(route.get("instance"), d.instance, "cache instance")
 
@@ -165,7 +131,7 @@ def test_status_and_seq():
 
         r = ctl(d, "--json", "seq")
         expect_rc(r, 0, "seq --json")
-        route = admin_json(d, "/admin/v1/sequences")
+        route = d.admin_json("/admin/v1/sequences")
         same_doc(r.json(), route, "dsv4ctl --json seq vs GET /admin/v1/sequences")
         check_eq([s["seq"] for s in route["sequences"]], ["a", "b"], "sequences, sorted")
         r = ctl(d, "seq")
@@ -180,7 +146,7 @@ def test_status_and_seq():
 
         r = ctl(d, "--json", "seq", "a")
         expect_rc(r, 0, "seq a --json")
-        route = admin_json(d, "/admin/v1/sequences/a")
+        route = d.admin_json("/admin/v1/sequences/a")
         same_doc(r.json(), route, "dsv4ctl --json seq a vs GET /admin/v1/sequences/a")
         r = ctl(d, "seq", "a")
         expect_rc(r, 0, "seq a")
@@ -217,7 +183,7 @@ def test_token_and_checksum():
         for layer, pos in ((0, 0), (3, 69), (1, 64)):
             r = ctl(d, "--json", "token", "a", str(pos), "--layer", str(layer))
             expect_rc(r, 0, "token a %d --layer %d" % (pos, layer))
-            route = admin_json(d, "/admin/v1/sequences/a/tokens/%d?layer=%d" % (pos, layer))
+            route = d.admin_json("/admin/v1/sequences/a/tokens/%d?layer=%d" % (pos, layer))
             same_doc(r.json(), route, "dsv4ctl --json token vs the tokens route")
             rec = recs[layer][pos]
             check_eq(route["fp8"], rec[:448].tolist(), "token fp8 bytes vs the model")
@@ -243,7 +209,7 @@ def test_token_and_checksum():
                            (["--layer", "2", "--seq", "a"], "/admin/v1/checksums?layer=2&seq=a")):
             r = ctl(d, "--json", "checksum", *args)
             expect_rc(r, 0, "checksum %r" % args)
-            route = admin_json(d, path)
+            route = d.admin_json(path)
             same_doc(r.json(), route, "dsv4ctl --json checksum vs %s" % path)
             want = h.model().mod.records_digest(np.arange(70), recs[2])
             check_eq(route["sequences"]["a"]["digest"], want, "sequence digest vs the model")
@@ -284,7 +250,7 @@ def tty_stderr(cmd):
 
 def read_dump(path):
     with open(path, "rb") as f:
-        return h.st_decode(f.read())
+        return h.parse_dump(f.read())
 
 
 def test_dump_and_verify():
@@ -301,7 +267,7 @@ def test_dump_and_verify():
         check("(100%)" in r.err, "progress line on stderr with --progress: %r" % r.err)
         check_eq(os.stat(path).st_mode & 0o777, 0o600, "dump file mode")
         meta, tensors = read_dump(path)
-        route = admin_get(d, "/admin/v1/dump?seq=a")
+        route = d.admin("/admin/v1/dump?seq=a")
         check_eq(route.status, 200, "GET /admin/v1/dump")
         with open(path, "rb") as f:
             mine = f.read()
@@ -310,11 +276,10 @@ def test_dump_and_verify():
         check_eq(meta.get("seq"), "a", "dump metadata seq")
         check_eq(meta.get("layers"), "0-3", "dump metadata layers")
         for layer in range(4):
-            rec = h.st_array(tensors, "layers.%d.records" % layer, "U8", (70, 584))
-            pos = h.st_array(tensors, "layers.%d.positions" % layer, "I64", (70,))
+            pos, rec = tensors[layer]
             check(np.array_equal(rec, recs[layer]), "dump records of layer %d vs the model" % layer)
             check_eq(pos.tolist(), list(range(70)), "dump positions of layer %d" % layer)
-            ck = admin_json(d, "/admin/v1/checksums?layer=%d&seq=a" % layer)
+            ck = d.admin_json("/admin/v1/checksums?layer=%d&seq=a" % layer)
             check_eq(meta["digest.%d" % layer], ck["sequences"]["a"]["digest"],
                      "digest.%d vs the checksums route" % layer)
 
@@ -367,8 +332,7 @@ def test_dump_and_verify():
         expect_rc(r, 0, "dump --layers 1-2")
         check_eq([x["layer"] for x in r.json()["layers"]], [1, 2], "dumped layers")
         meta, tensors = read_dump(path)
-        check_eq(sorted(tensors), ["layers.1.positions", "layers.1.records",
-                                   "layers.2.positions", "layers.2.records"], "tensors of 1-2")
+        check_eq(sorted(tensors), [1, 2], "layers dumped by --layers 1-2")
 
         # The daemon's refusals: nothing is left behind.
         os.unlink(path)
@@ -393,13 +357,13 @@ def test_dump_empty_layers():
         path = os.path.join(tmp, "z.safetensors")
         try:
             for layer in (2, 3):
-                ck = admin_json(d, "/admin/v1/checksums?layer=%d&seq=z" % layer)["sequences"]["z"]
+                ck = d.admin_json("/admin/v1/checksums?layer=%d&seq=z" % layer)["sequences"]["z"]
                 check_eq((ck["records"], ck["digest"]), (0, EMPTY_DIGEST),
                          "checksums route: an empty layer's sequence digest")
             r = ctl(d, "--json", "dump", "--seq", "z", "--layers", "0-3", "-o", path)
             layers = r.json()["layers"] if r.out else []
             check_eq([(x["layer"], x["records"], x["expected"]) for x in layers],
-                     [(0, 3, admin_json(d, "/admin/v1/checksums?layer=0&seq=z")
+                     [(0, 3, d.admin_json("/admin/v1/checksums?layer=0&seq=z")
                        ["sequences"]["z"]["digest"])] +
                      [(i, 0, EMPTY_DIGEST) for i in (1, 2, 3)],
                      "dump of layers never written: records and digest.{L} of each layer")
@@ -412,10 +376,7 @@ def test_dump_empty_layers():
 
 def test_token_file():
     tmp = tempfile.mkdtemp(prefix="dsv4ctl-it-")
-    tok = os.path.join(tmp, "admin.token")
-    with open(tok, "w") as f:
-        f.write("admin-s3cret\n")
-    os.chmod(tok, 0o600)
+    tok = h.write_token_file(tmp, "admin-s3cret")
     try:
         with Daemon(h.SMALL + ["--admin-token-file", tok]) as d:
             r = ctl(d, "status")
@@ -424,13 +385,11 @@ def test_token_file():
                   "401 message: %r" % r.err)
             r = ctl(d, "--token-file", tok, "--json", "status")
             expect_rc(r, 0, "status with --token-file")
-            same_doc(r.json(), admin_json(d, "/admin/v1/cache", token="admin-s3cret"),
+            same_doc(r.json(), d.admin_json("/admin/v1/cache", token="admin-s3cret"),
                      "status with the token vs the route")
             r = ctl(d, "--json", "seq", env={"DSV4CTL_TOKEN_FILE": tok})
             expect_rc(r, 0, "seq with DSV4CTL_TOKEN_FILE")
-            wrong = os.path.join(tmp, "wrong.token")
-            with open(wrong, "w") as f:
-                f.write("admin-s3cres")
+            wrong = h.write_token_file(tmp, "admin-s3cres", name="wrong.token")
             r = ctl(d, "--token-file", wrong, "status")
             expect_rc(r, 1, "status with a wrong token")
             check("401 unauthorized" in r.err, "wrong token: %r" % r.err)
@@ -478,7 +437,7 @@ def test_readme_snippet():
         rows = [ln.split() for ln in p.stdout.splitlines()]
         check_eq(len(rows), 4, "README snippet: one line per layer: %r" % p.stdout)
         for layer, row in zip(range(4), rows):
-            ck = admin_json(d, "/admin/v1/checksums?layer=%d&seq=a" % layer)
+            ck = d.admin_json("/admin/v1/checksums?layer=%d&seq=a" % layer)
             check_eq(row, [str(layer), "70", ck["sequences"]["a"]["digest"], "ok"],
                      "README snippet line for layer %d" % layer)
 
@@ -499,7 +458,7 @@ def test_readme_snippet():
         meta, t = g["load_dump"](path)
         for layer, pos in ((0, 5), (3, 66)):
             nope, rope = g["decode"](t["layers.%d.records" % layer][pos:pos + 1])
-            route = admin_json(d, "/admin/v1/sequences/a/tokens/%d?layer=%d" % (pos, layer))
+            route = d.admin_json("/admin/v1/sequences/a/tokens/%d?layer=%d" % (pos, layer))
             check_eq(nope[0].tolist(), [float(x) for x in route["nope"]],
                      "snippet NoPE values vs the tokens route (layer %d pos %d)" % (layer, pos))
             check_eq(rope[0].tolist(), [float(x) for x in route["rope"]],
