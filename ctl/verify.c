@@ -30,7 +30,7 @@ static void copy_meta(const dsv4_st_view_t *st, const char *key, char *dst, size
   snprintf(dst, cap, "%s", s ? s : "");
 }
 
-static int is_hex16(const char *s) {
+int dsv4_ctl_is_digest(const char *s) {
   if (strlen(s) != 16)
     return 0;
   for (int i = 0; i < 16; i++)
@@ -233,7 +233,7 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
       rc = fail(out, "metadata has no %s", key);
       goto done;
     }
-    if (!is_hex16(want)) {
+    if (!dsv4_ctl_is_digest(want)) {
       rc = fail(out, "metadata %s \"%.64s\" is not 16 lowercase hex digits", key, want);
       goto done;
     }

@@ -51,6 +51,8 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
 /* The same for a file, read through mmap. DSV4_EIO when it cannot be opened or read. */
 int dsv4_ctl_verify_file(const char *path, dsv4_ctl_verify_t *out);
 void dsv4_ctl_verify_free(dsv4_ctl_verify_t *v);
+/* 1 when s is a digest as JSON and metadata write it: 16 lowercase hex digits. */
+int dsv4_ctl_is_digest(const char *s);
 /* 1 when every layer is ok. */
 int dsv4_ctl_verify_all_ok(const dsv4_ctl_verify_t *v);
 

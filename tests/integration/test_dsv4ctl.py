@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -343,9 +344,7 @@ def test_dump_and_verify():
             check(code in r.err, "dump %r: %r" % (args, r.err))
             check(not os.path.exists(path) and not os.path.exists(path + ".part"),
                   "a refused dump leaves no file")
-        for f in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, f))
-        os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_dump_empty_layers():
@@ -369,9 +368,7 @@ def test_dump_empty_layers():
                      "dump of layers never written: records and digest.{L} of each layer")
             expect_rc(r, 0, "dump with empty layers")
         finally:
-            for f in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, f))
-            os.rmdir(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_token_file():
@@ -396,9 +393,7 @@ def test_token_file():
             r = ctl(d, "--token-file", os.path.join(tmp, "missing"), "status")
             expect_rc(r, 2, "status with a missing token file")
     finally:
-        for f in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, f))
-        os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_no_daemon():
@@ -463,9 +458,7 @@ def test_readme_snippet():
                      "snippet NoPE values vs the tokens route (layer %d pos %d)" % (layer, pos))
             check_eq(rope[0].tolist(), [float(x) for x in route["rope"]],
                      "snippet RoPE values vs the tokens route (layer %d pos %d)" % (layer, pos))
-        for f in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, f))
-        os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
