@@ -130,6 +130,7 @@ typedef struct {
   char msg[160];
   json_t *details; /* merged into an error */
   json_t *doc;     /* the answer */
+  uint32_t step;   /* /cache: the served layer whose pool digest this run adds */
 } admin_job_t;
 
 /* Per-layer next and last-start objects keyed by model layer. */
@@ -143,33 +144,41 @@ static json_t *per_layer(const dsv4_config_t *cfg, const int64_t *v) {
   return o;
 }
 
+/*
+ * /cache, one served layer per executor job: the counts with the first, then one pool digest per
+ * job, so that a batch waits behind at most one layer's hashing (about 10 MB at the default pool),
+ * not every layer's (about 400 MB for 43 layers).
+ */
 static void run_cache(admin_job_t *j) {
   dsv4_daemon_t *d = j->d;
   const dsv4_config_t *cfg = d->cfg;
-  dsv4_engine_counts_t c;
-  dsv4_engine_counts(d->engine, &c);
-  json_t *layers = json_array(), *digests = json_object();
-  for (uint32_t i = 0; i < cfg->n_served && !j->rc; i++) {
-    char k[16];
-    uint64_t pd = 0;
-    key_u32(k, cfg->served_layers[i]);
-    json_array_append_new(layers, json_integer(cfg->served_layers[i]));
-    j->rc = dsv4_engine_pool_digest(d->engine, i, cfg->served_layers[i], &pd, NULL, NULL);
-    json_object_set_new(digests, k, hex_json(pd));
+  uint64_t pd = 0;
+  char k[16];
+  if (j->step == 0) {
+    dsv4_engine_counts_t c;
+    dsv4_engine_counts(d->engine, &c);
+    json_t *layers = json_array();
+    for (uint32_t i = 0; i < cfg->n_served; i++)
+      json_array_append_new(layers, json_integer(cfg->served_layers[i]));
+    uint32_t used = c.kv_blocks - c.blocks_free;
+    j->doc = json_pack(
+        "{s:s,s:s,s:s,s:s,s:s,s:s,s:I,s:i,s:i,s:I,s:i,s:o,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:o}",
+        "instance", d->instance, "version", DSV4_VERSION, "backend",
+        dsv4_engine_backend_name(d->engine), "layout", "fp8_ds_mla", "fp8", "F8_E4M3FN", "scale",
+        "UE8M0", "block_size", (json_int_t)c.block_size, "window", DSV4_WINDOW, "record_bytes",
+        DSV4_RECORD_BYTES, "stride", (json_int_t)c.stride, "heads", (int)cfg->heads,
+        "served_layers", layers, "kv_blocks", (json_int_t)c.kv_blocks, "blocks_used",
+        (json_int_t)used, "blocks_free", (json_int_t)c.blocks_free, "usage_ratio",
+        c.kv_blocks ? (double)used / (double)c.kv_blocks : 0.0, "blocks_pinned_released",
+        (json_int_t)c.blocks_pinned_released, "cache_bytes",
+        (json_int_t)dsv4_engine_cache_bytes(d->engine), "sequences", (json_int_t)c.sequences,
+        "pool_digests", json_object());
+    if (!j->doc)
+      return;
   }
-  uint32_t used = c.kv_blocks - c.blocks_free;
-  j->doc =
-      json_pack("{s:s,s:s,s:s,s:s,s:s,s:s,s:I,s:i,s:i,s:I,s:i,s:o,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:o}",
-                "instance", d->instance, "version", DSV4_VERSION, "backend",
-                dsv4_engine_backend_name(d->engine), "layout", "fp8_ds_mla", "fp8", "F8_E4M3FN",
-                "scale", "UE8M0", "block_size", (json_int_t)c.block_size, "window", DSV4_WINDOW,
-                "record_bytes", DSV4_RECORD_BYTES, "stride", (json_int_t)c.stride, "heads",
-                (int)cfg->heads, "served_layers", layers, "kv_blocks", (json_int_t)c.kv_blocks,
-                "blocks_used", (json_int_t)used, "blocks_free", (json_int_t)c.blocks_free,
-                "usage_ratio", c.kv_blocks ? (double)used / (double)c.kv_blocks : 0.0,
-                "blocks_pinned_released", (json_int_t)c.blocks_pinned_released, "cache_bytes",
-                (json_int_t)dsv4_engine_cache_bytes(d->engine), "sequences",
-                (json_int_t)c.sequences, "pool_digests", digests);
+  key_u32(k, cfg->served_layers[j->step]);
+  j->rc = dsv4_engine_pool_digest(d->engine, j->step, cfg->served_layers[j->step], &pd, NULL, NULL);
+  json_object_set_new(json_object_get(j->doc, "pool_digests"), k, hex_json(pd));
 }
 
 typedef struct {
@@ -454,6 +463,15 @@ static void admin_run(dsv4_job_t *job) {
 /* Loop thread. */
 static void admin_done(dsv4_job_t *job) {
   admin_job_t *j = (admin_job_t *)job;
+  if (!j->rc && j->doc && j->kind == AJ_CACHE && ++j->step < j->d->cfg->n_served) {
+    /* The next layer, behind whatever was queued meanwhile; never refused for a full queue (one
+     * step of one request at a time). Nothing runs once the executor has stopped. */
+    if (!j->d->ex.stopping) {
+      dsv4_executor_submit_force(&j->d->ex, &j->job);
+      return;
+    }
+    j->rc = DSV4_EDRAIN;
+  }
   if (j->rc == DSV4_ENOSEQ || j->rc == DSV4_EEXPIRED) {
     dsv4__admin_seq_error(j->d, j->req, j->rc, j->seq);
     json_decref(j->details);
