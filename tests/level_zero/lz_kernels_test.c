@@ -48,7 +48,7 @@
 #define RUNS 20
 #define RANDOM_SHAPES 16
 
-static void die(const char *fmt, ...) {
+__attribute__((noreturn, format(printf, 1, 2))) static void die(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   fputs("lz_kernels_test: ", stderr);
@@ -804,7 +804,7 @@ static int check_no_driver(void) {
 
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "identity";
-  const char *defines;
+  const char *defines = NULL; /* NULL: the level_zero backend instead of OpenCL */
   int counting = 0, fp64 = 0, runs = RUNS;
   if (!strcmp(mode, "identity"))
     defines = "";
