@@ -102,6 +102,15 @@ struct dsv4_backend {
   const dsv4_backend_ops_t *ops;
 };
 
+/*
+ * The argument checks every backend makes before it writes anything: 0 or DSV4_EINVAL. A launch of
+ * zero tokens needs no pointers (it is valid and does nothing). The insert check covers everything
+ * but the RoPE rows, which each backend holds in its own form. Pointers are only compared with
+ * NULL, so these work on device addresses too.
+ */
+int dsv4_backend_check_map_args(const dsv4_map_args_t *a);
+int dsv4_backend_check_insert_args(const dsv4_insert_args_t *a);
+
 typedef struct {
   uint32_t threads; /* CPU worker threads; 0 = one per online core */
 } dsv4_backend_options_t;

@@ -28,6 +28,9 @@
 #define DSV4_MIN_BLOCK_SIZE 16
 #define DSV4_MAX_BLOCK_SIZE 256
 #define DSV4_ROPE_ROW_FLOATS 64 /* cos[0..31] then sin[0..31] */
+/* A block size the cache layout allows: a power of two in 16..256. */
+#define DSV4_BLOCK_SIZE_VALID(bs)                                                                  \
+  ((bs) >= DSV4_MIN_BLOCK_SIZE && (bs) <= DSV4_MAX_BLOCK_SIZE && ((bs) & ((bs)-1)) == 0)
 
 /* Bytes between consecutive blocks of one layer's cache. */
 #define DSV4_BLOCK_STRIDE(bs)                                                                      \

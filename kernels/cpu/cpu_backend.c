@@ -136,10 +136,6 @@ static int cpu_sync(dsv4_backend_t *be) {
   return 0;
 }
 
-static int is_block_size(uint32_t bs) {
-  return bs >= DSV4_MIN_BLOCK_SIZE && bs <= DSV4_MAX_BLOCK_SIZE && (bs & (bs - 1)) == 0;
-}
-
 #ifdef TEST_PRODUCER
 static int cpu_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a);
 /* Set on producer threads: their map_slots call maps its tokens itself. */
@@ -210,13 +206,9 @@ static int test_delayed_map(cpu_backend_t *c, const dsv4_map_args_t *a) {
  */
 static int cpu_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
   (void)be;
-  if (!a || !is_block_size(a->block_size))
-    return DSV4_EINVAL;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->positions || !a->tok_seg || !a->seg_first_lb || !a->seg_bt_off || !a->seg_bt_len ||
-      !a->slots || (a->n_segments && !a->block_table))
-    return DSV4_EINVAL;
+  int rc = dsv4_backend_check_map_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
   const int64_t bs = a->block_size;
   for (uint32_t t = 0; t < a->n_tokens; t++) {
     int32_t s = a->tok_seg[t];
@@ -273,18 +265,15 @@ static void insert_items(void *varg, size_t first, size_t last) {
 
 static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   cpu_backend_t *c = cpu_of(be);
-  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS)
-    return DSV4_EINVAL;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->q || !a->kv || !a->positions || !a->slots || !a->rope || !a->q_out)
+  int rc = dsv4_backend_check_insert_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
+  if (!a->rope)
     return DSV4_EINVAL;
   insert_job_t j = {.a = a, .isa = c->isa};
   /* A q_out larger than the caches would only evict the next batch's inputs on its way out. */
   j.stream = (uint64_t)a->n_tokens * a->heads * DSV4_HEAD_DIM * 2 >= c->stream_bytes;
   if (a->write_kv) {
-    if (!a->cache || !is_block_size(a->block_size) || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
-      return DSV4_EINVAL;
     j.n_slots = (uint64_t)a->n_blocks * a->block_size;
     /* Every slot is checked before anything is written, so a bad batch changes nothing. */
     for (uint32_t t = 0; t < a->n_tokens; t++)

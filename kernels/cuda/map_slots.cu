@@ -77,14 +77,9 @@ __global__ void __launch_bounds__(MAP_BLOCK) dsv4__map_slots_kernel(map_params_t
 }
 
 extern "C" int dsv4__cuda_map_slots(const dsv4_map_args_t *a, cudaStream_t s, int pdl) {
-  if (!a || a->block_size < DSV4_MIN_BLOCK_SIZE || a->block_size > DSV4_MAX_BLOCK_SIZE ||
-      (a->block_size & (a->block_size - 1)) != 0)
-    return DSV4_EINVAL;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->positions || !a->tok_seg || !a->seg_first_lb || !a->seg_bt_off || !a->seg_bt_len ||
-      !a->slots || (a->n_segments && !a->block_table))
-    return DSV4_EINVAL;
+  int rc = dsv4_backend_check_map_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
   dsv4__cuda_dev_t dev;
   int err = dsv4__cuda_dev_info(&dev);
   if (err)

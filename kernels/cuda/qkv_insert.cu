@@ -418,12 +418,10 @@ template <int S> static int blocks_per_sm(void) {
 
 extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_dev,
                                      int64_t max_positions, cudaStream_t s, int pdl) {
-  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS)
-    return DSV4_EINVAL;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->q || !a->kv || !a->positions || !a->slots || !rope_rows_dev || !a->q_out ||
-      max_positions <= 0)
+  int rc = dsv4_backend_check_insert_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
+  if (!rope_rows_dev || max_positions <= 0)
     return DSV4_EINVAL;
   if (((uintptr_t)a->q | (uintptr_t)a->kv | (uintptr_t)a->q_out | (uintptr_t)rope_rows_dev |
        (uintptr_t)a->kv_norm_weight) &
@@ -432,8 +430,7 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   insert_params_t p = {};
   if (a->write_kv) {
     uint32_t bs = a->block_size;
-    if (!a->cache || ((uintptr_t)a->cache & 15u) || bs < DSV4_MIN_BLOCK_SIZE ||
-        bs > DSV4_MAX_BLOCK_SIZE || (bs & (bs - 1)) != 0 || a->stride != DSV4_BLOCK_STRIDE(bs))
+    if ((uintptr_t)a->cache & 15u)
       return DSV4_EINVAL;
     while ((1u << p.bs_shift) < bs)
       p.bs_shift++;

@@ -312,19 +312,11 @@ static int lz_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
   return 0;
 }
 
-static int is_block_size(uint32_t bs) {
-  return bs >= DSV4_MIN_BLOCK_SIZE && bs <= DSV4_MAX_BLOCK_SIZE && (bs & (bs - 1)) == 0;
-}
-
 static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
   lz_backend_t *z = lz_of(be);
-  if (!a || !is_block_size(a->block_size))
-    return DSV4_EINVAL;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->positions || !a->tok_seg || !a->seg_first_lb || !a->seg_bt_off || !a->seg_bt_len ||
-      !a->slots || (a->n_segments && !a->block_table))
-    return DSV4_EINVAL;
+  int rc = dsv4_backend_check_map_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
   uint64_t groups = ((uint64_t)a->n_tokens + DSV4_LZ_MAP_GROUP_SIZE - 1) / DSV4_LZ_MAP_GROUP_SIZE;
   if (groups > z->max_groups_x)
     return DSV4_EINVAL;
@@ -403,21 +395,17 @@ static int lz_stage_rope(lz_backend_t *z, const dsv4_insert_args_t *a) {
 
 static int lz_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   lz_backend_t *z = lz_of(be);
-  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS)
-    return DSV4_EINVAL;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->q || !a->kv || !a->positions || !a->slots || !a->rope || !a->q_out)
-    return DSV4_EINVAL;
-  if (a->write_kv &&
-      (!a->cache || !is_block_size(a->block_size) || a->stride != DSV4_BLOCK_STRIDE(a->block_size)))
+  int rc = dsv4_backend_check_insert_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
+  if (!a->rope)
     return DSV4_EINVAL;
   uint64_t rows = (uint64_t)a->n_tokens * a->heads + (a->write_kv ? a->n_tokens : 0);
   if (rows > UINT32_MAX)
     return DSV4_EINVAL;
   if (z->failed)
     return DSV4_EBACKEND;
-  int rc = lz_stage_rope(z, a);
+  rc = lz_stage_rope(z, a);
   if (rc)
     return rc;
 
