@@ -30,29 +30,9 @@
 #include <time.h>
 #include <unistd.h>
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
+#include "bench_child.h"
 
 static pid_t daemon_pid = -1, bare_pid = -1;
-
-static void stop_child(pid_t *pid) {
-  if (*pid <= 0)
-    return;
-  kill(*pid, SIGTERM);
-  for (int i = 0; i < 100; i++) {
-    if (waitpid(*pid, NULL, WNOHANG) == *pid) {
-      *pid = -1;
-      return;
-    }
-    usleep(50000);
-  }
-  kill(*pid, SIGKILL);
-  waitpid(*pid, NULL, 0);
-  *pid = -1;
-}
 
 static void die(const char *fmt, ...) {
   va_list ap;

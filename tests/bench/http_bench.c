@@ -46,6 +46,7 @@
 #include <unistd.h>
 #include <arpa/inet.h>
 
+#include "bench_child.h"
 #include "backend.h"
 #include "dsv4-layout.h"
 #include "rope.h"
@@ -89,12 +90,6 @@ static opts_t O = {
     .run_bare = 1,
     .run_cpu = 1,
 };
-
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static void die(const char *fmt, const char *arg) {
   fprintf(stderr, "http_bench: ");
@@ -667,22 +662,6 @@ static int run_target(int port, int is_daemon, int round, uint32_t n, const uint
 
 static pid_t daemon_pid = -1, bare_pid = -1;
 static char daemon_log[64];
-
-static void stop_child(pid_t *pid) {
-  if (*pid <= 0)
-    return;
-  kill(*pid, SIGTERM);
-  for (int i = 0; i < 100; i++) {
-    if (waitpid(*pid, NULL, WNOHANG) == *pid) {
-      *pid = -1;
-      return;
-    }
-    usleep(50000);
-  }
-  kill(*pid, SIGKILL);
-  waitpid(*pid, NULL, 0);
-  *pid = -1;
-}
 
 static void stop_children(void) {
   stop_child(&daemon_pid);
