@@ -283,6 +283,14 @@ def test_dump_refused_off_loopback_without_token():
         check(any("dumps are refused" in ln for ln in d.lines), "start-up warning logged")
 
 
+def stall_prefill(d, exp, rng):
+    """Sequence "big" with 3000 positions stored at layers 0 and 1: layers 2 and 3 never written hold
+    back every release, so its dump (3.5 MB) is far more than a stalled reader's socket buffers
+    take in, and stays in flight until the reader goes."""
+    for layer in (0, 1):
+        send(d, exp, rng, layer, [Seg("big", 0, 3000, new=(layer == 0))])
+
+
 def raw_dump_request(d, path, rcvbuf=4096):
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -295,7 +303,7 @@ def test_one_dump_at_a_time_and_disconnect():
     with Daemon(h.SMALL) as d:
         rng = np.random.default_rng(14)
         exp = Expected()
-        prefill(d, exp, rng, "big", 3000)  # 4 layers x 3000 x 592 bytes: more than socket buffers
+        stall_prefill(d, exp, rng)
         prefill(d, exp, rng, "small", 2)
         used = d.admin_json("/admin/v1/cache")["blocks_used"]
         slow = raw_dump_request(d, "/admin/v1/dump?seq=big")
@@ -339,7 +347,7 @@ def test_sigterm_during_stalled_dump():
     d = Daemon(h.SMALL + ["--drain-timeout-ms", "300"]).start()
     try:
         rng = np.random.default_rng(17)
-        prefill(d, Expected(), rng, "big", 3000)
+        stall_prefill(d, Expected(), rng)
         slow = raw_dump_request(d, "/admin/v1/dump?seq=big")
         check(slow.recv(64).startswith(b"HTTP/1.1 200"), "dump answers 200")
         t0 = time.monotonic()
