@@ -59,7 +59,7 @@ ctest --test-dir "$build" --output-on-failure \
   tee "$out/ctest-engine.log" || rc=1
 # A CUDA context takes longer than the CPU backend's 1 s start-up budget of test_lifecycle.
 DSV4_TEST_BACKEND=cuda DSV4_IT_STARTUP_LIMIT=${DSV4_IT_STARTUP_LIMIT:-5} PYTHONUNBUFFERED=1 \
-  ctest --test-dir "$build" --output-on-failure -L integration -LE staged -j4 2>&1 |
+  ctest --test-dir "$build" --output-on-failure -L integration -LE staged -j8 2>&1 |
   tee "$out/ctest-integration.log" || rc=1
 # Where a batch's time goes on each backend (a table; it fails only on a wrong answer).
 PYTHONUNBUFFERED=1 "$py" tests/gpu/forward_stages.py "$build/dsv4d" tests/reference/dsv4_ref.py \
