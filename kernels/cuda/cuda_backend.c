@@ -9,7 +9,8 @@
  *
  * Host copies go through a pinned buffer of two halves. An upload copies the caller's bytes into
  * the current half and queues the DMA from there, so it returns without waiting for the device;
- * an event per half, recorded after each DMA that reads it, says when its bytes may be overwritten.
+ * an event per half, recorded when the uploads move on to the other half, says when its bytes may
+ * be overwritten.
  * A download queues the DMA into a half, waits for it and copies out, alternating halves so that
  * the copy-out of one piece overlaps the DMA of the next. Pinned memory moves about 55 GB/s over
  * PCIe gen5 against 16-20 GB/s from pageable memory (FIELD-NOTES); large copies into and out of it
@@ -43,9 +44,10 @@
  * half, small enough that two of them are cheap to pin. */
 #define STAGE_HALF ((size_t)16 << 20)
 #define STAGE_ALIGN ((size_t)256)
-/* Host copies at least this large are split over the host threads, in pieces of COPY_PIECE. */
-#define COPY_PARALLEL ((size_t)2 << 20)
-#define COPY_PIECE ((size_t)512 << 10)
+/* Host copies at least this large are split over the host threads, in pieces of COPY_PIECE (a
+ * 64-token decode batch's 4 MiB of q is 32 pieces: every core of a GPU host gets some). */
+#define COPY_PARALLEL ((size_t)1 << 20)
+#define COPY_PIECE ((size_t)128 << 10)
 /* Host tables mirrored at once: the engine has two (plain and YaRN). */
 #define MAX_MIRRORS 8
 #define ROPE_ROW_BYTES (DSV4_ROPE_ROW_FLOATS * sizeof(float))
@@ -67,7 +69,7 @@ typedef struct {
   uint8_t *pin; /* two halves of STAGE_HALF bytes, pinned */
   size_t used[2];
   int half;
-  cudaEvent_t done[2]; /* recorded after the last DMA that reads each half */
+  cudaEvent_t done[2]; /* recorded when the uploads move to the other half, after its last DMA */
   rope_mirror_t mirrors[MAX_MIRRORS];
   int n_mirrors;
   /* Host threads (the CPU backend's pool): batch validation through host_parallel, and the copies
@@ -123,20 +125,21 @@ static void stage_reset(cuda_backend_t *c) {
 
 /*
  * n (<= STAGE_HALF) bytes of pinned space for an upload: in the current half, or in the other one
- * once every DMA that read it has completed. *h receives the half, to record its event after the
- * DMA is queued.
+ * once every DMA that read it has completed. Leaving a half records its event on the stream, after
+ * every DMA queued so far (those reading it among them), so one event per switch covers them all.
  */
-static int stage_take(cuda_backend_t *c, size_t n, uint8_t **p, int *h) {
+static int stage_take(cuda_backend_t *c, size_t n, uint8_t **p) {
   size_t need = (n + STAGE_ALIGN - 1) & ~(STAGE_ALIGN - 1);
   if (c->used[c->half] + need > STAGE_HALF) {
+    int rc = cu(cudaEventRecord(c->done[c->half], c->stream));
     c->half ^= 1;
-    int rc = cu(cudaEventSynchronize(c->done[c->half]));
+    if (!rc)
+      rc = cu(cudaEventSynchronize(c->done[c->half]));
     if (rc)
       return rc;
     c->used[c->half] = 0;
   }
   *p = c->pin + (size_t)c->half * STAGE_HALF + c->used[c->half];
-  *h = c->half;
   c->used[c->half] += need;
   return 0;
 }
@@ -148,14 +151,11 @@ static int h2d(cuda_backend_t *c, void *dst, const void *src, size_t n) {
   while (n) {
     size_t k = n < STAGE_HALF ? n : STAGE_HALF;
     uint8_t *p;
-    int h;
-    int rc = stage_take(c, k, &p, &h);
+    int rc = stage_take(c, k, &p);
     if (rc)
       return rc;
     host_copy(c, p, s, k);
     rc = cu(cudaMemcpyAsync(d, p, k, cudaMemcpyHostToDevice, c->stream));
-    if (!rc)
-      rc = cu(cudaEventRecord(c->done[h], c->stream));
     if (rc)
       return rc;
     s += k;

@@ -33,8 +33,11 @@ done
   nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader || true
   "$py" -c 'import sys, numpy; print("python", sys.version.split()[0], "numpy", numpy.__version__)'
   "$py" -c 'import xxhash' 2>/dev/null && echo "xxhash module" || echo "xxhash through ctypes"
-  git log --oneline -1 2>/dev/null || true
-  git status --short --untracked-files=no 2>/dev/null | sed 's/^/uncommitted: /' || true
+  # Only when this directory is a checkout of its own (not an exported tree inside another).
+  if [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$PWD" ]; then
+    git log --oneline -1
+    git status --short --untracked-files=no | sed 's/^/uncommitted: /'
+  fi
 } | tee "$out/machine.txt"
 cap=$( (nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null || true) |
   head -n 1 | tr -d '.')
@@ -46,7 +49,10 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF -DDSV4
 # Only what the runs below use (the kernel tests of tests/gpu run on their own), and dsv4ctl for
 # the integration test that drives it.
 targets="dsv4d engine_test engine_bounds_test cuda_backend_test"
-if cmake --build "$build" --target help 2>/dev/null | grep -q 'dsv4ctl$'; then
+# (The list is read whole first: grep -q would stop reading early, and pipefail would count cmake's
+# broken pipe as the test failing.)
+help=$(cmake --build "$build" --target help 2>/dev/null || true)
+if grep -q 'dsv4ctl$' <<<"$help"; then
   targets="$targets dsv4ctl"
 fi
 # shellcheck disable=SC2086 # one word per target
