@@ -43,6 +43,10 @@ unsigned dsv4__cpu_pool_threads(const dsv4__cpu_pool_t *p);
  */
 void dsv4__cpu_pool_run(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg, size_t n_items,
                         size_t chunk);
+/* dsv4__cpu_pool_run in a few chunks per participant, which balances uneven items (a backend's
+ * host_parallel: segments of different lengths). */
+void dsv4__cpu_pool_run_balanced(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg,
+                                 size_t n_items);
 /* The MXCSR each worker thread saw at its start (x86 only; 0 elsewhere). */
 unsigned dsv4__cpu_pool_start_mxcsr(const dsv4__cpu_pool_t *p, unsigned worker);
 

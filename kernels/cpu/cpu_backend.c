@@ -306,10 +306,7 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
 
 static void cpu_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
                               void *arg, size_t n_items) {
-  cpu_backend_t *c = cpu_of(be);
-  /* A few chunks per participant balance uneven items (segments of different lengths). */
-  size_t chunk = n_items / ((size_t)dsv4__cpu_pool_threads(c->pool) * 4);
-  dsv4__cpu_pool_run(c->pool, fn, arg, n_items, chunk ? chunk : 1);
+  dsv4__cpu_pool_run_balanced(cpu_of(be)->pool, fn, arg, n_items);
 }
 
 static const dsv4_backend_ops_t cpu_ops = {

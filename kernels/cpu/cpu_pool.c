@@ -260,3 +260,9 @@ unsigned dsv4__cpu_pool_participant(void) {
   return dsv4__cpu_test_participant;
 }
 #endif
+
+void dsv4__cpu_pool_run_balanced(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg,
+                                 size_t n_items) {
+  size_t chunk = n_items / ((size_t)dsv4__cpu_pool_threads(p) * 4);
+  dsv4__cpu_pool_run(p, fn, arg, n_items, chunk ? chunk : 1);
+}

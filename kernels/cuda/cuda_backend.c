@@ -377,10 +377,7 @@ static int cuda_sync(dsv4_backend_t *be) {
 
 static void cuda_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
                                void *arg, size_t n_items) {
-  cuda_backend_t *c = cuda_of(be);
-  /* A few chunks per participant balance uneven items (segments of different lengths). */
-  size_t chunk = n_items / ((size_t)dsv4__cpu_pool_threads(c->pool) * 4);
-  dsv4__cpu_pool_run(c->pool, fn, arg, n_items, chunk ? chunk : 1);
+  dsv4__cpu_pool_run_balanced(cuda_of(be)->pool, fn, arg, n_items);
 }
 
 static const dsv4_backend_ops_t cuda_ops = {
