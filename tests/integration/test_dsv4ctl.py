@@ -414,7 +414,7 @@ def readme_snippet():
 
 
 def test_readme_snippet():
-    """The README's plain-numpy loader, run with /usr/bin/python3 on a real dump, prints every
+    """The README's plain-numpy loader, run by the tests' interpreter on a real dump, prints every
     layer's digest and it matches the metadata and the checksums route; its decoder gives the
     tokens route's dequantised values."""
     with Daemon(h.SMALL) as d:
@@ -426,7 +426,7 @@ def test_readme_snippet():
         with open(script, "w") as f:
             f.write(readme_snippet())
         expect_rc(ctl(d, "dump", "--seq", "a", "-o", path), 0, "dump for the snippet")
-        p = subprocess.run(["/usr/bin/python3", script, path], stdout=subprocess.PIPE,
+        p = subprocess.run([sys.executable, script, path], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
         check_eq(p.returncode, 0, "README snippet exit status (stderr %r)" % p.stderr[-2000:])
         rows = [ln.split() for ln in p.stdout.splitlines()]
