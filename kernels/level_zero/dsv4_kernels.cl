@@ -93,7 +93,8 @@ static float rms_factor(float ss, float eps) {
  * The producer: one work-item per token. A token whose logical block is not in its segment's block
  * table (or maps to a negative id) gets slot -1. Arguments the CPU backend would refuse (a segment
  * index out of range, a negative position, a block id beyond the pool) set a bit of *err and give
- * slot -1, so the launch never reads or writes out of bounds; the host turns the bits into an error.
+ * slot -1, so the launch never reads or writes out of bounds; the host turns the bits into an
+ * error.
  */
 __kernel __attribute__((reqd_work_group_size(DSV4_LZ_MAP_GROUP_SIZE, 1, 1))) void
 dsv4_map_slots(uint n_tokens, uint block_size, uint n_blocks, __global const long *positions,
@@ -173,7 +174,7 @@ dsv4_qkv_insert(uint row0, uint n_rows, uint n_tokens, uint heads, uint write_kv
     r = rms_factor(dsv4_fold32(p), eps);
   }
 
-  /* KV: the stored values z (after the fused norm, rounded to bf16) and this lane's tile maximum. */
+  /* KV: the stored values z (after the fused norm, rounded to bf16), this lane's tile maximum. */
   float tmax = DSV4_AMAX_FLOOR;
   if (is_kv) {
     if (fused)
