@@ -6,8 +6,10 @@
  *
  * It implements exactly the ze* functions the backend calls, with the prototypes of ze_api.h, and
  * is linked into a test program in place of the loader. It is strict where the real API is:
- *   - commands go to an OUT-OF-ORDER OpenCL queue, so, as on Level Zero, two commands not
- *     separated by a barrier may run in any order or at once;
+ *   - two commands not separated by a barrier may run in any order on Level Zero; here they run
+ *     in the REVERSE of the order they were appended, one at a time (each waits on a gate that
+ *     the next barrier opens, last first), so a missing barrier shows on every run rather than
+ *     when a scheduler happens to reorder;
  *   - device memory starts as 0xA5 bytes (never zero), so a missing zero-fill shows;
  *   - zeModuleCreate wants SPIR-V (the magic number) and the build flag
  *     -cl-fp32-correctly-rounded-divide-sqrt; since PoCL takes no SPIR-V, it builds the same .cl
@@ -42,7 +44,10 @@ struct _ze_event_pool_handle_t {
   int unused;
 };
 struct _ze_command_list_handle_t {
-  cl_command_queue q;
+  cl_command_queue q; /* out of order: the order is set by the gates and barriers */
+  cl_event *gate;     /* since the last barrier: each command's user-event gate ... */
+  cl_event *done;     /* ... and its completion */
+  size_t n, cap;
 };
 struct _ze_event_handle_t {
   cl_event ev; /* NULL until a command signals it */
@@ -263,8 +268,58 @@ ze_result_t ZE_APICALL zeCommandListCreateImmediate(ze_context_handle_t hContext
   return ZE_RESULT_SUCCESS;
 }
 
+/* A closed gate for the next command; *gate is what the command waits on. */
+static ze_result_t gate_new(ze_command_list_handle_t l, cl_event *gate) {
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 8;
+    cl_event *g2 = realloc(l->gate, cap * sizeof(*g2));
+    if (!g2)
+      return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+    l->gate = g2;
+    cl_event *d2 = realloc(l->done, cap * sizeof(*d2));
+    if (!d2)
+      return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;
+    l->done = d2;
+    l->cap = cap;
+  }
+  cl_int e;
+  *gate = clCreateUserEvent(g.ctx, &e);
+  return from_cl(e);
+}
+
+/* Records an enqueued command (or, when the enqueue failed, opens and drops its gate). */
+static ze_result_t gate_keep(ze_command_list_handle_t l, cl_event gate, cl_event done, cl_int e) {
+  if (e != CL_SUCCESS) {
+    clSetUserEventStatus(gate, CL_COMPLETE);
+    clReleaseEvent(gate);
+    return from_cl(e);
+  }
+  l->gate[l->n] = gate;
+  l->done[l->n++] = done;
+  return ZE_RESULT_SUCCESS;
+}
+
+/* Runs the commands appended since the last barrier, last appended first, one at a time. */
+static ze_result_t gates_open(ze_command_list_handle_t l) {
+  cl_int e = CL_SUCCESS;
+  for (size_t i = l->n; i-- > 0;) {
+    cl_int e1 = clSetUserEventStatus(l->gate[i], CL_COMPLETE);
+    cl_int e2 = clFlush(l->q);
+    cl_int e3 = clWaitForEvents(1, &l->done[i]);
+    if (e == CL_SUCCESS)
+      e = e1 != CL_SUCCESS ? e1 : e2 != CL_SUCCESS ? e2 : e3;
+    clReleaseEvent(l->gate[i]);
+    clReleaseEvent(l->done[i]);
+  }
+  l->n = 0;
+  return from_cl(e);
+}
+
 ze_result_t ZE_APICALL zeCommandListDestroy(ze_command_list_handle_t l) {
+  (void)gates_open(l);
   clFinish(l->q);
+  free(l->gate);
+  free(l->done);
   clReleaseCommandQueue(l->q);
   free(l);
   return ZE_RESULT_SUCCESS;
@@ -276,6 +331,9 @@ ze_result_t ZE_APICALL zeCommandListAppendBarrier(ze_command_list_handle_t l,
                                                   ze_event_handle_t *phWaitEvents) {
   if (numWaitEvents || phWaitEvents)
     return ZE_RESULT_ERROR_UNSUPPORTED_FEATURE; /* the backend never waits on events */
+  ze_result_t r = gates_open(l);
+  if (r != ZE_RESULT_SUCCESS)
+    return r;
   cl_event ev = NULL;
   cl_int e = clEnqueueBarrierWithWaitList(l->q, 0, NULL, hSignalEvent ? &ev : NULL);
   if (e == CL_SUCCESS && hSignalEvent) {
@@ -297,7 +355,12 @@ ze_result_t ZE_APICALL zeCommandListAppendMemoryCopy(ze_command_list_handle_t l,
     fprintf(stderr, "fake_ze: copy of %zu bytes outside the allocations\n", size);
     return ZE_RESULT_ERROR_INVALID_ARGUMENT;
   }
-  return from_cl(clEnqueueSVMMemcpy(l->q, CL_FALSE, dst, src, size, 0, NULL, NULL));
+  cl_event gate, done;
+  ze_result_t r = gate_new(l, &gate);
+  if (r != ZE_RESULT_SUCCESS)
+    return r;
+  cl_int e = clEnqueueSVMMemcpy(l->q, CL_FALSE, dst, src, size, 1, &gate, &done);
+  return gate_keep(l, gate, done, e);
 }
 
 ze_result_t ZE_APICALL zeCommandListAppendMemoryFill(ze_command_list_handle_t l, void *ptr,
@@ -309,7 +372,12 @@ ze_result_t ZE_APICALL zeCommandListAppendMemoryFill(ze_command_list_handle_t l,
     return ZE_RESULT_ERROR_UNSUPPORTED_FEATURE;
   if (find_alloc(ptr, size) < 0 || size % pattern_size)
     return ZE_RESULT_ERROR_INVALID_ARGUMENT;
-  return from_cl(clEnqueueSVMMemFill(l->q, ptr, pattern, pattern_size, size, 0, NULL, NULL));
+  cl_event gate, done;
+  ze_result_t r = gate_new(l, &gate);
+  if (r != ZE_RESULT_SUCCESS)
+    return r;
+  cl_int e = clEnqueueSVMMemFill(l->q, ptr, pattern, pattern_size, size, 1, &gate, &done);
+  return gate_keep(l, gate, done, e);
 }
 
 ze_result_t ZE_APICALL zeCommandListAppendLaunchKernel(
@@ -322,7 +390,12 @@ ze_result_t ZE_APICALL zeCommandListAppendLaunchKernel(
       groups->groupCountZ != 1 || k->group == 0)
     return ZE_RESULT_ERROR_INVALID_ARGUMENT;
   size_t local = k->group, global = (size_t)groups->groupCountX * local;
-  return from_cl(clEnqueueNDRangeKernel(l->q, k->k, 1, NULL, &global, &local, 0, NULL, NULL));
+  cl_event gate, done;
+  ze_result_t r = gate_new(l, &gate);
+  if (r != ZE_RESULT_SUCCESS)
+    return r;
+  cl_int e = clEnqueueNDRangeKernel(l->q, k->k, 1, NULL, &global, &local, 1, &gate, &done);
+  return gate_keep(l, gate, done, e);
 }
 
 ze_result_t ZE_APICALL zeEventPoolCreate(ze_context_handle_t hContext,

@@ -65,8 +65,8 @@ if(DSV4_LEVEL_ZERO)
 endif()
 
 # The host glue end to end without an Intel GPU: lz_backend.c linked against a test double of the
-# Level Zero API over OpenCL (tests/level_zero/fake_ze.c: an out-of-order queue, so only the
-# backend's barriers order its commands; device memory not zeroed; strict argument checks). The
+# Level Zero API over OpenCL (tests/level_zero/fake_ze.c: commands between two barriers run last
+# appended first, so only the backend's barriers order its commands; device memory not zeroed; strict argument checks). The
 # double builds the same .cl source (PoCL takes no SPIR-V), so this checks the glue, not the SPIR-V.
 if(DSV4_LEVEL_ZERO)
   function(dsv4_lz_fake_test name)
@@ -84,7 +84,7 @@ if(DSV4_LEVEL_ZERO)
   endfunction()
   dsv4_lz_fake_test(lz_fake_ze_test)
   # SPEC §5.2's broken build for Level Zero: kernels launched without the barrier in front of them.
-  # On the double's out-of-order queue the consumer then races the producer and the RoPE copy.
+  # The double then runs the consumer before the producer and the RoPE copy, on every run.
   dsv4_lz_fake_test(lz_fake_ze_test_no_barrier DSV4_TEST_BROKEN_NO_BARRIER)
   add_test(NAME lz_fake_ze_backend_broken_no_barrier
            COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
