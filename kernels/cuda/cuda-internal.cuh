@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "cuda-kernels.h"
+#include "dsv4-numerics.h"
 
 /*
  * griddepcontrol (PTX ISA 7.8, sm_90+). wait: block until every grid this one depends on has
@@ -42,6 +43,22 @@ static __device__ __forceinline__ uint32_t dsv4__bf16x2_rn(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+}
+
+/*
+ * Two fp32 values to a packed pair of fp8 E4M3FN bytes (lo in the low byte), round to nearest even,
+ * saturating to +-448: one instruction on sm_89+, dsv4_f32_to_e4m3 of each value below. For every
+ * non-NaN input both are dsv4_f32_to_e4m3 (tests/gpu/gpu_numerics_test checks all 2^32); a NaN
+ * becomes a NaN code without its sign, and the kernels never produce one (see dsv4__bf16x2_rn).
+ */
+static __device__ __forceinline__ uint32_t dsv4__e4m3x2_rn(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (uint32_t)dsv4_f32_to_e4m3(lo) | ((uint32_t)dsv4_f32_to_e4m3(hi) << 8);
+#endif
 }
 
 /* Facts of the current device, read once per device. */

@@ -214,11 +214,11 @@ static __device__ __forceinline__ float tile_amax(const float z[8]) {
 
 static __device__ __forceinline__ uint2 quant8(const float z[8], dsv4_i32 e) {
   float scale = dsv4_pow2_neg(e);
-  uint32_t w[2] = {0, 0};
+  uint32_t p[4];
 #pragma unroll
-  for (int k = 0; k < 8; k++)
-    w[k >> 2] |= (uint32_t)dsv4_f32_to_e4m3(__fmul_rn(z[k], scale)) << (8 * (k & 3));
-  return make_uint2(w[0], w[1]);
+  for (int k = 0; k < 4; k++)
+    p[k] = dsv4__e4m3x2_rn(__fmul_rn(z[2 * k], scale), __fmul_rn(z[2 * k + 1], scale));
+  return make_uint2(p[0] | (p[1] << 16), p[2] | (p[3] << 16));
 }
 
 static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t lane,
@@ -232,10 +232,17 @@ static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t
     const float4 w2 = p.w[64 + 2 * lane], w3 = p.w[64 + 2 * lane + 1];
     const float wa[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     const float wb[8] = {w2.x, w2.y, w2.z, w2.w, w3.x, w3.y, w3.z, w3.w};
+    /* Rounded to bf16 and back, a pair per instruction. */
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-      za[k] = dsv4_bf16_to_f32(dsv4_f32_to_bf16(__fmul_rn(__fmul_rn(za[k], r), wa[k])));
-      zb[k] = dsv4_bf16_to_f32(dsv4_f32_to_bf16(__fmul_rn(__fmul_rn(zb[k], r), wb[k])));
+    for (int k = 0; k < 8; k += 2) {
+      uint32_t pa = pack2(__fmul_rn(__fmul_rn(za[k], r), wa[k]),
+                          __fmul_rn(__fmul_rn(za[k + 1], r), wa[k + 1]));
+      uint32_t pb = pack2(__fmul_rn(__fmul_rn(zb[k], r), wb[k]),
+                          __fmul_rn(__fmul_rn(zb[k + 1], r), wb[k + 1]));
+      za[k] = __uint_as_float(pa << 16);
+      za[k + 1] = __uint_as_float(pa & 0xffff0000u);
+      zb[k] = __uint_as_float(pb << 16);
+      zb[k + 1] = __uint_as_float(pb & 0xffff0000u);
     }
   }
   dsv4_i32 ea = dsv4_ue8m0_exponent(tile_amax(za));

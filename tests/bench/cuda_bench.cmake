@@ -1,7 +1,7 @@
 # The CUDA forward-step benchmark (tests/bench/cuda_insert_bench.c), where the CUDA backend builds.
 if(DSV4_CUDA)
   dsv4_bench(cuda_insert_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_insert_bench.c
-             LIBS dsv4_cuda dsv4_kernels)
+             ${CMAKE_CURRENT_LIST_DIR}/cuda_floor.cu LIBS dsv4_cuda dsv4_kernels)
   add_dependencies(benchmarks cuda_insert_bench)
 endif()
 
@@ -17,5 +17,5 @@ if(DSV4_CUDA AND TARGET dsv4_cuda)
   target_link_libraries(dsv4_cuda_tune PUBLIC dsv4_kernels CUDA::cudart_static)
   dsv4_strict(dsv4_cuda_tune)
   dsv4_bench(cuda_insert_bench_tune SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_insert_bench.c
-             LIBS dsv4_cuda_tune dsv4_kernels)
+             ${CMAKE_CURRENT_LIST_DIR}/cuda_floor.cu LIBS dsv4_cuda_tune dsv4_kernels)
 endif()

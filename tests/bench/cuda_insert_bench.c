@@ -9,7 +9,11 @@
  * 64, up to 64 sequences per batch. Each graph holds a sequence of forwards over rotating input
  * sets whose total is at least twice the L2, so no forward finds its inputs in the cache.
  *
- * Usage: cuda_insert_bench [heads...]   (default 64 128; DSV4_BENCH_N="64,1024" picks batch sizes)
+ * At small batches a forward is latency, not bytes: the run also measures its floor, a pair of
+ * empty kernels launched exactly as the producer and the consumer are (cuda_floor.cu).
+ *
+ * Usage: cuda_insert_bench [heads...]   (default 64 128; DSV4_BENCH_N="64,1024" picks batch sizes;
+ * DSV4_BENCH_SETS=k forces k input sets, for diagnosis: 1 leaves everything in the L2)
  * The tuning build cuda_insert_bench_tune also reads DSV4_ROWS_PER_WARP and DSV4_TUNE_FLAGS
  * (cuda-kernels.h).
  */
@@ -20,6 +24,7 @@
 #include <string.h>
 
 #include "../gpu/gpu_common.h"
+#include "cuda_floor.h"
 
 #define MAX_POS 65536
 #define BS 64
@@ -84,6 +89,9 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
    */
   uint32_t sets = (uint32_t)(120e6 / bytes) + 1;
   sets = sets < 2 ? 2 : sets;
+  const char *force = getenv("DSV4_BENCH_SETS");
+  if (force && strtoul(force, NULL, 10) > 0)
+    sets = (uint32_t)strtoul(force, NULL, 10);
   /* Forwards per graph: every set at least once and at least 64 in all. */
   uint32_t per_graph = sets * ((64 + sets - 1) / sets);
   set_t *st = calloc(sets, sizeof(*st));
@@ -186,6 +194,36 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
   gpu_plan_free(&p);
 }
 
+/* GPU time of one pair of empty kernels shaped like the producer and the consumer, from graph
+ * replays of 256 pairs. */
+static double floor_us(cudaStream_t s, int pdl) {
+  const int pairs = 256, reps = 10;
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int k = 0; k < pairs; k++)
+    CKD(bench_floor_pair(s, pdl));
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  for (int i = 0; i < 3; i++)
+    CK(cudaGraphLaunch(ge, s));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0, s));
+  for (int i = 0; i < reps; i++)
+    CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(e1, s));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return ms * 1e3 / ((double)reps * pairs);
+}
+
 int main(int argc, char **argv) {
   if (!gpu_available("cuda_insert_bench"))
     return GPU_SKIP;
@@ -228,6 +266,8 @@ int main(int argc, char **argv) {
   }
   /* us: a forward (producer + consumer, PDL); map, insert: each kernel alone; no-PDL: a forward
    * launched in plain stream order; vLLM: its CUDA op on the same GPU (FIELD-NOTES.md). */
+  printf("floor (a pair of empty kernels per forward): %.2f us with PDL, %.2f us without\n",
+         floor_us(s, 1), floor_us(s, 0));
   printf("%6s %4s %10s %10s %9s %9s %9s %9s %9s %8s\n", "N", "H", "us", "GB/s", "%copy", "map us",
          "insert us", "no-PDL us", "vLLM us", "speedup");
   for (int h = 0; h < n_heads; h++)

@@ -3,7 +3,8 @@
  * compiled with the kernels' flags) equal the host's over all 2^32 fp32 inputs: the fp8 E4M3FN
  * byte, the UE8M0 code of a tile whose amax is |x| (with the 1e-4 floor, as the insert kernel
  * takes it) and the bf16 rounding, both the shared routine and the one-instruction conversion the
- * kernels use (dsv4__bf16x2_rn: equal for every non-NaN input, a NaN for a NaN). The host side runs
+ * kernels use (dsv4__bf16x2_rn: equal for every non-NaN input, a NaN for a NaN), and the fp8 pair
+ * conversion they use (dsv4__e4m3x2_rn, the same rule). The host side runs
  * on every core. Also the contraction check:
  * (1+2^-12)*(1+2^-12) - (1+2^-11) from runtime inputs, written a*b+c, is +0 on the device.
  */
@@ -31,7 +32,7 @@ static __host__ __device__ inline uint8_t ue8m0_code(float x) {
 }
 
 __global__ void convert_kernel(uint32_t hi, uint8_t *e4m3, uint8_t *ue8m0, uint16_t *bf16,
-                               uint16_t *bf16hw) {
+                               uint16_t *bf16hw, uint8_t *e4m3hw) {
   for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < CHUNK;
        i += (uint64_t)gridDim.x * blockDim.x) {
     float x = __uint_as_float((hi << CHUNK_BITS) | (uint32_t)i);
@@ -41,6 +42,8 @@ __global__ void convert_kernel(uint32_t hi, uint8_t *e4m3, uint8_t *ue8m0, uint1
     /* Each half of the pair, so both operand positions of the instruction are covered. */
     uint32_t pair = i & 1 ? dsv4__bf16x2_rn(-1.0f, x) >> 16 : dsv4__bf16x2_rn(x, -1.0f) & 0xffffu;
     bf16hw[i] = (uint16_t)pair;
+    uint32_t p8 = i & 1 ? dsv4__e4m3x2_rn(-1.0f, x) >> 8 : dsv4__e4m3x2_rn(x, -1.0f) & 0xffu;
+    e4m3hw[i] = (uint8_t)p8;
   }
 }
 
@@ -53,6 +56,7 @@ typedef struct {
   uint64_t first, last;
   const uint8_t *e4m3, *ue8m0;
   const uint16_t *bf16, *bf16hw;
+  const uint8_t *e4m3hw;
   uint64_t bad;
   uint64_t first_bad;
 } job_t;
@@ -64,8 +68,10 @@ static void *check(void *arg) {
     float x;
     memcpy(&x, &u, 4);
     uint16_t hw = j->bf16hw[i];
-    int hw_ok =
-        (u & 0x7fffffffu) > 0x7f800000u ? (hw & 0x7fffu) > 0x7f80u : hw == dsv4_f32_to_bf16(x);
+    int nan = (u & 0x7fffffffu) > 0x7f800000u;
+    int hw_ok = nan ? (hw & 0x7fffu) > 0x7f80u : hw == dsv4_f32_to_bf16(x);
+    uint8_t h8 = j->e4m3hw[i];
+    hw_ok = hw_ok && (nan ? (h8 & 0x7fu) == 0x7fu : h8 == dsv4_f32_to_e4m3(x));
     if (j->e4m3[i] != dsv4_f32_to_e4m3(x) || j->ue8m0[i] != ue8m0_code(x) ||
         j->bf16[i] != dsv4_f32_to_bf16(x) || !hw_ok) {
       if (j->bad++ == 0)
@@ -96,10 +102,13 @@ int main(void) {
 
   uint8_t *de4, *due, *he4, *hue;
   uint16_t *dbf, *hbf, *dbh, *hbh;
+  uint8_t *de8h, *he8h;
   CK(cudaMalloc(&de4, CHUNK));
   CK(cudaMalloc(&due, CHUNK));
   CK(cudaMalloc(&dbf, CHUNK * 2));
   CK(cudaMalloc(&dbh, CHUNK * 2));
+  CK(cudaMalloc(&de8h, CHUNK));
+  CK(cudaMallocHost(&he8h, CHUNK));
   CK(cudaMallocHost(&hbh, CHUNK * 2));
   CK(cudaMallocHost(&he4, CHUNK));
   CK(cudaMallocHost(&hue, CHUNK));
@@ -108,16 +117,18 @@ int main(void) {
   int threads = cores < 1 ? 1 : cores > 64 ? 64 : (int)cores;
   uint64_t bad = 0, first_bad = 0;
   for (uint32_t hi = 0; hi < (1u << (32 - CHUNK_BITS)); hi++) {
-    convert_kernel<<<4096, BLOCK>>>(hi, de4, due, dbf, dbh);
+    convert_kernel<<<4096, BLOCK>>>(hi, de4, due, dbf, dbh, de8h);
     CK(cudaGetLastError());
     CK(cudaMemcpy(he4, de4, CHUNK, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hue, due, CHUNK, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hbf, dbf, CHUNK * 2, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hbh, dbh, CHUNK * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(he8h, de8h, CHUNK, cudaMemcpyDeviceToHost));
     pthread_t th[64];
     job_t jobs[64];
     for (int t = 0; t < threads; t++) {
-      jobs[t] = job_t{hi, CHUNK * t / threads, CHUNK * (t + 1) / threads, he4, hue, hbf, hbh, 0, 0};
+      jobs[t] =
+          job_t{hi, CHUNK * t / threads, CHUNK * (t + 1) / threads, he4, hue, hbf, hbh, he8h, 0, 0};
       pthread_create(&th[t], NULL, check, &jobs[t]);
     }
     for (int t = 0; t < threads; t++) {
@@ -127,8 +138,8 @@ int main(void) {
       bad += jobs[t].bad;
     }
   }
-  printf("%s fp8 E4M3, UE8M0, bf16 and the bf16x2 instruction over all 2^32 fp32 inputs: %llu "
-         "differ from the host",
+  printf("%s fp8 E4M3, UE8M0, bf16 and the bf16x2 and e4m3x2 instructions over all 2^32 fp32 "
+         "inputs: %llu differ from the host",
          bad ? "FAIL" : "ok  ", (unsigned long long)bad);
   if (bad)
     printf(" (first: input bits %08llx)", (unsigned long long)first_bad);
@@ -142,6 +153,8 @@ int main(void) {
   cudaFreeHost(hbf);
   cudaFree(dbh);
   cudaFreeHost(hbh);
+  cudaFree(de8h);
+  cudaFreeHost(he8h);
   cudaFree(din);
   cudaFree(dout);
   return failures ? 1 : 0;
