@@ -168,13 +168,14 @@ static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, void **
  * queue: uploads, map_slots, qkv_insert, then the downloads, which return once their bytes are in
  * host memory, then sync.
  */
-static int stage_run(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f, dsv4_map_args_t *ma,
+static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map_args_t *ma,
                      dsv4_insert_args_t *ia) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   struct dsv4__engine_stage *s = e->stage;
   size_t n = f->n_tokens, nseg = f->n_segs;
   size_t q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
   void *d;
+  uint64_t t0 = mono_ns(), t1, t2;
   int rc = stage_put(e, ST_POSITIONS, e->positions, n * sizeof(int64_t), &d);
   ma->positions = ia->positions = d;
   if (!rc)
@@ -205,15 +206,21 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f, ds
   ia->q_out = s->buf[ST_Q_OUT].ptr;
   ia->kv_norm_weight =
       e->kv_norm ? (const float *)s->kv_norm.ptr + (size_t)idx * DSV4_HEAD_DIM : NULL;
+  t1 = mono_ns();
   rc = ops->map_slots(e->be, ma);
   if (!rc)
     rc = ops->qkv_insert(e->be, ia);
+  t2 = mono_ns();
   if (!rc)
     rc = ops->download(e->be, f->q_out, &s->buf[ST_Q_OUT], 0, q_bytes);
   if (!rc)
     rc = ops->download(e->be, f->slots, &s->buf[ST_SLOTS], 0, n * sizeof(int64_t));
   if (!rc)
     rc = ops->sync(e->be);
+  f->timing.staged = 1;
+  f->timing.upload_ns = t1 - t0;
+  f->timing.launch_ns = t2 - t1;
+  f->timing.download_ns = mono_ns() - t2;
   return rc;
 }
 

@@ -40,6 +40,13 @@ typedef struct {
   uint64_t plan_ns;
   uint64_t kernel_ns;
   uint64_t digest_ns;
+  /* On a backend with device memory (staged), kernel_ns split in three: the uploads (host copies
+   * into the backend's staging and the queued transfers), the two launches, and the downloads of
+   * q_out and slots with the final sync (they wait for the device to finish). */
+  int staged;
+  uint64_t upload_ns;
+  uint64_t launch_ns;
+  uint64_t download_ns;
 } dsv4_engine_timing_t;
 
 /* One forward batch. Inputs are host buffers; outputs go to host buffers the caller provides. */

@@ -137,6 +137,11 @@ static void fwd_done(dsv4_job_t *job) {
   observe_stage(d, "validate", j->f.timing.validate_ns);
   observe_stage(d, "plan", j->f.timing.plan_ns);
   observe_stage(d, "kernel", j->f.timing.kernel_ns);
+  if (j->f.timing.staged) {
+    observe_stage(d, "upload", j->f.timing.upload_ns);
+    observe_stage(d, "launch", j->f.timing.launch_ns);
+    observe_stage(d, "download", j->f.timing.download_ns);
+  }
   if (j->f.want_digest)
     observe_stage(d, "digest", j->f.timing.digest_ns);
   dsv4_metric_observe(d->m_batch_tokens, NULL, (double)j->f.n_tokens);

@@ -5,7 +5,8 @@ For each backend named on the command line, a daemon serving one layer at 64 hea
 16 sequences x 64 tokens (one batch of 1024 tokens) and then 30 decode steps of those 16 sequences
 (16 tokens a batch); every answer's q_out is checked against the reference model. The daemon's own
 dsv4d_forward_seconds{stage} histograms give the mean time of validate, plan and kernel (on a device
-backend, kernel is the uploads, both launches, the downloads and the sync) per batch; "client" is the
+backend, kernel is the uploads, both launches, the downloads and the sync, and the daemon also reports
+those three parts: upload, launch, download) per batch; "client" is the
 request's wall time seen over loopback HTTP. The ceiling for the kernel stage on a device is the PCIe
 time of q in and q_out back: 2 x N x 64 x 1 KiB at 55 GB/s (FIELD-NOTES), printed beside it.
 
@@ -40,7 +41,7 @@ def stage_sums(d):
 
 def means(before, after):
     res = {}
-    for stage in ("validate", "plan", "kernel"):
+    for stage in ("validate", "plan", "kernel", "upload", "launch", "download"):
         n = after.get(("count", stage), 0) - before.get(("count", stage), 0)
         s = after.get(("sum", stage), 0) - before.get(("sum", stage), 0)
         res[stage] = s / n * 1e6 if n else float("nan")
@@ -83,13 +84,15 @@ def main():
     rows = []
     for backend in sys.argv[3:]:
         run(backend, rng, rows)
-    print("%-8s %-8s %6s %12s %12s %10s %12s %14s" % ("backend", "batch", "tokens", "client us",
-                                                       "validate us", "plan us", "kernel us",
-                                                       "PCIe floor us"))
+    print("%-8s %-8s %6s %10s %10s %8s %10s %10s %10s %10s %10s" % (
+        "backend", "batch", "tokens", "client us", "valid. us", "plan us", "kernel us", "upload us",
+        "launch us", "downl. us", "PCIe floor"))
     for backend, phase, n, client, st in rows:
         floor = 2.0 * n * HEADS * 1024 / PCIE_BPS * 1e6
-        print("%-8s %-8s %6d %12.0f %12.0f %10.0f %12.0f %14.0f" % (
-            backend, phase, n, client, st["validate"], st["plan"], st["kernel"], floor))
+        print("%-8s %-8s %6d %10.0f %10.0f %8.0f %10.0f %10.1f %10.1f %10.1f %10.0f" % (
+            backend, phase, n, client, st["validate"], st["plan"], st["kernel"], st["upload"],
+            st["launch"], st["download"], floor))
+    print("(upload, launch, download: parts of kernel on a device backend; nan on the host CPU one)")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,18 @@ def test_metrics_names():
         stages = {dict(k[1]).get("stage") for k in ms
                   if k[0] in ("dsv4d_forward_seconds_count", "dsv4_forward_seconds_count")}
         check(stages and None not in stages, "forward_seconds has a stage label: %r" % stages)
+        base = {"queue", "validate", "plan", "kernel"}
+        split = {"upload", "launch", "download"}
+        staged = h.BACKEND_NAME != "cpu"  # every backend but the host CPU one stages in device memory
+        check(base <= stages, "forward_seconds stages %r include %r" % (sorted(stages), sorted(base)))
+        check_eq(split <= stages, staged,
+                 "kernel split into upload/launch/download (stages %r, backend %s)"
+                 % (sorted(stages), h.BACKEND_NAME))
+        if staged:
+            part = sum(h.metric(ms, "dsv4d_forward_seconds_sum", stage=x) for x in split)
+            whole = h.metric(ms, "dsv4d_forward_seconds_sum", stage="kernel")
+            check(0 < part <= whole, "upload + launch + download (%g s) within kernel (%g s)"
+                  % (part, whole))
         fwd = h.metric(ms, "dsv4d_requests_total", route="forward", code="200")
         check_eq(fwd, 1.0, "requests_total{route=forward,code=200}")
         # Counters move with the requests that follow.
