@@ -586,31 +586,71 @@ int dsv4_seqtable_delete(dsv4_seqtable_t *st, const char *name, uint32_t name_le
   return 0;
 }
 
+/*
+ * One sequence against the clock: a live one idle past the timeout is deleted and its name answers
+ * expired for one period, counted from the moment it expired (last use + timeout), not from when a
+ * sweep noticed; an expired name is forgotten after that period. Returns 1 when a live sequence
+ * expired, 2 when a name was forgotten (s is then freed), else 0.
+ */
+static int expire_one(dsv4_seqtable_t *st, seq_t *s, uint64_t now_ns) {
+  uint64_t t = st->cfg.idle_timeout_ns;
+  if (now_ns < s->last_used_ns || now_ns - s->last_used_ns < t)
+    return 0;
+  if (s->state == SEQ_LIVE) {
+    free_blocks(st, s);
+    s->state = SEQ_EXPIRED;
+    s->last_used_ns += t;
+    free(s->blocks);
+    s->blocks = NULL;
+    s->cap_blocks = 0;
+    st->n_live--;
+    /* Idle past two periods already: the name's own period is over too. */
+    if (now_ns - s->last_used_ns >= t) {
+      map_remove(st, s);
+      return 2;
+    }
+    return 1;
+  }
+  map_remove(st, s);
+  return 2;
+}
+
 uint32_t dsv4_seqtable_expire(dsv4_seqtable_t *st, uint64_t now_ns) {
   assert(!st->plan_active);
-  uint64_t t = st->cfg.idle_timeout_ns;
-  if (t == 0)
+  if (st->cfg.idle_timeout_ns == 0)
     return 0;
   uint32_t n = 0;
   for (seq_t *s = st->all, *nx; s != NULL; s = nx) {
     nx = s->next;
-    if (now_ns < s->last_used_ns || now_ns - s->last_used_ns < t)
-      continue;
-    if (s->state == SEQ_LIVE) {
-      free_blocks(st, s);
-      s->state = SEQ_EXPIRED;
-      s->last_used_ns = now_ns;
-      free(s->blocks);
-      s->blocks = NULL;
-      s->cap_blocks = 0;
-      st->n_live--;
-      n++;
-    } else {
-      map_remove(st, s);
-    }
+    int live = s->state == SEQ_LIVE;
+    int r = expire_one(st, s, now_ns);
+    n += live && r != 0;
   }
   publish(st);
   return n;
+}
+
+uint32_t dsv4_seqtable_expire_named(dsv4_seqtable_t *st, const dsv4_seg_req_t *segs, uint32_t n,
+                                    uint64_t now_ns) {
+  assert(!st->plan_active);
+  if (st->cfg.idle_timeout_ns == 0)
+    return 0;
+  uint32_t live = 0, changed = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    const dsv4_seg_req_t *r = &segs[i];
+    if (!dsv4_seq_name_valid(r->name, r->name_len))
+      continue; /* the plan refuses it */
+    seq_t *s = map_find(st, r->name, r->name_len, name_hash(r->name, r->name_len));
+    if (s == NULL)
+      continue;
+    int was_live = s->state == SEQ_LIVE;
+    int x = expire_one(st, s, now_ns);
+    live += was_live && x != 0;
+    changed |= x != 0;
+  }
+  if (changed)
+    publish(st);
+  return live;
 }
 
 static int fill_info(const dsv4_seqtable_t *st, const seq_t *s, dsv4_seq_info_t *out) {

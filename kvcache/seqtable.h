@@ -126,8 +126,17 @@ void dsv4_seqtable_fail(dsv4_seqtable_t *st, dsv4_plan_t *plan);
  * plan and commit/fail (neither is expire).
  */
 int dsv4_seqtable_delete(dsv4_seqtable_t *st, const char *name, uint32_t name_len, int *existed);
-/* Delete sequences idle past the timeout; forget expired names after one more period. */
+/*
+ * Delete sequences idle past the timeout; forget expired names one period after they expired.
+ * Returns the number of live sequences that expired.
+ */
 uint32_t dsv4_seqtable_expire(dsv4_seqtable_t *st, uint64_t now_ns);
+/*
+ * The same for the sequences a batch names only, so that a batch is told what a sweep at now_ns
+ * would tell it however long ago the last sweep ran (the engine calls it before planning). O(n).
+ */
+uint32_t dsv4_seqtable_expire_named(dsv4_seqtable_t *st, const dsv4_seg_req_t *segs, uint32_t n,
+                                    uint64_t now_ns);
 
 /* Copy one sequence's state; DSV4_ENOSEQ / DSV4_EEXPIRED when not live. Free with _info_free. */
 int dsv4_seqtable_info(const dsv4_seqtable_t *st, const char *name, uint32_t name_len,

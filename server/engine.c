@@ -519,6 +519,9 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   t1 = mono_ns();
   f->timing.validate_ns = t1 - t0;
 
+  /* Idle expiry is a matter of time, not of this batch: the sequences it names are brought up to
+   * date first, whether or not the batch is then refused. */
+  dsv4_seqtable_expire_named(e->st, f->segs, f->n_segs, t1);
   rc = dsv4_seqtable_plan(e->st, (uint32_t)idx, f->segs, f->n_segs, t1, &e->plan);
   if (rc) {
     f->error = e->plan.error;

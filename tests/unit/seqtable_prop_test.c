@@ -235,6 +235,22 @@ static pred_t predict(uint32_t layer, const dsv4_seg_req_t *g, uint32_t n, uint6
   return p;
 }
 
+/* The clock on one modelled sequence (dsv4_seqtable_expire): returns 1 when a live one expired.
+ * An expired name's t is when it expired (last batch + timeout). */
+static int m_expire(mseq_t *m, uint64_t now) {
+  if (C.timeout == 0 || m->state == M_NONE || now - m->t < C.timeout)
+    return 0;
+  if (m->state == M_EXPIRED) {
+    m->state = M_NONE;
+    return 0;
+  }
+  m->state = M_EXPIRED;
+  m->t += C.timeout;
+  if (now - m->t >= C.timeout)
+    m->state = M_NONE;
+  return 1;
+}
+
 static void m_commit(uint32_t layer, const dsv4_seg_req_t *g, uint32_t n, int replay,
                      uint64_t now) {
   for (uint32_t i = 0; i < n; i++) {
@@ -575,17 +591,8 @@ static void run_config(const pcfg_t *cfg, int steps) {
       g_counts[C_DELETE]++;
     } else if (r < 8) {
       uint32_t want = 0;
-      for (int i = 0; i < NAMES; i++) {
-        if (C.timeout == 0 || now - M[i].t < C.timeout)
-          continue;
-        if (M[i].state == M_LIVE) {
-          M[i].state = M_EXPIRED;
-          M[i].t = now;
-          want++;
-        } else if (M[i].state == M_EXPIRED) {
-          M[i].state = M_NONE;
-        }
-      }
+      for (int i = 0; i < NAMES; i++)
+        want += (uint32_t)m_expire(&M[i], now);
       CHECK_EQ(dsv4_seqtable_expire(st, now), want);
       g_counts[C_EXPIRE] += (int)want;
     } else {
@@ -600,6 +607,17 @@ static void run_config(const pcfg_t *cfg, int steps) {
           partial.n = i;
           gen_segment(&b.seg[i], layer, &partial);
         }
+      }
+      /* As the engine does before planning, half the time: the named sequences against the clock
+       * (the other half leaves them to the sweeps, which the plan must handle too). */
+      if (rn(2)) {
+        uint32_t want = 0;
+        for (uint32_t i = 0; i < b.n; i++) {
+          int id = name_id(&b.seg[i]);
+          if (id >= 0)
+            want += (uint32_t)m_expire(&M[id], now);
+        }
+        CHECK_EQ(dsv4_seqtable_expire_named(st, b.seg, b.n, now), want);
       }
       int fresh_one_token[MAXSEG] = {0};
       for (uint32_t i = 0; i < b.n; i++) {

@@ -581,6 +581,49 @@ static void test_implicit_create(void **state) {
   fx_close(&f);
 }
 
+/*
+ * A batch arriving after a sequence's idle timeout but before any sweep: the engine brings the
+ * sequences it names up to date first (dsv4_seqtable_expire_named), so the batch is refused as
+ * expired exactly as after a sweep, and the name's 410 period runs from the moment it expired, not
+ * from when it was noticed.
+ */
+static void test_expiry_without_sweep(void **state) {
+  (void)state;
+  const uint64_t T = 1000;
+  fx_t f;
+  fx_open(&f, 1, 16, 64);
+  f.cfg.idle_timeout_ns = T;
+  fx_reopen(&f);
+  dsv4_seg_req_t a = seg("a", 0, 20, 1, 1), b = seg("b", 0, 20, 1, 1);
+  assert_int_equal(step(&f, 0, &a, 1, 100), 0);
+  assert_int_equal(step(&f, 0, &b, 1, 100 + T / 2), 0);
+  /* One tick short of the timeout: nothing happens. */
+  a = seg("a", 20, 1, 0, 2);
+  assert_int_equal(dsv4_seqtable_expire_named(f.st, &a, 1, 100 + T - 1), 0);
+  assert_int_equal(dsv4_seqtable_count(f.st), 2);
+  /* Half a period late, no sweep in between: only the named sequence expires, and its blocks go. */
+  uint64_t late = 100 + T + T / 2;
+  assert_int_equal(dsv4_seqtable_expire_named(f.st, &a, 1, late), 1);
+  assert_int_equal(step(&f, 0, &a, 1, late), DSV4_EEXPIRED);
+  assert_int_equal(dsv4_seqtable_count(f.st), 1);
+  assert_int_equal(used(&f), 2);
+  /* Its 410 period ends one timeout after it expired (100 + 2T), not after it was noticed. */
+  assert_int_equal(step(&f, 0, &a, 1, 100 + 2 * T - 1), DSV4_EEXPIRED);
+  /* The sweep then: b (idle since 100 + T/2) expires, a is forgotten. */
+  assert_int_equal(dsv4_seqtable_expire(f.st, 100 + 2 * T), 1);
+  dsv4_seq_info_t info;
+  assert_int_equal(dsv4_seqtable_info(f.st, "a", 1, &info), DSV4_ENOSEQ);
+  assert_int_equal(dsv4_seqtable_info(f.st, "b", 1, &info), DSV4_EEXPIRED);
+  /* Noticed two periods late: expired and forgotten at once. */
+  dsv4_seg_req_t c = seg("c", 0, 5, 1, 4);
+  assert_int_equal(step(&f, 0, &c, 1, 5000), 0);
+  c = seg("c", 5, 1, 0, 5);
+  assert_int_equal(dsv4_seqtable_expire_named(f.st, &c, 1, 5000 + 2 * T), 1);
+  assert_int_equal(dsv4_seqtable_info(f.st, "c", 1, &info), DSV4_ENOSEQ);
+  assert_int_equal(used(&f), 0);
+  fx_close(&f);
+}
+
 static void test_implicit_create_expired(void **state) {
   (void)state;
   /* SPEC §4: an expired sequence answers 410 for one more period; implicit_create only concerns
@@ -698,6 +741,7 @@ int main(void) {
       cmocka_unit_test(test_delete),
       cmocka_unit_test(test_fail_drops_batch),
       cmocka_unit_test(test_implicit_create),
+      cmocka_unit_test(test_expiry_without_sweep),
       cmocka_unit_test(test_implicit_create_expired),
       cmocka_unit_test(test_foreach_and_many),
   };
