@@ -118,6 +118,59 @@ static int check_layer(const dsv4_st_view_t *st, dsv4_records_digest_t *d,
   return 0;
 }
 
+/*
+ * The metadata "layers": comma-separated runs "a-b" (or "a"), strictly increasing, as the daemon
+ * writes them for a served set with gaps ("0-1,3-3"). At most max layers in all. 0 or DSV4_EINVAL.
+ */
+static int parse_runs(const char *s, size_t max, uint32_t **out, size_t *n_out) {
+  uint32_t *v = NULL;
+  size_t n = 0;
+  int64_t prev = -1;
+  const char *p = s;
+  for (;;) {
+    const char *comma = strchr(p, ',');
+    size_t len = comma ? (size_t)(comma - p) : strlen(p);
+    char run[32];
+    uint32_t a, b;
+    if (len == 0 || len >= sizeof(run))
+      goto bad;
+    memcpy(run, p, len);
+    run[len] = '\0';
+    if (dsv4_ctl_parse_layers(run, &a, &b) != 0 || (int64_t)a <= prev ||
+        (uint64_t)b - a + 1 > max - n)
+      goto bad;
+    uint32_t *w = realloc(v, (n + ((size_t)b - a + 1)) * sizeof(*v));
+    if (!w)
+      goto bad;
+    v = w;
+    for (uint64_t l = a; l <= b; l++)
+      v[n++] = (uint32_t)l;
+    prev = b;
+    if (!comma)
+      break;
+    p = comma + 1;
+  }
+  *out = v;
+  *n_out = n;
+  return 0;
+bad:
+  free(v);
+  return DSV4_EINVAL;
+}
+
+/* The index of layer l in the increasing list v[0..n), or -1. */
+static long layer_index(const uint32_t *v, size_t n, uint32_t l) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (v[mid] < l)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < n && v[lo] == l ? (long)lo : -1;
+}
+
 int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *out) {
   memset(out, 0, sizeof(*out));
   out->file_bytes = len;
@@ -137,7 +190,7 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
   dsv4_records_digest_t *d = NULL;
   const char *layout = dsv4_st_meta(&st, "layout");
   const char *range = dsv4_st_meta(&st, "layers");
-  uint32_t a = 0, b = 0;
+  uint32_t *layers = NULL;
   size_t n = 0;
   if (!layout)
     rc = fail(out, "metadata has no \"layout\" (a dump has layout \"fp8_ds_mla\")");
@@ -150,16 +203,15 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
     ;
   else if (!range)
     rc = fail(out, "metadata has no \"layers\" range");
-  else if (dsv4_ctl_parse_layers(range, &a, &b) != 0)
-    rc = fail(out, "metadata layers \"%.64s\" is not a range a-b", range);
-  else if ((uint64_t)b - a + 1 > st.n_tensors / 2 || st.n_tensors != 2 * ((size_t)b - a + 1))
+  else if (parse_runs(range, st.n_tensors / 2 + 1, &layers, &n) != 0)
+    rc = fail(out, "metadata layers \"%.64s\" is not a list of increasing runs a-b", range);
+  else if (st.n_tensors != 2 * n)
     rc = fail(out,
-              "metadata layers \"%s\" names %llu layers but the file has %zu tensors (two "
+              "metadata layers \"%.64s\" names %zu layers but the file has %zu tensors (two "
               "per layer)",
-              range, (unsigned long long)b - a + 1, st.n_tensors);
+              range, n, st.n_tensors);
   if (rc != 0)
     goto done;
-  n = (size_t)b - a + 1;
   rec = calloc(n, sizeof(*rec));
   pos = calloc(n, sizeof(*pos));
   out->layers = calloc(n, sizeof(*out->layers));
@@ -177,7 +229,8 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
       rc = fail(out, "tensor \"%.64s\" is not layers.{L}.records or layers.{L}.positions", t->name);
       goto done;
     }
-    if (l < a || l > b) {
+    long x = layer_index(layers, n, l);
+    if (x < 0) {
       rc = fail(out, "tensor \"%.64s\" is outside the layers %s of the metadata", t->name, range);
       goto done;
     }
@@ -186,13 +239,13 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
         rc = fail(out, "tensor \"%.64s\" must be U8 [T, %d]", t->name, DSV4_RECORD_BYTES);
         goto done;
       }
-      rec[l - a] = t;
+      rec[x] = t;
     } else {
       if (t->dtype != DSV4_ST_I64 || t->ndim != 1) {
         rc = fail(out, "tensor \"%.64s\" must be I64 [T]", t->name);
         goto done;
       }
-      pos[l - a] = t;
+      pos[x] = t;
     }
   }
   /* Every digest.{L} key belongs to a layer of the range. */
@@ -202,7 +255,7 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
       char name[64];
       uint32_t l;
       snprintf(name, sizeof(name), "layers.%.40s.records", k + 7);
-      if (tensor_kind(name, &l) != 0 || l < a || l > b) {
+      if (tensor_kind(name, &l) != 0 || layer_index(layers, n, l) < 0) {
         rc = fail(out, "metadata %.64s names no layer of the range %s", k, range);
         goto done;
       }
@@ -215,7 +268,7 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
   }
   for (size_t i = 0; i < n; i++) {
     dsv4_ctl_layer_check_t *c = &out->layers[i];
-    c->layer = a + (uint32_t)i;
+    c->layer = layers[i];
     if (!rec[i] || !pos[i]) {
       rc = fail(out, "layer %u has no layers.%u.%s tensor", c->layer, c->layer,
                 rec[i] ? "positions" : "records");
@@ -247,6 +300,7 @@ done:
     dsv4_records_digest_destroy(d);
   free(rec);
   free(pos);
+  free(layers);
   dsv4_st_view_free(&st);
   return rc;
 }

@@ -371,6 +371,28 @@ def test_dump_empty_layers():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_dump_gapped_layers():
+    """A daemon serving layers with a gap writes its dump's layers as runs ("0-1,3-3"); dsv4ctl dump
+    accepts and verifies it, layer by layer, and verify FILE agrees."""
+    args = [a if a != "0-3" else "0-1,3" for a in h.SMALL]
+    with Daemon(args) as d:
+        fill(d, np.random.default_rng(16), "g", 5, layers=[0, 1, 3])
+        tmp = tempfile.mkdtemp(prefix="dsv4ctl-it-")
+        path = os.path.join(tmp, "g.safetensors")
+        try:
+            r = ctl(d, "--json", "dump", "--seq", "g", "-o", path)
+            expect_rc(r, 0, "dump of a gapped layer set")
+            want = [(l, 5, d.admin_json("/admin/v1/checksums?layer=%d&seq=g" % l)
+                     ["sequences"]["g"]["digest"]) for l in (0, 1, 3)]
+            got = [(x["layer"], x["records"], x["expected"]) for x in r.json()["layers"]]
+            check_eq(got, want, "gapped dump: layers, records and digests")
+            check_eq(read_dump(path)[0]["layers"], "0-1,3-3", "gapped dump's metadata layers")
+            v = ctl(d, "--json", "verify", path, admin=False)
+            expect_rc(v, 0, "verify of a gapped dump")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_token_file():
     tmp = tempfile.mkdtemp(prefix="dsv4ctl-it-")
     tok = h.write_token_file(tmp, "admin-s3cret")
@@ -463,4 +485,4 @@ def test_readme_snippet():
 
 if __name__ == "__main__":
     h.main([test_status_and_seq, test_token_and_checksum, test_dump_and_verify,
-            test_dump_empty_layers, test_token_file, test_no_daemon, test_readme_snippet])
+            test_dump_empty_layers, test_dump_gapped_layers, test_token_file, test_no_daemon, test_readme_snippet])

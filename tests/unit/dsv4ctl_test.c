@@ -477,6 +477,14 @@ typedef struct {
   size_t len;
 } blob_t;
 
+/* When >= 0, make_dump leaves a gap in its layers after the one at this index (a daemon serving a
+ * set with gaps writes its layers as comma-joined runs). */
+static int make_dump_gap_after = -1;
+
+static uint32_t dump_layer(uint32_t first, uint32_t i) {
+  return first + i + (make_dump_gap_after >= 0 && i > (uint32_t)make_dump_gap_after ? 1 : 0);
+}
+
 static blob_t make_dump(uint32_t first, uint32_t n, const uint64_t *t, const int64_t *p_first,
                         int reverse, const char *extra_key, const char *extra_value) {
   dsv4_st_desc_t desc[16];
@@ -494,12 +502,16 @@ static blob_t make_dump(uint32_t first, uint32_t n, const uint64_t *t, const int
   meta[nm++] = (dsv4_st_meta_t){"p0", "0"};
   meta[nm++] = (dsv4_st_meta_t){"seq", "a"};
   meta[nm++] = (dsv4_st_meta_t){"instance", "00112233445566778899aabbccddeeff"};
-  snprintf(range, sizeof(range), "%u-%u", first, first + n - 1);
+  if (make_dump_gap_after >= 0 && (uint32_t)make_dump_gap_after + 1 < n)
+    snprintf(range, sizeof(range), "%u-%u,%u-%u", first, dump_layer(first, make_dump_gap_after),
+             dump_layer(first, make_dump_gap_after + 1), dump_layer(first, n - 1));
+  else
+    snprintf(range, sizeof(range), "%u-%u", first, first + n - 1);
   meta[nm++] = (dsv4_st_meta_t){"layers", range};
   if (extra_key)
     meta[nm++] = (dsv4_st_meta_t){extra_key, extra_value};
   for (uint32_t i = 0; i < n; i++) {
-    uint32_t l = first + i;
+    uint32_t l = dump_layer(first, i);
     size_t rb = t[i] * RB, pb = t[i] * 8;
     uint8_t *rec = malloc(rb + pb + 1);
     assert_non_null(rec);
@@ -716,6 +728,28 @@ static void patch(blob_t *b, const char *from, const char *to) {
   memcpy(m, to, strlen(to));
 }
 
+/* A dump of a served set with gaps ("2-3,5-5", as the daemon writes it) verifies layer by layer; a
+ * tensor of the gap layer is outside the metadata's layers. */
+static void test_verify_gapped_layers(void **state) {
+  (void)state;
+  make_dump_gap_after = 1;
+  blob_t b = good_dump();
+  make_dump_gap_after = -1;
+  assert_non_null(memmem(b.buf, data_start(&b), "\"2-3,5-5\"", 9));
+  dsv4_ctl_verify_t v;
+  assert_int_equal(verify_buf(&b, &v), 0);
+  assert_int_equal(v.n_layers, 3);
+  assert_true(dsv4_ctl_verify_all_ok(&v));
+  assert_int_equal(v.layers[0].layer, 2);
+  assert_int_equal(v.layers[1].layer, 3);
+  assert_int_equal(v.layers[2].layer, 5);
+  assert_int_equal(v.layers[2].first, 123);
+  dsv4_ctl_verify_free(&v);
+  patch(&b, "\"layers.5.records\"", "\"layers.4.records\"");
+  expect_not_dump(&b, "outside the layers 2-3,5-5");
+  free(b.buf);
+}
+
 static void test_verify_bad_files(void **state) {
   (void)state;
   blob_t b = good_dump();
@@ -736,7 +770,11 @@ static void test_verify_bad_files(void **state) {
       {"\"layout\"", "\"layouT\"", "no \"layout\""},
       {"\"layers\"", "\"layerz\"", "no \"layers\""},
       {"\"2-4\"", "\"2-3\"", "names 2 layers but the file has 6 tensors"},
-      {"\"2-4\"", "\"4-2\"", "is not a range"},
+      {"\"2-4\"", "\"4-2\"", "is not a list of increasing runs"},
+      {"\"2-4\"", "\"4,3\"", "is not a list of increasing runs"},
+      {"\"2-4\"", "\",24\"", "is not a list of increasing runs"},
+      {"\"2-4\"", "\"24,\"", "is not a list of increasing runs"},
+      {"\"2-4\"", "\"2,2\"", "is not a list of increasing runs"},
       {"\"digest.3\"", "\"digest.9\"", "digest.9 names no layer"},
       {"\"digest.3\"", "\"Digest.3\"", "metadata has no digest.3"},
       {"\"layers.3.records\"", "\"layers.7.records\"", "outside the layers 2-4"},
@@ -1240,6 +1278,7 @@ int main(void) {
       cmocka_unit_test(test_views),
       cmocka_unit_test(test_verify_good),
       cmocka_unit_test(test_verify_mismatch),
+      cmocka_unit_test(test_verify_gapped_layers),
       cmocka_unit_test(test_verify_bad_files),
       cmocka_unit_test(test_verify_exit_codes),
       cmocka_unit_test(test_client_json_and_errors),
