@@ -121,14 +121,19 @@ static void on_signal(uv_signal_t *s, int signum) {
 /*
  * Read a bearer token file. With private_only, a file that its group or others may read or write
  * (mode & 077) is refused with DSV4_EFORBID and *mode set: a token everyone on the host can read
- * protects nothing.
+ * protects nothing. The token is the file's bytes less trailing newlines, spaces and tabs (the rule
+ * dsv4ctl applies to the same file); a token of more than 4095 bytes, or one holding a space, a
+ * control character or a NUL, is refused with DSV4_EINVAL and why says which: an HTTP header
+ * cannot carry it, and a NUL would silently cut it short.
  */
-static int read_token_file(const char *path, int private_only, char **out, unsigned *mode) {
+static int read_token_file(const char *path, int private_only, char **out, unsigned *mode,
+                           char *why, size_t why_len) {
   FILE *f;
-  char buf[4096];
+  char buf[4097];
   size_t n;
   struct stat st;
   *out = NULL;
+  snprintf(why, why_len, "%s", "cannot be opened or read");
   if (!path || !*path)
     return 0;
   f = fopen(path, "rb");
@@ -144,12 +149,26 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
     fclose(f);
     return DSV4_EFORBID;
   }
-  n = fread(buf, 1, sizeof(buf) - 1, f);
+  n = fread(buf, 1, sizeof(buf), f);
+  int rerr = ferror(f);
   fclose(f);
-  while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' '))
-    n--;
-  if (!n)
+  if (rerr)
+    return DSV4_EIO;
+  if (n == sizeof(buf)) {
+    snprintf(why, why_len, "is longer than %zu bytes", sizeof(buf) - 1);
     return DSV4_EINVAL;
+  }
+  while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' ' || buf[n - 1] == '\t'))
+    n--;
+  if (!n) {
+    snprintf(why, why_len, "%s", "is empty");
+    return DSV4_EINVAL;
+  }
+  for (size_t i = 0; i < n; i++)
+    if ((unsigned char)buf[i] < 0x21 || (unsigned char)buf[i] == 0x7f) {
+      snprintf(why, why_len, "holds a space, a control character or a NUL at byte %zu", i);
+      return DSV4_EINVAL;
+    }
   buf[n] = '\0';
   *out = strdup(buf);
   return *out ? 0 : DSV4_ENOMEM;
@@ -219,12 +238,14 @@ int main(int argc, char **argv) {
   }
   if (dsv4_log_parse_level(cfg.log_level, &level) == 0)
     dsv4_log_set_level(level);
-  if (read_token_file(cfg.api_token_file, 0, &token, &mode)) {
-    dsv4_logp(DSV4_LOG_ERROR, "cannot read api_token_file", "{s:s}", "path", cfg.api_token_file);
+  char why[128];
+  if (read_token_file(cfg.api_token_file, 0, &token, &mode, why, sizeof(why))) {
+    dsv4_logp(DSV4_LOG_ERROR, "cannot use api_token_file", "{s:s,s:s}", "path", cfg.api_token_file,
+              "why", why);
     dsv4_config_free(&cfg);
     return 2;
   }
-  rc = read_token_file(cfg.admin_token_file, 1, &admin_token, &mode);
+  rc = read_token_file(cfg.admin_token_file, 1, &admin_token, &mode, why, sizeof(why));
   if (rc == DSV4_EFORBID) {
     char m[8];
     snprintf(m, sizeof(m), "0%03o", mode);
@@ -236,8 +257,8 @@ int main(int argc, char **argv) {
     return 2;
   }
   if (rc) {
-    dsv4_logp(DSV4_LOG_ERROR, "cannot read admin_token_file", "{s:s}", "path",
-              cfg.admin_token_file);
+    dsv4_logp(DSV4_LOG_ERROR, "cannot use admin_token_file", "{s:s,s:s}", "path",
+              cfg.admin_token_file, "why", why);
     free(token);
     dsv4_config_free(&cfg);
     return 2;

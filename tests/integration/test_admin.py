@@ -242,6 +242,27 @@ def test_token_and_audit():
           logged[-400:])
     d0.kill()
 
+    # Token files that no client could send, or that a NUL would cut short, stop the start-up.
+    for name, body, why in (("nul", "\0" + tok, "NUL at byte 0"), ("cut", "abc\0" + tok, "at byte 3"),
+                            ("space", "s3cret admin", "at byte 6"), ("empty", " \t\n", "is empty")):
+        bad = h.write_token_file(work, body, 0o600, name + ".token")
+        d0 = Daemon(h.SMALL + ["--admin-token-file", bad], name=name)
+        try:
+            d0.start()
+            started = True
+        except h.TestFailure:
+            started = False
+        check(not started, "admin_token_file %r was accepted" % body)
+        check_eq(d0.wait(10), 2, "exit status with admin_token_file %r" % body)
+        logged = "\n".join(d0.lines)
+        check(bad in logged and why in logged, "the refusal names the file and %r: %s"
+              % (why, logged[-300:]))
+        d0.kill()
+    # A trailing tab is dropped, as dsv4ctl drops it from the same file.
+    tabbed = h.write_token_file(work, tok + "\t", 0o600, "tab.token")
+    with Daemon(h.SMALL + ["--admin-token-file", tabbed], name="tab") as d:
+        check_eq(d.admin("/admin/v1/cache", token=tok).status, 200, "token from a file ending in a tab")
+
     good = h.write_token_file(work, tok, 0o600)
     with Daemon(h.SMALL + ["--admin-token-file", good]) as d:
         r = d.admin("/admin/v1/cache")
