@@ -183,7 +183,13 @@ static int cmd_dump(ctx_t *c, const char *target) {
     exit_code = DSV4_CTL_EXIT_USAGE;
   } else if (r.status != 200) {
     exit_code = daemon_error(c, target, &r);
-  } else if (r.content_length >= 0 && (uint64_t)r.content_length != d.got) {
+  } else if (r.content_length < 0) {
+    fprintf(c->err,
+            "dsv4ctl: GET %s: the answer has no Content-Length, so a dump cut short could not be "
+            "told from a whole one\n",
+            target);
+    exit_code = DSV4_CTL_EXIT_USAGE;
+  } else if ((uint64_t)r.content_length != d.got) {
     fprintf(c->err, "dsv4ctl: GET %s: %" PRIu64 " bytes written of %lld\n", target, d.got,
             (long long)r.content_length);
     exit_code = DSV4_CTL_EXIT_USAGE;

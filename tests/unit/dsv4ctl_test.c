@@ -1207,8 +1207,16 @@ static void test_dump(void **state) {
   char *gr = dump_response(&good, &gl, good.len);
   char *br = dump_response(&bad, &bl, bad.len);
   char *cr = dump_response(&good, &cl, good.len + 10); /* announces more than it sends */
-  script_t s[3] = {{gr, gl, 0}, {br, bl, 0}, {cr, cl, 0}};
-  serve_start(3, s);
+  /* No Content-Length (the body ends when the connection closes), and cut short. */
+  static const char nohead[] = "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                               "Connection: close\r\n\r\n";
+  size_t nl = sizeof(nohead) - 1 + good.len / 2;
+  char *nr = malloc(nl);
+  assert_non_null(nr);
+  memcpy(nr, nohead, sizeof(nohead) - 1);
+  memcpy(nr + sizeof(nohead) - 1, good.buf, good.len / 2);
+  script_t s[4] = {{gr, gl, 0}, {br, bl, 0}, {cr, cl, 0}, {nr, nl, 0}};
+  serve_start(4, s);
   char dir[] = "/tmp/dsv4ctl-dump-XXXXXX";
   assert_non_null(mkdtemp(dir));
   char file[128], part[140];
@@ -1259,8 +1267,18 @@ static void test_dump(void **state) {
   assert_int_equal(access(part, F_OK), -1);
   free(out);
   free(err);
+
+  /* Without a Content-Length a cut dump cannot be told from a whole one: refused, no file. */
+  assert_int_equal(
+      run_cmd(&out, &err, "--admin", admin_url(), "dump", "--seq", "a", "-o", file, NULL), 2);
+  assert_non_null(strstr(err, "no Content-Length"));
+  assert_int_equal(access(file, F_OK), -1);
+  assert_int_equal(access(part, F_OK), -1);
+  free(out);
+  free(err);
   serve_stop();
   rmdir(dir);
+  free(nr);
   free(gr);
   free(br);
   free(cr);
