@@ -18,6 +18,8 @@
 /* While a request is in flight the connection keeps reading only to notice a client that went away;
  * pipelined bytes beyond this much stay in the kernel's buffer (backpressure). */
 #define INFLIGHT_READ_CAP ((size_t)64 * 1024)
+/* Reads whose arrival times a connection remembers (conn_t.marks). */
+#define MARKS 16
 /* After a response that closes the connection: shut down our side, then read and discard for at
  * most this long, so unread request bytes do not turn the close into a reset that destroys the
  * response before the client reads it (nginx's lingering close). */
@@ -95,6 +97,15 @@ struct conn {
   req_t *req;
   char *rbuf;
   size_t rbuf_off, rbuf_len, rbuf_cap;
+  /* When the bytes in rbuf arrived: rbuf_in counts every byte ever appended to rbuf, and each read
+   * appended from stream offset marks[k].at on, at marks[k].ns (a ring of the last MARKS reads), so
+   * a pipelined request that waited in rbuf still starts its clock when its first byte arrived. */
+  uint64_t rbuf_in;
+  struct {
+    uint64_t at, ns;
+  } marks[MARKS];
+  unsigned n_marks, mark0;
+  uint64_t exec_arrived_ns; /* arrival of the byte the parser starts from, 0 = unknown */
   phase_t phase;
   int handles_open;
   int closing, processing, reading, writing, lingering, close_after, peer_eof, body_read;
@@ -145,7 +156,7 @@ static req_t *req_new(conn_t *c) {
   r->pub.query = "";
   r->pub.path = "";
   r->pub.route = "none";
-  r->pub.t_start_ns = uv_hrtime();
+  r->pub.t_start_ns = c->exec_arrived_ns ? c->exec_arrived_ns : uv_hrtime();
   r->requests_total = c->srv->requests_total;
   snprintf(r->listener, sizeof(r->listener), "%s", c->srv->name);
   snprintf(r->peer, sizeof(r->peer), "%s", c->peer[0] ? c->peer : "unknown");
@@ -1023,12 +1034,32 @@ static int conn_busy(const conn_t *c) {
   return c->writing || (c->req && c->req->state != REQ_PARSING);
 }
 
+/* The arrival time of rbuf[rbuf_off]: the latest read that began at or before it. Older marks go.
+ */
+static uint64_t rbuf_arrival(conn_t *c) {
+  uint64_t at = c->rbuf_in - (c->rbuf_len - c->rbuf_off), ns = 0;
+  while (c->n_marks) {
+    unsigned k = c->mark0;
+    if (c->marks[k].at > at)
+      break;
+    ns = c->marks[k].ns;
+    unsigned next = (k + 1) % MARKS;
+    if (c->n_marks == 1 || c->marks[next].at > at)
+      break;
+    c->mark0 = next;
+    c->n_marks--;
+  }
+  return ns;
+}
+
 static void conn_process(conn_t *c) {
   if (c->processing)
     return;
   c->processing = 1;
   while (!c->closing && !c->lingering && !conn_busy(c) && c->rbuf_off < c->rbuf_len) {
+    c->exec_arrived_ns = rbuf_arrival(c);
     size_t used = conn_execute(c, c->rbuf + c->rbuf_off, c->rbuf_len - c->rbuf_off);
+    c->exec_arrived_ns = 0;
     c->rbuf_off += used;
   }
   if (c->rbuf_off == c->rbuf_len)
@@ -1107,6 +1138,16 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
     conn_process(c);
     return;
   }
+  /* A mark for this read; with the ring full the oldest gives way (its bytes then count from the
+   * next read's time, a little late, never early). */
+  if (c->n_marks == MARKS) {
+    c->mark0 = (c->mark0 + 1) % MARKS;
+    c->n_marks--;
+  }
+  unsigned k = (c->mark0 + c->n_marks++) % MARKS;
+  c->marks[k].at = c->rbuf_in;
+  c->marks[k].ns = uv_hrtime();
+  c->rbuf_in += (uint64_t)nread;
   c->rbuf_len += (size_t)nread;
   conn_process(c);
 }

@@ -238,6 +238,30 @@ def test_bearer_token():
         os.unlink(tmp)
 
 
+def test_pipelined_deadline():
+    """A request pipelined behind a long one counts its Dsv4d-Deadline-Ms from the arrival of its
+    first byte (README Decisions), not from when the daemon got round to parsing it: sent together
+    with a batch that takes longer than its deadline, it is 504 deadline_exceeded and changes
+    nothing."""
+    rng = np.random.default_rng(47)
+    with Daemon(["--kv-blocks", "64", "--layers", "0-0", "--threads", "1"]) as d:
+        heads = 64
+        big = Batch.random(rng, 0, [Seg("big", 0, 1024, True)], heads, outputs="q")
+        late = Batch.random(rng, 0, [Seg("late", 0, 2, True)], heads)
+        s = h.connect(d)
+        t0 = time.monotonic()
+        s.sendall(fwd(big.body()) + fwd(late.body(), {"Dsv4d-Deadline-Ms": "50"}))
+        r0, buf = h.read_response(s, timeout=30)
+        dt = time.monotonic() - t0
+        r1, _ = h.read_response(s, buf, timeout=30)
+        s.close()
+        check_eq(r0.status, 200, "the long batch")
+        check(dt > 0.1, "the long batch took only %.3f s: the test proves nothing" % dt)
+        expect_error(r1, 504, "deadline_exceeded")
+        check_eq(d.seq("late"), None, "no sequence from the late batch")
+        print("long batch %.3f s; pipelined batch %d" % (dt, r1.status))
+
+
 def test_deadline_and_queue_full():
     """Behind a long batch on the executor, a batch whose Dsv4d-Deadline-Ms passes while it waits is
     dropped (504 deadline_exceeded) and batches that find the queue full are refused (503 queue_full
@@ -287,4 +311,4 @@ def test_deadline_and_queue_full():
 if __name__ == "__main__":
     h.main([test_keep_alive, test_pipelined_in_order, test_limits_before_body, test_length_required,
             test_disconnect_mid_body, test_connection_timeouts, test_bearer_token,
-            test_deadline_and_queue_full])
+            test_pipelined_deadline, test_deadline_and_queue_full])
