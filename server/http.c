@@ -932,7 +932,9 @@ static int on_body(llhttp_t *p, const char *at, size_t n) {
   if ((const uint8_t *)at != dst)
     memcpy(dst, at, n);
   r->body_received += n;
-  set_phase(c, PHASE_BODY);
+  /* body_timeout_ms is for the whole body, as header_timeout_ms is for the whole head: the timer
+   * runs from the end of the headers and is not restarted by each piece, so a body dripped a byte
+   * at a time cannot hold its buffer (up to max_body_bytes) for ever. */
   return 0;
 }
 
@@ -1007,7 +1009,8 @@ static void conn_fail(conn_t *c, int err, const char *msg) {
     msg = r->errmsg[0] ? r->errmsg : NULL;
   }
   r->err = err;
-  snprintf(r->errmsg, sizeof(r->errmsg), "%s", msg ? msg : dsv4_strerror(err));
+  if (msg != r->errmsg) /* a message already in place stays (copying it onto itself overlaps) */
+    snprintf(r->errmsg, sizeof(r->errmsg), "%s", msg ? msg : dsv4_strerror(err));
   r->keep_alive = 0;
   c->close_after = 1;
   dispatch(c);

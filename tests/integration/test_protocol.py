@@ -5,6 +5,7 @@ import os
 import socket
 import struct
 import sys
+import select
 import time
 
 import numpy as np
@@ -99,6 +100,9 @@ def test_limits_before_body():
                        "\r\nContent-Length: %d\r\n\r\n" % cl).encode() + b"\0" * 100)
             r, _ = h.read_response(s, timeout=5)
             expect_error(r, 413, "payload_too_large")
+            msg = r.json()["error"]["message"]
+            check("%d" % cl in msg and "100000" in msg,
+                  "the 413 names the body's size and the limit: %r" % msg)
             check_eq(r.headers.get("dsv4d-instance"), d.instance, "instance on 413")
             s.close()
         # 431: request headers over the limit, on a GET and on a POST whose body is never sent.
@@ -144,6 +148,14 @@ def test_length_required():
         r, _ = h.read_response(s, timeout=5)
         expect_error(r, 411, "length_required")
         check_eq(r.headers.get("dsv4d-instance"), d.instance, "instance on 411")
+        s.close()
+        # A chunked body is refused with a message that says so.
+        s = h.connect(d)
+        s.sendall(b"POST /v1/forward HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"5\r\nhello\r\n0\r\n\r\n")
+        r, _ = h.read_response(s, timeout=5)
+        expect_error(r, 411, "length_required")
+        check("chunked" in r.json()["error"]["message"], "411 message %r" % r.json())
         s.close()
 
 
@@ -209,6 +221,28 @@ def test_connection_timeouts():
                 check(got.startswith(b"HTTP/1.1 200"), "idle: the answer came first (%r)" % got[:50])
             elif got:
                 check(got.startswith(b"HTTP/1.1 408"), "%s: answer before closing %r" % (what, got[:80]))
+        # The body timeout is for the whole body: one dripped a byte every 100 ms is cut at 300 ms,
+        # not kept alive by each byte.
+        s = h.connect(d)
+        s.sendall(b"POST /v1/forward HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n")
+        t0 = time.monotonic()
+        got = b""
+        for _ in range(30):
+            try:
+                s.sendall(b"x")
+            except OSError:
+                break
+            r, _, _ = select.select([s], [], [], 0.1)
+            if r:
+                chunk = s.recv(4096)
+                got += chunk
+                if not chunk or got.startswith(b"HTTP/1.1 408"):
+                    break
+        dt = time.monotonic() - t0
+        s.close()
+        check(got.startswith(b"HTTP/1.1 408"), "dripped body: 408 expected, got %r after %.2f s"
+              % (got[:80], dt))
+        check(dt < 2.0, "dripped body answered after %.2f s (limit 300 ms)" % dt)
         check_eq(d.get("/healthz").status, 200, "healthz after the timeouts")
 
 
