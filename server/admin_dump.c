@@ -450,14 +450,18 @@ static void dump_done(dsv4_job_t *job) {
     /* Before the head is sent a failure, or a client gone, is answered (or just freed). */
     if (!dm->rc && dsv4_req_gone(dm->req))
       dm->rc = DSV4_EIO;
-    if (!dm->rc && !digests_done(dm) && submit_step(dm, ST_DIGEST))
-      dm->rc = DSV4_EDRAIN;
     if (dm->rc) {
       fail_early(dm);
       return;
     }
-    if (dm->job_busy)
+    if (!digests_done(dm)) {
+      /* Once the next step is queued the executor owns dm->rc: nothing here reads it again. */
+      if (submit_step(dm, ST_DIGEST)) {
+        dm->rc = DSV4_EDRAIN;
+        fail_early(dm);
+      }
       return;
+    }
     start_stream(dm);
     return;
   case ST_FILL:
