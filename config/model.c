@@ -3,6 +3,7 @@
 #include "config-internal.h"
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -98,7 +99,13 @@ static int get_uint(model_ctx_t *c, json_t *obj, const char *key, uint64_t min, 
 }
 
 /* An optional positive finite number (integer or real); absent or null keeps *out. */
-static int get_pos_number(model_ctx_t *c, json_t *obj, const char *key, double *out) {
+/*
+ * An optional number key within [lo, hi] (lo excluded when lo_open). The bounds are what the
+ * numerics can take: every value inside gives finite RoPE rows and a positive fp32 epsilon, so a
+ * model config cannot turn finite inputs into NaN outputs.
+ */
+static int get_number_in(model_ctx_t *c, json_t *obj, const char *key, double lo, int lo_open,
+                         double hi, double *out) {
   json_t *v = json_object_get(obj, key);
   if (!v || json_is_null(v))
     return 0;
@@ -106,12 +113,22 @@ static int get_pos_number(model_ctx_t *c, json_t *obj, const char *key, double *
     return dsv4__config_fail(c->err, c->errlen, "model config %s: key %s must be a number", c->name,
                              key);
   double x = json_number_value(v);
-  if (!isfinite(x) || !(x > 0))
+  if (!isfinite(x) || (lo_open ? !(x > lo) : !(x >= lo)) || !(x <= hi))
     return dsv4__config_fail(c->err, c->errlen,
-                             "model config %s: key %s is %g; it must be positive", c->name, key, x);
+                             "model config %s: key %s is %g; it must be %s %g and at most %g",
+                             c->name, key, x, lo_open ? "greater than" : "at least", lo, hi);
   *out = x;
   return 0;
 }
+
+/* Bounds of the numeric model keys (get_number_in). */
+#define EPS_MIN ((double)FLT_MIN) /* the smallest normal fp32: eps stays positive as a float */
+#define EPS_MAX 1.0
+#define THETA_MIN 1.0 /* excluded: a RoPE base at or below 1 has no decreasing frequencies */
+#define THETA_MAX ((double)FLT_MAX)
+#define YARN_FACTOR_MAX 65536.0
+#define YARN_ORIG_MAX 4294967296.0
+#define YARN_BETA_MAX 65536.0
 
 /* The geometry the daemon implements: other values are refused by name rather than served wrongly.
  */
@@ -165,10 +182,11 @@ static int compress_params(model_ctx_t *c, json_t *sec, const char *where, doubl
   out->theta = theta;
   double factor = 0, orig = 0, beta_fast = 32.0, beta_slow = 1.0;
   char key[96];
-  if ((rc = get_pos_number(c, sec, "factor", &factor)) ||
-      (rc = get_pos_number(c, sec, "original_max_position_embeddings", &orig)) ||
-      (rc = get_pos_number(c, sec, "beta_fast", &beta_fast)) ||
-      (rc = get_pos_number(c, sec, "beta_slow", &beta_slow)))
+  if ((rc = get_number_in(c, sec, "factor", 1.0, 0, YARN_FACTOR_MAX, &factor)) ||
+      (rc = get_number_in(c, sec, "original_max_position_embeddings", 1.0, 0, YARN_ORIG_MAX,
+                          &orig)) ||
+      (rc = get_number_in(c, sec, "beta_fast", 0.0, 1, YARN_BETA_MAX, &beta_fast)) ||
+      (rc = get_number_in(c, sec, "beta_slow", 0.0, 1, YARN_BETA_MAX, &beta_slow)))
     return rc;
   if (factor == 0) {
     snprintf(key, sizeof(key), "%s.factor", where);
@@ -225,7 +243,7 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
       (rc = get_uint(c, root, "max_position_embeddings", 1, (uint64_t)1 << 32, &maxpos)))
     return rc;
   double eps = 1e-6;
-  if ((rc = get_pos_number(c, root, "rms_norm_eps", &eps)))
+  if ((rc = get_number_in(c, root, "rms_norm_eps", EPS_MIN, 0, EPS_MAX, &eps)))
     return rc;
 
   json_t *ratios = json_object_get(root, "compress_ratios");
@@ -272,14 +290,16 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
 
   /* The top-level keys, overridden by rope_parameters (the newer, more specific format). */
   double theta = FLASH_ROPE_THETA, ctheta = FLASH_COMPRESS_ROPE_THETA;
-  if ((rc = get_pos_number(c, root, "rope_theta", &theta)) ||
-      (rc = get_pos_number(c, root, "compress_rope_theta", &ctheta)))
+  if ((rc = get_number_in(c, root, "rope_theta", THETA_MIN, 1, THETA_MAX, &theta)) ||
+      (rc = get_number_in(c, root, "compress_rope_theta", THETA_MIN, 1, THETA_MAX, &ctheta)))
     return rc;
-  if (sec_main && (rc = get_pos_number(c, sec_main, "rope_theta", &theta)))
+  if (sec_main && (rc = get_number_in(c, sec_main, "rope_theta", THETA_MIN, 1, THETA_MAX, &theta)))
     return rc;
-  if (!nested && rp && (rc = get_pos_number(c, rp, "compress_rope_theta", &ctheta)))
+  if (!nested && rp &&
+      (rc = get_number_in(c, rp, "compress_rope_theta", THETA_MIN, 1, THETA_MAX, &ctheta)))
     return rc;
-  if (nested && sec_comp && (rc = get_pos_number(c, sec_comp, "rope_theta", &ctheta)))
+  if (nested && sec_comp &&
+      (rc = get_number_in(c, sec_comp, "rope_theta", THETA_MIN, 1, THETA_MAX, &ctheta)))
     return rc;
 
   /*

@@ -677,6 +677,27 @@ static void test_model_rope_variants(void **state) {
   js = model_json(64, 43, 1, 0, "\"rope_theta\": -1");
   expect_model_error(js, "rope_theta");
   free(js);
+  /* Bases and YaRN parameters whose tables would not be finite (or not fp32) are refused. */
+  static const char *const bad[][2] = {
+      {"\"rope_theta\": 1e-300", "rope_theta"},
+      {"\"rope_theta\": 0.5", "rope_theta"},
+      {"\"rope_theta\": 1e39", "rope_theta"},
+      {"\"compress_rope_theta\": 1e-300", "compress_rope_theta"},
+      {"\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 0.5, "
+       "\"original_max_position_embeddings\": 65536}",
+       "factor"},
+      {"\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, "
+       "\"original_max_position_embeddings\": 65536, \"beta_fast\": 1e300}",
+       "beta_fast"},
+      {"\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 16, "
+       "\"original_max_position_embeddings\": 0.5}",
+       "original_max_position_embeddings"},
+  };
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    js = model_json(64, 43, 1, 0, bad[i][0]);
+    expect_model_error(js, bad[i][1]);
+    free(js);
+  }
 }
 
 static void test_model_shape_errors(void **state) {
@@ -698,6 +719,11 @@ static void test_model_shape_errors(void **state) {
       {"\"num_attention_heads\": 64", "\"num_attention_heads\": 0"},
       {"\"num_attention_heads\": 64", "\"num_attention_heads\": 129"},
       {"\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": 0"},
+      /* 0 as an fp32 (it would make the RMS factor of an all-zero row a NaN), an fp32 subnormal,
+       * and one past the top of the range. */
+      {"\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": 1e-50"},
+      {"\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": 1e-40"},
+      {"\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": 2"},
       {"\"head_dim\": 512", "\"head_dim\": \"512\""}};
   for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++) {
     js = model_json(64, 43, 1, 0, NULL);
