@@ -3,29 +3,37 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
 #include "dsv4-numerics.h"
 #include "safetensors.h"
 
-static int read_file(const char *path, uint8_t **buf, size_t *len) {
+/* A regular file of at most 1 GiB (a weights file for every layer is a few hundred KiB). */
+#define WEIGHTS_MAX_BYTES ((off_t)1 << 30)
+
+static int read_file(const char *path, uint8_t **buf, size_t *len, const char **why) {
   FILE *f = fopen(path, "rb");
-  long n;
+  struct stat st;
+  *why = "cannot be opened";
   if (!f)
     return DSV4_EIO;
-  if (fseek(f, 0, SEEK_END) || (n = ftell(f)) < 0 || fseek(f, 0, SEEK_SET)) {
+  if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > WEIGHTS_MAX_BYTES) {
+    *why = "is not a regular file of at most 1 GiB";
     fclose(f);
     return DSV4_EIO;
   }
-  *buf = malloc((size_t)n + 1);
+  size_t n = (size_t)st.st_size;
+  *buf = malloc(n + 1);
   if (!*buf) {
     fclose(f);
     return DSV4_ENOMEM;
   }
-  *len = fread(*buf, 1, (size_t)n, f);
+  *len = fread(*buf, 1, n, f);
   fclose(f);
-  return *len == (size_t)n ? 0 : DSV4_EIO;
+  *why = "could not be read whole";
+  return *len == n ? 0 : DSV4_EIO;
 }
 
 int dsv4_kv_norm_weights_load(const char *path, const uint32_t *served_layers, uint32_t n_served,
@@ -41,9 +49,10 @@ int dsv4_kv_norm_weights_load(const char *path, const uint32_t *served_layers, u
     snprintf(err, errlen, "kv_norm = fused needs kv_norm_weights (a safetensors file)");
     return DSV4_ECONFIG;
   }
-  rc = read_file(path, &buf, &len);
+  const char *why;
+  rc = read_file(path, &buf, &len, &why);
   if (rc) {
-    snprintf(err, errlen, "cannot read kv_norm_weights file %s", path);
+    snprintf(err, errlen, "kv_norm_weights file %s %s", path, why);
     free(buf);
     return rc;
   }

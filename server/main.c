@@ -129,7 +129,7 @@ static void on_signal(uv_signal_t *s, int signum) {
 static int read_token_file(const char *path, int private_only, char **out, unsigned *mode,
                            char *why, size_t why_len) {
   FILE *f;
-  char buf[4097];
+  char buf[4096];
   size_t n;
   struct stat st;
   *out = NULL;
@@ -154,7 +154,7 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
   fclose(f);
   if (rerr)
     return DSV4_EIO;
-  if (n == sizeof(buf)) {
+  if (n == sizeof(buf)) { /* the same limit as dsv4ctl's, on the file before trimming */
     snprintf(why, why_len, "is longer than %zu bytes", sizeof(buf) - 1);
     return DSV4_EINVAL;
   }

@@ -145,6 +145,8 @@ def test_bad_weight_files():
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", 1 << 40) + b"{}")
     run_refused(["--kv-norm", "fused", "--kv-norm-weights", path], "garbage file")
+    # A directory (fopen succeeds on one; its "size" is not a file's).
+    run_refused(["--kv-norm", "fused", "--kv-norm-weights", tmp], "a directory")
 
 
 if __name__ == "__main__":
