@@ -24,7 +24,7 @@ extern char **environ;
 
 typedef struct {
   dsv4_daemon_t d;
-  uv_signal_t sigterm, sigint;
+  uv_signal_t sigterm, sigint, sighup;
   uv_timer_t drain_timer;
   uint64_t drain_deadline_ms;
   int servers_open; /* listeners not yet closed: the executor stops after the last */
@@ -69,6 +69,7 @@ static void on_server_closed(void *arg) {
   dsv4_executor_stop(&a->d.ex, on_executor_closed, a);
   uv_close((uv_handle_t *)&a->sigterm, NULL);
   uv_close((uv_handle_t *)&a->sigint, NULL);
+  uv_close((uv_handle_t *)&a->sighup, NULL);
   uv_close((uv_handle_t *)&a->drain_timer, NULL);
 }
 
@@ -107,8 +108,10 @@ static void on_signal(uv_signal_t *s, int signum) {
     return;
   }
   dsv4_logp(DSV4_LOG_INFO, "draining", "{s:s,s:I}", "signal",
-            signum == SIGTERM ? "SIGTERM" : "SIGINT", "deadline_ms",
-            (json_int_t)a->d.cfg->drain_timeout_ms);
+            signum == SIGTERM  ? "SIGTERM"
+            : signum == SIGHUP ? "SIGHUP"
+                               : "SIGINT",
+            "deadline_ms", (json_int_t)a->d.cfg->drain_timeout_ms);
   a->d.draining = 1;
   dsv4_sd_notify("STOPPING=1");
   dsv4_server_drain(a->d.data);
@@ -346,12 +349,16 @@ int main(int argc, char **argv) {
   if (!d->admin_token && !d->admin_loopback)
     dsv4_logp(DSV4_LOG_WARN, "admin listener is not loopback and has no token: dumps are refused",
               "{s:s}", "admin_host", cfg.admin_host);
-  app.sigterm.data = app.sigint.data = app.drain_timer.data = &app;
+  app.sigterm.data = app.sigint.data = app.sighup.data = app.drain_timer.data = &app;
   uv_signal_init(&loop, &app.sigterm);
   uv_signal_init(&loop, &app.sigint);
+  uv_signal_init(&loop, &app.sighup);
   uv_timer_init(&loop, &app.drain_timer);
   uv_signal_start(&app.sigterm, on_signal, SIGTERM);
   uv_signal_start(&app.sigint, on_signal, SIGINT);
+  /* The configuration is not reloaded: a hang-up (a closed terminal, a service manager's reload
+   * without a reload command) drains like SIGTERM instead of killing batches in flight. */
+  uv_signal_start(&app.sighup, on_signal, SIGHUP);
 
   dsv4_logp(DSV4_LOG_INFO, "started", "{s:s,s:s,s:s,s:i,s:i,s:i,s:I,s:f}", "version", DSV4_VERSION,
             "instance", d->instance, "backend", dsv4_engine_backend_name(d->engine), "layers",

@@ -188,7 +188,7 @@ def test_sigterm_drains_inflight_batch():
 
 
 def test_sigint_and_idle_sigterm():
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         with Daemon(h.SMALL) as d:
             s = h.connect(d)  # an idle keep-alive connection must not hold the exit up
             t0 = time.monotonic()
@@ -196,6 +196,8 @@ def test_sigint_and_idle_sigterm():
             rc = d.wait(5)
             check(rc is not None, "%s: no exit within 5 s when idle" % sig.name)
             check_eq(rc, 0, "%s: exit status" % sig.name)
+            check(any('"draining"' in ln and sig.name in ln for ln in d.lines),
+                  "%s: a drain was logged" % sig.name)
             print("%s: exit after %.3f s" % (sig.name, time.monotonic() - t0))
             s.close()
 
