@@ -236,7 +236,13 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (rc) {
-    fprintf(stderr, "dsv4d: %s\n", err);
+    /* A JSON line like every other start-up error: the value it quotes is escaped, so a newline in
+     * it cannot forge a log line; bytes outside ASCII become '?' (a log line must be UTF-8). */
+    for (char *c = err; *c; c++)
+      if ((unsigned char)*c >= 0x80)
+        *c = '?';
+    dsv4_logp(DSV4_LOG_ERROR, "bad configuration", "{s:s}", "error", err);
+    dsv4_config_free(&cfg);
     return 2;
   }
   if (dsv4_log_parse_level(cfg.log_level, &level) == 0)
