@@ -270,6 +270,14 @@ static void set_phase(conn_t *c, phase_t phase) {
 
 static void conn_fail(conn_t *c, int err, const char *msg);
 
+/* Whether the connection stays open after the current answer. While the server drains, only to
+ * answer requests whose bytes already arrived (pipelined; a forward among them gets 503 draining,
+ * which tells a gateway it was never applied) rather than drop them with the connection. */
+static int conn_keeps(const conn_t *c, int keep_alive) {
+  return keep_alive && !c->close_after && !c->peer_eof &&
+         (!c->srv->draining || c->rbuf_off < c->rbuf_len);
+}
+
 static void on_timer(uv_timer_t *t) {
   conn_t *c = t->data;
   switch (c->phase) {
@@ -381,7 +389,7 @@ static void write_done(conn_t *c, int status_ok) {
   c->wbufs = NULL;
   if (release)
     release(arg);
-  int keep = r && r->keep_alive && !c->close_after && !c->peer_eof && !c->srv->draining;
+  int keep = r && conn_keeps(c, r->keep_alive);
   c->req = NULL;
   if (r)
     req_free(r);
@@ -478,7 +486,7 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
     return;
   }
   r->state = REQ_WRITING;
-  int keep = r->keep_alive && !c->close_after && !c->peer_eof && !c->srv->draining;
+  int keep = conn_keeps(c, r->keep_alive);
 
   size_t n = 0;
   char *h = response_head(c, r, status, content_type, extra, n_extra, !no_body, total, keep, &n);
@@ -552,7 +560,7 @@ int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_t
     r->stream_failed = 1;
     return DSV4_EIO;
   }
-  r->keep_alive = r->keep_alive && !c->close_after && !c->peer_eof && !c->srv->draining;
+  r->keep_alive = conn_keeps(c, r->keep_alive);
   size_t n = 0;
   char *h = response_head(c, r, status, content_type, extra, n_extra, 1, content_length,
                           r->keep_alive, &n);

@@ -187,6 +187,49 @@ def test_sigterm_drains_inflight_batch():
     raise h.TestFailure("no batch was ever seen in flight (dsv4d_inflight_batches stayed 0)")
 
 
+def test_sigterm_answers_pipelined():
+    """SIGTERM while a batch runs and a second one, pipelined behind it on the same connection, has
+    fully arrived: the first is answered 200, the second 503 draining (never applied: a gateway
+    knows to send it elsewhere), not dropped with the connection; the process exits 0."""
+    rng = np.random.default_rng(53)
+    heads = 64
+    for n in (1024, 2048, 4096):
+        d = Daemon(["--kv-blocks", "128", "--layers", "0-0", "--threads", "1",
+                    "--drain-timeout-ms", "20000"], name="drain-pipe-%d" % n)
+        d.start()
+        big = Batch.random(rng, 0, [Seg("big", 0, n, True)], heads, outputs="q")
+        second = Batch.random(rng, 0, [Seg("second", 0, 2, True)], heads)
+        s = h.connect(d)
+        s.sendall(h.raw_request("POST", "/v1/forward", big.body()) +
+                  h.raw_request("POST", "/v1/forward", second.body()))
+        seen = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if h.metric(d.metrics(), "dsv4d_inflight_batches") >= 1:
+                seen = True
+                break
+            time.sleep(0.002)
+        if seen:
+            d.signal(signal.SIGTERM)
+        r0, buf = h.read_response(s, timeout=60)
+        r1, _ = h.read_response(s, buf, timeout=60)
+        s.close()
+        check_eq(r0.status, 200, "the batch in flight")
+        if not seen or r1.status == 200:
+            # The signal came too late to find the second batch waiting: try a larger first batch.
+            check_eq(r1.status, 200, "the second batch without a drain")
+            d.signal(signal.SIGTERM)
+            d.wait(20)
+            print("N=%d: no drain while the second batch waited; trying a larger batch" % n)
+            continue
+        expect_error(r1, 503, "draining")
+        rc = d.wait(20)
+        check_eq(rc, 0, "exit status after the drain")
+        print("N=%d: in flight 200, pipelined 503 draining" % n)
+        return
+    raise h.TestFailure("the drain never found the pipelined batch waiting")
+
+
 def test_sigint_and_idle_sigterm():
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         with Daemon(h.SMALL) as d:
@@ -251,5 +294,6 @@ def test_sequence_idle_expiry():
 
 if __name__ == "__main__":
     h.main([test_startup_time_default_config, test_help, test_option_errors, test_config_sources,
-            test_bool_option_with_a_value, test_sigterm_drains_inflight_batch, test_sigint_and_idle_sigterm,
-            test_sequence_idle_expiry, test_service_manager_notifications])
+            test_bool_option_with_a_value, test_sigterm_drains_inflight_batch,
+            test_sigterm_answers_pipelined, test_sigint_and_idle_sigterm, test_sequence_idle_expiry,
+            test_service_manager_notifications])
