@@ -3,6 +3,7 @@
 #include "config-internal.h"
 
 #include <ctype.h>
+#include <arpa/inet.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -652,6 +653,20 @@ static int resolve(dsv4_config_t *cfg, char *err, size_t errlen) {
   }
   if ((rc = parse_layers(cfg, err, errlen)))
     return rc;
+  /* Listen addresses are IP literals: a name (localhost) or stray space would only fail later, at
+   * bind time, without naming where the value came from. */
+  {
+    const size_t fields[2] = {F(host), F(admin_host)};
+    const char *hosts[2] = {cfg->host, cfg->admin_host};
+    for (int i = 0; i < 2; i++) {
+      unsigned char a[sizeof(struct in6_addr)];
+      if (inet_pton(AF_INET, hosts[i], a) != 1 && inet_pton(AF_INET6, hosts[i], a) != 1)
+        return resolve_fail(cfg, fields[i], hosts[i],
+                            "is not an IP address; allowed: an IPv4 or IPv6 literal such as "
+                            "127.0.0.1, 0.0.0.0 or ::1 (names are not resolved)",
+                            err, errlen);
+    }
+  }
   if (strcmp(cfg->kv_norm, "fused") == 0) {
     if (!*cfg->kv_norm_weights)
       return resolve_fail(cfg, F(kv_norm), cfg->kv_norm,

@@ -201,8 +201,9 @@ static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int p
   int rc = dsv4_server_create(d->loop, &sc, routes, n_routes, out);
   if (rc) {
     *out = NULL;
-    dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:s,s:i,s:s}", "listener", name, "host", host,
-              "port", port, "error", dsv4_strerror(rc));
+    if (rc != DSV4_EIO) /* a bind or listen failure (DSV4_EIO) was logged with its own reason */
+      dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:s,s:i,s:s}", "listener", name, "host",
+                host, "port", port, "error", dsv4_strerror(rc));
   }
   return rc;
 }

@@ -63,11 +63,16 @@ def test_option_errors():
              (["--layers", "0-99"], "layers"), (["--implicit-create=maybe"], "implicit"),
              (["--kv-norm", "sometimes"], "kv"), (["--backend", "abacus"], "backend"),
              (["--threads", "-3"], "threads"), (["--no-such-option", "1"], "no-such-option"),
-             (["--heads"], "heads")]
+             (["--heads"], "heads"), (["--admin-host", "localhost"], "admin_host"),
+             (["--host", ""], "host"), (["--host", "127.0.0.1 "], "host"),
+             (["--layers", "0\n{\"msg\":\"listening\",\"port\":1}"], "layers")]
     for args, name in cases:
         r = run_cli((["--port", "0"] if "--port" not in args else []) + args)
         err = (r.stdout + r.stderr).decode()
-        check(r.returncode != 0, "%s: exit status 0 (output %r)" % (args, err[-300:]))
+        check_eq(r.returncode, 2, "%s: exit status (output %r)" % (args, err[-300:]))
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        check(lines and all(ln.startswith("{") and json.loads(ln) for ln in lines),
+              "%s: the error is JSON lines, and a value cannot forge one: %r" % (args, err[-400:]))
         check(name in err.replace("_", "-") or name in err,
               "%s: the error does not name %r: %r" % (args, name, err[-400:]))
     # The same range checks apply to the environment and the JSON file.
