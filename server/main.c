@@ -278,6 +278,8 @@ int main(int argc, char **argv) {
                                    sizeof(err));
     if (rc) {
       dsv4_logp(DSV4_LOG_ERROR, "cannot load kv_norm weights", "{s:s}", "why", err);
+      free(token);
+      free(admin_token);
       dsv4_config_free(&cfg);
       return 2;
     }
@@ -328,19 +330,19 @@ int main(int argc, char **argv) {
   d->loop = &loop;
   if (dsv4_metrics_create(&d->metrics) || dsv4_daemon_metrics_init(d)) {
     dsv4_logp(DSV4_LOG_ERROR, "cannot create metrics", NULL);
-    return 1;
+    goto fail;
   }
   rc = dsv4_executor_start(&d->ex, &loop, cfg.queue_depth, tick, d);
   if (rc) {
     dsv4_logp(DSV4_LOG_ERROR, "cannot start the executor thread", NULL);
-    return 1;
+    goto fail;
   }
   n_routes = dsv4_data_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
   rc = listen_on(d, "data", cfg.host, cfg.port, token, routes, n_routes, NULL, &d->data);
   if (rc) {
     dsv4_executor_stop(&d->ex, NULL, NULL);
     uv_run(&loop, UV_RUN_DEFAULT);
-    return 1;
+    goto fail;
   }
   n_routes = dsv4_admin_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
   d->admin_token = admin_token != NULL;
@@ -351,7 +353,7 @@ int main(int argc, char **argv) {
     dsv4_server_close(d->data, NULL, NULL);
     dsv4_executor_stop(&d->ex, NULL, NULL);
     uv_run(&loop, UV_RUN_DEFAULT);
-    return 1;
+    goto fail;
   }
   if (!d->admin_token && !d->admin_loopback)
     dsv4_logp(DSV4_LOG_WARN, "admin listener is not loopback and has no token: dumps are refused",
@@ -393,4 +395,16 @@ int main(int argc, char **argv) {
   dsv4_config_free(&cfg);
   dsv4_logp(DSV4_LOG_INFO, "exit", "{s:i}", "code", rc ? 1 : 0);
   return rc ? 1 : 0;
+
+fail:
+  /* A start-up failure after the engine exists: release everything, as a normal exit does. */
+  uv_walk(&loop, on_walk_close, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  (void)uv_loop_close(&loop);
+  dsv4_engine_destroy(d->engine);
+  dsv4_metrics_destroy(d->metrics);
+  free(token);
+  free(admin_token);
+  dsv4_config_free(&cfg);
+  return 1;
 }

@@ -96,6 +96,30 @@ def accepts_heads(d, heads, rng, seq):
     return r.status == 200
 
 
+def test_port_in_use():
+    """A port already taken: one log line saying so, exit status 1, nothing leaked (under the
+    sanitizers a leak would change the status)."""
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for args in (["--port", str(port), "--admin-port", "0"],
+                     ["--port", "0", "--admin-port", str(port)]):
+            r = run_cli(h.SMALL + args, timeout=30)
+            err = r.stderr.decode()
+            check_eq(r.returncode, 1, "%s: exit status (log %r)" % (args, err[-400:]))
+            lines = [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+            bad = [ln for ln in lines if ln.get("msg") == "cannot listen"]
+            check_eq(len(bad), 1, "%s: one cannot-listen line (%r)" % (args, err[-400:]))
+            check_eq(bad[0].get("error"), "address already in use", "%s: the reason" % args)
+            check("Sanitizer" not in err and "runtime error" not in err,
+                  "%s: sanitizer report: %r" % (args, err[-400:]))
+    finally:
+        taken.close()
+
+
 def test_config_sources():
     """file < environment < command line; implicit_create."""
     rng = np.random.default_rng(51)
@@ -298,7 +322,8 @@ def test_sequence_idle_expiry():
 
 
 if __name__ == "__main__":
-    h.main([test_startup_time_default_config, test_help, test_option_errors, test_config_sources,
+    h.main([test_startup_time_default_config, test_help, test_option_errors, test_port_in_use,
+            test_config_sources,
             test_bool_option_with_a_value, test_sigterm_drains_inflight_batch,
             test_sigterm_answers_pipelined, test_sigint_and_idle_sigterm, test_sequence_idle_expiry,
             test_service_manager_notifications])
