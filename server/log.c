@@ -124,13 +124,90 @@ void dsv4_log(int level, const char *msg, json_t *fields) {
   emit(level, msg, fields);
 }
 
+/* s as a JSON string; when s is not UTF-8 (a path or value from the command line can hold any
+ * bytes) its bytes outside ASCII become '?' and *cleaned is set. */
+static json_t *lenient_string(const char *s, int *cleaned) {
+  json_t *v = json_string(s);
+  if (v)
+    return v;
+  char *c = strdup(s);
+  if (!c)
+    return NULL;
+  for (char *p = c; *p; p++)
+    if ((unsigned char)*p >= 0x80)
+      *p = '?';
+  *cleaned = 1;
+  v = json_string(c);
+  free(c);
+  return v;
+}
+
+/*
+ * The fields of fmt built again from ap when json_vpack_ex refused them, which it does only for a
+ * string that is not UTF-8: the format subset the daemon's log calls use (an object of "s" keys
+ * and s, i, I, f and b values), with such strings cleaned. NULL for any other format.
+ */
+static json_t *pack_lenient(const char *fmt, va_list ap) {
+  json_t *o = json_object();
+  const char *key = NULL;
+  int cleaned = 0;
+  for (const char *p = fmt; o && *p; p++) {
+    json_t *v = NULL;
+    switch (*p) {
+    case '{':
+    case '}':
+    case ',':
+    case ':':
+    case ' ':
+      continue;
+    case 's': {
+      const char *x = va_arg(ap, const char *);
+      if (!key) {
+        key = x ? x : "";
+        continue;
+      }
+      v = x ? lenient_string(x, &cleaned) : json_null();
+      break;
+    }
+    case 'i':
+      v = json_integer(va_arg(ap, int));
+      break;
+    case 'b':
+      v = json_boolean(va_arg(ap, int));
+      break;
+    case 'I':
+      v = json_integer(va_arg(ap, json_int_t));
+      break;
+    case 'f':
+      v = json_real(va_arg(ap, double));
+      break;
+    default:
+      json_decref(o);
+      return NULL;
+    }
+    if (!key || !v || json_object_set_new_nocheck(o, key, v) != 0) {
+      json_decref(o);
+      return NULL;
+    }
+    key = NULL;
+  }
+  if (o && cleaned)
+    json_object_set_new(o, "log_note", json_string("bytes that were not UTF-8 are shown as ?"));
+  return o;
+}
+
 void dsv4_vlogp(int level, const char *msg, const char *fmt, va_list ap) {
   if (!dsv4_log_enabled(level))
     return;
   json_t *fields = NULL;
   if (fmt) {
     json_error_t err;
+    va_list again;
+    va_copy(again, ap);
     fields = json_vpack_ex(&err, 0, fmt, ap);
+    if (!fields)
+      fields = pack_lenient(fmt, again);
+    va_end(again);
     if (!fields)
       fields = json_pack("{s:s}", "log_error", err.text);
   }

@@ -79,6 +79,29 @@ static void test_line_format(void **state) {
   free(t);
 }
 
+/* A field that is not UTF-8 (a path from the command line) keeps the line's other fields; its
+ * bytes outside ASCII show as '?' and the line says so. */
+static void test_not_utf8_field(void **state) {
+  (void)state;
+  dsv4_logp(DSV4_LOG_ERROR, "cannot use admin_token_file", "{s:s,s:s,s:I,s:b}", "path",
+            "/etc/t\xff\xfe.token", "why", "is empty", "n", (json_int_t)7, "ok", 0);
+  size_t n;
+  char *t = slurp(&n);
+  json_error_t err;
+  json_t *doc = json_loadb(t, n, 0, &err);
+  assert_non_null(doc);
+  assert_string_equal(json_string_value(json_object_get(doc, "msg")),
+                      "cannot use admin_token_file");
+  assert_string_equal(json_string_value(json_object_get(doc, "path")), "/etc/t??.token");
+  assert_string_equal(json_string_value(json_object_get(doc, "why")), "is empty");
+  assert_int_equal(json_integer_value(json_object_get(doc, "n")), 7);
+  assert_true(json_is_false(json_object_get(doc, "ok")));
+  assert_non_null(json_object_get(doc, "log_note"));
+  assert_null(json_object_get(doc, "log_error"));
+  json_decref(doc);
+  free(t);
+}
+
 static void test_ts_format(void **state) {
   (void)state;
   char b[40];
@@ -160,6 +183,7 @@ static void test_threads_whole_lines(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_line_format, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_not_utf8_field, setup, teardown),
       cmocka_unit_test_setup_teardown(test_ts_format, setup, teardown),
       cmocka_unit_test_setup_teardown(test_level_filter, setup, teardown),
       cmocka_unit_test_setup_teardown(test_threads_whole_lines, setup, teardown),
