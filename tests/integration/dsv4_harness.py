@@ -520,10 +520,16 @@ class Daemon:
         self.proc.send_signal(sig)
 
     def wait(self, timeout):
+        """The exit status, or None after timeout seconds. Once the process has exited, the
+        reader threads have taken in everything it wrote, so self.lines is complete."""
         try:
-            return self.proc.wait(timeout)
+            rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
+        for t in (getattr(self, "_reader", None), getattr(self, "_out_reader", None)):
+            if t is not None:
+                t.join(10)
+        return rc
 
     def stop(self, timeout=10.0):
         """SIGTERM, wait for exit; returns the exit status (kills and fails on a hang)."""
@@ -624,17 +630,23 @@ class Daemon:
         check_eq(j.get("instance"), self.instance, "instance in admin GET %s" % path)
         return j
 
-    def admin_log(self):
-        """The audit lines ({"msg": "admin", ...}) logged so far."""
-        out = []
-        for ln in list(self.lines):
-            try:
-                j = json.loads(ln)
-            except ValueError:
-                continue
-            if isinstance(j, dict) and j.get("msg") == "admin":
-                out.append(j)
-        return out
+    def admin_log(self, until=None, timeout=10.0):
+        """The audit lines ({"msg": "admin", ...}) logged so far. With until (a predicate on that
+        list), waits up to timeout seconds for it to hold: the daemon's log reaches this process
+        through a pipe and a reader thread, a little after the answer it describes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = []
+            for ln in list(self.lines):
+                try:
+                    j = json.loads(ln)
+                except ValueError:
+                    continue
+                if isinstance(j, dict) and j.get("msg") == "admin":
+                    out.append(j)
+            if until is None or until(out) or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.02)
 
     def delete(self, path, **kw):
         return self.request("DELETE", path, **kw)
