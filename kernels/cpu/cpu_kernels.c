@@ -61,7 +61,10 @@ const char *dsv4__cpu_isa_name(int isa) {
  * the same.
  */
 #if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones) && !defined(__SANITIZE_ADDRESS__)
+/* Not in sanitizer builds: their ifunc resolvers run before the sanitizer runtime is set up
+ * (ThreadSanitizer then crashes at start-up). */
+#if __has_attribute(target_clones) && !defined(__SANITIZE_ADDRESS__) &&                            \
+    !defined(__SANITIZE_THREAD__)
 #define SCALAR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
 #endif
