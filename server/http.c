@@ -1045,14 +1045,17 @@ static int conn_busy(const conn_t *c) {
   return c->writing || (c->req && c->req->state != REQ_PARSING);
 }
 
-/* The arrival time of rbuf[rbuf_off]: the latest read that began at or before it. Older marks go.
- */
+/* The arrival time of rbuf[rbuf_off]: the latest read that began at or before it (or, when that
+ * read's mark is gone, the oldest one left: a little late, never early). Older marks go. */
 static uint64_t rbuf_arrival(conn_t *c) {
   uint64_t at = c->rbuf_in - (c->rbuf_len - c->rbuf_off), ns = 0;
   while (c->n_marks) {
     unsigned k = c->mark0;
-    if (c->marks[k].at > at)
+    if (c->marks[k].at > at) {
+      if (!ns)
+        ns = c->marks[k].ns;
       break;
+    }
     ns = c->marks[k].ns;
     unsigned next = (k + 1) % MARKS;
     if (c->n_marks == 1 || c->marks[next].at > at)
