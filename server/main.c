@@ -125,7 +125,7 @@ static void on_signal(uv_signal_t *s, int signum) {
  * Read a bearer token file. With private_only, a file that its group or others may read or write
  * (mode & 077) is refused with DSV4_EFORBID and *mode set: a token everyone on the host can read
  * protects nothing. The token is the file's bytes less trailing newlines, spaces and tabs (the rule
- * dsv4ctl applies to the same file); a token of more than 4095 bytes, or one holding a space, a
+ * dsv4ctl applies to the same file); a file of more than 4095 bytes, or a token holding a space, a
  * control character or a NUL, is refused with DSV4_EINVAL and why says which: an HTTP header
  * cannot carry it, and a NUL would silently cut it short.
  */
