@@ -84,6 +84,13 @@ static struct {
   void *base; /* what clSVMAlloc returned (p is aligned further when asked) */
 } allocs[MAX_ALLOCS];
 
+static unsigned modules_built[2]; /* [0] correctly rounded, [1] fp64 */
+
+void fake_ze_modules_built(unsigned *cr, unsigned *fp64) {
+  *cr = modules_built[0];
+  *fp64 = modules_built[1];
+}
+
 size_t fake_ze_live_allocations(void) {
   size_t n = 0;
   for (size_t i = 0; i < MAX_ALLOCS; i++)
@@ -555,6 +562,7 @@ ze_result_t ZE_APICALL zeModuleCreate(ze_context_handle_t hContext, ze_device_ha
     return ZE_RESULT_ERROR_MODULE_BUILD_FAILURE;
   }
   build_log(phBuildLog, "");
+  modules_built[fp64]++;
   *phModule = calloc(1, sizeof(**phModule));
   if (!*phModule)
     return ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY;

@@ -8,4 +8,7 @@
 /* Device and host allocations not yet freed with zeMemFree. */
 size_t fake_ze_live_allocations(void);
 
+/* Modules built so far from the embedded SPIR-V: the correctly rounded one and the fp64 one. */
+void fake_ze_modules_built(unsigned *cr, unsigned *fp64);
+
 #endif /* DSV4_TESTS_LEVEL_ZERO_FAKE_ZE_H */

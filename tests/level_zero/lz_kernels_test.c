@@ -42,6 +42,8 @@
 #include "level_zero/lz_probe.h"
 #include "rope.h"
 #ifdef DSV4_LZ_FAKE_ZE
+#include <level_zero/ze_api.h>
+
 #include "fake_ze.h"
 #endif
 
@@ -836,10 +838,39 @@ int main(int argc, char **argv) {
   } else {
     char lz_why[512];
     int rc = dsv4_backend_open("level_zero", NULL, &dev.lz, lz_why, sizeof(lz_why));
-    if (rc) {
+#ifdef DSV4_LZ_FAKE_ZE
+    /* The test double presents a usable device wherever OpenCL has a platform (PoCL): any other
+     * refusal is the glue's failure. */
+    cl_uint n_plats = 0;
+    if (rc && (clGetPlatformIDs(0, NULL, &n_plats) != CL_SUCCESS || n_plats == 0)) {
+      printf("skipped: no OpenCL platform for the Level Zero test double\n");
+      return 77;
+    }
+    if (rc)
+      die("the level_zero backend over the test double did not open: %s", lz_why);
+    /* The module matches the device: fp64 exactly when the double says fp32 divide and sqrt are
+     * not correctly rounded (FAKE_ZE_FP32_FLAGS). */
+    const char *fl = getenv("FAKE_ZE_FP32_FLAGS");
+    int want_fp64 = fl && !(strtoul(fl, NULL, 16) & ZE_DEVICE_FP_FLAG_ROUNDED_DIVIDE_SQRT);
+    unsigned n_cr = 0, n_fp64 = 0;
+    fake_ze_modules_built(&n_cr, &n_fp64);
+    if (n_cr + n_fp64 != 1 || (n_fp64 == 1) != want_fp64)
+      die("the backend built %u correctly rounded and %u fp64 modules; the device wants the %s one",
+          n_cr, n_fp64, want_fp64 ? "fp64" : "correctly rounded");
+    printf("module: %s\n", want_fp64 ? "fp64 (the device's fp32 divide/sqrt are not correctly "
+                                       "rounded)"
+                                     : "correctly rounded fp32 divide/sqrt");
+#else
+    /* Only the absence of a driver or a GPU is a skip; a GPU that is there but refused (module
+     * build, SPEC §2 probe, properties) fails the test with the reason. */
+    if (rc && (!strncmp(lz_why, "zeInit found no driver", 22) || !strncmp(lz_why, "no driver", 9) ||
+               !strncmp(lz_why, "no GPU among", 12))) {
       printf("skipped: no Level Zero GPU: %s\n", lz_why);
       return 77;
     }
+    if (rc)
+      die("a Level Zero GPU is present but the backend refused it: %s", lz_why);
+#endif
     printf("level_zero backend open (its SPEC §2 probe passed)\n");
   }
 

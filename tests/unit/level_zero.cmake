@@ -84,7 +84,8 @@ if(DSV4_LEVEL_ZERO)
   endfunction()
   dsv4_lz_fake_test(lz_fake_ze_test)
   # SPEC §5.2's broken build for Level Zero: kernels launched without the barrier in front of them.
-  # The double then runs the consumer before the producer and the RoPE copy, on every run.
+  # The double then runs the consumer before the RoPE rows' copy, on every run (the producer is
+  # complete by then: qkv_insert waits for the positions it reads back; see INVARIANTS.md).
   dsv4_lz_fake_test(lz_fake_ze_test_no_barrier DSV4_TEST_BROKEN_NO_BARRIER)
   add_test(NAME lz_fake_ze_backend_broken_no_barrier
            COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
