@@ -397,7 +397,12 @@ int main(int argc, char **argv) {
     for (int i = 0; i < DSV4__CPU_ISA_COUNT; i++)
       if (strcmp(param_str("isa", ""), dsv4__cpu_isa_name(i)) == 0)
         isa = i;
-    if (isa < 0 || dsv4__cpu_backend_set_isa(be, isa) != 0) {
+    if (isa < 0) {
+      fprintf(stderr, "kernel_run: unknown kernel level %s\n", param_str("isa", ""));
+      dsv4_backend_close(be);
+      return 2;
+    }
+    if (dsv4__cpu_backend_set_isa(be, isa) != 0) {
       fprintf(stderr, "kernel_run: kernel level %s is not available on this CPU\n",
               param_str("isa", ""));
       dsv4_backend_close(be);
