@@ -268,9 +268,14 @@ int main(int argc, char **argv) {
     for (int isa = DSV4__CPU_ISA_SCALAR; isa < DSV4__CPU_ISA_COUNT; isa++)
       if (strcmp(argv[1], dsv4__cpu_isa_name(isa)) == 0)
         only_isa = isa;
-    if (only_isa < 0 || !dsv4__cpu_isa_supported(only_isa)) {
-      fprintf(stderr, "inv_one_writer: this machine cannot run kernel level '%s'\n", argv[1]);
-      return 1;
+    if (only_isa < 0) {
+      fprintf(stderr, "inv_one_writer: unknown kernel level '%s'\n", argv[1]);
+      return 2;
+    }
+    if (!dsv4__cpu_isa_supported(only_isa)) {
+      /* ctest's SKIP_RETURN_CODE: hardware this machine lacks, as for a GPU test. */
+      printf("skipped: this machine cannot run kernel level '%s'\n", argv[1]);
+      return 77;
     }
   }
   const struct CMUnitTest tests[] = {
