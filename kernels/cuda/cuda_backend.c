@@ -171,6 +171,10 @@ static int h2d(cuda_backend_t *c, void *dst, const void *src, size_t n) {
  * The DMAs write pinned memory only after every earlier DMA on the stream (that read it) is done.
  */
 static int d2h(cuda_backend_t *c, void *dst, const void *src, size_t n) {
+  /* Nothing to copy and nothing waited for: the staging halves may still be read by queued
+   * uploads, so they are not reset either. */
+  if (n == 0)
+    return 0;
   const uint8_t *s = src;
   uint8_t *d = dst, *prev_dst = NULL;
   size_t prev_n = 0;
@@ -357,6 +361,8 @@ static int cuda_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
 static int cuda_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   cuda_backend_t *c = cuda_of(be);
   rope_mirror_t *m;
+  if (a && a->n_tokens == 0)
+    return dsv4_backend_check_insert_args(a); /* a launch of no tokens needs no pointers */
   if (!a || !a->rope)
     return DSV4_EINVAL;
   int rc = use_device(c);
