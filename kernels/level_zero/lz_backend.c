@@ -330,7 +330,14 @@ static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
       LZ_PTR(bt),          LZ_U32(a->n_segments),   LZ_PTR(a->slots),      LZ_PTR(z->err),
   };
   ze_kernel_handle_t k = z->k_map;
-  ze_result_t r = lz_set_args(k, 0, args, DSV4_LZ_MAP_NARGS);
+  /* A batch starts with a clear error word: what an earlier batch that failed before its sync
+   * left there is not this batch's. */
+  uint8_t zero = 0;
+  ze_result_t r = lz_barrier(z);
+  if (r == ZE_RESULT_SUCCESS)
+    r = zeCommandListAppendMemoryFill(z->list, z->err, &zero, 1, sizeof(uint32_t), NULL, 0, NULL);
+  if (r == ZE_RESULT_SUCCESS)
+    r = lz_set_args(k, 0, args, DSV4_LZ_MAP_NARGS);
   if (r == ZE_RESULT_SUCCESS)
     r = lz_launch(z, k, (uint32_t)groups);
   return r == ZE_RESULT_SUCCESS ? 0 : lz_fail(z);
@@ -374,7 +381,11 @@ static int lz_stage_rope(lz_backend_t *z, const dsv4_insert_args_t *a) {
     z->pos_host = p;
     z->pos_cap = n;
   }
-  if (lz_rope_reserve(z, n) != ZE_RESULT_SUCCESS)
+  ze_result_t rr = lz_rope_reserve(z, n);
+  /* Out of memory refuses this batch only: the buffers are released and regrown next time. */
+  if (rr == ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY || rr == ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY)
+    return DSV4_ENOMEM;
+  if (rr != ZE_RESULT_SUCCESS)
     return lz_fail(z);
   dsv4_devbuf_t pos = {.ptr = (void *)a->positions, .size = n * sizeof(int64_t)};
   int rc = lz_download(&z->base, z->pos_host, &pos, 0, pos.size);

@@ -94,6 +94,22 @@ if(DSV4_LEVEL_ZERO)
   set_tests_properties(lz_fake_ze_backend_broken_no_barrier PROPERTIES
     TIMEOUT 600 LABELS "level_zero;opencl;invariants" SKIP_REGULAR_EXPRESSION "^skipped: "
     ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+  # The glue after a batch went wrong: no stale error word, out of memory refuses one batch only.
+  add_executable(lz_glue_test ${DSV4_LZ_TEST_DIR}/lz_glue_test.c ${DSV4_LZ_TEST_DIR}/fake_ze.c
+                              ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
+  target_include_directories(lz_glue_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels
+                                                  ${PROJECT_SOURCE_DIR}/kernels/level_zero
+                                                  ${DSV4_LZ_TEST_DIR})
+  target_include_directories(lz_glue_test SYSTEM PRIVATE ${DSV4_ZE_INCLUDE_DIR})
+  target_link_libraries(lz_glue_test PRIVATE dsv4_kernels dsv4_lz_spirv OpenCL::OpenCL)
+  target_compile_definitions(lz_glue_test PRIVATE DSV4_LZ_FAKE_ZE
+    DSV4_LZ_CL_SOURCE="${PROJECT_SOURCE_DIR}/kernels/level_zero/dsv4_kernels.cl"
+    DSV4_LZ_KERNELS_DIR="${PROJECT_SOURCE_DIR}/kernels")
+  target_link_options(lz_glue_test PRIVATE -Wl,--wrap=zeMemAllocHost)
+  dsv4_strict(lz_glue_test)
+  add_test(NAME lz_glue_test COMMAND lz_glue_test)
+  set_tests_properties(lz_glue_test PROPERTIES TIMEOUT 300 LABELS "level_zero;opencl"
+                       ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
   add_test(NAME lz_fake_ze_backend COMMAND lz_fake_ze_test level-zero)
   # The fp64 module (no correctly rounded fp32 divide/sqrt) and launches split by maxGroupCountX.
   add_test(NAME lz_fake_ze_backend_fp64_split COMMAND lz_fake_ze_test level-zero)
