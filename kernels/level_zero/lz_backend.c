@@ -280,6 +280,8 @@ static int lz_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, c
   lz_backend_t *z = lz_of(be);
   if (!dst || off > dst->size || n > dst->size - off || (n && !src))
     return DSV4_EINVAL;
+  if (z->failed)
+    return DSV4_EBACKEND;
   for (size_t done = 0; done < n;) {
     size_t chunk = n - done < LZ_STAGE_BYTES ? n - done : LZ_STAGE_BYTES;
     /* The staging buffer is free: every earlier copy from it has been waited for. */
@@ -299,6 +301,8 @@ static int lz_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
   lz_backend_t *z = lz_of(be);
   if (!src || off > src->size || n > src->size - off || (n && !dst))
     return DSV4_EINVAL;
+  if (z->failed)
+    return DSV4_EBACKEND;
   for (size_t done = 0; done < n;) {
     size_t chunk = n - done < LZ_STAGE_BYTES ? n - done : LZ_STAGE_BYTES;
     ze_result_t r = lz_copy(z, z->stage, (const uint8_t *)src->ptr + off + done, chunk);
