@@ -389,6 +389,16 @@ def test_dump_gapped_layers():
             check_eq(read_dump(path)[0]["layers"], "0-1,3-3", "gapped dump's metadata layers")
             v = ctl(d, "--json", "verify", path, admin=False)
             expect_rc(v, 0, "verify of a gapped dump")
+            # The README's numpy loader reads the runs too.
+            script = os.path.join(tmp, "snippet.py")
+            with open(script, "w") as f:
+                f.write(readme_snippet())
+            p = subprocess.run([sys.executable, script, path], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+            check_eq(p.returncode, 0, "README snippet on a gapped dump (stderr %r)" % p.stderr[-800:])
+            check_eq([ln.split() for ln in p.stdout.splitlines()],
+                     [[str(l), "5", dg, "ok"] for l, _, dg in want],
+                     "README snippet lines for the gapped dump")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
