@@ -80,6 +80,32 @@ static double vllm_us(uint32_t n) {
   }
 }
 
+/* GPU time per item of a captured graph of `items` items: instantiated, replayed 3 times to warm
+ * up, then timed over 10 replays with events; the graph is destroyed. */
+static double replay_us(cudaStream_t s, cudaGraph_t g, uint32_t items) {
+  const int reps = 10;
+  cudaGraphExec_t ge;
+  cudaEvent_t e0, e1;
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; i++)
+    CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(e0, s));
+  for (int i = 0; i < reps; i++)
+    CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(e1, s));
+  CK(cudaEventSynchronize(e1));
+  CK(cudaGetLastError());
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return ms * 1e3 / ((double)reps * items);
+}
+
 static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
                   dsv4_rope_table_t *rope, cudaStream_t s) {
   uint64_t rng = 0x3C6EF372FE94F82Bull ^ ((uint64_t)n << 8) ^ heads;
@@ -133,15 +159,11 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
   }
   CK(cudaDeviceSynchronize());
 
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   /* Forwards (producer + consumer), each kernel alone, and forwards without PDL. */
   double us[4];
   for (int mode = 0; mode < 4; mode++) {
     int pdl = mode != 3;
     cudaGraph_t g;
-    cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (uint32_t k = 0; k < per_graph; k++) {
       set_t *x = &st[k % sets];
@@ -151,21 +173,7 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
         CKD(dsv4__cuda_qkv_insert(&x->ia, mirror, MAX_POS, s, pdl));
     }
     CK(cudaStreamEndCapture(s, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    for (int i = 0; i < 3; i++)
-      CK(cudaGraphLaunch(ge, s));
-    const int reps = 10;
-    CK(cudaEventRecord(e0, s));
-    for (int i = 0; i < reps; i++)
-      CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    CK(cudaGetLastError());
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    us[mode] = ms * 1e3 / ((double)reps * per_graph);
-    cudaGraphExecDestroy(ge);
-    cudaGraphDestroy(g);
+    us[mode] = replay_us(s, g, per_graph);
   }
   double gbs = bytes / (us[0] * 1e-6) / 1e9;
   double v = heads == 64 ? vllm_us(n) : 0;
@@ -177,8 +185,6 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
     printf(" %9s %8s", "", "");
   printf("   (%u sets, %u forwards per graph)\n", sets, per_graph);
   fflush(stdout);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   for (uint32_t i = 0; i < sets; i++) {
     set_t *x = &st[i];
     gpu_plan_dev_free(&x->d);
@@ -197,31 +203,13 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
 /* GPU time of one pair of empty kernels shaped like the producer and the consumer, from graph
  * replays of 256 pairs. */
 static double floor_us(cudaStream_t s, int pdl) {
-  const int pairs = 256, reps = 10;
+  const uint32_t pairs = 256;
   cudaGraph_t g;
-  cudaGraphExec_t ge;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int k = 0; k < pairs; k++)
+  for (uint32_t k = 0; k < pairs; k++)
     CKD(bench_floor_pair(s, pdl));
   CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  for (int i = 0; i < 3; i++)
-    CK(cudaGraphLaunch(ge, s));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaEventRecord(e0, s));
-  for (int i = 0; i < reps; i++)
-    CK(cudaGraphLaunch(ge, s));
-  CK(cudaEventRecord(e1, s));
-  CK(cudaEventSynchronize(e1));
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  return ms * 1e3 / ((double)reps * pairs);
+  return replay_us(s, g, pairs);
 }
 
 int main(int argc, char **argv) {
