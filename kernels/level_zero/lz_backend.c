@@ -316,6 +316,15 @@ static int lz_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
   return 0;
 }
 
+/* Appends the zeroing of the kernels' error word, after everything appended before. */
+static ze_result_t lz_clear_err(lz_backend_t *z) {
+  uint8_t zero = 0;
+  ze_result_t r = lz_barrier(z);
+  if (r == ZE_RESULT_SUCCESS)
+    r = zeCommandListAppendMemoryFill(z->list, z->err, &zero, 1, sizeof(uint32_t), NULL, 0, NULL);
+  return r;
+}
+
 static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
   lz_backend_t *z = lz_of(be);
   int rc = dsv4_backend_check_map_args(a);
@@ -336,10 +345,7 @@ static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
   ze_kernel_handle_t k = z->k_map;
   /* A batch starts with a clear error word: what an earlier batch that failed before its sync
    * left there is not this batch's. */
-  uint8_t zero = 0;
-  ze_result_t r = lz_barrier(z);
-  if (r == ZE_RESULT_SUCCESS)
-    r = zeCommandListAppendMemoryFill(z->list, z->err, &zero, 1, sizeof(uint32_t), NULL, 0, NULL);
+  ze_result_t r = lz_clear_err(z);
   if (r == ZE_RESULT_SUCCESS)
     r = lz_set_args(k, 0, args, DSV4_LZ_MAP_NARGS);
   if (r == ZE_RESULT_SUCCESS)
@@ -475,10 +481,7 @@ static int lz_sync(dsv4_backend_t *be) {
     return rc;
   if (err == 0)
     return 0;
-  uint8_t zero = 0;
-  ze_result_t r = lz_barrier(z);
-  if (r == ZE_RESULT_SUCCESS)
-    r = zeCommandListAppendMemoryFill(z->list, z->err, &zero, 1, sizeof(uint32_t), NULL, 0, NULL);
+  ze_result_t r = lz_clear_err(z);
   if (r == ZE_RESULT_SUCCESS)
     r = lz_wait(z);
   return r == ZE_RESULT_SUCCESS ? DSV4_EINVAL : lz_fail(z);
