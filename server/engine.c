@@ -548,6 +548,7 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
         .seg_bt_len = e->seg_bt_len,
         .block_table = e->plan.block_table,
         .slots = f->slots,
+        .bt_entries = e->plan.bt_len,
     };
     dsv4_insert_args_t ia = {
         .n_tokens = n,

@@ -215,11 +215,15 @@ static int cpu_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
     if (s < 0 || (uint32_t)s >= a->n_segments || a->positions[t] < 0)
       return DSV4_EINVAL;
   }
-  /* Every block id a segment maps is in the pool, so a bad launch writes no slot at all. */
-  for (uint32_t s = 0; s < a->n_segments; s++)
+  /* Every segment's table lies within bt_entries (when given) and every block id it maps is in
+   * the pool, so a bad launch writes no slot at all. */
+  for (uint32_t s = 0; s < a->n_segments; s++) {
+    if (a->bt_entries && (uint64_t)a->seg_bt_off[s] + a->seg_bt_len[s] > a->bt_entries)
+      return DSV4_EINVAL;
     for (uint32_t i = 0; i < a->seg_bt_len[s]; i++)
       if (a->block_table[(uint64_t)a->seg_bt_off[s] + i] >= (int64_t)a->n_blocks)
         return DSV4_EINVAL;
+  }
 #ifdef TEST_PRODUCER
   if (!test_in_producer)
     return test_delayed_map(cpu_of(be), a);

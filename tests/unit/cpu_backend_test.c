@@ -513,6 +513,15 @@ static void test_map_slots(void **state) {
   a.tok_seg = badseg;
   assert_int_equal(be->ops->map_slots(be, &a), DSV4_EINVAL);
   a.tok_seg = seg;
+  /* The table's length, when given: exactly the five entries are accepted, four are not. */
+  a.bt_entries = 5;
+  assert_int_equal(be->ops->map_slots(be, &a), 0);
+  assert_int_equal(slots[9], 9 * 16 + 1);
+  memset(slots, 0x77, sizeof(slots));
+  a.bt_entries = 4;
+  assert_int_equal(be->ops->map_slots(be, &a), DSV4_EINVAL);
+  assert_int_equal(slots[0], 0x7777777777777777ll);
+  a.bt_entries = 0;
   a.block_size = 24;
   assert_int_equal(be->ops->map_slots(be, &a), DSV4_EINVAL);
   dsv4_backend_close(be);
