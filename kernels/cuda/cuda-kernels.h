@@ -11,8 +11,8 @@
  *
  *   dsv4_map_args_t (producer, SPEC §4 slot mapper):
  *     positions [n_tokens] int64, tok_seg [n_tokens] int32, seg_first_lb [n_segments] int64,
- *     seg_bt_off / seg_bt_len [n_segments] uint32, block_table [sum of seg_bt_len] int32,
- *     slots [n_tokens] int64 (written).
+ *     seg_bt_off / seg_bt_len [n_segments] uint32, block_table [bt_entries] int32 (when
+ *     bt_entries is 0: as many as the segments map), slots [n_tokens] int64 (written).
  *   dsv4_insert_args_t (consumer, SPEC §2.1-2.2 and the paged insert of §3):
  *     q [n_tokens, heads, 512] bf16, kv [n_tokens, 512] bf16, q_out [n_tokens, heads, 512] bf16
  *     (written), positions [n_tokens] int64, slots [n_tokens] int64, kv_norm_weight [512] fp32 or
@@ -40,10 +40,11 @@
  * Ordering (SPEC §5.2). With pdl != 0 on a device of compute capability 9.0 or more, the launch
  * carries cudaLaunchAttributeProgrammaticStreamSerialization: it may start while the previous
  * kernel on the stream still runs. Both kernels execute griddepcontrol.wait in every thread block
- * before they read any mutable memory or write anything; before it they only compute indices. The
- * producer triggers its dependents at its start, so the consumer's launch and block scheduling
- * overlap the producer's work; the consumer triggers its own after its wait. Without PDL (pdl == 0,
- * or an sm_80 device) the same code runs in plain stream order.
+ * before they read any mutable memory or write anything; before it they only read their own
+ * (immutable) parameters, so that the wait hides the parameters' constant-cache misses, and compute
+ * indices. The producer triggers its dependents at its start, so the consumer's launch and block
+ * scheduling overlap the producer's work; the consumer triggers its own after its wait. Without PDL
+ * (pdl == 0, or an sm_80 device) the same code runs in plain stream order.
  *
  * Return values: 0, DSV4_EINVAL for bad arguments, or the mapping of the CUDA error of the launch
  * (dsv4__cuda_err). n_tokens == 0 launches nothing and returns 0.

@@ -1,7 +1,14 @@
 /*
  * The producer: sequence block tables -> one cache slot per token (SPEC §4), the device twin of
- * cpu_map_slots. One thread per token; a few integer operations and two dependent loads each, so
- * the grid is as small as the batch allows and the kernel's cost is its launch and its latency.
+ * cpu_map_slots. One thread per token and a few integer operations, so the grid is as small as the
+ * batch allows and the kernel's cost is its launch and its memory latency, which is on the
+ * critical path of every forward (the consumer waits for this grid to complete). So every thread
+ * issues all of its block's loads at once, into registers, before it stores any of them to shared
+ * memory: its token's segment and position, one segment's entry (up to MAP_BLOCK segments) and up
+ * to MAP_BT_PER_THREAD block-table entries (the whole table when the launch gives its length and
+ * it has at most MAP_BT_STAGE entries; a decode batch's table is a few entries per sequence). A
+ * token's slot is then one memory latency away instead of two (the segment's entry, then the
+ * table entry it selects; tests/bench/NOTES.md has the figures).
  *
  * Under programmatic dependent launch the kernel first lets its dependent (the insert kernel)
  * launch, so that kernel's prologue overlaps this one; the dependent still waits for this grid's
@@ -12,6 +19,8 @@
 #include "dsv4-error.h"
 
 #define MAP_BLOCK 256
+#define MAP_BT_PER_THREAD 4
+#define MAP_BT_STAGE (MAP_BLOCK * MAP_BT_PER_THREAD) /* 1024 entries, 4 KiB */
 
 typedef struct {
   dsv4_map_args_t a;
@@ -35,27 +44,45 @@ static __device__ __forceinline__ uint64_t globaltimer(void) {
 __global__ void __launch_bounds__(MAP_BLOCK) dsv4__map_slots_kernel(map_params_t p) {
   __shared__ int64_t s_first[MAP_BLOCK];
   __shared__ uint32_t s_off[MAP_BLOCK], s_len[MAP_BLOCK];
+  __shared__ int32_t s_bt[MAP_BT_STAGE];
   dsv4__dep_trigger();
   /* The inputs may have been written by the kernel this launch overlaps. */
-  dsv4__dep_wait();
+  dsv4__dep_wait_params(p);
 #ifdef DSV4_TEST_DELAY_PRODUCER
   uint64_t t0 = globaltimer();
   while (globaltimer() - t0 < TEST_DELAY_NS)
     __nanosleep(1000);
 #endif
   const dsv4_map_args_t *a = &p.a;
-  const uint32_t t = blockIdx.x * MAP_BLOCK + threadIdx.x;
+  const uint32_t x = threadIdx.x;
+  const uint32_t t = blockIdx.x * MAP_BLOCK + x;
   const int in = t < a->n_tokens;
-  /* The token's loads and, for up to MAP_BLOCK segments, every segment's entry are issued together,
-   * so only the block-table load waits for another: two memory latencies instead of three. */
-  int32_t s = in ? a->tok_seg[t] : -1;
-  int64_t pos = in ? a->positions[t] : -1;
-  const int staged = a->n_segments <= MAP_BLOCK;
-  if (staged && threadIdx.x < a->n_segments) {
-    s_first[threadIdx.x] = a->seg_first_lb[threadIdx.x];
-    s_off[threadIdx.x] = a->seg_bt_off[threadIdx.x];
-    s_len[threadIdx.x] = a->seg_bt_len[threadIdx.x];
+  /* Every load first (see the top) ... */
+  const int32_t s = in ? a->tok_seg[t] : -1;
+  const int64_t pos = in ? a->positions[t] : -1;
+  const int seg_staged = a->n_segments <= MAP_BLOCK;
+  const int seg_mine = seg_staged && x < a->n_segments;
+  const int64_t my_first = seg_mine ? a->seg_first_lb[x] : 0;
+  const uint32_t my_off = seg_mine ? a->seg_bt_off[x] : 0;
+  const uint32_t my_len = seg_mine ? a->seg_bt_len[x] : 0;
+  const uint32_t n_bt = a->bt_entries;
+  const int bt_staged = n_bt > 0 && n_bt <= MAP_BT_STAGE;
+  int32_t my_bt[MAP_BT_PER_THREAD];
+#pragma unroll
+  for (int k = 0; k < MAP_BT_PER_THREAD; k++) {
+    const uint32_t i = x + k * MAP_BLOCK;
+    my_bt[k] = bt_staged && i < n_bt ? a->block_table[i] : -1;
   }
+  /* ... then the shared-memory stores, which wait for them. */
+  if (seg_mine) {
+    s_first[x] = my_first;
+    s_off[x] = my_off;
+    s_len[x] = my_len;
+  }
+#pragma unroll
+  for (int k = 0; k < MAP_BT_PER_THREAD; k++)
+    if (bt_staged && x + k * MAP_BLOCK < n_bt)
+      s_bt[x + k * MAP_BLOCK] = my_bt[k];
   __syncthreads();
   if (!in)
     return;
@@ -63,12 +90,13 @@ __global__ void __launch_bounds__(MAP_BLOCK) dsv4__map_slots_kernel(map_params_t
   int64_t slot = -1;
   /* The host validated the batch (cuda-kernels.h); these checks only keep a bad one in bounds. */
   if (s >= 0 && (uint32_t)s < a->n_segments && pos >= 0) {
-    int64_t first = staged ? s_first[s] : a->seg_first_lb[s];
-    uint32_t off = staged ? s_off[s] : a->seg_bt_off[s];
-    uint32_t len = staged ? s_len[s] : a->seg_bt_len[s];
-    int64_t idx = (pos >> p.bs_shift) - first;
-    if (idx >= 0 && idx < (int64_t)len) {
-      int32_t b = a->block_table[(uint64_t)off + (uint64_t)idx];
+    const int64_t first = seg_staged ? s_first[s] : a->seg_first_lb[s];
+    const uint32_t off = seg_staged ? s_off[s] : a->seg_bt_off[s];
+    const uint32_t len = seg_staged ? s_len[s] : a->seg_bt_len[s];
+    const int64_t idx = (pos >> p.bs_shift) - first;
+    const uint64_t e = (uint64_t)off + (uint64_t)idx;
+    if (idx >= 0 && idx < (int64_t)len && (n_bt == 0 || e < n_bt)) {
+      const int32_t b = bt_staged ? s_bt[e] : a->block_table[e];
       if (b >= 0 && (uint32_t)b < a->n_blocks)
         slot = (int64_t)b * bs + (pos & (bs - 1));
     }

@@ -19,13 +19,14 @@
  * scale bytes: every output byte has exactly one store (SPEC §5.1), computed in registers first.
  *
  * Grid. 128-thread blocks; the launch's rows in token order are cut into runs of one row per warp
- * (a small launch: the shortest path to its last byte) or two (a large one: many short blocks in
- * launch order, so that the rows in flight at any moment lie close together in memory, which the
- * DRAM serves best). A warp streams its run through a ring of two rows in shared memory filled by
- * cp.async, so the next row is in flight while one is computed.
+ * (a small launch: the shortest path to its last byte), or two or three (a large one: many short
+ * blocks in launch order, so that the rows in flight at any moment lie close together in memory,
+ * which the DRAM serves best). A warp streams its run through a ring of two rows in shared memory
+ * filled by cp.async, so the next row is in flight while one is computed.
  *
  * Ordering (SPEC §5.2): every block executes griddepcontrol.wait before it reads positions, slots,
- * q or kv or stores anything; before it there is only index arithmetic.
+ * q or kv or stores anything; before it there is only index arithmetic and the reading of the
+ * kernel's own (immutable) parameters.
  */
 #include "cuda-internal.cuh"
 
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_para
    * before the wait, while the producer may not have written it yet. */
   const int64_t early_slot = g0 < g1 ? p.slots[g0 / p.ipt] : -1;
 #endif
-  dsv4__dep_wait();
+  dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (g0 >= g1)
     return;
@@ -464,17 +465,18 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
 
   /*
    * Rows per warp: one while the rows fit on the device at once (a small batch: the shortest path
-   * to its last byte), else two. Many short blocks in launch order keep the rows in flight at any
-   * moment close together in memory, which the DRAM serves best: on an H200 two rows per warp
-   * moved 94-98 % of the copy bandwidth at N >= 4096 where one resident wave of warps with long
-   * runs moved 84-89 % (tests/bench/NOTES.md).
+   * to its last byte), two up to 16 such waves of warps, three beyond. Many short blocks in launch
+   * order keep the rows in flight at any moment close together in memory, which the DRAM serves
+   * best: on an H200 two rows per warp moved 94-98 % of the copy bandwidth at N >= 4096 where one
+   * resident wave of warps with long runs moved 84-89 %; three moved 0.3-0.9 points more than two
+   * from 28 waves up but 3-4 points less at 2-4 waves (tests/bench/NOTES.md).
    */
   uint64_t rows = (uint64_t)a->n_tokens * p.ipt;
   if (rows > 0x7fffffffu)
     return DSV4_EINVAL;
   p.n_rows = (uint32_t)rows;
   uint64_t resident = (uint64_t)dev.sms * blocks_per_sm<RING>() * WARPS_PER_BLOCK;
-  p.per = rows <= resident ? 1 : 2;
+  p.per = rows <= resident ? 1 : rows <= 16 * resident ? 2 : 3;
 #ifdef DSV4_TEST_TUNE
   {
     static unsigned flags_set = ~0u;

@@ -23,6 +23,7 @@ typedef struct {
   uint32_t heads, n, segs, bs;
   int yarn, fused, write_kv, pdl;
   int centre, spread;
+  int bt_unknown; /* the producer is not told the block table's length (bt_entries = 0) */
 } case_t;
 
 typedef struct {
@@ -67,6 +68,8 @@ static void run_gpu(ctx_t *c, const case_t *k, const gpu_plan_t *p, const uint16
   CK(cudaDeviceSynchronize());
   dsv4_map_args_t ma = gpu_plan_map_args(p, d.pos, d.tok_seg, d.seg_first_lb, d.seg_bt_off,
                                          d.seg_bt_len, d.block_table, dslots);
+  if (k->bt_unknown)
+    ma.bt_entries = 0;
   dsv4_insert_args_t ia = {
       .n_tokens = p->n,
       .heads = k->heads,
@@ -136,9 +139,10 @@ static int report(const case_t *k, const char *what, const gpu_plan_t *p, const 
 
 static void run_case(ctx_t *c, const case_t *k, int repeats) {
   char name[160];
-  snprintf(name, sizeof(name), "H=%u N=%u segs=%u bs=%u %s %s%s%s", k->heads, k->n, k->segs, k->bs,
-           k->yarn ? "yarn" : "plain", k->fused ? "fused" : "prenormed",
-           k->write_kv ? "" : " replay", k->pdl ? "" : " no-pdl");
+  snprintf(name, sizeof(name), "H=%u N=%u segs=%u bs=%u %s %s%s%s%s", k->heads, k->n, k->segs,
+           k->bs, k->yarn ? "yarn" : "plain", k->fused ? "fused" : "prenormed",
+           k->write_kv ? "" : " replay", k->pdl ? "" : " no-pdl",
+           k->bt_unknown ? " table-length-unknown" : "");
   gpu_plan_t p;
   gpu_plan_make(&c->rng, &p, k->n, k->segs, k->bs, MAX_POS, 6);
   size_t q_elems = (size_t)p.n * k->heads * DSV4_HEAD_DIM;
@@ -203,8 +207,8 @@ static void run_case(ctx_t *c, const case_t *k, int repeats) {
     free(again.q_out);
     free(again.slots);
   }
-  printf("%s %s: %zu of %u tokens with a slot%s\n", bad ? "FAIL" : "ok  ", name, written, p.n,
-         repeats && !bad ? ", 20 more runs identical" : "");
+  printf("%s %s: %zu of %u tokens with a slot, a table of %u entries%s\n", bad ? "FAIL" : "ok  ",
+         name, written, p.n, p.bt_len, repeats && !bad ? ", 20 more runs identical" : "");
   c->failures += bad;
   free(first.cache);
   free(first.q_out);
@@ -266,19 +270,31 @@ int main(int argc, char **argv) {
   CK(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
 
   subnormal_vector(&c);
-  /* heads, n, segs, bs, yarn, fused, write_kv, pdl, centre, spread */
+  /* heads, n, segs, bs, yarn, fused, write_kv, pdl, centre, spread, bt_unknown. The producer
+   * stages the block table in shared memory when it is told its length and it has at most 1024
+   * entries (all but the cases marked below), and each segment's entry up to 256 segments. */
   static const case_t small[] = {
-      {8, 1, 1, 64, 0, 0, 1, 1, 127, 6},   {8, 7, 3, 16, 1, 1, 1, 1, 127, 10},
-      {64, 1, 1, 64, 1, 0, 1, 1, 127, 6},  {64, 5, 2, 256, 0, 1, 1, 0, 120, 20},
-      {128, 3, 3, 64, 1, 1, 1, 1, 127, 4}, {64, 16, 4, 64, 0, 0, 0, 1, 127, 6},
-      {8, 40, 5, 16, 0, 0, 1, 1, 3, 3},    {16, 33, 3, 64, 1, 1, 1, 1, 175, 8},
+      {8, 1, 1, 64, 0, 0, 1, 1, 127, 6, 0},   {8, 7, 3, 16, 1, 1, 1, 1, 127, 10, 0},
+      {64, 1, 1, 64, 1, 0, 1, 1, 127, 6, 0},  {64, 5, 2, 256, 0, 1, 1, 0, 120, 20, 0},
+      {128, 3, 3, 64, 1, 1, 1, 1, 127, 4, 0}, {64, 16, 4, 64, 0, 0, 0, 1, 127, 6, 0},
+      {8, 40, 5, 16, 0, 0, 1, 1, 3, 3, 0},    {16, 33, 3, 64, 1, 1, 1, 1, 175, 8, 0},
+      {64, 20, 4, 16, 0, 0, 1, 1, 127, 6, 1},
   };
   static const case_t large[] = {
-      {8, 300, 7, 64, 1, 1, 1, 1, 127, 12},     {64, 64, 8, 64, 0, 0, 1, 1, 127, 6},
-      {64, 1000, 16, 64, 1, 1, 1, 1, 110, 30},  {128, 257, 9, 256, 0, 1, 1, 1, 127, 6},
-      {64, 4096, 64, 64, 0, 0, 1, 1, 127, 6},   {128, 2048, 32, 16, 1, 0, 1, 1, 127, 8},
-      {8, 16384, 128, 64, 1, 1, 1, 1, 127, 6},  {8, 16384, 1, 256, 0, 0, 1, 1, 127, 6},
-      {64, 16384, 200, 64, 1, 0, 1, 1, 127, 6}, {128, 4096, 16, 64, 1, 1, 0, 1, 127, 6},
+      {8, 300, 7, 64, 1, 1, 1, 1, 127, 12, 0},
+      {64, 64, 8, 64, 0, 0, 1, 1, 127, 6, 0},
+      {64, 1000, 16, 64, 1, 1, 1, 1, 110, 30, 0},
+      {128, 257, 9, 256, 0, 1, 1, 1, 127, 6, 0},
+      {64, 4096, 64, 64, 0, 0, 1, 1, 127, 6, 0},
+      {128, 2048, 32, 16, 1, 0, 1, 1, 127, 8, 0},
+      {8, 16384, 128, 64, 1, 1, 1, 1, 127, 6, 0},
+      {8, 16384, 1, 256, 0, 0, 1, 1, 127, 6, 0},
+      {64, 16384, 200, 64, 1, 0, 1, 1, 127, 6, 0},
+      {128, 4096, 16, 64, 1, 1, 0, 1, 127, 6, 0},
+      /* A table of more than 1024 entries; more than 256 segments; a large table not given. */
+      {8, 16384, 40, 16, 0, 1, 1, 1, 127, 6, 0},
+      {8, 3000, 300, 16, 1, 0, 1, 1, 127, 6, 0},
+      {8, 4096, 16, 16, 0, 0, 1, 1, 127, 6, 1},
   };
   for (size_t i = 0; i < sizeof(small) / sizeof(small[0]); i++)
     run_case(&c, &small[i], 0);
@@ -286,10 +302,10 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof(large) / sizeof(large[0]); i++)
       run_case(&c, &large[i], 0);
     /* SPEC §5.4: the same batch 20 more times. */
-    static const case_t rep = {64, 4096, 64, 64, 1, 1, 1, 1, 127, 6};
+    static const case_t rep = {64, 4096, 64, 64, 1, 1, 1, 1, 127, 6, 0};
     run_case(&c, &rep, 20);
   } else {
-    static const case_t rep = {64, 64, 4, 64, 1, 1, 1, 1, 127, 6};
+    static const case_t rep = {64, 64, 4, 64, 1, 1, 1, 1, 127, 6, 0};
     run_case(&c, &rep, 20);
   }
   cudaStreamDestroy(c.stream);
