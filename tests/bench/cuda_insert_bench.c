@@ -13,7 +13,8 @@
  * empty kernels launched exactly as the producer and the consumer are (cuda_floor.cu).
  *
  * Usage: cuda_insert_bench [heads...]   (default 64 128; DSV4_BENCH_N="64,1024" picks batch sizes;
- * DSV4_BENCH_SETS=k forces k input sets, for diagnosis: 1 leaves everything in the L2)
+ * DSV4_BENCH_SETS=k forces k input sets, for diagnosis: 1 leaves everything in the L2;
+ * DSV4_BENCH_NO_TABLE_LENGTH=1 keeps the producer from staging the block table in shared memory)
  * The tuning build cuda_insert_bench_tune also reads DSV4_ROWS_PER_WARP and DSV4_TUNE_FLAGS
  * (cuda-kernels.h).
  */
@@ -131,7 +132,7 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
   gpu_fill_bf16(&rng, hkv, (size_t)n * DSV4_HEAD_DIM, 127, 6);
   for (uint32_t i = 0; i < sets; i++) {
     set_t *x = &st[i];
-    gpu_plan_upload(&p, &x->d);
+    gpu_plan_upload_packed(&p, &x->d); /* one allocation per set, as the daemon stages it */
     x->q = gpu_dev_alloc(q_bytes);
     x->q_out = gpu_dev_alloc(q_bytes);
     x->kv = gpu_dev_alloc((size_t)n * 1024);
@@ -142,6 +143,8 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
     CK(cudaMemset(x->cache, 0, (size_t)p.n_blocks * stride));
     x->ma = gpu_plan_map_args(&p, x->d.pos, x->d.tok_seg, x->d.seg_first_lb, x->d.seg_bt_off,
                               x->d.seg_bt_len, x->d.block_table, x->slots);
+    if (getenv("DSV4_BENCH_NO_TABLE_LENGTH"))
+      x->ma.bt_entries = 0; /* the producer reads the block table from global memory */
     dsv4_insert_args_t ia = {.n_tokens = n,
                              .heads = heads,
                              .q = x->q,

@@ -164,9 +164,11 @@ typedef struct {
   int64_t *seg_first_lb;
   uint32_t *seg_bt_off, *seg_bt_len;
   int32_t *block_table;
+  void *arena; /* gpu_plan_upload_packed: the one allocation holding them all */
 } gpu_plan_dev_t;
 
 static inline void gpu_plan_upload(const gpu_plan_t *p, gpu_plan_dev_t *d) {
+  d->arena = NULL;
   d->pos = gpu_dev_alloc(sizeof(int64_t) * p->n);
   d->tok_seg = gpu_dev_alloc(sizeof(int32_t) * p->n);
   d->seg_first_lb = gpu_dev_alloc(sizeof(int64_t) * p->n_segs);
@@ -185,7 +187,43 @@ static inline void gpu_plan_upload(const gpu_plan_t *p, gpu_plan_dev_t *d) {
                 cudaMemcpyHostToDevice));
 }
 
+/*
+ * The same arrays packed one after the other (16-byte aligned) in one device allocation, as an
+ * engine stages a batch's metadata, for the benchmark. The tests keep gpu_plan_upload's separate
+ * allocations, where compute-sanitizer sees a read past the end of any one array.
+ */
+static inline void gpu_plan_upload_packed(const gpu_plan_t *p, gpu_plan_dev_t *d) {
+  const size_t sizes[6] = {sizeof(int64_t) * p->n,       sizeof(int32_t) * p->n,
+                           sizeof(int64_t) * p->n_segs,  sizeof(uint32_t) * p->n_segs,
+                           sizeof(uint32_t) * p->n_segs, sizeof(int32_t) * p->bt_len};
+  const void *src[6] = {p->pos,        p->tok_seg,    p->seg_first_lb,
+                        p->seg_bt_off, p->seg_bt_len, p->block_table};
+  size_t off[6], total = 0;
+  for (int i = 0; i < 6; i++) {
+    off[i] = total;
+    total += (sizes[i] + 15) & ~(size_t)15;
+  }
+  uint8_t *host = gpu_host_alloc(total ? total : 16), *base = gpu_dev_alloc(total ? total : 16);
+  memset(host, 0, total);
+  for (int i = 0; i < 6; i++)
+    if (sizes[i])
+      memcpy(host + off[i], src[i], sizes[i]);
+  CK(cudaMemcpy(base, host, total, cudaMemcpyHostToDevice));
+  free(host);
+  d->arena = base;
+  d->pos = (int64_t *)(base + off[0]);
+  d->tok_seg = (int32_t *)(base + off[1]);
+  d->seg_first_lb = (int64_t *)(base + off[2]);
+  d->seg_bt_off = (uint32_t *)(base + off[3]);
+  d->seg_bt_len = (uint32_t *)(base + off[4]);
+  d->block_table = (int32_t *)(base + off[5]);
+}
+
 static inline void gpu_plan_dev_free(gpu_plan_dev_t *d) {
+  if (d->arena) {
+    cudaFree(d->arena);
+    return;
+  }
   cudaFree(d->pos);
   cudaFree(d->tok_seg);
   cudaFree(d->seg_first_lb);
@@ -210,6 +248,7 @@ static inline dsv4_map_args_t gpu_plan_map_args(const gpu_plan_t *p, const int64
       .seg_bt_len = bt_len,
       .block_table = bt,
       .slots = slots,
+      .bt_entries = p->bt_len,
   };
   return a;
 }
