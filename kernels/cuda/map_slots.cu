@@ -4,11 +4,13 @@
  * batch allows and the kernel's cost is its launch and its memory latency, which is on the
  * critical path of every forward (the consumer waits for this grid to complete). So every thread
  * issues all of its block's loads at once, into registers, before it stores any of them to shared
- * memory: its token's segment and position, one segment's entry (up to MAP_BLOCK segments) and up
- * to MAP_BT_PER_THREAD block-table entries (the whole table when the launch gives its length and
- * it has at most MAP_BT_STAGE entries; a decode batch's table is a few entries per sequence). A
- * token's slot is then one memory latency away instead of two (the segment's entry, then the
- * table entry it selects; tests/bench/NOTES.md has the figures).
+ * memory: its token's segment and position, one segment's entry (up to one per thread of the
+ * block) and up to MAP_BT_PER_THREAD block-table entries (the whole table when the launch gives
+ * its length and it has at most 4 entries per thread of the block; a decode batch's table is a few
+ * entries per sequence). A token's slot is then one memory latency away instead of two (the
+ * segment's entry, then the table entry it selects). Blocks have MAP_BLOCK threads, or one warp
+ * when one warp covers the whole batch (at most 32 tokens, 32 segments and 128 table entries),
+ * which took 0.05-0.1 us more off a small forward on an H200 (tests/bench/NOTES.md).
  *
  * Under programmatic dependent launch the kernel first lets its dependent (the insert kernel)
  * launch, so that kernel's prologue overlaps this one; the dependent still waits for this grid's
@@ -20,7 +22,7 @@
 
 #define MAP_BLOCK 256
 #define MAP_BT_PER_THREAD 4
-#define MAP_BT_STAGE (MAP_BLOCK * MAP_BT_PER_THREAD) /* 1024 entries, 4 KiB */
+#define MAP_SMALL 32 /* the block of a small batch */
 
 typedef struct {
   dsv4_map_args_t a;
@@ -41,10 +43,10 @@ static __device__ __forceinline__ uint64_t globaltimer(void) {
 }
 #endif
 
-__global__ void __launch_bounds__(MAP_BLOCK) dsv4__map_slots_kernel(map_params_t p) {
-  __shared__ int64_t s_first[MAP_BLOCK];
-  __shared__ uint32_t s_off[MAP_BLOCK], s_len[MAP_BLOCK];
-  __shared__ int32_t s_bt[MAP_BT_STAGE];
+template <int B> __global__ void __launch_bounds__(B) dsv4__map_slots_kernel(map_params_t p) {
+  __shared__ int64_t s_first[B];
+  __shared__ uint32_t s_off[B], s_len[B];
+  __shared__ int32_t s_bt[B * MAP_BT_PER_THREAD];
   dsv4__dep_trigger();
   /* The inputs may have been written by the kernel this launch overlaps. */
   dsv4__dep_wait_params(p);
@@ -55,22 +57,22 @@ __global__ void __launch_bounds__(MAP_BLOCK) dsv4__map_slots_kernel(map_params_t
 #endif
   const dsv4_map_args_t *a = &p.a;
   const uint32_t x = threadIdx.x;
-  const uint32_t t = blockIdx.x * MAP_BLOCK + x;
+  const uint32_t t = blockIdx.x * B + x;
   const int in = t < a->n_tokens;
   /* Every load first (see the top) ... */
   const int32_t s = in ? a->tok_seg[t] : -1;
   const int64_t pos = in ? a->positions[t] : -1;
-  const int seg_staged = a->n_segments <= MAP_BLOCK;
+  const int seg_staged = a->n_segments <= B;
   const int seg_mine = seg_staged && x < a->n_segments;
   const int64_t my_first = seg_mine ? a->seg_first_lb[x] : 0;
   const uint32_t my_off = seg_mine ? a->seg_bt_off[x] : 0;
   const uint32_t my_len = seg_mine ? a->seg_bt_len[x] : 0;
   const uint32_t n_bt = a->bt_entries;
-  const int bt_staged = n_bt > 0 && n_bt <= MAP_BT_STAGE;
+  const int bt_staged = n_bt > 0 && n_bt <= B * MAP_BT_PER_THREAD;
   int32_t my_bt[MAP_BT_PER_THREAD];
 #pragma unroll
   for (int k = 0; k < MAP_BT_PER_THREAD; k++) {
-    const uint32_t i = x + k * MAP_BLOCK;
+    const uint32_t i = x + k * B;
     my_bt[k] = bt_staged && i < n_bt ? a->block_table[i] : -1;
   }
   /* ... then the shared-memory stores, which wait for them. */
@@ -81,8 +83,8 @@ __global__ void __launch_bounds__(MAP_BLOCK) dsv4__map_slots_kernel(map_params_t
   }
 #pragma unroll
   for (int k = 0; k < MAP_BT_PER_THREAD; k++)
-    if (bt_staged && x + k * MAP_BLOCK < n_bt)
-      s_bt[x + k * MAP_BLOCK] = my_bt[k];
+    if (bt_staged && x + k * B < n_bt)
+      s_bt[x + k * B] = my_bt[k];
   __syncthreads();
   if (!in)
     return;
@@ -117,9 +119,14 @@ extern "C" int dsv4__cuda_map_slots(const dsv4_map_args_t *a, cudaStream_t s, in
   p.bs_shift = 0;
   while ((1u << p.bs_shift) < a->block_size)
     p.bs_shift++;
+  /* A batch that one warp covers (tokens, segments and staged table) gets a block of one warp. */
+  if (a->n_tokens <= MAP_SMALL && a->n_segments <= MAP_SMALL && a->bt_entries > 0 &&
+      a->bt_entries <= MAP_SMALL * MAP_BT_PER_THREAD)
+    return dsv4__cuda_err(
+        dsv4__cuda_launch(dsv4__map_slots_kernel<MAP_SMALL>, 1, MAP_SMALL, s, pdl && dev.pdl, p));
   uint32_t blocks = (a->n_tokens + MAP_BLOCK - 1) / MAP_BLOCK;
   if (blocks > 0x7fffffffu)
     return DSV4_EINVAL;
-  return dsv4__cuda_err(
-      dsv4__cuda_launch(dsv4__map_slots_kernel, blocks, MAP_BLOCK, s, pdl && dev.pdl, p));
+  return dsv4__cuda_err(dsv4__cuda_launch(dsv4__map_slots_kernel<MAP_BLOCK>, blocks, MAP_BLOCK, s,
+                                          pdl && dev.pdl, p));
 }

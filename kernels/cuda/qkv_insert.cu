@@ -276,9 +276,28 @@ static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t
 
 /* ---- asynchronous copies into the warp's ring of rows (cp.async, sm_80+) ---- */
 
-static __device__ __forceinline__ void cp16(uint4 *smem, const uint4 *gmem) {
+/*
+ * An L2 policy that evicts the lines it is attached to first (createpolicy, sm_80+). A small launch
+ * reads its rows with it: they are read once, and the lines other forwards come back to (the
+ * kernels' code and launch parameters, RoPE rows) then stay in the L2 instead of being pushed out
+ * by them (tests/bench/NOTES.md). No memory is read.
+ */
+static __device__ __forceinline__ uint64_t evict_first_policy(void) {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+/* 16 bytes from global to shared memory; with EF under the L2 policy pol. */
+template <bool EF>
+static __device__ __forceinline__ void cp16(uint4 *smem, const uint4 *gmem, uint64_t pol) {
   uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
+  if (EF)
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(a), "l"(gmem),
+                 "l"(pol)
+                 : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(gmem) : "memory");
 }
 
 static __device__ __forceinline__ void cp_commit(void) {
@@ -296,11 +315,12 @@ static __device__ __forceinline__ const uint4 *row_of(const insert_params_t &p, 
 }
 
 /* Issue the copies of row r of token t into ring entry e. */
+template <bool EF>
 static __device__ __forceinline__ void fetch_row(const insert_params_t &p, uint4 *e, uint32_t lane,
-                                                 uint32_t t, uint32_t r) {
+                                                 uint32_t t, uint32_t r, uint64_t pol) {
   const uint4 *row = row_of(p, t, r);
-  cp16(e + lane, row + lane);
-  cp16(e + 32 + lane, row + 32 + lane);
+  cp16<EF>(e + lane, row + lane, pol);
+  cp16<EF>(e + 32 + lane, row + 32 + lane, pol);
 }
 
 /*
@@ -311,9 +331,9 @@ static __device__ __forceinline__ void fetch_row(const insert_params_t &p, uint4
  * cp.async.wait_group is all the synchronisation there is, and a copy group is committed for every
  * row, empty or not, so that "the oldest row has arrived" is always "at most S-1 groups pending".
  * The ring runs across token boundaries; at each new token the warp reads its position, RoPE row
- * and slot.
+ * and slot. EF: the rows are read with the evict-first L2 policy.
  */
-template <int S>
+template <int S, bool EF>
 __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_params_t p) {
   __shared__ uint4 rings[WARPS_PER_BLOCK][S * ROW_U4];
   const uint32_t lane = threadIdx.x & 31;
@@ -330,12 +350,13 @@ __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_para
   dsv4__dep_trigger();
   if (g0 >= g1)
     return;
+  const uint64_t pol = EF ? evict_first_policy() : 0;
   /* The prologue: the first S rows. */
   uint32_t gp = g0, pt = g0 / p.ipt, pr = g0 - pt * p.ipt;
 #pragma unroll
   for (int d = 0; d < S; d++) {
     if (gp < g1) {
-      fetch_row(p, ring + d * ROW_U4, lane, pt, pr);
+      fetch_row<EF>(p, ring + d * ROW_U4, lane, pt, pr, pol);
       gp++;
       if (++pr == p.ipt) {
         pr = 0;
@@ -383,7 +404,7 @@ __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_para
       kv_row(p, lane, k, ra, rb);
     }
     if (gp < g1) {
-      fetch_row(p, e, lane, pt, pr);
+      fetch_row<EF>(p, e, lane, pt, pr, pol);
       gp++;
       if (++pr == p.ipt) {
         pr = 0;
@@ -405,15 +426,15 @@ unsigned dsv4__cuda_test_flags_host;
 
 /* Resident blocks per SM of a kernel variant, read once (it depends on the registers, the shared
  * memory and the block size, which are the same on every device of one build). */
-template <int S> static int blocks_per_sm(void) {
+template <int S, bool EF> static int blocks_per_sm(void) {
   static int cached = 0;
   if (cached == 0) {
     int n = 0;
     /* The rings live in shared memory: ask for the carveout that holds the most of them. */
-    (void)cudaFuncSetAttribute(dsv4__qkv_insert_kernel<S>,
+    (void)cudaFuncSetAttribute(dsv4__qkv_insert_kernel<S, EF>,
                                cudaFuncAttributePreferredSharedMemoryCarveout,
                                cudaSharedmemCarveoutMaxShared);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dsv4__qkv_insert_kernel<S>, QKV_BLOCK,
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, dsv4__qkv_insert_kernel<S, EF>, QKV_BLOCK,
                                                       0) != cudaSuccess ||
         n < 1) {
       (void)cudaGetLastError();
@@ -475,7 +496,7 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   if (rows > 0x7fffffffu)
     return DSV4_EINVAL;
   p.n_rows = (uint32_t)rows;
-  uint64_t resident = (uint64_t)dev.sms * blocks_per_sm<RING>() * WARPS_PER_BLOCK;
+  uint64_t resident = (uint64_t)dev.sms * blocks_per_sm<RING, false>() * WARPS_PER_BLOCK;
   p.per = rows <= resident ? 1 : rows <= 16 * resident ? 2 : 3;
 #ifdef DSV4_TEST_TUNE
   {
@@ -493,7 +514,20 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   uint64_t grid = (warps + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
   if (grid > 0x7fffffffu)
     return DSV4_EINVAL;
-  cudaError_t e =
-      dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING>, (unsigned)grid, QKV_BLOCK, s, pdl, p);
+  /*
+   * Rows read evict-first up to eight waves of warps: on an H200 this took 0.24 us off a forward
+   * at N = 1 and 0.3-0.45 us at N = 16 and 64, 1.5-2 % at N = 256 (seven waves at 128 heads), but
+   * cost 1 % at N = 1024 x 64 (14 waves), where every line is streamed anyway
+   * (tests/bench/NOTES.md).
+   */
+  cudaError_t e;
+  if (rows <= 8 * resident) {
+    (void)blocks_per_sm<RING, true>(); /* its first call sets the variant's carveout */
+    e = dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING, true>, (unsigned)grid, QKV_BLOCK, s, pdl,
+                          p);
+  } else {
+    e = dsv4__cuda_launch(dsv4__qkv_insert_kernel<RING, false>, (unsigned)grid, QKV_BLOCK, s, pdl,
+                          p);
+  }
   return dsv4__cuda_err(e);
 }
