@@ -515,10 +515,9 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   if (grid > 0x7fffffffu)
     return DSV4_EINVAL;
   /*
-   * Rows read evict-first up to eight waves of warps: on an H200 this took 0.24 us off a forward
-   * at N = 1 and 0.3-0.45 us at N = 16 and 64, 1.5-2 % at N = 256 (seven waves at 128 heads), but
-   * cost 1 % at N = 1024 x 64 (14 waves), where every line is streamed anyway
-   * (tests/bench/NOTES.md).
+   * Rows read evict-first up to eight waves of warps: on an H200 this took 0.24-0.37 us off a
+   * forward at N = 1 to 64 and 1.5-2 % at N = 256 (seven waves at 128 heads), but cost 1 % at
+   * N = 1024 x 64 (14 waves), where every line is streamed anyway (tests/bench/NOTES.md).
    */
   cudaError_t e;
   if (rows <= 8 * resident) {
