@@ -47,7 +47,7 @@ int dsv4_backend_check_map_args(const dsv4_map_args_t *a) {
   if (a->n_tokens == 0)
     return 0;
   if (!a->positions || !a->tok_seg || !a->seg_first_lb || !a->seg_bt_off || !a->seg_bt_len ||
-      !a->slots || (a->n_segments && !a->block_table))
+      !a->slots || ((a->n_segments || a->bt_entries) && !a->block_table))
     return DSV4_EINVAL;
   return 0;
 }

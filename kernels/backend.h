@@ -53,9 +53,11 @@ typedef struct {
   const uint32_t *seg_bt_len;  /* [n_segments] entries of the segment in block_table */
   const int32_t *block_table;  /* physical block ids; < 0 = no block (the token gets slot -1) */
   int64_t *slots;              /* [n_tokens] out: block * block_size + offset, or -1 */
-  /* Entries of block_table (at least every seg_bt_off + seg_bt_len), or 0 when not given. When
-   * given, no entry at or past it is read, and a backend may read the whole table ahead of the
-   * tokens (the CUDA producer stages a small one in shared memory). */
+  /* Entries of block_table (at least every seg_bt_off + seg_bt_len), or 0 when not given; a
+   * non-zero length needs a block_table. A backend may read that many entries ahead of the tokens
+   * (the CUDA producer stages a small table in shared memory). A segment whose table runs past it
+   * is refused by the CPU backend; the CUDA producer maps the tokens past it to slot -1 (it cannot
+   * refuse: cuda-kernels.h); the Level Zero backend does not read the field. */
   uint32_t bt_entries;
 } dsv4_map_args_t;
 

@@ -33,9 +33,10 @@
  * return DSV4_EINVAL before launching anything. They cannot see the contents of device arrays:
  * the caller validates tok_seg, block ids and positions on its host copies before uploading them,
  * as cpu_map_slots does, to answer DSV4_EINVAL as the CPU backend would. The kernels still never
- * write outside their buffers: a block id >= n_blocks maps to slot -1, and the consumer writes no
- * record for a slot >= n_blocks * block_size or a position outside 0..max_positions-1 (q_out is
- * then left unwritten for that token; valid batches never meet either case).
+ * write outside their buffers: a block id >= n_blocks or a table entry at or past bt_entries (when
+ * given) maps to slot -1, and the consumer writes no record for a slot >= n_blocks * block_size or
+ * a position outside 0..max_positions-1 (q_out is then left unwritten for that token; valid
+ * batches never meet either case).
  *
  * Ordering (SPEC §5.2). With pdl != 0 on a device of compute capability 9.0 or more, the launch
  * carries cudaLaunchAttributeProgrammaticStreamSerialization: it may start while the previous

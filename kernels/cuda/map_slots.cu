@@ -124,9 +124,9 @@ extern "C" int dsv4__cuda_map_slots(const dsv4_map_args_t *a, cudaStream_t s, in
       a->bt_entries <= MAP_SMALL * MAP_BT_PER_THREAD)
     return dsv4__cuda_err(
         dsv4__cuda_launch(dsv4__map_slots_kernel<MAP_SMALL>, 1, MAP_SMALL, s, pdl && dev.pdl, p));
-  uint32_t blocks = (a->n_tokens + MAP_BLOCK - 1) / MAP_BLOCK;
+  uint64_t blocks = ((uint64_t)a->n_tokens + MAP_BLOCK - 1) / MAP_BLOCK;
   if (blocks > 0x7fffffffu)
     return DSV4_EINVAL;
-  return dsv4__cuda_err(dsv4__cuda_launch(dsv4__map_slots_kernel<MAP_BLOCK>, blocks, MAP_BLOCK, s,
-                                          pdl && dev.pdl, p));
+  return dsv4__cuda_err(dsv4__cuda_launch(dsv4__map_slots_kernel<MAP_BLOCK>, (unsigned)blocks,
+                                          MAP_BLOCK, s, pdl && dev.pdl, p));
 }

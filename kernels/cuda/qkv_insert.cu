@@ -489,8 +489,8 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
    * to its last byte), two up to 16 such waves of warps, three beyond. Many short blocks in launch
    * order keep the rows in flight at any moment close together in memory, which the DRAM serves
    * best: on an H200 two rows per warp moved 94-98 % of the copy bandwidth at N >= 4096 where one
-   * resident wave of warps with long runs moved 84-89 %; three moved 0.3-0.9 points more than two
-   * from 28 waves up but 3-4 points less at 2-4 waves (tests/bench/NOTES.md).
+   * resident wave of warps with long runs moved 84-89 %; three moved 0.2-0.8 points more than two
+   * from 28 waves up but 4-5 points less at 2-4 waves (tests/bench/NOTES.md).
    */
   uint64_t rows = (uint64_t)a->n_tokens * p.ipt;
   if (rows > 0x7fffffffu)

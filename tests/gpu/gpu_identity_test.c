@@ -272,7 +272,8 @@ int main(int argc, char **argv) {
   subnormal_vector(&c);
   /* heads, n, segs, bs, yarn, fused, write_kv, pdl, centre, spread, bt_unknown. The producer
    * stages the block table in shared memory when it is told its length and it has at most 1024
-   * entries (all but the cases marked below), and each segment's entry up to 256 segments. */
+   * entries (all but the cases with bt_unknown and the 16384-token, 40-segment one), and each
+   * segment's entry up to 256 segments (all but the 300-segment case). */
   static const case_t small[] = {
       {8, 1, 1, 64, 0, 0, 1, 1, 127, 6, 0},   {8, 7, 3, 16, 1, 1, 1, 1, 127, 10, 0},
       {64, 1, 1, 64, 1, 0, 1, 1, 127, 6, 0},  {64, 5, 2, 256, 0, 1, 1, 0, 120, 20, 0},
@@ -291,7 +292,8 @@ int main(int argc, char **argv) {
       {8, 16384, 1, 256, 0, 0, 1, 1, 127, 6, 0},
       {64, 16384, 200, 64, 1, 0, 1, 1, 127, 6, 0},
       {128, 4096, 16, 64, 1, 1, 0, 1, 127, 6, 0},
-      /* A table of more than 1024 entries; more than 256 segments; a large table not given. */
+      /* A table of more than 1024 entries; more than 256 segments (a staged table of about 470
+       * entries); a table whose length is not given. */
       {8, 16384, 40, 16, 0, 1, 1, 1, 127, 6, 0},
       {8, 3000, 300, 16, 1, 0, 1, 1, 127, 6, 0},
       {8, 4096, 16, 16, 0, 0, 1, 1, 127, 6, 1},

@@ -522,6 +522,13 @@ static void test_map_slots(void **state) {
   assert_int_equal(be->ops->map_slots(be, &a), DSV4_EINVAL);
   assert_int_equal(slots[0], 0x7777777777777777ll);
   a.bt_entries = 0;
+  /* A table length needs a table, even with no segment to map. */
+  dsv4_map_args_t none = a;
+  none.n_segments = 0;
+  none.block_table = NULL;
+  assert_int_equal(dsv4_backend_check_map_args(&none), 0);
+  none.bt_entries = 5;
+  assert_int_equal(dsv4_backend_check_map_args(&none), DSV4_EINVAL);
   a.block_size = 24;
   assert_int_equal(be->ops->map_slots(be, &a), DSV4_EINVAL);
   dsv4_backend_close(be);
