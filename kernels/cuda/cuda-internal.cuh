@@ -48,6 +48,21 @@ template <typename P> static __device__ __forceinline__ void dsv4__dep_wait_para
 #endif
 }
 
+/*
+ * An L2 prefetch of the line holding p (sm_90+ only, where there is a dependency wait for it to
+ * overlap). It returns nothing to the thread, so it may be issued before the wait for lines the
+ * previous grid may still write (README, Decisions): the L2 is where every store on the device
+ * lands, so the load after the wait sees the previous grid's bytes whether or not the line was
+ * prefetched.
+ */
+static __device__ __forceinline__ void dsv4__prefetch_l2(const void *p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
 static __device__ __forceinline__ void dsv4__dep_trigger(void) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -43,9 +43,11 @@
  * kernel on the stream still runs. Both kernels execute griddepcontrol.wait in every thread block
  * before they read any mutable memory or write anything; before it they only read their own
  * (immutable) parameters, so that the wait hides the parameters' constant-cache misses, and compute
- * indices. The producer triggers its dependents at its start, so the consumer's launch and block
- * scheduling overlap the producer's work; the consumer triggers its own after its wait. Without PDL
- * (pdl == 0, or an sm_80 device) the same code runs in plain stream order.
+ * indices, and the producer prefetches the lines of its inputs into the L2 (a prefetch returns no
+ * value; README, Decisions; tests/gpu/gpu_inv_producer_wait.c). The producer triggers its
+ * dependents at its start, so the consumer's launch and block scheduling overlap the producer's
+ * work; the consumer triggers its own after its wait. Without PDL (pdl == 0, or an sm_80 device)
+ * the same code runs in plain stream order.
  *
  * Return values: 0, DSV4_EINVAL for bad arguments, or the mapping of the CUDA error of the launch
  * (dsv4__cuda_err). n_tokens == 0 launches nothing and returns 0.

@@ -21,8 +21,9 @@
  * Grid. 128-thread blocks; the launch's rows in token order are cut into runs of one row per warp
  * (a small launch: the shortest path to its last byte), or two or three (a large one: many short
  * blocks in launch order, so that the rows in flight at any moment lie close together in memory,
- * which the DRAM serves best). A warp streams its run through a ring of two rows in shared memory
- * filled by cp.async, so the next row is in flight while one is computed.
+ * which the DRAM serves best), with a last wave of one-row warps, so that the grid's last blocks
+ * are its shortest. A warp streams its run through a ring of two rows in shared memory filled by
+ * cp.async, so the next row is in flight while one is computed.
  *
  * Ordering (SPEC §5.2): every block executes griddepcontrol.wait before it reads positions, slots,
  * q or kv or stores anything; before it there is only index arithmetic and the reading of the
@@ -52,13 +53,16 @@ typedef struct {
   float eps;
   uint32_t heads;
   uint32_t ipt; /* items per token: heads, + 1 with the KV item */
-  uint32_t bs_shift;
+  uint16_t bs_shift;
+  uint16_t per; /* rows per warp of warps 0..w2-1 */
   uint64_t stride;
   uint64_t n_slots;
   int64_t max_pos;
   uint32_t n_rows; /* n_tokens * ipt */
-  uint32_t per;    /* rows per warp */
+  uint32_t w2;     /* warps w2.. have one row each */
 } insert_params_t;
+
+static_assert(sizeof(insert_params_t) == 112, "the parameter block stays within its lines");
 
 #ifdef DSV4_TEST_TUNE
 /* Test-only (tests/bench, the tuning build): rows per warp instead of the launcher's choice. */
@@ -100,20 +104,28 @@ static __device__ __forceinline__ void st16(void *p, uint4 v) {
   COUNT_STORE(p, 16);
 }
 
-/* q_out: written once and never read here, so it is stored evict-first (st.global.cs). */
+/*
+ * q_out: written once and never read here. A small launch (CS) stores it evict-first
+ * (st.global.cs), which keeps in the L2 what the next forwards come back to; a large one with
+ * plain stores, which moved 0.3-0.7 points more of the copy bandwidth from N = 1024 up on an H200
+ * and cost 0.2-0.3 us at N <= 64 (tests/bench/NOTES.md).
+ */
 #ifdef DSV4_TEST_TUNE
 __device__ unsigned dsv4__cuda_test_flags_dev;
 #define dsv4__cuda_test_flags dsv4__cuda_test_flags_dev
 #endif
 
-static __device__ __forceinline__ void st16cs(uint4 *p, uint4 v) {
+template <bool CS> static __device__ __forceinline__ void st16q(uint4 *p, uint4 v) {
 #ifdef DSV4_TEST_TUNE
   if (dsv4__cuda_test_flags & 4) {
     *p = v;
     return;
   }
 #endif
-  __stcs(p, v);
+  if (CS)
+    __stcs(p, v);
+  else
+    *p = v;
   COUNT_STORE(p, 16);
 }
 
@@ -179,6 +191,7 @@ typedef struct {
   uint32_t t;
 } tok_t;
 
+template <bool CS>
 static __device__ __forceinline__ void q_row(const insert_params_t &p, uint32_t lane,
                                              const tok_t &k, uint32_t h, uint4 ra, uint4 rb) {
   float xa[8], xb[8];
@@ -196,8 +209,8 @@ static __device__ __forceinline__ void q_row(const insert_params_t &p, uint32_t 
   uint4 ob = lane < 24 ? make_uint4(pack2(xb[0], xb[1]), pack2(xb[2], xb[3]), pack2(xb[4], xb[5]),
                                     pack2(xb[6], xb[7]))
                        : rope4(xb, k.c, k.s);
-  st16cs(out + lane, oa);
-  st16cs(out + 32 + lane, ob);
+  st16q<CS>(out + lane, oa);
+  st16q<CS>(out + 32 + lane, ob);
 }
 
 /* The tile maximum of |z| over the 8 lanes of an aligned group, from the 1e-4 floor. */
@@ -338,19 +351,19 @@ __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_para
   __shared__ uint4 rings[WARPS_PER_BLOCK][S * ROW_U4];
   const uint32_t lane = threadIdx.x & 31;
   const uint32_t warp = blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5);
-  const uint32_t g0 = warp * p.per;
-  const uint32_t g1 = min(g0 + p.per, p.n_rows);
+  const uint32_t g0 = warp < p.w2 ? warp * p.per : p.w2 * p.per + (warp - p.w2);
+  const uint32_t g1 = min(g0 + (warp < p.w2 ? p.per : 1u), p.n_rows);
   uint4 *ring = rings[threadIdx.x >> 5];
 #ifdef DSV4_TEST_BROKEN_EARLY_READ
   /* Test-only breakage of SPEC §5.2 (the SGLang bug): the slot of the warp's first token is read
    * before the wait, while the producer may not have written it yet. */
   const int64_t early_slot = g0 < g1 ? p.slots[g0 / p.ipt] : -1;
 #endif
+  const uint64_t pol = EF ? evict_first_policy() : 0;
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (g0 >= g1)
     return;
-  const uint64_t pol = EF ? evict_first_policy() : 0;
   /* The prologue: the first S rows. */
   uint32_t gp = g0, pt = g0 / p.ipt, pr = g0 - pt * p.ipt;
 #pragma unroll
@@ -395,11 +408,11 @@ __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_para
     } else if (dsv4__cuda_test_flags & 1) {
       /* Tuning: the same traffic without the arithmetic. */
       uint4 *out = p.q_out + ((uint64_t)k.t * p.heads + (r < p.heads ? r : 0)) * ROW_U4;
-      st16cs(out + lane, ra);
-      st16cs(out + 32 + lane, rb);
+      st16q<EF>(out + lane, ra);
+      st16q<EF>(out + 32 + lane, rb);
 #endif
     } else if (r < p.heads) {
-      q_row(p, lane, k, r, ra, rb);
+      q_row<EF>(p, lane, k, r, ra, rb);
     } else if (k.slot >= 0 && (uint64_t)k.slot < p.n_slots) {
       kv_row(p, lane, k, ra, rb);
     }
@@ -486,18 +499,20 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
 
   /*
    * Rows per warp: one while the rows fit on the device at once (a small batch: the shortest path
-   * to its last byte), two up to 16 such waves of warps, three beyond. Many short blocks in launch
+   * to its last byte), two up to 8 such waves of warps, three beyond. Many short blocks in launch
    * order keep the rows in flight at any moment close together in memory, which the DRAM serves
    * best: on an H200 two rows per warp moved 94-98 % of the copy bandwidth at N >= 4096 where one
    * resident wave of warps with long runs moved 84-89 %; three moved 0.2-0.8 points more than two
-   * from 28 waves up but 4-5 points less at 2-4 waves (tests/bench/NOTES.md).
+   * from 14 waves up but 4-5 points less at 2-4 waves. Beyond two waves the last wave of warps
+   * has one row each: 0.1-0.3 us less from N = 256 up, but 0.2 us more at 1.7 waves
+   * (tests/bench/NOTES.md).
    */
   uint64_t rows = (uint64_t)a->n_tokens * p.ipt;
   if (rows > 0x7fffffffu)
     return DSV4_EINVAL;
   p.n_rows = (uint32_t)rows;
   uint64_t resident = (uint64_t)dev.sms * blocks_per_sm<RING, false>() * WARPS_PER_BLOCK;
-  p.per = rows <= resident ? 1 : rows <= 16 * resident ? 2 : 3;
+  p.per = rows <= resident ? 1 : rows <= 8 * resident ? 2 : 3;
 #ifdef DSV4_TEST_TUNE
   {
     static unsigned flags_set = ~0u;
@@ -510,7 +525,9 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   if (dsv4__cuda_test_rows_per_warp)
     p.per = dsv4__cuda_test_rows_per_warp;
 #endif
-  uint64_t warps = (rows + p.per - 1) / p.per;
+  const uint64_t tail = p.per > 1 && rows > 2 * resident ? resident : 0;
+  p.w2 = (uint32_t)((rows - tail) / p.per);
+  uint64_t warps = p.w2 + (rows - (uint64_t)p.w2 * p.per);
   uint64_t grid = (warps + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
   if (grid > 0x7fffffffu)
     return DSV4_EINVAL;

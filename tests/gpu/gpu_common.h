@@ -157,7 +157,7 @@ static inline void gpu_plan_free(gpu_plan_t *p) {
   free(p->block_table);
 }
 
-/* The plan's map arguments over host (or, with the dev_* pointers, device) arrays. */
+/* A plan's arrays on the device. */
 typedef struct {
   int64_t *pos;
   int32_t *tok_seg;
@@ -232,6 +232,7 @@ static inline void gpu_plan_dev_free(gpu_plan_dev_t *d) {
   cudaFree(d->block_table);
 }
 
+/* The plan's map arguments over host (or, with the dev_* pointers, device) arrays. */
 static inline dsv4_map_args_t gpu_plan_map_args(const gpu_plan_t *p, const int64_t *pos,
                                                 const int32_t *tok_seg, const int64_t *first_lb,
                                                 const uint32_t *bt_off, const uint32_t *bt_len,
