@@ -32,19 +32,19 @@ static __device__ __forceinline__ void dsv4__dep_wait(void) {
  * wait), and they live in the constant bank, whose cache misses each cost about an L2 round trip:
  * read after the wait, a parameter line missing from the cache lies on the critical path of a
  * small launch; read here, the misses overlap the wait for the previous grid. Afterwards every
- * parameter read hits the constant cache.
+ * parameter read hits the constant cache. Below sm_90, where there is no wait, it does nothing.
  */
 template <typename P> static __device__ __forceinline__ void dsv4__dep_wait_params(const P &p) {
   static_assert(sizeof(P) % 4 == 0, "parameter block of whole words");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const uint32_t *w = reinterpret_cast<const uint32_t *>(&p);
   uint32_t x = 0;
 #pragma unroll
   for (unsigned i = 0; i < sizeof(P) / 4; i++)
     x ^= w[i];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::"r"(x) : "memory");
 #else
-  asm volatile("" ::"r"(x) : "memory");
+  (void)p; /* no wait to hide the reads behind */
 #endif
 }
 

@@ -111,8 +111,8 @@ template <int B> __global__ void __launch_bounds__(B) dsv4__map_slots_kernel(map
   }
 #pragma unroll
   for (int k = 0; k < MAP_BT_PER_THREAD; k++)
-    if (bt_staged && x + k * B < n_bt)
-      s_bt[x + k * B] = my_bt[k];
+    if (bt_staged)
+      s_bt[x + k * B] = my_bt[k]; /* -1 past the table, never read */
   __syncthreads();
   if (!in)
     return;

@@ -167,24 +167,42 @@ typedef struct {
   void *arena; /* gpu_plan_upload_packed: the one allocation holding them all */
 } gpu_plan_dev_t;
 
+#define GPU_PLAN_ARRAYS 6
+
+/* The plan's metadata arrays, in the order gpu_plan_dev_set takes them: host copies and sizes. */
+static inline void gpu_plan_arrays(const gpu_plan_t *p, const void *src[GPU_PLAN_ARRAYS],
+                                   size_t sizes[GPU_PLAN_ARRAYS]) {
+  const void *s[GPU_PLAN_ARRAYS] = {p->pos,        p->tok_seg,    p->seg_first_lb,
+                                    p->seg_bt_off, p->seg_bt_len, p->block_table};
+  const size_t n[GPU_PLAN_ARRAYS] = {sizeof(int64_t) * p->n,       sizeof(int32_t) * p->n,
+                                     sizeof(int64_t) * p->n_segs,  sizeof(uint32_t) * p->n_segs,
+                                     sizeof(uint32_t) * p->n_segs, sizeof(int32_t) * p->bt_len};
+  memcpy(src, s, sizeof(s));
+  memcpy(sizes, n, sizeof(n));
+}
+
+static inline void gpu_plan_dev_set(gpu_plan_dev_t *d, uint8_t *const a[GPU_PLAN_ARRAYS]) {
+  d->pos = (int64_t *)a[0];
+  d->tok_seg = (int32_t *)a[1];
+  d->seg_first_lb = (int64_t *)a[2];
+  d->seg_bt_off = (uint32_t *)a[3];
+  d->seg_bt_len = (uint32_t *)a[4];
+  d->block_table = (int32_t *)a[5];
+}
+
+/* Each array in an allocation of its own size (an empty one gets 1 byte). */
 static inline void gpu_plan_upload(const gpu_plan_t *p, gpu_plan_dev_t *d) {
+  const void *src[GPU_PLAN_ARRAYS];
+  size_t sizes[GPU_PLAN_ARRAYS];
+  uint8_t *a[GPU_PLAN_ARRAYS];
+  gpu_plan_arrays(p, src, sizes);
+  for (int i = 0; i < GPU_PLAN_ARRAYS; i++) {
+    a[i] = gpu_dev_alloc(sizes[i] ? sizes[i] : 1);
+    if (sizes[i])
+      CK(cudaMemcpy(a[i], src[i], sizes[i], cudaMemcpyHostToDevice));
+  }
   d->arena = NULL;
-  d->pos = gpu_dev_alloc(sizeof(int64_t) * p->n);
-  d->tok_seg = gpu_dev_alloc(sizeof(int32_t) * p->n);
-  d->seg_first_lb = gpu_dev_alloc(sizeof(int64_t) * p->n_segs);
-  d->seg_bt_off = gpu_dev_alloc(sizeof(uint32_t) * p->n_segs);
-  d->seg_bt_len = gpu_dev_alloc(sizeof(uint32_t) * p->n_segs);
-  d->block_table = gpu_dev_alloc(sizeof(int32_t) * (p->bt_len ? p->bt_len : 1));
-  CK(cudaMemcpy(d->pos, p->pos, sizeof(int64_t) * p->n, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d->tok_seg, p->tok_seg, sizeof(int32_t) * p->n, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d->seg_first_lb, p->seg_first_lb, sizeof(int64_t) * p->n_segs,
-                cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d->seg_bt_off, p->seg_bt_off, sizeof(uint32_t) * p->n_segs,
-                cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d->seg_bt_len, p->seg_bt_len, sizeof(uint32_t) * p->n_segs,
-                cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d->block_table, p->block_table, sizeof(int32_t) * p->bt_len,
-                cudaMemcpyHostToDevice));
+  gpu_plan_dev_set(d, a);
 }
 
 /*
@@ -193,30 +211,25 @@ static inline void gpu_plan_upload(const gpu_plan_t *p, gpu_plan_dev_t *d) {
  * allocations, where compute-sanitizer sees a read past the end of any one array.
  */
 static inline void gpu_plan_upload_packed(const gpu_plan_t *p, gpu_plan_dev_t *d) {
-  const size_t sizes[6] = {sizeof(int64_t) * p->n,       sizeof(int32_t) * p->n,
-                           sizeof(int64_t) * p->n_segs,  sizeof(uint32_t) * p->n_segs,
-                           sizeof(uint32_t) * p->n_segs, sizeof(int32_t) * p->bt_len};
-  const void *src[6] = {p->pos,        p->tok_seg,    p->seg_first_lb,
-                        p->seg_bt_off, p->seg_bt_len, p->block_table};
-  size_t off[6], total = 0;
-  for (int i = 0; i < 6; i++) {
+  const void *src[GPU_PLAN_ARRAYS];
+  size_t sizes[GPU_PLAN_ARRAYS], off[GPU_PLAN_ARRAYS], total = 0;
+  gpu_plan_arrays(p, src, sizes);
+  for (int i = 0; i < GPU_PLAN_ARRAYS; i++) {
     off[i] = total;
     total += (sizes[i] + 15) & ~(size_t)15;
   }
   uint8_t *host = gpu_host_alloc(total ? total : 16), *base = gpu_dev_alloc(total ? total : 16);
   memset(host, 0, total);
-  for (int i = 0; i < 6; i++)
+  uint8_t *a[GPU_PLAN_ARRAYS];
+  for (int i = 0; i < GPU_PLAN_ARRAYS; i++) {
     if (sizes[i])
       memcpy(host + off[i], src[i], sizes[i]);
+    a[i] = base + off[i];
+  }
   CK(cudaMemcpy(base, host, total, cudaMemcpyHostToDevice));
   free(host);
   d->arena = base;
-  d->pos = (int64_t *)(base + off[0]);
-  d->tok_seg = (int32_t *)(base + off[1]);
-  d->seg_first_lb = (int64_t *)(base + off[2]);
-  d->seg_bt_off = (uint32_t *)(base + off[3]);
-  d->seg_bt_len = (uint32_t *)(base + off[4]);
-  d->block_table = (int32_t *)(base + off[5]);
+  gpu_plan_dev_set(d, a);
 }
 
 static inline void gpu_plan_dev_free(gpu_plan_dev_t *d) {
