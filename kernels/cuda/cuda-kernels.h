@@ -92,8 +92,8 @@ int dsv4__cuda_test_count_regions(void *base0, size_t len0, unsigned *counts0, v
 #endif
 
 #if defined(DSV4_TEST_TUNE)
-/* Test-only (the benchmark's tuning build): rows per warp of the insert kernel; 0 = its own choice.
- */
+/* Test-only (the benchmark's tuning build): rows per warp of every warp of the insert kernel (at
+ * most 64, no one-row tail); 0 = its own choice. */
 extern unsigned dsv4__cuda_test_rows_per_warp;
 /* Test-only: 1 = rows copied without arithmetic, 2 = the same in grid-stride row order, 4 = q_out
  * with plain stores instead of evict-first ones. */

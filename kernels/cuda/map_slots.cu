@@ -17,7 +17,8 @@
  * completion before it reads a slot (cuda-kernels.h, SPEC §5.2). Before its own wait the kernel
  * prefetches the lines of all those loads into the L2: it is launched while the previous forward's
  * last blocks run, and its loads after the wait then find the lines in the L2 instead of DRAM
- * (0.4-1 point of the copy bandwidth at N = 1024, 0.1 us at N = 1 on an H200, NOTES.md).
+ * (about 1 point of the copy bandwidth at N = 1024, 0.07-0.08 us at N <= 64 on an H200; no
+ * measurable difference when the kernel follows the copy of its metadata instead; NOTES.md).
  */
 #include "cuda-internal.cuh"
 

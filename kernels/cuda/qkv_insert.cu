@@ -65,7 +65,8 @@ typedef struct {
 static_assert(sizeof(insert_params_t) == 112, "the parameter block stays within its lines");
 
 #ifdef DSV4_TEST_TUNE
-/* Test-only (tests/bench, the tuning build): rows per warp instead of the launcher's choice. */
+/* Test-only (tests/bench, the tuning build): rows per warp of every warp (no one-row tail),
+ * instead of the launcher's choice; at most 64. */
 unsigned dsv4__cuda_test_rows_per_warp;
 #endif
 
@@ -338,13 +339,14 @@ static __device__ __forceinline__ void fetch_row(const insert_params_t &p, uint4
 
 /*
  * The rows of the launch in token order (token t: Q heads 0..heads-1, then its KV row when the
- * launch writes the cache), cut into one contiguous run of `per` rows per warp, so that every warp
- * has the same work. A warp streams its run through a ring of S rows in shared memory: each lane
- * copies (cp.async) the 32 bytes of each row it later reads itself, so the lane's own
- * cp.async.wait_group is all the synchronisation there is, and a copy group is committed for every
- * row, empty or not, so that "the oldest row has arrived" is always "at most S-1 groups pending".
- * The ring runs across token boundaries; at each new token the warp reads its position, RoPE row
- * and slot. EF: the rows are read with the evict-first L2 policy.
+ * launch writes the cache), cut into one contiguous run of `per` rows for each warp below w2 and
+ * of one row for each warp from w2 on (the last wave of a large launch). A warp streams its run
+ * through a ring of S rows in shared memory: each lane copies (cp.async) the 32 bytes of each row
+ * it later reads itself, so the lane's own cp.async.wait_group is all the synchronisation there is,
+ * and a copy group is committed for every row, empty or not, so that "the oldest row has arrived"
+ * is always "at most S-1 groups pending". The ring runs across token boundaries; at each new token
+ * the warp reads its position, RoPE row and slot. EF: the rows are read with the evict-first L2
+ * policy.
  */
 template <int S, bool EF>
 __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_params_t p) {
@@ -522,10 +524,13 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
         return DSV4_EBACKEND;
     }
   }
-  if (dsv4__cuda_test_rows_per_warp)
-    p.per = dsv4__cuda_test_rows_per_warp;
+  const int forced = dsv4__cuda_test_rows_per_warp != 0;
+  if (forced)
+    p.per = (uint16_t)min(dsv4__cuda_test_rows_per_warp, 64u);
+#else
+  const int forced = 0;
 #endif
-  const uint64_t tail = p.per > 1 && rows > 2 * resident ? resident : 0;
+  const uint64_t tail = !forced && p.per > 1 && rows > 2 * resident ? resident : 0;
   p.w2 = (uint32_t)((rows - tail) / p.per);
   uint64_t warps = p.w2 + (rows - (uint64_t)p.w2 * p.per);
   uint64_t grid = (warps + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;

@@ -14,7 +14,9 @@
  *
  * Usage: cuda_insert_bench [heads...]   (default 64 128; DSV4_BENCH_N="64,1024" picks batch sizes;
  * DSV4_BENCH_SETS=k forces k input sets, for diagnosis: 1 leaves everything in the L2;
- * DSV4_BENCH_NO_TABLE_LENGTH=1 keeps the producer from staging the block table in shared memory)
+ * DSV4_BENCH_NO_TABLE_LENGTH=1 keeps the producer from staging the block table in shared memory;
+ * DSV4_BENCH_UPLOAD=1 puts a copy of each forward's metadata from pinned host memory in front of
+ * its producer, as the daemon runs a forward: the producer then follows a copy, not a kernel)
  * The tuning build cuda_insert_bench_tune also reads DSV4_ROWS_PER_WARP and DSV4_TUNE_FLAGS
  * (cuda-kernels.h).
  */
@@ -37,6 +39,7 @@ typedef struct {
   uint8_t *cache;
   dsv4_map_args_t ma;
   dsv4_insert_args_t ia;
+  void *pin_meta; /* DSV4_BENCH_UPLOAD: the packed metadata in pinned host memory */
 } set_t;
 
 static double copy_ceiling(size_t bytes) {
@@ -160,6 +163,11 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
                              .stride = stride};
     x->ia = ia;
   }
+  const int upload = getenv("DSV4_BENCH_UPLOAD") != NULL;
+  for (uint32_t i = 0; upload && i < sets; i++) {
+    CK(cudaMallocHost(&st[i].pin_meta, st[i].d.arena_bytes));
+    CK(cudaMemcpy(st[i].pin_meta, st[i].d.arena, st[i].d.arena_bytes, cudaMemcpyDeviceToHost));
+  }
   CK(cudaDeviceSynchronize());
 
   /* Forwards (producer + consumer), each kernel alone, and forwards without PDL. */
@@ -170,6 +178,8 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (uint32_t k = 0; k < per_graph; k++) {
       set_t *x = &st[k % sets];
+      if (upload && mode != 2)
+        CK(cudaMemcpyAsync(x->d.arena, x->pin_meta, x->d.arena_bytes, cudaMemcpyHostToDevice, s));
       if (mode != 2)
         CKD(dsv4__cuda_map_slots(&x->ma, s, pdl));
       if (mode != 1)
@@ -191,6 +201,8 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
   for (uint32_t i = 0; i < sets; i++) {
     set_t *x = &st[i];
     gpu_plan_dev_free(&x->d);
+    if (x->pin_meta)
+      cudaFreeHost(x->pin_meta);
     cudaFree(x->q);
     cudaFree(x->q_out);
     cudaFree(x->kv);
@@ -239,6 +251,8 @@ int main(int argc, char **argv) {
   printf("device-to-device copy (read + written): %.1f GB/s at 1 GiB, %.1f GB/s at 4 GiB; "
          "ceiling %.1f GB/s\n",
          c1, c4, ceiling);
+  if (getenv("DSV4_BENCH_UPLOAD"))
+    printf("each forward's metadata is first copied from pinned host memory (DSV4_BENCH_UPLOAD)\n");
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &mirror);
   cudaStream_t s;

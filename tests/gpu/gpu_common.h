@@ -165,6 +165,7 @@ typedef struct {
   uint32_t *seg_bt_off, *seg_bt_len;
   int32_t *block_table;
   void *arena; /* gpu_plan_upload_packed: the one allocation holding them all */
+  size_t arena_bytes;
 } gpu_plan_dev_t;
 
 #define GPU_PLAN_ARRAYS 6
@@ -202,6 +203,7 @@ static inline void gpu_plan_upload(const gpu_plan_t *p, gpu_plan_dev_t *d) {
       CK(cudaMemcpy(a[i], src[i], sizes[i], cudaMemcpyHostToDevice));
   }
   d->arena = NULL;
+  d->arena_bytes = 0;
   gpu_plan_dev_set(d, a);
 }
 
@@ -229,6 +231,7 @@ static inline void gpu_plan_upload_packed(const gpu_plan_t *p, gpu_plan_dev_t *d
   CK(cudaMemcpy(base, host, total, cudaMemcpyHostToDevice));
   free(host);
   d->arena = base;
+  d->arena_bytes = total ? total : 16;
   gpu_plan_dev_set(d, a);
 }
 
