@@ -56,8 +56,8 @@ typedef struct {
   /* Entries of block_table (at least every seg_bt_off + seg_bt_len), or 0 when not given; a
    * non-zero length needs a block_table. A backend may read that many entries ahead of the tokens
    * (the CUDA producer stages a small table in shared memory). A segment whose table runs past it
-   * is refused by the CPU backend; the CUDA producer maps the tokens past it to slot -1 (it cannot
-   * refuse: cuda-kernels.h); the Level Zero backend does not read the field. */
+   * is refused by the CPU backend and by the Level Zero backend (its sync answers DSV4_EINVAL); the
+   * CUDA producer maps the tokens past it to slot -1 (it cannot refuse: cuda-kernels.h). */
   uint32_t bt_entries;
 } dsv4_map_args_t;
 

@@ -90,10 +90,11 @@ static float rms_factor(float ss, float eps) {
   } while (0)
 
 /*
- * The producer: one work-item per token. A token whose logical block is not in its segment's block
- * table (or maps to a negative id) gets slot -1. Arguments the CPU backend would refuse (a segment
- * index out of range, a negative position, a block id beyond the pool) set a bit of *err and give
- * slot -1, so the launch never reads or writes out of bounds; the host turns the bits into an
+ * The producer: one work-item per token (and at least one per segment). A token whose logical
+ * block is not in its segment's block table (or maps to a negative id) gets slot -1. Arguments the
+ * CPU backend would refuse (a segment index out of range, a negative position, a block id beyond
+ * the pool, a segment whose table runs past bt_entries when that is not 0) set a bit of *err and
+ * give slot -1, so the launch never reads or writes out of bounds; the host turns the bits into an
  * error.
  */
 __kernel __attribute__((reqd_work_group_size(DSV4_LZ_MAP_GROUP_SIZE, 1, 1))) void
@@ -101,8 +102,10 @@ dsv4_map_slots(uint n_tokens, uint block_size, uint n_blocks, __global const lon
                __global const int *tok_seg, __global const long *seg_first_lb,
                __global const uint *seg_bt_off, __global const uint *seg_bt_len,
                __global const int *block_table, uint n_segments, __global long *slots,
-               __global uint *err MAP_COUNT_ARGS) {
+               __global uint *err, uint bt_entries MAP_COUNT_ARGS) {
   size_t t = get_global_id(0);
+  if (bt_entries && t < n_segments && (ulong)seg_bt_off[t] + seg_bt_len[t] > bt_entries)
+    atomic_or(err, DSV4_LZ_ERR_TABLE);
   if (t >= n_tokens)
     return;
   int s = tok_seg[t];
@@ -115,8 +118,11 @@ dsv4_map_slots(uint n_tokens, uint block_size, uint n_blocks, __global const lon
   } else {
     long bs = (long)block_size;
     long idx = pos / bs - seg_first_lb[s];
-    if (idx >= 0 && idx < (long)seg_bt_len[s]) {
-      int b = block_table[(ulong)seg_bt_off[s] + (ulong)idx];
+    ulong e = (ulong)seg_bt_off[s] + (ulong)idx;
+    if (idx >= 0 && idx < (long)seg_bt_len[s] && bt_entries && e >= bt_entries) {
+      atomic_or(err, DSV4_LZ_ERR_TABLE);
+    } else if (idx >= 0 && idx < (long)seg_bt_len[s]) {
+      int b = block_table[e];
       if (b >= 0 && (uint)b >= n_blocks)
         atomic_or(err, DSV4_LZ_ERR_BLOCK);
       else if (b >= 0)

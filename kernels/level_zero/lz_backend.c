@@ -330,7 +330,9 @@ static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
   int rc = dsv4_backend_check_map_args(a);
   if (rc || a->n_tokens == 0)
     return rc;
-  uint64_t groups = ((uint64_t)a->n_tokens + DSV4_LZ_MAP_GROUP_SIZE - 1) / DSV4_LZ_MAP_GROUP_SIZE;
+  /* A work-item per token, and one per segment for the table-length check. */
+  uint64_t items = a->n_tokens > a->n_segments ? a->n_tokens : a->n_segments;
+  uint64_t groups = (items + DSV4_LZ_MAP_GROUP_SIZE - 1) / DSV4_LZ_MAP_GROUP_SIZE;
   if (groups > z->max_groups_x)
     return DSV4_EINVAL;
   if (z->failed)
@@ -338,9 +340,11 @@ static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
   /* A table without entries still needs a valid address; the kernel never reads it then. */
   const void *bt = a->block_table ? (const void *)a->block_table : (const void *)z->err;
   const lz_arg_t args[DSV4_LZ_MAP_NARGS] = {
-      LZ_U32(a->n_tokens), LZ_U32(a->block_size),   LZ_U32(a->n_blocks),   LZ_PTR(a->positions),
-      LZ_PTR(a->tok_seg),  LZ_PTR(a->seg_first_lb), LZ_PTR(a->seg_bt_off), LZ_PTR(a->seg_bt_len),
-      LZ_PTR(bt),          LZ_U32(a->n_segments),   LZ_PTR(a->slots),      LZ_PTR(z->err),
+      LZ_U32(a->n_tokens),   LZ_U32(a->block_size), LZ_U32(a->n_blocks),
+      LZ_PTR(a->positions),  LZ_PTR(a->tok_seg),    LZ_PTR(a->seg_first_lb),
+      LZ_PTR(a->seg_bt_off), LZ_PTR(a->seg_bt_len), LZ_PTR(bt),
+      LZ_U32(a->n_segments), LZ_PTR(a->slots),      LZ_PTR(z->err),
+      LZ_U32(a->bt_entries),
   };
   ze_kernel_handle_t k = z->k_map;
   /* A batch starts with a clear error word: what an earlier batch that failed before its sync

@@ -27,13 +27,15 @@
 #define DSV4_LZ_ERR_POSITION 2u /* a negative position */
 #define DSV4_LZ_ERR_BLOCK 4u    /* a block id >= n_blocks in a segment's block table */
 #define DSV4_LZ_ERR_SLOT 8u     /* a slot >= n_blocks * block_size given to qkv_insert */
+#define DSV4_LZ_ERR_TABLE 16u   /* a segment's block table runs past bt_entries (when given) */
 
 /*
  * dsv4_map_slots(n_tokens, block_size, n_blocks, positions, tok_seg, seg_first_lb, seg_bt_off,
- *                seg_bt_len, block_table, n_segments, slots, err [, slot_count])
+ *                seg_bt_len, block_table, n_segments, slots, err, bt_entries [, slot_count]),
+ * over max(n_tokens, n_segments) work-items
  */
 #define DSV4_LZ_MAP_KERNEL "dsv4_map_slots"
-#define DSV4_LZ_MAP_NARGS 12
+#define DSV4_LZ_MAP_NARGS 13
 
 /*
  * dsv4_qkv_insert(row0, n_rows, n_tokens, heads, write_kv, q, kv, slots, rope_rows, kv_w, fused,

@@ -236,6 +236,7 @@ typedef struct {
   uint8_t *cache0;
   size_t cache_bytes, q_bytes;
   uint32_t insert_blocks; /* n_blocks as qkv_insert is told (0: the same as map_slots) */
+  uint32_t bt_entries;    /* the table length map_slots is told (make_batch: n_bt) */
 } batch_t;
 
 typedef struct {
@@ -290,6 +291,7 @@ static void make_batch(batch_t *b, const shape_t *s, dsv4_rope_table_t *rope) {
     for (uint32_t e = 0; e < entries; e++)
       b->bt[b->n_bt++] = inv_below(100) < s->neg_pct ? -1 : (int32_t)perm[next_id++];
   }
+  b->bt_entries = b->n_bt;
   free(perm);
 
   b->q_bytes = (size_t)n * s->heads * DSV4_HEAD_DIM * 2;
@@ -362,6 +364,7 @@ static void run_cpu(dsv4_backend_t *be, const batch_t *b, dsv4_rope_table_t *rop
       .seg_bt_len = b->bt_len,
       .block_table = b->bt,
       .slots = r->slots,
+      .bt_entries = b->bt_entries,
   };
   if (be->ops->map_slots(be, &m) != 0)
     die("cpu map_slots refused the batch");
@@ -421,7 +424,7 @@ static void run_cl(clrt_t *rt, const batch_t *b, uint32_t max_rows, result_t *r)
     c_cache = buf_zero(rt, b->cache_bytes * sizeof(cl_uint));
   }
 
-  cl_uint u_n = n, u_bs = s->bs, u_nb = b->n_blocks, u_nseg = b->n_seg;
+  cl_uint u_n = n, u_bs = s->bs, u_nb = b->n_blocks, u_nseg = b->n_seg, u_nbt = b->bt_entries;
   set_arg(rt->map, 0, sizeof(cl_uint), &u_n);
   set_arg(rt->map, 1, sizeof(cl_uint), &u_bs);
   set_arg(rt->map, 2, sizeof(cl_uint), &u_nb);
@@ -434,10 +437,11 @@ static void run_cl(clrt_t *rt, const batch_t *b, uint32_t max_rows, result_t *r)
   set_arg(rt->map, 9, sizeof(cl_uint), &u_nseg);
   set_arg(rt->map, 10, sizeof(cl_mem), &slots);
   set_arg(rt->map, 11, sizeof(cl_mem), &err);
+  set_arg(rt->map, 12, sizeof(cl_uint), &u_nbt);
   if (rt->counting)
     set_arg(rt->map, DSV4_LZ_MAP_NARGS, sizeof(cl_mem), &c_slot);
-  size_t local = DSV4_LZ_MAP_GROUP_SIZE;
-  size_t global = (n + local - 1) / local * local;
+  size_t local = DSV4_LZ_MAP_GROUP_SIZE, items = n > b->n_seg ? n : b->n_seg;
+  size_t global = (items + local - 1) / local * local;
   check_cl(clEnqueueNDRangeKernel(rt->queue, rt->map, 1, NULL, &global, &local, 0, NULL, NULL),
            "map launch");
   /* The producer/consumer ordering (SPEC §5.2): the queue is in order, and the barrier says so. */
@@ -558,6 +562,7 @@ static void run_lz(dsv4_backend_t *be, const batch_t *b, dsv4_rope_table_t *rope
       .seg_bt_len = in[LEN].buf.ptr,
       .block_table = in[BT].buf.ptr,
       .slots = in[SLOTS].buf.ptr,
+      .bt_entries = b->bt_entries,
   };
   dsv4_insert_args_t a = {
       .n_tokens = n,
@@ -728,6 +733,7 @@ static void check_error_bits(clrt_t *rt, dsv4_rope_table_t *plain) {
       {"a negative position", DSV4_LZ_ERR_POSITION},
       {"a block id beyond the pool", DSV4_LZ_ERR_BLOCK},
       {"a slot beyond the pool given to qkv_insert", DSV4_LZ_ERR_SLOT},
+      {"a segment's table past the table length", DSV4_LZ_ERR_TABLE},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     shape_t s = {.heads = 8, .n_tokens = 40, .bs = 16, .random_cache = 1};
@@ -741,7 +747,20 @@ static void check_error_bits(clrt_t *rt, dsv4_rope_table_t *plain) {
     else if (cases[i].bit == DSV4_LZ_ERR_BLOCK)
       for (uint32_t e = 0; e < b.n_bt; e++)
         b.bt[e] = (int32_t)b.n_blocks + 3; /* every mapped token hits it */
-    else
+    else if (cases[i].bit == DSV4_LZ_ERR_TABLE) {
+      /* The last table entry is left out of the length: the segment that owns it runs past it,
+       * and a token mapped there must get slot -1 (its entry is not read). */
+      if (b.n_bt < 2)
+        die("%s: the batch has %u table entries, 2 needed", cases[i].what, b.n_bt);
+      b.bt_entries = b.n_bt - 1;
+      bad_token = UINT32_MAX;
+      for (uint32_t t = 0; t < s.n_tokens; t++) {
+        uint32_t sg = (uint32_t)b.tok_seg[t];
+        int64_t idx = b.pos[t] / s.bs - b.seg_first_lb[sg];
+        if (idx >= 0 && idx < b.bt_len[sg] && b.bt_off[sg] + idx == b.bt_entries)
+          bad_token = t;
+      }
+    } else
       b.insert_blocks = limit = b.n_blocks / 2;
     result_t r;
     alloc_result(&r, &b, rt->counting);
@@ -749,7 +768,7 @@ static void check_error_bits(clrt_t *rt, dsv4_rope_table_t *plain) {
     if (!(r.err & cases[i].bit))
       die("%s: error word 0x%x lacks bit 0x%x", cases[i].what, r.err, cases[i].bit);
     if (cases[i].bit != DSV4_LZ_ERR_SLOT && cases[i].bit != DSV4_LZ_ERR_BLOCK &&
-        r.slots[bad_token] != -1)
+        bad_token != UINT32_MAX && r.slots[bad_token] != -1)
       die("%s: the token got slot %lld, not -1", cases[i].what, (long long)r.slots[bad_token]);
     size_t from = (size_t)limit * DSV4_BLOCK_STRIDE(s.bs);
     if (cases[i].bit == DSV4_LZ_ERR_SLOT &&
