@@ -65,17 +65,20 @@ typedef struct {
  * §2.1-2.2). */
 typedef struct {
   uint32_t n_tokens;
-  uint32_t heads;                /* 1..128 */
-  const uint16_t *q;             /* [n_tokens, heads, 512] bf16 */
-  const uint16_t *kv;            /* [n_tokens, 512] bf16 */
-  const int64_t *positions;      /* [n_tokens] */
-  const int64_t *slots;          /* [n_tokens] from map_slots; < 0 = do not write */
-  const dsv4_rope_table_t *rope; /* rows of every position in the batch already materialised */
-  const float *kv_norm_weight;   /* [512] fp32, or NULL for kv_norm = prenormed */
-  float eps;                     /* RMSNorm epsilon */
-  int write_kv;    /* 0: compute q_out only (a replayed batch), never touch the cache */
-  uint16_t *q_out; /* [n_tokens, heads, 512] bf16 out */
-  uint8_t *cache;  /* the layer's cache: n_blocks * stride bytes */
+  uint32_t heads;           /* 1..128 */
+  const uint16_t *q;        /* [n_tokens, heads, 512] bf16 */
+  const uint16_t *kv;       /* [n_tokens, 512] bf16 */
+  const int64_t *positions; /* [n_tokens] */
+  const int64_t *slots;     /* [n_tokens] from map_slots; < 0 = do not write */
+  /* Rows of every position in the batch already materialised. The table must outlive the backend:
+   * the CUDA backend keeps a device mirror of each table it is given, found by its address and
+   * refreshed before every launch. */
+  const dsv4_rope_table_t *rope;
+  const float *kv_norm_weight; /* [512] fp32, or NULL for kv_norm = prenormed */
+  float eps;                   /* RMSNorm epsilon */
+  int write_kv;                /* 0: compute q_out only (a replayed batch), never touch the cache */
+  uint16_t *q_out;             /* [n_tokens, heads, 512] bf16 out */
+  uint8_t *cache;              /* the layer's cache: n_blocks * stride bytes */
   uint32_t block_size;
   uint32_t n_blocks;
   uint64_t stride; /* DSV4_BLOCK_STRIDE(block_size) */
