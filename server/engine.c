@@ -149,7 +149,9 @@ static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
     bt += ((size_t)DSV4_WINDOW - 2 + f->segs[s].len) / e->p.block_size + 2;
   size_t meta = meta_layout(n, f->n_segs, bt, bytes, off);
   if (meta > st->meta_cap) {
-    uint8_t *m = calloc(1, meta); /* zeroed: the padding between the arrays is uploaded too */
+    /* Zeroed: the padding between the arrays is uploaded too, and never holds uninitialised
+     * memory (later batches leave their own bytes there). */
+    uint8_t *m = calloc(1, meta);
     if (!m)
       return DSV4_ENOMEM;
     free(st->meta);

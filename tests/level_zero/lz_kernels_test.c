@@ -725,18 +725,23 @@ static void check_subnormal_vector(const device_t *d, dsv4_rope_table_t *plain) 
  * token slot -1 (or skip the store) and write nothing out of bounds.
  */
 static void check_error_bits(clrt_t *rt, dsv4_rope_table_t *plain) {
+  /* Table-length cases: 1 a token maps the entry past the length; 2 only an unused trailing entry
+   * of the last segment lies past it; 3 that segment has no tokens (more segments than tokens). */
   static const struct {
     const char *what;
     uint32_t bit;
+    int table;
   } cases[] = {
-      {"a segment index out of range", DSV4_LZ_ERR_SEGMENT},
-      {"a negative position", DSV4_LZ_ERR_POSITION},
-      {"a block id beyond the pool", DSV4_LZ_ERR_BLOCK},
-      {"a slot beyond the pool given to qkv_insert", DSV4_LZ_ERR_SLOT},
-      {"a segment's table past the table length", DSV4_LZ_ERR_TABLE},
+      {"a segment index out of range", DSV4_LZ_ERR_SEGMENT, 0},
+      {"a negative position", DSV4_LZ_ERR_POSITION, 0},
+      {"a block id beyond the pool", DSV4_LZ_ERR_BLOCK, 0},
+      {"a slot beyond the pool given to qkv_insert", DSV4_LZ_ERR_SLOT, 0},
+      {"a token's table entry past the table length", DSV4_LZ_ERR_TABLE, 1},
+      {"a segment's unused entry past the table length", DSV4_LZ_ERR_TABLE, 2},
+      {"a segment without tokens past the table length", DSV4_LZ_ERR_TABLE, 3},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-    shape_t s = {.heads = 8, .n_tokens = 40, .bs = 16, .random_cache = 1};
+    shape_t s = {.heads = 8, .n_tokens = cases[i].table == 3 ? 1 : 40, .bs = 16, .random_cache = 1};
     batch_t b;
     make_batch(&b, &s, plain);
     uint32_t bad_token = 0, limit = b.n_blocks;
@@ -747,7 +752,7 @@ static void check_error_bits(clrt_t *rt, dsv4_rope_table_t *plain) {
     else if (cases[i].bit == DSV4_LZ_ERR_BLOCK)
       for (uint32_t e = 0; e < b.n_bt; e++)
         b.bt[e] = (int32_t)b.n_blocks + 3; /* every mapped token hits it */
-    else if (cases[i].bit == DSV4_LZ_ERR_TABLE) {
+    else if (cases[i].table == 1) {
       /* The last table entry is left out of the length: the segment that owns it runs past it,
        * and a token mapped there must get slot -1 (its entry is not read). */
       if (b.n_bt < 2)
@@ -760,6 +765,29 @@ static void check_error_bits(clrt_t *rt, dsv4_rope_table_t *plain) {
         if (idx >= 0 && idx < b.bt_len[sg] && b.bt_off[sg] + idx == b.bt_entries)
           bad_token = t;
       }
+      if (bad_token == UINT32_MAX)
+        die("%s: no token maps the last table entry", cases[i].what);
+    } else if (cases[i].table == 2) {
+      /* One more entry at the end of the last segment's table, past every token's block: only
+       * the segment's own check can see it (make_batch leaves room for it). */
+      b.bt[b.n_bt] = -1;
+      b.bt_len[b.n_seg - 1]++;
+      b.bt_entries = b.n_bt++;
+      bad_token = UINT32_MAX;
+    } else if (cases[i].table == 3) {
+      /* A second segment, with no tokens, whose one entry lies past the length. */
+      b.seg_first_lb = realloc(b.seg_first_lb, 2 * sizeof(int64_t));
+      b.bt_off = realloc(b.bt_off, 2 * sizeof(uint32_t));
+      b.bt_len = realloc(b.bt_len, 2 * sizeof(uint32_t));
+      if (!b.seg_first_lb || !b.bt_off || !b.bt_len || b.n_seg != 1)
+        die("%s: cannot add a segment", cases[i].what);
+      b.seg_first_lb[1] = 0;
+      b.bt_off[1] = b.n_bt;
+      b.bt_len[1] = 1;
+      b.bt[b.n_bt] = -1;
+      b.bt_entries = b.n_bt++;
+      b.n_seg = 2;
+      bad_token = UINT32_MAX;
     } else
       b.insert_blocks = limit = b.n_blocks / 2;
     result_t r;
