@@ -47,11 +47,10 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  * One buffer per argument, reused from batch to batch and grown on demand, except that the
  * positions and the slot mapper's five small arrays share one (ST_META): assembled on the host and
  * uploaded in one copy, they cost a batch one upload instead of six, and the producer reads one
- * allocation instead of six. Single buffers are
- * enough under SPEC §5.2 only because dsv4_engine_forward returns after the backend's sync(): no
- * upload of batch k+1 is submitted before every launch of batch k has completed, so nothing a
- * launch still reads is overwritten. Submitting a batch before the previous one's sync would need
- * a second set (double buffering).
+ * allocation instead of six. Single buffers are enough under SPEC §5.2 only because
+ * dsv4_engine_forward returns after the backend's sync(): no upload of batch k+1 is submitted
+ * before every launch of batch k has completed, so nothing a launch still reads is overwritten.
+ * Submitting a batch before the previous one's sync would need a second set (double buffering).
  */
 enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_COUNT };
 

@@ -120,6 +120,7 @@ dsv4_map_slots(uint n_tokens, uint block_size, uint n_blocks, __global const lon
     long idx = pos / bs - seg_first_lb[s];
     ulong e = (ulong)seg_bt_off[s] + (ulong)idx;
     if (idx >= 0 && idx < (long)seg_bt_len[s] && bt_entries && e >= bt_entries) {
+      /* past the table: not read (the segment's own check has set the bit too) */
       atomic_or(err, DSV4_LZ_ERR_TABLE);
     } else if (idx >= 0 && idx < (long)seg_bt_len[s]) {
       int b = block_table[e];
