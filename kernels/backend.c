@@ -41,30 +41,6 @@ int dsv4_backend_register(const char *name, dsv4_backend_open_fn open) {
   return 0;
 }
 
-int dsv4_backend_check_map_args(const dsv4_map_args_t *a) {
-  if (!a || !DSV4_BLOCK_SIZE_VALID(a->block_size))
-    return DSV4_EINVAL;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->positions || !a->tok_seg || !a->seg_first_lb || !a->seg_bt_off || !a->seg_bt_len ||
-      !a->slots || ((a->n_segments || a->bt_entries) && !a->block_table))
-    return DSV4_EINVAL;
-  return 0;
-}
-
-int dsv4_backend_check_insert_args(const dsv4_insert_args_t *a) {
-  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS)
-    return DSV4_EINVAL;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->q || !a->kv || !a->positions || !a->slots || !a->q_out)
-    return DSV4_EINVAL;
-  if (a->write_kv && (!a->cache || !DSV4_BLOCK_SIZE_VALID(a->block_size) ||
-                      a->stride != DSV4_BLOCK_STRIDE(a->block_size)))
-    return DSV4_EINVAL;
-  return 0;
-}
-
 /* Append "name: reason" to the semicolon-separated list in why (truncated, never overflowing). */
 static void note_skipped(char *why, size_t why_len, const char *name, const char *reason) {
   size_t used = strnlen(why, why_len);

@@ -8,6 +8,8 @@ set -eu
 cd "$(dirname "$0")/.."
 build=${1:-build}
 [ $# -gt 0 ] && shift
+# Warnings are errors here (a developer's and CI's build), not in a user's plain cmake build.
+set -- -DDSV4_WERROR=ON "$@"
 jobs=$(nproc)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@"
 cmake --build "$build" -j"$jobs"

@@ -2,15 +2,16 @@
 #define DSV4_KERNELS_CPU_CPU_INTERNAL_H
 
 /*
- * Private pieces of the CPU backend: the worker pool, the per-token kernels and the hooks the unit
- * tests use. Nothing outside kernels/cpu/ and its tests includes this header, except the CUDA
- * backend's host glue, which runs its host-side work (validation, staging copies) on the pool.
+ * Private pieces of the CPU backend: the per-token kernels and the hooks the unit tests use.
+ * Nothing outside kernels/cpu/ and its tests includes this header. The worker pool it runs on is a
+ * unit of its own (host_pool.h), shared with the CUDA backend's host glue.
  */
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include "backend.h"
+#include "host_pool.h"
 
 /*
  * Instruction-set levels of the per-token kernels, in increasing order of width. Every level
@@ -23,32 +24,8 @@ enum {
   DSV4__CPU_ISA_COUNT = 3,
 };
 
-/* ---- worker pool (cpu_pool.c) ---- */
-
-typedef struct dsv4__cpu_pool dsv4__cpu_pool_t;
-
-/* fn(arg, first, last) processes work items first..last-1; any thread may run any range. */
 /* Launches whose q input is smaller than this run on the calling thread alone. */
 #define DSV4__CPU_INLINE_Q_BYTES (256u * 1024u)
-
-typedef void (*dsv4__cpu_job_fn)(void *arg, size_t first, size_t last);
-
-/* A pool of participants: threads - 1 worker threads plus the calling thread (threads >= 1). */
-int dsv4__cpu_pool_create(unsigned threads, dsv4__cpu_pool_t **out);
-void dsv4__cpu_pool_destroy(dsv4__cpu_pool_t *p);
-unsigned dsv4__cpu_pool_threads(const dsv4__cpu_pool_t *p);
-/*
- * Run fn over items 0..n_items-1 in chunks of `chunk` items on every participant; returns once
- * every item is done (the join that orders one launch before the next). Caller thread only.
- */
-void dsv4__cpu_pool_run(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg, size_t n_items,
-                        size_t chunk);
-/* dsv4__cpu_pool_run in a few chunks per participant, which balances uneven items (a backend's
- * host_parallel: segments of different lengths). */
-void dsv4__cpu_pool_run_balanced(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg,
-                                 size_t n_items);
-/* The MXCSR each worker thread saw at its start (x86 only; 0 elsewhere). */
-unsigned dsv4__cpu_pool_start_mxcsr(const dsv4__cpu_pool_t *p, unsigned worker);
 
 /* ---- per-token kernels (cpu_kernels.c) ---- */
 
@@ -100,11 +77,6 @@ void dsv4__test_count_store(const void *p, size_t n);
 #define DSV4__COUNT_STORE(p, n) dsv4__test_count_store((p), (n))
 #else
 #define DSV4__COUNT_STORE(p, n) ((void)0)
-#endif
-#ifdef DSV4_TEST_BROKEN_ORDER
-/* The participant running the calling thread: 0 for the launching thread, 1.. for the workers. */
-extern _Thread_local unsigned dsv4__cpu_test_participant;
-unsigned dsv4__cpu_pool_participant(void);
 #endif
 #if defined(DSV4_TEST_DELAY_PRODUCER) || defined(DSV4_TEST_BROKEN_NO_JOIN)
 /* Wait for producer threads that a broken map_slots left running (a no-op when it joined them). */

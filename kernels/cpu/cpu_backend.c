@@ -49,7 +49,7 @@ typedef struct {
 
 typedef struct {
   dsv4_backend_t base;
-  dsv4__cpu_pool_t *pool;
+  dsv4_host_pool_t *pool;
   int isa;
   uint64_t stream_bytes; /* q_out bytes per launch from which q_out bypasses the caches */
 #ifdef TEST_PRODUCER
@@ -76,7 +76,7 @@ static void cpu_destroy(dsv4_backend_t *be) {
 #ifdef TEST_PRODUCER
   dsv4__cpu_backend_test_drain(be);
 #endif
-  dsv4__cpu_pool_destroy(c->pool);
+  dsv4_host_pool_destroy(c->pool);
   free(c);
 }
 
@@ -288,7 +288,7 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
    * Work items: a token, or a group of a token's heads when there are too few tokens to keep every
    * participant busy. The split only changes which thread computes a value, never the value.
    */
-  unsigned threads = dsv4__cpu_pool_threads(c->pool);
+  unsigned threads = dsv4_host_pool_threads(c->pool);
   uint32_t groups = 1;
   if (threads > 1 && a->n_tokens < 4u * threads) {
     groups = (4u * threads + a->n_tokens - 1) / a->n_tokens;
@@ -304,13 +304,13 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   /* A launch this small (a few µs of work) is done by the caller before a worker could wake up. */
   if ((uint64_t)a->n_tokens * a->heads * DSV4_HEAD_DIM * 2 < DSV4__CPU_INLINE_Q_BYTES)
     chunk = items;
-  dsv4__cpu_pool_run(c->pool, insert_items, &j, items, chunk);
+  dsv4_host_pool_run(c->pool, insert_items, &j, items, chunk);
   return 0;
 }
 
 static void cpu_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
                               void *arg, size_t n_items) {
-  dsv4__cpu_pool_run_balanced(cpu_of(be)->pool, fn, arg, n_items);
+  dsv4_host_pool_run_balanced(cpu_of(be)->pool, fn, arg, n_items);
 }
 
 static const dsv4_backend_ops_t cpu_ops = {
@@ -345,7 +345,7 @@ int dsv4_cpu_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **ou
   c->base.ops = &cpu_ops;
   c->isa = dsv4__cpu_isa_best();
   c->stream_bytes = CPU_STREAM_BYTES;
-  int err = dsv4__cpu_pool_create(threads, &c->pool);
+  int err = dsv4_host_pool_create(threads, &c->pool);
   if (err) {
     if (why_len)
       snprintf(why, why_len, "cpu backend: cannot start %u worker threads", threads);
@@ -368,9 +368,9 @@ void dsv4__cpu_backend_set_stream_bytes(dsv4_backend_t *be, uint64_t bytes) {
 }
 
 unsigned dsv4__cpu_backend_workers(dsv4_backend_t *be) {
-  return dsv4__cpu_pool_threads(cpu_of(be)->pool) - 1;
+  return dsv4_host_pool_threads(cpu_of(be)->pool) - 1;
 }
 
 unsigned dsv4__cpu_backend_worker_mxcsr(dsv4_backend_t *be, unsigned worker) {
-  return dsv4__cpu_pool_start_mxcsr(cpu_of(be)->pool, worker);
+  return dsv4_host_pool_start_mxcsr(cpu_of(be)->pool, worker);
 }

@@ -79,7 +79,7 @@ const char *dsv4__cpu_isa_name(int isa) {
  * thread ran a head. Worker threads also always take the scalar kernels.
  */
 static float broken_sumsq512(const float *x) {
-  if (dsv4__cpu_pool_participant() == 0)
+  if (dsv4__host_pool_participant() == 0)
     return dsv4_sumsq512(x);
   float acc = 0.0f;
   for (int d = 0; d < DSV4_HEAD_DIM; d++)
@@ -175,7 +175,7 @@ SCALAR_CLONES static void kv_token_scalar(const uint16_t *kv, const float *cs, c
 void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads,
                        const float *rope_row, float eps, int stream) {
 #ifdef DSV4_TEST_BROKEN_ORDER
-  if (dsv4__cpu_pool_participant() != 0)
+  if (dsv4__host_pool_participant() != 0)
     isa = DSV4__CPU_ISA_SCALAR;
 #endif
 #ifdef HAVE_AVX512_KERNELS
@@ -199,7 +199,7 @@ void dsv4__cpu_q_heads(int isa, const uint16_t *q, uint16_t *out, uint32_t heads
 void dsv4__cpu_kv_token(int isa, const uint16_t *kv, const float *rope_row, const float *w,
                         float eps, uint8_t *data, uint8_t *scales) {
 #ifdef DSV4_TEST_BROKEN_ORDER
-  if (dsv4__cpu_pool_participant() != 0)
+  if (dsv4__host_pool_participant() != 0)
     isa = DSV4__CPU_ISA_SCALAR;
 #endif
 #ifdef HAVE_AVX512_KERNELS

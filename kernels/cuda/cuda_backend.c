@@ -34,7 +34,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "cpu/cpu-internal.h"
+#include "host_pool.h"
 #include "cuda-kernels.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
@@ -75,7 +75,7 @@ typedef struct {
   /* Host threads (the CPU backend's pool): batch validation through host_parallel, and the copies
    * between the caller's memory and the pinned staging, which one core cannot feed at PCIe speed.
    */
-  dsv4__cpu_pool_t *pool;
+  dsv4_host_pool_t *pool;
 } cuda_backend_t;
 
 static cuda_backend_t *cuda_of(dsv4_backend_t *be) {
@@ -109,12 +109,12 @@ static void copy_pieces(void *arg, size_t first, size_t last) {
 
 /* memcpy, on every host thread when it is large. */
 static void host_copy(cuda_backend_t *c, void *dst, const void *src, size_t n) {
-  if (n < COPY_PARALLEL || dsv4__cpu_pool_threads(c->pool) < 2) {
+  if (n < COPY_PARALLEL || dsv4_host_pool_threads(c->pool) < 2) {
     memcpy(dst, src, n);
     return;
   }
   copy_job_t j = {dst, src, n};
-  dsv4__cpu_pool_run(c->pool, copy_pieces, &j, (n + COPY_PIECE - 1) / COPY_PIECE, 1);
+  dsv4_host_pool_run(c->pool, copy_pieces, &j, (n + COPY_PIECE - 1) / COPY_PIECE, 1);
 }
 
 /* The stream is idle: both halves of the staging buffer are free again. */
@@ -288,7 +288,7 @@ static void cuda_destroy(dsv4_backend_t *be) {
     (void)cudaStreamDestroy(c->stream);
   (void)cudaGetLastError();
   if (c->pool)
-    dsv4__cpu_pool_destroy(c->pool);
+    dsv4_host_pool_destroy(c->pool);
   free(c);
 }
 
@@ -383,7 +383,7 @@ static int cuda_sync(dsv4_backend_t *be) {
 
 static void cuda_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
                                void *arg, size_t n_items) {
-  dsv4__cpu_pool_run_balanced(cuda_of(be)->pool, fn, arg, n_items);
+  dsv4_host_pool_run_balanced(cuda_of(be)->pool, fn, arg, n_items);
 }
 
 static const dsv4_backend_ops_t cuda_ops = {
@@ -453,7 +453,7 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     threads = n > 0 ? (unsigned)n : 1;
   }
-  if (dsv4__cpu_pool_create(threads, &c->pool)) {
+  if (dsv4_host_pool_create(threads, &c->pool)) {
     c->pool = NULL;
     if (why_len)
       snprintf(why, why_len, "cuda backend: cannot start %u host threads", threads);

@@ -101,7 +101,7 @@ typedef struct {
   void *dst;
   const void *src;
   size_t n;
-  dsv4__cpu_pool_t *pool;
+  dsv4_host_pool_t *pool;
 } copy_call_t;
 
 static void copy_pieces(void *varg, size_t first, size_t last) {
@@ -117,9 +117,9 @@ static void copy_pieces(void *varg, size_t first, size_t last) {
 static void do_copy(void *varg) {
   copy_call_t *c = varg;
   size_t pieces = (c->n + COPY_PIECE - 1) / COPY_PIECE;
-  unsigned t = dsv4__cpu_pool_threads(c->pool);
+  unsigned t = dsv4_host_pool_threads(c->pool);
   /* Contiguous shares (one per thread) keep each memcpy long, as a single-thread copy is. */
-  dsv4__cpu_pool_run(c->pool, copy_pieces, c, pieces, (pieces + t - 1) / t);
+  dsv4_host_pool_run(c->pool, copy_pieces, c, pieces, (pieces + t - 1) / t);
 }
 
 int main(int argc, char **argv) {
@@ -215,10 +215,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "%s\n", why);
         return 1;
       }
-      if (dsv4__cpu_pool_create(threads[ti], &cp.pool))
+      if (dsv4_host_pool_create(threads[ti], &cp.pool))
         return 1;
       double copy_gbs = bytes / time_call(do_copy, &cp) * 1e-9;
-      dsv4__cpu_pool_destroy(cp.pool);
+      dsv4_host_pool_destroy(cp.pool);
       if (stream_mib >= 0)
         dsv4__cpu_backend_set_stream_bytes(be, (uint64_t)stream_mib << 20);
       for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++) {

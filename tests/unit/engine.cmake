@@ -1,15 +1,15 @@
-if(DSV4_SERVER)
+if(TARGET dsv4_engine)
   # The staged CPU backend (tests/support): the engine's device staging path without a device.
   add_library(dsv4_test_staged STATIC ${PROJECT_SOURCE_DIR}/tests/support/cpu_staged.c)
   target_include_directories(dsv4_test_staged PUBLIC ${PROJECT_SOURCE_DIR}/tests/support)
   target_link_libraries(dsv4_test_staged PUBLIC dsv4_kernels)
   dsv4_strict(dsv4_test_staged)
 
-  dsv4_unit_test(engine_test SOURCES unit/engine_test.c LIBS dsv4_server dsv4_test_staged)
+  dsv4_unit_test(engine_test SOURCES unit/engine_test.c LIBS dsv4_engine dsv4_test_staged)
   # The same tests with every engine on the staged backend.
   add_test(NAME engine_test_staged COMMAND engine_test cpu_staged)
 endif()
-if(DSV4_SERVER AND DSV4_CUDA)
+if(TARGET dsv4_engine AND DSV4_CUDA)
   # The engine on the CUDA backend, compared byte for byte with the CPU backend (needs a device;
   # "skipped" with 77 without one).
   add_test(NAME engine_test_cuda COMMAND engine_test cuda)

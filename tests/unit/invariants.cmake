@@ -8,6 +8,9 @@ set(DSV4_INV_ROOT ${PROJECT_SOURCE_DIR})
 # The kernels library again, with test macros: the generic sources once, the CPU backend per variant.
 file(GLOB DSV4_INV_KERNEL_SOURCES CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/*.c)
 file(GLOB DSV4_INV_CPU_SOURCES CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/cpu/*.c)
+# The host pool carries a test hook of the broken-order build: compiled per variant as well.
+list(REMOVE_ITEM DSV4_INV_KERNEL_SOURCES ${DSV4_INV_ROOT}/kernels/host_pool.c)
+list(APPEND DSV4_INV_CPU_SOURCES ${DSV4_INV_ROOT}/kernels/host_pool.c)
 # As in kernels/CMakeLists.txt; source properties are per directory, so they are repeated here.
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
   set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx512.c PROPERTIES
@@ -94,7 +97,7 @@ if(DSV4_HAVE_XXHASH)
   target_compile_definitions(dsv4_inv_kvcache_shared PUBLIC DSV4_HAVE_XXHASH=1)
 endif()
 dsv4_strict(dsv4_inv_kvcache_shared)
-dsv4_unit_test(inv_unique_slots SOURCES unit/inv_unique_slots.c LIBS dsv4_kvcache TIMEOUT 120
+dsv4_unit_test(inv_unique_slots SOURCES unit/inv_unique_slots.c LIBS dsv4_kvcache dsv4_kernels TIMEOUT 120
                LABELS invariants)
 dsv4_inv_broken(inv_unique_slots_broken_shared_block SOURCE inv_unique_slots.c
                 LIBS dsv4_inv_kvcache_shared TIMEOUT 120

@@ -124,7 +124,7 @@ endif()
 # runs against it with DSV4_TEST_BACKEND=level_zero (it_lz_fake_*): the engine's device staging path
 # through the real glue, every answer checked against the numpy model.
 if(DSV4_LEVEL_ZERO AND TARGET dsv4d AND EXISTS ${PROJECT_SOURCE_DIR}/tests/integration)
-  add_executable(dsv4d_lz_fake ${PROJECT_SOURCE_DIR}/server/main.c ${DSV4_LZ_TEST_DIR}/fake_ze.c
+  add_executable(dsv4d_lz_fake $<TARGET_OBJECTS:dsv4d_main> ${DSV4_LZ_TEST_DIR}/fake_ze.c
                                ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
   target_include_directories(dsv4d_lz_fake PRIVATE ${PROJECT_SOURCE_DIR}/kernels
                                                    ${PROJECT_SOURCE_DIR}/kernels/level_zero

@@ -1,5 +1,5 @@
 /*
- * A persistent pool of worker threads for the CPU backend. A launch offers every participant (the
+ * A persistent pool of host worker threads (host_pool.h). A launch offers every participant (the
  * workers and the calling thread) the same job; participants take chunks of items from one atomic
  * counter, and the caller returns only after every item is done, so consecutive launches
  * (map_slots, then qkv_insert) are separated by a join as SPEC §5.2 asks of the CPU.
@@ -12,13 +12,15 @@
  * Workers spin briefly after a launch before sleeping on a condition variable, because the executor
  * usually launches again within microseconds and a futex wake costs more than a small batch's work.
  */
-#include "cpu-internal.h"
+#include "host_pool.h"
 
 #include <assert.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "dsv4-error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -46,12 +48,12 @@ static unsigned read_mxcsr(void) {
 #define W_ACTIVE(w) ((uint32_t)((w)&0x7fffffffu))
 
 typedef struct {
-  dsv4__cpu_pool_t *pool;
+  dsv4_host_pool_t *pool;
   unsigned index;
   pthread_t thread;
 } worker_t;
 
-struct dsv4__cpu_pool {
+struct dsv4_host_pool {
   unsigned threads; /* participants, including the caller */
   unsigned n_workers;
   worker_t *workers;
@@ -66,14 +68,14 @@ struct dsv4__cpu_pool {
   atomic_int caller_sleeping;
 
   /* The current launch; written by the caller before it publishes a new generation. */
-  dsv4__cpu_job_fn fn;
+  dsv4_host_job_fn fn;
   void *arg;
   size_t n_items;
   size_t chunk;
   atomic_size_t next;
 };
 
-static void run_chunks(dsv4__cpu_pool_t *p) {
+static void run_chunks(dsv4_host_pool_t *p) {
   for (;;) {
     size_t first = atomic_fetch_add_explicit(&p->next, p->chunk, memory_order_relaxed);
     if (first >= p->n_items)
@@ -86,7 +88,7 @@ static void run_chunks(dsv4__cpu_pool_t *p) {
 }
 
 /* Join the launch of generation gen if it is still open; returns 1 when joined. */
-static int try_join(dsv4__cpu_pool_t *p, uint32_t gen) {
+static int try_join(dsv4_host_pool_t *p, uint32_t gen) {
   uint64_t w = atomic_load_explicit(&p->word, memory_order_acquire);
   while (W_GEN(w) == gen && !(w & W_CLOSED))
     if (atomic_compare_exchange_weak_explicit(&p->word, &w, w + 1, memory_order_acq_rel,
@@ -97,7 +99,7 @@ static int try_join(dsv4__cpu_pool_t *p, uint32_t gen) {
 
 static void *worker_main(void *varg) {
   worker_t *w = varg;
-  dsv4__cpu_pool_t *p = w->pool;
+  dsv4_host_pool_t *p = w->pool;
   unsigned csr = read_mxcsr();
   pthread_mutex_lock(&p->mu);
   p->start_mxcsr[w->index] = csr;
@@ -107,7 +109,7 @@ static void *worker_main(void *varg) {
   /* SPEC §2: subnormals are honoured, so no executor thread may flush or read them as zero. */
   assert((csr & MXCSR_FTZ_DAZ) == 0);
 #ifdef DSV4_TEST_BROKEN_ORDER
-  dsv4__cpu_test_participant = w->index + 1;
+  dsv4__host_test_participant = w->index + 1;
 #endif
   uint32_t seen = 0;
   for (;;) {
@@ -140,10 +142,10 @@ static void *worker_main(void *varg) {
   return NULL;
 }
 
-int dsv4__cpu_pool_create(unsigned threads, dsv4__cpu_pool_t **out) {
+int dsv4_host_pool_create(unsigned threads, dsv4_host_pool_t **out) {
   if (threads < 1)
     return DSV4_EINVAL;
-  dsv4__cpu_pool_t *p = calloc(1, sizeof(*p));
+  dsv4_host_pool_t *p = calloc(1, sizeof(*p));
   if (!p)
     return DSV4_ENOMEM;
   p->threads = threads;
@@ -173,7 +175,7 @@ int dsv4__cpu_pool_create(unsigned threads, dsv4__cpu_pool_t **out) {
   }
   if (started < p->n_workers) {
     p->n_workers = started;
-    dsv4__cpu_pool_destroy(p);
+    dsv4_host_pool_destroy(p);
     return DSV4_ENOMEM;
   }
   /* Open returns once every worker runs, so each worker's MXCSR check has happened by then. */
@@ -185,7 +187,7 @@ int dsv4__cpu_pool_create(unsigned threads, dsv4__cpu_pool_t **out) {
   return 0;
 }
 
-void dsv4__cpu_pool_destroy(dsv4__cpu_pool_t *p) {
+void dsv4_host_pool_destroy(dsv4_host_pool_t *p) {
   if (!p)
     return;
   pthread_mutex_lock(&p->mu);
@@ -204,15 +206,15 @@ void dsv4__cpu_pool_destroy(dsv4__cpu_pool_t *p) {
   free(p);
 }
 
-unsigned dsv4__cpu_pool_threads(const dsv4__cpu_pool_t *p) {
+unsigned dsv4_host_pool_threads(const dsv4_host_pool_t *p) {
   return p->threads;
 }
 
-unsigned dsv4__cpu_pool_start_mxcsr(const dsv4__cpu_pool_t *p, unsigned worker) {
+unsigned dsv4_host_pool_start_mxcsr(const dsv4_host_pool_t *p, unsigned worker) {
   return worker < p->n_workers ? p->start_mxcsr[worker] : 0;
 }
 
-void dsv4__cpu_pool_run(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg, size_t n_items,
+void dsv4_host_pool_run(dsv4_host_pool_t *p, dsv4_host_job_fn fn, void *arg, size_t n_items,
                         size_t chunk) {
   if (n_items == 0)
     return;
@@ -254,15 +256,15 @@ void dsv4__cpu_pool_run(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg, siz
 
 #ifdef DSV4_TEST_BROKEN_ORDER
 /* Test-only (tests/unit/inv_determinism.c): which participant this thread is, 0 for the caller. */
-_Thread_local unsigned dsv4__cpu_test_participant;
+_Thread_local unsigned dsv4__host_test_participant;
 
-unsigned dsv4__cpu_pool_participant(void) {
-  return dsv4__cpu_test_participant;
+unsigned dsv4__host_pool_participant(void) {
+  return dsv4__host_test_participant;
 }
 #endif
 
-void dsv4__cpu_pool_run_balanced(dsv4__cpu_pool_t *p, dsv4__cpu_job_fn fn, void *arg,
+void dsv4_host_pool_run_balanced(dsv4_host_pool_t *p, dsv4_host_job_fn fn, void *arg,
                                  size_t n_items) {
-  size_t chunk = n_items / ((size_t)dsv4__cpu_pool_threads(p) * 4);
-  dsv4__cpu_pool_run(p, fn, arg, n_items, chunk ? chunk : 1);
+  size_t chunk = n_items / ((size_t)dsv4_host_pool_threads(p) * 4);
+  dsv4_host_pool_run(p, fn, arg, n_items, chunk ? chunk : 1);
 }

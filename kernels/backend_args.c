@@ -1,0 +1,29 @@
+/*
+ * The argument checks every backend makes before it writes anything (backend.h). They live apart
+ * from the registry (backend.c) so that each backend can call them without linking the others.
+ */
+#include "backend.h"
+
+int dsv4_backend_check_map_args(const dsv4_map_args_t *a) {
+  if (!a || !DSV4_BLOCK_SIZE_VALID(a->block_size))
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->positions || !a->tok_seg || !a->seg_first_lb || !a->seg_bt_off || !a->seg_bt_len ||
+      !a->slots || ((a->n_segments || a->bt_entries) && !a->block_table))
+    return DSV4_EINVAL;
+  return 0;
+}
+
+int dsv4_backend_check_insert_args(const dsv4_insert_args_t *a) {
+  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS)
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->q || !a->kv || !a->positions || !a->slots || !a->q_out)
+    return DSV4_EINVAL;
+  if (a->write_kv && (!a->cache || !DSV4_BLOCK_SIZE_VALID(a->block_size) ||
+                      a->stride != DSV4_BLOCK_STRIDE(a->block_size)))
+    return DSV4_EINVAL;
+  return 0;
+}
