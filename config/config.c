@@ -75,7 +75,12 @@ static const opt_t opts[] = {
     {"kv_norm", OPT_ENUM, F(kv_norm), "prenormed", 0, 0, "prenormed|fused", 0,
      "kv arrives normalised (prenormed) or the daemon applies the kv RMSNorm (fused)"},
     {"kv_norm_weights", OPT_STR, F(kv_norm_weights), "", 0, 0, NULL, 0,
-     "safetensors file with the kv_norm weights (required when kv_norm is fused)"},
+     "older name of weights, used when weights is empty"},
+    {"weights", OPT_STR, F(weights), "", 0, 0, NULL, 0,
+     "checkpoint: a safetensors file, or a directory with model.safetensors.index.json and its "
+     "shards (attention sinks, kv_norm weights; needed for outputs attn/lse and kv_norm fused)"},
+    {"attention_mode", OPT_ENUM, F(attention_mode), "exact", 0, 0, "exact|fast", 0,
+     "attention numerics: exact (byte-identical on every backend) or fast (a GPU's tensor cores)"},
     {"max_batch_tokens", OPT_U32, F(max_batch_tokens), "16384", 1, 1u << 20, NULL, 0,
      "most tokens in one forward batch"},
     {"max_segments", OPT_U32, F(max_segments), "1024", 1, 1u << 20, NULL, 0,
@@ -667,16 +672,17 @@ static int resolve(dsv4_config_t *cfg, char *err, size_t errlen) {
                             err, errlen);
     }
   }
-  if (strcmp(cfg->kv_norm, "fused") == 0) {
-    if (!*cfg->kv_norm_weights)
-      return resolve_fail(cfg, F(kv_norm), cfg->kv_norm,
-                          "needs kv_norm_weights (a safetensors file of the layers' kv_norm "
-                          "weights); allowed: prenormed, or fused with kv_norm_weights set",
-                          err, errlen);
-    if (access(cfg->kv_norm_weights, R_OK) != 0) {
-      snprintf(why, sizeof(why), "cannot be read: %s", strerror(errno));
-      return resolve_fail(cfg, F(kv_norm_weights), cfg->kv_norm_weights, why, err, errlen);
-    }
+  /* kv_norm_weights is the older name of weights: it stands in when weights is not set. */
+  size_t weights_field = *cfg->weights || !*cfg->kv_norm_weights ? F(weights) : F(kv_norm_weights);
+  cfg->weights_path = *(char **)((char *)cfg + weights_field);
+  if (strcmp(cfg->kv_norm, "fused") == 0 && !*cfg->weights_path)
+    return resolve_fail(cfg, F(kv_norm), cfg->kv_norm,
+                        "needs weights (the model's safetensors checkpoint, for the layers' "
+                        "kv_norm weights); allowed: prenormed, or fused with weights set",
+                        err, errlen);
+  if (*cfg->weights_path && access(cfg->weights_path, R_OK) != 0) {
+    snprintf(why, sizeof(why), "cannot be read: %s", strerror(errno));
+    return resolve_fail(cfg, weights_field, cfg->weights_path, why, err, errlen);
   }
   if (cfg->threads == 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);

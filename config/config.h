@@ -50,7 +50,9 @@ typedef struct dsv4_config {
   uint32_t head_offset;  /* first served head; head_offset + heads <= num_attention_heads */
   char *layers;          /* e.g. "0-42" or "0,2,5-7"; empty = 0..num_hidden_layers-1 */
   char *kv_norm;         /* prenormed|fused */
-  char *kv_norm_weights; /* safetensors file of the kv_norm weights, required for fused */
+  char *kv_norm_weights; /* older name of weights */
+  char *weights;         /* checkpoint: safetensors file or HF directory; empty = none */
+  char *attention_mode;  /* exact|fast */
   uint32_t max_batch_tokens;
   uint32_t max_segments;
   uint64_t max_header_bytes;
@@ -72,6 +74,7 @@ typedef struct dsv4_config {
    * + max_batch_tokens * (heads * 512 * 2 + 512 * 2), rounded up to a multiple of 1 MiB.
    */
   uint64_t max_body_bytes_effective;
+  const char *weights_path; /* weights, or kv_norm_weights when weights is empty ("" = none) */
 
   /* Where each option's value came from, indexed by the table row (see dsv4_config_source). */
   unsigned char sources[DSV4_CONFIG_MAX_OPTIONS];

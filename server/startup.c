@@ -14,10 +14,10 @@
 
 #include "daemon.h"
 #include "dsv4-error.h"
-#include "kvweights.h"
 #include "log.h"
 #include "sdnotify.h"
 #include "startup.h"
+#include "weights.h"
 
 extern char **environ;
 
@@ -271,21 +271,50 @@ static int load_token(const char *option, const char *path, char **out) {
   return 0;
 }
 
-/* The engine over the configured backend, with the kv_norm weights of the served layers. */
+/* The checkpoint's small tensors for the served layers: the attention sinks whenever a checkpoint
+ * is configured, the kv_norm weights for kv_norm = fused. */
+static int load_weights(const dsv4_config_t *cfg, dsv4_layer_weights_t *lw) {
+  char why[512];
+  dsv4_weights_t *w = NULL;
+  memset(lw, 0, sizeof(*lw));
+  if (!*cfg->weights_path)
+    return 0;
+  dsv4_layer_weights_req_t req = {
+      .served_layers = cfg->served_layers,
+      .n_served = cfg->n_served,
+      .total_heads = cfg->model.num_attention_heads,
+      .head_offset = cfg->head_offset,
+      .heads = cfg->heads,
+      .kv_norm = !strcmp(cfg->kv_norm, "fused"),
+      .sinks = 1,
+  };
+  int rc = dsv4_weights_open(cfg->weights_path, &w, why, sizeof(why));
+  /* Named only by the older kv_norm_weights, a file of kv_norm weights alone stays valid: its
+   * layers then have no sinks, and a batch asking for attention is refused. */
+  if (!rc && !*cfg->weights && cfg->n_served) {
+    char name[64];
+    const char *file;
+    snprintf(name, sizeof(name), "layers.%u.attn.attn_sink", cfg->served_layers[0]);
+    req.sinks = dsv4_weights_find(w, name, &file) != NULL;
+  }
+  if (!rc)
+    rc = dsv4_layer_weights_load(w, &req, lw, why, sizeof(why));
+  dsv4_weights_close(w);
+  if (rc)
+    dsv4_logp(DSV4_LOG_ERROR, "cannot load weights", "{s:s,s:s}", "option",
+              *cfg->weights ? "weights" : "kv_norm_weights", "why", why);
+  return rc ? EXIT_BAD_CONFIG : 0;
+}
+
+/* The engine over the configured backend, with the served layers' weights. */
 static int start_engine(app_t *a) {
   const dsv4_config_t *cfg = &a->cfg;
   dsv4_daemon_t *d = &a->d;
   char err[512];
-  float *kv_w = NULL;
-  int rc;
-  if (!strcmp(cfg->kv_norm, "fused")) {
-    rc = dsv4_kv_norm_weights_load(cfg->kv_norm_weights, cfg->served_layers, cfg->n_served, &kv_w,
-                                   err, sizeof(err));
-    if (rc) {
-      dsv4_logp(DSV4_LOG_ERROR, "cannot load kv_norm weights", "{s:s}", "why", err);
-      return EXIT_BAD_CONFIG;
-    }
-  }
+  dsv4_layer_weights_t lw;
+  int rc = load_weights(cfg, &lw);
+  if (rc)
+    return rc;
   const char *backend = cfg->backend;
   if (alias_from && !strcmp(backend, alias_from))
     backend = alias_to;
@@ -298,14 +327,15 @@ static int start_engine(app_t *a) {
       .model = &cfg->model,
       .served_layers = cfg->served_layers,
       .n_served = cfg->n_served,
-      .kv_norm_weights = kv_w,
+      .kv_norm_weights = lw.kv_norm,
+      .attn_sinks = lw.sinks,
       .max_sequences = cfg->kv_blocks, /* every live sequence holds at least one block */
       .implicit_create = cfg->implicit_create,
       .idle_timeout_ns = cfg->sequence_idle_timeout_s * 1000000000u,
   };
   err[0] = '\0';
   rc = dsv4_engine_create(&ep, &d->engine, err, sizeof(err));
-  free(kv_w);
+  dsv4_layer_weights_free(&lw);
   if (rc) {
     dsv4_logp(DSV4_LOG_ERROR, "cannot start the engine", "{s:s,s:s,s:s}", "backend", backend,
               "error", dsv4_strerror(rc), "why", err);

@@ -92,6 +92,25 @@ static int parse_metadata(dsv4_st_view_t *v, json_t *meta) {
   return 0;
 }
 
+/* The other dtypes a published checkpoint may hold (safetensors' own list): a checkpoint is parsed
+ * with them, a request body never. Their tensors are located and bounds-checked but not decoded. */
+static const struct {
+  const char *name;
+  size_t size; /* 0: not a whole number of bytes per element (sizes come from data_offsets) */
+} other_dtypes[] = {
+    {"F16", 2}, {"F64", 8},     {"I8", 1},      {"I16", 2},       {"U16", 2},
+    {"U32", 4}, {"U64", 8},     {"BOOL", 1},    {"F8_E5M2", 1},   {"F8_E8M0", 1},
+    {"F4", 0},  {"F6_E2M3", 0}, {"F6_E3M2", 0}, {"F8_E4M3FN", 1},
+};
+
+/* The size of a checkpoint-only dtype, or -1 when the name is not one. */
+static long other_dtype_size(const char *name) {
+  for (size_t i = 0; i < sizeof(other_dtypes) / sizeof(other_dtypes[0]); i++)
+    if (strcmp(name, other_dtypes[i].name) == 0)
+      return (long)other_dtypes[i].size;
+  return -1;
+}
+
 static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_st_tensor_t *t) {
   if (!json_is_object(obj))
     return fail(v, "tensor \"%.64s\": entry is not a JSON object", name);
@@ -116,8 +135,13 @@ static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_s
   t->name = name;
   if (!json_is_string(jd))
     return fail(v, "tensor \"%.64s\": dtype is not a string", name);
-  if (dsv4_st_dtype_parse(json_string_value(jd), &t->dtype) != 0)
-    return fail(v, "tensor \"%.64s\": unsupported dtype \"%.32s\"", name, json_string_value(jd));
+  long other = -1;
+  if (dsv4_st_dtype_parse(json_string_value(jd), &t->dtype) != 0) {
+    other = v->checkpoint ? other_dtype_size(json_string_value(jd)) : -1;
+    if (other < 0)
+      return fail(v, "tensor \"%.64s\": unsupported dtype \"%.32s\"", name, json_string_value(jd));
+    t->dtype = DSV4_ST_OTHER;
+  }
 
   if (!json_is_array(js))
     return fail(v, "tensor \"%.64s\": shape is not an array", name);
@@ -134,7 +158,8 @@ static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_s
                   (long long)json_integer_value(e));
     t->shape[d] = (int64_t)json_integer_value(e);
   }
-  if (shape_bytes(t->shape, t->ndim, dsv4_st_dtype_size(t->dtype), &t->numel, &t->nbytes) != 0)
+  size_t elem = other >= 0 ? (size_t)(other ? other : 1) : dsv4_st_dtype_size(t->dtype);
+  if (shape_bytes(t->shape, t->ndim, elem, &t->numel, &t->nbytes) != 0)
     return fail(v, "tensor \"%.64s\": shape product overflows", name);
 
   if (!json_is_array(jo) || json_array_size(jo) != 2)
@@ -149,9 +174,11 @@ static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_s
   if ((uint64_t)e > v->data_len)
     return fail(v, "tensor \"%.64s\": data_offsets end %lld is past the data section (%zu bytes)",
                 name, (long long)e, v->data_len);
+  if (other == 0) /* sub-byte elements: the size is what the offsets say */
+    t->nbytes = (size_t)(e - b);
   if ((uint64_t)(e - b) != t->nbytes)
     return fail(v, "tensor \"%.64s\": data_offsets span %lld bytes but shape and dtype %s need %zu",
-                name, (long long)(e - b), dtypes[t->dtype].name, t->nbytes);
+                name, (long long)(e - b), json_string_value(jd), t->nbytes);
   t->offset = (size_t)b;
   t->data = v->data + t->offset;
   return 0;
@@ -236,8 +263,9 @@ static int parse(const uint8_t *buf, size_t len, dsv4_st_view_t *v) {
   return rc;
 }
 
-int dsv4_st_parse(const uint8_t *buf, size_t len, dsv4_st_view_t *out) {
+static int parse_as(const uint8_t *buf, size_t len, int checkpoint, dsv4_st_view_t *out) {
   memset(out, 0, sizeof(*out));
+  out->checkpoint = checkpoint;
   int rc = parse(buf, len, out);
   if (rc != 0) {
     char keep[DSV4_ST_ERR_LEN];
@@ -248,6 +276,14 @@ int dsv4_st_parse(const uint8_t *buf, size_t len, dsv4_st_view_t *out) {
     memcpy(out->error, keep, sizeof(keep));
   }
   return rc;
+}
+
+int dsv4_st_parse(const uint8_t *buf, size_t len, dsv4_st_view_t *out) {
+  return parse_as(buf, len, 0, out);
+}
+
+int dsv4_st_parse_checkpoint(const uint8_t *buf, size_t len, dsv4_st_view_t *out) {
+  return parse_as(buf, len, 1, out);
 }
 
 void dsv4_st_view_free(dsv4_st_view_t *v) {

@@ -28,6 +28,9 @@ typedef enum {
   DSV4_ST_I32 = 3,
   DSV4_ST_U8 = 4,
   DSV4_ST_F8_E4M3 = 5,
+  /* A checkpoint's tensor of any other safetensors dtype (F16, I8, F8_E8M0, ...): located, never
+   * decoded. Only dsv4_st_parse_checkpoint produces it. */
+  DSV4_ST_OTHER = -1,
 } dsv4_st_dtype_t;
 
 /* Bytes per element (0 for an unknown dtype). */
@@ -63,6 +66,7 @@ typedef struct {
   size_t data_len;
   json_t *doc;                 /* the parsed header; owns the name and metadata strings */
   char error[DSV4_ST_ERR_LEN]; /* why parsing failed, naming the tensor and the problem */
+  int checkpoint;              /* parsed by dsv4_st_parse_checkpoint */
 } dsv4_st_view_t;
 
 /*
@@ -71,6 +75,11 @@ typedef struct {
  * outlive the view.
  */
 int dsv4_st_parse(const uint8_t *buf, size_t len, dsv4_st_view_t *out);
+/*
+ * The same for a published checkpoint file (a model's shard): every safetensors dtype is accepted,
+ * those outside the six above as DSV4_ST_OTHER. A request body is never parsed this way.
+ */
+int dsv4_st_parse_checkpoint(const uint8_t *buf, size_t len, dsv4_st_view_t *out);
 void dsv4_st_view_free(dsv4_st_view_t *v);
 /* A tensor by name, or NULL. */
 const dsv4_st_tensor_t *dsv4_st_find(const dsv4_st_view_t *v, const char *name);

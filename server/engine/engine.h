@@ -29,6 +29,9 @@ typedef struct {
   const uint32_t *served_layers;
   uint32_t n_served;
   const float *kv_norm_weights; /* [n_served][512] fp32 for kv_norm = fused, else NULL */
+  /* [n_served][heads] fp32: each served layer's attention sinks (the served heads' slice), or NULL
+   * when no checkpoint is configured (then no batch can ask for attention). Copied. */
+  const float *attn_sinks;
   uint32_t max_sequences;
   int implicit_create;
   uint64_t idle_timeout_ns;
