@@ -122,15 +122,16 @@ static void on_signal(uv_signal_t *s, int signum) {
 }
 
 /*
- * Read a bearer token file. With private_only, a file that its group or others may read or write
- * (mode & 077) is refused with DSV4_EFORBID and *mode set: a token everyone on the host can read
- * protects nothing. The token is the file's bytes less trailing newlines, spaces and tabs (the rule
- * dsv4ctl applies to the same file); a file of more than 4095 bytes, or a token holding a space, a
- * control character or a NUL, is refused with DSV4_EINVAL and why says which: an HTTP header
- * cannot carry it, and a NUL would silently cut it short.
+ * Read a bearer token file. A file that its group or others may read or write (mode & 077) is
+ * refused with DSV4_EFORBID and *mode set, as ssh refuses a private key: a token everyone on the
+ * host can read protects nothing, whichever plane it guards. The token is the file's bytes less
+ * trailing newlines, spaces and tabs (the rule dsv4ctl applies to the same file); a file of more
+ * than 4095 bytes, or a token holding a space, a control character or a NUL, is refused with
+ * DSV4_EINVAL and why says which: an HTTP header cannot carry it, and a NUL would silently cut it
+ * short.
  */
-static int read_token_file(const char *path, int private_only, char **out, unsigned *mode,
-                           char *why, size_t why_len) {
+static int read_token_file(const char *path, char **out, unsigned *mode, char *why,
+                           size_t why_len) {
   FILE *f;
   char buf[4096];
   size_t n;
@@ -148,7 +149,7 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
     return DSV4_EIO;
   }
   *mode = (unsigned)st.st_mode & 07777u;
-  if (private_only && (st.st_mode & 077)) {
+  if (st.st_mode & 077) {
     fclose(f);
     return DSV4_EFORBID;
   }
@@ -175,6 +176,25 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
   buf[n] = '\0';
   *out = strdup(buf);
   return *out ? 0 : DSV4_ENOMEM;
+}
+
+/* Read the token file that option names (none when empty); on failure log one line naming the
+ * option, the file and why (its mode when group or others may read or write it). */
+static int load_token_file(const char *option, const char *path, char **out) {
+  char why[128], msg[96];
+  unsigned mode = 0;
+  int rc = read_token_file(path, out, &mode, why, sizeof(why));
+  if (rc == DSV4_EFORBID) {
+    char m[8];
+    snprintf(m, sizeof(m), "0%03o", mode);
+    snprintf(msg, sizeof(msg), "%s is readable or writable by group or others", option);
+    dsv4_logp(DSV4_LOG_ERROR, msg, "{s:s,s:s,s:s}", "path", path, "mode", m, "fix",
+              "chmod 600 the file");
+  } else if (rc) {
+    snprintf(msg, sizeof(msg), "cannot use %s", option);
+    dsv4_logp(DSV4_LOG_ERROR, msg, "{s:s,s:s}", "path", path, "why", why);
+  }
+  return rc;
 }
 
 /* One listener with the configuration's limits and timeouts; logs why when it cannot listen. */
@@ -214,7 +234,6 @@ int main(int argc, char **argv) {
   dsv4_config_t cfg;
   char err[512];
   char *token = NULL, *admin_token = NULL;
-  unsigned mode = 0;
   float *kv_w = NULL;
   uv_loop_t loop;
   dsv4_route_t routes[8];
@@ -248,27 +267,8 @@ int main(int argc, char **argv) {
   }
   if (dsv4_log_parse_level(cfg.log_level, &level) == 0)
     dsv4_log_set_level(level);
-  char why[128];
-  if (read_token_file(cfg.api_token_file, 0, &token, &mode, why, sizeof(why))) {
-    dsv4_logp(DSV4_LOG_ERROR, "cannot use api_token_file", "{s:s,s:s}", "path", cfg.api_token_file,
-              "why", why);
-    dsv4_config_free(&cfg);
-    return 2;
-  }
-  rc = read_token_file(cfg.admin_token_file, 1, &admin_token, &mode, why, sizeof(why));
-  if (rc == DSV4_EFORBID) {
-    char m[8];
-    snprintf(m, sizeof(m), "0%03o", mode);
-    dsv4_logp(DSV4_LOG_ERROR, "admin_token_file is readable or writable by group or others",
-              "{s:s,s:s,s:s}", "path", cfg.admin_token_file, "mode", m, "fix",
-              "chmod 600 the file");
-    free(token);
-    dsv4_config_free(&cfg);
-    return 2;
-  }
-  if (rc) {
-    dsv4_logp(DSV4_LOG_ERROR, "cannot use admin_token_file", "{s:s,s:s}", "path",
-              cfg.admin_token_file, "why", why);
+  if (load_token_file("api_token_file", cfg.api_token_file, &token) ||
+      load_token_file("admin_token_file", cfg.admin_token_file, &admin_token)) {
     free(token);
     dsv4_config_free(&cfg);
     return 2;
