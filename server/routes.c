@@ -429,6 +429,12 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   rc |= dsv4_metrics_gauge(m, "dsv4d_kv_cache_usage_ratio", "Used KV block ids over all block ids.",
                            NULL, 0, &d->m_usage);
   rc |= dsv4_metrics_gauge(m, "dsv4d_kv_blocks", "KV block ids by state.", state, 1, &d->m_blocks);
+  /* The pool's geometry, for a router that scores daemons by free tokens (free blocks x block size)
+   * without reading the configuration: both are fixed for the life of the process. */
+  rc |= dsv4_metrics_gauge(m, "dsv4d_kv_block_size", "Tokens per KV cache block.", NULL, 0,
+                           &d->m_block_size);
+  rc |= dsv4_metrics_gauge(m, "dsv4d_kv_blocks_total", "KV block ids in the pool (used + free).",
+                           NULL, 0, &d->m_blocks_total);
   rc |= dsv4_metrics_gauge(m, "dsv4d_sequences", "Live sequences.", NULL, 0, &d->m_sequences);
   rc |= dsv4_metrics_histogram(m, "dsv4d_batch_tokens", "Tokens per forward batch.", NULL, 0,
                                token_bounds, sizeof(token_bounds) / sizeof(token_bounds[0]),
@@ -449,6 +455,8 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
     const char *v[2] = {DSV4_VERSION, dsv4_engine_backend_name(d->engine)};
     dsv4_metric_set(d->m_build_info, v, 1);
   }
+  dsv4_metric_set(d->m_block_size, NULL, (double)d->cfg->block_size);
+  dsv4_metric_set(d->m_blocks_total, NULL, (double)dsv4_engine_blocks_total(d->engine));
   dsv4_metric_add(d->m_alloc_failures, NULL, 0);
   dsv4_metrics_set_collect(m, collect, d);
   return 0;

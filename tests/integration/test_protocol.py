@@ -2,10 +2,12 @@
 disconnects mid-body, connection timeouts and the bearer token."""
 
 import os
+import shutil
 import socket
 import struct
 import sys
 import select
+import tempfile
 import time
 
 import numpy as np
@@ -248,9 +250,8 @@ def test_connection_timeouts():
 
 def test_bearer_token():
     rng = np.random.default_rng(45)
-    tmp = os.path.join(os.environ.get("TMPDIR", "/tmp"), "dsv4d-it-token-%d" % os.getpid())
-    with open(tmp, "w") as f:
-        f.write("s3cret-token")
+    work = tempfile.mkdtemp(prefix="dsv4d-it-token-")
+    tmp = h.write_token_file(work, "s3cret-token", 0o600, "api.token")
     try:
         with Daemon(h.SMALL + ["--api-token-file", tmp]) as d:
             b = Batch.random(rng, 0, [Seg("t", 0, 2, True)], HEADS)
@@ -269,7 +270,40 @@ def test_bearer_token():
             check_eq(r.status, 200, "GET with the token")
             check_eq(r.json()["next"]["0"], 2, "next")
     finally:
-        os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_api_token_file_mode():
+    """An api_token_file that group or others may read or write stops the start-up (exit 2) with one
+    line naming the file and its mode, as for admin_token_file; a 0600 file still works."""
+    work = tempfile.mkdtemp(prefix="dsv4d-it-token-")
+    try:
+        for mode in (0o644, 0o640, 0o604, 0o620):
+            loose = h.write_token_file(work, "s3cret-token", mode, "loose-%o.token" % mode)
+            d0 = Daemon(h.SMALL + ["--api-token-file", loose], name="loose-%o" % mode)
+            try:
+                d0.start()
+                started = True
+            except h.TestFailure:
+                started = False
+            try:
+                check(not started, "an api_token_file of mode 0%o was accepted" % mode)
+                check_eq(d0.wait(10), 2, "exit status with an api_token_file of mode 0%o" % mode)
+                refusals = [j for j in h.log_records("\n".join(d0.lines))
+                            if j.get("path") == loose and j.get("level") == "error"]
+                check_eq(len(refusals), 1, "one log line names %s: %r" % (loose, d0.lines[-5:]))
+                j = refusals[0]
+                check_eq(j.get("mode"), "0%o" % mode, "the mode in the refusal")
+                check("api_token_file" in j.get("msg", ""), "the refusal names the option: %r" % j)
+            finally:
+                d0.kill()
+        good = h.write_token_file(work, "s3cret-token", 0o600, "good.token")
+        with Daemon(h.SMALL + ["--api-token-file", good], name="private") as d:
+            expect_error(d.get("/v1/sequences/t"), 401, "unauthorized")
+            r = d.get("/v1/sequences/t", headers={"Authorization": "Bearer s3cret-token"})
+            expect_error(r, 404, "unknown_sequence")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_pipelined_deadline():
@@ -345,4 +379,4 @@ def test_deadline_and_queue_full():
 if __name__ == "__main__":
     h.main([test_keep_alive, test_pipelined_in_order, test_limits_before_body, test_length_required,
             test_disconnect_mid_body, test_connection_timeouts, test_bearer_token,
-            test_pipelined_deadline, test_deadline_and_queue_full])
+            test_api_token_file_mode, test_pipelined_deadline, test_deadline_and_queue_full])

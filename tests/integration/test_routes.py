@@ -41,12 +41,20 @@ def test_metrics_names():
                   "dsv4d_requests_total", "dsv4d_batch_tokens_bucket", "dsv4d_batch_tokens_sum",
                   "dsv4d_batch_tokens_count", "dsv4d_forward_seconds_bucket",
                   "dsv4d_forward_seconds_sum", "dsv4d_forward_seconds_count",
-                  "dsv4d_kv_alloc_failures_total", "dsv4d_inflight_batches", "dsv4d_build_info"):
+                  "dsv4d_kv_alloc_failures_total", "dsv4d_inflight_batches", "dsv4d_build_info",
+                  "dsv4d_kv_block_size", "dsv4d_kv_blocks_total"):
             if n not in names:
                 missing.append(n)
         used = h.metric(ms, "dsv4d_kv_blocks", state="used")
         free = h.metric(ms, "dsv4d_kv_blocks", state="free")
         check_eq(used + free, 64.0, "used + free blocks = --kv-blocks")
+        # The pool's geometry, so that a router can turn free blocks into free tokens.
+        check_eq(h.metric(ms, "dsv4d_kv_blocks_total"), 64.0, "dsv4d_kv_blocks_total = --kv-blocks")
+        check_eq(h.metric(ms, "dsv4d_kv_block_size"), 64.0, "dsv4d_kv_block_size (default)")
+        types = {ln.split()[2]: ln.split()[3] for ln in r.body.decode().splitlines()
+                 if ln.startswith("# TYPE ")}
+        for n in ("dsv4d_kv_block_size", "dsv4d_kv_blocks_total"):
+            check_eq(types.get(n), "gauge", "# TYPE of %s" % n)
         check_eq(used, 1.0, "used blocks after one 3-token sequence")
         check_eq(h.metric(ms, "dsv4d_kv_cache_usage_ratio"), used / 64.0, "usage ratio")
         check_eq(h.metric(ms, "dsv4d_sequences"), 1.0, "dsv4d_sequences")
@@ -83,6 +91,12 @@ def test_metrics_names():
                  "requests_total{route=forward,code=400} after one bad request")
         check(not missing, "metrics missing from /metrics under their SPEC §6 names: %s (exported: %s)"
               % (", ".join(missing), ", ".join(sorted(n for n in names if n.startswith("dsv4")))))
+    # The geometry gauges follow the configuration, not the defaults.
+    with Daemon(["--kv-blocks", "40", "--block-size", "128", "--layers", "0-1", "--heads", "8",
+                 "--threads", "1"], name="bs128") as d:
+        ms = d.metrics()
+        check_eq(h.metric(ms, "dsv4d_kv_block_size"), 128.0, "kv_block_size at --block-size 128")
+        check_eq(h.metric(ms, "dsv4d_kv_blocks_total"), 40.0, "kv_blocks_total at --kv-blocks 40")
 
 
 def test_forward_basic():
