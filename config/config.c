@@ -677,8 +677,9 @@ static int resolve(dsv4_config_t *cfg, char *err, size_t errlen) {
   cfg->weights_path = *(char **)((char *)cfg + weights_field);
   if (strcmp(cfg->kv_norm, "fused") == 0 && !*cfg->weights_path)
     return resolve_fail(cfg, F(kv_norm), cfg->kv_norm,
-                        "needs weights (the model's safetensors checkpoint, for the layers' "
-                        "kv_norm weights); allowed: prenormed, or fused with weights set",
+                        "needs weights, or its older name kv_norm_weights (the model's "
+                        "safetensors checkpoint, for the layers' kv_norm weights); allowed: "
+                        "prenormed, or fused with weights set",
                         err, errlen);
   if (*cfg->weights_path && access(cfg->weights_path, R_OK) != 0) {
     snprintf(why, sizeof(why), "cannot be read: %s", strerror(errno));

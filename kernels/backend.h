@@ -38,6 +38,9 @@ typedef struct {
 enum {
   /* Device memory is host memory: jobs may point straight at host buffers (no staging copies). */
   DSV4_BE_HOST_MEMORY = 1u << 0,
+  /* The attention op also has a fast mode (SPEC §7: tensor cores, within FlashMLA's tolerances of
+   * exact); selected per launch by dsv4_attn_args_t.fast. */
+  DSV4_BE_ATTN_FAST = 1u << 1,
 };
 
 /* The producer: sequence block tables -> one cache slot per token. */
@@ -84,6 +87,37 @@ typedef struct {
   uint64_t stride; /* DSV4_BLOCK_STRIDE(block_size) */
 } dsv4_insert_args_t;
 
+/*
+ * Attention after the insert (SPEC §7, exact mode): token t at position p, head h attends over the
+ * positions max(p0, p - 127) .. p of its segment's sequence, read from the cache through the
+ * segment's block table (the map_slots arrays: position pos is in logical block pos / bs, at entry
+ * seg_bt_off + (pos / bs - seg_first_lb)). A candidate whose block is not in the table, or is < 0,
+ * makes the launch fail with DSV4_EINVAL before anything is written.
+ */
+typedef struct {
+  uint32_t n_tokens;
+  uint32_t n_segments;
+  uint32_t heads;           /* 1..128 */
+  const uint16_t *q;        /* [n_tokens, heads, 512] bf16: the same batch's q_out */
+  const int64_t *positions; /* [n_tokens] */
+  const int32_t *tok_seg;   /* [n_tokens] */
+  const int64_t *seg_p0;    /* [n_segments] the sequence's first position */
+  const int64_t *seg_first_lb;
+  const uint32_t *seg_bt_off;
+  const uint32_t *seg_bt_len;
+  const int32_t *block_table;
+  uint32_t bt_entries;
+  const uint8_t *cache; /* the layer's cache */
+  uint32_t block_size;
+  uint32_t n_blocks;
+  uint64_t stride;
+  const float *sink;             /* [heads] fp32, or NULL for no sink */
+  const dsv4_rope_table_t *rope; /* the layer's table: the inverse RoPE at each query's position */
+  uint16_t *out;                 /* [n_tokens, heads, 512] bf16 */
+  float *lse;                    /* [n_tokens, heads], or NULL */
+  int fast;                      /* fast mode (only on a backend with DSV4_BE_ATTN_FAST) */
+} dsv4_attn_args_t;
+
 typedef struct dsv4_backend_ops {
   const char *name;
   unsigned caps;
@@ -97,6 +131,9 @@ typedef struct dsv4_backend_ops {
   int (*map_slots)(dsv4_backend_t *be, const dsv4_map_args_t *a);
   int (*qkv_insert)(dsv4_backend_t *be, const dsv4_insert_args_t *a);
   int (*sync)(dsv4_backend_t *be);
+  /* Optional (NULL: the backend has no attention). Ordered after the qkv_insert before it, as
+   * qkv_insert is after map_slots (SPEC §5.2). */
+  int (*attention)(dsv4_backend_t *be, const dsv4_attn_args_t *a);
   /*
    * Optional (NULL: the caller runs the items itself). Run fn over items 0..n_items-1 on the
    * backend's host threads, returning once all are done: host-side work such as input validation,

@@ -498,6 +498,7 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
     assert(flb >= s->first_lb && last_lb < s->first_lb + s->n_blocks);
     dsv4_seg_map_t *m = &plan->segs[i];
     m->first_lb = flb;
+    m->p0 = s->p0;
     m->bt_off = off;
     m->bt_len = (uint32_t)(last_lb - flb + 1);
     for (uint32_t k = 0; k < m->bt_len; k++)

@@ -57,6 +57,7 @@ typedef struct {
   int64_t first_lb;
   uint32_t bt_off;
   uint32_t bt_len;
+  int64_t p0; /* the sequence's first position: attention never reads below it */
 } dsv4_seg_map_t;
 
 /* Details of a refused plan, for the JSON error. */

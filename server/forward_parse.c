@@ -106,7 +106,7 @@ static int layer_served(const dsv4_forward_limits_t *lim, uint32_t layer) {
   return 0;
 }
 
-/* The comma-separated "outputs" list: entries trimmed of spaces, q and digest known. */
+/* The comma-separated "outputs" list: entries trimmed of spaces, q, attn, lse and digest known. */
 static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *msg, size_t msg_len) {
   const char *p = outputs_s;
   r->want_q = 0;
@@ -122,15 +122,33 @@ static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *msg
     } else if (len == 6 && !memcmp(p, "digest", 6)) {
       r->want_digest = 1;
     } else if (len == 4 && !memcmp(p, "attn", 4)) {
-      snprintf(msg, msg_len, "output \"attn\" is not available in this version");
-      return DSV4_EINVAL;
+      r->want_attn = 1;
+    } else if (len == 3 && !memcmp(p, "lse", 3)) {
+      r->want_lse = 1;
     } else {
-      snprintf(msg, msg_len, "unknown output \"%.*s\" (outputs: q, digest)", (int)len, p);
+      snprintf(msg, msg_len, "unknown output \"%.*s\" (outputs: q, attn, lse, digest)", (int)len,
+               p);
       return DSV4_EINVAL;
     }
     if (!end)
       break;
     p = end + 1;
+  }
+  return 0;
+}
+
+/* The optional "attention" mode: exact or fast (absent: the daemon's attention_mode). */
+static int parse_attention(const char *mode, dsv4_forward_req_t *r, char *msg, size_t msg_len) {
+  r->attention = DSV4_ATTENTION_DEFAULT;
+  if (!mode)
+    return 0;
+  if (!strcmp(mode, "exact")) {
+    r->attention = DSV4_ATTENTION_EXACT;
+  } else if (!strcmp(mode, "fast")) {
+    r->attention = DSV4_ATTENTION_FAST;
+  } else {
+    snprintf(msg, msg_len, "__metadata__ \"attention\" must be \"exact\" or \"fast\"");
+    return DSV4_EINVAL;
   }
   return 0;
 }
@@ -257,6 +275,9 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
     if (rc)
       return rc;
   }
+  rc = parse_attention(dsv4_st_meta(&r->view, "attention"), r, msg, msg_len);
+  if (rc)
+    return rc;
   rc = parse_segments(segs_s, lim, n, r, msg, msg_len);
   if (rc)
     return rc;

@@ -3,9 +3,10 @@
 
 /*
  * The request side of POST /v1/forward (SPEC §6): a safetensors body with tensors q [N, H, 512] and
- * kv [N, 512] in BF16 and __metadata__ "layer", "segments" (JSON text) and optionally "outputs",
- * turned into checked fields ready for a dsv4_forward_t. Everything here is pure: no engine, no
- * HTTP request, so the most exposed parser of the daemon is unit-tested and fuzzed on its own.
+ * kv [N, 512] in BF16 and __metadata__ "layer", "segments" (JSON text) and optionally "outputs"
+ * and "attention", turned into checked fields ready for a dsv4_forward_t. Everything here is pure:
+ * no engine, no HTTP request, so the most exposed parser of the daemon is unit-tested and fuzzed on
+ * its own.
  *
  * Thread affinity: none.
  */
@@ -15,6 +16,7 @@
 
 #include <jansson.h>
 
+#include "engine.h"
 #include "safetensors.h"
 #include "seqtable.h"
 
@@ -47,6 +49,9 @@ typedef struct {
   uint32_t n_segs;
   int want_q;      /* "outputs" absent or naming q */
   int want_digest; /* "outputs" naming digest */
+  int want_attn;   /* "outputs" naming attn */
+  int want_lse;    /* "outputs" naming lse */
+  int attention;   /* DSV4_ATTENTION_*: the "attention" metadata, or DEFAULT when absent */
   /* Owned storage, released by dsv4_forward_req_free(). */
   dsv4_st_view_t view;
   json_t *segs_doc;

@@ -36,7 +36,7 @@ typedef struct {
   dsv4_forward_req_t p; /* the parsed body; f's inputs point into it */
   uint64_t deadline_ns; /* 0 = none */
   dsv4_forward_t f;
-  uint8_t *out; /* q_out then slots, one aligned allocation */
+  uint8_t *out; /* q_out, slots, then attn and lse when asked: one aligned allocation */
   size_t q_bytes;
   int rc;
   json_t *err_details;
@@ -89,6 +89,58 @@ static void fwd_run(dsv4_job_t *job) {
 static void observe_stage(dsv4_daemon_t *d, const char *stage, uint64_t ns) {
   const char *v[1] = {stage};
   dsv4_metric_observe(d->m_forward_seconds, v, (double)ns * 1e-9);
+}
+
+/* Loop thread: the 200 answer, a safetensors file of the outputs asked for. */
+static void fwd_answer(fwd_job_t *j) {
+  uint32_t n = j->f.n_tokens, h = j->d->cfg->heads;
+  dsv4_st_desc_t desc[4];
+  dsv4_st_meta_t meta[3];
+  size_t nd = 0, nm = 0, hdr_len = 0, data_len = 0;
+  char digest_hex[17];
+  uint8_t *hdr = NULL;
+  const void *data[4];
+  uv_buf_t bufs[5];
+  size_t nb = 0;
+  if (j->p.want_q) {
+    data[nd] = j->f.q_out;
+    desc[nd++] = (dsv4_st_desc_t){"q_out", DSV4_ST_BF16, 3, {n, h, DSV4_HEAD_DIM}, j->q_bytes};
+  }
+  data[nd] = j->f.slots;
+  desc[nd++] = (dsv4_st_desc_t){"slots", DSV4_ST_I64, 1, {n}, (size_t)n * 8};
+  if (j->p.want_attn) {
+    data[nd] = j->f.attn;
+    desc[nd++] = (dsv4_st_desc_t){"attn", DSV4_ST_BF16, 3, {n, h, DSV4_HEAD_DIM}, j->q_bytes};
+  }
+  if (j->p.want_lse) {
+    data[nd] = j->f.lse;
+    desc[nd++] = (dsv4_st_desc_t){"lse", DSV4_ST_F32, 2, {n, h}, (size_t)n * h * sizeof(float)};
+  }
+  if (j->f.want_digest) {
+    snprintf(digest_hex, sizeof(digest_hex), "%016" PRIx64, j->f.digest);
+    meta[nm++] = (dsv4_st_meta_t){"cache_digest", digest_hex};
+  }
+  if (j->f.attn)
+    meta[nm++] =
+        (dsv4_st_meta_t){"attention", j->f.attention == DSV4_ATTENTION_FAST ? "fast" : "exact"};
+  if (j->f.replayed)
+    meta[nm++] = (dsv4_st_meta_t){"replayed", "true"};
+  if (dsv4_st_build_header(desc, nd, meta, nm, &hdr, &hdr_len, &data_len)) {
+    dsv4_respond_error(j->req, DSV4_ENOMEM, "cannot build the response header", NULL);
+    fwd_free(j);
+    return;
+  }
+  /* The header buffer is freed with the job: keep it in the job's body slot. */
+  free(j->body);
+  j->body = hdr;
+  /* uv_buf_init takes an unsigned length, and q_out reaches 2^37 bytes (N = 2^20, H = 128): set
+   * the size_t lengths directly. */
+  bufs[nb++] = uv_buf_init((char *)hdr, (unsigned)hdr_len);
+  for (size_t i = 0; i < nd; i++) {
+    bufs[nb].base = (char *)data[i];
+    bufs[nb++].len = desc[i].nbytes;
+  }
+  dsv4_respond(j->req, 200, "application/octet-stream", NULL, 0, bufs, nb, fwd_release, j);
 }
 
 /* Loop thread. */
@@ -146,43 +198,7 @@ static void fwd_done(dsv4_job_t *job) {
     observe_stage(d, "digest", j->f.timing.digest_ns);
   dsv4_metric_observe(d->m_batch_tokens, NULL, (double)j->f.n_tokens);
 
-  {
-    uint32_t n = j->f.n_tokens, h = d->cfg->heads;
-    dsv4_st_desc_t desc[2];
-    dsv4_st_meta_t meta[2];
-    size_t nd = 0, nm = 0, hdr_len = 0, data_len = 0;
-    char digest_hex[17];
-    uint8_t *hdr = NULL;
-    uv_buf_t bufs[3];
-    size_t nb = 0;
-    if (j->p.want_q)
-      desc[nd++] = (dsv4_st_desc_t){"q_out", DSV4_ST_BF16, 3, {n, h, DSV4_HEAD_DIM}, j->q_bytes};
-    desc[nd++] = (dsv4_st_desc_t){"slots", DSV4_ST_I64, 1, {n}, (size_t)n * 8};
-    if (j->f.want_digest) {
-      snprintf(digest_hex, sizeof(digest_hex), "%016" PRIx64, j->f.digest);
-      meta[nm++] = (dsv4_st_meta_t){"cache_digest", digest_hex};
-    }
-    if (j->f.replayed)
-      meta[nm++] = (dsv4_st_meta_t){"replayed", "true"};
-    if (dsv4_st_build_header(desc, nd, meta, nm, &hdr, &hdr_len, &data_len)) {
-      dsv4_respond_error(req, DSV4_ENOMEM, "cannot build the response header", NULL);
-      fwd_free(j);
-      return;
-    }
-    /* The header buffer is freed with the job: keep it in the job's body slot. */
-    free(j->body);
-    j->body = hdr;
-    /* uv_buf_init takes an unsigned length, and q_out reaches 2^37 bytes (N = 2^20, H = 128): set
-     * the size_t lengths directly. */
-    bufs[nb++] = uv_buf_init((char *)hdr, (unsigned)hdr_len);
-    if (j->p.want_q) {
-      bufs[nb].base = (char *)j->out;
-      bufs[nb++].len = j->q_bytes;
-    }
-    bufs[nb].base = (char *)j->f.slots;
-    bufs[nb++].len = (size_t)n * 8;
-    dsv4_respond(req, 200, "application/octet-stream", NULL, 0, bufs, nb, fwd_release, j);
-  }
+  fwd_answer(j);
 }
 
 static int layer_served(const void *engine, uint32_t layer) {
@@ -210,11 +226,30 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *msg, size_t msg_len
   j->f.n_segs = j->p.n_segs;
   j->f.want_digest = j->p.want_digest;
   j->q_bytes = j->p.q_bytes;
-  j->out = aligned_alloc(64, (j->q_bytes + (size_t)j->p.n_tokens * 8 + 63) & ~(size_t)63);
+  int attend = j->p.want_attn || j->p.want_lse;
+  if (attend) {
+    /* Refused here, before the batch is queued, so the refusal changes nothing. */
+    j->f.attention = j->p.attention ? j->p.attention : dsv4_engine_attention_default(d->engine);
+    rc = dsv4_engine_attention_check(d->engine, j->p.layer, j->f.attention, msg, msg_len);
+    if (rc)
+      return rc;
+  }
+  /* q_out, slots, attn and lse, each from a 64-byte boundary. attn is the kernel's output even
+   * when only lse is asked for. */
+  size_t n = j->p.n_tokens, lse_bytes = n * cfg->heads * sizeof(float);
+  size_t q_span = (j->q_bytes + 63) & ~(size_t)63, off_slots = q_span;
+  size_t off_attn = off_slots + ((n * 8 + 63) & ~(size_t)63);
+  size_t off_lse = off_attn + (attend ? q_span : 0);
+  size_t total = off_lse + (attend ? (lse_bytes + 63) & ~(size_t)63 : 0);
+  j->out = aligned_alloc(64, total ? total : 64);
   if (!j->out)
     return DSV4_ENOMEM;
   j->f.q_out = (uint16_t *)(void *)j->out;
-  j->f.slots = (int64_t *)(void *)(j->out + j->q_bytes);
+  j->f.slots = (int64_t *)(void *)(j->out + off_slots);
+  if (attend) {
+    j->f.attn = (uint16_t *)(void *)(j->out + off_attn);
+    j->f.lse = j->p.want_lse ? (float *)(void *)(j->out + off_lse) : NULL;
+  }
   return 0;
 }
 

@@ -329,6 +329,8 @@ static int start_engine(app_t *a) {
       .n_served = cfg->n_served,
       .kv_norm_weights = lw.kv_norm,
       .attn_sinks = lw.sinks,
+      .attention_mode =
+          !strcmp(cfg->attention_mode, "fast") ? DSV4_ATTENTION_FAST : DSV4_ATTENTION_EXACT,
       .max_sequences = cfg->kv_blocks, /* every live sequence holds at least one block */
       .implicit_create = cfg->implicit_create,
       .idle_timeout_ns = cfg->sequence_idle_timeout_s * 1000000000u,

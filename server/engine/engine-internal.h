@@ -22,6 +22,7 @@ struct dsv4_engine {
   dsv4_rope_table_t *rope_plain;
   dsv4_rope_table_t *rope_compress;
   float *kv_norm; /* [n_served][512] copy, or NULL */
+  float *sinks;   /* [n_served][heads] attention sinks, or NULL (no checkpoint) */
   dsv4_pool_t pool;
   dsv4_seqtable_t *st;
   dsv4_plan_t plan;
@@ -32,6 +33,7 @@ struct dsv4_engine {
   uint32_t tok_cap;
   int64_t *seg_first_lb;
   uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
+  int64_t *seg_p0;
   uint32_t seg_cap;
   /* Device copies of the batch's inputs and outputs for a backend without DSV4_BE_HOST_MEMORY
    * (engine.c), or NULL when jobs point straight at host memory. */
@@ -43,6 +45,13 @@ struct dsv4_engine {
  * Copy n bytes at offset off of served layer idx's cache into dst, whatever memory the backend
  * keeps the cache in. Executor thread only, between batches.
  */
+/* Attention (engine_attn.c): copy the sinks at create; the launch arguments of a batch whose
+ * map_slots arguments are ma (host or device addresses alike; q, out and lse are then re-pointed by
+ * a staged backend). */
+int dsv4__engine_attn_setup(dsv4_engine_t *e, char *why, size_t why_len);
+void dsv4__engine_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
+                            const dsv4_map_args_t *ma, dsv4_attn_args_t *aa);
+
 int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t n, void *dst);
 
 #endif /* DSV4_SERVER_ENGINE_INTERNAL_H */

@@ -52,10 +52,19 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  * before every launch of batch k has completed, so nothing a launch still reads is overwritten.
  * Submitting a batch before the previous one's sync would need a second set (double buffering).
  */
-enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_COUNT };
+enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_ATTN, ST_LSE, ST_COUNT };
 
 /* The arrays packed in ST_META, in this order, each from a 16-byte boundary. */
-enum { M_POSITIONS, M_TOK_SEG, M_SEG_FIRST_LB, M_SEG_BT_OFF, M_SEG_BT_LEN, M_BLOCK_TABLE, M_COUNT };
+enum {
+  M_POSITIONS,
+  M_TOK_SEG,
+  M_SEG_FIRST_LB,
+  M_SEG_BT_OFF,
+  M_SEG_BT_LEN,
+  M_BLOCK_TABLE,
+  M_SEG_P0,
+  M_COUNT
+};
 
 /* The sizes and offsets of the packed arrays for n tokens, nseg segments and bt table entries;
  * returns the total. */
@@ -67,6 +76,7 @@ static size_t meta_layout(size_t n, size_t nseg, size_t bt, size_t bytes[M_COUNT
   bytes[M_SEG_BT_OFF] = nseg * sizeof(uint32_t);
   bytes[M_SEG_BT_LEN] = nseg * sizeof(uint32_t);
   bytes[M_BLOCK_TABLE] = bt * sizeof(int32_t);
+  bytes[M_SEG_P0] = nseg * sizeof(int64_t);
   size_t total = 0;
   for (int i = 0; i < M_COUNT; i++) {
     off[i] = total;
@@ -80,6 +90,7 @@ struct dsv4__engine_stage {
   uint8_t *meta; /* host: ST_META's bytes, assembled before the upload */
   size_t meta_cap;
   dsv4_devbuf_t kv_norm; /* [n_served][512] fp32, uploaded once; size 0 for prenormed */
+  dsv4_devbuf_t sinks;   /* [n_served][heads] fp32, uploaded once; size 0 without a checkpoint */
   uint8_t *span;         /* host copy of up to one block, for the forward digest */
 };
 
@@ -92,6 +103,8 @@ static void stage_destroy(dsv4_engine_t *e) {
       e->be->ops->buf_free(e->be, &s->buf[i]);
   if (s->kv_norm.ptr)
     e->be->ops->buf_free(e->be, &s->kv_norm);
+  if (s->sinks.ptr)
+    e->be->ops->buf_free(e->be, &s->sinks);
   free(s->meta);
   free(s->span);
   free(s);
@@ -112,6 +125,14 @@ static int stage_create(dsv4_engine_t *e) {
     rc = e->be->ops->buf_alloc(e->be, bytes, &s->kv_norm);
     if (!rc)
       rc = e->be->ops->upload(e->be, &s->kv_norm, 0, e->kv_norm, bytes);
+    if (!rc)
+      rc = e->be->ops->sync(e->be);
+  }
+  if (!rc && e->sinks) {
+    size_t bytes = (size_t)e->p.n_served * e->p.heads * sizeof(float);
+    rc = e->be->ops->buf_alloc(e->be, bytes, &s->sinks);
+    if (!rc)
+      rc = e->be->ops->upload(e->be, &s->sinks, 0, e->sinks, bytes);
     if (!rc)
       rc = e->be->ops->sync(e->be);
   }
@@ -166,6 +187,10 @@ static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
     rc = stage_reserve(e, ST_META, meta);
   if (!rc)
     rc = stage_reserve(e, ST_SLOTS, n * sizeof(int64_t));
+  if (!rc && f->attn)
+    rc = stage_reserve(e, ST_ATTN, q_bytes);
+  if (!rc && f->lse)
+    rc = stage_reserve(e, ST_LSE, n * e->p.heads * sizeof(float));
   return rc;
 }
 
@@ -194,8 +219,8 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
   uint64_t t0 = mono_ns(), t1, t2;
   /* The slot mapper's arrays and the positions, packed (see ST_META), in one upload. */
   size_t bytes[M_COUNT], off[M_COUNT], meta = meta_layout(n, nseg, e->plan.bt_len, bytes, off);
-  const void *src[M_COUNT] = {e->positions,  e->tok_seg,    e->seg_first_lb,
-                              e->seg_bt_off, e->seg_bt_len, e->plan.block_table};
+  const void *src[M_COUNT] = {e->positions,  e->tok_seg,          e->seg_first_lb, e->seg_bt_off,
+                              e->seg_bt_len, e->plan.block_table, e->seg_p0};
   if (meta > s->meta_cap)
     return DSV4_EINVAL; /* stage_reserve_batch's bound was wrong: never write past the buffer */
   for (int i = 0; i < M_COUNT; i++)
@@ -223,11 +248,25 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
   ia->q_out = s->buf[ST_Q_OUT].ptr;
   ia->kv_norm_weight =
       e->kv_norm ? (const float *)s->kv_norm.ptr + (size_t)idx * DSV4_HEAD_DIM : NULL;
+  dsv4_attn_args_t aa;
+  dsv4__engine_attn_args(e, idx, f, ma, &aa);
+  aa.q = ia->q_out;
+  aa.seg_p0 = (const int64_t *)(m + off[M_SEG_P0]);
+  aa.cache = e->cache[idx].ptr;
+  aa.sink = e->sinks ? (const float *)s->sinks.ptr + (size_t)idx * e->p.heads : NULL;
+  aa.out = s->buf[ST_ATTN].ptr;
+  aa.lse = f->lse ? s->buf[ST_LSE].ptr : NULL;
   t1 = mono_ns();
   rc = ops->map_slots(e->be, ma);
   if (!rc)
     rc = ops->qkv_insert(e->be, ia);
+  if (!rc && f->attn)
+    rc = ops->attention(e->be, &aa);
   t2 = mono_ns();
+  if (!rc && f->attn)
+    rc = ops->download(e->be, f->attn, &s->buf[ST_ATTN], 0, q_bytes);
+  if (!rc && f->lse)
+    rc = ops->download(e->be, f->lse, &s->buf[ST_LSE], 0, n * e->p.heads * sizeof(float));
   if (!rc)
     rc = ops->download(e->be, f->q_out, &s->buf[ST_Q_OUT], 0, q_bytes);
   if (!rc)
@@ -326,6 +365,9 @@ int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char 
     }
     memcpy(e->kv_norm, p->kv_norm_weights, n * sizeof(float));
   }
+  rc = dsv4__engine_attn_setup(e, why, why_len);
+  if (rc)
+    goto fail;
   if (!(e->be->ops->caps & DSV4_BE_HOST_MEMORY)) {
     rc = stage_create(e);
     if (rc) {
@@ -389,6 +431,8 @@ void dsv4_engine_destroy(dsv4_engine_t *e) {
   free(e->seg_bt_off);
   free(e->seg_bt_len);
   free(e->seg_tok_off);
+  free(e->seg_p0);
+  free(e->sinks);
   free(e);
 }
 
@@ -412,7 +456,8 @@ static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
     if (grow_array((void **)&e->seg_first_lb, sizeof(int64_t), n_segs) ||
         grow_array((void **)&e->seg_bt_off, sizeof(uint32_t), n_segs) ||
         grow_array((void **)&e->seg_bt_len, sizeof(uint32_t), n_segs) ||
-        grow_array((void **)&e->seg_tok_off, sizeof(uint32_t), n_segs))
+        grow_array((void **)&e->seg_tok_off, sizeof(uint32_t), n_segs) ||
+        grow_array((void **)&e->seg_p0, sizeof(int64_t), n_segs))
       return DSV4_ENOMEM;
     e->seg_cap = n_segs;
   }
@@ -548,6 +593,7 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
     e->seg_first_lb[s] = e->plan.segs[s].first_lb;
     e->seg_bt_off[s] = e->plan.segs[s].bt_off;
     e->seg_bt_len[s] = e->plan.segs[s].bt_len;
+    e->seg_p0[s] = e->plan.segs[s].p0;
   }
   t2 = mono_ns();
   f->timing.plan_ns = t2 - t1;
@@ -587,9 +633,13 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
     if (e->stage) {
       rc = stage_run(e, (uint32_t)idx, f, &ma, &ia);
     } else {
+      dsv4_attn_args_t aa;
+      dsv4__engine_attn_args(e, (uint32_t)idx, f, &ma, &aa);
       rc = ops->map_slots(e->be, &ma);
       if (!rc)
         rc = ops->qkv_insert(e->be, &ia);
+      if (!rc && f->attn)
+        rc = ops->attention(e->be, &aa);
       if (!rc)
         rc = ops->sync(e->be);
     }

@@ -32,6 +32,7 @@ typedef struct {
   /* [n_served][heads] fp32: each served layer's attention sinks (the served heads' slice), or NULL
    * when no checkpoint is configured (then no batch can ask for attention). Copied. */
   const float *attn_sinks;
+  int attention_mode; /* DSV4_ATTENTION_EXACT or _FAST: what DSV4_ATTENTION_DEFAULT means */
   uint32_t max_sequences;
   int implicit_create;
   uint64_t idle_timeout_ns;
@@ -52,6 +53,13 @@ typedef struct {
   uint64_t download_ns;
 } dsv4_engine_timing_t;
 
+/* Attention modes (SPEC §7): exact is byte-identical on every backend; fast is a GPU's own. */
+enum {
+  DSV4_ATTENTION_DEFAULT = 0, /* the engine's configured mode */
+  DSV4_ATTENTION_EXACT = 1,
+  DSV4_ATTENTION_FAST = 2,
+};
+
 /* One forward batch. Inputs are host buffers; outputs go to host buffers the caller provides. */
 typedef struct {
   uint32_t layer; /* model layer number (the engine maps it to its served index) */
@@ -61,8 +69,12 @@ typedef struct {
   dsv4_seg_req_t *segs; /* hash is filled in by the engine */
   uint32_t n_segs;
   int want_digest;
-  uint16_t *q_out; /* [n_tokens, heads, 512] */
+  uint16_t *q_out; /* [n_tokens, heads, 512] (also the attention's input: always given) */
   int64_t *slots;  /* [n_tokens] */
+  /* Attention after the insert (SPEC §7), when attn or lse is given; NULL = not wanted. */
+  uint16_t *attn; /* [n_tokens, heads, 512] bf16 */
+  float *lse;     /* [n_tokens, heads] */
+  int attention;  /* DSV4_ATTENTION_*; the mode that ran is written back (EXACT or FAST) */
   /* Results. */
   int replayed;
   uint64_t digest;         /* when want_digest */
@@ -82,6 +94,17 @@ void dsv4_engine_destroy(dsv4_engine_t *e);
  * the device failed (every sequence of the batch dropped, names in f->dropped).
  */
 int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f);
+
+/*
+ * Whether a batch of model layer `layer` may ask for attention in `mode` (DSV4_ATTENTION_*): 0, or
+ * DSV4_EUNSUPPORTED with why naming what is missing (the weights option, the layer's compressed
+ * branch, the backend's attention or its fast mode). Any thread: it reads the engine's immutable
+ * parameters only.
+ */
+int dsv4_engine_attention_check(const dsv4_engine_t *e, uint32_t layer, int mode, char *why,
+                                size_t why_len);
+/* The mode DSV4_ATTENTION_DEFAULT stands for. Any thread. */
+int dsv4_engine_attention_default(const dsv4_engine_t *e);
 void dsv4_forward_release(dsv4_forward_t *f);
 
 int dsv4_engine_delete(dsv4_engine_t *e, const char *name, uint32_t len, int *existed);

@@ -40,11 +40,13 @@ typedef struct {
   int64_t kv_shape[3];
   int no_q, no_kv, extra;
   const char *layer, *segments, *outputs;
+  const char *attention;
 } spec_t;
 
 static spec_t spec_n(int64_t n, const char *segments) {
-  spec_t s = {DSV4_ST_BF16, 3,   {n, HEADS, 512}, DSV4_ST_BF16, 2, {n, 512, 0}, 0, 0, 0, "0",
-              segments,     NULL};
+  spec_t s = {
+      DSV4_ST_BF16, 3,   {n, HEADS, 512}, DSV4_ST_BF16, 2, {n, 512, 0}, 0, 0, 0, "0", segments,
+      NULL,         NULL};
   return s;
 }
 
@@ -59,7 +61,7 @@ static size_t nbytes(int dtype, int ndim, const int64_t *shape) {
  * free. Data bytes count up, so a copy can be told from the original. */
 static uint8_t *build(const spec_t *s, size_t shift, uint8_t **buf, size_t *len) {
   dsv4_st_desc_t d[3];
-  dsv4_st_meta_t m[3];
+  dsv4_st_meta_t m[4];
   size_t nd = 0, nm = 0, hl, dl;
   uint8_t *hdr, *b;
   if (!s->no_q) {
@@ -80,6 +82,8 @@ static uint8_t *build(const spec_t *s, size_t shift, uint8_t **buf, size_t *len)
     m[nm++] = (dsv4_st_meta_t){"segments", s->segments};
   if (s->outputs)
     m[nm++] = (dsv4_st_meta_t){"outputs", s->outputs};
+  if (s->attention)
+    m[nm++] = (dsv4_st_meta_t){"attention", s->attention};
   assert_int_equal(dsv4_st_build_header(d, nd, m, nm, &hdr, &hl, &dl), 0);
   *buf = malloc(shift + hl + dl + 1);
   assert_non_null(*buf);
@@ -184,8 +188,10 @@ static void test_outputs(void **state) {
   (void)state;
   static const struct {
     const char *outputs;
-    int want_q, want_digest;
-  } cases[] = {{NULL, 1, 0}, {"digest", 0, 1}, {"q", 1, 0}, {"", 0, 0}, {"digest,q", 1, 1}};
+    int want_q, want_digest, want_attn, want_lse;
+  } cases[] = {{NULL, 1, 0, 0, 0},       {"digest", 0, 1, 0, 0},         {"q", 1, 0, 0, 0},
+               {"", 0, 0, 0, 0},         {"digest,q", 1, 1, 0, 0},       {"attn", 0, 0, 1, 0},
+               {" lse , q", 1, 0, 0, 1}, {"attn,lse,digest", 0, 1, 1, 1}};
   dsv4_forward_limits_t lim = limits();
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     spec_t s = spec_n(1, one_seg);
@@ -198,8 +204,40 @@ static void test_outputs(void **state) {
     assert_int_equal(dsv4_forward_parse(b, len, &lim, &r, msg, sizeof(msg)), 0);
     assert_int_equal(r.want_q, cases[i].want_q);
     assert_int_equal(r.want_digest, cases[i].want_digest);
+    assert_int_equal(r.want_attn, cases[i].want_attn);
+    assert_int_equal(r.want_lse, cases[i].want_lse);
+    assert_int_equal(r.attention, DSV4_ATTENTION_DEFAULT);
     dsv4_forward_req_free(&r);
     free(buf);
+  }
+}
+
+/* The "attention" metadata: exact or fast, anything else refused. */
+static void test_attention_mode(void **state) {
+  (void)state;
+  static const struct {
+    const char *mode;
+    int want;
+  } cases[] = {{"exact", DSV4_ATTENTION_EXACT}, {"fast", DSV4_ATTENTION_FAST}};
+  dsv4_forward_limits_t lim = limits();
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    spec_t s = spec_n(1, one_seg);
+    uint8_t *buf, *b;
+    size_t len;
+    dsv4_forward_req_t r;
+    char msg[320];
+    s.outputs = "attn", s.attention = cases[i].mode;
+    b = build(&s, 0, &buf, &len);
+    assert_int_equal(dsv4_forward_parse(b, len, &lim, &r, msg, sizeof(msg)), 0);
+    assert_int_equal(r.attention, cases[i].want);
+    dsv4_forward_req_free(&r);
+    free(buf);
+  }
+  const char *bad[] = {"Exact", "", "fast ", "slow"};
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    spec_t s = spec_n(1, one_seg);
+    s.outputs = "attn", s.attention = bad[i];
+    expect(&s, DSV4_EINVAL, "__metadata__ \"attention\" must be \"exact\" or \"fast\"");
   }
 }
 
@@ -284,10 +322,10 @@ static void test_reject_metadata(void **state) {
   expect(&s, DSV4_ELAYER, "layer 4294967295 is not served by this daemon");
   s = spec_n(1, one_seg), s.layer = "1";
   expect(&s, DSV4_ELAYER, "layer 1 is not served by this daemon");
-  s = spec_n(1, one_seg), s.outputs = "q,attn";
-  expect(&s, DSV4_EINVAL, "output \"attn\" is not available in this version");
   s = spec_n(1, one_seg), s.outputs = "q, slots ";
-  expect(&s, DSV4_EINVAL, "unknown output \"slots\" (outputs: q, digest)");
+  expect(&s, DSV4_EINVAL, "unknown output \"slots\" (outputs: q, attn, lse, digest)");
+  s = spec_n(1, one_seg), s.outputs = "attn,lsee";
+  expect(&s, DSV4_EINVAL, "unknown output \"lsee\" (outputs: q, attn, lse, digest)");
 }
 
 static void test_reject_segments(void **state) {
@@ -395,6 +433,7 @@ int main(void) {
       cmocka_unit_test(test_valid),
       cmocka_unit_test(test_unaligned_copies),
       cmocka_unit_test(test_outputs),
+      cmocka_unit_test(test_attention_mode),
       cmocka_unit_test(test_layer_callback),
       cmocka_unit_test(test_reject_body),
       cmocka_unit_test(test_reject_tensors),
