@@ -144,6 +144,25 @@ static json_t *per_layer(const dsv4_config_t *cfg, const int64_t *v) {
   return o;
 }
 
+/* Which served layers can answer outputs attn and lse, and why the others cannot (SPEC §7). */
+static json_t *attention_json(dsv4_daemon_t *d) {
+  const dsv4_config_t *cfg = d->cfg;
+  json_t *ready = json_array(), *not_ready = json_object();
+  int mode = dsv4_engine_attention_default(d->engine);
+  for (uint32_t i = 0; i < cfg->n_served; i++) {
+    char why[320], k[16];
+    uint32_t layer = cfg->served_layers[i];
+    if (dsv4_engine_attention_check(d->engine, layer, mode, why, sizeof(why)) == 0) {
+      json_array_append_new(ready, json_integer(layer));
+    } else {
+      key_u32(k, layer);
+      json_object_set_new(not_ready, k, json_string(why));
+    }
+  }
+  return json_pack("{s:s,s:s,s:o,s:o}", "mode", mode == DSV4_ATTENTION_FAST ? "fast" : "exact",
+                   "weights", cfg->weights_path, "ready_layers", ready, "not_ready", not_ready);
+}
+
 /*
  * /cache, one served layer per executor job: the counts with the first, then one pool digest per
  * job, so that a batch waits behind at most one layer's hashing (about 10 MB at the default pool),
@@ -175,6 +194,7 @@ static void run_cache(admin_job_t *j) {
         "pool_digests", json_object());
     if (!j->doc)
       return;
+    json_object_set_new(j->doc, "attention", attention_json(d));
   }
   key_u32(k, cfg->served_layers[j->step]);
   j->rc = dsv4_engine_pool_digest(d->engine, j->step, cfg->served_layers[j->step], &pd, NULL, NULL);

@@ -35,8 +35,9 @@ typedef struct {
 struct dsv4_weights {
   shard_t *shards;
   size_t n_shards;
-  json_t *weight_map; /* name -> shard file name, for a directory; NULL for a single file */
-  char *dir;          /* the directory of a sharded checkpoint */
+  json_t *weight_map;    /* name -> shard file name, for a directory; NULL for a single file */
+  char *dir;             /* the directory of a sharded checkpoint */
+  char shard_error[512]; /* why the last shard that failed to open did */
 };
 
 static int shard_open(shard_t *s, char *why, size_t why_len) {
@@ -180,9 +181,8 @@ static shard_t *shard_of(dsv4_weights_t *w, const char *name) {
 }
 
 static const dsv4_st_tensor_t *find_exact(dsv4_weights_t *w, const char *name, const char **file) {
-  char why[8];
   shard_t *s = shard_of(w, name);
-  if (!s || shard_open(s, why, sizeof(why)))
+  if (!s || shard_open(s, w->shard_error, sizeof(w->shard_error)))
     return NULL;
   *file = s->path;
   return dsv4_st_find(&s->view, name);
@@ -206,6 +206,10 @@ int dsv4_weights_read_f32(dsv4_weights_t *w, const char *name, int64_t n, int64_
                           int64_t count, float *out, char *why, size_t why_len) {
   const char *file = NULL;
   const dsv4_st_tensor_t *t = dsv4_weights_find(w, name, &file);
+  if (!t && w->shard_error[0]) {
+    snprintf(why, why_len, "tensor \"%s\": %s", name, w->shard_error);
+    return DSV4_ECONFIG;
+  }
   if (!t) {
     snprintf(why, why_len, "%s: tensor \"%s\" is missing", where(w), name);
     return DSV4_ECONFIG;
