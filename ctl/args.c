@@ -5,6 +5,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "seqtable.h"
 
@@ -41,22 +42,6 @@ __attribute__((format(printf, 3, 4))) static int fail(char *err, size_t errlen, 
   return DSV4_EINVAL;
 }
 
-/* A non-negative decimal of at most max, digits only (no sign, no spaces, no leading '+'). */
-static int parse_dec(const char *s, uint64_t max, uint64_t *out) {
-  if (!s || !*s)
-    return DSV4_EINVAL;
-  uint64_t v = 0;
-  for (const char *p = s; *p; p++) {
-    if (*p < '0' || *p > '9')
-      return DSV4_EINVAL;
-    if (v > (max - (uint64_t)(*p - '0')) / 10)
-      return DSV4_EINVAL;
-    v = v * 10 + (uint64_t)(*p - '0');
-  }
-  *out = v;
-  return 0;
-}
-
 int dsv4_ctl_parse_layers(const char *s, uint32_t *first, uint32_t *last) {
   char buf[32];
   size_t n = strlen(s);
@@ -67,10 +52,11 @@ int dsv4_ctl_parse_layers(const char *s, uint32_t *first, uint32_t *last) {
   uint64_t a, b;
   if (dash) {
     *dash = '\0';
-    if (parse_dec(buf, INT32_MAX, &a) != 0 || parse_dec(dash + 1, INT32_MAX, &b) != 0 || a > b)
+    if (dsv4_parse_decimal(buf, strlen(buf), INT32_MAX, &a) != 0 ||
+        dsv4_parse_decimal(dash + 1, strlen(dash + 1), INT32_MAX, &b) != 0 || a > b)
       return DSV4_EINVAL;
   } else {
-    if (parse_dec(buf, INT32_MAX, &a) != 0)
+    if (dsv4_parse_decimal(buf, n, INT32_MAX, &a) != 0)
       return DSV4_EINVAL;
     b = a;
   }
@@ -146,7 +132,7 @@ int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *err, size_t err
       return fail(err, errlen, "admin URL \"%.200s\": bad port", s);
     memcpy(pb, port, plen);
     pb[plen] = '\0';
-    if (parse_dec(pb, 65535, &v) != 0 || v == 0)
+    if (dsv4_parse_decimal(pb, plen, 65535, &v) != 0 || v == 0)
       return fail(err, errlen, "admin URL \"%.200s\": port \"%s\" is not 1..65535", s, pb);
     snprintf(out->port, sizeof(out->port), "%u", (unsigned)v);
   } else {
@@ -212,7 +198,7 @@ static int apply_option(const char *name, const char *val, const char *a, dsv4_c
     out->token_file = val;
   } else if (strcmp(name, "--timeout") == 0) {
     uint64_t t;
-    if (parse_dec(val, 3600, &t) != 0 || t == 0)
+    if (dsv4_parse_decimal(val, strlen(val), 3600, &t) != 0 || t == 0)
       return fail(err, errlen, "--timeout \"%.64s\" is not a whole number of seconds 1..3600", val);
     out->timeout_ms = (int)t * 1000;
   } else if (strcmp(name, "--layer") == 0) {
@@ -301,7 +287,7 @@ static int pick_command(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size_
     return fail(err, errlen, "unknown command \"%.64s\"", sc->pos[0]);
   if (sc->layer) {
     uint64_t l;
-    if (parse_dec(sc->layer, INT32_MAX, &l) != 0)
+    if (dsv4_parse_decimal(sc->layer, strlen(sc->layer), INT32_MAX, &l) != 0)
       return fail(err, errlen, "--layer \"%.64s\" is not a decimal layer number", sc->layer);
     out->layer = (uint32_t)l;
     out->has_layer = 1;
@@ -351,7 +337,7 @@ static int check_command(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size
     if (check_seq(out->seq, err, errlen) != 0)
       return DSV4_EINVAL;
     uint64_t p;
-    if (parse_dec(pos_args[2], INT64_MAX, &p) != 0)
+    if (dsv4_parse_decimal(pos_args[2], strlen(pos_args[2]), INT64_MAX, &p) != 0)
       return fail(err, errlen, "position \"%.64s\" is not a non-negative decimal", pos_args[2]);
     out->pos = (int64_t)p;
     if (!out->has_layer)

@@ -12,6 +12,7 @@
 #include <jansson.h>
 
 #include "args.h"
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
 #include "records.h"
@@ -44,16 +45,9 @@ int dsv4_ctl_is_digest(const char *s) {
 static int tensor_kind(const char *name, uint32_t *layer) {
   if (strncmp(name, "layers.", 7) != 0)
     return -1;
-  const char *p = name + 7;
-  uint64_t l = 0;
-  const char *d = p;
-  while (*p >= '0' && *p <= '9') {
-    l = l * 10 + (uint64_t)(*p - '0');
-    if (l > INT32_MAX)
-      return -1;
-    p++;
-  }
-  if (p == d || (p - d > 1 && *d == '0'))
+  const char *d = name + 7, *p = d + strspn(d, "0123456789");
+  uint64_t l;
+  if ((p - d > 1 && *d == '0') || dsv4_parse_decimal(d, (size_t)(p - d), INT32_MAX, &l) != 0)
     return -1;
   *layer = (uint32_t)l;
   if (strcmp(p, ".records") == 0)
