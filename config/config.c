@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
 
@@ -207,23 +208,6 @@ static void flag_name(const opt_t *o, char *buf, size_t n) {
       *p = '-';
 }
 
-/* Strict decimal: digits only, no sign, no spaces, no overflow. */
-static int parse_u64(const char *s, uint64_t *out) {
-  if (!*s)
-    return -1;
-  uint64_t v = 0;
-  for (const char *p = s; *p; p++) {
-    if (*p < '0' || *p > '9')
-      return -1;
-    unsigned d = (unsigned)(*p - '0');
-    if (v > (UINT64_MAX - d) / 10)
-      return -1;
-    v = v * 10 + d;
-  }
-  *out = v;
-  return 0;
-}
-
 static int parse_bool(const char *s, int *out) {
   static const char *const yes[] = {"true", "1", "yes", "on"};
   static const char *const no[] = {"false", "0", "no", "off"};
@@ -280,7 +264,7 @@ static int opt_set(dsv4_config_t *cfg, size_t idx, const char *value, const orig
   case OPT_U32:
   case OPT_U64:
   case OPT_INT:
-    if (parse_u64(value, &v))
+    if (dsv4_parse_decimal(value, strlen(value), UINT64_MAX, &v))
       return bad_value(o, value, org, "is not a decimal integer", err, errlen);
     if (!(v == 0 && (o->flags & OPT_ZERO_OK)) && (v < o->min || v > o->max))
       return bad_value(o, value, org, "is out of range", err, errlen);
@@ -535,6 +519,12 @@ static int resolve_fail(const dsv4_config_t *cfg, size_t offset, const char *val
                            why);
 }
 
+/* The layer number at the start of p: the text after it, or NULL when p does not start with one. */
+static const char *layer_number(const char *p, uint64_t *out) {
+  size_t n = strspn(p, "0123456789");
+  return dsv4_parse_decimal(p, n, UINT64_MAX, out) == 0 ? p + n : NULL;
+}
+
 static int parse_layers(dsv4_config_t *cfg, char *err, size_t errlen) {
   const dsv4_model_t *m = &cfg->model;
   uint32_t total = m->n_layers_total;
@@ -555,23 +545,12 @@ static int parse_layers(dsv4_config_t *cfg, char *err, size_t errlen) {
       while (*p == ' ')
         p++;
       uint64_t a, b;
-      char *end;
-      if (*p < '0' || *p > '9')
+      if (!(p = layer_number(p, &a)))
         goto syntax;
-      errno = 0;
-      a = strtoull(p, &end, 10);
-      if (errno)
-        goto syntax;
-      p = end;
       b = a;
       if (*p == '-') {
-        p++;
-        if (*p < '0' || *p > '9')
+        if (!(p = layer_number(p + 1, &b)))
           goto syntax;
-        b = strtoull(p, &end, 10);
-        if (errno)
-          goto syntax;
-        p = end;
         if (b < a) {
           snprintf(why, sizeof(why), "has the descending range %llu-%llu", (unsigned long long)a,
                    (unsigned long long)b);

@@ -217,7 +217,20 @@ static int compress_params(model_ctx_t *c, json_t *sec, const char *where, doubl
   return 0;
 }
 
-static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
+/* What model_parse reads from the file before it fills the model. */
+typedef struct {
+  uint64_t heads, hidden, nextn, total, maxpos;
+  double eps, theta, ctheta;
+  json_t *ratios;
+  json_t *rp, *rs;   /* rope_parameters, rope_scaling; NULL when absent or null */
+  json_t *sec_main;  /* the section that holds the plain layers' RoPE keys, or NULL */
+  json_t *sec_comp;  /* the section that holds the compressed layers' scaling, or NULL */
+  const char *where; /* sec_comp's name in messages */
+  int nested;        /* rope_parameters has main / compress sections */
+} model_keys_t;
+
+/* Model pass 1: the top level is an object, the fixed geometry is ours, the required keys exist. */
+static int model_check_keys(json_t *root, model_ctx_t *c) {
   int rc;
   if (!json_is_object(root))
     return dsv4__config_fail(c->err, c->errlen,
@@ -235,111 +248,136 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
       return dsv4__config_fail(c->err, c->errlen, "model config %s: required key %s is missing",
                                c->name, required[i]);
   }
+  return 0;
+}
 
-  uint64_t heads = 0, hidden = 0, nextn = 0, maxpos = DSV4_MAX_POSITION_DEFAULT;
-  if ((rc = get_uint(c, root, "num_attention_heads", 1, DSV4_MAX_HEADS, &heads)) ||
-      (rc = get_uint(c, root, "num_hidden_layers", 1, MODEL_MAX_LAYERS, &hidden)) ||
-      (rc = get_uint(c, root, "num_nextn_predict_layers", 0, MODEL_MAX_NEXTN, &nextn)) ||
-      (rc = get_uint(c, root, "max_position_embeddings", 1, (uint64_t)1 << 32, &maxpos)))
+/* Model pass 2: heads, layers, positions, epsilon, and a compress_ratios array of one entry per
+ * layer. */
+static int model_read_geometry(json_t *root, model_ctx_t *c, model_keys_t *k) {
+  int rc;
+  k->maxpos = DSV4_MAX_POSITION_DEFAULT;
+  k->eps = 1e-6;
+  if ((rc = get_uint(c, root, "num_attention_heads", 1, DSV4_MAX_HEADS, &k->heads)) ||
+      (rc = get_uint(c, root, "num_hidden_layers", 1, MODEL_MAX_LAYERS, &k->hidden)) ||
+      (rc = get_uint(c, root, "num_nextn_predict_layers", 0, MODEL_MAX_NEXTN, &k->nextn)) ||
+      (rc = get_uint(c, root, "max_position_embeddings", 1, (uint64_t)1 << 32, &k->maxpos)))
     return rc;
-  double eps = 1e-6;
-  if ((rc = get_number_in(c, root, "rms_norm_eps", EPS_MIN, 0, EPS_MAX, &eps)))
+  if ((rc = get_number_in(c, root, "rms_norm_eps", EPS_MIN, 0, EPS_MAX, &k->eps)))
     return rc;
 
-  json_t *ratios = json_object_get(root, "compress_ratios");
-  uint64_t total = hidden + nextn;
-  if (!json_is_array(ratios))
+  k->ratios = json_object_get(root, "compress_ratios");
+  k->total = k->hidden + k->nextn;
+  if (!json_is_array(k->ratios))
     return dsv4__config_fail(c->err, c->errlen,
                              "model config %s: key compress_ratios must be an array", c->name);
-  if (json_array_size(ratios) != total)
+  if (json_array_size(k->ratios) != k->total)
     return dsv4__config_fail(c->err, c->errlen,
                              "model config %s: key compress_ratios has %zu entries; it must have "
                              "num_hidden_layers + num_nextn_predict_layers = %llu + %llu = %llu",
-                             c->name, json_array_size(ratios), (unsigned long long)hidden,
-                             (unsigned long long)nextn, (unsigned long long)total);
+                             c->name, json_array_size(k->ratios), (unsigned long long)k->hidden,
+                             (unsigned long long)k->nextn, (unsigned long long)k->total);
+  return 0;
+}
 
-  /* RoPE: rope_parameters (flat, or nested main/compress), else rope_scaling. */
-  json_t *rp = json_object_get(root, "rope_parameters");
-  json_t *rs = json_object_get(root, "rope_scaling");
-  if (rp && json_is_null(rp))
-    rp = NULL;
-  if (rs && json_is_null(rs))
-    rs = NULL;
-  if (rp && !json_is_object(rp))
+/* Model pass 3: the RoPE sections, rope_parameters (flat, or nested main/compress), else
+ * rope_scaling. */
+static int model_rope_sections(json_t *root, model_ctx_t *c, model_keys_t *k) {
+  k->rp = json_object_get(root, "rope_parameters");
+  k->rs = json_object_get(root, "rope_scaling");
+  if (k->rp && json_is_null(k->rp))
+    k->rp = NULL;
+  if (k->rs && json_is_null(k->rs))
+    k->rs = NULL;
+  if (k->rp && !json_is_object(k->rp))
     return dsv4__config_fail(c->err, c->errlen,
                              "model config %s: key rope_parameters must be an object", c->name);
-  if (rs && !json_is_object(rs))
+  if (k->rs && !json_is_object(k->rs))
     return dsv4__config_fail(c->err, c->errlen,
                              "model config %s: key rope_scaling must be an object", c->name);
-  json_t *sec_main = NULL, *sec_comp = NULL;
-  const char *where = NULL;
-  int nested = rp && (json_object_get(rp, "main") || json_object_get(rp, "compress"));
-  if (nested) {
-    sec_main = json_object_get(rp, "main");
-    sec_comp = json_object_get(rp, "compress");
-    if ((sec_main && !json_is_object(sec_main)) || (sec_comp && !json_is_object(sec_comp)))
+  k->nested = k->rp && (json_object_get(k->rp, "main") || json_object_get(k->rp, "compress"));
+  if (k->nested) {
+    k->sec_main = json_object_get(k->rp, "main");
+    k->sec_comp = json_object_get(k->rp, "compress");
+    if ((k->sec_main && !json_is_object(k->sec_main)) ||
+        (k->sec_comp && !json_is_object(k->sec_comp)))
       return dsv4__config_fail(
           c->err, c->errlen, "model config %s: rope_parameters.main and .compress must be objects",
           c->name);
-    where = "rope_parameters.compress";
-  } else if (rp) {
-    sec_main = rp;
-    sec_comp = rp;
-    where = "rope_parameters";
+    k->where = "rope_parameters.compress";
+  } else if (k->rp) {
+    k->sec_main = k->rp;
+    k->sec_comp = k->rp;
+    k->where = "rope_parameters";
   }
+  return 0;
+}
 
-  /* The top-level keys, overridden by rope_parameters (the newer, more specific format). */
-  double theta = FLASH_ROPE_THETA, ctheta = FLASH_COMPRESS_ROPE_THETA;
-  if ((rc = get_number_in(c, root, "rope_theta", THETA_MIN, 1, THETA_MAX, &theta)) ||
-      (rc = get_number_in(c, root, "compress_rope_theta", THETA_MIN, 1, THETA_MAX, &ctheta)))
+/* Model pass 4: the RoPE bases, the top-level keys overridden by rope_parameters (the newer, more
+ * specific format), and the section whose scaling the compressed layers use. */
+static int model_rope_thetas(json_t *root, model_ctx_t *c, model_keys_t *k) {
+  int rc;
+  k->theta = FLASH_ROPE_THETA;
+  k->ctheta = FLASH_COMPRESS_ROPE_THETA;
+  if ((rc = get_number_in(c, root, "rope_theta", THETA_MIN, 1, THETA_MAX, &k->theta)) ||
+      (rc = get_number_in(c, root, "compress_rope_theta", THETA_MIN, 1, THETA_MAX, &k->ctheta)))
     return rc;
-  if (sec_main && (rc = get_number_in(c, sec_main, "rope_theta", THETA_MIN, 1, THETA_MAX, &theta)))
+  if (k->sec_main &&
+      (rc = get_number_in(c, k->sec_main, "rope_theta", THETA_MIN, 1, THETA_MAX, &k->theta)))
     return rc;
-  if (!nested && rp &&
-      (rc = get_number_in(c, rp, "compress_rope_theta", THETA_MIN, 1, THETA_MAX, &ctheta)))
+  if (!k->nested && k->rp &&
+      (rc = get_number_in(c, k->rp, "compress_rope_theta", THETA_MIN, 1, THETA_MAX, &k->ctheta)))
     return rc;
-  if (nested && sec_comp &&
-      (rc = get_number_in(c, sec_comp, "rope_theta", THETA_MIN, 1, THETA_MAX, &ctheta)))
+  if (k->nested && k->sec_comp &&
+      (rc = get_number_in(c, k->sec_comp, "rope_theta", THETA_MIN, 1, THETA_MAX, &k->ctheta)))
     return rc;
 
   /*
    * A rope_parameters section for the compressed layers (flat, or nested compress) without a type
    * carries no scaling: then rope_scaling decides, in the nested form as in the flat one.
    */
-  if (sec_comp) {
+  if (k->sec_comp) {
     const char *t = NULL;
-    if ((rc = section_type(c, sec_comp, where, &t)))
+    if ((rc = section_type(c, k->sec_comp, k->where, &t)))
       return rc;
     if (!t) {
-      sec_comp = NULL;
-      where = NULL;
+      k->sec_comp = NULL;
+      k->where = NULL;
     }
   }
-  if (!sec_comp && rs) {
-    sec_comp = rs;
-    where = "rope_scaling";
+  if (!k->sec_comp && k->rs) {
+    k->sec_comp = k->rs;
+    k->where = "rope_scaling";
   }
+  return 0;
+}
 
-  m->num_attention_heads = (uint32_t)heads;
+static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
+  model_keys_t k = {0};
+  int rc;
+  if ((rc = model_check_keys(root, c)) || (rc = model_read_geometry(root, c, &k)) ||
+      (rc = model_rope_sections(root, c, &k)) || (rc = model_rope_thetas(root, c, &k)))
+    return rc;
+
+  m->num_attention_heads = (uint32_t)k.heads;
   m->head_dim = DSV4_HEAD_DIM;
   m->qk_rope_head_dim = DSV4_ROPE_DIM;
   m->sliding_window = DSV4_WINDOW;
-  m->num_hidden_layers = (uint32_t)hidden;
-  m->num_nextn_predict_layers = (uint32_t)nextn;
-  m->n_layers_total = (uint32_t)total;
-  m->rms_norm_eps = (float)eps;
-  m->max_position_embeddings = (int64_t)maxpos;
+  m->num_hidden_layers = (uint32_t)k.hidden;
+  m->num_nextn_predict_layers = (uint32_t)k.nextn;
+  m->n_layers_total = (uint32_t)k.total;
+  m->rms_norm_eps = (float)k.eps;
+  m->max_position_embeddings = (int64_t)k.maxpos;
   m->rope_plain = dsv4_rope_plain_default;
-  m->rope_plain.theta = theta;
-  if ((rc =
-           compress_params(c, sec_comp, where ? where : "rope_scaling", ctheta, &m->rope_compress)))
+  m->rope_plain.theta = k.theta;
+  if ((rc = compress_params(c, k.sec_comp, k.where ? k.where : "rope_scaling", k.ctheta,
+                            &m->rope_compress)))
     return rc;
 
-  m->compress_ratios = calloc(total, sizeof(uint32_t));
+  m->compress_ratios = calloc(k.total, sizeof(uint32_t));
   if (!m->compress_ratios)
     return DSV4_ENOMEM;
-  for (size_t i = 0; i < total; i++) {
-    json_t *v = json_array_get(ratios, i);
+  for (size_t i = 0; i < k.total; i++) {
+    json_t *v = json_array_get(k.ratios, i);
     if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > MODEL_MAX_RATIO)
       return dsv4__config_fail(
           c->err, c->errlen,

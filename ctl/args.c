@@ -5,6 +5,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "seqtable.h"
 
@@ -41,22 +42,6 @@ __attribute__((format(printf, 3, 4))) static int fail(char *err, size_t errlen, 
   return DSV4_EINVAL;
 }
 
-/* A non-negative decimal of at most max, digits only (no sign, no spaces, no leading '+'). */
-static int parse_dec(const char *s, uint64_t max, uint64_t *out) {
-  if (!s || !*s)
-    return DSV4_EINVAL;
-  uint64_t v = 0;
-  for (const char *p = s; *p; p++) {
-    if (*p < '0' || *p > '9')
-      return DSV4_EINVAL;
-    if (v > (max - (uint64_t)(*p - '0')) / 10)
-      return DSV4_EINVAL;
-    v = v * 10 + (uint64_t)(*p - '0');
-  }
-  *out = v;
-  return 0;
-}
-
 int dsv4_ctl_parse_layers(const char *s, uint32_t *first, uint32_t *last) {
   char buf[32];
   size_t n = strlen(s);
@@ -67,10 +52,11 @@ int dsv4_ctl_parse_layers(const char *s, uint32_t *first, uint32_t *last) {
   uint64_t a, b;
   if (dash) {
     *dash = '\0';
-    if (parse_dec(buf, INT32_MAX, &a) != 0 || parse_dec(dash + 1, INT32_MAX, &b) != 0 || a > b)
+    if (dsv4_parse_decimal(buf, strlen(buf), INT32_MAX, &a) != 0 ||
+        dsv4_parse_decimal(dash + 1, strlen(dash + 1), INT32_MAX, &b) != 0 || a > b)
       return DSV4_EINVAL;
   } else {
-    if (parse_dec(buf, INT32_MAX, &a) != 0)
+    if (dsv4_parse_decimal(buf, n, INT32_MAX, &a) != 0)
       return DSV4_EINVAL;
     b = a;
   }
@@ -146,7 +132,7 @@ int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *err, size_t err
       return fail(err, errlen, "admin URL \"%.200s\": bad port", s);
     memcpy(pb, port, plen);
     pb[plen] = '\0';
-    if (parse_dec(pb, 65535, &v) != 0 || v == 0)
+    if (dsv4_parse_decimal(pb, plen, 65535, &v) != 0 || v == 0)
       return fail(err, errlen, "admin URL \"%.200s\": port \"%s\" is not 1..65535", s, pb);
     snprintf(out->port, sizeof(out->port), "%u", (unsigned)v);
   } else {
@@ -195,26 +181,69 @@ static int check_seq(const char *s, char *err, size_t errlen) {
   return 0;
 }
 
-int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, const char *env_token,
-                        dsv4_ctl_args_t *out, char *err, size_t errlen) {
-  memset(out, 0, sizeof(*out));
-  out->admin = env_admin && *env_admin ? env_admin : DSV4_CTL_DEFAULT_ADMIN;
-  out->token_file = env_token && *env_token ? env_token : NULL;
-  out->progress = -1;
-  out->timeout_ms = DSV4_CTL_DEFAULT_TIMEOUT_MS;
-  out->pos = -1;
-  const char *pos_args[4];
-  int n_pos = 0;
-  const char *layer = NULL;
-  int only_positional = 0;
+/* What the command line holds once the options are read: the positional arguments and --layer. */
+typedef struct {
+  const char *pos[4];
+  int n_pos;
+  const char *layer;
+  int done; /* --help or --version: nothing else is looked at */
+} scan_t;
 
-  for (int i = 1; i < argc; i++) {
+/* Argument pass 1, one option: its value (NULL for a flag) into *out or sc. */
+static int apply_option(const char *name, const char *val, const char *a, dsv4_ctl_args_t *out,
+                        scan_t *sc, char *err, size_t errlen) {
+  if (strcmp(name, "--admin") == 0) {
+    out->admin = val;
+  } else if (strcmp(name, "--token-file") == 0) {
+    out->token_file = val;
+  } else if (strcmp(name, "--timeout") == 0) {
+    uint64_t t;
+    if (dsv4_parse_decimal(val, strlen(val), 3600, &t) != 0 || t == 0)
+      return fail(err, errlen, "--timeout \"%.64s\" is not a whole number of seconds 1..3600", val);
+    out->timeout_ms = (int)t * 1000;
+  } else if (strcmp(name, "--layer") == 0) {
+    sc->layer = val;
+  } else if (strcmp(name, "--seq") == 0) {
+    out->seq = val;
+  } else if (strcmp(name, "--layers") == 0) {
+    if (dsv4_ctl_parse_layers(val, &out->layer_first, &out->layer_last) != 0)
+      return fail(err, errlen, "--layers \"%.64s\" is not a decimal layer or range a-b (a <= b)",
+                  val);
+    out->has_layers = 1;
+  } else if (strcmp(name, "-o") == 0 || strcmp(name, "--output") == 0) {
+    if (!*val)
+      return fail(err, errlen, "%s needs a file name", name);
+    out->output = val;
+  } else if (strcmp(name, "--json") == 0) {
+    out->json = 1;
+  } else if (strcmp(name, "--progress") == 0) {
+    out->progress = 1;
+  } else if (strcmp(name, "--no-progress") == 0) {
+    out->progress = 0;
+  } else if (strcmp(name, "-h") == 0 || strcmp(name, "--help") == 0) {
+    out->cmd = DSV4_CTL_CMD_HELP;
+    sc->done = 1;
+  } else if (strcmp(name, "--version") == 0) {
+    out->cmd = DSV4_CTL_CMD_VERSION;
+    sc->done = 1;
+  } else {
+    return fail(err, errlen, "unknown option \"%.64s\"", a);
+  }
+  return 0;
+}
+
+/* Argument pass 1: options ("--name value" or "--name=value") and positional arguments, in any
+ * order, until the end or --help / --version. */
+static int scan_args(int argc, char *const *argv, dsv4_ctl_args_t *out, scan_t *sc, char *err,
+                     size_t errlen) {
+  int only_positional = 0;
+  for (int i = 1; i < argc && !sc->done; i++) {
     const char *a = argv[i];
     /* "-1" is a (bad) position, not an option: let the command say so. */
     if (only_positional || a[0] != '-' || strcmp(a, "-") == 0 || (a[1] >= '0' && a[1] <= '9')) {
-      if (n_pos == (int)(sizeof(pos_args) / sizeof(pos_args[0])))
+      if (sc->n_pos == (int)(sizeof(sc->pos) / sizeof(sc->pos[0])))
         return fail(err, errlen, "too many arguments (\"%.64s\")", a);
-      pos_args[n_pos++] = a;
+      sc->pos[sc->n_pos++] = a;
       continue;
     }
     if (strcmp(a, "--") == 0) {
@@ -240,65 +269,37 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
     } else if (eq) {
       return fail(err, errlen, "option %s takes no value", name);
     }
-    if (strcmp(name, "--admin") == 0) {
-      out->admin = val;
-    } else if (strcmp(name, "--token-file") == 0) {
-      out->token_file = val;
-    } else if (strcmp(name, "--timeout") == 0) {
-      uint64_t t;
-      if (parse_dec(val, 3600, &t) != 0 || t == 0)
-        return fail(err, errlen, "--timeout \"%.64s\" is not a whole number of seconds 1..3600",
-                    val);
-      out->timeout_ms = (int)t * 1000;
-    } else if (strcmp(name, "--layer") == 0) {
-      layer = val;
-    } else if (strcmp(name, "--seq") == 0) {
-      out->seq = val;
-    } else if (strcmp(name, "--layers") == 0) {
-      if (dsv4_ctl_parse_layers(val, &out->layer_first, &out->layer_last) != 0)
-        return fail(err, errlen, "--layers \"%.64s\" is not a decimal layer or range a-b (a <= b)",
-                    val);
-      out->has_layers = 1;
-    } else if (strcmp(name, "-o") == 0 || strcmp(name, "--output") == 0) {
-      if (!*val)
-        return fail(err, errlen, "%s needs a file name", name);
-      out->output = val;
-    } else if (strcmp(name, "--json") == 0) {
-      out->json = 1;
-    } else if (strcmp(name, "--progress") == 0) {
-      out->progress = 1;
-    } else if (strcmp(name, "--no-progress") == 0) {
-      out->progress = 0;
-    } else if (strcmp(name, "-h") == 0 || strcmp(name, "--help") == 0) {
-      out->cmd = DSV4_CTL_CMD_HELP;
-      return 0;
-    } else if (strcmp(name, "--version") == 0) {
-      out->cmd = DSV4_CTL_CMD_VERSION;
-      return 0;
-    } else {
-      return fail(err, errlen, "unknown option \"%.64s\"", a);
-    }
+    int rc = apply_option(name, val, a, out, sc, err, errlen);
+    if (rc != 0)
+      return rc;
   }
+  return 0;
+}
 
-  if (n_pos == 0)
+/* Argument pass 2: the command named first, and --layer as a number. */
+static int pick_command(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size_t errlen) {
+  if (sc->n_pos == 0)
     return fail(err, errlen, "no command given");
   for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
-    if (strcmp(pos_args[0], commands[i].name) == 0)
+    if (strcmp(sc->pos[0], commands[i].name) == 0)
       out->cmd = commands[i].cmd;
   if (out->cmd == DSV4_CTL_CMD_NONE)
-    return fail(err, errlen, "unknown command \"%.64s\"", pos_args[0]);
-  const char *cmd = pos_args[0];
-  if (layer) {
+    return fail(err, errlen, "unknown command \"%.64s\"", sc->pos[0]);
+  if (sc->layer) {
     uint64_t l;
-    if (parse_dec(layer, INT32_MAX, &l) != 0)
-      return fail(err, errlen, "--layer \"%.64s\" is not a decimal layer number", layer);
+    if (dsv4_parse_decimal(sc->layer, strlen(sc->layer), INT32_MAX, &l) != 0)
+      return fail(err, errlen, "--layer \"%.64s\" is not a decimal layer number", sc->layer);
     out->layer = (uint32_t)l;
     out->has_layer = 1;
   }
+  return 0;
+}
 
-  /* Which arguments each command takes: anything else is a mistake worth naming. */
+/* Argument pass 3: the options only some commands take. */
+static int check_options(const scan_t *sc, const dsv4_ctl_args_t *out, char *err, size_t errlen) {
+  const char *cmd = sc->pos[0];
   int want_layer = out->cmd == DSV4_CTL_CMD_TOKEN || out->cmd == DSV4_CTL_CMD_CHECKSUM;
-  if (layer && !want_layer)
+  if (sc->layer && !want_layer)
     return fail(err, errlen, "%s takes no --layer", cmd);
   if (out->seq && out->cmd != DSV4_CTL_CMD_CHECKSUM && out->cmd != DSV4_CTL_CMD_DUMP)
     return fail(err, errlen, "%s takes no --seq", cmd);
@@ -306,7 +307,14 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
     return fail(err, errlen, "%s takes no --layers", cmd);
   if (out->output && out->cmd != DSV4_CTL_CMD_DUMP)
     return fail(err, errlen, "%s takes no -o", cmd);
+  return 0;
+}
 
+/* Argument pass 4: the positional arguments and required options of each command. */
+static int check_command(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size_t errlen) {
+  const char *cmd = sc->pos[0];
+  int n_pos = sc->n_pos;
+  const char *const *pos_args = sc->pos;
   switch (out->cmd) {
   case DSV4_CTL_CMD_HELP:
   case DSV4_CTL_CMD_STATUS:
@@ -329,7 +337,7 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
     if (check_seq(out->seq, err, errlen) != 0)
       return DSV4_EINVAL;
     uint64_t p;
-    if (parse_dec(pos_args[2], INT64_MAX, &p) != 0)
+    if (dsv4_parse_decimal(pos_args[2], strlen(pos_args[2]), INT64_MAX, &p) != 0)
       return fail(err, errlen, "position \"%.64s\" is not a non-negative decimal", pos_args[2]);
     out->pos = (int64_t)p;
     if (!out->has_layer)
@@ -364,4 +372,22 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
     break;
   }
   return 0;
+}
+
+int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, const char *env_token,
+                        dsv4_ctl_args_t *out, char *err, size_t errlen) {
+  memset(out, 0, sizeof(*out));
+  out->admin = env_admin && *env_admin ? env_admin : DSV4_CTL_DEFAULT_ADMIN;
+  out->token_file = env_token && *env_token ? env_token : NULL;
+  out->progress = -1;
+  out->timeout_ms = DSV4_CTL_DEFAULT_TIMEOUT_MS;
+  out->pos = -1;
+  scan_t sc = {.n_pos = 0};
+  int rc = scan_args(argc, argv, out, &sc, err, errlen);
+  if (rc != 0 || sc.done)
+    return rc;
+  if ((rc = pick_command(&sc, out, err, errlen)) != 0 ||
+      (rc = check_options(&sc, out, err, errlen)) != 0)
+    return rc;
+  return check_command(&sc, out, err, errlen);
 }

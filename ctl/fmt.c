@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decimal.h"
+
 void dsv4_ctl_table_init(dsv4_ctl_table_t *t, size_t ncols, const char *const *heads,
                          unsigned right) {
   memset(t, 0, sizeof(*t));
@@ -163,10 +165,10 @@ static key_t_ *sorted_keys(const json_t *obj, size_t *n) {
   const char *key;
   json_t *val;
   json_object_foreach((json_t *)obj, key, val) {
-    char *end;
+    uint64_t num = 0;
     k[i].key = key;
-    k[i].num = strtoll(key, &end, 10);
-    k[i].numeric = *key && *end == '\0';
+    k[i].numeric = dsv4_parse_decimal(key, strlen(key), INT64_MAX, &num) == 0;
+    k[i].num = (long long)num;
     i++;
   }
   qsort(k, *n, sizeof(*k), cmp_keys);

@@ -12,6 +12,7 @@
 #include <jansson.h>
 
 #include "args.h"
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
 #include "records.h"
@@ -44,16 +45,9 @@ int dsv4_ctl_is_digest(const char *s) {
 static int tensor_kind(const char *name, uint32_t *layer) {
   if (strncmp(name, "layers.", 7) != 0)
     return -1;
-  const char *p = name + 7;
-  uint64_t l = 0;
-  const char *d = p;
-  while (*p >= '0' && *p <= '9') {
-    l = l * 10 + (uint64_t)(*p - '0');
-    if (l > INT32_MAX)
-      return -1;
-    p++;
-  }
-  if (p == d || (p - d > 1 && *d == '0'))
+  const char *d = name + 7, *p = d + strspn(d, "0123456789");
+  uint64_t l;
+  if ((p - d > 1 && *d == '0') || dsv4_parse_decimal(d, (size_t)(p - d), INT32_MAX, &l) != 0)
     return -1;
   *layer = (uint32_t)l;
   if (strcmp(p, ".records") == 0)
@@ -171,6 +165,99 @@ static long layer_index(const uint32_t *v, size_t n, uint32_t l) {
   return lo < n && v[lo] == l ? (long)lo : -1;
 }
 
+/* Verify pass 1: the dump's fixed metadata and its "layers" runs, which must name one records and
+ * one positions tensor per layer. */
+static int check_header(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, uint32_t **layers,
+                        size_t *n) {
+  const char *layout = dsv4_st_meta(st, "layout");
+  const char *range = dsv4_st_meta(st, "layers");
+  int rc = 0;
+  if (!layout)
+    rc = fail(out, "metadata has no \"layout\" (a dump has layout \"fp8_ds_mla\")");
+  else if (strcmp(layout, "fp8_ds_mla") != 0)
+    rc = fail(out, "metadata layout is \"%.64s\", a dump has \"fp8_ds_mla\"", layout);
+  else if ((rc = check_fixed(out, st, "fp8", "F8_E4M3FN")) != 0 ||
+           (rc = check_fixed(out, st, "scale", "UE8M0")) != 0 ||
+           (rc = check_fixed(out, st, "record_bytes", "584")) != 0 ||
+           (rc = check_fixed(out, st, "window", "128")) != 0)
+    ;
+  else if (!range)
+    rc = fail(out, "metadata has no \"layers\" range");
+  else if (parse_runs(range, st->n_tensors / 2 + 1, layers, n) != 0)
+    rc = fail(out, "metadata layers \"%.64s\" is not a list of increasing runs a-b", range);
+  else if (st->n_tensors != 2 * *n)
+    rc = fail(out,
+              "metadata layers \"%.64s\" names %zu layers but the file has %zu tensors (two "
+              "per layer)",
+              range, *n, st->n_tensors);
+  return rc;
+}
+
+/* Verify pass 2: every tensor is one of the two of a layer in the range, with the dump's dtype and
+ * shape (rec[x] and pos[x] for the x-th layer), and every digest.{L} key names a layer of it. */
+static int sort_tensors(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const uint32_t *layers,
+                        size_t n, const dsv4_st_tensor_t **rec, const dsv4_st_tensor_t **pos) {
+  const char *range = dsv4_st_meta(st, "layers");
+  for (size_t i = 0; i < st->n_tensors; i++) {
+    const dsv4_st_tensor_t *t = &st->tensors[i];
+    uint32_t l;
+    int kind = tensor_kind(t->name, &l);
+    if (kind < 0)
+      return fail(out, "tensor \"%.64s\" is not layers.{L}.records or layers.{L}.positions",
+                  t->name);
+    long x = layer_index(layers, n, l);
+    if (x < 0)
+      return fail(out, "tensor \"%.64s\" is outside the layers %s of the metadata", t->name, range);
+    if (kind == 0) {
+      if (t->dtype != DSV4_ST_U8 || t->ndim != 2 || t->shape[1] != DSV4_RECORD_BYTES)
+        return fail(out, "tensor \"%.64s\" must be U8 [T, %d]", t->name, DSV4_RECORD_BYTES);
+      rec[x] = t;
+    } else {
+      if (t->dtype != DSV4_ST_I64 || t->ndim != 1)
+        return fail(out, "tensor \"%.64s\" must be I64 [T]", t->name);
+      pos[x] = t;
+    }
+  }
+  for (size_t i = 0; i < st->n_meta; i++) {
+    const char *k = st->meta[i].key;
+    if (strncmp(k, "digest.", 7) == 0) {
+      char name[64];
+      uint32_t l;
+      snprintf(name, sizeof(name), "layers.%.40s.records", k + 7);
+      if (tensor_kind(name, &l) != 0 || layer_index(layers, n, l) < 0)
+        return fail(out, "metadata %.64s names no layer of the range %s", k, range);
+    }
+  }
+  return 0;
+}
+
+/* Verify pass 3: each layer's two tensors agree in length and its digest.{L} is recomputed. */
+static int check_layers(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const uint32_t *layers,
+                        size_t n, const dsv4_st_tensor_t **rec, const dsv4_st_tensor_t **pos,
+                        dsv4_records_digest_t *d) {
+  for (size_t i = 0; i < n; i++) {
+    dsv4_ctl_layer_check_t *c = &out->layers[i];
+    c->layer = layers[i];
+    if (!rec[i] || !pos[i])
+      return fail(out, "layer %u has no layers.%u.%s tensor", c->layer, c->layer,
+                  rec[i] ? "positions" : "records");
+    if (rec[i]->shape[0] != pos[i]->shape[0])
+      return fail(out, "layer %u has %lld records but %lld positions", c->layer,
+                  (long long)rec[i]->shape[0], (long long)pos[i]->shape[0]);
+    char key[32];
+    snprintf(key, sizeof(key), "digest.%u", c->layer);
+    const char *want = dsv4_st_meta(st, key);
+    if (!want)
+      return fail(out, "metadata has no %s", key);
+    if (!dsv4_ctl_is_digest(want))
+      return fail(out, "metadata %s \"%.64s\" is not 16 lowercase hex digits", key, want);
+    memcpy(c->expected, want, 17);
+    check_layer(st, d, rec[i], pos[i], c);
+    out->n_layers++;
+  }
+  return 0;
+}
+
 int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *out) {
   memset(out, 0, sizeof(*out));
   out->file_bytes = len;
@@ -188,28 +275,9 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
 
   const dsv4_st_tensor_t **rec = NULL, **pos = NULL;
   dsv4_records_digest_t *d = NULL;
-  const char *layout = dsv4_st_meta(&st, "layout");
-  const char *range = dsv4_st_meta(&st, "layers");
   uint32_t *layers = NULL;
   size_t n = 0;
-  if (!layout)
-    rc = fail(out, "metadata has no \"layout\" (a dump has layout \"fp8_ds_mla\")");
-  else if (strcmp(layout, "fp8_ds_mla") != 0)
-    rc = fail(out, "metadata layout is \"%.64s\", a dump has \"fp8_ds_mla\"", layout);
-  else if ((rc = check_fixed(out, &st, "fp8", "F8_E4M3FN")) != 0 ||
-           (rc = check_fixed(out, &st, "scale", "UE8M0")) != 0 ||
-           (rc = check_fixed(out, &st, "record_bytes", "584")) != 0 ||
-           (rc = check_fixed(out, &st, "window", "128")) != 0)
-    ;
-  else if (!range)
-    rc = fail(out, "metadata has no \"layers\" range");
-  else if (parse_runs(range, st.n_tensors / 2 + 1, &layers, &n) != 0)
-    rc = fail(out, "metadata layers \"%.64s\" is not a list of increasing runs a-b", range);
-  else if (st.n_tensors != 2 * n)
-    rc = fail(out,
-              "metadata layers \"%.64s\" names %zu layers but the file has %zu tensors (two "
-              "per layer)",
-              range, n, st.n_tensors);
+  rc = check_header(out, &st, &layers, &n);
   if (rc != 0)
     goto done;
   rec = calloc(n, sizeof(*rec));
@@ -219,81 +287,15 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
     rc = fail(out, "out of memory");
     goto done;
   }
-
-  /* Every tensor is one of the two of a layer in the range, with the dump's dtype and shape. */
-  for (size_t i = 0; i < st.n_tensors; i++) {
-    const dsv4_st_tensor_t *t = &st.tensors[i];
-    uint32_t l;
-    int kind = tensor_kind(t->name, &l);
-    if (kind < 0) {
-      rc = fail(out, "tensor \"%.64s\" is not layers.{L}.records or layers.{L}.positions", t->name);
-      goto done;
-    }
-    long x = layer_index(layers, n, l);
-    if (x < 0) {
-      rc = fail(out, "tensor \"%.64s\" is outside the layers %s of the metadata", t->name, range);
-      goto done;
-    }
-    if (kind == 0) {
-      if (t->dtype != DSV4_ST_U8 || t->ndim != 2 || t->shape[1] != DSV4_RECORD_BYTES) {
-        rc = fail(out, "tensor \"%.64s\" must be U8 [T, %d]", t->name, DSV4_RECORD_BYTES);
-        goto done;
-      }
-      rec[x] = t;
-    } else {
-      if (t->dtype != DSV4_ST_I64 || t->ndim != 1) {
-        rc = fail(out, "tensor \"%.64s\" must be I64 [T]", t->name);
-        goto done;
-      }
-      pos[x] = t;
-    }
-  }
-  /* Every digest.{L} key belongs to a layer of the range. */
-  for (size_t i = 0; i < st.n_meta; i++) {
-    const char *k = st.meta[i].key;
-    if (strncmp(k, "digest.", 7) == 0) {
-      char name[64];
-      uint32_t l;
-      snprintf(name, sizeof(name), "layers.%.40s.records", k + 7);
-      if (tensor_kind(name, &l) != 0 || layer_index(layers, n, l) < 0) {
-        rc = fail(out, "metadata %.64s names no layer of the range %s", k, range);
-        goto done;
-      }
-    }
-  }
+  rc = sort_tensors(out, &st, layers, n, rec, pos);
+  if (rc != 0)
+    goto done;
   rc = dsv4_records_digest_create(&d);
   if (rc != 0) {
     rc = fail(out, "out of memory");
     goto done;
   }
-  for (size_t i = 0; i < n; i++) {
-    dsv4_ctl_layer_check_t *c = &out->layers[i];
-    c->layer = layers[i];
-    if (!rec[i] || !pos[i]) {
-      rc = fail(out, "layer %u has no layers.%u.%s tensor", c->layer, c->layer,
-                rec[i] ? "positions" : "records");
-      goto done;
-    }
-    if (rec[i]->shape[0] != pos[i]->shape[0]) {
-      rc = fail(out, "layer %u has %lld records but %lld positions", c->layer,
-                (long long)rec[i]->shape[0], (long long)pos[i]->shape[0]);
-      goto done;
-    }
-    char key[32];
-    snprintf(key, sizeof(key), "digest.%u", c->layer);
-    const char *want = dsv4_st_meta(&st, key);
-    if (!want) {
-      rc = fail(out, "metadata has no %s", key);
-      goto done;
-    }
-    if (!dsv4_ctl_is_digest(want)) {
-      rc = fail(out, "metadata %s \"%.64s\" is not 16 lowercase hex digits", key, want);
-      goto done;
-    }
-    memcpy(c->expected, want, 17);
-    check_layer(&st, d, rec[i], pos[i], c);
-    out->n_layers++;
-  }
+  rc = check_layers(out, &st, layers, n, rec, pos, d);
 
 done:
   if (d)

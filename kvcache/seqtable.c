@@ -304,22 +304,8 @@ static uint32_t pow2_at_least(uint64_t n) {
   return c;
 }
 
-int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t *segs, uint32_t n,
-                       uint64_t now_ns, dsv4_plan_t *plan) {
-  const uint32_t bs = st->cfg.block_size;
-  assert(!st->plan_active);
-  plan->layer = layer;
-  plan->n_segments = 0;
-  plan->replay = 0;
-  plan->bt_len = 0;
-  memset(&plan->error, 0, sizeof(plan->error));
-  if (layer >= st->cfg.n_layers)
-    return DSV4_ELAYER;
-  if (n == 0 || n > UINT32_MAX / 4)
-    return DSV4_EINVAL;
-
-  /* priv holds the per-segment state, then an index set (open addressing) for duplicate names. */
-  uint32_t dcap = pow2_at_least((uint64_t)n * 2);
+/* Plan pass 0: room in plan->priv for n segment states and an empty duplicate-name set of dcap. */
+static int plan_reserve_priv(dsv4_plan_t *plan, uint32_t n, uint32_t dcap) {
   size_t bytes = (size_t)n * sizeof(plan_seg_t) + (size_t)dcap * sizeof(uint32_t);
   if (bytes > UINT32_MAX)
     return DSV4_ENOMEM;
@@ -330,12 +316,17 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
     plan->priv = q;
     plan->priv_cap = (uint32_t)bytes;
   }
-  plan_seg_t *ps = plan->priv;
-  uint32_t *dset = (uint32_t *)(ps + n);
+  uint32_t *dset = (uint32_t *)((plan_seg_t *)plan->priv + n);
   for (uint32_t i = 0; i < dcap; i++)
     dset[i] = UINT32_MAX;
+  return 0;
+}
 
-  /* Pass 1: the segment alone (name, length, range) and duplicates within the batch. */
+/* Plan pass 1: the segment alone (name, length, range) and duplicates within the batch. */
+static int plan_check_segments(const dsv4_seqtable_t *st, const dsv4_seg_req_t *segs, uint32_t n,
+                               uint32_t dcap, dsv4_plan_t *plan) {
+  plan_seg_t *ps = plan->priv;
+  uint32_t *dset = (uint32_t *)(ps + n);
   for (uint32_t i = 0; i < n; i++) {
     const dsv4_seg_req_t *r = &segs[i];
     plan->error.segment = i;
@@ -358,8 +349,12 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
     }
     dset[j] = i;
   }
+  return 0;
+}
 
-  /* Pass 2: look the sequences up and decide whether the whole batch is a replay. */
+/* Plan pass 2: look the sequences up; 1 when the whole batch is a replay. */
+static int plan_lookup(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t *segs,
+                       uint32_t n, plan_seg_t *ps) {
   int all_replay = 1;
   for (uint32_t i = 0; i < n; i++) {
     const dsv4_seg_req_t *r = &segs[i];
@@ -376,57 +371,67 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
     }
     all_replay &= ps[i].replay;
   }
+  return all_replay;
+}
 
-  /* Pass 3 (fresh batches): sequence state, continuity and the blocks the batch needs. */
+/* Plan pass 3 (fresh batches): sequence state, continuity, and the blocks and new sequences the
+ * batch needs against what is free. */
+static int plan_admit(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t *segs,
+                      uint32_t n, uint64_t now_ns, dsv4_plan_t *plan, uint32_t *new_seqs) {
+  const uint32_t bs = st->cfg.block_size;
+  plan_seg_t *ps = plan->priv;
   uint64_t needed = 0;
-  uint32_t new_seqs = 0;
-  if (!all_replay) {
-    for (uint32_t i = 0; i < n; i++) {
-      const dsv4_seg_req_t *r = &segs[i];
-      seq_t *s = ps[i].seq;
-      plan->error.segment = i;
-      int64_t last_lb = (r->start + r->len - 1) / bs;
-      if (s != NULL) {
-        /* A segment matching the replay triple in a mixed batch is not a replay: it fails here. */
-        int64_t next = s->layers[layer].next;
-        if (r->is_new || r->start != next) {
-          plan->error.expected = next;
-          return r->is_new ? DSV4_EEXIST : DSV4_EPOSITION;
-        }
-        int64_t end_lb = s->first_lb + s->n_blocks;
-        ps[i].need = last_lb >= end_lb ? (uint32_t)(last_lb - end_lb + 1) : 0;
-      } else {
-        /* An expired name answers EEXPIRED for one period even under implicit_create: it is not
-         * unknown, and creating it afresh at this segment's start would silently lose its window.
-         * Only "new" recreates it. */
-        const seq_t *t = ps[i].tomb;
-        if (!r->is_new && t != NULL && now_ns >= t->last_used_ns &&
-            now_ns - t->last_used_ns < st->cfg.idle_timeout_ns)
-          return DSV4_EEXPIRED;
-        if (!r->is_new && !st->cfg.implicit_create)
-          return DSV4_ENOSEQ;
-        ps[i].create = 1;
-        ps[i].need = (uint32_t)(last_lb - r->start / bs + 1);
-        new_seqs++;
+  for (uint32_t i = 0; i < n; i++) {
+    const dsv4_seg_req_t *r = &segs[i];
+    seq_t *s = ps[i].seq;
+    plan->error.segment = i;
+    int64_t last_lb = (r->start + r->len - 1) / bs;
+    if (s != NULL) {
+      /* A segment matching the replay triple in a mixed batch is not a replay: it fails here. */
+      int64_t next = s->layers[layer].next;
+      if (r->is_new || r->start != next) {
+        plan->error.expected = next;
+        return r->is_new ? DSV4_EEXIST : DSV4_EPOSITION;
       }
-      needed += ps[i].need;
+      int64_t end_lb = s->first_lb + s->n_blocks;
+      ps[i].need = last_lb >= end_lb ? (uint32_t)(last_lb - end_lb + 1) : 0;
+    } else {
+      /* An expired name answers EEXPIRED for one period even under implicit_create: it is not
+       * unknown, and creating it afresh at this segment's start would silently lose its window.
+       * Only "new" recreates it. */
+      const seq_t *t = ps[i].tomb;
+      if (!r->is_new && t != NULL && now_ns >= t->last_used_ns &&
+          now_ns - t->last_used_ns < st->cfg.idle_timeout_ns)
+        return DSV4_EEXPIRED;
+      if (!r->is_new && !st->cfg.implicit_create)
+        return DSV4_ENOSEQ;
+      ps[i].create = 1;
+      ps[i].need = (uint32_t)(last_lb - r->start / bs + 1);
+      (*new_seqs)++;
     }
-    plan->error.segment = 0;
-    if (st->cfg.max_sequences != 0 && (uint64_t)st->n_live + new_seqs > st->cfg.max_sequences) {
-      plan->error.new_sequences = new_seqs;
-      plan->error.free_sequences = st->cfg.max_sequences - st->n_live;
-      plan->error.sequences_full = 1;
-      return DSV4_ENOSPC;
-    }
-    uint32_t nfree = dsv4_pool_free_count(st->pool);
-    if (needed > nfree) {
-      plan->error.needed = needed > UINT32_MAX ? UINT32_MAX : (uint32_t)needed;
-      plan->error.free = nfree;
-      return DSV4_ENOSPC;
-    }
+    needed += ps[i].need;
   }
+  plan->error.segment = 0;
+  if (st->cfg.max_sequences != 0 && (uint64_t)st->n_live + *new_seqs > st->cfg.max_sequences) {
+    plan->error.new_sequences = *new_seqs;
+    plan->error.free_sequences = st->cfg.max_sequences - st->n_live;
+    plan->error.sequences_full = 1;
+    return DSV4_ENOSPC;
+  }
+  uint32_t nfree = dsv4_pool_free_count(st->pool);
+  if (needed > nfree) {
+    plan->error.needed = needed > UINT32_MAX ? UINT32_MAX : (uint32_t)needed;
+    plan->error.free = nfree;
+    return DSV4_ENOSPC;
+  }
+  return 0;
+}
 
-  /* Reserve every piece of memory before the first change, so that ENOMEM leaves nothing behind. */
+/* Plan pass 4: reserve every piece of memory before the first change, so that ENOMEM leaves
+ * nothing behind (the sequences it created are freed again). */
+static int plan_reserve(dsv4_seqtable_t *st, uint32_t n, uint32_t new_seqs, dsv4_plan_t *plan) {
+  const uint32_t bs = st->cfg.block_size;
+  plan_seg_t *ps = plan->priv;
   uint64_t bt_total = 0;
   for (uint32_t i = 0; i < n; i++) {
     int64_t p0 = ps[i].seq != NULL ? ps[i].seq->p0 : ps[i].start;
@@ -462,30 +467,44 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
       }
       ps[i].seq = NULL;
     }
-    return rc;
   }
+  return rc;
+}
 
-  /* Apply: nothing below can fail. */
+/* Plan pass 5, apply: a created sequence enters the map under its name, in place of an expired
+ * entry of that name. */
+static void plan_enter(dsv4_seqtable_t *st, const dsv4_seg_req_t *r, plan_seg_t *p,
+                       uint64_t now_ns) {
+  seq_t *s = p->seq;
+  if (p->tomb != NULL)
+    map_remove(st, p->tomb);
+  p->tomb = NULL;
+  memcpy(s->name, r->name, r->name_len);
+  s->name_len = r->name_len;
+  s->hash = p->name_hash;
+  s->state = SEQ_LIVE;
+  s->last_used_ns = now_ns;
+  for (uint32_t l = 0; l < st->cfg.n_layers; l++) {
+    s->layers[l].next = s->p0;
+    s->layers[l].s = s->p0;
+  }
+  map_insert(st, s);
+  st->n_live++;
+}
+
+/* Plan pass 5, apply: new sequences, the blocks each segment needs and the block table of its
+ * window. Nothing here can fail: pass 3 counted the free blocks and pass 4 reserved the memory.
+ * Returns the block table's length. */
+static uint32_t plan_apply(dsv4_seqtable_t *st, const dsv4_seg_req_t *segs, uint32_t n,
+                           uint64_t now_ns, dsv4_plan_t *plan) {
+  const uint32_t bs = st->cfg.block_size;
+  plan_seg_t *ps = plan->priv;
   uint32_t off = 0;
   for (uint32_t i = 0; i < n; i++) {
     const dsv4_seg_req_t *r = &segs[i];
     seq_t *s = ps[i].seq;
-    if (ps[i].create) {
-      if (ps[i].tomb != NULL)
-        map_remove(st, ps[i].tomb);
-      ps[i].tomb = NULL;
-      memcpy(s->name, r->name, r->name_len);
-      s->name_len = r->name_len;
-      s->hash = ps[i].name_hash;
-      s->state = SEQ_LIVE;
-      s->last_used_ns = now_ns;
-      for (uint32_t l = 0; l < st->cfg.n_layers; l++) {
-        s->layers[l].next = s->p0;
-        s->layers[l].s = s->p0;
-      }
-      map_insert(st, s);
-      st->n_live++;
-    }
+    if (ps[i].create)
+      plan_enter(st, r, &ps[i], now_ns);
     for (uint32_t k = 0; k < ps[i].need; k++) {
       uint32_t id;
       int arc = dsv4_pool_alloc(st->pool, &id);
@@ -505,8 +524,37 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
       plan->block_table[off + k] = s->blocks[flb - s->first_lb + k];
     off += m->bt_len;
   }
+  return off;
+}
+
+int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t *segs, uint32_t n,
+                       uint64_t now_ns, dsv4_plan_t *plan) {
+  assert(!st->plan_active);
+  plan->layer = layer;
+  plan->n_segments = 0;
+  plan->replay = 0;
+  plan->bt_len = 0;
+  memset(&plan->error, 0, sizeof(plan->error));
+  if (layer >= st->cfg.n_layers)
+    return DSV4_ELAYER;
+  if (n == 0 || n > UINT32_MAX / 4)
+    return DSV4_EINVAL;
+
+  /* priv holds the per-segment state, then an index set (open addressing) for duplicate names. */
+  uint32_t dcap = pow2_at_least((uint64_t)n * 2);
+  int rc = plan_reserve_priv(plan, n, dcap);
+  if (rc == 0)
+    rc = plan_check_segments(st, segs, n, dcap, plan);
+  if (rc != 0)
+    return rc;
+  int all_replay = plan_lookup(st, layer, segs, n, plan->priv);
+  uint32_t new_seqs = 0;
+  if (!all_replay && (rc = plan_admit(st, layer, segs, n, now_ns, plan, &new_seqs)) != 0)
+    return rc;
+  if ((rc = plan_reserve(st, n, new_seqs, plan)) != 0)
+    return rc;
+  plan->bt_len = plan_apply(st, segs, n, now_ns, plan);
   plan->n_segments = n;
-  plan->bt_len = off;
   plan->replay = all_replay;
   st->plan_active = 1;
   publish(st);

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
 #include "dsv4-numerics.h"
@@ -553,7 +554,7 @@ static void on_sequence(dsv4_req_t *req, void *ctx) {
   const char *slash = strchr(name, '/');
   size_t len = slash ? (size_t)(slash - name) : strlen(name);
   dsv4_admin_query_t q;
-  int64_t pos = 0;
+  uint64_t pos = 0;
   int token = 0;
   if (!dsv4_seq_name_valid(name, len)) {
     dsv4_respond_error(req, DSV4_EINVAL, "a sequence name must be " DSV4_SEQ_NAME_RULE, NULL);
@@ -566,7 +567,7 @@ static void on_sequence(dsv4_req_t *req, void *ctx) {
       dsv4_respond_error(req, DSV4_ENOTFOUND, "no such route", NULL);
       return;
     }
-    if (dsv4_admin_parse_decimal(p, strlen(p), &pos)) {
+    if (dsv4_parse_decimal(p, strlen(p), DSV4_AQ_MAX_POSITION, &pos)) {
       dsv4_respond_error(req, DSV4_EINVAL, "a position must be a non-negative decimal number",
                          NULL);
       return;
@@ -581,7 +582,7 @@ static void on_sequence(dsv4_req_t *req, void *ctx) {
   memcpy(j->seq, name, len);
   j->seq_len = (uint32_t)len;
   j->q = q;
-  j->pos = pos;
+  j->pos = (int64_t)pos;
   submit(d, req, j);
 }
 

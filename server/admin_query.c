@@ -3,23 +3,11 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "decimal.h"
 #include "dsv4-error.h"
 
 /* Longest value kept after decoding: a sequence name, or a layer range with room to spare. */
 #define VALUE_MAX (DSV4_SEQ_NAME_MAX + 1)
-
-int dsv4_admin_parse_decimal(const char *s, size_t len, int64_t *out) {
-  int64_t v = 0;
-  if (len == 0 || len > 18)
-    return DSV4_EINVAL;
-  for (size_t i = 0; i < len; i++) {
-    if (s[i] < '0' || s[i] > '9')
-      return DSV4_EINVAL;
-    v = v * 10 + (s[i] - '0');
-  }
-  *out = v;
-  return 0;
-}
 
 static int hexval(char c) {
   if (c >= '0' && c <= '9')
@@ -53,8 +41,8 @@ static long decode(const char *s, size_t len, char *out, size_t cap) {
 }
 
 static int layer_value(const char *v, size_t len, uint32_t *out) {
-  int64_t x;
-  if (dsv4_admin_parse_decimal(v, len, &x) || x > DSV4_AQ_MAX_LAYER)
+  uint64_t x;
+  if (dsv4_parse_decimal(v, len, DSV4_AQ_MAX_LAYER, &x))
     return DSV4_EINVAL;
   *out = (uint32_t)x;
   return 0;

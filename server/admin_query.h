@@ -23,6 +23,10 @@ enum {
 
 /* Layer numbers above this are refused as not a layer at all (no model has that many). */
 #define DSV4_AQ_MAX_LAYER 1000000u
+/* Positions in a path (/tokens/{pos}) above this, the largest of 18 digits, are refused as not a
+ * position at all: no model reaches it, and int64 arithmetic on a position stays far from wrapping.
+ */
+#define DSV4_AQ_MAX_POSITION 999999999999999999ull
 
 typedef struct {
   unsigned have;   /* DSV4_AQ_* of the keys present */
@@ -38,9 +42,5 @@ typedef struct {
  */
 int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query_t *out, char *msg,
                            size_t msg_len);
-
-/* A non-negative decimal of at most 18 digits (no sign, no spaces) in s[0..len); DSV4_EINVAL else.
- */
-int dsv4_admin_parse_decimal(const char *s, size_t len, int64_t *out);
 
 #endif /* DSV4_SERVER_ADMIN_QUERY_H */

@@ -10,23 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
-
-int dsv4_parse_u64_strict(const char *s, uint64_t max, uint64_t *out) {
-  uint64_t v = 0;
-  if (!s || !*s || strlen(s) > 20)
-    return DSV4_EINVAL;
-  for (const char *c = s; *c; c++) {
-    if (*c < '0' || *c > '9')
-      return DSV4_EINVAL;
-    if (v > (max - (uint64_t)(*c - '0')) / 10)
-      return DSV4_ERANGE;
-    v = v * 10 + (uint64_t)(*c - '0');
-  }
-  *out = v;
-  return 0;
-}
 
 /* Parse one segments entry into sg. Returns NULL or a message. */
 static const char *parse_segment(json_t *o, dsv4_seg_req_t *sg) {
@@ -261,7 +247,7 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
     snprintf(msg, msg_len, "__metadata__ must have \"layer\" and \"segments\"");
     return DSV4_EINVAL;
   }
-  if (dsv4_parse_u64_strict(layer_s, UINT32_MAX, &layer)) {
+  if (dsv4_parse_decimal(layer_s, strlen(layer_s), UINT32_MAX, &layer)) {
     snprintf(msg, msg_len, "__metadata__ \"layer\" must be a decimal layer number");
     return DSV4_EINVAL;
   }

@@ -68,11 +68,4 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
                        dsv4_forward_req_t *out, char *msg, size_t msg_len);
 void dsv4_forward_req_free(dsv4_forward_req_t *r);
 
-/*
- * A strictly decimal unsigned number (digits only, no sign or spaces, at most 20 characters) up to
- * max: 0, DSV4_EINVAL for anything else, DSV4_ERANGE when above max. Also parses the
- * Dsv4d-Deadline-Ms header.
- */
-int dsv4_parse_u64_strict(const char *s, uint64_t max, uint64_t *out);
-
 #endif /* DSV4_SERVER_FORWARD_PARSE_H */

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "daemon.h"
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
 #include "forward_parse.h"
@@ -282,17 +283,15 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
   dl = dsv4_req_header(req, "Dsv4d-Deadline-Ms");
   if (dl) {
     uint64_t ms, span = UINT64_MAX;
-    int digits = *dl != '\0';
-    for (const char *c = dl; *c; c++)
-      digits &= *c >= '0' && *c <= '9';
-    if (!digits) {
+    size_t len = strlen(dl);
+    if (len == 0 || strspn(dl, "0123456789") != len) {
       dsv4_respond_error(req, DSV4_EINVAL, "Dsv4d-Deadline-Ms must be a whole number of ms", NULL);
       fwd_free(j);
       return;
     }
     /* A deadline beyond the clock's range saturates (no deadline) rather than wrap into the past,
      * however many digits it has. */
-    if (dsv4_parse_u64_strict(dl, UINT64_MAX / 1000000u, &ms) == 0)
+    if (dsv4_parse_decimal(dl, len, UINT64_MAX / 1000000u, &ms) == 0)
       span = ms * 1000000u;
     j->deadline_ns = span > UINT64_MAX - req->t_start_ns ? UINT64_MAX : req->t_start_ns + span;
   }

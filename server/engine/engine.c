@@ -525,9 +525,136 @@ static void collect_dropped(dsv4_forward_t *f) {
   }
 }
 
-int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
+/* Forward pass 1: every segment inside the batch and the model, and each token's position and
+ * segment. */
+static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
+  uint32_t n = f->n_tokens, t = 0;
+  for (uint32_t s = 0; s < f->n_segs; s++) {
+    const dsv4_seg_req_t *sg = &f->segs[s];
+    /* Written so that neither t + len (32 bits) nor start + len (64 bits) can wrap. */
+    if (sg->start < 0 || sg->len < 1 || sg->len > n - t)
+      return DSV4_EINVAL;
+    if (sg->start > e->p.model->max_position_embeddings - (int64_t)sg->len)
+      return DSV4_EPOSRANGE;
+    e->seg_tok_off[s] = t;
+    for (uint32_t i = 0; i < sg->len; i++) {
+      e->positions[t + i] = sg->start + i;
+      e->tok_seg[t + i] = (int32_t)s;
+    }
+    t += sg->len;
+  }
+  return t != n ? DSV4_EINVAL : 0;
+}
+
+/* Forward pass 2, validation: bounds, value range and replay hashes, then the RoPE rows and staging
+ * room, so that a refused batch changes nothing. */
+static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   const dsv4_backend_ops_t *ops = e->be->ops;
-  uint32_t heads = e->p.heads, n = f->n_tokens;
+  int rc = grow_scratch(e, f->n_tokens, f->n_segs);
+  if (!rc)
+    rc = forward_positions(e, f);
+  if (rc)
+    return rc;
+  validate_job_t v = {.f = f, .heads = e->p.heads, .tok_off = e->seg_tok_off};
+  atomic_init(&v.bad, 0);
+  if (ops->host_parallel)
+    ops->host_parallel(e->be, validate_items, &v, f->n_segs);
+  else
+    validate_items(&v, 0, f->n_segs);
+  if (atomic_load(&v.bad))
+    return DSV4_ERANGE;
+  rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
+  if (!rc && e->stage)
+    rc = stage_reserve_batch(e, f);
+  return rc;
+}
+
+/* Forward pass 3, the plan: the sequence table's blocks for the batch, as the slot mapper's
+ * per-segment arrays. */
+static int forward_plan(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint64_t now_ns) {
+  /* Idle expiry is a matter of time, not of this batch: the sequences it names are brought up to
+   * date first, whether or not the batch is then refused. */
+  dsv4_seqtable_expire_named(e->st, f->segs, f->n_segs, now_ns);
+  int rc = dsv4_seqtable_plan(e->st, (uint32_t)idx, f->segs, f->n_segs, now_ns, &e->plan);
+  if (rc) {
+    f->error = e->plan.error;
+    return rc;
+  }
+  for (uint32_t s = 0; s < f->n_segs; s++) {
+    e->seg_first_lb[s] = e->plan.segs[s].first_lb;
+    e->seg_bt_off[s] = e->plan.segs[s].bt_off;
+    e->seg_bt_len[s] = e->plan.segs[s].bt_len;
+    e->seg_p0[s] = e->plan.segs[s].p0;
+  }
+  return 0;
+}
+
+/* Forward pass 4, the kernels: slot map, then norm/RoPE/insert, then attention when asked, on the
+ * backend or its staging. */
+static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  uint32_t n = f->n_tokens;
+  dsv4_map_args_t ma = {
+      .n_tokens = n,
+      .n_segments = f->n_segs,
+      .block_size = e->p.block_size,
+      .n_blocks = e->p.kv_blocks,
+      .positions = e->positions,
+      .tok_seg = e->tok_seg,
+      .seg_first_lb = e->seg_first_lb,
+      .seg_bt_off = e->seg_bt_off,
+      .seg_bt_len = e->seg_bt_len,
+      .block_table = e->plan.block_table,
+      .slots = f->slots,
+      .bt_entries = e->plan.bt_len,
+  };
+  dsv4_insert_args_t ia = {
+      .n_tokens = n,
+      .heads = e->p.heads,
+      .q = f->q,
+      .kv = f->kv,
+      .positions = e->positions,
+      .slots = f->slots,
+      .rope = e->rope[idx],
+      .kv_norm_weight = e->kv_norm ? e->kv_norm + (size_t)idx * DSV4_HEAD_DIM : NULL,
+      .eps = e->p.model->rms_norm_eps,
+      .write_kv = !e->plan.replay,
+      .q_out = f->q_out,
+      .cache = e->cache[idx].ptr,
+      .block_size = e->p.block_size,
+      .n_blocks = e->p.kv_blocks,
+      .stride = e->stride,
+  };
+  if (e->stage)
+    return stage_run(e, (uint32_t)idx, f, &ma, &ia);
+  dsv4_attn_args_t aa;
+  dsv4__engine_attn_args(e, (uint32_t)idx, f, &ma, &aa);
+  int rc = ops->map_slots(e->be, &ma);
+  if (!rc)
+    rc = ops->qkv_insert(e->be, &ia);
+  if (!rc && f->attn)
+    rc = ops->attention(e->be, &aa);
+  if (!rc)
+    rc = ops->sync(e->be);
+  return rc;
+}
+
+/* Forward pass 5, SPEC §3.1: the digest of the records the batch wrote, in token order. */
+static int forward_digest(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
+  int rc = 0;
+  if (e->stage) {
+    rc = stage_digest(e, (uint32_t)idx, f);
+  } else {
+    dsv4_records_digest_reset(e->digest);
+    for (uint32_t t = 0; t < f->n_tokens; t++)
+      dsv4_records_digest_add_slot(e->digest, e->positions[t], e->cache[idx].ptr, e->p.block_size,
+                                   e->stride, f->slots[t]);
+  }
+  f->digest = dsv4_records_digest_value(e->digest);
+  return rc;
+}
+
+int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   int idx = dsv4_engine_layer_index(e, f->layer);
   uint64_t t0 = mono_ns(), t1, t2, t3;
   int rc;
@@ -539,124 +666,21 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   if (!atomic_load(&e->healthy))
     return DSV4_EBACKEND;
 
-  /* Validation comes first, so that a refused batch changes nothing: bounds, value range, hashes.
-   */
-  rc = grow_scratch(e, n, f->n_segs);
-  if (rc)
-    return rc;
-  {
-    uint32_t t = 0;
-    for (uint32_t s = 0; s < f->n_segs; s++) {
-      const dsv4_seg_req_t *sg = &f->segs[s];
-      /* Written so that neither t + len (32 bits) nor start + len (64 bits) can wrap. */
-      if (sg->start < 0 || sg->len < 1 || sg->len > n - t)
-        return DSV4_EINVAL;
-      if (sg->start > e->p.model->max_position_embeddings - (int64_t)sg->len)
-        return DSV4_EPOSRANGE;
-      e->seg_tok_off[s] = t;
-      for (uint32_t i = 0; i < sg->len; i++) {
-        e->positions[t + i] = sg->start + i;
-        e->tok_seg[t + i] = (int32_t)s;
-      }
-      t += sg->len;
-    }
-    if (t != n)
-      return DSV4_EINVAL;
-  }
-  {
-    validate_job_t v = {.f = f, .heads = heads, .tok_off = e->seg_tok_off};
-    atomic_init(&v.bad, 0);
-    if (ops->host_parallel)
-      ops->host_parallel(e->be, validate_items, &v, f->n_segs);
-    else
-      validate_items(&v, 0, f->n_segs);
-    if (atomic_load(&v.bad))
-      return DSV4_ERANGE;
-  }
-  rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, n);
-  if (!rc && e->stage)
-    rc = stage_reserve_batch(e, f);
+  rc = forward_validate(e, idx, f);
   if (rc)
     return rc;
   t1 = mono_ns();
   f->timing.validate_ns = t1 - t0;
-
-  /* Idle expiry is a matter of time, not of this batch: the sequences it names are brought up to
-   * date first, whether or not the batch is then refused. */
-  dsv4_seqtable_expire_named(e->st, f->segs, f->n_segs, t1);
-  rc = dsv4_seqtable_plan(e->st, (uint32_t)idx, f->segs, f->n_segs, t1, &e->plan);
-  if (rc) {
-    f->error = e->plan.error;
+  rc = forward_plan(e, idx, f, t1);
+  if (rc)
     return rc;
-  }
-  for (uint32_t s = 0; s < f->n_segs; s++) {
-    e->seg_first_lb[s] = e->plan.segs[s].first_lb;
-    e->seg_bt_off[s] = e->plan.segs[s].bt_off;
-    e->seg_bt_len[s] = e->plan.segs[s].bt_len;
-    e->seg_p0[s] = e->plan.segs[s].p0;
-  }
   t2 = mono_ns();
   f->timing.plan_ns = t2 - t1;
-
-  {
-    dsv4_map_args_t ma = {
-        .n_tokens = n,
-        .n_segments = f->n_segs,
-        .block_size = e->p.block_size,
-        .n_blocks = e->p.kv_blocks,
-        .positions = e->positions,
-        .tok_seg = e->tok_seg,
-        .seg_first_lb = e->seg_first_lb,
-        .seg_bt_off = e->seg_bt_off,
-        .seg_bt_len = e->seg_bt_len,
-        .block_table = e->plan.block_table,
-        .slots = f->slots,
-        .bt_entries = e->plan.bt_len,
-    };
-    dsv4_insert_args_t ia = {
-        .n_tokens = n,
-        .heads = heads,
-        .q = f->q,
-        .kv = f->kv,
-        .positions = e->positions,
-        .slots = f->slots,
-        .rope = e->rope[idx],
-        .kv_norm_weight = e->kv_norm ? e->kv_norm + (size_t)idx * DSV4_HEAD_DIM : NULL,
-        .eps = e->p.model->rms_norm_eps,
-        .write_kv = !e->plan.replay,
-        .q_out = f->q_out,
-        .cache = e->cache[idx].ptr,
-        .block_size = e->p.block_size,
-        .n_blocks = e->p.kv_blocks,
-        .stride = e->stride,
-    };
-    if (e->stage) {
-      rc = stage_run(e, (uint32_t)idx, f, &ma, &ia);
-    } else {
-      dsv4_attn_args_t aa;
-      dsv4__engine_attn_args(e, (uint32_t)idx, f, &ma, &aa);
-      rc = ops->map_slots(e->be, &ma);
-      if (!rc)
-        rc = ops->qkv_insert(e->be, &ia);
-      if (!rc && f->attn)
-        rc = ops->attention(e->be, &aa);
-      if (!rc)
-        rc = ops->sync(e->be);
-    }
-  }
+  rc = forward_kernels(e, idx, f);
   t3 = mono_ns();
   f->timing.kernel_ns = t3 - t2;
   if (!rc && f->want_digest) {
-    /* SPEC §3.1: the records the batch wrote, in token order. */
-    if (e->stage) {
-      rc = stage_digest(e, (uint32_t)idx, f);
-    } else {
-      dsv4_records_digest_reset(e->digest);
-      for (uint32_t t = 0; t < n; t++)
-        dsv4_records_digest_add_slot(e->digest, e->positions[t], e->cache[idx].ptr, e->p.block_size,
-                                     e->stride, f->slots[t]);
-    }
-    f->digest = dsv4_records_digest_value(e->digest);
+    rc = forward_digest(e, idx, f);
     f->timing.digest_ns = mono_ns() - t3;
   }
   if (rc) {

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "admin_query.h"
+#include "decimal.h"
 #include "dsv4-error.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -58,14 +59,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     CHECK(strncmp(msg, small, strlen(small)) == 0);
   }
 
-  int64_t v = -1;
+  uint64_t v = UINT64_MAX;
   size_t len = strlen(q);
-  if (dsv4_admin_parse_decimal(q, len, &v) == 0) {
-    CHECK(len >= 1 && len <= 18 && v >= 0);
+  if (dsv4_parse_decimal(q, len, DSV4_AQ_MAX_POSITION, &v) == 0) {
+    CHECK(len >= 1 && len <= DSV4_DECIMAL_MAX_DIGITS && v <= DSV4_AQ_MAX_POSITION);
     for (size_t i = 0; i < len; i++)
       CHECK(q[i] >= '0' && q[i] <= '9');
     char back[24];
-    snprintf(back, sizeof(back), "%lld", (long long)v);
+    snprintf(back, sizeof(back), "%llu", (unsigned long long)v);
     size_t z = 0;
     while (z + 1 < len && q[z] == '0')
       z++;

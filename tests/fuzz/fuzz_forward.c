@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
 #include "forward_parse.h"
@@ -98,7 +99,8 @@ static void check_accepted(const dsv4_forward_req_t *r, const uint8_t *buf, size
     CHECK(r->want_q == 1 && r->want_digest == 0);
 }
 
-/* The Dsv4d-Deadline-Ms number parser, on the input's first bytes as a string. */
+/* The decimal parser (kernels/decimal.h) with the Dsv4d-Deadline-Ms bound, on the input's first
+ * bytes as a string. */
 static void check_u64(const uint8_t *data, size_t size) {
   char s[32];
   size_t n = size < 24 ? size : 24, digits = 0;
@@ -115,11 +117,11 @@ static void check_u64(const uint8_t *data, size_t size) {
       ref = ref * 10 + d;
     digits++;
   }
-  int rc = dsv4_parse_u64_strict(s, max, &v);
+  int rc = dsv4_parse_decimal(s, n, max, &v);
   if (rc == 0)
     CHECK(n >= 1 && n <= 20 && digits == n && !overflow && v == ref);
   else if (rc == DSV4_ERANGE)
-    CHECK(n <= 20 && overflow);
+    CHECK(n <= 20 && digits == n && overflow);
   else
     CHECK(rc == DSV4_EINVAL && (n == 0 || n > 20 || digits < n));
 }

@@ -409,25 +409,6 @@ static void test_short_message_buffer(void **state) {
   assert_string_equal(msg, "N = 9 e");
 }
 
-static void test_parse_u64_strict(void **state) {
-  (void)state;
-  uint64_t v = 42;
-  assert_int_equal(dsv4_parse_u64_strict("0", 10, &v), 0);
-  assert_int_equal(v, 0);
-  assert_int_equal(dsv4_parse_u64_strict("0010", 10, &v), 0);
-  assert_int_equal(v, 10);
-  assert_int_equal(dsv4_parse_u64_strict("11", 10, &v), DSV4_ERANGE);
-  assert_int_equal(dsv4_parse_u64_strict("18446744073709551615", UINT64_MAX, &v), 0);
-  assert_true(v == UINT64_MAX);
-  assert_int_equal(dsv4_parse_u64_strict("18446744073709551616", UINT64_MAX, &v), DSV4_ERANGE);
-  assert_int_equal(dsv4_parse_u64_strict("000000000000000000001", UINT64_MAX, &v), DSV4_EINVAL);
-  assert_int_equal(dsv4_parse_u64_strict("", 10, &v), DSV4_EINVAL);
-  assert_int_equal(dsv4_parse_u64_strict(NULL, 10, &v), DSV4_EINVAL);
-  assert_int_equal(dsv4_parse_u64_strict("-1", 10, &v), DSV4_EINVAL);
-  assert_int_equal(dsv4_parse_u64_strict("1 ", 10, &v), DSV4_EINVAL);
-  assert_true(v == UINT64_MAX); /* failures leave *out alone */
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_valid),
@@ -441,7 +422,6 @@ int main(void) {
       cmocka_unit_test(test_reject_segments),
       cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_short_message_buffer),
-      cmocka_unit_test(test_parse_u64_strict),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
