@@ -176,6 +176,32 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   return s->inner->ops->qkv_insert(s->inner, &h);
 }
 
+static int st_attn(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
+  staged_t *s = staged_of(be);
+  if (!a)
+    return DSV4_EINVAL;
+  dsv4_attn_args_t h = *a;
+  size_t n = a->n_tokens, nseg = a->n_segments;
+  size_t q_bytes = n * a->heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  XLATE(s, h.q, q_bytes);
+  XLATE(s, h.positions, n * sizeof(int64_t));
+  XLATE(s, h.tok_seg, n * sizeof(int32_t));
+  XLATE(s, h.seg_p0, nseg * sizeof(int64_t));
+  XLATE(s, h.seg_first_lb, nseg * sizeof(int64_t));
+  XLATE(s, h.seg_bt_off, nseg * sizeof(uint32_t));
+  XLATE(s, h.seg_bt_len, nseg * sizeof(uint32_t));
+  if (nseg)
+    XLATE(s, h.block_table, (size_t)a->bt_entries * sizeof(int32_t));
+  XLATE(s, h.cache, (size_t)a->n_blocks * a->stride);
+  if (h.sink)
+    XLATE(s, h.sink, a->heads * sizeof(float));
+  XLATE(s, h.out, q_bytes);
+  if (h.lse)
+    XLATE(s, h.lse, n * a->heads * sizeof(float));
+  s->stats.launches++;
+  return s->inner->ops->attention(s->inner, &h);
+}
+
 static int st_sync(dsv4_backend_t *be) {
   staged_t *s = staged_of(be);
   s->stats.syncs++;
@@ -212,6 +238,7 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
   s->ops.map_slots = st_map;
   s->ops.qkv_insert = st_insert;
   s->ops.sync = st_sync;
+  s->ops.attention = s->inner->ops->attention ? st_attn : NULL;
   s->ops.host_parallel = s->inner->ops->host_parallel ? st_host_parallel : NULL;
   s->next_dev = DEV_BASE;
   s->base.ops = &s->ops;
