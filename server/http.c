@@ -1,6 +1,7 @@
 #include "http.h"
 
 #include <assert.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,14 +27,21 @@
 #define LINGER_MS 1000
 #define DEFAULT_MAX_HEADER ((size_t)64 * 1024)
 
+/*
+ * Where a connection is. Exactly one state holds at a time and conn_enter() makes every change,
+ * arming the timer that belongs to the new state, so a timeout always means "too long in this
+ * state".
+ */
 typedef enum {
-  PHASE_NONE = 0,
-  PHASE_IDLE,
-  PHASE_HEADER,
-  PHASE_BODY,
-  PHASE_WRITE,
-  PHASE_LINGER,
-} phase_t;
+  CONN_IDLE = 0,  /* between requests: nothing of the next one parsed yet (idle_timeout_ms) */
+  CONN_HEAD,      /* a request line and headers are arriving (header_timeout_ms, whole head) */
+  CONN_BODY,      /* a request body is arriving (body_timeout_ms, whole body) */
+  CONN_HANDLING,  /* a complete request is with its handler; no timer (the executor decides) */
+  CONN_WRITING,   /* an answer, or a piece of a streamed one, is going out (write_timeout_ms) */
+  CONN_STREAMING, /* a streamed answer between pieces: the handler makes the next; no timer */
+  CONN_LINGERING, /* the last answer is out, our side shut down; input is discarded (LINGER_MS) */
+  CONN_CLOSING,   /* uv_close has been called; the close callbacks free the connection */
+} conn_state_t;
 
 typedef enum {
   REQ_PARSING = 0, /* request line, headers or body still arriving */
@@ -106,16 +114,30 @@ struct conn {
   } marks[MARKS];
   unsigned n_marks, mark0;
   uint64_t exec_arrived_ns; /* arrival of the byte the parser starts from, 0 = unknown */
-  phase_t phase;
+  conn_state_t state;
   int handles_open;
-  int closing, processing, reading, writing, lingering, close_after, peer_eof, body_read;
+  /* The booleans below are not states of the connection but facts that hold across several of them.
+   * reading mirrors whether uv_read_start is in effect, which the state decides only together with
+   * peer_eof and how much is buffered (conn_update_reading). */
+  bool reading;
+  /* conn_process is on the stack: a handler that answers at once re-enters it through write_done,
+   * and the outer call must finish parsing first. */
+  bool in_process;
+  /* The client half-closed (EOF) while its request was handled or answered: whatever the state, the
+   * answer still goes out and the connection then closes. */
+  bool peer_eof;
+  /* on_alloc handed libuv the body buffer itself rather than rbuf; on_read, called right after with
+   * the same buffer, must know which one it got. */
+  bool read_into_body;
   /* The response being written. */
   char *whdr;
   uv_buf_t *wbufs;
   void (*wrelease)(void *);
   void *wrelease_arg;
-  int stream_pending; /* a streamed piece is being written */
-  uv_buf_t sbufs[2];  /* that piece: the response head (first piece only) and the caller's bytes */
+  /* A streamed piece owns wreq. Unlike CONN_WRITING this outlives conn_close: uv_close cancels the
+   * write, and its callback must still reach the streaming handler. */
+  bool stream_pending;
+  uv_buf_t sbufs[2]; /* that piece: the response head (first piece only) and the caller's bytes */
   char peer[64];
 };
 
@@ -237,31 +259,36 @@ const char *dsv4_req_method_name(const dsv4_req_t *req) {
 
 static void on_timer(uv_timer_t *t);
 
-static void set_phase(conn_t *c, phase_t phase) {
+/* The one place a connection changes state; the timer of the new state replaces the old one. */
+static void conn_enter(conn_t *c, conn_state_t state) {
   const dsv4_server_t *s = c->srv;
+  if (c->state == CONN_CLOSING)
+    return; /* final: the close callbacks own the connection now */
   uint64_t ms = 0;
-  switch (phase) {
-  case PHASE_IDLE:
+  switch (state) {
+  case CONN_IDLE:
     ms = s->idle_timeout_ms;
     break;
-  case PHASE_HEADER:
+  case CONN_HEAD:
     ms = s->header_timeout_ms;
     break;
-  case PHASE_BODY:
+  case CONN_BODY:
     ms = s->body_timeout_ms;
     break;
-  case PHASE_WRITE:
+  case CONN_WRITING:
     ms = s->write_timeout_ms;
     break;
-  case PHASE_LINGER:
+  case CONN_LINGERING:
     ms = LINGER_MS;
     break;
-  case PHASE_NONE:
+  case CONN_HANDLING:
+  case CONN_STREAMING:
+  case CONN_CLOSING:
     break;
   }
-  c->phase = phase;
-  if (c->closing)
-    return;
+  c->state = state;
+  if (state == CONN_CLOSING)
+    return; /* uv_close stops the timer */
   if (ms > 0)
     uv_timer_start(&c->timer, on_timer, ms, 0);
   else
@@ -274,22 +301,18 @@ static void conn_fail(conn_t *c, int err, const char *msg);
  * answer requests whose bytes already arrived (pipelined; a forward among them gets 503 draining,
  * which tells a gateway it was never applied) rather than drop them with the connection. */
 static int conn_keeps(const conn_t *c, int keep_alive) {
-  return keep_alive && !c->close_after && !c->peer_eof &&
-         (!c->srv->draining || c->rbuf_off < c->rbuf_len);
+  return keep_alive && !c->peer_eof && (!c->srv->draining || c->rbuf_off < c->rbuf_len);
 }
 
 static void on_timer(uv_timer_t *t) {
   conn_t *c = t->data;
-  switch (c->phase) {
-  case PHASE_HEADER:
-  case PHASE_BODY:
+  switch (c->state) {
+  case CONN_HEAD:
+  case CONN_BODY:
     /* A request that started but did not finish in time gets a 408; the connection then closes. */
-    if (c->req && c->req->state == REQ_PARSING && !c->writing)
-      conn_fail(c, DSV4_ETIMEDOUT,
-                c->phase == PHASE_HEADER ? "request headers not received in time"
-                                         : "request body stalled");
-    else
-      conn_close(c);
+    conn_fail(c, DSV4_ETIMEDOUT,
+              c->state == CONN_HEAD ? "request headers not received in time"
+                                    : "request body stalled");
     break;
   default:
     conn_close(c);
@@ -382,7 +405,6 @@ static void write_done(conn_t *c, int status_ok) {
   void *arg = c->wrelease_arg;
   c->wrelease = NULL;
   c->wrelease_arg = NULL;
-  c->writing = 0;
   free(c->whdr);
   free(c->wbufs);
   c->whdr = NULL;
@@ -393,7 +415,7 @@ static void write_done(conn_t *c, int status_ok) {
   c->req = NULL;
   if (r)
     req_free(r);
-  if (c->closing)
+  if (c->state == CONN_CLOSING)
     return;
   if (!status_ok) {
     conn_close(c);
@@ -401,19 +423,18 @@ static void write_done(conn_t *c, int status_ok) {
   }
   if (!keep) {
     /* Shut down our side and drain what the client still sends until it closes or LINGER_MS. */
-    c->lingering = 1;
     c->rbuf_off = c->rbuf_len = 0;
     if (uv_shutdown(&c->sreq, &c->io.stream, NULL) != 0) {
       conn_close(c);
       return;
     }
-    set_phase(c, PHASE_LINGER);
+    conn_enter(c, CONN_LINGERING);
     conn_update_reading(c);
     return;
   }
   llhttp_init(&c->parser, HTTP_REQUEST, &c->srv->settings);
   c->parser.data = c;
-  set_phase(c, PHASE_IDLE);
+  conn_enter(c, CONN_IDLE);
   conn_process(c);
 }
 
@@ -475,7 +496,7 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   for (size_t i = 0; i < n_body; i++)
     total += body[i].len;
   int no_body = status < 200 || status == 204 || status == 304;
-  if (!c || c->closing) {
+  if (!c || c->state == CONN_CLOSING) {
     /* The client went away while the handler worked: nothing to write, only to release. */
     if (release)
       release(release_arg);
@@ -514,7 +535,7 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   c->wbufs = bufs;
   c->wrelease = release;
   c->wrelease_arg = release_arg;
-  c->writing = 1;
+  conn_enter(c, CONN_WRITING);
   req_record(r, status, 1);
   conn_update_reading(c);
 
@@ -537,7 +558,6 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   bufs[first].base += done;
   bufs[first].len -= done;
   c->wreq.data = c;
-  set_phase(c, PHASE_WRITE);
   if (uv_write(&c->wreq, &c->io.stream, bufs + first, (unsigned)(nb - first), on_write) != 0)
     write_done(c, 0);
 }
@@ -556,7 +576,7 @@ int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_t
     r->stream_failed = 1;
     return DSV4_EINVAL;
   }
-  if (!c || c->closing) {
+  if (!c || c->state == CONN_CLOSING) {
     r->stream_failed = 1;
     return DSV4_EIO;
   }
@@ -570,7 +590,7 @@ int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_t
   }
   c->whdr = h;
   c->sbufs[0] = uv_buf_init(h, (unsigned)n);
-  c->writing = 1; /* no reading while the answer streams: one request in flight per connection */
+  conn_enter(c, CONN_STREAMING); /* no reading while it streams: one request in flight */
   conn_update_reading(c);
   return 0;
 }
@@ -579,7 +599,7 @@ int dsv4_respond_stream_write(dsv4_req_t *pub, const uv_buf_t *buf, dsv4_stream_
   req_t *r = req_of(pub);
   assert(r->state == REQ_STREAMING);
   conn_t *c = r->conn;
-  if (r->stream_failed || !c || c->closing)
+  if (r->stream_failed || !c || c->state == CONN_CLOSING)
     return DSV4_EIO;
   assert(!c->stream_pending);
   if (buf->len > r->stream_len - r->stream_sent)
@@ -592,23 +612,23 @@ int dsv4_respond_stream_write(dsv4_req_t *pub, const uv_buf_t *buf, dsv4_stream_
   c->sbufs[1] = *buf;
   r->stream_cb = cb;
   r->stream_arg = arg;
-  c->stream_pending = 1;
+  c->stream_pending = true;
   c->wreq.data = c;
   /* uv_write tries the socket at once and queues the rest; its callback is always deferred, so
    * the caller's callback never runs inside this call. */
   if (uv_write(&c->wreq, &c->io.stream, bufs, (unsigned)nb, on_write) != 0) {
-    c->stream_pending = 0;
+    c->stream_pending = false;
     r->stream_failed = 1;
     return DSV4_EIO;
   }
-  set_phase(c, PHASE_WRITE);
+  conn_enter(c, CONN_WRITING);
   return 0;
 }
 
 /* A streamed piece has been written (status 0) or failed; runs the caller's callback. */
 static void stream_piece_done(conn_t *c, int status) {
   req_t *r = c->req;
-  c->stream_pending = 0;
+  c->stream_pending = false;
   assert(r && r->state == REQ_STREAMING);
   if (status == 0) {
     if (!r->stream_hdr_sent) {
@@ -617,13 +637,12 @@ static void stream_piece_done(conn_t *c, int status) {
     }
     r->bytes_out += c->sbufs[1].len;
     r->stream_sent += c->sbufs[1].len;
-    uv_timer_stop(&c->timer);
-    c->phase = PHASE_NONE;
+    conn_enter(c, CONN_STREAMING);
   } else {
     /* The client went away or stalled past write_timeout_ms: the answer cannot complete. */
     r->stream_failed = 1;
     r->gone = 1;
-    if (!c->closing)
+    if (c->state != CONN_CLOSING)
       conn_close(c); /* detaches r: the caller ends the stream, which frees it */
     else {
       r->conn = NULL;
@@ -653,7 +672,6 @@ void dsv4_respond_stream_end(dsv4_req_t *pub) {
     /* Short of Content-Length: closing is the only honest end. The request is freed here. */
     r->conn = NULL;
     c->req = NULL;
-    c->close_after = 1;
     free(c->whdr);
     c->whdr = NULL;
     conn_close(c);
@@ -732,7 +750,7 @@ static int on_message_begin(llhttp_t *p) {
   c->req = req_new(c);
   if (!c->req)
     return -1;
-  set_phase(c, PHASE_HEADER);
+  conn_enter(c, CONN_HEAD);
   return 0;
 }
 
@@ -911,21 +929,19 @@ static int on_headers_complete(llhttp_t *p) {
      * stop here and close after answering rather than read a body nobody wants. */
     if (r->content_length == 0 && !chunked)
       return 0;
-    c->close_after = 1;
-    return -1;
+    return -1; /* conn_fail answers with Connection: close */
   }
   if (r->content_length > 0) {
     size_t n = (size_t)r->content_length;
     q->body = aligned_alloc(64, (n + 63) & ~(size_t)63);
     if (!q->body) {
       early_error(r, DSV4_ENOMEM, "cannot allocate the request body");
-      c->close_after = 1;
       return -1;
     }
     const char *expect = dsv4_req_header(q, "Expect");
     if (expect && strcasecmp(expect, "100-continue") == 0)
       send_continue(c);
-    set_phase(c, PHASE_BODY);
+    conn_enter(c, CONN_BODY);
   }
   return 0;
 }
@@ -990,8 +1006,7 @@ static void send_continue(conn_t *c) {
 static void dispatch(conn_t *c) {
   req_t *r = c->req;
   r->state = REQ_DISPATCHED;
-  uv_timer_stop(&c->timer);
-  c->phase = PHASE_NONE;
+  conn_enter(c, CONN_HANDLING);
   if (r->err)
     dsv4_respond_error(&r->pub, r->err, r->errmsg[0] ? r->errmsg : NULL, NULL);
   else
@@ -1020,7 +1035,6 @@ static void conn_fail(conn_t *c, int err, const char *msg) {
   if (msg != r->errmsg) /* a message already in place stays (copying it onto itself overlaps) */
     snprintf(r->errmsg, sizeof(r->errmsg), "%s", msg ? msg : dsv4_strerror(err));
   r->keep_alive = 0;
-  c->close_after = 1;
   dispatch(c);
 }
 
@@ -1039,10 +1053,6 @@ static size_t conn_execute(conn_t *c, const char *data, size_t len) {
   snprintf(msg, sizeof(msg), "malformed request: %s", llhttp_get_error_reason(&c->parser));
   conn_fail(c, DSV4_EINVAL, msg);
   return len;
-}
-
-static int conn_busy(const conn_t *c) {
-  return c->writing || (c->req && c->req->state != REQ_PARSING);
 }
 
 /* The arrival time of rbuf[rbuf_off]: the latest read that began at or before it (or, when that
@@ -1067,10 +1077,12 @@ static uint64_t rbuf_arrival(conn_t *c) {
 }
 
 static void conn_process(conn_t *c) {
-  if (c->processing)
+  if (c->in_process)
     return;
-  c->processing = 1;
-  while (!c->closing && !c->lingering && !conn_busy(c) && c->rbuf_off < c->rbuf_len) {
+  c->in_process = true;
+  /* Only between answers: a pipelined request waits in rbuf until the one before it is answered. */
+  while ((c->state == CONN_IDLE || c->state == CONN_HEAD || c->state == CONN_BODY) &&
+         c->rbuf_off < c->rbuf_len) {
     c->exec_arrived_ns = rbuf_arrival(c);
     size_t used = conn_execute(c, c->rbuf + c->rbuf_off, c->rbuf_len - c->rbuf_off);
     c->exec_arrived_ns = 0;
@@ -1078,7 +1090,7 @@ static void conn_process(conn_t *c) {
   }
   if (c->rbuf_off == c->rbuf_len)
     c->rbuf_off = c->rbuf_len = 0;
-  c->processing = 0;
+  c->in_process = false;
   conn_update_reading(c);
 }
 
@@ -1088,15 +1100,14 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   (void)suggested;
   conn_t *c = h->data;
   req_t *r = c->req;
-  c->body_read = 0;
-  if (!c->lingering && r && r->state == REQ_PARSING && r->pub.body && c->rbuf_off == c->rbuf_len &&
-      r->body_received < r->content_length) {
+  c->read_into_body = false;
+  if (c->state == CONN_BODY && c->rbuf_off == c->rbuf_len && r->body_received < r->content_length) {
     /* Mid-body with nothing buffered: read straight into the body buffer, at most what is left of
      * it, so the bytes of a large body are copied once, by the kernel. */
     size_t left = (size_t)r->content_length - r->body_received;
     *buf = uv_buf_init((char *)r->pub.body + r->body_received,
                        (unsigned)(left < 0x40000000u ? left : 0x40000000u));
-    c->body_read = 1;
+    c->read_into_body = true;
     return;
   }
   if (c->rbuf_off == c->rbuf_len)
@@ -1123,30 +1134,30 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   conn_t *c = st->data;
-  if (c->closing)
+  if (c->state == CONN_CLOSING)
     return;
   if (nread == 0)
     return;
   if (nread < 0) {
     req_t *r = c->req;
-    if (c->lingering || !r || r->state == REQ_PARSING || nread != UV_EOF) {
+    if (c->state == CONN_LINGERING || !r || r->state == REQ_PARSING || nread != UV_EOF) {
       /* Idle, mid-request (no handler was called) or a reset: nothing more can be answered. */
       conn_close(c);
       return;
     }
     /* EOF while the handler works or the response is written: the client has gone away (most
      * clients never half-close). Answer anyway; the connection closes afterwards. */
-    c->peer_eof = 1;
+    c->peer_eof = true;
     r->gone = 1;
     conn_update_reading(c);
     return;
   }
-  if (c->lingering) {
+  if (c->state == CONN_LINGERING) {
     c->rbuf_off = c->rbuf_len = 0;
     return;
   }
-  if (c->body_read) {
-    c->body_read = 0;
+  if (c->read_into_body) {
+    c->read_into_body = false;
     size_t used = conn_execute(c, buf->base, (size_t)nread);
     (void)used;
     conn_process(c);
@@ -1167,23 +1178,30 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
 }
 
 static void conn_update_reading(conn_t *c) {
-  if (c->closing)
+  bool want;
+  switch (c->state) {
+  case CONN_CLOSING:
     return;
-  int want;
-  if (c->lingering)
-    want = 1;
-  else if (c->peer_eof || c->writing)
-    want = 0;
-  else if (conn_busy(c))
-    want = c->rbuf_len - c->rbuf_off < INFLIGHT_READ_CAP;
-  else
-    want = 1;
+  case CONN_LINGERING:
+    want = true;
+    break;
+  case CONN_WRITING:
+  case CONN_STREAMING:
+    want = false;
+    break;
+  case CONN_HANDLING:
+    want = !c->peer_eof && c->rbuf_len - c->rbuf_off < INFLIGHT_READ_CAP;
+    break;
+  default:
+    want = !c->peer_eof;
+    break;
+  }
   if (want && !c->reading) {
     if (uv_read_start(&c->io.stream, on_alloc, on_read) == 0)
-      c->reading = 1;
+      c->reading = true;
   } else if (!want && c->reading) {
     uv_read_stop(&c->io.stream);
-    c->reading = 0;
+    c->reading = false;
   }
 }
 
@@ -1210,9 +1228,9 @@ static void on_conn_handle_closed(uv_handle_t *h) {
 }
 
 static void conn_close(conn_t *c) {
-  if (c->closing)
+  if (c->state == CONN_CLOSING)
     return;
-  c->closing = 1;
+  conn_enter(c, CONN_CLOSING);
   req_t *r = c->req;
   if (r && r->state == REQ_PARSING) {
     /* Disconnected mid-request: the handler never saw it, so it is simply dropped. */
@@ -1258,7 +1276,7 @@ static void conn_link(dsv4_server_t *s, conn_t *c, int handles_open) {
 /* A connection whose stream could not be set up: close and free it through the usual path. */
 static void conn_abandon(dsv4_server_t *s, conn_t *c) {
   conn_link(s, c, 1);
-  c->closing = 1;
+  c->state = CONN_CLOSING;
   uv_close(&c->io.handle, on_conn_handle_closed);
 }
 
@@ -1269,7 +1287,7 @@ static void conn_start(dsv4_server_t *s, conn_t *c) {
     conn_close(c);
     return;
   }
-  set_phase(c, PHASE_IDLE);
+  conn_enter(c, CONN_IDLE);
   conn_update_reading(c);
 }
 
@@ -1470,8 +1488,8 @@ void dsv4_server_drain(dsv4_server_t *s) {
   close_listener(s);
   for (conn_t *c = s->conns, *next; c; c = next) {
     next = c->next;
-    int idle = !c->req && !c->writing && c->rbuf_off == c->rbuf_len;
-    if (idle && !c->closing)
+    int idle = (c->state == CONN_IDLE || c->state == CONN_LINGERING) && c->rbuf_off == c->rbuf_len;
+    if (idle)
       conn_close(c);
   }
 }
