@@ -7,6 +7,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 
 #include <llhttp.h>
 
@@ -304,6 +305,13 @@ static int conn_keeps(const conn_t *c, int keep_alive) {
   return keep_alive && !c->peer_eof && (!c->srv->draining || c->rbuf_off < c->rbuf_len);
 }
 
+/* Whether bytes (not only an EOF) wait in the socket, unread. */
+static bool conn_input_waiting(const conn_t *c) {
+  uv_os_fd_t fd;
+  char b;
+  return uv_fileno(&c->io.handle, &fd) == 0 && recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+}
+
 static void on_timer(uv_timer_t *t) {
   conn_t *c = t->data;
   switch (c->state) {
@@ -313,6 +321,14 @@ static void on_timer(uv_timer_t *t) {
     conn_fail(c, DSV4_ETIMEDOUT,
               c->state == CONN_HEAD ? "request headers not received in time"
                                     : "request body stalled");
+    break;
+  case CONN_IDLE:
+    /* libuv runs due timers before it polls: the next request may be here, unread. Let it in. */
+    if (conn_input_waiting(c)) {
+      conn_enter(c, CONN_IDLE);
+      break;
+    }
+    conn_close(c);
     break;
   default:
     conn_close(c);

@@ -248,6 +248,9 @@ static void *loop_main(void *arg) {
   return NULL;
 }
 
+/* What a test's setup changes in the server's configuration (0 = the default below). */
+static uint64_t cfg_idle_timeout_ms;
+
 static void do_create(void *arg) {
   (void)arg;
   dsv4_server_config_t cfg = {
@@ -264,6 +267,8 @@ static void do_create(void *arg) {
       .metrics = registry,
       .on_complete = on_complete,
   };
+  if (cfg_idle_timeout_ms)
+    cfg.idle_timeout_ms = cfg_idle_timeout_ms;
   assert_int_equal(
       dsv4_server_create(&loop, &cfg, routes, sizeof(routes) / sizeof(routes[0]), &srv), 0);
   port = dsv4_server_port(srv);
@@ -317,8 +322,14 @@ static int setup(void **state) {
   return 0;
 }
 
+static int setup_short_idle(void **state) {
+  cfg_idle_timeout_ms = 200;
+  return setup(state);
+}
+
 static int teardown(void **state) {
   (void)state;
+  cfg_idle_timeout_ms = 0;
   on_loop(do_close, NULL);
   pthread_join(loop_thread, NULL);
   assert_int_equal(atomic_load(&server_closed), 1);
@@ -835,6 +846,38 @@ static void test_malformed(void **state) {
   assert_int_equal(atomic_load(&handler_calls), 0);
 }
 
+static void do_block(void *arg) {
+  usleep((useconds_t)(uintptr_t)arg);
+}
+
+static void *block_loop(void *arg) {
+  on_loop(do_block, arg);
+  return NULL;
+}
+
+/* The idle timer is due when a request has arrived but is still unread (libuv runs timers before it
+ * polls): the request is answered, not cut off by the close. */
+static void test_idle_timer_with_request_waiting(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  get(c, "/imm", "first");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  /* The loop sleeps past the 200 ms idle timeout; the next request arrives meanwhile. */
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, block_loop, (void *)(uintptr_t)400000), 0);
+  usleep(100000);
+  get(c, "/imm", "waiting");
+  pthread_join(t, NULL);
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=waiting"));
+  /* Idle for real, the connection closes. */
+  double t0 = now_s();
+  expect_eof(c);
+  assert_true(now_s() - t0 > 0.1);
+  client_free(c);
+}
+
 static void test_drain(void **state) {
   (void)state;
   client_t *idle = client_new();
@@ -935,6 +978,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_timeouts, setup, teardown),
       cmocka_unit_test_setup_teardown(test_http10_head_204_503, setup, teardown),
       cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_idle_timer_with_request_waiting, setup_short_idle,
+                                      teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
