@@ -53,6 +53,19 @@ typedef enum {
 
 typedef struct conn conn_t;
 
+/*
+ * Obsolete line folding (RFC 9112 section 5.2): llhttp 8 joins a header line that starts with a
+ * blank onto the one before, also in Content-Length, so a folded length frames a body whose bytes a
+ * proxy that reads the fold differently takes for the next request. No lenient flag controls it, so
+ * every request head is scanned before llhttp reads it: a line after the request line that starts
+ * with a space or a tab is refused (400, then the connection closes).
+ */
+typedef struct {
+  uint32_t lines; /* complete lines with text so far; the first is the request line */
+  enum { LINE_START = 0, LINE_CR, LINE_TEXT } at; /* where the current line stands */
+  bool done;                                      /* the empty line ending the head was seen */
+} head_scan_t;
+
 typedef struct {
   uint32_t name, value; /* offsets into the arena */
 } hdr_off_t;
@@ -115,6 +128,7 @@ struct conn {
   } marks[MARKS];
   unsigned n_marks, mark0;
   uint64_t exec_arrived_ns; /* arrival of the byte the parser starts from, 0 = unknown */
+  head_scan_t scan;         /* the head being parsed, for obsolete line folding */
   conn_state_t state;
   int handles_open;
   /* The booleans below are not states of the connection but facts that hold across several of them.
@@ -450,6 +464,7 @@ static void write_done(conn_t *c, int status_ok) {
   }
   llhttp_init(&c->parser, HTTP_REQUEST, &c->srv->settings);
   c->parser.data = c;
+  c->scan = (head_scan_t){0};
   conn_enter(c, CONN_IDLE);
   conn_process(c);
 }
@@ -1055,7 +1070,31 @@ static void conn_fail(conn_t *c, int err, const char *msg) {
 }
 
 /* Parse data; returns how many bytes were consumed (the rest waits for the current request). */
+/* Scan the next bytes of a request head (head_scan_t); true when a line is folded. Stops at the
+ * empty line that ends the head; lines ending in a bare LF count as lines, as llhttp reads them. */
+static bool head_folded(head_scan_t *hs, const char *p, size_t n) {
+  for (size_t i = 0; i < n && !hs->done; i++) {
+    char ch = p[i];
+    if (ch == '\n') {
+      if (hs->at == LINE_TEXT)
+        hs->lines++;
+      else if (hs->lines > 0)
+        hs->done = true; /* empty lines before the request line are skipped, as llhttp does */
+      hs->at = LINE_START;
+    } else if (hs->at == LINE_START && (ch == ' ' || ch == '\t') && hs->lines > 0) {
+      return true;
+    } else {
+      hs->at = ch == '\r' && hs->at == LINE_START ? LINE_CR : LINE_TEXT;
+    }
+  }
+  return false;
+}
+
 static size_t conn_execute(conn_t *c, const char *data, size_t len) {
+  if ((c->state == CONN_IDLE || c->state == CONN_HEAD) && head_folded(&c->scan, data, len)) {
+    conn_fail(c, DSV4_EINVAL, "malformed request: obsolete line folding in a header");
+    return len;
+  }
   llhttp_errno_t e = llhttp_execute(&c->parser, data, len);
   if (e == HPE_OK)
     return len;

@@ -846,6 +846,78 @@ static void test_malformed(void **state) {
   assert_int_equal(atomic_load(&handler_calls), 0);
 }
 
+/* Sends raw, expects one 400 bad_request marked Connection: close and then the end of the
+ * connection: nothing after the fold may be answered, whatever it holds. */
+static void expect_fold_refused(const char *raw, size_t split) {
+  client_t *c = client_new();
+  resp_t r;
+  if (split) {
+    send_str(c, raw, split);
+    usleep(30000);
+  }
+  send_s(c, raw + split);
+  assert_int_equal(read_response(c, &r, 0), 400);
+  assert_non_null(strstr(r.body, "\"code\":\"bad_request\""));
+  assert_non_null(strstr(r.body, "folding"));
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(c);
+  client_free(c);
+}
+
+/* Obsolete line folding (RFC 9112 §5.2) is refused in every header, framing or not, and the
+ * connection closes: a Content-Length folded onto its next line must not frame a body whose bytes
+ * then pass for a request of their own (request smuggling). */
+static void test_obs_fold(void **state) {
+  (void)state;
+  /* Content-Length's value folded onto the next line; the "body" holds a request of its own. */
+  expect_fold_refused("POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n"
+                      "Content-Length:\r\n 10\r\n\r\n0123456789"
+                      "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+                      "\r\nX-Id: hidden\r\n\r\n",
+                      0);
+  /* A GET whose Content-Length is folded onto a tab and 0, with a request pipelined behind it. */
+  expect_fold_refused("GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n"
+                      "Content-Length:\r\n\t0\r\n\r\n"
+                      "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+                      "\r\nX-Id: second\r\n\r\n",
+                      0);
+  /* An ordinary header folded after a value, and a continuation line of nothing but a blank. */
+  expect_fold_refused(
+      "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: a\r\n b\r\n\r\n", 0);
+  expect_fold_refused("GET /public HTTP/1.1\r\nX-Id: a\r\n \r\n\r\n", 0);
+  /* A fold whose line break and blank arrive in different reads. */
+  static const char split_fold[] = "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n"
+                                   "Content-Length:\r\n 4\r\n\r\nabcd";
+  expect_fold_refused(split_fold, (size_t)(strstr(split_fold, " 4") - split_fold));
+  /* The first request of a pipeline is answered; the folded one behind it is not, nor the third. */
+  client_t *c = client_new();
+  resp_t r;
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: first\r\n\r\n"
+            "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: x\r\n\ty\r\n\r\n"
+            "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: third\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "id=first"));
+  assert_int_equal(read_response(c, &r, 0), 400);
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(c);
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 1);
+
+  /* Blanks inside a value, and a CR LF followed by a blank inside a body, are not folding. */
+  c = client_new();
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: a b\tc\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=a b\tc path=/imm"));
+  send_s(c, "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: crlf\r\n"
+            "Content-Length: 3\r\n\r\n\r\n ");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  get(c, "/imm", "after");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=after"));
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 4);
+}
+
 static void do_block(void *arg) {
   usleep((useconds_t)(uintptr_t)arg);
 }
@@ -978,6 +1050,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_timeouts, setup, teardown),
       cmocka_unit_test_setup_teardown(test_http10_head_204_503, setup, teardown),
       cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_obs_fold, setup, teardown),
       cmocka_unit_test_setup_teardown(test_idle_timer_with_request_waiting, setup_short_idle,
                                       teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
