@@ -1,13 +1,17 @@
 #include "http.h"
 
 #include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <llhttp.h>
 
@@ -27,6 +31,11 @@
  * response before the client reads it (nginx's lingering close). */
 #define LINGER_MS 1000
 #define DEFAULT_MAX_HEADER ((size_t)64 * 1024)
+/* Connections accepted per readiness of the listener, so that one burst does not starve the rest.
+ */
+#define ACCEPT_BATCH 64
+/* Descriptors max_connections' default leaves for everything else (dsv4_server_default_...). */
+#define FD_RESERVE 64
 
 /*
  * Where a connection is. Exactly one state holds at a time and conn_enter() makes every change,
@@ -156,13 +165,29 @@ struct conn {
   char peer[64];
 };
 
+/* Why new connections are being refused, if they are: an episode lasts while refusals keep coming.
+ */
+typedef enum { REFUSING_NONE = 0, REFUSING_LIMIT, REFUSING_FDS } refusing_t;
+
+/* A whole 503 too_many_connections answer, built once: it goes out before any request is read. */
+typedef struct {
+  char *text;
+  size_t len;
+} refusal_t;
+
 struct dsv4_server {
-  uv_tcp_t listener;
-  uv_timer_t sentinel; /* never started: closing it guarantees dsv4_server_close a callback */
+  /* The listening socket is ours, not a uv_tcp_t: libuv meets EMFILE on accept by accepting and
+   * closing every waiting connection with no word to its user, and this layer must count, log and
+   * answer those. */
+  uv_poll_t listener;
+  int listen_fd;
+  int spare_fd; /* held so that at the descriptor limit a connection can still be taken and told */
+  uv_timer_t
+      retry; /* restarts accepting after a pause; closing it also guarantees a close callback */
   uv_loop_t *loop;
   char *host, *token, *name;
   char instance[40];
-  size_t max_header_bytes;
+  size_t max_header_bytes, max_connections;
   uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;
   dsv4_route_t *routes;
   size_t n_routes;
@@ -170,10 +195,14 @@ struct dsv4_server {
   conn_t *conns;
   size_t n_conns;
   int port;
-  int listener_open, sentinel_open, draining, closing;
+  int listener_open, retry_open, draining, closing;
+  refusing_t refusing;
+  uint64_t refused_in_episode, episode_start_ms, last_refusal_ms;
+  refusal_t refusal_limit, refusal_fds;
   void (*close_cb)(void *);
   void *close_arg;
-  dsv4_metric_t *requests_total;
+  dsv4_metric_t *requests_total, *rejected_total;
+  dsv4_series_t *connections;
   void (*on_complete)(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
   void *on_complete_arg;
 };
@@ -429,6 +458,18 @@ static void req_record(req_t *r, int status, int written) {
   dsv4_log(level, "request", f);
 }
 
+/* After an answer that closes the connection: shut down our side and drain what the client still
+ * sends until it closes or LINGER_MS passes. */
+static void conn_linger(conn_t *c) {
+  c->rbuf_off = c->rbuf_len = 0;
+  if (uv_shutdown(&c->sreq, &c->io.stream, NULL) != 0) {
+    conn_close(c);
+    return;
+  }
+  conn_enter(c, CONN_LINGERING);
+  conn_update_reading(c);
+}
+
 static void write_done(conn_t *c, int status_ok) {
   req_t *r = c->req;
   void (*release)(void *) = c->wrelease;
@@ -452,14 +493,7 @@ static void write_done(conn_t *c, int status_ok) {
     return;
   }
   if (!keep) {
-    /* Shut down our side and drain what the client still sends until it closes or LINGER_MS. */
-    c->rbuf_off = c->rbuf_len = 0;
-    if (uv_shutdown(&c->sreq, &c->io.stream, NULL) != 0) {
-      conn_close(c);
-      return;
-    }
-    conn_enter(c, CONN_LINGERING);
-    conn_update_reading(c);
+    conn_linger(c);
     return;
   }
   llhttp_init(&c->parser, HTTP_REQUEST, &c->srv->settings);
@@ -1274,6 +1308,7 @@ static void on_conn_handle_closed(uv_handle_t *h) {
   if (c->next)
     c->next->prev = c->prev;
   s->n_conns--;
+  dsv4_series_add(s->connections, -1);
   /* A streamed answer abandoned between pieces leaves its head here (write_done frees it else). */
   free(c->whdr);
   free(c->wbufs);
@@ -1326,6 +1361,7 @@ static void conn_link(dsv4_server_t *s, conn_t *c, int handles_open) {
     s->conns->prev = c;
   s->conns = c;
   s->n_conns++;
+  dsv4_series_add(s->connections, 1);
 }
 
 /* A connection whose stream could not be set up: close and free it through the usual path. */
@@ -1335,6 +1371,57 @@ static void conn_abandon(dsv4_server_t *s, conn_t *c) {
   uv_close(&c->io.handle, on_conn_handle_closed);
 }
 
+/* An episode of refusals ends at the first connection taken this long after the last refusal, so a
+ * daemon that hovers at its limit logs once, not at every connection that comes and goes. */
+#define REFUSAL_QUIET_MS 10000
+
+/* n connections were refused for why: count them, and log when an episode of refusals begins. */
+static void refused(dsv4_server_t *s, refusing_t why, uint64_t n) {
+  const char *reason = why == REFUSING_LIMIT ? "max_connections" : "fd_limit";
+  dsv4_metric_add(s->rejected_total, &reason, (double)n);
+  uint64_t now = uv_now(s->loop);
+  if (s->refusing != why) {
+    struct rlimit rl;
+    uint64_t limit = s->max_connections;
+    if (why == REFUSING_FDS)
+      limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (uint64_t)rl.rlim_cur : 0;
+    dsv4_logp(DSV4_LOG_WARN, "refusing connections", "{s:s,s:s,s:I,s:I}", "listener", s->name,
+              "reason", reason, why == REFUSING_LIMIT ? "max_connections" : "rlimit_nofile",
+              (json_int_t)limit, "connections", (json_int_t)s->n_conns);
+    s->refusing = why;
+    s->refused_in_episode = 0;
+    s->episode_start_ms = now;
+  }
+  s->refused_in_episode += n;
+  s->last_refusal_ms = now;
+}
+
+/* A connection is being served: an episode of refusals that has gone quiet is over. */
+static void accepting(dsv4_server_t *s) {
+  uint64_t now = uv_now(s->loop);
+  if (s->refusing == REFUSING_NONE || now - s->last_refusal_ms < REFUSAL_QUIET_MS)
+    return;
+  dsv4_logp(DSV4_LOG_INFO, "accepting connections again", "{s:s,s:s,s:I,s:I}", "listener", s->name,
+            "reason", s->refusing == REFUSING_LIMIT ? "max_connections" : "fd_limit", "refused",
+            (json_int_t)s->refused_in_episode, "episode_ms",
+            (json_int_t)(s->last_refusal_ms - s->episode_start_ms));
+  s->refusing = REFUSING_NONE;
+}
+
+/* Answer 503 too_many_connections at once, without reading a request, and close the way every
+ * closing answer does (lingering), so that the client reads the answer rather than a reset. */
+static void conn_refuse(conn_t *c) {
+  const refusal_t *a = &c->srv->refusal_limit;
+  uv_buf_t b = uv_buf_init(a->text, (unsigned)a->len);
+  refused(c->srv, REFUSING_LIMIT, 1);
+  /* A fresh socket's send buffer takes a few hundred bytes whole. */
+  if (uv_try_write(&c->io.stream, &b, 1) != (int)a->len) {
+    conn_close(c);
+    return;
+  }
+  conn_linger(c);
+}
+
 static void conn_start(dsv4_server_t *s, conn_t *c) {
   uv_timer_init(s->loop, &c->timer);
   conn_link(s, c, 2);
@@ -1342,42 +1429,120 @@ static void conn_start(dsv4_server_t *s, conn_t *c) {
     conn_close(c);
     return;
   }
+  if (s->max_connections && s->n_conns > s->max_connections) {
+    conn_refuse(c);
+    return;
+  }
+  accepting(s);
   conn_enter(c, CONN_IDLE);
   conn_update_reading(c);
 }
 
-static void on_connection(uv_stream_t *ls, int status) {
-  dsv4_server_t *s = ls->data;
-  if (status < 0)
-    return;
+static void peer_name(conn_t *c, const struct sockaddr_storage *peer) {
+  char ip[INET6_ADDRSTRLEN] = "?";
+  if (peer->ss_family == AF_INET6) {
+    const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)peer;
+    uv_ip6_name(a, ip, sizeof(ip));
+    snprintf(c->peer, sizeof(c->peer), "[%s]:%d", ip, ntohs(a->sin6_port));
+  } else if (peer->ss_family == AF_INET) {
+    const struct sockaddr_in *a = (const struct sockaddr_in *)peer;
+    uv_ip4_name(a, ip, sizeof(ip));
+    snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, ntohs(a->sin_port));
+  }
+}
+
+/* Serve a socket accept4 returned (non-blocking already). */
+static void serve_accepted(dsv4_server_t *s, int fd, const struct sockaddr_storage *peer) {
   conn_t *c = conn_new(s);
-  if (!c)
+  if (!c) {
+    close(fd);
     return;
+  }
   uv_tcp_init(s->loop, &c->io.tcp);
   c->io.handle.data = c;
-  if (uv_accept(ls, &c->io.stream) != 0) {
-    /* Nothing was accepted; the handle is closed and freed alone. */
+  if (uv_tcp_open(&c->io.tcp, fd) != 0) {
+    close(fd); /* the handle never owned it */
     conn_abandon(s, c);
     return;
   }
   uv_tcp_nodelay(&c->io.tcp, 1);
-  {
-    struct sockaddr_storage peer;
-    int len = sizeof(peer);
-    char ip[INET6_ADDRSTRLEN] = "?";
-    if (uv_tcp_getpeername(&c->io.tcp, (struct sockaddr *)&peer, &len) == 0) {
-      if (peer.ss_family == AF_INET6) {
-        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&peer;
-        uv_ip6_name(a, ip, sizeof(ip));
-        snprintf(c->peer, sizeof(c->peer), "[%s]:%d", ip, ntohs(a->sin6_port));
-      } else {
-        const struct sockaddr_in *a = (const struct sockaddr_in *)&peer;
-        uv_ip4_name(a, ip, sizeof(ip));
-        snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, ntohs(a->sin_port));
-      }
-    }
-  }
+  peer_name(c, peer);
   conn_start(s, c);
+}
+
+static void on_listener_readable(uv_poll_t *p, int status, int events);
+
+static void on_retry(uv_timer_t *t) {
+  dsv4_server_t *s = t->data;
+  if (s->listener_open == 1)
+    uv_poll_start(&s->listener, UV_READABLE, on_listener_readable);
+}
+
+/* Stop accepting for a while: waiting connections stay in the kernel's queue (not reset), and the
+ * loop does not spin on a listener it cannot empty. */
+#define ACCEPT_PAUSE_MS 100
+
+static void accept_pause(dsv4_server_t *s) {
+  uv_poll_stop(&s->listener);
+  uv_timer_start(&s->retry, on_retry, ACCEPT_PAUSE_MS, 0);
+}
+
+/*
+ * accept4 failed with EMFILE or ENFILE. Each waiting connection is taken with the descriptor the
+ * spare frees, told 503 too_many_connections as far as one non-blocking send goes, and closed at
+ * once (there is no descriptor to linger with, so a request the client already sent may turn the
+ * close into a reset). Without a spare (another thread took the freed one) accepting pauses.
+ */
+static void refuse_at_fd_limit(dsv4_server_t *s) {
+  if (s->spare_fd < 0)
+    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (s->spare_fd < 0) {
+    refused(s, REFUSING_FDS, 0);
+    accept_pause(s);
+    return;
+  }
+  close(s->spare_fd);
+  s->spare_fd = -1;
+  uint64_t n = 0;
+  for (int i = 0; i < ACCEPT_BATCH; i++) {
+    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0 && (errno == EINTR || errno == ECONNABORTED))
+      continue;
+    if (fd < 0)
+      break;
+    ssize_t k = send(fd, s->refusal_fds.text, s->refusal_fds.len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)k; /* best effort: the count and the log line do not depend on it */
+    close(fd);
+    n++;
+  }
+  refused(s, REFUSING_FDS, n);
+  s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
+static void on_listener_readable(uv_poll_t *p, int status, int events) {
+  dsv4_server_t *s = p->data;
+  (void)events;
+  if (status < 0) {
+    accept_pause(s);
+    return;
+  }
+  /* A batch at a time: the listener stays readable (level-triggered) while more wait. */
+  for (int i = 0; i < ACCEPT_BATCH && s->listener_open == 1; i++) {
+    struct sockaddr_storage peer;
+    socklen_t len = sizeof(peer);
+    int fd = accept4(s->listen_fd, (struct sockaddr *)&peer, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0) {
+      serve_accepted(s, fd, &peer);
+      continue;
+    }
+    if (errno == EINTR || errno == ECONNABORTED)
+      continue;
+    if (errno == EMFILE || errno == ENFILE)
+      refuse_at_fd_limit(s);
+    else if (errno != EAGAIN && errno != EWOULDBLOCK)
+      accept_pause(s); /* ENOBUFS, ENOMEM: the kernel is short; try again shortly */
+    return;
+  }
 }
 
 int dsv4__server_adopt_fd(dsv4_server_t *s, int fd) {
@@ -1397,6 +1562,10 @@ int dsv4__server_adopt_fd(dsv4_server_t *s, int fd) {
 /* ---- the server ----------------------------------------------------------------------------- */
 
 static void server_free(dsv4_server_t *s) {
+  if (s->spare_fd >= 0)
+    close(s->spare_fd);
+  free(s->refusal_limit.text);
+  free(s->refusal_fds.text);
   free(s->host);
   free(s->token);
   free(s->name);
@@ -1405,7 +1574,7 @@ static void server_free(dsv4_server_t *s) {
 }
 
 static void server_maybe_done(dsv4_server_t *s) {
-  if (!s->closing || s->listener_open || s->sentinel_open || s->n_conns > 0)
+  if (!s->closing || s->listener_open || s->retry_open || s->n_conns > 0)
     return;
   void (*cb)(void *) = s->close_cb;
   void *arg = s->close_arg;
@@ -1420,9 +1589,9 @@ static void on_listener_closed(uv_handle_t *h) {
   server_maybe_done(s);
 }
 
-static void on_sentinel_closed(uv_handle_t *h) {
+static void on_retry_closed(uv_handle_t *h) {
   dsv4_server_t *s = h->data;
-  s->sentinel_open = 0;
+  s->retry_open = 0;
   server_maybe_done(s);
 }
 
@@ -1430,7 +1599,130 @@ static void close_listener(dsv4_server_t *s) {
   if (s->listener_open == 1) {
     s->listener_open = 2; /* closing */
     uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+    /* A socket may be closed as soon as its poll handle is closing (libuv's uv_poll docs). */
+    close(s->listen_fd);
+    s->listen_fd = -1;
+    uv_timer_stop(&s->retry);
   }
+}
+
+size_t dsv4_server_default_max_connections(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
+    return 0;
+  size_t n = (size_t)rl.rlim_cur;
+  size_t reserve = n / 2 < FD_RESERVE ? n / 2 : FD_RESERVE;
+  return n - reserve > 0 ? n - reserve : 1;
+}
+
+/* The whole 503 too_many_connections answer with message msg; NULL when out of memory. */
+static char *refusal_text(const dsv4_server_t *s, const char *msg, size_t *len) {
+  json_t *doc =
+      json_pack("{s:{s:s,s:s}}", "error", "code", dsv4_err_code(DSV4_ECONNLIMIT), "message", msg);
+  char *body = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+  json_decref(doc);
+  if (!body)
+    return NULL;
+  static const char fmt[] = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            "Content-Length: %zu\r\nDsv4d-Instance: %s\r\nConnection: close\r\n"
+                            "Retry-After: 1\r\n\r\n%s";
+  int n = snprintf(NULL, 0, fmt, strlen(body), s->instance, body);
+  char *text = n > 0 ? malloc((size_t)n + 1) : NULL;
+  if (text)
+    snprintf(text, (size_t)n + 1, fmt, strlen(body), s->instance, body);
+  free(body);
+  *len = text ? (size_t)n : 0;
+  return text;
+}
+
+/* The metric families this layer records into, and the answers it refuses connections with. */
+static int server_prepare(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
+  dsv4_metrics_t *reg = cfg->metrics ? cfg->metrics : dsv4_metrics_default();
+  static const char *const labels[2] = {"route", "code"};
+  static const char *const reason[1] = {"reason"};
+  dsv4_metric_t *gauge = NULL;
+  if (!reg || dsv4_metrics_counter(reg, "dsv4d_requests_total",
+                                   "HTTP requests answered, by route and status code.", labels, 2,
+                                   &s->requests_total) != 0)
+    return DSV4_ENOMEM;
+  if (dsv4_metrics_gauge(reg, "dsv4d_connections", "Open HTTP connections, every listener.", NULL,
+                         0, &gauge) != 0 ||
+      dsv4_metric_series(gauge, NULL, &s->connections) != 0 ||
+      dsv4_metrics_counter(reg, "dsv4d_connections_rejected_total",
+                           "Connections refused with 503 too_many_connections, by reason.", reason,
+                           1, &s->rejected_total) != 0)
+    return DSV4_ENOMEM;
+  /* Both series exist from the start, so a rate over them is defined before the first refusal. */
+  static const char *const reasons[2] = {"max_connections", "fd_limit"};
+  for (int i = 0; i < 2; i++)
+    dsv4_metric_add(s->rejected_total, &reasons[i], 0);
+  char msg[128];
+  snprintf(msg, sizeof(msg), "this listener serves at most %zu connections at once",
+           s->max_connections);
+  s->refusal_limit.text = refusal_text(s, msg, &s->refusal_limit.len);
+  s->refusal_fds.text =
+      refusal_text(s, "no file descriptor is left for a connection", &s->refusal_fds.len);
+  if (!s->refusal_limit.text || !s->refusal_fds.text)
+    return DSV4_ENOMEM;
+  if (s->max_connections > dsv4_server_default_max_connections() &&
+      dsv4_server_default_max_connections() > 0)
+    dsv4_logp(DSV4_LOG_WARN, "max_connections is above what RLIMIT_NOFILE leaves for connections",
+              "{s:s,s:I,s:I}", "listener", s->name, "max_connections",
+              (json_int_t)s->max_connections, "fd_budget",
+              (json_int_t)dsv4_server_default_max_connections());
+  return 0;
+}
+
+/* A bound, listening, non-blocking socket for host:port; its descriptor, or -errno. */
+static int listen_socket(const struct sockaddr_storage *addr) {
+  int fd = socket(addr->ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return -errno;
+  int one = 1;
+  socklen_t len =
+      addr->ss_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+  /* As libuv's uv_tcp_bind: a restarted daemon binds while old connections sit in TIME_WAIT. */
+  if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+      bind(fd, (const struct sockaddr *)addr, len) != 0 || listen(fd, 511) != 0) {
+    int err = -errno;
+    close(fd);
+    return err;
+  }
+  return fd;
+}
+
+/* Bind and listen on the configured address and start polling for connections. */
+static int server_listen(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
+  struct sockaddr_storage addr;
+  memset(&addr, 0, sizeof(addr));
+  int rc = uv_ip4_addr(s->host, cfg->port, (struct sockaddr_in *)&addr);
+  if (rc != 0)
+    rc = uv_ip6_addr(s->host, cfg->port, (struct sockaddr_in6 *)&addr);
+  if (rc != 0)
+    return DSV4_ECONFIG;
+  int fd = listen_socket(&addr);
+  if (fd >= 0 && (rc = uv_poll_init_socket(s->loop, &s->listener, fd)) != 0) {
+    close(fd);
+    fd = rc;
+  }
+  if (fd < 0) {
+    dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s, s:s, s:i, s:s}", "listener", s->name, "host",
+              s->host, "port", cfg->port, "error", uv_strerror(fd));
+    return DSV4_EIO;
+  }
+  s->listen_fd = fd;
+  s->listener.data = s;
+  s->listener_open = 1;
+  uv_timer_init(s->loop, &s->retry);
+  s->retry.data = s;
+  s->retry_open = 1;
+  uv_poll_start(&s->listener, UV_READABLE, on_listener_readable);
+  struct sockaddr_storage bound;
+  socklen_t len = sizeof(bound);
+  getsockname(fd, (struct sockaddr *)&bound, &len);
+  s->port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
+                                        : ntohs(((struct sockaddr_in *)&bound)->sin_port);
+  return 0;
 }
 
 int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const dsv4_route_t *routes,
@@ -1442,6 +1734,8 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   if (!s)
     return DSV4_ENOMEM;
   s->loop = loop;
+  s->listen_fd = -1;
+  s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   s->host = strdup(cfg->host ? cfg->host : "127.0.0.1");
   s->name = strdup(cfg->name ? cfg->name : "data");
   s->token = cfg->bearer_token && cfg->bearer_token[0] ? strdup(cfg->bearer_token) : NULL;
@@ -1464,20 +1758,17 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
       snprintf(s->instance + 2 * i, 3, "%02x", rnd[i]);
   }
   s->max_header_bytes = cfg->max_header_bytes ? cfg->max_header_bytes : DEFAULT_MAX_HEADER;
+  s->max_connections = cfg->max_connections;
   s->header_timeout_ms = cfg->header_timeout_ms;
   s->body_timeout_ms = cfg->body_timeout_ms;
   s->idle_timeout_ms = cfg->idle_timeout_ms;
   s->write_timeout_ms = cfg->write_timeout_ms;
   s->on_complete = cfg->on_complete;
   s->on_complete_arg = cfg->on_complete_arg;
-
-  dsv4_metrics_t *reg = cfg->metrics ? cfg->metrics : dsv4_metrics_default();
-  static const char *const labels[2] = {"route", "code"};
-  if (!reg || dsv4_metrics_counter(reg, "dsv4d_requests_total",
-                                   "HTTP requests answered, by route and status code.", labels, 2,
-                                   &s->requests_total) != 0) {
+  int rc = server_prepare(s, cfg);
+  if (rc != 0) {
     server_free(s);
-    return DSV4_ENOMEM;
+    return rc;
   }
 
   llhttp_settings_init(&s->settings);
@@ -1492,38 +1783,12 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   s->settings.on_body = on_body;
   s->settings.on_message_complete = on_message_complete;
 
-  struct sockaddr_storage addr;
-  int rc = uv_ip4_addr(s->host, cfg->port, (struct sockaddr_in *)&addr);
-  if (rc != 0)
-    rc = uv_ip6_addr(s->host, cfg->port, (struct sockaddr_in6 *)&addr);
+  /* No handle exists before the socket listens, so a failure frees the server here and now. */
+  rc = server_listen(s, cfg);
   if (rc != 0) {
     server_free(s);
-    return DSV4_ECONFIG;
+    return rc;
   }
-  uv_tcp_init(loop, &s->listener);
-  s->listener.data = s;
-  s->listener_open = 1;
-  uv_timer_init(loop, &s->sentinel);
-  s->sentinel.data = s;
-  s->sentinel_open = 1;
-  rc = uv_tcp_bind(&s->listener, (const struct sockaddr *)&addr, 0);
-  if (rc == 0)
-    rc = uv_listen((uv_stream_t *)&s->listener, 511, on_connection);
-  if (rc != 0) {
-    dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s, s:s, s:i, s:s}", "listener", s->name, "host",
-              s->host, "port", cfg->port, "error", uv_strerror(rc));
-    /* The handle must be closed before the server is freed: close it and let the callback free. */
-    s->closing = 1;
-    close_listener(s);
-    s->sentinel_open = 2;
-    uv_close((uv_handle_t *)&s->sentinel, on_sentinel_closed);
-    return DSV4_EIO;
-  }
-  struct sockaddr_storage bound;
-  int len = sizeof(bound);
-  uv_tcp_getsockname(&s->listener, (struct sockaddr *)&bound, &len);
-  s->port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
-                                        : ntohs(((struct sockaddr_in *)&bound)->sin_port);
   *out = s;
   return 0;
 }
@@ -1556,8 +1821,10 @@ void dsv4_server_close(dsv4_server_t *s, void (*cb)(void *), void *arg) {
   s->close_cb = cb;
   s->close_arg = arg;
   close_listener(s);
-  s->sentinel_open = 2;
-  uv_close((uv_handle_t *)&s->sentinel, on_sentinel_closed);
+  if (s->retry_open == 1) {
+    s->retry_open = 2;
+    uv_close((uv_handle_t *)&s->retry, on_retry_closed);
+  }
   for (conn_t *c = s->conns, *next; c; c = next) {
     next = c->next;
     conn_close(c);

@@ -179,7 +179,8 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
 
 /* One listener with the configuration's limits and timeouts; logs why when it cannot listen. */
 static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int port,
-                     const char *token, const dsv4_route_t *routes, size_t n_routes,
+                     size_t max_connections, const char *token, const dsv4_route_t *routes,
+                     size_t n_routes,
                      void (*on_complete)(const dsv4_req_t *, int, uint64_t, int, void *),
                      dsv4_server_t **out) {
   const dsv4_config_t *cfg = d->cfg;
@@ -187,6 +188,7 @@ static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int p
       .host = host,
       .port = port,
       .max_header_bytes = cfg->max_header_bytes,
+      .max_connections = max_connections,
       .header_timeout_ms = cfg->header_timeout_ms,
       .body_timeout_ms = cfg->body_timeout_ms,
       .idle_timeout_ms = cfg->idle_timeout_ms,
@@ -338,7 +340,10 @@ int main(int argc, char **argv) {
     goto fail;
   }
   n_routes = dsv4_data_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
-  rc = listen_on(d, "data", cfg.host, cfg.port, token, routes, n_routes, NULL, &d->data);
+  /* The admin plane has no limit of its own: its few connections come out of the reserve. */
+  rc = listen_on(d, "data", cfg.host, cfg.port,
+                 cfg.max_connections ? cfg.max_connections : dsv4_server_default_max_connections(),
+                 token, routes, n_routes, NULL, &d->data);
   if (rc) {
     dsv4_executor_stop(&d->ex, NULL, NULL);
     uv_run(&loop, UV_RUN_DEFAULT);
@@ -347,7 +352,7 @@ int main(int argc, char **argv) {
   n_routes = dsv4_admin_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
   d->admin_token = admin_token != NULL;
   d->admin_loopback = dsv4_host_is_loopback(cfg.admin_host);
-  rc = listen_on(d, "admin", cfg.admin_host, cfg.admin_port, admin_token, routes, n_routes,
+  rc = listen_on(d, "admin", cfg.admin_host, cfg.admin_port, 0, admin_token, routes, n_routes,
                  dsv4_admin_audit, &d->admin);
   if (rc) {
     dsv4_server_close(d->data, NULL, NULL);

@@ -18,8 +18,8 @@ from dsv4_harness import Batch, Daemon, Seg, check, check_eq, expect_error  # no
 STARTUP_LIMIT_S = float(os.environ.get("DSV4_IT_STARTUP_LIMIT", "1.0"))
 FLAGS = ("--host", "--port", "--backend", "--threads", "--block-size", "--kv-blocks", "--heads",
          "--layers", "--kv-norm", "--max-batch-tokens", "--max-segments", "--max-header-bytes",
-         "--max-body-bytes", "--queue-depth", "--sequence-idle-timeout-s", "--implicit-create",
-         "--header-timeout-ms", "--body-timeout-ms", "--idle-timeout-ms", "--drain-timeout-ms",
+         "--max-body-bytes", "--max-connections", "--queue-depth", "--sequence-idle-timeout-s",
+         "--implicit-create", "--header-timeout-ms", "--body-timeout-ms", "--idle-timeout-ms", "--drain-timeout-ms",
          "--model-config", "--api-token-file", "--config")
 
 

@@ -250,6 +250,7 @@ static void *loop_main(void *arg) {
 
 /* What a test's setup changes in the server's configuration (0 = the default below). */
 static uint64_t cfg_idle_timeout_ms;
+static size_t cfg_max_connections;
 
 static void do_create(void *arg) {
   (void)arg;
@@ -269,6 +270,7 @@ static void do_create(void *arg) {
   };
   if (cfg_idle_timeout_ms)
     cfg.idle_timeout_ms = cfg_idle_timeout_ms;
+  cfg.max_connections = cfg_max_connections;
   assert_int_equal(
       dsv4_server_create(&loop, &cfg, routes, sizeof(routes) / sizeof(routes[0]), &srv), 0);
   port = dsv4_server_port(srv);
@@ -327,9 +329,15 @@ static int setup_short_idle(void **state) {
   return setup(state);
 }
 
+static int setup_two_connections(void **state) {
+  cfg_max_connections = 2;
+  return setup(state);
+}
+
 static int teardown(void **state) {
   (void)state;
   cfg_idle_timeout_ms = 0;
+  cfg_max_connections = 0;
   on_loop(do_close, NULL);
   pthread_join(loop_thread, NULL);
   assert_int_equal(atomic_load(&server_closed), 1);
@@ -950,6 +958,67 @@ static void test_idle_timer_with_request_waiting(void **state) {
   client_free(c);
 }
 
+/* How many lines of the log so far hold both a and b. */
+static int log_lines_with(const char *a, const char *b) {
+  static char text[1 << 16];
+  ssize_t n = pread(log_fd, text, sizeof(text) - 1, 0);
+  int count = 0;
+  text[n > 0 ? n : 0] = 0;
+  for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"))
+    count += strstr(line, a) && strstr(line, b);
+  return count;
+}
+
+static double metric_value(const char *series) {
+  char *text;
+  size_t len;
+  assert_int_equal(dsv4_metrics_render(registry, &text, &len), 0);
+  const char *p = strstr(text, series);
+  double v = p ? strtod(p + strlen(series), NULL) : -1;
+  free(text);
+  return v;
+}
+
+/* Past max_connections a new connection is answered 503 too_many_connections and closed before any
+ * request is read; the refusals are counted, logged once, and a freed slot serves again. */
+static void test_max_connections(void **state) {
+  (void)state;
+  client_t *a = client_new(), *b = client_new();
+  resp_t r;
+  get(a, "/imm", "a");
+  assert_int_equal(read_response(a, &r, 0), 200);
+  get(b, "/imm", "b");
+  assert_int_equal(read_response(b, &r, 0), 200);
+  for (int i = 0; i < 3; i++) {
+    client_t *c = client_new();
+    assert_int_equal(read_response(c, &r, 0), 503);
+    assert_non_null(strstr(r.body, "{\"error\":{\"code\":\"too_many_connections\""));
+    assert_non_null(strstr(r.body, "at most 2 connections"));
+    assert_string_equal(header(&r, "Connection"), "close");
+    assert_string_equal(header(&r, "Retry-After"), "1");
+    assert_string_equal(header(&r, "Dsv4d-Instance"), INSTANCE);
+    expect_eof(c);
+    client_free(c);
+  }
+  wait_connections(2);
+  assert_true(metric_value("dsv4d_connections_rejected_total{reason=\"max_connections\"} ") == 3);
+  assert_true(metric_value("dsv4d_connections_rejected_total{reason=\"fd_limit\"} ") == 0);
+  assert_true(metric_value("\ndsv4d_connections ") == 2);
+  assert_int_equal(log_lines_with("\"refusing connections\"", "\"reason\":\"max_connections\""), 1);
+  /* Refusals are not requests: no handler ran, nothing was counted per route. */
+  assert_int_equal(atomic_load(&handler_calls), 2);
+  assert_true(metric_value("dsv4d_requests_total{route=\"none\",code=\"503\"} ") < 0);
+  client_free(a);
+  wait_connections(1);
+  client_t *c = client_new();
+  get(c, "/imm", "c");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  client_free(c);
+  client_free(b);
+  wait_connections(0);
+  assert_true(metric_value("\ndsv4d_connections ") == 0);
+}
+
 static void test_drain(void **state) {
   (void)state;
   client_t *idle = client_new();
@@ -1053,6 +1122,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_obs_fold, setup, teardown),
       cmocka_unit_test_setup_teardown(test_idle_timer_with_request_waiting, setup_short_idle,
                                       teardown),
+      cmocka_unit_test_setup_teardown(test_max_connections, setup_two_connections, teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
