@@ -30,9 +30,13 @@
  * most this long, so unread request bytes do not turn the close into a reset that destroys the
  * response before the client reads it (nginx's lingering close). */
 #define LINGER_MS 1000
+/* While the server drains, an idle keep-alive connection waits this long (at most) for its next
+ * request before it closes: a client in the middle of a run of requests sends the next one within
+ * a round trip of reading an answer, and a connection idle longer is a pooled one whose client
+ * must expect it to close, as at idle_timeout_ms. */
+#define DRAIN_IDLE_MS 1000
 #define DEFAULT_MAX_HEADER ((size_t)64 * 1024)
-/* Connections accepted per readiness of the listener, so that one burst does not starve the rest.
- */
+/* Connections taken per readiness of the listener, so that a burst does not starve the rest. */
 #define ACCEPT_BATCH 64
 /* Descriptors max_connections' default leaves for everything else (dsv4_server_default_...). */
 #define FD_RESERVE 64
@@ -311,7 +315,7 @@ static void conn_enter(conn_t *c, conn_state_t state) {
   uint64_t ms = 0;
   switch (state) {
   case CONN_IDLE:
-    ms = s->idle_timeout_ms;
+    ms = s->draining && s->idle_timeout_ms > DRAIN_IDLE_MS ? DRAIN_IDLE_MS : s->idle_timeout_ms;
     break;
   case CONN_HEAD:
     ms = s->header_timeout_ms;
@@ -341,18 +345,21 @@ static void conn_enter(conn_t *c, conn_state_t state) {
 
 static void conn_fail(conn_t *c, int err, const char *msg);
 
-/* Whether the connection stays open after the current answer. While the server drains, only to
- * answer requests whose bytes already arrived (pipelined; a forward among them gets 503 draining,
- * which tells a gateway it was never applied) rather than drop them with the connection. */
-static int conn_keeps(const conn_t *c, int keep_alive) {
-  return keep_alive && !c->peer_eof && (!c->srv->draining || c->rbuf_off < c->rbuf_len);
-}
-
 /* Whether bytes (not only an EOF) wait in the socket, unread. */
 static bool conn_input_waiting(const conn_t *c) {
   uv_os_fd_t fd;
   char b;
   return uv_fileno(&c->io.handle, &fd) == 0 && recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+}
+
+/* Whether the connection stays open after the answer now being made; the answer says so, and that
+ * decision holds once it is sent. While the server drains, only when bytes of a further request
+ * have arrived (buffered or still in the socket), so that a request already sent is answered (a
+ * forward with 503 draining, which tells a gateway it was never applied) rather than cut off. */
+static int conn_keeps(const conn_t *c, int keep_alive) {
+  if (!keep_alive || c->peer_eof)
+    return 0;
+  return !c->srv->draining || c->rbuf_off < c->rbuf_len || conn_input_waiting(c);
 }
 
 static void on_timer(uv_timer_t *t) {
@@ -482,7 +489,9 @@ static void write_done(conn_t *c, int status_ok) {
   c->wbufs = NULL;
   if (release)
     release(arg);
-  int keep = r && conn_keeps(c, r->keep_alive);
+  /* What the answer announced, not a new decision: a client told keep-alive may already be sending
+   * its next request (the server may have begun to drain since). Only its leaving ends it. */
+  int keep = r && r->keep_alive && !c->peer_eof;
   c->req = NULL;
   if (r)
     req_free(r);
@@ -1124,24 +1133,43 @@ static bool head_folded(head_scan_t *hs, const char *p, size_t n) {
   return false;
 }
 
-static size_t conn_execute(conn_t *c, const char *data, size_t len) {
+typedef enum {
+  PARSED_MORE,     /* every byte taken; the request, if one began, is still arriving */
+  PARSED_REQUEST,  /* a request is complete; the bytes after it wait for its answer */
+  PARSED_MALFORMED /* the request cannot go on; every byte counts as taken */
+} parsed_t;
+
+/* Parse data into the current request; *used is how many bytes it took, *why says what was
+ * malformed. Nothing is answered here: the caller first accounts for the bytes, so that an answer
+ * knows whether more requests are buffered behind this one. */
+static parsed_t conn_parse(conn_t *c, const char *data, size_t len, size_t *used,
+                           const char **why) {
+  *used = len;
   if ((c->state == CONN_IDLE || c->state == CONN_HEAD) && head_folded(&c->scan, data, len)) {
-    conn_fail(c, DSV4_EINVAL, "malformed request: obsolete line folding in a header");
-    return len;
+    *why = "obsolete line folding in a header";
+    return PARSED_MALFORMED;
   }
   llhttp_errno_t e = llhttp_execute(&c->parser, data, len);
   if (e == HPE_OK)
-    return len;
+    return PARSED_MORE;
   if (e == HPE_PAUSED) {
-    size_t used = (size_t)(llhttp_get_error_pos(&c->parser) - data);
+    *used = (size_t)(llhttp_get_error_pos(&c->parser) - data);
     llhttp_resume(&c->parser);
-    dispatch(c);
-    return used;
+    return PARSED_REQUEST;
   }
-  char msg[96];
-  snprintf(msg, sizeof(msg), "malformed request: %s", llhttp_get_error_reason(&c->parser));
-  conn_fail(c, DSV4_EINVAL, msg);
-  return len;
+  *why = llhttp_get_error_reason(&c->parser);
+  return PARSED_MALFORMED;
+}
+
+/* Act on what conn_parse found: hand a complete request over, or answer a malformed one. */
+static void conn_parsed(conn_t *c, parsed_t p, const char *why) {
+  if (p == PARSED_REQUEST) {
+    dispatch(c);
+  } else if (p == PARSED_MALFORMED) {
+    char msg[96];
+    snprintf(msg, sizeof(msg), "malformed request: %s", why);
+    conn_fail(c, DSV4_EINVAL, msg);
+  }
 }
 
 /* The arrival time of rbuf[rbuf_off]: the latest read that began at or before it (or, when that
@@ -1172,10 +1200,13 @@ static void conn_process(conn_t *c) {
   /* Only between answers: a pipelined request waits in rbuf until the one before it is answered. */
   while ((c->state == CONN_IDLE || c->state == CONN_HEAD || c->state == CONN_BODY) &&
          c->rbuf_off < c->rbuf_len) {
+    size_t used;
+    const char *why = NULL;
     c->exec_arrived_ns = rbuf_arrival(c);
-    size_t used = conn_execute(c, c->rbuf + c->rbuf_off, c->rbuf_len - c->rbuf_off);
-    c->exec_arrived_ns = 0;
+    parsed_t p = conn_parse(c, c->rbuf + c->rbuf_off, c->rbuf_len - c->rbuf_off, &used, &why);
     c->rbuf_off += used;
+    conn_parsed(c, p, why);
+    c->exec_arrived_ns = 0;
   }
   if (c->rbuf_off == c->rbuf_len)
     c->rbuf_off = c->rbuf_len = 0;
@@ -1247,8 +1278,10 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   }
   if (c->read_into_body) {
     c->read_into_body = false;
-    size_t used = conn_execute(c, buf->base, (size_t)nread);
-    (void)used;
+    size_t used; /* all of it: on_alloc offered no more than the body still missing */
+    const char *why = NULL;
+    parsed_t p = conn_parse(c, buf->base, (size_t)nread, &used, &why);
+    conn_parsed(c, p, why);
     conn_process(c);
     return;
   }
@@ -1425,7 +1458,7 @@ static void conn_refuse(conn_t *c) {
 static void conn_start(dsv4_server_t *s, conn_t *c) {
   uv_timer_init(s->loop, &c->timer);
   conn_link(s, c, 2);
-  if (s->draining || s->closing) {
+  if (s->closing) {
     conn_close(c);
     return;
   }
@@ -1519,14 +1552,8 @@ static void refuse_at_fd_limit(dsv4_server_t *s) {
   s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 }
 
-static void on_listener_readable(uv_poll_t *p, int status, int events) {
-  dsv4_server_t *s = p->data;
-  (void)events;
-  if (status < 0) {
-    accept_pause(s);
-    return;
-  }
-  /* A batch at a time: the listener stays readable (level-triggered) while more wait. */
+/* Take up to ACCEPT_BATCH waiting connections; true when the batch was full (more may wait). */
+static bool accept_batch(dsv4_server_t *s) {
   for (int i = 0; i < ACCEPT_BATCH && s->listener_open == 1; i++) {
     struct sockaddr_storage peer;
     socklen_t len = sizeof(peer);
@@ -1541,8 +1568,18 @@ static void on_listener_readable(uv_poll_t *p, int status, int events) {
       refuse_at_fd_limit(s);
     else if (errno != EAGAIN && errno != EWOULDBLOCK)
       accept_pause(s); /* ENOBUFS, ENOMEM: the kernel is short; try again shortly */
-    return;
+    return false;
   }
+  return s->listener_open == 1;
+}
+
+static void on_listener_readable(uv_poll_t *p, int status, int events) {
+  dsv4_server_t *s = p->data;
+  (void)events;
+  if (status < 0)
+    accept_pause(s);
+  else
+    accept_batch(s); /* a batch at a time: the listener stays readable while more wait */
 }
 
 int dsv4__server_adopt_fd(dsv4_server_t *s, int fd) {
@@ -1805,13 +1842,17 @@ void dsv4_server_drain(dsv4_server_t *s) {
   if (s->draining || s->closing)
     return;
   s->draining = 1;
+  /* Connections the kernel has completed but this layer not yet taken would be reset with the
+   * listening socket, requests and all: take them first; their first answer says close. */
+  if (s->listener_open == 1)
+    while (accept_batch(s))
+      ;
   close_listener(s);
-  for (conn_t *c = s->conns, *next; c; c = next) {
-    next = c->next;
-    int idle = (c->state == CONN_IDLE || c->state == CONN_LINGERING) && c->rbuf_off == c->rbuf_len;
-    if (idle)
-      conn_close(c);
-  }
+  /* No connection closes here: an idle one may have a request on its way. Re-entering the idle
+   * state shortens its wait to DRAIN_IDLE_MS; every other one closes after its next answer. */
+  for (conn_t *c = s->conns; c; c = c->next)
+    if (c->state == CONN_IDLE)
+      conn_enter(c, CONN_IDLE);
 }
 
 void dsv4_server_close(dsv4_server_t *s, void (*cb)(void *), void *arg) {

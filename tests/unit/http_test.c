@@ -1019,28 +1019,74 @@ static void test_max_connections(void **state) {
   assert_true(metric_value("\ndsv4d_connections ") == 0);
 }
 
+/* SIGTERM's drain: nothing new is accepted and no connection is cut under a request. An idle one
+ * gets up to a second for its next request, which is answered with Connection: close; one whose
+ * request is with its handler is answered, marked close, and closed. */
 static void test_drain(void **state) {
   (void)state;
-  client_t *idle = client_new();
+  client_t *idle = client_new(), *late = client_new();
   resp_t r;
   get(idle, "/imm", "i");
   assert_int_equal(read_response(idle, &r, 0), 200);
+  get(late, "/imm", "l");
+  assert_int_equal(read_response(late, &r, 0), 200);
   client_t *busy = client_new();
   get(busy, "/defer?ms=300", "d");
   usleep(50000);
-  assert_int_equal(server_connections(), 2);
+  assert_int_equal(server_connections(), 3);
+  double t0 = now_s();
   on_loop(do_drain, NULL);
-  /* The idle connection closes now; the busy one gets its answer, marked close, then closes. */
-  expect_eof(idle);
+  /* Nothing new is accepted. */
+  assert_int_equal(dial(), -1);
+  usleep(100000);
+  get(late, "/imm", "late");
+  assert_int_equal(read_response(late, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=late"));
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(late);
   assert_int_equal(read_response(busy, &r, 0), 200);
   assert_memory_equal(r.body, "defer id=d|tail", r.body_len);
   assert_string_equal(header(&r, "Connection"), "close");
   expect_eof(busy);
-  /* Nothing new is accepted. */
-  assert_int_equal(dial(), -1);
+  /* The idle one closes after the drain's idle wait (1 s), well before idle_timeout_ms (3 s). */
+  expect_eof(idle);
+  double dt = now_s() - t0;
+  assert_true(dt > 0.9 && dt < 2.5);
   wait_connections(0);
   client_free(idle);
+  client_free(late);
   client_free(busy);
+}
+
+/* An answer that was announced keep-alive stays true when the drain begins while it is being sent:
+ * the client may send its next request, which is answered (with Connection: close). */
+static void test_drain_mid_answer(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  /* 16 MiB: more than the socket buffers hold, so the answer is still going out at the drain. */
+  get(c, "/stream?n=256&piece=65536&short=0", "big");
+  while (!memmem(c->buf, c->len, "\r\n\r\n", 4))
+    assert_int_equal(fill(c), 1);
+  size_t head = (size_t)((char *)memmem(c->buf, c->len, "\r\n\r\n", 4) - c->buf) + 4;
+  assert_null(memmem(c->buf, head, "\r\nConnection:", 14));
+  usleep(50000);
+  on_loop(do_drain, NULL);
+  size_t want = (size_t)256 * 65536, got = c->len - head;
+  c->len = 0;
+  while (got < want) {
+    assert_int_equal(fill(c), 1);
+    got += c->len;
+    c->len = 0;
+  }
+  assert_int_equal(got, want);
+  get(c, "/imm", "next");
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=next"));
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(c);
+  client_free(c);
+  wait_connections(0);
 }
 
 /* A streamed answer: the head with its Content-Length, then every piece in order, and the
@@ -1124,6 +1170,7 @@ int main(void) {
                                       teardown),
       cmocka_unit_test_setup_teardown(test_max_connections, setup_two_connections, teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_drain_mid_answer, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
   };
