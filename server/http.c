@@ -169,8 +169,7 @@ struct conn {
   char peer[64];
 };
 
-/* Why new connections are being refused, if they are: an episode lasts while refusals keep coming.
- */
+/* Why new connections are refused, if they are: an episode lasts while refusals keep coming. */
 typedef enum { REFUSING_NONE = 0, REFUSING_LIMIT, REFUSING_FDS } refusing_t;
 
 /* A whole 503 too_many_connections answer, built once: it goes out before any request is read. */
@@ -1400,7 +1399,7 @@ static void conn_link(dsv4_server_t *s, conn_t *c, int handles_open) {
 /* A connection whose stream could not be set up: close and free it through the usual path. */
 static void conn_abandon(dsv4_server_t *s, conn_t *c) {
   conn_link(s, c, 1);
-  c->state = CONN_CLOSING;
+  conn_enter(c, CONN_CLOSING); /* touches no timer: this one was never initialised */
   uv_close(&c->io.handle, on_conn_handle_closed);
 }
 
