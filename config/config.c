@@ -90,6 +90,9 @@ static const opt_t opts[] = {
      "most bytes of HTTP request headers (431 beyond)"},
     {"max_body_bytes", OPT_U64, F(max_body_bytes), "0", 1, (uint64_t)1 << 40, NULL, OPT_ZERO_OK,
      "most bytes of a request body (413 beyond; 0 = derived from max_batch_tokens and heads)"},
+    {"max_connections", OPT_U32, F(max_connections), "0", 1, 1u << 24, NULL, OPT_ZERO_OK,
+     "open data plane connections; more get 503 too_many_connections (0 = the soft RLIMIT_NOFILE "
+     "less a reserve of 64 descriptors)"},
     {"queue_depth", OPT_U32, F(queue_depth), "64", 1, 65536, NULL, 0,
      "batches waiting for the executor (503 queue_full beyond)"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,

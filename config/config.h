@@ -56,7 +56,8 @@ typedef struct dsv4_config {
   uint32_t max_batch_tokens;
   uint32_t max_segments;
   uint64_t max_header_bytes;
-  uint64_t max_body_bytes; /* 0 = derived, see max_body_bytes_effective */
+  uint64_t max_body_bytes;  /* 0 = derived, see max_body_bytes_effective */
+  uint32_t max_connections; /* data plane; 0 = dsv4_server_default_max_connections() */
   uint32_t queue_depth;
   uint64_t sequence_idle_timeout_s;
   int implicit_create; /* 0 or 1 */

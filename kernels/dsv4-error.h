@@ -37,7 +37,8 @@
   X(EUNSUPPORTED, -27, "unsupported", 400, "unsupported")                                          \
   X(EDUMPBUSY, -28, "dump_in_progress", 429, "another dump is streaming")                          \
   X(ENOTWRITTEN, -29, "position_not_written", 404, "position never written at this layer")         \
-  X(ERELEASED, -30, "position_released", 410, "position no longer stored (out of the window)")
+  X(ERELEASED, -30, "position_released", 410, "position no longer stored (out of the window)")     \
+  X(ECONNLIMIT, -31, "too_many_connections", 503, "too many connections")
 
 typedef enum {
 #define DSV4__ERR_ENUM(name, val, code, status, msg) DSV4_##name = (val),

@@ -1,11 +1,17 @@
 #include "http.h"
 
 #include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/random.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <llhttp.h>
 
@@ -24,16 +30,32 @@
  * most this long, so unread request bytes do not turn the close into a reset that destroys the
  * response before the client reads it (nginx's lingering close). */
 #define LINGER_MS 1000
+/* While the server drains, an idle keep-alive connection waits this long (at most) for its next
+ * request before it closes: a client in the middle of a run of requests sends the next one within
+ * a round trip of reading an answer, and a connection idle longer is a pooled one whose client
+ * must expect it to close, as at idle_timeout_ms. */
+#define DRAIN_IDLE_MS 1000
 #define DEFAULT_MAX_HEADER ((size_t)64 * 1024)
+/* Connections taken per readiness of the listener, so that a burst does not starve the rest. */
+#define ACCEPT_BATCH 64
+/* Descriptors max_connections' default leaves for everything else (dsv4_server_default_...). */
+#define FD_RESERVE 64
 
+/*
+ * Where a connection is. Exactly one state holds at a time and conn_enter() makes every change,
+ * arming the timer that belongs to the new state, so a timeout always means "too long in this
+ * state".
+ */
 typedef enum {
-  PHASE_NONE = 0,
-  PHASE_IDLE,
-  PHASE_HEADER,
-  PHASE_BODY,
-  PHASE_WRITE,
-  PHASE_LINGER,
-} phase_t;
+  CONN_IDLE = 0,  /* between requests: nothing of the next one parsed yet (idle_timeout_ms) */
+  CONN_HEAD,      /* a request line and headers are arriving (header_timeout_ms, whole head) */
+  CONN_BODY,      /* a request body is arriving (body_timeout_ms, whole body) */
+  CONN_HANDLING,  /* a complete request is with its handler; no timer (the executor decides) */
+  CONN_WRITING,   /* an answer, or a piece of a streamed one, is going out (write_timeout_ms) */
+  CONN_STREAMING, /* a streamed answer between pieces: the handler makes the next; no timer */
+  CONN_LINGERING, /* the last answer is out, our side shut down; input is discarded (LINGER_MS) */
+  CONN_CLOSING,   /* uv_close has been called; the close callbacks free the connection */
+} conn_state_t;
 
 typedef enum {
   REQ_PARSING = 0, /* request line, headers or body still arriving */
@@ -43,6 +65,19 @@ typedef enum {
 } req_state_t;
 
 typedef struct conn conn_t;
+
+/*
+ * Obsolete line folding (RFC 9112 section 5.2): llhttp 8 joins a header line that starts with a
+ * blank onto the one before, also in Content-Length, so a folded length frames a body whose bytes a
+ * proxy that reads the fold differently takes for the next request. No lenient flag controls it, so
+ * every request head is scanned before llhttp reads it: a line after the request line that starts
+ * with a space or a tab is refused (400, then the connection closes).
+ */
+typedef struct {
+  uint32_t lines; /* complete lines with text so far; the first is the request line */
+  enum { LINE_START = 0, LINE_CR, LINE_TEXT } at; /* where the current line stands */
+  bool done;                                      /* the empty line ending the head was seen */
+} head_scan_t;
 
 typedef struct {
   uint32_t name, value; /* offsets into the arena */
@@ -106,26 +141,56 @@ struct conn {
   } marks[MARKS];
   unsigned n_marks, mark0;
   uint64_t exec_arrived_ns; /* arrival of the byte the parser starts from, 0 = unknown */
-  phase_t phase;
+  head_scan_t scan;         /* the head being parsed, for obsolete line folding */
+  conn_state_t state;
   int handles_open;
-  int closing, processing, reading, writing, lingering, close_after, peer_eof, body_read;
+  /* The booleans below are not states of the connection but facts that hold across several of them.
+   * reading mirrors whether uv_read_start is in effect, which the state decides only together with
+   * peer_eof and how much is buffered (conn_update_reading). */
+  bool reading;
+  /* conn_process is on the stack: a handler that answers at once re-enters it through write_done,
+   * and the outer call must finish parsing first. */
+  bool in_process;
+  /* The client half-closed (EOF) while its request was handled or answered: whatever the state, the
+   * answer still goes out and the connection then closes. */
+  bool peer_eof;
+  /* on_alloc handed libuv the body buffer itself rather than rbuf; on_read, called right after with
+   * the same buffer, must know which one it got. */
+  bool read_into_body;
   /* The response being written. */
   char *whdr;
   uv_buf_t *wbufs;
   void (*wrelease)(void *);
   void *wrelease_arg;
-  int stream_pending; /* a streamed piece is being written */
-  uv_buf_t sbufs[2];  /* that piece: the response head (first piece only) and the caller's bytes */
+  /* A streamed piece owns wreq. Unlike CONN_WRITING this outlives conn_close: uv_close cancels the
+   * write, and its callback must still reach the streaming handler. */
+  bool stream_pending;
+  uv_buf_t sbufs[2]; /* that piece: the response head (first piece only) and the caller's bytes */
   char peer[64];
 };
 
+/* Why new connections are refused, if they are: an episode lasts while refusals keep coming. */
+typedef enum { REFUSING_NONE = 0, REFUSING_LIMIT, REFUSING_FDS } refusing_t;
+
+/* A whole 503 too_many_connections answer, built once: it goes out before any request is read. */
+typedef struct {
+  char *text;
+  size_t len;
+} refusal_t;
+
 struct dsv4_server {
-  uv_tcp_t listener;
-  uv_timer_t sentinel; /* never started: closing it guarantees dsv4_server_close a callback */
+  /* The listening socket is ours, not a uv_tcp_t: libuv meets EMFILE on accept by accepting and
+   * closing every waiting connection with no word to its user, and this layer must count, log and
+   * answer those. */
+  uv_poll_t listener;
+  int listen_fd;
+  int spare_fd; /* held so that at the descriptor limit a connection can still be taken and told */
+  uv_timer_t
+      retry; /* restarts accepting after a pause; closing it also guarantees a close callback */
   uv_loop_t *loop;
   char *host, *token, *name;
   char instance[40];
-  size_t max_header_bytes;
+  size_t max_header_bytes, max_connections;
   uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;
   dsv4_route_t *routes;
   size_t n_routes;
@@ -133,10 +198,14 @@ struct dsv4_server {
   conn_t *conns;
   size_t n_conns;
   int port;
-  int listener_open, sentinel_open, draining, closing;
+  int listener_open, retry_open, draining, closing;
+  refusing_t refusing;
+  uint64_t refused_in_episode, episode_start_ms, last_refusal_ms;
+  refusal_t refusal_limit, refusal_fds;
   void (*close_cb)(void *);
   void *close_arg;
-  dsv4_metric_t *requests_total;
+  dsv4_metric_t *requests_total, *rejected_total;
+  dsv4_series_t *connections;
   void (*on_complete)(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
   void *on_complete_arg;
 };
@@ -237,31 +306,36 @@ const char *dsv4_req_method_name(const dsv4_req_t *req) {
 
 static void on_timer(uv_timer_t *t);
 
-static void set_phase(conn_t *c, phase_t phase) {
+/* The one place a connection changes state; the timer of the new state replaces the old one. */
+static void conn_enter(conn_t *c, conn_state_t state) {
   const dsv4_server_t *s = c->srv;
+  if (c->state == CONN_CLOSING)
+    return; /* final: the close callbacks own the connection now */
   uint64_t ms = 0;
-  switch (phase) {
-  case PHASE_IDLE:
-    ms = s->idle_timeout_ms;
+  switch (state) {
+  case CONN_IDLE:
+    ms = s->draining && s->idle_timeout_ms > DRAIN_IDLE_MS ? DRAIN_IDLE_MS : s->idle_timeout_ms;
     break;
-  case PHASE_HEADER:
+  case CONN_HEAD:
     ms = s->header_timeout_ms;
     break;
-  case PHASE_BODY:
+  case CONN_BODY:
     ms = s->body_timeout_ms;
     break;
-  case PHASE_WRITE:
+  case CONN_WRITING:
     ms = s->write_timeout_ms;
     break;
-  case PHASE_LINGER:
+  case CONN_LINGERING:
     ms = LINGER_MS;
     break;
-  case PHASE_NONE:
+  case CONN_HANDLING:
+  case CONN_STREAMING:
+  case CONN_CLOSING:
     break;
   }
-  c->phase = phase;
-  if (c->closing)
-    return;
+  c->state = state;
+  if (state == CONN_CLOSING)
+    return; /* uv_close stops the timer */
   if (ms > 0)
     uv_timer_start(&c->timer, on_timer, ms, 0);
   else
@@ -270,26 +344,40 @@ static void set_phase(conn_t *c, phase_t phase) {
 
 static void conn_fail(conn_t *c, int err, const char *msg);
 
-/* Whether the connection stays open after the current answer. While the server drains, only to
- * answer requests whose bytes already arrived (pipelined; a forward among them gets 503 draining,
- * which tells a gateway it was never applied) rather than drop them with the connection. */
+/* Whether bytes (not only an EOF) wait in the socket, unread. */
+static bool conn_input_waiting(const conn_t *c) {
+  uv_os_fd_t fd;
+  char b;
+  return uv_fileno(&c->io.handle, &fd) == 0 && recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+}
+
+/* Whether the connection stays open after the answer now being made; the answer says so, and that
+ * decision holds once it is sent. While the server drains, only when bytes of a further request
+ * have arrived (buffered or still in the socket), so that a request already sent is answered (a
+ * forward with 503 draining, which tells a gateway it was never applied) rather than cut off. */
 static int conn_keeps(const conn_t *c, int keep_alive) {
-  return keep_alive && !c->close_after && !c->peer_eof &&
-         (!c->srv->draining || c->rbuf_off < c->rbuf_len);
+  if (!keep_alive || c->peer_eof)
+    return 0;
+  return !c->srv->draining || c->rbuf_off < c->rbuf_len || conn_input_waiting(c);
 }
 
 static void on_timer(uv_timer_t *t) {
   conn_t *c = t->data;
-  switch (c->phase) {
-  case PHASE_HEADER:
-  case PHASE_BODY:
+  switch (c->state) {
+  case CONN_HEAD:
+  case CONN_BODY:
     /* A request that started but did not finish in time gets a 408; the connection then closes. */
-    if (c->req && c->req->state == REQ_PARSING && !c->writing)
-      conn_fail(c, DSV4_ETIMEDOUT,
-                c->phase == PHASE_HEADER ? "request headers not received in time"
-                                         : "request body stalled");
-    else
-      conn_close(c);
+    conn_fail(c, DSV4_ETIMEDOUT,
+              c->state == CONN_HEAD ? "request headers not received in time"
+                                    : "request body stalled");
+    break;
+  case CONN_IDLE:
+    /* libuv runs due timers before it polls: the next request may be here, unread. Let it in. */
+    if (conn_input_waiting(c)) {
+      conn_enter(c, CONN_IDLE);
+      break;
+    }
+    conn_close(c);
     break;
   default:
     conn_close(c);
@@ -376,44 +464,50 @@ static void req_record(req_t *r, int status, int written) {
   dsv4_log(level, "request", f);
 }
 
+/* After an answer that closes the connection: shut down our side and drain what the client still
+ * sends until it closes or LINGER_MS passes. */
+static void conn_linger(conn_t *c) {
+  c->rbuf_off = c->rbuf_len = 0;
+  if (uv_shutdown(&c->sreq, &c->io.stream, NULL) != 0) {
+    conn_close(c);
+    return;
+  }
+  conn_enter(c, CONN_LINGERING);
+  conn_update_reading(c);
+}
+
 static void write_done(conn_t *c, int status_ok) {
   req_t *r = c->req;
   void (*release)(void *) = c->wrelease;
   void *arg = c->wrelease_arg;
   c->wrelease = NULL;
   c->wrelease_arg = NULL;
-  c->writing = 0;
   free(c->whdr);
   free(c->wbufs);
   c->whdr = NULL;
   c->wbufs = NULL;
   if (release)
     release(arg);
-  int keep = r && conn_keeps(c, r->keep_alive);
+  /* What the answer announced, not a new decision: a client told keep-alive may already be sending
+   * its next request (the server may have begun to drain since). Only its leaving ends it. */
+  int keep = r && r->keep_alive && !c->peer_eof;
   c->req = NULL;
   if (r)
     req_free(r);
-  if (c->closing)
+  if (c->state == CONN_CLOSING)
     return;
   if (!status_ok) {
     conn_close(c);
     return;
   }
   if (!keep) {
-    /* Shut down our side and drain what the client still sends until it closes or LINGER_MS. */
-    c->lingering = 1;
-    c->rbuf_off = c->rbuf_len = 0;
-    if (uv_shutdown(&c->sreq, &c->io.stream, NULL) != 0) {
-      conn_close(c);
-      return;
-    }
-    set_phase(c, PHASE_LINGER);
-    conn_update_reading(c);
+    conn_linger(c);
     return;
   }
   llhttp_init(&c->parser, HTTP_REQUEST, &c->srv->settings);
   c->parser.data = c;
-  set_phase(c, PHASE_IDLE);
+  c->scan = (head_scan_t){0};
+  conn_enter(c, CONN_IDLE);
   conn_process(c);
 }
 
@@ -475,7 +569,7 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   for (size_t i = 0; i < n_body; i++)
     total += body[i].len;
   int no_body = status < 200 || status == 204 || status == 304;
-  if (!c || c->closing) {
+  if (!c || c->state == CONN_CLOSING) {
     /* The client went away while the handler worked: nothing to write, only to release. */
     if (release)
       release(release_arg);
@@ -514,7 +608,7 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   c->wbufs = bufs;
   c->wrelease = release;
   c->wrelease_arg = release_arg;
-  c->writing = 1;
+  conn_enter(c, CONN_WRITING);
   req_record(r, status, 1);
   conn_update_reading(c);
 
@@ -537,7 +631,6 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   bufs[first].base += done;
   bufs[first].len -= done;
   c->wreq.data = c;
-  set_phase(c, PHASE_WRITE);
   if (uv_write(&c->wreq, &c->io.stream, bufs + first, (unsigned)(nb - first), on_write) != 0)
     write_done(c, 0);
 }
@@ -556,7 +649,7 @@ int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_t
     r->stream_failed = 1;
     return DSV4_EINVAL;
   }
-  if (!c || c->closing) {
+  if (!c || c->state == CONN_CLOSING) {
     r->stream_failed = 1;
     return DSV4_EIO;
   }
@@ -570,7 +663,7 @@ int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_t
   }
   c->whdr = h;
   c->sbufs[0] = uv_buf_init(h, (unsigned)n);
-  c->writing = 1; /* no reading while the answer streams: one request in flight per connection */
+  conn_enter(c, CONN_STREAMING); /* no reading while it streams: one request in flight */
   conn_update_reading(c);
   return 0;
 }
@@ -579,7 +672,7 @@ int dsv4_respond_stream_write(dsv4_req_t *pub, const uv_buf_t *buf, dsv4_stream_
   req_t *r = req_of(pub);
   assert(r->state == REQ_STREAMING);
   conn_t *c = r->conn;
-  if (r->stream_failed || !c || c->closing)
+  if (r->stream_failed || !c || c->state == CONN_CLOSING)
     return DSV4_EIO;
   assert(!c->stream_pending);
   if (buf->len > r->stream_len - r->stream_sent)
@@ -592,23 +685,23 @@ int dsv4_respond_stream_write(dsv4_req_t *pub, const uv_buf_t *buf, dsv4_stream_
   c->sbufs[1] = *buf;
   r->stream_cb = cb;
   r->stream_arg = arg;
-  c->stream_pending = 1;
+  c->stream_pending = true;
   c->wreq.data = c;
   /* uv_write tries the socket at once and queues the rest; its callback is always deferred, so
    * the caller's callback never runs inside this call. */
   if (uv_write(&c->wreq, &c->io.stream, bufs, (unsigned)nb, on_write) != 0) {
-    c->stream_pending = 0;
+    c->stream_pending = false;
     r->stream_failed = 1;
     return DSV4_EIO;
   }
-  set_phase(c, PHASE_WRITE);
+  conn_enter(c, CONN_WRITING);
   return 0;
 }
 
 /* A streamed piece has been written (status 0) or failed; runs the caller's callback. */
 static void stream_piece_done(conn_t *c, int status) {
   req_t *r = c->req;
-  c->stream_pending = 0;
+  c->stream_pending = false;
   assert(r && r->state == REQ_STREAMING);
   if (status == 0) {
     if (!r->stream_hdr_sent) {
@@ -617,13 +710,12 @@ static void stream_piece_done(conn_t *c, int status) {
     }
     r->bytes_out += c->sbufs[1].len;
     r->stream_sent += c->sbufs[1].len;
-    uv_timer_stop(&c->timer);
-    c->phase = PHASE_NONE;
+    conn_enter(c, CONN_STREAMING);
   } else {
     /* The client went away or stalled past write_timeout_ms: the answer cannot complete. */
     r->stream_failed = 1;
     r->gone = 1;
-    if (!c->closing)
+    if (c->state != CONN_CLOSING)
       conn_close(c); /* detaches r: the caller ends the stream, which frees it */
     else {
       r->conn = NULL;
@@ -653,7 +745,6 @@ void dsv4_respond_stream_end(dsv4_req_t *pub) {
     /* Short of Content-Length: closing is the only honest end. The request is freed here. */
     r->conn = NULL;
     c->req = NULL;
-    c->close_after = 1;
     free(c->whdr);
     c->whdr = NULL;
     conn_close(c);
@@ -732,7 +823,7 @@ static int on_message_begin(llhttp_t *p) {
   c->req = req_new(c);
   if (!c->req)
     return -1;
-  set_phase(c, PHASE_HEADER);
+  conn_enter(c, CONN_HEAD);
   return 0;
 }
 
@@ -911,21 +1002,19 @@ static int on_headers_complete(llhttp_t *p) {
      * stop here and close after answering rather than read a body nobody wants. */
     if (r->content_length == 0 && !chunked)
       return 0;
-    c->close_after = 1;
-    return -1;
+    return -1; /* conn_fail answers with Connection: close */
   }
   if (r->content_length > 0) {
     size_t n = (size_t)r->content_length;
     q->body = aligned_alloc(64, (n + 63) & ~(size_t)63);
     if (!q->body) {
       early_error(r, DSV4_ENOMEM, "cannot allocate the request body");
-      c->close_after = 1;
       return -1;
     }
     const char *expect = dsv4_req_header(q, "Expect");
     if (expect && strcasecmp(expect, "100-continue") == 0)
       send_continue(c);
-    set_phase(c, PHASE_BODY);
+    conn_enter(c, CONN_BODY);
   }
   return 0;
 }
@@ -990,8 +1079,7 @@ static void send_continue(conn_t *c) {
 static void dispatch(conn_t *c) {
   req_t *r = c->req;
   r->state = REQ_DISPATCHED;
-  uv_timer_stop(&c->timer);
-  c->phase = PHASE_NONE;
+  conn_enter(c, CONN_HANDLING);
   if (r->err)
     dsv4_respond_error(&r->pub, r->err, r->errmsg[0] ? r->errmsg : NULL, NULL);
   else
@@ -1020,29 +1108,67 @@ static void conn_fail(conn_t *c, int err, const char *msg) {
   if (msg != r->errmsg) /* a message already in place stays (copying it onto itself overlaps) */
     snprintf(r->errmsg, sizeof(r->errmsg), "%s", msg ? msg : dsv4_strerror(err));
   r->keep_alive = 0;
-  c->close_after = 1;
   dispatch(c);
 }
 
 /* Parse data; returns how many bytes were consumed (the rest waits for the current request). */
-static size_t conn_execute(conn_t *c, const char *data, size_t len) {
-  llhttp_errno_t e = llhttp_execute(&c->parser, data, len);
-  if (e == HPE_OK)
-    return len;
-  if (e == HPE_PAUSED) {
-    size_t used = (size_t)(llhttp_get_error_pos(&c->parser) - data);
-    llhttp_resume(&c->parser);
-    dispatch(c);
-    return used;
+/* Scan the next bytes of a request head (head_scan_t); true when a line is folded. Stops at the
+ * empty line that ends the head; lines ending in a bare LF count as lines, as llhttp reads them. */
+static bool head_folded(head_scan_t *hs, const char *p, size_t n) {
+  for (size_t i = 0; i < n && !hs->done; i++) {
+    char ch = p[i];
+    if (ch == '\n') {
+      if (hs->at == LINE_TEXT)
+        hs->lines++;
+      else if (hs->lines > 0)
+        hs->done = true; /* empty lines before the request line are skipped, as llhttp does */
+      hs->at = LINE_START;
+    } else if (hs->at == LINE_START && (ch == ' ' || ch == '\t') && hs->lines > 0) {
+      return true;
+    } else {
+      hs->at = ch == '\r' && hs->at == LINE_START ? LINE_CR : LINE_TEXT;
+    }
   }
-  char msg[96];
-  snprintf(msg, sizeof(msg), "malformed request: %s", llhttp_get_error_reason(&c->parser));
-  conn_fail(c, DSV4_EINVAL, msg);
-  return len;
+  return false;
 }
 
-static int conn_busy(const conn_t *c) {
-  return c->writing || (c->req && c->req->state != REQ_PARSING);
+typedef enum {
+  PARSED_MORE,     /* every byte taken; the request, if one began, is still arriving */
+  PARSED_REQUEST,  /* a request is complete; the bytes after it wait for its answer */
+  PARSED_MALFORMED /* the request cannot go on; every byte counts as taken */
+} parsed_t;
+
+/* Parse data into the current request; *used is how many bytes it took, *why says what was
+ * malformed. Nothing is answered here: the caller first accounts for the bytes, so that an answer
+ * knows whether more requests are buffered behind this one. */
+static parsed_t conn_parse(conn_t *c, const char *data, size_t len, size_t *used,
+                           const char **why) {
+  *used = len;
+  if ((c->state == CONN_IDLE || c->state == CONN_HEAD) && head_folded(&c->scan, data, len)) {
+    *why = "obsolete line folding in a header";
+    return PARSED_MALFORMED;
+  }
+  llhttp_errno_t e = llhttp_execute(&c->parser, data, len);
+  if (e == HPE_OK)
+    return PARSED_MORE;
+  if (e == HPE_PAUSED) {
+    *used = (size_t)(llhttp_get_error_pos(&c->parser) - data);
+    llhttp_resume(&c->parser);
+    return PARSED_REQUEST;
+  }
+  *why = llhttp_get_error_reason(&c->parser);
+  return PARSED_MALFORMED;
+}
+
+/* Act on what conn_parse found: hand a complete request over, or answer a malformed one. */
+static void conn_parsed(conn_t *c, parsed_t p, const char *why) {
+  if (p == PARSED_REQUEST) {
+    dispatch(c);
+  } else if (p == PARSED_MALFORMED) {
+    char msg[96];
+    snprintf(msg, sizeof(msg), "malformed request: %s", why);
+    conn_fail(c, DSV4_EINVAL, msg);
+  }
 }
 
 /* The arrival time of rbuf[rbuf_off]: the latest read that began at or before it (or, when that
@@ -1067,18 +1193,23 @@ static uint64_t rbuf_arrival(conn_t *c) {
 }
 
 static void conn_process(conn_t *c) {
-  if (c->processing)
+  if (c->in_process)
     return;
-  c->processing = 1;
-  while (!c->closing && !c->lingering && !conn_busy(c) && c->rbuf_off < c->rbuf_len) {
+  c->in_process = true;
+  /* Only between answers: a pipelined request waits in rbuf until the one before it is answered. */
+  while ((c->state == CONN_IDLE || c->state == CONN_HEAD || c->state == CONN_BODY) &&
+         c->rbuf_off < c->rbuf_len) {
+    size_t used;
+    const char *why = NULL;
     c->exec_arrived_ns = rbuf_arrival(c);
-    size_t used = conn_execute(c, c->rbuf + c->rbuf_off, c->rbuf_len - c->rbuf_off);
-    c->exec_arrived_ns = 0;
+    parsed_t p = conn_parse(c, c->rbuf + c->rbuf_off, c->rbuf_len - c->rbuf_off, &used, &why);
     c->rbuf_off += used;
+    conn_parsed(c, p, why);
+    c->exec_arrived_ns = 0;
   }
   if (c->rbuf_off == c->rbuf_len)
     c->rbuf_off = c->rbuf_len = 0;
-  c->processing = 0;
+  c->in_process = false;
   conn_update_reading(c);
 }
 
@@ -1088,15 +1219,14 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   (void)suggested;
   conn_t *c = h->data;
   req_t *r = c->req;
-  c->body_read = 0;
-  if (!c->lingering && r && r->state == REQ_PARSING && r->pub.body && c->rbuf_off == c->rbuf_len &&
-      r->body_received < r->content_length) {
+  c->read_into_body = false;
+  if (c->state == CONN_BODY && c->rbuf_off == c->rbuf_len && r->body_received < r->content_length) {
     /* Mid-body with nothing buffered: read straight into the body buffer, at most what is left of
      * it, so the bytes of a large body are copied once, by the kernel. */
     size_t left = (size_t)r->content_length - r->body_received;
     *buf = uv_buf_init((char *)r->pub.body + r->body_received,
                        (unsigned)(left < 0x40000000u ? left : 0x40000000u));
-    c->body_read = 1;
+    c->read_into_body = true;
     return;
   }
   if (c->rbuf_off == c->rbuf_len)
@@ -1123,32 +1253,34 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   conn_t *c = st->data;
-  if (c->closing)
+  if (c->state == CONN_CLOSING)
     return;
   if (nread == 0)
     return;
   if (nread < 0) {
     req_t *r = c->req;
-    if (c->lingering || !r || r->state == REQ_PARSING || nread != UV_EOF) {
+    if (c->state == CONN_LINGERING || !r || r->state == REQ_PARSING || nread != UV_EOF) {
       /* Idle, mid-request (no handler was called) or a reset: nothing more can be answered. */
       conn_close(c);
       return;
     }
     /* EOF while the handler works or the response is written: the client has gone away (most
      * clients never half-close). Answer anyway; the connection closes afterwards. */
-    c->peer_eof = 1;
+    c->peer_eof = true;
     r->gone = 1;
     conn_update_reading(c);
     return;
   }
-  if (c->lingering) {
+  if (c->state == CONN_LINGERING) {
     c->rbuf_off = c->rbuf_len = 0;
     return;
   }
-  if (c->body_read) {
-    c->body_read = 0;
-    size_t used = conn_execute(c, buf->base, (size_t)nread);
-    (void)used;
+  if (c->read_into_body) {
+    c->read_into_body = false;
+    size_t used; /* all of it: on_alloc offered no more than the body still missing */
+    const char *why = NULL;
+    parsed_t p = conn_parse(c, buf->base, (size_t)nread, &used, &why);
+    conn_parsed(c, p, why);
     conn_process(c);
     return;
   }
@@ -1167,23 +1299,30 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
 }
 
 static void conn_update_reading(conn_t *c) {
-  if (c->closing)
+  bool want;
+  switch (c->state) {
+  case CONN_CLOSING:
     return;
-  int want;
-  if (c->lingering)
-    want = 1;
-  else if (c->peer_eof || c->writing)
-    want = 0;
-  else if (conn_busy(c))
-    want = c->rbuf_len - c->rbuf_off < INFLIGHT_READ_CAP;
-  else
-    want = 1;
+  case CONN_LINGERING:
+    want = true;
+    break;
+  case CONN_WRITING:
+  case CONN_STREAMING:
+    want = false;
+    break;
+  case CONN_HANDLING:
+    want = !c->peer_eof && c->rbuf_len - c->rbuf_off < INFLIGHT_READ_CAP;
+    break;
+  default:
+    want = !c->peer_eof;
+    break;
+  }
   if (want && !c->reading) {
     if (uv_read_start(&c->io.stream, on_alloc, on_read) == 0)
-      c->reading = 1;
+      c->reading = true;
   } else if (!want && c->reading) {
     uv_read_stop(&c->io.stream);
-    c->reading = 0;
+    c->reading = false;
   }
 }
 
@@ -1201,6 +1340,7 @@ static void on_conn_handle_closed(uv_handle_t *h) {
   if (c->next)
     c->next->prev = c->prev;
   s->n_conns--;
+  dsv4_series_add(s->connections, -1);
   /* A streamed answer abandoned between pieces leaves its head here (write_done frees it else). */
   free(c->whdr);
   free(c->wbufs);
@@ -1210,9 +1350,9 @@ static void on_conn_handle_closed(uv_handle_t *h) {
 }
 
 static void conn_close(conn_t *c) {
-  if (c->closing)
+  if (c->state == CONN_CLOSING)
     return;
-  c->closing = 1;
+  conn_enter(c, CONN_CLOSING);
   req_t *r = c->req;
   if (r && r->state == REQ_PARSING) {
     /* Disconnected mid-request: the handler never saw it, so it is simply dropped. */
@@ -1253,58 +1393,192 @@ static void conn_link(dsv4_server_t *s, conn_t *c, int handles_open) {
     s->conns->prev = c;
   s->conns = c;
   s->n_conns++;
+  dsv4_series_add(s->connections, 1);
 }
 
 /* A connection whose stream could not be set up: close and free it through the usual path. */
 static void conn_abandon(dsv4_server_t *s, conn_t *c) {
   conn_link(s, c, 1);
-  c->closing = 1;
+  conn_enter(c, CONN_CLOSING); /* touches no timer: this one was never initialised */
   uv_close(&c->io.handle, on_conn_handle_closed);
+}
+
+/* An episode of refusals ends at the first connection taken this long after the last refusal, so a
+ * daemon that hovers at its limit logs once, not at every connection that comes and goes. */
+#define REFUSAL_QUIET_MS 10000
+
+/* n connections were refused for why: count them, and log when an episode of refusals begins. */
+static void refused(dsv4_server_t *s, refusing_t why, uint64_t n) {
+  const char *reason = why == REFUSING_LIMIT ? "max_connections" : "fd_limit";
+  dsv4_metric_add(s->rejected_total, &reason, (double)n);
+  uint64_t now = uv_now(s->loop);
+  if (s->refusing != why) {
+    struct rlimit rl;
+    uint64_t limit = s->max_connections;
+    if (why == REFUSING_FDS)
+      limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (uint64_t)rl.rlim_cur : 0;
+    dsv4_logp(DSV4_LOG_WARN, "refusing connections", "{s:s,s:s,s:I,s:I}", "listener", s->name,
+              "reason", reason, why == REFUSING_LIMIT ? "max_connections" : "rlimit_nofile",
+              (json_int_t)limit, "connections", (json_int_t)s->n_conns);
+    s->refusing = why;
+    s->refused_in_episode = 0;
+    s->episode_start_ms = now;
+  }
+  s->refused_in_episode += n;
+  s->last_refusal_ms = now;
+}
+
+/* A connection is being served: an episode of refusals that has gone quiet is over. */
+static void accepting(dsv4_server_t *s) {
+  uint64_t now = uv_now(s->loop);
+  if (s->refusing == REFUSING_NONE || now - s->last_refusal_ms < REFUSAL_QUIET_MS)
+    return;
+  dsv4_logp(DSV4_LOG_INFO, "accepting connections again", "{s:s,s:s,s:I,s:I}", "listener", s->name,
+            "reason", s->refusing == REFUSING_LIMIT ? "max_connections" : "fd_limit", "refused",
+            (json_int_t)s->refused_in_episode, "episode_ms",
+            (json_int_t)(s->last_refusal_ms - s->episode_start_ms));
+  s->refusing = REFUSING_NONE;
+}
+
+/* Answer 503 too_many_connections at once, without reading a request, and close the way every
+ * closing answer does (lingering), so that the client reads the answer rather than a reset. */
+static void conn_refuse(conn_t *c) {
+  const refusal_t *a = &c->srv->refusal_limit;
+  uv_buf_t b = uv_buf_init(a->text, (unsigned)a->len);
+  refused(c->srv, REFUSING_LIMIT, 1);
+  /* A fresh socket's send buffer takes a few hundred bytes whole. */
+  if (uv_try_write(&c->io.stream, &b, 1) != (int)a->len) {
+    conn_close(c);
+    return;
+  }
+  conn_linger(c);
 }
 
 static void conn_start(dsv4_server_t *s, conn_t *c) {
   uv_timer_init(s->loop, &c->timer);
   conn_link(s, c, 2);
-  if (s->draining || s->closing) {
+  if (s->closing) {
     conn_close(c);
     return;
   }
-  set_phase(c, PHASE_IDLE);
+  if (s->max_connections && s->n_conns > s->max_connections) {
+    conn_refuse(c);
+    return;
+  }
+  accepting(s);
+  conn_enter(c, CONN_IDLE);
   conn_update_reading(c);
 }
 
-static void on_connection(uv_stream_t *ls, int status) {
-  dsv4_server_t *s = ls->data;
-  if (status < 0)
-    return;
+static void peer_name(conn_t *c, const struct sockaddr_storage *peer) {
+  char ip[INET6_ADDRSTRLEN] = "?";
+  if (peer->ss_family == AF_INET6) {
+    const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)peer;
+    uv_ip6_name(a, ip, sizeof(ip));
+    snprintf(c->peer, sizeof(c->peer), "[%s]:%d", ip, ntohs(a->sin6_port));
+  } else if (peer->ss_family == AF_INET) {
+    const struct sockaddr_in *a = (const struct sockaddr_in *)peer;
+    uv_ip4_name(a, ip, sizeof(ip));
+    snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, ntohs(a->sin_port));
+  }
+}
+
+/* Serve a socket accept4 returned (non-blocking already). */
+static void serve_accepted(dsv4_server_t *s, int fd, const struct sockaddr_storage *peer) {
   conn_t *c = conn_new(s);
-  if (!c)
+  if (!c) {
+    close(fd);
     return;
+  }
   uv_tcp_init(s->loop, &c->io.tcp);
   c->io.handle.data = c;
-  if (uv_accept(ls, &c->io.stream) != 0) {
-    /* Nothing was accepted; the handle is closed and freed alone. */
+  if (uv_tcp_open(&c->io.tcp, fd) != 0) {
+    close(fd); /* the handle never owned it */
     conn_abandon(s, c);
     return;
   }
   uv_tcp_nodelay(&c->io.tcp, 1);
-  {
-    struct sockaddr_storage peer;
-    int len = sizeof(peer);
-    char ip[INET6_ADDRSTRLEN] = "?";
-    if (uv_tcp_getpeername(&c->io.tcp, (struct sockaddr *)&peer, &len) == 0) {
-      if (peer.ss_family == AF_INET6) {
-        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&peer;
-        uv_ip6_name(a, ip, sizeof(ip));
-        snprintf(c->peer, sizeof(c->peer), "[%s]:%d", ip, ntohs(a->sin6_port));
-      } else {
-        const struct sockaddr_in *a = (const struct sockaddr_in *)&peer;
-        uv_ip4_name(a, ip, sizeof(ip));
-        snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, ntohs(a->sin_port));
-      }
-    }
-  }
+  peer_name(c, peer);
   conn_start(s, c);
+}
+
+static void on_listener_readable(uv_poll_t *p, int status, int events);
+
+static void on_retry(uv_timer_t *t) {
+  dsv4_server_t *s = t->data;
+  if (s->listener_open == 1)
+    uv_poll_start(&s->listener, UV_READABLE, on_listener_readable);
+}
+
+/* Stop accepting for a while: waiting connections stay in the kernel's queue (not reset), and the
+ * loop does not spin on a listener it cannot empty. */
+#define ACCEPT_PAUSE_MS 100
+
+static void accept_pause(dsv4_server_t *s) {
+  uv_poll_stop(&s->listener);
+  uv_timer_start(&s->retry, on_retry, ACCEPT_PAUSE_MS, 0);
+}
+
+/*
+ * accept4 failed with EMFILE or ENFILE. Each waiting connection is taken with the descriptor the
+ * spare frees, told 503 too_many_connections as far as one non-blocking send goes, and closed at
+ * once (there is no descriptor to linger with, so a request the client already sent may turn the
+ * close into a reset). Without a spare (another thread took the freed one) accepting pauses.
+ */
+static void refuse_at_fd_limit(dsv4_server_t *s) {
+  if (s->spare_fd < 0)
+    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (s->spare_fd < 0) {
+    refused(s, REFUSING_FDS, 0);
+    accept_pause(s);
+    return;
+  }
+  close(s->spare_fd);
+  s->spare_fd = -1;
+  uint64_t n = 0;
+  for (int i = 0; i < ACCEPT_BATCH; i++) {
+    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0 && (errno == EINTR || errno == ECONNABORTED))
+      continue;
+    if (fd < 0)
+      break;
+    ssize_t k = send(fd, s->refusal_fds.text, s->refusal_fds.len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)k; /* best effort: the count and the log line do not depend on it */
+    close(fd);
+    n++;
+  }
+  refused(s, REFUSING_FDS, n);
+  s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
+/* Take up to ACCEPT_BATCH waiting connections; true when the batch was full (more may wait). */
+static bool accept_batch(dsv4_server_t *s) {
+  for (int i = 0; i < ACCEPT_BATCH && s->listener_open == 1; i++) {
+    struct sockaddr_storage peer;
+    socklen_t len = sizeof(peer);
+    int fd = accept4(s->listen_fd, (struct sockaddr *)&peer, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0) {
+      serve_accepted(s, fd, &peer);
+      continue;
+    }
+    if (errno == EINTR || errno == ECONNABORTED)
+      continue;
+    if (errno == EMFILE || errno == ENFILE)
+      refuse_at_fd_limit(s);
+    else if (errno != EAGAIN && errno != EWOULDBLOCK)
+      accept_pause(s); /* ENOBUFS, ENOMEM: the kernel is short; try again shortly */
+    return false;
+  }
+  return s->listener_open == 1;
+}
+
+static void on_listener_readable(uv_poll_t *p, int status, int events) {
+  dsv4_server_t *s = p->data;
+  (void)events;
+  if (status < 0)
+    accept_pause(s);
+  else
+    accept_batch(s); /* a batch at a time: the listener stays readable while more wait */
 }
 
 int dsv4__server_adopt_fd(dsv4_server_t *s, int fd) {
@@ -1324,6 +1598,10 @@ int dsv4__server_adopt_fd(dsv4_server_t *s, int fd) {
 /* ---- the server ----------------------------------------------------------------------------- */
 
 static void server_free(dsv4_server_t *s) {
+  if (s->spare_fd >= 0)
+    close(s->spare_fd);
+  free(s->refusal_limit.text);
+  free(s->refusal_fds.text);
   free(s->host);
   free(s->token);
   free(s->name);
@@ -1332,7 +1610,7 @@ static void server_free(dsv4_server_t *s) {
 }
 
 static void server_maybe_done(dsv4_server_t *s) {
-  if (!s->closing || s->listener_open || s->sentinel_open || s->n_conns > 0)
+  if (!s->closing || s->listener_open || s->retry_open || s->n_conns > 0)
     return;
   void (*cb)(void *) = s->close_cb;
   void *arg = s->close_arg;
@@ -1347,9 +1625,9 @@ static void on_listener_closed(uv_handle_t *h) {
   server_maybe_done(s);
 }
 
-static void on_sentinel_closed(uv_handle_t *h) {
+static void on_retry_closed(uv_handle_t *h) {
   dsv4_server_t *s = h->data;
-  s->sentinel_open = 0;
+  s->retry_open = 0;
   server_maybe_done(s);
 }
 
@@ -1357,7 +1635,130 @@ static void close_listener(dsv4_server_t *s) {
   if (s->listener_open == 1) {
     s->listener_open = 2; /* closing */
     uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+    /* A socket may be closed as soon as its poll handle is closing (libuv's uv_poll docs). */
+    close(s->listen_fd);
+    s->listen_fd = -1;
+    uv_timer_stop(&s->retry);
   }
+}
+
+size_t dsv4_server_default_max_connections(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
+    return 0;
+  size_t n = (size_t)rl.rlim_cur;
+  size_t reserve = n / 2 < FD_RESERVE ? n / 2 : FD_RESERVE;
+  return n - reserve > 0 ? n - reserve : 1;
+}
+
+/* The whole 503 too_many_connections answer with message msg; NULL when out of memory. */
+static char *refusal_text(const dsv4_server_t *s, const char *msg, size_t *len) {
+  json_t *doc =
+      json_pack("{s:{s:s,s:s}}", "error", "code", dsv4_err_code(DSV4_ECONNLIMIT), "message", msg);
+  char *body = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+  json_decref(doc);
+  if (!body)
+    return NULL;
+  static const char fmt[] = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            "Content-Length: %zu\r\nDsv4d-Instance: %s\r\nConnection: close\r\n"
+                            "Retry-After: 1\r\n\r\n%s";
+  int n = snprintf(NULL, 0, fmt, strlen(body), s->instance, body);
+  char *text = n > 0 ? malloc((size_t)n + 1) : NULL;
+  if (text)
+    snprintf(text, (size_t)n + 1, fmt, strlen(body), s->instance, body);
+  free(body);
+  *len = text ? (size_t)n : 0;
+  return text;
+}
+
+/* The metric families this layer records into, and the answers it refuses connections with. */
+static int server_prepare(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
+  dsv4_metrics_t *reg = cfg->metrics ? cfg->metrics : dsv4_metrics_default();
+  static const char *const labels[2] = {"route", "code"};
+  static const char *const reason[1] = {"reason"};
+  dsv4_metric_t *gauge = NULL;
+  if (!reg || dsv4_metrics_counter(reg, "dsv4d_requests_total",
+                                   "HTTP requests answered, by route and status code.", labels, 2,
+                                   &s->requests_total) != 0)
+    return DSV4_ENOMEM;
+  if (dsv4_metrics_gauge(reg, "dsv4d_connections", "Open HTTP connections, every listener.", NULL,
+                         0, &gauge) != 0 ||
+      dsv4_metric_series(gauge, NULL, &s->connections) != 0 ||
+      dsv4_metrics_counter(reg, "dsv4d_connections_rejected_total",
+                           "Connections refused with 503 too_many_connections, by reason.", reason,
+                           1, &s->rejected_total) != 0)
+    return DSV4_ENOMEM;
+  /* Both series exist from the start, so a rate over them is defined before the first refusal. */
+  static const char *const reasons[2] = {"max_connections", "fd_limit"};
+  for (int i = 0; i < 2; i++)
+    dsv4_metric_add(s->rejected_total, &reasons[i], 0);
+  char msg[128];
+  snprintf(msg, sizeof(msg), "this listener serves at most %zu connections at once",
+           s->max_connections);
+  s->refusal_limit.text = refusal_text(s, msg, &s->refusal_limit.len);
+  s->refusal_fds.text =
+      refusal_text(s, "no file descriptor is left for a connection", &s->refusal_fds.len);
+  if (!s->refusal_limit.text || !s->refusal_fds.text)
+    return DSV4_ENOMEM;
+  if (s->max_connections > dsv4_server_default_max_connections() &&
+      dsv4_server_default_max_connections() > 0)
+    dsv4_logp(DSV4_LOG_WARN, "max_connections is above what RLIMIT_NOFILE leaves for connections",
+              "{s:s,s:I,s:I}", "listener", s->name, "max_connections",
+              (json_int_t)s->max_connections, "fd_budget",
+              (json_int_t)dsv4_server_default_max_connections());
+  return 0;
+}
+
+/* A bound, listening, non-blocking socket for host:port; its descriptor, or -errno. */
+static int listen_socket(const struct sockaddr_storage *addr) {
+  int fd = socket(addr->ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return -errno;
+  int one = 1;
+  socklen_t len =
+      addr->ss_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+  /* As libuv's uv_tcp_bind: a restarted daemon binds while old connections sit in TIME_WAIT. */
+  if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+      bind(fd, (const struct sockaddr *)addr, len) != 0 || listen(fd, 511) != 0) {
+    int err = -errno;
+    close(fd);
+    return err;
+  }
+  return fd;
+}
+
+/* Bind and listen on the configured address and start polling for connections. */
+static int server_listen(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
+  struct sockaddr_storage addr;
+  memset(&addr, 0, sizeof(addr));
+  int rc = uv_ip4_addr(s->host, cfg->port, (struct sockaddr_in *)&addr);
+  if (rc != 0)
+    rc = uv_ip6_addr(s->host, cfg->port, (struct sockaddr_in6 *)&addr);
+  if (rc != 0)
+    return DSV4_ECONFIG;
+  int fd = listen_socket(&addr);
+  if (fd >= 0 && (rc = uv_poll_init_socket(s->loop, &s->listener, fd)) != 0) {
+    close(fd);
+    fd = rc;
+  }
+  if (fd < 0) {
+    dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s, s:s, s:i, s:s}", "listener", s->name, "host",
+              s->host, "port", cfg->port, "error", uv_strerror(fd));
+    return DSV4_EIO;
+  }
+  s->listen_fd = fd;
+  s->listener.data = s;
+  s->listener_open = 1;
+  uv_timer_init(s->loop, &s->retry);
+  s->retry.data = s;
+  s->retry_open = 1;
+  uv_poll_start(&s->listener, UV_READABLE, on_listener_readable);
+  struct sockaddr_storage bound;
+  socklen_t len = sizeof(bound);
+  getsockname(fd, (struct sockaddr *)&bound, &len);
+  s->port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
+                                        : ntohs(((struct sockaddr_in *)&bound)->sin_port);
+  return 0;
 }
 
 int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const dsv4_route_t *routes,
@@ -1369,6 +1770,8 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   if (!s)
     return DSV4_ENOMEM;
   s->loop = loop;
+  s->listen_fd = -1;
+  s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   s->host = strdup(cfg->host ? cfg->host : "127.0.0.1");
   s->name = strdup(cfg->name ? cfg->name : "data");
   s->token = cfg->bearer_token && cfg->bearer_token[0] ? strdup(cfg->bearer_token) : NULL;
@@ -1391,20 +1794,17 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
       snprintf(s->instance + 2 * i, 3, "%02x", rnd[i]);
   }
   s->max_header_bytes = cfg->max_header_bytes ? cfg->max_header_bytes : DEFAULT_MAX_HEADER;
+  s->max_connections = cfg->max_connections;
   s->header_timeout_ms = cfg->header_timeout_ms;
   s->body_timeout_ms = cfg->body_timeout_ms;
   s->idle_timeout_ms = cfg->idle_timeout_ms;
   s->write_timeout_ms = cfg->write_timeout_ms;
   s->on_complete = cfg->on_complete;
   s->on_complete_arg = cfg->on_complete_arg;
-
-  dsv4_metrics_t *reg = cfg->metrics ? cfg->metrics : dsv4_metrics_default();
-  static const char *const labels[2] = {"route", "code"};
-  if (!reg || dsv4_metrics_counter(reg, "dsv4d_requests_total",
-                                   "HTTP requests answered, by route and status code.", labels, 2,
-                                   &s->requests_total) != 0) {
+  int rc = server_prepare(s, cfg);
+  if (rc != 0) {
     server_free(s);
-    return DSV4_ENOMEM;
+    return rc;
   }
 
   llhttp_settings_init(&s->settings);
@@ -1419,38 +1819,12 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   s->settings.on_body = on_body;
   s->settings.on_message_complete = on_message_complete;
 
-  struct sockaddr_storage addr;
-  int rc = uv_ip4_addr(s->host, cfg->port, (struct sockaddr_in *)&addr);
-  if (rc != 0)
-    rc = uv_ip6_addr(s->host, cfg->port, (struct sockaddr_in6 *)&addr);
+  /* No handle exists before the socket listens, so a failure frees the server here and now. */
+  rc = server_listen(s, cfg);
   if (rc != 0) {
     server_free(s);
-    return DSV4_ECONFIG;
+    return rc;
   }
-  uv_tcp_init(loop, &s->listener);
-  s->listener.data = s;
-  s->listener_open = 1;
-  uv_timer_init(loop, &s->sentinel);
-  s->sentinel.data = s;
-  s->sentinel_open = 1;
-  rc = uv_tcp_bind(&s->listener, (const struct sockaddr *)&addr, 0);
-  if (rc == 0)
-    rc = uv_listen((uv_stream_t *)&s->listener, 511, on_connection);
-  if (rc != 0) {
-    dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s, s:s, s:i, s:s}", "listener", s->name, "host",
-              s->host, "port", cfg->port, "error", uv_strerror(rc));
-    /* The handle must be closed before the server is freed: close it and let the callback free. */
-    s->closing = 1;
-    close_listener(s);
-    s->sentinel_open = 2;
-    uv_close((uv_handle_t *)&s->sentinel, on_sentinel_closed);
-    return DSV4_EIO;
-  }
-  struct sockaddr_storage bound;
-  int len = sizeof(bound);
-  uv_tcp_getsockname(&s->listener, (struct sockaddr *)&bound, &len);
-  s->port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
-                                        : ntohs(((struct sockaddr_in *)&bound)->sin_port);
   *out = s;
   return 0;
 }
@@ -1467,13 +1841,17 @@ void dsv4_server_drain(dsv4_server_t *s) {
   if (s->draining || s->closing)
     return;
   s->draining = 1;
+  /* Connections the kernel has completed but this layer not yet taken would be reset with the
+   * listening socket, requests and all: take them first; their first answer says close. */
+  if (s->listener_open == 1)
+    while (accept_batch(s))
+      ;
   close_listener(s);
-  for (conn_t *c = s->conns, *next; c; c = next) {
-    next = c->next;
-    int idle = !c->req && !c->writing && c->rbuf_off == c->rbuf_len;
-    if (idle && !c->closing)
-      conn_close(c);
-  }
+  /* No connection closes here: an idle one may have a request on its way. Re-entering the idle
+   * state shortens its wait to DRAIN_IDLE_MS; every other one closes after its next answer. */
+  for (conn_t *c = s->conns; c; c = c->next)
+    if (c->state == CONN_IDLE)
+      conn_enter(c, CONN_IDLE);
 }
 
 void dsv4_server_close(dsv4_server_t *s, void (*cb)(void *), void *arg) {
@@ -1483,8 +1861,10 @@ void dsv4_server_close(dsv4_server_t *s, void (*cb)(void *), void *arg) {
   s->close_cb = cb;
   s->close_arg = arg;
   close_listener(s);
-  s->sentinel_open = 2;
-  uv_close((uv_handle_t *)&s->sentinel, on_sentinel_closed);
+  if (s->retry_open == 1) {
+    s->retry_open = 2;
+    uv_close((uv_handle_t *)&s->retry, on_retry_closed);
+  }
   for (conn_t *c = s->conns, *next; c; c = next) {
     next = c->next;
     conn_close(c);

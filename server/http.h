@@ -11,6 +11,12 @@
  * header bytes against max_header_bytes (431). A POST without Content-Length is 411. Every response
  * carries Dsv4d-Instance.
  *
+ * A connection past max_connections, or one that arrives when the process has no file descriptor
+ * left, is answered 503 too_many_connections with Connection: close before any request is read,
+ * counted in dsv4d_connections_rejected_total{reason="max_connections"|"fd_limit"} and logged once
+ * per episode of refusals; dsv4d_connections is the gauge of open connections (every listener
+ * sharing the registry adds to it).
+ *
  * Thread affinity: everything here is loop thread only.
  */
 
@@ -107,6 +113,7 @@ typedef struct {
   const char *host; /* listen address */
   int port;         /* 0 = ephemeral */
   size_t max_header_bytes;
+  size_t max_connections;       /* open connections; more are refused with 503 (0 = no limit) */
   uint64_t header_timeout_ms;   /* request line + headers */
   uint64_t body_timeout_ms;     /* between body reads */
   uint64_t idle_timeout_ms;     /* keep-alive idle */
@@ -123,6 +130,12 @@ typedef struct {
 
 int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const dsv4_route_t *routes,
                        size_t n_routes, dsv4_server_t **out);
+/*
+ * The connections a process can serve: the soft RLIMIT_NOFILE less a reserve for every other
+ * descriptor it opens (the loop's own, listeners, files, the admin plane, a GPU driver's): 64, or
+ * half the limit when it is small. 0 when the limit is infinite.
+ */
+size_t dsv4_server_default_max_connections(void);
 /* The bound port (after port 0). */
 int dsv4_server_port(const dsv4_server_t *s);
 /* Stop accepting and close idle connections; busy ones close after their response. */

@@ -189,7 +189,8 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
 
 /* One listener with the configuration's limits and timeouts; logs why when it cannot listen. */
 static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int port,
-                     const char *token, const dsv4_route_t *routes, size_t n_routes,
+                     size_t max_connections, const char *token, const dsv4_route_t *routes,
+                     size_t n_routes,
                      void (*on_complete)(const dsv4_req_t *, int, uint64_t, int, void *),
                      dsv4_server_t **out) {
   const dsv4_config_t *cfg = d->cfg;
@@ -197,6 +198,7 @@ static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int p
       .host = host,
       .port = port,
       .max_header_bytes = cfg->max_header_bytes,
+      .max_connections = max_connections,
       .header_timeout_ms = cfg->header_timeout_ms,
       .body_timeout_ms = cfg->body_timeout_ms,
       .idle_timeout_ms = cfg->idle_timeout_ms,
@@ -365,7 +367,10 @@ static int start_serving(app_t *a) {
     return EXIT_FAILED;
   }
   n_routes = dsv4_data_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
-  if (listen_on(d, "data", cfg->host, cfg->port, a->token, routes, n_routes, NULL, &d->data)) {
+  /* The admin plane has no limit of its own: its few connections come out of the reserve. */
+  if (listen_on(d, "data", cfg->host, cfg->port,
+                cfg->max_connections ? cfg->max_connections : dsv4_server_default_max_connections(),
+                a->token, routes, n_routes, NULL, &d->data)) {
     dsv4_executor_stop(&d->ex, NULL, NULL);
     uv_run(&a->loop, UV_RUN_DEFAULT);
     return EXIT_FAILED;
@@ -373,7 +378,7 @@ static int start_serving(app_t *a) {
   n_routes = dsv4_admin_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
   d->admin_token = a->admin_token != NULL;
   d->admin_loopback = dsv4_host_is_loopback(cfg->admin_host);
-  if (listen_on(d, "admin", cfg->admin_host, cfg->admin_port, a->admin_token, routes, n_routes,
+  if (listen_on(d, "admin", cfg->admin_host, cfg->admin_port, 0, a->admin_token, routes, n_routes,
                 dsv4_admin_audit, &d->admin)) {
     dsv4_server_close(d->data, NULL, NULL);
     dsv4_executor_stop(&d->ex, NULL, NULL);

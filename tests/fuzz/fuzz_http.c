@@ -3,7 +3,7 @@
  * socketpair whose other end the server serves as a connection (dsv4__server_adopt_fd), then the
  * writing side shuts down and the loop runs until the connection is gone. Routes answer at once,
  * from a timer, or with an error, so the asynchronous paths run too. Whatever comes back must be
- * HTTP/1.1 responses carrying Dsv4d-Instance.
+ * whole HTTP/1.1 responses carrying Dsv4d-Instance, none after one that closes the connection.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -84,13 +84,58 @@ static void init(void) {
     abort();
 }
 
-static void check_output(const char *out, size_t n) {
-  if (n == 0)
-    return;
-  if (n < 9 || memcmp(out, "HTTP/1.1 ", 9) != 0)
-    abort();
-  if (!memmem(out, n, "\r\nDsv4d-Instance: 00000000000000000000000000000000\r\n", 52))
-    abort();
+/* Whatever comes back is a run of whole HTTP/1.1 responses, each carrying Dsv4d-Instance, and
+ * nothing follows one that says Connection: close: a request smuggled past a refused one (a folded
+ * Content-Length, say) would be answered after it. */
+static size_t check_output(const char *out, size_t n) {
+  static const char instance[] = "\r\nDsv4d-Instance: 00000000000000000000000000000000\r\n";
+  static const char close_hdr[] = "\r\nConnection: close\r\n";
+  static const char length_hdr[] = "\r\nContent-Length: ";
+  size_t at = 0, answers = 0;
+  while (at < n) {
+    const char *h = out + at;
+    answers++;
+    const char *end = memmem(h, n - at, "\r\n\r\n", 4);
+    if (n - at < 9 || memcmp(h, "HTTP/1.1 ", 9) != 0 || !end)
+      abort();
+    size_t head = (size_t)(end - h) + 4;
+    if (!memmem(h, head, instance, sizeof(instance) - 1))
+      abort();
+    int closes = memmem(h, head, close_hdr, sizeof(close_hdr) - 1) != NULL;
+    const char *cl = memmem(h, head, length_hdr, sizeof(length_hdr) - 1);
+    size_t body = cl ? (size_t)strtoull(cl + sizeof(length_hdr) - 1, NULL, 10) : 0;
+    at += head;
+    /* An answer to HEAD has a Content-Length and no body: nothing follows it, or the next answer
+     * (no body here starts like a status line). */
+    if (at == n || (n - at >= 9 && memcmp(out + at, "HTTP/1.1 ", 9) == 0))
+      body = 0;
+    if (body > n - at || (closes && at + body < n))
+      abort();
+    at += body;
+  }
+  return answers;
+}
+
+/*
+ * An independent reading of RFC 9112 section 5.2 for an input whose first request head is plain
+ * (it starts with a letter, its lines end in CR LF): when a line of that head starts with a blank,
+ * the one answer must be a 400 that closes the connection, whatever follows.
+ */
+static int first_head_folded(const uint8_t *d, size_t n) {
+  const uint8_t *end = memmem(d, n, "\r\n\r\n", 4);
+  if (!end || !((d[0] >= 'A' && d[0] <= 'Z') || (d[0] >= 'a' && d[0] <= 'z')))
+    return 0;
+  size_t len = (size_t)(end - d) + 2;
+  int folded = 0;
+  for (size_t i = 1; i < len; i++) {
+    if (d[i] != '\n')
+      continue;
+    if (d[i - 1] != '\r')
+      return 0; /* a bare LF: lines may end where this reading does not see them */
+    if (d[i + 1] == ' ' || d[i + 1] == '\t')
+      folded = 1;
+  }
+  return folded;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -106,7 +151,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   size_t off = 0;
   static char out[1 << 20];
   size_t out_len = 0;
-  int shut = 0;
+  int shut = 0, wrapped = 0;
   while (dsv4_server_connections(srv) > 0) {
     if (off < size) {
       ssize_t k = write(sv[1], data + off, size - off);
@@ -125,11 +170,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       if (k <= 0)
         break;
       out_len += (size_t)k;
-      if (out_len >= sizeof(out) - 1)
+      if (out_len >= sizeof(out) - 1) {
         out_len = 0;
+        wrapped = 1; /* the output no longer starts at a response: it cannot be checked */
+      }
     }
   }
-  check_output(out, out_len);
+  if (!wrapped) {
+    size_t answers = check_output(out, out_len);
+    if (first_head_folded(data, size) && (answers != 1 || memcmp(out, "HTTP/1.1 400 ", 13) != 0 ||
+                                          !memmem(out, out_len, "\r\nConnection: close\r\n", 21)))
+      abort();
+  }
   close(sv[1]);
   /* Let the closed handles' callbacks run before the next input. */
   uv_run(loop, UV_RUN_NOWAIT);

@@ -1,9 +1,12 @@
 """Process life cycle: start-up time, --help, option errors, configuration sources, SIGTERM/SIGINT
-drain with a batch in flight, and idle sequence expiry."""
+drain with a batch in flight and with keep-alive clients sending, and idle sequence expiry."""
 
 import json
 import os
+import resource
+import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,8 +21,8 @@ from dsv4_harness import Batch, Daemon, Seg, check, check_eq, expect_error  # no
 STARTUP_LIMIT_S = float(os.environ.get("DSV4_IT_STARTUP_LIMIT", "1.0"))
 FLAGS = ("--host", "--port", "--backend", "--threads", "--block-size", "--kv-blocks", "--heads",
          "--layers", "--kv-norm", "--max-batch-tokens", "--max-segments", "--max-header-bytes",
-         "--max-body-bytes", "--queue-depth", "--sequence-idle-timeout-s", "--implicit-create",
-         "--header-timeout-ms", "--body-timeout-ms", "--idle-timeout-ms", "--drain-timeout-ms",
+         "--max-body-bytes", "--max-connections", "--queue-depth", "--sequence-idle-timeout-s",
+         "--implicit-create", "--header-timeout-ms", "--body-timeout-ms", "--idle-timeout-ms", "--drain-timeout-ms",
          "--model-config", "--api-token-file", "--config")
 
 
@@ -274,6 +277,120 @@ def test_sigint_and_idle_sigterm():
             s.close()
 
 
+class _Client:
+    """One keep-alive client of test_sigterm_keep_alive_clients: GET /healthz, read the answer, send
+    the next at once, until an answer says Connection: close or the daemon closes the connection."""
+
+    REQ = h.raw_request("GET", "/healthz")
+
+    def __init__(self, port):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setblocking(False)
+        self.out = b""
+        self.buf = b""
+        self.answers = 0
+        self.done = None  # "close" (an answer said so), "eof-idle", "eof-mid-request", "reset-sending"
+        self.send_next()
+
+    def send_next(self):
+        self.out = self.REQ
+        self.flush()
+
+    def flush(self):
+        try:
+            while self.out:
+                k = self.sock.send(self.out)
+                self.out = self.out[k:]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.finish("reset-sending")  # the request's bytes were not all sent
+
+    def readable(self):
+        try:
+            data = self.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            # The request was sent whole (nothing left in self.out) and never answered.
+            self.finish("eof-mid-request" if not self.out else "reset-sending")
+            return
+        self.buf += data
+        while b"\r\n\r\n" in self.buf:
+            head, rest = self.buf.split(b"\r\n\r\n", 1)
+            n = 0
+            for ln in head.split(b"\r\n")[1:]:
+                k, _, v = ln.partition(b":")
+                if k.strip().lower() == b"content-length":
+                    n = int(v)
+            if len(rest) < n:
+                return
+            check(head.startswith(b"HTTP/1.1 200 "), "answer %r" % head[:40])
+            self.buf = rest[n:]
+            self.answers += 1
+            if b"\r\nconnection: close" in head.lower() + b"\r\n":
+                self.finish("close")
+                return
+            self.send_next()
+
+    def finish(self, how):
+        if self.done is None:
+            self.done = how
+            self.sock.close()
+
+
+def test_sigterm_keep_alive_clients():
+    """Many keep-alive clients send requests back to back while SIGTERM arrives: every request
+    whose bytes were sent whole is answered in full (the answer after the drain starts says
+    Connection: close); no client sees its connection end under a request it has sent."""
+    n = 600
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < n + 200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 400), hard))
+    with Daemon(h.SMALL + ["--drain-timeout-ms", "20000"]) as d:
+        clients = [_Client(d.port) for _ in range(n)]
+        sel = selectors.DefaultSelector()
+        for c in clients:
+            sel.register(c.sock, selectors.EVENT_READ, c)
+        t0 = time.monotonic()
+        signalled = None
+        answered = 0
+        live = list(clients)
+        while live and time.monotonic() - t0 < 30:
+            if signalled is None and time.monotonic() - t0 > 1.0:
+                answered = sum(c.answers for c in clients)
+                d.signal(signal.SIGTERM)
+                signalled = time.monotonic()
+            for key, _ in sel.select(0.1):
+                c = key.data
+                if c.done is None:
+                    c.readable()
+                if c.done is not None:
+                    sel.unregister(key.fileobj)
+            for c in live:
+                if c.done is None and c.out:
+                    c.flush()
+            live = [c for c in live if c.done is None]
+        sel.close()
+        for c in live:
+            c.finish("hung")
+        rc = d.wait(20)
+        outcomes = {}
+        for c in clients:
+            outcomes[c.done] = outcomes.get(c.done, 0) + 1
+        total = sum(c.answers for c in clients)
+        print("%d clients, %d answers (%d after SIGTERM), outcomes %r" %
+              (n, total, total - answered, outcomes))
+        check(signalled is not None, "SIGTERM was never sent")
+        check_eq(outcomes.get("eof-mid-request", 0), 0, "clients whose sent request got no answer")
+        check_eq(outcomes.get("hung", 0), 0, "clients still waiting after 30 s")
+        check_eq(outcomes.get("close", 0), n, "clients told Connection: close")
+        check_eq(rc, 0, "exit status after the drain")
+
+
 def test_service_manager_notifications():
     """sd_notify: READY=1 once the daemon listens, STOPPING=1 when a drain starts."""
     import socket
@@ -325,5 +442,6 @@ if __name__ == "__main__":
     h.main([test_startup_time_default_config, test_help, test_option_errors, test_port_in_use,
             test_config_sources,
             test_bool_option_with_a_value, test_sigterm_drains_inflight_batch,
-            test_sigterm_answers_pipelined, test_sigint_and_idle_sigterm, test_sequence_idle_expiry,
+            test_sigterm_answers_pipelined, test_sigterm_keep_alive_clients,
+            test_sigint_and_idle_sigterm, test_sequence_idle_expiry,
             test_service_manager_notifications])

@@ -1,5 +1,5 @@
 """HTTP behaviour: keep-alive, pipelining, limits checked before the body (413, 431), 411, client
-disconnects mid-body, connection timeouts and the bearer token."""
+disconnects mid-body, connection timeouts, folded headers and the bearer token."""
 
 import os
 import shutil
@@ -248,6 +248,31 @@ def test_connection_timeouts():
         check_eq(d.get("/healthz").status, 200, "healthz after the timeouts")
 
 
+def test_obs_fold_refused():
+    """Obsolete line folding is refused with 400 and the connection closes (RFC 9112 §5.2): the
+    request a folded Content-Length would hide in its body is never answered."""
+    with Daemon(h.SMALL) as d:
+        hidden = h.raw_request("GET", "/healthz")
+        cases = (("Content-Length folded onto ' 10'",
+                  b"POST /v1/forward HTTP/1.1\r\nHost: x\r\nContent-Length:\r\n 10\r\n\r\n"
+                  b"0123456789" + hidden),
+                 ("GET with Content-Length folded onto a tab and 0",
+                  b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length:\r\n\t0\r\n\r\n" + hidden),
+                 ("an ordinary header folded",
+                  b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n" + hidden))
+        for what, data in cases:
+            s = h.connect(d)
+            s.sendall(data)
+            closed, got = h.wait_closed(s, 3.0)
+            s.close()
+            check(closed, "%s: the connection stays open (got %r)" % (what, got[:200]))
+            check(got.startswith(b"HTTP/1.1 400 "), "%s: answered %r" % (what, got[:80]))
+            check_eq(got.count(b"HTTP/1.1 "), 1, "%s: answers on the connection (%r)" % (what, got))
+            check(b"\r\nConnection: close\r\n" in got, "%s: no Connection: close" % what)
+            check(b'"code":"bad_request"' in got, "%s: error code in %r" % (what, got))
+        check_eq(d.get("/healthz").status, 200, "healthz after the folded requests")
+
+
 def test_bearer_token():
     rng = np.random.default_rng(45)
     work = tempfile.mkdtemp(prefix="dsv4d-it-token-")
@@ -378,5 +403,6 @@ def test_deadline_and_queue_full():
 
 if __name__ == "__main__":
     h.main([test_keep_alive, test_pipelined_in_order, test_limits_before_body, test_length_required,
-            test_disconnect_mid_body, test_connection_timeouts, test_bearer_token,
-            test_api_token_file_mode, test_pipelined_deadline, test_deadline_and_queue_full])
+            test_disconnect_mid_body, test_connection_timeouts, test_obs_fold_refused,
+            test_bearer_token, test_api_token_file_mode, test_pipelined_deadline,
+            test_deadline_and_queue_full])

@@ -248,6 +248,10 @@ static void *loop_main(void *arg) {
   return NULL;
 }
 
+/* What a test's setup changes in the server's configuration (0 = the default below). */
+static uint64_t cfg_idle_timeout_ms;
+static size_t cfg_max_connections;
+
 static void do_create(void *arg) {
   (void)arg;
   dsv4_server_config_t cfg = {
@@ -264,6 +268,9 @@ static void do_create(void *arg) {
       .metrics = registry,
       .on_complete = on_complete,
   };
+  if (cfg_idle_timeout_ms)
+    cfg.idle_timeout_ms = cfg_idle_timeout_ms;
+  cfg.max_connections = cfg_max_connections;
   assert_int_equal(
       dsv4_server_create(&loop, &cfg, routes, sizeof(routes) / sizeof(routes[0]), &srv), 0);
   port = dsv4_server_port(srv);
@@ -317,8 +324,20 @@ static int setup(void **state) {
   return 0;
 }
 
+static int setup_short_idle(void **state) {
+  cfg_idle_timeout_ms = 200;
+  return setup(state);
+}
+
+static int setup_two_connections(void **state) {
+  cfg_max_connections = 2;
+  return setup(state);
+}
+
 static int teardown(void **state) {
   (void)state;
+  cfg_idle_timeout_ms = 0;
+  cfg_max_connections = 0;
   on_loop(do_close, NULL);
   pthread_join(loop_thread, NULL);
   assert_int_equal(atomic_load(&server_closed), 1);
@@ -835,28 +854,239 @@ static void test_malformed(void **state) {
   assert_int_equal(atomic_load(&handler_calls), 0);
 }
 
+/* Sends raw, expects one 400 bad_request marked Connection: close and then the end of the
+ * connection: nothing after the fold may be answered, whatever it holds. */
+static void expect_fold_refused(const char *raw, size_t split) {
+  client_t *c = client_new();
+  resp_t r;
+  if (split) {
+    send_str(c, raw, split);
+    usleep(30000);
+  }
+  send_s(c, raw + split);
+  assert_int_equal(read_response(c, &r, 0), 400);
+  assert_non_null(strstr(r.body, "\"code\":\"bad_request\""));
+  assert_non_null(strstr(r.body, "folding"));
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(c);
+  client_free(c);
+}
+
+/* Obsolete line folding (RFC 9112 §5.2) is refused in every header, framing or not, and the
+ * connection closes: a Content-Length folded onto its next line must not frame a body whose bytes
+ * then pass for a request of their own (request smuggling). */
+static void test_obs_fold(void **state) {
+  (void)state;
+  /* Content-Length's value folded onto the next line; the "body" holds a request of its own. */
+  expect_fold_refused("POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n"
+                      "Content-Length:\r\n 10\r\n\r\n0123456789"
+                      "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+                      "\r\nX-Id: hidden\r\n\r\n",
+                      0);
+  /* A GET whose Content-Length is folded onto a tab and 0, with a request pipelined behind it. */
+  expect_fold_refused("GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n"
+                      "Content-Length:\r\n\t0\r\n\r\n"
+                      "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+                      "\r\nX-Id: second\r\n\r\n",
+                      0);
+  /* An ordinary header folded after a value, and a continuation line of nothing but a blank. */
+  expect_fold_refused(
+      "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: a\r\n b\r\n\r\n", 0);
+  expect_fold_refused("GET /public HTTP/1.1\r\nX-Id: a\r\n \r\n\r\n", 0);
+  /* A fold whose line break and blank arrive in different reads. */
+  static const char split_fold[] = "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\n"
+                                   "Content-Length:\r\n 4\r\n\r\nabcd";
+  expect_fold_refused(split_fold, (size_t)(strstr(split_fold, " 4") - split_fold));
+  /* The first request of a pipeline is answered; the folded one behind it is not, nor the third. */
+  client_t *c = client_new();
+  resp_t r;
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: first\r\n\r\n"
+            "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: x\r\n\ty\r\n\r\n"
+            "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: third\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "id=first"));
+  assert_int_equal(read_response(c, &r, 0), 400);
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(c);
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 1);
+
+  /* Blanks inside a value, and a CR LF followed by a blank inside a body, are not folding. */
+  c = client_new();
+  send_s(c, "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: a b\tc\r\n\r\n");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=a b\tc path=/imm"));
+  send_s(c, "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: crlf\r\n"
+            "Content-Length: 3\r\n\r\n\r\n ");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  get(c, "/imm", "after");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=after"));
+  client_free(c);
+  assert_int_equal(atomic_load(&handler_calls), 4);
+}
+
+static void do_block(void *arg) {
+  usleep((useconds_t)(uintptr_t)arg);
+}
+
+static void *block_loop(void *arg) {
+  on_loop(do_block, arg);
+  return NULL;
+}
+
+/* The idle timer is due when a request has arrived but is still unread (libuv runs timers before it
+ * polls): the request is answered, not cut off by the close. */
+static void test_idle_timer_with_request_waiting(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  get(c, "/imm", "first");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  /* The loop sleeps past the 200 ms idle timeout; the next request arrives meanwhile. */
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, block_loop, (void *)(uintptr_t)400000), 0);
+  usleep(100000);
+  get(c, "/imm", "waiting");
+  pthread_join(t, NULL);
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=waiting"));
+  /* Idle for real, the connection closes. */
+  double t0 = now_s();
+  expect_eof(c);
+  assert_true(now_s() - t0 > 0.1);
+  client_free(c);
+}
+
+/* How many lines of the log so far hold both a and b. */
+static int log_lines_with(const char *a, const char *b) {
+  static char text[1 << 16];
+  ssize_t n = pread(log_fd, text, sizeof(text) - 1, 0);
+  int count = 0;
+  text[n > 0 ? n : 0] = 0;
+  for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"))
+    count += strstr(line, a) && strstr(line, b);
+  return count;
+}
+
+static double metric_value(const char *series) {
+  char *text;
+  size_t len;
+  assert_int_equal(dsv4_metrics_render(registry, &text, &len), 0);
+  const char *p = strstr(text, series);
+  double v = p ? strtod(p + strlen(series), NULL) : -1;
+  free(text);
+  return v;
+}
+
+/* Past max_connections a new connection is answered 503 too_many_connections and closed before any
+ * request is read; the refusals are counted, logged once, and a freed slot serves again. */
+static void test_max_connections(void **state) {
+  (void)state;
+  client_t *a = client_new(), *b = client_new();
+  resp_t r;
+  get(a, "/imm", "a");
+  assert_int_equal(read_response(a, &r, 0), 200);
+  get(b, "/imm", "b");
+  assert_int_equal(read_response(b, &r, 0), 200);
+  for (int i = 0; i < 3; i++) {
+    client_t *c = client_new();
+    assert_int_equal(read_response(c, &r, 0), 503);
+    assert_non_null(strstr(r.body, "{\"error\":{\"code\":\"too_many_connections\""));
+    assert_non_null(strstr(r.body, "at most 2 connections"));
+    assert_string_equal(header(&r, "Connection"), "close");
+    assert_string_equal(header(&r, "Retry-After"), "1");
+    assert_string_equal(header(&r, "Dsv4d-Instance"), INSTANCE);
+    expect_eof(c);
+    client_free(c);
+  }
+  wait_connections(2);
+  assert_true(metric_value("dsv4d_connections_rejected_total{reason=\"max_connections\"} ") == 3);
+  assert_true(metric_value("dsv4d_connections_rejected_total{reason=\"fd_limit\"} ") == 0);
+  assert_true(metric_value("\ndsv4d_connections ") == 2);
+  assert_int_equal(log_lines_with("\"refusing connections\"", "\"reason\":\"max_connections\""), 1);
+  /* Refusals are not requests: no handler ran, nothing was counted per route. */
+  assert_int_equal(atomic_load(&handler_calls), 2);
+  assert_true(metric_value("dsv4d_requests_total{route=\"none\",code=\"503\"} ") < 0);
+  client_free(a);
+  wait_connections(1);
+  client_t *c = client_new();
+  get(c, "/imm", "c");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  client_free(c);
+  client_free(b);
+  wait_connections(0);
+  assert_true(metric_value("\ndsv4d_connections ") == 0);
+}
+
+/* SIGTERM's drain: nothing new is accepted and no connection is cut under a request. An idle one
+ * gets up to a second for its next request, which is answered with Connection: close; one whose
+ * request is with its handler is answered, marked close, and closed. */
 static void test_drain(void **state) {
   (void)state;
-  client_t *idle = client_new();
+  client_t *idle = client_new(), *late = client_new();
   resp_t r;
   get(idle, "/imm", "i");
   assert_int_equal(read_response(idle, &r, 0), 200);
+  get(late, "/imm", "l");
+  assert_int_equal(read_response(late, &r, 0), 200);
   client_t *busy = client_new();
   get(busy, "/defer?ms=300", "d");
   usleep(50000);
-  assert_int_equal(server_connections(), 2);
+  assert_int_equal(server_connections(), 3);
+  double t0 = now_s();
   on_loop(do_drain, NULL);
-  /* The idle connection closes now; the busy one gets its answer, marked close, then closes. */
-  expect_eof(idle);
+  /* Nothing new is accepted. */
+  assert_int_equal(dial(), -1);
+  usleep(100000);
+  get(late, "/imm", "late");
+  assert_int_equal(read_response(late, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=late"));
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(late);
   assert_int_equal(read_response(busy, &r, 0), 200);
   assert_memory_equal(r.body, "defer id=d|tail", r.body_len);
   assert_string_equal(header(&r, "Connection"), "close");
   expect_eof(busy);
-  /* Nothing new is accepted. */
-  assert_int_equal(dial(), -1);
+  /* The idle one closes after the drain's idle wait (1 s), well before idle_timeout_ms (3 s). */
+  expect_eof(idle);
+  double dt = now_s() - t0;
+  assert_true(dt > 0.9 && dt < 2.5);
   wait_connections(0);
   client_free(idle);
+  client_free(late);
   client_free(busy);
+}
+
+/* An answer that was announced keep-alive stays true when the drain begins while it is being sent:
+ * the client may send its next request, which is answered (with Connection: close). */
+static void test_drain_mid_answer(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  /* 16 MiB: more than the socket buffers hold, so the answer is still going out at the drain. */
+  get(c, "/stream?n=256&piece=65536&short=0", "big");
+  while (!memmem(c->buf, c->len, "\r\n\r\n", 4))
+    assert_int_equal(fill(c), 1);
+  size_t head = (size_t)((char *)memmem(c->buf, c->len, "\r\n\r\n", 4) - c->buf) + 4;
+  assert_null(memmem(c->buf, head, "\r\nConnection:", 14));
+  usleep(50000);
+  on_loop(do_drain, NULL);
+  size_t want = (size_t)256 * 65536, got = c->len - head;
+  c->len = 0;
+  while (got < want) {
+    assert_int_equal(fill(c), 1);
+    got += c->len;
+    c->len = 0;
+  }
+  assert_int_equal(got, want);
+  get(c, "/imm", "next");
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=next"));
+  assert_string_equal(header(&r, "Connection"), "close");
+  expect_eof(c);
+  client_free(c);
+  wait_connections(0);
 }
 
 /* A streamed answer: the head with its Content-Length, then every piece in order, and the
@@ -935,7 +1165,12 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_timeouts, setup, teardown),
       cmocka_unit_test_setup_teardown(test_http10_head_204_503, setup, teardown),
       cmocka_unit_test_setup_teardown(test_malformed, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_obs_fold, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_idle_timer_with_request_waiting, setup_short_idle,
+                                      teardown),
+      cmocka_unit_test_setup_teardown(test_max_connections, setup_two_connections, teardown),
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_drain_mid_answer, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
   };
