@@ -239,6 +239,14 @@ DSV4_FN float dsv4_rope_odd(float e, float o, float c, float s) {
   return DSV4_FMA(e, s, o * c);
 }
 
+/* The inverse rotation of an attention output pair (SPEC §7): the inner product rounded first. */
+DSV4_FN float dsv4_rope_inv_even(float e, float o, float c, float s) {
+  return DSV4_FMA(e, c, o * s);
+}
+DSV4_FN float dsv4_rope_inv_odd(float e, float o, float c, float s) {
+  return DSV4_FMA(-e, s, o * c);
+}
+
 /*
  * exp and log for attention (SPEC §7): one definition for C, CUDA and OpenCL C, built only from
  * fmaf, +, x, round-to-nearest-even (the 1.5 * 2^23 trick: adding and subtracting it rounds any

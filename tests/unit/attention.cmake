@@ -6,3 +6,5 @@ if(DSV4_HAVE_XXHASH)
   target_include_directories(expf_logf_test PRIVATE ${XXHASH_INCLUDE_DIR}
                                                     ${PROJECT_SOURCE_DIR}/tests/support)
 endif()
+# The CPU backend's attention against a model of SPEC §7, its edges, levels and refusals.
+dsv4_unit_test(attention_test SOURCES unit/attention_test.c LIBS dsv4_kernels m TIMEOUT 600)
