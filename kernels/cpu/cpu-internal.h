@@ -91,7 +91,7 @@ void dsv4__cpu_kv_token_avx2(const uint16_t *kv, const float *rope_row, const fl
 
 /* Floats of the per-participant workspace of one attention work item (64-byte aligned): the
  * dequantised window in the level's own layout, then room for one head's logits and sums. */
-#define DSV4__CPU_ATTN_WORK_FLOATS (DSV4_WINDOW * DSV4_HEAD_DIM + 4 * DSV4_HEAD_DIM)
+#define DSV4__CPU_ATTN_WORK_FLOATS (DSV4_WINDOW * DSV4_HEAD_DIM + 16 * DSV4_HEAD_DIM)
 
 /* One work item: nh consecutive heads of one token over its window (1..128 candidates). */
 typedef struct {
@@ -109,6 +109,11 @@ typedef struct {
 
 /* SPEC §7 for one item at the given level; every level stores the same bytes, each once. */
 void dsv4__cpu_attn_item(int isa, const dsv4__cpu_attn_item_t *it);
+#if defined(__x86_64__)
+/* The vector levels (cpu_attention_avx2.c, cpu_attention_avx512.c); same contract. */
+void dsv4__cpu_attn_item_avx512(const dsv4__cpu_attn_item_t *it);
+void dsv4__cpu_attn_item_avx2(const dsv4__cpu_attn_item_t *it);
+#endif
 
 /* The workspaces of one backend's attention launches, one per pool participant. */
 typedef struct dsv4__cpu_attn_scratch dsv4__cpu_attn_scratch_t;

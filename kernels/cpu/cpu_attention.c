@@ -113,6 +113,16 @@ SCALAR_CLONES static void attn_item_scalar(const dsv4__cpu_attn_item_t *it) {
 }
 
 void dsv4__cpu_attn_item(int isa, const dsv4__cpu_attn_item_t *it) {
+#ifdef HAVE_VECTOR_LEVELS
+  if (isa == DSV4__CPU_ISA_AVX512) {
+    dsv4__cpu_attn_item_avx512(it);
+    return;
+  }
+  if (isa == DSV4__CPU_ISA_AVX2) {
+    dsv4__cpu_attn_item_avx2(it);
+    return;
+  }
+#endif
   (void)isa;
   attn_item_scalar(it);
 }
