@@ -8,9 +8,10 @@
  *
  * Ordering contract (SPEC §5): map_slots is the producer, qkv_insert its consumer. A backend runs
  * them in submission order on one queue; qkv_insert may not read slots, q, kv or positions, nor
- * write anything, before map_slots of the same batch has completed. sync() returns once all
- * submitted work has completed. Argument structs hold device addresses (on the CPU backend, host
- * addresses), and the memory they point to must stay valid until sync() returns.
+ * write anything, before map_slots of the same batch has completed. attention, when submitted,
+ * consumes what qkv_insert wrote (q_out and the cache) and obeys the same rule towards it. sync()
+ * returns once all submitted work has completed. Argument structs hold device addresses (on the CPU
+ * backend, host addresses), and the memory they point to must stay valid until sync() returns.
  *
  * Thread affinity: a backend is driven by one thread at a time (the executor).
  */
@@ -88,34 +89,49 @@ typedef struct {
 } dsv4_insert_args_t;
 
 /*
- * Attention after the insert (SPEC §7, exact mode): token t at position p, head h attends over the
- * positions max(p0, p - 127) .. p of its segment's sequence, read from the cache through the
- * segment's block table (the map_slots arrays: position pos is in logical block pos / bs, at entry
- * seg_bt_off + (pos / bs - seg_first_lb)). A candidate whose block is not in the table, or is < 0,
- * makes the launch fail with DSV4_EINVAL before anything is written.
+ * Exact-mode attention (SPEC §7), run after the batch's insert: every token sees the whole batch's
+ * records. Token t at position p = positions[t] of segment s = tok_seg[t] attends, per head, to the
+ * positions max(seg_p0[s], p - 127)..p of its sequence in increasing order. The slot of a position
+ * comes from the segment's block table as in dsv4_map_args_t (the arrays the engine builds for
+ * map_slots): logical block lb = pos / block_size is entry seg_bt_off[s] + (lb - seg_first_lb[s]).
+ * A candidate whose logical block lies outside the segment's table (or past bt_entries), or whose
+ * entry is < 0 or >= n_blocks, or a token with p < seg_p0[s], fails the launch with DSV4_EINVAL
+ * before anything is written, and such a block is never read.
+ *
+ * Per head: logits from the canonical dot product, the max, weights dsv4_expf(l - m), the sink in
+ * the denominator only, o = N / D, the inverse RoPE at p, one rounding to bf16. lse = m +
+ * dsv4_logf(sum of the weights), the sink excluded (FlashMLA's convention), so lse does not depend
+ * on the sink. A sink of +inf makes D infinite and the head's output zeros (signed: N / +inf, then
+ * the RoPE fma); -inf adds nothing. Inputs the daemon validated (|q|, |kv| < 2^59) cannot overflow.
+ *
+ * A backend may run attention on its own queue after qkv_insert; the memory behind the pointers
+ * must stay valid until sync() returns, as for the other launches.
  */
 typedef struct {
   uint32_t n_tokens;
   uint32_t n_segments;
-  uint32_t heads;           /* 1..128 */
-  const uint16_t *q;        /* [n_tokens, heads, 512] bf16: the same batch's q_out */
-  const int64_t *positions; /* [n_tokens] */
-  const int32_t *tok_seg;   /* [n_tokens] */
-  const int64_t *seg_p0;    /* [n_segments] the sequence's first position */
-  const int64_t *seg_first_lb;
-  const uint32_t *seg_bt_off;
-  const uint32_t *seg_bt_len;
-  const int32_t *block_table;
-  uint32_t bt_entries;
-  const uint8_t *cache; /* the layer's cache */
+  uint32_t heads;              /* 1..128 */
+  const uint16_t *q;           /* [n_tokens, heads, 512] bf16: the q_out of the batch's insert */
+  const int64_t *positions;    /* [n_tokens] */
+  const int32_t *tok_seg;      /* [n_tokens] segment of each token */
+  const int64_t *seg_p0;       /* [n_segments] the sequence's first position (no candidate below) */
+  const int64_t *seg_first_lb; /* [n_segments] logical block that block_table[seg_bt_off] maps */
+  const uint32_t *seg_bt_off;  /* [n_segments] first entry of the segment in block_table */
+  const uint32_t *seg_bt_len;  /* [n_segments] entries of the segment in block_table */
+  const int32_t *block_table;  /* physical block ids */
+  uint32_t bt_entries;         /* entries of block_table, or 0 when not given (as for map_slots) */
+  const uint8_t *cache;        /* the layer's cache: n_blocks * stride bytes */
   uint32_t block_size;
   uint32_t n_blocks;
-  uint64_t stride;
-  const float *sink;             /* [heads] fp32, or NULL for no sink */
-  const dsv4_rope_table_t *rope; /* the layer's table: the inverse RoPE at each query's position */
-  uint16_t *out;                 /* [n_tokens, heads, 512] bf16 */
-  float *lse;                    /* [n_tokens, heads], or NULL */
-  int fast;                      /* fast mode (only on a backend with DSV4_BE_ATTN_FAST) */
+  uint64_t stride; /* DSV4_BLOCK_STRIDE(block_size) */
+  /* [heads] fp32: the layer's attn_sink from head_offset on; NULL = no sink. */
+  const float *sink;
+  /* The layer's RoPE table (rows of every query position materialised; the inverse rotation at
+   * the query's position). Like qkv_insert's, it must outlive the backend. */
+  const dsv4_rope_table_t *rope;
+  uint16_t *out; /* [n_tokens, heads, 512] bf16 out */
+  float *lse;    /* [n_tokens, heads] fp32 out, or NULL when not wanted */
+  int fast;      /* fast mode (SPEC §7): only on a backend with DSV4_BE_ATTN_FAST */
 } dsv4_attn_args_t;
 
 typedef struct dsv4_backend_ops {
@@ -130,10 +146,9 @@ typedef struct dsv4_backend_ops {
   int (*download)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n);
   int (*map_slots)(dsv4_backend_t *be, const dsv4_map_args_t *a);
   int (*qkv_insert)(dsv4_backend_t *be, const dsv4_insert_args_t *a);
-  int (*sync)(dsv4_backend_t *be);
-  /* Optional (NULL: the backend has no attention). Ordered after the qkv_insert before it, as
-   * qkv_insert is after map_slots (SPEC §5.2). */
+  /* Optional (NULL: the backend has no attention): exact-mode attention, after qkv_insert. */
   int (*attention)(dsv4_backend_t *be, const dsv4_attn_args_t *a);
+  int (*sync)(dsv4_backend_t *be);
   /*
    * Optional (NULL: the caller runs the items itself). Run fn over items 0..n_items-1 on the
    * backend's host threads, returning once all are done: host-side work such as input validation,
@@ -156,6 +171,9 @@ struct dsv4_backend {
  */
 int dsv4_backend_check_map_args(const dsv4_map_args_t *a);
 int dsv4_backend_check_insert_args(const dsv4_insert_args_t *a);
+/* The attention check covers everything but the block table's contents, the positions and the
+ * RoPE rows, which the backend checks where it can read them (before it writes anything). */
+int dsv4_backend_check_attn_args(const dsv4_attn_args_t *a);
 
 typedef struct {
   uint32_t threads; /* CPU worker threads; 0 = one per online core */

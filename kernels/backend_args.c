@@ -27,3 +27,15 @@ int dsv4_backend_check_insert_args(const dsv4_insert_args_t *a) {
     return DSV4_EINVAL;
   return 0;
 }
+
+int dsv4_backend_check_attn_args(const dsv4_attn_args_t *a) {
+  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS || !DSV4_BLOCK_SIZE_VALID(a->block_size))
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->q || !a->positions || !a->tok_seg || !a->seg_p0 || !a->seg_first_lb || !a->seg_bt_off ||
+      !a->seg_bt_len || !a->cache || !a->rope || !a->out || a->n_segments == 0 ||
+      a->n_blocks == 0 || !a->block_table || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
+    return DSV4_EINVAL;
+  return 0;
+}

@@ -64,6 +64,46 @@ void dsv4__cpu_kv_token_avx2(const uint16_t *kv, const float *rope_row, const fl
                              uint8_t *data, uint8_t *scales);
 #endif
 
+/* ---- exact attention (cpu_attention.c, SPEC §7) ---- */
+
+/* Floats of the per-participant workspace of one attention work item (64-byte aligned): the
+ * dequantised window in the level's own layout, then room for one head's logits and sums. */
+#define DSV4__CPU_ATTN_WORK_FLOATS (DSV4_WINDOW * DSV4_HEAD_DIM + 16 * DSV4_HEAD_DIM)
+
+/* One work item: nh consecutive heads of one token over its window (1..128 candidates). */
+typedef struct {
+  const uint16_t *q; /* [nh, 512] bf16, the rotated queries */
+  uint32_t nh;
+  uint32_t nc;
+  const uint8_t *data[DSV4_WINDOW]; /* each candidate's 576 bytes NoPE | RoPE, in position order */
+  const uint8_t *scales[DSV4_WINDOW]; /* each candidate's 8 scale bytes */
+  const float *rope_row;              /* cos and sin at the query's position */
+  const float *sink;                  /* [nh], or NULL */
+  uint16_t *out;                      /* [nh, 512] bf16 */
+  float *lse;                         /* [nh], or NULL */
+  float *work;                        /* DSV4__CPU_ATTN_WORK_FLOATS */
+} dsv4__cpu_attn_item_t;
+
+/* SPEC §7 for one item at the given level; every level stores the same bytes, each once. */
+void dsv4__cpu_attn_item(int isa, const dsv4__cpu_attn_item_t *it);
+#if defined(__x86_64__)
+/* The vector levels (cpu_attention_avx2.c, cpu_attention_avx512.c); same contract. */
+void dsv4__cpu_attn_item_avx512(const dsv4__cpu_attn_item_t *it);
+void dsv4__cpu_attn_item_avx2(const dsv4__cpu_attn_item_t *it);
+#endif
+
+/* The workspaces of one backend's attention launches, one per pool participant. */
+typedef struct dsv4__cpu_attn_scratch dsv4__cpu_attn_scratch_t;
+void dsv4__cpu_attn_scratch_free(dsv4__cpu_attn_scratch_t *s);
+
+/*
+ * The CPU backend's attention op: checks every argument and every candidate's block before it
+ * writes anything, then runs the items on the pool (the join orders it before the next launch).
+ * *scratch is allocated on first use and kept for later launches.
+ */
+int dsv4__cpu_attention(dsv4_host_pool_t *pool, int isa, dsv4__cpu_attn_scratch_t **scratch,
+                        const dsv4_attn_args_t *a);
+
 /*
  * ---- test-only hooks of the ordering-invariant tests (tests/unit/inv_*.c, SPEC §5) ----
  *

@@ -52,6 +52,7 @@ typedef struct {
   dsv4_host_pool_t *pool;
   int isa;
   uint64_t stream_bytes; /* q_out bytes per launch from which q_out bypasses the caches */
+  dsv4__cpu_attn_scratch_t *attn_scratch; /* attention workspaces, made by the first launch */
 #ifdef TEST_PRODUCER
   test_producer_t producers[TEST_PRODUCERS];
 #endif
@@ -77,6 +78,7 @@ static void cpu_destroy(dsv4_backend_t *be) {
   dsv4__cpu_backend_test_drain(be);
 #endif
   dsv4_host_pool_destroy(c->pool);
+  dsv4__cpu_attn_scratch_free(c->attn_scratch);
   free(c);
 }
 
@@ -308,6 +310,11 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   return 0;
 }
 
+static int cpu_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
+  cpu_backend_t *c = cpu_of(be);
+  return dsv4__cpu_attention(c->pool, c->isa, &c->attn_scratch, a);
+}
+
 static void cpu_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
                               void *arg, size_t n_items) {
   dsv4_host_pool_run_balanced(cpu_of(be)->pool, fn, arg, n_items);
@@ -323,6 +330,7 @@ static const dsv4_backend_ops_t cpu_ops = {
     .download = cpu_download,
     .map_slots = cpu_map_slots,
     .qkv_insert = cpu_qkv_insert,
+    .attention = cpu_attention,
     .sync = cpu_sync,
     .host_parallel = cpu_host_parallel,
 };

@@ -489,6 +489,61 @@ def qkv_insert(q, kv, positions, slots, cache, bs, rope="plain", kv_norm_weight=
 
 
 # ---------------------------------------------------------------------------------------------
+# Attention, exact mode (SPEC §7), in binary64
+#
+# The daemon computes attention in binary32 in one canonical order. This model computes the same
+# quantity in binary64 from the same inputs (the rotated queries and the stored records), so it
+# checks the kernels' mathematics to within their roundings, whatever their order. It also returns
+# the magnitudes that bound those roundings (a test turns them into tolerances).
+
+SOFTMAX_SCALE = float(f32_from_bits(np.uint32(0x3D3504F3)))  # the SPEC's fp32 512^-0.5
+
+
+def attention_candidates(pos, p0):
+    """The positions a query at pos attends to: max(p0, pos - 127)..pos, in increasing order."""
+    return np.arange(max(int(p0), int(pos) - (WINDOW - 1)), int(pos) + 1, dtype=np.int64)
+
+
+def attention_keys(cache, bs, slots):
+    """The candidates' 584-byte records read from the paged cache and decoded (SPEC §3): exact
+    values as [n, 512] binary64."""
+    recs = np.stack([read_record(cache, s, bs) for s in slots])
+    return dequantise_record(recs).astype(F64)
+
+
+def attention_token(q, keys, rope_row, sink=None):
+    """One query token: q [H, 512] bf16 bits, keys [nc, 512] (in position order), rope_row the 64
+    fp32 table values of the query's position (cos then sin), sink [H] or None.
+
+    Returns (out, lse, mag): out [H, 512] binary64 after the inverse rotation (before any rounding
+    to bf16), lse [H] = m + ln(sum of the weights), the sink excluded, and mag, a dict of the
+    magnitudes the binary32 roundings scale with: 'dot' [H, nc] = sum |q_i k_i| times the scale
+    (the logits' error scale), 'acc' [H, 512] = sum_s w_s |k_s[d]| / D (the outputs' error scale
+    before the rotation), 'nc' the candidate count."""
+    qf = bf16_to_f32(np.asarray(q, dtype=np.uint16)).astype(F64)
+    keys = np.asarray(keys, dtype=F64)
+    logits = (qf @ keys.T) * SOFTMAX_SCALE
+    m = logits.max(axis=1)
+    w = np.exp(logits - m[:, None])
+    total = w.sum(axis=1)
+    den = total.copy()
+    if sink is not None:
+        with np.errstate(over="ignore"):
+            den = den + np.exp(np.asarray(sink, dtype=F64) - m)
+    o = (w @ keys) / den[:, None]  # a sink of +inf: D = inf and every output 0
+    acc = (w @ np.abs(keys)) / den[:, None]
+    c = np.asarray(rope_row[:ROPE_PAIRS], dtype=F64)
+    sn = np.asarray(rope_row[ROPE_PAIRS:], dtype=F64)
+    e, od = o[:, NOPE_DIM::2], o[:, NOPE_DIM + 1::2]
+    out = o.copy()
+    out[:, NOPE_DIM::2] = e * c + od * sn
+    out[:, NOPE_DIM + 1::2] = -e * sn + od * c
+    mag = {"dot": (np.abs(qf) @ np.abs(keys).T) * SOFTMAX_SCALE, "acc": acc, "nc": keys.shape[0],
+           "cos": c, "sin": sn}
+    return out, m + np.log(total), mag
+
+
+# ---------------------------------------------------------------------------------------------
 # Digests (SPEC §3.1)
 
 

@@ -16,6 +16,13 @@
  * seg_bt_off.bin [S] u32, seg_bt_len.bin [S] u32 and block_table.bin [B] i32; it writes the
  * return code of map_slots to rc.txt and, when it is 0, the slots to slots_out.bin.
  *
+ * mode=attn (SPEC §7) takes n_tokens, heads, n_segments, n_block_table, block_size, n_blocks, rope,
+ * sink (0|1) and lse (0|1); it reads q.bin [N,H,512] u16 (the rotated queries), positions.bin,
+ * tok_seg.bin, seg_p0.bin [S] i64, seg_first_lb.bin, seg_bt_off.bin, seg_bt_len.bin,
+ * block_table.bin, cache_in.bin and, with sink=1, sink.bin [H] f32; it writes the return code of
+ * the attention launch to rc.txt and, when it is 0, out.bin [N,H,512] u16 and (lse=1) lse.bin
+ * [N,H] f32.
+ *
  * All files are little-endian, which is the host order on every machine the daemon supports.
  */
 #include <errno.h>
@@ -369,6 +376,117 @@ out:
   return rc;
 }
 
+/* The attention inputs of mode=attn, read from files (any of them NULL when unreadable). */
+typedef struct {
+  uint16_t *q, *out;
+  int64_t *pos, *p0, *first_lb;
+  int32_t *tok_seg, *bt;
+  uint32_t *bt_off, *bt_len;
+  uint8_t *cache;
+  float *sink, *lse;
+} attn_files_t;
+
+static void attn_files_free(attn_files_t *f) {
+  free(f->q);
+  free(f->out);
+  free(f->pos);
+  free(f->p0);
+  free(f->first_lb);
+  free(f->tok_seg);
+  free(f->bt);
+  free(f->bt_off);
+  free(f->bt_len);
+  free(f->cache);
+  free(f->sink);
+  free(f->lse);
+}
+
+/* On the CPU backend (host memory) the launch reads the files' buffers directly. */
+static int run_attn(const char *dir, dsv4_backend_t *be) {
+  const long long n = param_int("n_tokens", -1), heads = param_int("heads", -1);
+  const long long n_seg = param_int("n_segments", -1), n_bt = param_int("n_block_table", -1);
+  const long long bs = param_int("block_size", 64), n_blocks = param_int("n_blocks", -1);
+  const int with_sink = (int)param_int("sink", 0), with_lse = (int)param_int("lse", 1);
+  const char *rope_kind = param_str("rope", "plain");
+  attn_files_t f;
+  dsv4_rope_table_t *table = NULL;
+  float inv[DSV4_ROPE_PAIRS];
+  char rc_text[32];
+  int rc = -1;
+
+  memset(&f, 0, sizeof f);
+  if (n < 1 || heads < 1 || heads > DSV4_MAX_HEADS || n_seg < 1 || n_bt < 1 || n_blocks < 1 ||
+      !DSV4_BLOCK_SIZE_VALID(bs) || !(be->ops->caps & DSV4_BE_HOST_MEMORY) || !be->ops->attention) {
+    fprintf(stderr, "kernel_run: bad attn parameters in %s/params.txt (or no host attention)\n",
+            dir);
+    return -1;
+  }
+  size_t q_bytes = (size_t)n * (size_t)heads * DSV4_HEAD_DIM * 2;
+  f.q = read_file(dir, "q.bin", q_bytes, 0, NULL);
+  f.pos = read_file(dir, "positions.bin", (size_t)n * 8, 0, NULL);
+  f.tok_seg = read_file(dir, "tok_seg.bin", (size_t)n * 4, 0, NULL);
+  f.p0 = read_file(dir, "seg_p0.bin", (size_t)n_seg * 8, 0, NULL);
+  f.first_lb = read_file(dir, "seg_first_lb.bin", (size_t)n_seg * 8, 0, NULL);
+  f.bt_off = read_file(dir, "seg_bt_off.bin", (size_t)n_seg * 4, 0, NULL);
+  f.bt_len = read_file(dir, "seg_bt_len.bin", (size_t)n_seg * 4, 0, NULL);
+  f.bt = read_file(dir, "block_table.bin", (size_t)n_bt * 4, 0, NULL);
+  f.cache = read_file(dir, "cache_in.bin", (size_t)n_blocks * DSV4_BLOCK_STRIDE(bs), 0, NULL);
+  f.sink = with_sink ? read_file(dir, "sink.bin", (size_t)heads * 4, 0, NULL) : NULL;
+  f.out = malloc(q_bytes);
+  f.lse = malloc((size_t)n * (size_t)heads * 4);
+  if (!f.q || !f.pos || !f.tok_seg || !f.p0 || !f.first_lb || !f.bt_off || !f.bt_len || !f.bt ||
+      !f.cache || (with_sink && !f.sink) || !f.out || !f.lse)
+    goto out;
+  dsv4_rope_inv_freq(
+      strcmp(rope_kind, "yarn") == 0 ? &dsv4_rope_yarn_default : &dsv4_rope_plain_default, inv);
+  if ((rc = dsv4_rope_table_create(inv, DSV4_MAX_POSITION_DEFAULT, &table)) != 0 ||
+      (rc = dsv4_rope_table_ensure(table, f.pos, (size_t)n)) != 0) {
+    fprintf(stderr, "kernel_run: rope table: %s\n", dsv4_strerror(rc));
+    goto out;
+  }
+  dsv4_attn_args_t a = {
+      .n_tokens = (uint32_t)n,
+      .n_segments = (uint32_t)n_seg,
+      .heads = (uint32_t)heads,
+      .q = f.q,
+      .positions = f.pos,
+      .tok_seg = f.tok_seg,
+      .seg_p0 = f.p0,
+      .seg_first_lb = f.first_lb,
+      .seg_bt_off = f.bt_off,
+      .seg_bt_len = f.bt_len,
+      .block_table = f.bt,
+      .bt_entries = (uint32_t)n_bt,
+      .cache = f.cache,
+      .block_size = (uint32_t)bs,
+      .n_blocks = (uint32_t)n_blocks,
+      .stride = DSV4_BLOCK_STRIDE(bs),
+      .sink = f.sink,
+      .rope = table,
+      .out = f.out,
+      .lse = with_lse ? f.lse : NULL,
+  };
+  rc = be->ops->attention(be, &a);
+  if (rc == 0)
+    rc = be->ops->sync(be);
+  snprintf(rc_text, sizeof rc_text, "%d\n", rc);
+  if (write_file(dir, "rc.txt", rc_text, strlen(rc_text)) != 0) {
+    rc = -1;
+    goto out;
+  }
+  if (rc == 0) {
+    rc = write_file(dir, "out.bin", f.out, q_bytes);
+    if (rc == 0 && with_lse)
+      rc = write_file(dir, "lse.bin", f.lse, (size_t)n * (size_t)heads * 4);
+  } else {
+    rc = 0; /* a refused launch is a result: the test compares the code */
+  }
+out:
+  dsv4_rope_table_destroy(table);
+  attn_files_free(&f);
+  return rc;
+}
+
 int main(int argc, char **argv) {
   dsv4_backend_options_t opt;
   dsv4_backend_t *be = NULL;
@@ -414,6 +532,8 @@ int main(int argc, char **argv) {
     rc = run_insert(argv[1], be);
   } else if (strcmp(mode, "map") == 0) {
     rc = run_map(argv[1], be);
+  } else if (strcmp(mode, "attn") == 0) {
+    rc = run_attn(argv[1], be);
   } else {
     fprintf(stderr, "kernel_run: unknown mode %s\n", mode);
     rc = -1;

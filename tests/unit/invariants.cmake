@@ -13,10 +13,11 @@ list(REMOVE_ITEM DSV4_INV_KERNEL_SOURCES ${DSV4_INV_ROOT}/kernels/host_pool.c)
 list(APPEND DSV4_INV_CPU_SOURCES ${DSV4_INV_ROOT}/kernels/host_pool.c)
 # As in kernels/CMakeLists.txt; source properties are per directory, so they are repeated here.
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
-  set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx512.c PROPERTIES
+  file(GLOB DSV4_INV_AVX512 CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/cpu/*_avx512.c)
+  file(GLOB DSV4_INV_AVX2 CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/cpu/*_avx2.c)
+  set_source_files_properties(${DSV4_INV_AVX512} PROPERTIES
     COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mfma")
-  set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx2.c PROPERTIES
-    COMPILE_OPTIONS "-mavx2;-mfma")
+  set_source_files_properties(${DSV4_INV_AVX2} PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma")
 endif()
 add_library(dsv4_inv_kernels_base OBJECT ${DSV4_INV_KERNEL_SOURCES})
 target_include_directories(dsv4_inv_kernels_base PUBLIC ${DSV4_INV_ROOT}/kernels)

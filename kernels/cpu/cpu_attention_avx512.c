@@ -1,0 +1,351 @@
+/*
+ * Exact attention (SPEC §7) with AVX-512: the operations of the scalar level in cpu_attention.c,
+ * each correctly rounded and in the same order, on 16 independent chains at a time, so the bytes
+ * are the same (tests/unit/attention_test.c compares every level with the scalar one).
+ *
+ * Layout. The canonical dot product runs 32 chains, chain l over dims 16l..16l+15 in order. Each
+ * candidate's 512 values are stored chain-transposed: row k (32 floats) holds element k of chains
+ * 0..31, so one fmadd advances 16 chains of a dot product by one element, and the queries are
+ * transposed the same way. The accumulation of N is element-wise, so it runs in the same layout;
+ * each head's N is transposed back (a 16 x 16 transpose is its own inverse) before the division's
+ * result is rotated and rounded. Heads go four at a time through both passes over the window, so
+ * each candidate row is read from the cache hierarchy once per four heads.
+ */
+#if defined(__x86_64__)
+
+/* Built with -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma (kernels/CMakeLists.txt). */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu-internal.h"
+#include "dsv4-numerics.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Heads per pass over the window. */
+#define QUAD 4
+
+/* Transposes the 16 x 16 floats of r[0..15] in place. */
+INLINE void transpose16(__m512 *r) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {
+    __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
+    __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; i++) {
+    int j = (i & 3) | ((i & 4) << 1);
+    t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
+    t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+/* Writes 32 chain vectors (lanes = elements 0..15 of chain l) as 16 rows of 32 (lanes = chains). */
+INLINE void store_transposed(__m512 *chains, float *rows) {
+  transpose16(chains);
+  transpose16(chains + 16);
+#pragma GCC unroll 16
+  for (int k = 0; k < 16; k++) {
+    _mm512_store_ps(rows + 32 * k, chains[k]);
+    _mm512_store_ps(rows + 32 * k + 16, chains[16 + k]);
+  }
+}
+
+/* dsv4_e4m3_to_f32 of 16 bytes, times the tile's scale (both exact, as in the scalar level). */
+INLINE __m512 e4m3x16(__m128i bytes, __m512 scale) {
+  __m512i b = _mm512_cvtepu8_epi32(bytes);
+  __m512i s = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 3), _mm512_set1_epi32(15));
+  __m512i m = _mm512_and_si512(b, _mm512_set1_epi32(7));
+  __m512i v = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                              _mm512_slli_epi32(m, 20));
+  __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0x1p-9f));
+  v = _mm512_mask_mov_epi32(v, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                            _mm512_castps_si512(sub));
+  __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)),
+                                          _mm512_set1_epi32(0x7f));
+  v = _mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x7fc00000));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(v, s)), scale);
+}
+
+/* 16 bf16 values as fp32, exact. */
+INLINE __m512 bf16x16(const void *p) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* A record dequantised into the chain-transposed layout (rows of 32 floats, 64-byte aligned). */
+INLINE void dequant_record_t(const uint8_t *data, const uint8_t *scales, float *rows) {
+  __m512 c[32];
+#pragma GCC unroll 28
+  for (int l = 0; l < 28; l++)
+    c[l] = e4m3x16(_mm_loadu_si128((const __m128i *)(data + 16 * l)),
+                   _mm512_set1_ps(dsv4_ue8m0_scale(scales[l / 4])));
+#pragma GCC unroll 4
+  for (int l = 28; l < 32; l++)
+    c[l] = bf16x16(data + DSV4_NOPE_DIM + 32 * (l - 28));
+  store_transposed(c, rows);
+}
+
+/* The queries of a head quad, transposed; heads past nh are zeros (their results are not used). */
+static void queries_t(const uint16_t *q, uint32_t nh, float *qt) {
+  for (uint32_t h = 0; h < QUAD; h++) {
+    __m512 c[32];
+    for (int l = 0; l < 32; l++)
+      c[l] = h < nh ? bf16x16(q + (size_t)h * DSV4_HEAD_DIM + 16 * l) : _mm512_setzero_ps();
+    store_transposed(c, qt + (size_t)h * DSV4_HEAD_DIM);
+  }
+}
+
+/* The fold of SPEC §2 over chain vectors lo (chains 0..15) and hi (16..31): steps 16, 8, 4, 2, 1.
+ */
+INLINE float fold32(__m512 lo, __m512 hi) {
+  __m512 v = _mm512_add_ps(lo, hi);
+  __m256 v8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+  __m128 v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+  __m128 v1 = _mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1));
+  return _mm_cvtss_f32(v1);
+}
+
+/* Logits of NC (1 or 2) candidates from kt for the four heads of qt, into l[h * 128 + s]. */
+INLINE void logits_quad(const float *qt, const float *kt, uint32_t s, int nc, float *l) {
+  const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
+  __m512 a[QUAD][2][2];
+#pragma GCC unroll 4
+  for (int h = 0; h < QUAD; h++)
+    for (int c = 0; c < 2; c++)
+      a[h][c][0] = a[h][c][1] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int k = 0; k < 16; k++) {
+    __m512 kv[2][2];
+    for (int c = 0; c < nc; c++) {
+      const float *row = kt + (size_t)(s + c) * DSV4_HEAD_DIM + 32 * k;
+      kv[c][0] = _mm512_load_ps(row);
+      kv[c][1] = _mm512_load_ps(row + 16);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < QUAD; h++) {
+      __m512 q0 = _mm512_load_ps(qt + h * DSV4_HEAD_DIM + 32 * k);
+      __m512 q1 = _mm512_load_ps(qt + h * DSV4_HEAD_DIM + 32 * k + 16);
+      for (int c = 0; c < nc; c++) {
+        a[h][c][0] = _mm512_fmadd_ps(q0, kv[c][0], a[h][c][0]);
+        a[h][c][1] = _mm512_fmadd_ps(q1, kv[c][1], a[h][c][1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < QUAD; h++)
+    for (int c = 0; c < nc; c++)
+      l[h * DSV4_WINDOW + s + c] = fold32(a[h][c][0], a[h][c][1]) * scale;
+}
+
+/* dsv4_expf on 16 lanes: the same operations, the special cases blended in afterwards. */
+INLINE __m512 expf16(__m512 x) {
+  __m512i u = _mm512_castps_si512(x);
+  __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  __m512 k = _mm512_mul_ps(x, _mm512_set1_ps(0x1.715476p+0f));
+  k = _mm512_sub_ps(_mm512_add_ps(k, _mm512_set1_ps(0x1.8p+23f)), _mm512_set1_ps(0x1.8p+23f));
+  __m512 rh = _mm512_fnmadd_ps(k, _mm512_set1_ps(0x1.62e4p-1f), x);
+  __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+  __m512 nk = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(k), sign));
+  __m512 rl = _mm512_mul_ps(nk, _mm512_set1_ps(0x1.7f7d1cp-20f));
+  __m512 r = _mm512_add_ps(rh, rl);
+  __m512 bv = _mm512_sub_ps(r, rh);
+  __m512 re = _mm512_add_ps(_mm512_sub_ps(rh, _mm512_sub_ps(r, bv)), _mm512_sub_ps(rl, bv));
+  __m512 p = _mm512_set1_ps(0x1.9f0894p-13f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.6d8d04p-10f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.11127p-7f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.55548ep-5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.555554p-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1p-1f));
+  __m512 w = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, re);
+  __m512 one = _mm512_set1_ps(1.0f);
+  __m512 hi = _mm512_add_ps(one, r);
+  __m512 lo = _mm512_add_ps(_mm512_sub_ps(one, hi), r);
+  __m512 y = _mm512_add_ps(hi, _mm512_add_ps(lo, w));
+  /* q / 2 rounds towards zero, as C's division does. */
+  __m512i q = _mm512_cvttps_epi32(k);
+  __m512i q1 = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_srli_epi32(q, 31)), 1);
+  __m512i e1 = _mm512_slli_epi32(_mm512_add_epi32(q1, _mm512_set1_epi32(127)), 23);
+  __m512i e2 =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, q1), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(e1)), _mm512_castsi512_ps(e2));
+  y = _mm512_mask_mov_ps(y, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x33000000)), one);
+  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ),
+                         _mm512_setzero_ps());
+  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(89.0f), _CMP_GT_OQ),
+                         _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000)));
+  __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_mov_ps(y, nan,
+                            _mm512_castsi512_ps(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000))));
+}
+
+/*
+ * The largest logit. Lanes keep running maxima that skip NaN (max(x, m) returns m when x is NaN)
+ * from a start of l[0], as the scalar level's l > m ? l : m does; a zero's sign may differ from the
+ * scalar level's, which no later step can see (x - (+0) = x - (-0) but for x = -0, and e^(+-0) =
+ * 1).
+ */
+static float max_logit(const float *l, uint32_t nc) {
+  __m512 m = _mm512_set1_ps(l[0]);
+  uint32_t s = 0;
+  for (; s + 16 <= nc; s += 16)
+    m = _mm512_max_ps(_mm512_loadu_ps(l + s), m);
+  if (s < nc)
+    m = _mm512_mask_max_ps(m, (__mmask16)((1u << (nc - s)) - 1u), _mm512_loadu_ps(l + s), m);
+  __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(m),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m), 1)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  return _mm_cvtss_f32(m4);
+}
+
+/* The weights e^(l - m) in place (lanes past nc computed too, never read). */
+static void weights(float *l, uint32_t nc, float m) {
+  __m512 vm = _mm512_set1_ps(m);
+  for (uint32_t s = 0; s < nc; s += 16)
+    _mm512_storeu_ps(l + s, expf16(_mm512_sub_ps(_mm512_loadu_ps(l + s), vm)));
+}
+
+/*
+ * N for the four heads over one eighth of the transposed layout (64 floats: columns j0..j0+63),
+ * in candidate order from +0, stored into nt[h * 512 + j]. Four rows of kt are loaded per
+ * candidate and each feeds four heads.
+ */
+INLINE void accumulate_eighth(const float *kt, const float *w, uint32_t nc, uint32_t j0,
+                              float *nt) {
+  __m512 n[QUAD][4];
+#pragma GCC unroll 4
+  for (int h = 0; h < QUAD; h++)
+    for (int v = 0; v < 4; v++)
+      n[h][v] = _mm512_setzero_ps();
+  for (uint32_t s = 0; s < nc; s++) {
+    const float *row = kt + (size_t)s * DSV4_HEAD_DIM + j0;
+    __m512 k0 = _mm512_load_ps(row), k1 = _mm512_load_ps(row + 16);
+    __m512 k2 = _mm512_load_ps(row + 32), k3 = _mm512_load_ps(row + 48);
+#pragma GCC unroll 4
+    for (int h = 0; h < QUAD; h++) {
+      __m512 wv = _mm512_set1_ps(w[h * DSV4_WINDOW + s]);
+      n[h][0] = _mm512_fmadd_ps(wv, k0, n[h][0]);
+      n[h][1] = _mm512_fmadd_ps(wv, k1, n[h][1]);
+      n[h][2] = _mm512_fmadd_ps(wv, k2, n[h][2]);
+      n[h][3] = _mm512_fmadd_ps(wv, k3, n[h][3]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < QUAD; h++)
+    for (int v = 0; v < 4; v++)
+      _mm512_store_ps(nt + h * DSV4_HEAD_DIM + j0 + 16 * v, n[h][v]);
+}
+
+/* dsv4_f32_to_bf16 of 16 lanes, packed to 16 bf16 (a NaN made quiet, as the scalar codec does). */
+INLINE __m256i bf16_round16(__m512 f) {
+  __m512i u = _mm512_castps_si512(f);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* o = N / D back in natural order, the inverse rotation at the query's position, bf16 stores. */
+static void finish_head(const float *nt, float den, const float *cs, uint16_t *out) {
+  __m512 c[32];
+  __m512 vd = _mm512_set1_ps(den);
+  for (int k = 0; k < 16; k++) {
+    c[k] = _mm512_div_ps(_mm512_load_ps(nt + 32 * k), vd);
+    c[16 + k] = _mm512_div_ps(_mm512_load_ps(nt + 32 * k + 16), vd);
+  }
+  transpose16(c); /* c[l] = dims 16l..16l+15 */
+  transpose16(c + 16);
+  for (int l = 0; l < 28; l++)
+    _mm256_storeu_si256((__m256i *)(void *)(out + 16 * l), bf16_round16(c[l]));
+  /* Pair i of a vector sits in lanes 2i (even dim) and 2i+1: e and o duplicated over both, cos and
+   * sin of the pair likewise; the even lane computes fma(e, c, o * s), the odd fma(e, -s, o * c),
+   * which is fma(-e, s, o * c) exactly. */
+  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __mmask16 odd = 0xAAAA;
+  for (int v = 0; v < 4; v++) {
+    __m512 x = c[28 + v];
+    __m512 e = _mm512_moveldup_ps(x), o = _mm512_movehdup_ps(x);
+    __m512 cv = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(cs + 8 * v)));
+    __m512 sv = _mm512_permutexvar_ps(
+        dup, _mm512_castps256_ps512(_mm256_loadu_ps(cs + DSV4_ROPE_PAIRS + 8 * v)));
+    __m512 ma = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(cv), odd,
+                                                          _mm512_castps_si512(sv),
+                                                          _mm512_set1_epi32((int)0x80000000u)));
+    __m512 mb = _mm512_mask_mov_ps(sv, odd, cv);
+    __m512 r = _mm512_fmadd_ps(e, ma, _mm512_mul_ps(o, mb));
+    _mm256_storeu_si256((__m256i *)(void *)(out + DSV4_NOPE_DIM + 16 * v), bf16_round16(r));
+  }
+}
+
+/* Four heads (nh of them real) of one item over the dequantised window kt; l holds the logits and
+ * then the weights of the four heads (128 each), nt their N. */
+static void attn_quad(const dsv4__cpu_attn_item_t *it, uint32_t h0, uint32_t nh, const float *kt,
+                      float *qt, float *l, float *nt) {
+  const uint32_t nc = it->nc;
+  queries_t(it->q + (size_t)h0 * DSV4_HEAD_DIM, nh, qt);
+  uint32_t s = 0;
+  for (; s + 2 <= nc; s += 2)
+    logits_quad(qt, kt, s, 2, l);
+  if (s < nc)
+    logits_quad(qt, kt, s, 1, l);
+  float m[QUAD], sum[QUAD];
+  for (uint32_t h = 0; h < nh; h++) {
+    m[h] = max_logit(l + h * DSV4_WINDOW, nc);
+    weights(l + h * DSV4_WINDOW, nc, m[h]);
+    sum[h] = 0.0f;
+    for (uint32_t i = 0; i < nc; i++)
+      sum[h] = sum[h] + l[h * DSV4_WINDOW + i];
+  }
+  for (uint32_t j0 = 0; j0 < DSV4_HEAD_DIM; j0 += 64)
+    accumulate_eighth(kt, l, nc, j0, nt);
+  for (uint32_t h = 0; h < nh; h++) {
+    float den = sum[h];
+    if (it->sink)
+      den = den + dsv4_expf(it->sink[h0 + h] - m[h]);
+    finish_head(nt + h * DSV4_HEAD_DIM, den, it->rope_row,
+                it->out + (size_t)(h0 + h) * DSV4_HEAD_DIM);
+    if (it->lse)
+      it->lse[h0 + h] = m[h] + dsv4_logf(sum[h]);
+  }
+}
+
+void dsv4__cpu_attn_item_avx512(const dsv4__cpu_attn_item_t *it) {
+  float *kt = it->work;
+  float *qt = kt + (size_t)DSV4_WINDOW * DSV4_HEAD_DIM;
+  float *nt = qt + QUAD * DSV4_HEAD_DIM;
+  float *l = nt + QUAD * DSV4_HEAD_DIM;
+  for (uint32_t s = 0; s < it->nc; s++)
+    dequant_record_t(it->data[s], it->scales[s], kt + (size_t)s * DSV4_HEAD_DIM);
+  /* Heads past nh in the last quad have zero queries: their logits serve as weights of nothing. */
+  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
+    uint32_t nh = it->nh - h0 < QUAD ? it->nh - h0 : QUAD;
+    attn_quad(it, h0, nh, kt, qt, l, nt);
+  }
+}
+
+#endif /* __x86_64__ */
