@@ -10,6 +10,7 @@
 #include <llhttp.h>
 
 #include "dsv4-error.h"
+#include "errors.h"
 #include "http-internal.h"
 #include "log.h"
 #include "metrics.h"
@@ -688,12 +689,13 @@ void dsv4_respond_json(dsv4_req_t *req, int status, json_t *doc) {
 }
 
 void dsv4_respond_error(dsv4_req_t *req, int err, const char *message, json_t *details) {
-  int status = dsv4_err_http_status(err);
+  dsv4_http_error_t he = dsv4_http_error(err);
+  int status = he.status;
   json_t *e = json_object();
   json_t *doc = e ? json_pack("{s:o}", "error", e) : NULL;
   if (e) {
     json_t *m = json_string(message ? message : dsv4_strerror(err));
-    json_object_set_new(e, "code", json_string(dsv4_err_code(err)));
+    json_object_set_new(e, "code", json_string(he.code));
     json_object_set_new(e, "message", m ? m : json_string(dsv4_strerror(err)));
     if (json_is_object(details))
       json_object_update_missing(e, details);
