@@ -32,11 +32,11 @@ const char dsv4_ctl_usage[] =
     "exit status: 0 ok, 1 the daemon answered an error or verify found a mismatch,\n"
     "2 usage, connection or I/O error\n";
 
-__attribute__((format(printf, 3, 4))) static int fail(char *err, size_t errlen, const char *fmt,
+__attribute__((format(printf, 3, 4))) static int fail(char *why, size_t why_len, const char *fmt,
                                                       ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(err, errlen, fmt, ap);
+  vsnprintf(why, why_len, fmt, ap);
   va_end(ap);
   return DSV4_EINVAL;
 }
@@ -79,47 +79,47 @@ int dsv4_ctl_parse_layers(const char *s, uint32_t *first, uint32_t *last) {
   return 0;
 }
 
-int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *err, size_t errlen) {
+int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *why, size_t why_len) {
   memset(out, 0, sizeof(*out));
   if (!s || !*s)
-    return fail(err, errlen, "admin URL is empty");
+    return fail(why, why_len, "admin URL is empty");
   const char *p = s;
   const char *sep = strstr(s, "://");
   if (sep) {
     size_t n = (size_t)(sep - s);
     if (n == 5 && strncasecmp(s, "https", 5) == 0)
-      return fail(err, errlen,
+      return fail(why, why_len,
                   "admin URL \"%.200s\": https is not supported (the admin listener speaks plain "
                   "HTTP; reach a remote one through an SSH tunnel or a TLS proxy)",
                   s);
     if (n != 4 || strncasecmp(s, "http", 4) != 0)
-      return fail(err, errlen, "admin URL \"%.200s\": only http:// URLs are supported", s);
+      return fail(why, why_len, "admin URL \"%.200s\": only http:// URLs are supported", s);
     p = sep + 3;
   }
   /* The authority ends at the first '/', or at the end; '?' and '#' have no meaning here. */
   size_t alen = strcspn(p, "/?#");
   if (p[alen] == '?' || p[alen] == '#' || strpbrk(p + alen, "?#"))
-    return fail(err, errlen, "admin URL \"%.200s\": a query or fragment is not allowed", s);
+    return fail(why, why_len, "admin URL \"%.200s\": a query or fragment is not allowed", s);
   if (memchr(p, '@', alen))
-    return fail(err, errlen, "admin URL \"%.200s\": user info is not allowed (use --token-file)",
+    return fail(why, why_len, "admin URL \"%.200s\": user info is not allowed (use --token-file)",
                 s);
   const char *host = p, *port = NULL;
   size_t hlen;
   if (alen > 0 && p[0] == '[') {
     const char *close = memchr(p, ']', alen);
     if (!close)
-      return fail(err, errlen, "admin URL \"%.200s\": unterminated IPv6 literal", s);
+      return fail(why, why_len, "admin URL \"%.200s\": unterminated IPv6 literal", s);
     host = p + 1;
     hlen = (size_t)(close - host);
     const char *after = close + 1;
     if (after < p + alen) {
       if (*after != ':')
-        return fail(err, errlen, "admin URL \"%.200s\": junk after the IPv6 literal", s);
+        return fail(why, why_len, "admin URL \"%.200s\": junk after the IPv6 literal", s);
       port = after + 1;
     }
     for (size_t i = 0; i < hlen; i++)
       if (!strchr("0123456789abcdefABCDEF:.", host[i]))
-        return fail(err, errlen, "admin URL \"%.200s\": bad IPv6 literal", s);
+        return fail(why, why_len, "admin URL \"%.200s\": bad IPv6 literal", s);
     out->ipv6 = 1;
   } else {
     const char *colon = memchr(p, ':', alen);
@@ -130,24 +130,24 @@ int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *err, size_t err
       char c = host[i];
       if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
             c == '.' || c == '-' || c == '_'))
-        return fail(err, errlen, "admin URL \"%.200s\": bad character '%c' in the host", s, c);
+        return fail(why, why_len, "admin URL \"%.200s\": bad character '%c' in the host", s, c);
     }
   }
   if (hlen == 0)
-    return fail(err, errlen, "admin URL \"%.200s\": no host", s);
+    return fail(why, why_len, "admin URL \"%.200s\": no host", s);
   if (hlen >= sizeof(out->host))
-    return fail(err, errlen, "admin URL: host longer than %zu bytes", sizeof(out->host) - 1);
+    return fail(why, why_len, "admin URL: host longer than %zu bytes", sizeof(out->host) - 1);
   memcpy(out->host, host, hlen);
   if (port) {
     size_t plen = (size_t)(p + alen - port);
     char pb[16];
     uint64_t v;
     if (plen == 0 || plen >= sizeof(pb))
-      return fail(err, errlen, "admin URL \"%.200s\": bad port", s);
+      return fail(why, why_len, "admin URL \"%.200s\": bad port", s);
     memcpy(pb, port, plen);
     pb[plen] = '\0';
     if (parse_dec(pb, 65535, &v) != 0 || v == 0)
-      return fail(err, errlen, "admin URL \"%.200s\": port \"%s\" is not 1..65535", s, pb);
+      return fail(why, why_len, "admin URL \"%.200s\": port \"%s\" is not 1..65535", s, pb);
     snprintf(out->port, sizeof(out->port), "%u", (unsigned)v);
   } else {
     snprintf(out->port, sizeof(out->port), "80");
@@ -157,10 +157,10 @@ int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *err, size_t err
   while (plen > 0 && path[plen - 1] == '/')
     plen--;
   if (plen >= sizeof(out->base))
-    return fail(err, errlen, "admin URL: path longer than %zu bytes", sizeof(out->base) - 1);
+    return fail(why, why_len, "admin URL: path longer than %zu bytes", sizeof(out->base) - 1);
   for (size_t i = 0; i < plen; i++)
     if ((unsigned char)path[i] <= ' ' || (unsigned char)path[i] >= 0x7f)
-      return fail(err, errlen, "admin URL \"%.200s\": bad character in the path", s);
+      return fail(why, why_len, "admin URL \"%.200s\": bad character in the path", s);
   memcpy(out->base, path, plen);
   return 0;
 }
@@ -186,9 +186,9 @@ static int is_valued(const char *name) {
   return 0;
 }
 
-static int check_seq(const char *s, char *err, size_t errlen) {
+static int check_seq(const char *s, char *why, size_t why_len) {
   if (!dsv4_seq_name_valid(s, strlen(s)))
-    return fail(err, errlen,
+    return fail(why, why_len,
                 "\"%.64s\" is not a sequence name (1..128 of A-Z a-z 0-9 . _ : -, not starting "
                 "with '.')",
                 s);
@@ -196,7 +196,7 @@ static int check_seq(const char *s, char *err, size_t errlen) {
 }
 
 int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, const char *env_token,
-                        dsv4_ctl_args_t *out, char *err, size_t errlen) {
+                        dsv4_ctl_args_t *out, char *why, size_t why_len) {
   memset(out, 0, sizeof(*out));
   out->admin = env_admin && *env_admin ? env_admin : DSV4_CTL_DEFAULT_ADMIN;
   out->token_file = env_token && *env_token ? env_token : NULL;
@@ -213,7 +213,7 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
     /* "-1" is a (bad) position, not an option: let the command say so. */
     if (only_positional || a[0] != '-' || strcmp(a, "-") == 0 || (a[1] >= '0' && a[1] <= '9')) {
       if (n_pos == (int)(sizeof(pos_args) / sizeof(pos_args[0])))
-        return fail(err, errlen, "too many arguments (\"%.64s\")", a);
+        return fail(why, why_len, "too many arguments (\"%.64s\")", a);
       pos_args[n_pos++] = a;
       continue;
     }
@@ -226,7 +226,7 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
     const char *eq = strchr(a, '=');
     size_t nlen = eq ? (size_t)(eq - a) : strlen(a);
     if (nlen >= sizeof(name))
-      return fail(err, errlen, "unknown option \"%.64s\"", a);
+      return fail(why, why_len, "unknown option \"%.64s\"", a);
     memcpy(name, a, nlen);
     name[nlen] = '\0';
     if (is_valued(name)) {
@@ -234,11 +234,11 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
         val = eq + 1;
       } else {
         if (i + 1 >= argc)
-          return fail(err, errlen, "option %s needs a value", name);
+          return fail(why, why_len, "option %s needs a value", name);
         val = argv[++i];
       }
     } else if (eq) {
-      return fail(err, errlen, "option %s takes no value", name);
+      return fail(why, why_len, "option %s takes no value", name);
     }
     if (strcmp(name, "--admin") == 0) {
       out->admin = val;
@@ -247,7 +247,7 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
     } else if (strcmp(name, "--timeout") == 0) {
       uint64_t t;
       if (parse_dec(val, 3600, &t) != 0 || t == 0)
-        return fail(err, errlen, "--timeout \"%.64s\" is not a whole number of seconds 1..3600",
+        return fail(why, why_len, "--timeout \"%.64s\" is not a whole number of seconds 1..3600",
                     val);
       out->timeout_ms = (int)t * 1000;
     } else if (strcmp(name, "--layer") == 0) {
@@ -256,12 +256,12 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
       out->seq = val;
     } else if (strcmp(name, "--layers") == 0) {
       if (dsv4_ctl_parse_layers(val, &out->layer_first, &out->layer_last) != 0)
-        return fail(err, errlen, "--layers \"%.64s\" is not a decimal layer or range a-b (a <= b)",
+        return fail(why, why_len, "--layers \"%.64s\" is not a decimal layer or range a-b (a <= b)",
                     val);
       out->has_layers = 1;
     } else if (strcmp(name, "-o") == 0 || strcmp(name, "--output") == 0) {
       if (!*val)
-        return fail(err, errlen, "%s needs a file name", name);
+        return fail(why, why_len, "%s needs a file name", name);
       out->output = val;
     } else if (strcmp(name, "--json") == 0) {
       out->json = 1;
@@ -276,22 +276,22 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
       out->cmd = DSV4_CTL_CMD_VERSION;
       return 0;
     } else {
-      return fail(err, errlen, "unknown option \"%.64s\"", a);
+      return fail(why, why_len, "unknown option \"%.64s\"", a);
     }
   }
 
   if (n_pos == 0)
-    return fail(err, errlen, "no command given");
+    return fail(why, why_len, "no command given");
   for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
     if (strcmp(pos_args[0], commands[i].name) == 0)
       out->cmd = commands[i].cmd;
   if (out->cmd == DSV4_CTL_CMD_NONE)
-    return fail(err, errlen, "unknown command \"%.64s\"", pos_args[0]);
+    return fail(why, why_len, "unknown command \"%.64s\"", pos_args[0]);
   const char *cmd = pos_args[0];
   if (layer) {
     uint64_t l;
     if (parse_dec(layer, INT32_MAX, &l) != 0)
-      return fail(err, errlen, "--layer \"%.64s\" is not a decimal layer number", layer);
+      return fail(why, why_len, "--layer \"%.64s\" is not a decimal layer number", layer);
     out->layer = (uint32_t)l;
     out->has_layer = 1;
   }
@@ -299,65 +299,65 @@ int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, cons
   /* Which arguments each command takes: anything else is a mistake worth naming. */
   int want_layer = out->cmd == DSV4_CTL_CMD_TOKEN || out->cmd == DSV4_CTL_CMD_CHECKSUM;
   if (layer && !want_layer)
-    return fail(err, errlen, "%s takes no --layer", cmd);
+    return fail(why, why_len, "%s takes no --layer", cmd);
   if (out->seq && out->cmd != DSV4_CTL_CMD_CHECKSUM && out->cmd != DSV4_CTL_CMD_DUMP)
-    return fail(err, errlen, "%s takes no --seq", cmd);
+    return fail(why, why_len, "%s takes no --seq", cmd);
   if (out->has_layers && out->cmd != DSV4_CTL_CMD_DUMP)
-    return fail(err, errlen, "%s takes no --layers", cmd);
+    return fail(why, why_len, "%s takes no --layers", cmd);
   if (out->output && out->cmd != DSV4_CTL_CMD_DUMP)
-    return fail(err, errlen, "%s takes no -o", cmd);
+    return fail(why, why_len, "%s takes no -o", cmd);
 
   switch (out->cmd) {
   case DSV4_CTL_CMD_HELP:
   case DSV4_CTL_CMD_STATUS:
     if (n_pos > 1)
-      return fail(err, errlen, "%s takes no arguments (\"%.64s\")", cmd, pos_args[1]);
+      return fail(why, why_len, "%s takes no arguments (\"%.64s\")", cmd, pos_args[1]);
     break;
   case DSV4_CTL_CMD_SEQ:
     if (n_pos > 2)
-      return fail(err, errlen, "seq takes at most one sequence name (\"%.64s\")", pos_args[2]);
+      return fail(why, why_len, "seq takes at most one sequence name (\"%.64s\")", pos_args[2]);
     if (n_pos == 2) {
       out->seq = pos_args[1];
-      if (check_seq(out->seq, err, errlen) != 0)
+      if (check_seq(out->seq, why, why_len) != 0)
         return DSV4_EINVAL;
     }
     break;
   case DSV4_CTL_CMD_TOKEN: {
     if (n_pos != 3)
-      return fail(err, errlen, "usage: token SEQ POS --layer L");
+      return fail(why, why_len, "usage: token SEQ POS --layer L");
     out->seq = pos_args[1];
-    if (check_seq(out->seq, err, errlen) != 0)
+    if (check_seq(out->seq, why, why_len) != 0)
       return DSV4_EINVAL;
     uint64_t p;
     if (parse_dec(pos_args[2], INT64_MAX, &p) != 0)
-      return fail(err, errlen, "position \"%.64s\" is not a non-negative decimal", pos_args[2]);
+      return fail(why, why_len, "position \"%.64s\" is not a non-negative decimal", pos_args[2]);
     out->pos = (int64_t)p;
     if (!out->has_layer)
-      return fail(err, errlen, "token needs --layer L");
+      return fail(why, why_len, "token needs --layer L");
     break;
   }
   case DSV4_CTL_CMD_CHECKSUM:
     if (n_pos > 1)
-      return fail(err, errlen, "checksum takes no positional arguments (\"%.64s\"; use --seq)",
+      return fail(why, why_len, "checksum takes no positional arguments (\"%.64s\"; use --seq)",
                   pos_args[1]);
     if (!out->has_layer)
-      return fail(err, errlen, "checksum needs --layer L");
-    if (out->seq && check_seq(out->seq, err, errlen) != 0)
+      return fail(why, why_len, "checksum needs --layer L");
+    if (out->seq && check_seq(out->seq, why, why_len) != 0)
       return DSV4_EINVAL;
     break;
   case DSV4_CTL_CMD_DUMP:
     if (n_pos > 1)
-      return fail(err, errlen, "dump takes no positional arguments (\"%.64s\")", pos_args[1]);
+      return fail(why, why_len, "dump takes no positional arguments (\"%.64s\")", pos_args[1]);
     if (!out->seq)
-      return fail(err, errlen, "dump needs --seq S");
-    if (check_seq(out->seq, err, errlen) != 0)
+      return fail(why, why_len, "dump needs --seq S");
+    if (check_seq(out->seq, why, why_len) != 0)
       return DSV4_EINVAL;
     if (!out->output)
-      return fail(err, errlen, "dump needs -o FILE");
+      return fail(why, why_len, "dump needs -o FILE");
     break;
   case DSV4_CTL_CMD_VERIFY:
     if (n_pos != 2)
-      return fail(err, errlen, "usage: verify FILE");
+      return fail(why, why_len, "usage: verify FILE");
     out->file = pos_args[1];
     break;
   default:

@@ -13,14 +13,14 @@
 /* A regular file of at most 1 GiB (a weights file for every layer is a few hundred KiB). */
 #define WEIGHTS_MAX_BYTES ((off_t)1 << 30)
 
-static int read_file(const char *path, uint8_t **buf, size_t *len, const char **why) {
+static int read_file(const char *path, uint8_t **buf, size_t *len, const char **reason) {
   FILE *f = fopen(path, "rb");
   struct stat st;
-  *why = "cannot be opened";
+  *reason = "cannot be opened";
   if (!f)
     return DSV4_EIO;
   if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > WEIGHTS_MAX_BYTES) {
-    *why = "is not a regular file of at most 1 GiB";
+    *reason = "is not a regular file of at most 1 GiB";
     fclose(f);
     return DSV4_EIO;
   }
@@ -32,12 +32,12 @@ static int read_file(const char *path, uint8_t **buf, size_t *len, const char **
   }
   *len = fread(*buf, 1, n, f);
   fclose(f);
-  *why = "could not be read whole";
+  *reason = "could not be read whole";
   return *len == n ? 0 : DSV4_EIO;
 }
 
 int dsv4_kv_norm_weights_load(const char *path, const uint32_t *served_layers, uint32_t n_served,
-                              float **out, char *err, size_t errlen) {
+                              float **out, char *why, size_t why_len) {
   uint8_t *buf = NULL;
   size_t len = 0;
   dsv4_st_view_t v;
@@ -46,18 +46,18 @@ int dsv4_kv_norm_weights_load(const char *path, const uint32_t *served_layers, u
 
   *out = NULL;
   if (!path || !*path) {
-    snprintf(err, errlen, "kv_norm = fused needs kv_norm_weights (a safetensors file)");
+    snprintf(why, why_len, "kv_norm = fused needs kv_norm_weights (a safetensors file)");
     return DSV4_ECONFIG;
   }
-  const char *why;
-  rc = read_file(path, &buf, &len, &why);
+  const char *reason;
+  rc = read_file(path, &buf, &len, &reason);
   if (rc) {
-    snprintf(err, errlen, "kv_norm_weights file %s %s", path, why);
+    snprintf(why, why_len, "kv_norm_weights file %s %s", path, reason);
     free(buf);
     return rc;
   }
   if (dsv4_st_parse(buf, len, &v)) {
-    snprintf(err, errlen, "%s: %s", path, v.error);
+    snprintf(why, why_len, "%s: %s", path, v.error);
     free(buf);
     return DSV4_ECONFIG;
   }
@@ -74,7 +74,7 @@ int dsv4_kv_norm_weights_load(const char *path, const uint32_t *served_layers, u
     }
     if (!t || t->ndim != 1 || t->shape[0] != DSV4_HEAD_DIM ||
         (t->dtype != DSV4_ST_BF16 && t->dtype != DSV4_ST_F32)) {
-      snprintf(err, errlen, "%s: layer %u needs \"%s\" as BF16 or F32 [512]", path,
+      snprintf(why, why_len, "%s: layer %u needs \"%s\" as BF16 or F32 [512]", path,
                served_layers[i], name);
       rc = DSV4_ECONFIG;
       break;
@@ -90,7 +90,7 @@ int dsv4_kv_norm_weights_load(const char *path, const uint32_t *served_layers, u
       }
       /* Bounded weights keep (z * r) * w finite: |z * r| <= sqrt(512). */
       if (!(x > -0x1p32f && x < 0x1p32f)) {
-        snprintf(err, errlen, "%s: \"%s\"[%d] is not finite or |w| >= 2^32", path, name, k);
+        snprintf(why, why_len, "%s: \"%s\"[%d] is not finite or |w| >= 2^32", path, name, k);
         rc = DSV4_ECONFIG;
         break;
       }
