@@ -127,11 +127,11 @@ typedef struct {
   const char *spelling; /* "--block-size", "DSV4D_BLOCK_SIZE", or the file path */
 } origin_t;
 
-int dsv4__config_fail(char *err, size_t errlen, const char *fmt, ...) {
-  if (err && errlen) {
+int dsv4__config_fail(char *why, size_t why_len, const char *fmt, ...) {
+  if (why && why_len) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
+    vsnprintf(why, why_len, fmt, ap);
     va_end(ap);
   }
   return DSV4_ECONFIG;
@@ -187,13 +187,13 @@ static const char *type_text(const opt_t *o) {
   }
 }
 
-static int bad_value(const opt_t *o, const char *value, const origin_t *org, const char *why,
-                     char *err, size_t errlen) {
+static int bad_value(const opt_t *o, const char *value, const origin_t *org, const char *reason,
+                     char *why, size_t why_len) {
   char from[512], allowed[160];
   origin_text(o, org, from, sizeof(from));
   allowed_text(o, allowed, sizeof(allowed));
-  return dsv4__config_fail(err, errlen, "option %s: value \"%s\" from %s %s; allowed: %s", o->name,
-                           value, from, why, allowed);
+  return dsv4__config_fail(why, why_len, "option %s: value \"%s\" from %s %s; allowed: %s", o->name,
+                           value, from, reason, allowed);
 }
 
 static void env_name(const opt_t *o, char *buf, size_t n) {
@@ -239,7 +239,7 @@ static int enum_has(const char *values, const char *s) {
 
 /* Validate value for option o and store it; the one place any source's text becomes a value. */
 static int opt_set(dsv4_config_t *cfg, size_t idx, const char *value, const origin_t *org,
-                   char *err, size_t errlen) {
+                   char *why, size_t why_len) {
   const opt_t *o = &opts[idx];
   char *field = (char *)cfg + o->offset;
   uint64_t v = 0;
@@ -247,12 +247,12 @@ static int opt_set(dsv4_config_t *cfg, size_t idx, const char *value, const orig
   case OPT_STR:
   case OPT_ENUM: {
     if (o->type == OPT_ENUM && !enum_has(o->values, value))
-      return bad_value(o, value, org, "is not an allowed value", err, errlen);
+      return bad_value(o, value, org, "is not an allowed value", why, why_len);
     if (strlen(value) > 4096)
-      return bad_value(o, "...", org, "is longer than 4096 bytes", err, errlen);
+      return bad_value(o, "...", org, "is longer than 4096 bytes", why, why_len);
     char *copy = strdup(value);
     if (!copy)
-      return dsv4__config_fail(err, errlen, "option %s: out of memory", o->name), DSV4_ENOMEM;
+      return dsv4__config_fail(why, why_len, "option %s: out of memory", o->name), DSV4_ENOMEM;
     free(*(char **)field);
     *(char **)field = copy;
     break;
@@ -260,7 +260,7 @@ static int opt_set(dsv4_config_t *cfg, size_t idx, const char *value, const orig
   case OPT_BOOL: {
     int b;
     if (parse_bool(value, &b))
-      return bad_value(o, value, org, "is not a boolean", err, errlen);
+      return bad_value(o, value, org, "is not a boolean", why, why_len);
     *(int *)field = b;
     break;
   }
@@ -268,11 +268,11 @@ static int opt_set(dsv4_config_t *cfg, size_t idx, const char *value, const orig
   case OPT_U64:
   case OPT_INT:
     if (dsv4_parse_decimal(value, strlen(value), UINT64_MAX, &v))
-      return bad_value(o, value, org, "is not a decimal integer", err, errlen);
+      return bad_value(o, value, org, "is not a decimal integer", why, why_len);
     if (!(v == 0 && (o->flags & OPT_ZERO_OK)) && (v < o->min || v > o->max))
-      return bad_value(o, value, org, "is out of range", err, errlen);
+      return bad_value(o, value, org, "is out of range", why, why_len);
     if ((o->flags & OPT_POW2) && (v & (v - 1)) != 0)
-      return bad_value(o, value, org, "is not a power of two", err, errlen);
+      return bad_value(o, value, org, "is not a power of two", why, why_len);
     if (o->type == OPT_U32)
       *(uint32_t *)field = (uint32_t)v;
     else if (o->type == OPT_U64)
@@ -318,13 +318,13 @@ typedef struct {
   char spelling[96];
 } assign_t;
 
-static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *err, size_t errlen) {
+static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *why, size_t why_len) {
   *n = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (strncmp(a, "--", 2) != 0 || a[2] == 0)
       return dsv4__config_fail(
-          err, errlen,
+          why, why_len,
           "command line: unexpected argument \"%s\"; options are --name=value or "
           "--name value (see --help)",
           a);
@@ -344,11 +344,11 @@ static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *er
       negated = o != NULL;
     }
     if (!o)
-      return dsv4__config_fail(err, errlen, "command line: unknown option --%.*s (see --help)",
+      return dsv4__config_fail(why, why_len, "command line: unknown option --%.*s (see --help)",
                                (int)len, name);
     if (negated) {
       if (value)
-        return dsv4__config_fail(err, errlen, "command line: --%.*s takes no value", (int)len,
+        return dsv4__config_fail(why, why_len, "command line: --%.*s takes no value", (int)len,
                                  name);
       value = "false";
     } else if (!value) {
@@ -361,8 +361,8 @@ static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *er
       else if (i + 1 < argc)
         value = argv[++i];
       else
-        return dsv4__config_fail(err, errlen, "command line: option --%.*s needs a value", (int)len,
-                                 name);
+        return dsv4__config_fail(why, why_len, "command line: option --%.*s needs a value",
+                                 (int)len, name);
     }
     assign_t *as = &out[(*n)++];
     as->idx = idx;
@@ -372,8 +372,8 @@ static int collect_cli(int argc, char **argv, assign_t *out, size_t *n, char *er
   return 0;
 }
 
-static int collect_env(char **envp, assign_t *out, size_t *n, size_t cap, char *err,
-                       size_t errlen) {
+static int collect_env(char **envp, assign_t *out, size_t *n, size_t cap, char *why,
+                       size_t why_len) {
   *n = 0;
   for (char **e = envp; e && *e; e++) {
     if (strncmp(*e, "DSV4D_", 6) != 0)
@@ -384,7 +384,7 @@ static int collect_env(char **envp, assign_t *out, size_t *n, size_t cap, char *
     size_t len = (size_t)(eq - *e);
     char lower[96];
     if (len - 6 >= sizeof(lower))
-      return dsv4__config_fail(err, errlen, "environment: unknown variable %.*s", (int)len, *e);
+      return dsv4__config_fail(why, why_len, "environment: unknown variable %.*s", (int)len, *e);
     for (size_t k = 6; k < len; k++)
       lower[k - 6] = (char)tolower((unsigned char)(*e)[k]);
     lower[len - 6] = 0;
@@ -396,10 +396,10 @@ static int collect_env(char **envp, assign_t *out, size_t *n, size_t cap, char *
     if (!o && strcmp(lower, "config") == 0)
       o = opt_find("config_file", 11, &idx);
     if (!o)
-      return dsv4__config_fail(err, errlen, "environment: unknown variable %.*s (see --help)",
+      return dsv4__config_fail(why, why_len, "environment: unknown variable %.*s (see --help)",
                                (int)len, *e);
     if (*n >= cap)
-      return dsv4__config_fail(err, errlen, "environment: too many DSV4D_ variables");
+      return dsv4__config_fail(why, why_len, "environment: too many DSV4D_ variables");
     assign_t *as = &out[(*n)++];
     as->idx = idx;
     as->value = eq + 1;
@@ -431,16 +431,16 @@ static int json_to_text(const opt_t *o, json_t *v, char *buf, size_t n, const ch
   }
 }
 
-static int apply_file(dsv4_config_t *cfg, const char *path, char *err, size_t errlen) {
+static int apply_file(dsv4_config_t *cfg, const char *path, char *why, size_t why_len) {
   json_error_t je;
   json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
   if (!root)
-    return dsv4__config_fail(err, errlen, "config file %s: %s (line %d, column %d)", path, je.text,
+    return dsv4__config_fail(why, why_len, "config file %s: %s (line %d, column %d)", path, je.text,
                              je.line, je.column);
   int rc = 0;
   if (!json_is_object(root)) {
-    rc =
-        dsv4__config_fail(err, errlen, "config file %s: the top level must be a JSON object", path);
+    rc = dsv4__config_fail(why, why_len, "config file %s: the top level must be a JSON object",
+                           path);
     goto out;
   }
   const char *key;
@@ -451,13 +451,13 @@ static int apply_file(dsv4_config_t *cfg, const char *path, char *err, size_t er
     const opt_t *o = opt_find(key, strlen(key), &idx);
     /* File keys are the field names exactly: a dash is not accepted here. */
     if (!o || strcmp(o->name, key) != 0) {
-      rc = dsv4__config_fail(err, errlen, "config file %s: unknown key \"%s\" (see --help)", path,
+      rc = dsv4__config_fail(why, why_len, "config file %s: unknown key \"%s\" (see --help)", path,
                              key);
       goto out;
     }
     if (o->flags & OPT_NOFILE) {
       rc = dsv4__config_fail(
-          err, errlen,
+          why, why_len,
           "config file %s: key %s cannot be set inside a config file (use --config "
           "or DSV4D_CONFIG)",
           path, key);
@@ -469,16 +469,16 @@ static int apply_file(dsv4_config_t *cfg, const char *path, char *err, size_t er
       char *dump = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
       snprintf(shown, sizeof(shown), "%s", dump ? dump : "?");
       free(dump);
-      rc = bad_value(o, shown, &org, "has the wrong JSON type", err, errlen);
+      rc = bad_value(o, shown, &org, "has the wrong JSON type", why, why_len);
       goto out;
     }
     if (o->type == OPT_U32 || o->type == OPT_U64 || o->type == OPT_INT) {
       if (json_integer_value(v) < 0) {
-        rc = bad_value(o, text, &org, "is out of range", err, errlen);
+        rc = bad_value(o, text, &org, "is out of range", why, why_len);
         goto out;
       }
     }
-    if ((rc = opt_set(cfg, idx, text, &org, err, errlen)))
+    if ((rc = opt_set(cfg, idx, text, &org, why, why_len)))
       goto out;
   }
 out:
@@ -487,12 +487,12 @@ out:
 }
 
 static int apply_assigns(dsv4_config_t *cfg, const assign_t *as, size_t n, dsv4_config_source_t src,
-                         int skip_config, char *err, size_t errlen) {
+                         int skip_config, char *why, size_t why_len) {
   for (size_t i = 0; i < n; i++) {
     if (skip_config && opts[as[i].idx].offset == F(config_file))
       continue;
     origin_t org = {src, as[i].spelling};
-    int rc = opt_set(cfg, as[i].idx, as[i].value, &org, err, errlen);
+    int rc = opt_set(cfg, as[i].idx, as[i].value, &org, why, why_len);
     if (rc)
       return rc;
   }
@@ -500,8 +500,8 @@ static int apply_assigns(dsv4_config_t *cfg, const assign_t *as, size_t n, dsv4_
 }
 
 /* A message for a resolve-time check that names the option, its value and where it came from. */
-static int resolve_fail(const dsv4_config_t *cfg, size_t offset, const char *value, const char *why,
-                        char *err, size_t errlen) {
+static int resolve_fail(const dsv4_config_t *cfg, size_t offset, const char *value,
+                        const char *reason, char *why, size_t why_len) {
   size_t idx = opt_index_of_field(offset);
   const opt_t *o = &opts[idx];
   char spelling[96], from[512];
@@ -518,8 +518,8 @@ static int resolve_fail(const dsv4_config_t *cfg, size_t offset, const char *val
   }
   origin_t org = {(dsv4_config_source_t)cfg->sources[idx], spelling};
   origin_text(o, &org, from, sizeof(from));
-  return dsv4__config_fail(err, errlen, "option %s: value \"%s\" from %s %s", o->name, value, from,
-                           why);
+  return dsv4__config_fail(why, why_len, "option %s: value \"%s\" from %s %s", o->name, value, from,
+                           reason);
 }
 
 /* The layer number at the start of p: the text after it, or NULL when p does not start with one. */
@@ -528,14 +528,14 @@ static const char *layer_number(const char *p, uint64_t *out) {
   return dsv4_parse_decimal(p, n, UINT64_MAX, out) == 0 ? p + n : NULL;
 }
 
-static int parse_layers(dsv4_config_t *cfg, char *err, size_t errlen) {
+static int parse_layers(dsv4_config_t *cfg, char *why, size_t why_len) {
   const dsv4_model_t *m = &cfg->model;
   uint32_t total = m->n_layers_total;
   unsigned char *seen = calloc(total, 1);
   if (!seen)
     return DSV4_ENOMEM;
   int rc = 0;
-  char why[320];
+  char reason[320];
   uint32_t count = 0;
   const char *s = cfg->layers;
   if (!*s) {
@@ -555,24 +555,24 @@ static int parse_layers(dsv4_config_t *cfg, char *err, size_t errlen) {
         if (!(p = layer_number(p + 1, &b)))
           goto syntax;
         if (b < a) {
-          snprintf(why, sizeof(why), "has the descending range %llu-%llu", (unsigned long long)a,
-                   (unsigned long long)b);
-          rc = resolve_fail(cfg, F(layers), s, why, err, errlen);
+          snprintf(reason, sizeof(reason), "has the descending range %llu-%llu",
+                   (unsigned long long)a, (unsigned long long)b);
+          rc = resolve_fail(cfg, F(layers), s, reason, why, why_len);
           goto out;
         }
       }
       if (b >= total) {
-        snprintf(why, sizeof(why),
+        snprintf(reason, sizeof(reason),
                  "names layer %llu beyond the model: %s has layers 0..%u (%u hidden + %u MTP)",
                  (unsigned long long)b, m->name, total - 1, m->num_hidden_layers,
                  m->num_nextn_predict_layers);
-        rc = resolve_fail(cfg, F(layers), s, why, err, errlen);
+        rc = resolve_fail(cfg, F(layers), s, reason, why, why_len);
         goto out;
       }
       for (uint64_t l = a; l <= b; l++) {
         if (seen[l]) {
-          snprintf(why, sizeof(why), "lists layer %llu twice", (unsigned long long)l);
-          rc = resolve_fail(cfg, F(layers), s, why, err, errlen);
+          snprintf(reason, sizeof(reason), "lists layer %llu twice", (unsigned long long)l);
+          rc = resolve_fail(cfg, F(layers), s, reason, why, why_len);
           goto out;
         }
         seen[l] = 1;
@@ -601,23 +601,23 @@ syntax:
   rc = resolve_fail(cfg, F(layers), s,
                     "is not a layer list; allowed: comma-separated layers and inclusive ranges "
                     "such as 0-42 or 0,2,5-7",
-                    err, errlen);
+                    why, why_len);
 out:
   free(seen);
   return rc;
 }
 
-static int resolve(dsv4_config_t *cfg, char *err, size_t errlen) {
+static int resolve(dsv4_config_t *cfg, char *why, size_t why_len) {
   int rc;
-  char why[768], val[32];
+  char reason[768], val[32];
   if (*cfg->model_config) {
     char merr[512];
     rc = dsv4_model_load_file(&cfg->model, cfg->model_config, merr, sizeof(merr));
     if (rc == DSV4_ENOMEM)
       return rc;
     if (rc) {
-      snprintf(why, sizeof(why), "is not a usable model: %s", merr);
-      return resolve_fail(cfg, F(model_config), cfg->model_config, why, err, errlen);
+      snprintf(reason, sizeof(reason), "is not a usable model: %s", merr);
+      return resolve_fail(cfg, F(model_config), cfg->model_config, reason, why, why_len);
     }
   } else if ((rc = dsv4_model_builtin_flash(&cfg->model))) {
     return rc;
@@ -625,20 +625,21 @@ static int resolve(dsv4_config_t *cfg, char *err, size_t errlen) {
   uint32_t nh = cfg->model.num_attention_heads;
   if (cfg->head_offset >= nh) {
     snprintf(val, sizeof(val), "%u", cfg->head_offset);
-    snprintf(why, sizeof(why), "is beyond the model's %u heads; allowed: 0 to %u", nh, nh - 1);
-    return resolve_fail(cfg, F(head_offset), val, why, err, errlen);
+    snprintf(reason, sizeof(reason), "is beyond the model's %u heads; allowed: 0 to %u", nh,
+             nh - 1);
+    return resolve_fail(cfg, F(head_offset), val, reason, why, why_len);
   }
   if (cfg->heads == 0)
     cfg->heads = nh - cfg->head_offset;
   if ((uint64_t)cfg->head_offset + cfg->heads > nh) {
     snprintf(val, sizeof(val), "%u", cfg->heads);
-    snprintf(why, sizeof(why),
+    snprintf(reason, sizeof(reason),
              "with head_offset %u exceeds the model's %u heads; allowed: 1 to %u (head_offset + "
              "heads <= num_attention_heads)",
              cfg->head_offset, nh, nh - cfg->head_offset);
-    return resolve_fail(cfg, F(heads), val, why, err, errlen);
+    return resolve_fail(cfg, F(heads), val, reason, why, why_len);
   }
-  if ((rc = parse_layers(cfg, err, errlen)))
+  if ((rc = parse_layers(cfg, why, why_len)))
     return rc;
   /* Listen addresses are IP literals: a name (localhost) or stray space would only fail later, at
    * bind time, without naming where the value came from. */
@@ -651,7 +652,7 @@ static int resolve(dsv4_config_t *cfg, char *err, size_t errlen) {
         return resolve_fail(cfg, fields[i], hosts[i],
                             "is not an IP address; allowed: an IPv4 or IPv6 literal such as "
                             "127.0.0.1, 0.0.0.0 or ::1 (names are not resolved)",
-                            err, errlen);
+                            why, why_len);
     }
   }
   /* kv_norm_weights is the older name of weights: it stands in when weights is not set. */
@@ -662,10 +663,10 @@ static int resolve(dsv4_config_t *cfg, char *err, size_t errlen) {
                         "needs weights, or its older name kv_norm_weights (the model's "
                         "safetensors checkpoint, for the layers' kv_norm weights); allowed: "
                         "prenormed, or fused with weights set",
-                        err, errlen);
+                        why, why_len);
   if (*cfg->weights_path && access(cfg->weights_path, R_OK) != 0) {
-    snprintf(why, sizeof(why), "cannot be read: %s", strerror(errno));
-    return resolve_fail(cfg, weights_field, cfg->weights_path, why, err, errlen);
+    snprintf(reason, sizeof(reason), "cannot be read: %s", strerror(errno));
+    return resolve_fail(cfg, weights_field, cfg->weights_path, reason, why, why_len);
   }
   if (cfg->threads == 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -704,15 +705,15 @@ void dsv4_config_print_help(FILE *out) {
   }
 }
 
-int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, char *err,
-                     size_t errlen) {
+int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, char *why,
+                     size_t why_len) {
   memset(cfg, 0, sizeof(*cfg));
-  if (err && errlen)
-    err[0] = 0;
+  if (why && why_len)
+    why[0] = 0;
   int rc = 0;
   origin_t def = {DSV4_CONFIG_SRC_DEFAULT, "default"};
   for (size_t i = 0; i < N_OPTS; i++)
-    if ((rc = opt_set(cfg, i, opts[i].def, &def, err, errlen)))
+    if ((rc = opt_set(cfg, i, opts[i].def, &def, why, why_len)))
       return rc;
 
   /* --help and --version win over everything else, even a broken configuration. */
@@ -736,13 +737,13 @@ int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, cha
     rc = DSV4_ENOMEM;
     goto out;
   }
-  if ((rc = collect_cli(argc, argv, cli, &ncli, err, errlen)) ||
-      (rc = collect_env(envp, env, &nenv, cap, err, errlen)))
+  if ((rc = collect_cli(argc, argv, cli, &ncli, why, why_len)) ||
+      (rc = collect_env(envp, env, &nenv, cap, why, why_len)))
     goto out;
 
   /* The file's name comes from the command line, else the environment; it is applied first. */
-  if ((rc = apply_assigns(cfg, env, nenv, DSV4_CONFIG_SRC_ENV, 0, err, errlen)) ||
-      (rc = apply_assigns(cfg, cli, ncli, DSV4_CONFIG_SRC_CLI, 0, err, errlen)))
+  if ((rc = apply_assigns(cfg, env, nenv, DSV4_CONFIG_SRC_ENV, 0, why, why_len)) ||
+      (rc = apply_assigns(cfg, cli, ncli, DSV4_CONFIG_SRC_CLI, 0, why, why_len)))
     goto out;
   if (*cfg->config_file) {
     dsv4_config_source_t cf_src =
@@ -754,21 +755,21 @@ int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, cha
     }
     /* Reset to defaults so that the file sits below env and CLI, then re-apply those above it. */
     for (size_t i = 0; i < N_OPTS; i++)
-      if ((rc = opt_set(cfg, i, opts[i].def, &def, err, errlen)))
+      if ((rc = opt_set(cfg, i, opts[i].def, &def, why, why_len)))
         break;
     origin_t org = {cf_src, path};
     if (!rc)
-      rc = opt_set(cfg, opt_index_of_field(F(config_file)), path, &org, err, errlen);
+      rc = opt_set(cfg, opt_index_of_field(F(config_file)), path, &org, why, why_len);
     if (!rc)
-      rc = apply_file(cfg, path, err, errlen);
+      rc = apply_file(cfg, path, why, why_len);
     free(path);
-    if (rc || (rc = apply_assigns(cfg, env, nenv, DSV4_CONFIG_SRC_ENV, 1, err, errlen)) ||
-        (rc = apply_assigns(cfg, cli, ncli, DSV4_CONFIG_SRC_CLI, 1, err, errlen)))
+    if (rc || (rc = apply_assigns(cfg, env, nenv, DSV4_CONFIG_SRC_ENV, 1, why, why_len)) ||
+        (rc = apply_assigns(cfg, cli, ncli, DSV4_CONFIG_SRC_CLI, 1, why, why_len)))
       goto out;
   }
-  rc = resolve(cfg, err, errlen);
-  if (rc == DSV4_ENOMEM && err && errlen && !err[0])
-    snprintf(err, errlen, "configuration: out of memory");
+  rc = resolve(cfg, why, why_len);
+  if (rc == DSV4_ENOMEM && why && why_len && !why[0])
+    snprintf(why, why_len, "configuration: out of memory");
 out:
   free(cli);
   free(env);

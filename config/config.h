@@ -89,12 +89,12 @@ typedef struct dsv4_config {
  * Fill cfg from the defaults, the JSON file, envp (NULL-terminated "NAME=value" strings; NULL = no
  * environment) and argv[1..argc-1], then load the model and resolve the derived values.
  * Returns 0; DSV4_CONFIG_HELP or DSV4_CONFIG_VERSION after printing to stdout; DSV4_ENOMEM; or
- * DSV4_ECONFIG with err naming the option, the value, the source and the allowed range or values.
+ * DSV4_ECONFIG with why naming the option, the value, the source and the allowed range or values.
  * Unknown DSV4D_* variables, unknown flags and unknown file keys are errors. cfg must be freed with
  * dsv4_config_free after any return (it is always left in a freeable state).
  */
-int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, char *err,
-                     size_t errlen);
+int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, char *why,
+                     size_t why_len);
 
 /*
  * The effective configuration: {"options": {name: {"value": v, "source": "default|file|env|cli"}},

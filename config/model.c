@@ -76,8 +76,8 @@ void dsv4_model_free(dsv4_model_t *m) {
 /* Parsing context: the file name for messages and the error buffer. */
 typedef struct {
   const char *name;
-  char *err;
-  size_t errlen;
+  char *why;
+  size_t why_len;
 } model_ctx_t;
 
 /* An optional unsigned integer key; absent or null keeps *out. */
@@ -87,11 +87,11 @@ static int get_uint(model_ctx_t *c, json_t *obj, const char *key, uint64_t min, 
   if (!v || json_is_null(v))
     return 0;
   if (!json_is_integer(v))
-    return dsv4__config_fail(c->err, c->errlen, "model config %s: key %s must be an integer",
+    return dsv4__config_fail(c->why, c->why_len, "model config %s: key %s must be an integer",
                              c->name, key);
   json_int_t x = json_integer_value(v);
   if (x < 0 || (uint64_t)x < min || (uint64_t)x > max)
-    return dsv4__config_fail(c->err, c->errlen,
+    return dsv4__config_fail(c->why, c->why_len,
                              "model config %s: key %s is %lld; allowed: %llu to %llu", c->name, key,
                              (long long)x, (unsigned long long)min, (unsigned long long)max);
   *out = (uint64_t)x;
@@ -110,11 +110,11 @@ static int get_number_in(model_ctx_t *c, json_t *obj, const char *key, double lo
   if (!v || json_is_null(v))
     return 0;
   if (!json_is_number(v))
-    return dsv4__config_fail(c->err, c->errlen, "model config %s: key %s must be a number", c->name,
-                             key);
+    return dsv4__config_fail(c->why, c->why_len, "model config %s: key %s must be a number",
+                             c->name, key);
   double x = json_number_value(v);
   if (!isfinite(x) || (lo_open ? !(x > lo) : !(x >= lo)) || !(x <= hi))
-    return dsv4__config_fail(c->err, c->errlen,
+    return dsv4__config_fail(c->why, c->why_len,
                              "model config %s: key %s is %g; it must be %s %g and at most %g",
                              c->name, key, x, lo_open ? "greater than" : "at least", lo, hi);
   *out = x;
@@ -139,7 +139,7 @@ static int check_fixed(model_ctx_t *c, json_t *root, const char *key, uint64_t w
     return rc;
   if (v != want)
     return dsv4__config_fail(
-        c->err, c->errlen, "model config %s: key %s is %llu; the daemon implements only %s = %llu",
+        c->why, c->why_len, "model config %s: key %s is %llu; the daemon implements only %s = %llu",
         c->name, key, (unsigned long long)v, key, (unsigned long long)want);
   return 0;
 }
@@ -154,10 +154,10 @@ static int section_type(model_ctx_t *c, json_t *sec, const char *where, const ch
     if (!v || json_is_null(v))
       continue;
     if (!json_is_string(v))
-      return dsv4__config_fail(c->err, c->errlen, "model config %s: key %s.%s must be a string",
+      return dsv4__config_fail(c->why, c->why_len, "model config %s: key %s.%s must be a string",
                                c->name, where, keys[i]);
     if (*out && strcmp(*out, json_string_value(v)) != 0)
-      return dsv4__config_fail(c->err, c->errlen,
+      return dsv4__config_fail(c->why, c->why_len,
                                "model config %s: %s.type \"%s\" and %s.rope_type \"%s\" disagree",
                                c->name, where, *out, where, json_string_value(v));
     *out = json_string_value(v);
@@ -190,22 +190,22 @@ static int compress_params(model_ctx_t *c, json_t *sec, const char *where, doubl
     return rc;
   if (factor == 0) {
     snprintf(key, sizeof(key), "%s.factor", where);
-    return dsv4__config_fail(c->err, c->errlen, "model config %s: YaRN scaling needs key %s",
+    return dsv4__config_fail(c->why, c->why_len, "model config %s: YaRN scaling needs key %s",
                              c->name, key);
   }
   if (orig == 0) {
     snprintf(key, sizeof(key), "%s.original_max_position_embeddings", where);
-    return dsv4__config_fail(c->err, c->errlen, "model config %s: YaRN scaling needs key %s",
+    return dsv4__config_fail(c->why, c->why_len, "model config %s: YaRN scaling needs key %s",
                              c->name, key);
   }
   if (!(beta_fast > beta_slow))
-    return dsv4__config_fail(c->err, c->errlen,
+    return dsv4__config_fail(c->why, c->why_len,
                              "model config %s: %s.beta_fast (%g) must exceed %s.beta_slow (%g)",
                              c->name, where, beta_fast, where, beta_slow);
   /* The YaRN correction range divides by ln(theta): theta = 1 would make every inv_freq NaN. */
   if (!(theta > 1.0))
     return dsv4__config_fail(
-        c->err, c->errlen,
+        c->why, c->why_len,
         "model config %s: YaRN scaling (%s) needs a compress RoPE theta above 1, "
         "not %g",
         c->name, where, theta);
@@ -233,7 +233,7 @@ typedef struct {
 static int model_check_keys(json_t *root, model_ctx_t *c) {
   int rc;
   if (!json_is_object(root))
-    return dsv4__config_fail(c->err, c->errlen,
+    return dsv4__config_fail(c->why, c->why_len,
                              "model config %s: the top level must be a JSON object", c->name);
   if ((rc = check_fixed(c, root, "head_dim", DSV4_HEAD_DIM)) ||
       (rc = check_fixed(c, root, "qk_rope_head_dim", DSV4_ROPE_DIM)) ||
@@ -245,7 +245,7 @@ static int model_check_keys(json_t *root, model_ctx_t *c) {
     /* A null value counts as missing: the readers below would otherwise keep a zero. */
     json_t *v = json_object_get(root, required[i]);
     if (!v || json_is_null(v))
-      return dsv4__config_fail(c->err, c->errlen, "model config %s: required key %s is missing",
+      return dsv4__config_fail(c->why, c->why_len, "model config %s: required key %s is missing",
                                c->name, required[i]);
   }
   return 0;
@@ -268,10 +268,10 @@ static int model_read_geometry(json_t *root, model_ctx_t *c, model_keys_t *k) {
   k->ratios = json_object_get(root, "compress_ratios");
   k->total = k->hidden + k->nextn;
   if (!json_is_array(k->ratios))
-    return dsv4__config_fail(c->err, c->errlen,
+    return dsv4__config_fail(c->why, c->why_len,
                              "model config %s: key compress_ratios must be an array", c->name);
   if (json_array_size(k->ratios) != k->total)
-    return dsv4__config_fail(c->err, c->errlen,
+    return dsv4__config_fail(c->why, c->why_len,
                              "model config %s: key compress_ratios has %zu entries; it must have "
                              "num_hidden_layers + num_nextn_predict_layers = %llu + %llu = %llu",
                              c->name, json_array_size(k->ratios), (unsigned long long)k->hidden,
@@ -289,10 +289,10 @@ static int model_rope_sections(json_t *root, model_ctx_t *c, model_keys_t *k) {
   if (k->rs && json_is_null(k->rs))
     k->rs = NULL;
   if (k->rp && !json_is_object(k->rp))
-    return dsv4__config_fail(c->err, c->errlen,
+    return dsv4__config_fail(c->why, c->why_len,
                              "model config %s: key rope_parameters must be an object", c->name);
   if (k->rs && !json_is_object(k->rs))
-    return dsv4__config_fail(c->err, c->errlen,
+    return dsv4__config_fail(c->why, c->why_len,
                              "model config %s: key rope_scaling must be an object", c->name);
   k->nested = k->rp && (json_object_get(k->rp, "main") || json_object_get(k->rp, "compress"));
   if (k->nested) {
@@ -301,7 +301,7 @@ static int model_rope_sections(json_t *root, model_ctx_t *c, model_keys_t *k) {
     if ((k->sec_main && !json_is_object(k->sec_main)) ||
         (k->sec_comp && !json_is_object(k->sec_comp)))
       return dsv4__config_fail(
-          c->err, c->errlen, "model config %s: rope_parameters.main and .compress must be objects",
+          c->why, c->why_len, "model config %s: rope_parameters.main and .compress must be objects",
           c->name);
     k->where = "rope_parameters.compress";
   } else if (k->rp) {
@@ -380,7 +380,7 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
     json_t *v = json_array_get(k.ratios, i);
     if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > MODEL_MAX_RATIO)
       return dsv4__config_fail(
-          c->err, c->errlen,
+          c->why, c->why_len,
           "model config %s: compress_ratios[%zu] must be an integer from 0 to %d", c->name, i,
           MODEL_MAX_RATIO);
     m->compress_ratios[i] = (uint32_t)json_integer_value(v);
@@ -391,39 +391,39 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
   return 0;
 }
 
-static int model_load_root(dsv4_model_t *m, json_t *root, const char *name, char *err,
-                           size_t errlen) {
-  model_ctx_t c = {name, err, errlen};
+static int model_load_root(dsv4_model_t *m, json_t *root, const char *name, char *why,
+                           size_t why_len) {
+  model_ctx_t c = {name, why, why_len};
   memset(m, 0, sizeof(*m));
   int rc = model_parse(m, root, &c);
   if (rc) {
     if (rc == DSV4_ENOMEM)
-      dsv4__config_fail(err, errlen, "model config %s: out of memory", name);
+      dsv4__config_fail(why, why_len, "model config %s: out of memory", name);
     dsv4_model_free(m);
   }
   return rc;
 }
 
-int dsv4_model_load_json(dsv4_model_t *m, const char *json_text, char *err, size_t errlen) {
+int dsv4_model_load_json(dsv4_model_t *m, const char *json_text, char *why, size_t why_len) {
   json_error_t je;
   memset(m, 0, sizeof(*m));
   json_t *root = json_loads(json_text, JSON_REJECT_DUPLICATES, &je);
   if (!root)
-    return dsv4__config_fail(err, errlen, "model config (inline): invalid JSON at line %d: %s",
+    return dsv4__config_fail(why, why_len, "model config (inline): invalid JSON at line %d: %s",
                              je.line, je.text);
-  int rc = model_load_root(m, root, "(inline)", err, errlen);
+  int rc = model_load_root(m, root, "(inline)", why, why_len);
   json_decref(root);
   return rc;
 }
 
-int dsv4_model_load_file(dsv4_model_t *m, const char *path, char *err, size_t errlen) {
+int dsv4_model_load_file(dsv4_model_t *m, const char *path, char *why, size_t why_len) {
   json_error_t je;
   memset(m, 0, sizeof(*m));
   json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
   if (!root)
-    return dsv4__config_fail(err, errlen, "model config %s: cannot load: %s (line %d)", path,
+    return dsv4__config_fail(why, why_len, "model config %s: cannot load: %s (line %d)", path,
                              je.text, je.line);
-  int rc = model_load_root(m, root, path, err, errlen);
+  int rc = model_load_root(m, root, path, why, why_len);
   json_decref(root);
   return rc;
 }

@@ -42,11 +42,11 @@ int dsv4_model_builtin_flash(dsv4_model_t *m);
  * num_nextn_predict_layers, which is 0 when absent (compress_ratios must then have exactly
  * num_hidden_layers entries). RoPE scaling
  * comes from `rope_parameters` (flat, or nested `main`/`compress`), else from `rope_scaling`;
- * `type` and `rope_type` are synonyms. Returns 0, or DSV4_ECONFIG with a message in err naming the
+ * `type` and `rope_type` are synonyms. Returns 0, or DSV4_ECONFIG with a message in why naming the
  * key. On error *m is left zeroed (nothing to free).
  */
-int dsv4_model_load_file(dsv4_model_t *m, const char *path, char *err, size_t errlen);
-int dsv4_model_load_json(dsv4_model_t *m, const char *json_text, char *err, size_t errlen);
+int dsv4_model_load_file(dsv4_model_t *m, const char *path, char *why, size_t why_len);
+int dsv4_model_load_json(dsv4_model_t *m, const char *json_text, char *why, size_t why_len);
 
 /*
  * The RoPE parameters of one layer: ratio 0/1 gives rope_plain, ratio >= 2 rope_compress (YaRN only

@@ -33,9 +33,9 @@ typedef struct {
 /*
  * Parse "http://host[:port][/prefix]" (or "host[:port][/prefix]": the scheme may be left out). The
  * port defaults to 80 as for any http URL. https, user info, a query or a fragment are refused.
- * DSV4_EINVAL with err set, or 0.
+ * DSV4_EINVAL with why set, or 0.
  */
-int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *err, size_t errlen);
+int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *why, size_t why_len);
 
 typedef enum {
   DSV4_CTL_CMD_NONE = 0,
@@ -69,10 +69,10 @@ typedef struct {
 /*
  * Parse argv[1..argc) into *out (pointers into argv and the env strings). Options may come before
  * or after the command, as "--name value" or "--name=value". env_admin and env_token (may be NULL)
- * are $DSV4CTL_ADMIN and $DSV4CTL_TOKEN_FILE. DSV4_EINVAL with err set, or 0.
+ * are $DSV4CTL_ADMIN and $DSV4CTL_TOKEN_FILE. DSV4_EINVAL with why set, or 0.
  */
 int dsv4_ctl_args_parse(int argc, char *const *argv, const char *env_admin, const char *env_token,
-                        dsv4_ctl_args_t *out, char *err, size_t errlen);
+                        dsv4_ctl_args_t *out, char *why, size_t why_len);
 
 /* "a-b" or "a" (decimal model layers, a <= b). DSV4_EINVAL or 0. */
 int dsv4_ctl_parse_layers(const char *s, uint32_t *first, uint32_t *last);

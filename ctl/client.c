@@ -18,11 +18,11 @@
 
 #define DEFAULT_MAX_BUFFER ((size_t)64 << 20)
 
-__attribute__((format(printf, 4, 5))) static int fail(int rc, char *err, size_t errlen,
+__attribute__((format(printf, 4, 5))) static int fail(int rc, char *why, size_t why_len,
                                                       const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(err, errlen, fmt, ap);
+  vsnprintf(why, why_len, fmt, ap);
   va_end(ap);
   return rc;
 }
@@ -53,26 +53,26 @@ static int wait_fd(int fd, short events, int timeout_ms) {
 
 /* Connect to the first address of host:port that answers within the timeout. The socket stays
  * non-blocking: every read and write below waits with poll(), so one timeout covers them all. */
-static int connect_to(const dsv4_ctl_url_t *url, int timeout_ms, int *out, char *err,
-                      size_t errlen) {
+static int connect_to(const dsv4_ctl_url_t *url, int timeout_ms, int *out, char *why,
+                      size_t why_len) {
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
   struct addrinfo *res = NULL;
   int g = getaddrinfo(url->host, url->port, &hints, &res);
   if (g != 0)
-    return fail(DSV4_EIO, err, errlen, "cannot resolve %s: %s", url->host, gai_strerror(g));
+    return fail(DSV4_EIO, why, why_len, "cannot resolve %s: %s", url->host, gai_strerror(g));
   int rc = DSV4_EIO;
-  char why[160] = "no address";
+  char reason[160] = "no address";
   for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
     int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
     if (fd < 0) {
-      snprintf(why, sizeof(why), "socket: %s", strerror(errno));
+      snprintf(reason, sizeof(reason), "socket: %s", strerror(errno));
       continue;
     }
     int c = connect(fd, ai->ai_addr, ai->ai_addrlen);
     if (c != 0 && errno == EINPROGRESS) {
       int w = wait_fd(fd, POLLOUT, timeout_ms);
       if (w == DSV4_ETIMEDOUT) {
-        snprintf(why, sizeof(why), "no answer within %d ms", timeout_ms);
+        snprintf(reason, sizeof(reason), "no answer within %d ms", timeout_ms);
         rc = DSV4_ETIMEDOUT;
         close(fd);
         continue;
@@ -89,7 +89,7 @@ static int connect_to(const dsv4_ctl_url_t *url, int timeout_ms, int *out, char 
       }
     }
     if (c != 0) {
-      snprintf(why, sizeof(why), "%s", strerror(errno));
+      snprintf(reason, sizeof(reason), "%s", strerror(errno));
       rc = DSV4_EIO;
       close(fd);
       continue;
@@ -99,8 +99,8 @@ static int connect_to(const dsv4_ctl_url_t *url, int timeout_ms, int *out, char 
     return 0;
   }
   freeaddrinfo(res);
-  return fail(rc, err, errlen, "cannot connect to %s%s%s:%s: %s", url->ipv6 ? "[" : "", url->host,
-              url->ipv6 ? "]" : "", url->port, why);
+  return fail(rc, why, why_len, "cannot connect to %s%s%s:%s: %s", url->ipv6 ? "[" : "", url->host,
+              url->ipv6 ? "]" : "", url->port, reason);
 }
 
 static int send_all(int fd, const char *p, size_t n, int timeout_ms) {
@@ -139,8 +139,8 @@ typedef struct {
   char value[256];
   size_t value_len;
   size_t cap;
-  char *err;
-  size_t errlen;
+  char *why;
+  size_t why_len;
 } rx_t;
 
 static int on_header_field(llhttp_t *p, const char *at, size_t n) {
@@ -204,7 +204,7 @@ static int on_headers_complete(llhttp_t *p) {
     rx->to_sink = s == 1;
   }
   if (!rx->to_sink && r->content_length > 0 && (uint64_t)r->content_length > rx->req->max_buffer) {
-    rx->rc = fail(DSV4_ETOOBIG, rx->err, rx->errlen, "a %lld-byte answer is larger than %zu bytes",
+    rx->rc = fail(DSV4_ETOOBIG, rx->why, rx->why_len, "a %lld-byte answer is larger than %zu bytes",
                   (long long)r->content_length, rx->req->max_buffer);
     return -1;
   }
@@ -225,7 +225,7 @@ static int on_body(llhttp_t *p, const char *at, size_t n) {
     return 0;
   }
   if (r->body_len + n > rx->req->max_buffer) {
-    rx->rc = fail(DSV4_ETOOBIG, rx->err, rx->errlen, "answer larger than %zu bytes",
+    rx->rc = fail(DSV4_ETOOBIG, rx->why, rx->why_len, "answer larger than %zu bytes",
                   rx->req->max_buffer);
     return -1;
   }
@@ -235,7 +235,7 @@ static int on_body(llhttp_t *p, const char *at, size_t n) {
       cap *= 2;
     char *b = realloc(r->body, cap);
     if (!b) {
-      rx->rc = fail(DSV4_ENOMEM, rx->err, rx->errlen, "out of memory for a %zu-byte answer",
+      rx->rc = fail(DSV4_ENOMEM, rx->why, rx->why_len, "out of memory for a %zu-byte answer",
                     r->body_len + n);
       return -1;
     }
@@ -261,10 +261,10 @@ void dsv4_ctl_response_free(dsv4_ctl_response_t *resp) {
 }
 
 int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_response_t *resp,
-                 char *err, size_t errlen) {
+                 char *why, size_t why_len) {
   dsv4_ctl_request_t req = *req_in;
-  if (errlen > 0)
-    err[0] = '\0';
+  if (why_len > 0)
+    why[0] = '\0';
   if (req.max_buffer == 0)
     req.max_buffer = DEFAULT_MAX_BUFFER;
   memset(resp, 0, sizeof(*resp));
@@ -276,7 +276,7 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
                 (req.token ? strlen(req.token) : 0);
   char *head = malloc(need);
   if (!head)
-    return fail(DSV4_ENOMEM, err, errlen, "out of memory");
+    return fail(DSV4_ENOMEM, why, why_len, "out of memory");
   int hn = snprintf(head, need,
                     "GET %s%s HTTP/1.1\r\nHost: %s%s%s:%s\r\nUser-Agent: dsv4ctl/%s\r\n"
                     "Accept: */*\r\n%s%s%sConnection: close\r\n\r\n",
@@ -284,7 +284,7 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
                     DSV4_VERSION, req.token ? "Authorization: Bearer " : "",
                     req.token ? req.token : "", req.token ? "\r\n" : "");
   int fd = -1;
-  int rc = connect_to(u, req.timeout_ms, &fd, err, errlen);
+  int rc = connect_to(u, req.timeout_ms, &fd, why, why_len);
   if (rc != 0) {
     free(head);
     return rc;
@@ -293,7 +293,7 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
   free(head);
   if (rc != 0) {
     close(fd);
-    return fail(rc, err, errlen, "sending the request to %s:%s: %s", u->host, u->port,
+    return fail(rc, why, why_len, "sending the request to %s:%s: %s", u->host, u->port,
                 rc == DSV4_ETIMEDOUT ? "timed out" : strerror(errno));
   }
 
@@ -311,8 +311,8 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
   rx.parser.data = &rx;
   rx.resp = resp;
   rx.req = &req;
-  rx.err = err;
-  rx.errlen = errlen;
+  rx.why = why;
+  rx.why_len = why_len;
 
   char buf[1 << 16];
   while (!rx.complete) {
@@ -322,18 +322,18 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       rc = wait_fd(fd, POLLIN, req.timeout_ms);
       if (rc == DSV4_ETIMEDOUT) {
-        rc = fail(rc, err, errlen, "no data from %s:%s for %d ms (%llu body bytes received)",
+        rc = fail(rc, why, why_len, "no data from %s:%s for %d ms (%llu body bytes received)",
                   u->host, u->port, req.timeout_ms, (unsigned long long)resp->body_bytes);
         break;
       }
       if (rc != 0) {
-        rc = fail(rc, err, errlen, "waiting for the answer: %s", strerror(errno));
+        rc = fail(rc, why, why_len, "waiting for the answer: %s", strerror(errno));
         break;
       }
       continue;
     }
     if (n < 0) {
-      rc = fail(DSV4_EIO, err, errlen, "reading the answer: %s", strerror(errno));
+      rc = fail(DSV4_EIO, why, why_len, "reading the answer: %s", strerror(errno));
       break;
     }
     if (n == 0) {
@@ -341,7 +341,7 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
       llhttp_finish(&rx.parser);
       if (rx.complete)
         break;
-      rc = fail(DSV4_EIO, err, errlen,
+      rc = fail(DSV4_EIO, why, why_len,
                 "connection closed before the answer was complete (%llu of %lld body bytes)",
                 (unsigned long long)resp->body_bytes, (long long)resp->content_length);
       break;
@@ -352,10 +352,10 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
     if (e != HPE_OK) {
       if (rx.rc != 0) {
         rc = rx.rc;
-        if (err[0] == '\0')
-          snprintf(err, errlen, "the answer's body could not be stored: %s", dsv4_strerror(rc));
+        if (why[0] == '\0')
+          snprintf(why, why_len, "the answer's body could not be stored: %s", dsv4_strerror(rc));
       } else {
-        rc = fail(DSV4_EIO, err, errlen, "bad HTTP answer from %s:%s: %s", u->host, u->port,
+        rc = fail(DSV4_EIO, why, why_len, "bad HTTP answer from %s:%s: %s", u->host, u->port,
                   llhttp_get_error_reason(&rx.parser));
       }
       break;
@@ -364,38 +364,38 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
   close(fd);
   if (rc != 0 || !rx.complete) {
     if (rc == 0)
-      rc = fail(DSV4_EIO, err, errlen, "incomplete answer");
+      rc = fail(DSV4_EIO, why, why_len, "incomplete answer");
     dsv4_ctl_response_free(resp);
     return rc;
   }
   return 0;
 }
 
-int dsv4_ctl_read_token(const char *path, char **out, char *err, size_t errlen) {
+int dsv4_ctl_read_token(const char *path, char **out, char *why, size_t why_len) {
   *out = NULL;
   FILE *f = fopen(path, "rb");
   if (!f)
-    return fail(DSV4_EINVAL, err, errlen, "token file %s: %s", path, strerror(errno));
+    return fail(DSV4_EINVAL, why, why_len, "token file %s: %s", path, strerror(errno));
   char buf[4097];
   size_t n = fread(buf, 1, sizeof(buf), f);
   int rerr = ferror(f);
   fclose(f);
   if (rerr)
-    return fail(DSV4_EINVAL, err, errlen, "token file %s: read error", path);
+    return fail(DSV4_EINVAL, why, why_len, "token file %s: read error", path);
   if (n == sizeof(buf))
-    return fail(DSV4_EINVAL, err, errlen, "token file %s is longer than 4096 bytes", path);
+    return fail(DSV4_EINVAL, why, why_len, "token file %s is longer than 4096 bytes", path);
   while (n > 0 &&
          (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' ' || buf[n - 1] == '\t'))
     n--;
   if (n == 0)
-    return fail(DSV4_EINVAL, err, errlen, "token file %s is empty", path);
+    return fail(DSV4_EINVAL, why, why_len, "token file %s is empty", path);
   for (size_t i = 0; i < n; i++)
     if ((unsigned char)buf[i] < 0x21 || (unsigned char)buf[i] == 0x7f)
-      return fail(DSV4_EINVAL, err, errlen,
+      return fail(DSV4_EINVAL, why, why_len,
                   "token file %s holds a space or control character at byte %zu", path, i);
   char *t = malloc(n + 1);
   if (!t)
-    return fail(DSV4_ENOMEM, err, errlen, "out of memory");
+    return fail(DSV4_ENOMEM, why, why_len, "out of memory");
   memcpy(t, buf, n);
   t[n] = '\0';
   *out = t;

@@ -45,19 +45,19 @@ typedef struct {
 /*
  * GET base + target (target starts with '/', already encoded). On 0, *resp holds the answer
  * whatever its status (free it with dsv4_ctl_response_free). On failure (no connection, timeout, a
- * response that is not HTTP or ends early, a sink error) returns a negative code with err set and
+ * response that is not HTTP or ends early, a sink error) returns a negative code with why set and
  * nothing to free: DSV4_EIO, DSV4_ETIMEDOUT, DSV4_ETOOBIG (body past max_buffer), DSV4_ENOMEM, or
  * the sink's.
  */
 int dsv4_ctl_get(const dsv4_ctl_request_t *req, const char *target, dsv4_ctl_response_t *resp,
-                 char *err, size_t errlen);
+                 char *why, size_t why_len);
 void dsv4_ctl_response_free(dsv4_ctl_response_t *resp);
 
 /*
- * Read a token file: its contents without trailing whitespace. Refused (DSV4_EINVAL, err set) when
+ * Read a token file: its contents without trailing whitespace. Refused (DSV4_EINVAL, why set) when
  * unreadable, empty, or holding control characters, so a token never breaks the request line.
  * *out is malloc'd.
  */
-int dsv4_ctl_read_token(const char *path, char **out, char *err, size_t errlen);
+int dsv4_ctl_read_token(const char *path, char **out, char *why, size_t why_len);
 
 #endif /* DSV4_CTL_CLIENT_H */

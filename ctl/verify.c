@@ -173,13 +173,13 @@ static int check_header(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, uint32
   const char *range = dsv4_st_meta(st, "layers");
   int rc = 0;
   if (!layout)
-    rc = fail(out, "metadata has no \"layout\" (a dump has layout \"fp8_ds_mla\")");
-  else if (strcmp(layout, "fp8_ds_mla") != 0)
-    rc = fail(out, "metadata layout is \"%.64s\", a dump has \"fp8_ds_mla\"", layout);
-  else if ((rc = check_fixed(out, st, "fp8", "F8_E4M3FN")) != 0 ||
-           (rc = check_fixed(out, st, "scale", "UE8M0")) != 0 ||
-           (rc = check_fixed(out, st, "record_bytes", "584")) != 0 ||
-           (rc = check_fixed(out, st, "window", "128")) != 0)
+    rc = fail(out, "metadata has no \"layout\" (a dump has layout \"" DSV4_RECORD_LAYOUT "\")");
+  else if (strcmp(layout, DSV4_RECORD_LAYOUT) != 0)
+    rc = fail(out, "metadata layout is \"%.64s\", a dump has \"" DSV4_RECORD_LAYOUT "\"", layout);
+  else if ((rc = check_fixed(out, st, "fp8", DSV4_RECORD_FP8)) != 0 ||
+           (rc = check_fixed(out, st, "scale", DSV4_RECORD_SCALE)) != 0 ||
+           (rc = check_fixed(out, st, "record_bytes", DSV4_RECORD_BYTES_TEXT)) != 0 ||
+           (rc = check_fixed(out, st, "window", DSV4_RECORD_WINDOW_TEXT)) != 0)
     ;
   else if (!range)
     rc = fail(out, "metadata has no \"layers\" range");

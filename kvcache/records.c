@@ -1,14 +1,30 @@
 #include "records.h"
 
 #include <assert.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dsv4-error.h"
+#include "dsv4-numerics.h"
 
 #ifdef DSV4_HAVE_XXHASH
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack for the pool digest's terms */
 #include <xxhash.h>
+#if defined(__x86_64__)
+/* libxxhash's run-time dispatch picks its AVX2/AVX-512 XXH3 loop (2.5x the SSE2 one). */
+#include <xxh_x86dispatch.h>
 #endif
+#endif
+
+void dsv4_records_gather(const uint8_t *data, const uint8_t *scales, uint32_t n, uint8_t *out,
+                         size_t out_stride) {
+  for (uint32_t i = 0; i < n; i++) {
+    uint8_t *rec = out + (size_t)i * out_stride;
+    memcpy(rec, data + (size_t)i * DSV4_TOKEN_DATA_BYTES, DSV4_TOKEN_DATA_BYTES);
+    memcpy(rec + DSV4_TOKEN_DATA_BYTES, scales + (size_t)i * DSV4_SCALE_BYTES, DSV4_SCALE_BYTES);
+  }
+}
 
 void dsv4_record_read(const uint8_t *layer_base, uint32_t block_size, size_t stride, int64_t slot,
                       uint8_t out[DSV4_RECORD_BYTES]) {
@@ -16,8 +32,71 @@ void dsv4_record_read(const uint8_t *layer_base, uint32_t block_size, size_t str
   const uint8_t *block = layer_base + (size_t)(slot / block_size) * stride;
   uint32_t o = (uint32_t)(slot % block_size);
   /* NoPE and RoPE are adjacent in the block; the scales live in the block's tail. */
-  memcpy(out, block + DSV4_TOKEN_DATA_OFFSET(o), DSV4_TOKEN_DATA_BYTES);
-  memcpy(out + DSV4_TOKEN_DATA_BYTES, block + DSV4_SCALE_OFFSET(block_size, o), DSV4_SCALE_BYTES);
+  dsv4_records_gather(block + DSV4_TOKEN_DATA_OFFSET(o), block + DSV4_SCALE_OFFSET(block_size, o),
+                      1, out, DSV4_RECORD_BYTES);
+}
+
+dsv4_layer_src_t dsv4_layer_src_host(const uint8_t *layer_base, uint32_t block_size) {
+  return (dsv4_layer_src_t){layer_base, NULL, NULL, 0, block_size, DSV4_BLOCK_STRIDE(block_size)};
+}
+
+int dsv4_seq_records_read(const dsv4_layer_src_t *src, const dsv4_seq_info_t *info, int64_t pos,
+                          uint32_t n, uint8_t *out, size_t out_stride) {
+  const uint32_t bs = src->block_size;
+  uint8_t *fetched = NULL; /* a run's NoPE|RoPE bytes, then its scale entries */
+  int rc = 0;
+  /* A logical block is one physical block, so the positions of one logical block are a run of
+   * consecutive offsets: one read of its NoPE|RoPE bytes and one of its scales. */
+  while (n > 0 && !rc) {
+    int64_t slot = dsv4_seq_slot(info, bs, pos);
+    if (slot < 0) {
+      rc = DSV4_EINVAL;
+      break;
+    }
+    uint64_t base = (uint64_t)(slot / bs) * src->stride;
+    uint32_t o = (uint32_t)(slot % bs);
+    uint32_t run = bs - o < n ? bs - o : n;
+    if (src->host) {
+      dsv4_records_gather(src->host + base + DSV4_TOKEN_DATA_OFFSET(o),
+                          src->host + base + DSV4_SCALE_OFFSET(bs, o), run, out, out_stride);
+    } else {
+      uint8_t *scales;
+      if (!fetched && !(fetched = malloc((size_t)bs * DSV4_RECORD_BYTES)))
+        return DSV4_ENOMEM;
+      scales = fetched + (size_t)bs * DSV4_TOKEN_DATA_BYTES;
+      rc = src->read(src->arg, src->layer, base + DSV4_TOKEN_DATA_OFFSET(o),
+                     (size_t)run * DSV4_TOKEN_DATA_BYTES, fetched);
+      if (!rc)
+        rc = src->read(src->arg, src->layer, base + DSV4_SCALE_OFFSET(bs, o),
+                       (size_t)run * DSV4_SCALE_BYTES, scales);
+      if (!rc)
+        dsv4_records_gather(fetched, scales, run, out, out_stride);
+    }
+    out += (size_t)run * out_stride;
+    pos += run;
+    n -= run;
+  }
+  free(fetched);
+  return rc;
+}
+
+void dsv4_record_decode(const uint8_t rec[DSV4_RECORD_BYTES], dsv4_record_fields_t *out) {
+  const uint8_t *sc = rec + DSV4_TOKEN_DATA_BYTES;
+  out->fp8 = rec;
+  out->scale_codes = sc;
+  /* UE8M0: 2^(code-127); 255 is NaN. */
+  for (int t = 0; t < DSV4_NTILES; t++)
+    out->scales[t] = sc[t] == 255 ? NAN : ldexp(1.0, sc[t] - 127);
+  /* e4m3 * 2^(code-127) in double is exact (at most 4 significant bits, exponent in range). */
+  for (int i = 0; i < DSV4_NOPE_DIM; i++) {
+    uint8_t c = sc[i / DSV4_TILE];
+    out->nope[i] = c == 255 ? NAN : ldexp((double)dsv4_e4m3_to_f32(rec[i]), c - 127);
+  }
+  for (int i = 0; i < DSV4_ROPE_DIM; i++) {
+    const uint8_t *p = rec + DSV4_NOPE_DIM + 2 * i;
+    out->rope_bits[i] = (uint16_t)(p[0] | p[1] << 8);
+    out->rope[i] = dsv4_bf16_to_f32(out->rope_bits[i]);
+  }
 }
 
 void dsv4_seq_stored_range(const dsv4_seq_info_t *info, uint32_t block_size, uint32_t layer,
@@ -44,6 +123,16 @@ int64_t dsv4_seq_slot(const dsv4_seq_info_t *info, uint32_t block_size, int64_t 
   return (int64_t)b * block_size + pos % block_size;
 }
 
+/* The low `bytes` bytes of v, little-endian. */
+static void put_le(uint8_t *p, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+void dsv4_position_put(uint8_t out[8], int64_t position) {
+  put_le(out, (uint64_t)position, 8);
+}
+
 void dsv4_digest_hex(uint64_t digest, char out[17]) {
   static const char hex[] = "0123456789abcdef";
   for (int i = 15; i >= 0; i--) {
@@ -56,18 +145,14 @@ void dsv4_digest_hex(uint64_t digest, char out[17]) {
 #ifdef DSV4_HAVE_XXHASH
 
 struct dsv4_records_digest {
-  XXH3_state_t *state;
+  XXH3_state_t *state; /* from XXH3_createState, which gives it the alignment it asks for */
 };
 
-static void put_le32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_le64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
+/* An entry of the records digest: [LE int64 position || record]. */
+#define ENTRY_BYTES (8u + DSV4_RECORD_BYTES)
+/* Entries hashed at a time by dsv4_records_digest_add_seq: 16 entries are 9.25 KiB, copied and
+ * hashed in L1. */
+#define DIGEST_GROUP 16u
 
 int dsv4_records_digest_create(dsv4_records_digest_t **out) {
   *out = NULL;
@@ -99,8 +184,8 @@ void dsv4_records_digest_add(dsv4_records_digest_t *d, int64_t position,
                              const uint8_t record[DSV4_RECORD_BYTES]) {
   /* One update per record: XXH3's streaming result equals the one-shot hash of the concatenation.
    */
-  uint8_t buf[8 + DSV4_RECORD_BYTES];
-  put_le64(buf, (uint64_t)position);
+  uint8_t buf[ENTRY_BYTES];
+  dsv4_position_put(buf, position);
   memcpy(buf + 8, record, DSV4_RECORD_BYTES);
   XXH3_64bits_update(d->state, buf, sizeof(buf));
 }
@@ -113,71 +198,88 @@ void dsv4_records_digest_add_slot(dsv4_records_digest_t *d, int64_t position,
   dsv4_records_digest_add(d, position, rec);
 }
 
+int dsv4_records_digest_add_seq(dsv4_records_digest_t *d, const dsv4_layer_src_t *src,
+                                const dsv4_seq_info_t *info, int64_t pos, uint32_t n) {
+  uint8_t group[DIGEST_GROUP * ENTRY_BYTES];
+  for (uint32_t g = 0; g < n; g += DIGEST_GROUP) {
+    uint32_t k = n - g < DIGEST_GROUP ? n - g : DIGEST_GROUP;
+    /* The records land in their entries, so the group is one update of the §3.1 byte string. */
+    int rc = dsv4_seq_records_read(src, info, pos + g, k, group + 8, ENTRY_BYTES);
+    if (rc)
+      return rc;
+    for (uint32_t j = 0; j < k; j++)
+      dsv4_position_put(group + (size_t)j * ENTRY_BYTES, pos + g + j);
+    XXH3_64bits_update(d->state, group, (size_t)k * ENTRY_BYTES);
+  }
+  return 0;
+}
+
 uint64_t dsv4_records_digest_value(const dsv4_records_digest_t *d) {
   return XXH3_64bits_digest(d->state);
 }
 
-uint64_t dsv4_block_digest(const uint8_t *layer_base, size_t stride, uint32_t block_id) {
-  return XXH3_64bits(layer_base + (size_t)block_id * stride, stride);
+int dsv4_seq_digest(const dsv4_layer_src_t *src, const dsv4_seq_info_t *info, uint32_t layer_index,
+                    uint64_t *digest, int64_t *first, int64_t *end) {
+  int64_t f, t;
+  dsv4_records_digest_t *d;
+  int rc = dsv4_records_digest_create(&d);
+  if (rc)
+    return rc;
+  dsv4_seq_stored_range(info, src->block_size, layer_index, &f, &t);
+  if (first)
+    *first = f;
+  if (end)
+    *end = t;
+  rc = dsv4_records_digest_add_seq(d, src, info, f, (uint32_t)(t - f));
+  if (!rc)
+    *digest = dsv4_records_digest_value(d);
+  dsv4_records_digest_destroy(d);
+  return rc;
 }
 
-int dsv4_pool_digest(const dsv4_pool_t *pool, uint32_t layer, const uint8_t *layer_base,
-                     size_t stride, uint64_t *digest) {
-  *digest = 0;
-  XXH3_state_t *s = XXH3_createState();
-  if (s == NULL)
-    return DSV4_ENOMEM;
+uint64_t dsv4_block_digest(const uint8_t *block, size_t stride) {
+  return XXH3_64bits(block, stride);
+}
+
+/* The pool digest's term of block b: XXH3(LE32 layer || LE32 b || block bytes). */
+static uint64_t pool_term(XXH3_state_t *s, uint32_t layer, uint32_t b, const uint8_t *block,
+                          size_t stride) {
+  uint8_t head[8];
+  put_le(head, layer, 4);
+  put_le(head + 4, b, 4);
+  XXH3_64bits_reset(s);
+  XXH3_64bits_update(s, head, sizeof(head));
+  XXH3_64bits_update(s, block, stride);
+  return XXH3_64bits_digest(s);
+}
+
+int dsv4_pool_digest(const dsv4_pool_t *pool, uint32_t layer, const dsv4_layer_src_t *src,
+                     uint64_t *digest, uint64_t *block_digests, uint8_t *used) {
+  XXH3_state_t s;
+  uint8_t *fetched = NULL;
   uint64_t acc = 0;
-  for (uint32_t b = 0; b < pool->n_blocks; b++) {
+  int rc = 0;
+  if (!src->host && !(fetched = malloc(src->stride)))
+    return DSV4_ENOMEM;
+  for (uint32_t b = 0; b < pool->n_blocks && !rc; b++) {
     if (!dsv4_pool_is_used(pool, b))
       continue;
-    uint8_t head[8];
-    put_le32(head, layer);
-    put_le32(head + 4, b);
-    XXH3_64bits_reset(s);
-    XXH3_64bits_update(s, head, sizeof(head));
-    XXH3_64bits_update(s, layer_base + (size_t)b * stride, stride);
-    acc ^= XXH3_64bits_digest(s);
+    const uint8_t *block = fetched;
+    if (src->host)
+      block = src->host + (size_t)b * src->stride;
+    else if ((rc = src->read(src->arg, src->layer, (uint64_t)b * src->stride, src->stride,
+                             fetched)) != 0)
+      break;
+    acc ^= pool_term(&s, layer, b, block, src->stride);
+    if (block_digests)
+      block_digests[b] = dsv4_block_digest(block, src->stride);
+    if (used)
+      used[b] = 1;
   }
-  XXH3_freeState(s);
-  *digest = acc;
-  return 0;
-}
-
-int dsv4_seq_digest(const dsv4_seqtable_t *st, uint32_t layer_index, const char *name,
-                    uint32_t name_len, const uint8_t *layer_base, uint64_t *digest,
-                    uint64_t *n_records) {
-  const dsv4_seqtable_config_t *cfg = dsv4_seqtable_config(st);
-  *digest = 0;
-  if (n_records != NULL)
-    *n_records = 0;
-  if (layer_index >= cfg->n_layers)
-    return DSV4_EINVAL;
-  dsv4_seq_info_t info;
-  int rc = dsv4_seqtable_info(st, name, name_len, &info);
-  if (rc != 0)
-    return rc;
-  dsv4_records_digest_t *d;
-  rc = dsv4_records_digest_create(&d);
-  if (rc != 0) {
-    dsv4_seq_info_free(&info);
-    return rc;
-  }
-  uint32_t bs = cfg->block_size;
-  size_t stride = DSV4_BLOCK_STRIDE(bs);
-  int64_t first, end;
-  dsv4_seq_stored_range(&info, bs, layer_index, &first, &end);
-  for (int64_t pos = first; pos < end; pos++) {
-    int64_t slot = dsv4_seq_slot(&info, bs, pos);
-    assert(slot >= 0);
-    dsv4_records_digest_add_slot(d, pos, layer_base, bs, stride, slot);
-  }
-  *digest = dsv4_records_digest_value(d);
-  if (n_records != NULL)
-    *n_records = (uint64_t)(end - first);
-  dsv4_records_digest_destroy(d);
-  dsv4_seq_info_free(&info);
-  return 0;
+  free(fetched);
+  if (!rc)
+    *digest = acc;
+  return rc;
 }
 
 #endif /* DSV4_HAVE_XXHASH */

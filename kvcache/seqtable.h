@@ -60,7 +60,7 @@ typedef struct {
   int64_t p0; /* the sequence's first position: attention never reads below it */
 } dsv4_seg_map_t;
 
-/* Details of a refused plan, for the JSON error. */
+/* Details of a refused plan, for the caller to report with the error code. */
 typedef struct {
   uint32_t segment; /* index of the offending segment */
   int64_t expected; /* EPOSITION/EEXIST: the expected next position at this layer */

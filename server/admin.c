@@ -19,7 +19,6 @@
 #include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
-#include "dsv4-numerics.h"
 #include "engine_admin.h"
 #include "forward_parse.h"
 #include "log.h"
@@ -184,9 +183,9 @@ static void run_cache(admin_job_t *j) {
     j->doc = json_pack(
         "{s:s,s:s,s:s,s:s,s:s,s:s,s:I,s:i,s:i,s:I,s:i,s:o,s:I,s:I,s:I,s:f,s:I,s:I,s:I,s:o}",
         "instance", d->instance, "version", DSV4_VERSION, "backend",
-        dsv4_engine_backend_name(d->engine), "layout", "fp8_ds_mla", "fp8", "F8_E4M3FN", "scale",
-        "UE8M0", "block_size", (json_int_t)c.block_size, "window", DSV4_WINDOW, "record_bytes",
-        DSV4_RECORD_BYTES, "stride", (json_int_t)c.stride, "heads", (int)cfg->heads,
+        dsv4_engine_backend_name(d->engine), "layout", DSV4_RECORD_LAYOUT, "fp8", DSV4_RECORD_FP8,
+        "scale", DSV4_RECORD_SCALE, "block_size", (json_int_t)c.block_size, "window", DSV4_WINDOW,
+        "record_bytes", DSV4_RECORD_BYTES, "stride", (json_int_t)c.stride, "heads", (int)cfg->heads,
         "served_layers", layers, "kv_blocks", (json_int_t)c.kv_blocks, "blocks_used",
         (json_int_t)used, "blocks_free", (json_int_t)c.blocks_free, "usage_ratio",
         c.kv_blocks ? (double)used / (double)c.kv_blocks : 0.0, "blocks_pinned_released",
@@ -323,27 +322,19 @@ static void run_token(admin_job_t *j, const dsv4_seq_info_t *info) {
   int64_t slot = dsv4_seq_slot(info, bs, j->pos);
   json_t *fp8 = json_array(), *nope = json_array(), *codes = json_array(), *scales = json_array();
   json_t *rope_bits = json_array(), *rope = json_array();
-  const uint8_t *sc = rec + DSV4_TOKEN_DATA_BYTES;
+  dsv4_record_fields_t rf;
+  dsv4_record_decode(rec, &rf);
   for (int t = 0; t < DSV4_NTILES; t++) {
-    json_array_append_new(codes, json_integer(sc[t]));
-    /* UE8M0: 2^(code-127); 255 is NaN. Doubles hold every one of them exactly. */
-    json_array_append_new(scales, sc[t] == 255 ? json_null() : json_real(ldexp(1.0, sc[t] - 127)));
+    json_array_append_new(codes, json_integer(rf.scale_codes[t]));
+    json_array_append_new(scales, num_json(rf.scales[t]));
   }
   for (int i = 0; i < DSV4_NOPE_DIM; i++) {
-    uint8_t c = sc[i / DSV4_TILE];
-    double v = (double)dsv4_e4m3_to_f32(rec[i]);
-    json_array_append_new(fp8, json_integer(rec[i]));
-    /* e4m3 * 2^(code-127) in double is exact (at most 4 significant bits, exponent in range). */
-    json_array_append_new(nope, c == 255 ? json_null() : num_json(ldexp(v, c - 127)));
+    json_array_append_new(fp8, json_integer(rf.fp8[i]));
+    json_array_append_new(nope, num_json(rf.nope[i]));
   }
   for (int i = 0; i < DSV4_ROPE_DIM; i++) {
-    const uint8_t *p = rec + DSV4_NOPE_DIM + 2 * i;
-    uint32_t bits = (uint32_t)p[0] | (uint32_t)p[1] << 8;
-    uint32_t f = bits << 16;
-    float x;
-    memcpy(&x, &f, sizeof(x));
-    json_array_append_new(rope_bits, json_integer(bits));
-    json_array_append_new(rope, num_json((double)x));
+    json_array_append_new(rope_bits, json_integer(rf.rope_bits[i]));
+    json_array_append_new(rope, num_json((double)rf.rope[i]));
   }
   dsv4_records_digest_t *rd;
   uint64_t dig = 0;

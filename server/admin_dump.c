@@ -62,7 +62,7 @@ struct dsv4_dump {
   size_t chunk;
   /* Digest progress, per layer. */
   int64_t *dig_pos;                /* [n] next position to hash */
-  dsv4_engine_digest_t **rd;       /* [n] */
+  dsv4_records_digest_t **rd;      /* [n] */
   dsv4_engine_digest_job_t *djobs; /* [n] one step's work */
   /* The file. */
   uint8_t *head;
@@ -83,7 +83,7 @@ static void dump_free(dump_t *dm) {
   if (dm->have_info)
     dsv4_seq_info_free(&dm->info);
   for (uint32_t i = 0; dm->rd && i < dm->n; i++)
-    dsv4_engine_digest_destroy(dm->rd[i]);
+    dsv4_records_digest_destroy(dm->rd[i]);
   free(dm->rd);
   free(dm->dig_pos);
   free(dm->djobs);
@@ -117,7 +117,7 @@ static void snapshot(dump_t *dm) {
     dsv4_seq_stored_range(&dm->info, bs, dm->idx[i], &dm->first[i], &dm->end[i]);
     dm->dig_pos[i] = dm->first[i];
     /* A layer with nothing stored has the digest of the empty list (no step will touch it). */
-    dm->digest[i] = dsv4_engine_digest_value(dm->rd[i]);
+    dm->digest[i] = dsv4_records_digest_value(dm->rd[i]);
   }
   dm->rc = dsv4_engine_pin(e, &dm->info);
   dm->pinned = dm->rc == 0;
@@ -151,7 +151,7 @@ static void digest_step(dump_t *dm) {
       i++;
     dm->dig_pos[i] += dm->djobs[j].n;
     if (dm->dig_pos[i] == dm->end[i])
-      dm->digest[i] = dsv4_engine_digest_value(dm->rd[i]);
+      dm->digest[i] = dsv4_records_digest_value(dm->rd[i]);
   }
 }
 
@@ -160,11 +160,6 @@ static int digests_done(const dump_t *dm) {
     if (dm->dig_pos[i] < dm->end[i])
       return 0;
   return 1;
-}
-
-static void put_le64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
 }
 
 /* Bytes [off, off + len) of the file into dst. */
@@ -207,7 +202,7 @@ static int fill(dump_t *dm, uint64_t off, uint8_t *dst, size_t len) {
         uint64_t x = off - pos_base, k = x / 8;
         size_t within = (size_t)(x % 8);
         uint8_t le[8];
-        put_le64(le, (uint64_t)(dm->first[i] + (int64_t)k));
+        dsv4_position_put(le, dm->first[i] + (int64_t)k);
         n = 8 - within < len ? 8 - within : len;
         memcpy(dst, le + within, n);
       }
@@ -337,14 +332,13 @@ static int build_head(dump_t *dm) {
                               dm->layer[i], dm->layer[k]);
     i = k + 1;
   }
-  meta[nm++] = (dsv4_st_meta_t){"layout", "fp8_ds_mla"};
-  meta[nm++] = (dsv4_st_meta_t){"fp8", "F8_E4M3FN"};
-  meta[nm++] = (dsv4_st_meta_t){"scale", "UE8M0"};
+  meta[nm++] = (dsv4_st_meta_t){"layout", DSV4_RECORD_LAYOUT};
+  meta[nm++] = (dsv4_st_meta_t){"fp8", DSV4_RECORD_FP8};
+  meta[nm++] = (dsv4_st_meta_t){"scale", DSV4_RECORD_SCALE};
   meta[nm++] = (dsv4_st_meta_t){"block_size", bs};
-  meta[nm++] = (dsv4_st_meta_t){"window", "128"};
-  meta[nm++] = (dsv4_st_meta_t){"record_bytes", "584"};
-  meta[nm++] =
-      (dsv4_st_meta_t){"records", "NoPE(448 e4m3) | RoPE(64 bf16 LE) | scales(7 UE8M0 + 1 pad)"};
+  meta[nm++] = (dsv4_st_meta_t){"window", DSV4_RECORD_WINDOW_TEXT};
+  meta[nm++] = (dsv4_st_meta_t){"record_bytes", DSV4_RECORD_BYTES_TEXT};
+  meta[nm++] = (dsv4_st_meta_t){"records", DSV4_RECORD_FIELDS};
   meta[nm++] = (dsv4_st_meta_t){"p0", p0};
   meta[nm++] = (dsv4_st_meta_t){"seq", dm->seq};
   meta[nm++] = (dsv4_st_meta_t){"layers", layers};
@@ -522,7 +516,7 @@ void dsv4__admin_on_dump(dsv4_req_t *req, void *ctx) {
     return;
   }
   for (uint32_t i = 0; i < n; i++) {
-    if (dsv4_engine_digest_create(&dm->rd[i])) {
+    if (dsv4_records_digest_create(&dm->rd[i])) {
       dump_free(dm);
       dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
       return;

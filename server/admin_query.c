@@ -48,11 +48,11 @@ static int layer_value(const char *v, size_t len, uint32_t *out) {
   return 0;
 }
 
-int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query_t *out, char *msg,
-                           size_t msg_len) {
+int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query_t *out, char *why,
+                           size_t why_len) {
   memset(out, 0, sizeof(*out));
-  if (msg_len)
-    msg[0] = '\0';
+  if (why_len)
+    why[0] = '\0';
   const char *p = query ? query : "";
   while (*p) {
     const char *amp = strchr(p, '&');
@@ -65,7 +65,7 @@ int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query
     long kn = decode(p, klen, key, sizeof(key) - 1);
     long vn = decode(v, vlen, val, sizeof(val) - 1);
     if (kn <= 0) {
-      snprintf(msg, msg_len, "query: an empty, malformed or unknown key");
+      snprintf(why, why_len, "query: an empty, malformed or unknown key");
       return DSV4_EINVAL;
     }
     key[kn] = '\0';
@@ -78,23 +78,23 @@ int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query
       int printable = 1;
       for (long i = 0; i < kn; i++)
         printable &= key[i] > ' ' && key[i] < 0x7f;
-      snprintf(msg, msg_len, "query: unknown key \"%s\" for this route",
+      snprintf(why, why_len, "query: unknown key \"%s\" for this route",
                printable ? key : "(unprintable)");
       return DSV4_EINVAL;
     }
     if (out->have & bit) {
-      snprintf(msg, msg_len, "query: key \"%s\" given twice", key);
+      snprintf(why, why_len, "query: key \"%s\" given twice", key);
       return DSV4_EINVAL;
     }
     out->have |= bit;
     if (vn < 0) {
-      snprintf(msg, msg_len, "query: the value of \"%s\" is malformed or too long", key);
+      snprintf(why, why_len, "query: the value of \"%s\" is malformed or too long", key);
       return DSV4_EINVAL;
     }
     val[vn] = '\0';
     if (bit == DSV4_AQ_LAYER) {
       if (layer_value(val, (size_t)vn, &out->layer)) {
-        snprintf(msg, msg_len, "query: layer must be a decimal layer number");
+        snprintf(why, why_len, "query: layer must be a decimal layer number");
         return DSV4_EINVAL;
       }
     } else if (bit == DSV4_AQ_LAYERS) {
@@ -106,12 +106,12 @@ int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query
       else if (!bad)
         out->hi = out->lo;
       if (bad || out->lo > out->hi) {
-        snprintf(msg, msg_len, "query: layers must be a-b (decimal, a <= b) or one layer");
+        snprintf(why, why_len, "query: layers must be a-b (decimal, a <= b) or one layer");
         return DSV4_EINVAL;
       }
     } else {
       if (!dsv4_seq_name_valid(val, (size_t)vn)) {
-        snprintf(msg, msg_len,
+        snprintf(why, why_len,
                  "query: seq must be 1..128 bytes of [A-Za-z0-9._:-], not starting with '.'");
         return DSV4_EINVAL;
       }

@@ -38,9 +38,9 @@ typedef struct {
 
 /*
  * Parse query (without the '?', "" when none) allowing only the keys in `allowed`. Returns 0 or
- * DSV4_EINVAL with msg (NUL-terminated, truncated to msg_len) saying which key and why.
+ * DSV4_EINVAL with why (NUL-terminated, truncated to why_len) saying which key and why.
  */
-int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query_t *out, char *msg,
-                           size_t msg_len);
+int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query_t *out, char *why,
+                           size_t why_len);
 
 #endif /* DSV4_SERVER_ADMIN_QUERY_H */

@@ -53,20 +53,20 @@ static const char *parse_segment(json_t *o, dsv4_seg_req_t *sg) {
   return NULL;
 }
 
-static int check_tensor(const dsv4_st_tensor_t *t, int ndim, const int64_t *shape, char *msg,
-                        size_t msg_len) {
+static int check_tensor(const dsv4_st_tensor_t *t, int ndim, const int64_t *shape, char *why,
+                        size_t why_len) {
   if (t->dtype != DSV4_ST_BF16) {
-    snprintf(msg, msg_len, "tensor \"%s\" must be BF16, not %s", t->name,
+    snprintf(why, why_len, "tensor \"%s\" must be BF16, not %s", t->name,
              dsv4_st_dtype_name(t->dtype));
     return DSV4_EINVAL;
   }
   if (t->ndim != ndim) {
-    snprintf(msg, msg_len, "tensor \"%s\" must have %d dimensions, not %d", t->name, ndim, t->ndim);
+    snprintf(why, why_len, "tensor \"%s\" must have %d dimensions, not %d", t->name, ndim, t->ndim);
     return DSV4_EINVAL;
   }
   for (int i = 0; i < ndim; i++)
     if (t->shape[i] != shape[i]) {
-      snprintf(msg, msg_len, "tensor \"%s\" dimension %d is %" PRId64 ", expected %" PRId64,
+      snprintf(why, why_len, "tensor \"%s\" dimension %d is %" PRId64 ", expected %" PRId64,
                t->name, i, t->shape[i], shape[i]);
       return DSV4_EINVAL;
     }
@@ -93,7 +93,7 @@ static int layer_served(const dsv4_forward_limits_t *lim, uint32_t layer) {
 }
 
 /* The comma-separated "outputs" list: entries trimmed of spaces, q, attn, lse and digest known. */
-static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *msg, size_t msg_len) {
+static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *why, size_t why_len) {
   const char *p = outputs_s;
   r->want_q = 0;
   while (*p) {
@@ -112,7 +112,7 @@ static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *msg
     } else if (len == 3 && !memcmp(p, "lse", 3)) {
       r->want_lse = 1;
     } else {
-      snprintf(msg, msg_len, "unknown output \"%.*s\" (outputs: q, attn, lse, digest)", (int)len,
+      snprintf(why, why_len, "unknown output \"%.*s\" (outputs: q, attn, lse, digest)", (int)len,
                p);
       return DSV4_EINVAL;
     }
@@ -124,7 +124,7 @@ static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *msg
 }
 
 /* The optional "attention" mode: exact or fast (absent: the daemon's attention_mode). */
-static int parse_attention(const char *mode, dsv4_forward_req_t *r, char *msg, size_t msg_len) {
+static int parse_attention(const char *mode, dsv4_forward_req_t *r, char *why, size_t why_len) {
   r->attention = DSV4_ATTENTION_DEFAULT;
   if (!mode)
     return 0;
@@ -133,35 +133,35 @@ static int parse_attention(const char *mode, dsv4_forward_req_t *r, char *msg, s
   } else if (!strcmp(mode, "fast")) {
     r->attention = DSV4_ATTENTION_FAST;
   } else {
-    snprintf(msg, msg_len, "__metadata__ \"attention\" must be \"exact\" or \"fast\"");
+    snprintf(why, why_len, "__metadata__ \"attention\" must be \"exact\" or \"fast\"");
     return DSV4_EINVAL;
   }
   return 0;
 }
 
 static int parse_segments(const char *segs_s, const dsv4_forward_limits_t *lim, int64_t n,
-                          dsv4_forward_req_t *r, char *msg, size_t msg_len) {
+                          dsv4_forward_req_t *r, char *why, size_t why_len) {
   json_error_t jerr;
   size_t ns;
   int64_t total = 0;
   r->segs_doc = json_loads(segs_s, JSON_REJECT_DUPLICATES, &jerr);
   if (!r->segs_doc || !json_is_array(r->segs_doc)) {
-    snprintf(msg, msg_len, "__metadata__ \"segments\" must be a JSON array: %s",
+    snprintf(why, why_len, "__metadata__ \"segments\" must be a JSON array: %s",
              r->segs_doc ? "not an array" : jerr.text);
     return DSV4_EINVAL;
   }
   ns = json_array_size(r->segs_doc);
   if (ns < 1 || ns > lim->max_segments) {
-    snprintf(msg, msg_len, "a batch has 1..%u segments, not %zu", lim->max_segments, ns);
+    snprintf(why, why_len, "a batch has 1..%u segments, not %zu", lim->max_segments, ns);
     return DSV4_EINVAL;
   }
   r->segs = calloc(ns, sizeof(*r->segs));
   if (!r->segs)
     return DSV4_ENOMEM;
   for (size_t s = 0; s < ns; s++) {
-    const char *why = parse_segment(json_array_get(r->segs_doc, s), &r->segs[s]);
-    if (why) {
-      snprintf(msg, msg_len, "segment %zu: %s", s, why);
+    const char *reason = parse_segment(json_array_get(r->segs_doc, s), &r->segs[s]);
+    if (reason) {
+      snprintf(why, why_len, "segment %zu: %s", s, reason);
       return DSV4_EINVAL;
     }
     /* At most max_segments lengths below 2^32 each: the sum cannot overflow. */
@@ -169,14 +169,14 @@ static int parse_segments(const char *segs_s, const dsv4_forward_limits_t *lim, 
   }
   r->n_segs = (uint32_t)ns;
   if (total != n) {
-    snprintf(msg, msg_len, "segment lengths add up to %" PRId64 ", but N = %" PRId64, total, n);
+    snprintf(why, why_len, "segment lengths add up to %" PRId64 ", but N = %" PRId64, total, n);
     return DSV4_EINVAL;
   }
   for (size_t s = 0; s < ns; s++) {
     const dsv4_seg_req_t *sg = &r->segs[s];
     /* start may be anything up to INT64_MAX: compare without forming start + len. */
     if (sg->start > lim->max_position_embeddings - (int64_t)sg->len) {
-      snprintf(msg, msg_len,
+      snprintf(why, why_len,
                "segment %zu: positions from %" PRId64 " (%u of them)"
                " reach past max_position_embeddings = %" PRId64,
                s, sg->start, sg->len, lim->max_position_embeddings);
@@ -187,7 +187,7 @@ static int parse_segments(const char *segs_s, const dsv4_forward_limits_t *lim, 
 }
 
 int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limits_t *lim,
-                       dsv4_forward_req_t *out, char *msg, size_t msg_len) {
+                       dsv4_forward_req_t *out, char *why, size_t why_len) {
   dsv4_forward_req_t *r = out;
   const dsv4_st_tensor_t *q, *kv;
   const char *layer_s, *segs_s, *outputs_s;
@@ -198,7 +198,7 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
   memset(r, 0, sizeof(*r));
   rc = dsv4_st_parse(body, len, &r->view);
   if (rc) {
-    snprintf(msg, msg_len, "malformed safetensors body: %s", r->view.error);
+    snprintf(why, why_len, "malformed safetensors body: %s", r->view.error);
     /* A failed parse leaves nothing to free; keep the view empty for dsv4_forward_req_free. */
     memset(&r->view, 0, sizeof(r->view));
     return DSV4_EINVAL;
@@ -206,36 +206,36 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
   for (size_t i = 0; i < r->view.n_tensors; i++) {
     const char *name = r->view.tensors[i].name;
     if (strcmp(name, "q") && strcmp(name, "kv")) {
-      snprintf(msg, msg_len, "unknown tensor \"%s\" (a forward body has q and kv)", name);
+      snprintf(why, why_len, "unknown tensor \"%s\" (a forward body has q and kv)", name);
       return DSV4_EINVAL;
     }
   }
   q = dsv4_st_find(&r->view, "q");
   kv = dsv4_st_find(&r->view, "kv");
   if (!q || !kv) {
-    snprintf(msg, msg_len, "missing tensor \"%s\"", q ? "kv" : "q");
+    snprintf(why, why_len, "missing tensor \"%s\"", q ? "kv" : "q");
     return DSV4_EINVAL;
   }
   if (q->ndim < 1 || q->shape[0] < 1) {
-    snprintf(msg, msg_len, "tensor \"q\" must be [N, %" PRId64 ", 512] with N >= 1", h);
+    snprintf(why, why_len, "tensor \"q\" must be [N, %" PRId64 ", 512] with N >= 1", h);
     return DSV4_EINVAL;
   }
   n = q->shape[0];
   if (n > (int64_t)lim->max_batch_tokens) {
-    snprintf(msg, msg_len, "N = %" PRId64 " exceeds max_batch_tokens = %u", n,
+    snprintf(why, why_len, "N = %" PRId64 " exceeds max_batch_tokens = %u", n,
              lim->max_batch_tokens);
     return DSV4_EINVAL;
   }
   if (q->ndim == 3 && q->shape[1] != h && q->shape[2] == DSV4_HEAD_DIM) {
-    snprintf(msg, msg_len, "q has H = %" PRId64 " heads, this daemon serves heads = %" PRId64,
+    snprintf(why, why_len, "q has H = %" PRId64 " heads, this daemon serves heads = %" PRId64,
              q->shape[1], h);
     return DSV4_EINVAL;
   }
   {
     int64_t qs[3] = {n, h, DSV4_HEAD_DIM}, ks[2] = {n, DSV4_HEAD_DIM};
-    rc = check_tensor(q, 3, qs, msg, msg_len);
+    rc = check_tensor(q, 3, qs, why, why_len);
     if (!rc)
-      rc = check_tensor(kv, 2, ks, msg, msg_len);
+      rc = check_tensor(kv, 2, ks, why, why_len);
     if (rc)
       return rc;
   }
@@ -244,27 +244,27 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
   segs_s = dsv4_st_meta(&r->view, "segments");
   outputs_s = dsv4_st_meta(&r->view, "outputs");
   if (!layer_s || !segs_s) {
-    snprintf(msg, msg_len, "__metadata__ must have \"layer\" and \"segments\"");
+    snprintf(why, why_len, "__metadata__ must have \"layer\" and \"segments\"");
     return DSV4_EINVAL;
   }
   if (dsv4_parse_decimal(layer_s, strlen(layer_s), UINT32_MAX, &layer)) {
-    snprintf(msg, msg_len, "__metadata__ \"layer\" must be a decimal layer number");
+    snprintf(why, why_len, "__metadata__ \"layer\" must be a decimal layer number");
     return DSV4_EINVAL;
   }
   if (!layer_served(lim, (uint32_t)layer)) {
-    snprintf(msg, msg_len, "layer %" PRIu64 " is not served by this daemon", layer);
+    snprintf(why, why_len, "layer %" PRIu64 " is not served by this daemon", layer);
     return DSV4_ELAYER;
   }
   r->want_q = 1;
   if (outputs_s) {
-    rc = parse_outputs(outputs_s, r, msg, msg_len);
+    rc = parse_outputs(outputs_s, r, why, why_len);
     if (rc)
       return rc;
   }
-  rc = parse_attention(dsv4_st_meta(&r->view, "attention"), r, msg, msg_len);
+  rc = parse_attention(dsv4_st_meta(&r->view, "attention"), r, why, why_len);
   if (rc)
     return rc;
-  rc = parse_segments(segs_s, lim, n, r, msg, msg_len);
+  rc = parse_segments(segs_s, lim, n, r, why, why_len);
   if (rc)
     return rc;
 

@@ -61,11 +61,11 @@ typedef struct {
 /*
  * Parse body[0..len) into *out. Returns 0, DSV4_EINVAL (malformed body or metadata), DSV4_ELAYER (a
  * layer not served), DSV4_EPOSRANGE (a segment past max_position_embeddings) or DSV4_ENOMEM; on
- * every error but DSV4_ENOMEM msg holds why. Whatever the result, *out must be released with
- * dsv4_forward_req_free(). body must outlive *out.
+ * every error but DSV4_ENOMEM why says what is wrong. Whatever the result, *out must be released
+ * with dsv4_forward_req_free(). body must outlive *out.
  */
 int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limits_t *lim,
-                       dsv4_forward_req_t *out, char *msg, size_t msg_len);
+                       dsv4_forward_req_t *out, char *why, size_t why_len);
 void dsv4_forward_req_free(dsv4_forward_req_t *r);
 
 #endif /* DSV4_SERVER_FORWARD_PARSE_H */

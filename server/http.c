@@ -16,6 +16,7 @@
 #include <llhttp.h>
 
 #include "dsv4-error.h"
+#include "errors.h"
 #include "http-internal.h"
 #include "log.h"
 #include "metrics.h"
@@ -779,12 +780,13 @@ void dsv4_respond_json(dsv4_req_t *req, int status, json_t *doc) {
 }
 
 void dsv4_respond_error(dsv4_req_t *req, int err, const char *message, json_t *details) {
-  int status = dsv4_err_http_status(err);
+  dsv4_http_error_t he = dsv4_http_error(err);
+  int status = he.status;
   json_t *e = json_object();
   json_t *doc = e ? json_pack("{s:o}", "error", e) : NULL;
   if (e) {
     json_t *m = json_string(message ? message : dsv4_strerror(err));
-    json_object_set_new(e, "code", json_string(dsv4_err_code(err)));
+    json_object_set_new(e, "code", json_string(he.code));
     json_object_set_new(e, "message", m ? m : json_string(dsv4_strerror(err)));
     if (json_is_object(details))
       json_object_update_missing(e, details);
@@ -1653,8 +1655,8 @@ size_t dsv4_server_default_max_connections(void) {
 
 /* The whole 503 too_many_connections answer with message msg; NULL when out of memory. */
 static char *refusal_text(const dsv4_server_t *s, const char *msg, size_t *len) {
-  json_t *doc =
-      json_pack("{s:{s:s,s:s}}", "error", "code", dsv4_err_code(DSV4_ECONNLIMIT), "message", msg);
+  json_t *doc = json_pack("{s:{s:s,s:s}}", "error", "code", dsv4_http_error(DSV4_ECONNLIMIT).code,
+                          "message", msg);
   char *body = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
   json_decref(doc);
   if (!body)

@@ -206,7 +206,7 @@ static int layer_served(const void *engine, uint32_t layer) {
   return dsv4_engine_layer_index(engine, layer) >= 0;
 }
 
-static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *msg, size_t msg_len) {
+static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) {
   const dsv4_config_t *cfg = d->cfg;
   const dsv4_forward_limits_t lim = {
       .heads = cfg->heads,
@@ -216,7 +216,7 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *msg, size_t msg_len
       .layer_served = layer_served,
       .layer_arg = d->engine,
   };
-  int rc = dsv4_forward_parse(j->body, j->req->body_len, &lim, &j->p, msg, msg_len);
+  int rc = dsv4_forward_parse(j->body, j->req->body_len, &lim, &j->p, why, why_len);
   if (rc)
     return rc;
   j->f.layer = j->p.layer;
@@ -231,7 +231,7 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *msg, size_t msg_len
   if (attend) {
     /* Refused here, before the batch is queued, so the refusal changes nothing. */
     j->f.attention = j->p.attention ? j->p.attention : dsv4_engine_attention_default(d->engine);
-    rc = dsv4_engine_attention_check(d->engine, j->p.layer, j->f.attention, msg, msg_len);
+    rc = dsv4_engine_attention_check(d->engine, j->p.layer, j->f.attention, why, why_len);
     if (rc)
       return rc;
   }

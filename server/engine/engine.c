@@ -304,9 +304,8 @@ static int stage_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f)
     if (rc)
       return rc;
     for (uint32_t j = 0; j < k; j++) {
-      memcpy(rec, span + DSV4_TOKEN_DATA_OFFSET(o0 + j) - lo, DSV4_TOKEN_DATA_BYTES);
-      memcpy(rec + DSV4_TOKEN_DATA_BYTES, span + DSV4_SCALE_OFFSET(bs, o0 + j) - lo,
-             DSV4_SCALE_BYTES);
+      dsv4_records_gather(span + DSV4_TOKEN_DATA_OFFSET(o0 + j) - lo,
+                          span + DSV4_SCALE_OFFSET(bs, o0 + j) - lo, 1, rec, DSV4_RECORD_BYTES);
       dsv4_records_digest_add(e->digest, e->positions[t + j], rec);
     }
   }

@@ -3,8 +3,9 @@
 
 /*
  * The engine's side of the admin plane (SPEC §3.1, §6): counts, sequence snapshots, logical
- * records and the digests, read through dsv4__engine_cache_read so that they work whatever memory
- * the backend keeps the cache in, and pins that keep a dump's blocks as they are.
+ * records and the digests, and pins that keep a dump's blocks as they are. Records and digests are
+ * the definitions of kvcache/records.h over the engine's cache, read straight from host memory or
+ * through dsv4__engine_cache_read, so that they work whatever memory the backend keeps it in.
  *
  * Thread affinity: the executor thread only, between batches (like the engine), except where a
  * function says otherwise.
@@ -14,6 +15,7 @@
 #include <stdint.h>
 
 #include "engine.h"
+#include "records.h"
 
 typedef struct {
   uint32_t block_size;
@@ -42,17 +44,11 @@ int dsv4_engine_read_records(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info
                              int64_t pos, uint32_t n, uint8_t *out);
 
 /*
- * A §3.1 records digest (XXH3 over [LE64 position || record] in list order), fed straight from the
- * cache: dsv4_engine_digest_records adds positions pos .. pos+n-1 of a snapshot at served layer
- * idx. Any thread for create/destroy/reset/value.
+ * Add positions pos .. pos+n-1 of a snapshot at served layer idx to a §3.1 records digest
+ * (records.h), read straight from the cache.
  */
-typedef struct dsv4_engine_digest dsv4_engine_digest_t;
-int dsv4_engine_digest_create(dsv4_engine_digest_t **out);
-void dsv4_engine_digest_destroy(dsv4_engine_digest_t *d);
-void dsv4_engine_digest_reset(dsv4_engine_digest_t *d);
-uint64_t dsv4_engine_digest_value(const dsv4_engine_digest_t *d);
 int dsv4_engine_digest_records(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_info_t *info,
-                               int64_t pos, uint32_t n, dsv4_engine_digest_t *d);
+                               int64_t pos, uint32_t n, dsv4_records_digest_t *d);
 
 /* Several digests fed at once, one job per digest, spread over the backend's host threads when the
  * cache is in host memory (else one after the other). The first failure is returned. */
@@ -61,7 +57,7 @@ typedef struct {
   const dsv4_seq_info_t *info;
   int64_t pos;
   uint32_t n;
-  dsv4_engine_digest_t *d;
+  dsv4_records_digest_t *d;
 } dsv4_engine_digest_job_t;
 int dsv4_engine_digest_records_multi(dsv4_engine_t *e, const dsv4_engine_digest_job_t *jobs,
                                      uint32_t count);

@@ -19,6 +19,7 @@
 #include "cpu_staged.h"
 #include "engine-internal.h"
 #include "engine.h"
+#include "engine_admin.h"
 #include "model.h"
 
 /* The backend under test: "cpu", or "cpu_staged" (the engine's device staging path) from argv[1].
@@ -367,6 +368,60 @@ static uint8_t *cache_bytes(dsv4_engine_t *e, size_t *len) {
   return all;
 }
 
+/*
+ * The admin plane's reads on two engines (a on host memory, b possibly behind downloads) agree with
+ * each other and with kvcache/records.h over a's cache bytes `ca` (cache_bytes): pool and block
+ * digests, sequence digests, the multi-job digests and the records themselves.
+ */
+static void same_admin_reads(dsv4_engine_t *a, dsv4_engine_t *b, const uint8_t *ca,
+                             const char *const *names, uint32_t n_names) {
+  const size_t per = (size_t)BLOCKS * DSV4_BLOCK_STRIDE(64);
+  for (uint32_t i = 0; i < 2; i++) {
+    uint64_t pa = 0, pb = 1, ph = 2, bda[BLOCKS] = {0}, bdb[BLOCKS] = {0};
+    uint8_t ua[BLOCKS] = {0}, ub[BLOCKS] = {0};
+    dsv4_layer_src_t host = dsv4_layer_src_host(ca + i * per, 64);
+    assert_int_equal(dsv4_engine_pool_digest(a, i, served[i], &pa, bda, ua), 0);
+    assert_int_equal(dsv4_engine_pool_digest(b, i, served[i], &pb, bdb, ub), 0);
+    assert_int_equal(dsv4_pool_digest(&a->pool, served[i], &host, &ph, NULL, NULL), 0);
+    assert_true(pa == pb && pa == ph && pa != 0);
+    assert_memory_equal(bda, bdb, sizeof(bda));
+    assert_memory_equal(ua, ub, sizeof(ua));
+    for (uint32_t k = 0; k < n_names; k++) {
+      dsv4_seq_info_t ia, ib;
+      uint32_t len = (uint32_t)strlen(names[k]);
+      assert_int_equal(dsv4_engine_seq_info(a, names[k], len, &ia), 0);
+      assert_int_equal(dsv4_engine_seq_info(b, names[k], len, &ib), 0);
+      uint64_t da = 0, db = 1, dh = 2;
+      int64_t f, t, f2, t2;
+      assert_int_equal(dsv4_engine_seq_digest(a, i, &ia, &da, &f, &t), 0);
+      assert_int_equal(dsv4_engine_seq_digest(b, i, &ib, &db, &f2, &t2), 0);
+      assert_int_equal(dsv4_seq_digest(&host, &ia, i, &dh, NULL, NULL), 0);
+      assert_true(da == db && da == dh);
+      assert_true(f == f2 && t == t2 && t > f);
+      /* The same digest twice at once, fed by the backend's host threads (one job each). */
+      dsv4_records_digest_t *d[2];
+      for (int j = 0; j < 2; j++)
+        assert_int_equal(dsv4_records_digest_create(&d[j]), 0);
+      dsv4_engine_digest_job_t jobs[2] = {{i, &ia, f, (uint32_t)(t - f), d[0]},
+                                          {i, &ia, f, (uint32_t)(t - f), d[1]}};
+      assert_int_equal(dsv4_engine_digest_records_multi(a, jobs, 2), 0);
+      assert_true(dsv4_records_digest_value(d[0]) == da && dsv4_records_digest_value(d[1]) == da);
+      for (int j = 0; j < 2; j++)
+        dsv4_records_digest_destroy(d[j]);
+      uint8_t *ra = malloc((size_t)(t - f) * DSV4_RECORD_BYTES);
+      uint8_t *rb = malloc((size_t)(t - f) * DSV4_RECORD_BYTES);
+      assert_true(ra && rb);
+      assert_int_equal(dsv4_engine_read_records(a, i, &ia, f, (uint32_t)(t - f), ra), 0);
+      assert_int_equal(dsv4_engine_read_records(b, i, &ib, f, (uint32_t)(t - f), rb), 0);
+      assert_memory_equal(ra, rb, (size_t)(t - f) * DSV4_RECORD_BYTES);
+      free(ra);
+      free(rb);
+      dsv4_seq_info_free(&ia);
+      dsv4_seq_info_free(&ib);
+    }
+  }
+}
+
 /* One batch on two engines: both succeed with identical q_out, slots, digest and replay flag. */
 static void same_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint32_t layer, uint64_t seed,
                        uint32_t n_segs, const char *const *names, const int64_t *starts,
@@ -424,6 +479,7 @@ static void test_staged_matches_cpu(void **state) {
     uint8_t *ca = cache_bytes(a, &la), *cb = cache_bytes(b, &lb);
     assert_int_equal(la, lb);
     assert_memory_equal(ca, cb, la);
+    same_admin_reads(a, b, ca, names, 2);
     free(ca);
     free(cb);
     if (!strcmp(other, "cpu_staged")) {
