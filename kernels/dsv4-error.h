@@ -39,7 +39,7 @@
   X(EUNSUPPORTED, -27, "unsupported")                                                              \
   X(EDUMPBUSY, -28, "another dump is streaming")                                                   \
   X(ENOTWRITTEN, -29, "position never written at this layer")                                      \
-  X(ERELEASED, -30, "position no longer stored (out of the window)")                                                   \
+  X(ERELEASED, -30, "position no longer stored (out of the window)")                               \
   X(ECONNLIMIT, -31, "too many connections")
 
 typedef enum {
