@@ -1,19 +1,21 @@
 /*
- * The Level Zero backend's kernels in OpenCL C (SPEC §2-3, §5): the slot map producer and the fused
- * Q/KV norm + RoPE + fp8 insert consumer. The build compiles this file to SPIR-V for Intel GPUs;
- * the tests build the same file with PoCL and compare it with the CPU reference byte for byte.
+ * The Level Zero backend's kernels in OpenCL C (SPEC §2-3, §5, §7): the slot map producer, the
+ * fused Q/KV norm + RoPE + fp8 insert consumer, and exact-mode attention after the insert. The
+ * build compiles this file to SPIR-V for Intel GPUs; the tests build the same file with PoCL and
+ * compare it with the CPU reference byte for byte.
  *
  * Build options (the same everywhere): -cl-fp32-correctly-rounded-divide-sqrt, -I <kernels/>, and
  * never -cl-denorms-are-zero, -cl-mad-enable or -cl-fast-relaxed-math.
  *
  * Test-only macros (never set in the daemon's SPIR-V):
- *   DSV4_CL_COUNT_STORES       every global store also increments one counter per stored byte
- *                              (extra kernel arguments), so a test can prove SPEC §5.1.
+ *   DSV4_CL_COUNT_STORES       every global store of the slot map and the insert also increments
+ *                              one counter per stored byte (extra kernel arguments), so a test can
+ *                              prove SPEC §5.1.
  *   DSV4_CL_BROKEN_BULK_STORE  the vLLM XPU bug on purpose: lanes 0..3 of a KV row store the
  *                              unrotated RoPE values while lanes 28..31 store the rotated ones over
  *                              the same bytes, with nothing ordering the two.
- * DSV4_CL_RMS_FP64 selects the SPEC §2 double-precision divide and sqrt, for devices whose fp32
- * divide and sqrt are not correctly rounded.
+ * DSV4_CL_RMS_FP64 selects the SPEC §2 double-precision divide and sqrt (the RMS factor and
+ * attention's quotient), for devices whose fp32 divide and sqrt are not correctly rounded.
  *
  * Thread mapping of dsv4_qkv_insert (lz_kernels.h): one row of 512 values per 32 lanes, lane l
  * owning dims 16l..16l+15, 8 rows per work-group. A lane computes the canonical partial of its 16
@@ -264,6 +266,215 @@ dsv4_qkv_insert(uint row0, uint n_rows, uint n_tokens, uint heads, uint write_kv
     STORE_CACHE_BF16X16(rec + DSV4_NOPE_DIM + 2 * (d - DSV4_NOPE_DIM), raw);
   }
 #endif
+}
+
+/*
+ * The correctly rounded fp32 quotient of attention's o = N / D (SPEC §2): the fp32 divide where the
+ * device rounds it correctly, else the quotient of the two values as doubles rounded once to fp32,
+ * which is the same value (53 >= 2 * 24 + 2 bits: the double rounding is innocuous).
+ */
+#ifdef DSV4_CL_RMS_FP64
+static float quotient(float n, float d) {
+  return (float)((double)n / (double)d);
+}
+#else
+static float quotient(float n, float d) {
+  return n / d;
+}
+#endif
+
+/*
+ * Attention, first launch: one work-item per token (and at least one per segment). Every block a
+ * token's candidates max(p0, p - 127)..p live in must be in its segment's table with an id in
+ * 0..n_blocks-1; anything else sets a bit of *err, and dsv4_attention, ordered after this launch,
+ * then writes nothing. A segment whose table runs past bt_entries (when that is not 0) is refused
+ * as dsv4_map_slots refuses it. Nothing is read past a table.
+ */
+__kernel __attribute__((reqd_work_group_size(DSV4_LZ_MAP_GROUP_SIZE, 1, 1))) void
+dsv4_attn_check(uint n_tokens, uint n_segments, uint block_size, uint n_blocks,
+                __global const long *positions, __global const int *tok_seg,
+                __global const long *seg_p0, __global const long *seg_first_lb,
+                __global const uint *seg_bt_off, __global const uint *seg_bt_len,
+                __global const int *block_table, uint bt_entries, __global uint *err) {
+  size_t t = get_global_id(0);
+  if (bt_entries && t < n_segments && (ulong)seg_bt_off[t] + seg_bt_len[t] > bt_entries)
+    atomic_or(err, DSV4_LZ_ERR_TABLE);
+  if (t >= n_tokens)
+    return;
+  int s = tok_seg[t];
+  if (s < 0 || (uint)s >= n_segments) {
+    atomic_or(err, DSV4_LZ_ERR_SEGMENT);
+    return;
+  }
+  long p = positions[t], p0 = seg_p0[s];
+  if (p0 < 0 || p < p0) {
+    atomic_or(err, DSV4_LZ_ERR_POSITION);
+    return;
+  }
+  long bs = (long)block_size, first = max(p0, p - (DSV4_WINDOW - 1));
+  uint bits = 0;
+  for (long lb = first / bs; lb <= p / bs; lb++) {
+    long idx = lb - seg_first_lb[s];
+    if (idx < 0 || idx >= (long)seg_bt_len[s]) {
+      bits |= DSV4_LZ_ERR_MISSING;
+      continue;
+    }
+    ulong e = (ulong)seg_bt_off[s] + (ulong)idx;
+    if (bt_entries && e >= bt_entries) {
+      bits |= DSV4_LZ_ERR_TABLE; /* past the table: not read */
+      continue;
+    }
+    int b = block_table[e];
+    if (b < 0)
+      bits |= DSV4_LZ_ERR_MISSING;
+    else if ((uint)b >= n_blocks)
+      bits |= DSV4_LZ_ERR_BLOCK;
+  }
+  if (bits)
+    atomic_or(err, bits);
+}
+
+/* The cache bytes of candidate position pos: its record and its scale codes. */
+typedef struct {
+  __global const uchar *rec, *sc;
+} cand_t;
+
+static cand_t candidate(long pos, __global const int *table, long lb0, uint block_size,
+                        __global const uchar *cache, ulong stride) {
+  long bs = (long)block_size;
+  ulong base = (ulong)table[pos / bs - lb0] * stride, o = (ulong)(pos % bs);
+  cand_t c = {cache + base + DSV4_TOKEN_DATA_OFFSET(o), cache + base + DSV4_SCALE_OFFSET(bs, o)};
+  return c;
+}
+
+/* The 16 dequantised values of dims 16l..16l+15 of a record (SPEC §7: NoPE e4m3 times
+ * 2^(code - 127), RoPE bf16; both exact in fp32). */
+static void dequant16(cand_t c, uint l, float *k) {
+  if (l < DSV4_LZ_ROPE_LANE0) {
+    float scale = dsv4_ue8m0_scale(c.sc[l / (DSV4_TILE / DSV4_LZ_DIMS_PER_LANE)]);
+    for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+      k[i] = dsv4_e4m3_to_f32(c.rec[l * DSV4_LZ_DIMS_PER_LANE + i]) * scale;
+  } else {
+    __global const ushort *r = (__global const ushort *)(c.rec + DSV4_NOPE_DIM);
+    for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+      k[i] = dsv4_bf16_to_f32(r[(l - DSV4_LZ_ROPE_LANE0) * DSV4_LZ_DIMS_PER_LANE + i]);
+  }
+}
+
+/* The canonical logit of one candidate (SPEC §7): the 512-long dot product of q (local, fp32) with
+ * the dequantised record, 32 fma partials of 16 dims and the fold, then the softmax scale. */
+static float logit_of(__local const float *qv, cand_t c) {
+  float part[DSV4_LZ_LANES], k[DSV4_LZ_DIMS_PER_LANE];
+  for (uint l = 0; l < DSV4_LZ_LANES; l++) {
+    dequant16(c, l, k);
+    float acc = 0.0f;
+    for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+      acc = fma(qv[l * DSV4_LZ_DIMS_PER_LANE + i], k[i], acc);
+    part[l] = acc;
+  }
+  return dsv4_fold32(part) * dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
+}
+
+/*
+ * Attention, second launch (SPEC §7, exact mode): rows row0.. of this launch, row = t * H + h, in
+ * the thread layout of dsv4_qkv_insert (32 lanes per row, 8 rows per work-group). Lane j computes
+ * the logits of candidates j, j + 32, .. (each a whole canonical dot product) and their weights;
+ * every lane then takes the max and the sums over all candidates in SPEC order from local memory,
+ * so the values are the same in every lane without a reduction tree. For N, lane l owns dims
+ * 16l..16l+15 and runs the fma chain over the candidates in increasing position; it also stores
+ * those dims, once (lanes 28..31 after the inverse RoPE). Lane 0 stores lse.
+ *
+ * Nothing is written when the error word is not zero: dsv4_attn_check (or the batch's slot map or
+ * insert) found something the CPU backend refuses. Every work-item reads the same word, so a group
+ * returns as a whole, before its first barrier.
+ */
+__kernel __attribute__((reqd_work_group_size(DSV4_LZ_GROUP_SIZE, 1, 1))) void
+dsv4_attention(uint row0, uint n_rows, uint heads, __global const ushort *q,
+               __global const long *positions, __global const int *tok_seg,
+               __global const long *seg_p0, __global const long *seg_first_lb,
+               __global const uint *seg_bt_off, __global const int *block_table,
+               __global const uchar *cache, uint block_size, ulong stride,
+               __global const float *sink, uint has_sink, __global const float *rope_rows,
+               __global ushort *out, __global float *lse, uint want_lse, __global const uint *err) {
+  __local float qv[DSV4_LZ_ROWS_PER_GROUP][DSV4_HEAD_DIM];
+  __local float logit[DSV4_LZ_ROWS_PER_GROUP][DSV4_WINDOW];
+  __local float wt[DSV4_LZ_ROWS_PER_GROUP][DSV4_WINDOW];
+  if (*err)
+    return;
+  uint lid = (uint)get_local_id(0);
+  uint r_in = lid / DSV4_LZ_LANES, lane = lid % DSV4_LZ_LANES;
+  ulong row = (ulong)row0 + (ulong)get_group_id(0) * DSV4_LZ_ROWS_PER_GROUP + r_in;
+  int live = row < (ulong)n_rows;
+  ulong t = live ? row / heads : 0;
+  uint d0 = lane * DSV4_LZ_DIMS_PER_LANE;
+  long first = 0, lb0 = 0;
+  int n_cand = 0;
+  __global const int *table = block_table;
+  if (live) {
+    int s = tok_seg[t];
+    long p = positions[t];
+    first = max(seg_p0[s], p - (DSV4_WINDOW - 1));
+    n_cand = (int)(p - first + 1);
+    lb0 = seg_first_lb[s];
+    table = block_table + seg_bt_off[s];
+    for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+      qv[r_in][d0 + i] = dsv4_bf16_to_f32(q[row * DSV4_HEAD_DIM + d0 + i]);
+  }
+  barrier(CLK_LOCAL_MEM_FENCE);
+
+  for (int i = (int)lane; i < n_cand; i += DSV4_LZ_LANES)
+    logit[r_in][i] =
+        logit_of(qv[r_in], candidate(first + i, table, lb0, block_size, cache, stride));
+  barrier(CLK_LOCAL_MEM_FENCE);
+
+  /* m = the max in increasing position (exact, so the order only matters for NaN, which the
+   * daemon's validated inputs cannot produce). */
+  float m = n_cand ? logit[r_in][0] : 0.0f;
+  for (int i = 1; i < n_cand; i++)
+    m = logit[r_in][i] > m ? logit[r_in][i] : m;
+  for (int i = (int)lane; i < n_cand; i += DSV4_LZ_LANES)
+    wt[r_in][i] = dsv4_expf(logit[r_in][i] - m);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  if (!live)
+    return;
+
+  float sum = 0.0f; /* S: the weights in increasing position from +0, the sink excluded */
+  for (int i = 0; i < n_cand; i++)
+    sum = sum + wt[r_in][i];
+  float den = sum;
+  if (has_sink)
+    den = den + dsv4_expf(sink[row % heads] - m);
+
+  float acc[DSV4_LZ_DIMS_PER_LANE], k[DSV4_LZ_DIMS_PER_LANE];
+  for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+    acc[i] = 0.0f;
+  for (int j = 0; j < n_cand; j++) {
+    float w = wt[r_in][j];
+    dequant16(candidate(first + j, table, lb0, block_size, cache, stride), lane, k);
+    for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+      acc[i] = fma(w, k[i], acc[i]);
+  }
+  for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+    acc[i] = quotient(acc[i], den);
+
+  ushort bf[DSV4_LZ_DIMS_PER_LANE];
+  if (lane >= DSV4_LZ_ROPE_LANE0) {
+    /* The inverse RoPE at the query's position: pairs (448 + 2i, 449 + 2i), the inner product
+     * rounded first, then one fma. */
+    __global const float *cs = rope_rows + t * DSV4_ROPE_ROW_FLOATS;
+    for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i += 2) {
+      uint pr = (lane - DSV4_LZ_ROPE_LANE0) * (DSV4_LZ_DIMS_PER_LANE / 2) + (uint)i / 2;
+      float e = acc[i], o = acc[i + 1], c = cs[pr], sn = cs[DSV4_ROPE_PAIRS + pr];
+      bf[i] = dsv4_f32_to_bf16(fma(e, c, o * sn));
+      bf[i + 1] = dsv4_f32_to_bf16(fma(-e, sn, o * c));
+    }
+  } else {
+    for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+      bf[i] = dsv4_f32_to_bf16(acc[i]);
+  }
+  vstore16(vload16(0, bf), 0, out + row * DSV4_HEAD_DIM + d0);
+  if (want_lse && lane == 0)
+    lse[row] = m + dsv4_logf(sum);
 }
 
 /*

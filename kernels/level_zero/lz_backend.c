@@ -4,15 +4,18 @@
  * One GPU (the first the drivers list), one context, one immediate command list. Level Zero may
  * run the commands of a list concurrently unless a barrier or an event separates them, so every
  * command this backend appends (copy, fill, kernel) is preceded by zeCommandListAppendBarrier: the
- * consumer (qkv_insert) never starts before the producer (map_slots) has written its slots, a copy
- * never overtakes the kernel that fills its source, and a released block reused by a later batch
- * is written only after every earlier command has finished (SPEC §5.2). sync() appends a barrier
- * that signals a host-visible event and waits for it.
+ * consumer (qkv_insert) never starts before the producer (map_slots) has written its slots,
+ * attention never before the insert has written the q_out and the records it reads, a copy never
+ * overtakes the kernel that fills its source, and a released block reused by a later batch is
+ * written only after every earlier command has finished (SPEC §5.2). sync() appends a barrier that
+ * signals a host-visible event and waits for it.
  *
  * Host <-> device copies go through a pinned host staging buffer (zeMemAllocHost) and return once
  * the copy is done, so the caller may reuse its memory at once. The RoPE rows of a batch come from
  * the host table (the caller materialises them), so qkv_insert reads the batch's positions back,
  * packs their rows ([N, 64] fp32) and copies them to the device before the consumer runs.
+ * Attention after the insert of the same positions uses the same rows (its inverse RoPE is at the
+ * query's position), so it adds no round trip to the host.
  *
  * The kernels cannot return an error code: arguments the CPU backend would refuse set bits of a
  * device error word instead (and nothing is read or written out of bounds); sync() reads the word
@@ -52,12 +55,17 @@ typedef struct {
   ze_event_pool_handle_t pool;
   ze_event_handle_t done; /* signalled by the barrier sync() appends */
   ze_module_handle_t module;
-  ze_kernel_handle_t k_map, k_insert, k_probe;
+  ze_kernel_handle_t k_map, k_insert, k_probe, k_attn_check, k_attn;
   uint32_t max_groups_x;
   uint8_t *stage; /* host USM, LZ_STAGE_BYTES */
   uint32_t *err;  /* device: the kernels' error word */
   float *rope_host, *rope_dev;
   size_t rope_cap; /* tokens the two RoPE row buffers hold */
+  /* What the rows in rope_dev are: the positions (device address) and table they were staged for.
+   * Any upload may change what is behind that address, so it clears rope_pos. */
+  const int64_t *rope_pos;
+  const dsv4_rope_table_t *rope_tab;
+  size_t rope_n;
   int64_t *pos_host;
   size_t pos_cap;
   int failed; /* a Level Zero call failed: the device is no longer trusted */
@@ -219,6 +227,10 @@ static void lz_destroy(dsv4_backend_t *be) {
   free(z->pos_host);
   if (z->k_probe)
     zeKernelDestroy(z->k_probe);
+  if (z->k_attn)
+    zeKernelDestroy(z->k_attn);
+  if (z->k_attn_check)
+    zeKernelDestroy(z->k_attn_check);
   if (z->k_insert)
     zeKernelDestroy(z->k_insert);
   if (z->k_map)
@@ -267,6 +279,7 @@ static void lz_buf_free(dsv4_backend_t *be, dsv4_devbuf_t *buf) {
   lz_backend_t *z = lz_of(be);
   if (!buf || !buf->ptr)
     return;
+  z->rope_pos = NULL; /* the address may come back with other contents */
   /* Commands already appended may still use the buffer. */
   if (!z->failed && lz_wait(z) != ZE_RESULT_SUCCESS)
     z->failed = 1;
@@ -282,6 +295,7 @@ static int lz_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, c
     return DSV4_EINVAL;
   if (z->failed)
     return DSV4_EBACKEND;
+  z->rope_pos = NULL; /* the staged rows' positions may be what this overwrites */
   for (size_t done = 0; done < n;) {
     size_t chunk = n - done < LZ_STAGE_BYTES ? n - done : LZ_STAGE_BYTES;
     /* The staging buffer is free: every earlier copy from it has been waited for. */
@@ -382,12 +396,13 @@ static ze_result_t lz_rope_reserve(lz_backend_t *z, size_t n) {
 }
 
 /*
- * Copies the RoPE rows of the batch's positions to the device. The positions live on the device,
- * so they are read back first; that wait also retires every earlier command, so the host staging
- * buffer of the previous batch is free again.
+ * Copies the RoPE rows of n positions (device memory) to the device. The positions are read back
+ * first; that wait also retires every earlier command, so the host staging buffer of the previous
+ * batch is free again.
  */
-static int lz_stage_rope(lz_backend_t *z, const dsv4_insert_args_t *a) {
-  size_t n = a->n_tokens;
+static int lz_stage_rope(lz_backend_t *z, const int64_t *positions, size_t n,
+                         const dsv4_rope_table_t *rope) {
+  z->rope_pos = NULL;
   if (n > z->pos_cap) {
     int64_t *p = realloc(z->pos_host, n * sizeof(int64_t));
     if (!p)
@@ -401,20 +416,23 @@ static int lz_stage_rope(lz_backend_t *z, const dsv4_insert_args_t *a) {
     return DSV4_ENOMEM;
   if (rr != ZE_RESULT_SUCCESS)
     return lz_fail(z);
-  dsv4_devbuf_t pos = {.ptr = (void *)a->positions, .size = n * sizeof(int64_t)};
+  dsv4_devbuf_t pos = {.ptr = (void *)positions, .size = n * sizeof(int64_t)};
   int rc = lz_download(&z->base, z->pos_host, &pos, 0, pos.size);
   if (rc)
     return rc;
   /* Checks every position against the table and materialises rows the caller has not. */
-  rc = dsv4_rope_table_ensure((dsv4_rope_table_t *)a->rope, z->pos_host, n);
+  rc = dsv4_rope_table_ensure((dsv4_rope_table_t *)rope, z->pos_host, n);
   if (rc)
     return rc;
   for (size_t t = 0; t < n; t++)
-    memcpy(z->rope_host + t * DSV4_ROPE_ROW_FLOATS, dsv4_rope_table_row(a->rope, z->pos_host[t]),
+    memcpy(z->rope_host + t * DSV4_ROPE_ROW_FLOATS, dsv4_rope_table_row(rope, z->pos_host[t]),
            DSV4_ROPE_ROW_FLOATS * sizeof(float));
   if (lz_copy(z, z->rope_dev, z->rope_host, n * DSV4_ROPE_ROW_FLOATS * sizeof(float)) !=
       ZE_RESULT_SUCCESS)
     return lz_fail(z);
+  z->rope_pos = positions;
+  z->rope_tab = rope;
+  z->rope_n = n;
   return 0;
 }
 
@@ -430,7 +448,7 @@ static int lz_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
     return DSV4_EINVAL;
   if (z->failed)
     return DSV4_EBACKEND;
-  rc = lz_stage_rope(z, a);
+  rc = lz_stage_rope(z, a->positions, a->n_tokens, a->rope);
   if (rc)
     return rc;
 
@@ -473,6 +491,121 @@ static int lz_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   return r == ZE_RESULT_SUCCESS ? 0 : lz_fail(z);
 }
 
+/* The host-side checks of an attention launch (the block table, positions and segments are checked
+ * on the device by dsv4_attn_check). Only exact mode: this backend has no DSV4_BE_ATTN_FAST. */
+static int lz_check_attn_args(const dsv4_attn_args_t *a) {
+  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS || !DSV4_BLOCK_SIZE_VALID(a->block_size) ||
+      a->fast)
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->q || !a->positions || !a->tok_seg || !a->seg_p0 || !a->seg_first_lb || !a->seg_bt_off ||
+      !a->seg_bt_len || !a->block_table || !a->cache || !a->rope || !a->out || a->n_segments == 0 ||
+      a->n_blocks == 0 || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
+    return DSV4_EINVAL;
+  return 0;
+}
+
+/* Appends an attention launch behind a barrier: after the batch's insert, which writes the q_out
+ * and the records it reads, and after the check launch before it (SPEC §5.2). */
+static ze_result_t lz_launch_attn(lz_backend_t *z, ze_kernel_handle_t k, uint32_t groups) {
+#ifdef DSV4_TEST_BROKEN_NO_ATTN_BARRIER
+  /* Test-only (tests/unit/level_zero.cmake): the attention launches without the barrier in front
+   * of them, so they may run before the insert whose output they read. */
+  ze_group_count_t g = {.groupCountX = groups, .groupCountY = 1, .groupCountZ = 1};
+  return zeCommandListAppendLaunchKernel(z->list, k, &g, NULL, 0, NULL);
+#else
+  return lz_launch(z, k, groups);
+#endif
+}
+
+/* dsv4_attn_check over the batch's tokens and segments, in groups of 64 items. */
+static ze_result_t lz_attn_check(lz_backend_t *z, const dsv4_attn_args_t *a, uint32_t groups) {
+  const lz_arg_t args[] = {
+      LZ_U32(a->n_tokens),   LZ_U32(a->n_segments), LZ_U32(a->block_size),  LZ_U32(a->n_blocks),
+      LZ_PTR(a->positions),  LZ_PTR(a->tok_seg),    LZ_PTR(a->seg_p0),      LZ_PTR(a->seg_first_lb),
+      LZ_PTR(a->seg_bt_off), LZ_PTR(a->seg_bt_len), LZ_PTR(a->block_table), LZ_U32(a->bt_entries),
+      LZ_PTR(z->err),
+  };
+  _Static_assert(sizeof(args) / sizeof(args[0]) == DSV4_LZ_ATTN_CHECK_NARGS, "lz_kernels.h");
+  ze_result_t r = lz_set_args(z->k_attn_check, 0, args, DSV4_LZ_ATTN_CHECK_NARGS);
+  if (r == ZE_RESULT_SUCCESS)
+    r = lz_launch_attn(z, z->k_attn_check, groups);
+  return r;
+}
+
+/* dsv4_attention over rows t * H + h, in launches of at most max_groups_x groups. */
+static ze_result_t lz_attn_rows(lz_backend_t *z, const dsv4_attn_args_t *a, uint32_t rows) {
+  /* A missing sink or lse still gets a valid address; the kernel never touches it then. */
+  const void *sink = a->sink ? (const void *)a->sink : (const void *)z->err;
+  const void *lse = a->lse ? (const void *)a->lse : (const void *)z->err;
+  uint64_t stride = a->stride;
+  /* Argument 0, the first row of a launch, is set per launch below. */
+  const lz_arg_t args[] = {
+      LZ_U32(rows),
+      LZ_U32(a->heads),
+      LZ_PTR(a->q),
+      LZ_PTR(a->positions),
+      LZ_PTR(a->tok_seg),
+      LZ_PTR(a->seg_p0),
+      LZ_PTR(a->seg_first_lb),
+      LZ_PTR(a->seg_bt_off),
+      LZ_PTR(a->block_table),
+      LZ_PTR(a->cache),
+      LZ_U32(a->block_size),
+      {sizeof(stride), &stride},
+      LZ_PTR(sink),
+      LZ_U32(a->sink ? 1u : 0u),
+      LZ_PTR(z->rope_dev),
+      LZ_PTR(a->out),
+      LZ_PTR(lse),
+      LZ_U32(a->lse ? 1u : 0u),
+      LZ_PTR(z->err),
+  };
+  _Static_assert(sizeof(args) / sizeof(args[0]) == DSV4_LZ_ATTN_NARGS - 1, "lz_kernels.h");
+  ze_kernel_handle_t k = z->k_attn;
+  ze_result_t r = lz_set_args(k, 1, args, DSV4_LZ_ATTN_NARGS - 1);
+  uint64_t per_launch = (uint64_t)z->max_groups_x * DSV4_LZ_ROWS_PER_GROUP;
+  for (uint64_t row0 = 0; r == ZE_RESULT_SUCCESS && row0 < rows; row0 += per_launch) {
+    uint64_t chunk = rows - row0 < per_launch ? rows - row0 : per_launch;
+    r = lz_set_u32(k, 0, (uint32_t)row0);
+    if (r == ZE_RESULT_SUCCESS)
+      r = lz_launch_attn(z, k,
+                         (uint32_t)((chunk + DSV4_LZ_ROWS_PER_GROUP - 1) / DSV4_LZ_ROWS_PER_GROUP));
+  }
+  return r;
+}
+
+/*
+ * Exact-mode attention (SPEC §7): the check launch, then the attention rows, each behind a barrier.
+ * A candidate's block missing from its table (or any other argument the CPU backend refuses) sets
+ * the error word; the rows then write nothing and sync() answers DSV4_EINVAL.
+ */
+static int lz_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
+  lz_backend_t *z = lz_of(be);
+  int rc = lz_check_attn_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
+  uint64_t rows = (uint64_t)a->n_tokens * a->heads;
+  uint64_t items = a->n_tokens > a->n_segments ? a->n_tokens : a->n_segments;
+  uint64_t groups = (items + DSV4_LZ_MAP_GROUP_SIZE - 1) / DSV4_LZ_MAP_GROUP_SIZE;
+  if (rows > UINT32_MAX || groups > z->max_groups_x)
+    return DSV4_EINVAL;
+  if (z->failed)
+    return DSV4_EBACKEND;
+  /* The inverse RoPE's rows: those the batch's insert staged for the same positions, else staged
+   * here (a round trip to read the positions back). */
+  if (z->rope_pos != a->positions || z->rope_tab != a->rope || z->rope_n != a->n_tokens) {
+    rc = lz_stage_rope(z, a->positions, a->n_tokens, a->rope);
+    if (rc)
+      return rc;
+  }
+  ze_result_t r = lz_attn_check(z, a, (uint32_t)groups);
+  if (r == ZE_RESULT_SUCCESS)
+    r = lz_attn_rows(z, a, (uint32_t)rows);
+  return r == ZE_RESULT_SUCCESS ? 0 : lz_fail(z);
+}
+
 static int lz_sync(dsv4_backend_t *be) {
   lz_backend_t *z = lz_of(be);
   if (z->failed)
@@ -502,6 +635,7 @@ static const dsv4_backend_ops_t lz_ops = {
     .map_slots = lz_map_slots,
     .qkv_insert = lz_qkv_insert,
     .sync = lz_sync,
+    .attention = lz_attention,
     .host_parallel = NULL,
 };
 
@@ -574,9 +708,13 @@ static int lz_check_device(lz_backend_t *z, const char *name, const unsigned cha
     say(why, why_len, "%s has neither correctly rounded fp32 divide/sqrt nor fp64 (SPEC §2)", name);
     return DSV4_ENODEV;
   }
+  size_t slm = 2 * DSV4_LZ_GROUP_SIZE * sizeof(float);
+  if (slm < DSV4_LZ_ATTN_LOCAL_BYTES)
+    slm = DSV4_LZ_ATTN_LOCAL_BYTES;
   if (c.maxTotalGroupSize < DSV4_LZ_GROUP_SIZE || c.maxGroupSizeX < DSV4_LZ_GROUP_SIZE ||
-      c.maxSharedLocalMemory < 2 * DSV4_LZ_GROUP_SIZE * sizeof(float) || c.maxGroupCountX == 0) {
-    say(why, why_len, "%s cannot run work-groups of %d items", name, DSV4_LZ_GROUP_SIZE);
+      c.maxSharedLocalMemory < slm || c.maxGroupCountX == 0) {
+    say(why, why_len, "%s cannot run work-groups of %d items with %zu bytes of local memory", name,
+        DSV4_LZ_GROUP_SIZE, slm);
     return DSV4_ENODEV;
   }
   z->max_groups_x = c.maxGroupCountX;
@@ -641,6 +779,8 @@ static int lz_build_module(lz_backend_t *z, const char *name, const unsigned cha
       {DSV4_LZ_MAP_KERNEL, &z->k_map, DSV4_LZ_MAP_GROUP_SIZE},
       {DSV4_LZ_INSERT_KERNEL, &z->k_insert, DSV4_LZ_GROUP_SIZE},
       {DSV4_LZ_PROBE_KERNEL, &z->k_probe, 1},
+      {DSV4_LZ_ATTN_CHECK_KERNEL, &z->k_attn_check, DSV4_LZ_MAP_GROUP_SIZE},
+      {DSV4_LZ_ATTN_KERNEL, &z->k_attn, DSV4_LZ_GROUP_SIZE},
   };
   for (size_t i = 0; i < sizeof(ks) / sizeof(ks[0]); i++) {
     ze_kernel_desc_t kd = {.stype = ZE_STRUCTURE_TYPE_KERNEL_DESC, .pKernelName = ks[i].name};

@@ -22,12 +22,14 @@
 #define DSV4_LZ_ROPE_LANE0 (DSV4_NOPE_DIM / DSV4_LZ_DIMS_PER_LANE) /* 28 */
 #define DSV4_LZ_MAP_GROUP_SIZE 64
 
-/* Bits of the error word both kernels may set (the launch never writes out of bounds instead). */
+/* Bits of the error word the kernels may set (the launch never writes out of bounds instead). */
 #define DSV4_LZ_ERR_SEGMENT 1u  /* a token's segment index is out of range */
 #define DSV4_LZ_ERR_POSITION 2u /* a negative position */
 #define DSV4_LZ_ERR_BLOCK 4u    /* a block id >= n_blocks in a segment's block table */
 #define DSV4_LZ_ERR_SLOT 8u     /* a slot >= n_blocks * block_size given to qkv_insert */
 #define DSV4_LZ_ERR_TABLE 16u   /* a segment's block table runs past bt_entries (when given) */
+/* An attention candidate's block is not in its segment's table, or its entry is < 0. */
+#define DSV4_LZ_ERR_MISSING 32u
 
 /*
  * dsv4_map_slots(n_tokens, block_size, n_blocks, positions, tok_seg, seg_first_lb, seg_bt_off,
@@ -45,6 +47,23 @@
  */
 #define DSV4_LZ_INSERT_KERNEL "dsv4_qkv_insert"
 #define DSV4_LZ_INSERT_NARGS 18
+
+/*
+ * Attention (SPEC §7) is two launches. dsv4_attn_check(n_tokens, n_segments, block_size, n_blocks,
+ * positions, tok_seg, seg_p0, seg_first_lb, seg_bt_off, seg_bt_len, block_table, bt_entries, err),
+ * over max(n_tokens, n_segments) work-items in groups of DSV4_LZ_MAP_GROUP_SIZE, checks every
+ * candidate's block and sets error bits only. Then dsv4_attention(row0, n_rows, heads, q,
+ * positions, tok_seg, seg_p0, seg_first_lb, seg_bt_off, block_table, cache, block_size, stride,
+ * sink, has_sink, rope_rows, out, lse, want_lse, err) computes rows of 512 outputs (row = t * H +
+ * h) in the thread layout of dsv4_qkv_insert, and writes nothing when the error word is not zero.
+ */
+#define DSV4_LZ_ATTN_CHECK_KERNEL "dsv4_attn_check"
+#define DSV4_LZ_ATTN_CHECK_NARGS 13
+#define DSV4_LZ_ATTN_KERNEL "dsv4_attention"
+#define DSV4_LZ_ATTN_NARGS 20
+/* Local memory of one dsv4_attention work-group: per row, q as fp32 and the logits and weights of
+ * the window's candidates. */
+#define DSV4_LZ_ATTN_LOCAL_BYTES (DSV4_LZ_ROWS_PER_GROUP * (DSV4_HEAD_DIM + 2 * DSV4_WINDOW) * 4)
 
 /*
  * dsv4_fp_probe(in, out), one work-item (SPEC §2 on the device, see lz_probe.h): out[0] =

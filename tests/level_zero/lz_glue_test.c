@@ -5,7 +5,11 @@
  *             leave its error word for the next batch, which must succeed with the CPU's bytes;
  *   - oom:    the host running out of memory while the RoPE row buffers grow refuses that batch
  *             with DSV4_ENOMEM and leaves the backend usable (zeMemAllocHost fails once, injected
- *             with the linker's --wrap).
+ *             with the linker's --wrap);
+ *   - attention with a candidate's block missing from the segment's table (SPEC §7): the launch is
+ *             accepted, sync() answers DSV4_EINVAL, attn and lse keep their bytes, and the next
+ *             batch's attention is accepted and written (its bytes against the CPU backend are
+ *             lz_kernels_test's level-zero-attention).
  */
 #include <level_zero/ze_api.h>
 #include <stdio.h>
@@ -146,6 +150,144 @@ static void run(dsv4_backend_t *be, const batch_t *b, dsv4_rope_table_t *rope, r
     be->ops->buf_free(be, &d[i]);
 }
 
+/* The bytes attn and lse start as, so that a launch that writes nothing shows. */
+#define JUNK 0x5A
+
+typedef struct {
+  int map_rc, ins_rc, attn_rc, sync_rc;
+  uint8_t *out, *lse; /* what the device's attn and lse hold afterwards */
+} attn_result_t;
+
+/* map_slots, qkv_insert and attention of a batch of one sequence that starts at p0, as the engine
+ * runs them (sync after all three were accepted), in fresh device buffers. */
+static void run_attn(dsv4_backend_t *be, const batch_t *b, int64_t p0, dsv4_rope_table_t *rope,
+                     attn_result_t *r) {
+  static float sink[HEADS] = {0.25f, -1.5f};
+  size_t q_bytes = (size_t)b->n * HEADS * 1024, lse_bytes = (size_t)b->n * HEADS * 4;
+  uint8_t *junk = malloc(q_bytes);
+  if (!junk)
+    exit(1);
+  memset(junk, JUNK, q_bytes);
+  enum { POS, SEG, FIRST, OFF, LEN, BT, Q, KV, CACHE, SLOTS, QOUT, P0, SINK, OUT, LSE, N_BUF };
+  const void *src[N_BUF] = {b->pos, b->seg, &b->first_lb, &b->off, &b->len, b->bt, q,   kv,
+                            NULL,   NULL,   NULL,         &p0,     sink,    junk,  junk};
+  const size_t sz[N_BUF] = {b->n * 8,    b->n * 4,      8,        4,       4, b->nbt * 4,   q_bytes,
+                            b->n * 1024, cache_bytes(), b->n * 8, q_bytes, 8, sizeof(sink), q_bytes,
+                            lse_bytes};
+  dsv4_devbuf_t d[N_BUF] = {{0}};
+  for (int i = 0; i < N_BUF; i++)
+    if (be->ops->buf_alloc(be, sz[i], &d[i]) != 0 ||
+        (src[i] && be->ops->upload(be, &d[i], 0, src[i], sz[i]) != 0)) {
+      printf("FAIL: device buffer %d\n", i);
+      exit(1);
+    }
+  dsv4_map_args_t m = {.n_tokens = b->n,
+                       .n_segments = 1,
+                       .block_size = BS,
+                       .n_blocks = NBLK,
+                       .positions = d[POS].ptr,
+                       .tok_seg = d[SEG].ptr,
+                       .seg_first_lb = d[FIRST].ptr,
+                       .seg_bt_off = d[OFF].ptr,
+                       .seg_bt_len = d[LEN].ptr,
+                       .block_table = d[BT].ptr,
+                       .slots = d[SLOTS].ptr,
+                       .bt_entries = b->nbt};
+  dsv4_insert_args_t a = {.n_tokens = b->n,
+                          .heads = HEADS,
+                          .q = d[Q].ptr,
+                          .kv = d[KV].ptr,
+                          .positions = d[POS].ptr,
+                          .slots = d[SLOTS].ptr,
+                          .rope = rope,
+                          .eps = 1e-6f,
+                          .write_kv = 1,
+                          .q_out = d[QOUT].ptr,
+                          .cache = d[CACHE].ptr,
+                          .block_size = BS,
+                          .n_blocks = NBLK,
+                          .stride = DSV4_BLOCK_STRIDE(BS)};
+  dsv4_attn_args_t aa = {.n_tokens = b->n,
+                         .n_segments = 1,
+                         .heads = HEADS,
+                         .q = d[QOUT].ptr,
+                         .positions = d[POS].ptr,
+                         .tok_seg = d[SEG].ptr,
+                         .seg_p0 = d[P0].ptr,
+                         .seg_first_lb = d[FIRST].ptr,
+                         .seg_bt_off = d[OFF].ptr,
+                         .seg_bt_len = d[LEN].ptr,
+                         .block_table = d[BT].ptr,
+                         .bt_entries = b->nbt,
+                         .cache = d[CACHE].ptr,
+                         .block_size = BS,
+                         .n_blocks = NBLK,
+                         .stride = DSV4_BLOCK_STRIDE(BS),
+                         .sink = d[SINK].ptr,
+                         .rope = rope,
+                         .out = d[OUT].ptr,
+                         .lse = d[LSE].ptr};
+  r->ins_rc = r->attn_rc = r->sync_rc = 1;
+  r->map_rc = be->ops->map_slots(be, &m);
+  if (r->map_rc == 0)
+    r->ins_rc = be->ops->qkv_insert(be, &a);
+  if (r->ins_rc == 0)
+    r->attn_rc = be->ops->attention(be, &aa);
+  if (r->attn_rc == 0)
+    r->sync_rc = be->ops->sync(be);
+  r->out = malloc(q_bytes);
+  r->lse = malloc(lse_bytes);
+  if (!r->out || !r->lse || be->ops->download(be, r->out, &d[OUT], 0, q_bytes) != 0 ||
+      be->ops->download(be, r->lse, &d[LSE], 0, lse_bytes) != 0) {
+    printf("FAIL: download\n");
+    exit(1);
+  }
+  for (int i = 0; i < N_BUF; i++)
+    be->ops->buf_free(be, &d[i]);
+  free(junk);
+}
+
+/* How many of the n bytes at p are not JUNK. */
+static size_t written(const uint8_t *p, size_t n) {
+  size_t w = 0;
+  for (size_t i = 0; i < n; i++)
+    w += p[i] != JUNK;
+  return w;
+}
+
+/* A candidate's block missing from the table refuses the batch at sync and writes nothing; the
+ * next batch is accepted (no error word left behind) and written. */
+static void check_attn_missing(dsv4_backend_t *lz, dsv4_rope_table_t *rope) {
+  batch_t b;
+  attn_result_t r;
+  /* Positions 130..133 of a sequence from p0 = 0 attend back to positions 3..6, in logical block
+   * 0; the table holds only block 8, where the tokens themselves are (so the insert writes them).
+   */
+  one_seq(&b, 4, 130);
+  run_attn(lz, &b, 0, rope, &r);
+  size_t q_bytes = (size_t)b.n * HEADS * 1024, lse_bytes = (size_t)b.n * HEADS * 4;
+  CHECK(r.map_rc == 0 && r.ins_rc == 0 && r.attn_rc == 0 && r.sync_rc == DSV4_EINVAL,
+        "missing block: map %d insert %d attention %d sync %d, expected 0 0 0 and DSV4_EINVAL (%d)",
+        r.map_rc, r.ins_rc, r.attn_rc, r.sync_rc, DSV4_EINVAL);
+  CHECK(written(r.out, q_bytes) == 0 && written(r.lse, lse_bytes) == 0,
+        "missing block: %zu bytes of attn and %zu of lse were written", written(r.out, q_bytes),
+        written(r.lse, lse_bytes));
+  printf("missing block: attention %d, sync %d, attn and lse untouched\n", r.attn_rc, r.sync_rc);
+  free(r.out);
+  free(r.lse);
+  /* The same positions from p0 = 128: every candidate's block is in the table. */
+  run_attn(lz, &b, 128, rope, &r);
+  CHECK(r.map_rc == 0 && r.ins_rc == 0 && r.attn_rc == 0 && r.sync_rc == 0,
+        "missing block: the valid batch after it: map %d insert %d attention %d sync %d", r.map_rc,
+        r.ins_rc, r.attn_rc, r.sync_rc);
+  CHECK(written(r.out, q_bytes) > q_bytes / 2 && written(r.lse, lse_bytes) > lse_bytes / 2,
+        "missing block: the valid batch after it wrote %zu bytes of attn and %zu of lse",
+        written(r.out, q_bytes), written(r.lse, lse_bytes));
+  printf("missing block: the valid batch after it: sync %d, attn and lse written\n", r.sync_rc);
+  free(r.out);
+  free(r.lse);
+}
+
 static void result_free(result_t *r) {
   free(r->cache);
   free(r->q_out);
@@ -215,6 +357,8 @@ int main(void) {
   host_alloc_fail_in = 0;
   check_valid(lz, cpu, rope, MAXT, "oom: the same size of batch after it");
 
+  check_attn_missing(lz, rope);
+
   dsv4_backend_close(lz);
   dsv4_backend_close(cpu);
   dsv4_rope_table_destroy(rope);
@@ -222,6 +366,7 @@ int main(void) {
     printf("%d checks failed\n", failures);
     return 1;
   }
-  printf("PASS: a failed batch leaves no error word behind; out of memory refuses one batch\n");
+  printf("PASS: a failed batch leaves no error word behind; out of memory refuses one batch; a "
+         "missing block refuses attention without writing\n");
   return 0;
 }

@@ -24,8 +24,17 @@
  *   no-driver         where zeInit finds no driver: opening "level_zero" fails with DSV4_ENODEV and
  *                     "zeInit found no driver (ZE_RESULT_...)", and "auto" opens the CPU backend
  *                     naming that reason
+ *   attention         exact-mode attention (SPEC §7): the attention kernels on the CPU backend's
+ *                     q_out and cache, attn and lse byte-identical to the CPU backend's attention,
+ *                     each batch twice
+ *   attention-fp64    the same with the double-precision divide (DSV4_CL_RMS_FP64)
+ *   attention-errors  a candidate's block missing from its table (and each other argument the CPU
+ *                     backend refuses) sets an error bit and leaves attn and lse unwritten
+ *   level-zero-attention  the attention batches through the "level_zero" backend (map_slots,
+ *                     qkv_insert, attention, sync): attn, lse, q_out and the cache
  * Exit status: 0 pass, 1 fail, 77 skipped (no OpenCL platform or device, no fp64 for
- * identity-fp64, no Level Zero GPU for level-zero, a Level Zero driver present for no-driver).
+ * identity-fp64, no Level Zero GPU for level-zero, a Level Zero driver present for no-driver, no
+ * attention op in the CPU backend for the attention comparisons).
  */
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
@@ -72,7 +81,7 @@ typedef struct {
   cl_context ctx;
   cl_command_queue queue;
   cl_program prog;
-  cl_kernel map, insert, probe;
+  cl_kernel map, insert, probe, attn_check, attn;
   int counting;
 } clrt_t;
 
@@ -156,11 +165,17 @@ static int clrt_open(clrt_t *rt, const char *defines, int need_fp64) {
   check_cl(err, "clCreateKernel insert");
   rt->probe = clCreateKernel(rt->prog, DSV4_LZ_PROBE_KERNEL, &err);
   check_cl(err, "clCreateKernel probe");
+  rt->attn_check = clCreateKernel(rt->prog, DSV4_LZ_ATTN_CHECK_KERNEL, &err);
+  check_cl(err, "clCreateKernel attention check");
+  rt->attn = clCreateKernel(rt->prog, DSV4_LZ_ATTN_KERNEL, &err);
+  check_cl(err, "clCreateKernel attention");
   rt->counting = strstr(defines, "DSV4_CL_COUNT_STORES") != NULL;
   return 0;
 }
 
 static void clrt_close(clrt_t *rt) {
+  clReleaseKernel(rt->attn);
+  clReleaseKernel(rt->attn_check);
   clReleaseKernel(rt->probe);
   clReleaseKernel(rt->insert);
   clReleaseKernel(rt->map);
@@ -851,40 +866,18 @@ static int check_no_driver(void) {
   return 0;
 }
 
-int main(int argc, char **argv) {
-  const char *mode = argc > 1 ? argv[1] : "identity";
-  const char *defines = NULL; /* NULL: the level_zero backend instead of OpenCL */
-  int counting = 0, fp64 = 0, runs = RUNS;
-  if (!strcmp(mode, "identity"))
-    defines = "";
-  else if (!strcmp(mode, "identity-fp64"))
-    defines = "-DDSV4_CL_RMS_FP64", fp64 = 1;
-  else if (!strcmp(mode, "one-writer"))
-    defines = "-DDSV4_CL_COUNT_STORES", counting = 1, runs = 1;
-  else if (!strcmp(mode, "one-writer-broken"))
-    defines = "-DDSV4_CL_COUNT_STORES -DDSV4_CL_BROKEN_BULK_STORE", counting = 1, runs = 1;
-  else if (!strcmp(mode, "identity-broken"))
-    defines = "-DDSV4_CL_BROKEN_BULK_STORE";
-  else if (!strcmp(mode, "level-zero"))
-    defines = NULL;
-  else if (!strcmp(mode, "no-driver"))
-    return check_no_driver();
-  else
-    die("unknown mode %s (identity, identity-fp64, one-writer, one-writer-broken, "
-        "identity-broken, level-zero, no-driver)",
-        mode);
-
-  clrt_t rt = {0};
-  device_t dev = {0};
+/* Opens where the kernels run: OpenCL (PoCL) with the build defines given, or, when defines is
+ * NULL, the level_zero backend. 0, or 77 when there is nothing to run on. */
+static int open_device(const char *defines, int fp64, clrt_t *rt, device_t *dev) {
   if (defines) {
-    int rc = clrt_open(&rt, defines, fp64);
+    int rc = clrt_open(rt, defines, fp64);
     if (rc)
       return rc;
-    check_fp_probe(&rt);
-    dev.cl = &rt;
+    check_fp_probe(rt);
+    dev->cl = rt;
   } else {
     char lz_why[512];
-    int rc = dsv4_backend_open("level_zero", NULL, &dev.lz, lz_why, sizeof(lz_why));
+    int rc = dsv4_backend_open("level_zero", NULL, &dev->lz, lz_why, sizeof(lz_why));
 #ifdef DSV4_LZ_FAKE_ZE
     /* The test double presents a usable device wherever OpenCL has a platform (PoCL): any other
      * refusal is the glue's failure. */
@@ -920,6 +913,746 @@ int main(int argc, char **argv) {
 #endif
     printf("level_zero backend open (its SPEC §2 probe passed)\n");
   }
+  return 0;
+}
+
+/* ---- attention (SPEC §7) ---- */
+
+/*
+ * Exact-mode attention after the insert: batches of sequences with history (records written by an
+ * earlier batch) in paged blocks, run through the CPU backend's map_slots, qkv_insert and attention
+ * (the reference), then through the attention kernels (dsv4_attn_check, a barrier, dsv4_attention)
+ * on the CPU's q_out and cache, or through the level_zero backend from the same inputs; attn and
+ * lse must be the same bytes.
+ */
+
+#define ATTN_RUNS 2
+
+enum { SINK_FINITE, SINK_MIXED, SINK_NONE }; /* MIXED: finite, +inf, -inf, finite, ... by head */
+
+typedef struct {
+  int64_t p0, start;
+  uint32_t len;
+} attn_seg_t;
+
+typedef struct {
+  const char *name;
+  uint32_t heads, bs;
+  int yarn, sinks, want_lse;
+  uint32_t n_seg;
+  attn_seg_t seg[16];
+} attn_case_t;
+
+/* Decode batches of 1 and 16, a 200-token prefill chunk crossing blocks, first tokens (p = p0),
+ * p0 > 0, windows cut by p0 and by p - 127, H 8 and 64, every sink kind, lse asked and not. */
+static const attn_case_t attn_cases[] = {
+    {"decode b=1", 8, 64, 0, SINK_FINITE, 1, 1, {{0, 300, 1}}},
+    {"decode b=16",
+     64,
+     16,
+     1,
+     SINK_FINITE,
+     1,
+     16,
+     {{0, 1000, 1},
+      {50, 100, 1},
+      {777, 777, 1},
+      {0, 5, 1},
+      {3, 130, 1},
+      {0, 127, 1},
+      {0, 128, 1},
+      {1, 129, 1},
+      {200, 330, 1},
+      {0, 4095, 1},
+      {64, 191, 1},
+      {64, 192, 1},
+      {10, 20, 1},
+      {0, 1, 1},
+      {100000, 100126, 1},
+      {0, 65, 1}}},
+    {"prefill 200 across blocks, p0 > 0", 8, 64, 0, SINK_MIXED, 1, 1, {{37, 90, 200}}},
+    {"prefill from p0 and decodes, no sink, no lse",
+     8,
+     16,
+     1,
+     SINK_NONE,
+     0,
+     3,
+     {{5, 5, 20}, {0, 500, 1}, {130, 200, 3}}},
+    {"first token", 64, 256, 0, SINK_MIXED, 1, 1, {{0, 0, 1}}},
+    {"decode b=4, no sink",
+     8,
+     16,
+     0,
+     SINK_NONE,
+     1,
+     4,
+     {{0, 40, 1}, {7, 300, 1}, {0, 1000, 1}, {2, 2, 1}}},
+};
+
+typedef struct {
+  const attn_case_t *c;
+  uint32_t n, n_blocks, n_bt;
+  int64_t *pos, *p0, *first_lb;
+  int32_t *tok_seg, *bt;
+  uint32_t *bt_off, *bt_len;
+  uint16_t *q, *kv;
+  float w[DSV4_HEAD_DIM];
+  float sink[DSV4_MAX_HEADS];
+  uint8_t *cache0; /* before the batch: the history's records, random bytes everywhere else */
+  size_t cache_bytes, q_bytes, lse_bytes;
+  float *rope_rows; /* [N, 64] */
+  dsv4_rope_table_t *rope;
+} attn_batch_t;
+
+typedef struct {
+  uint16_t *q_out, *out;
+  uint8_t *cache;
+  float *lse;
+  uint32_t err;
+} attn_result_t;
+
+/* The first position a token at p of a sequence starting at p0 attends to. */
+static int64_t attn_first(int64_t p0, int64_t p) {
+  return p - (DSV4_WINDOW - 1) > p0 ? p - (DSV4_WINDOW - 1) : p0;
+}
+
+/* map_slots + qkv_insert (fused kv_norm) of n tokens of the batch's sequences on the CPU backend,
+ * into cache: the history before the batch. */
+static void attn_cpu_insert(dsv4_backend_t *cpu, const attn_batch_t *b, uint32_t n,
+                            const int64_t *pos, const int32_t *seg, const uint16_t *kv,
+                            uint8_t *cache) {
+  int64_t *slots = inv_alloc(n * sizeof(int64_t) + 8);
+  uint16_t *q = inv_alloc((size_t)n * DSV4_HEAD_DIM * 2 + 2);
+  uint16_t *q_out = inv_alloc((size_t)n * DSV4_HEAD_DIM * 2 + 2);
+  inv_fill_bf16(q, (size_t)n * DSV4_HEAD_DIM);
+  dsv4_map_args_t m = {
+      .n_tokens = n,
+      .n_segments = b->c->n_seg,
+      .block_size = b->c->bs,
+      .n_blocks = b->n_blocks,
+      .positions = pos,
+      .tok_seg = seg,
+      .seg_first_lb = b->first_lb,
+      .seg_bt_off = b->bt_off,
+      .seg_bt_len = b->bt_len,
+      .block_table = b->bt,
+      .slots = slots,
+      .bt_entries = b->n_bt,
+  };
+  dsv4_insert_args_t a = {
+      .n_tokens = n,
+      .heads = 1,
+      .q = q,
+      .kv = kv,
+      .positions = pos,
+      .slots = slots,
+      .rope = b->rope,
+      .kv_norm_weight = b->w,
+      .eps = 1e-6f,
+      .write_kv = 1,
+      .q_out = q_out,
+      .cache = cache,
+      .block_size = b->c->bs,
+      .n_blocks = b->n_blocks,
+      .stride = DSV4_BLOCK_STRIDE(b->c->bs),
+  };
+  if (n && (cpu->ops->map_slots(cpu, &m) != 0 || cpu->ops->qkv_insert(cpu, &a) != 0 ||
+            cpu->ops->sync(cpu) != 0))
+    die("[%s] the cpu backend refused the history", b->c->name);
+  for (uint32_t t = 0; t < n; t++)
+    if (slots[t] < 0)
+      die("[%s] history position %lld has no slot", b->c->name, (long long)pos[t]);
+  free(slots);
+  free(q);
+  free(q_out);
+}
+
+/* Each segment's table maps its window's first block to its last token's, with distinct ids. */
+static void attn_tables(attn_batch_t *b) {
+  const attn_case_t *c = b->c;
+  uint32_t entries = 0;
+  for (uint32_t s = 0; s < c->n_seg; s++)
+    entries += (uint32_t)((c->seg[s].start + c->seg[s].len - 1) / c->bs -
+                          attn_first(c->seg[s].p0, c->seg[s].start) / c->bs + 1);
+  b->n_blocks = entries + 3;
+  uint32_t *perm = inv_alloc(b->n_blocks * sizeof(uint32_t));
+  for (uint32_t i = 0; i < b->n_blocks; i++)
+    perm[i] = i;
+  for (uint32_t i = b->n_blocks - 1; i > 0; i--) {
+    uint32_t j = inv_below(i + 1), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  /* One spare entry, for the error cases. */
+  b->bt = inv_alloc((entries + 1) * sizeof(int32_t));
+  b->first_lb = inv_alloc(c->n_seg * sizeof(int64_t));
+  b->p0 = inv_alloc(c->n_seg * sizeof(int64_t));
+  b->bt_off = inv_alloc(c->n_seg * sizeof(uint32_t));
+  b->bt_len = inv_alloc(c->n_seg * sizeof(uint32_t));
+  for (uint32_t s = 0; s < c->n_seg; s++) {
+    int64_t lo = attn_first(c->seg[s].p0, c->seg[s].start) / c->bs;
+    int64_t hi = (c->seg[s].start + c->seg[s].len - 1) / c->bs;
+    b->p0[s] = c->seg[s].p0;
+    b->first_lb[s] = lo;
+    b->bt_off[s] = b->n_bt;
+    b->bt_len[s] = (uint32_t)(hi - lo + 1);
+    for (int64_t lb = lo; lb <= hi; lb++) {
+      b->bt[b->n_bt] = (int32_t)perm[b->n_bt];
+      b->n_bt++;
+    }
+  }
+  b->bt[b->n_bt] = -1;
+  free(perm);
+}
+
+static void make_attn_batch(attn_batch_t *b, const attn_case_t *c, dsv4_rope_table_t *rope,
+                            dsv4_backend_t *cpu) {
+  memset(b, 0, sizeof(*b));
+  b->c = c;
+  b->rope = rope;
+  attn_tables(b);
+  uint32_t n = 0, n_hist = 0;
+  for (uint32_t s = 0; s < c->n_seg; s++) {
+    n += c->seg[s].len;
+    n_hist += (uint32_t)(c->seg[s].start - attn_first(c->seg[s].p0, c->seg[s].start));
+  }
+  b->n = n;
+  b->pos = inv_alloc(n * sizeof(int64_t));
+  b->tok_seg = inv_alloc(n * sizeof(int32_t));
+  int64_t *hpos = inv_alloc(n_hist * sizeof(int64_t) + 8);
+  int32_t *hseg = inv_alloc(n_hist * sizeof(int32_t) + 4);
+  uint32_t t = 0, h = 0;
+  for (uint32_t s = 0; s < c->n_seg; s++) {
+    for (int64_t p = attn_first(c->seg[s].p0, c->seg[s].start); p < c->seg[s].start; p++, h++) {
+      hpos[h] = p;
+      hseg[h] = (int32_t)s;
+    }
+    for (uint32_t k = 0; k < c->seg[s].len; k++, t++) {
+      b->pos[t] = c->seg[s].start + k;
+      b->tok_seg[t] = (int32_t)s;
+    }
+  }
+  b->q_bytes = (size_t)n * c->heads * DSV4_HEAD_DIM * 2;
+  b->lse_bytes = (size_t)n * c->heads * sizeof(float);
+  b->q = inv_alloc(b->q_bytes);
+  b->kv = inv_alloc((size_t)n * DSV4_HEAD_DIM * 2);
+  inv_fill_bf16(b->q, b->q_bytes / 2);
+  inv_fill_bf16(b->kv, (size_t)n * DSV4_HEAD_DIM);
+  inv_fill_weight(b->w);
+  for (uint32_t k = 0; k < c->heads; k++) {
+    static const float special[] = {0.0f, INFINITY, -INFINITY, 0.0f};
+    b->sink[k] = (float)inv_below(8000) * 0.001f - 2.0f;
+    if (c->sinks == SINK_MIXED && special[k % 4] != 0.0f)
+      b->sink[k] = special[k % 4];
+  }
+  if (dsv4_rope_table_ensure(rope, b->pos, n) != 0 || dsv4_rope_table_ensure(rope, hpos, n_hist))
+    die("rope rows");
+  b->rope_rows = inv_alloc((size_t)n * DSV4_ROPE_ROW_FLOATS * sizeof(float));
+  for (uint32_t k = 0; k < n; k++)
+    memcpy(b->rope_rows + (size_t)k * DSV4_ROPE_ROW_FLOATS, dsv4_rope_table_row(rope, b->pos[k]),
+           DSV4_ROPE_ROW_FLOATS * sizeof(float));
+  /* Random bytes where no candidate lives (a kernel that reads them gives other bytes), then the
+   * history's records. */
+  b->cache_bytes = (size_t)b->n_blocks * DSV4_BLOCK_STRIDE(c->bs);
+  b->cache0 = inv_alloc(b->cache_bytes);
+  for (size_t i = 0; i < b->cache_bytes; i++)
+    b->cache0[i] = (uint8_t)inv_rnd();
+  uint16_t *hkv = inv_alloc((size_t)n_hist * DSV4_HEAD_DIM * 2 + 2);
+  inv_fill_bf16(hkv, (size_t)n_hist * DSV4_HEAD_DIM);
+  attn_cpu_insert(cpu, b, n_hist, hpos, hseg, hkv, b->cache0);
+  free(hkv);
+  free(hpos);
+  free(hseg);
+}
+
+static void free_attn_batch(attn_batch_t *b) {
+  void *all[] = {b->pos,    b->p0, b->first_lb, b->tok_seg, b->bt,       b->bt_off,
+                 b->bt_len, b->q,  b->kv,       b->cache0,  b->rope_rows};
+  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+    free(all[i]);
+}
+
+static void alloc_attn_result(attn_result_t *r, const attn_batch_t *b) {
+  r->q_out = inv_alloc(b->q_bytes);
+  r->out = inv_alloc(b->q_bytes);
+  r->cache = inv_alloc(b->cache_bytes);
+  r->lse = inv_alloc(b->lse_bytes);
+  r->err = 0;
+}
+
+static void free_attn_result(attn_result_t *r) {
+  free(r->q_out);
+  free(r->out);
+  free(r->cache);
+  free(r->lse);
+}
+
+/* Bytes an output starts as, so that a launch that writes nothing shows. */
+#define ATTN_JUNK 0x5A
+
+/* The arguments of the batch's attention, pointing at the given copies of each array. */
+static dsv4_attn_args_t attn_args(const attn_batch_t *b, const void *const *p) {
+  const attn_case_t *c = b->c;
+  return (dsv4_attn_args_t){
+      .n_tokens = b->n,
+      .n_segments = c->n_seg,
+      .heads = c->heads,
+      .q = p[0],
+      .positions = p[1],
+      .tok_seg = p[2],
+      .seg_p0 = p[3],
+      .seg_first_lb = p[4],
+      .seg_bt_off = p[5],
+      .seg_bt_len = p[6],
+      .block_table = p[7],
+      .bt_entries = b->n_bt,
+      .cache = p[8],
+      .block_size = c->bs,
+      .n_blocks = b->n_blocks,
+      .stride = DSV4_BLOCK_STRIDE(c->bs),
+      .sink = c->sinks == SINK_NONE ? NULL : p[9],
+      .rope = b->rope,
+      .out = (uint16_t *)p[10],
+      .lse = c->want_lse ? (float *)p[11] : NULL,
+  };
+}
+
+/* The reference: the CPU backend's map_slots, qkv_insert and attention on host memory. */
+static void run_attn_cpu(dsv4_backend_t *cpu, const attn_batch_t *b, attn_result_t *r) {
+  const attn_case_t *c = b->c;
+  int64_t *slots = inv_alloc(b->n * sizeof(int64_t));
+  memcpy(r->cache, b->cache0, b->cache_bytes);
+  memset(r->out, ATTN_JUNK, b->q_bytes);
+  memset(r->lse, ATTN_JUNK, b->lse_bytes);
+  dsv4_map_args_t m = {
+      .n_tokens = b->n,
+      .n_segments = c->n_seg,
+      .block_size = c->bs,
+      .n_blocks = b->n_blocks,
+      .positions = b->pos,
+      .tok_seg = b->tok_seg,
+      .seg_first_lb = b->first_lb,
+      .seg_bt_off = b->bt_off,
+      .seg_bt_len = b->bt_len,
+      .block_table = b->bt,
+      .slots = slots,
+      .bt_entries = b->n_bt,
+  };
+  dsv4_insert_args_t a = {
+      .n_tokens = b->n,
+      .heads = c->heads,
+      .q = b->q,
+      .kv = b->kv,
+      .positions = b->pos,
+      .slots = slots,
+      .rope = b->rope,
+      .kv_norm_weight = b->w,
+      .eps = 1e-6f,
+      .write_kv = 1,
+      .q_out = r->q_out,
+      .cache = r->cache,
+      .block_size = c->bs,
+      .n_blocks = b->n_blocks,
+      .stride = DSV4_BLOCK_STRIDE(c->bs),
+  };
+  const void *p[12] = {r->q_out,  b->pos, b->tok_seg, b->p0,   b->first_lb, b->bt_off,
+                       b->bt_len, b->bt,  r->cache,   b->sink, r->out,      r->lse};
+  dsv4_attn_args_t aa = attn_args(b, p);
+  int rc = cpu->ops->map_slots(cpu, &m);
+  if (rc == 0)
+    rc = cpu->ops->qkv_insert(cpu, &a);
+  if (rc == 0)
+    rc = cpu->ops->attention(cpu, &aa);
+  if (rc == 0)
+    rc = cpu->ops->sync(cpu);
+  if (rc != 0)
+    die("[%s] the cpu backend refused the batch: %s", c->name, dsv4_strerror(rc));
+  free(slots);
+}
+
+/*
+ * The attention kernels on OpenCL: dsv4_attn_check, a barrier, then dsv4_attention in launches of
+ * at most max_rows rows, on q_out and cache (the insert's output). out and lse start as ATTN_JUNK.
+ */
+static void run_attn_cl(clrt_t *rt, const attn_batch_t *b, const uint16_t *q_out,
+                        const uint8_t *cache, uint32_t max_rows, attn_result_t *r) {
+  const attn_case_t *c = b->c;
+  uint32_t n = b->n, n_seg = c->n_seg;
+  memset(r->out, ATTN_JUNK, b->q_bytes);
+  memset(r->lse, ATTN_JUNK, b->lse_bytes);
+  cl_mem m[13] = {
+      buf_from(rt, q_out, b->q_bytes),
+      buf_from(rt, b->pos, n * sizeof(int64_t)),
+      buf_from(rt, b->tok_seg, n * sizeof(int32_t)),
+      buf_from(rt, b->p0, n_seg * sizeof(int64_t)),
+      buf_from(rt, b->first_lb, n_seg * sizeof(int64_t)),
+      buf_from(rt, b->bt_off, n_seg * sizeof(uint32_t)),
+      buf_from(rt, b->bt_len, n_seg * sizeof(uint32_t)),
+      buf_from(rt, b->bt, (b->n_bt + 1) * sizeof(int32_t)),
+      buf_from(rt, cache, b->cache_bytes),
+      buf_from(rt, b->sink, sizeof(b->sink)),
+      buf_from(rt, r->out, b->q_bytes),
+      buf_from(rt, r->lse, b->lse_bytes),
+      buf_from(rt, b->rope_rows, (size_t)n * DSV4_ROPE_ROW_FLOATS * sizeof(float)),
+  };
+  cl_mem err = buf_zero(rt, sizeof(cl_uint));
+  cl_uint u_n = n, u_nseg = n_seg, u_bs = c->bs, u_nb = b->n_blocks, u_nbt = b->n_bt;
+  cl_uint u_h = c->heads, u_sink = c->sinks != SINK_NONE, u_lse = (cl_uint)c->want_lse;
+  cl_uint u_rows = n * c->heads;
+  cl_ulong stride = DSV4_BLOCK_STRIDE(c->bs);
+  cl_kernel k = rt->attn_check;
+  set_arg(k, 0, sizeof(cl_uint), &u_n);
+  set_arg(k, 1, sizeof(cl_uint), &u_nseg);
+  set_arg(k, 2, sizeof(cl_uint), &u_bs);
+  set_arg(k, 3, sizeof(cl_uint), &u_nb);
+  for (cl_uint i = 0; i < 7; i++) /* positions .. block_table */
+    set_arg(k, 4 + i, sizeof(cl_mem), &m[1 + i]);
+  set_arg(k, 11, sizeof(cl_uint), &u_nbt);
+  set_arg(k, 12, sizeof(cl_mem), &err);
+  size_t local = DSV4_LZ_MAP_GROUP_SIZE, items = n > n_seg ? n : n_seg;
+  size_t global = (items + local - 1) / local * local;
+  check_cl(clEnqueueNDRangeKernel(rt->queue, k, 1, NULL, &global, &local, 0, NULL, NULL),
+           "attention check launch");
+  /* SPEC §5.2: the rows run after the check, which decides whether they may write. */
+  check_cl(clEnqueueBarrierWithWaitList(rt->queue, 0, NULL, NULL), "barrier");
+  k = rt->attn;
+  set_arg(k, 1, sizeof(cl_uint), &u_rows);
+  set_arg(k, 2, sizeof(cl_uint), &u_h);
+  set_arg(k, 3, sizeof(cl_mem), &m[0]);
+  for (cl_uint i = 0; i < 5; i++) /* positions, tok_seg, seg_p0, seg_first_lb, seg_bt_off */
+    set_arg(k, 4 + i, sizeof(cl_mem), &m[1 + i]);
+  set_arg(k, 9, sizeof(cl_mem), &m[7]);
+  set_arg(k, 10, sizeof(cl_mem), &m[8]);
+  set_arg(k, 11, sizeof(cl_uint), &u_bs);
+  set_arg(k, 12, sizeof(cl_ulong), &stride);
+  set_arg(k, 13, sizeof(cl_mem), &m[9]);
+  set_arg(k, 14, sizeof(cl_uint), &u_sink);
+  set_arg(k, 15, sizeof(cl_mem), &m[12]);
+  set_arg(k, 16, sizeof(cl_mem), &m[10]);
+  set_arg(k, 17, sizeof(cl_mem), &m[11]);
+  set_arg(k, 18, sizeof(cl_uint), &u_lse);
+  set_arg(k, 19, sizeof(cl_mem), &err);
+  for (uint64_t row0 = 0; row0 < u_rows; row0 += max_rows) {
+    uint64_t chunk = u_rows - row0 < max_rows ? u_rows - row0 : max_rows;
+    cl_uint u_row0 = (cl_uint)row0;
+    set_arg(k, 0, sizeof(cl_uint), &u_row0);
+    size_t lsz = DSV4_LZ_GROUP_SIZE;
+    size_t gsz = (size_t)((chunk + DSV4_LZ_ROWS_PER_GROUP - 1) / DSV4_LZ_ROWS_PER_GROUP) * lsz;
+    check_cl(clEnqueueNDRangeKernel(rt->queue, k, 1, NULL, &gsz, &lsz, 0, NULL, NULL),
+             "attention launch");
+  }
+  check_cl(clEnqueueReadBuffer(rt->queue, m[10], CL_FALSE, 0, b->q_bytes, r->out, 0, NULL, NULL),
+           "read attn");
+  check_cl(clEnqueueReadBuffer(rt->queue, m[11], CL_FALSE, 0, b->lse_bytes, r->lse, 0, NULL, NULL),
+           "read lse");
+  check_cl(
+      clEnqueueReadBuffer(rt->queue, err, CL_FALSE, 0, sizeof(cl_uint), &r->err, 0, NULL, NULL),
+      "read err");
+  check_cl(clFinish(rt->queue), "clFinish");
+  for (size_t i = 0; i < sizeof(m) / sizeof(m[0]); i++)
+    clReleaseMemObject(m[i]);
+  clReleaseMemObject(err);
+}
+
+/*
+ * The whole batch through the "level_zero" backend, as the engine runs it: uploads, map_slots,
+ * qkv_insert, attention (with the insert's positions), sync, downloads of attn, lse, q_out and the
+ * cache.
+ */
+static void run_attn_lz(dsv4_backend_t *be, const attn_batch_t *b, attn_result_t *r) {
+  const attn_case_t *c = b->c;
+  uint32_t n = b->n, ns = c->n_seg;
+  memset(r->out, ATTN_JUNK, b->q_bytes);
+  memset(r->lse, ATTN_JUNK, b->lse_bytes);
+  enum { QOUT, POS, SEG, P0, FIRST, OFF, LEN, BT, CACHE, SINK, OUT, LSE, Q, KV, W, SLOTS, N_BUF };
+  struct {
+    const void *src;
+    size_t size;
+    dsv4_devbuf_t buf;
+  } in[N_BUF] = {
+      [QOUT] = {NULL, b->q_bytes, {0}},
+      [POS] = {b->pos, n * sizeof(int64_t), {0}},
+      [SEG] = {b->tok_seg, n * sizeof(int32_t), {0}},
+      [P0] = {b->p0, ns * sizeof(int64_t), {0}},
+      [FIRST] = {b->first_lb, ns * sizeof(int64_t), {0}},
+      [OFF] = {b->bt_off, ns * sizeof(uint32_t), {0}},
+      [LEN] = {b->bt_len, ns * sizeof(uint32_t), {0}},
+      [BT] = {b->bt, b->n_bt * sizeof(int32_t), {0}},
+      [CACHE] = {b->cache0, b->cache_bytes, {0}},
+      [SINK] = {b->sink, c->heads * sizeof(float), {0}},
+      [OUT] = {r->out, b->q_bytes, {0}},
+      [LSE] = {r->lse, b->lse_bytes, {0}},
+      [Q] = {b->q, b->q_bytes, {0}},
+      [KV] = {b->kv, (size_t)n * DSV4_HEAD_DIM * 2, {0}},
+      [W] = {b->w, sizeof(b->w), {0}},
+      [SLOTS] = {NULL, n * sizeof(int64_t), {0}},
+  };
+  const void *p[N_BUF];
+  for (int i = 0; i < N_BUF; i++) {
+    if (be->ops->buf_alloc(be, in[i].size, &in[i].buf) != 0)
+      die("level_zero buf_alloc(%zu)", in[i].size);
+    if (in[i].src && be->ops->upload(be, &in[i].buf, 0, in[i].src, in[i].size) != 0)
+      die("level_zero upload");
+    p[i] = in[i].buf.ptr;
+  }
+  dsv4_map_args_t m = {
+      .n_tokens = n,
+      .n_segments = ns,
+      .block_size = c->bs,
+      .n_blocks = b->n_blocks,
+      .positions = p[POS],
+      .tok_seg = p[SEG],
+      .seg_first_lb = p[FIRST],
+      .seg_bt_off = p[OFF],
+      .seg_bt_len = p[LEN],
+      .block_table = p[BT],
+      .slots = in[SLOTS].buf.ptr,
+      .bt_entries = b->n_bt,
+  };
+  dsv4_insert_args_t a = {
+      .n_tokens = n,
+      .heads = c->heads,
+      .q = p[Q],
+      .kv = p[KV],
+      .positions = p[POS],
+      .slots = in[SLOTS].buf.ptr,
+      .rope = b->rope,
+      .kv_norm_weight = p[W],
+      .eps = 1e-6f,
+      .write_kv = 1,
+      .q_out = in[QOUT].buf.ptr,
+      .cache = in[CACHE].buf.ptr,
+      .block_size = c->bs,
+      .n_blocks = b->n_blocks,
+      .stride = DSV4_BLOCK_STRIDE(c->bs),
+  };
+  dsv4_attn_args_t aa = attn_args(b, p);
+  int rc = be->ops->map_slots(be, &m);
+  if (rc == 0)
+    rc = be->ops->qkv_insert(be, &a);
+  if (rc == 0)
+    rc = be->ops->attention(be, &aa);
+  if (rc == 0)
+    rc = be->ops->sync(be);
+  if (rc != 0)
+    die("[%s] level_zero launch failed: %s", c->name, dsv4_strerror(rc));
+  if (be->ops->download(be, r->out, &in[OUT].buf, 0, b->q_bytes) != 0 ||
+      be->ops->download(be, r->lse, &in[LSE].buf, 0, b->lse_bytes) != 0 ||
+      be->ops->download(be, r->q_out, &in[QOUT].buf, 0, b->q_bytes) != 0 ||
+      be->ops->download(be, r->cache, &in[CACHE].buf, 0, b->cache_bytes) != 0)
+    die("level_zero download");
+  r->err = 0;
+  for (int i = 0; i < N_BUF; i++)
+    be->ops->buf_free(be, &in[i].buf);
+}
+
+/* Differing bytes of one case's attention outputs (and, through the backend, its q_out and cache).
+ */
+static size_t attn_diff(const attn_batch_t *b, const attn_result_t *got, const attn_result_t *want,
+                        int whole, int run) {
+  const char *name = b->c->name;
+  size_t bad = diff_bytes(got->out, want->out, b->q_bytes, "attn", name, run);
+  if (b->c->want_lse)
+    bad += diff_bytes(got->lse, want->lse, b->lse_bytes, "lse", name, run);
+  if (whole) {
+    bad += diff_bytes(got->q_out, want->q_out, b->q_bytes, "q_out", name, run);
+    bad += diff_bytes(got->cache, want->cache, b->cache_bytes, "cache", name, run);
+  }
+  return bad;
+}
+
+/* Every byte of n at p equals ATTN_JUNK: nothing was written there. */
+static int attn_untouched(const void *p, size_t n) {
+  const uint8_t *u = p;
+  for (size_t i = 0; i < n; i++)
+    if (u[i] != ATTN_JUNK)
+      return 0;
+  return 1;
+}
+
+/*
+ * What the CPU backend refuses, the kernels refuse without writing: each case breaks one valid
+ * batch and must set its error bit and leave attn and lse as they were; the valid batch sets none
+ * and writes both. No reference is needed.
+ */
+static int check_attn_errors(clrt_t *rt, dsv4_rope_table_t *plain, dsv4_backend_t *cpu) {
+  static const attn_case_t base = {"errors",    8, 16, 0,
+                                   SINK_FINITE, 1, 3,  {{0, 300, 2}, {20, 60, 1}, {0, 5, 1}}};
+  static const struct {
+    const char *what;
+    uint32_t bit;
+  } cases[] = {
+      {"the valid batch", 0},
+      {"a candidate's block entry of -1", DSV4_LZ_ERR_MISSING},
+      {"a candidate's block before the segment's table", DSV4_LZ_ERR_MISSING},
+      {"a token's block after the segment's table", DSV4_LZ_ERR_MISSING},
+      {"a block id beyond the pool", DSV4_LZ_ERR_BLOCK},
+      {"a candidate's entry past the table length", DSV4_LZ_ERR_TABLE},
+      {"a position before its sequence's p0", DSV4_LZ_ERR_POSITION},
+      {"a negative position", DSV4_LZ_ERR_POSITION},
+      {"a segment index out of range", DSV4_LZ_ERR_SEGMENT},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    attn_batch_t b;
+    make_attn_batch(&b, &base, plain, cpu);
+    switch (i) {
+    case 1:
+      b.bt[b.bt_off[0] + 1] = -1;
+      break; /* positions 173..300 span blocks 10..18 */
+    case 2:
+      b.first_lb[0]++, b.bt_off[0]++, b.bt_len[0]--;
+      break;
+    case 3:
+      b.bt_len[0]--;
+      break;
+    case 4:
+      b.bt[b.bt_off[1]] = (int32_t)b.n_blocks;
+      break;
+    case 5:
+      b.n_bt = b.bt_off[2] + b.bt_len[2] - 1;
+      break;
+    case 6:
+      b.p0[1] = b.pos[2] + 1;
+      break;
+    case 7:
+      b.pos[3] = -1;
+      break;
+    case 8:
+      b.tok_seg[1] = 3;
+      break;
+    }
+    attn_result_t r;
+    alloc_attn_result(&r, &b);
+    run_attn_cl(rt, &b, b.q, b.cache0, 1u << 30, &r);
+    int untouched = attn_untouched(r.out, b.q_bytes) && attn_untouched(r.lse, b.lse_bytes);
+    if (cases[i].bit == 0 &&
+        (r.err || attn_untouched(r.out, b.q_bytes) || attn_untouched(r.lse, b.lse_bytes)))
+      die("attention errors: %s: error word 0x%x, attn %s, lse %s", cases[i].what, r.err,
+          attn_untouched(r.out, b.q_bytes) ? "not written" : "written",
+          attn_untouched(r.lse, b.lse_bytes) ? "not written" : "written");
+    if (cases[i].bit && (!(r.err & cases[i].bit) || !untouched))
+      die("attention errors: %s: error word 0x%x (expected bit 0x%x), attn and lse %s",
+          cases[i].what, r.err, cases[i].bit, untouched ? "untouched" : "WRITTEN");
+    printf("attention errors: %s: error word 0x%x, attn and lse %s\n", cases[i].what, r.err,
+           untouched ? "untouched" : "written");
+    free_attn_result(&r);
+    free_attn_batch(&b);
+  }
+  printf("PASS: attention-errors\n");
+  return 0;
+}
+
+/* The modes attention, attention-fp64, attention-errors and level-zero-attention. */
+static int attention_main(const char *mode) {
+  const char *defines = !strcmp(mode, "attention-fp64")         ? "-DDSV4_CL_RMS_FP64"
+                        : !strcmp(mode, "level-zero-attention") ? NULL
+                                                                : "";
+  clrt_t rt = {0};
+  device_t dev = {0};
+  int rc = open_device(defines, defines && *defines, &rt, &dev);
+  if (rc)
+    return rc;
+  dsv4_backend_options_t opt = {.threads = 2};
+  dsv4_backend_t *cpu = NULL;
+  char why[256];
+  if (dsv4_backend_open("cpu", &opt, &cpu, why, sizeof(why)) != 0)
+    die("cannot open the cpu backend: %s", why);
+  float f[DSV4_ROPE_PAIRS];
+  dsv4_rope_table_t *rope[2] = {NULL, NULL};
+  dsv4_rope_inv_freq(&dsv4_rope_plain_default, f);
+  if (dsv4_rope_table_create(f, DSV4_MAX_POSITION_DEFAULT, &rope[0]) != 0)
+    die("rope table");
+  dsv4_rope_inv_freq(&dsv4_rope_yarn_default, f);
+  if (dsv4_rope_table_create(f, DSV4_MAX_POSITION_DEFAULT, &rope[1]) != 0)
+    die("rope table");
+
+  size_t bad = 0, launches = 0;
+  if (!strcmp(mode, "attention-errors")) {
+    rc = check_attn_errors(&rt, rope[0], cpu);
+  } else if (!cpu->ops->attention) {
+    printf("skipped: the cpu backend has no attention op, the reference these bytes are compared "
+           "with\n");
+    rc = 77;
+  } else {
+    for (size_t ci = 0; ci < sizeof(attn_cases) / sizeof(attn_cases[0]) && !bad; ci++) {
+      const attn_case_t *c = &attn_cases[ci];
+      attn_batch_t b;
+      make_attn_batch(&b, c, rope[c->yarn], cpu);
+      attn_result_t want, got;
+      alloc_attn_result(&want, &b);
+      alloc_attn_result(&got, &b);
+      run_attn_cpu(cpu, &b, &want);
+      /* Odd launch splits (a multiple of the rows per group) exercise row0. */
+      uint32_t max_rows = ci % 2 ? 8u * (1 + inv_below(20)) : 1u << 30;
+      for (int run = 0; run < ATTN_RUNS && !bad; run++, launches++) {
+        if (dev.cl)
+          run_attn_cl(&rt, &b, want.q_out, want.cache, max_rows, &got);
+        else
+          run_attn_lz(dev.lz, &b, &got);
+        if (got.err)
+          die("[%s] the kernels set error bits 0x%x on a valid batch", c->name, got.err);
+        bad += attn_diff(&b, &got, &want, dev.lz != NULL, run);
+      }
+      printf("%-50s H=%u N=%u bs=%u: %d runs, %s\n", c->name, c->heads, b.n, c->bs, ATTN_RUNS,
+             bad ? "DIFFERENT from the cpu backend" : "byte-identical to the cpu backend");
+      free_attn_result(&want);
+      free_attn_result(&got);
+      free_attn_batch(&b);
+    }
+    if (bad)
+      fprintf(stderr, "FAIL: %zu bytes differ from the cpu backend\n", bad);
+    else
+      printf("PASS: %s, %zu runs\n", mode, launches);
+    rc = bad ? 1 : 0;
+  }
+  dsv4_backend_close(cpu);
+  dsv4_rope_table_destroy(rope[0]);
+  dsv4_rope_table_destroy(rope[1]);
+  if (dev.cl)
+    clrt_close(&rt);
+  else
+    dsv4_backend_close(dev.lz);
+#ifdef DSV4_LZ_FAKE_ZE
+  if (fake_ze_live_allocations() != 0)
+    die("%zu Level Zero allocations still alive after the backend was closed",
+        fake_ze_live_allocations());
+#endif
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "identity";
+  const char *defines = NULL; /* NULL: the level_zero backend instead of OpenCL */
+  int counting = 0, fp64 = 0, runs = RUNS;
+  if (!strcmp(mode, "identity"))
+    defines = "";
+  else if (!strcmp(mode, "identity-fp64"))
+    defines = "-DDSV4_CL_RMS_FP64", fp64 = 1;
+  else if (!strcmp(mode, "one-writer"))
+    defines = "-DDSV4_CL_COUNT_STORES", counting = 1, runs = 1;
+  else if (!strcmp(mode, "one-writer-broken"))
+    defines = "-DDSV4_CL_COUNT_STORES -DDSV4_CL_BROKEN_BULK_STORE", counting = 1, runs = 1;
+  else if (!strcmp(mode, "identity-broken"))
+    defines = "-DDSV4_CL_BROKEN_BULK_STORE";
+  else if (!strcmp(mode, "level-zero"))
+    defines = NULL;
+  else if (!strcmp(mode, "no-driver"))
+    return check_no_driver();
+  else if (!strcmp(mode, "attention") || !strcmp(mode, "attention-fp64") ||
+           !strcmp(mode, "attention-errors") || !strcmp(mode, "level-zero-attention"))
+    return attention_main(mode);
+  else
+    die("unknown mode %s (identity, identity-fp64, one-writer, one-writer-broken, "
+        "identity-broken, level-zero, no-driver, attention, attention-fp64, attention-errors, "
+        "level-zero-attention)",
+        mode);
+
+  clrt_t rt = {0};
+  device_t dev = {0};
+  int open_rc = open_device(defines, fp64, &rt, &dev);
+  if (open_rc)
+    return open_rc;
 
   float f[DSV4_ROPE_PAIRS];
   dsv4_rope_table_t *plain = NULL, *yarn = NULL;

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Checks the SPIR-V modules the daemon embeds (kernels/level_zero), in the text form llvm-spirv
 # prints, for what no Intel GPU is needed to see:
-#   - the three kernels are entry points;
+#   - the five kernels are entry points;
 #   - nothing may reassociate or contract: every entry point has ExecutionMode ContractionOff, no
 #     FPFastMathMode decoration, no mad or fmuladd (what a
 #     contracted a*b+c becomes), the fma calls are OpenCL's fma (explicit), and the divide is an
@@ -22,7 +22,7 @@ for spv in "$2" "$3"; do
   txt=$("$spirv" -to-text "$spv" -o /dev/stdout) || { echo "FAIL: $spv does not parse"; exit 1; }
   name=$(basename "$spv")
   printf '%s\n' "$txt" | head -1 | sed "s/^/$name: /"
-  for k in dsv4_map_slots dsv4_qkv_insert dsv4_fp_probe; do
+  for k in dsv4_map_slots dsv4_qkv_insert dsv4_fp_probe dsv4_attn_check dsv4_attention; do
     check "$name: entry point $k" sh -c "printf '%s\n' \"\$1\" | grep -q 'EntryPoint 6 [0-9]* \"$k\"'" _ "$txt"
     # Execution mode 31 is ContractionOff: without it SPIR-V allows the device compiler to fuse a
     # multiply and an add even where the source kept them apart.

@@ -45,6 +45,17 @@ foreach(mode identity identity-fp64 one-writer)
 endforeach()
 set_tests_properties(lz_pocl_one_writer PROPERTIES LABELS "level_zero;opencl;invariants")
 
+# Exact-mode attention (SPEC §7): the attention kernels against the CPU backend's attention op, attn
+# and lse byte for byte (skipped, exit 77, while the CPU backend has no attention op), with the fp32
+# and the double-precision divide; and the launch refused, nothing written, for a candidate's block
+# missing from its table and each other argument the CPU backend refuses (no reference needed).
+foreach(mode attention attention-fp64 attention-errors)
+  string(REPLACE "-" "_" tname "lz_pocl_${mode}")
+  add_test(NAME ${tname} COMMAND lz_kernels_test ${mode})
+  set_tests_properties(${tname} PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl"
+                                           ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+endforeach()
+
 # SPEC §5.1's broken build: the unmasked bulk store of the vLLM XPU bug must be caught by the counters.
 add_test(NAME lz_pocl_one_writer_broken_bulk_store
          COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
@@ -60,7 +71,8 @@ set_tests_properties(lz_pocl_one_writer_broken_bulk_store PROPERTIES
 if(DSV4_LEVEL_ZERO)
   add_test(NAME lz_backend_no_driver COMMAND lz_kernels_test no-driver)
   add_test(NAME lz_backend_device COMMAND lz_kernels_test level-zero)
-  set_tests_properties(lz_backend_no_driver lz_backend_device PROPERTIES
+  add_test(NAME lz_backend_device_attention COMMAND lz_kernels_test level-zero-attention)
+  set_tests_properties(lz_backend_no_driver lz_backend_device lz_backend_device_attention PROPERTIES
     TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS level_zero ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
 endif()
 
@@ -94,6 +106,17 @@ if(DSV4_LEVEL_ZERO)
   set_tests_properties(lz_fake_ze_backend_broken_no_barrier PROPERTIES
     TIMEOUT 600 LABELS "level_zero;opencl;invariants" SKIP_REGULAR_EXPRESSION "^skipped: "
     ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+  # SPEC §5.2 for attention: the glue without the barrier in front of its attention launches. The
+  # double then runs attention before the insert whose q_out and records it reads (attention reuses
+  # the RoPE rows the insert staged, so no wait of the host orders them instead).
+  dsv4_lz_fake_test(lz_fake_ze_test_no_attn_barrier DSV4_TEST_BROKEN_NO_ATTN_BARRIER)
+  add_test(NAME lz_fake_ze_attention_broken_no_barrier
+           COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
+                   "MISMATCH [[].*[]] run [0-9]+: attn differs from the CPU backend"
+                   $<TARGET_FILE:lz_fake_ze_test_no_attn_barrier> level-zero-attention)
+  set_tests_properties(lz_fake_ze_attention_broken_no_barrier PROPERTIES
+    TIMEOUT 600 LABELS "level_zero;opencl;invariants" SKIP_RETURN_CODE 77
+    ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
   # The glue after a batch went wrong: no stale error word, out of memory refuses one batch only.
   add_executable(lz_glue_test ${DSV4_LZ_TEST_DIR}/lz_glue_test.c ${DSV4_LZ_TEST_DIR}/fake_ze.c
                               ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
@@ -116,6 +139,14 @@ if(DSV4_LEVEL_ZERO)
   set_tests_properties(lz_fake_ze_backend lz_fake_ze_backend_fp64_split PROPERTIES
     TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl" ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
   set_property(TEST lz_fake_ze_backend_fp64_split APPEND PROPERTY ENVIRONMENT
+               "FAKE_ZE_FP32_FLAGS=0x1" "FAKE_ZE_MAX_GROUPS=7")
+  # Attention through the glue (map_slots, qkv_insert, attention, sync) against the CPU backend's
+  # attention op (skipped while it has none); then with the fp64 module and split launches.
+  add_test(NAME lz_fake_ze_attention COMMAND lz_fake_ze_test level-zero-attention)
+  add_test(NAME lz_fake_ze_attention_fp64_split COMMAND lz_fake_ze_test level-zero-attention)
+  set_tests_properties(lz_fake_ze_attention lz_fake_ze_attention_fp64_split PROPERTIES
+    TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl" ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+  set_property(TEST lz_fake_ze_attention_fp64_split APPEND PROPERTY ENVIRONMENT
                "FAKE_ZE_FP32_FLAGS=0x1" "FAKE_ZE_MAX_GROUPS=7")
 endif()
 
