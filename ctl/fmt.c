@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "decimal.h"
+#include "dsv4-layout.h"
 
 void dsv4_ctl_table_init(dsv4_ctl_table_t *t, size_t ncols, const char *const *heads,
                          unsigned right) {
@@ -368,12 +369,13 @@ void dsv4_ctl_print_token(FILE *out, const json_t *doc) {
     char c[32], v[48];
     dsv4_ctl_format_value(json_array_get(codes, g), c, sizeof(c));
     dsv4_ctl_format_value(json_array_get(scales, g), v, sizeof(v));
-    fprintf(out, "\nNoPE dims %zu-%zu: scale code %s = %s\n", 64 * g, 64 * g + 63, c, v);
-    if (json_array_size(nope) >= 64 * (g + 1))
-      print_numbers(out, nope, 64 * g, 64, 8, 0);
-    if (json_array_size(fp8) >= 64 * (g + 1)) {
+    size_t first = (size_t)DSV4_TILE * g;
+    fprintf(out, "\nNoPE dims %zu-%zu: scale code %s = %s\n", first, first + DSV4_TILE - 1, c, v);
+    if (json_array_size(nope) >= first + DSV4_TILE)
+      print_numbers(out, nope, first, DSV4_TILE, 8, 0);
+    if (json_array_size(fp8) >= first + DSV4_TILE) {
       fprintf(out, "  e4m3 bytes:\n");
-      print_numbers(out, fp8, 64 * g, 64, 16, 2);
+      print_numbers(out, fp8, first, DSV4_TILE, 16, 2);
     }
   }
   const json_t *rope = json_object_get(doc, "rope"), *rb = json_object_get(doc, "rope_bf16");

@@ -20,6 +20,14 @@
 
 enum { SEQ_LIVE = 0, SEQ_EXPIRED = 1 };
 
+/* The name map starts with this many slots and doubles up to MAP_MAX_SLOTS, the largest power of
+ * two its 32-bit slot indices take. */
+#define MAP_MIN_SLOTS 64
+#define MAP_MAX_SLOTS (1ull << 31)
+/* The smallest capacity the growing arrays (a sequence's blocks, a plan's arrays and its duplicate
+ * set) start from; they double from there. */
+#define GROW_MIN 8
+
 typedef struct {
   int64_t next;       /* next position this layer writes */
   int64_t s;          /* first position of the last applied segment; p0 before any */
@@ -125,7 +133,7 @@ static int map_reserve(dsv4_seqtable_t *st, uint32_t extra) {
   uint64_t cap = st->cap;
   while (want * 2 > cap)
     cap *= 2;
-  if (cap > (1ull << 31))
+  if (cap > MAP_MAX_SLOTS)
     return DSV4_ENOMEM;
   seq_t **slots = calloc((size_t)cap, sizeof(*slots));
   if (slots == NULL)
@@ -226,7 +234,7 @@ int dsv4_seqtable_create(const dsv4_seqtable_config_t *cfg, dsv4_pool_t *pool,
     return DSV4_ENOMEM;
   st->cfg = *cfg;
   st->pool = pool;
-  st->cap = 64;
+  st->cap = MAP_MIN_SLOTS;
   st->slots = calloc(st->cap, sizeof(*st->slots));
   if (st->slots == NULL) {
     free(st);
@@ -273,7 +281,7 @@ static int grow(void **p, uint32_t *cap, uint64_t want, size_t elem) {
     return 0;
   if (want > UINT32_MAX / 2)
     return DSV4_ENOMEM;
-  uint64_t n = *cap ? *cap : 8;
+  uint64_t n = *cap ? *cap : GROW_MIN;
   while (n < want)
     n *= 2;
   void *q = realloc(*p, (size_t)n * elem);
@@ -298,7 +306,7 @@ static int64_t map_first_lb(int64_t p0, int64_t start, uint32_t bs) {
 }
 
 static uint32_t pow2_at_least(uint64_t n) {
-  uint32_t c = 8;
+  uint32_t c = GROW_MIN;
   while (c < n)
     c *= 2;
   return c;

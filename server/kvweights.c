@@ -83,10 +83,10 @@ int dsv4_kv_norm_weights_load(const char *path, const uint32_t *served_layers, u
       float x;
       if (t->dtype == DSV4_ST_BF16) {
         uint16_t h;
-        memcpy(&h, t->data + 2 * k, 2);
+        memcpy(&h, t->data + sizeof(h) * k, sizeof(h));
         x = dsv4_bf16_to_f32(h);
       } else {
-        memcpy(&x, t->data + 4 * k, 4);
+        memcpy(&x, t->data + sizeof(x) * k, sizeof(x));
       }
       /* Bounded weights keep (z * r) * w finite: |z * r| <= sqrt(512). */
       if (!(x > -0x1p32f && x < 0x1p32f)) {

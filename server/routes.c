@@ -158,7 +158,7 @@ static void fwd_done(dsv4_job_t *job) {
     size_t nb = 0;
     if (j->p.want_q)
       desc[nd++] = (dsv4_st_desc_t){"q_out", DSV4_ST_BF16, 3, {n, h, DSV4_HEAD_DIM}, j->q_bytes};
-    desc[nd++] = (dsv4_st_desc_t){"slots", DSV4_ST_I64, 1, {n}, (size_t)n * 8};
+    desc[nd++] = (dsv4_st_desc_t){"slots", DSV4_ST_I64, 1, {n}, (size_t)n * sizeof(int64_t)};
     if (j->f.want_digest) {
       snprintf(digest_hex, sizeof(digest_hex), "%016" PRIx64, j->f.digest);
       meta[nm++] = (dsv4_st_meta_t){"cache_digest", digest_hex};
@@ -181,7 +181,7 @@ static void fwd_done(dsv4_job_t *job) {
       bufs[nb++].len = j->q_bytes;
     }
     bufs[nb].base = (char *)j->f.slots;
-    bufs[nb++].len = (size_t)n * 8;
+    bufs[nb++].len = (size_t)n * sizeof(int64_t);
     dsv4_respond(req, 200, "application/octet-stream", NULL, 0, bufs, nb, fwd_release, j);
   }
 }
@@ -211,7 +211,9 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *msg, size_t msg_len
   j->f.n_segs = j->p.n_segs;
   j->f.want_digest = j->p.want_digest;
   j->q_bytes = j->p.q_bytes;
-  j->out = aligned_alloc(64, (j->q_bytes + (size_t)j->p.n_tokens * 8 + 63) & ~(size_t)63);
+  size_t out_bytes = j->q_bytes + (size_t)j->p.n_tokens * sizeof(int64_t);
+  j->out = aligned_alloc(DSV4_FORWARD_ALIGN,
+                         (out_bytes + DSV4_FORWARD_ALIGN - 1) & ~(size_t)(DSV4_FORWARD_ALIGN - 1));
   if (!j->out)
     return DSV4_ENOMEM;
   j->f.q_out = (uint16_t *)(void *)j->out;

@@ -40,6 +40,8 @@ typedef struct {
  * dependency wait reads the stale ones.
  */
 #define TEST_DELAY_NS 200000ull
+/* The nap between two looks at the clock while it waits: short against the delay. */
+#define TEST_DELAY_STEP_NS 1000
 static __device__ __forceinline__ uint64_t globaltimer(void) {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -87,7 +89,7 @@ template <int B> __global__ void __launch_bounds__(B) dsv4__map_slots_kernel(map
 #ifdef DSV4_TEST_DELAY_PRODUCER
   uint64_t t0 = globaltimer();
   while (globaltimer() - t0 < TEST_DELAY_NS)
-    __nanosleep(1000);
+    __nanosleep(TEST_DELAY_STEP_NS);
 #endif
   /* Every load first (see the top) ... */
   const int32_t s = in ? a->tok_seg[t] : -1;

@@ -54,8 +54,11 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  */
 enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_COUNT };
 
-/* The arrays packed in ST_META, in this order, each from a 16-byte boundary. */
+/* The arrays packed in ST_META, in this order, each from a META_ALIGN-byte boundary. */
 enum { M_POSITIONS, M_TOK_SEG, M_SEG_FIRST_LB, M_SEG_BT_OFF, M_SEG_BT_LEN, M_BLOCK_TABLE, M_COUNT };
+#define META_ALIGN 16
+/* The smallest staging buffer allocated: tiny batches do not each grow it by a few bytes. */
+#define STAGE_MIN_BYTES 256
 
 /* The sizes and offsets of the packed arrays for n tokens, nseg segments and bt table entries;
  * returns the total. */
@@ -70,7 +73,7 @@ static size_t meta_layout(size_t n, size_t nseg, size_t bt, size_t bytes[M_COUNT
   size_t total = 0;
   for (int i = 0; i < M_COUNT; i++) {
     off[i] = total;
-    total += (bytes[i] + 15) & ~(size_t)15;
+    total += (bytes[i] + META_ALIGN - 1) & ~(size_t)(META_ALIGN - 1);
   }
   return total;
 }
@@ -126,8 +129,8 @@ static int stage_reserve(dsv4_engine_t *e, int i, size_t bytes) {
   if (b->ptr && b->size >= bytes)
     return 0;
   want = b->size * 2 > bytes ? b->size * 2 : bytes;
-  if (want < 256)
-    want = 256;
+  if (want < STAGE_MIN_BYTES)
+    want = STAGE_MIN_BYTES;
   if (b->ptr)
     e->be->ops->buf_free(e->be, b);
   return e->be->ops->buf_alloc(e->be, want, b);
