@@ -307,7 +307,8 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   size_t chunk = items / ((size_t)threads * CPU_CHUNKS_PER_THREAD);
   if (chunk == 0)
     chunk = 1;
-  /* A launch this small (a few µs of work) is done by the caller before a worker could wake up. */
+  /* A launch this small is done by the caller in less time than a worker takes to wake up (see
+   * tests/bench/NOTES.md, "Figures formerly quoted in kernel comments", cpu_backend). */
   if ((uint64_t)a->n_tokens * a->heads * DSV4_HEAD_DIM * 2 < DSV4__CPU_INLINE_Q_BYTES)
     chunk = items;
   dsv4_host_pool_run(c->pool, insert_items, &j, items, chunk);

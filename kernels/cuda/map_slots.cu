@@ -10,15 +10,17 @@
  * entries per sequence). A token's slot is then one memory latency away instead of two (the
  * segment's entry, then the table entry it selects). Blocks have MAP_BLOCK threads, or one warp
  * when one warp covers the whole batch (at most 32 tokens, 32 segments and 128 table entries),
- * which took 0.05-0.1 us more off a small forward on an H200 (tests/bench/NOTES.md).
+ * which shortens a small forward further (see tests/bench/NOTES.md, "Figures formerly quoted in
+ * kernel comments", map_slots: the one-warp block).
  *
  * Under programmatic dependent launch the kernel first lets its dependent (the insert kernel)
  * launch, so that kernel's prologue overlaps this one; the dependent still waits for this grid's
  * completion before it reads a slot (cuda-kernels.h, SPEC §5.2). Before its own wait the kernel
  * prefetches the lines of all those loads into the L2: it is launched while the previous forward's
  * last blocks run, and its loads after the wait then find the lines in the L2 instead of DRAM
- * (about 1 point of the copy bandwidth at N = 1024, 0.07-0.08 us at N <= 64 on an H200; no
- * measurable difference when the kernel follows the copy of its metadata instead; NOTES.md).
+ * (when the kernel follows the copy of its metadata instead, the prefetch neither helps nor hurts;
+ * see tests/bench/NOTES.md, "Figures formerly quoted in kernel comments", map_slots: the L2
+ * prefetch).
  */
 #include "cuda-internal.cuh"
 

@@ -120,8 +120,9 @@ static __device__ __forceinline__ void st16(void *p, uint4 v) {
 /*
  * q_out: written once and never read here. A small launch (CS) stores it evict-first
  * (st.global.cs), which keeps in the L2 what the next forwards come back to; a large one with
- * plain stores, which moved 0.3-0.7 points more of the copy bandwidth from N = 1024 up on an H200
- * and cost 0.2-0.3 us at N <= 64 (tests/bench/NOTES.md).
+ * plain stores, which move more of the copy bandwidth on large launches and would cost time on
+ * small ones (see tests/bench/NOTES.md, "Figures formerly quoted in kernel comments", qkv_insert:
+ * q_out stores).
  */
 #ifdef DSV4_TEST_TUNE
 __device__ unsigned dsv4__cuda_test_flags_dev;
@@ -309,7 +310,8 @@ static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t
  * An L2 policy that evicts the lines it is attached to first (createpolicy, sm_80+). A small launch
  * reads its rows with it: they are read once, and the lines other forwards come back to (the
  * kernels' code and launch parameters, RoPE rows) then stay in the L2 instead of being pushed out
- * by them (tests/bench/NOTES.md). No memory is read.
+ * by them (see tests/bench/NOTES.md, "Figures formerly quoted in kernel comments", qkv_insert:
+ * evict-first reads). No memory is read.
  */
 static __device__ __forceinline__ uint64_t evict_first_policy(void) {
   uint64_t pol;
@@ -518,11 +520,10 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
    * Rows per warp: one while the rows fit on the device at once (a small batch: the shortest path
    * to its last byte), two up to 8 such waves of warps, three beyond. Many short blocks in launch
    * order keep the rows in flight at any moment close together in memory, which the DRAM serves
-   * best: on an H200 two rows per warp moved 94-98 % of the copy bandwidth at N >= 4096 where one
-   * resident wave of warps with long runs moved 84-89 %; three moved 0.2-0.8 points more than two
-   * from 14 waves up but 4-5 points less at 2-4 waves. Beyond two waves the last wave of warps
-   * has one row each: 0.1-0.3 us less from N = 256 up, but 0.2 us more at 1.7 waves
-   * (tests/bench/NOTES.md).
+   * best: two rows per warp move more of the copy bandwidth at large N than one resident wave of
+   * warps with long runs; three beat two only from many waves up. Beyond two waves the last wave
+   * of warps has one row each, which shortens the grid's tail (see tests/bench/NOTES.md, "Figures
+   * formerly quoted in kernel comments", qkv_insert: rows per warp).
    */
   uint64_t rows = (uint64_t)a->n_tokens * p.ipt;
   if (rows > 0x7fffffffu)
@@ -552,9 +553,9 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   if (grid > 0x7fffffffu)
     return DSV4_EINVAL;
   /*
-   * Rows read evict-first up to eight waves of warps: on an H200 this took 0.24-0.37 us off a
-   * forward at N = 1 to 64 and 1.5-2 % at N = 256 (seven waves at 128 heads), but cost 1 % at
-   * N = 1024 x 64 (14 waves), where every line is streamed anyway (tests/bench/NOTES.md).
+   * Rows read evict-first up to eight waves of warps: it shortens small and medium forwards, and
+   * costs time beyond, where every line is streamed anyway (see tests/bench/NOTES.md, "Figures
+   * formerly quoted in kernel comments", qkv_insert: evict-first reads).
    */
   cudaError_t e;
   if (rows <= 8 * resident) {
