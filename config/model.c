@@ -260,8 +260,7 @@ static int model_check_keys(json_t *root, model_ctx_t *c) {
   return 0;
 }
 
-/* Model pass 2: heads, layers, positions, epsilon, and a compress_ratios array of one entry per
- * layer. */
+/* Model pass 2: heads, layers, positions, epsilon, and compress_ratios of one entry per layer. */
 static int model_read_geometry(json_t *root, model_ctx_t *c, model_keys_t *k) {
   int rc;
   k->maxpos = DSV4_MAX_POSITION_DEFAULT;
@@ -288,8 +287,7 @@ static int model_read_geometry(json_t *root, model_ctx_t *c, model_keys_t *k) {
   return 0;
 }
 
-/* Model pass 3: the RoPE sections, rope_parameters (flat, or nested main/compress), else
- * rope_scaling. */
+/* Model pass 3: the RoPE sections, rope_parameters (flat or main/compress), else rope_scaling. */
 static int model_rope_sections(json_t *root, model_ctx_t *c, model_keys_t *k) {
   k->rp = json_object_get(root, "rope_parameters");
   k->rs = json_object_get(root, "rope_scaling");
@@ -321,10 +319,10 @@ static int model_rope_sections(json_t *root, model_ctx_t *c, model_keys_t *k) {
   return 0;
 }
 
-/* Model pass 4: the RoPE bases, the top-level keys overridden by rope_parameters (the newer, more
- * specific format), and the section whose scaling the compressed layers use. */
+/* Model pass 4: the RoPE bases, and the section whose scaling the compressed layers use. */
 static int model_rope_thetas(json_t *root, model_ctx_t *c, model_keys_t *k) {
   int rc;
+  /* The top-level keys, overridden by rope_parameters (the newer, more specific format). */
   k->theta = FLASH_ROPE_THETA;
   k->ctheta = FLASH_COMPRESS_ROPE_THETA;
   if ((rc = get_number_in(c, root, "rope_theta", THETA_MIN, 1, THETA_MAX, &k->theta)) ||

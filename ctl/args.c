@@ -232,8 +232,7 @@ static int apply_option(const char *name, const char *val, const char *a, dsv4_c
   return 0;
 }
 
-/* Argument pass 1: options ("--name value" or "--name=value") and positional arguments, in any
- * order, until the end or --help / --version. */
+/* Argument pass 1: options ("--name value", "--name=value") and positional arguments, any order. */
 static int scan_args(int argc, char *const *argv, dsv4_ctl_args_t *out, scan_t *sc, char *err,
                      size_t errlen) {
   int only_positional = 0;

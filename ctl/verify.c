@@ -174,8 +174,7 @@ static long layer_index(const uint32_t *v, size_t n, uint32_t l) {
   return lo < n && v[lo] == l ? (long)lo : -1;
 }
 
-/* Verify pass 1: the dump's fixed metadata and its "layers" runs, which must name one records and
- * one positions tensor per layer. */
+/* Verify pass 1: the dump's fixed metadata and its "layers" runs, two tensors per layer. */
 static int check_header(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, uint32_t **layers,
                         size_t *n) {
   const char *layout = dsv4_st_meta(st, "layout");
@@ -202,8 +201,8 @@ static int check_header(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, uint32
   return rc;
 }
 
-/* Verify pass 2: every tensor is one of the two of a layer in the range, with the dump's dtype and
- * shape (rec[x] and pos[x] for the x-th layer), and every digest.{L} key names a layer of it. */
+/* Verify pass 2: each tensor a layer's records (rec[x]) or positions (pos[x]); digest keys named.
+ */
 static int sort_tensors(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const uint32_t *layers,
                         size_t n, const dsv4_st_tensor_t **rec, const dsv4_st_tensor_t **pos) {
   const char *range = dsv4_st_meta(st, "layers");

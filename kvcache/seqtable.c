@@ -382,8 +382,7 @@ static int plan_lookup(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg
   return all_replay;
 }
 
-/* Plan pass 3 (fresh batches): sequence state, continuity, and the blocks and new sequences the
- * batch needs against what is free. */
+/* Plan pass 3 (fresh batches): continuity, and the blocks and sequences needed against the free. */
 static int plan_admit(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t *segs,
                       uint32_t n, uint64_t now_ns, dsv4_plan_t *plan, uint32_t *new_seqs) {
   const uint32_t bs = st->cfg.block_size;
@@ -435,8 +434,7 @@ static int plan_admit(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_
   return 0;
 }
 
-/* Plan pass 4: reserve every piece of memory before the first change, so that ENOMEM leaves
- * nothing behind (the sequences it created are freed again). */
+/* Plan pass 4: every piece of memory reserved before the first change (ENOMEM leaves nothing). */
 static int plan_reserve(dsv4_seqtable_t *st, uint32_t n, uint32_t new_seqs, dsv4_plan_t *plan) {
   const uint32_t bs = st->cfg.block_size;
   plan_seg_t *ps = plan->priv;
@@ -479,8 +477,8 @@ static int plan_reserve(dsv4_seqtable_t *st, uint32_t n, uint32_t new_seqs, dsv4
   return rc;
 }
 
-/* Plan pass 5, apply: a created sequence enters the map under its name, in place of an expired
- * entry of that name. */
+/* Plan pass 5, apply: a created sequence enters the map, in place of an expired entry of its name.
+ */
 static void plan_enter(dsv4_seqtable_t *st, const dsv4_seg_req_t *r, plan_seg_t *p,
                        uint64_t now_ns) {
   seq_t *s = p->seq;
@@ -500,11 +498,11 @@ static void plan_enter(dsv4_seqtable_t *st, const dsv4_seg_req_t *r, plan_seg_t 
   st->n_live++;
 }
 
-/* Plan pass 5, apply: new sequences, the blocks each segment needs and the block table of its
- * window. Nothing here can fail: pass 3 counted the free blocks and pass 4 reserved the memory.
- * Returns the block table's length. */
+/* Plan pass 5, apply: new sequences, new blocks and each window's block table; returns its length.
+ */
 static uint32_t plan_apply(dsv4_seqtable_t *st, const dsv4_seg_req_t *segs, uint32_t n,
                            uint64_t now_ns, dsv4_plan_t *plan) {
+  /* Nothing here can fail: pass 3 counted the free blocks and pass 4 reserved the memory. */
   const uint32_t bs = st->cfg.block_size;
   plan_seg_t *ps = plan->priv;
   uint32_t off = 0;

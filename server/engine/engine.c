@@ -483,8 +483,7 @@ static void collect_dropped(dsv4_forward_t *f) {
   }
 }
 
-/* Forward pass 1: every segment inside the batch and the model, and each token's position and
- * segment. */
+/* Forward pass 1: segments inside the batch and the model; each token's position and segment. */
 static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
   uint32_t n = f->n_tokens, t = 0;
   for (uint32_t s = 0; s < f->n_segs; s++) {
@@ -504,9 +503,9 @@ static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
   return t != n ? DSV4_EINVAL : 0;
 }
 
-/* Forward pass 2, validation: bounds, value range and replay hashes, then the RoPE rows and staging
- * room, so that a refused batch changes nothing. */
+/* Forward pass 2, validation: bounds, value range, replay hashes, RoPE rows and staging room. */
 static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
+  /* Validation comes first, so that a refused batch changes nothing. */
   const dsv4_backend_ops_t *ops = e->be->ops;
   int rc = grow_scratch(e, f->n_tokens, f->n_segs);
   if (!rc)
@@ -527,8 +526,7 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   return rc;
 }
 
-/* Forward pass 3, the plan: the sequence table's blocks for the batch, as the slot mapper's
- * per-segment arrays. */
+/* Forward pass 3, the plan: the batch's blocks, as the slot mapper's per-segment arrays. */
 static int forward_plan(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint64_t now_ns) {
   /* Idle expiry is a matter of time, not of this batch: the sequences it names are brought up to
    * date first, whether or not the batch is then refused. */
