@@ -19,6 +19,16 @@
 #define DSV4_VERSION "unknown"
 #endif
 
+/* The most CPU backend threads, also when "0" takes the online cores. */
+#define MAX_THREADS 1024
+/* The longest string option value (the messages say the same number). */
+#define OPT_STR_MAX 4096
+/* The derived max_body_bytes: safetensors' 8-byte length prefix, room for the largest header the
+ * codec takes (DSV4_ST_MAX_HEADER), the tensors, rounded up to whole MiB. */
+#define BODY_PREFIX_BYTES 8
+#define BODY_HEADER_ROOM ((uint64_t)1 << 20)
+#define BODY_ROUND ((uint64_t)1 << 20)
+
 typedef enum { OPT_STR, OPT_ENUM, OPT_U32, OPT_U64, OPT_INT, OPT_BOOL } opt_type_t;
 
 enum {
@@ -59,7 +69,7 @@ static const opt_t opts[] = {
      0, "bytes a dump reads per executor step (a batch waits at most one step)"},
     {"backend", OPT_ENUM, F(backend), "auto", 0, 0, "auto|cpu|cuda|level_zero", 0,
      "compute backend"},
-    {"threads", OPT_U32, F(threads), "0", 0, 1024, NULL, 0,
+    {"threads", OPT_U32, F(threads), "0", 0, MAX_THREADS, NULL, 0,
      "CPU backend threads (0 = online cores)"},
     {"block_size", OPT_U32, F(block_size), "64", DSV4_MIN_BLOCK_SIZE, DSV4_MAX_BLOCK_SIZE, NULL,
      OPT_POW2, "tokens per KV cache block"},
@@ -248,7 +258,7 @@ static int opt_set(dsv4_config_t *cfg, size_t idx, const char *value, const orig
   case OPT_ENUM: {
     if (o->type == OPT_ENUM && !enum_has(o->values, value))
       return bad_value(o, value, org, "is not an allowed value", why, why_len);
-    if (strlen(value) > 4096)
+    if (strlen(value) > OPT_STR_MAX)
       return bad_value(o, "...", org, "is longer than 4096 bytes", why, why_len);
     char *copy = strdup(value);
     if (!copy)
@@ -670,16 +680,16 @@ static int resolve(dsv4_config_t *cfg, char *why, size_t why_len) {
   }
   if (cfg->threads == 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
-    cfg->threads = n > 0 ? (uint32_t)(n > 1024 ? 1024 : n) : 1;
+    cfg->threads = n > 0 ? (uint32_t)(n > MAX_THREADS ? MAX_THREADS : n) : 1;
   }
   if (cfg->max_body_bytes) {
     cfg->max_body_bytes_effective = cfg->max_body_bytes;
   } else {
     /* q [N, H, 512] and kv [N, 512] in bf16, the length prefix and a full-size header. */
-    uint64_t per_token = (uint64_t)cfg->heads * DSV4_HEAD_DIM * 2 + DSV4_HEAD_DIM * 2;
-    uint64_t mib = (uint64_t)1 << 20;
-    uint64_t need = 8 + mib + (uint64_t)cfg->max_batch_tokens * per_token;
-    cfg->max_body_bytes_effective = (need + mib - 1) / mib * mib;
+    uint64_t per_token = ((uint64_t)cfg->heads * DSV4_HEAD_DIM + DSV4_HEAD_DIM) * sizeof(uint16_t);
+    uint64_t need =
+        BODY_PREFIX_BYTES + BODY_HEADER_ROOM + (uint64_t)cfg->max_batch_tokens * per_token;
+    cfg->max_body_bytes_effective = (need + BODY_ROUND - 1) / BODY_ROUND * BODY_ROUND;
   }
   return 0;
 }

@@ -21,9 +21,17 @@
 #define FLASH_NEXTN_LAYERS 1
 #define FLASH_ROPE_THETA 10000.0
 #define FLASH_COMPRESS_ROPE_THETA 160000.0
+#define FLASH_RMS_EPS 1e-6
+/* V4-Flash's compression ratios: layers 0 and 1 and the MTP layer uncompressed, then these two
+ * alternating from layer 2 (even layers, odd layers). */
+#define FLASH_RATIO_EVEN 4
+#define FLASH_RATIO_ODD 128
 #define MODEL_MAX_LAYERS 1024
 #define MODEL_MAX_NEXTN 16
 #define MODEL_MAX_RATIO 65536
+/* The largest max_position_embeddings taken (2^32): far beyond any model's context, and a bound,
+ * like the others here, on what the RoPE tables may be asked to hold. */
+#define MODEL_MAX_POSITION ((uint64_t)1 << 32)
 
 static char *model_strdup(const char *s) {
   size_t n = strlen(s) + 1;
@@ -42,7 +50,7 @@ int dsv4_model_builtin_flash(dsv4_model_t *m) {
   m->num_hidden_layers = FLASH_HIDDEN_LAYERS;
   m->num_nextn_predict_layers = FLASH_NEXTN_LAYERS;
   m->n_layers_total = FLASH_HIDDEN_LAYERS + FLASH_NEXTN_LAYERS;
-  m->rms_norm_eps = 1e-6f;
+  m->rms_norm_eps = (float)FLASH_RMS_EPS;
   m->max_position_embeddings = DSV4_MAX_POSITION_DEFAULT;
   m->compress_ratios = calloc(m->n_layers_total, sizeof(uint32_t));
   m->name = model_strdup("builtin:V4-Flash");
@@ -52,7 +60,7 @@ int dsv4_model_builtin_flash(dsv4_model_t *m) {
   }
   /* Layers 0 and 1 are uncompressed, then 4 and 128 alternate; the MTP layer is uncompressed. */
   for (uint32_t l = 2; l < FLASH_HIDDEN_LAYERS; l++)
-    m->compress_ratios[l] = (l % 2 == 0) ? 4 : 128;
+    m->compress_ratios[l] = (l % 2 == 0) ? FLASH_RATIO_EVEN : FLASH_RATIO_ODD;
   /* Copying the shared defaults keeps the built-in inv_freq lists of SPEC §2.3 in force. */
   m->rope_plain = dsv4_rope_plain_default;
   m->rope_compress = dsv4_rope_yarn_default;
@@ -180,7 +188,8 @@ static int compress_params(model_ctx_t *c, json_t *sec, const char *where, doubl
   }
   *out = dsv4_rope_yarn_default;
   out->theta = theta;
-  double factor = 0, orig = 0, beta_fast = 32.0, beta_slow = 1.0;
+  double factor = 0, orig = 0;
+  double beta_fast = dsv4_rope_yarn_default.beta_fast, beta_slow = dsv4_rope_yarn_default.beta_slow;
   char key[96];
   if ((rc = get_number_in(c, sec, "factor", 1.0, 0, YARN_FACTOR_MAX, &factor)) ||
       (rc = get_number_in(c, sec, "original_max_position_embeddings", 1.0, 0, YARN_ORIG_MAX,
@@ -251,16 +260,15 @@ static int model_check_keys(json_t *root, model_ctx_t *c) {
   return 0;
 }
 
-/* Model pass 2: heads, layers, positions, epsilon, and a compress_ratios array of one entry per
- * layer. */
+/* Model pass 2: heads, layers, positions, epsilon, and compress_ratios of one entry per layer. */
 static int model_read_geometry(json_t *root, model_ctx_t *c, model_keys_t *k) {
   int rc;
   k->maxpos = DSV4_MAX_POSITION_DEFAULT;
-  k->eps = 1e-6;
+  k->eps = FLASH_RMS_EPS;
   if ((rc = get_uint(c, root, "num_attention_heads", 1, DSV4_MAX_HEADS, &k->heads)) ||
       (rc = get_uint(c, root, "num_hidden_layers", 1, MODEL_MAX_LAYERS, &k->hidden)) ||
       (rc = get_uint(c, root, "num_nextn_predict_layers", 0, MODEL_MAX_NEXTN, &k->nextn)) ||
-      (rc = get_uint(c, root, "max_position_embeddings", 1, (uint64_t)1 << 32, &k->maxpos)))
+      (rc = get_uint(c, root, "max_position_embeddings", 1, MODEL_MAX_POSITION, &k->maxpos)))
     return rc;
   if ((rc = get_number_in(c, root, "rms_norm_eps", EPS_MIN, 0, EPS_MAX, &k->eps)))
     return rc;
@@ -279,8 +287,7 @@ static int model_read_geometry(json_t *root, model_ctx_t *c, model_keys_t *k) {
   return 0;
 }
 
-/* Model pass 3: the RoPE sections, rope_parameters (flat, or nested main/compress), else
- * rope_scaling. */
+/* Model pass 3: the RoPE sections, rope_parameters (flat or main/compress), else rope_scaling. */
 static int model_rope_sections(json_t *root, model_ctx_t *c, model_keys_t *k) {
   k->rp = json_object_get(root, "rope_parameters");
   k->rs = json_object_get(root, "rope_scaling");
@@ -312,10 +319,10 @@ static int model_rope_sections(json_t *root, model_ctx_t *c, model_keys_t *k) {
   return 0;
 }
 
-/* Model pass 4: the RoPE bases, the top-level keys overridden by rope_parameters (the newer, more
- * specific format), and the section whose scaling the compressed layers use. */
+/* Model pass 4: the RoPE bases, and the section whose scaling the compressed layers use. */
 static int model_rope_thetas(json_t *root, model_ctx_t *c, model_keys_t *k) {
   int rc;
+  /* The top-level keys, overridden by rope_parameters (the newer, more specific format). */
   k->theta = FLASH_ROPE_THETA;
   k->ctheta = FLASH_COMPRESS_ROPE_THETA;
   if ((rc = get_number_in(c, root, "rope_theta", THETA_MIN, 1, THETA_MAX, &k->theta)) ||

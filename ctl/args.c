@@ -132,7 +132,7 @@ int dsv4_ctl_url_parse(const char *s, dsv4_ctl_url_t *out, char *err, size_t err
       return fail(err, errlen, "admin URL \"%.200s\": bad port", s);
     memcpy(pb, port, plen);
     pb[plen] = '\0';
-    if (dsv4_parse_decimal(pb, plen, 65535, &v) != 0 || v == 0)
+    if (dsv4_parse_decimal(pb, plen, UINT16_MAX, &v) != 0 || v == 0)
       return fail(err, errlen, "admin URL \"%.200s\": port \"%s\" is not 1..65535", s, pb);
     snprintf(out->port, sizeof(out->port), "%u", (unsigned)v);
   } else {
@@ -198,7 +198,7 @@ static int apply_option(const char *name, const char *val, const char *a, dsv4_c
     out->token_file = val;
   } else if (strcmp(name, "--timeout") == 0) {
     uint64_t t;
-    if (dsv4_parse_decimal(val, strlen(val), 3600, &t) != 0 || t == 0)
+    if (dsv4_parse_decimal(val, strlen(val), DSV4_CTL_MAX_TIMEOUT_S, &t) != 0 || t == 0)
       return fail(err, errlen, "--timeout \"%.64s\" is not a whole number of seconds 1..3600", val);
     out->timeout_ms = (int)t * 1000;
   } else if (strcmp(name, "--layer") == 0) {
@@ -232,8 +232,7 @@ static int apply_option(const char *name, const char *val, const char *a, dsv4_c
   return 0;
 }
 
-/* Argument pass 1: options ("--name value" or "--name=value") and positional arguments, in any
- * order, until the end or --help / --version. */
+/* Argument pass 1: options ("--name value", "--name=value") and positional arguments, any order. */
 static int scan_args(int argc, char *const *argv, dsv4_ctl_args_t *out, scan_t *sc, char *err,
                      size_t errlen) {
   int only_positional = 0;

@@ -20,6 +20,7 @@
 
 #define DSV4_CTL_DEFAULT_ADMIN "http://127.0.0.1:8401"
 #define DSV4_CTL_DEFAULT_TIMEOUT_MS 30000
+#define DSV4_CTL_MAX_TIMEOUT_S 3600 /* the largest --timeout: an hour */
 #define DSV4_CTL_ERR_LEN 256
 
 /* An http:// URL split into what a request needs. */

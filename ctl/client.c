@@ -17,6 +17,13 @@
 #include "dsv4-error.h"
 
 #define DEFAULT_MAX_BUFFER ((size_t)64 << 20)
+/* A buffered answer's first size; it doubles from there. */
+#define ANSWER_MIN_BYTES 4096
+/* The request head beyond its variable parts (base, target, host, token): the fixed text, the port
+ * and the version, with room to spare. */
+#define HEAD_FIXED_BYTES 256
+/* Bytes read from the socket at a time. */
+#define RECV_BYTES ((size_t)1 << 16)
 
 __attribute__((format(printf, 4, 5))) static int fail(int rc, char *why, size_t why_len,
                                                       const char *fmt, ...) {
@@ -230,7 +237,7 @@ static int on_body(llhttp_t *p, const char *at, size_t n) {
     return -1;
   }
   if (r->body_len + n + 1 > rx->cap) {
-    size_t cap = rx->cap ? rx->cap : 4096;
+    size_t cap = rx->cap ? rx->cap : ANSWER_MIN_BYTES;
     while (cap < r->body_len + n + 1)
       cap *= 2;
     char *b = realloc(r->body, cap);
@@ -272,7 +279,7 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
   const dsv4_ctl_url_t *u = req.url;
 
   /* The token was checked for control characters when read, so the request cannot be split. */
-  size_t need = strlen(u->base) + strlen(target) + strlen(u->host) + 256 +
+  size_t need = strlen(u->base) + strlen(target) + strlen(u->host) + HEAD_FIXED_BYTES +
                 (req.token ? strlen(req.token) : 0);
   char *head = malloc(need);
   if (!head)
@@ -314,7 +321,7 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
   rx.why = why;
   rx.why_len = why_len;
 
-  char buf[1 << 16];
+  char buf[RECV_BYTES];
   while (!rx.complete) {
     ssize_t n = recv(fd, buf, sizeof(buf), 0);
     if (n < 0 && errno == EINTR)

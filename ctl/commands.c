@@ -108,11 +108,17 @@ typedef struct {
   char why[DSV4_CTL_ERR_LEN];
 } dump_t;
 
+/* Seconds between two progress reports: on a terminal (one line redrawn), else (a line each). */
+#define PROGRESS_TTY_S 0.1
+#define PROGRESS_LOG_S 1.0
+/* The file a dump streams into until it is complete: the output's name and this suffix. */
+#define PART_SUFFIX ".part"
+
 static void progress(dump_t *d, int final) {
   if (!d->show)
     return;
   double t = now_s();
-  if (!final && t - d->last < (d->show == 1 ? 0.1 : 1.0))
+  if (!final && t - d->last < (d->show == 1 ? PROGRESS_TTY_S : PROGRESS_LOG_S))
     return;
   d->last = t;
   double mib = (double)d->got / (1024.0 * 1024.0), el = t - d->t0;
@@ -160,13 +166,13 @@ static int dump_data(void *ud, const uint8_t *p, size_t n) {
 
 static int cmd_dump(ctx_t *c, const char *target) {
   const dsv4_ctl_args_t *a = c->a;
-  size_t plen = strlen(a->output) + 6;
+  size_t plen = strlen(a->output) + sizeof(PART_SUFFIX);
   char *part = malloc(plen);
   if (!part) {
     fprintf(c->err, "dsv4ctl: out of memory\n");
     return DSV4_CTL_EXIT_USAGE;
   }
-  snprintf(part, plen, "%s.part", a->output);
+  snprintf(part, plen, "%s" PART_SUFFIX, a->output);
   dump_t d = {.c = c, .part = part, .fd = -1, .total = -1};
   d.show = a->progress == 1 ? (c->err && isatty(fileno(c->err)) ? 1 : 2) : 0;
   dsv4_ctl_sink_t sink = {.on_headers = dump_headers, .on_data = dump_data, .ud = &d};

@@ -369,13 +369,13 @@ void dsv4_ctl_print_token(FILE *out, const json_t *doc) {
     char c[32], v[48];
     dsv4_ctl_format_value(json_array_get(codes, g), c, sizeof(c));
     dsv4_ctl_format_value(json_array_get(scales, g), v, sizeof(v));
-    const size_t t = DSV4_TILE; /* NoPE values per scale code */
-    fprintf(out, "\nNoPE dims %zu-%zu: scale code %s = %s\n", t * g, t * g + t - 1, c, v);
-    if (json_array_size(nope) >= t * (g + 1))
-      print_numbers(out, nope, t * g, t, 8, 0);
-    if (json_array_size(fp8) >= t * (g + 1)) {
+    size_t first = (size_t)DSV4_TILE * g;
+    fprintf(out, "\nNoPE dims %zu-%zu: scale code %s = %s\n", first, first + DSV4_TILE - 1, c, v);
+    if (json_array_size(nope) >= first + DSV4_TILE)
+      print_numbers(out, nope, first, DSV4_TILE, 8, 0);
+    if (json_array_size(fp8) >= first + DSV4_TILE) {
       fprintf(out, "  e4m3 bytes:\n");
-      print_numbers(out, fp8, t * g, t, 16, 2);
+      print_numbers(out, fp8, first, DSV4_TILE, 16, 2);
     }
   }
   const json_t *rope = json_object_get(doc, "rope"), *rb = json_object_get(doc, "rope_bf16");

@@ -18,6 +18,15 @@
 #include "records.h"
 #include "safetensors.h"
 
+/* A layout number as the metadata spells it: DSV4_STR(DSV4_WINDOW) is "128". */
+#define DSV4_STR_(x) #x
+#define DSV4_STR(x) DSV4_STR_(x)
+
+/* The prefixes of a dump's tensor names and of its digest keys. */
+#define LAYERS_PREFIX "layers."
+#define DIGEST_PREFIX "digest."
+#define PREFIX_LEN(p) (sizeof(p) - 1)
+
 __attribute__((format(printf, 2, 3))) static int fail(dsv4_ctl_verify_t *v, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -43,9 +52,9 @@ int dsv4_ctl_is_digest(const char *s) {
 /* "layers.{L}.records" or "layers.{L}.positions" with L a decimal without leading zeros: the layer
  * and which of the two (0 records, 1 positions), or -1 for any other name. */
 static int tensor_kind(const char *name, uint32_t *layer) {
-  if (strncmp(name, "layers.", 7) != 0)
+  if (strncmp(name, LAYERS_PREFIX, PREFIX_LEN(LAYERS_PREFIX)) != 0)
     return -1;
-  const char *d = name + 7, *p = d + strspn(d, "0123456789");
+  const char *d = name + PREFIX_LEN(LAYERS_PREFIX), *p = d + strspn(d, "0123456789");
   uint64_t l;
   if ((p - d > 1 && *d == '0') || dsv4_parse_decimal(d, (size_t)(p - d), INT32_MAX, &l) != 0)
     return -1;
@@ -68,7 +77,7 @@ static int check_fixed(dsv4_ctl_verify_t *v, const dsv4_st_view_t *st, const cha
 
 static int64_t le64(const uint8_t *p) {
   uint64_t x = 0;
-  for (int i = 7; i >= 0; i--)
+  for (int i = (int)sizeof(x) - 1; i >= 0; i--)
     x = (x << 8) | p[i];
   return (int64_t)x;
 }
@@ -82,7 +91,7 @@ static int check_layer(const dsv4_st_view_t *st, dsv4_records_digest_t *d,
   c->records = t;
   dsv4_records_digest_reset(d);
   for (uint64_t i = 0; i < t; i++) {
-    int64_t p = le64(pos->data + 8 * i);
+    int64_t p = le64(pos->data + sizeof(int64_t) * i);
     if (i == 0)
       c->first = p;
     else if (p != c->last + 1 && !c->problem[0])
@@ -165,8 +174,7 @@ static long layer_index(const uint32_t *v, size_t n, uint32_t l) {
   return lo < n && v[lo] == l ? (long)lo : -1;
 }
 
-/* Verify pass 1: the dump's fixed metadata and its "layers" runs, which must name one records and
- * one positions tensor per layer. */
+/* Verify pass 1: the dump's fixed metadata and its "layers" runs, two tensors per layer. */
 static int check_header(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, uint32_t **layers,
                         size_t *n) {
   const char *layout = dsv4_st_meta(st, "layout");
@@ -193,8 +201,8 @@ static int check_header(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, uint32
   return rc;
 }
 
-/* Verify pass 2: every tensor is one of the two of a layer in the range, with the dump's dtype and
- * shape (rec[x] and pos[x] for the x-th layer), and every digest.{L} key names a layer of it. */
+/* Verify pass 2: each tensor a layer's records (rec[x]) or positions (pos[x]); digest keys named.
+ */
 static int sort_tensors(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const uint32_t *layers,
                         size_t n, const dsv4_st_tensor_t **rec, const dsv4_st_tensor_t **pos) {
   const char *range = dsv4_st_meta(st, "layers");
@@ -220,10 +228,10 @@ static int sort_tensors(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const 
   }
   for (size_t i = 0; i < st->n_meta; i++) {
     const char *k = st->meta[i].key;
-    if (strncmp(k, "digest.", 7) == 0) {
+    if (strncmp(k, DIGEST_PREFIX, PREFIX_LEN(DIGEST_PREFIX)) == 0) {
       char name[64];
       uint32_t l;
-      snprintf(name, sizeof(name), "layers.%.40s.records", k + 7);
+      snprintf(name, sizeof(name), LAYERS_PREFIX "%.40s.records", k + PREFIX_LEN(DIGEST_PREFIX));
       if (tensor_kind(name, &l) != 0 || layer_index(layers, n, l) < 0)
         return fail(out, "metadata %.64s names no layer of the range %s", k, range);
     }

@@ -180,6 +180,10 @@ DSV4_FN float dsv4_pow2_neg(dsv4_i32 e) {
   return dsv4_u2f((dsv4_u32)(127 - e) << 23);
 }
 
+/* A tile's UE8M0 scale code is its exponent e plus this bias (SPEC §2.2): 2^e is stored as e + 127.
+ */
+#define DSV4_UE8M0_BIAS 127
+
 /* The dequantisation scale 2^(code-127) of a UE8M0 code (1 <= code <= 254). */
 DSV4_FN float dsv4_ue8m0_scale(dsv4_u8 code) {
   return dsv4_u2f((dsv4_u32)code << 23);

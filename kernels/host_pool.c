@@ -41,6 +41,9 @@ static unsigned read_mxcsr(void) {
 /* Spin iterations before a worker or the caller falls back to sleeping (tens of microseconds). */
 #define SPIN_LIMIT 2000
 
+/* A balanced run hands out its items in about this many chunks per participant. */
+#define BALANCED_CHUNKS_PER_THREAD 4
+
 /* The launch word: generation in the high 32 bits, a closed flag, and the count of joined workers.
  */
 #define W_GEN(w) ((uint32_t)((w) >> 32))
@@ -265,6 +268,6 @@ unsigned dsv4__host_pool_participant(void) {
 
 void dsv4_host_pool_run_balanced(dsv4_host_pool_t *p, dsv4_host_job_fn fn, void *arg,
                                  size_t n_items) {
-  size_t chunk = n_items / ((size_t)dsv4_host_pool_threads(p) * 4);
+  size_t chunk = n_items / ((size_t)dsv4_host_pool_threads(p) * BALANCED_CHUNKS_PER_THREAD);
   dsv4_host_pool_run(p, fn, arg, n_items, chunk ? chunk : 1);
 }

@@ -20,6 +20,14 @@
 
 enum { SEQ_LIVE = 0, SEQ_EXPIRED = 1 };
 
+/* The name map starts with this many slots and doubles up to MAP_MAX_SLOTS, the largest power of
+ * two its 32-bit slot indices take. */
+#define MAP_MIN_SLOTS 64
+#define MAP_MAX_SLOTS (1ull << 31)
+/* The smallest capacity the growing arrays (a sequence's blocks, a plan's arrays and its duplicate
+ * set) start from; they double from there. */
+#define GROW_MIN 8
+
 typedef struct {
   int64_t next;       /* next position this layer writes */
   int64_t s;          /* first position of the last applied segment; p0 before any */
@@ -125,7 +133,7 @@ static int map_reserve(dsv4_seqtable_t *st, uint32_t extra) {
   uint64_t cap = st->cap;
   while (want * 2 > cap)
     cap *= 2;
-  if (cap > (1ull << 31))
+  if (cap > MAP_MAX_SLOTS)
     return DSV4_ENOMEM;
   seq_t **slots = calloc((size_t)cap, sizeof(*slots));
   if (slots == NULL)
@@ -226,7 +234,7 @@ int dsv4_seqtable_create(const dsv4_seqtable_config_t *cfg, dsv4_pool_t *pool,
     return DSV4_ENOMEM;
   st->cfg = *cfg;
   st->pool = pool;
-  st->cap = 64;
+  st->cap = MAP_MIN_SLOTS;
   st->slots = calloc(st->cap, sizeof(*st->slots));
   if (st->slots == NULL) {
     free(st);
@@ -273,7 +281,7 @@ static int grow(void **p, uint32_t *cap, uint64_t want, size_t elem) {
     return 0;
   if (want > UINT32_MAX / 2)
     return DSV4_ENOMEM;
-  uint64_t n = *cap ? *cap : 8;
+  uint64_t n = *cap ? *cap : GROW_MIN;
   while (n < want)
     n *= 2;
   void *q = realloc(*p, (size_t)n * elem);
@@ -298,7 +306,7 @@ static int64_t map_first_lb(int64_t p0, int64_t start, uint32_t bs) {
 }
 
 static uint32_t pow2_at_least(uint64_t n) {
-  uint32_t c = 8;
+  uint32_t c = GROW_MIN;
   while (c < n)
     c *= 2;
   return c;
@@ -374,8 +382,7 @@ static int plan_lookup(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg
   return all_replay;
 }
 
-/* Plan pass 3 (fresh batches): sequence state, continuity, and the blocks and new sequences the
- * batch needs against what is free. */
+/* Plan pass 3 (fresh batches): continuity, and the blocks and sequences needed against the free. */
 static int plan_admit(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t *segs,
                       uint32_t n, uint64_t now_ns, dsv4_plan_t *plan, uint32_t *new_seqs) {
   const uint32_t bs = st->cfg.block_size;
@@ -427,8 +434,7 @@ static int plan_admit(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_
   return 0;
 }
 
-/* Plan pass 4: reserve every piece of memory before the first change, so that ENOMEM leaves
- * nothing behind (the sequences it created are freed again). */
+/* Plan pass 4: every piece of memory reserved before the first change (ENOMEM leaves nothing). */
 static int plan_reserve(dsv4_seqtable_t *st, uint32_t n, uint32_t new_seqs, dsv4_plan_t *plan) {
   const uint32_t bs = st->cfg.block_size;
   plan_seg_t *ps = plan->priv;
@@ -471,8 +477,8 @@ static int plan_reserve(dsv4_seqtable_t *st, uint32_t n, uint32_t new_seqs, dsv4
   return rc;
 }
 
-/* Plan pass 5, apply: a created sequence enters the map under its name, in place of an expired
- * entry of that name. */
+/* Plan pass 5, apply: a created sequence enters the map, in place of an expired entry of its name.
+ */
 static void plan_enter(dsv4_seqtable_t *st, const dsv4_seg_req_t *r, plan_seg_t *p,
                        uint64_t now_ns) {
   seq_t *s = p->seq;
@@ -492,11 +498,11 @@ static void plan_enter(dsv4_seqtable_t *st, const dsv4_seg_req_t *r, plan_seg_t 
   st->n_live++;
 }
 
-/* Plan pass 5, apply: new sequences, the blocks each segment needs and the block table of its
- * window. Nothing here can fail: pass 3 counted the free blocks and pass 4 reserved the memory.
- * Returns the block table's length. */
+/* Plan pass 5, apply: new sequences, new blocks and each window's block table; returns its length.
+ */
 static uint32_t plan_apply(dsv4_seqtable_t *st, const dsv4_seg_req_t *segs, uint32_t n,
                            uint64_t now_ns, dsv4_plan_t *plan) {
+  /* Nothing here can fail: pass 3 counted the free blocks and pass 4 reserved the memory. */
   const uint32_t bs = st->cfg.block_size;
   plan_seg_t *ps = plan->priv;
   uint32_t off = 0;
@@ -507,9 +513,10 @@ static uint32_t plan_apply(dsv4_seqtable_t *st, const dsv4_seg_req_t *segs, uint
       plan_enter(st, r, &ps[i], now_ns);
     for (uint32_t k = 0; k < ps[i].need; k++) {
       uint32_t id;
-      int arc = dsv4_pool_alloc(st->pool, &id);
-      assert(arc == 0);
-      (void)arc;
+      /* Pass 3 counted the free blocks, so this cannot fail; if it did, the pool is corrupt and
+       * going on would hand one block to two sequences, in any build. */
+      if (dsv4_pool_alloc(st->pool, &id) != 0)
+        abort();
       s->blocks[s->n_blocks++] = (int32_t)id;
     }
     int64_t flb = map_first_lb(s->p0, r->start, bs);

@@ -9,6 +9,12 @@
 
 #include "dsv4-error.h"
 
+/* The tick (the idle-sequence sweep) runs about once per this period, also while no batch comes. */
+#define TICK_S 1
+#define TICK_NS (TICK_S * 1000000000u)
+/* MXCSR flush-to-zero (bit 15) and denormals-are-zero (bit 6). */
+#define MXCSR_FTZ_DAZ 0x8040u
+
 static uint64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -16,7 +22,7 @@ static uint64_t now_ns(void) {
 }
 
 static void run_tick(dsv4_executor_t *ex, uint64_t now) {
-  if (ex->tick && now - ex->last_tick_ns >= 1000000000u) {
+  if (ex->tick && now - ex->last_tick_ns >= TICK_NS) {
     ex->last_tick_ns = now;
     ex->tick(ex->tick_arg);
   }
@@ -27,14 +33,14 @@ static void *executor_main(void *arg) {
 #if defined(__x86_64__) || defined(__i386__)
   /* SPEC §2: subnormals are honoured on every thread that computes; FTZ (bit 15) and DAZ (bit 6).
    */
-  assert((_mm_getcsr() & 0x8040u) == 0);
+  assert((_mm_getcsr() & MXCSR_FTZ_DAZ) == 0);
 #endif
   pthread_mutex_lock(&ex->mu);
   for (;;) {
     while (!ex->q_head && !ex->stopping) {
       struct timespec ts;
       clock_gettime(CLOCK_REALTIME, &ts);
-      ts.tv_sec += 1;
+      ts.tv_sec += TICK_S;
       pthread_cond_timedwait(&ex->cv, &ex->mu, &ts);
       if (!ex->q_head && !ex->stopping) {
         pthread_mutex_unlock(&ex->mu);

@@ -77,7 +77,8 @@ static int check_tensor(const dsv4_st_tensor_t *t, int ndim, const int64_t *shap
 static const uint16_t *bf16_data(const dsv4_st_tensor_t *t, uint16_t **copy) {
   if (((uintptr_t)t->data & 1u) == 0)
     return (const uint16_t *)(const void *)t->data;
-  *copy = aligned_alloc(64, (t->nbytes + 63) & ~(size_t)63);
+  *copy = aligned_alloc(DSV4_FORWARD_ALIGN,
+                        (t->nbytes + DSV4_FORWARD_ALIGN - 1) & ~(size_t)(DSV4_FORWARD_ALIGN - 1));
   if (*copy)
     memcpy(*copy, t->data, t->nbytes);
   return *copy;

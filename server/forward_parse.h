@@ -23,6 +23,10 @@
 /* SPEC §4's rule for sequence names, as error messages state it. */
 #define DSV4_SEQ_NAME_RULE "1..128 bytes of [A-Za-z0-9._:-], not starting with '.'"
 
+/* A copy of q or kv and the result buffer (q_out, then slots) start on this boundary: a cache
+ * line, and the widest vector the CPU kernels load and store. */
+#define DSV4_FORWARD_ALIGN 64
+
 /* What a body is checked against. */
 typedef struct {
   uint32_t heads; /* H of every batch */

@@ -56,10 +56,13 @@ void dsv4_log_format_ts(char *buf, size_t len, long long epoch_ns) {
     secs -= 1;
     ms += 1000;
   }
+  /* The date and time by strftime, which writes them whole within len or returns 0 (also when
+   * gmtime_r cannot represent secs, whose fields are then not read); the milliseconds, 0..999,
+   * follow. */
   struct tm tm;
-  gmtime_r(&secs, &tm);
-  snprintf(buf, len, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
-           tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
+  size_t n = gmtime_r(&secs, &tm) ? strftime(buf, len, "%Y-%m-%dT%H:%M:%S", &tm) : 0;
+  if (n < len)
+    snprintf(buf + n, len - n, ".%03dZ", ms);
 }
 
 /* Write all of buf with one write() where the kernel allows it; retry only on a short write. */

@@ -343,11 +343,14 @@ typedef struct {
   int oom;
 } sbuf_t;
 
+/* The exposition buffer's first size; it doubles from there (a scrape is a few kilobytes). */
+#define SB_MIN_BYTES 4096
+
 static void sb_put(sbuf_t *b, const char *s, size_t n) {
   if (b->oom)
     return;
   if (b->len + n + 1 > b->cap) {
-    size_t cap = b->cap ? b->cap : 4096;
+    size_t cap = b->cap ? b->cap : SB_MIN_BYTES;
     while (cap < b->len + n + 1)
       cap *= 2;
     char *p = realloc(b->p, cap);
@@ -381,16 +384,21 @@ static void sb_escaped(sbuf_t *b, const char *s, int quote) {
   }
 }
 
+/* Doubles below 2^53 in magnitude hold every integer exactly; 17 significant digits read back as
+ * any double (DBL_DECIMAL_DIG). */
+#define DOUBLE_EXACT_INT 9007199254740992.0
+#define DOUBLE_MAX_DIGITS 17
+
 /* The shortest decimal that reads back as v; integers without an exponent where exact. */
 static void fmt_double(char *buf, size_t len, double v) {
   if (isnan(v)) {
     snprintf(buf, len, "NaN");
   } else if (isinf(v)) {
     snprintf(buf, len, v > 0 ? "+Inf" : "-Inf");
-  } else if (v == floor(v) && fabs(v) < 9007199254740992.0) {
+  } else if (v == floor(v) && fabs(v) < DOUBLE_EXACT_INT) {
     snprintf(buf, len, "%.0f", v);
   } else {
-    for (int prec = 1; prec <= 17; prec++) {
+    for (int prec = 1; prec <= DOUBLE_MAX_DIGITS; prec++) {
       snprintf(buf, len, "%.*g", prec, v);
       if (strtod(buf, NULL) == v)
         return;

@@ -108,7 +108,7 @@ static void fwd_answer(fwd_job_t *j) {
     desc[nd++] = (dsv4_st_desc_t){"q_out", DSV4_ST_BF16, 3, {n, h, DSV4_HEAD_DIM}, j->q_bytes};
   }
   data[nd] = j->f.slots;
-  desc[nd++] = (dsv4_st_desc_t){"slots", DSV4_ST_I64, 1, {n}, (size_t)n * 8};
+  desc[nd++] = (dsv4_st_desc_t){"slots", DSV4_ST_I64, 1, {n}, (size_t)n * sizeof(int64_t)};
   if (j->p.want_attn) {
     data[nd] = j->f.attn;
     desc[nd++] = (dsv4_st_desc_t){"attn", DSV4_ST_BF16, 3, {n, h, DSV4_HEAD_DIM}, j->q_bytes};
@@ -239,7 +239,7 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
    * when only lse is asked for. */
   size_t n = j->p.n_tokens, lse_bytes = n * cfg->heads * sizeof(float);
   size_t q_span = (j->q_bytes + 63) & ~(size_t)63, off_slots = q_span;
-  size_t off_attn = off_slots + ((n * 8 + 63) & ~(size_t)63);
+  size_t off_attn = off_slots + ((n * sizeof(int64_t) + 63) & ~(size_t)63);
   size_t off_lse = off_attn + (attend ? q_span : 0);
   size_t total = off_lse + (attend ? (lse_bytes + 63) & ~(size_t)63 : 0);
   j->out = aligned_alloc(64, total ? total : 64);

@@ -21,6 +21,13 @@
 
 extern char **environ;
 
+/* The random bytes of an instance id: 128 bits, the 32 hex digits of Dsv4d-Instance (SPEC §6). */
+#define INSTANCE_BYTES 16
+/* While draining, in-flight work is looked at this often (ms) until it is done or the deadline. */
+#define DRAIN_POLL_MS 20
+/* Room for the routes of one listener (data or admin). */
+#define MAX_ROUTES 8
+
 typedef struct {
   dsv4_daemon_t d;
   uv_signal_t sigterm, sigint, sighup;
@@ -42,15 +49,15 @@ void dsv4d_backend_alias(const char *from, const char *to) {
   alias_to = to;
 }
 
-static void make_instance(char out[33]) {
-  unsigned char r[16];
+static void make_instance(char out[2 * INSTANCE_BYTES + 1]) {
+  unsigned char r[INSTANCE_BYTES];
   size_t got = 0;
   while (got < sizeof(r)) {
     ssize_t n = getrandom(r + got, sizeof(r) - got, 0);
     if (n > 0)
       got += (size_t)n;
   }
-  for (int i = 0; i < 16; i++)
+  for (size_t i = 0; i < sizeof(r); i++)
     snprintf(out + 2 * i, 3, "%02x", r[i]);
 }
 
@@ -128,7 +135,7 @@ static void on_signal(uv_signal_t *s, int signum) {
   if (a->d.admin)
     dsv4_server_drain(a->d.admin);
   a->drain_deadline_ms = uv_now(a->d.loop) + a->d.cfg->drain_timeout_ms;
-  uv_timer_start(&a->drain_timer, on_drain_timer, 0, 20);
+  uv_timer_start(&a->drain_timer, on_drain_timer, 0, DRAIN_POLL_MS);
 }
 
 /*
@@ -356,7 +363,7 @@ static int start_engine(app_t *a) {
 static int start_serving(app_t *a) {
   dsv4_daemon_t *d = &a->d;
   const dsv4_config_t *cfg = &a->cfg;
-  dsv4_route_t routes[8];
+  dsv4_route_t routes[MAX_ROUTES];
   size_t n_routes;
   if (dsv4_metrics_create(&d->metrics) || dsv4_daemon_metrics_init(d)) {
     dsv4_logp(DSV4_LOG_ERROR, "cannot create metrics", NULL);

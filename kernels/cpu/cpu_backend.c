@@ -28,6 +28,12 @@
  */
 #define CPU_STREAM_BYTES (32u << 20)
 
+/* An insert launch is cut into at least this many work items per participant (splitting a token's
+ * heads when there are too few tokens), and handed out in about this many chunks per participant:
+ * enough to even out uneven progress without a claim per item. */
+#define CPU_ITEMS_PER_THREAD 4u
+#define CPU_CHUNKS_PER_THREAD 8
+
 #ifdef TEST_PRODUCER
 /*
  * Test-only (tests/unit/inv_no_early_read.c, SPEC §5.2): map_slots hands its tokens to producer
@@ -292,18 +298,19 @@ static int cpu_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
    */
   unsigned threads = dsv4_host_pool_threads(c->pool);
   uint32_t groups = 1;
-  if (threads > 1 && a->n_tokens < 4u * threads) {
-    groups = (4u * threads + a->n_tokens - 1) / a->n_tokens;
+  if (threads > 1 && a->n_tokens < CPU_ITEMS_PER_THREAD * threads) {
+    groups = (CPU_ITEMS_PER_THREAD * threads + a->n_tokens - 1) / a->n_tokens;
     if (groups > a->heads)
       groups = a->heads;
   }
   j.heads_per_group = (a->heads + groups - 1) / groups;
   j.groups = (a->heads + j.heads_per_group - 1) / j.heads_per_group;
   size_t items = (size_t)a->n_tokens * j.groups;
-  size_t chunk = items / ((size_t)threads * 8);
+  size_t chunk = items / ((size_t)threads * CPU_CHUNKS_PER_THREAD);
   if (chunk == 0)
     chunk = 1;
-  /* A launch this small (a few µs of work) is done by the caller before a worker could wake up. */
+  /* A launch this small is done by the caller in less time than a worker takes to wake up (see
+   * tests/bench/NOTES.md, "Figures formerly quoted in kernel comments", cpu_backend). */
   if ((uint64_t)a->n_tokens * a->heads * DSV4_HEAD_DIM * 2 < DSV4__CPU_INLINE_Q_BYTES)
     chunk = items;
   dsv4_host_pool_run(c->pool, insert_items, &j, items, chunk);

@@ -135,7 +135,7 @@ SCALAR_CLONES static void kv_token_scalar(const uint16_t *kv, const float *cs, c
     float scale = dsv4_pow2_neg(e);
     for (int k = 0; k < DSV4_TILE; k++)
       rec[DSV4_TILE * j + k] = dsv4_f32_to_e4m3(t[k] * scale);
-    sc[j] = (uint8_t)(e + 127);
+    sc[j] = (uint8_t)(e + DSV4_UE8M0_BIAS);
   }
   sc[DSV4_NTILES] = 0;
 #ifdef DSV4_TEST_BROKEN_BULK_STORE

@@ -240,19 +240,25 @@ INLINE __m256i pack_bytes(__m256i a, __m256i b, __m256i c, __m256i d) {
 /* Reorders the 64-bit quarters 0 1 2 3 as 0 2 1 3 (its own inverse). */
 #define SWAP_MIDDLE 0xD8
 
+/* The KV row in registers, 8 fp32 dims per vector: the row's vectors, one NoPE tile's and the first
+ * vector of the RoPE dims. */
+#define KV_VECS (DSV4_HEAD_DIM / 8)
+#define TILE_VECS (DSV4_TILE / 8)
+#define ROPE_VEC0 (DSV4_NOPE_DIM / 8)
+
 void dsv4__cpu_kv_token_avx2(const uint16_t *kv, const float *cs, const float *w, float eps,
                              uint8_t *data, uint8_t *scales) {
   /* The token as fp32 in natural order, 8 dims per vector. */
-  __m256 z[64];
+  __m256 z[KV_VECS];
 #pragma GCC unroll 64
-  for (int j = 0; j < 64; j++)
+  for (int j = 0; j < KV_VECS; j++)
     z[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(kv + 8 * j))), 16));
   if (w) {
     __m256 vr = _mm256_set1_ps(dsv4_rms_factor(sumsq_bf16(kv), eps));
     __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
 #pragma GCC unroll 64
-    for (int j = 0; j < 64; j++) {
+    for (int j = 0; j < KV_VECS; j++) {
       __m256 y = _mm256_mul_ps(_mm256_mul_ps(z[j], vr), _mm256_loadu_ps(w + 8 * j));
       z[j] = _mm256_castsi256_ps(_mm256_and_si256(bf16_high(y), hi));
     }
@@ -265,9 +271,9 @@ void dsv4__cpu_kv_token_avx2(const uint16_t *kv, const float *cs, const float *w
      * and never hold one; their order then does not matter. */
     __m256 m0 = _mm256_set1_ps(DSV4_AMAX_FLOOR), m1 = m0;
 #pragma GCC unroll 4
-    for (int k = 0; k < 8; k += 2) {
-      m0 = _mm256_max_ps(_mm256_and_ps(z[8 * t + k], absmask), m0);
-      m1 = _mm256_max_ps(_mm256_and_ps(z[8 * t + k + 1], absmask), m1);
+    for (int k = 0; k < TILE_VECS; k += 2) {
+      m0 = _mm256_max_ps(_mm256_and_ps(z[TILE_VECS * t + k], absmask), m0);
+      m1 = _mm256_max_ps(_mm256_and_ps(z[TILE_VECS * t + k + 1], absmask), m1);
     }
     __m256 m = _mm256_max_ps(m0, m1);
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -277,21 +283,21 @@ void dsv4__cpu_kv_token_avx2(const uint16_t *kv, const float *cs, const float *w
     __m256 scale = _mm256_set1_ps(dsv4_pow2_neg(e));
 #pragma GCC unroll 2
     for (int k = 0; k < 2; k++) {
-      const __m256 *v = z + 8 * t + 4 * k;
+      const __m256 *v = z + TILE_VECS * t + 4 * k;
       __m256i b = pack_bytes(e4m3(_mm256_mul_ps(v[0], scale)), e4m3(_mm256_mul_ps(v[1], scale)),
                              e4m3(_mm256_mul_ps(v[2], scale)), e4m3(_mm256_mul_ps(v[3], scale)));
       _mm256_storeu_si256((__m256i *)(void *)(data + DSV4_TILE * t + 32 * k), b);
       DSV4__COUNT_STORE(data + DSV4_TILE * t + 32 * k, 32);
     }
-    sc[t] = (uint8_t)(e + 127);
+    sc[t] = (uint8_t)(e + DSV4_UE8M0_BIAS);
   }
   sc[DSV4_NTILES] = 0;
 #ifdef DSV4_TEST_BROKEN_BULK_STORE
   /* Test-only breakage of SPEC §5.1 (the vLLM XPU bug, tests/unit/inv_one_writer.c): store dims
    * 448..511 unrotated (their bf16 inputs) before the rotated stores below overwrite them. */
   for (int k = 0; k < 4; k++) {
-    __m256i a = _mm256_srli_epi32(_mm256_castps_si256(z[56 + 2 * k]), 16);
-    __m256i b = _mm256_srli_epi32(_mm256_castps_si256(z[57 + 2 * k]), 16);
+    __m256i a = _mm256_srli_epi32(_mm256_castps_si256(z[ROPE_VEC0 + 2 * k]), 16);
+    __m256i b = _mm256_srli_epi32(_mm256_castps_si256(z[ROPE_VEC0 + 2 * k + 1]), 16);
     __m256i u = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), SWAP_MIDDLE);
     _mm256_storeu_si256((__m256i *)(void *)(data + DSV4_NOPE_DIM + 32 * k), u);
     DSV4__COUNT_STORE(data + DSV4_NOPE_DIM + 32 * k, 32);
@@ -304,7 +310,7 @@ void dsv4__cpu_kv_token_avx2(const uint16_t *kv, const float *cs, const float *w
    */
 #pragma GCC unroll 4
   for (int k = 0; k < 4; k++) {
-    __m256 a = z[56 + 2 * k], b = z[57 + 2 * k];
+    __m256 a = z[ROPE_VEC0 + 2 * k], b = z[ROPE_VEC0 + 2 * k + 1];
     __m256 e = _mm256_shuffle_ps(a, b, 0x88), o = _mm256_shuffle_ps(a, b, 0xDD);
     __m256 c = _mm256_castpd_ps(
         _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_loadu_ps(cs + 8 * k)), SWAP_MIDDLE));

@@ -208,18 +208,24 @@ static inline __attribute__((always_inline)) __m512i e4m3(__m512 f) {
   return _mm512_or_si512(mag, sign);
 }
 
+/* The KV row in registers, 16 fp32 dims per vector: the row's vectors, one NoPE tile's and the
+ * first vector of the RoPE dims. */
+#define KV_VECS (DSV4_HEAD_DIM / 16)
+#define TILE_VECS (DSV4_TILE / 16)
+#define ROPE_VEC0 (DSV4_NOPE_DIM / 16)
+
 void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float *w, float eps,
                                uint8_t *data, uint8_t *scales) {
-  __m512 z[32];
+  __m512 z[KV_VECS];
 #pragma GCC unroll 32
-  for (int j = 0; j < 32; j++)
+  for (int j = 0; j < KV_VECS; j++)
     z[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(kv + 16 * j))), 16));
   if (w) {
     __m512 vr = _mm512_set1_ps(dsv4_rms_factor(sumsq_bf16(kv), eps));
     __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
 #pragma GCC unroll 32
-    for (int j = 0; j < 32; j++) {
+    for (int j = 0; j < KV_VECS; j++) {
       __m512 y = _mm512_mul_ps(_mm512_mul_ps(z[j], vr), _mm512_loadu_ps(w + 16 * j));
       z[j] = _mm512_castsi512_ps(_mm512_and_si512(bf16_high(y), hi));
     }
@@ -228,31 +234,30 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float 
   __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
 #pragma GCC unroll 32
   for (int t = 0; t < DSV4_NTILES; t++) {
-    __m512 m01 =
-        _mm512_max_ps(_mm512_and_ps(z[4 * t], absmask), _mm512_and_ps(z[4 * t + 1], absmask));
-    __m512 m23 =
-        _mm512_max_ps(_mm512_and_ps(z[4 * t + 2], absmask), _mm512_and_ps(z[4 * t + 3], absmask));
+    const __m512 *v = z + TILE_VECS * t;
+    __m512 m01 = _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask));
+    __m512 m23 = _mm512_max_ps(_mm512_and_ps(v[2], absmask), _mm512_and_ps(v[3], absmask));
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(m01, m23));
     if (!(amax > DSV4_AMAX_FLOOR))
       amax = DSV4_AMAX_FLOOR;
     dsv4_i32 e = dsv4_ue8m0_exponent(amax);
     __m512 scale = _mm512_set1_ps(dsv4_pow2_neg(e));
 #pragma GCC unroll 32
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < TILE_VECS; k++) {
       _mm_storeu_si128((__m128i *)(data + DSV4_TILE * t + 16 * k),
-                       _mm512_cvtepi32_epi8(e4m3(_mm512_mul_ps(z[4 * t + k], scale))));
+                       _mm512_cvtepi32_epi8(e4m3(_mm512_mul_ps(v[k], scale))));
       DSV4__COUNT_STORE(data + DSV4_TILE * t + 16 * k, 16);
     }
-    sc[t] = (uint8_t)(e + 127);
+    sc[t] = (uint8_t)(e + DSV4_UE8M0_BIAS);
   }
   sc[DSV4_NTILES] = 0;
 #ifdef DSV4_TEST_BROKEN_BULK_STORE
   /* Test-only breakage of SPEC §5.1 (the vLLM XPU bug, tests/unit/inv_one_writer.c): store dims
    * 448..511 unrotated (their bf16 inputs) before the rotated stores below overwrite them. */
-  for (int j = 28; j < 32; j++) {
+  for (int j = ROPE_VEC0; j < KV_VECS; j++) {
     __m256i u = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(z[j]), 16));
-    _mm256_storeu_si256((__m256i *)(data + DSV4_NOPE_DIM + 32 * (j - 28)), u);
-    DSV4__COUNT_STORE(data + DSV4_NOPE_DIM + 32 * (j - 28), 32);
+    _mm256_storeu_si256((__m256i *)(data + DSV4_NOPE_DIM + 32 * (j - ROPE_VEC0)), u);
+    DSV4__COUNT_STORE(data + DSV4_NOPE_DIM + 32 * (j - ROPE_VEC0), 32);
   }
 #endif
   /* RoPE: split the 64 dims into even and odd lanes, rotate, and interleave the bf16 pairs again.
@@ -261,7 +266,7 @@ void dsv4__cpu_kv_token_avx512(const uint16_t *kv, const float *cs, const float 
   __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 #pragma GCC unroll 32
   for (int k = 0; k < 2; k++) {
-    __m512 a = z[28 + 2 * k], b = z[29 + 2 * k];
+    __m512 a = z[ROPE_VEC0 + 2 * k], b = z[ROPE_VEC0 + 2 * k + 1];
     __m512 e = _mm512_permutex2var_ps(a, ie, b), o = _mm512_permutex2var_ps(a, io, b);
     __m512 c = _mm512_loadu_ps(cs + 16 * k), s = _mm512_loadu_ps(cs + DSV4_ROPE_PAIRS + 16 * k);
     _mm512_storeu_si512(data + DSV4_NOPE_DIM + 64 * k, rope16(e, o, c, s));

@@ -12,9 +12,10 @@
  * an event per half, recorded when the uploads move on to the other half, says when its bytes may
  * be overwritten.
  * A download queues the DMA into a half, waits for it and copies out, alternating halves so that
- * the copy-out of one piece overlaps the DMA of the next. Pinned memory moves about 55 GB/s over
- * PCIe gen5 against 16-20 GB/s from pageable memory (FIELD-NOTES); large copies into and out of it
- * run on the host threads (`threads`, the CPU backend's pool), which also validate batches.
+ * the copy-out of one piece overlaps the DMA of the next. Pinned memory crosses PCIe several times
+ * faster than pageable memory (see tests/bench/NOTES.md, "Figures formerly quoted in kernel
+ * comments", cuda_backend: pinned staging); large copies into and out of it run on the host threads
+ * (`threads`, the CPU backend's pool), which also validate batches.
  *
  * RoPE rows: per host table (rope.h), a dense device mirror of max_positions rows, allocated at the
  * first launch that uses the table (256 MiB for 1,048,576 positions); every chunk the host has

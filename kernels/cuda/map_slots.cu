@@ -10,15 +10,17 @@
  * entries per sequence). A token's slot is then one memory latency away instead of two (the
  * segment's entry, then the table entry it selects). Blocks have MAP_BLOCK threads, or one warp
  * when one warp covers the whole batch (at most 32 tokens, 32 segments and 128 table entries),
- * which took 0.05-0.1 us more off a small forward on an H200 (tests/bench/NOTES.md).
+ * which shortens a small forward further (see tests/bench/NOTES.md, "Figures formerly quoted in
+ * kernel comments", map_slots: the one-warp block).
  *
  * Under programmatic dependent launch the kernel first lets its dependent (the insert kernel)
  * launch, so that kernel's prologue overlaps this one; the dependent still waits for this grid's
  * completion before it reads a slot (cuda-kernels.h, SPEC §5.2). Before its own wait the kernel
  * prefetches the lines of all those loads into the L2: it is launched while the previous forward's
  * last blocks run, and its loads after the wait then find the lines in the L2 instead of DRAM
- * (about 1 point of the copy bandwidth at N = 1024, 0.07-0.08 us at N <= 64 on an H200; no
- * measurable difference when the kernel follows the copy of its metadata instead; NOTES.md).
+ * (when the kernel follows the copy of its metadata instead, the prefetch neither helps nor hurts;
+ * see tests/bench/NOTES.md, "Figures formerly quoted in kernel comments", map_slots: the L2
+ * prefetch).
  */
 #include "cuda-internal.cuh"
 
@@ -40,6 +42,8 @@ typedef struct {
  * dependency wait reads the stale ones.
  */
 #define TEST_DELAY_NS 200000ull
+/* The nap between two looks at the clock while it waits: short against the delay. */
+#define TEST_DELAY_STEP_NS 1000
 static __device__ __forceinline__ uint64_t globaltimer(void) {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -87,7 +91,7 @@ template <int B> __global__ void __launch_bounds__(B) dsv4__map_slots_kernel(map
 #ifdef DSV4_TEST_DELAY_PRODUCER
   uint64_t t0 = globaltimer();
   while (globaltimer() - t0 < TEST_DELAY_NS)
-    __nanosleep(1000);
+    __nanosleep(TEST_DELAY_STEP_NS);
 #endif
   /* Every load first (see the top) ... */
   const int32_t s = in ? a->tok_seg[t] : -1;

@@ -38,6 +38,18 @@
 #define WARPS_PER_BLOCK (QKV_BLOCK / 32)
 #define FULL 0xffffffffu
 #define ROW_U4 (DSV4_HEAD_DIM * 2 / 16) /* uint4s in a 512-value bf16 row */
+/* The lane mapping of the comment above: a lane's "b" values start HALF_DIMS dims (HALF_U4 uint4s
+ * of bf16) after its "a" values; lanes from ROPE_LANE0 hold the RoPE dims in "b". */
+#define LANE_DIMS 8
+#define HALF_DIMS (DSV4_HEAD_DIM / 2)
+#define HALF_U4 (ROW_U4 / 2)
+#define ROPE_LANE0 ((DSV4_NOPE_DIM - HALF_DIMS) / LANE_DIMS)
+/* A RoPE row in float4s: cos in the first ROPE_SIN_F4, then sin. */
+#define ROPE_ROW_F4 (DSV4_ROPE_ROW_FLOATS / 4)
+#define ROPE_SIN_F4 (DSV4_ROPE_PAIRS / 4)
+/* The lanes of one 64-value NoPE tile, and the kv_norm weights of "b" in float4s. */
+#define TILE_LANES (DSV4_TILE / LANE_DIMS)
+#define HALF_W4 (HALF_DIMS / 4)
 /* Rows in flight per warp: the entries of its shared-memory ring (a power of two). */
 #define RING 2
 
@@ -108,8 +120,9 @@ static __device__ __forceinline__ void st16(void *p, uint4 v) {
 /*
  * q_out: written once and never read here. A small launch (CS) stores it evict-first
  * (st.global.cs), which keeps in the L2 what the next forwards come back to; a large one with
- * plain stores, which moved 0.3-0.7 points more of the copy bandwidth from N = 1024 up on an H200
- * and cost 0.2-0.3 us at N <= 64 (tests/bench/NOTES.md).
+ * plain stores, which move more of the copy bandwidth on large launches and would cost time on
+ * small ones (see tests/bench/NOTES.md, "Figures formerly quoted in kernel comments", qkv_insert:
+ * q_out stores).
  */
 #ifdef DSV4_TEST_TUNE
 __device__ unsigned dsv4__cuda_test_flags_dev;
@@ -207,11 +220,11 @@ static __device__ __forceinline__ void q_row(const insert_params_t &p, uint32_t 
   uint4 *out = p.q_out + ((uint64_t)k.t * p.heads + h) * ROW_U4;
   uint4 oa = make_uint4(pack2(xa[0], xa[1]), pack2(xa[2], xa[3]), pack2(xa[4], xa[5]),
                         pack2(xa[6], xa[7]));
-  uint4 ob = lane < 24 ? make_uint4(pack2(xb[0], xb[1]), pack2(xb[2], xb[3]), pack2(xb[4], xb[5]),
-                                    pack2(xb[6], xb[7]))
-                       : rope4(xb, k.c, k.s);
+  uint4 ob = lane < ROPE_LANE0 ? make_uint4(pack2(xb[0], xb[1]), pack2(xb[2], xb[3]),
+                                            pack2(xb[4], xb[5]), pack2(xb[6], xb[7]))
+                               : rope4(xb, k.c, k.s);
   st16q<CS>(out + lane, oa);
-  st16q<CS>(out + 32 + lane, ob);
+  st16q<CS>(out + HALF_U4 + lane, ob);
 }
 
 /* The tile maximum of |z| over the 8 lanes of an aligned group, from the 1e-4 floor. */
@@ -244,7 +257,7 @@ static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t
   if (p.w) {
     float r = dsv4_rms_factor(warp_sumsq(za, zb), p.eps);
     const float4 w0 = p.w[2 * lane], w1 = p.w[2 * lane + 1];
-    const float4 w2 = p.w[64 + 2 * lane], w3 = p.w[64 + 2 * lane + 1];
+    const float4 w2 = p.w[HALF_W4 + 2 * lane], w3 = p.w[HALF_W4 + 2 * lane + 1];
     const float wa[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
     const float wb[8] = {w2.x, w2.y, w2.z, w2.w, w3.x, w3.y, w3.z, w3.w};
     /* Rounded to bf16 and back, a pair per instruction. */
@@ -262,26 +275,29 @@ static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t
   }
   dsv4_i32 ea = dsv4_ue8m0_exponent(tile_amax(za));
   dsv4_i32 eb = dsv4_ue8m0_exponent(tile_amax(zb)); /* lanes 24..31: not a tile, unused */
-  uint32_t code_a = (uint32_t)(ea + 127), code_b = (uint32_t)(eb + 127);
-  uint32_t lo = __shfl_sync(FULL, code_a, 0) | (__shfl_sync(FULL, code_a, 8) << 8) |
-                (__shfl_sync(FULL, code_a, 16) << 16) | (__shfl_sync(FULL, code_a, 24) << 24);
-  uint32_t hi = __shfl_sync(FULL, code_b, 0) | (__shfl_sync(FULL, code_b, 8) << 8) |
-                (__shfl_sync(FULL, code_b, 16) << 16); /* byte 7: the pad, 0 */
+  uint32_t code_a = (uint32_t)(ea + DSV4_UE8M0_BIAS), code_b = (uint32_t)(eb + DSV4_UE8M0_BIAS);
+  /* Scale byte j is tile j's code, held by the tile's first lane: lane TILE_LANES * j of "a" for
+   * tiles 0..3, lane TILE_LANES * (j - 4) of "b" for tiles 4..6. */
+  uint32_t lo = __shfl_sync(FULL, code_a, 0) | (__shfl_sync(FULL, code_a, TILE_LANES) << 8) |
+                (__shfl_sync(FULL, code_a, 2 * TILE_LANES) << 16) |
+                (__shfl_sync(FULL, code_a, 3 * TILE_LANES) << 24);
+  uint32_t hi = __shfl_sync(FULL, code_b, 0) | (__shfl_sync(FULL, code_b, TILE_LANES) << 8) |
+                (__shfl_sync(FULL, code_b, 2 * TILE_LANES) << 16); /* byte 7: the pad, 0 */
   uint64_t block = (uint64_t)k.slot >> p.bs_shift;
   uint64_t o = (uint64_t)k.slot & ((1ull << p.bs_shift) - 1);
   uint8_t *base = p.cache + block * p.stride;
   uint8_t *rec = base + o * DSV4_TOKEN_DATA_BYTES;
-  st8(rec + 8 * lane, quant8(za, ea));
-  if (lane < 24) {
-    st8(rec + 256 + 8 * lane, quant8(zb, eb));
+  st8(rec + LANE_DIMS * lane, quant8(za, ea));
+  if (lane < ROPE_LANE0) {
+    st8(rec + HALF_DIMS + LANE_DIMS * lane, quant8(zb, eb));
   } else {
 #ifdef DSV4_TEST_BROKEN_BULK_STORE
     /* Test-only breakage of SPEC §5.1 (the vLLM XPU bug): the unrotated values first. */
-    st16(rec + DSV4_NOPE_DIM + 16 * (lane - 24),
+    st16(rec + DSV4_NOPE_DIM + 2 * LANE_DIMS * (lane - ROPE_LANE0),
          make_uint4(pack2(zb[0], zb[1]), pack2(zb[2], zb[3]), pack2(zb[4], zb[5]),
                     pack2(zb[6], zb[7])));
 #endif
-    st16(rec + DSV4_NOPE_DIM + 16 * (lane - 24), rope4(zb, k.c, k.s));
+    st16(rec + DSV4_NOPE_DIM + 2 * LANE_DIMS * (lane - ROPE_LANE0), rope4(zb, k.c, k.s));
   }
   if (lane == 0)
     st8(base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) + DSV4_SCALE_BYTES * o,
@@ -294,7 +310,8 @@ static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t
  * An L2 policy that evicts the lines it is attached to first (createpolicy, sm_80+). A small launch
  * reads its rows with it: they are read once, and the lines other forwards come back to (the
  * kernels' code and launch parameters, RoPE rows) then stay in the L2 instead of being pushed out
- * by them (tests/bench/NOTES.md). No memory is read.
+ * by them (see tests/bench/NOTES.md, "Figures formerly quoted in kernel comments", qkv_insert:
+ * evict-first reads). No memory is read.
  */
 static __device__ __forceinline__ uint64_t evict_first_policy(void) {
   uint64_t pol;
@@ -334,7 +351,7 @@ static __device__ __forceinline__ void fetch_row(const insert_params_t &p, uint4
                                                  uint32_t t, uint32_t r, uint64_t pol) {
   const uint4 *row = row_of(p, t, r);
   cp16<EF>(e + lane, row + lane, pol);
-  cp16<EF>(e + 32 + lane, row + 32 + lane, pol);
+  cp16<EF>(e + HALF_U4 + lane, row + HALF_U4 + lane, pol);
 }
 
 /*
@@ -395,15 +412,15 @@ __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_para
         k.slot = early_slot;
 #endif
       ok = pos >= 0 && pos < p.max_pos;
-      if (lane >= 24 && ok) {
-        const float4 *cs = p.rope + (uint64_t)pos * 16 + (lane - 24);
+      if (lane >= ROPE_LANE0 && ok) {
+        const float4 *cs = p.rope + (uint64_t)pos * ROPE_ROW_F4 + (lane - ROPE_LANE0);
         k.c = cs[0];
-        k.s = cs[8];
+        k.s = cs[ROPE_SIN_F4];
       }
     }
     uint4 *e = ring + ((g - g0) & (S - 1)) * ROW_U4;
     cp_wait<S - 1>();
-    uint4 ra = e[lane], rb = e[32 + lane];
+    uint4 ra = e[lane], rb = e[HALF_U4 + lane];
     if (!ok) {
       /* warp-uniform; valid batches never get here (cuda-kernels.h) */
 #ifdef DSV4_TEST_TUNE
@@ -411,7 +428,7 @@ __global__ void __launch_bounds__(QKV_BLOCK) dsv4__qkv_insert_kernel(insert_para
       /* Tuning: the same traffic without the arithmetic. */
       uint4 *out = p.q_out + ((uint64_t)k.t * p.heads + (r < p.heads ? r : 0)) * ROW_U4;
       st16q<EF>(out + lane, ra);
-      st16q<EF>(out + 32 + lane, rb);
+      st16q<EF>(out + HALF_U4 + lane, rb);
 #endif
     } else if (r < p.heads) {
       q_row<EF>(p, lane, k, r, ra, rb);
@@ -503,11 +520,10 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
    * Rows per warp: one while the rows fit on the device at once (a small batch: the shortest path
    * to its last byte), two up to 8 such waves of warps, three beyond. Many short blocks in launch
    * order keep the rows in flight at any moment close together in memory, which the DRAM serves
-   * best: on an H200 two rows per warp moved 94-98 % of the copy bandwidth at N >= 4096 where one
-   * resident wave of warps with long runs moved 84-89 %; three moved 0.2-0.8 points more than two
-   * from 14 waves up but 4-5 points less at 2-4 waves. Beyond two waves the last wave of warps
-   * has one row each: 0.1-0.3 us less from N = 256 up, but 0.2 us more at 1.7 waves
-   * (tests/bench/NOTES.md).
+   * best: two rows per warp move more of the copy bandwidth at large N than one resident wave of
+   * warps with long runs; three beat two only from many waves up. Beyond two waves the last wave
+   * of warps has one row each, which shortens the grid's tail (see tests/bench/NOTES.md, "Figures
+   * formerly quoted in kernel comments", qkv_insert: rows per warp).
    */
   uint64_t rows = (uint64_t)a->n_tokens * p.ipt;
   if (rows > 0x7fffffffu)
@@ -537,9 +553,9 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   if (grid > 0x7fffffffu)
     return DSV4_EINVAL;
   /*
-   * Rows read evict-first up to eight waves of warps: on an H200 this took 0.24-0.37 us off a
-   * forward at N = 1 to 64 and 1.5-2 % at N = 256 (seven waves at 128 heads), but cost 1 % at
-   * N = 1024 x 64 (14 waves), where every line is streamed anyway (tests/bench/NOTES.md).
+   * Rows read evict-first up to eight waves of warps: it shortens small and medium forwards, and
+   * costs time beyond, where every line is streamed anyway (see tests/bench/NOTES.md, "Figures
+   * formerly quoted in kernel comments", qkv_insert: evict-first reads).
    */
   cudaError_t e;
   if (rows <= 8 * resident) {

@@ -243,9 +243,9 @@ dsv4_qkv_insert(uint row0, uint n_rows, uint n_tokens, uint heads, uint write_kv
     return;
   }
 
-  uint j = lane / (DSV4_TILE / DSV4_LZ_DIMS_PER_LANE), first = j * 4;
+  uint j = lane / DSV4_LZ_TILE_LANES, first = j * DSV4_LZ_TILE_LANES;
   float amax = lane_max[r_in][first];
-  for (uint l = first + 1; l < first + 4; l++)
+  for (uint l = first + 1; l < first + DSV4_LZ_TILE_LANES; l++)
     amax = lane_max[r_in][l] > amax ? lane_max[r_in][l] : amax;
   dsv4_i32 e = dsv4_ue8m0_exponent(amax);
   float scale = dsv4_pow2_neg(e);
@@ -254,7 +254,7 @@ dsv4_qkv_insert(uint row0, uint n_rows, uint n_tokens, uint heads, uint write_kv
     f8[k] = dsv4_f32_to_e4m3(x[k] * scale);
   STORE_CACHE_U8X16(rec + d0, f8);
   if (lane == first)
-    STORE_CACHE_U8(sc + j, (uchar)(e + 127));
+    STORE_CACHE_U8(sc + j, (uchar)(e + DSV4_UE8M0_BIAS));
 #ifdef DSV4_CL_BROKEN_BULK_STORE
   /* Test-only: the unmasked bulk store. Lanes 0..3 also store the unrotated bf16 RoPE values of
    * lanes 28..31, racing with their rotated stores above. */

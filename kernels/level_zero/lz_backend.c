@@ -45,6 +45,13 @@
 #define LZ_WAIT_NS (60ull * 1000 * 1000 * 1000)
 /* The build options of the embedded modules on the device (SPEC §2). */
 #define LZ_BUILD_FLAGS "-cl-fp32-correctly-rounded-divide-sqrt"
+/* The most drivers, devices of a driver and queue groups of a device looked at: far more than one
+ * host has. */
+#define LZ_MAX_DRIVERS 16
+#define LZ_MAX_DEVICES 64
+#define LZ_MAX_QUEUE_GROUPS 16
+/* The RoPE row buffers' first size, in tokens; they double from there. */
+#define LZ_ROPE_ROWS_MIN 256
 
 typedef struct {
   dsv4_backend_t base;
@@ -375,7 +382,7 @@ static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
 static ze_result_t lz_rope_reserve(lz_backend_t *z, size_t n) {
   if (n <= z->rope_cap)
     return ZE_RESULT_SUCCESS;
-  size_t cap = z->rope_cap ? z->rope_cap : 256;
+  size_t cap = z->rope_cap ? z->rope_cap : LZ_ROPE_ROWS_MIN;
   while (cap < n)
     cap *= 2;
   /* The old buffers may still be read by appended commands. */
@@ -649,17 +656,17 @@ static int lz_pick_gpu(lz_backend_t *z, char *why, size_t why_len) {
     say(why, why_len, "no driver (zeDriverGet: %s, %u drivers)", lz_result_name(r), n_drv);
     return DSV4_ENODEV;
   }
-  ze_driver_handle_t drivers[16];
-  if (n_drv > 16)
-    n_drv = 16;
+  ze_driver_handle_t drivers[LZ_MAX_DRIVERS];
+  if (n_drv > LZ_MAX_DRIVERS)
+    n_drv = LZ_MAX_DRIVERS;
   r = zeDriverGet(&n_drv, drivers);
   for (uint32_t i = 0; r == ZE_RESULT_SUCCESS && i < n_drv; i++) {
     uint32_t n_dev = 0;
     if (zeDeviceGet(drivers[i], &n_dev, NULL) != ZE_RESULT_SUCCESS || n_dev == 0)
       continue;
-    ze_device_handle_t devs[64];
-    if (n_dev > 64)
-      n_dev = 64;
+    ze_device_handle_t devs[LZ_MAX_DEVICES];
+    if (n_dev > LZ_MAX_DEVICES)
+      n_dev = LZ_MAX_DEVICES;
     if (zeDeviceGet(drivers[i], &n_dev, devs) != ZE_RESULT_SUCCESS)
       continue;
     for (uint32_t j = 0; j < n_dev; j++) {
@@ -726,9 +733,9 @@ static int lz_compute_ordinal(lz_backend_t *z, uint32_t *ordinal) {
   uint32_t n = 0;
   if (zeDeviceGetCommandQueueGroupProperties(z->device, &n, NULL) != ZE_RESULT_SUCCESS || n == 0)
     return -1;
-  ze_command_queue_group_properties_t props[16];
-  if (n > 16)
-    n = 16;
+  ze_command_queue_group_properties_t props[LZ_MAX_QUEUE_GROUPS];
+  if (n > LZ_MAX_QUEUE_GROUPS)
+    n = LZ_MAX_QUEUE_GROUPS;
   for (uint32_t i = 0; i < n; i++)
     props[i] = (ze_command_queue_group_properties_t){
         .stype = ZE_STRUCTURE_TYPE_COMMAND_QUEUE_GROUP_PROPERTIES};

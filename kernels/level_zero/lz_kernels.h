@@ -20,6 +20,7 @@
 #define DSV4_LZ_ROWS_PER_GROUP 8
 #define DSV4_LZ_GROUP_SIZE (DSV4_LZ_LANES * DSV4_LZ_ROWS_PER_GROUP)
 #define DSV4_LZ_ROPE_LANE0 (DSV4_NOPE_DIM / DSV4_LZ_DIMS_PER_LANE) /* 28 */
+#define DSV4_LZ_TILE_LANES (DSV4_TILE / DSV4_LZ_DIMS_PER_LANE)     /* the lanes of one NoPE tile */
 #define DSV4_LZ_MAP_GROUP_SIZE 64
 
 /* Bits of the error word the kernels may set (the launch never writes out of bounds instead). */

@@ -15,6 +15,10 @@ static const struct {
     [DSV4_ST_I32] = {"I32", 4},   [DSV4_ST_U8] = {"U8", 1},   [DSV4_ST_F8_E4M3] = {"F8_E4M3", 1},
 };
 #define N_DTYPES (sizeof(dtypes) / sizeof(dtypes[0]))
+/* A file opens with its header's length, a little-endian u64; the data section that follows the
+ * header starts on a boundary of the same size (the header is padded with spaces). */
+#define PREFIX_BYTES 8
+#define DATA_ALIGN 8
 
 size_t dsv4_st_dtype_size(int dtype) {
   return dtype >= 0 && (size_t)dtype < N_DTYPES ? dtypes[dtype].size : 0;
@@ -185,24 +189,24 @@ static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_s
 }
 
 static int parse(const uint8_t *buf, size_t len, dsv4_st_view_t *v) {
-  if (len < 8)
+  if (len < PREFIX_BYTES)
     return fail(v, "safetensors body of %zu bytes is shorter than the 8-byte header length", len);
   uint64_t hlen = 0;
-  for (int i = 7; i >= 0; i--)
+  for (int i = PREFIX_BYTES - 1; i >= 0; i--)
     hlen = (hlen << 8) | buf[i];
   if (hlen > DSV4_ST_MAX_HEADER)
     return fail(v, "header length %llu exceeds the %zu-byte limit", (unsigned long long)hlen,
                 DSV4_ST_MAX_HEADER);
-  if (hlen > len - 8)
+  if (hlen > len - PREFIX_BYTES)
     return fail(v, "header length %llu is past the end of the %zu-byte body",
                 (unsigned long long)hlen, len);
   v->header_len = (size_t)hlen;
-  v->data = buf + 8 + hlen;
-  v->data_len = len - 8 - (size_t)hlen;
+  v->data = buf + PREFIX_BYTES + hlen;
+  v->data_len = len - PREFIX_BYTES - (size_t)hlen;
 
   json_error_t jerr;
-  v->doc = json_loadb((const char *)buf + 8, (size_t)hlen, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY,
-                      &jerr);
+  v->doc = json_loadb((const char *)buf + PREFIX_BYTES, (size_t)hlen,
+                      JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
   if (!v->doc)
     return fail(v, "header is not valid JSON: %s (byte %d)", jerr.text, jerr.position);
   if (!json_is_object(v->doc))
@@ -369,23 +373,23 @@ int dsv4_st_build_header(const dsv4_st_desc_t *tensors, size_t n_tensors,
     return rc;
   size_t tlen = strlen(text);
   /* Pad with spaces (JSON whitespace) so the data section starts on an 8-byte boundary. */
-  size_t hlen = (tlen + 7) & ~(size_t)7;
+  size_t hlen = (tlen + DATA_ALIGN - 1) & ~(size_t)(DATA_ALIGN - 1);
   if (hlen > DSV4_ST_MAX_HEADER) {
     free(text);
     return DSV4_ETOOBIG;
   }
-  uint8_t *buf = malloc(8 + hlen);
+  uint8_t *buf = malloc(PREFIX_BYTES + hlen);
   if (!buf) {
     free(text);
     return DSV4_ENOMEM;
   }
-  for (int i = 0; i < 8; i++)
+  for (int i = 0; i < PREFIX_BYTES; i++)
     buf[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
-  memcpy(buf + 8, text, tlen);
-  memset(buf + 8 + tlen, ' ', hlen - tlen);
+  memcpy(buf + PREFIX_BYTES, text, tlen);
+  memset(buf + PREFIX_BYTES + tlen, ' ', hlen - tlen);
   free(text);
   *out = buf;
-  *out_len = 8 + hlen;
+  *out_len = PREFIX_BYTES + hlen;
   *data_len = dlen;
   return 0;
 }

@@ -54,7 +54,7 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  */
 enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_ATTN, ST_LSE, ST_COUNT };
 
-/* The arrays packed in ST_META, in this order, each from a 16-byte boundary. */
+/* The arrays packed in ST_META, in this order, each from a META_ALIGN-byte boundary. */
 enum {
   M_POSITIONS,
   M_TOK_SEG,
@@ -65,6 +65,9 @@ enum {
   M_SEG_P0,
   M_COUNT
 };
+#define META_ALIGN 16
+/* The smallest staging buffer allocated: tiny batches do not each grow it by a few bytes. */
+#define STAGE_MIN_BYTES 256
 
 /* The sizes and offsets of the packed arrays for n tokens, nseg segments and bt table entries;
  * returns the total. */
@@ -80,7 +83,7 @@ static size_t meta_layout(size_t n, size_t nseg, size_t bt, size_t bytes[M_COUNT
   size_t total = 0;
   for (int i = 0; i < M_COUNT; i++) {
     off[i] = total;
-    total += (bytes[i] + 15) & ~(size_t)15;
+    total += (bytes[i] + META_ALIGN - 1) & ~(size_t)(META_ALIGN - 1);
   }
   return total;
 }
@@ -147,8 +150,8 @@ static int stage_reserve(dsv4_engine_t *e, int i, size_t bytes) {
   if (b->ptr && b->size >= bytes)
     return 0;
   want = b->size * 2 > bytes ? b->size * 2 : bytes;
-  if (want < 256)
-    want = 256;
+  if (want < STAGE_MIN_BYTES)
+    want = STAGE_MIN_BYTES;
   if (b->ptr)
     e->be->ops->buf_free(e->be, b);
   return e->be->ops->buf_alloc(e->be, want, b);
@@ -524,8 +527,7 @@ static void collect_dropped(dsv4_forward_t *f) {
   }
 }
 
-/* Forward pass 1: every segment inside the batch and the model, and each token's position and
- * segment. */
+/* Forward pass 1: segments inside the batch and the model; each token's position and segment. */
 static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
   uint32_t n = f->n_tokens, t = 0;
   for (uint32_t s = 0; s < f->n_segs; s++) {
@@ -545,9 +547,9 @@ static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
   return t != n ? DSV4_EINVAL : 0;
 }
 
-/* Forward pass 2, validation: bounds, value range and replay hashes, then the RoPE rows and staging
- * room, so that a refused batch changes nothing. */
+/* Forward pass 2, validation: bounds, value range, replay hashes, RoPE rows and staging room. */
 static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
+  /* Validation comes first, so that a refused batch changes nothing. */
   const dsv4_backend_ops_t *ops = e->be->ops;
   int rc = grow_scratch(e, f->n_tokens, f->n_segs);
   if (!rc)
@@ -568,8 +570,7 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   return rc;
 }
 
-/* Forward pass 3, the plan: the sequence table's blocks for the batch, as the slot mapper's
- * per-segment arrays. */
+/* Forward pass 3, the plan: the batch's blocks, as the slot mapper's per-segment arrays. */
 static int forward_plan(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint64_t now_ns) {
   /* Idle expiry is a matter of time, not of this batch: the sequences it names are brought up to
    * date first, whether or not the batch is then refused. */

@@ -742,6 +742,11 @@ static int start_daemon(char **argv) {
   size_t have = 0;
   uint64_t until = now_ns() + 60ull * 1000000000u;
   while (now_ns() < until) {
+    /* A partial line is kept only while room is left after it; stated here too, so that the read's
+     * size is provably within line[] (gcc 13's fortified fgets could not see it through the loop).
+     */
+    if (have >= sizeof(line) - 1)
+      have = 0;
     if (fgets(line + have, (int)(sizeof(line) - have), f)) {
       have = strlen(line);
       if (have && line[have - 1] != '\n' && have < sizeof(line) - 1)
