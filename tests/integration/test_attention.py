@@ -1,0 +1,175 @@
+"""Attention end to end (SPEC §7, exact mode): POST /v1/forward with outputs attn and lse.
+
+Each answer is checked against the independent binary64 model (tests/reference/dsv4_ref.py), fed with
+the records the model itself computes for every position the sequence has seen and the q_out the
+daemon returned: attn within one bf16 ulp on at least 99.9 % of elements and every element within
+two ulps or the binary32 rounding bound of its sum; lse within its rounding bound. A prefill chunk
+attends to its own tokens (inserted by the same batch first), a decode token to itself and the 127
+positions before it, never below p0. Also: outputs=attn alone answers without q_out, the metadata
+says which mode ran, a replay answers the same bytes, and attn is deterministic across daemons.
+"""
+
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dsv4_harness as h  # noqa: E402
+from dsv4_harness import Batch, Daemon, Seg, check, check_eq  # noqa: E402
+
+HEADS = 8
+MODEL_HEADS = 64
+LAYERS = (0, 1, 2, 3)
+F32_EPS = 2.0 ** -24
+
+
+def sinks_for(layer):
+    s = (np.linspace(-3.0, 3.0, MODEL_HEADS) + 0.5 * layer).astype(np.float32)
+    if layer == 1:
+        s[0], s[1] = np.inf, -np.inf  # +inf zeroes head 0's output; -inf adds nothing to head 1
+    return s
+
+
+def write_weights(path):
+    entries = [("layers.%d.attn.attn_sink" % l, "F32", [MODEL_HEADS],
+                sinks_for(l).astype("<f4").tobytes()) for l in LAYERS]
+    with open(path, "wb") as f:
+        f.write(h.st_encode(entries, {"format": "pt"}))
+
+
+class History:
+    """The records the model computes for each (layer, sequence, position) the daemon was sent."""
+
+    def __init__(self):
+        self.recs = {}
+        self.p0 = {}
+
+    def add(self, batch):
+        m = h.model()
+        recs = m.records(batch)
+        t = 0
+        for s in batch.segs:
+            self.p0.setdefault(s.seq, s.start)
+            for i in range(s.len):
+                self.recs[(batch.layer, s.seq, s.start + i)] = recs[t]
+                t += 1
+
+
+def bf16_ulp_diff(got_bits, ref):
+    """|got - ref| in units of the bf16 spacing at ref (binary64 ref, bf16 bits got)."""
+    got = h.bf16_to_f32(got_bits).astype(np.float64)
+    mag = np.maximum(np.abs(ref), 2.0 ** -133)
+    ulp = 2.0 ** (np.floor(np.log2(mag)) - 7)
+    return np.abs(got - ref) / ulp
+
+
+def check_attention(res, batch, hist, what):
+    m = h.model()
+    mod = m.mod
+    _, tens = h.st_decode(res.resp.body)
+    attn = h.st_array(tens, "attn", "BF16", (batch.n, HEADS, 512))
+    lse = h.st_array(tens, "lse", "F32", (batch.n, HEADS))
+    rows = m._rows(batch)
+    sinks = sinks_for(batch.layer)[:HEADS]
+    within1 = total = 0
+    t = 0
+    for s in batch.segs:
+        for i in range(s.len):
+            pos = s.start + i
+            cands = mod.attention_candidates(pos, hist.p0[s.seq])
+            keys = mod.dequantise_record(np.stack(
+                [hist.recs[(batch.layer, s.seq, int(c))] for c in cands])).astype(np.float64)
+            out, ref_lse, mag = mod.attention_token(res.q_out[t], keys, rows[t], sinks)
+            d = bf16_ulp_diff(attn[t], out)
+            # The binary32 sum's rounding bound: n steps of relative error 2^-24 on the magnitudes.
+            bound = (mag["acc"] * (mag["nc"] + 8) * F32_EPS) * 4.0
+            got = h.bf16_to_f32(attn[t]).astype(np.float64)
+            ok = (d <= 2.0) | (np.abs(got - out) <= bound + np.abs(out) * 2.0 ** -8)
+            check(ok.all(), "%s: token %d (position %d) head/dim %s: attn %r against %r" %
+                  (what, t, pos, np.argwhere(~ok)[:3].tolist(), got[~ok][:3], out[~ok][:3]))
+            within1 += int((d <= 1.0).sum())
+            total += d.size
+            lse_bound = (np.abs(ref_lse) + mag["nc"]) * 16 * F32_EPS
+            check((np.abs(lse[t] - ref_lse) <= lse_bound).all(),
+                  "%s: token %d lse %r against %r" % (what, t, lse[t][:4], ref_lse[:4]))
+            if batch.layer == 1:
+                check((attn[t, 0] & 0x7FFF).max() == 0, "%s: a sink of +inf gives zeros" % what)
+            t += 1
+    return within1, total
+
+
+def forward_attn(d, batch, hist, what, outputs="q,attn,lse"):
+    batch.outputs = outputs
+    r = d.forward_raw(batch.body())
+    check_eq(r.status, 200, "%s: status (body %r)" % (what, r.body[:300]))
+    res = h.ForwardResult(r, batch)
+    check_eq(res.meta.get("attention"), "exact", "%s: the mode that ran" % what)
+    return res
+
+
+def test_prefill_and_decode():
+    rng = np.random.default_rng(31)
+    tmp = tempfile.mkdtemp(prefix="dsv4d-attn-")
+    path = os.path.join(tmp, "w.safetensors")
+    write_weights(path)
+    hist = History()
+    within1 = total = 0
+    with Daemon(h.SMALL + ["--weights", path]) as d:
+        for layer in (0, 1):
+            # A prefill longer than the window crossing blocks, and a sequence starting at p0 = 70.
+            b = Batch.random(rng, layer, [Seg("a", 0, 150, layer == 0), Seg("b", 70, 9, layer == 0)],
+                             HEADS)
+            hist.add(b)
+            res = forward_attn(d, b, hist, "prefill, layer %d" % layer)
+            w, n = check_attention(res, b, hist, "prefill, layer %d" % layer)
+            within1, total = within1 + w, total + n
+            for step in range(3):
+                b = Batch.random(rng, layer, [Seg("a", 150 + step, 1), Seg("b", 79 + step, 1)], HEADS)
+                hist.add(b)
+                res = forward_attn(d, b, hist, "decode %d, layer %d" % (step, layer))
+                w, n = check_attention(res, b, hist, "decode %d, layer %d" % (step, layer))
+                within1, total = within1 + w, total + n
+            # A replay answers the same attn bytes and moves nothing.
+            r2 = d.forward_raw(b.body())
+            check_eq(r2.status, 200, "replay status")
+            check_eq(h.st_decode(r2.body)[0].get("replayed"), "true", "replayed")
+            check_eq(h.st_decode(r2.body)[1]["attn"], h.st_decode(res.resp.body)[1]["attn"],
+                     "a replay's attn")
+        # outputs=attn alone: no q_out in the answer.
+        b = Batch.random(rng, 0, [Seg("c", 0, 2, True)], HEADS)
+        b.outputs = "attn"
+        r = d.forward_raw(b.body())
+        check_eq(r.status, 200, "outputs=attn status")
+        _, t = h.st_decode(r.body)
+        check_eq(sorted(t), ["attn", "slots"], "outputs=attn answers attn and slots only")
+    check(within1 >= 0.999 * total, "%d of %d outputs within one bf16 ulp" % (within1, total))
+    print("attn: %d of %d outputs within one bf16 ulp (%.4f %%)" %
+          (within1, total, 100.0 * within1 / total))
+
+
+def test_deterministic_across_daemons():
+    rng = np.random.default_rng(32)
+    tmp = tempfile.mkdtemp(prefix="dsv4d-attn-")
+    path = os.path.join(tmp, "w.safetensors")
+    write_weights(path)
+    batches = [Batch.random(rng, 0, [Seg("d", 0, 40, True)], HEADS, outputs="attn,lse"),
+               Batch.random(rng, 0, [Seg("d", 40, 1)], HEADS, outputs="attn,lse")]
+    answers = []
+    for run in range(2):
+        got = []
+        with Daemon(h.SMALL + ["--weights", path, "--threads", str(1 + run)]) as d:
+            for b in batches:
+                r = d.forward_raw(b.body())
+                check_eq(r.status, 200, "run %d status" % run)
+                got.append(h.st_decode(r.body)[1])
+        answers.append(got)
+    for i in range(len(batches)):
+        for name in ("attn", "lse"):
+            check_eq(answers[0][i][name], answers[1][i][name],
+                     "batch %d %s on 1 and 2 threads" % (i, name))
+
+
+if __name__ == "__main__":
+    h.main([test_prefill_and_decode, test_deterministic_across_daemons])
