@@ -10,9 +10,11 @@ file(GLOB DSV4_INV_KERNEL_SOURCES CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/*.c
 file(GLOB DSV4_INV_CPU_SOURCES CONFIGURE_DEPENDS ${DSV4_INV_ROOT}/kernels/cpu/*.c)
 # As in kernels/CMakeLists.txt; source properties are per directory, so they are repeated here.
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64")
-  set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx512.c PROPERTIES
+  set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx512.c
+    ${DSV4_INV_ROOT}/kernels/cpu/cpu_attention_avx512.c PROPERTIES
     COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512dq;-mavx512vl;-mfma")
-  set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx2.c PROPERTIES
+  set_source_files_properties(${DSV4_INV_ROOT}/kernels/cpu/cpu_kernels_avx2.c
+    ${DSV4_INV_ROOT}/kernels/cpu/cpu_attention_avx2.c PROPERTIES
     COMPILE_OPTIONS "-mavx2;-mfma")
 endif()
 add_library(dsv4_inv_kernels_base OBJECT ${DSV4_INV_KERNEL_SOURCES})
