@@ -37,6 +37,9 @@
 #define SCALAR_CLONES
 #endif
 
+/* The fewest heads in a work item when a batch's tokens are split by heads (see the launch). */
+#define ATTN_MIN_GROUP 16
+
 struct dsv4__cpu_attn_scratch {
   unsigned n;
   atomic_int *busy;
@@ -268,15 +271,17 @@ int dsv4__cpu_attention(dsv4_host_pool_t *pool, int isa, dsv4__cpu_attn_scratch_
   }
   /*
    * Work items: a token, or a group of its heads when there are too few tokens to keep every
-   * participant busy. The window is dequantised once per item, so groups stay as large as the
-   * balance allows. The split only changes which thread computes a value, never the value.
+   * participant busy. The window is dequantised once per item (about the cost of four heads), so
+   * a group keeps at least ATTN_MIN_GROUP heads. The split only changes which thread computes a
+   * value, never the value.
    */
   attn_job_t j = {.a = a, .isa = isa, .scratch = *scratch};
   uint32_t groups = 1;
-  if (threads > 1 && a->n_tokens < 4u * threads) {
-    groups = (4u * threads + a->n_tokens - 1) / a->n_tokens;
-    if (groups > a->heads)
-      groups = a->heads;
+  if (threads > 1 && a->n_tokens < 2u * threads) {
+    groups = (2u * threads + a->n_tokens - 1) / a->n_tokens;
+    uint32_t most = (a->heads + ATTN_MIN_GROUP - 1) / ATTN_MIN_GROUP;
+    if (groups > most)
+      groups = most;
   }
   j.heads_per_group = (a->heads + groups - 1) / groups;
   j.groups = (a->heads + j.heads_per_group - 1) / j.heads_per_group;

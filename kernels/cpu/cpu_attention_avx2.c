@@ -301,14 +301,17 @@ static void attn_quad(const dsv4__cpu_attn_item_t *it, uint32_t h0, uint32_t nh,
   for (int h = 0; h < QUAD; h += 2)
     for (uint32_t s = 0; s < nc; s++)
       logits_pair(qt, kt, s, h, l);
-  float m[QUAD], sum[QUAD];
+  float m[QUAD], sum[QUAD] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (uint32_t h = 0; h < nh; h++) {
     m[h] = max_logit(l + h * DSV4_WINDOW, nc);
     weights(l + h * DSV4_WINDOW, nc, m[h]);
-    sum[h] = 0.0f;
-    for (uint32_t i = 0; i < nc; i++)
-      sum[h] = sum[h] + l[h * DSV4_WINDOW + i];
   }
+  /* Each head's S is one chain of additions in candidate order; the quad's four chains run side
+   * by side (a head past nh sums logits of a zero query, unused). */
+  for (uint32_t i = 0; i < nc; i++)
+#pragma GCC unroll 4
+    for (int h = 0; h < QUAD; h++)
+      sum[h] = sum[h] + l[h * DSV4_WINDOW + i];
   for (uint32_t j0 = 0; j0 < DSV4_HEAD_DIM; j0 += 16)
     accumulate_16(kt, l, nc, j0, nt);
   for (uint32_t h = 0; h < nh; h++) {
