@@ -239,4 +239,124 @@ DSV4_FN float dsv4_rope_odd(float e, float o, float c, float s) {
   return DSV4_FMA(e, s, o * c);
 }
 
+/* The inverse rotation of an attention output pair (SPEC §7): the inner product rounded first. */
+DSV4_FN float dsv4_rope_inv_even(float e, float o, float c, float s) {
+  return DSV4_FMA(e, c, o * s);
+}
+DSV4_FN float dsv4_rope_inv_odd(float e, float o, float c, float s) {
+  return DSV4_FMA(-e, s, o * c);
+}
+
+/*
+ * exp and log for attention (SPEC §7): one definition for C, CUDA and OpenCL C, built only from
+ * fmaf, +, x, round-to-nearest-even (the 1.5 * 2^23 trick: adding and subtracting it rounds any
+ * |v| < 2^22 to an integer with the current, round-to-nearest-even, mode) and scaling by powers of
+ * two made from exponent bits. Every operation is one correctly rounded IEEE operation, so every
+ * backend gets the same bits; tests/unit/expf_logf_test.c freezes both over all 2^32 inputs by
+ * digest and measures their error against libm's double routines (faithful: below one ulp).
+ *
+ * A NaN input returns itself made quiet (its sign and payload kept by bit operations, since devices
+ * differ in the NaN their arithmetic produces); a NaN made here (log of a negative) is 0x7FC00000.
+ */
+
+/* 2^e as fp32 from its exponent bits, for -126 <= e <= 127. */
+DSV4_FN float dsv4_pow2i(dsv4_i32 e) {
+  return dsv4_u2f((dsv4_u32)(127 + e) << 23);
+}
+
+/* The quiet form of a NaN: the same bits with the quiet bit set. */
+DSV4_FN float dsv4_quiet_nan(dsv4_u32 u) {
+  return dsv4_u2f(u | 0x00400000u);
+}
+
+/*
+ * e^x. x = k ln2 + r with k = rne(x log2(e)) and |r| <= ln2/2 (Cody-Waite: k * ln2_hi has at most
+ * 24 significant bits for |k| <= 151, and x - k ln2_hi is exact by Sterbenz's lemma); r = rh + rl
+ * is rounded once and its rounding error kept exactly (2Sum). e^r = 1 + r + r^2 P(r) with a
+ * degree-5 minimax P; 1 + r is split into a rounded sum and its exact error (Fast2Sum, |r| < 1), so
+ * the only large rounding is the last addition. 2^k is applied as two exact factors 2^(k/2) and
+ * 2^(k-k/2), so a subnormal result is rounded once, by the second product. e^x overflows
+ * above 88.7228 and is below half the smallest subnormal under -103.97, so the bounds 89 and -104
+ * need no arithmetic.
+ */
+DSV4_FN float dsv4_expf(float x) {
+  dsv4_u32 u = dsv4_f2u(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return dsv4_quiet_nan(u);
+  if (x > 89.0f)
+    return dsv4_u2f(0x7f800000u);
+  if (x < -104.0f)
+    return 0.0f;
+  /* |x| < 2^-25: e^x rounds to 1 (and the steps below would meet subnormal intermediates). */
+  if ((u & 0x7fffffffu) < 0x33000000u)
+    return 1.0f;
+  float t = x * 0x1.715476p+0f;
+  float k = (t + 0x1.8p+23f) - 0x1.8p+23f;
+  float rh = DSV4_FMA(-k, 0x1.62e4p-1f, x);
+  float rl = -k * 0x1.7f7d1cp-20f;
+  float r = rh + rl;
+  float bv = r - rh;
+  float re = (rh - (r - bv)) + (rl - bv);
+  float p = 0x1.9f0894p-13f;
+  p = DSV4_FMA(p, r, 0x1.6d8d04p-10f);
+  p = DSV4_FMA(p, r, 0x1.11127p-7f);
+  p = DSV4_FMA(p, r, 0x1.55548ep-5f);
+  p = DSV4_FMA(p, r, 0x1.555554p-3f);
+  p = DSV4_FMA(p, r, 0x1p-1f);
+  float w = DSV4_FMA(r * r, p, re);
+  float hi = 1.0f + r;
+  float lo = (1.0f - hi) + r;
+  float y = hi + (lo + w);
+  dsv4_i32 q = (dsv4_i32)k;
+  dsv4_i32 q1 = q / 2;
+  return (y * dsv4_pow2i(q1)) * dsv4_pow2i(q - q1);
+}
+
+/*
+ * ln x. x = m * 2^e with m in [sqrt(1/2), sqrt(2)) taken from the bits (a subnormal x is first
+ * scaled by 2^23, exactly); f = m - 1 is exact (Sterbenz). ln(1 + f) = f + f^2 P(f) with a
+ * degree-10 minimax P, f^2 carried as a rounded product plus its exact error (one fma). The sum
+ * e ln2_hi + f (e ln2_hi exact: e has at most 8 bits) is rounded once and its error kept exactly
+ * (Fast2Sum: |e ln2_hi| >= 0.69 > |f| unless e = 0, where the error is 0), so the small terms are
+ * added to it before the last rounding. ln(+-0) = -inf, ln(+inf) = +inf, ln(x < 0) = NaN.
+ */
+DSV4_FN float dsv4_logf(float x) {
+  dsv4_u32 u = dsv4_f2u(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return dsv4_quiet_nan(u);
+  if ((u & 0x7fffffffu) == 0u)
+    return dsv4_u2f(0xff800000u);
+  if (u >> 31)
+    return dsv4_u2f(0x7fc00000u);
+  if (u == 0x7f800000u)
+    return x;
+  dsv4_i32 ebias = 128;
+  if (u < 0x00800000u) {
+    u = dsv4_f2u(x * 0x1p+23f);
+    ebias = 128 + 23;
+  }
+  /* Adding 0x40000000 - bits(sqrt(1/2)) moves the mantissa boundary to sqrt(1/2). */
+  dsv4_u32 b = u + 0x00cafb0du;
+  float fe = (float)((dsv4_i32)(b >> 23) - ebias);
+  float f = dsv4_u2f((b & 0x007fffffu) + 0x3f3504f3u) - 1.0f;
+  float p = -0x1.eb0abcp-5f;
+  p = DSV4_FMA(p, f, 0x1.b7614cp-4f);
+  p = DSV4_FMA(p, f, -0x1.bd41a6p-4f);
+  p = DSV4_FMA(p, f, 0x1.c36c76p-4f);
+  p = DSV4_FMA(p, f, -0x1.fc6bf8p-4f);
+  p = DSV4_FMA(p, f, 0x1.249234p-3f);
+  p = DSV4_FMA(p, f, -0x1.556888p-3f);
+  p = DSV4_FMA(p, f, 0x1.999a1cp-3f);
+  p = DSV4_FMA(p, f, -0x1.ffffacp-3f);
+  p = DSV4_FMA(p, f, 0x1.555554p-2f);
+  p = DSV4_FMA(p, f, -0x1p-1f);
+  float f2 = f * f;
+  float f2e = DSV4_FMA(f, f, -f2);
+  float c = DSV4_FMA(f2, p, DSV4_FMA(f2e, p, fe * 0x1.7f7d1cp-20f));
+  float hi = fe * 0x1.62e4p-1f;
+  float s = hi + f;
+  float se = (hi - s) + f;
+  return s + (c + se);
+}
+
 #endif /* DSV4_KERNELS_NUMERICS_H */
