@@ -245,14 +245,27 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
  * a candidate (dims 8c..8c+7, 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so
  * that the two 16-byte pieces a lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over
  * the warp, two contiguous 512-byte runs. Thread x stages piece x & 63 of candidates x / 64 + 4j,
- * eight candidates' loads in flight at a time.
+ * sixteen candidates' loads in flight at a time, after an L2 prefetch of every line of the window
+ * (the records are scattered over blocks, and every round of loads would otherwise wait for the
+ * DRAM).
  */
 static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk) {
-  constexpr int BATCH = 8;
+  constexpr int BATCH = 16;
   const uint32_t c = threadIdx.x & 63, n = ms.n;
   const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
   const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
   const uint64_t scales = (uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift;
+  /* Candidate x / 8 + 32j: line x % 8 of its 576 data bytes (the fifth line also holds the part of
+   * the next record), line 7 its scales. */
+  for (uint32_t s = threadIdx.x >> 3; s < n; s += ATTN_THREADS / 8) {
+    const int64_t pos = lo + s;
+    const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
+    const uint64_t o = (uint64_t)(pos & mask), line = threadIdx.x & 7;
+    if (line < 5)
+      dsv4__prefetch_l2(base + o * DSV4_TOKEN_DATA_BYTES + 128 * line);
+    else if (line == 7)
+      dsv4__prefetch_l2(base + scales + o * DSV4_SCALE_BYTES);
+  }
   uint8_t *dst = sk + (c & 1) * 512 + (c >> 1) * 16;
   for (uint32_t s0 = threadIdx.x >> 6; s0 < n; s0 += 4 * BATCH) {
     uint4 raw[BATCH];
