@@ -107,14 +107,16 @@ typedef struct {
 /* 0 or a project error code. */
 int dsv4__cuda_dev_info(dsv4__cuda_dev_t *out);
 
-/* Launch kernel k on s, with programmatic stream serialization when pdl. */
+/* Launch kernel k on s with smem bytes of dynamic shared memory, with programmatic stream
+ * serialization when pdl. */
 template <typename... Params, typename... Args>
-static cudaError_t dsv4__cuda_launch(void (*k)(Params...), unsigned grid, unsigned block,
-                                     cudaStream_t s, int pdl, Args... args) {
+static cudaError_t dsv4__cuda_launch_smem(void (*k)(Params...), unsigned grid, unsigned block,
+                                          size_t smem, cudaStream_t s, int pdl, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1] = {};
   cfg.gridDim = dim3(grid, 1, 1);
   cfg.blockDim = dim3(block, 1, 1);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   if (pdl) {
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -127,6 +129,13 @@ static cudaError_t dsv4__cuda_launch(void (*k)(Params...), unsigned grid, unsign
   if (e != cudaSuccess)
     (void)cudaGetLastError();
   return e;
+}
+
+/* Launch kernel k on s, with programmatic stream serialization when pdl. */
+template <typename... Params, typename... Args>
+static cudaError_t dsv4__cuda_launch(void (*k)(Params...), unsigned grid, unsigned block,
+                                     cudaStream_t s, int pdl, Args... args) {
+  return dsv4__cuda_launch_smem(k, grid, block, 0, s, pdl, args...);
 }
 
 #endif /* DSV4_KERNELS_CUDA_CUDA_INTERNAL_CUH */

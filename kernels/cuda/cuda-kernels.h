@@ -19,6 +19,12 @@
  *     NULL, cache n_blocks * stride bytes (written). q, kv, q_out, kv_norm_weight and cache must be
  *     16-byte aligned (cudaMalloc gives 256). The field `rope` (a host table) is not read: the
  *     rows come from rope_rows_dev.
+ *   dsv4_attn_args_t (attention after the insert, SPEC §7, exact mode only):
+ *     q [n_tokens, heads, 512] bf16 (the insert's q_out), positions [n_tokens] int64, tok_seg
+ *     [n_tokens] int32, seg_p0 / seg_first_lb [n_segments] int64, seg_bt_off / seg_bt_len
+ *     [n_segments] uint32, block_table int32, cache, sink [heads] fp32 or NULL, out [n_tokens,
+ *     heads, 512] bf16 (written), lse [n_tokens, heads] fp32 or NULL (written). q, out and cache
+ *     must be 16-byte aligned; `rope` is not read (rope_rows_dev, as for the insert).
  *
  * RoPE rows. rope_rows_dev is the device mirror of one host table (dsv4_rope_table_t of rope.h),
  * dense and indexed by position: the 64 floats of row p (cos[0..31] then sin[0..31], exactly the
@@ -49,6 +55,14 @@
  * work; the consumer triggers its own after its wait. Without PDL (pdl == 0, or an sm_80 device)
  * the same code runs in plain stream order.
  *
+ * Attention is the consumer of the insert in the same way (its kernels wait before they read q,
+ * the metadata or the cache, and read only their parameters and the sinks before; the sinks must
+ * not change while launches that use them are queued). It cannot refuse a bad batch on the host
+ * either, and a failed launch must write nothing (backend.h): its kernels check every token's
+ * segment, position (p0 <= p < max_positions) and window blocks, and when one fails they set bits
+ * of the caller's device error word (DSV4_CUDA_ATTN_ERR_*), write no output at all, and read no
+ * block outside the pool. The host glue reads the word at sync and answers DSV4_EINVAL.
+ *
  * Return values: 0, DSV4_EINVAL for bad arguments, or the mapping of the CUDA error of the launch
  * (dsv4__cuda_err). n_tokens == 0 launches nothing and returns 0.
  */
@@ -70,6 +84,30 @@ int dsv4__cuda_map_slots(const dsv4_map_args_t *a, cudaStream_t s, int pdl);
  */
 int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_dev,
                           int64_t max_positions, cudaStream_t s, int pdl);
+
+/* Bits of the attention kernels' error word: a token's segment outside the launch; its position
+ * below its segment's p0 or past the RoPE rows; a block of its window outside its segment's table
+ * (or past bt_entries), < 0, or outside the pool. */
+#define DSV4_CUDA_ATTN_ERR_SEGMENT 1u
+#define DSV4_CUDA_ATTN_ERR_POSITION 2u
+#define DSV4_CUDA_ATTN_ERR_BLOCK 4u
+
+/*
+ * SPEC §7, exact mode (a->fast must be 0): out and lse for every token, or nothing and bits in
+ * *err_dev (a device word the caller zeroes and reads back after the stream has run the launch).
+ * rope_rows_dev and max_positions as for the insert; the rows of every query position are read.
+ */
+int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope_rows_dev,
+                         int64_t max_positions, uint32_t *err_dev, cudaStream_t s, int pdl);
+
+/* Whether device dev can run the attention kernels (about 199 KiB of shared memory per block:
+ * compute capability 9.0 and 10.0 can, 8.x cannot). */
+int dsv4__cuda_attention_supported(int dev);
+
+/* The heads one CTA of the attention kernel computes for a launch of that shape on the current
+ * device (64, 32, 16 or 8), or 0 when the device cannot be queried: for the tests and the
+ * benchmark, which report it. */
+uint32_t dsv4__cuda_attention_heads_per_block(uint32_t n_tokens, uint32_t heads);
 
 /*
  * A CUDA error as a project error code: cudaSuccess -> 0, out of memory -> DSV4_ENOMEM, no device

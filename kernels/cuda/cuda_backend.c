@@ -22,6 +22,12 @@
  * materialised is uploaded once, on the stream, before the next launch. Rows never change once
  * written, which is what lets the consumer read them before its dependency wait.
  *
+ * Attention (SPEC §7, exact mode) follows the insert on the same stream, on devices with the
+ * shared memory its kernel needs (otherwise the table has no attention op, and the engine says
+ * so). A launch that finds a bad token writes nothing and sets a device error word instead; sync
+ * reads the word back (only when an attention launch ran since the last sync) and answers
+ * DSV4_EINVAL, clearing it for the next batch.
+ *
  * Thread affinity: one thread at a time (the engine's executor), as backend.h says; the CUDA
  * current device is per thread, so every entry point selects the backend's device first.
  */
@@ -77,6 +83,11 @@ typedef struct {
    * between the caller's memory and the pinned staging, which one core cannot feed at PCIe speed.
    */
   dsv4_host_pool_t *pool;
+  /* This backend's table: cuda_ops, without attention where the device cannot run it. */
+  dsv4_backend_ops_t ops;
+  uint32_t *attn_err;      /* device: the attention kernels' error word */
+  uint32_t *attn_err_host; /* pinned: where sync reads it back */
+  int attn_pending;        /* an attention launch since the last sync */
 } cuda_backend_t;
 
 static cuda_backend_t *cuda_of(dsv4_backend_t *be) {
@@ -285,6 +296,10 @@ static void cuda_destroy(dsv4_backend_t *be) {
       (void)cudaEventDestroy(c->done[h]);
   if (c->pin)
     (void)cudaFreeHost(c->pin);
+  if (c->attn_err)
+    (void)cudaFree(c->attn_err);
+  if (c->attn_err_host)
+    (void)cudaFreeHost(c->attn_err_host);
   if (c->stream)
     (void)cudaStreamDestroy(c->stream);
   (void)cudaGetLastError();
@@ -372,13 +387,53 @@ static int cuda_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   return rc ? rc : dsv4__cuda_qkv_insert(a, m->dev, m->positions, c->stream, c->pdl);
 }
 
+/*
+ * Attention after the insert, on the same stream. The kernels check what the host cannot see (the
+ * device copies of positions and block tables); a failure shows in the error word, which sync
+ * reads.
+ */
+static int cuda_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
+  cuda_backend_t *c = cuda_of(be);
+  rope_mirror_t *m;
+  if (a && a->n_tokens == 0)
+    return dsv4__cuda_attention(a, NULL, 0, c->attn_err, c->stream, c->pdl);
+  if (!a || !a->rope)
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  if (!rc)
+    rc = mirror_get(c, a->rope, &m);
+  if (!rc)
+    rc = dsv4__cuda_attention(a, m->dev, m->positions, c->attn_err, c->stream, c->pdl);
+  if (!rc)
+    c->attn_pending = 1;
+  return rc;
+}
+
+/* The attention error word, read back by the sync that follows an attention launch: 0, or
+ * DSV4_EINVAL once the word is cleared for the next batch. */
+static int attn_err_take(cuda_backend_t *c) {
+  c->attn_pending = 0;
+  if (*c->attn_err_host == 0)
+    return 0;
+  int rc = cu(cudaMemsetAsync(c->attn_err, 0, sizeof(uint32_t), c->stream));
+  if (!rc)
+    rc = cu(cudaStreamSynchronize(c->stream));
+  return rc ? rc : DSV4_EINVAL;
+}
+
 static int cuda_sync(dsv4_backend_t *be) {
   cuda_backend_t *c = cuda_of(be);
   int rc = use_device(c);
+  const int attn = c->attn_pending;
+  if (!rc && attn)
+    rc = cu(cudaMemcpyAsync(c->attn_err_host, c->attn_err, sizeof(uint32_t), cudaMemcpyDeviceToHost,
+                            c->stream));
   if (!rc)
     rc = cu(cudaStreamSynchronize(c->stream));
   if (!rc)
     stage_reset(c);
+  if (!rc && attn)
+    rc = attn_err_take(c);
   return rc;
 }
 
@@ -397,6 +452,7 @@ static const dsv4_backend_ops_t cuda_ops = {
     .download = cuda_download,
     .map_slots = cuda_map_slots,
     .qkv_insert = cuda_qkv_insert,
+    .attention = cuda_attention,
     .sync = cuda_sync,
     .host_parallel = cuda_host_parallel,
 };
@@ -431,7 +487,8 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
       snprintf(why, why_len, "cuda backend: out of memory");
     return DSV4_ENOMEM;
   }
-  c->base.ops = &cuda_ops;
+  c->ops = cuda_ops;
+  c->base.ops = &c->ops;
   c->dev = 0;
   if ((e = cudaSetDevice(c->dev)) != cudaSuccess)
     return fail(c, e, "cudaSetDevice(0)", why, why_len);
@@ -449,6 +506,21 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
       return fail(c, e, "cudaEventCreateWithFlags", why, why_len);
     }
   c->pdl = dsv4__cuda_pdl_supported(c->dev);
+  if (!dsv4__cuda_attention_supported(c->dev)) {
+    c->ops.attention = NULL;
+  } else {
+    if ((e = cudaMallocHost((void **)&c->attn_err_host, sizeof(uint32_t))) != cudaSuccess) {
+      c->attn_err_host = NULL;
+      return fail(c, e, "cudaMallocHost (attention error word)", why, why_len);
+    }
+    if ((e = cudaMalloc((void **)&c->attn_err, sizeof(uint32_t))) != cudaSuccess) {
+      c->attn_err = NULL;
+      return fail(c, e, "cudaMalloc (attention error word)", why, why_len);
+    }
+    /* On the stream, ahead of every launch that reads or sets the word. */
+    if ((e = cudaMemsetAsync(c->attn_err, 0, sizeof(uint32_t), c->stream)) != cudaSuccess)
+      return fail(c, e, "cudaMemsetAsync (attention error word)", why, why_len);
+  }
   unsigned threads = opt ? opt->threads : 0;
   if (threads == 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);

@@ -3,6 +3,10 @@ if(DSV4_CUDA)
   dsv4_bench(cuda_insert_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_insert_bench.c
              ${CMAKE_CURRENT_LIST_DIR}/cuda_floor.cu LIBS dsv4_cuda dsv4_kernels)
   add_dependencies(benchmarks cuda_insert_bench)
+  # Exact attention (tests/bench/cuda_attn_bench.c) against the copy and fp32 FMA ceilings.
+  dsv4_bench(cuda_attn_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_attn_bench.c
+             ${CMAKE_CURRENT_LIST_DIR}/cuda_fma_peak.cu LIBS dsv4_cuda dsv4_kernels)
+  add_dependencies(benchmarks cuda_attn_bench)
 endif()
 
 # The same benchmark on a build of the kernels with DSV4_TEST_TUNE, whose rows per warp the

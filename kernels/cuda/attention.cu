@@ -1,0 +1,745 @@
+/*
+ * Attention after the insert, exact mode (SPEC §7), computing exactly the CPU reference's bytes:
+ * for each query token and head, the canonical dot product with every candidate of the window
+ * max(p0, p - 127)..p, one scale product, the maximum, dsv4_expf weights, the sums S and D (the
+ * sink added last), the fma chains N in candidate order, o = N / D, the inverse RoPE at p, one
+ * bf16 rounding, and lse = m + dsv4_logf(S).
+ *
+ * Every operation that decides a bit is the one SPEC §7 names, in its order; the mapping below only
+ * chooses which thread performs it. The work is fp32 FMA (2 x 512 per head and candidate: the dot
+ * product and the accumulation), so the mapping is built to keep the FMA pipes busy: the window's
+ * records are dequantised once per CTA into shared memory and reused by every head of the CTA, a
+ * warp holds eight heads' queries in registers, and a lane owns one canonical 16-dim partial.
+ */
+#include "cuda-internal.cuh"
+
+#include "dsv4-error.h"
+#include "dsv4-numerics.h"
+
+#define ATTN_THREADS 256
+#define ATTN_WARPS (ATTN_THREADS / 32)
+#define FULL 0xffffffffu
+#define OCT 8            /* heads per warp (an octet) */
+#define QUAD 4           /* candidates per pass-1 step: OCT x QUAD = 32 values, one per lane */
+#define K_ROW 1024       /* bytes of one candidate's 512 bf16 values in shared memory */
+#define T_STRIDE 36      /* floats per lane row of a warp's transposition buffer (conflict-free) */
+#define NOPE_PIECES 56   /* 8-dim pieces of the NoPE part; pieces 56..63 are the RoPE part */
+#define MAX_WIN_BLOCKS 9 /* DSV4_WINDOW / DSV4_MIN_BLOCK_SIZE + 1 */
+/* Launches of at most this many tokens are checked whole by every CTA (below); larger ones by a
+ * separate kernel before the attention kernel. */
+#define CHECK_ALL_MAX 1024u
+/* Error bits that are not reported: the launch stopped because another token failed. */
+#define ERR_EARLIER 0x80000000u
+#define ERR_REPORTED                                                                               \
+  (DSV4_CUDA_ATTN_ERR_SEGMENT | DSV4_CUDA_ATTN_ERR_POSITION | DSV4_CUDA_ATTN_ERR_BLOCK)
+
+static_assert(MAX_WIN_BLOCKS == DSV4_WINDOW / DSV4_MIN_BLOCK_SIZE + 1, "window blocks");
+
+typedef struct {
+  const uint4 *q; /* [n_tokens, heads, 64] uint4: bf16 q_out rows */
+  const int64_t *pos;
+  const int32_t *tok_seg;
+  const int64_t *seg_p0;
+  const int64_t *seg_first_lb;
+  const uint32_t *seg_bt_off;
+  const uint32_t *seg_bt_len;
+  const int32_t *bt;
+  const uint8_t *cache;
+  const float *sink;  /* [heads] or NULL */
+  const float4 *rope; /* 16 float4 per row: cos 0..7, sin 8..15 */
+  uint4 *out;
+  float *lse; /* or NULL */
+  uint32_t *err;
+  uint64_t stride;
+  int64_t max_pos;
+  uint32_t n_tokens, n_segments, heads, groups;
+  uint32_t bt_entries, n_blocks, bs_shift, check_all;
+} attn_params_t;
+
+static_assert(sizeof(attn_params_t) % 4 == 0, "parameter block of whole words");
+
+/* Per-CTA facts, in static shared memory (16-byte aligned: the RoPE row is stored as float4). */
+typedef struct alignas(16) {
+  float rope[DSV4_ROPE_ROW_FLOATS]; /* cos then sin at the query's position */
+  float m[64];                      /* each head's maximum logit */
+  float d[64];                      /* each head's denominator D */
+  int32_t blk[MAX_WIN_BLOCKS + 3];  /* physical blocks of the window's logical blocks */
+  int64_t lo;                       /* the first candidate's position */
+  uint32_t n;                       /* candidates */
+} attn_misc_t;
+
+/* Dynamic shared memory of a CTA of hg heads: the window (bf16), the logits and weights, and one
+ * transposition buffer per warp. */
+static constexpr size_t attn_smem_bytes(int hg) {
+  return (size_t)DSV4_WINDOW * K_ROW + (size_t)DSV4_WINDOW * (hg + 4) * sizeof(float) +
+         (size_t)ATTN_WARPS * 32 * T_STRIDE * sizeof(float);
+}
+
+/* ---- the window of a token, from its segment's block table ---- */
+
+typedef struct {
+  int64_t pos, lo; /* the query's position and the first candidate's */
+  int64_t first;   /* the logical block that entry `off` maps */
+  uint32_t off, len;
+} window_t;
+
+/* 0, or the error bits of token t's segment and position (SPEC §7: p0 <= p, a RoPE row for p). */
+static __device__ uint32_t token_window(const attn_params_t &p, uint32_t t, window_t *w) {
+  const int32_t seg = p.tok_seg[t];
+  if (seg < 0 || (uint32_t)seg >= p.n_segments)
+    return DSV4_CUDA_ATTN_ERR_SEGMENT;
+  const int64_t pos = p.pos[t], p0 = p.seg_p0[seg];
+  if (p0 < 0 || pos < p0 || pos >= p.max_pos)
+    return DSV4_CUDA_ATTN_ERR_POSITION;
+  w->pos = pos;
+  w->lo = pos - (DSV4_WINDOW - 1) > p0 ? pos - (DSV4_WINDOW - 1) : p0;
+  w->first = p.seg_first_lb[seg];
+  w->off = p.seg_bt_off[seg];
+  w->len = p.seg_bt_len[seg];
+  return 0;
+}
+
+/* The logical blocks the window spans (1..MAX_WIN_BLOCKS). */
+static __device__ __forceinline__ uint32_t window_blocks(const attn_params_t &p,
+                                                         const window_t &w) {
+  return (uint32_t)((w.pos >> p.bs_shift) - (w.lo >> p.bs_shift)) + 1u;
+}
+
+/* The physical block of the window's k-th logical block, or -1 with the error bit set when it is
+ * outside the segment's table (or past bt_entries), < 0, or outside the pool. */
+static __device__ int32_t window_block(const attn_params_t &p, const window_t &w, uint32_t k,
+                                       uint32_t *bits) {
+  const int64_t idx = (w.lo >> p.bs_shift) + (int64_t)k - w.first;
+  if (idx < 0 || idx >= (int64_t)w.len) {
+    *bits |= DSV4_CUDA_ATTN_ERR_BLOCK;
+    return -1;
+  }
+  const uint64_t e = (uint64_t)w.off + (uint64_t)idx;
+  if (p.bt_entries && e >= p.bt_entries) {
+    *bits |= DSV4_CUDA_ATTN_ERR_BLOCK;
+    return -1;
+  }
+  const int32_t b = p.bt[e];
+  if (b < 0 || (uint32_t)b >= p.n_blocks) {
+    *bits |= DSV4_CUDA_ATTN_ERR_BLOCK;
+    return -1;
+  }
+  return b;
+}
+
+/* 0, or the error bits of token t: its segment, position and every block of its window. */
+static __device__ uint32_t token_check(const attn_params_t &p, uint32_t t) {
+  window_t w;
+  uint32_t bits = token_window(p, t, &w);
+  if (bits)
+    return bits;
+  const uint32_t nb = window_blocks(p, w);
+  for (uint32_t k = 0; k < nb; k++)
+    (void)window_block(p, w, k, &bits);
+  return bits;
+}
+
+/* ---- numerics on packed bf16 ---- */
+
+static __device__ __forceinline__ void unpack8(uint4 v, float *x) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    x[2 * k] = __uint_as_float(w[k] << 16);
+    x[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+
+/*
+ * Two E4M3FN bytes (lo in the low byte) as fp32: one instruction to an f16 pair on sm_89+, where
+ * every E4M3FN value is an f16 value, so the conversion is exact, then two exact widenings; below,
+ * dsv4_e4m3_to_f32 of each byte. Both give dsv4_e4m3_to_f32 for every byte but the two NaN codes,
+ * which the insert never writes (the CPU reference computes with dsv4_e4m3_to_f32 too).
+ */
+static __device__ __forceinline__ void e4m3x2_to_f32(uint32_t pair, float *lo, float *hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((uint16_t)pair));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(*lo) : "h"((uint16_t)(h2 & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(*hi) : "h"((uint16_t)(h2 >> 16)));
+#else
+  *lo = dsv4_e4m3_to_f32((dsv4_u8)(pair & 0xffu));
+  *hi = dsv4_e4m3_to_f32((dsv4_u8)((pair >> 8) & 0xffu));
+#endif
+}
+
+/*
+ * Eight NoPE values of a record (8 E4M3FN bytes in w0, w1) dequantised exactly (SPEC §2.2:
+ * e4m3 * 2^(code - 127)) and stored as bf16. The product has at most 4 significant bits and, for
+ * every code an insert writes (105..247, or 0 in a zero-filled record), is a normal fp32 or zero,
+ * so its bf16 is its upper half, exactly dsv4_f32_to_bf16 of it: nothing is rounded, and the
+ * kernel later reads back the very fp32 value the CPU reference computes.
+ */
+static __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, uint32_t code) {
+  const float sc = dsv4_ue8m0_scale((dsv4_u8)code);
+  const uint32_t pairs[4] = {w0 & 0xffffu, w0 >> 16, w1 & 0xffffu, w1 >> 16};
+  uint32_t o[4];
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    float a, b;
+    e4m3x2_to_f32(pairs[k], &a, &b);
+    o[k] =
+        __byte_perm(__float_as_uint(__fmul_rn(a, sc)), __float_as_uint(__fmul_rn(b, sc)), 0x7632);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+/* ---- the phases of a CTA ---- */
+
+/* The eight heads h0.. of token t that this lane's queries cover: dims 16 lane .. 16 lane + 15. */
+static __device__ __forceinline__ void load_q(const attn_params_t &p, uint32_t t, uint32_t h0,
+                                              uint32_t lane, uint4 (&qraw)[OCT][2]) {
+#pragma unroll
+  for (int hh = 0; hh < OCT; hh++) {
+    if (h0 + hh < p.heads) {
+      const uint4 *row = p.q + ((uint64_t)t * p.heads + h0 + hh) * 64;
+      qraw[hh][0] = row[2 * lane];
+      qraw[hh][1] = row[2 * lane + 1];
+    } else {
+      qraw[hh][0] = qraw[hh][1] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+/*
+ * The query's window and the launch's check (after the dependency wait): the physical blocks of
+ * the window into ms.blk, the RoPE row into ms.rope; with check_all, every token of the launch is
+ * checked here, else the word of the check kernel that ran before is read. Returns 0 when the CTA
+ * may go on; otherwise every thread of it returns before writing anything (SPEC §7: a failed
+ * launch writes nothing), and the error bits have been reported.
+ */
+static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
+  const uint32_t tid = threadIdx.x;
+  window_t w;
+  uint32_t bits = token_window(p, t, &w);
+  if (!bits) {
+    const uint32_t nb = window_blocks(p, w);
+    if (tid < nb)
+      ms.blk[tid] = window_block(p, w, tid, &bits);
+    if (tid >= 32 && tid < 48)
+      reinterpret_cast<float4 *>(ms.rope)[tid - 32] = p.rope[(uint64_t)w.pos * 16 + (tid - 32)];
+    if (tid == 0) {
+      ms.lo = w.lo;
+      ms.n = (uint32_t)(w.pos - w.lo + 1);
+    }
+  }
+  if (p.check_all) {
+    for (uint32_t u = tid; u < p.n_tokens; u += ATTN_THREADS)
+      bits |= token_check(p, u);
+  } else if (tid == 0 && __ldcg(p.err) != 0) {
+    bits |= ERR_EARLIER;
+  }
+  /* With check_all every CTA finds every error: the first one reports them. */
+  if ((bits & ERR_REPORTED) && (!p.check_all || blockIdx.x == 0))
+    atomicOr(p.err, bits & ERR_REPORTED);
+  return __syncthreads_or(bits != 0);
+}
+
+/*
+ * The window's records, dequantised into shared memory as bf16 (exact, see dequant8). Piece c of
+ * a candidate (dims 8c..8c+7, 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so
+ * that the two 16-byte pieces a lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over
+ * the warp, two contiguous 512-byte runs. Thread x stages piece x & 63 of candidates x / 64 + 4j,
+ * sixteen candidates' loads in flight at a time, after an L2 prefetch of every line of the window
+ * (the records are scattered over blocks, and every round of loads would otherwise wait for the
+ * DRAM).
+ */
+static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk) {
+  constexpr int BATCH = 16;
+  const uint32_t c = threadIdx.x & 63, n = ms.n;
+  const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
+  const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
+  const uint64_t scales = (uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift;
+  /* Candidate x / 8 + 32j: line x % 8 of its 576 data bytes (the fifth line also holds the part of
+   * the next record), line 7 its scales. */
+  for (uint32_t s = threadIdx.x >> 3; s < n; s += ATTN_THREADS / 8) {
+    const int64_t pos = lo + s;
+    const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
+    const uint64_t o = (uint64_t)(pos & mask), line = threadIdx.x & 7;
+    if (line < 5)
+      dsv4__prefetch_l2(base + o * DSV4_TOKEN_DATA_BYTES + 128 * line);
+    else if (line == 7)
+      dsv4__prefetch_l2(base + scales + o * DSV4_SCALE_BYTES);
+  }
+  uint8_t *dst = sk + (c & 1) * 512 + (c >> 1) * 16;
+  for (uint32_t s0 = threadIdx.x >> 6; s0 < n; s0 += 4 * BATCH) {
+    uint4 raw[BATCH];
+    uint32_t code[BATCH];
+#pragma unroll
+    for (int j = 0; j < BATCH; j++) {
+      const uint32_t s = s0 + 4 * j;
+      raw[j] = make_uint4(0, 0, 0, 0);
+      code[j] = 0;
+      if (s < n) {
+        const int64_t pos = lo + s;
+        const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
+        const uint64_t o = (uint64_t)(pos & mask);
+        const uint8_t *rec = base + o * DSV4_TOKEN_DATA_BYTES;
+        if (c < NOPE_PIECES) {
+          const uint2 v = *reinterpret_cast<const uint2 *>(rec + 8 * c);
+          raw[j].x = v.x;
+          raw[j].y = v.y;
+          code[j] = base[scales + o * DSV4_SCALE_BYTES + (c >> 3)];
+        } else {
+          raw[j] = *reinterpret_cast<const uint4 *>(rec + DSV4_NOPE_DIM + 16 * (c - NOPE_PIECES));
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < BATCH; j++) {
+      const uint32_t s = s0 + 4 * j;
+      if (s < n)
+        *reinterpret_cast<uint4 *>(dst + (size_t)s * K_ROW) =
+            c < NOPE_PIECES ? dequant8(raw[j].x, raw[j].y, code[j]) : raw[j];
+    }
+  }
+}
+
+/*
+ * Pass 1, the logits of the warp's octet (SPEC §2's dot product, then one scale product). Lane l
+ * holds dims 16l..16l+15 of the eight queries (128 registers) and, per candidate, the same dims of
+ * the record: it computes the canonical partial l of each (head, candidate) as a 16-long fma chain
+ * from +0. A step takes four candidates: 32 values, whose 32 partials are transposed through the
+ * warp's buffer (lane l writes row l; lane j reads column j, value j = head j / 4, candidate
+ * j % 4) and folded by dsv4_fold32, the canonical fold. The R warps of an octet take every R-th
+ * step. Logits go to sl[candidate][head].
+ */
+template <int R>
+static __device__ void attn_logits(const uint8_t *sk, float *sl, float *tb,
+                                   const uint4 (&qraw)[OCT][2], uint32_t n, uint32_t oct,
+                                   uint32_t r, uint32_t lane) {
+  constexpr int LS = 64 / R + 4;
+  float q[OCT][16];
+#pragma unroll
+  for (int hh = 0; hh < OCT; hh++) {
+    unpack8(qraw[hh][0], q[hh]);
+    unpack8(qraw[hh][1], q[hh] + 8);
+  }
+  const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
+  const uint32_t steps = (n + QUAD - 1) / QUAD;
+  for (uint32_t st = r; st < steps; st += R) {
+    float acc[OCT][QUAD];
+#pragma unroll
+    for (int cc = 0; cc < QUAD; cc++) {
+      /* Past the window's end a step reads its last candidate again; those values are dropped. */
+      const uint32_t s = min(st * QUAD + cc, n - 1);
+      const uint8_t *row = sk + (size_t)s * K_ROW + 16 * lane;
+      float k[16];
+      unpack8(*reinterpret_cast<const uint4 *>(row), k);
+      unpack8(*reinterpret_cast<const uint4 *>(row + 512), k + 8);
+#pragma unroll
+      for (int hh = 0; hh < OCT; hh++) {
+        float a = 0.0f;
+#pragma unroll
+        for (int d = 0; d < 16; d++)
+          a = __fmaf_rn(q[hh][d], k[d], a);
+        acc[hh][cc] = a;
+      }
+    }
+    float4 *mine = reinterpret_cast<float4 *>(tb + lane * T_STRIDE);
+#pragma unroll
+    for (int hh = 0; hh < OCT; hh++)
+      mine[hh] = make_float4(acc[hh][0], acc[hh][1], acc[hh][2], acc[hh][3]);
+    __syncwarp();
+    float part[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+      part[i] = tb[i * T_STRIDE + lane];
+    const float dot = dsv4_fold32(part);
+    const uint32_t s = st * QUAD + (lane & 3);
+    if (s < n)
+      sl[(size_t)s * LS + oct * OCT + (lane >> 2)] = __fmul_rn(dot, scale);
+    __syncwarp(); /* the buffer is rewritten by the next step */
+  }
+}
+
+/*
+ * Each head's maximum and weights w = dsv4_expf(l - m), in place: warp w takes heads w, w + 8, ...;
+ * lane j candidates j, j + 32, ... The maximum is exact in any order (and a +-0 tie leaves every
+ * weight, D and lse unchanged), so the warp reduces it with shuffles.
+ */
+template <int HG>
+static __device__ void attn_weights(float *sl, attn_misc_t &ms, uint32_t n, uint32_t warp,
+                                    uint32_t lane) {
+  constexpr int LS = HG + 4;
+  for (uint32_t hl = warp; hl < HG; hl += ATTN_WARPS) {
+    float v[DSV4_WINDOW / 32], m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < DSV4_WINDOW / 32; k++) {
+      const uint32_t s = lane + 32 * k;
+      v[k] = s < n ? sl[(size_t)s * LS + hl] : -INFINITY;
+      m = fmaxf(m, v[k]);
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1)
+      m = fmaxf(m, __shfl_xor_sync(FULL, m, off));
+#pragma unroll
+    for (int k = 0; k < DSV4_WINDOW / 32; k++) {
+      const uint32_t s = lane + 32 * k;
+      if (s < n)
+        sl[(size_t)s * LS + hl] = dsv4_expf(v[k] - m);
+    }
+    if (lane == 0)
+      ms.m[hl] = m;
+  }
+}
+
+/* One thread per head: S in candidate order from +0, D = S + w_sink, and lse = m + logf(S). */
+template <int HG>
+static __device__ void attn_sums(const attn_params_t &p, const float *sl, attn_misc_t &ms,
+                                 uint32_t n, uint32_t t, uint32_t h_first, float sink) {
+  constexpr int LS = HG + 4;
+  const uint32_t hl = threadIdx.x;
+  if (hl >= HG)
+    return;
+  float sum = 0.0f;
+  /* Unrolled so that the loads of a run of weights are in flight together; the sum stays one
+   * chain in candidate order. */
+#pragma unroll 8
+  for (uint32_t s = 0; s < n; s++)
+    sum = sum + sl[(size_t)s * LS + hl];
+  const float m = ms.m[hl];
+  float den = sum;
+  if (p.sink)
+    den = den + dsv4_expf(sink - m);
+  ms.d[hl] = den;
+  if (p.lse && h_first + hl < p.heads)
+    p.lse[(uint64_t)t * p.heads + h_first + hl] = m + dsv4_logf(sum);
+}
+
+/* DL bf16 values of a candidate's row at byte offset off (and, for DL = 16, off + 512). */
+template <int DL>
+static __device__ __forceinline__ void load_k(const uint8_t *row, uint32_t off, float (&k)[DL]) {
+  if constexpr (DL == 16) {
+    unpack8(*reinterpret_cast<const uint4 *>(row + off), k);
+    unpack8(*reinterpret_cast<const uint4 *>(row + off + 512), k + 8);
+  } else if constexpr (DL == 8) {
+    unpack8(*reinterpret_cast<const uint4 *>(row + off), k);
+  } else if constexpr (DL == 4) {
+    const uint2 v = *reinterpret_cast<const uint2 *>(row + off);
+    const uint32_t w[2] = {v.x, v.y};
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+      k[2 * j] = __uint_as_float(w[j] << 16);
+      k[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+  } else {
+    const uint32_t v = *reinterpret_cast<const uint32_t *>(row + off);
+    k[0] = __uint_as_float(v << 16);
+    k[1] = __uint_as_float(v & 0xffff0000u);
+  }
+}
+
+/* DL bf16 values (already rounded, in pairs) to out: 16-byte stores where DL allows. */
+template <int DL>
+static __device__ __forceinline__ void store_out(uint4 *out, uint32_t d0,
+                                                 const uint32_t (&w)[DL / 2]) {
+  uint8_t *b = reinterpret_cast<uint8_t *>(out) + 2 * (size_t)d0;
+  if constexpr (DL >= 8) {
+#pragma unroll
+    for (int j = 0; j < DL / 8; j++)
+      reinterpret_cast<uint4 *>(b)[j] =
+          make_uint4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]);
+  } else if constexpr (DL == 4) {
+    *reinterpret_cast<uint2 *>(b) = make_uint2(w[0], w[1]);
+  } else {
+    *reinterpret_cast<uint32_t *>(b) = w[0];
+  }
+}
+
+/*
+ * Pass 2 and the output. The R warps of an octet split the 512 dims: a lane owns DL = 16 / R
+ * consecutive dims of the eight heads (8 DL accumulators) and runs N[d] = fmaf(w_s, k_s[d], N[d])
+ * over the candidates in order from +0, reading the eight weights of a candidate with two
+ * broadcast loads. Dims from shared memory: with R = 1 lane l reads pieces 2l and 2l + 1 (dims
+ * 16l..16l+15); otherwise warp r reads a contiguous run of 1024 / R bytes of half r & 1 of the row,
+ * lane l the DL dims at byte x = (r >> 1) * 1024 / R + 2 DL l of it, which are dims
+ * 16 (x / 16) + 8 (r & 1) + (x % 16) / 2 onwards (the staging layout). Then o = N / D, the inverse
+ * RoPE on dims 448..511 with the pair in the lane, one bf16 rounding, one store per value.
+ */
+template <int R>
+static __device__ void attn_output(const attn_params_t &p, const uint8_t *sk, const float *sl,
+                                   const attn_misc_t &ms, uint32_t n, uint32_t t, uint32_t h0,
+                                   uint32_t oct, uint32_t r, uint32_t lane) {
+  constexpr int DL = 16 / R, LS = 64 / R + 4;
+  uint32_t off, d0;
+  if (R == 1) {
+    off = 16 * lane;
+    d0 = 16 * lane;
+  } else {
+    const uint32_t x = (r >> 1) * (1024 / R) + 2 * DL * lane;
+    off = (r & 1) * 512 + x;
+    d0 = 16 * (x >> 4) + 8 * (r & 1) + ((x & 15) >> 1);
+  }
+  float acc[OCT][DL];
+#pragma unroll
+  for (int hh = 0; hh < OCT; hh++)
+#pragma unroll
+    for (int d = 0; d < DL; d++)
+      acc[hh][d] = 0.0f;
+  for (uint32_t s = 0; s < n; s++) {
+    const float4 *wv = reinterpret_cast<const float4 *>(sl + (size_t)s * LS + oct * OCT);
+    const float4 wa = wv[0], wb = wv[1];
+    const float w[OCT] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+    float k[DL];
+    load_k<DL>(sk + (size_t)s * K_ROW, off, k);
+#pragma unroll
+    for (int hh = 0; hh < OCT; hh++)
+#pragma unroll
+      for (int d = 0; d < DL; d++)
+        acc[hh][d] = __fmaf_rn(w[hh], k[d], acc[hh][d]);
+  }
+  const float *cs = ms.rope;
+#pragma unroll
+  for (int hh = 0; hh < OCT; hh++) {
+    if (h0 + hh >= p.heads)
+      break;
+    const float den = ms.d[oct * OCT + hh];
+    float o[DL];
+#pragma unroll
+    for (int d = 0; d < DL; d++)
+      o[d] = __fdiv_rn(acc[hh][d], den);
+    uint32_t wo[DL / 2];
+#pragma unroll
+    for (int j = 0; j < DL / 2; j++) {
+      float e = o[2 * j], od = o[2 * j + 1];
+      if (d0 >= DSV4_NOPE_DIM) {
+        const uint32_t i = (d0 - DSV4_NOPE_DIM) / 2 + j;
+        const float c = cs[i], sn = cs[DSV4_ROPE_PAIRS + i];
+        const float ee = dsv4_rope_inv_even(e, od, c, sn);
+        od = dsv4_rope_inv_odd(e, od, c, sn);
+        e = ee;
+      }
+      wo[j] = (uint32_t)dsv4_f32_to_bf16(e) | ((uint32_t)dsv4_f32_to_bf16(od) << 16);
+    }
+    store_out<DL>(p.out + ((uint64_t)t * p.heads + h0 + hh) * 64, d0, wo);
+  }
+}
+
+/*
+ * Thread mapping (FlashMLA style). One CTA of 256 threads (8 warps) per (query token, group of
+ * HG = 64 / R heads); R in {1, 2, 4, 8} is chosen per launch so that the grid fills the device
+ * (dsv4__cuda_attention_heads_per_block). Warp w owns octet w / R of the group (8 heads) together
+ * with the other R - 1 warps of that octet, as their (w % R)-th member.
+ *
+ *   stage    all threads: the window's records (up to 128 x 584 bytes) -> bf16 in shared memory,
+ *            128 KiB, read once from the cache and reused by every head of the CTA
+ *   logits   warp: its octet's queries in registers (lane = one canonical 16-dim partial), every
+ *            R-th step of 4 candidates; the 32 partials of a (head, candidate) meet in one lane
+ *            through a transposition buffer and are folded in the canonical order
+ *   weights  warp per head: maximum (shuffles), w = dsv4_expf(l - m) in place
+ *   sums     thread per head: S and D in candidate order, lse
+ *   output   warp: its octet's 8 heads x 512 / R dims, N accumulated over the candidates in order,
+ *            o = N / D, inverse RoPE, bf16, one store per value
+ *
+ * Shared memory: 128 KiB of window, (HG + 4) x 128 logits, 8 x 4.5 KiB of transposition buffers,
+ * about 198 KiB at HG = 64: one CTA per SM, whose 8 warps each have 32 independent fma chains in
+ * flight in both passes.
+ *
+ * Ordering (SPEC §5.2): before griddepcontrol.wait a CTA reads only its parameters and the sinks
+ * (immutable for the backend's lifetime); every CTA executes the wait before anything else, and
+ * returns early only after it. A launch whose check finds a bad token (every CTA checks every
+ * token when the launch has at most CHECK_ALL_MAX of them, else the check kernel did before)
+ * writes nothing.
+ */
+template <int R>
+__global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_params_t p) {
+  constexpr int HG = 64 / R;
+  extern __shared__ uint4 smem_dyn[];
+  __shared__ attn_misc_t ms;
+  uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
+  float *sl = reinterpret_cast<float *>(sk + (size_t)DSV4_WINDOW * K_ROW);
+  float *tbuf = sl + (size_t)DSV4_WINDOW * (HG + 4);
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t t = blockIdx.x / p.groups;
+  const uint32_t h_first = (blockIdx.x - t * p.groups) * HG;
+  const uint32_t oct = warp / R, r = warp % R, h0 = h_first + oct * OCT;
+  /* Before the wait: the sink of one head per thread, immutable data. */
+  float sink = 0.0f;
+  if (p.sink && tid < HG && h_first + tid < p.heads)
+    sink = p.sink[h_first + tid];
+  uint4 qraw[OCT][2];
+#ifdef DSV4_TEST_BROKEN_ATTN_EARLY_READ
+  /* Test-only breakage of SPEC §5.2 (tests/gpu/gpu_inv_attn_wait.c): the queries are loaded before
+   * the wait, while the grid before this one may still be writing q_out. */
+  load_q(p, t, h0, lane, qraw);
+#endif
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+#ifndef DSV4_TEST_BROKEN_ATTN_EARLY_READ
+  load_q(p, t, h0, lane, qraw); /* in flight during the setup and the staging */
+#endif
+  if (attn_setup(p, t, ms))
+    return;
+  attn_stage(p, ms, sk);
+  __syncthreads();
+  const uint32_t n = ms.n;
+  const bool live = h0 < p.heads; /* warp-uniform: an octet past the last head idles */
+  if (live)
+    attn_logits<R>(sk, sl, tbuf + warp * 32 * T_STRIDE, qraw, n, oct, r, lane);
+  __syncthreads();
+  attn_weights<HG>(sl, ms, n, warp, lane);
+  __syncthreads();
+  attn_sums<HG>(p, sl, ms, n, t, h_first, sink);
+  __syncthreads();
+  if (live)
+    attn_output<R>(p, sk, sl, ms, n, t, h0, oct, r, lane);
+}
+
+/* The launch check of a launch of more than CHECK_ALL_MAX tokens: one thread per token. */
+__global__ void __launch_bounds__(256) dsv4__attention_check_kernel(attn_params_t p) {
+  /* The attention kernel may launch now; it still waits for this grid to complete. */
+  dsv4__dep_trigger();
+  dsv4__dep_wait_params(p);
+  const uint32_t t = blockIdx.x * 256 + threadIdx.x;
+  if (t >= p.n_tokens)
+    return;
+  const uint32_t bits = token_check(p, t);
+  if (bits)
+    atomicOr(p.err, bits);
+}
+
+/* ---- the launch ---- */
+
+/* The arguments the host can see (backend.h); the contents of device arrays are the kernels'. */
+static int check_args(const dsv4_attn_args_t *a) {
+  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS || a->fast)
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->q || !a->positions || !a->tok_seg || !a->seg_p0 || !a->seg_first_lb || !a->seg_bt_off ||
+      !a->seg_bt_len || !a->block_table || !a->cache || !a->out || a->n_segments == 0 ||
+      a->n_blocks == 0)
+    return DSV4_EINVAL;
+  if (!DSV4_BLOCK_SIZE_VALID(a->block_size) || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
+    return DSV4_EINVAL;
+  if (((uintptr_t)a->q | (uintptr_t)a->out | (uintptr_t)a->cache) & 15u)
+    return DSV4_EINVAL;
+  return 0;
+}
+
+/*
+ * R (warps per octet) for a launch: the fewest rounds of the busiest SM (one CTA per SM at a
+ * time), a round as long as one CTA. A CTA's time is the work of one of its warps (8 heads over
+ * 1 / R of the window, in quarters of one head over the whole window: 32 / R) times the warps
+ * each of the 4 schedulers runs (a CTA of few live heads has idle warps), plus about 3 quarters of
+ * staging. Ties go to larger groups: fewer CTAs stage the same window.
+ */
+static int choose_r(uint32_t n_tokens, uint32_t heads, int sms) {
+  const uint64_t heads8 = ((uint64_t)heads + 7) / 8 * 8;
+  uint64_t best = UINT64_MAX;
+  int best_r = 1;
+  for (int r = 1; r <= 8; r *= 2) {
+    const uint64_t hg = 64 / r, groups = (heads + hg - 1) / hg;
+    const uint64_t waves = ((uint64_t)n_tokens * groups + sms - 1) / sms;
+    const uint64_t warps = (hg < heads8 ? hg : heads8) / 8 * r;
+    const uint64_t cost = waves * ((32 / r) * ((warps + 3) / 4) + 3);
+    if (cost < best) {
+      best = cost;
+      best_r = r;
+    }
+  }
+  return best_r;
+}
+
+template <int R>
+static cudaError_t launch_r(const attn_params_t &p, unsigned grid, cudaStream_t s, int pdl) {
+  static int ready = 0; /* the shared-memory limit, raised once per process */
+  const size_t smem = attn_smem_bytes(64 / R);
+  if (!ready) {
+    cudaError_t e = cudaFuncSetAttribute(dsv4__attention_kernel<R>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return e;
+    }
+    ready = 1;
+  }
+  return dsv4__cuda_launch_smem(dsv4__attention_kernel<R>, grid, ATTN_THREADS, smem, s, pdl, p);
+}
+
+extern "C" uint32_t dsv4__cuda_attention_heads_per_block(uint32_t n_tokens, uint32_t heads) {
+  dsv4__cuda_dev_t dev;
+  if (dsv4__cuda_dev_info(&dev))
+    return 0;
+  return 64u / (uint32_t)choose_r(n_tokens, heads ? heads : 1, dev.sms);
+}
+
+extern "C" int dsv4__cuda_attention_supported(int dev) {
+  int optin = 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return (size_t)optin >= attn_smem_bytes(64) + sizeof(attn_misc_t);
+}
+
+extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope_rows_dev,
+                                    int64_t max_positions, uint32_t *err_dev, cudaStream_t s,
+                                    int pdl) {
+  int rc = check_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
+  if (!rope_rows_dev || max_positions <= 0 || !err_dev || ((uintptr_t)rope_rows_dev & 15u))
+    return DSV4_EINVAL;
+  dsv4__cuda_dev_t dev;
+  int err = dsv4__cuda_dev_info(&dev);
+  if (err)
+    return err;
+  const int r = choose_r(a->n_tokens, a->heads, dev.sms);
+  attn_params_t p = {};
+  p.q = reinterpret_cast<const uint4 *>(a->q);
+  p.pos = a->positions;
+  p.tok_seg = a->tok_seg;
+  p.seg_p0 = a->seg_p0;
+  p.seg_first_lb = a->seg_first_lb;
+  p.seg_bt_off = a->seg_bt_off;
+  p.seg_bt_len = a->seg_bt_len;
+  p.bt = a->block_table;
+  p.cache = a->cache;
+  p.sink = a->sink;
+  p.rope = reinterpret_cast<const float4 *>(rope_rows_dev);
+  p.out = reinterpret_cast<uint4 *>(a->out);
+  p.lse = a->lse;
+  p.err = err_dev;
+  p.stride = a->stride;
+  p.max_pos = max_positions;
+  p.n_tokens = a->n_tokens;
+  p.n_segments = a->n_segments;
+  p.heads = a->heads;
+  p.groups = (a->heads + (64u / r) - 1) / (64u / r);
+  p.bt_entries = a->bt_entries;
+  p.n_blocks = a->n_blocks;
+  while ((1u << p.bs_shift) < a->block_size)
+    p.bs_shift++;
+  p.check_all = a->n_tokens <= CHECK_ALL_MAX;
+  const uint64_t grid = (uint64_t)a->n_tokens * p.groups;
+  if (grid > 0x7fffffffu)
+    return DSV4_EINVAL;
+  pdl = pdl && dev.pdl;
+  cudaError_t e = cudaSuccess;
+  if (!p.check_all)
+    e = dsv4__cuda_launch(dsv4__attention_check_kernel, (a->n_tokens + 255) / 256, 256, s, pdl, p);
+  if (e == cudaSuccess) {
+    switch (r) {
+    case 1:
+      e = launch_r<1>(p, (unsigned)grid, s, pdl);
+      break;
+    case 2:
+      e = launch_r<2>(p, (unsigned)grid, s, pdl);
+      break;
+    case 4:
+      e = launch_r<4>(p, (unsigned)grid, s, pdl);
+      break;
+    default:
+      e = launch_r<8>(p, (unsigned)grid, s, pdl);
+      break;
+    }
+  }
+  return dsv4__cuda_err(e);
+}

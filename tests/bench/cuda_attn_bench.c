@@ -1,0 +1,290 @@
+/*
+ * Exact-mode attention (SPEC §7) on one GPU: one-token decode queries, each of its own sequence
+ * with a full window of 128 candidates over 3 blocks of 64 scattered in a pool, as the daemon's
+ * pool holds them. GPU time per call from CUDA-graph replays, against two ceilings measured in the
+ * same run (DESIGN.md, "Performance method"): the device-to-device copy bandwidth, for the bytes a
+ * call must move (q read, 584 bytes per record read, attn and lse written), and the fp32 FMA rate
+ * of a kernel that does nothing else (cuda_fma_peak.cu), for its arithmetic: 2 fma per head,
+ * candidate and dim (the dot product and the accumulation), 4 FLOP.
+ *
+ * The windows are written by the real slot map and insert first. Each graph cycles through input
+ * sets whose bytes together are at least twice the L2, so no call finds its records in the cache.
+ *
+ * Usage: cuda_attn_bench [heads...]   (default 64; DSV4_BENCH_N="1,128" picks batch sizes)
+ */
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../gpu/gpu_attn_common.h"
+#include "cuda_fma_peak.h"
+
+#define MAX_POS 65536
+#define BS 64
+
+static double copy_ceiling(size_t bytes) {
+  void *a = gpu_dev_alloc(bytes), *b = gpu_dev_alloc(bytes);
+  CK(cudaMemset(a, 1, bytes));
+  CK(cudaMemset(b, 2, bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 2; i++)
+    CK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  const int reps = 10;
+  CK(cudaEventRecord(e0, 0));
+  for (int i = 0; i < reps; i++)
+    CK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice, 0));
+  CK(cudaEventRecord(e1, 0));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaFree(a);
+  cudaFree(b);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return 2.0 * (double)bytes * reps / (ms * 1e-3) / 1e9; /* read + written */
+}
+
+/* GPU time per item of a captured graph of `items` items (3 warm-up replays, 10 timed). */
+static double replay_us(cudaStream_t s, cudaGraph_t g, uint32_t items) {
+  const int reps = 10;
+  cudaGraphExec_t ge;
+  cudaEvent_t e0, e1;
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; i++)
+    CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(e0, s));
+  for (int i = 0; i < reps; i++)
+    CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(e1, s));
+  CK(cudaEventSynchronize(e1));
+  CK(cudaGetLastError());
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  return ms * 1e3 / ((double)reps * items);
+}
+
+static void *dev_put(const void *h, size_t n) {
+  void *d = gpu_dev_alloc(n ? n : 16);
+  if (n)
+    CK(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
+  return d;
+}
+
+/* One insert batch (slot map + insert) of n tokens over the plan's tables, on the device. */
+static void insert(const attn_plan_t *p, void *const seg[4], uint32_t n, const int64_t *pos,
+                   const int32_t *tok_seg, uint32_t heads, uint16_t *q_out, uint8_t *cache,
+                   const float *mirror, uint64_t *rng, cudaStream_t s) {
+  size_t q_elems = (size_t)n * heads * DSV4_HEAD_DIM;
+  uint16_t *hq = gpu_host_alloc(q_elems * 2), *hkv = gpu_host_alloc((size_t)n * 1024);
+  gpu_fill_bf16(rng, hq, q_elems, 127, 3);
+  gpu_fill_bf16(rng, hkv, (size_t)n * DSV4_HEAD_DIM, 127, 3);
+  void *dpos = dev_put(pos, sizeof(int64_t) * n), *dseg = dev_put(tok_seg, sizeof(int32_t) * n);
+  void *dq = dev_put(hq, q_elems * 2), *dkv = dev_put(hkv, (size_t)n * 1024);
+  int64_t *slots = gpu_dev_alloc(sizeof(int64_t) * n);
+  dsv4_map_args_t ma = {.n_tokens = n,
+                        .n_segments = p->n_segs,
+                        .block_size = p->bs,
+                        .n_blocks = p->n_blocks,
+                        .positions = dpos,
+                        .tok_seg = dseg,
+                        .seg_first_lb = seg[0],
+                        .seg_bt_off = seg[1],
+                        .seg_bt_len = seg[2],
+                        .block_table = seg[3],
+                        .slots = slots,
+                        .bt_entries = p->bt_len};
+  dsv4_insert_args_t ia = {.n_tokens = n,
+                           .heads = heads,
+                           .q = dq,
+                           .kv = dkv,
+                           .positions = dpos,
+                           .slots = slots,
+                           .eps = 1e-6f,
+                           .write_kv = 1,
+                           .q_out = q_out,
+                           .cache = cache,
+                           .block_size = p->bs,
+                           .n_blocks = p->n_blocks,
+                           .stride = DSV4_BLOCK_STRIDE(p->bs)};
+  CKD(dsv4__cuda_map_slots(&ma, s, 1));
+  CKD(dsv4__cuda_qkv_insert(&ia, mirror, MAX_POS, s, 1));
+  CK(cudaStreamSynchronize(s));
+  cudaFree(dpos);
+  cudaFree(dseg);
+  cudaFree(dq);
+  cudaFree(dkv);
+  cudaFree(slots);
+  free(hq);
+  free(hkv);
+}
+
+static void bench(uint32_t heads, uint32_t b, double copy, double peak, float *mirror,
+                  dsv4_rope_table_t *rope, cudaStream_t s) {
+  uint64_t rng = 0x3C6EF372FE94F82Bull ^ ((uint64_t)b << 8) ^ heads;
+  double bytes = (double)b * ((double)heads * DSV4_HEAD_DIM * 2 * 2 + (double)heads * 4 +
+                              (double)DSV4_WINDOW * DSV4_RECORD_BYTES);
+  double flop = (double)b * heads * DSV4_WINDOW * DSV4_HEAD_DIM * 4;
+  uint32_t sets = (uint32_t)(120e6 / bytes) + 1;
+  sets = sets < 2 ? 2 : sets;
+  uint32_t per_graph = sets * ((64 + sets - 1) / sets);
+  /* Every set's b sequences in one plan: a full window each, past its p0 (0 or later). */
+  uint32_t n_segs = sets * b;
+  attn_seg_spec_t *spec = gpu_host_alloc(sizeof(*spec) * n_segs);
+  for (uint32_t g = 0; g < n_segs; g++) {
+    int64_t p0 = g % 2 ? (int64_t)gpu_below(&rng, 20000) : 0;
+    spec[g] = (attn_seg_spec_t){p0, p0 + 127 + (int64_t)gpu_below(&rng, 40000), 1};
+  }
+  attn_plan_t p;
+  attn_plan_make(&rng, &p, spec, n_segs, BS, n_segs);
+  CKD(dsv4_rope_table_ensure(rope, p.q_pos, p.n_q));
+  gpu_rope_upload(rope, mirror, MAX_POS, p.q_pos, p.n_q);
+  gpu_rope_upload(rope, mirror, MAX_POS, p.hist_pos, p.n_hist);
+  void *seg[4] = {dev_put(p.seg_first_lb, sizeof(int64_t) * n_segs),
+                  dev_put(p.seg_bt_off, sizeof(uint32_t) * n_segs),
+                  dev_put(p.seg_bt_len, sizeof(uint32_t) * n_segs),
+                  dev_put(p.block_table, sizeof(int32_t) * p.bt_len)};
+  int64_t *p0 = dev_put(p.seg_p0, sizeof(int64_t) * n_segs);
+  int64_t *qpos = dev_put(p.q_pos, sizeof(int64_t) * p.n_q);
+  size_t cache_bytes = (size_t)p.n_blocks * DSV4_BLOCK_STRIDE(BS);
+  size_t q_elems = (size_t)p.n_q * heads * DSV4_HEAD_DIM;
+  uint8_t *cache = gpu_dev_alloc(cache_bytes);
+  uint16_t *q_hist = gpu_dev_alloc((size_t)p.n_hist * DSV4_HEAD_DIM * 2);
+  uint16_t *q = gpu_dev_alloc(q_elems * 2), *out = gpu_dev_alloc(q_elems * 2);
+  float *lse = gpu_dev_alloc((size_t)p.n_q * heads * sizeof(float));
+  uint32_t *err = gpu_dev_alloc(sizeof(uint32_t));
+  CK(cudaMemset(cache, 0, cache_bytes));
+  CK(cudaMemset(err, 0, sizeof(uint32_t)));
+  CK(cudaDeviceSynchronize());
+  /* The history with one head (only its records matter), then the queries with all of them. */
+  insert(&p, seg, p.n_hist, p.hist_pos, p.hist_seg, 1, q_hist, cache, mirror, &rng, s);
+  insert(&p, seg, p.n_q, p.q_pos, p.q_seg, heads, q, cache, mirror, &rng, s);
+  float *sink = gpu_host_alloc(sizeof(float) * heads);
+  for (uint32_t h = 0; h < heads; h++)
+    sink[h] = ((float)gpu_below(&rng, 4096) - 2048.0f) * 0x1p-9f;
+  float *dsink = dev_put(sink, sizeof(float) * heads);
+  /* Set i: sequences i b .. i b + b - 1, whose queries are the plan's tokens of those indices. */
+  int32_t *local = gpu_host_alloc(sizeof(int32_t) * b);
+  for (uint32_t t = 0; t < b; t++)
+    local[t] = (int32_t)t;
+  int32_t *tok_seg = dev_put(local, sizeof(int32_t) * b);
+  dsv4_attn_args_t *aa = gpu_host_alloc(sizeof(*aa) * sets);
+  for (uint32_t i = 0; i < sets; i++) {
+    size_t g = (size_t)i * b;
+    aa[i] = (dsv4_attn_args_t){.n_tokens = b,
+                               .n_segments = b,
+                               .heads = heads,
+                               .q = q + g * heads * DSV4_HEAD_DIM,
+                               .positions = qpos + g,
+                               .tok_seg = tok_seg,
+                               .seg_p0 = p0 + g,
+                               .seg_first_lb = (const int64_t *)seg[0] + g,
+                               .seg_bt_off = (const uint32_t *)seg[1] + g,
+                               .seg_bt_len = (const uint32_t *)seg[2] + g,
+                               .block_table = seg[3],
+                               .bt_entries = p.bt_len,
+                               .cache = cache,
+                               .block_size = BS,
+                               .n_blocks = p.n_blocks,
+                               .stride = DSV4_BLOCK_STRIDE(BS),
+                               .sink = dsink,
+                               .rope = rope,
+                               .out = out + g * heads * DSV4_HEAD_DIM,
+                               .lse = lse + g * heads};
+  }
+  /* One call outside the graphs: it sets the kernel's shared-memory limit, and a refusal shows
+   * here rather than as a timing. */
+  CKD(dsv4__cuda_attention(&aa[0], mirror, MAX_POS, err, s, 1));
+  CK(cudaStreamSynchronize(s));
+  double us[2];
+  for (int mode = 0; mode < 2; mode++) {
+    cudaGraph_t gr;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (uint32_t k = 0; k < per_graph; k++)
+      CKD(dsv4__cuda_attention(&aa[k % sets], mirror, MAX_POS, err, s, mode == 0));
+    CK(cudaStreamEndCapture(s, &gr));
+    us[mode] = replay_us(s, gr, per_graph);
+  }
+  uint32_t word = 1;
+  CK(cudaMemcpy(&word, err, sizeof(word), cudaMemcpyDeviceToHost));
+  if (word) {
+    fprintf(stderr, "cuda_attn_bench: the kernel refused the batch (error word %#x)\n", word);
+    exit(1);
+  }
+  double gbs = bytes / (us[0] * 1e-6) / 1e9, gflops = flop / (us[0] * 1e-6) / 1e9;
+  printf("%5u %4u %6u %10.2f %9.2f %9.1f %7.1f%% %10.1f %7.1f%%   (%u sets, %u calls per graph)\n",
+         b, heads, dsv4__cuda_attention_heads_per_block(b, heads), us[0], us[1], gbs,
+         100.0 * gbs / copy, gflops, 100.0 * gflops / peak, sets, per_graph);
+  fflush(stdout);
+  void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,  qpos,  cache,
+                  q_hist, q,      out,    lse,    err, dsink, tok_seg};
+  for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+    cudaFree(bufs[i]);
+  free(aa);
+  free(local);
+  free(sink);
+  free(spec);
+  attn_plan_free(&p);
+}
+
+int main(int argc, char **argv) {
+  if (!gpu_available("cuda_attn_bench"))
+    return GPU_SKIP;
+  if (!dsv4__cuda_attention_supported(0)) {
+    printf("cuda_attn_bench: device 0 cannot run the attention kernel\n");
+    return GPU_SKIP;
+  }
+  uint32_t heads_list[8] = {64};
+  int n_heads = 1;
+  if (argc > 1) {
+    n_heads = 0;
+    for (int i = 1; i < argc && n_heads < 8; i++)
+      heads_list[n_heads++] = (uint32_t)strtoul(argv[i], NULL, 10);
+  }
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  double c1 = copy_ceiling((size_t)1 << 30), c4 = copy_ceiling((size_t)4 << 30);
+  double copy = c1 > c4 ? c1 : c4;
+  double peak = bench_fma_peak_gflops(s);
+  if (peak <= 0) {
+    fprintf(stderr, "cuda_attn_bench: the FMA-peak kernel failed\n");
+    return 1;
+  }
+  printf("device-to-device copy (read + written): %.1f GB/s at 1 GiB, %.1f GB/s at 4 GiB; "
+         "ceiling %.1f GB/s\n",
+         c1, c4, copy);
+  printf("fp32 FMA peak (16 chains per thread, 2048 threads per SM): %.1f GFLOP/s\n", peak);
+  float *mirror = NULL;
+  dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &mirror);
+  uint32_t ns[16] = {1, 16, 64, 128, 256};
+  size_t n_ns = 5;
+  const char *only = getenv("DSV4_BENCH_N");
+  if (only && *only) {
+    n_ns = 0;
+    for (char *end = NULL; *only && n_ns < 16; only = *end ? end + 1 : end) {
+      ns[n_ns++] = (uint32_t)strtoul(only, &end, 10);
+      if (end == only)
+        break;
+    }
+  }
+  /* us: a call with PDL behind the previous one; no-PDL: in plain stream order. Bytes: q, 584 per
+   * record, attn and lse. FLOP: 4 per head, candidate and dim. */
+  printf("%5s %4s %6s %10s %9s %9s %8s %10s %8s\n", "b", "H", "H/CTA", "us", "no-PDL", "GB/s",
+         "%copy", "GFLOP/s", "%FMA");
+  for (int h = 0; h < n_heads; h++)
+    for (size_t i = 0; i < n_ns; i++)
+      bench(heads_list[h], ns[i], copy, peak, mirror, rope, s);
+  cudaStreamDestroy(s);
+  cudaFree(mirror);
+  dsv4_rope_table_destroy(rope);
+  return 0;
+}

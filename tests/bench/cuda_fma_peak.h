@@ -1,0 +1,18 @@
+#ifndef DSV4_TESTS_BENCH_CUDA_FMA_PEAK_H
+#define DSV4_TESTS_BENCH_CUDA_FMA_PEAK_H
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The fp32 FMA rate of the current device in GFLOP/s (2 per fma), measured on s
+ * (cuda_fma_peak.cu); 0 when a CUDA call failed. */
+double bench_fma_peak_gflops(cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
