@@ -31,7 +31,7 @@ typedef struct dsv4_daemon {
   int draining;
   uint64_t inflight; /* forward batches submitted and not yet answered (loop thread) */
   /* Metric families. */
-  dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds,
+  dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
       *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total;
 } dsv4_daemon_t;
 

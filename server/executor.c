@@ -28,6 +28,37 @@ static void run_tick(dsv4_executor_t *ex, uint64_t now) {
   }
 }
 
+/* Whether job shares a key with any job from head up to (not including) job. */
+static int blocked(const dsv4_job_t *head, const dsv4_job_t *job) {
+  for (const dsv4_job_t *a = head; a != job; a = a->next)
+    for (uint32_t i = 0; i < a->n_keys; i++)
+      for (uint32_t k = 0; k < job->n_keys; k++)
+        if (a->keys[i] == job->keys[k])
+          return 1;
+  return 0;
+}
+
+/* Under mu, with a job waiting: unlink the next one to run. The oldest job that is not a prefill
+ * and passes nothing it shares a key with, else the oldest job (which passes nothing). */
+static dsv4_job_t *take_next(dsv4_executor_t *ex) {
+  dsv4_job_t *prev = NULL, *job = ex->q_head;
+  for (; job; prev = job, job = job->next)
+    if (job->cls != DSV4_JOB_PREFILL && !blocked(ex->q_head, job))
+      break;
+  if (!job) {
+    prev = NULL;
+    job = ex->q_head;
+  }
+  if (prev)
+    prev->next = job->next;
+  else
+    ex->q_head = job->next;
+  if (ex->q_tail == job)
+    ex->q_tail = prev;
+  ex->waiting[job->cls]--;
+  return job;
+}
+
 static void *executor_main(void *arg) {
   dsv4_executor_t *ex = arg;
 #if defined(__x86_64__) || defined(__i386__)
@@ -48,12 +79,9 @@ static void *executor_main(void *arg) {
         pthread_mutex_lock(&ex->mu);
       }
     }
-    dsv4_job_t *job = ex->q_head;
-    if (!job)
-      break; /* stopping and nothing left */
-    ex->q_head = job->next;
     if (!ex->q_head)
-      ex->q_tail = NULL;
+      break; /* stopping and nothing left */
+    dsv4_job_t *job = take_next(ex);
     pthread_mutex_unlock(&ex->mu);
 
     job->t_start_ns = now_ns();
@@ -75,7 +103,7 @@ static void *executor_main(void *arg) {
   return NULL;
 }
 
-/* Loop thread: hand every finished job back, in completion (= submission) order. */
+/* Loop thread: hand every finished job back, in completion order. */
 static void on_async(uv_async_t *h) {
   dsv4_executor_t *ex = (dsv4_executor_t *)h;
   pthread_mutex_lock(&ex->mu);
@@ -98,6 +126,8 @@ int dsv4_executor_start(dsv4_executor_t *ex, uv_loop_t *loop, uint32_t max_queue
   ex->loop = loop;
   ex->q_head = ex->q_tail = ex->d_head = ex->d_tail = NULL;
   ex->queued = 0;
+  for (int c = 0; c < DSV4_JOB_CLASSES; c++)
+    ex->waiting[c] = 0;
   ex->max_queue = max_queue ? max_queue : 1;
   ex->stopping = 0;
   ex->tick = tick;
@@ -125,6 +155,7 @@ static void enqueue(dsv4_executor_t *ex, dsv4_job_t *job) {
     ex->q_head = job;
   ex->q_tail = job;
   ex->queued++;
+  ex->waiting[job->cls]++;
   pthread_cond_signal(&ex->cv);
 }
 
@@ -150,6 +181,13 @@ void dsv4_executor_submit_force(dsv4_executor_t *ex, dsv4_job_t *job) {
 uint32_t dsv4_executor_pending(dsv4_executor_t *ex) {
   pthread_mutex_lock(&ex->mu);
   uint32_t n = ex->queued;
+  pthread_mutex_unlock(&ex->mu);
+  return n;
+}
+
+uint32_t dsv4_executor_waiting(dsv4_executor_t *ex, dsv4_job_class_t cls) {
+  pthread_mutex_lock(&ex->mu);
+  uint32_t n = ex->waiting[cls];
   pthread_mutex_unlock(&ex->mu);
   return n;
 }

@@ -2,10 +2,16 @@
 #define DSV4_SERVER_EXECUTOR_H
 
 /*
- * The executor: one thread of its own that runs device work in submission order (never the loop
- * thread, never libuv's shared thread pool). Jobs go in from the loop thread; finished jobs come
- * back through one uv_async_t whose callback drains the whole completion list (uv_async_send
+ * The executor: one thread of its own that runs device work (never the loop thread, never libuv's
+ * shared thread pool). Jobs go in from the loop thread; finished jobs come back, in completion
+ * order, through one uv_async_t whose callback drains the whole completion list (uv_async_send
  * coalesces).
+ *
+ * Decode first: a decode batch (one token per segment) is short and on the critical path of every
+ * generated token, so it never waits behind a prefill. The executor takes the oldest waiting job
+ * that is not a prefill and shares no key with a job ahead of it, else the oldest job; prefills
+ * therefore run in arrival order among themselves, and two jobs that share a key (a sequence name)
+ * never swap. Keys are hashes of sequence names: a collision only keeps two jobs in arrival order.
  */
 
 #include <stddef.h>
@@ -16,10 +22,24 @@
 
 typedef struct dsv4_job dsv4_job_t;
 
+/* The scheduling class. Zero (control: sequence lookups and deletes, admin reads) is what a
+ * zero-filled job gets; control jobs are short and take the decode lane. */
+typedef enum {
+  DSV4_JOB_CONTROL = 0,
+  DSV4_JOB_DECODE,
+  DSV4_JOB_PREFILL,
+  DSV4_JOB_CLASSES
+} dsv4_job_class_t;
+
 struct dsv4_job {
   void (*run)(dsv4_job_t *job);  /* executor thread */
   void (*done)(dsv4_job_t *job); /* loop thread, after run */
   dsv4_job_t *next;
+  dsv4_job_class_t cls;
+  /* The sequences the job names (XXH3 of each name), owned by the job; none for a job that may
+   * pass any other (an admin read sees the state at some batch boundary whichever it is). */
+  const uint64_t *keys;
+  uint32_t n_keys;
   uint64_t t_submit_ns;
   uint64_t t_start_ns;
 };
@@ -30,9 +50,10 @@ typedef struct {
   pthread_t thread;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  dsv4_job_t *q_head, *q_tail; /* submitted, not yet started */
-  dsv4_job_t *d_head, *d_tail; /* finished, not yet handed back */
-  uint32_t queued;             /* jobs submitted and not yet handed back */
+  dsv4_job_t *q_head, *q_tail;        /* submitted, not yet started */
+  dsv4_job_t *d_head, *d_tail;        /* finished, not yet handed back */
+  uint32_t queued;                    /* jobs submitted and not yet handed back */
+  uint32_t waiting[DSV4_JOB_CLASSES]; /* jobs submitted and not yet started, by class */
   uint32_t max_queue;
   int stopping;
   int started;
@@ -53,6 +74,8 @@ int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job);
 void dsv4_executor_submit_force(dsv4_executor_t *ex, dsv4_job_t *job);
 /* Jobs submitted and not yet handed back to the loop. Loop thread. */
 uint32_t dsv4_executor_pending(dsv4_executor_t *ex);
+/* Jobs of class cls submitted and not yet started (the queue, not the running job). */
+uint32_t dsv4_executor_waiting(dsv4_executor_t *ex, dsv4_job_class_t cls);
 /* Finish the queued jobs, join the thread and close the async handle (cb after close). */
 void dsv4_executor_stop(dsv4_executor_t *ex, void (*closed)(void *arg), void *arg);
 

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <xxhash.h>
+
 #include "daemon.h"
 #include "decimal.h"
 #include "dsv4-error.h"
@@ -37,7 +39,8 @@ typedef struct {
   dsv4_forward_req_t p; /* the parsed body; f's inputs point into it */
   uint64_t deadline_ns; /* 0 = none */
   dsv4_forward_t f;
-  uint8_t *out; /* q_out, slots, then attn and lse when asked: one aligned allocation */
+  uint8_t *out;   /* q_out, slots, then attn and lse when asked: one aligned allocation */
+  uint64_t *keys; /* the executor's keys: one per segment */
   size_t q_bytes;
   int rc;
   json_t *err_details;
@@ -49,6 +52,7 @@ static void fwd_free(fwd_job_t *j) {
   dsv4_forward_req_free(&j->p);
   free(j->body);
   free(j->out);
+  free(j->keys);
   free(j);
 }
 
@@ -87,8 +91,12 @@ static void fwd_run(dsv4_job_t *job) {
   }
 }
 
-static void observe_stage(dsv4_daemon_t *d, const char *stage, uint64_t ns) {
-  const char *v[1] = {stage};
+static const char *class_label(const dsv4_job_t *job) {
+  return job->cls == DSV4_JOB_DECODE ? "decode" : "prefill";
+}
+
+static void observe_stage(dsv4_daemon_t *d, const char *stage, const char *cls, uint64_t ns) {
+  const char *v[2] = {stage, cls};
   dsv4_metric_observe(d->m_forward_seconds, v, (double)ns * 1e-9);
 }
 
@@ -186,17 +194,18 @@ static void fwd_done(dsv4_job_t *job) {
     return;
   }
 
-  observe_stage(d, "queue", job->t_start_ns - job->t_submit_ns);
-  observe_stage(d, "validate", j->f.timing.validate_ns);
-  observe_stage(d, "plan", j->f.timing.plan_ns);
-  observe_stage(d, "kernel", j->f.timing.kernel_ns);
+  const char *cls = class_label(job);
+  observe_stage(d, "queue", cls, job->t_start_ns - job->t_submit_ns);
+  observe_stage(d, "validate", cls, j->f.timing.validate_ns);
+  observe_stage(d, "plan", cls, j->f.timing.plan_ns);
+  observe_stage(d, "kernel", cls, j->f.timing.kernel_ns);
   if (j->f.timing.staged) {
-    observe_stage(d, "upload", j->f.timing.upload_ns);
-    observe_stage(d, "launch", j->f.timing.launch_ns);
-    observe_stage(d, "download", j->f.timing.download_ns);
+    observe_stage(d, "upload", cls, j->f.timing.upload_ns);
+    observe_stage(d, "launch", cls, j->f.timing.launch_ns);
+    observe_stage(d, "download", cls, j->f.timing.download_ns);
   }
   if (j->f.want_digest)
-    observe_stage(d, "digest", j->f.timing.digest_ns);
+    observe_stage(d, "digest", cls, j->f.timing.digest_ns);
   dsv4_metric_observe(d->m_batch_tokens, NULL, (double)j->f.n_tokens);
 
   fwd_answer(j);
@@ -204,6 +213,23 @@ static void fwd_done(dsv4_job_t *job) {
 
 static int layer_served(const void *engine, uint32_t layer) {
   return dsv4_engine_layer_index(engine, layer) >= 0;
+}
+
+/* The executor's class and keys: decode when every segment is one token, else prefill; one key per
+ * segment, so a batch never passes a waiting one that names the same sequence. */
+static int fwd_schedule(fwd_job_t *j) {
+  j->job.cls = DSV4_JOB_DECODE;
+  j->keys = malloc((j->f.n_segs ? j->f.n_segs : 1) * sizeof(*j->keys));
+  if (!j->keys)
+    return DSV4_ENOMEM;
+  for (uint32_t s = 0; s < j->f.n_segs; s++) {
+    if (j->f.segs[s].len != 1)
+      j->job.cls = DSV4_JOB_PREFILL;
+    j->keys[s] = XXH3_64bits(j->f.segs[s].name, j->f.segs[s].name_len);
+  }
+  j->job.keys = j->keys;
+  j->job.n_keys = j->f.n_segs;
+  return 0;
 }
 
 static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) {
@@ -227,6 +253,9 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
   j->f.n_segs = j->p.n_segs;
   j->f.want_digest = j->p.want_digest;
   j->q_bytes = j->p.q_bytes;
+  rc = fwd_schedule(j);
+  if (rc)
+    return rc;
   int attend = j->p.want_attn || j->p.want_lse;
   if (attend) {
     /* Refused here, before the batch is queued, so the refusal changes nothing. */
@@ -320,6 +349,7 @@ typedef struct {
   int method;
   char name[DSV4_SEQ_NAME_MAX + 1];
   uint32_t name_len;
+  uint64_t key; /* XXH3 of name: kept in order with batches that name it */
   int rc;
   int existed;
   json_t *doc;
@@ -392,6 +422,11 @@ static void on_sequence(dsv4_req_t *req, void *ctx) {
   j->name_len = (uint32_t)len;
   j->job.run = seq_run;
   j->job.done = seq_done;
+  /* A control job: it passes waiting prefills, never one that names its sequence. */
+  j->job.cls = DSV4_JOB_CONTROL;
+  j->key = XXH3_64bits(j->name, j->name_len);
+  j->job.keys = &j->key;
+  j->job.n_keys = 1;
   /* DELETE frees memory: never refuse it for a full queue. */
   if (req->method == DSV4_HTTP_DELETE) {
     dsv4_executor_submit_force(&d->ex, &j->job);
@@ -449,6 +484,9 @@ static void collect(dsv4_metrics_t *m, void *arg) {
   dsv4_metric_set(d->m_blocks, free_l, (double)free_b);
   dsv4_metric_set(d->m_sequences, NULL, (double)dsv4_engine_sequences(d->engine));
   dsv4_metric_set(d->m_inflight, NULL, (double)d->inflight);
+  const char *decode_l[1] = {"decode"}, *prefill_l[1] = {"prefill"};
+  dsv4_metric_set(d->m_queued, decode_l, (double)dsv4_executor_waiting(&d->ex, DSV4_JOB_DECODE));
+  dsv4_metric_set(d->m_queued, prefill_l, (double)dsv4_executor_waiting(&d->ex, DSV4_JOB_PREFILL));
 }
 
 int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
@@ -456,7 +494,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                                         256, 512, 1024, 2048, 4096, 8192, 16384};
   static const double sec_bounds[] = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
                                       1e-2, 2.5e-2, 5e-2, 0.1,  0.25,   0.5,  1,    2.5,    5};
-  const char *state[1] = {"state"}, *stage[1] = {"stage"};
+  const char *state[1] = {"state"}, *stage[2] = {"stage", "class"}, *cls[1] = {"class"};
   const char *build[2] = {"version", "backend"};
   dsv4_metrics_t *m = d->metrics;
   int rc = 0;
@@ -473,14 +511,17 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   rc |= dsv4_metrics_histogram(m, "dsv4d_batch_tokens", "Tokens per forward batch.", NULL, 0,
                                token_bounds, sizeof(token_bounds) / sizeof(token_bounds[0]),
                                &d->m_batch_tokens);
-  rc |= dsv4_metrics_histogram(m, "dsv4d_forward_seconds", "Forward batch time by stage.", stage, 1,
-                               sec_bounds, sizeof(sec_bounds) / sizeof(sec_bounds[0]),
-                               &d->m_forward_seconds);
+  rc |= dsv4_metrics_histogram(
+      m, "dsv4d_forward_seconds", "Forward batch time by stage and class (decode, prefill).", stage,
+      2, sec_bounds, sizeof(sec_bounds) / sizeof(sec_bounds[0]), &d->m_forward_seconds);
   rc |= dsv4_metrics_counter(m, "dsv4d_kv_alloc_failures_total",
                              "Batches refused because the KV pool was exhausted.", NULL, 0,
                              &d->m_alloc_failures);
   rc |= dsv4_metrics_gauge(m, "dsv4d_inflight_batches", "Forward batches accepted, not answered.",
                            NULL, 0, &d->m_inflight);
+  rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
+                           "Forward batches waiting in the executor (not running) by class.", cls,
+                           1, &d->m_queued);
   rc |= dsv4_metrics_gauge(m, "dsv4d_build_info", "Build and backend of this daemon.", build, 2,
                            &d->m_build_info);
   if (rc)

@@ -42,7 +42,7 @@ def test_metrics_names():
                   "dsv4d_batch_tokens_count", "dsv4d_forward_seconds_bucket",
                   "dsv4d_forward_seconds_sum", "dsv4d_forward_seconds_count",
                   "dsv4d_kv_alloc_failures_total", "dsv4d_inflight_batches", "dsv4d_build_info",
-                  "dsv4d_kv_block_size", "dsv4d_kv_blocks_total"):
+                  "dsv4d_kv_block_size", "dsv4d_kv_blocks_total", "dsv4d_queued_batches"):
             if n not in names:
                 missing.append(n)
         used = h.metric(ms, "dsv4d_kv_blocks", state="used")
@@ -78,12 +78,26 @@ def test_metrics_names():
                  "kernel split into upload/launch/download (stages %r, backend %s)"
                  % (sorted(stages), h.BACKEND_NAME))
         if staged:
-            part = sum(h.metric(ms, "dsv4d_forward_seconds_sum", stage=x) for x in split)
-            whole = h.metric(ms, "dsv4d_forward_seconds_sum", stage="kernel")
+            pre = {"class": "prefill"}
+            part = sum(h.metric(ms, "dsv4d_forward_seconds_sum", stage=x, **pre) for x in split)
+            whole = h.metric(ms, "dsv4d_forward_seconds_sum", stage="kernel", **pre)
             check(0 < part <= whole, "upload + launch + download (%g s) within kernel (%g s)"
                   % (part, whole))
         fwd = h.metric(ms, "dsv4d_requests_total", route="forward", code="200")
         check_eq(fwd, 1.0, "requests_total{route=forward,code=200}")
+        # The executor's classes: a batch of one-token segments is a decode, any other a prefill.
+        classes = {dict(k[1]).get("class") for k in ms if k[0] == "dsv4d_forward_seconds_count"}
+        check_eq(classes, {"prefill"}, "forward_seconds classes after one 3-token batch")
+        for c in ("decode", "prefill"):
+            check_eq(h.metric(ms, "dsv4d_queued_batches", **{"class": c}), 0.0,
+                     "dsv4d_queued_batches{class=%s} when idle" % c)
+        d.forward(Batch.random(rng, 0, [Seg("m", 3, 1, False), Seg("n", 0, 1, True)], HEADS))
+        msd = d.metrics()
+        check_eq(h.metric(msd, "dsv4d_forward_seconds_count", stage="queue", **{"class": "decode"}),
+                 1.0, "forward_seconds{stage=queue,class=decode} count after one decode batch")
+        check_eq(h.metric(msd, "dsv4d_forward_seconds_count", stage="queue",
+                          **{"class": "prefill"}), 1.0,
+                 "forward_seconds{stage=queue,class=prefill} count unchanged by a decode batch")
         # Counters move with the requests that follow.
         d.forward_raw(b"junk")
         ms2 = d.metrics()

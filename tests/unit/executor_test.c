@@ -1,0 +1,174 @@
+/* The executor's scheduling: decode and control jobs pass waiting prefills, prefills keep their
+ * arrival order, and two jobs that share a key (a sequence) never swap. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <pthread.h>
+#include <string.h>
+
+#include "executor.h"
+
+#define MAX_JOBS 8
+
+typedef struct {
+  dsv4_job_t job; /* first */
+  char id;
+  uint64_t keys[2];
+  int blocks; /* waits on the gate until the test opens it */
+} fake_job_t;
+
+/* What the executor thread ran and the loop thread got back, in order. */
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static char ran[MAX_JOBS + 1], done[MAX_JOBS + 1];
+static int n_ran, n_done, running, gate_open;
+
+static void fake_run(dsv4_job_t *job) {
+  fake_job_t *j = (fake_job_t *)job;
+  pthread_mutex_lock(&mu);
+  ran[n_ran++] = j->id;
+  running = 1;
+  pthread_cond_broadcast(&cv);
+  while (j->blocks && !gate_open)
+    pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu);
+}
+
+static void fake_done(dsv4_job_t *job) {
+  done[n_done++] = ((fake_job_t *)job)->id;
+}
+
+static void fake_init(fake_job_t *j, char id, dsv4_job_class_t cls, uint64_t k0, uint64_t k1) {
+  memset(j, 0, sizeof(*j));
+  j->id = id;
+  j->job.run = fake_run;
+  j->job.done = fake_done;
+  j->job.cls = cls;
+  j->keys[0] = k0;
+  j->keys[1] = k1;
+  j->job.keys = j->keys;
+  j->job.n_keys = k1 ? 2 : 1;
+}
+
+static void reset(void) {
+  memset(ran, 0, sizeof(ran));
+  memset(done, 0, sizeof(done));
+  n_ran = n_done = running = gate_open = 0;
+}
+
+/* Submit jobs[0] (which blocks), wait until it runs, submit the rest, open the gate and hand
+ * everything back. */
+static void run_all(dsv4_executor_t *ex, uv_loop_t *loop, fake_job_t *jobs, int n,
+                    const uint32_t *want_waiting) {
+  assert_int_equal(dsv4_executor_submit(ex, &jobs[0].job), 0);
+  pthread_mutex_lock(&mu);
+  while (!running)
+    pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu);
+  for (int i = 1; i < n; i++)
+    assert_int_equal(dsv4_executor_submit(ex, &jobs[i].job), 0);
+  for (int c = 0; c < DSV4_JOB_CLASSES; c++)
+    assert_int_equal(dsv4_executor_waiting(ex, (dsv4_job_class_t)c), want_waiting[c]);
+  pthread_mutex_lock(&mu);
+  gate_open = 1;
+  pthread_cond_broadcast(&cv);
+  pthread_mutex_unlock(&mu);
+  while (n_done < n)
+    uv_run(loop, UV_RUN_ONCE);
+  for (int c = 0; c < DSV4_JOB_CLASSES; c++)
+    assert_int_equal(dsv4_executor_waiting(ex, (dsv4_job_class_t)c), 0);
+  assert_int_equal(dsv4_executor_pending(ex), 0);
+}
+
+static void test_decode_first(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  dsv4_executor_t ex;
+  fake_job_t j[6];
+  reset();
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(&ex, &loop, 16, NULL, NULL), 0);
+  /* Sequences: 1 = A's, 2 = B's, 3 = C's, 4 = D's, 5 = F's. */
+  fake_init(&j[0], 'A', DSV4_JOB_PREFILL, 1, 0);
+  j[0].blocks = 1;
+  fake_init(&j[1], 'B', DSV4_JOB_PREFILL, 2, 0);
+  fake_init(&j[2], 'C', DSV4_JOB_DECODE, 3, 0);
+  fake_init(&j[3], 'D', DSV4_JOB_DECODE, 4, 0);
+  fake_init(&j[4], 'E', DSV4_JOB_DECODE, 2, 0); /* names B's sequence: stays behind B */
+  fake_init(&j[5], 'F', DSV4_JOB_CONTROL, 5, 0);
+  const uint32_t want[DSV4_JOB_CLASSES] = {
+      [DSV4_JOB_CONTROL] = 1, [DSV4_JOB_DECODE] = 3, [DSV4_JOB_PREFILL] = 1};
+  run_all(&ex, &loop, j, 6, want);
+  assert_string_equal(ran, "ACDFBE");
+  assert_string_equal(done, "ACDFBE");
+  dsv4_executor_stop(&ex, NULL, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* A decode blocked by a prefill blocks, in turn, a later job that shares another of its keys; a
+ * delete of a sequence stays behind the prefill that names it; prefills keep arrival order. */
+static void test_same_sequence_order(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  dsv4_executor_t ex;
+  fake_job_t j[7];
+  reset();
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(&ex, &loop, 16, NULL, NULL), 0);
+  fake_init(&j[0], 'A', DSV4_JOB_PREFILL, 1, 0);
+  j[0].blocks = 1;
+  fake_init(&j[1], 'P', DSV4_JOB_PREFILL, 10, 0);
+  fake_init(&j[2], 'X', DSV4_JOB_CONTROL, 10, 0); /* a DELETE of P's sequence */
+  fake_init(&j[3], 'D', DSV4_JOB_DECODE, 10, 11);
+  fake_init(&j[4], 'E', DSV4_JOB_DECODE, 11, 0);
+  fake_init(&j[5], 'Q', DSV4_JOB_PREFILL, 12, 0);
+  fake_init(&j[6], 'Z', DSV4_JOB_DECODE, 13, 0);
+  const uint32_t want[DSV4_JOB_CLASSES] = {
+      [DSV4_JOB_CONTROL] = 1, [DSV4_JOB_DECODE] = 3, [DSV4_JOB_PREFILL] = 2};
+  run_all(&ex, &loop, j, 7, want);
+  assert_string_equal(ran, "AZPXDEQ");
+  dsv4_executor_stop(&ex, NULL, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+/* The queue limit counts every class alike, running and waiting jobs included. */
+static void test_queue_full(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  dsv4_executor_t ex;
+  fake_job_t j[3];
+  reset();
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(&ex, &loop, 2, NULL, NULL), 0);
+  fake_init(&j[0], 'A', DSV4_JOB_PREFILL, 1, 0);
+  j[0].blocks = 1;
+  fake_init(&j[1], 'B', DSV4_JOB_PREFILL, 2, 0);
+  fake_init(&j[2], 'C', DSV4_JOB_DECODE, 3, 0);
+  assert_int_equal(dsv4_executor_submit(&ex, &j[0].job), 0);
+  assert_int_equal(dsv4_executor_submit(&ex, &j[1].job), 0);
+  assert_int_not_equal(dsv4_executor_submit(&ex, &j[2].job), 0);
+  pthread_mutex_lock(&mu);
+  gate_open = 1;
+  pthread_cond_broadcast(&cv);
+  pthread_mutex_unlock(&mu);
+  while (n_done < 2)
+    uv_run(&loop, UV_RUN_ONCE);
+  assert_string_equal(ran, "AB");
+  dsv4_executor_stop(&ex, NULL, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_decode_first),
+      cmocka_unit_test(test_same_sequence_order),
+      cmocka_unit_test(test_queue_full),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
