@@ -142,7 +142,8 @@ static char *get_text(int port, const char *path) {
   return b;
 }
 
-/* The cumulative count of dsv4d_forward_seconds_bucket{stage="queue",le=...} per bound. */
+/* The cumulative count of dsv4d_forward_seconds_bucket{stage="queue",class=...,le=...} per bound,
+ * both classes together; -1 where neither class has a series yet. */
 #define N_LE 19
 static const char *const le_names[N_LE] = {
     "1e-05", "2.5e-05", "5e-05", "0.0001", "0.00025", "0.0005", "0.001", "0.0025", "0.005", "0.01",
@@ -150,12 +151,18 @@ static const char *const le_names[N_LE] = {
 
 static void queue_buckets(int port, double out[N_LE]) {
   char *t = get_text(port, "/metrics");
+  static const char *const classes[2] = {"decode", "prefill"};
   for (int i = 0; i < N_LE; i++) {
-    char key[96];
-    snprintf(key, sizeof(key), "dsv4d_forward_seconds_bucket{stage=\"queue\",le=\"%s\"} ",
-             le_names[i]);
-    const char *p = strstr(t, key);
-    out[i] = p ? strtod(p + strlen(key), NULL) : -1;
+    out[i] = -1;
+    for (int c = 0; c < 2; c++) {
+      char key[112];
+      snprintf(key, sizeof(key),
+               "dsv4d_forward_seconds_bucket{stage=\"queue\",class=\"%s\",le=\"%s\"} ", classes[c],
+               le_names[i]);
+      const char *p = strstr(t, key);
+      if (p)
+        out[i] = (out[i] < 0 ? 0 : out[i]) + strtod(p + strlen(key), NULL);
+    }
   }
   free(t);
 }

@@ -389,7 +389,8 @@ static int scrape_stages(int port, stages_t *out) {
     char *nl = strchr(line, '\n');
     if (nl)
       *nl = '\0';
-    /* e.g. dsv4_forward_seconds_sum{stage="kernel"} 0.0123 */
+    /* e.g. dsv4d_forward_seconds_sum{stage="kernel",class="prefill"} 0.0123: the classes of a
+     * stage add up. */
     char *m = strstr(line, "forward_seconds_");
     if (m && line[0] != '#') {
       int is_sum = strncmp(m + 16, "sum{", 4) == 0, is_count = strncmp(m + 16, "count{", 6) == 0;
@@ -402,9 +403,9 @@ static int scrape_stages(int port, stages_t *out) {
           if (strncmp(st, stage_names[k], sl) == 0 && st[sl] == '"') {
             double v = strtod(close_brace + 1, NULL);
             if (is_sum)
-              out->sum[k] = v;
+              out->sum[k] += v;
             else
-              out->count[k] = v;
+              out->count[k] += v;
             out->ok = 1;
           }
         }

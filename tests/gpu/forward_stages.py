@@ -35,7 +35,9 @@ def stage_sums(d):
     for (name, labels), v in ms.items():
         lab = dict(labels)
         if name in ("dsv4d_forward_seconds_sum", "dsv4d_forward_seconds_count") and "stage" in lab:
-            out[(name.rsplit("_", 1)[1], lab["stage"])] = v
+            # The classes (decode, prefill) of one stage add up.
+            key = (name.rsplit("_", 1)[1], lab["stage"])
+            out[key] = out.get(key, 0) + v
     return out
 
 
