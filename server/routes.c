@@ -1,7 +1,8 @@
 /*
  * Data-plane routes (SPEC §6): POST /v1/forward, GET and DELETE /v1/sequences/{seq}, /healthz,
  * /readyz, /metrics. Handlers run on the loop thread; everything that touches the engine goes
- * through the executor as a job, so batches, deletes and lookups are ordered with each other.
+ * through the executor as a job, so batches, deletes and lookups that name the same sequence are
+ * ordered with each other (decode batches and lookups may pass prefills of other sequences).
  */
 #include <errno.h>
 #include <inttypes.h>
