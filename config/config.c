@@ -59,6 +59,8 @@ static const opt_t opts[] = {
      "data plane TCP port (0 = an ephemeral port)"},
     {"api_token_file", OPT_STR, F(api_token_file), "", 0, 0, NULL, OPT_SECRET,
      "file holding the data plane bearer token (empty = no token)"},
+    {"listen_unix", OPT_STR, F(listen_unix), "", 0, 0, NULL, 0,
+     "also serve the data plane on a Unix domain socket at this path (mode 0660; empty = off)"},
     {"admin_host", OPT_STR, F(admin_host), "127.0.0.1", 0, 0, NULL, 0,
      "admin plane listen address"},
     {"admin_port", OPT_INT, F(admin_port), "8401", 0, 65535, NULL, 0,

@@ -38,6 +38,7 @@ typedef struct dsv4_config {
   int port;                        /* default 8400; 0 = an ephemeral port (tests) */
   char *api_token_file;            /* bearer token for the data plane; empty = none (secret) */
   char *admin_host;                /* admin plane listener, default 127.0.0.1 */
+  char *listen_unix;               /* data plane on a Unix domain socket too; "" = off */
   int admin_port;                  /* default 8401; 0 = an ephemeral port */
   char *admin_token_file;          /* bearer token for the admin plane; empty = none (secret) */
   uint32_t admin_dump_chunk_bytes; /* bytes a dump reads per executor step */

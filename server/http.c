@@ -11,6 +11,8 @@
 #include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <llhttp.h>
@@ -179,12 +181,28 @@ typedef struct {
   size_t len;
 } refusal_t;
 
+/* The data plane's TCP socket and, when configured, its Unix domain socket. */
+#define LISTENERS 2
+
+/*
+ * A listening socket. It is ours, not a uv_tcp_t or uv_pipe_t: libuv meets EMFILE on accept by
+ * accepting and closing every waiting connection with no word to its user, and this layer must
+ * count, log and answer those.
+ */
+typedef struct {
+  uv_poll_t poll;
+  int fd;
+  int open;   /* 0 no handle, 1 polling, 2 closing */
+  char *path; /* a Unix socket's file, unlinked when the listener closes; NULL for TCP */
+  dev_t dev;  /* the file bind made, so that a file another process put there is left alone */
+  ino_t ino;
+  struct dsv4_server *srv;
+} listener_t;
+
 struct dsv4_server {
-  /* The listening socket is ours, not a uv_tcp_t: libuv meets EMFILE on accept by accepting and
-   * closing every waiting connection with no word to its user, and this layer must count, log and
-   * answer those. */
-  uv_poll_t listener;
-  int listen_fd;
+  /* Every listener shares the routes, limits, timeouts, token and max_connections. */
+  listener_t listeners[LISTENERS];
+  size_t n_listeners;
   int spare_fd; /* held so that at the descriptor limit a connection can still be taken and told */
   uv_timer_t
       retry; /* restarts accepting after a pause; closing it also guarantees a close callback */
@@ -199,7 +217,7 @@ struct dsv4_server {
   conn_t *conns;
   size_t n_conns;
   int port;
-  int listener_open, retry_open, draining, closing;
+  int retry_open, draining, closing;
   refusing_t refusing;
   uint64_t refused_in_episode, episode_start_ms, last_refusal_ms;
   refusal_t refusal_limit, refusal_fds;
@@ -1486,21 +1504,34 @@ static void peer_name(conn_t *c, const struct sockaddr_storage *peer) {
 }
 
 /* Serve a socket accept4 returned (non-blocking already). */
-static void serve_accepted(dsv4_server_t *s, int fd, const struct sockaddr_storage *peer) {
+static void serve_accepted(listener_t *l, int fd, const struct sockaddr_storage *peer) {
+  dsv4_server_t *s = l->srv;
   conn_t *c = conn_new(s);
   if (!c) {
     close(fd);
     return;
   }
-  uv_tcp_init(s->loop, &c->io.tcp);
-  c->io.handle.data = c;
-  if (uv_tcp_open(&c->io.tcp, fd) != 0) {
+  int rc;
+  if (l->path) {
+    uv_pipe_init(s->loop, &c->io.pipe, 0);
+    c->io.handle.data = c;
+    rc = uv_pipe_open(&c->io.pipe, fd);
+  } else {
+    uv_tcp_init(s->loop, &c->io.tcp);
+    c->io.handle.data = c;
+    rc = uv_tcp_open(&c->io.tcp, fd);
+  }
+  if (rc != 0) {
     close(fd); /* the handle never owned it */
     conn_abandon(s, c);
     return;
   }
-  uv_tcp_nodelay(&c->io.tcp, 1);
-  peer_name(c, peer);
+  if (l->path) /* a Unix peer has no address worth logging: its listener names it */
+    snprintf(c->peer, sizeof(c->peer), "unix");
+  else {
+    uv_tcp_nodelay(&c->io.tcp, 1);
+    peer_name(c, peer);
+  }
   conn_start(s, c);
 }
 
@@ -1508,8 +1539,9 @@ static void on_listener_readable(uv_poll_t *p, int status, int events);
 
 static void on_retry(uv_timer_t *t) {
   dsv4_server_t *s = t->data;
-  if (s->listener_open == 1)
-    uv_poll_start(&s->listener, UV_READABLE, on_listener_readable);
+  for (size_t i = 0; i < s->n_listeners; i++)
+    if (s->listeners[i].open == 1)
+      uv_poll_start(&s->listeners[i].poll, UV_READABLE, on_listener_readable);
 }
 
 /* Stop accepting for a while: waiting connections stay in the kernel's queue (not reset), and the
@@ -1517,7 +1549,10 @@ static void on_retry(uv_timer_t *t) {
 #define ACCEPT_PAUSE_MS 100
 
 static void accept_pause(dsv4_server_t *s) {
-  uv_poll_stop(&s->listener);
+  /* Every listener pauses: the shortage (descriptors, kernel memory) is the process's. */
+  for (size_t i = 0; i < s->n_listeners; i++)
+    if (s->listeners[i].open == 1)
+      uv_poll_stop(&s->listeners[i].poll);
   uv_timer_start(&s->retry, on_retry, ACCEPT_PAUSE_MS, 0);
 }
 
@@ -1527,7 +1562,8 @@ static void accept_pause(dsv4_server_t *s) {
  * once (there is no descriptor to linger with, so a request the client already sent may turn the
  * close into a reset). Without a spare (another thread took the freed one) accepting pauses.
  */
-static void refuse_at_fd_limit(dsv4_server_t *s) {
+static void refuse_at_fd_limit(listener_t *l) {
+  dsv4_server_t *s = l->srv;
   if (s->spare_fd < 0)
     s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (s->spare_fd < 0) {
@@ -1539,7 +1575,7 @@ static void refuse_at_fd_limit(dsv4_server_t *s) {
   s->spare_fd = -1;
   uint64_t n = 0;
   for (int i = 0; i < ACCEPT_BATCH; i++) {
-    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0 && (errno == EINTR || errno == ECONNABORTED))
       continue;
     if (fd < 0)
@@ -1554,33 +1590,33 @@ static void refuse_at_fd_limit(dsv4_server_t *s) {
 }
 
 /* Take up to ACCEPT_BATCH waiting connections; true when the batch was full (more may wait). */
-static bool accept_batch(dsv4_server_t *s) {
-  for (int i = 0; i < ACCEPT_BATCH && s->listener_open == 1; i++) {
+static bool accept_batch(listener_t *l) {
+  for (int i = 0; i < ACCEPT_BATCH && l->open == 1; i++) {
     struct sockaddr_storage peer;
     socklen_t len = sizeof(peer);
-    int fd = accept4(s->listen_fd, (struct sockaddr *)&peer, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int fd = accept4(l->fd, (struct sockaddr *)&peer, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd >= 0) {
-      serve_accepted(s, fd, &peer);
+      serve_accepted(l, fd, &peer);
       continue;
     }
     if (errno == EINTR || errno == ECONNABORTED)
       continue;
     if (errno == EMFILE || errno == ENFILE)
-      refuse_at_fd_limit(s);
+      refuse_at_fd_limit(l);
     else if (errno != EAGAIN && errno != EWOULDBLOCK)
-      accept_pause(s); /* ENOBUFS, ENOMEM: the kernel is short; try again shortly */
+      accept_pause(l->srv); /* ENOBUFS, ENOMEM: the kernel is short; try again shortly */
     return false;
   }
-  return s->listener_open == 1;
+  return l->open == 1;
 }
 
 static void on_listener_readable(uv_poll_t *p, int status, int events) {
-  dsv4_server_t *s = p->data;
+  listener_t *l = p->data;
   (void)events;
   if (status < 0)
-    accept_pause(s);
+    accept_pause(l->srv);
   else
-    accept_batch(s); /* a batch at a time: the listener stays readable while more wait */
+    accept_batch(l); /* a batch at a time: the listener stays readable while more wait */
 }
 
 int dsv4__server_adopt_fd(dsv4_server_t *s, int fd) {
@@ -1608,12 +1644,17 @@ static void server_free(dsv4_server_t *s) {
   free(s->token);
   free(s->name);
   free(s->routes);
+  for (size_t i = 0; i < LISTENERS; i++)
+    free(s->listeners[i].path);
   free(s);
 }
 
 static void server_maybe_done(dsv4_server_t *s) {
-  if (!s->closing || s->listener_open || s->retry_open || s->n_conns > 0)
+  if (!s->closing || s->retry_open || s->n_conns > 0)
     return;
+  for (size_t i = 0; i < s->n_listeners; i++)
+    if (s->listeners[i].open)
+      return;
   void (*cb)(void *) = s->close_cb;
   void *arg = s->close_arg;
   server_free(s);
@@ -1622,9 +1663,9 @@ static void server_maybe_done(dsv4_server_t *s) {
 }
 
 static void on_listener_closed(uv_handle_t *h) {
-  dsv4_server_t *s = h->data;
-  s->listener_open = 0;
-  server_maybe_done(s);
+  listener_t *l = h->data;
+  l->open = 0;
+  server_maybe_done(l->srv);
 }
 
 static void on_retry_closed(uv_handle_t *h) {
@@ -1633,15 +1674,28 @@ static void on_retry_closed(uv_handle_t *h) {
   server_maybe_done(s);
 }
 
+/* Remove a Unix socket's file, unless another process has put a file of its own there since. */
+static void unlink_own(const listener_t *l) {
+  struct stat st;
+  if (l->path && lstat(l->path, &st) == 0 && st.st_dev == l->dev && st.st_ino == l->ino)
+    unlink(l->path);
+}
+
 static void close_listener(dsv4_server_t *s) {
-  if (s->listener_open == 1) {
-    s->listener_open = 2; /* closing */
-    uv_close((uv_handle_t *)&s->listener, on_listener_closed);
+  for (size_t i = 0; i < s->n_listeners; i++) {
+    listener_t *l = &s->listeners[i];
+    if (l->open != 1)
+      continue;
+    l->open = 2; /* closing */
+    uv_close((uv_handle_t *)&l->poll, on_listener_closed);
     /* A socket may be closed as soon as its poll handle is closing (libuv's uv_poll docs). */
-    close(s->listen_fd);
-    s->listen_fd = -1;
-    uv_timer_stop(&s->retry);
+    close(l->fd);
+    l->fd = -1;
+    /* A client that finds no file is told at once that nothing listens, not refused later. */
+    unlink_own(l);
   }
+  if (s->retry_open == 1)
+    uv_timer_stop(&s->retry);
 }
 
 size_t dsv4_server_default_max_connections(void) {
@@ -1729,6 +1783,77 @@ static int listen_socket(const struct sockaddr_storage *addr) {
   return fd;
 }
 
+/* Log why a listener cannot listen; DSV4_EIO, which tells the caller it was logged. */
+static int unix_fail(const char *path, const char *why) {
+  dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:s,s:s}", "listener", "unix", "path", path,
+            "error", why);
+  return DSV4_EIO;
+}
+
+/* Whether a process listens on the socket file at addr: a daemon still running keeps its file. */
+static bool unix_socket_live(const struct sockaddr_un *addr) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return false;
+  /* A Unix connect does not wait: it is refused at once when nothing listens. */
+  bool live = connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) == 0 || errno == EAGAIN;
+  close(fd);
+  return live;
+}
+
+/*
+ * A bound, listening Unix domain socket at path, mode 0660, into l; 0 or DSV4_EIO (logged). A
+ * socket file left by a daemon that died is replaced; any other file there is refused, so a typo
+ * never deletes a file of the operator's.
+ */
+static int unix_listen_socket(const char *path, listener_t *l) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  if (strlen(path) >= sizeof(addr.sun_path))
+    return unix_fail(path, "the path is longer than a Unix socket address holds (107 bytes)");
+  memcpy(addr.sun_path, path, strlen(path) + 1);
+  char dir[sizeof(addr.sun_path)];
+  snprintf(dir, sizeof(dir), "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (slash)
+    slash[slash == dir ? 1 : 0] = '\0'; /* the root keeps its slash */
+  struct stat st;
+  if (slash && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)))
+    return unix_fail(path, "the socket's directory does not exist");
+  if (lstat(path, &st) == 0) {
+    if (!S_ISSOCK(st.st_mode))
+      return unix_fail(path, "the path exists and is not a socket");
+    if (unix_socket_live(&addr))
+      return unix_fail(path, "another process listens on this socket");
+    unlink(path); /* a stale socket: bind would fail with EADDRINUSE */
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return unix_fail(path, strerror(errno));
+  if (bind(fd, (const struct sockaddr *)&addr, sizeof(addr)) != 0) {
+    int err = errno;
+    close(fd);
+    return unix_fail(path, strerror(err));
+  }
+  /* The mode is set before listen(), so no client connects through a wider one. */
+  if (chmod(path, 0660) != 0 || lstat(path, &st) != 0 || listen(fd, 511) != 0) {
+    int err = errno;
+    close(fd);
+    unlink(path);
+    return unix_fail(path, strerror(err));
+  }
+  l->fd = fd;
+  l->dev = st.st_dev;
+  l->ino = st.st_ino;
+  l->path = strdup(path);
+  if (!l->path) {
+    close(fd);
+    unlink(path);
+    l->fd = -1;
+    return DSV4_ENOMEM;
+  }
+  return 0;
+}
+
 /* Bind and listen on the configured address and start polling for connections. */
 static int server_listen(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
   struct sockaddr_storage addr;
@@ -1739,7 +1864,7 @@ static int server_listen(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
   if (rc != 0)
     return DSV4_ECONFIG;
   int fd = listen_socket(&addr);
-  if (fd >= 0 && (rc = uv_poll_init_socket(s->loop, &s->listener, fd)) != 0) {
+  if (fd >= 0 && (rc = uv_poll_init_socket(s->loop, &s->listeners[0].poll, fd)) != 0) {
     close(fd);
     fd = rc;
   }
@@ -1748,18 +1873,34 @@ static int server_listen(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
               s->host, "port", cfg->port, "error", uv_strerror(fd));
     return DSV4_EIO;
   }
-  s->listen_fd = fd;
-  s->listener.data = s;
-  s->listener_open = 1;
-  uv_timer_init(s->loop, &s->retry);
-  s->retry.data = s;
-  s->retry_open = 1;
-  uv_poll_start(&s->listener, UV_READABLE, on_listener_readable);
+  s->listeners[0].fd = fd;
+  s->listeners[0].open = 1;
+  s->listeners[0].poll.data = &s->listeners[0]; /* before anything may close it */
+  s->n_listeners = 1;
   struct sockaddr_storage bound;
   socklen_t len = sizeof(bound);
   getsockname(fd, (struct sockaddr *)&bound, &len);
   s->port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
                                         : ntohs(((struct sockaddr_in *)&bound)->sin_port);
+  if (cfg->unix_path && cfg->unix_path[0]) {
+    listener_t *u = &s->listeners[1];
+    rc = unix_listen_socket(cfg->unix_path, u);
+    if (rc == 0 && (rc = uv_poll_init_socket(s->loop, &u->poll, u->fd)) != 0) {
+      close(u->fd);
+      unlink(u->path);
+      rc = unix_fail(u->path, uv_strerror(rc));
+    }
+    if (rc != 0)
+      return rc;
+    u->open = 1;
+    u->poll.data = u;
+    s->n_listeners = 2;
+  }
+  uv_timer_init(s->loop, &s->retry);
+  s->retry.data = s;
+  s->retry_open = 1;
+  for (size_t i = 0; i < s->n_listeners; i++)
+    uv_poll_start(&s->listeners[i].poll, UV_READABLE, on_listener_readable);
   return 0;
 }
 
@@ -1772,7 +1913,10 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   if (!s)
     return DSV4_ENOMEM;
   s->loop = loop;
-  s->listen_fd = -1;
+  for (size_t i = 0; i < LISTENERS; i++) {
+    s->listeners[i].fd = -1;
+    s->listeners[i].srv = s;
+  }
   s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   s->host = strdup(cfg->host ? cfg->host : "127.0.0.1");
   s->name = strdup(cfg->name ? cfg->name : "data");
@@ -1821,10 +1965,16 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   s->settings.on_body = on_body;
   s->settings.on_message_complete = on_message_complete;
 
-  /* No handle exists before the socket listens, so a failure frees the server here and now. */
+  /* The server is freed here and now when no handle exists yet; once the TCP listener's does
+   * (the Unix socket failed), closing it frees the server from the loop. */
   rc = server_listen(s, cfg);
-  if (rc != 0) {
+  if (rc != 0 && s->n_listeners == 0) {
     server_free(s);
+    return rc;
+  }
+  if (rc != 0) {
+    s->closing = 1;
+    close_listener(s);
     return rc;
   }
   *out = s;
@@ -1845,9 +1995,10 @@ void dsv4_server_drain(dsv4_server_t *s) {
   s->draining = 1;
   /* Connections the kernel has completed but this layer not yet taken would be reset with the
    * listening socket, requests and all: take them first; their first answer says close. */
-  if (s->listener_open == 1)
-    while (accept_batch(s))
-      ;
+  for (size_t i = 0; i < s->n_listeners; i++)
+    if (s->listeners[i].open == 1)
+      while (accept_batch(&s->listeners[i]))
+        ;
   close_listener(s);
   /* No connection closes here: an idle one may have a request on its way. Re-entering the idle
    * state shortens its wait to DRAIN_IDLE_MS; every other one closes after its next answer. */

@@ -112,6 +112,9 @@ typedef struct {
 typedef struct {
   const char *host; /* listen address */
   int port;         /* 0 = ephemeral */
+  /* A Unix domain socket served beside host:port, mode 0660, unlinked on close; NULL or "" = none.
+   * Its connections count toward max_connections with the TCP ones. */
+  const char *unix_path;
   size_t max_header_bytes;
   size_t max_connections;       /* open connections; more are refused with 503 (0 = no limit) */
   uint64_t header_timeout_ms;   /* request line + headers */

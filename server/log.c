@@ -230,3 +230,7 @@ void dsv4_log_listening(const char *listener, const char *host, int port) {
        json_pack("{s:s, s:s, s:i}", "listener", listener ? listener : "", "host", host ? host : "",
                  "port", port));
 }
+
+void dsv4_log_listening_unix(const char *path) {
+  emit(DSV4_LOG_INFO, "listening", json_pack("{s:s, s:s}", "listener", "unix", "path", path));
+}

@@ -196,14 +196,15 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
 
 /* One listener with the configuration's limits and timeouts; logs why when it cannot listen. */
 static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int port,
-                     size_t max_connections, const char *token, const dsv4_route_t *routes,
-                     size_t n_routes,
+                     const char *unix_path, size_t max_connections, const char *token,
+                     const dsv4_route_t *routes, size_t n_routes,
                      void (*on_complete)(const dsv4_req_t *, int, uint64_t, int, void *),
                      dsv4_server_t **out) {
   const dsv4_config_t *cfg = d->cfg;
   dsv4_server_config_t sc = {
       .host = host,
       .port = port,
+      .unix_path = unix_path,
       .max_header_bytes = cfg->max_header_bytes,
       .max_connections = max_connections,
       .header_timeout_ms = cfg->header_timeout_ms,
@@ -375,7 +376,7 @@ static int start_serving(app_t *a) {
   }
   n_routes = dsv4_data_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
   /* The admin plane has no limit of its own: its few connections come out of the reserve. */
-  if (listen_on(d, "data", cfg->host, cfg->port,
+  if (listen_on(d, "data", cfg->host, cfg->port, cfg->listen_unix,
                 cfg->max_connections ? cfg->max_connections : dsv4_server_default_max_connections(),
                 a->token, routes, n_routes, NULL, &d->data)) {
     dsv4_executor_stop(&d->ex, NULL, NULL);
@@ -385,8 +386,8 @@ static int start_serving(app_t *a) {
   n_routes = dsv4_admin_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
   d->admin_token = a->admin_token != NULL;
   d->admin_loopback = dsv4_host_is_loopback(cfg->admin_host);
-  if (listen_on(d, "admin", cfg->admin_host, cfg->admin_port, 0, a->admin_token, routes, n_routes,
-                dsv4_admin_audit, &d->admin)) {
+  if (listen_on(d, "admin", cfg->admin_host, cfg->admin_port, NULL, 0, a->admin_token, routes,
+                n_routes, dsv4_admin_audit, &d->admin)) {
     dsv4_server_close(d->data, NULL, NULL);
     dsv4_executor_stop(&d->ex, NULL, NULL);
     uv_run(&a->loop, UV_RUN_DEFAULT);
@@ -422,6 +423,8 @@ static void log_started(app_t *a, uint64_t t0) {
             (double)(uv_hrtime() - t0) * 1e-9);
   dsv4_log_listening("data", cfg->host, dsv4_server_port(d->data));
   dsv4_log_listening("admin", cfg->admin_host, dsv4_server_port(d->admin));
+  if (cfg->listen_unix[0])
+    dsv4_log_listening_unix(cfg->listen_unix);
   if (dsv4_sd_notify("READY=1"))
     dsv4_logp(DSV4_LOG_WARN, "cannot notify the service manager", "{s:s}", "socket",
               getenv("NOTIFY_SOCKET"));
