@@ -25,12 +25,16 @@
 #endif
 
 /* As in cpu_kernels.c: the scalar level cloned for x86-64-v3, where fmaf is one instruction
- * (flatten: the shared routines are inlined into the clone rather than called in their default
- * build). The bytes are the same either way. */
+ * (flatten, where the compiler allows it with clones: the shared routines are inlined into the
+ * clone rather than called in their default build). The bytes are the same either way. */
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones) && !defined(__SANITIZE_ADDRESS__) &&                            \
     !defined(__SANITIZE_THREAD__)
+#if defined(__clang__) /* clang does not combine flatten with target_clones */
+#define SCALAR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
 #define SCALAR_CLONES __attribute__((flatten, target_clones("arch=x86-64-v3", "default")))
+#endif
 #endif
 #endif
 #ifndef SCALAR_CLONES
