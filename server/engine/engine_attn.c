@@ -50,7 +50,8 @@ int dsv4_engine_attention_check(const dsv4_engine_t *e, uint32_t layer, int mode
     return DSV4_EUNSUPPORTED;
   }
   if (!ops->attention) {
-    snprintf(why, why_len, "backend %s has no attention yet; outputs attn and lse need backend cpu",
+    snprintf(why, why_len,
+             "backend %s has no attention on this device; ask this layer for outputs q or digest",
              ops->name);
     return DSV4_EUNSUPPORTED;
   }
