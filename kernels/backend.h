@@ -132,7 +132,114 @@ typedef struct {
   uint16_t *out; /* [n_tokens, heads, 512] bf16 out */
   float *lse;    /* [n_tokens, heads] fp32 out, or NULL when not wanted */
   int fast;      /* fast mode (SPEC §7): only on a backend with DSV4_BE_ATTN_FAST */
+  /*
+   * The compressed branch of a layer of ratio >= 2 (SPEC §8.6), or c_cache NULL for an SWA-only
+   * layer. After its window, a token at position p of segment s attends to compressed entries j in
+   * increasing order: with c_sel NULL (ratio 128) every visible entry floor(seg_p0[s] / ratio) <= j
+   * < floor((p + 1) / ratio); with c_sel, the entries c_sel[t * c_sel_stride + k] (increasing,
+   * padded with -1, which ends the list). Entry j is the record at offset j % block_size of the
+   * block c_block_table[seg_cbt_off[s] + (j / block_size - seg_c_first_lb[s])] of c_cache (the same
+   * record layout, block_size and stride as the SWA cache). A candidate whose block lies outside
+   * the segment's table, or is < 0 or >= c_n_blocks, fails the launch with DSV4_EINVAL before
+   * anything is written. One max, one denominator (with the sink) and one fma chain run over the
+   * window then the entries.
+   */
+  uint32_t ratio;
+  const uint8_t *c_cache;
+  uint32_t c_n_blocks;
+  const int64_t *seg_c_first_lb; /* [n_segments] */
+  const uint32_t *seg_cbt_off;   /* [n_segments] */
+  const uint32_t *seg_cbt_len;   /* [n_segments] */
+  const int32_t *c_block_table;
+  uint32_t c_bt_entries;
+  const int32_t *c_sel; /* [n_tokens, c_sel_stride] or NULL */
+  uint32_t c_sel_stride;
 } dsv4_attn_args_t;
+
+/*
+ * The compressor rings of one layer (SPEC §8.3): the state of one sequence lives in slot
+ * seg_slot[s], ring_floats floats at ring + slot * ring_floats, zero at allocation. Token position
+ * p keeps its row at row p mod DSV4_RING_ROWS(ratio):
+ *  - ratio 128: 128 rows of kv[512] then s[512];
+ *  - ratio 4: 8 rows of kv[1024] then s[1024] (half A then half B each), then 8 index rows of
+ *    kv[256] then s[256]; s is gate + ape[p mod ratio], rounded once.
+ */
+#define DSV4_RING_ROWS(ratio) ((ratio) == 4u ? 8u : (ratio))
+#define DSV4_RING_FLOATS(ratio) ((ratio) == 4u ? 8u * 2048u + 8u * 512u : (uint64_t)(ratio)*1024u)
+/* Bytes of one index record (SPEC §8.5) and of one index block of block_size records: the 64-byte
+ * values of every entry, then the 4-byte UE8M0 codes of every entry. */
+#define DSV4_INDEX_RECORD_BYTES 68u
+#define DSV4_INDEX_BLOCK_BYTES(bs) ((uint64_t)(bs)*DSV4_INDEX_RECORD_BYTES)
+
+/*
+ * The compressor of one layer (SPEC §8.3, and the indexer's keys §8.5 at ratio 4), run after
+ * qkv_insert of a batch that is not a replay. Tokens of one segment are consecutive positions in
+ * batch order. For each token in order: its row enters the ring; when (p + 1) % ratio == 0 entry j
+ * = p / ratio is emitted from the rows of positions >= max(0, seg_p0[s]) (the ring holds them): the
+ * 584-byte record into c_cache (entry j's block and offset as in dsv4_attn_args_t) and, at ratio 4,
+ * the 68-byte index record into i_cache at the same block id (values at 64 * (j % bs), codes at 64
+ * * bs + 4 * (j % bs) of the block's DSV4_INDEX_BLOCK_BYTES). Entries are written once each; a
+ * block outside the segment's table fails the launch with DSV4_EINVAL before anything is written.
+ */
+typedef struct {
+  uint32_t ratio; /* 4 or 128 */
+  uint32_t n_tokens;
+  uint32_t n_segments;
+  const int64_t *positions; /* [n_tokens] */
+  const int32_t *tok_seg;   /* [n_tokens] */
+  const int64_t *seg_p0;    /* [n_segments] */
+  const uint32_t *seg_slot; /* [n_segments] state slot of the segment's sequence */
+  const float *ckv;         /* [n_tokens, 2 * coff * 512]: kv then gate (coff 2 at ratio 4) */
+  const float *ikv;         /* ratio 4: [n_tokens, 512] kv then gate of the indexer; else NULL */
+  float *ring;              /* [n_slots, DSV4_RING_FLOATS(ratio)] */
+  uint32_t n_slots;
+  const float *ape;           /* [ratio, coff * 512] */
+  const float *norm_weight;   /* [512] the compressor's norm.weight */
+  const float *i_ape;         /* ratio 4: [4, 256] */
+  const float *i_norm_weight; /* ratio 4: [128] */
+  float eps;
+  const dsv4_rope_table_t *rope; /* the layer's YaRN table; rows at ratio * j materialised */
+  const int64_t *seg_c_first_lb;
+  const uint32_t *seg_cbt_off;
+  const uint32_t *seg_cbt_len;
+  const int32_t *c_block_table;
+  uint32_t c_bt_entries;
+  uint8_t *c_cache; /* c_n_blocks * stride */
+  uint8_t *i_cache; /* ratio 4: c_n_blocks * DSV4_INDEX_BLOCK_BYTES(block_size); else NULL */
+  uint32_t c_n_blocks;
+  uint32_t block_size;
+  uint64_t stride;
+} dsv4_compress_args_t;
+
+/*
+ * The indexer's selection (SPEC §8.5) for every token of a batch of a ratio-4 layer, run after the
+ * batch's compress: token t at position p of segment s sees entries floor(seg_p0[s] / 4) <= j <
+ * floor((p + 1) / 4). If at most topk are visible, all are selected; otherwise the topk with the
+ * highest scores (ties to the lower j). sel[t * topk ..] lists them in increasing j, padded with
+ * -1. Index records are read from i_cache through the segment's table as in dsv4_compress_args_t.
+ */
+typedef struct {
+  uint32_t n_tokens;
+  uint32_t n_segments;
+  uint32_t topk;    /* index_topk */
+  uint32_t n_heads; /* index_n_heads; the head dim is 128 */
+  float w_scale;    /* (float)(128 * n_heads)^-0.5, the weights' scale */
+  const int64_t *positions;
+  const int32_t *tok_seg;
+  const int64_t *seg_p0;
+  const uint16_t *iq; /* [n_tokens, n_heads, 128] bf16, before RoPE */
+  const float *iw;    /* [n_tokens, n_heads] */
+  const dsv4_rope_table_t *rope;
+  const int64_t *seg_c_first_lb;
+  const uint32_t *seg_cbt_off;
+  const uint32_t *seg_cbt_len;
+  const int32_t *c_block_table;
+  uint32_t c_bt_entries;
+  const uint8_t *i_cache;
+  uint32_t c_n_blocks;
+  uint32_t block_size;
+  int32_t *sel; /* [n_tokens, topk] out */
+} dsv4_indexer_args_t;
 
 typedef struct dsv4_backend_ops {
   const char *name;
@@ -148,6 +255,9 @@ typedef struct dsv4_backend_ops {
   int (*qkv_insert)(dsv4_backend_t *be, const dsv4_insert_args_t *a);
   /* Optional (NULL: the backend has no attention): exact-mode attention, after qkv_insert. */
   int (*attention)(dsv4_backend_t *be, const dsv4_attn_args_t *a);
+  /* Optional (NULL: no compressed branch): SPEC §8, after qkv_insert and before attention. */
+  int (*compress)(dsv4_backend_t *be, const dsv4_compress_args_t *a);
+  int (*indexer)(dsv4_backend_t *be, const dsv4_indexer_args_t *a);
   int (*sync)(dsv4_backend_t *be);
   /*
    * Optional (NULL: the caller runs the items itself). Run fn over items 0..n_items-1 on the
