@@ -77,6 +77,14 @@ static const opt_t opts[] = {
      OPT_POW2, "tokens per KV cache block"},
     {"kv_blocks", OPT_U32, F(kv_blocks), "256", 1, 1u << 24, NULL, 0,
      "block ids in the KV cache pool (memory = kv_blocks x stride x served layers)"},
+    {"max_sequences", OPT_U32, F(max_sequences), "256", 1, 1u << 20, NULL, 0,
+     "live sequences at most (503 sequence_limit beyond); each holds one compressor state slot"},
+    {"c4_blocks", OPT_U32, F(c4_blocks), "256", 1, 1u << 24, NULL, 0,
+     "block ids of the ratio-4 compressed entries (each holds block_size entries = 4 x block_size "
+     "positions, at every ratio-4 layer)"},
+    {"c128_blocks", OPT_U32, F(c128_blocks), "64", 1, 1u << 24, NULL, 0,
+     "block ids of the ratio-128 compressed entries (each holds block_size entries = 128 x "
+     "block_size positions, at every ratio-128 layer)"},
     {"model_config", OPT_STR, F(model_config), "", 0, 0, NULL, 0,
      "HuggingFace config.json of the model (empty = built-in DeepSeek V4-Flash)"},
     {"heads", OPT_U32, F(heads), "0", 1, DSV4_MAX_HEADS, NULL, OPT_ZERO_OK,

@@ -46,14 +46,17 @@ typedef struct dsv4_config {
   uint32_t threads;    /* CPU executor threads; 0 in the input = online cores, never 0 after load */
   uint32_t block_size; /* power of two, 16..256 */
   uint32_t kv_blocks;  /* block ids in the pool */
-  char *model_config;  /* HF config.json; empty = built-in V4-Flash */
-  uint32_t heads;      /* 0 in the input = the model's num_attention_heads; never 0 after load */
-  uint32_t head_offset;  /* first served head; head_offset + heads <= num_attention_heads */
-  char *layers;          /* e.g. "0-42" or "0,2,5-7"; empty = 0..num_hidden_layers-1 */
-  char *kv_norm;         /* prenormed|fused */
-  char *kv_norm_weights; /* older name of weights */
-  char *weights;         /* checkpoint: safetensors file or HF directory; empty = none */
-  char *attention_mode;  /* exact|fast */
+  uint32_t max_sequences; /* live sequences (and compressor state slots) at most */
+  uint32_t c4_blocks;     /* block ids of the ratio-4 compressed entries */
+  uint32_t c128_blocks;   /* block ids of the ratio-128 compressed entries */
+  char *model_config;     /* HF config.json; empty = built-in V4-Flash */
+  uint32_t heads;         /* 0 in the input = the model's num_attention_heads; never 0 after load */
+  uint32_t head_offset;   /* first served head; head_offset + heads <= num_attention_heads */
+  char *layers;           /* e.g. "0-42" or "0,2,5-7"; empty = 0..num_hidden_layers-1 */
+  char *kv_norm;          /* prenormed|fused */
+  char *kv_norm_weights;  /* older name of weights */
+  char *weights;          /* checkpoint: safetensors file or HF directory; empty = none */
+  char *attention_mode;   /* exact|fast */
   uint32_t max_batch_tokens;
   uint32_t max_segments;
   uint64_t max_header_bytes;

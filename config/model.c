@@ -29,6 +29,13 @@
 #define MODEL_MAX_LAYERS 1024
 #define MODEL_MAX_NEXTN 16
 #define MODEL_MAX_RATIO 65536
+/* The indexer (SPEC §8.5): V4-Flash keeps 512 entries with 64 heads of 128 dims; V4-Pro keeps 1024.
+ * The bounds keep a batch's selection table and the per-token score work finite. */
+#define FLASH_INDEX_TOPK 512
+#define FLASH_INDEX_HEADS 64
+#define DSV4_INDEX_HEAD_DIM 128
+#define MODEL_MAX_INDEX_TOPK 65536
+#define MODEL_MAX_INDEX_HEADS 128
 /* The largest max_position_embeddings taken (2^32): far beyond any model's context, and a bound,
  * like the others here, on what the RoPE tables may be asked to hold. */
 #define MODEL_MAX_POSITION ((uint64_t)1 << 32)
@@ -52,6 +59,9 @@ int dsv4_model_builtin_flash(dsv4_model_t *m) {
   m->n_layers_total = FLASH_HIDDEN_LAYERS + FLASH_NEXTN_LAYERS;
   m->rms_norm_eps = (float)FLASH_RMS_EPS;
   m->max_position_embeddings = DSV4_MAX_POSITION_DEFAULT;
+  m->index_topk = FLASH_INDEX_TOPK;
+  m->index_n_heads = FLASH_INDEX_HEADS;
+  m->index_head_dim = DSV4_INDEX_HEAD_DIM;
   m->compress_ratios = calloc(m->n_layers_total, sizeof(uint32_t));
   m->name = model_strdup("builtin:V4-Flash");
   if (!m->compress_ratios || !m->name) {
@@ -229,6 +239,7 @@ static int compress_params(model_ctx_t *c, json_t *sec, const char *where, doubl
 /* What model_parse reads from the file before it fills the model. */
 typedef struct {
   uint64_t heads, hidden, nextn, total, maxpos;
+  uint64_t topk, iheads; /* index_topk, index_n_heads */
   double eps, theta, ctheta;
   json_t *ratios;
   json_t *rp, *rs;   /* rope_parameters, rope_scaling; NULL when absent or null */
@@ -271,6 +282,12 @@ static int model_read_geometry(json_t *root, model_ctx_t *c, model_keys_t *k) {
       (rc = get_uint(c, root, "max_position_embeddings", 1, MODEL_MAX_POSITION, &k->maxpos)))
     return rc;
   if ((rc = get_number_in(c, root, "rms_norm_eps", EPS_MIN, 0, EPS_MAX, &k->eps)))
+    return rc;
+  k->topk = FLASH_INDEX_TOPK;
+  k->iheads = FLASH_INDEX_HEADS;
+  if ((rc = check_fixed(c, root, "index_head_dim", DSV4_INDEX_HEAD_DIM)) ||
+      (rc = get_uint(c, root, "index_topk", 1, MODEL_MAX_INDEX_TOPK, &k->topk)) ||
+      (rc = get_uint(c, root, "index_n_heads", 1, MODEL_MAX_INDEX_HEADS, &k->iheads)))
     return rc;
 
   k->ratios = json_object_get(root, "compress_ratios");
@@ -374,6 +391,9 @@ static int model_parse(dsv4_model_t *m, json_t *root, model_ctx_t *c) {
   m->n_layers_total = (uint32_t)k.total;
   m->rms_norm_eps = (float)k.eps;
   m->max_position_embeddings = (int64_t)k.maxpos;
+  m->index_topk = (uint32_t)k.topk;
+  m->index_n_heads = (uint32_t)k.iheads;
+  m->index_head_dim = DSV4_INDEX_HEAD_DIM;
   m->rope_plain = dsv4_rope_plain_default;
   m->rope_plain.theta = k.theta;
   if ((rc = compress_params(c, k.sec_comp, k.where ? k.where : "rope_scaling", k.ctheta,

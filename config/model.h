@@ -30,7 +30,12 @@ typedef struct {
   uint32_t *compress_ratios;        /* [n_layers_total], owned */
   dsv4_rope_params_t rope_plain;    /* layers of ratio 0 or 1 */
   dsv4_rope_params_t rope_compress; /* layers of ratio >= 2 */
-  char *name;                       /* "builtin:V4-Flash" or the file path, owned */
+  /* The indexer of the ratio-4 layers (SPEC §8.5): entries each query keeps, and its heads (the
+   * head dim is always 128). */
+  uint32_t index_topk;
+  uint32_t index_n_heads;
+  uint32_t index_head_dim;
+  char *name; /* "builtin:V4-Flash" or the file path, owned */
 } dsv4_model_t;
 
 /* The V4-Flash defaults of SPEC §1. Returns 0 or DSV4_ENOMEM. Free with dsv4_model_free. */

@@ -157,21 +157,6 @@ typedef struct {
 } dsv4_attn_args_t;
 
 /*
- * The compressor rings of one layer (SPEC §8.3): the state of one sequence lives in slot
- * seg_slot[s], ring_floats floats at ring + slot * ring_floats, zero at allocation. Token position
- * p keeps its row at row p mod DSV4_RING_ROWS(ratio):
- *  - ratio 128: 128 rows of kv[512] then s[512];
- *  - ratio 4: 8 rows of kv[1024] then s[1024] (half A then half B each), then 8 index rows of
- *    kv[256] then s[256]; s is gate + ape[p mod ratio], rounded once.
- */
-#define DSV4_RING_ROWS(ratio) ((ratio) == 4u ? 8u : (ratio))
-#define DSV4_RING_FLOATS(ratio) ((ratio) == 4u ? 8u * 2048u + 8u * 512u : (uint64_t)(ratio)*1024u)
-/* Bytes of one index record (SPEC §8.5) and of one index block of block_size records: the 64-byte
- * values of every entry, then the 4-byte UE8M0 codes of every entry. */
-#define DSV4_INDEX_RECORD_BYTES 68u
-#define DSV4_INDEX_BLOCK_BYTES(bs) ((uint64_t)(bs)*DSV4_INDEX_RECORD_BYTES)
-
-/*
  * The compressor of one layer (SPEC §8.3, and the indexer's keys §8.5 at ratio 4), run after
  * qkv_insert of a batch that is not a replay. Tokens of one segment are consecutive positions in
  * batch order. For each token in order: its row enters the ring; when (p + 1) % ratio == 0 entry j

@@ -40,7 +40,8 @@
   X(EDUMPBUSY, -28, "another dump is streaming")                                                   \
   X(ENOTWRITTEN, -29, "position never written at this layer")                                      \
   X(ERELEASED, -30, "position no longer stored (out of the window)")                               \
-  X(ECONNLIMIT, -31, "too many connections")
+  X(ECONNLIMIT, -31, "too many connections")                                                       \
+  X(ESEQLIMIT, -32, "no free sequence slot (max_sequences)")
 
 typedef enum {
 #define DSV4__ERR_ENUM(name, val, msg) DSV4_##name = (val),

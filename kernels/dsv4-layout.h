@@ -43,4 +43,20 @@
 #define DSV4_SCALE_OFFSET(bs, o)                                                                   \
   ((unsigned long)(bs)*DSV4_TOKEN_DATA_BYTES + (unsigned long)(o)*DSV4_SCALE_BYTES)
 
+/*
+ * The compressor rings of one layer (SPEC §8.3): the state of one sequence lives in slot
+ * seg_slot[s], ring_floats floats at ring + slot * ring_floats, zero at allocation. Token position
+ * p keeps its row at row p mod DSV4_RING_ROWS(ratio):
+ *  - ratio 128: 128 rows of kv[512] then s[512];
+ *  - ratio 4: 8 rows of kv[1024] then s[1024] (half A then half B each), then 8 index rows of
+ *    kv[256] then s[256]; s is gate + ape[p mod ratio], rounded once.
+ */
+#define DSV4_RING_ROWS(ratio) ((ratio) == 4u ? 8u : (ratio))
+#define DSV4_RING_FLOATS(ratio)                                                                    \
+  ((ratio) == 4u ? 8u * 2048u + 8u * 512u : (unsigned long)(ratio)*1024u)
+/* Bytes of one index record (SPEC §8.5) and of one index block of block_size records: the 64-byte
+ * values of every entry, then the 4-byte UE8M0 codes of every entry. */
+#define DSV4_INDEX_RECORD_BYTES 68u
+#define DSV4_INDEX_BLOCK_BYTES(bs) ((unsigned long)(bs)*DSV4_INDEX_RECORD_BYTES)
+
 #endif /* DSV4_KERNELS_LAYOUT_H */

@@ -190,6 +190,14 @@ void dsv4_records_digest_add(dsv4_records_digest_t *d, int64_t position,
   XXH3_64bits_update(d->state, buf, sizeof(buf));
 }
 
+void dsv4_records_digest_add_index(dsv4_records_digest_t *d, int64_t entry,
+                                   const uint8_t record[DSV4_INDEX_RECORD_BYTES]) {
+  uint8_t buf[8u + DSV4_INDEX_RECORD_BYTES];
+  dsv4_position_put(buf, entry);
+  memcpy(buf + 8, record, DSV4_INDEX_RECORD_BYTES);
+  XXH3_64bits_update(d->state, buf, sizeof(buf));
+}
+
 void dsv4_records_digest_add_slot(dsv4_records_digest_t *d, int64_t position,
                                   const uint8_t *layer_base, uint32_t block_size, size_t stride,
                                   int64_t slot) {

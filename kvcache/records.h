@@ -124,6 +124,9 @@ void dsv4_records_digest_destroy(dsv4_records_digest_t *d);
 void dsv4_records_digest_reset(dsv4_records_digest_t *d);
 void dsv4_records_digest_add(dsv4_records_digest_t *d, int64_t position,
                              const uint8_t record[DSV4_RECORD_BYTES]);
+/* SPEC §8.7: an index record of a ratio-4 layer, [LE int64 entry || 68 bytes]. */
+void dsv4_records_digest_add_index(dsv4_records_digest_t *d, int64_t entry,
+                                   const uint8_t record[DSV4_INDEX_RECORD_BYTES]);
 /* Add the record stored at slot, reading it from a layer buffer in host memory (the forward
  * cache_digest runs over a batch's slots in token order). */
 void dsv4_records_digest_add_slot(dsv4_records_digest_t *d, int64_t position,

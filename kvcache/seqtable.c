@@ -1,4 +1,5 @@
 #include "seqtable.h"
+#include "seqtable-internal.h"
 
 #include <assert.h>
 #include <stdlib.h>
@@ -17,62 +18,6 @@
  * markers in the probe sequence). It holds live sequences and, for one more idle period, the names
  * of expired ones (state SEQ_EXPIRED, no blocks), so that they answer EEXPIRED.
  */
-
-enum { SEQ_LIVE = 0, SEQ_EXPIRED = 1 };
-
-/* The name map starts with this many slots and doubles up to MAP_MAX_SLOTS, the largest power of
- * two its 32-bit slot indices take. */
-#define MAP_MIN_SLOTS 64
-#define MAP_MAX_SLOTS (1ull << 31)
-/* The smallest capacity the growing arrays (a sequence's blocks, a plan's arrays and its duplicate
- * set) start from; they double from there. */
-#define GROW_MIN 8
-
-typedef struct {
-  int64_t next;       /* next position this layer writes */
-  int64_t s;          /* first position of the last applied segment; p0 before any */
-  uint32_t last_len;  /* 0 before any segment was applied */
-  uint64_t last_hash; /* with s and last_len: the replay triple */
-} layer_state_t;
-
-typedef struct seq {
-  struct seq *prev, *next; /* every entry of the map, live or expired */
-  uint64_t hash;
-  int state;
-  uint64_t last_used_ns; /* for an expired entry: when it expired */
-  int64_t p0;
-  int64_t first_lb;
-  uint32_t n_blocks, cap_blocks;
-  int32_t *blocks;
-  uint32_t name_len;
-  char name[DSV4_SEQ_NAME_MAX];
-  layer_state_t layers[];
-} seq_t;
-
-struct dsv4_seqtable {
-  dsv4_seqtable_config_t cfg;
-  dsv4_pool_t *pool;
-  seq_t **slots;
-  uint32_t cap; /* power of two */
-  uint32_t n_entries;
-  uint32_t n_live;
-  uint32_t published_live;
-  seq_t *all;
-  int plan_active;
-};
-
-/* Per-segment plan state, kept in plan->priv between plan and commit/fail. */
-typedef struct {
-  seq_t *seq;
-  seq_t *tomb; /* an expired entry of the same name */
-  uint64_t name_hash;
-  int64_t start;
-  uint32_t len;
-  uint64_t hash;
-  uint8_t create;
-  uint8_t replay;
-  uint32_t need; /* new blocks */
-} plan_seg_t;
 
 static uint64_t name_hash(const char *name, uint32_t len) {
   /* FNV-1a, then a final mix so that the low bits used for the probe start depend on every byte. */
@@ -181,6 +126,7 @@ static void map_remove(dsv4_seqtable_t *st, seq_t *s) {
     st->all = s->next;
   if (s->next != NULL)
     s->next->prev = s->prev;
+  dsv4__st_c_free_arrays(s);
   free(s->blocks);
   free(s);
 }
@@ -216,6 +162,7 @@ static void free_blocks(dsv4_seqtable_t *st, seq_t *s) {
 static void drop_live(dsv4_seqtable_t *st, seq_t *s) {
   assert(s->state == SEQ_LIVE);
   free_blocks(st, s);
+  dsv4__st_c_release(st, s);
   st->n_live--;
   map_remove(st, s);
 }
@@ -256,6 +203,7 @@ void dsv4_seqtable_destroy(dsv4_seqtable_t *st) {
       map_remove(st, s);
   }
   free(st->slots);
+  dsv4__st_c_destroy(st);
   free(st);
 }
 
@@ -273,10 +221,11 @@ void dsv4_plan_free(dsv4_plan_t *plan) {
   free(plan->priv);
   free(plan->segs);
   free(plan->block_table);
+  free(plan->c_block_table);
   memset(plan, 0, sizeof(*plan));
 }
 
-static int grow(void **p, uint32_t *cap, uint64_t want, size_t elem) {
+int dsv4__st_grow(void **p, uint32_t *cap, uint64_t want, size_t elem) {
   if (want <= *cap)
     return 0;
   if (want > UINT32_MAX / 2)
@@ -293,7 +242,7 @@ static int grow(void **p, uint32_t *cap, uint64_t want, size_t elem) {
 }
 
 static int ensure_blocks(seq_t *s, uint64_t want) {
-  return grow((void **)&s->blocks, &s->cap_blocks, want, sizeof(int32_t));
+  return dsv4__st_grow((void **)&s->blocks, &s->cap_blocks, want, sizeof(int32_t));
 }
 
 /* The first logical block a segment's map covers: its attention window reaches back to start - 127.
@@ -429,9 +378,10 @@ static int plan_admit(const dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_
   if (needed > nfree) {
     plan->error.needed = needed > UINT32_MAX ? UINT32_MAX : (uint32_t)needed;
     plan->error.free = nfree;
+    plan->error.pool = "swa";
     return DSV4_ENOSPC;
   }
-  return 0;
+  return dsv4__st_c_admit(st, layer, n, plan);
 }
 
 /* Plan pass 4: every piece of memory reserved before the first change (ENOMEM leaves nothing). */
@@ -444,9 +394,9 @@ static int plan_reserve(dsv4_seqtable_t *st, uint32_t n, uint32_t new_seqs, dsv4
     int64_t last_lb = (ps[i].start + ps[i].len - 1) / bs;
     bt_total += (uint64_t)(last_lb - map_first_lb(p0, ps[i].start, bs) + 1);
   }
-  int rc = grow((void **)&plan->segs, &plan->segs_cap, n, sizeof(dsv4_seg_map_t));
+  int rc = dsv4__st_grow((void **)&plan->segs, &plan->segs_cap, n, sizeof(dsv4_seg_map_t));
   if (rc == 0)
-    rc = grow((void **)&plan->block_table, &plan->bt_cap, bt_total, sizeof(int32_t));
+    rc = dsv4__st_grow((void **)&plan->block_table, &plan->bt_cap, bt_total, sizeof(int32_t));
   if (rc == 0)
     rc = map_reserve(st, new_seqs);
   for (uint32_t i = 0; i < n && rc == 0; i++) {
@@ -465,9 +415,12 @@ static int plan_reserve(dsv4_seqtable_t *st, uint32_t n, uint32_t new_seqs, dsv4
       rc = ensure_blocks(ps[i].seq, (uint64_t)ps[i].seq->n_blocks + ps[i].need);
     }
   }
+  if (rc == 0)
+    rc = dsv4__st_c_reserve(st, plan->layer, n, plan);
   if (rc != 0) {
     for (uint32_t i = 0; i < n; i++) {
       if (ps[i].create && ps[i].seq != NULL) {
+        dsv4__st_c_free_arrays(ps[i].seq);
         free(ps[i].seq->blocks);
         free(ps[i].seq);
       }
@@ -561,6 +514,7 @@ int dsv4_seqtable_plan(dsv4_seqtable_t *st, uint32_t layer, const dsv4_seg_req_t
   if ((rc = plan_reserve(st, n, new_seqs, plan)) != 0)
     return rc;
   plan->bt_len = plan_apply(st, segs, n, now_ns, plan);
+  dsv4__st_c_apply(st, layer, n, plan);
   plan->n_segments = n;
   plan->replay = all_replay;
   st->plan_active = 1;
@@ -654,6 +608,7 @@ static int expire_one(dsv4_seqtable_t *st, seq_t *s, uint64_t now_ns) {
     return 0;
   if (s->state == SEQ_LIVE) {
     free_blocks(st, s);
+    dsv4__st_c_release(st, s);
     s->state = SEQ_EXPIRED;
     s->last_used_ns += t;
     free(s->blocks);

@@ -58,6 +58,14 @@ typedef struct {
   uint32_t bt_off;
   uint32_t bt_len;
   int64_t p0; /* the sequence's first position: attention never reads below it */
+  /* On a layer of the compressed branch (SPEC §8.7): the sequence's state slot, and its entry
+   * blocks: entry j is in c_block_table[c_bt_off + (j / bs - c_first_lb)], the whole table of the
+   * sequence in the layer's pool (every entry it has emitted at any layer of that pool, and those
+   * this batch emits). */
+  uint32_t slot;
+  int64_t c_first_lb;
+  uint32_t c_bt_off;
+  uint32_t c_bt_len;
 } dsv4_seg_map_t;
 
 /* Details of a refused plan, for the caller to report with the error code. */
@@ -71,6 +79,7 @@ typedef struct {
   int sequences_full;
   uint32_t new_sequences;
   uint32_t free_sequences;
+  const char *pool; /* ENOSPC of a block pool: "swa", "c4" or "c128" */
 } dsv4_plan_error_t;
 
 typedef struct {
@@ -80,10 +89,12 @@ typedef struct {
   dsv4_seg_map_t *segs; /* [n_segments] */
   int32_t *block_table; /* [bt_len] physical block ids */
   uint32_t bt_len;
+  int32_t *c_block_table; /* [c_bt_len] entry block ids of the compressed branch's layers */
+  uint32_t c_bt_len;
   dsv4_plan_error_t error;
   /* Private to the table. */
   void *priv;
-  uint32_t priv_cap, segs_cap, bt_cap;
+  uint32_t priv_cap, segs_cap, bt_cap, c_bt_cap;
 } dsv4_plan_t;
 
 /* Snapshot of one sequence, for GET /v1/sequences/{seq} and the admin plane. */
@@ -103,6 +114,16 @@ int dsv4_seqtable_create(const dsv4_seqtable_config_t *cfg, dsv4_pool_t *pool,
 void dsv4_seqtable_destroy(dsv4_seqtable_t *st);
 /* The configuration the table was created with. */
 const dsv4_seqtable_config_t *dsv4_seqtable_config(const dsv4_seqtable_t *st);
+
+/*
+ * Attach the compressed branch (SPEC §8.7) before the first plan: ratio[l] (copied) is 4 or 128
+ * for a served layer whose branch runs, else 0; c4 and c128 are the entry block pools of those
+ * ratios (NULL when no layer has it). Every live sequence then holds one of max_sequences state
+ * slots (max_sequences must be non-zero), and its entry blocks in each pool, which are freed only
+ * with the sequence. DSV4_EINVAL or DSV4_ENOMEM.
+ */
+int dsv4_seqtable_attach_compressed(dsv4_seqtable_t *st, const uint32_t *ratio, dsv4_pool_t *c4,
+                                    dsv4_pool_t *c128);
 
 void dsv4_plan_init(dsv4_plan_t *plan);
 void dsv4_plan_free(dsv4_plan_t *plan);

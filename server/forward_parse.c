@@ -53,6 +53,10 @@ static const char *parse_segment(json_t *o, dsv4_seg_req_t *sg) {
   return NULL;
 }
 
+/* The shape of a tensor whose dtype was checked already. */
+static int check_shape(const dsv4_st_tensor_t *t, int ndim, const int64_t *shape, char *why,
+                       size_t why_len);
+
 static int check_tensor(const dsv4_st_tensor_t *t, int ndim, const int64_t *shape, char *why,
                         size_t why_len) {
   if (t->dtype != DSV4_ST_BF16) {
@@ -60,6 +64,11 @@ static int check_tensor(const dsv4_st_tensor_t *t, int ndim, const int64_t *shap
              dsv4_st_dtype_name(t->dtype));
     return DSV4_EINVAL;
   }
+  return check_shape(t, ndim, shape, why, why_len);
+}
+
+static int check_shape(const dsv4_st_tensor_t *t, int ndim, const int64_t *shape, char *why,
+                       size_t why_len) {
   if (t->ndim != ndim) {
     snprintf(why, why_len, "tensor \"%s\" must have %d dimensions, not %d", t->name, ndim, t->ndim);
     return DSV4_EINVAL;
@@ -84,6 +93,87 @@ static const uint16_t *bf16_data(const dsv4_st_tensor_t *t, uint16_t **copy) {
   return *copy;
 }
 
+/* Tensor data straight from the body when aligned to `align`, else an aligned copy (in *copy). */
+static const void *aligned_data(const dsv4_st_tensor_t *t, size_t align, void **copy) {
+  if (((uintptr_t)t->data & (align - 1)) == 0)
+    return t->data;
+  *copy = aligned_alloc(DSV4_FORWARD_ALIGN,
+                        (t->nbytes + DSV4_FORWARD_ALIGN - 1) & ~(size_t)(DSV4_FORWARD_ALIGN - 1));
+  if (*copy)
+    memcpy(*copy, t->data, t->nbytes);
+  return *copy;
+}
+
+/* The tensors of the compressed branch, in the order §8.2 lists them. */
+static const char *const c_names[4] = {"ckv", "ikv", "iq", "iw"};
+
+static int is_c_name(const char *name) {
+  for (int i = 0; i < 4; i++)
+    if (!strcmp(name, c_names[i]))
+      return 1;
+  return 0;
+}
+
+/* SPEC §8.8: the layer's ratio decides which of ckv, ikv, iq and iw the body carries. */
+static int parse_compressed(const dsv4_forward_limits_t *lim, int64_t n, dsv4_forward_req_t *r,
+                            char *why, size_t why_len) {
+  uint32_t ratio = lim->layer_ratio ? lim->layer_ratio(lim->layer_arg, r->layer) : 0;
+  int64_t ih = lim->index_heads;
+  int64_t shapes[4][3] = {{n, ratio == 4 ? 2048 : 1024}, {n, 512}, {n, ih, 128}, {n, ih}};
+  static const int ndims[4] = {2, 2, 3, 2};
+  static const dsv4_st_dtype_t dtypes[4] = {DSV4_ST_F32, DSV4_ST_F32, DSV4_ST_BF16, DSV4_ST_F32};
+  const void *data[4] = {0};
+  r->ratio = ratio;
+  for (int i = 0; i < 4; i++) {
+    const dsv4_st_tensor_t *t = dsv4_st_find(&r->view, c_names[i]);
+    int wanted = ratio == 4 || (ratio == 128 && i == 0);
+    r->bad_tensor = c_names[i];
+    if (!t && wanted) {
+      r->bad_reason = "missing";
+      snprintf(why, why_len, "layer %u has compress ratio %u: tensor \"%s\" is missing", r->layer,
+               ratio, c_names[i]);
+      return DSV4_EINVAL;
+    }
+    if (t && !wanted) {
+      r->bad_reason = "unexpected";
+      if (ratio)
+        snprintf(why, why_len, "layer %u has compress ratio %u, which takes no tensor \"%s\"",
+                 r->layer, ratio, c_names[i]);
+      else
+        snprintf(why, why_len,
+                 "layer %u takes no tensor \"%s\" (an SWA-only layer, or a compressed layer "
+                 "whose branch this daemon does not run: see GET /v1/metadata)",
+                 r->layer, c_names[i]);
+      return DSV4_EINVAL;
+    }
+    if (!t)
+      continue;
+    if (t->dtype != dtypes[i]) {
+      r->bad_reason = "dtype";
+      snprintf(why, why_len, "tensor \"%s\" must be %s, not %s", c_names[i],
+               dsv4_st_dtype_name(dtypes[i]), dsv4_st_dtype_name(t->dtype));
+      return DSV4_EINVAL;
+    }
+    if (check_shape(t, ndims[i], shapes[i], why, why_len)) {
+      r->bad_reason = "shape";
+      return DSV4_EINVAL;
+    }
+    data[i] = aligned_data(t, i == 2 ? 2 : 4, &r->c_copy[i]);
+    if (!data[i])
+      return DSV4_ENOMEM;
+  }
+  r->bad_tensor = r->bad_reason = NULL;
+  r->ckv = data[0];
+  r->ikv = data[1];
+  r->iq = data[2];
+  r->iw = data[3];
+  if (r->want_topk && ratio != 4) {
+    snprintf(why, why_len, "output topk is the indexer's selection: layer %u has none", r->layer);
+    return DSV4_EINVAL;
+  }
+  return 0;
+}
+
 static int layer_served(const dsv4_forward_limits_t *lim, uint32_t layer) {
   if (lim->layer_served)
     return lim->layer_served(lim->layer_arg, layer);
@@ -93,7 +183,7 @@ static int layer_served(const dsv4_forward_limits_t *lim, uint32_t layer) {
   return 0;
 }
 
-/* The comma-separated "outputs" list: entries trimmed of spaces, q, attn, lse and digest known. */
+/* The comma-separated "outputs" list: entries trimmed of spaces; q, attn, lse, digest and topk. */
 static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *why, size_t why_len) {
   const char *p = outputs_s;
   r->want_q = 0;
@@ -108,13 +198,15 @@ static int parse_outputs(const char *outputs_s, dsv4_forward_req_t *r, char *why
       r->want_q = 1;
     } else if (len == 6 && !memcmp(p, "digest", 6)) {
       r->want_digest = 1;
+    } else if (len == 4 && !memcmp(p, "topk", 4)) {
+      r->want_topk = 1;
     } else if (len == 4 && !memcmp(p, "attn", 4)) {
       r->want_attn = 1;
     } else if (len == 3 && !memcmp(p, "lse", 3)) {
       r->want_lse = 1;
     } else {
-      snprintf(why, why_len, "unknown output \"%.*s\" (outputs: q, attn, lse, digest)", (int)len,
-               p);
+      snprintf(why, why_len, "unknown output \"%.*s\" (outputs: q, attn, lse, digest, topk)",
+               (int)len, p);
       return DSV4_EINVAL;
     }
     if (!end)
@@ -206,8 +298,11 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
   }
   for (size_t i = 0; i < r->view.n_tensors; i++) {
     const char *name = r->view.tensors[i].name;
-    if (strcmp(name, "q") && strcmp(name, "kv")) {
-      snprintf(why, why_len, "unknown tensor \"%s\" (a forward body has q and kv)", name);
+    if (strcmp(name, "q") && strcmp(name, "kv") && !is_c_name(name)) {
+      snprintf(why, why_len,
+               "unknown tensor \"%s\" (a forward body has q and kv, and on a compressed layer "
+               "ckv, ikv, iq and iw)",
+               name);
       return DSV4_EINVAL;
     }
   }
@@ -271,6 +366,9 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
 
   r->layer = (uint32_t)layer;
   r->n_tokens = (uint32_t)n;
+  rc = parse_compressed(lim, n, r, why, why_len);
+  if (rc)
+    return rc;
   r->q = bf16_data(q, &r->q_copy);
   r->kv = bf16_data(kv, &r->kv_copy);
   if (!r->q || !r->kv)
@@ -286,5 +384,7 @@ void dsv4_forward_req_free(dsv4_forward_req_t *r) {
   dsv4_st_view_free(&r->view);
   free(r->q_copy);
   free(r->kv_copy);
+  for (int i = 0; i < 4; i++)
+    free(r->c_copy[i]);
   memset(r, 0, sizeof(*r));
 }

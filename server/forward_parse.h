@@ -39,6 +39,10 @@ typedef struct {
   const void *layer_arg;
   const uint32_t *served_layers;
   uint32_t n_served;
+  /* The compressed branch (SPEC §8.2): the ratio (4 or 128) of a served layer whose branch the
+   * daemon runs, else 0 (the layer then takes q and kv only). NULL: 0 for every layer. */
+  uint32_t (*layer_ratio)(const void *layer_arg, uint32_t layer);
+  uint32_t index_heads; /* index_n_heads: iq is [N, index_heads, 128], iw [N, index_heads] */
 } dsv4_forward_limits_t;
 
 /* A parsed forward body. The pointers point into the body, the view or the segments document. */
@@ -55,11 +59,25 @@ typedef struct {
   int want_digest; /* "outputs" naming digest */
   int want_attn;   /* "outputs" naming attn */
   int want_lse;    /* "outputs" naming lse */
+  int want_topk;   /* "outputs" naming topk (a ratio-4 layer's selection) */
   int attention;   /* DSV4_ATTENTION_*: the "attention" metadata, or DEFAULT when absent */
+  /* The compressed branch's tensors (SPEC §8.2), by the layer's ratio: ckv at 4 and 128, ikv, iq
+   * and iw at 4; NULL otherwise. F32 tensors are 4-aligned and bf16 ones 2-aligned (copies when the
+   * sender's offsets were not). */
+  uint32_t ratio;
+  const float *ckv;   /* [N, 2 * coff * 512] */
+  const float *ikv;   /* [N, 512] */
+  const uint16_t *iq; /* [N, index_heads, 128] */
+  const float *iw;    /* [N, index_heads] */
+  /* On a refused compressed tensor (SPEC §8.8): its name and "missing", "unexpected", "dtype" or
+   * "shape"; NULL otherwise. */
+  const char *bad_tensor;
+  const char *bad_reason;
   /* Owned storage, released by dsv4_forward_req_free(). */
   dsv4_st_view_t view;
   json_t *segs_doc;
   uint16_t *q_copy, *kv_copy; /* aligned copies when the sender's offsets were not 2-aligned */
+  void *c_copy[4];            /* the same for ckv, ikv, iq and iw */
 } dsv4_forward_req_t;
 
 /*

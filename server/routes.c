@@ -104,13 +104,13 @@ static void observe_stage(dsv4_daemon_t *d, const char *stage, const char *cls, 
 /* Loop thread: the 200 answer, a safetensors file of the outputs asked for. */
 static void fwd_answer(fwd_job_t *j) {
   uint32_t n = j->f.n_tokens, h = j->d->cfg->heads;
-  dsv4_st_desc_t desc[4];
+  dsv4_st_desc_t desc[5];
   dsv4_st_meta_t meta[3];
   size_t nd = 0, nm = 0, hdr_len = 0, data_len = 0;
   char digest_hex[17];
   uint8_t *hdr = NULL;
-  const void *data[4];
-  uv_buf_t bufs[5];
+  const void *data[5];
+  uv_buf_t bufs[6];
   size_t nb = 0;
   if (j->p.want_q) {
     data[nd] = j->f.q_out;
@@ -125,6 +125,11 @@ static void fwd_answer(fwd_job_t *j) {
   if (j->p.want_lse) {
     data[nd] = j->f.lse;
     desc[nd++] = (dsv4_st_desc_t){"lse", DSV4_ST_F32, 2, {n, h}, (size_t)n * h * sizeof(float)};
+  }
+  if (j->f.topk) {
+    uint32_t k = j->d->cfg->model.index_topk;
+    data[nd] = j->f.topk;
+    desc[nd++] = (dsv4_st_desc_t){"topk", DSV4_ST_I32, 2, {n, k}, (size_t)n * k * sizeof(int32_t)};
   }
   if (j->f.want_digest) {
     snprintf(digest_hex, sizeof(digest_hex), "%016" PRIx64, j->f.digest);
@@ -165,8 +170,17 @@ static void fwd_done(dsv4_job_t *job) {
     switch (j->rc) {
     case DSV4_ENOSPC:
       dsv4_metric_add(d->m_alloc_failures, NULL, 1);
-      det = json_pack("{s:I,s:I}", "needed", (json_int_t)j->f.error.needed, "free",
-                      (json_int_t)j->f.error.free);
+      det =
+          json_pack("{s:I,s:I,s:s}", "needed", (json_int_t)j->f.error.needed, "free",
+                    (json_int_t)j->f.error.free, "pool", j->f.error.pool ? j->f.error.pool : "swa");
+      break;
+    case DSV4_ESEQLIMIT:
+      det = json_pack("{s:I,s:I}", "new_sequences", (json_int_t)j->f.error.new_sequences,
+                      "free_sequences", (json_int_t)j->f.error.free_sequences);
+      break;
+    case DSV4_ERANGE:
+      if (j->f.bad_tensor)
+        det = json_pack("{s:s}", "tensor", j->f.bad_tensor);
       break;
     case DSV4_ENOSEQ:
     case DSV4_EEXPIRED:
@@ -216,6 +230,10 @@ static int layer_served(const void *engine, uint32_t layer) {
   return dsv4_engine_layer_index(engine, layer) >= 0;
 }
 
+static uint32_t layer_ratio(const void *engine, uint32_t layer) {
+  return dsv4_engine_layer_ratio(engine, layer);
+}
+
 /* The executor's class and keys: decode when every segment is one token, else prefill; one key per
  * segment, so a batch never passes a waiting one that names the same sequence. */
 static int fwd_schedule(fwd_job_t *j) {
@@ -242,6 +260,8 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
       .max_position_embeddings = cfg->model.max_position_embeddings,
       .layer_served = layer_served,
       .layer_arg = d->engine,
+      .layer_ratio = layer_ratio,
+      .index_heads = cfg->model.index_n_heads,
   };
   int rc = dsv4_forward_parse(j->body, j->req->body_len, &lim, &j->p, why, why_len);
   if (rc)
@@ -253,6 +273,10 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
   j->f.segs = j->p.segs;
   j->f.n_segs = j->p.n_segs;
   j->f.want_digest = j->p.want_digest;
+  j->f.ckv = j->p.ckv;
+  j->f.ikv = j->p.ikv;
+  j->f.iq = j->p.iq;
+  j->f.iw = j->p.iw;
   j->q_bytes = j->p.q_bytes;
   rc = fwd_schedule(j);
   if (rc)
@@ -271,7 +295,9 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
   size_t q_span = (j->q_bytes + 63) & ~(size_t)63, off_slots = q_span;
   size_t off_attn = off_slots + ((n * sizeof(int64_t) + 63) & ~(size_t)63);
   size_t off_lse = off_attn + (attend ? q_span : 0);
-  size_t total = off_lse + (attend ? (lse_bytes + 63) & ~(size_t)63 : 0);
+  size_t off_topk = off_lse + (attend ? (lse_bytes + 63) & ~(size_t)63 : 0);
+  size_t topk_bytes = j->p.want_topk ? n * cfg->model.index_topk * sizeof(int32_t) : 0;
+  size_t total = off_topk + topk_bytes;
   j->out = aligned_alloc(64, total ? total : 64);
   if (!j->out)
     return DSV4_ENOMEM;
@@ -281,6 +307,8 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
     j->f.attn = (uint16_t *)(void *)(j->out + off_attn);
     j->f.lse = j->p.want_lse ? (float *)(void *)(j->out + off_lse) : NULL;
   }
+  if (j->p.want_topk)
+    j->f.topk = (int32_t *)(void *)(j->out + off_topk);
   return 0;
 }
 
@@ -328,7 +356,10 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
   msg[0] = '\0';
   rc = fwd_prepare(d, j, msg, sizeof(msg));
   if (rc) {
-    dsv4_respond_error(req, rc, msg[0] ? msg : NULL, NULL);
+    json_t *det = NULL;
+    if (j->p.bad_tensor) /* SPEC §8.8 names the tensor and the reason */
+      det = json_pack("{s:s,s:s}", "tensor", j->p.bad_tensor, "reason", j->p.bad_reason);
+    dsv4_respond_error(req, rc, msg[0] ? msg : NULL, det);
     fwd_free(j);
     return;
   }

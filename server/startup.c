@@ -286,9 +286,15 @@ static int load_token(const char *option, const char *path, char **out) {
 static int load_weights(const dsv4_config_t *cfg, dsv4_layer_weights_t *lw) {
   char why[512];
   dsv4_weights_t *w = NULL;
+  uint32_t *ratios;
   memset(lw, 0, sizeof(*lw));
   if (!*cfg->weights_path)
     return 0;
+  ratios = calloc(cfg->n_served ? cfg->n_served : 1, sizeof(uint32_t));
+  if (!ratios)
+    return EXIT_FAILED;
+  for (uint32_t i = 0; i < cfg->n_served; i++)
+    ratios[i] = cfg->model.compress_ratios[cfg->served_layers[i]];
   dsv4_layer_weights_req_t req = {
       .served_layers = cfg->served_layers,
       .n_served = cfg->n_served,
@@ -297,11 +303,13 @@ static int load_weights(const dsv4_config_t *cfg, dsv4_layer_weights_t *lw) {
       .heads = cfg->heads,
       .kv_norm = !strcmp(cfg->kv_norm, "fused"),
       .sinks = 1,
+      .ratios = ratios,
   };
   int rc = dsv4_weights_open(cfg->weights_path, &w, why, sizeof(why));
   /* Named only by the older kv_norm_weights, a file of kv_norm weights alone stays valid: its
-   * layers then have no sinks, and a batch asking for attention is refused. */
+   * layers then have no sinks and no compressor, and a batch asking for attention is refused. */
   if (!rc && !*cfg->weights && cfg->n_served) {
+    req.ratios = NULL;
     char name[64];
     const char *file;
     snprintf(name, sizeof(name), "layers.%u.attn.attn_sink", cfg->served_layers[0]);
@@ -310,6 +318,7 @@ static int load_weights(const dsv4_config_t *cfg, dsv4_layer_weights_t *lw) {
   if (!rc)
     rc = dsv4_layer_weights_load(w, &req, lw, why, sizeof(why));
   dsv4_weights_close(w);
+  free(ratios);
   if (rc)
     dsv4_logp(DSV4_LOG_ERROR, "cannot load weights", "{s:s,s:s}", "option",
               *cfg->weights ? "weights" : "kv_norm_weights", "why", why);
@@ -325,6 +334,14 @@ static int start_engine(app_t *a) {
   int rc = load_weights(cfg, &lw);
   if (rc)
     return rc;
+  dsv4_engine_compressor_t *comp = NULL;
+  if (lw.comp && !(comp = calloc(cfg->n_served, sizeof(*comp)))) {
+    dsv4_layer_weights_free(&lw);
+    return EXIT_FAILED;
+  }
+  for (uint32_t i = 0; comp && i < cfg->n_served; i++)
+    comp[i] = (dsv4_engine_compressor_t){lw.comp[i].ape, lw.comp[i].norm, lw.comp[i].i_ape,
+                                         lw.comp[i].i_norm};
   const char *backend = cfg->backend;
   if (alias_from && !strcmp(backend, alias_from))
     backend = alias_to;
@@ -341,13 +358,17 @@ static int start_engine(app_t *a) {
       .attn_sinks = lw.sinks,
       .attention_mode =
           !strcmp(cfg->attention_mode, "fast") ? DSV4_ATTENTION_FAST : DSV4_ATTENTION_EXACT,
-      .max_sequences = cfg->kv_blocks, /* every live sequence holds at least one block */
+      .compressors = comp,
+      .c4_blocks = cfg->c4_blocks,
+      .c128_blocks = cfg->c128_blocks,
+      .max_sequences = cfg->max_sequences,
       .implicit_create = cfg->implicit_create,
       .idle_timeout_ns = cfg->sequence_idle_timeout_s * 1000000000u,
   };
   err[0] = '\0';
   rc = dsv4_engine_create(&ep, &d->engine, err, sizeof(err));
   dsv4_layer_weights_free(&lw);
+  free(comp);
   if (rc) {
     dsv4_logp(DSV4_LOG_ERROR, "cannot start the engine", "{s:s,s:s,s:s}", "backend", backend,
               "error", dsv4_strerror(rc), "why", err);

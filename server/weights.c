@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -236,6 +237,48 @@ int dsv4_weights_read_f32(dsv4_weights_t *w, const char *name, int64_t n, int64_
   return 0;
 }
 
+int dsv4_weights_read_f32_shape(dsv4_weights_t *w, const char *name, uint32_t ndim,
+                                const int64_t *shape, float *out, char *why, size_t why_len) {
+  const char *file = NULL;
+  const dsv4_st_tensor_t *t = dsv4_weights_find(w, name, &file);
+  char dims[64] = "";
+  int64_t n = 1;
+  for (uint32_t d = 0; d < ndim; d++) {
+    size_t used = strlen(dims);
+    snprintf(dims + used, sizeof(dims) - used, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    n *= shape[d];
+  }
+  if (!t) {
+    snprintf(why, why_len, "tensor \"%s\": %s", name,
+             w->shard_error[0] ? w->shard_error : "is missing");
+    if (!w->shard_error[0])
+      snprintf(why, why_len, "%s: tensor \"%s\" is missing", where(w), name);
+    return DSV4_ECONFIG;
+  }
+  int ok = t->ndim == (int)ndim && (t->dtype == DSV4_ST_F32 || t->dtype == DSV4_ST_BF16);
+  for (uint32_t d = 0; ok && d < ndim; d++)
+    ok = t->shape[d] == shape[d];
+  if (!ok) {
+    snprintf(why, why_len, "%s: tensor \"%s\" must be F32 or BF16 [%s]", file, t->name, dims);
+    return DSV4_ECONFIG;
+  }
+  for (int64_t k = 0; k < n; k++) {
+    if (t->dtype == DSV4_ST_BF16) {
+      uint16_t h;
+      memcpy(&h, t->data + 2 * k, 2);
+      out[k] = dsv4_bf16_to_f32(h);
+    } else {
+      memcpy(&out[k], t->data + 4 * k, 4);
+    }
+    if (!(out[k] > -INFINITY && out[k] < INFINITY)) {
+      snprintf(why, why_len, "%s: tensor \"%s\" has a non-finite element at %lld", file, t->name,
+               (long long)k);
+      return DSV4_ECONFIG;
+    }
+  }
+  return 0;
+}
+
 /* The kv_norm weight of model layer L under either published name. */
 static int read_kv_norm(dsv4_weights_t *w, uint32_t layer, float *out, char *why, size_t why_len) {
   char name[NAME_MAX_BYTES], alt[NAME_MAX_BYTES];
@@ -271,6 +314,35 @@ static int read_sinks(dsv4_weights_t *w, const dsv4_layer_weights_req_t *req, ui
   return rc;
 }
 
+/* The compressor tensors of model layer L of ratio r (4 or 128), SPEC §8.2. */
+static int read_compressor(dsv4_weights_t *w, uint32_t layer, uint32_t r,
+                           dsv4_compressor_weights_t *c, char *why, size_t why_len) {
+  char name[NAME_MAX_BYTES];
+  int64_t coff = r == 4 ? 2 : 1;
+  int64_t ape_shape[2] = {r, coff * DSV4_HEAD_DIM}, norm_shape[1] = {DSV4_HEAD_DIM};
+  int64_t i_ape_shape[2] = {4, 256}, i_norm_shape[1] = {128};
+  c->ape = malloc(sizeof(float) * (size_t)(r * coff * DSV4_HEAD_DIM));
+  c->norm = malloc(sizeof(float) * DSV4_HEAD_DIM);
+  if (r == 4) {
+    c->i_ape = malloc(sizeof(float) * 4 * 256);
+    c->i_norm = malloc(sizeof(float) * 128);
+  }
+  if (!c->ape || !c->norm || (r == 4 && (!c->i_ape || !c->i_norm)))
+    return DSV4_ENOMEM;
+  snprintf(name, sizeof(name), "layers.%u.attn.compressor.ape", layer);
+  int rc = dsv4_weights_read_f32_shape(w, name, 2, ape_shape, c->ape, why, why_len);
+  snprintf(name, sizeof(name), "layers.%u.attn.compressor.norm.weight", layer);
+  if (!rc)
+    rc = dsv4_weights_read_f32_shape(w, name, 1, norm_shape, c->norm, why, why_len);
+  snprintf(name, sizeof(name), "layers.%u.attn.indexer.compressor.ape", layer);
+  if (!rc && r == 4)
+    rc = dsv4_weights_read_f32_shape(w, name, 2, i_ape_shape, c->i_ape, why, why_len);
+  snprintf(name, sizeof(name), "layers.%u.attn.indexer.compressor.norm.weight", layer);
+  if (!rc && r == 4)
+    rc = dsv4_weights_read_f32_shape(w, name, 1, i_norm_shape, c->i_norm, why, why_len);
+  return rc;
+}
+
 int dsv4_layer_weights_load(dsv4_weights_t *w, const dsv4_layer_weights_req_t *req,
                             dsv4_layer_weights_t *out, char *why, size_t why_len) {
   size_t n = req->n_served ? req->n_served : 1;
@@ -280,8 +352,13 @@ int dsv4_layer_weights_load(dsv4_weights_t *w, const dsv4_layer_weights_req_t *r
     rc = DSV4_ENOMEM;
   if (!rc && req->sinks && !(out->sinks = malloc(sizeof(float) * req->heads * n)))
     rc = DSV4_ENOMEM;
+  if (!rc && req->ratios && !(out->comp = calloc(n, sizeof(*out->comp))))
+    rc = DSV4_ENOMEM;
+  out->n_comp = out->comp ? req->n_served : 0;
   for (uint32_t i = 0; !rc && i < req->n_served; i++) {
     uint32_t layer = req->served_layers[i];
+    if (req->ratios && (req->ratios[i] == 4 || req->ratios[i] == 128))
+      rc = read_compressor(w, layer, req->ratios[i], &out->comp[i], why, why_len);
     if (req->kv_norm)
       rc = read_kv_norm(w, layer, out->kv_norm + (size_t)i * DSV4_HEAD_DIM, why, why_len);
     if (!rc && req->sinks)
@@ -295,6 +372,15 @@ int dsv4_layer_weights_load(dsv4_weights_t *w, const dsv4_layer_weights_req_t *r
 }
 
 void dsv4_layer_weights_free(dsv4_layer_weights_t *lw) {
+  for (uint32_t i = 0; i < lw->n_comp; i++) {
+    free(lw->comp[i].ape);
+    free(lw->comp[i].norm);
+    free(lw->comp[i].i_ape);
+    free(lw->comp[i].i_norm);
+  }
+  free(lw->comp);
+  lw->comp = NULL;
+  lw->n_comp = 0;
   free(lw->kv_norm);
   free(lw->sinks);
   lw->kv_norm = lw->sinks = NULL;

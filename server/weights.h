@@ -33,10 +33,29 @@ const dsv4_st_tensor_t *dsv4_weights_find(dsv4_weights_t *w, const char *name, c
 int dsv4_weights_read_f32(dsv4_weights_t *w, const char *name, int64_t n, int64_t first,
                           int64_t count, float *out, char *why, size_t why_len);
 
+/*
+ * Read the whole tensor `name` of the given shape as fp32 (F32 as stored, BF16 widened exactly),
+ * refusing a non-finite element. Errors as dsv4_weights_read_f32.
+ */
+int dsv4_weights_read_f32_shape(dsv4_weights_t *w, const char *name, uint32_t ndim,
+                                const int64_t *shape, float *out, char *why, size_t why_len);
+
+/* The compressor's small tensors of one served layer of ratio 4 or 128 (SPEC §8.2), fp32. */
+typedef struct {
+  float *ape;    /* [ratio, coff * 512] */
+  float *norm;   /* [512] */
+  float *i_ape;  /* ratio 4: [4, 256] the indexer compressor's, else NULL */
+  float *i_norm; /* ratio 4: [128], else NULL */
+} dsv4_compressor_weights_t;
+
 /* What the engine needs of the checkpoint for the served layers. */
 typedef struct {
   float *kv_norm; /* [n_served][512] for kv_norm = fused, else NULL */
   float *sinks;   /* [n_served][heads]: attn_sink[head_offset .. head_offset + heads) */
+  /* [n_served], or NULL when not asked for; an entry of a layer without a compressed branch (ratio
+   * other than 4 and 128) has NULL members. */
+  dsv4_compressor_weights_t *comp;
+  uint32_t n_comp;
 } dsv4_layer_weights_t;
 
 typedef struct {
@@ -47,6 +66,9 @@ typedef struct {
   uint32_t heads;
   int kv_norm; /* load the kv_norm weights too */
   int sinks;   /* load the attention sinks */
+  /* [n_served] compress ratio of each served layer, or NULL: load the compressor tensors of every
+   * served layer of ratio 4 or 128. */
+  const uint32_t *ratios;
 } dsv4_layer_weights_req_t;
 
 /* Load what req asks for; why names the tensor and the file on failure. */

@@ -39,6 +39,19 @@ struct dsv4_engine {
    * (engine.c), or NULL when jobs point straight at host memory. */
   struct dsv4__engine_stage *stage;
   atomic_int healthy;
+  /* The compressed branch (engine_compress.c). */
+  uint32_t *c_ratio;             /* [n_served]: 4 or 128 where the branch runs, else 0 */
+  dsv4_engine_compressor_t *c_w; /* [n_served] copies of the weights (NULL members: none) */
+  float *c_w_store;              /* the floats c_w points into */
+  dsv4_devbuf_t *ring;           /* [n_served] compressor rings (max_sequences slots) */
+  dsv4_devbuf_t *c_cache;        /* [n_served] entry records */
+  dsv4_devbuf_t *i_cache;        /* [n_served] index records (ratio 4) */
+  dsv4_pool_t cpool[2];          /* c4, c128 entry block ids */
+  uint32_t *seg_slot, *seg_cbt_off, *seg_cbt_len;
+  int64_t *seg_c_first_lb;
+  uint32_t c_seg_cap;
+  int32_t *sel; /* [tokens, index_topk] the selection when the caller asked none */
+  size_t sel_cap;
 };
 
 /*
@@ -51,6 +64,23 @@ struct dsv4_engine {
 int dsv4__engine_attn_setup(dsv4_engine_t *e, char *why, size_t why_len);
 void dsv4__engine_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
                             const dsv4_map_args_t *ma, dsv4_attn_args_t *aa);
+
+/*
+ * The compressed branch (engine_compress.c): set-up and teardown; per batch, the range check and
+ * the replay hash of the branch's tensors (DSV4_ERANGE with f->bad_tensor), the RoPE rows its
+ * emissions use, the plan's per-segment arrays, the compress and indexer launches after the insert,
+ * the union arguments of the attention, and the forward digest's entries.
+ */
+int dsv4__engine_c_setup(dsv4_engine_t *e, char *why, size_t why_len);
+void dsv4__engine_c_destroy(dsv4_engine_t *e);
+int dsv4__engine_c_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4_forward_t *f,
+                              uint32_t tok_off, uint32_t len, void *xxh3_state, const char **bad);
+int dsv4__engine_c_prepare(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
+void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
+int dsv4__engine_c_launch(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend);
+void dsv4__engine_c_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
+                              dsv4_attn_args_t *aa);
+void dsv4__engine_c_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
 
 int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t n, void *dst);
 

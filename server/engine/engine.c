@@ -397,6 +397,14 @@ int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char 
     snprintf(why, why_len, "cannot create the sequence table: %s", dsv4_strerror(rc));
     goto fail;
   }
+  {
+    char cwhy[256] = "";
+    rc = dsv4__engine_c_setup(e, cwhy, sizeof(cwhy));
+    if (rc) {
+      snprintf(why, why_len, "%s", cwhy[0] ? cwhy : "cannot set up the compressed branch");
+      goto fail;
+    }
+  }
   atomic_store(&e->healthy, 1);
   *out = e;
   return 0;
@@ -411,6 +419,7 @@ void dsv4_engine_destroy(dsv4_engine_t *e) {
   stage_destroy(e);
   if (e->st)
     dsv4_seqtable_destroy(e->st);
+  dsv4__engine_c_destroy(e);
   if (e->pool.free_stack)
     dsv4_pool_destroy(&e->pool);
   if (e->cache && e->be)
@@ -483,13 +492,17 @@ static int check_and_hash(XXH3_state_t *st, const uint16_t *x, size_t n) {
  * The replay identity of SPEC §4, XXH3 of a segment's q bytes then its kv bytes, computed in the
  * same pass as the |x| < 2^59 check. DSV4_ERANGE when a value is out of range.
  */
-static int segment_check_hash(const dsv4_forward_t *f, uint32_t heads, uint32_t tok_off,
-                              uint32_t len, uint64_t *hash) {
+static int segment_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4_forward_t *f,
+                              uint32_t tok_off, uint32_t len, uint64_t *hash, const char **bad) {
   XXH3_state_t st;
-  size_t q_row = (size_t)heads * DSV4_HEAD_DIM;
+  size_t q_row = (size_t)e->p.heads * DSV4_HEAD_DIM;
   XXH3_64bits_reset(&st);
+  *bad = NULL;
   if (check_and_hash(&st, f->q + (size_t)tok_off * q_row, (size_t)len * q_row) ||
       check_and_hash(&st, f->kv + (size_t)tok_off * DSV4_HEAD_DIM, (size_t)len * DSV4_HEAD_DIM))
+    return DSV4_ERANGE;
+  /* SPEC §8.8: the replay identity covers the compressed branch's rows too. */
+  if (dsv4__engine_c_check_hash(e, ratio, f, tok_off, len, &st, bad))
     return DSV4_ERANGE;
   *hash = XXH3_64bits_digest(&st);
   return 0;
@@ -497,18 +510,24 @@ static int segment_check_hash(const dsv4_forward_t *f, uint32_t heads, uint32_t 
 
 /* The per-segment range check and hash, spread over the backend's host threads. */
 typedef struct {
+  const dsv4_engine_t *e;
   dsv4_forward_t *f;
-  uint32_t heads;
+  uint32_t ratio;          /* the layer's compressed branch, or 0 */
   const uint32_t *tok_off; /* first token of each segment */
   atomic_int bad;
+  _Atomic(const char *) bad_tensor; /* a compressed tensor out of range (any one of them) */
 } validate_job_t;
 
 static void validate_items(void *arg, size_t first, size_t last) {
   validate_job_t *v = arg;
   for (size_t s = first; s < last; s++) {
     dsv4_seg_req_t *sg = &v->f->segs[s];
-    if (segment_check_hash(v->f, v->heads, v->tok_off[s], sg->len, &sg->hash))
+    const char *bad = NULL;
+    if (segment_check_hash(v->e, v->ratio, v->f, v->tok_off[s], sg->len, &sg->hash, &bad)) {
       atomic_store_explicit(&v->bad, 1, memory_order_relaxed);
+      if (bad)
+        atomic_store_explicit(&v->bad_tensor, bad, memory_order_relaxed);
+    }
   }
 }
 
@@ -556,15 +575,20 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     rc = forward_positions(e, f);
   if (rc)
     return rc;
-  validate_job_t v = {.f = f, .heads = e->p.heads, .tok_off = e->seg_tok_off};
+  validate_job_t v = {.e = e, .f = f, .ratio = e->c_ratio[idx], .tok_off = e->seg_tok_off};
   atomic_init(&v.bad, 0);
+  atomic_init(&v.bad_tensor, NULL);
   if (ops->host_parallel)
     ops->host_parallel(e->be, validate_items, &v, f->n_segs);
   else
     validate_items(&v, 0, f->n_segs);
-  if (atomic_load(&v.bad))
+  if (atomic_load(&v.bad)) {
+    f->bad_tensor = atomic_load(&v.bad_tensor);
     return DSV4_ERANGE;
+  }
   rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
+  if (!rc)
+    rc = dsv4__engine_c_prepare(e, (uint32_t)idx, f);
   if (!rc && e->stage)
     rc = stage_reserve_batch(e, f);
   return rc;
@@ -578,7 +602,7 @@ static int forward_plan(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint64_t n
   int rc = dsv4_seqtable_plan(e->st, (uint32_t)idx, f->segs, f->n_segs, now_ns, &e->plan);
   if (rc) {
     f->error = e->plan.error;
-    return rc;
+    return rc == DSV4_ENOSPC && f->error.sequences_full ? DSV4_ESEQLIMIT : rc;
   }
   for (uint32_t s = 0; s < f->n_segs; s++) {
     e->seg_first_lb[s] = e->plan.segs[s].first_lb;
@@ -586,6 +610,7 @@ static int forward_plan(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint64_t n
     e->seg_bt_len[s] = e->plan.segs[s].bt_len;
     e->seg_p0[s] = e->plan.segs[s].p0;
   }
+  dsv4__engine_c_plan(e, (uint32_t)idx, f);
   return 0;
 }
 
@@ -629,9 +654,13 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     return stage_run(e, (uint32_t)idx, f, &ma, &ia);
   dsv4_attn_args_t aa;
   dsv4__engine_attn_args(e, (uint32_t)idx, f, &ma, &aa);
+  dsv4__engine_c_attn_args(e, (uint32_t)idx, f, &aa);
   int rc = ops->map_slots(e->be, &ma);
   if (!rc)
     rc = ops->qkv_insert(e->be, &ia);
+  /* SPEC §8.4: the batch's emissions before its indexer and its attention. */
+  if (!rc)
+    rc = dsv4__engine_c_launch(e, (uint32_t)idx, f, f->attn != NULL);
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
   if (!rc)
@@ -649,6 +678,7 @@ static int forward_digest(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     for (uint32_t t = 0; t < f->n_tokens; t++)
       dsv4_records_digest_add_slot(e->digest, e->positions[t], e->cache[idx].ptr, e->p.block_size,
                                    e->stride, f->slots[t]);
+    dsv4__engine_c_digest(e, (uint32_t)idx, f);
   }
   f->digest = dsv4_records_digest_value(e->digest);
   return rc;

@@ -19,6 +19,15 @@
 
 typedef struct dsv4_engine dsv4_engine_t;
 
+/* The compressor's small tensors of one served layer (SPEC §8.2), fp32; NULL members for a layer
+ * without a compressed branch. */
+typedef struct {
+  const float *ape;    /* [ratio, coff * 512] */
+  const float *norm;   /* [512] */
+  const float *i_ape;  /* ratio 4: [4, 256] */
+  const float *i_norm; /* ratio 4: [128] */
+} dsv4_engine_compressor_t;
+
 typedef struct {
   const char *backend; /* "auto", "cpu", ... */
   uint32_t threads;    /* CPU worker threads, 0 = online cores */
@@ -33,6 +42,13 @@ typedef struct {
    * when no checkpoint is configured (then no batch can ask for attention). Copied. */
   const float *attn_sinks;
   int attention_mode; /* DSV4_ATTENTION_EXACT or _FAST: what DSV4_ATTENTION_DEFAULT means */
+  /* The compressed branch (SPEC §8): [n_served] compressor weights (copied), or NULL. A served
+   * layer of ratio 4 or 128 runs its branch when its weights are given and the backend has the
+   * compress and indexer ops; otherwise it serves its SWA part only, as a ratio-0 layer does, and
+   * refuses attention. c4_blocks and c128_blocks size the entry block pools. */
+  const dsv4_engine_compressor_t *compressors;
+  uint32_t c4_blocks;
+  uint32_t c128_blocks;
   uint32_t max_sequences;
   int implicit_create;
   uint64_t idle_timeout_ns;
@@ -75,6 +91,15 @@ typedef struct {
   uint16_t *attn; /* [n_tokens, heads, 512] bf16 */
   float *lse;     /* [n_tokens, heads] */
   int attention;  /* DSV4_ATTENTION_*; the mode that ran is written back (EXACT or FAST) */
+  /* The compressed branch's inputs (SPEC §8.2), on a layer whose branch runs (see
+   * dsv4_engine_layer_ratio): ckv [n_tokens, 2 * coff * 512] at ratio 4 and 128; ikv [n_tokens,
+   * 512], iq [n_tokens, index_n_heads, 128] bf16 and iw [n_tokens, index_n_heads] at ratio 4. */
+  const float *ckv;
+  const float *ikv;
+  const uint16_t *iq;
+  const float *iw;
+  int32_t *topk;          /* ratio 4: [n_tokens, index_topk] the indexer's selection out, or NULL */
+  const char *bad_tensor; /* on DSV4_ERANGE: the tensor holding the value */
   /* Results. */
   int replayed;
   uint64_t digest;         /* when want_digest */
@@ -111,6 +136,11 @@ int dsv4_engine_delete(dsv4_engine_t *e, const char *name, uint32_t len, int *ex
 uint32_t dsv4_engine_expire(dsv4_engine_t *e, uint64_t now_ns);
 /* Snapshot of a sequence, next/last_start indexed by served layer. */
 int dsv4_engine_seq_info(dsv4_engine_t *e, const char *name, uint32_t len, dsv4_seq_info_t *out);
+
+/* The ratio (4 or 128) of a served model layer whose compressed branch runs, else 0. Any thread. */
+uint32_t dsv4_engine_layer_ratio(const dsv4_engine_t *e, uint32_t layer);
+/* Any thread: the entry block pools' sizes and free counts (c4 then c128; 0 when absent). */
+void dsv4_engine_cpool_counts(const dsv4_engine_t *e, uint32_t total[2], uint32_t free_[2]);
 
 /* The served index of a model layer, or -1. Any thread. */
 int dsv4_engine_layer_index(const dsv4_engine_t *e, uint32_t layer);

@@ -36,11 +36,21 @@ int dsv4_engine_attention_check(const dsv4_engine_t *e, uint32_t layer, int mode
                                 size_t why_len) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   const dsv4_model_t *m = e->p.model;
-  if (layer < m->n_layers_total && m->compress_ratios[layer] >= 2) {
+  if (layer < m->n_layers_total && m->compress_ratios[layer] >= 2 &&
+      !dsv4_engine_layer_ratio(e, layer)) {
+    uint32_t r = m->compress_ratios[layer];
+    char missing[160];
+    if (r != 4 && r != 128)
+      snprintf(missing, sizeof(missing), "the branch exists for ratios 4 and 128 only");
+    else if (!e->sinks)
+      snprintf(missing, sizeof(missing),
+               "it needs the weights option: a checkpoint with the layer's compressor");
+    else
+      snprintf(missing, sizeof(missing), "backend %s does not run the branch yet", ops->name);
     snprintf(why, why_len,
              "layer %u has compress ratio %u: its attention includes the compressed branch (SPEC "
-             "§8), which this daemon does not serve yet; ask this layer for outputs q or digest",
-             layer, m->compress_ratios[layer]);
+             "§8), which this daemon does not run (%s); ask this layer for outputs q or digest",
+             layer, r, missing);
     return DSV4_EUNSUPPORTED;
   }
   if (!e->sinks) {

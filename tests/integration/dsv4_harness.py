@@ -263,17 +263,71 @@ class Seg:
         return "Seg(%r, %d, %d%s)" % (self.seq, self.start, self.len, ", new" if self.new else "")
 
 
-class Batch:
-    """A forward batch: layer, segments, q [N,H,512] and kv [N,512] as bf16 bits."""
+def flash_ratio(layer):
+    """The built-in V4-Flash compress ratio of a layer: 0 for 0, 1 and the MTP layer 43, 4 for the
+    even layers 2..42, 128 for the odd layers 3..41 (SPEC §8.1)."""
+    if layer < 2 or layer >= 43:
+        return 0
+    return 4 if layer % 2 == 0 else 128
 
-    def __init__(self, layer, segs, q, kv, outputs="q,digest"):
+
+INDEX_HEADS = 64  # V4-Flash's index_n_heads
+
+
+def compressor_entries(layer, prefix=""):
+    """A checkpoint's compressor tensors of one layer (SPEC §8.2), deterministic small values: ape
+    F32, the norm weights BF16 as the published checkpoint stores them. [] for an SWA-only layer."""
+    r = flash_ratio(layer)
+    if r == 0:
+        return []
+    coff = 2 if r == 4 else 1
+    rng = np.random.default_rng(1000 + layer)
+    ape = (rng.standard_normal((r, coff * HEAD_DIM)) * 0.5).astype(np.float32)
+    norm = f32_to_bf16((1.0 + 0.25 * rng.standard_normal(HEAD_DIM)).astype(np.float32))
+    base = prefix + "layers.%d.attn." % layer
+    out = [(base + "compressor.ape", "F32", [r, coff * HEAD_DIM], ape.astype("<f4").tobytes()),
+           (base + "compressor.norm.weight", "BF16", [HEAD_DIM], norm.astype("<u2").tobytes())]
+    if r == 4:
+        iape = (rng.standard_normal((4, 256)) * 0.5).astype(np.float32)
+        inorm = f32_to_bf16((1.0 + 0.25 * rng.standard_normal(128)).astype(np.float32))
+        out += [(base + "indexer.compressor.ape", "F32", [4, 256], iape.astype("<f4").tobytes()),
+                (base + "indexer.compressor.norm.weight", "BF16", [128],
+                 inorm.astype("<u2").tobytes())]
+    return out
+
+
+def compressed_tensors(rng, ratio, n, scale=1.0, index_heads=INDEX_HEADS):
+    """The wire tensors of a compressed layer's batch of n tokens (SPEC §8.2), as safetensors
+    entries: ckv at ratio 4 and 128; ikv, iq and iw at ratio 4."""
+    if ratio == 0:
+        return []
+    w = 2048 if ratio == 4 else 1024
+    out = [("ckv", "F32", [n, w], (rng.standard_normal((n, w)) * scale).astype("<f4").tobytes())]
+    if ratio == 4:
+        out += [("ikv", "F32", [n, 512],
+                 (rng.standard_normal((n, 512)) * scale).astype("<f4").tobytes()),
+                ("iq", "BF16", [n, index_heads, 128],
+                 random_bf16(rng, (n, index_heads, 128), scale).astype("<u2").tobytes()),
+                ("iw", "F32", [n, index_heads],
+                 rng.standard_normal((n, index_heads)).astype("<f4").tobytes())]
+    return out
+
+
+class Batch:
+    """A forward batch: layer, segments, q [N,H,512] and kv [N,512] as bf16 bits, and on a layer
+    whose compressed branch runs its tensors (extra: safetensors entries, SPEC §8.2)."""
+
+    def __init__(self, layer, segs, q, kv, outputs="q,digest", extra=None):
         self.layer, self.segs, self.q, self.kv, self.outputs = layer, segs, q, kv, outputs
+        self.extra = list(extra or [])
 
     @classmethod
-    def random(cls, rng, layer, segs, heads, outputs="q,digest", scale=1.0):
+    def random(cls, rng, layer, segs, heads, outputs="q,digest", scale=1.0, ratio=0):
+        """ratio: the layer's compressed branch when the daemon runs it (0: q and kv only)."""
         n = sum(s.len for s in segs)
-        return cls(layer, segs, random_bf16(rng, (n, heads, HEAD_DIM), scale),
-                   random_bf16(rng, (n, HEAD_DIM), scale), outputs)
+        q = random_bf16(rng, (n, heads, HEAD_DIM), scale)
+        kv = random_bf16(rng, (n, HEAD_DIM), scale)
+        return cls(layer, segs, q, kv, outputs, compressed_tensors(rng, ratio, n))
 
     @property
     def n(self):
@@ -292,12 +346,12 @@ class Batch:
 
     def body(self, metadata=None):
         return st_encode([("q", "BF16", self.q.shape, self.q.astype("<u2").tobytes()),
-                          ("kv", "BF16", self.kv.shape, self.kv.astype("<u2").tobytes())],
-                         self.metadata() if metadata is None else metadata)
+                          ("kv", "BF16", self.kv.shape, self.kv.astype("<u2").tobytes())] +
+                         self.extra, self.metadata() if metadata is None else metadata)
 
     def copy(self):
         return Batch(self.layer, [Seg(s.seq, s.start, s.len, s.new) for s in self.segs],
-                     self.q.copy(), self.kv.copy(), self.outputs)
+                     self.q.copy(), self.kv.copy(), self.outputs, self.extra)
 
     def __repr__(self):
         return "Batch(layer=%d, %r, N=%d)" % (self.layer, self.segs, self.n)

@@ -35,6 +35,7 @@ def sinks_for(layer):
 def write_weights(path):
     entries = [("layers.%d.attn.attn_sink" % l, "F32", [MODEL_HEADS],
                 sinks_for(l).astype("<f4").tobytes()) for l in LAYERS]
+    entries += [e for l in LAYERS for e in h.compressor_entries(l)]
     with open(path, "wb") as f:
         f.write(h.st_encode(entries, {"format": "pt"}))
 

@@ -41,6 +41,11 @@ def sink_entry(layer, prefix="", dtype="F32", shape=None):
     return (prefix + "layers.%d.attn.attn_sink" % layer, dtype, shape or [MODEL_HEADS], raw)
 
 
+def good_entries():
+    """A checkpoint for LAYERS: the sinks, and the compressors of layers 2 (ratio 4) and 3 (128)."""
+    return [sink_entry(l) for l in LAYERS] + [e for l in LAYERS for e in h.compressor_entries(l)]
+
+
 def other_dtypes():
     """Tensors of dtypes only a checkpoint holds: read past, never decoded."""
     return [("layers.0.attn.wq_a.weight", "F8_E4M3", [4, 8], bytes(32)),
@@ -66,8 +71,8 @@ def write_sharded(directory, shards):
         json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
 
 
-def attn_batch(rng, layer, seq, new=True, outputs="attn"):
-    b = Batch.random(rng, layer, [Seg(seq, 0, 3, new)], HEADS)
+def attn_batch(rng, layer, seq, new=True, outputs="attn", ratio=0):
+    b = Batch.random(rng, layer, [Seg(seq, 0, 3, new)], HEADS, ratio=ratio)
     b.outputs = outputs
     return b
 
@@ -76,9 +81,11 @@ def test_sharded_directory():
     tmp = tempfile.mkdtemp(prefix="dsv4d-w-")
     d_ckpt = os.path.join(tmp, "ckpt")
     write_sharded(d_ckpt, {
-        "model-00001-of-00002.safetensors": other_dtypes() + [sink_entry(0), sink_entry(2)],
+        "model-00001-of-00002.safetensors": other_dtypes() + [sink_entry(0), sink_entry(2)] +
+        h.compressor_entries(2),
         "model-00002-of-00002.safetensors": [sink_entry(1, "model.", "BF16"),
-                                             sink_entry(3, "model.")],
+                                             sink_entry(3, "model.")] +
+        h.compressor_entries(3, "model."),
     })
     with Daemon(h.SMALL + ["--weights", d_ckpt]) as d:
         cfg = d.admin_json("/admin/v1/config")
@@ -90,22 +97,24 @@ def test_sharded_directory():
         check(isinstance(att, dict), "/admin/v1/cache has an attention section: %r" % (cache,))
         check_eq(att["weights"], d_ckpt, "attention.weights")
         check_eq(att["mode"], "exact", "attention.mode")
-        # Layers 2 (ratio 4) and 3 (ratio 128) need the compressed branch.
-        for layer in (2, 3):
+        # Layers 2 (ratio 4) and 3 (ratio 128) attend over the compressed branch too: ready where
+        # the backend runs it, else refused naming it (SPEC §8).
+        check(0 in att["ready_layers"] and 1 in att["ready_layers"], "SWA layers ready: %r" % att)
+        rng = np.random.default_rng(3)
+        for i, (layer, out) in enumerate(((2, "attn"), (3, "lse"), (3, "q,attn,lse"))):
+            seq = "c%d-%d" % (layer, i)
+            if layer in att["ready_layers"]:
+                d.forward(attn_batch(rng, layer, seq, outputs=out, ratio=h.flash_ratio(layer)))
+                continue
             check("compressed branch" in att["not_ready"].get(str(layer), ""),
                   "layer %d not ready, naming the compressed branch: %r" % (layer, att))
-        if h.BACKEND in (None, "cpu"):
-            check_eq(att["ready_layers"], [0, 1], "attention ready on the SWA layers")
-        rng = np.random.default_rng(3)
-        # A compressed layer refuses attn and lse, and the refusal changes nothing.
-        for layer, out in ((2, "attn"), (3, "lse"), (3, "q,attn,lse")):
-            r = d.forward_raw(attn_batch(rng, layer, "c%d" % layer, outputs=out).body())
+            r = d.forward_raw(attn_batch(rng, layer, seq, outputs=out).body())
             e = h.expect_error(r, 400, "unsupported")
             check("compressed branch" in e["message"] and str(layer) in e["message"],
                   "layer %d refusal names the compressed branch: %r" % (layer, e))
-            check(d.seq("c%d" % layer) is None, "a refused batch created no sequence")
-        # The same batch without attention outputs is served.
-        d.forward(attn_batch(rng, 2, "c2", outputs="q"))
+            check(d.seq(seq) is None, "a refused batch created no sequence")
+            # The same batch without attention outputs is served.
+            d.forward(attn_batch(rng, layer, seq, outputs="q"))
 
 
 def test_no_weights():
@@ -129,7 +138,7 @@ def test_fast_refused_on_cpu():
         return
     tmp = tempfile.mkdtemp(prefix="dsv4d-w-")
     path = os.path.join(tmp, "w.safetensors")
-    write_file(path, [sink_entry(l) for l in LAYERS])
+    write_file(path, good_entries())
     rng = np.random.default_rng(5)
     with Daemon(h.SMALL + ["--weights", path]) as d:
         b = attn_batch(rng, 0, "f")
@@ -163,12 +172,32 @@ def run_refused(args, what, needle):
 
 def test_refused_checkpoints():
     tmp = tempfile.mkdtemp(prefix="dsv4d-w-")
-    good = [sink_entry(l) for l in LAYERS]
+    good = good_entries()
+    comp = [e for l in LAYERS for e in h.compressor_entries(l)]
+    sinks = [sink_entry(l) for l in LAYERS]
+
+    def without(name):
+        return [e for e in good if e[0] != name]
+
+    def replaced(name, entry):
+        return [entry if e[0] == name else e for e in good]
+
+    ape3 = "layers.3.attn.compressor.ape"
     cases = [
-        ("layer 2's sink missing", good[:2] + good[3:], "layers.2.attn.attn_sink"),
-        ("wrong dtype", good[:1] + [sink_entry(1, dtype="I32")] + good[2:],
+        ("layer 2's sink missing", sinks[:2] + sinks[3:] + comp, "layers.2.attn.attn_sink"),
+        ("wrong dtype", sinks[:1] + [sink_entry(1, dtype="I32")] + sinks[2:] + comp,
          "layers.1.attn.attn_sink"),
-        ("wrong shape", good[:3] + [sink_entry(3, shape=[8, 8])], "layers.3.attn.attn_sink"),
+        ("wrong shape", sinks[:3] + [sink_entry(3, shape=[8, 8])] + comp,
+         "layers.3.attn.attn_sink"),
+        # SPEC §8.2: a served compressed layer's compressor tensors are required too.
+        ("layer 2's compressor ape missing", without("layers.2.attn.compressor.ape"),
+         "layers.2.attn.compressor.ape"),
+        ("layer 2's indexer norm missing", without("layers.2.attn.indexer.compressor.norm.weight"),
+         "layers.2.attn.indexer.compressor.norm.weight"),
+        ("layer 3's ape of the ratio-4 shape", replaced(ape3, (ape3, "F32", [4, 1024],
+                                                               bytes(4 * 4 * 1024))), ape3),
+        ("a non-finite ape", replaced(ape3, (ape3, "F32", [128, 512], np.full(
+            (128, 512), np.inf, np.float32).astype("<f4").tobytes())), ape3),
     ]
     for i, (what, entries, tensor) in enumerate(cases):
         path = os.path.join(tmp, "w%d.safetensors" % i)
@@ -176,10 +205,10 @@ def test_refused_checkpoints():
         line = run_refused(["--weights", path], what, tensor)
         check(path in line.get("why", ""), "%s: the line names the file: %r" % (what, line))
     # A NaN sink is refused; +inf and -inf are valid sinks.
-    s = good[:]
     v = sinks_for(0)
     v[HEADS - 1] = np.float32("nan")
-    s[0] = ("layers.0.attn.attn_sink", "F32", [MODEL_HEADS], v.astype("<f4").tobytes())
+    s = replaced("layers.0.attn.attn_sink",
+                 ("layers.0.attn.attn_sink", "F32", [MODEL_HEADS], v.astype("<f4").tobytes()))
     path = os.path.join(tmp, "nan.safetensors")
     write_file(path, s)
     run_refused(["--weights", path], "NaN sink", "layers.0.attn.attn_sink")

@@ -280,7 +280,9 @@ static void test_reject_tensors(void **state) {
   (void)state;
   spec_t s;
   s = spec_n(1, one_seg), s.extra = 1;
-  expect(&s, DSV4_EINVAL, "unknown tensor \"bias\" (a forward body has q and kv)");
+  expect(&s, DSV4_EINVAL,
+         "unknown tensor \"bias\" (a forward body has q and kv, and on a compressed layer "
+         "ckv, ikv, iq and iw)");
   s = spec_n(1, one_seg), s.no_q = 1;
   expect(&s, DSV4_EINVAL, "missing tensor \"q\"");
   s = spec_n(1, one_seg), s.no_kv = 1;
@@ -323,9 +325,9 @@ static void test_reject_metadata(void **state) {
   s = spec_n(1, one_seg), s.layer = "1";
   expect(&s, DSV4_ELAYER, "layer 1 is not served by this daemon");
   s = spec_n(1, one_seg), s.outputs = "q, slots ";
-  expect(&s, DSV4_EINVAL, "unknown output \"slots\" (outputs: q, attn, lse, digest)");
+  expect(&s, DSV4_EINVAL, "unknown output \"slots\" (outputs: q, attn, lse, digest, topk)");
   s = spec_n(1, one_seg), s.outputs = "attn,lsee";
-  expect(&s, DSV4_EINVAL, "unknown output \"lsee\" (outputs: q, attn, lse, digest)");
+  expect(&s, DSV4_EINVAL, "unknown output \"lsee\" (outputs: q, attn, lse, digest, topk)");
 }
 
 static void test_reject_segments(void **state) {
