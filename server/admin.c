@@ -163,6 +163,33 @@ static json_t *attention_json(dsv4_daemon_t *d) {
                    "weights", cfg->weights_path, "ready_layers", ready, "not_ready", not_ready);
 }
 
+/* The compressed branch (SPEC §8): each served layer's ratio where the branch runs, the indexer's
+ * geometry, and the entry pools. */
+static json_t *compressed_json(dsv4_daemon_t *d) {
+  const dsv4_config_t *cfg = d->cfg;
+  json_t *layers = json_object(), *pools = json_object();
+  uint32_t total[2], free_b[2];
+  char k[16];
+  for (uint32_t i = 0; i < cfg->n_served; i++) {
+    uint32_t r = dsv4_engine_layer_ratio(d->engine, cfg->served_layers[i]);
+    key_u32(k, cfg->served_layers[i]);
+    if (r)
+      json_object_set_new(layers, k, json_integer(r));
+  }
+  dsv4_engine_cpool_counts(d->engine, total, free_b);
+  static const char *const names[2] = {"c4", "c128"};
+  for (int p = 0; p < 2; p++)
+    if (total[p])
+      json_object_set_new(pools, names[p],
+                          json_pack("{s:I,s:I}", "blocks", (json_int_t)total[p], "blocks_free",
+                                    (json_int_t)free_b[p]));
+  return json_pack("{s:o,s:I,s:I,s:I,s:I,s:o}", "layers", layers, "index_topk",
+                   (json_int_t)cfg->model.index_topk, "index_n_heads",
+                   (json_int_t)cfg->model.index_n_heads, "max_sequences",
+                   (json_int_t)cfg->max_sequences, "index_head_dim", (json_int_t)128, "pools",
+                   pools);
+}
+
 /*
  * /cache, one served layer per executor job: the counts with the first, then one pool digest per
  * job, so that a batch waits behind at most one layer's hashing (about 10 MB at the default pool),
@@ -195,6 +222,7 @@ static void run_cache(admin_job_t *j) {
     if (!j->doc)
       return;
     json_object_set_new(j->doc, "attention", attention_json(d));
+    json_object_set_new(j->doc, "compressed", compressed_json(d));
   }
   key_u32(k, cfg->served_layers[j->step]);
   j->rc = dsv4_engine_pool_digest(d->engine, j->step, cfg->served_layers[j->step], &pd, NULL, NULL);

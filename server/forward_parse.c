@@ -142,7 +142,7 @@ static int parse_compressed(const dsv4_forward_limits_t *lim, int64_t n, dsv4_fo
       else
         snprintf(why, why_len,
                  "layer %u takes no tensor \"%s\" (an SWA-only layer, or a compressed layer "
-                 "whose branch this daemon does not run: see GET /v1/metadata)",
+                 "whose branch this daemon does not run: see GET /admin/v1/cache)",
                  r->layer, c_names[i]);
       return DSV4_EINVAL;
     }

@@ -505,15 +505,28 @@ static void on_metrics(dsv4_req_t *req, void *ctx) {
   dsv4_respond(req, 200, DSV4_METRICS_CONTENT_TYPE, NULL, 0, &b, 1, free_release, text);
 }
 
+/* dsv4d_kv_blocks{pool,state} and dsv4d_kv_blocks_total{pool} of one block pool. */
+static void set_pool_blocks(dsv4_daemon_t *d, const char *pool, uint32_t total, uint32_t free_b) {
+  const char *used_l[2] = {pool, "used"}, *free_l[2] = {pool, "free"}, *pool_l[1] = {pool};
+  dsv4_metric_set(d->m_blocks, used_l, (double)(total - free_b));
+  dsv4_metric_set(d->m_blocks, free_l, (double)free_b);
+  dsv4_metric_set(d->m_blocks_total, pool_l, (double)total);
+}
+
 static void collect(dsv4_metrics_t *m, void *arg) {
   dsv4_daemon_t *d = arg;
   uint32_t total = dsv4_engine_blocks_total(d->engine);
   uint32_t free_b = dsv4_engine_blocks_free(d->engine);
-  const char *used_l[1] = {"used"}, *free_l[1] = {"free"};
+  uint32_t c_total[2], c_free[2];
   (void)m;
   dsv4_metric_set(d->m_usage, NULL, total ? (double)(total - free_b) / (double)total : 0.0);
-  dsv4_metric_set(d->m_blocks, used_l, (double)(total - free_b));
-  dsv4_metric_set(d->m_blocks, free_l, (double)free_b);
+  set_pool_blocks(d, "swa", total, free_b);
+  /* SPEC §8.7: the compressed branch's entry pools, when some served layer runs it. */
+  dsv4_engine_cpool_counts(d->engine, c_total, c_free);
+  if (c_total[0])
+    set_pool_blocks(d, "c4", c_total[0], c_free[0]);
+  if (c_total[1])
+    set_pool_blocks(d, "c128", c_total[1], c_free[1]);
   dsv4_metric_set(d->m_sequences, NULL, (double)dsv4_engine_sequences(d->engine));
   dsv4_metric_set(d->m_inflight, NULL, (double)d->inflight);
   const char *decode_l[1] = {"decode"}, *prefill_l[1] = {"prefill"};
@@ -526,19 +539,23 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                                         256, 512, 1024, 2048, 4096, 8192, 16384};
   static const double sec_bounds[] = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
                                       1e-2, 2.5e-2, 5e-2, 0.1,  0.25,   0.5,  1,    2.5,    5};
-  const char *state[1] = {"state"}, *stage[2] = {"stage", "class"}, *cls[1] = {"class"};
+  const char *state[2] = {"pool", "state"}, *stage[2] = {"stage", "class"}, *cls[1] = {"class"};
+  const char *pool[1] = {"pool"};
   const char *build[2] = {"version", "backend"};
   dsv4_metrics_t *m = d->metrics;
   int rc = 0;
   rc |= dsv4_metrics_gauge(m, "dsv4d_kv_cache_usage_ratio", "Used KV block ids over all block ids.",
                            NULL, 0, &d->m_usage);
-  rc |= dsv4_metrics_gauge(m, "dsv4d_kv_blocks", "KV block ids by state.", state, 1, &d->m_blocks);
+  rc |=
+      dsv4_metrics_gauge(m, "dsv4d_kv_blocks",
+                         "Block ids by pool (swa; c4, c128 for the compressed entries) and state.",
+                         state, 2, &d->m_blocks);
   /* The pool's geometry, for a router that scores daemons by free tokens (free blocks x block size)
    * without reading the configuration: both are fixed for the life of the process. */
   rc |= dsv4_metrics_gauge(m, "dsv4d_kv_block_size", "Tokens per KV cache block.", NULL, 0,
                            &d->m_block_size);
-  rc |= dsv4_metrics_gauge(m, "dsv4d_kv_blocks_total", "KV block ids in the pool (used + free).",
-                           NULL, 0, &d->m_blocks_total);
+  rc |= dsv4_metrics_gauge(m, "dsv4d_kv_blocks_total", "Block ids of a pool (used + free).", pool,
+                           1, &d->m_blocks_total);
   rc |= dsv4_metrics_gauge(m, "dsv4d_sequences", "Live sequences.", NULL, 0, &d->m_sequences);
   rc |= dsv4_metrics_histogram(m, "dsv4d_batch_tokens", "Tokens per forward batch.", NULL, 0,
                                token_bounds, sizeof(token_bounds) / sizeof(token_bounds[0]),
@@ -563,7 +580,6 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
     dsv4_metric_set(d->m_build_info, v, 1);
   }
   dsv4_metric_set(d->m_block_size, NULL, (double)d->cfg->block_size);
-  dsv4_metric_set(d->m_blocks_total, NULL, (double)dsv4_engine_blocks_total(d->engine));
   dsv4_metric_add(d->m_alloc_failures, NULL, 0);
   dsv4_metrics_set_collect(m, collect, d);
   return 0;

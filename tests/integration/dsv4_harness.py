@@ -747,7 +747,7 @@ class Daemon:
         return parse_metrics(r.body.decode("utf-8"))
 
     def used_blocks(self):
-        return int(metric(self.metrics(), "dsv4d_kv_blocks", state="used"))
+        return int(metric(self.metrics(), "dsv4d_kv_blocks", pool="swa", state="used"))
 
     def wait_used_blocks(self, want, timeout=2.0):
         """The used-block gauge may be published a moment after the answer: poll briefly."""
@@ -755,7 +755,7 @@ class Daemon:
         while True:
             got = self.used_blocks()
             if got == want or time.monotonic() > deadline:
-                check_eq(got, want, "dsv4d_kv_blocks{state=\"used\"}")
+                check_eq(got, want, "dsv4d_kv_blocks{pool=\"swa\",state=\"used\"}")
                 return got
             time.sleep(0.02)
 

@@ -260,7 +260,7 @@ def test_configmap_config_served():
             r = d.get("/metrics")
             check_eq(r.status, 200, "GET /metrics, the PodMonitor's path")
             ms = h.parse_metrics(r.body.decode())
-            check_eq(h.metric(ms, "dsv4d_kv_blocks_total"), 64.0, "dsv4d_kv_blocks_total")
+            check_eq(h.metric(ms, "dsv4d_kv_blocks_total", pool="swa"), 64.0, "dsv4d_kv_blocks_total")
             check_eq(h.metric(ms, "dsv4d_kv_block_size"), float(cfg.get("block_size", 64)),
                      "dsv4d_kv_block_size")
             token = TOKEN if "admin_token_file" in cfg else None

@@ -125,7 +125,7 @@ def test_limits_before_body():
         check_eq(r.status, 200, "request under both limits")
         h.check_result(h.ForwardResult(r, ok), ok, "under the limits", bs=64)
         ms = d.metrics()
-        check_eq(h.metric(ms, "dsv4d_kv_blocks", state="used"), 1.0, "used blocks")
+        check_eq(h.metric(ms, "dsv4d_kv_blocks", pool="swa", state="used"), 1.0, "used blocks")
         check_eq(h.metric(ms, "dsv4d_sequences"), 1.0, "sequences")
         check_eq(h.metric(ms, "dsv4d_batch_tokens_count") -
                  h.metric(before, "dsv4d_batch_tokens_count"), 1.0, "only one batch ran")

@@ -134,7 +134,7 @@ def test_block_size_16_and_two_sequences():
         check_eq(a.held(), 9, "model: a holds 9 blocks at bs 16")
         ms = d.metrics()
         check_eq(h.metric(ms, "dsv4d_sequences"), 2.0, "dsv4d_sequences")
-        check_eq(h.metric(ms, "dsv4d_kv_blocks", state="free"), 40.0 - a.held() - b.held(),
+        check_eq(h.metric(ms, "dsv4d_kv_blocks", pool="swa", state="free"), 40.0 - a.held() - b.held(),
                  "free blocks")
         check_eq(d.delete_seq("a"), True, "DELETE a")
         d.wait_used_blocks(b.held())

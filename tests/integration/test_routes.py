@@ -45,11 +45,11 @@ def test_metrics_names():
                   "dsv4d_kv_block_size", "dsv4d_kv_blocks_total", "dsv4d_queued_batches"):
             if n not in names:
                 missing.append(n)
-        used = h.metric(ms, "dsv4d_kv_blocks", state="used")
-        free = h.metric(ms, "dsv4d_kv_blocks", state="free")
+        used = h.metric(ms, "dsv4d_kv_blocks", pool="swa", state="used")
+        free = h.metric(ms, "dsv4d_kv_blocks", pool="swa", state="free")
         check_eq(used + free, 64.0, "used + free blocks = --kv-blocks")
         # The pool's geometry, so that a router can turn free blocks into free tokens.
-        check_eq(h.metric(ms, "dsv4d_kv_blocks_total"), 64.0, "dsv4d_kv_blocks_total = --kv-blocks")
+        check_eq(h.metric(ms, "dsv4d_kv_blocks_total", pool="swa"), 64.0, "dsv4d_kv_blocks_total = --kv-blocks")
         check_eq(h.metric(ms, "dsv4d_kv_block_size"), 64.0, "dsv4d_kv_block_size (default)")
         types = {ln.split()[2]: ln.split()[3] for ln in r.body.decode().splitlines()
                  if ln.startswith("# TYPE ")}
@@ -110,7 +110,7 @@ def test_metrics_names():
                  "--threads", "1"], name="bs128") as d:
         ms = d.metrics()
         check_eq(h.metric(ms, "dsv4d_kv_block_size"), 128.0, "kv_block_size at --block-size 128")
-        check_eq(h.metric(ms, "dsv4d_kv_blocks_total"), 40.0, "kv_blocks_total at --kv-blocks 40")
+        check_eq(h.metric(ms, "dsv4d_kv_blocks_total", pool="swa"), 40.0, "kv_blocks_total at --kv-blocks 40")
 
 
 def test_forward_basic():
