@@ -165,6 +165,9 @@ typedef struct {
  * the 68-byte index record into i_cache at the same block id (values at 64 * (j % bs), codes at 64
  * * bs + 4 * (j % bs) of the block's DSV4_INDEX_BLOCK_BYTES). Entries are written once each; a
  * block outside the segment's table fails the launch with DSV4_EINVAL before anything is written.
+ * So does a segment whose tokens are not one run of consecutive positions p >= seg_p0[s] >= 0, two
+ * segments with one state slot, a slot >= n_slots, a position outside the RoPE table, or an
+ * emission whose RoPE row is not materialised.
  */
 typedef struct {
   uint32_t ratio; /* 4 or 128 */
@@ -202,6 +205,9 @@ typedef struct {
  * floor((p + 1) / 4). If at most topk are visible, all are selected; otherwise the topk with the
  * highest scores (ties to the lower j). sel[t * topk ..] lists them in increasing j, padded with
  * -1. Index records are read from i_cache through the segment's table as in dsv4_compress_args_t.
+ * Only a token that sees more than topk entries reads records and its RoPE row at p; for such a
+ * token a visible entry's block outside the table, or a missing row, fails the launch with
+ * DSV4_EINVAL before anything is written, as does a token below its p0.
  */
 typedef struct {
   uint32_t n_tokens;
@@ -269,6 +275,11 @@ int dsv4_backend_check_insert_args(const dsv4_insert_args_t *a);
 /* The attention check covers everything but the block table's contents, the positions and the
  * RoPE rows, which the backend checks where it can read them (before it writes anything). */
 int dsv4_backend_check_attn_args(const dsv4_attn_args_t *a);
+
+/* The compress and indexer checks cover everything but the positions, the segments' tables and the
+ * RoPE rows, which the backend checks where it can read them (before it writes anything). */
+int dsv4_backend_check_compress_args(const dsv4_compress_args_t *a);
+int dsv4_backend_check_indexer_args(const dsv4_indexer_args_t *a);
 
 typedef struct {
   uint32_t threads; /* CPU worker threads; 0 = one per online core */

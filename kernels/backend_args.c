@@ -39,3 +39,31 @@ int dsv4_backend_check_attn_args(const dsv4_attn_args_t *a) {
     return DSV4_EINVAL;
   return 0;
 }
+
+int dsv4_backend_check_compress_args(const dsv4_compress_args_t *a) {
+  if (!a || (a->ratio != 4u && a->ratio != 128u) || !DSV4_BLOCK_SIZE_VALID(a->block_size))
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->positions || !a->tok_seg || !a->seg_p0 || !a->seg_slot || !a->ckv || !a->ring ||
+      !a->ape || !a->norm_weight || !a->rope || !a->seg_c_first_lb || !a->seg_cbt_off ||
+      !a->seg_cbt_len || !a->c_block_table || !a->c_cache || a->n_segments == 0 ||
+      a->n_slots == 0 || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
+    return DSV4_EINVAL;
+  if (a->ratio == 4u && (!a->ikv || !a->i_ape || !a->i_norm_weight || !a->i_cache))
+    return DSV4_EINVAL;
+  return 0;
+}
+
+int dsv4_backend_check_indexer_args(const dsv4_indexer_args_t *a) {
+  if (!a || a->topk == 0 || a->n_heads == 0 || a->n_heads > DSV4_MAX_HEADS ||
+      !DSV4_BLOCK_SIZE_VALID(a->block_size))
+    return DSV4_EINVAL;
+  if (a->n_tokens == 0)
+    return 0;
+  if (!a->positions || !a->tok_seg || !a->seg_p0 || !a->iq || !a->iw || !a->rope ||
+      !a->seg_c_first_lb || !a->seg_cbt_off || !a->seg_cbt_len || !a->c_block_table ||
+      !a->i_cache || !a->sel || a->n_segments == 0)
+    return DSV4_EINVAL;
+  return 0;
+}

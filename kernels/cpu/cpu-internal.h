@@ -104,6 +104,26 @@ void dsv4__cpu_attn_scratch_free(dsv4__cpu_attn_scratch_t *s);
 int dsv4__cpu_attention(dsv4_host_pool_t *pool, int isa, dsv4__cpu_attn_scratch_t **scratch,
                         const dsv4_attn_args_t *a);
 
+/* ---- the compressed branch (cpu_compress.c, SPEC §8.3, §8.5) ---- */
+
+/*
+ * The CPU backend's compress op: checks every argument, every emission's block and RoPE row before
+ * it writes anything, then pools the emissions on the pool and writes the ring rows after them.
+ */
+int dsv4__cpu_compress(dsv4_host_pool_t *pool, int isa, const dsv4_compress_args_t *a);
+
+/* The workspaces of one backend's indexer launches, one per pool participant. */
+typedef struct dsv4__cpu_index_scratch dsv4__cpu_index_scratch_t;
+void dsv4__cpu_index_scratch_free(dsv4__cpu_index_scratch_t *s);
+
+/*
+ * The CPU backend's indexer op: checks every argument and every block a selection reads before it
+ * writes anything, then selects per token on the pool. *scratch is allocated (or enlarged) by the
+ * launch that first needs it and kept for later launches.
+ */
+int dsv4__cpu_indexer(dsv4_host_pool_t *pool, dsv4__cpu_index_scratch_t **scratch,
+                      const dsv4_indexer_args_t *a);
+
 /*
  * ---- test-only hooks of the ordering-invariant tests (tests/unit/inv_*.c, SPEC §5) ----
  *

@@ -58,7 +58,8 @@ typedef struct {
   dsv4_host_pool_t *pool;
   int isa;
   uint64_t stream_bytes; /* q_out bytes per launch from which q_out bypasses the caches */
-  dsv4__cpu_attn_scratch_t *attn_scratch; /* attention workspaces, made by the first launch */
+  dsv4__cpu_attn_scratch_t *attn_scratch;   /* attention workspaces, made by the first launch */
+  dsv4__cpu_index_scratch_t *index_scratch; /* indexer workspaces, made by the first scoring one */
 #ifdef TEST_PRODUCER
   test_producer_t producers[TEST_PRODUCERS];
 #endif
@@ -85,6 +86,7 @@ static void cpu_destroy(dsv4_backend_t *be) {
 #endif
   dsv4_host_pool_destroy(c->pool);
   dsv4__cpu_attn_scratch_free(c->attn_scratch);
+  dsv4__cpu_index_scratch_free(c->index_scratch);
   free(c);
 }
 
@@ -322,6 +324,16 @@ static int cpu_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   return dsv4__cpu_attention(c->pool, c->isa, &c->attn_scratch, a);
 }
 
+static int cpu_compress(dsv4_backend_t *be, const dsv4_compress_args_t *a) {
+  cpu_backend_t *c = cpu_of(be);
+  return dsv4__cpu_compress(c->pool, c->isa, a);
+}
+
+static int cpu_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
+  cpu_backend_t *c = cpu_of(be);
+  return dsv4__cpu_indexer(c->pool, &c->index_scratch, a);
+}
+
 static void cpu_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
                               void *arg, size_t n_items) {
   dsv4_host_pool_run_balanced(cpu_of(be)->pool, fn, arg, n_items);
@@ -338,6 +350,8 @@ static const dsv4_backend_ops_t cpu_ops = {
     .map_slots = cpu_map_slots,
     .qkv_insert = cpu_qkv_insert,
     .attention = cpu_attention,
+    .compress = cpu_compress,
+    .indexer = cpu_indexer,
     .sync = cpu_sync,
     .host_parallel = cpu_host_parallel,
 };
