@@ -104,7 +104,12 @@ def test_sharded_directory():
         for i, (layer, out) in enumerate(((2, "attn"), (3, "lse"), (3, "q,attn,lse"))):
             seq = "c%d-%d" % (layer, i)
             if layer in att["ready_layers"]:
-                d.forward(attn_batch(rng, layer, seq, outputs=out, ratio=h.flash_ratio(layer)))
+                r = d.forward_raw(attn_batch(rng, layer, seq, outputs=out,
+                                             ratio=h.flash_ratio(layer)).body())
+                check_eq(r.status, 200, "layer %d serves %s: %r" % (layer, out, r))
+                meta, t = h.st_decode(r.body)
+                for name in out.split(","):
+                    check(name.replace("q", "q_out") in t, "layer %d answers %s" % (layer, name))
                 continue
             check("compressed branch" in att["not_ready"].get(str(layer), ""),
                   "layer %d not ready, naming the compressed branch: %r" % (layer, att))
