@@ -695,8 +695,18 @@ static int resolve(dsv4_config_t *cfg, char *why, size_t why_len) {
   if (cfg->max_body_bytes) {
     cfg->max_body_bytes_effective = cfg->max_body_bytes;
   } else {
-    /* q [N, H, 512] and kv [N, 512] in bf16, the length prefix and a full-size header. */
+    /* q [N, H, 512] and kv [N, 512] in bf16, the length prefix and a full-size header; plus the
+     * largest compressed branch among the served layers (SPEC §8.8): ckv [N, 2048] F32, ikv [N,
+     * 512] F32, iq [N, index heads, 128] BF16 and iw [N, index heads] F32 at ratio 4, ckv [N, 1024]
+     * F32 at ratio 128. */
     uint64_t per_token = ((uint64_t)cfg->heads * DSV4_HEAD_DIM + DSV4_HEAD_DIM) * sizeof(uint16_t);
+    uint64_t branch = 0, ih = cfg->model.index_n_heads;
+    for (uint32_t i = 0; i < cfg->n_served; i++) {
+      uint32_t r = cfg->model.compress_ratios[cfg->served_layers[i]];
+      uint64_t b = r == 4 ? (2048 + 512) * 4 + ih * 128 * 2 + ih * 4 : r == 128 ? 1024 * 4 : 0;
+      branch = b > branch ? b : branch;
+    }
+    per_token += branch;
     uint64_t need =
         BODY_PREFIX_BYTES + BODY_HEADER_ROOM + (uint64_t)cfg->max_batch_tokens * per_token;
     cfg->max_body_bytes_effective = (need + BODY_ROUND - 1) / BODY_ROUND * BODY_ROUND;

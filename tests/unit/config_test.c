@@ -120,8 +120,9 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.n_served, 43);
   for (uint32_t i = 0; i < 43; i++)
     assert_int_equal(cfg.served_layers[i], i);
-  /* 8 + 1 MiB + 16384 * (64*1024 + 1024) = 1,091,567,624 bytes, rounded up to 1042 MiB. */
-  assert_int_equal(cfg.max_body_bytes_effective, 1042ull << 20);
+  /* 8 + 1 MiB + 16384 * (64*1024 + 1024 + 26880) = 1,531,969,544 bytes, rounded up to 1462 MiB;
+   * 26880 bytes per token are a ratio-4 layer's ckv, ikv, iq and iw (SPEC §8.8). */
+  assert_int_equal(cfg.max_body_bytes_effective, 1462ull << 20);
   assert_string_equal(dsv4_config_source(&cfg, "block_size"), "default");
   assert_string_equal(dsv4_config_source(&cfg, "log_level"), "default");
   assert_null(dsv4_config_source(&cfg, "no_such_option"));
@@ -324,13 +325,27 @@ static void test_heads_and_offsets(void **state) {
 static void test_derived_body_limit(void **state) {
   (void)state;
   dsv4_config_t cfg;
-  /* 8 + 1 MiB + 1 * (1*1024 + 1024) rounds up to 2 MiB. */
+  /* 8 + 1 MiB + 1 * (1*1024 + 1024 + 26880) rounds up to 2 MiB. */
   expect_ok(&cfg, (const char *const[]){"--heads", "1", "--max-batch-tokens", "1", NULL}, NULL);
   assert_int_equal(cfg.max_body_bytes_effective, 2u << 20);
   dsv4_config_free(&cfg);
-  /* 8 + 1 MiB + 1024 * (8*1024 + 1024) = 8 + 1 MiB + 9 MiB rounds up to 11 MiB. */
+  /* 8 + 1 MiB + 1024 * (8*1024 + 1024 + 26880) = 8 + 1 MiB + 35.25 MiB rounds up to 37 MiB. */
   expect_ok(&cfg, (const char *const[]){"--heads", "8", "--max-batch-tokens", "1024", NULL}, NULL);
+  assert_int_equal(cfg.max_body_bytes_effective, 37u << 20);
+  dsv4_config_free(&cfg);
+  /* Only the SWA layers: q and kv alone, 8 + 1 MiB + 9 MiB rounds up to 11 MiB. */
+  expect_ok(
+      &cfg,
+      (const char *const[]){"--heads", "8", "--max-batch-tokens", "1024", "--layers", "0-1", NULL},
+      NULL);
   assert_int_equal(cfg.max_body_bytes_effective, 11u << 20);
+  dsv4_config_free(&cfg);
+  /* Only a ratio-128 layer: ckv [N, 1024] F32, 8 + 1 MiB + 13 MiB = 15 MiB. */
+  expect_ok(
+      &cfg,
+      (const char *const[]){"--heads", "8", "--max-batch-tokens", "1024", "--layers", "3", NULL},
+      NULL);
+  assert_int_equal(cfg.max_body_bytes_effective, 15u << 20);
   dsv4_config_free(&cfg);
   expect_ok(&cfg, (const char *const[]){"--max-body-bytes", "5000", NULL}, NULL);
   assert_int_equal(cfg.max_body_bytes, 5000);
