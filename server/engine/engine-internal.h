@@ -77,7 +77,8 @@ int dsv4__engine_c_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4
                               uint32_t tok_off, uint32_t len, void *xxh3_state, const char **bad);
 int dsv4__engine_c_prepare(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
 void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
-int dsv4__engine_c_launch(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend);
+int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f);
+int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend);
 void dsv4__engine_c_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
                               dsv4_attn_args_t *aa);
 void dsv4__engine_c_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);

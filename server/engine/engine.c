@@ -658,11 +658,25 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   int rc = ops->map_slots(e->be, &ma);
   if (!rc)
     rc = ops->qkv_insert(e->be, &ia);
+#ifndef DSV4_TEST_BROKEN_EMIT_LATE
   /* SPEC §8.4: the batch's emissions before its indexer and its attention. */
   if (!rc)
-    rc = dsv4__engine_c_launch(e, (uint32_t)idx, f, f->attn != NULL);
+    rc = dsv4__engine_c_compress(e, (uint32_t)idx, f);
+  if (!rc)
+    rc = dsv4__engine_c_index(e, (uint32_t)idx, f, f->attn != NULL);
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
+#else
+  /* Test-only breakage of SPEC §5.2 for the compressed branch (tests/unit/inv_emit_first.c): the
+   * indexer and the attention read the entry caches before the compressor has stored the batch's
+   * entries. */
+  if (!rc)
+    rc = dsv4__engine_c_index(e, (uint32_t)idx, f, f->attn != NULL);
+  if (!rc && f->attn)
+    rc = ops->attention(e->be, &aa);
+  if (!rc)
+    rc = dsv4__engine_c_compress(e, (uint32_t)idx, f);
+#endif
   if (!rc)
     rc = ops->sync(e->be);
   return rc;

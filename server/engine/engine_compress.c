@@ -268,73 +268,71 @@ void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f
   }
 }
 
-int dsv4__engine_c_launch(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend) {
-  const dsv4_backend_ops_t *ops = e->be->ops;
+int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f) {
+  uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
+  if (!r || e->plan.replay)
+    return 0;
+  dsv4_compress_args_t ca = {
+      .ratio = r,
+      .n_tokens = f->n_tokens,
+      .n_segments = f->n_segs,
+      .positions = e->positions,
+      .tok_seg = e->tok_seg,
+      .seg_p0 = e->seg_p0,
+      .seg_slot = e->seg_slot,
+      .ckv = f->ckv,
+      .ikv = r == 4 ? f->ikv : NULL,
+      .ring = e->ring[idx].ptr,
+      .n_slots = e->p.max_sequences,
+      .ape = e->c_w[idx].ape,
+      .norm_weight = e->c_w[idx].norm,
+      .i_ape = e->c_w[idx].i_ape,
+      .i_norm_weight = e->c_w[idx].i_norm,
+      .eps = e->p.model->rms_norm_eps,
+      .rope = e->rope[idx],
+      .seg_c_first_lb = e->seg_c_first_lb,
+      .seg_cbt_off = e->seg_cbt_off,
+      .seg_cbt_len = e->seg_cbt_len,
+      .c_block_table = e->plan.c_block_table,
+      .c_bt_entries = e->plan.c_bt_len,
+      .c_cache = e->c_cache[idx].ptr,
+      .i_cache = r == 4 ? e->i_cache[idx].ptr : NULL,
+      .c_n_blocks = r == 4 ? e->p.c4_blocks : e->p.c128_blocks,
+      .block_size = e->p.block_size,
+      .stride = e->stride,
+  };
+  return e->be->ops->compress(e->be, &ca);
+}
+
+int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend) {
   uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
   const dsv4_model_t *m = e->p.model;
-  int rc = 0;
-  if (!r)
+  if (r != 4 || !(attend || f->topk))
     return 0;
-  uint32_t nb = r == 4 ? e->p.c4_blocks : e->p.c128_blocks;
-  if (!e->plan.replay) {
-    dsv4_compress_args_t ca = {
-        .ratio = r,
-        .n_tokens = f->n_tokens,
-        .n_segments = f->n_segs,
-        .positions = e->positions,
-        .tok_seg = e->tok_seg,
-        .seg_p0 = e->seg_p0,
-        .seg_slot = e->seg_slot,
-        .ckv = f->ckv,
-        .ikv = r == 4 ? f->ikv : NULL,
-        .ring = e->ring[idx].ptr,
-        .n_slots = e->p.max_sequences,
-        .ape = e->c_w[idx].ape,
-        .norm_weight = e->c_w[idx].norm,
-        .i_ape = e->c_w[idx].i_ape,
-        .i_norm_weight = e->c_w[idx].i_norm,
-        .eps = m->rms_norm_eps,
-        .rope = e->rope[idx],
-        .seg_c_first_lb = e->seg_c_first_lb,
-        .seg_cbt_off = e->seg_cbt_off,
-        .seg_cbt_len = e->seg_cbt_len,
-        .c_block_table = e->plan.c_block_table,
-        .c_bt_entries = e->plan.c_bt_len,
-        .c_cache = e->c_cache[idx].ptr,
-        .i_cache = r == 4 ? e->i_cache[idx].ptr : NULL,
-        .c_n_blocks = nb,
-        .block_size = e->p.block_size,
-        .stride = e->stride,
-    };
-    rc = ops->compress(e->be, &ca);
-  }
-  if (!rc && r == 4 && (attend || f->topk)) {
-    dsv4_indexer_args_t xa = {
-        .n_tokens = f->n_tokens,
-        .n_segments = f->n_segs,
-        .topk = m->index_topk,
-        .n_heads = m->index_n_heads,
-        /* (128 * n_heads)^-0.5 rounded once from double: 0x3C3504F3 for 64 heads (SPEC §8.5). */
-        .w_scale = (float)(1.0 / sqrt((double)INDEX_DIM * m->index_n_heads)),
-        .positions = e->positions,
-        .tok_seg = e->tok_seg,
-        .seg_p0 = e->seg_p0,
-        .iq = f->iq,
-        .iw = f->iw,
-        .rope = e->rope[idx],
-        .seg_c_first_lb = e->seg_c_first_lb,
-        .seg_cbt_off = e->seg_cbt_off,
-        .seg_cbt_len = e->seg_cbt_len,
-        .c_block_table = e->plan.c_block_table,
-        .c_bt_entries = e->plan.c_bt_len,
-        .i_cache = e->i_cache[idx].ptr,
-        .c_n_blocks = nb,
-        .block_size = e->p.block_size,
-        .sel = f->topk ? f->topk : e->sel,
-    };
-    rc = ops->indexer(e->be, &xa);
-  }
-  return rc;
+  dsv4_indexer_args_t xa = {
+      .n_tokens = f->n_tokens,
+      .n_segments = f->n_segs,
+      .topk = m->index_topk,
+      .n_heads = m->index_n_heads,
+      /* (128 * n_heads)^-0.5 rounded once from double: 0x3C3504F3 for 64 heads (SPEC §8.5). */
+      .w_scale = (float)(1.0 / sqrt((double)INDEX_DIM * m->index_n_heads)),
+      .positions = e->positions,
+      .tok_seg = e->tok_seg,
+      .seg_p0 = e->seg_p0,
+      .iq = f->iq,
+      .iw = f->iw,
+      .rope = e->rope[idx],
+      .seg_c_first_lb = e->seg_c_first_lb,
+      .seg_cbt_off = e->seg_cbt_off,
+      .seg_cbt_len = e->seg_cbt_len,
+      .c_block_table = e->plan.c_block_table,
+      .c_bt_entries = e->plan.c_bt_len,
+      .i_cache = e->i_cache[idx].ptr,
+      .c_n_blocks = e->p.c4_blocks,
+      .block_size = e->p.block_size,
+      .sel = f->topk ? f->topk : e->sel,
+  };
+  return e->be->ops->indexer(e->be, &xa);
 }
 
 void dsv4__engine_c_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,

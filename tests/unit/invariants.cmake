@@ -111,3 +111,24 @@ dsv4_unit_test(inv_determinism SOURCES unit/inv_determinism.c LIBS dsv4_kernels 
 dsv4_inv_broken(inv_determinism_broken_order SOURCE inv_determinism.c
                 LIBS dsv4_inv_kernels_order TIMEOUT 120
                 EXPECT "invariant violated: SPEC 5[.]4: determinism: .* with [24] threads, .* differ from the 1-thread run")
+
+# 5.2 for the compressed branch (SPEC §8.4): a batch's emissions are stored before its indexer and
+# its attention read the entry caches. The broken build is the engine's own sources again with the
+# launch order reversed.
+if(TARGET dsv4_engine)
+  set(DSV4_INV_ENGINE_DIR ${DSV4_INV_ROOT}/server/engine)
+  add_library(dsv4_inv_engine_emit_late STATIC
+    ${DSV4_INV_ENGINE_DIR}/engine.c ${DSV4_INV_ENGINE_DIR}/engine_admin.c
+    ${DSV4_INV_ENGINE_DIR}/engine_attn.c ${DSV4_INV_ENGINE_DIR}/engine_compress.c)
+  target_include_directories(dsv4_inv_engine_emit_late PUBLIC ${DSV4_INV_ENGINE_DIR}
+                                                              ${XXHASH_INCLUDE_DIR})
+  target_link_libraries(dsv4_inv_engine_emit_late PUBLIC dsv4_config dsv4_kvcache dsv4_kernels
+                                                         ${XXHASH_LIBRARY} m)
+  target_compile_definitions(dsv4_inv_engine_emit_late PRIVATE DSV4_TEST_BROKEN_EMIT_LATE)
+  dsv4_strict(dsv4_inv_engine_emit_late)
+  dsv4_unit_test(inv_emit_first SOURCES unit/inv_emit_first.c LIBS dsv4_engine TIMEOUT 120
+                 LABELS invariants)
+  dsv4_inv_broken(inv_emit_first_broken_emit_late SOURCE inv_emit_first.c
+                  LIBS dsv4_inv_engine_emit_late TIMEOUT 120
+                  EXPECT "invariant violated: SPEC 5[.]2: layer [0-9]+ token at position [0-9]+ [(][0-9]+ entries visible[)]: its attention did not see the entries its own batch emitted")
+endif()
