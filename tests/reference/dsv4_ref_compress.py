@@ -19,7 +19,8 @@ can feed the same bytes to kernel_run and compare byte for byte:
 - emitted_entries(ratio, positions): the entries that the tokens at these positions emit;
 - indexer_select(iq, iw, positions, p0, index_records, topk, inv) -> sel [N, topk] int32;
 - attention_union(q_out, positions, p0, swa_records, c_records, ratio, inv, sel=, sink=)
-  -> (out [N, H, 512] bf16 bits, lse [N, H]) in the exact binary32 order of §7 and §8.6;
+  -> (out [N, H, 512] bf16 bits, lse [N, H]) in the exact binary32 order of §7 and §8.6
+  (attention_exact is the same for given candidate keys);
 - attention_union_f64(...): the same quantity in binary64 (dsv4_ref.attention_token), for tolerances;
 - write_c_records / write_index_records / read_index_record: the paged layouts (§3, §8.7).
 """
@@ -425,38 +426,60 @@ def index_queries(iq, positions, inv, trace=None):
     return q_hat
 
 
-def _dot128_partials(q, k):
-    """The 8 fma partials of 16 dims of q [..., 128] . k [..., 128] (broadcast), as float32.
+def _products_exact(a, b):
+    """True when every product of an element of a with one of b is exact in binary32: both hold bf16
+    values (at most 8 significant bits, so a product has at most 16) with every nonzero magnitude in
+    [2^-60, 2^60] (so no product leaves the normal range)."""
+    for x in (a, b):
+        x = np.ascontiguousarray(x, dtype=F32)
+        if np.any(x.view(U32) & U32(0xFFFF)):
+            return False
+        ax = np.abs(x)
+        if np.any((ax > 0) & ((ax < F32(2.0 ** -60)) | (ax > F32(2.0 ** 60)))):
+            return False
+    return True
 
-    When every product q_i k_i is exact in binary32, fmaf(q_i, k_i, acc) = RN(q_i k_i + acc), so the
-    chain is a chain of binary32 additions of exact products; that path is used when it is provably
-    the same (checked per call), and the fma chain otherwise.
-    """
-    q, k = np.broadcast_arrays(np.asarray(q, dtype=F32), np.asarray(k, dtype=F32))
-    xq = q.reshape(q.shape[:-1] + (8, 16))
-    xk = k.reshape(k.shape[:-1] + (8, 16))
-    prod32 = (xq * xk).astype(F32)
-    exact = np.array_equal(prod32.astype(F64), xq.astype(F64) * xk.astype(F64))
-    acc = np.zeros(q.shape[:-1] + (8,), dtype=F32)
-    for i in range(16):
-        if exact:
-            acc = (acc + prod32[..., i]).astype(F32)
-        else:
+
+def _dot_partials(q, k, parts):
+    """The fma partials of q [..., n] . k [..., n] (broadcast), parts chains of n / parts dims each,
+    as float32. When every product is exact in binary32 (_products_exact), fmaf(q_i, k_i, acc) =
+    RN(q_i k_i + acc), so the chain is binary32 additions of binary32 products, computed that way;
+    otherwise with the exact fmaf."""
+    q = np.asarray(q, dtype=F32)
+    k = np.asarray(k, dtype=F32)
+    n = q.shape[-1]
+    xq = q.reshape(q.shape[:-1] + (parts, n // parts))
+    xk = k.reshape(k.shape[:-1] + (parts, n // parts))
+    shape = np.broadcast_shapes(q.shape[:-1], k.shape[:-1]) + (parts,)
+    acc = np.zeros(shape, dtype=F32)
+    if _products_exact(q, k):
+        for i in range(n // parts):
+            acc += xq[..., i] * xk[..., i]
+    else:
+        xq, xk = np.broadcast_arrays(xq, xk)
+        for i in range(n // parts):
             acc = R.fmaf(xq[..., i], xk[..., i], acc)
     return acc
 
 
-def index_scores(q_hat, w, k_hat):
-    """Scores of entries k_hat [n, 128] for one token: q_hat [H, 128], w [H] (already scaled).
+def _dot128_partials(q, k):
+    """The 8 fma partials of 16 dims of q [..., 128] . k [..., 128] (SPEC §8.5), as float32."""
+    return _dot_partials(q, k, 8)
 
-    d_hj: 8 fma partials of 16, folded 4, 2, 1; score_j = fmaf(w_h, max(d_hj, 0), acc) over h."""
-    acc = _dot128_partials(q_hat[:, None, :], k_hat[None, :, :])  # [H, n, 8]
+
+def index_scores(q_hat, w, k_hat):
+    """Scores of entries k_hat [n, 128] for tokens q_hat [..., H, 128], w [..., H] (already scaled):
+    [..., n]. d_hj: 8 fma partials of 16, folded 4, 2, 1; score_j = fmaf(w_h, max(d_hj, +0), acc)
+    over h in order from +0."""
+    q_hat = np.asarray(q_hat, dtype=F32)
+    w = np.asarray(w, dtype=F32)
+    acc = _dot128_partials(q_hat[..., :, None, :], k_hat)  # [..., H, n, 8]
     for step in (4, 2, 1):
         acc = (acc[..., :step] + acc[..., step:2 * step]).astype(F32)
-    d = np.maximum(acc[..., 0], F32(0.0))  # [H, n]
-    score = np.zeros(k_hat.shape[0], dtype=F32)
-    for h in range(q_hat.shape[0]):
-        score = R.fmaf(np.full_like(score, w[h]), d[h], score)
+    d = np.maximum(acc[..., 0], F32(0.0))  # [..., H, n]
+    score = np.zeros(d.shape[:-2] + d.shape[-1:], dtype=F32)
+    for h in range(q_hat.shape[-2]):
+        score = R.fmaf(np.broadcast_to(w[..., h:h + 1], score.shape), d[..., h, :], score)
     return score
 
 
@@ -469,13 +492,14 @@ def select_topk(scores, j_first, topk):
 
 
 def indexer_select(iq, iw, positions, p0, index_records, topk, inv, w_scale=INDEX_W_SCALE,
-                   return_scores=False):
+                   return_scores=False, group=16):
     """The selection of every token (SPEC §8.5): sel [N, topk] int32 in increasing j, -1 padded.
 
     iq [N, H, 128] bf16 bits; iw [N, H] float32; index_records [n_entries, 68] indexed by j (at
     least every visible entry); positions of the tokens (one sequence starting at p0). With
     return_scores also a list of (j_first, scores) per token (scores of the visible entries, or
-    None where every visible entry is selected without scoring).
+    None where every visible entry is selected without scoring). Tokens that need scores are scored
+    group at a time over the entries below the group's largest bound; each token keeps its own.
     """
     pos = np.asarray(positions, dtype=np.int64)
     n_tok = len(pos)
@@ -483,17 +507,22 @@ def indexer_select(iq, iw, positions, p0, index_records, topk, inv, w_scale=INDE
     w = (np.asarray(iw, dtype=F32) * F32(w_scale)).astype(F32)
     k_all = dequantise_index_record(np.asarray(index_records, dtype=np.uint8))
     sel = np.full((n_tok, topk), -1, dtype=np.int32)
-    all_scores = []
+    all_scores = [None] * n_tok
+    ranges = [visible_range(4, p0, p) for p in pos]
+    need = [t for t in range(n_tok) if ranges[t][1] - ranges[t][0] > topk]
     for t in range(n_tok):
-        lo, hi = visible_range(4, p0, pos[t])
+        lo, hi = ranges[t]
         if hi - lo <= topk:
-            js = np.arange(lo, hi)
-            all_scores.append((lo, None))
-        else:
-            sc = index_scores(q_hat[t], w[t], k_all[lo:hi])
-            js = select_topk(sc, lo, topk)
-            all_scores.append((lo, sc))
-        sel[t, :len(js)] = js
+            sel[t, :hi - lo] = np.arange(lo, hi)
+            all_scores[t] = (lo, None)
+    for a in range(0, len(need), group):
+        ts = need[a:a + group]
+        top = max(ranges[t][1] for t in ts)
+        sc = index_scores(q_hat[ts], w[ts], k_all[:top])
+        for i, t in enumerate(ts):
+            lo, hi = ranges[t]
+            sel[t] = select_topk(sc[i, lo:hi], lo, topk)
+            all_scores[t] = (lo, sc[i, lo:hi])
     return (sel, all_scores) if return_scores else sel
 
 
@@ -516,46 +545,50 @@ def union_candidates(ratio, p0, p, sel_row=None):
 
 
 def _dot512_exact(q, k):
-    """§2's 512-long dot order for q [..., 512] . k [..., 512] (broadcast), as _dot128_partials."""
-    q, k = np.broadcast_arrays(np.asarray(q, dtype=F32), np.asarray(k, dtype=F32))
-    xq = q.reshape(q.shape[:-1] + (32, 16))
-    xk = k.reshape(k.shape[:-1] + (32, 16))
-    prod32 = (xq * xk).astype(F32)
-    exact = np.array_equal(prod32.astype(F64), xq.astype(F64) * xk.astype(F64))
-    acc = np.zeros(q.shape[:-1] + (32,), dtype=F32)
-    for i in range(16):
-        acc = (acc + prod32[..., i]).astype(F32) if exact else R.fmaf(xq[..., i], xk[..., i], acc)
+    """§2's 512-long dot order for q [..., 512] . k [..., 512] (broadcast): 32 fma partials of 16,
+    folded 16, 8, 4, 2, 1."""
+    acc = _dot_partials(q, k, 32)
     for step in (16, 8, 4, 2, 1):
         acc = (acc[..., :step] + acc[..., step:2 * step]).astype(F32)
     return acc[..., 0]
 
 
-def attention_exact(q, keys, rope_row, sink=None):
-    """One query token in §7's binary32 order over keys [nc, 512] float32 (candidate order):
-    q [H, 512] bf16 bits. Returns (out [H, 512] bf16 bits, lse [H] float32)."""
+def attention_exact(q, keys, rope_row, sink=None, valid=None):
+    """Query tokens in §7's binary32 order over their candidates (in candidate order).
+
+    q [G, H, 512] bf16 bits, keys [G, nc, 512] float32, rope_row [G, 64], sink [H] or None; valid
+    [G, nc] marks real candidates (default all). Padding sits after a token's candidates with weight
+    exactly 0: S + 0 = S, and fmaf(0, 0, N) = N because N is never -0 (it starts at +0, and a sum
+    in round-to-nearest is -0 only when both addends are). Returns (out [G, H, 512] bf16 bits, lse
+    [G, H] float32).
+    """
     qf = R.bf16_to_f32(np.asarray(q, dtype=np.uint16))
     keys = np.asarray(keys, dtype=F32)
-    d = _dot512_exact(qf[:, None, :], keys[None, :, :])  # [H, nc]
-    logit = (d * SOFTMAX_SCALE).astype(F32)
-    m = np.max(logit, axis=1)
-    w = dsv4_expf((logit - m[:, None]).astype(F32))
-    S = np.zeros(qf.shape[0], dtype=F32)
+    g, nc = keys.shape[:2]
+    if valid is None:
+        valid = np.ones((g, nc), dtype=bool)
+    d = _dot512_exact(qf[:, :, None, :], keys[:, None, :, :])  # [G, H, nc]
+    logit = np.where(valid[:, None, :], (d * SOFTMAX_SCALE).astype(F32), F32(-np.inf))
+    m = np.max(logit, axis=2)
+    w = np.where(valid[:, None, :], dsv4_expf((logit - m[..., None]).astype(F32)), F32(0))
+    S = np.zeros(m.shape, dtype=F32)
     N = np.zeros(qf.shape, dtype=F32)
-    for s in range(keys.shape[0]):
-        S = (S + w[:, s]).astype(F32)
-        N = R.fmaf(w[:, s:s + 1], keys[s][None, :], N)
+    for s in range(nc):
+        S = (S + w[..., s]).astype(F32)
+        N = R.fmaf(w[..., s:s + 1], keys[:, None, s, :], N)
     D = S
     if sink is not None:
         with np.errstate(over="ignore", invalid="ignore"):
-            D = (S + dsv4_expf((np.asarray(sink, dtype=F32) - m).astype(F32))).astype(F32)
+            D = (S + dsv4_expf((np.asarray(sink, dtype=F32)[None, :] - m).astype(F32))).astype(F32)
     with np.errstate(invalid="ignore"):
-        o = (N / D[:, None]).astype(F32)
-    c = rope_row[None, :R.ROPE_PAIRS]
-    sn = rope_row[None, R.ROPE_PAIRS:]
-    e, od = o[:, R.NOPE_DIM::2], o[:, R.NOPE_DIM + 1::2]
+        o = (N / D[..., None]).astype(F32)
+    rope_row = np.asarray(rope_row, dtype=F32)
+    c = rope_row[:, None, :R.ROPE_PAIRS]
+    sn = rope_row[:, None, R.ROPE_PAIRS:]
+    e, od = o[..., R.NOPE_DIM::2], o[..., R.NOPE_DIM + 1::2]
     out = o.copy()
-    out[:, R.NOPE_DIM::2] = R.fmaf(e, c, (od * sn).astype(F32))
-    out[:, R.NOPE_DIM + 1::2] = R.fmaf(-e, sn, (od * c).astype(F32))
+    out[..., R.NOPE_DIM::2] = R.fmaf(e, c, (od * sn).astype(F32))
+    out[..., R.NOPE_DIM + 1::2] = R.fmaf(-e, sn, (od * c).astype(F32))
     lse = (m + dsv4_logf(S)).astype(F32)
     return R.f32_to_bf16(out), lse
 
@@ -579,20 +612,29 @@ def union_keys(ratio, p0, p, swa_records, c_records, sel_row=None, swa_first=Non
 
 
 def attention_union(q_out, positions, p0, swa_records, c_records, ratio, inv, sel=None, sink=None,
-                    swa_first=None):
+                    swa_first=None, group=16):
     """Exact-mode attention over the window and the compressed entries (SPEC §8.6) of the tokens
     of one sequence: q_out [N, H, 512] bf16 bits (the insert's rotated queries); swa_records the
     records of positions swa_first.. (default p0) as an array, or a {position: record} dict;
     c_records [n_entries, 584] indexed by j; sel [N, topk] (ratio 4) as from indexer_select.
-    Returns (out [N, H, 512] bf16 bits, lse [N, H] float32)."""
+    Returns (out [N, H, 512] bf16 bits, lse [N, H] float32). Tokens are computed group at a time;
+    each token's result is independent of its group."""
     pos = np.asarray(positions, dtype=np.int64)
+    q_out = np.asarray(q_out, dtype=np.uint16)
     rows = R.rope_rows(inv, pos)
-    out = np.empty(np.asarray(q_out).shape, dtype=np.uint16)
+    out = np.empty(q_out.shape, dtype=np.uint16)
     lse = np.empty(out.shape[:2], dtype=F32)
-    for t, p in enumerate(pos):
-        keys = union_keys(ratio, p0, p, swa_records, c_records,
-                          None if sel is None else sel[t], swa_first)
-        out[t], lse[t] = attention_exact(q_out[t], keys, rows[t], sink)
+    for a in range(0, len(pos), group):
+        b = min(a + group, len(pos))
+        keys = [union_keys(ratio, p0, pos[t], swa_records, c_records,
+                           None if sel is None else sel[t], swa_first) for t in range(a, b)]
+        nc = max(k.shape[0] for k in keys)
+        kk = np.zeros((b - a, nc, R.HEAD_DIM), dtype=F32)
+        valid = np.zeros((b - a, nc), dtype=bool)
+        for i, k in enumerate(keys):
+            kk[i, :len(k)] = k
+            valid[i, :len(k)] = True
+        out[a:b], lse[a:b] = attention_exact(q_out[a:b], kk, rows[a:b], sink, valid)
     return out, lse
 
 

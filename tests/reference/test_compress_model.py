@@ -213,7 +213,6 @@ def scalar_pool(kv_rows, s_rows):
 
 def test_pooling(rng):
     inv = R.inv_freq("yarn")
-    w = np.ones(512, dtype=F32)
     # Ratio 4: mark every row's halves; with the gates of one row at 0 and all others at -300
     # (dsv4_expf(-300) = 0 exactly), z is that row's kv exactly. Entry j = 2 uses positions 4..7 with
     # half A, then 8..11 with half B.
