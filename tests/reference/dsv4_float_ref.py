@@ -56,6 +56,9 @@ Roundings of the same quantities in a different order (not in SPEC §8.8, all wi
     and 1.0f / sqrtf.
 12. Attention uses exp, normalised weights and one weighted sum; the contract uses dsv4_expf, one fma
     chain and N / D.
+Not modelled: the tilelang sparse_attn kernel (as found in the same third-party copy) rounds the
+unnormalised weights to bf16 before the weighted sum, as FlashMLA does; the mirror's pure-torch
+sparse_attn, followed here, keeps them in fp32.
 """
 
 import math

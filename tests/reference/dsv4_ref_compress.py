@@ -9,13 +9,14 @@ One piece is not in SPEC.md's text: dsv4_expf and dsv4_logf, which SPEC §7 defi
 the shared numerics", their outputs frozen over all 2^32 inputs by a digest. Their operation sequence
 is reproduced below from that routine's documented algorithm (kernels/dsv4-numerics.h); the frozen
 digests of tests/support/numerics_digests.h check the transcription (test_compress_model.py
---expf-digest runs the full sweep, a few minutes).
+--expf-digest runs the full sweep, about an hour of one core).
 
 Entry points take raw arrays in the backend's shapes and layouts (kernels/backend.h), so that a test
 can feed the same bytes to kernel_run and compare byte for byte:
 
 - compress_sequence(ratio, ckv, positions, p0, ape, norm_weight, inv, ikv=, i_ape=, i_norm_weight=)
-  -> Compressed: js, records [n, 584] and (ratio 4) index records [n, 68] of the emitted entries;
+  -> Compressed: js, records [n, 584] and (ratio 4) index records [n, 68] of the emitted entries
+  (Compressed.emitted_by(batch positions) picks those a batch's tokens emit);
 - emitted_entries(ratio, positions): the entries that the tokens at these positions emit;
 - indexer_select(iq, iw, positions, p0, index_records, topk, inv) -> sel [N, topk] int32;
 - attention_union(q_out, positions, p0, swa_records, c_records, ratio, inv, sel=, sink=)
@@ -351,6 +352,11 @@ class Compressed:
 
     def __init__(self, js, records, irecs, trace):
         self.js, self.records, self.irecs, self.trace = js, records, irecs, trace
+
+    def emitted_by(self, positions, ratio):
+        """(js, records, irecs) of the entries that the tokens at positions emit (one batch)."""
+        keep = np.isin(self.js, emitted_entries(ratio, positions))
+        return self.js[keep], self.records[keep], None if self.irecs is None else self.irecs[keep]
 
     def by_j(self, n_entries=None):
         """Records as arrays indexed by j (rows of entries not emitted are zero)."""

@@ -6,8 +6,9 @@ to the scale), emission counts and positions, pooling against a scalar transcrip
 hand-made cases whose answers are exact, p0 > 0, the selection's tie rule, the union's candidate
 order, the binary32 union attention against the binary64 model, and dsv4_expf / dsv4_logf.
 
-Usage: test_compress_model.py [--expf-digest]   (the flag adds the full 2^32-input digest sweeps of
-dsv4_expf and dsv4_logf against tests/support/numerics_digests.h: about half an hour)
+Usage: test_compress_model.py [--expf-digest [--jobs N]]   (the flag adds the full 2^32-input digest
+sweeps of dsv4_expf and dsv4_logf against tests/support/numerics_digests.h: about an hour of one core,
+split over N processes)
 """
 
 import math
@@ -451,20 +452,30 @@ def frozen_digests():
             re.findall(r"#define DSV4_(EXPF|LOGF)_DIGEST UINT64_C\(0x([0-9a-f]+)\)", text)}
 
 
-def test_expf_digest():
-    frozen = frozen_digests()
+def _sweep_block(args):
+    """One block of 2^22 consecutive input bit patterns through dsv4_expf or dsv4_logf."""
+    name, b = args
     block = 1 << 22
-    for name, fn in (("EXPF", C.dsv4_expf), ("LOGF", C.dsv4_logf)):
-        h = xxhash.xxh3_64()
-        t = time.time()
-        for b in range(1 << 10):
-            x = np.arange(b * block, (b + 1) * block, dtype=np.uint64).astype(np.uint32).view(F32)
-            with np.errstate(all="ignore"):
-                h.update(fn(x).astype("<f4").tobytes())
-        got = h.intdigest()
-        print("dsv4_%s digest %016x (frozen %016x), %.0f s" % (name.lower(), got, frozen[name],
-                                                              time.time() - t))
-        check(got == frozen[name], "dsv4_%s over all 2^32 inputs matches the frozen digest" % name)
+    x = np.arange(b * block, (b + 1) * block, dtype=np.uint64).astype(np.uint32).view(F32)
+    with np.errstate(all="ignore"):
+        return (C.dsv4_expf if name == "EXPF" else C.dsv4_logf)(x).astype("<f4").tobytes()
+
+
+def test_expf_digest(jobs):
+    """The output bits over all 2^32 inputs, hashed in input order, against the frozen digests;
+    blocks are computed by jobs worker processes and hashed in order."""
+    import multiprocessing
+    frozen = frozen_digests()
+    with multiprocessing.Pool(jobs) as pool:
+        for name in ("EXPF", "LOGF"):
+            h = xxhash.xxh3_64()
+            t = time.time()
+            for out in pool.imap(_sweep_block, [(name, b) for b in range(1 << 10)]):
+                h.update(out)
+            got = h.intdigest()
+            print("dsv4_%s digest %016x (frozen %016x), %.0f s" % (name.lower(), got, frozen[name],
+                                                                  time.time() - t))
+            check(got == frozen[name], "dsv4_%s over all 2^32 inputs: the frozen digest" % name.lower())
 
 
 def main():
@@ -477,7 +488,8 @@ def main():
              ("selection", lambda: test_scores_and_selection(rng)),
              ("union", lambda: test_union(rng)), ("expf_logf", lambda: test_expf_logf(rng))]
     if "--expf-digest" in sys.argv:
-        tests.append(("digests", test_expf_digest))
+        jobs = int(sys.argv[sys.argv.index("--jobs") + 1]) if "--jobs" in sys.argv else 1
+        tests.append(("digests", lambda: test_expf_digest(jobs)))
     t0 = time.time()
     for name, fn in tests:
         t = time.time()
