@@ -281,36 +281,28 @@ def pool(kv, s):
     return (N / S).astype(F32)
 
 
-def _window_rows(ratio, d, js, p0, base, kvpart, spart, coff):
-    """Gather the row list R of each entry j (§8.3): kv, s [n, L, d] with missing rows padded.
-
-    kvpart/spart: [P, coff * d] rows of positions base..base+P-1 (kv, and s = gate + ape).
-    """
-    n = len(js)
-    if ratio == 4:
-        L = 8
-    else:
-        L = ratio
-    kv = np.zeros((n, L, d), dtype=F32)
-    s = np.full((n, L, d), -np.inf, dtype=F32)
+def window_rows(ratio, d, js, p0, kv_rows, s_rows):
+    """The row list R of each entry j (§8.3) as kv, s [n, L, d] float32, L = 8 (ratio 4: positions
+    4j-4..4j-1 with half A, then 4j..4j+3 with half B) or ratio. kv_rows, s_rows: [P, coff * d] of
+    positions p0..p0+P-1 (kv, and s = gate + ape). A row below max(0, p0) is missing: s = -inf and
+    kv = 0, which pooling turns into exact zeros."""
+    spans = (lambda j: [(4 * j - 4, 0), (4 * j, d)]) if ratio == 4 else (lambda j: [(ratio * j, 0)])
+    width = 4 if ratio == 4 else ratio
+    kv = np.zeros((len(js), 2 * width if ratio == 4 else width, d), dtype=F32)
+    s = np.full(kv.shape, -np.inf, dtype=F32)
     first = max(0, p0)
     for i, j in enumerate(js):
-        if ratio == 4:
-            spans = [(4 * j - 4, 0), (4 * j, d)]  # (first position of 4 rows, channel offset)
-        else:
-            spans = [(ratio * j, 0)]
         slot = 0
-        for p_start, off in spans:
-            width = 4 if ratio == 4 else ratio
+        for p_start, off in spans(int(j)):
             for p in range(p_start, p_start + width):
                 if p >= first:
-                    kv[i, slot] = kvpart[p - base, off:off + d]
-                    s[i, slot] = spart[p - base, off:off + d]
+                    kv[i, slot] = kv_rows[p - p0, off:off + d]
+                    s[i, slot] = s_rows[p - p0, off:off + d]
                 slot += 1
     return kv, s
 
 
-def _rows_with_ape(x, positions, ape, ratio):
+def rows_with_ape(x, positions, ape, ratio):
     """Split wire rows x [N, 2W] into kv [N, W] and s = gate + ape[p mod ratio] [N, W] (one fp32
     add, rounded once)."""
     x = np.asarray(x, dtype=F32)
@@ -321,18 +313,24 @@ def _rows_with_ape(x, positions, ape, ratio):
     return x[:, :w], (x[:, w:] + ape[p % ratio]).astype(F32)
 
 
-def index_key_values(z, rows, norm_weight, eps=R.EPS, trace=None):
-    """Pooled index z [n, 128] float32 and YaRN rows at 4j -> (bf16 bits after the Hadamard [n,
-    128]): bf16(z), the 8x16 RMS, weight, RoPE on dims 64..127, Hadamard (SPEC §8.5)."""
-    zb = R.bf16_to_f32(R.f32_to_bf16(z))
-    xs = zb.reshape(zb.shape[0], 8, 16)
-    acc = np.zeros((zb.shape[0], 8), dtype=F32)
+def index_rms_factor(zb, eps=R.EPS):
+    """The index keys' RMS factor of zb [n, 128]: 8 fma chains of 16, folded 4, 2, 1; then
+    1.0f / sqrtf(ss * 2^-7 + eps), each operation rounded once."""
+    xs = np.asarray(zb, dtype=F32).reshape(-1, 8, 16)
+    acc = np.zeros((xs.shape[0], 8), dtype=F32)
     for k in range(16):
         acc = R.fmaf(xs[..., k], xs[..., k], acc)
     for step in (4, 2, 1):
         acc = (acc[:, :step] + acc[:, step:2 * step]).astype(F32)
-    ss = acc[:, 0]
-    r = (F32(1.0) / np.sqrt(((ss * F32(2.0 ** -7)).astype(F32) + F32(eps)).astype(F32))).astype(F32)
+    t = ((acc[:, 0] * F32(2.0 ** -7)).astype(F32) + F32(eps)).astype(F32)
+    return (F32(1.0) / np.sqrt(t)).astype(F32)
+
+
+def index_key_values(z, rows, norm_weight, eps=R.EPS, trace=None):
+    """Pooled index z [n, 128] float32 and YaRN rows at 4j -> (bf16 bits after the Hadamard [n,
+    128]): bf16(z), the 8x16 RMS, weight, RoPE on dims 64..127, Hadamard (SPEC §8.5)."""
+    zb = R.bf16_to_f32(R.f32_to_bf16(z))
+    r = index_rms_factor(zb, eps)
     w = np.asarray(norm_weight, dtype=F32)
     y_pre = ((zb * r[:, None]).astype(F32) * w[None, :]).astype(F32)
     y = R.bf16_to_f32(R.f32_to_bf16(y_pre))
@@ -386,8 +384,8 @@ def compress_sequence(ratio, ckv, positions, p0, ape, norm_weight, inv, ikv=None
     ckv = np.asarray(ckv, dtype=F32)
     assert ckv.shape == (len(pos), 2 * coff * R.HEAD_DIM)
     js = emitted_entries(ratio, pos)
-    kvp, sp = _rows_with_ape(ckv, pos, ape, ratio)
-    kv, s = _window_rows(ratio, R.HEAD_DIM, js, p0, p0, kvp, sp, coff)
+    kvp, sp = rows_with_ape(ckv, pos, ape, ratio)
+    kv, s = window_rows(ratio, R.HEAD_DIM, js, p0, kvp, sp)
     z = pool(kv, s)
     zb = R.f32_to_bf16(z)
     rows = R.rope_rows(inv, js * ratio)
@@ -397,8 +395,8 @@ def compress_sequence(ratio, ckv, positions, p0, ape, norm_weight, inv, ikv=None
     if ratio == 4:
         ikv = np.asarray(ikv, dtype=F32)
         assert ikv.shape == (len(pos), 4 * INDEX_DIM)
-        ikp, isp = _rows_with_ape(ikv, pos, i_ape, 4)
-        ik, isc = _window_rows(4, INDEX_DIM, js, p0, p0, ikp, isp, 2)
+        ikp, isp = rows_with_ape(ikv, pos, i_ape, 4)
+        ik, isc = window_rows(4, INDEX_DIM, js, p0, ikp, isp)
         iz = pool(ik, isc)
         itrace = {}
         hb = index_key_values(iz, rows, i_norm_weight, eps, itrace)

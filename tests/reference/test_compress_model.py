@@ -224,28 +224,28 @@ def test_pooling(rng):
         ckv[p, 512:1024] = p + 0.5       # half B of kv
         ckv[p, 1024:] = -300.0           # gates (both halves)
     ape = np.zeros((4, 1024), dtype=F32)
-    kvp, sp = C._rows_with_ape(ckv, np.arange(n), ape, 4)
+    kvp, sp = C.rows_with_ape(ckv, np.arange(n), ape, 4)
     for pick, half, want in ((5, "A", 5.25), (10, "B", 10.5)):
         s = sp.copy()
         if half == "A":
             s[pick, :512] = 0.0
         else:
             s[pick, 512:] = 0.0
-        kv, ss = C._window_rows(4, 512, np.array([2]), 0, 0, kvp, s, 2)
+        kv, ss = C.window_rows(4, 512, np.array([2]), 0, kvp, s)
         z = C.pool(kv, ss)
         check(np.all(z == F32(want)), "ratio 4: entry 2 takes %s of position %d" % (half, pick))
     # j = 0 at ratio 4: the previous window does not exist; equal gates average the own window's
     # half B: (0.5 + 1.5 + 2.5 + 3.5) / 4 = 2 exactly.
     s = np.zeros_like(sp)
-    kv, ss = C._window_rows(4, 512, np.array([0]), 0, 0, kvp, s, 2)
+    kv, ss = C.window_rows(4, 512, np.array([0]), 0, kvp, s)
     check(np.all(np.isneginf(ss[0, :4])) and np.all(kv[0, :4] == 0), "j = 0 pads the previous window")
     check(np.all(C.pool(kv, ss) == F32(2.0)), "j = 0 averages the own window's half B")
     # ape is added to the gate of position p at row p mod ratio.
     ape2 = np.full((4, 1024), -300.0, dtype=F32)
     ape2[3, 512:] = 300.0  # position 4j+3 wins half B
-    kvp2, sp2 = C._rows_with_ape(np.where(np.arange(2048) < 1024, ckv, 0).astype(F32),
+    kvp2, sp2 = C.rows_with_ape(np.where(np.arange(2048) < 1024, ckv, 0).astype(F32),
                                  np.arange(n), ape2, 4)
-    kv, ss = C._window_rows(4, 512, np.array([1]), 0, 0, kvp2, sp2, 2)
+    kv, ss = C.window_rows(4, 512, np.array([1]), 0, kvp2, sp2)
     check(np.all(C.pool(kv, ss) == F32(7.5)), "ape[p mod 4] decides: position 7's half B")
     # Random rows against the scalar transcription, bit for bit (ratio 4 and 128).
     for ratio, d in ((4, 512), (128, 512), (4, 128)):
@@ -287,8 +287,8 @@ def test_p0(rng):
     comp = C.compress_sequence(4, ckv, np.arange(6, 6 + n), 6, ape, w, inv, ikv, iape,
                                np.ones(128, dtype=F32))
     check(np.array_equal(comp.js, [1, 2, 3]), "p0 = 6: entries 1, 2, 3 (positions 7, 11, 15)")
-    kvp, sp = C._rows_with_ape(ckv, np.arange(6, 6 + n), ape, 4)
-    kv, ss = C._window_rows(4, 512, np.array([1]), 6, 6, kvp, sp, 2)
+    kvp, sp = C.rows_with_ape(ckv, np.arange(6, 6 + n), ape, 4)
+    kv, ss = C.window_rows(4, 512, np.array([1]), 6, kvp, sp)
     z = C.pool(kv, ss)
     b = 512 + np.arange(512)
     e6 = C.dsv4_expf((sp[0, b] - np.maximum(sp[0, b], sp[1, b])).astype(F32))

@@ -205,7 +205,7 @@ def compare_norm(label, zb_e, zb_r, r_r, y_pre_r, w, n_sum, tally):
     if zb_e.shape[1] == 512:
         r_e = R.rms_factor(R.sum_squares(zb_e))
     else:
-        r_e = index_rms(zb_e)
+        r_e = C.index_rms_factor(zb_e)
     d = zb_e.shape[1]
     tol_r = r_e.astype(F64) * ((0.5 * (1.01 * n_sum + 1) + 2) * U + 2 * U
                                + 0.51 * np.abs(ss_e - ss_r) / (ss_e + d * 1e-6))
@@ -217,17 +217,6 @@ def compare_norm(label, zb_e, zb_r, r_r, y_pre_r, w, n_sum, tally):
              + 2.01 * U * (np.abs(y_pre_e) + np.abs(y_pre_r)))
     stage_within(label + " y", y_pre_r, y_pre_e, tol_y, tally)
     return y_pre_e
-
-
-def index_rms(zb):
-    xs = zb.reshape(zb.shape[0], 8, 16)
-    acc = np.zeros((zb.shape[0], 8), dtype=F32)
-    for k in range(16):
-        acc = R.fmaf(xs[..., k], xs[..., k], acc)
-    for step in (4, 2, 1):
-        acc = (acc[:, :step] + acc[:, step:2 * step]).astype(F32)
-    t = ((acc[:, 0] * F32(2.0 ** -7)).astype(F32) + R.EPS).astype(F32)
-    return (F32(1.0) / np.sqrt(t)).astype(F32)
 
 
 def rope_pre_exact(x, first, rows):
@@ -279,8 +268,8 @@ def compare_main_records(cs, ex, fl):
     comp, tr = ex["comp"], fl["att"].compressor.trace
     t = Tally("main records (%d)" % len(comp.js))
     check(np.array_equal(tr["js"], comp.js), "both models emit the same entries")
-    kvp, sp = C._rows_with_ape(cs.ckv, cs.pos, cs.ape, cs.ratio)
-    kv, s = C._window_rows(cs.ratio, 512, comp.js, 0, 0, kvp, sp, 2 if cs.ratio == 4 else 1)
+    kvp, sp = C.rows_with_ape(cs.ckv, cs.pos, cs.ape, cs.ratio)
+    kv, s = C.window_rows(cs.ratio, 512, comp.js, 0, kvp, sp)
     compare_pooled("", comp.trace["z"], tr["z"], kv, s, t)
     zb_e = comp.trace["zb"]
     t.add("zb flips", int(np.sum(zb_e != tr["zb"])))
@@ -309,8 +298,8 @@ def compare_index_records(cs, ex, fl):
     et, tr = comp.trace["index"], fl["att"].indexer.compressor.trace
     t = Tally("index records (%d)" % len(comp.js))
     check(np.array_equal(tr["js"], comp.js), "both indexers emit the same entries")
-    kvp, sp = C._rows_with_ape(cs.ikv, cs.pos, cs.i_ape, 4)
-    kv, s = C._window_rows(4, 128, comp.js, 0, 0, kvp, sp, 2)
+    kvp, sp = C.rows_with_ape(cs.ikv, cs.pos, cs.i_ape, 4)
+    kv, s = C.window_rows(4, 128, comp.js, 0, kvp, sp)
     compare_pooled("", et["z"], tr["z"], kv, s, t)
     t.add("zb flips", int(np.sum(et["zb"] != tr["zb"])))
     compare_norm("", et["zb"], tr["zb"], tr["r"], tr["y_pre"], cs.i_norm_w, 19, t)
