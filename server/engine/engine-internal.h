@@ -12,6 +12,23 @@
 #include "pool.h"
 #include "records.h"
 
+/*
+ * The per-batch scratch of the forward path that a batch still reads after its plan. A batch run in
+ * chunks swaps these fields of the engine with a spare set around its yield hook, so that the
+ * batches run between its chunks get scratch of their own and leave its positions, segment arrays
+ * and plan alone. A new per-batch array that a batch reads after its plan belongs in this set too.
+ */
+typedef struct {
+  int64_t *positions;
+  int32_t *tok_seg;
+  uint32_t tok_cap;
+  int64_t *seg_first_lb;
+  uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
+  int64_t *seg_p0;
+  uint32_t seg_cap;
+  dsv4_plan_t plan;
+} dsv4__engine_scratch_t;
+
 struct dsv4_engine {
   dsv4_backend_t *be;
   dsv4_engine_params_t p;
@@ -38,6 +55,8 @@ struct dsv4_engine {
   /* Device copies of the batch's inputs and outputs for a backend without DSV4_BE_HOST_MEMORY
    * (engine.c), or NULL when jobs point straight at host memory. */
   struct dsv4__engine_stage *stage;
+  /* The spare scratch: the set a chunked batch parks its own in while it yields (engine.c). */
+  dsv4__engine_scratch_t spare;
   atomic_int healthy;
 };
 

@@ -36,6 +36,9 @@ typedef struct {
   uint32_t max_sequences;
   int implicit_create;
   uint64_t idle_timeout_ns;
+  /* A batch with a yield hook and more tokens than this runs its kernels in token ranges of this
+   * many, calling the hook between them; 0 = never. */
+  uint32_t prefill_chunk_tokens;
 } dsv4_engine_params_t;
 
 /* Per-stage timings of one batch, in nanoseconds. */
@@ -51,6 +54,8 @@ typedef struct {
   uint64_t upload_ns;
   uint64_t launch_ns;
   uint64_t download_ns;
+  /* A batch run in chunks: the time its yield hook took (other batches), left out of kernel_ns. */
+  uint64_t yield_ns;
 } dsv4_engine_timing_t;
 
 /* Attention modes (SPEC §7): exact is byte-identical on every backend; fast is a GPU's own. */
@@ -75,7 +80,18 @@ typedef struct {
   uint16_t *attn; /* [n_tokens, heads, 512] bf16 */
   float *lse;     /* [n_tokens, heads] */
   int attention;  /* DSV4_ATTENTION_*; the mode that ran is written back (EXACT or FAST) */
+  /*
+   * Chunking (a prefill): when set and the batch has more than prefill_chunk_tokens tokens, the
+   * kernels run in token ranges and yield(yield_arg) is called between two of them. The whole batch
+   * is validated and planned before the first range, and committed after the last, so the answer
+   * and the cache are those of one launch. The hook may run other batches on this engine (one at a
+   * time, none nested, none naming a sequence of this one); nothing else (no delete, no expiry
+   * sweep, no admin read).
+   */
+  void (*yield)(void *yield_arg);
+  void *yield_arg;
   /* Results. */
+  uint32_t chunks; /* token ranges the kernels ran in (1 unless chunked; 0 when refused) */
   int replayed;
   uint64_t digest;         /* when want_digest */
   dsv4_plan_error_t error; /* details of a refused plan */
