@@ -107,6 +107,9 @@ static const opt_t opts[] = {
      "less a reserve of 64 descriptors)"},
     {"queue_depth", OPT_U32, F(queue_depth), "64", 1, 65536, NULL, 0,
      "batches waiting for the executor (503 queue_full beyond)"},
+    {"prefill_chunk_tokens", OPT_U32, F(prefill_chunk_tokens), "512", 0, 1u << 20, NULL, 0,
+     "a prefill batch of more tokens runs in chunks of this many, waiting decodes between them (0 "
+     "= never chunk)"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
      "seconds without a batch after which a sequence is deleted"},
     {"implicit_create", OPT_BOOL, F(implicit_create), "false", 0, 1, NULL, 0,

@@ -32,7 +32,8 @@ typedef struct dsv4_daemon {
   uint64_t inflight; /* forward batches submitted and not yet answered (loop thread) */
   /* Metric families. */
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
-      *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total;
+      *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total,
+      *m_prefill_chunks;
 } dsv4_daemon_t;
 
 /* The data-plane route table (forward, sequences, health, readiness, metrics). */

@@ -207,6 +207,10 @@ static void fwd_done(dsv4_job_t *job) {
   }
   if (j->f.want_digest)
     observe_stage(d, "digest", cls, j->f.timing.digest_ns);
+  if (j->f.chunks > 1) {
+    observe_stage(d, "yield", cls, j->f.timing.yield_ns);
+    dsv4_metric_add(d->m_prefill_chunks, NULL, j->f.chunks);
+  }
   dsv4_metric_observe(d->m_batch_tokens, NULL, (double)j->f.n_tokens);
 
   fwd_answer(j);
@@ -216,8 +220,15 @@ static int layer_served(const void *engine, uint32_t layer) {
   return dsv4_engine_layer_index(engine, layer) >= 0;
 }
 
+/* Executor thread, between two chunks of a prefill: the decodes waiting may run. */
+static void fwd_yield(void *arg) {
+  fwd_job_t *j = arg;
+  dsv4_executor_yield(&j->d->ex, &j->job);
+}
+
 /* The executor's class and keys: decode when every segment is one token, else prefill; one key per
- * segment, so a batch never passes a waiting one that names the same sequence. */
+ * segment, so a batch never passes a waiting one that names the same sequence. A prefill yields to
+ * waiting decodes between its chunks (prefill_chunk_tokens). */
 static int fwd_schedule(fwd_job_t *j) {
   j->job.cls = DSV4_JOB_DECODE;
   j->keys = malloc((j->f.n_segs ? j->f.n_segs : 1) * sizeof(*j->keys));
@@ -230,6 +241,10 @@ static int fwd_schedule(fwd_job_t *j) {
   }
   j->job.keys = j->keys;
   j->job.n_keys = j->f.n_segs;
+  if (j->job.cls == DSV4_JOB_PREFILL) {
+    j->f.yield = fwd_yield;
+    j->f.yield_arg = j;
+  }
   return 0;
 }
 
@@ -520,6 +535,9 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                              &d->m_alloc_failures);
   rc |= dsv4_metrics_gauge(m, "dsv4d_inflight_batches", "Forward batches accepted, not answered.",
                            NULL, 0, &d->m_inflight);
+  rc |= dsv4_metrics_counter(m, "dsv4d_prefill_chunks_total",
+                             "Kernel chunks of the prefills run in chunks (prefill_chunk_tokens).",
+                             NULL, 0, &d->m_prefill_chunks);
   rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
                            "Forward batches waiting in the executor (not running) by class.", cls,
                            1, &d->m_queued);
@@ -534,6 +552,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   dsv4_metric_set(d->m_block_size, NULL, (double)d->cfg->block_size);
   dsv4_metric_set(d->m_blocks_total, NULL, (double)dsv4_engine_blocks_total(d->engine));
   dsv4_metric_add(d->m_alloc_failures, NULL, 0);
+  dsv4_metric_add(d->m_prefill_chunks, NULL, 0);
   dsv4_metrics_set_collect(m, collect, d);
   return 0;
 }
