@@ -189,6 +189,19 @@ static int parse_segments(const char *segs_s, const dsv4_forward_limits_t *lim, 
 
 int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limits_t *lim,
                        dsv4_forward_req_t *out, char *why, size_t why_len) {
+  memset(out, 0, sizeof(*out));
+  int rc = dsv4_st_parse(body, len, &out->view);
+  if (rc) {
+    snprintf(why, why_len, "malformed safetensors body: %s", out->view.error);
+    /* A failed parse leaves nothing to free; keep the view empty for dsv4_forward_req_free. */
+    memset(&out->view, 0, sizeof(out->view));
+    return DSV4_EINVAL;
+  }
+  return dsv4_forward_parse_view(lim, out, why, why_len);
+}
+
+int dsv4_forward_parse_view(const dsv4_forward_limits_t *lim, dsv4_forward_req_t *out, char *why,
+                            size_t why_len) {
   dsv4_forward_req_t *r = out;
   const dsv4_st_tensor_t *q, *kv;
   const char *layer_s, *segs_s, *outputs_s;
@@ -196,14 +209,6 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
   int64_t n, h = lim->heads;
   int rc;
 
-  memset(r, 0, sizeof(*r));
-  rc = dsv4_st_parse(body, len, &r->view);
-  if (rc) {
-    snprintf(why, why_len, "malformed safetensors body: %s", r->view.error);
-    /* A failed parse leaves nothing to free; keep the view empty for dsv4_forward_req_free. */
-    memset(&r->view, 0, sizeof(r->view));
-    return DSV4_EINVAL;
-  }
   for (size_t i = 0; i < r->view.n_tensors; i++) {
     const char *name = r->view.tensors[i].name;
     if (strcmp(name, "q") && strcmp(name, "kv")) {

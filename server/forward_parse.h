@@ -70,6 +70,13 @@ typedef struct {
  */
 int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limits_t *lim,
                        dsv4_forward_req_t *out, char *why, size_t why_len);
+/*
+ * The same checks on a view already made (out->view, owned by *out from here on): the tensors
+ * and the metadata of a request whose tensors live in a shared region (SPEC §6.1). Returns and
+ * release as for dsv4_forward_parse.
+ */
+int dsv4_forward_parse_view(const dsv4_forward_limits_t *lim, dsv4_forward_req_t *out, char *why,
+                            size_t why_len);
 void dsv4_forward_req_free(dsv4_forward_req_t *r);
 
 #endif /* DSV4_SERVER_FORWARD_PARSE_H */
