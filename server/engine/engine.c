@@ -832,3 +832,12 @@ int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t
   }
   return e->be->ops->download(e->be, dst, buf, off, n);
 }
+
+int dsv4_engine_host_register(dsv4_engine_t *e, void *p, size_t n) {
+  return e->be->ops->host_register ? e->be->ops->host_register(e->be, p, n) : 0;
+}
+
+void dsv4_engine_host_unregister(dsv4_engine_t *e, void *p) {
+  if (e->be->ops->host_unregister)
+    e->be->ops->host_unregister(e->be, p);
+}

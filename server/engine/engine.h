@@ -128,6 +128,14 @@ uint32_t dsv4_engine_expire(dsv4_engine_t *e, uint64_t now_ns);
 /* Snapshot of a sequence, next/last_start indexed by served layer. */
 int dsv4_engine_seq_info(dsv4_engine_t *e, const char *name, uint32_t len, dsv4_seq_info_t *out);
 
+/*
+ * A shared region's mapping (SPEC §6.1) for the backend's host_register hook, once per region:
+ * 0 when the backend needs none or took it, else its error (the region is then refused). Unregister
+ * before unmapping. Executor thread.
+ */
+int dsv4_engine_host_register(dsv4_engine_t *e, void *p, size_t n);
+void dsv4_engine_host_unregister(dsv4_engine_t *e, void *p);
+
 /* The served index of a model layer, or -1. Any thread. */
 int dsv4_engine_layer_index(const dsv4_engine_t *e, uint32_t layer);
 /* Any thread: the backend's name, and whether it is still usable. */

@@ -86,6 +86,26 @@ static int f_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   }
   return inner_of(be)->ops->qkv_insert(inner_of(be), a);
 }
+/* The host_register hook of a device backend, counted: registered bytes, live registrations. */
+static size_t registered_bytes;
+static int registrations;
+static int fail_next_register;
+static int f_host_register(dsv4_backend_t *be, void *p, size_t n) {
+  (void)be;
+  (void)p;
+  if (fail_next_register) {
+    fail_next_register = 0;
+    return DSV4_EBACKEND;
+  }
+  registered_bytes += n;
+  registrations++;
+  return 0;
+}
+static void f_host_unregister(dsv4_backend_t *be, void *p) {
+  (void)be;
+  (void)p;
+  registrations--;
+}
 static int f_attn(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   return inner_of(be)->ops->attention(inner_of(be), a);
 }
@@ -120,6 +140,8 @@ static int faulty_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, 
   f->ops.qkv_insert = f_insert;
   f->ops.sync = f_sync;
   f->ops.attention = f->inner->ops->attention ? f_attn : NULL;
+  f->ops.host_register = f_host_register;
+  f->ops.host_unregister = f_host_unregister;
   f->ops.host_parallel = f->inner->ops->host_parallel ? f_host_parallel : NULL;
   f->base.ops = &f->ops;
   *out = &f->base;
@@ -725,6 +747,29 @@ static void test_chunked_device_failure(void **state) {
   dsv4_engine_destroy(e);
 }
 
+/* A shared region goes to the backend's host_register hook once, and back; a backend without the
+ * hook (the CPU) needs none and takes any region. */
+static void test_host_register(void **state) {
+  (void)state;
+  static uint8_t region[1 << 16];
+  dsv4_engine_t *f = open_engine("faulty"), *c = open_engine("cpu");
+  registered_bytes = 0;
+  registrations = 0;
+  assert_int_equal(dsv4_engine_host_register(f, region, sizeof(region)), 0);
+  assert_int_equal(registrations, 1);
+  assert_int_equal(registered_bytes, sizeof(region));
+  fail_next_register = 1;
+  assert_int_equal(dsv4_engine_host_register(f, region, 4096), DSV4_EBACKEND);
+  assert_int_equal(registrations, 1);
+  dsv4_engine_host_unregister(f, region);
+  assert_int_equal(registrations, 0);
+  assert_int_equal(dsv4_engine_host_register(c, region, sizeof(region)), 0);
+  dsv4_engine_host_unregister(c, region);
+  assert_true(dsv4_engine_healthy(f) && dsv4_engine_healthy(c));
+  dsv4_engine_destroy(f);
+  dsv4_engine_destroy(c);
+}
+
 int main(int argc, char **argv) {
   int skip = dsv4_test_backend_from_args(argc, argv, &backend);
   if (skip)
@@ -739,6 +784,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_chunked_prefill_matches_one_launch),
       cmocka_unit_test(test_chunked_refusal_changes_nothing),
       cmocka_unit_test(test_chunked_device_failure),
+      cmocka_unit_test(test_host_register),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
