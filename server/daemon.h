@@ -13,6 +13,7 @@
 #include "config.h"
 #include "engine.h"
 #include "executor.h"
+#include "forward_parse.h"
 #include "http.h"
 #include "metrics.h"
 
@@ -36,6 +37,32 @@ typedef struct dsv4_daemon {
       *m_prefill_chunks;
 } dsv4_daemon_t;
 
+/*
+ * A forward request whose tensors live in a shared region (region.c, SPEC §6.1): where its outputs
+ * go in the region, and who is told the result.
+ */
+typedef struct {
+  uint16_t *q_out; /* when outputs names q (else the job has a buffer of its own) */
+  int64_t *slots;
+  uint16_t *attn;       /* when outputs names attn (lse alone gets a buffer of the job's own) */
+  float *lse;           /* when outputs names lse */
+  uint64_t deadline_ns; /* 0 = none */
+  /* Loop thread, once, after the batch ran or was refused by the executor: rc 0 (f holds the
+   * answer's metadata), or an error code with its JSON details (owned by the callee, may be NULL).
+   * The region must stay mapped until then. */
+  void (*done)(void *arg, int rc, const char *message, json_t *details, const dsv4_forward_t *f);
+  void *arg;
+} dsv4_region_forward_t;
+
+/* The limits a forward request is parsed against. Any thread. */
+dsv4_forward_limits_t dsv4_forward_limits(const dsv4_daemon_t *d);
+/*
+ * Loop thread: queue a parsed region request, moving *p into the job; rf->done is called later.
+ * Or an error (draining, unsupported attention, queue full, no memory) with why set when it says
+ * more than the code: then nothing was queued, *p is still the caller's and done is never called.
+ */
+int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,
+                               const dsv4_region_forward_t *rf, char *why, size_t why_len);
 /* The data-plane route table (forward, sequences, health, readiness, metrics). */
 size_t dsv4_data_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap);
 /* Copy a route table into out (at most cap rows); the rows copied. */
