@@ -61,6 +61,9 @@ static const opt_t opts[] = {
      "file holding the data plane bearer token (empty = no token)"},
     {"listen_unix", OPT_STR, F(listen_unix), "", 0, 0, NULL, 0,
      "also serve the data plane on a Unix domain socket at this path (mode 0660; empty = off)"},
+    {"listen_shm", OPT_STR, F(listen_shm), "", 0, 0, NULL, 0,
+     "serve shared-memory regions (zero-copy forwards for same-host clients) on a SOCK_SEQPACKET "
+     "Unix socket at this path (mode 0660; empty = off)"},
     {"admin_host", OPT_STR, F(admin_host), "127.0.0.1", 0, 0, NULL, 0,
      "admin plane listen address"},
     {"admin_port", OPT_INT, F(admin_port), "8401", 0, 65535, NULL, 0,

@@ -34,13 +34,14 @@ typedef enum {
 } dsv4_config_source_t;
 
 typedef struct dsv4_config {
-  char *host;                      /* data plane listener, default 127.0.0.1 */
-  int port;                        /* default 8400; 0 = an ephemeral port (tests) */
-  char *api_token_file;            /* bearer token for the data plane; empty = none (secret) */
-  char *admin_host;                /* admin plane listener, default 127.0.0.1 */
-  char *listen_unix;               /* data plane on a Unix domain socket too; "" = off */
-  int admin_port;                  /* default 8401; 0 = an ephemeral port */
-  char *admin_token_file;          /* bearer token for the admin plane; empty = none (secret) */
+  char *host;             /* data plane listener, default 127.0.0.1 */
+  int port;               /* default 8400; 0 = an ephemeral port (tests) */
+  char *api_token_file;   /* bearer token for the data plane; empty = none (secret) */
+  char *admin_host;       /* admin plane listener, default 127.0.0.1 */
+  char *listen_unix;      /* data plane on a Unix domain socket too; "" = off */
+  char *listen_shm;       /* shared regions' SOCK_SEQPACKET socket (SPEC §6.1); "" = off */
+  int admin_port;         /* default 8401; 0 = an ephemeral port */
+  char *admin_token_file; /* bearer token for the admin plane; empty = none (secret) */
   uint32_t admin_dump_chunk_bytes; /* bytes a dump reads per executor step */
   char *backend;                   /* auto|cpu|cuda|level_zero */
   uint32_t threads;    /* CPU executor threads; 0 in the input = online cores, never 0 after load */

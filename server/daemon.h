@@ -23,10 +23,11 @@ typedef struct dsv4_daemon {
   dsv4_engine_t *engine; /* executor thread only, except its "any thread" functions */
   dsv4_executor_t ex;
   dsv4_server_t *data;
-  dsv4_server_t *admin;   /* the admin plane's listener (admin.c) */
-  int admin_token;        /* admin_token_file is set: every admin route needs the token */
-  int admin_loopback;     /* admin_host is a loopback address */
-  struct dsv4_dump *dump; /* the dump streaming now, or NULL (at most one at a time) */
+  dsv4_server_t *admin;        /* the admin plane's listener (admin.c) */
+  int admin_token;             /* admin_token_file is set: every admin route needs the token */
+  int admin_loopback;          /* admin_host is a loopback address */
+  struct dsv4_dump *dump;      /* the dump streaming now, or NULL (at most one at a time) */
+  struct dsv4_shm_server *shm; /* the shared regions' socket (shm.c), or NULL */
   dsv4_metrics_t *metrics;
   char instance[33];
   int draining;
