@@ -12,6 +12,29 @@
 #include "pool.h"
 #include "records.h"
 
+/*
+ * The per-batch scratch of the forward path that a batch still reads after its plan. A batch run in
+ * chunks swaps these fields of the engine with a spare set around its yield hook, so that the
+ * batches run between its chunks get scratch of their own and leave its positions, segment arrays
+ * and plan alone. A new per-batch array that a batch reads after its plan belongs in this set too.
+ */
+typedef struct {
+  int64_t *positions;
+  int32_t *tok_seg;
+  uint32_t tok_cap;
+  int64_t *seg_first_lb;
+  uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
+  int64_t *seg_p0;
+  uint32_t seg_cap;
+  dsv4_plan_t plan;
+  /* The compressed branch's (engine_compress.c). */
+  uint32_t *seg_slot, *seg_cbt_off, *seg_cbt_len;
+  int64_t *seg_c_first_lb;
+  uint32_t c_seg_cap;
+  int32_t *sel;
+  size_t sel_cap;
+} dsv4__engine_scratch_t;
+
 struct dsv4_engine {
   dsv4_backend_t *be;
   dsv4_engine_params_t p;
@@ -38,6 +61,8 @@ struct dsv4_engine {
   /* Device copies of the batch's inputs and outputs for a backend without DSV4_BE_HOST_MEMORY
    * (engine.c), or NULL when jobs point straight at host memory. */
   struct dsv4__engine_stage *stage;
+  /* The spare scratch: the set a chunked batch parks its own in while it yields (engine.c). */
+  dsv4__engine_scratch_t spare;
   atomic_int healthy;
   /* The compressed branch (engine_compress.c). */
   uint32_t *c_ratio;             /* [n_served]: 4 or 128 where the branch runs, else 0 */
@@ -47,6 +72,7 @@ struct dsv4_engine {
   dsv4_devbuf_t *c_cache;        /* [n_served] entry records */
   dsv4_devbuf_t *i_cache;        /* [n_served] index records (ratio 4) */
   dsv4_pool_t cpool[2];          /* c4, c128 entry block ids */
+  /* Per batch (swapped with the spare set, like the fields of dsv4__engine_scratch_t). */
   uint32_t *seg_slot, *seg_cbt_off, *seg_cbt_len;
   int64_t *seg_c_first_lb;
   uint32_t c_seg_cap;
@@ -77,8 +103,15 @@ int dsv4__engine_c_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4
                               uint32_t tok_off, uint32_t len, void *xxh3_state, const char **bad);
 int dsv4__engine_c_prepare(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
 void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
-int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f);
-int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend);
+/* The view of tokens t0.. of a batch run in chunks: the branch's tensors of v (a copy of f whose
+ * other fields are already the view's) point at those tokens. */
+void dsv4__engine_c_view(const dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f, uint32_t t0,
+                         dsv4_forward_t *v);
+/* The launches of tokens t0 .. t0 + f->n_tokens - 1 of the batch (f is the batch or a view of those
+ * tokens, its tensors pointing at them). */
+int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t t0);
+int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t t0,
+                         int attend);
 void dsv4__engine_c_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
                               dsv4_attn_args_t *aa);
 void dsv4__engine_c_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);

@@ -256,6 +256,21 @@ int dsv4__engine_c_prepare(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t 
   return 0;
 }
 
+void dsv4__engine_c_view(const dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f, uint32_t t0,
+                         dsv4_forward_t *v) {
+  uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
+  size_t ih = e->p.model->index_n_heads;
+  if (!r)
+    return;
+  v->ckv = f->ckv + (size_t)t0 * (r == 4 ? 2048 : 1024);
+  if (r != 4)
+    return;
+  v->ikv = f->ikv + (size_t)t0 * 512;
+  v->iq = f->iq + (size_t)t0 * ih * INDEX_DIM;
+  v->iw = f->iw + (size_t)t0 * ih;
+  v->topk = f->topk ? f->topk + (size_t)t0 * e->p.model->index_topk : NULL;
+}
+
 void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f) {
   if (!e->c_ratio || !e->c_ratio[idx])
     return;
@@ -268,7 +283,7 @@ void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f
   }
 }
 
-int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f) {
+int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t t0) {
   uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
   if (!r || e->plan.replay)
     return 0;
@@ -276,8 +291,8 @@ int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f) {
       .ratio = r,
       .n_tokens = f->n_tokens,
       .n_segments = f->n_segs,
-      .positions = e->positions,
-      .tok_seg = e->tok_seg,
+      .positions = e->positions + t0,
+      .tok_seg = e->tok_seg + t0,
       .seg_p0 = e->seg_p0,
       .seg_slot = e->seg_slot,
       .ckv = f->ckv,
@@ -304,7 +319,8 @@ int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f) {
   return e->be->ops->compress(e->be, &ca);
 }
 
-int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend) {
+int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t t0,
+                         int attend) {
   uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
   const dsv4_model_t *m = e->p.model;
   if (r != 4 || !(attend || f->topk))
@@ -316,8 +332,8 @@ int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int 
       .n_heads = m->index_n_heads,
       /* (128 * n_heads)^-0.5 rounded once from double: 0x3C3504F3 for 64 heads (SPEC §8.5). */
       .w_scale = (float)(1.0 / sqrt((double)INDEX_DIM * m->index_n_heads)),
-      .positions = e->positions,
-      .tok_seg = e->tok_seg,
+      .positions = e->positions + t0,
+      .tok_seg = e->tok_seg + t0,
       .seg_p0 = e->seg_p0,
       .iq = f->iq,
       .iw = f->iw,
