@@ -40,7 +40,9 @@
   X(EDUMPBUSY, -28, "another dump is streaming")                                                   \
   X(ENOTWRITTEN, -29, "position never written at this layer")                                      \
   X(ERELEASED, -30, "position no longer stored (out of the window)")                               \
-  X(ECONNLIMIT, -31, "too many connections")
+  X(ECONNLIMIT, -31, "too many connections")                                                       \
+  X(EDIGEST, -32, "a digest does not match its records")                                           \
+  X(EGEOMETRY, -33, "the dump does not match this daemon's layout or geometry")
 
 typedef enum {
 #define DSV4__ERR_ENUM(name, val, msg) DSV4_##name = (val),

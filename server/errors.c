@@ -38,7 +38,9 @@
   X(EDUMPBUSY, 429, "dump_in_progress")                                                            \
   X(ENOTWRITTEN, 404, "position_not_written")                                                      \
   X(ERELEASED, 410, "position_released")                                                           \
-  X(ECONNLIMIT, 503, "too_many_connections")
+  X(ECONNLIMIT, 503, "too_many_connections")                                                       \
+  X(EDIGEST, 400, "digest_mismatch")                                                               \
+  X(EGEOMETRY, 409, "geometry_mismatch")
 
 dsv4_http_error_t dsv4_http_error(int err) {
   /* A switch over the enum without a default: -Wswitch (in -Wall) flags a code of dsv4-error.h that
