@@ -890,7 +890,8 @@ int dsv4_seqtable_insert(dsv4_seqtable_t *st, const char *name, uint32_t name_le
   s->p0 = state->p0;
   s->first_lb = first_lb;
   s->n_blocks = n_blocks;
-  memcpy(s->blocks, blocks, (size_t)n_blocks * sizeof(int32_t));
+  if (n_blocks)
+    memcpy(s->blocks, blocks, (size_t)n_blocks * sizeof(int32_t));
   for (uint32_t l = 0; l < st->cfg.n_layers; l++) {
     const dsv4_seq_layer_state_t *ls = &state->layers[l];
     s->layers[l] = (layer_state_t){ls->next, ls->last_start, ls->last_len, ls->last_hash};
