@@ -513,7 +513,27 @@ static int read_positions(rd_t *r) {
   return 0;
 }
 
-/* Read pass 6: every layer's records hash to its digest (SPEC §3.1). */
+/* Read pass 6: the state is one a table can hold (dsv4_seqtable_state_low) and its windows reach
+ * no position below the first stored one. */
+static int read_windows(rd_t *r) {
+  dsv4_dump_parsed_t *o = r->out;
+  dsv4_seqtable_config_t cfg = {.n_layers = r->want->n_served,
+                                .block_size = DSV4_MIN_BLOCK_SIZE,
+                                .max_position = r->want->max_position};
+  dsv4_seq_state_t st = {o->p0, o->layers};
+  int64_t low;
+  if (dsv4_seqtable_state_low(&cfg, &st, &low) != 0)
+    return fail(o, DSV4_EINVAL,
+                "inconsistent state: a layer's next is not its last segment's end, a segment "
+                "starts below p0, or a layer without one moved");
+  if (o->first > low)
+    return fail(o, DSV4_EINVAL,
+                "the records start at %" PRId64 " but the windows reach back to %" PRId64, o->first,
+                low);
+  return 0;
+}
+
+/* Read pass 7: every layer's records hash to its digest (SPEC §3.1). */
 static int read_digests(rd_t *r) {
   dsv4_dump_parsed_t *o = r->out;
   dsv4_records_digest_t *d;
@@ -570,6 +590,8 @@ int dsv4_dump_parse(const uint8_t *buf, size_t len, const dsv4_dump_expect_t *wa
     rc = read_state(&r);
   if (!rc)
     rc = read_positions(&r);
+  if (!rc)
+    rc = read_windows(&r);
   if (!rc)
     rc = read_digests(&r);
   dsv4_st_view_free(&st);
