@@ -363,6 +363,7 @@ def test_snapshot_on_drain_and_restart():
             want = {n: digests(first, n) for n in ("a", "b")}
             seqs = {n: first.seq(n) for n in ("a", "b")}
             check_eq(first.stop(), 0, "exit status after SIGTERM with snapshot_dir")
+            first.check_log_clean()
             check_eq(len(log_msgs(first, "snapshot written")), 1, "snapshot written log line")
             with open(os.path.join(snap, "manifest.json")) as f:
                 man = json.load(f)
@@ -404,6 +405,7 @@ def test_snapshot_skips_torn_and_corrupt_files():
             feed(first, history(rng, n))
         want_a = digests(first, "a")
         check_eq(first.stop(), 0, "exit status after SIGTERM")
+        first.check_log_clean()
         # b: one byte of a record flipped; c: cut in half, as a torn write would leave it.
         pb, pc = os.path.join(snap, "b.safetensors"), os.path.join(snap, "c.safetensors")
         with open(pb, "r+b") as f:
