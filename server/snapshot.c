@@ -84,7 +84,7 @@ static int sync_dir(const char *dir) {
 
 /* Open dir/.name.tmp for writing; *tmp receives its path. */
 static int open_tmp(const char *dir, const char *name, char *tmp, size_t cap, out_t *o) {
-  char leaf[NAME_ROOM];
+  char leaf[NAME_ROOM + sizeof(TMP_SUFFIX) + 1];
   snprintf(leaf, sizeof(leaf), ".%s" TMP_SUFFIX, name);
   join(tmp, cap, dir, leaf);
   o->bytes = 0;
