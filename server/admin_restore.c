@@ -198,6 +198,9 @@ static void parse_after(uv_work_t *w, int status) {
     j->rc = DSV4_EIO;
   else if (!j->rc && j->d->draining)
     j->rc = DSV4_EDRAIN;
+  /* A client that went away during the checks would never learn of the restore: none is made. */
+  else if (!j->rc && dsv4_req_gone(j->req))
+    j->rc = DSV4_EIO;
   if (j->rc) {
     restore_refuse(j);
     restore_free(j);
