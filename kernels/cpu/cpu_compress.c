@@ -351,6 +351,8 @@ struct dsv4__cpu_index_scratch {
   size_t bytes; /* of each workspace */
   atomic_int *busy;
   void **work;
+  uint32_t *keys; /* the keys of a launch whose tokens are scored in pieces (index_piece_items) */
+  size_t keys_bytes;
 };
 
 void dsv4__cpu_index_scratch_free(dsv4__cpu_index_scratch_t *s) {
@@ -360,7 +362,21 @@ void dsv4__cpu_index_scratch_free(dsv4__cpu_index_scratch_t *s) {
     free(s->work[i]);
   free(s->work);
   free(s->busy);
+  free(s->keys);
   free(s);
+}
+
+/* The shared keys of a launch scored in pieces: at least bytes, kept for later launches. */
+static int index_scratch_keys(dsv4__cpu_index_scratch_t *s, size_t bytes) {
+  if (s->keys_bytes >= bytes)
+    return 0;
+  free(s->keys);
+  s->keys_bytes = 0;
+  s->keys = malloc(bytes);
+  if (!s->keys)
+    return DSV4_ENOMEM;
+  s->keys_bytes = bytes;
+  return 0;
 }
 
 /* n workspaces of at least bytes each; a launch that needs more than the last replaces them. */
@@ -408,6 +424,7 @@ typedef struct {
   ctable_t ct;
   dsv4__cpu_index_scratch_t *scratch;
   uint64_t max_visible; /* the most entries one token scores */
+  uint32_t pieces;      /* items per token (index_piece_items), 1 when every token is one item */
 } indexer_job_t;
 
 /* A participant's workspace, carved from one allocation of index_work_bytes. */
@@ -611,6 +628,54 @@ static void indexer_items(void *varg, size_t first, size_t last) {
 }
 
 /*
+ * A batch of fewer tokens than threads (a decode step) scores each token in pieces, so that every
+ * thread has work: item t * pieces + c scores piece c of token t's entries into the launch's keys
+ * (each piece computes the token's queries itself), and a second pass selects per token. Pieces
+ * start at multiples of 16 entries, the vector levels' groups. A score does not depend on the
+ * piece that computes it, so the selection is the same as from one item.
+ */
+static int64_t index_piece_start(int64_t jlo, int64_t n, uint32_t c, uint32_t pieces) {
+  if (c == pieces)
+    return jlo + n;
+  int64_t e = jlo + n * c / pieces;
+  e -= e % DSV4__CPU_INDEX_GROUP;
+  return e > jlo ? e : jlo;
+}
+
+static void index_piece_items(void *varg, size_t first, size_t last) {
+  const indexer_job_t *j = varg;
+  const dsv4_indexer_args_t *a = j->a;
+  unsigned slot = 0;
+  index_work_t wk = index_work_at(index_scratch_claim(j->scratch, &slot), j->max_visible);
+  for (size_t i = first; i < last; i++) {
+    const uint32_t t = (uint32_t)(i / j->pieces), c = (uint32_t)(i % j->pieces);
+    int64_t jlo, n = index_span(a, t, &jlo);
+    if (n <= (int64_t)a->topk)
+      continue;
+    int64_t lo = index_piece_start(jlo, n, c, j->pieces);
+    int64_t hi = index_piece_start(jlo, n, c + 1, j->pieces);
+    if (lo == hi)
+      continue;
+    index_queries(j, t, &wk);
+    index_scan(j, (uint32_t)a->tok_seg[t], lo, (uint32_t)(hi - lo), &wk,
+               j->scratch->keys + t * j->max_visible + (lo - jlo));
+  }
+  atomic_store_explicit(&j->scratch->busy[slot], 0, memory_order_release);
+}
+
+static void index_select_items(void *varg, size_t first, size_t last) {
+  const indexer_job_t *j = varg;
+  const dsv4_indexer_args_t *a = j->a;
+  for (size_t t = first; t < last; t++) {
+    if (index_select_all(a, (uint32_t)t))
+      continue;
+    int64_t jlo, n = index_span(a, (uint32_t)t, &jlo);
+    select_topk(j->scratch->keys + t * j->max_visible, (uint32_t)n, a->topk, jlo,
+                a->sel + t * a->topk);
+  }
+}
+
+/*
  * Everything a selection reads, before anything is written: segments and positions, and for every
  * token that must score (more than topk visible entries) its RoPE row and the block of each visible
  * entry. A segment's tokens see entries from the same first one, so the blocks checked for the
@@ -650,22 +715,36 @@ static int indexer_validate(const indexer_job_t *j, uint64_t *max_visible) {
   return 0;
 }
 
+/* Pieces of at least this many entries: a piece also computes its token's queries. */
+#define INDEX_PIECE_MIN 512
+
 int dsv4__cpu_indexer(dsv4_host_pool_t *pool, int isa, dsv4__cpu_index_scratch_t **scratch,
                       const dsv4_indexer_args_t *a) {
   int rc = dsv4_backend_check_indexer_args(a);
   if (rc || a->n_tokens == 0)
     return rc;
-  indexer_job_t j = {.a = a, .isa = isa};
+  indexer_job_t j = {.a = a, .isa = isa, .pieces = 1};
   j.ct = CTABLE_OF(a);
   rc = indexer_validate(&j, &j.max_visible);
   if (rc)
     return rc;
+  const unsigned threads = dsv4_host_pool_threads(pool);
   if (j.max_visible) {
-    rc = index_scratch_reserve(scratch, dsv4_host_pool_threads(pool),
-                               index_work_bytes(j.max_visible));
+    rc = index_scratch_reserve(scratch, threads, index_work_bytes(j.max_visible));
     if (rc)
       return rc;
     j.scratch = *scratch;
+  }
+  if (j.max_visible >= 2 * INDEX_PIECE_MIN && a->n_tokens < threads) {
+    j.pieces = (threads + a->n_tokens - 1) / a->n_tokens;
+    if (j.pieces > j.max_visible / INDEX_PIECE_MIN)
+      j.pieces = (uint32_t)(j.max_visible / INDEX_PIECE_MIN);
+    rc = index_scratch_keys(j.scratch, (size_t)a->n_tokens * j.max_visible * sizeof(uint32_t));
+    if (rc)
+      return rc;
+    dsv4_host_pool_run(pool, index_piece_items, &j, (size_t)a->n_tokens * j.pieces, 1);
+    dsv4_host_pool_run(pool, index_select_items, &j, a->n_tokens, 1);
+    return 0;
   }
   dsv4_host_pool_run_balanced(pool, indexer_items, &j, a->n_tokens);
   return 0;

@@ -19,6 +19,7 @@
  * indexer's vector levels are also held against the scalar level's functions directly: q^ bit for
  * bit over every input magnitude the wire allows (meeting the e2m1 ties), and the scores bit for
  * bit over runs at every lane offset and tail length, 1 to 128 heads, with ties across lanes.
+ * Batches smaller than the thread count score in pieces, which must select the same entries.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -1779,6 +1780,92 @@ static void test_index_scan_levels(void **state) {
   free(scores);
 }
 
+/*
+ * Decode batches smaller than the thread count score each token in pieces (more than 1024 visible
+ * entries), and larger ones token by token: both give the brute-force selection at every level.
+ * Two sequences see 1141 entries from entry 37 (not a multiple of 16) and 1101 from entry 0, with
+ * 17 heads of positive weights. Six records in ten are zero, so fewer than 512 entries score above
+ * zero and the 512th place falls inside the tie at zero, which spans lanes, groups and pieces: the
+ * lower entries must win (checked: some zero records are selected and some are not).
+ */
+static void test_indexer_pieces(void **state) {
+  (void)state;
+  cfx_t fx;
+  cfx_open(&fx, 4, 64, 40, 4);
+  const uint32_t topk = 512, heads = 17, lbs[2] = {19, 18};
+  uint8_t *records = scan_records(19);
+  uint8_t zero[19 * 64];
+  for (uint32_t j = 0; j < 19 * 64; j++) {
+    zero[j] = (uint8_t)(((j * 2654435761u) >> 7) % 10 < 6);
+    if (zero[j])
+      memset(records + (j / 64) * DSV4_INDEX_BLOCK_BYTES(64) + 64 * (j % 64), 0, 64);
+  }
+  int64_t positions[2] = {4711, 4403}, seg_p0[2] = {148, 0}, first_lb[2] = {0, 0};
+  int32_t tok_seg[2] = {0, 1}, table[37];
+  uint32_t bt_off[2] = {0, 19}, bt_len[2] = {19, 18};
+  for (uint32_t s = 0, i = 0; s < 2; s++)
+    for (uint32_t lb = 0; lb < lbs[s]; lb++, i++) {
+      table[i] = fx.free_ids[--fx.n_free];
+      memcpy(fx.i_cache + (uint64_t)table[i] * DSV4_INDEX_BLOCK_BYTES(64),
+             records + (size_t)lb * DSV4_INDEX_BLOCK_BYTES(64), DSV4_INDEX_BLOCK_BYTES(64));
+    }
+  assert_int_equal(dsv4_rope_table_ensure(fx.rope, positions, 2), 0);
+  cbatch_t b = {.n = 2, .n_segs = 2};
+  cbatch_index_inputs(&b, heads);
+  for (uint32_t i = 0; i < 2 * heads; i++)
+    b.iw[i] = fabsf(b.iw[i]) + 0.125f;
+  dsv4_indexer_args_t a = {.n_tokens = 2,
+                           .n_segments = 2,
+                           .topk = topk,
+                           .n_heads = heads,
+                           .w_scale = u2f(DSV4_INDEX_W_SCALE_BITS),
+                           .positions = positions,
+                           .tok_seg = tok_seg,
+                           .seg_p0 = seg_p0,
+                           .iq = b.iq,
+                           .iw = b.iw,
+                           .rope = fx.rope,
+                           .seg_c_first_lb = first_lb,
+                           .seg_cbt_off = bt_off,
+                           .seg_cbt_len = bt_len,
+                           .c_block_table = table,
+                           .c_bt_entries = 37,
+                           .i_cache = fx.i_cache,
+                           .c_n_blocks = fx.n_blocks,
+                           .block_size = 64};
+  int32_t *sel = xmalloc(2 * topk * sizeof(int32_t));
+  dsv4_backend_t *be[2] = {fx.be, NULL};
+  dsv4_backend_options_t o1 = {.threads = 1};
+  char why[256];
+  assert_int_equal(dsv4_backend_open("cpu", &o1, &be[1], why, sizeof(why)), 0);
+  for (int isa = DSV4__CPU_ISA_SCALAR; isa < DSV4__CPU_ISA_COUNT; isa++) {
+    if (!set_level(be, 2, isa))
+      continue;
+    for (uint32_t n_tokens = 1; n_tokens <= 2; n_tokens++)
+      for (int bi = 0; bi < 2; bi++) {
+        a.n_tokens = n_tokens;
+        a.sel = sel;
+        memset(sel, 0x55, 2 * topk * sizeof(int32_t));
+        assert_int_equal(be[bi]->ops->indexer(be[bi], &a), 0);
+        expect_selection(&fx, &a, bi ? "one thread" : "pieces");
+        for (uint32_t t = 0; t < n_tokens; t++) {
+          uint32_t taken = 0, all = 0;
+          for (uint32_t k = 0; k < topk; k++)
+            taken += zero[sel[t * topk + k]];
+          for (int64_t j = seg_p0[t] / 4; j < (positions[t] + 1) / 4; j++)
+            all += zero[j];
+          assert_true(taken > 0 && taken < all);
+        }
+      }
+  }
+  dsv4_backend_close(be[1]);
+  free(sel);
+  free(records);
+  free(b.iq);
+  free(b.iw);
+  cfx_close(&fx);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_e2m1_ties),
@@ -1797,6 +1884,7 @@ int main(void) {
       cmocka_unit_test(test_indexer_refused),
       cmocka_unit_test(test_index_queries_levels),
       cmocka_unit_test(test_index_scan_levels),
+      cmocka_unit_test(test_indexer_pieces),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
