@@ -112,6 +112,26 @@ int dsv4__cpu_attention(dsv4_host_pool_t *pool, int isa, dsv4__cpu_attn_scratch_
  */
 int dsv4__cpu_compress(dsv4_host_pool_t *pool, int isa, const dsv4_compress_args_t *a);
 
+/* One row of a pooling at the channels of its half: the score is s[c] + ape[c] (one rounding) for
+ * a row of this batch, and the stored s[c] (ape NULL) for a row from the ring. */
+typedef struct {
+  const float *kv;
+  const float *s;
+  const float *ape;
+} dsv4__cpu_pool_row_t;
+
+#if defined(__x86_64__)
+/*
+ * The vector levels of the compressor's pooling (SPEC §8.3): z[c] for c < channels (a multiple of
+ * 16) over n >= 1 rows in R's order, one channel per lane, each lane running dsv4-compress.h's max,
+ * dsv4_pool_add and divide in their order (cpu_compress_avx512.c, cpu_compress_avx2.c).
+ */
+void dsv4__cpu_pool_rows_avx512(const dsv4__cpu_pool_row_t *rows, uint32_t n, uint32_t channels,
+                                float *z);
+void dsv4__cpu_pool_rows_avx2(const dsv4__cpu_pool_row_t *rows, uint32_t n, uint32_t channels,
+                              float *z);
+#endif
+
 /* The workspaces of one backend's indexer launches, one per pool participant. */
 typedef struct dsv4__cpu_index_scratch dsv4__cpu_index_scratch_t;
 void dsv4__cpu_index_scratch_free(dsv4__cpu_index_scratch_t *s);

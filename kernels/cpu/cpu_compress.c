@@ -4,7 +4,7 @@
  * attends to. The math is kernels/dsv4-compress.h's and, for the 584-byte record, the §2.2 KV path
  * of cpu_kernels.c with the compressor's norm weight; this file gathers rows, walks block tables
  * and hands work to the pool. Every level gives the same bytes: the level-dependent calls are
- * dsv4__cpu_kv_token and the indexer's queries and scores (cpu_compress_avx2.c,
+ * dsv4__cpu_kv_token, the pooling and the indexer's queries and scores (cpu_compress_avx2.c,
  * cpu_compress_avx512.c), whose levels are byte-identical.
  *
  * The compressor's contract reads token by token (a row enters the ring, then an emission pools the
@@ -116,13 +116,8 @@ typedef struct {
   const uint32_t *emit; /* the tokens that emit an entry, in batch order */
 } compress_job_t;
 
-/* One row of a pooling, at the channels of its half: the score is s[c] + ape[c] (one rounding)
- * for a row of this batch, and the stored s[c] (ape NULL) for a row from the ring. */
-typedef struct {
-  const float *kv;
-  const float *s;
-  const float *ape;
-} pool_row_t;
+/* The rows of a pooling (cpu-internal.h). */
+typedef dsv4__cpu_pool_row_t pool_row_t;
 
 static inline float row_score(const pool_row_t *r, uint32_t c) {
   return r->ape ? r->s[c] + r->ape[c] : r->s[c];
@@ -173,8 +168,8 @@ static uint32_t gather_rows(const compress_job_t *j, const comp_geom_t *g, uint3
 
 /* z[c] for c < channels: the max, then the in-order sums, then one divide (dsv4-compress.h). Rows
  * run in the outer loop, so each channel still sees R in order. */
-SCALAR_CLONES static void pool_rows(const pool_row_t *rows, uint32_t n, uint32_t channels,
-                                    float *z) {
+SCALAR_CLONES static void pool_rows_scalar(const pool_row_t *rows, uint32_t n, uint32_t channels,
+                                           float *z) {
   float m[POOL_MAX_CHANNELS], sum[POOL_MAX_CHANNELS], num[POOL_MAX_CHANNELS];
   for (uint32_t c = 0; c < channels; c++) {
     m[c] = row_score(&rows[0], c);
@@ -191,6 +186,27 @@ SCALAR_CLONES static void pool_rows(const pool_row_t *rows, uint32_t n, uint32_t
     z[c] = num[c] / sum[c];
 }
 
+/* z at the job's level: the vector levels pool one channel per lane, in the same order. */
+static void pool_rows(int isa, const pool_row_t *rows, uint32_t n, uint32_t channels, float *z) {
+#if defined(__x86_64__)
+  if (isa == DSV4__CPU_ISA_AVX512) {
+    dsv4__cpu_pool_rows_avx512(rows, n, channels, z);
+    return;
+  }
+  if (isa == DSV4__CPU_ISA_AVX2) {
+    dsv4__cpu_pool_rows_avx2(rows, n, channels, z);
+    return;
+  }
+#endif
+  pool_rows_scalar(rows, n, channels, z);
+}
+
+/* dsv4_index_key, cloned like the scalar kernels so that its fmas are instructions. */
+SCALAR_CLONES static void index_key(const float *z, const float *w, float eps,
+                                    const float *rope_row, uint8_t *vals, uint8_t *codes) {
+  dsv4_index_key(z, w, eps, rope_row, vals, codes);
+}
+
 /* The entry of token t: its 584-byte record and, at ratio 4, its 68-byte index record. */
 static void emit_entry(const compress_job_t *j, uint32_t t) {
   const dsv4_compress_args_t *a = j->a;
@@ -203,7 +219,7 @@ static void emit_entry(const compress_job_t *j, uint32_t t) {
   float z[POOL_MAX_CHANNELS];
   uint16_t zb[DSV4_HEAD_DIM];
   uint32_t n = gather_rows(j, &j->main, t, rows);
-  pool_rows(rows, n, j->main.channels, z);
+  pool_rows(j->isa, rows, n, j->main.channels, z);
   for (int c = 0; c < DSV4_HEAD_DIM; c++)
     zb[c] = dsv4_f32_to_bf16(z[c]);
   uint8_t *base = a->c_cache + b * a->stride;
@@ -212,9 +228,9 @@ static void emit_entry(const compress_job_t *j, uint32_t t) {
   if (a->ratio != 4u)
     return;
   n = gather_rows(j, &j->index, t, rows);
-  pool_rows(rows, n, j->index.channels, z);
+  pool_rows(j->isa, rows, n, j->index.channels, z);
   uint8_t vals[DSV4_INDEX_VALUE_BYTES], codes[DSV4_MXFP4_BLOCKS];
-  dsv4_index_key(z, a->i_norm_weight, a->eps, rope_row, vals, codes);
+  index_key(z, a->i_norm_weight, a->eps, rope_row, vals, codes);
   uint8_t *ib = a->i_cache + b * DSV4_INDEX_BLOCK_BYTES(a->block_size);
   memcpy(ib + DSV4_INDEX_VALUE_BYTES * o, vals, sizeof(vals));
   DSV4__COUNT_STORE(ib + DSV4_INDEX_VALUE_BYTES * o, sizeof(vals));

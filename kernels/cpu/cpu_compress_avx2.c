@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu-expf-simd.h"
 #include "cpu-internal.h"
 #include "dsv4-compress.h"
 
@@ -306,6 +307,31 @@ void dsv4__cpu_index_scan_avx2(const dsv4__cpu_index_scan_t *s) {
     for (uint32_t i = 0; i < DSV4__CPU_INDEX_GROUP; i++)
       if ((bits >> i) & 1u)
         s->scores[first + i - s->lead] = out[i];
+  }
+}
+
+/* ---- the compressor's pooling: one channel per lane ---- */
+
+/* Row k's scores at channels c..c+7: s + ape rounded once, or the ring's stored s. */
+INLINE __m256 pool_score(const dsv4__cpu_pool_row_t *r, uint32_t c) {
+  const __m256 s = _mm256_loadu_ps(r->s + c);
+  return r->ape ? _mm256_add_ps(s, _mm256_loadu_ps(r->ape + c)) : s;
+}
+
+/* max(s, m) returns m for a NaN s and for equal values, as dsv4_pool_max's s > m ? s : m does. */
+void dsv4__cpu_pool_rows_avx2(const dsv4__cpu_pool_row_t *rows, uint32_t n, uint32_t channels,
+                              float *z) {
+  for (uint32_t c = 0; c < channels; c += 8) {
+    __m256 m = pool_score(&rows[0], c);
+    for (uint32_t k = 1; k < n; k++)
+      m = _mm256_max_ps(pool_score(&rows[k], c), m);
+    __m256 sum = _mm256_setzero_ps(), num = _mm256_setzero_ps();
+    for (uint32_t k = 0; k < n; k++) {
+      const __m256 e = dsv4__expf8(_mm256_sub_ps(pool_score(&rows[k], c), m));
+      sum = _mm256_add_ps(sum, e);
+      num = _mm256_fmadd_ps(e, _mm256_loadu_ps(rows[k].kv + c), num);
+    }
+    _mm256_storeu_ps(z + c, _mm256_div_ps(num, sum));
   }
 }
 

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "cpu-expf-simd.h"
 #include "cpu-internal.h"
 #include "dsv4-compress.h"
 
@@ -324,6 +325,31 @@ void dsv4__cpu_index_scan_avx512(const dsv4__cpu_index_scan_t *s) {
                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
       _mm512_mask_i32scatter_ps(s->scores, lanes, idx, sc[g], 4);
     }
+  }
+}
+
+/* ---- the compressor's pooling: one channel per lane ---- */
+
+/* Row k's scores at channels c..c+15: s + ape rounded once, or the ring's stored s. */
+INLINE __m512 pool_score(const dsv4__cpu_pool_row_t *r, uint32_t c) {
+  const __m512 s = _mm512_loadu_ps(r->s + c);
+  return r->ape ? _mm512_add_ps(s, _mm512_loadu_ps(r->ape + c)) : s;
+}
+
+/* max(s, m) returns m for a NaN s and for equal values, as dsv4_pool_max's s > m ? s : m does. */
+void dsv4__cpu_pool_rows_avx512(const dsv4__cpu_pool_row_t *rows, uint32_t n, uint32_t channels,
+                                float *z) {
+  for (uint32_t c = 0; c < channels; c += 16) {
+    __m512 m = pool_score(&rows[0], c);
+    for (uint32_t k = 1; k < n; k++)
+      m = _mm512_max_ps(pool_score(&rows[k], c), m);
+    __m512 sum = _mm512_setzero_ps(), num = _mm512_setzero_ps();
+    for (uint32_t k = 0; k < n; k++) {
+      const __m512 e = dsv4__expf16(_mm512_sub_ps(pool_score(&rows[k], c), m));
+      sum = _mm512_add_ps(sum, e);
+      num = _mm512_fmadd_ps(e, _mm512_loadu_ps(rows[k].kv + c), num);
+    }
+    _mm512_storeu_ps(z + c, _mm512_div_ps(num, sum));
   }
 }
 

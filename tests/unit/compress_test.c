@@ -1780,6 +1780,67 @@ static void test_index_scan_levels(void **state) {
   free(scores);
 }
 
+static void level_pool(int isa, const dsv4__cpu_pool_row_t *rows, uint32_t n, uint32_t channels,
+                       float *z) {
+#if defined(__x86_64__)
+  if (isa == DSV4__CPU_ISA_AVX512)
+    dsv4__cpu_pool_rows_avx512(rows, n, channels, z);
+  else
+    dsv4__cpu_pool_rows_avx2(rows, n, channels, z);
+#else
+  (void)isa, (void)rows, (void)n, (void)channels, (void)z;
+  fail_msg("no vector levels on this machine");
+#endif
+}
+
+/*
+ * The pooled z of every vector level equals dsv4_pool_channel's (the scalar level's) bit for bit,
+ * before any rounding to bf16 hides a difference: 1 to 128 rows, rows of this batch (score plus
+ * ape) mixed with ring rows, scores spread so that some weights underflow to zero and some rows
+ * tie for the max, at the 512 and 128 channels of the two compressors.
+ */
+static void test_pool_rows_levels(void **state) {
+  (void)state;
+  static const uint32_t ns[] = {1, 2, 3, 7, 8, 64, 127, 128};
+  float *kv = xmalloc(128 * 512 * sizeof(float)), *sc = xmalloc(128 * 512 * sizeof(float));
+  float *ape = xmalloc(128 * 512 * sizeof(float)), z[512], s1[128], kv1[128];
+  dsv4__cpu_pool_row_t rows[128];
+  for (size_t i = 0; i < 128 * 512; i++) {
+    kv[i] = ldexpf(rnd_unit(), (int)(rng() % 20) - 10);
+    sc[i] = rnd_unit() * (i % 3 ? 8.0f : 120.0f);
+    ape[i] = rnd_unit();
+  }
+  for (int c = 0; c < 512; c += 5)
+    sc[512 * 3 + c] = sc[c]; /* rows 0 and 3 tie for the max in some channels */
+  for (size_t li = 0; li < 2; li++) {
+    const int isa = vector_levels[li];
+    if (!dsv4__cpu_isa_supported(isa))
+      continue;
+    for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++)
+      for (uint32_t channels = 128; channels <= 512; channels += 384) {
+        const uint32_t n = ns[ni];
+        for (uint32_t k = 0; k < n; k++)
+          rows[k] = (dsv4__cpu_pool_row_t){
+              .kv = kv + 512 * k, .s = sc + 512 * k, .ape = k % 3 == 1 ? NULL : ape + 512 * k};
+        memset(z, 0x55, sizeof(z));
+        level_pool(isa, rows, n, channels, z);
+        for (uint32_t c = 0; c < 512; c++) {
+          for (uint32_t k = 0; k < n; k++) {
+            s1[k] = rows[k].ape ? rows[k].s[c] + rows[k].ape[c] : rows[k].s[c];
+            kv1[k] = rows[k].kv[c];
+          }
+          float want = c < channels ? dsv4_pool_channel(s1, kv1, (dsv4_i32)n) : u2f(0x55555555u);
+          if (f2u(z[c]) != f2u(want))
+            fail_msg("%s pooling, %u rows, %u channels: z[%u] is %a, want %a",
+                     dsv4__cpu_isa_name(isa), n, channels, c, (double)z[c], (double)want);
+        }
+      }
+  }
+  free(kv);
+  free(sc);
+  free(ape);
+}
+
 /*
  * Decode batches smaller than the thread count score each token in pieces (more than 1024 visible
  * entries), and larger ones token by token: both give the brute-force selection at every level.
@@ -1884,6 +1945,7 @@ int main(void) {
       cmocka_unit_test(test_indexer_refused),
       cmocka_unit_test(test_index_queries_levels),
       cmocka_unit_test(test_index_scan_levels),
+      cmocka_unit_test(test_pool_rows_levels),
       cmocka_unit_test(test_indexer_pieces),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
