@@ -17,7 +17,9 @@
  *   copy moves (reads plus writes) as many bytes as the floor counts.
  *
  * Each row gives the fraction of the FMA floor and of the copy floor (floor time / measured time);
- * the larger one is the binding ceiling. Before timing, every level's selections and records are
+ * the larger one is the binding ceiling. The ceilings are measured before and after the rows and
+ * the larger of the two is used (on a shared machine both move with the load); the tables are
+ * printed at the end. Before timing, every level's selections and records are
  * checked against the scalar level's. The scalar level is timed at b = 1 only (it is the portable
  * reference: a 16-token batch at 64K context takes seconds).
  *
@@ -354,21 +356,37 @@ static void ix_check_levels(dsv4_backend_t *be, ix_world_t *w) {
   free(ref);
 }
 
+/* One timed row: its floors are computed when the tables are printed, after the ceilings'
+ * second measurement. */
+typedef struct {
+  int table;     /* 0: indexer, 1: compress */
+  uint32_t size; /* the context, or the ratio */
+  uint32_t entries, b;
+  int k; /* thread count index */
+  int isa;
+  double s;           /* seconds per token */
+  double work, bytes; /* FLOPs (indexer) or lane operations (compress), and bytes, per token */
+} row_t;
+
+#define MAX_ROWS 64
+
 typedef struct {
   dsv4_backend_t *be[2];
   unsigned threads[2];
-  double peak[2]; /* the widest level's GFLOP/s */
-  double copy[2]; /* bytes per second */
+  double peak[2]; /* the widest level's GFLOP/s, the larger of two measurements */
+  double copy[2]; /* bytes per second, likewise */
   int best;
+  row_t rows[MAX_ROWS];
+  int n_rows;
 } bench_t;
+
+static void add_row(bench_t *B, row_t r) {
+  if (B->n_rows < MAX_ROWS)
+    B->rows[B->n_rows++] = r;
+}
 
 static void ix_rows(bench_t *B, uint32_t heads, uint32_t topk, uint32_t max_ctx) {
   static const uint32_t ctxs[] = {8192, 65536}, bs[] = {1, MAX_B};
-  printf("\nindexer: b tokens of their own sequences, H = %u, topk = %u, bs = %d\n", heads, topk,
-         BS);
-  printf("   ctx entries   b threads      isa    us/token   tokens/s    GFLOP/s  %%fma(%s)  "
-         "%%scan\n",
-         dsv4__cpu_isa_name(B->best));
   for (size_t ci = 0; ci < 2 && ctxs[ci] <= max_ctx; ci++) {
     ix_world_t w;
     ix_build(&w, ctxs[ci], heads, topk);
@@ -381,12 +399,15 @@ static void ix_rows(bench_t *B, uint32_t heads, uint32_t topk, uint32_t max_ctx)
             continue;
           dsv4__cpu_backend_set_isa(B->be[k], isa);
           ix_call_t c = {B->be[k], ix_args(&w, bs[bi])};
-          double s = time_call(do_indexer, &c) / bs[bi];
-          double flop = 2.0 * DSV4_INDEX_DIM * heads * w.entries;
-          double scan = (double)DSV4_INDEX_RECORD_BYTES * w.entries;
-          printf("%6u %7u %3u %7u %8s %11.1f %10.1f %10.1f %9.1f%% %6.1f%%\n", ctxs[ci], w.entries,
-                 bs[bi], B->threads[k], dsv4__cpu_isa_name(isa), s * 1e6, 1.0 / s, flop / s * 1e-9,
-                 100.0 * flop / (B->peak[k] * 1e9) / s, 100.0 * scan / B->copy[k] / s);
+          add_row(B, (row_t){.table = 0,
+                             .size = ctxs[ci],
+                             .entries = w.entries,
+                             .b = bs[bi],
+                             .k = k,
+                             .isa = isa,
+                             .s = time_call(do_indexer, &c) / bs[bi],
+                             .work = 2.0 * DSV4_INDEX_DIM * heads * w.entries,
+                             .bytes = (double)DSV4_INDEX_RECORD_BYTES * w.entries});
         }
     ix_free(&w);
   }
@@ -533,9 +554,6 @@ static void cp_check_levels(dsv4_backend_t *be, cp_world_t *w) {
 
 static void cp_rows(bench_t *B) {
   static const uint32_t ratios[] = {4, 128};
-  printf("\ncompress: one sequence's %d-token prefill from position 0, bs = %d\n", PREFILL, BS);
-  printf(" ratio entries threads      isa    us/token   tokens/s     Gop/s  %%ops(%s)  %%copy\n",
-         dsv4__cpu_isa_name(B->best));
   for (size_t ri = 0; ri < 2; ri++) {
     cp_world_t w;
     cp_build(&w, ratios[ri]);
@@ -552,13 +570,63 @@ static void cp_rows(bench_t *B) {
       for (int isa = B->best; isa >= 0; isa--) {
         dsv4__cpu_backend_set_isa(B->be[k], isa);
         cp_call_t c = {B->be[k], cp_args(&w)};
-        double s = time_call(do_compress, &c);
-        printf("%6u %7u %7u %8s %11.2f %10.0f %9.1f %9.1f%% %6.1f%%\n", w.ratio, entries,
-               B->threads[k], dsv4__cpu_isa_name(isa), s * 1e6 / PREFILL, PREFILL / s,
-               ops / s * 1e-9, 100.0 * ops / (B->peak[k] * 0.5e9) / s,
-               100.0 * bytes / B->copy[k] / s);
+        add_row(B, (row_t){.table = 1,
+                           .size = w.ratio,
+                           .entries = entries,
+                           .b = PREFILL,
+                           .k = k,
+                           .isa = isa,
+                           .s = time_call(do_compress, &c) / PREFILL,
+                           .work = ops / PREFILL,
+                           .bytes = bytes / PREFILL});
       }
     cp_free(&w);
+  }
+}
+
+/* The ceilings on 1 and on all threads, each kept as the larger of this and an earlier run (a
+ * shared machine's load moves both the ceilings and the rows). */
+static void ceilings(bench_t *B, const char *when) {
+  printf("ceilings %s: fused multiply-add peak (%d independent chains per thread) and memcpy of "
+         "%u MiB\n",
+         when, PEAK_CHAINS, COPY_BYTES >> 20);
+  printf("   isa  threads    GFLOP/s  copy GB/s\n");
+  for (int k = 0; k < 2; k++) {
+    double copy = copy_rate(B->threads[k]);
+    B->copy[k] = copy > B->copy[k] ? copy : B->copy[k];
+    for (int isa = B->best; isa >= 0; isa--) {
+      double gf = fma_peak(isa, B->threads[k]);
+      printf("%6s %8u %10.1f %10.1f\n", dsv4__cpu_isa_name(isa), B->threads[k], gf, copy * 1e-9);
+      if (isa == B->best && gf > B->peak[k])
+        B->peak[k] = gf;
+    }
+  }
+}
+
+static void print_rows(const bench_t *B, uint32_t heads, uint32_t topk) {
+  printf("\nindexer: b tokens of their own sequences, H = %u, topk = %u, bs = %d\n", heads, topk,
+         BS);
+  printf("   ctx entries   b threads      isa    us/token   tokens/s    GFLOP/s  %%fma(%s)  "
+         "%%scan\n",
+         dsv4__cpu_isa_name(B->best));
+  for (int i = 0; i < B->n_rows; i++) {
+    const row_t *r = &B->rows[i];
+    if (r->table == 0)
+      printf("%6u %7u %3u %7u %8s %11.1f %10.1f %10.1f %9.1f%% %6.1f%%\n", r->size, r->entries,
+             r->b, B->threads[r->k], dsv4__cpu_isa_name(r->isa), r->s * 1e6, 1.0 / r->s,
+             r->work / r->s * 1e-9, 100.0 * r->work / (B->peak[r->k] * 1e9) / r->s,
+             100.0 * r->bytes / B->copy[r->k] / r->s);
+  }
+  printf("\ncompress: one sequence's %d-token prefill from position 0, bs = %d\n", PREFILL, BS);
+  printf(" ratio entries threads      isa    us/token   tokens/s     Gop/s  %%ops(%s)  %%copy\n",
+         dsv4__cpu_isa_name(B->best));
+  for (int i = 0; i < B->n_rows; i++) {
+    const row_t *r = &B->rows[i];
+    if (r->table == 1)
+      printf("%6u %7u %7u %8s %11.2f %10.0f %9.1f %9.1f%% %6.1f%%\n", r->size, r->entries,
+             B->threads[r->k], dsv4__cpu_isa_name(r->isa), r->s * 1e6, 1.0 / r->s,
+             r->work / r->s * 1e-9, 100.0 * r->work / (B->peak[r->k] * 0.5e9) / r->s,
+             100.0 * r->bytes / B->copy[r->k] / r->s);
   }
 }
 
@@ -570,7 +638,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: cpu_compress_bench [heads 1..128] [topk 1..2048] [max_ctx >= 8192]\n");
     return 2;
   }
-  bench_t B;
+  static bench_t B;
   char why[256];
   dsv4_backend_options_t one = {.threads = 1}, all = {.threads = 0};
   if (dsv4_backend_open("cpu", &one, &B.be[0], why, sizeof(why)) ||
@@ -581,22 +649,11 @@ int main(int argc, char **argv) {
   B.threads[0] = 1;
   B.threads[1] = dsv4__cpu_backend_workers(B.be[1]) + 1;
   B.best = dsv4__cpu_isa_best();
-  printf("ceilings: fused multiply-add peak (%d independent chains per thread) and memcpy of "
-         "%u MiB\n",
-         PEAK_CHAINS, COPY_BYTES >> 20);
-  printf("   isa  threads    GFLOP/s  copy GB/s\n");
-  for (int k = 0; k < 2; k++) {
-    B.copy[k] = copy_rate(B.threads[k]);
-    for (int isa = B.best; isa >= 0; isa--) {
-      double gf = fma_peak(isa, B.threads[k]);
-      printf("%6s %8u %10.1f %10.1f\n", dsv4__cpu_isa_name(isa), B.threads[k], gf,
-             B.copy[k] * 1e-9);
-      if (isa == B.best)
-        B.peak[k] = gf;
-    }
-  }
+  ceilings(&B, "before the rows");
   ix_rows(&B, heads, topk, max_ctx);
   cp_rows(&B);
+  ceilings(&B, "after the rows");
+  print_rows(&B, heads, topk);
   dsv4_backend_close(B.be[0]);
   dsv4_backend_close(B.be[1]);
   return 0;
