@@ -1,17 +1,22 @@
 /*
- * The indexer's scores (SPEC §8.5) with AVX2 + FMA, for machines without AVX-512: the scalar
- * level's operations of cpu_compress.c, each correctly rounded and in the same order, with one
- * entry per lane, so the scores are the same bytes (tests/unit/compress_test.c compares every level
- * with the scalar one).
+ * The compressed branch's vector work with AVX2 + FMA, for machines without AVX-512: the indexer's
+ * queries and scores (SPEC §8.5) and the compressor's pooling (SPEC §8.3), as in
+ * cpu_compress_avx512.c on 8 lanes. Each is the scalar level's operations, each correctly rounded
+ * and in the same order, with one head, entry or channel per lane, so the bytes are the same
+ * (tests/unit/compress_test.c compares every level with the scalar one).
  *
- * Layout. A pass takes one group of 16 entries, two vectors of 8. Its records are dequantised once,
+ * Queries. Eight heads at a time, one per lane, in the DSV4__CPU_INDEX_QHEADS layout (two vectors
+ * fill one group of 16 heads). The e2m1 value comes from a permute of the eight magnitudes and the
+ * sign bit, as AVX2's permute reads only 8 entries.
+ *
+ * Scores. A pass takes one group of 16 entries, two vectors of 8. Its records are dequantised once,
  * into kt[d] rows of 16 floats (dim d of the 16 entries): the value dwords of 8 records are
  * transposed (two 8 x 8 transposes, dwords 0..7 and 8..15) so that a vector holds one dword (8
- * nibbles, dims 8m..8m+7) of 8 entries, and each nibble becomes its e2m1 value by a permute of the
- * magnitudes and its sign bit, times the lane's block scale. The heads then run four at a time: for
- * each of the 8 chains, 8 accumulators (4 heads x 2 vectors) advance together, each step loading 2
- * key vectors and broadcasting 4 query values (q^ is stored by quads of heads). The chains' sums
- * are folded and added to the scores head by head, in order.
+ * nibbles, dims 8m..8m+7) of 8 entries, and each nibble becomes its e2m1 value, times the lane's
+ * block scale. The heads then run four at a time: for each of the 8 chains, 8 accumulators (4
+ * heads x 2 vectors) advance together, each step loading 2 key vectors and broadcasting 4 query
+ * values (16 registers hold no more). The chains' sums are folded and added to the scores head by
+ * head, in order.
  */
 #if defined(__x86_64__)
 

@@ -1,16 +1,22 @@
 /*
- * The indexer's scores (SPEC §8.5) with AVX-512: the scalar level's operations of cpu_compress.c,
- * each correctly rounded and in the same order, with one entry per lane, so the scores are the
- * same bytes (tests/unit/compress_test.c compares every level with the scalar one).
+ * The compressed branch's vector work with AVX-512: the indexer's queries and scores (SPEC §8.5)
+ * and the compressor's pooling (SPEC §8.3). Each is the scalar level's operations of
+ * cpu_compress.c and dsv4-compress.h, each correctly rounded and in the same order, with one head,
+ * entry or channel per lane, so the bytes are the same (tests/unit/compress_test.c compares every
+ * level with the scalar one).
  *
- * Layout. A pass takes four groups of 16 entries. Their records are dequantised once, into kt[d]
+ * Queries. Sixteen heads at a time, one per lane: their bf16 inputs are transposed into x[d][16],
+ * where RoPE, the Hadamard butterflies and MXFP4 are element-wise. The result stays in that layout
+ * (DSV4__CPU_INDEX_QHEADS), in which the four values of one dim of a quad of heads are side by
+ * side.
+ *
+ * Scores. A pass takes four groups of 16 entries. Their records are dequantised once, into kt[d]
  * rows of 64 floats (dim d of the 64 entries): each record's 16 value dwords are transposed so
  * that a vector holds one dword (8 nibbles, dims 8m..8m+7) of 16 entries, and each nibble becomes
  * its e2m1 value by a permute, times the lane's block scale. The heads then run four at a time:
  * for each of the 8 chains, 16 accumulators (4 heads x 4 groups) advance together, each step
- * loading 4 key vectors and broadcasting 4 query values (q^ is stored by quads of heads, the 4
- * values of one dim side by side). The chains' sums are folded and added to the scores head by
- * head, in order.
+ * loading 4 key vectors and broadcasting 4 query values. The chains' sums are folded and added to
+ * the scores head by head, in order.
  */
 #if defined(__x86_64__)
 
