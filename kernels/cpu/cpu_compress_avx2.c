@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "cpu-expf-simd.h"
+#include "cpu-simd.h"
 #include "cpu-internal.h"
 #include "dsv4-compress.h"
 
@@ -37,28 +37,6 @@
 #define QUAD DSV4__CPU_INDEX_QUAD
 #define QSTRIDE DSV4__CPU_INDEX_QHEADS /* floats between two dims of one head of q^ */
 #define CHAINS 8
-
-/* Transposes the 8 x 8 dwords of r[0..7] in place. */
-INLINE void transpose8(__m256 *r) {
-  __m256 t[8], s[8];
-#pragma GCC unroll 4
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < 8; i += 4) {
-    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; i++) {
-    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
-  }
-}
 
 /* ---- the queries: one head per lane ---- */
 
@@ -86,7 +64,7 @@ static void queries_load(const uint16_t *iq, uint32_t nh, float *x) {
                               (const __m128i *)(iq + (size_t)i * DSV4_INDEX_DIM + LANES * db))),
                           16))
                     : _mm256_setzero_ps();
-    transpose8(r);
+    dsv4__transpose8(r);
     for (int k = 0; k < LANES; k++)
       _mm256_store_ps(x + (LANES * db + k) * QSTRIDE, r[k]);
   }
@@ -218,8 +196,8 @@ static void dequant_half(const dsv4__cpu_index_group_t *g, int h, uint32_t bits,
     lo[i] = on ? _mm256_loadu_ps((const float *)rec) : _mm256_setzero_ps();
     hi[i] = on ? _mm256_loadu_ps((const float *)(rec + 32)) : _mm256_setzero_ps();
   }
-  transpose8(lo);
-  transpose8(hi);
+  dsv4__transpose8(lo);
+  dsv4__transpose8(hi);
   /* Dword m holds dims 8m..8m+7 (MXFP4 block m / 4), dim 8m+n in bits 4n..4n+3: vpermps reads the
    * magnitude from the low 3 bits, bit 3 is the sign. */
   for (int m = 0; m < 16; m++) {

@@ -25,7 +25,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#include "cpu-expf-simd.h"
+#include "cpu-simd.h"
 #include "cpu-internal.h"
 #include "dsv4-compress.h"
 
@@ -37,38 +37,6 @@
 #define QUAD DSV4__CPU_INDEX_QUAD
 #define QSTRIDE DSV4__CPU_INDEX_QHEADS /* floats between two dims of one head of q^ */
 #define CHAINS 8
-
-/* Transposes the 16 x 16 dwords of r[0..15] in place. */
-INLINE void transpose16(__m512 *r) {
-  __m512 t[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 16; i += 4) {
-    __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
-    __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; i++) {
-    int j = (i & 3) | ((i & 4) << 1);
-    t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
-    t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; i++) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
 
 /* ---- the queries: one head per lane ---- */
 
@@ -96,7 +64,7 @@ static void queries_load(const uint16_t *iq, uint32_t nh, float *x) {
                               (const __m256i *)(iq + (size_t)i * DSV4_INDEX_DIM + LANES * db))),
                           16))
                     : _mm512_setzero_ps();
-    transpose16(r);
+    dsv4__transpose16(r);
     for (int k = 0; k < LANES; k++)
       _mm512_store_ps(x + (LANES * db + k) * QSTRIDE, r[k]);
   }
@@ -227,7 +195,7 @@ static void dequant_group(const dsv4__cpu_index_group_t *g, __mmask16 lanes, flo
   for (int i = 0; i < LANES; i++)
     r[i] = (lanes >> i) & 1u ? _mm512_loadu_ps(g->vals + DSV4_INDEX_VALUE_BYTES * i)
                              : _mm512_setzero_ps();
-  transpose16(r);
+  dsv4__transpose16(r);
   /* Dword m holds dims 8m..8m+7 (MXFP4 block m / 4), dim 8m+n in bits 4n..4n+3; vpermps reads
    * the low 4 bits of each index. */
   for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++)

@@ -1,12 +1,17 @@
-#ifndef DSV4_KERNELS_CPU_CPU_EXPF_SIMD_H
-#define DSV4_KERNELS_CPU_CPU_EXPF_SIMD_H
+#ifndef DSV4_KERNELS_CPU_CPU_SIMD_H
+#define DSV4_KERNELS_CPU_CPU_SIMD_H
 
 /*
- * dsv4_expf (dsv4-numerics.h) on vector lanes, for the CPU backend's vector levels: the same
- * correctly rounded operations in the same order on every lane, the special cases (NaN, overflow,
- * underflow, |x| < 2^-25) blended in afterwards, so each lane gives dsv4_expf's bits. Included only
- * by files built with the level's -m flags (kernels/CMakeLists.txt): expf16 where __AVX512F__ is
- * defined, expf8 where __AVX2__ and __FMA__ are.
+ * Helpers of the CPU backend's vector levels, included only by files built with the level's -m
+ * flags (kernels/CMakeLists.txt): the AVX-512 ones where __AVX512F__ is defined, the AVX2 ones
+ * where
+ * __AVX2__ and __FMA__ are.
+ *
+ * dsv4__expf16 and dsv4__expf8 are dsv4_expf (dsv4-numerics.h) on lanes: the same correctly rounded
+ * operations in the same order on every lane, the special cases (NaN, overflow, underflow, |x| <
+ * 2^-25) blended in afterwards, so each lane gives dsv4_expf's bits. dsv4__transpose16 and
+ * dsv4__transpose8 transpose square blocks of dwords (floats or integers alike), which is how the
+ * levels turn rows into lanes.
  */
 
 #include <immintrin.h>
@@ -50,6 +55,38 @@ static inline __attribute__((always_inline)) __m512 dsv4__expf16(__m512 x) {
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
   return _mm512_mask_mov_ps(y, nan,
                             _mm512_castsi512_ps(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000))));
+}
+
+/* Transposes the 16 x 16 dwords of r[0..15] in place. */
+static inline __attribute__((always_inline)) void dsv4__transpose16(__m512 *r) {
+  __m512 t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {
+    __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
+    __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; i++) {
+    int j = (i & 3) | ((i & 4) << 1);
+    t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
+    t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
 }
 #endif
 
@@ -95,6 +132,28 @@ static inline __attribute__((always_inline)) __m256 dsv4__expf8(__m256 x) {
   return _mm256_blendv_ps(
       y, quiet, _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000))));
 }
+
+/* Transposes the 8 x 8 dwords of r[0..7] in place. */
+static inline __attribute__((always_inline)) void dsv4__transpose8(__m256 *r) {
+  __m256 t[8], s[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+  }
+}
 #endif
 
-#endif /* DSV4_KERNELS_CPU_CPU_EXPF_SIMD_H */
+#endif /* DSV4_KERNELS_CPU_CPU_SIMD_H */
