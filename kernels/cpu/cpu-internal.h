@@ -159,8 +159,9 @@ int dsv4__cpu_indexer(dsv4_host_pool_t *pool, int isa, dsv4__cpu_index_scratch_t
 /* q^ of the vector levels is stored by groups of 16 heads: qt[(h / 16) * 16 * 128 + 16 * d + h %
  * 16], so the values of one dim of four heads are side by side, with zeros past the last head. */
 #define DSV4__CPU_INDEX_QHEADS 16
-/* Floats of a level's workspace (64-byte aligned): dequantised keys, partial sums, scores. */
-#define DSV4__CPU_INDEX_WORK_FLOATS (4 * DSV4__CPU_INDEX_GROUP * 128 + 8 * 16 * 16 + 256)
+/* Floats of a level's workspace (64-byte aligned): the dequantised keys of a pass (up to 4 groups
+ * of 16 entries, 128 dims) and the chains' partial sums (8 chains, 4 heads, 64 lanes). */
+#define DSV4__CPU_INDEX_WORK_FLOATS (4 * DSV4__CPU_INDEX_GROUP * 128 + 8 * 4 * 64)
 
 typedef struct {
   const uint8_t *vals;  /* the group's 16 records' value bytes, 64 each, consecutive */
