@@ -141,8 +141,13 @@ typedef struct {
    * block c_block_table[seg_cbt_off[s] + (j / block_size - seg_c_first_lb[s])] of c_cache (the same
    * record layout, block_size and stride as the SWA cache). A candidate whose block lies outside
    * the segment's table, or is < 0 or >= c_n_blocks, fails the launch with DSV4_EINVAL before
-   * anything is written. One max, one denominator (with the sink) and one fma chain run over the
-   * window then the entries.
+   * anything is written, and so does a listed entry that is not visible or not above the one
+   * before it (any negative value but the -1 that ends a row is such an entry; a row without -1
+   * holds c_sel_stride entries). ratio is 4 or 128 (the range form is valid at either); c_sel
+   * needs c_sel_stride >= 1 and a c_cache. With c_cache NULL the other compressed fields are not
+   * read. One max, one denominator (with the sink) and one fma chain run over the window then the
+   * entries. A backend that does not run the compressed branch yet refuses such a launch with
+   * DSV4_EUNSUPPORTED (check ops->compress before asking for it).
    */
   uint32_t ratio;
   const uint8_t *c_cache;
@@ -151,8 +156,8 @@ typedef struct {
   const uint32_t *seg_cbt_off;   /* [n_segments] */
   const uint32_t *seg_cbt_len;   /* [n_segments] */
   const int32_t *c_block_table;
-  uint32_t c_bt_entries;
-  const int32_t *c_sel; /* [n_tokens, c_sel_stride] or NULL */
+  uint32_t c_bt_entries; /* entries of c_block_table, or 0 when not given (as bt_entries) */
+  const int32_t *c_sel;  /* [n_tokens, c_sel_stride] or NULL */
   uint32_t c_sel_stride;
 } dsv4_attn_args_t;
 

@@ -37,6 +37,13 @@ int dsv4_backend_check_attn_args(const dsv4_attn_args_t *a) {
       !a->seg_bt_len || !a->cache || !a->rope || !a->out || a->n_segments == 0 ||
       a->n_blocks == 0 || !a->block_table || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
     return DSV4_EINVAL;
+  /* A selection without a compressed cache is a caller's mistake, not an SWA-only launch. */
+  if (!a->c_cache)
+    return a->c_sel ? DSV4_EINVAL : 0;
+  if ((a->ratio != 4 && a->ratio != 128) || !a->seg_c_first_lb || !a->seg_cbt_off ||
+      !a->seg_cbt_len || !a->c_block_table || a->c_n_blocks == 0 ||
+      (a->c_sel && a->c_sel_stride == 0))
+    return DSV4_EINVAL;
   return 0;
 }
 

@@ -64,27 +64,53 @@ void dsv4__cpu_kv_token_avx2(const uint16_t *kv, const float *rope_row, const fl
                              uint8_t *data, uint8_t *scales);
 #endif
 
-/* ---- exact attention (cpu_attention.c, SPEC §7) ---- */
+/* ---- exact attention (cpu_attention.c, SPEC §7 and §8.6) ---- */
 
-/* Floats of the per-participant workspace of one attention work item (64-byte aligned): the
- * dequantised window in the level's own layout, then room for one head's logits and sums. */
-#define DSV4__CPU_ATTN_WORK_FLOATS (DSV4_WINDOW * DSV4_HEAD_DIM + 16 * DSV4_HEAD_DIM)
+/* Candidates dequantised at a time: a list of any length (the window, then the compressed
+ * entries) passes through the workspace in tiles of this many, so its size does not grow with
+ * the list. */
+#define DSV4__CPU_ATTN_TILE 128
+/* Heads rounded up to the vector levels' groups of four (their last group computes unused heads
+ * from zero queries, into rows that must exist). */
+#define DSV4__CPU_ATTN_HEADS4(nh) (((nh) + 3u) & ~3u)
+/* Floats of the workspace of an item of nh heads with logit rows of l_stride floats (a multiple
+ * of 16, at least the item's candidate count): one tile dequantised in the level's own layout, the
+ * queries of every head as fp32 (in the level's layout), the sums N of every head, then the logits
+ * of every head over the whole list. Each part starts 64-byte aligned when the workspace does. */
+#define DSV4__CPU_ATTN_WORK_FLOATS(nh, l_stride)                                                   \
+  ((size_t)DSV4__CPU_ATTN_TILE * DSV4_HEAD_DIM +                                                   \
+   (size_t)DSV4__CPU_ATTN_HEADS4(nh) * (2u * DSV4_HEAD_DIM + (size_t)(l_stride)))
 
-/* One work item: nh consecutive heads of one token over its window (1..128 candidates). */
+/*
+ * One work item: nh consecutive heads of one token over its candidate list, nw window positions
+ * lo..lo + nw - 1, then nc - nw compressed entries (SPEC §8.6): j_lo, j_lo + 1, ... or, with sel,
+ * sel[0..nc - nw - 1]. Every candidate was checked by the launch.
+ */
 typedef struct {
-  const uint16_t *q; /* [nh, 512] bf16, the rotated queries */
+  const dsv4_attn_args_t *a; /* the launch: caches and block tables */
+  uint32_t seg;              /* the token's segment */
+  const uint16_t *q;         /* [nh, 512] bf16, the rotated queries */
   uint32_t nh;
-  uint32_t nc;
-  const uint8_t *data[DSV4_WINDOW]; /* each candidate's 576 bytes NoPE | RoPE, in position order */
-  const uint8_t *scales[DSV4_WINDOW]; /* each candidate's 8 scale bytes */
-  const float *rope_row;              /* cos and sin at the query's position */
-  const float *sink;                  /* [nh], or NULL */
-  uint16_t *out;                      /* [nh, 512] bf16 */
-  float *lse;                         /* [nh], or NULL */
-  float *work;                        /* DSV4__CPU_ATTN_WORK_FLOATS */
+  uint32_t nc; /* 1..: the window, then the compressed entries */
+  uint32_t nw; /* 1..128 */
+  int64_t lo;
+  int64_t j_lo;
+  const int32_t *sel;
+  const float *rope_row; /* cos and sin at the query's position */
+  const float *sink;     /* [nh], or NULL */
+  uint16_t *out;         /* [nh, 512] bf16 */
+  float *lse;            /* [nh], or NULL */
+  /* The parts of the participant's workspace (DSV4__CPU_ATTN_WORK_FLOATS(nh, l_stride)). */
+  float *tile, *qf, *n, *l;
+  uint32_t l_stride;
 } dsv4__cpu_attn_item_t;
 
-/* SPEC §7 for one item at the given level; every level stores the same bytes, each once. */
+/* The 576 data bytes and the 8 scale bytes of candidates first..first + count - 1 of it (count at
+ * most DSV4__CPU_ATTN_TILE), in list order. */
+void dsv4__cpu_attn_records(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_t count,
+                            const uint8_t **data, const uint8_t **scales);
+
+/* SPEC §7 / §8.6 for one item at the given level; every level stores the same bytes, each once. */
 void dsv4__cpu_attn_item(int isa, const dsv4__cpu_attn_item_t *it);
 #if defined(__x86_64__)
 /* The vector levels (cpu_attention_avx2.c, cpu_attention_avx512.c); same contract. */
@@ -99,7 +125,8 @@ void dsv4__cpu_attn_scratch_free(dsv4__cpu_attn_scratch_t *s);
 /*
  * The CPU backend's attention op: checks every argument and every candidate's block before it
  * writes anything, then runs the items on the pool (the join orders it before the next launch).
- * *scratch is allocated on first use and kept for later launches.
+ * *scratch is allocated on first use, grown when a launch's lists need more, and kept for later
+ * launches.
  */
 int dsv4__cpu_attention(dsv4_host_pool_t *pool, int isa, dsv4__cpu_attn_scratch_t **scratch,
                         const dsv4_attn_args_t *a);

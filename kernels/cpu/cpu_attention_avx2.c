@@ -1,14 +1,15 @@
 /*
- * Exact attention (SPEC §7) with AVX2 + FMA, for x86-64 machines without AVX-512: the operations
- * of the scalar level in cpu_attention.c, each correctly rounded and in the same order, on 8
- * independent chains at a time, so the bytes are the same (tests/unit/attention_test.c compares
- * every level with the scalar one).
+ * Exact attention (SPEC §7, §8.6) with AVX2 + FMA, for x86-64 machines without AVX-512: the
+ * operations of the scalar level in cpu_attention.c, each correctly rounded and in the same order,
+ * on 8 independent chains at a time, so the bytes are the same (tests/unit/attention_test.c and
+ * attention_union_test.c compare every level with the scalar one).
  *
  * The layout is cpu_attention_avx512.c's: each candidate chain-transposed (row k holds element k
  * of the dot product's 32 chains), so that one fmadd advances 8 chains; N accumulates element-wise
  * in that layout and is transposed back per head (8 x 8 blocks) before the division's result is
- * rotated and rounded. With 16 vector registers the logits take two heads per pass over the
- * window and the accumulation of N four heads, two vectors of each per pass.
+ * rotated and rounded. With 16 vector registers the logits take two heads per pass over a
+ * tile and the accumulation of N four heads, two vectors of each per pass; N is kept in memory
+ * between tiles (a store and a load are exact).
  */
 #if defined(__x86_64__)
 
@@ -142,8 +143,9 @@ INLINE float fold32(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_cvtss_f32(p1);
 }
 
-/* Logits of candidate s for heads h and h + 1 of qt, into l[h * 128 + s]. */
-INLINE void logits_pair(const float *qt, const float *kt, uint32_t s, int h, float *l) {
+/* Logits of candidate s for heads h and h + 1 of qt, into l[h * l_stride + s]. */
+INLINE void logits_pair(const float *qt, const float *kt, uint32_t s, int h, float *l,
+                        uint32_t l_stride) {
   const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
   const float *q0 = qt + h * DSV4_HEAD_DIM, *q1 = q0 + DSV4_HEAD_DIM;
   const float *row = kt + (size_t)s * DSV4_HEAD_DIM;
@@ -159,8 +161,8 @@ INLINE void logits_pair(const float *qt, const float *kt, uint32_t s, int h, flo
       a[0][v] = _mm256_fmadd_ps(_mm256_load_ps(q0 + 32 * k + 8 * v), kv, a[0][v]);
       a[1][v] = _mm256_fmadd_ps(_mm256_load_ps(q1 + 32 * k + 8 * v), kv, a[1][v]);
     }
-  l[h * DSV4_WINDOW + s] = fold32(a[0][0], a[0][1], a[0][2], a[0][3]) * scale;
-  l[(h + 1) * DSV4_WINDOW + s] = fold32(a[1][0], a[1][1], a[1][2], a[1][3]) * scale;
+  l[(size_t)h * l_stride + s] = fold32(a[0][0], a[0][1], a[0][2], a[0][3]) * scale;
+  l[(size_t)(h + 1) * l_stride + s] = fold32(a[1][0], a[1][1], a[1][2], a[1][3]) * scale;
 }
 
 /* dsv4_expf on 8 lanes: the same operations, the special cases blended in afterwards. */
@@ -224,19 +226,23 @@ static void weights(float *l, uint32_t nc, float m) {
     _mm256_storeu_ps(l + s, expf8(_mm256_sub_ps(_mm256_loadu_ps(l + s), vm)));
 }
 
-/* N of the four heads over columns j0..j0+15 of the transposed layout, in candidate order from +0,
- * stored into nt[h * 512 + j]. */
-INLINE void accumulate_16(const float *kt, const float *w, uint32_t nc, uint32_t j0, float *nt) {
+/* The chains N of the four heads over columns j0..j0+15 of the transposed layout, continued over
+ * count candidates of kt in list order: from +0 (resume 0) or from the values in nt[h * 512 + j],
+ * where they are stored back; w holds the heads' weights at w[h * l_stride + s]. */
+INLINE void accumulate_16(const float *kt, const float *w, uint32_t l_stride, uint32_t count,
+                          uint32_t j0, int resume, float *nt) {
   __m256 n[QUAD][2];
 #pragma GCC unroll 4
-  for (int h = 0; h < QUAD; h++)
-    n[h][0] = n[h][1] = _mm256_setzero_ps();
-  for (uint32_t s = 0; s < nc; s++) {
+  for (int h = 0; h < QUAD; h++) {
+    n[h][0] = resume ? _mm256_load_ps(nt + h * DSV4_HEAD_DIM + j0) : _mm256_setzero_ps();
+    n[h][1] = resume ? _mm256_load_ps(nt + h * DSV4_HEAD_DIM + j0 + 8) : _mm256_setzero_ps();
+  }
+  for (uint32_t s = 0; s < count; s++) {
     const float *row = kt + (size_t)s * DSV4_HEAD_DIM + j0;
     __m256 k0 = _mm256_load_ps(row), k1 = _mm256_load_ps(row + 8);
 #pragma GCC unroll 4
     for (int h = 0; h < QUAD; h++) {
-      __m256 wv = _mm256_broadcast_ss(w + h * DSV4_WINDOW + s);
+      __m256 wv = _mm256_broadcast_ss(w + (size_t)h * l_stride + s);
       n[h][0] = _mm256_fmadd_ps(wv, k0, n[h][0]);
       n[h][1] = _mm256_fmadd_ps(wv, k1, n[h][1]);
     }
@@ -292,50 +298,89 @@ static void finish_head(const float *nt, float den, const float *cs, uint16_t *o
     store_bf16x16(out + DSV4_NOPE_DIM + 8 * v, r[v], r[v + 1]);
 }
 
-/* Four heads (nh of them real) of one item over the dequantised window kt; l holds the logits and
- * then the weights of the four heads (128 each), nt their N. */
-static void attn_quad(const dsv4__cpu_attn_item_t *it, uint32_t h0, uint32_t nh, const float *kt,
-                      float *qt, float *l, float *nt) {
-  const uint32_t nc = it->nc;
-  queries_t(it->q + (size_t)h0 * DSV4_HEAD_DIM, nh, qt);
-  for (int h = 0; h < QUAD; h += 2)
-    for (uint32_t s = 0; s < nc; s++)
-      logits_pair(qt, kt, s, h, l);
-  float m[QUAD], sum[QUAD] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (uint32_t h = 0; h < nh; h++) {
-    m[h] = max_logit(l + h * DSV4_WINDOW, nc);
-    weights(l + h * DSV4_WINDOW, nc, m[h]);
+/* Candidates first..first + count - 1 of the item dequantised into it->tile (transposed). */
+static void tile_load(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_t count) {
+  const uint8_t *data[DSV4__CPU_ATTN_TILE], *scales[DSV4__CPU_ATTN_TILE];
+  dsv4__cpu_attn_records(it, first, count, data, scales);
+  for (uint32_t s = 0; s < count; s++)
+    dequant_record_t(data[s], scales[s], it->tile + (size_t)s * DSV4_HEAD_DIM);
+}
+
+/* The logits of every head quad (by pairs) for the tile's candidates, into l[h * l_stride + first
+ * + s]. */
+static void tile_logits(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_t count) {
+  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
+    const float *qt = it->qf + (size_t)h0 * DSV4_HEAD_DIM;
+    float *l = it->l + (size_t)h0 * it->l_stride + first;
+    for (int h = 0; h < QUAD; h += 2)
+      for (uint32_t s = 0; s < count; s++)
+        logits_pair(qt, it->tile, s, h, l, it->l_stride);
   }
-  /* Each head's S is one chain of additions in candidate order; the quad's four chains run side
-   * by side (a head past nh sums logits of a zero query, unused). */
-  for (uint32_t i = 0; i < nc; i++)
+}
+
+/* Every head's max and weights over the whole list, and their sums S in list order; a quad's four
+ * chains of additions run side by side (a head past nh sums logits of a zero query, unused). */
+static void softmax_sums(const dsv4__cpu_attn_item_t *it, float *m, float *sum) {
+  const uint32_t nc = it->nc;
+  for (uint32_t h = 0; h < it->nh; h++) {
+    float *l = it->l + (size_t)h * it->l_stride;
+    m[h] = max_logit(l, nc);
+    weights(l, nc, m[h]);
+  }
+  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
+    const float *l = it->l + (size_t)h0 * it->l_stride;
+    float acc[QUAD] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint32_t i = 0; i < nc; i++)
 #pragma GCC unroll 4
+      for (int h = 0; h < QUAD; h++)
+        acc[h] = acc[h] + l[(size_t)h * it->l_stride + i];
     for (int h = 0; h < QUAD; h++)
-      sum[h] = sum[h] + l[h * DSV4_WINDOW + i];
-  for (uint32_t j0 = 0; j0 < DSV4_HEAD_DIM; j0 += 16)
-    accumulate_16(kt, l, nc, j0, nt);
-  for (uint32_t h = 0; h < nh; h++) {
-    float den = sum[h];
-    if (it->sink)
-      den = den + dsv4_expf(it->sink[h0 + h] - m[h]);
-    finish_head(nt + h * DSV4_HEAD_DIM, den, it->rope_row,
-                it->out + (size_t)(h0 + h) * DSV4_HEAD_DIM);
-    if (it->lse)
-      it->lse[h0 + h] = m[h] + dsv4_logf(sum[h]);
+      sum[h0 + h] = acc[h];
+  }
+}
+
+/* Every head quad's chains N continued over the tile's candidates. */
+static void tile_accumulate(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_t count) {
+  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
+    const float *w = it->l + (size_t)h0 * it->l_stride + first;
+    float *nt = it->n + (size_t)h0 * DSV4_HEAD_DIM;
+    for (uint32_t j0 = 0; j0 < DSV4_HEAD_DIM; j0 += 16)
+      accumulate_16(it->tile, w, it->l_stride, count, j0, first > 0, nt);
   }
 }
 
 void dsv4__cpu_attn_item_avx2(const dsv4__cpu_attn_item_t *it) {
-  float *kt = it->work;
-  float *qt = kt + (size_t)DSV4_WINDOW * DSV4_HEAD_DIM;
-  float *nt = qt + QUAD * DSV4_HEAD_DIM;
-  float *l = nt + QUAD * DSV4_HEAD_DIM;
-  for (uint32_t s = 0; s < it->nc; s++)
-    dequant_record_t(it->data[s], it->scales[s], kt + (size_t)s * DSV4_HEAD_DIM);
+  const uint32_t tiles = (it->nc + DSV4__CPU_ATTN_TILE - 1) / DSV4__CPU_ATTN_TILE;
   /* Heads past nh in the last quad have zero queries: their logits serve as weights of nothing. */
   for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
     uint32_t nh = it->nh - h0 < QUAD ? it->nh - h0 : QUAD;
-    attn_quad(it, h0, nh, kt, qt, l, nt);
+    queries_t(it->q + (size_t)h0 * DSV4_HEAD_DIM, nh, it->qf + (size_t)h0 * DSV4_HEAD_DIM);
+  }
+  /* The logits tile by tile from the last, so that the first tile is still in the workspace when
+   * the chains N begin. */
+  for (uint32_t k = tiles; k-- > 0;) {
+    uint32_t first = k * DSV4__CPU_ATTN_TILE;
+    uint32_t count = it->nc - first < DSV4__CPU_ATTN_TILE ? it->nc - first : DSV4__CPU_ATTN_TILE;
+    tile_load(it, first, count);
+    tile_logits(it, first, count);
+  }
+  float m[DSV4_MAX_HEADS], sum[DSV4_MAX_HEADS];
+  softmax_sums(it, m, sum);
+  for (uint32_t k = 0; k < tiles; k++) {
+    uint32_t first = k * DSV4__CPU_ATTN_TILE;
+    uint32_t count = it->nc - first < DSV4__CPU_ATTN_TILE ? it->nc - first : DSV4__CPU_ATTN_TILE;
+    if (k)
+      tile_load(it, first, count);
+    tile_accumulate(it, first, count);
+  }
+  for (uint32_t h = 0; h < it->nh; h++) {
+    float den = sum[h];
+    if (it->sink)
+      den = den + dsv4_expf(it->sink[h] - m[h]);
+    finish_head(it->n + (size_t)h * DSV4_HEAD_DIM, den, it->rope_row,
+                it->out + (size_t)h * DSV4_HEAD_DIM);
+    if (it->lse)
+      it->lse[h] = m[h] + dsv4_logf(sum[h]);
   }
 }
 

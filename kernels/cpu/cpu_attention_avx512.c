@@ -1,15 +1,17 @@
 /*
- * Exact attention (SPEC §7) with AVX-512: the operations of the scalar level in cpu_attention.c,
- * each correctly rounded and in the same order, on 16 independent chains at a time, so the bytes
- * are the same (tests/unit/attention_test.c compares every level with the scalar one).
+ * Exact attention (SPEC §7, §8.6) with AVX-512: the operations of the scalar level in
+ * cpu_attention.c, each correctly rounded and in the same order, on 16 independent chains at a
+ * time, so the bytes are the same (tests/unit/attention_test.c and attention_union_test.c compare
+ * every level with the scalar one).
  *
  * Layout. The canonical dot product runs 32 chains, chain l over dims 16l..16l+15 in order. Each
  * candidate's 512 values are stored chain-transposed: row k (32 floats) holds element k of chains
  * 0..31, so one fmadd advances 16 chains of a dot product by one element, and the queries are
  * transposed the same way. The accumulation of N is element-wise, so it runs in the same layout;
  * each head's N is transposed back (a 16 x 16 transpose is its own inverse) before the division's
- * result is rotated and rounded. Heads go four at a time through both passes over the window, so
- * each candidate row is read from the cache hierarchy once per four heads.
+ * result is rotated and rounded. Heads go four at a time through both passes over each tile, so
+ * each candidate row is read from the cache hierarchy once per four heads; N is kept in memory
+ * between tiles (a store and a load are exact).
  */
 #if defined(__x86_64__)
 
@@ -24,7 +26,7 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Heads per pass over the window. */
+/* Heads per pass over a tile. */
 #define QUAD 4
 
 /* Transposes the 16 x 16 floats of r[0..15] in place. */
@@ -128,8 +130,9 @@ INLINE float fold32(__m512 lo, __m512 hi) {
   return _mm_cvtss_f32(v1);
 }
 
-/* Logits of NC (1 or 2) candidates from kt for the four heads of qt, into l[h * 128 + s]. */
-INLINE void logits_quad(const float *qt, const float *kt, uint32_t s, int nc, float *l) {
+/* Logits of nc (1 or 2) candidates from kt for the four heads of qt, into l[h * l_stride + s]. */
+INLINE void logits_quad(const float *qt, const float *kt, uint32_t s, int nc, float *l,
+                        uint32_t l_stride) {
   const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
   __m512 a[QUAD][2][2];
 #pragma GCC unroll 4
@@ -157,7 +160,7 @@ INLINE void logits_quad(const float *qt, const float *kt, uint32_t s, int nc, fl
 #pragma GCC unroll 4
   for (int h = 0; h < QUAD; h++)
     for (int c = 0; c < nc; c++)
-      l[h * DSV4_WINDOW + s + c] = fold32(a[h][c][0], a[h][c][1]) * scale;
+      l[(size_t)h * l_stride + s + c] = fold32(a[h][c][0], a[h][c][1]) * scale;
 }
 
 /* dsv4_expf on 16 lanes: the same operations, the special cases blended in afterwards. */
@@ -230,24 +233,25 @@ static void weights(float *l, uint32_t nc, float m) {
 }
 
 /*
- * N for the four heads over one eighth of the transposed layout (64 floats: columns j0..j0+63),
- * in candidate order from +0, stored into nt[h * 512 + j]. Four rows of kt are loaded per
- * candidate and each feeds four heads.
+ * The chains N of the four heads over one eighth of the transposed layout (64 floats: columns
+ * j0..j0+63), continued over count candidates of kt in list order: from +0 (resume 0) or from the
+ * values in nt[h * 512 + j], where they are stored back. Four rows of kt are loaded per candidate
+ * and each feeds four heads; w holds the heads' weights at w[h * l_stride + s].
  */
-INLINE void accumulate_eighth(const float *kt, const float *w, uint32_t nc, uint32_t j0,
-                              float *nt) {
+INLINE void accumulate_eighth(const float *kt, const float *w, uint32_t l_stride, uint32_t count,
+                              uint32_t j0, int resume, float *nt) {
   __m512 n[QUAD][4];
 #pragma GCC unroll 4
   for (int h = 0; h < QUAD; h++)
     for (int v = 0; v < 4; v++)
-      n[h][v] = _mm512_setzero_ps();
-  for (uint32_t s = 0; s < nc; s++) {
+      n[h][v] = resume ? _mm512_load_ps(nt + h * DSV4_HEAD_DIM + j0 + 16 * v) : _mm512_setzero_ps();
+  for (uint32_t s = 0; s < count; s++) {
     const float *row = kt + (size_t)s * DSV4_HEAD_DIM + j0;
     __m512 k0 = _mm512_load_ps(row), k1 = _mm512_load_ps(row + 16);
     __m512 k2 = _mm512_load_ps(row + 32), k3 = _mm512_load_ps(row + 48);
 #pragma GCC unroll 4
     for (int h = 0; h < QUAD; h++) {
-      __m512 wv = _mm512_set1_ps(w[h * DSV4_WINDOW + s]);
+      __m512 wv = _mm512_set1_ps(w[(size_t)h * l_stride + s]);
       n[h][0] = _mm512_fmadd_ps(wv, k0, n[h][0]);
       n[h][1] = _mm512_fmadd_ps(wv, k1, n[h][1]);
       n[h][2] = _mm512_fmadd_ps(wv, k2, n[h][2]);
@@ -302,52 +306,90 @@ static void finish_head(const float *nt, float den, const float *cs, uint16_t *o
   }
 }
 
-/* Four heads (nh of them real) of one item over the dequantised window kt; l holds the logits and
- * then the weights of the four heads (128 each), nt their N. */
-static void attn_quad(const dsv4__cpu_attn_item_t *it, uint32_t h0, uint32_t nh, const float *kt,
-                      float *qt, float *l, float *nt) {
-  const uint32_t nc = it->nc;
-  queries_t(it->q + (size_t)h0 * DSV4_HEAD_DIM, nh, qt);
-  uint32_t s = 0;
-  for (; s + 2 <= nc; s += 2)
-    logits_quad(qt, kt, s, 2, l);
-  if (s < nc)
-    logits_quad(qt, kt, s, 1, l);
-  float m[QUAD], sum[QUAD] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (uint32_t h = 0; h < nh; h++) {
-    m[h] = max_logit(l + h * DSV4_WINDOW, nc);
-    weights(l + h * DSV4_WINDOW, nc, m[h]);
+/* Candidates first..first + count - 1 of the item dequantised into it->tile (transposed). */
+static void tile_load(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_t count) {
+  const uint8_t *data[DSV4__CPU_ATTN_TILE], *scales[DSV4__CPU_ATTN_TILE];
+  dsv4__cpu_attn_records(it, first, count, data, scales);
+  for (uint32_t s = 0; s < count; s++)
+    dequant_record_t(data[s], scales[s], it->tile + (size_t)s * DSV4_HEAD_DIM);
+}
+
+/* The logits of every head quad for the tile's candidates, into l[h * l_stride + first + s]. */
+static void tile_logits(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_t count) {
+  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
+    const float *qt = it->qf + (size_t)h0 * DSV4_HEAD_DIM;
+    float *l = it->l + (size_t)h0 * it->l_stride + first;
+    uint32_t s = 0;
+    for (; s + 2 <= count; s += 2)
+      logits_quad(qt, it->tile, s, 2, l, it->l_stride);
+    if (s < count)
+      logits_quad(qt, it->tile, s, 1, l, it->l_stride);
   }
-  /* Each head's S is one chain of additions in candidate order; the quad's four chains run side
-   * by side (a head past nh sums logits of a zero query, unused). */
-  for (uint32_t i = 0; i < nc; i++)
+}
+
+/* Every head's max and weights over the whole list, and their sums S in list order; a quad's four
+ * chains of additions run side by side (a head past nh sums logits of a zero query, unused). */
+static void softmax_sums(const dsv4__cpu_attn_item_t *it, float *m, float *sum) {
+  const uint32_t nc = it->nc;
+  for (uint32_t h = 0; h < it->nh; h++) {
+    float *l = it->l + (size_t)h * it->l_stride;
+    m[h] = max_logit(l, nc);
+    weights(l, nc, m[h]);
+  }
+  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
+    const float *l = it->l + (size_t)h0 * it->l_stride;
+    float acc[QUAD] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint32_t i = 0; i < nc; i++)
 #pragma GCC unroll 4
+      for (int h = 0; h < QUAD; h++)
+        acc[h] = acc[h] + l[(size_t)h * it->l_stride + i];
     for (int h = 0; h < QUAD; h++)
-      sum[h] = sum[h] + l[h * DSV4_WINDOW + i];
-  for (uint32_t j0 = 0; j0 < DSV4_HEAD_DIM; j0 += 64)
-    accumulate_eighth(kt, l, nc, j0, nt);
-  for (uint32_t h = 0; h < nh; h++) {
-    float den = sum[h];
-    if (it->sink)
-      den = den + dsv4_expf(it->sink[h0 + h] - m[h]);
-    finish_head(nt + h * DSV4_HEAD_DIM, den, it->rope_row,
-                it->out + (size_t)(h0 + h) * DSV4_HEAD_DIM);
-    if (it->lse)
-      it->lse[h0 + h] = m[h] + dsv4_logf(sum[h]);
+      sum[h0 + h] = acc[h];
+  }
+}
+
+/* Every head quad's chains N continued over the tile's candidates. */
+static void tile_accumulate(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_t count) {
+  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
+    const float *w = it->l + (size_t)h0 * it->l_stride + first;
+    float *nt = it->n + (size_t)h0 * DSV4_HEAD_DIM;
+    for (uint32_t j0 = 0; j0 < DSV4_HEAD_DIM; j0 += 64)
+      accumulate_eighth(it->tile, w, it->l_stride, count, j0, first > 0, nt);
   }
 }
 
 void dsv4__cpu_attn_item_avx512(const dsv4__cpu_attn_item_t *it) {
-  float *kt = it->work;
-  float *qt = kt + (size_t)DSV4_WINDOW * DSV4_HEAD_DIM;
-  float *nt = qt + QUAD * DSV4_HEAD_DIM;
-  float *l = nt + QUAD * DSV4_HEAD_DIM;
-  for (uint32_t s = 0; s < it->nc; s++)
-    dequant_record_t(it->data[s], it->scales[s], kt + (size_t)s * DSV4_HEAD_DIM);
+  const uint32_t tiles = (it->nc + DSV4__CPU_ATTN_TILE - 1) / DSV4__CPU_ATTN_TILE;
   /* Heads past nh in the last quad have zero queries: their logits serve as weights of nothing. */
   for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
     uint32_t nh = it->nh - h0 < QUAD ? it->nh - h0 : QUAD;
-    attn_quad(it, h0, nh, kt, qt, l, nt);
+    queries_t(it->q + (size_t)h0 * DSV4_HEAD_DIM, nh, it->qf + (size_t)h0 * DSV4_HEAD_DIM);
+  }
+  /* The logits tile by tile from the last, so that the first tile is still in the workspace when
+   * the chains N begin. */
+  for (uint32_t k = tiles; k-- > 0;) {
+    uint32_t first = k * DSV4__CPU_ATTN_TILE;
+    uint32_t count = it->nc - first < DSV4__CPU_ATTN_TILE ? it->nc - first : DSV4__CPU_ATTN_TILE;
+    tile_load(it, first, count);
+    tile_logits(it, first, count);
+  }
+  float m[DSV4_MAX_HEADS], sum[DSV4_MAX_HEADS];
+  softmax_sums(it, m, sum);
+  for (uint32_t k = 0; k < tiles; k++) {
+    uint32_t first = k * DSV4__CPU_ATTN_TILE;
+    uint32_t count = it->nc - first < DSV4__CPU_ATTN_TILE ? it->nc - first : DSV4__CPU_ATTN_TILE;
+    if (k)
+      tile_load(it, first, count);
+    tile_accumulate(it, first, count);
+  }
+  for (uint32_t h = 0; h < it->nh; h++) {
+    float den = sum[h];
+    if (it->sink)
+      den = den + dsv4_expf(it->sink[h] - m[h]);
+    finish_head(it->n + (size_t)h * DSV4_HEAD_DIM, den, it->rope_row,
+                it->out + (size_t)h * DSV4_HEAD_DIM);
+    if (it->lse)
+      it->lse[h] = m[h] + dsv4_logf(sum[h]);
   }
 }
 

@@ -610,6 +610,10 @@ __global__ void __launch_bounds__(256) dsv4__attention_check_kernel(attn_params_
 static int check_args(const dsv4_attn_args_t *a) {
   if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS || a->fast)
     return DSV4_EINVAL;
+  /* The compressed entries (SPEC §8.6) are not implemented here yet: such a launch is refused
+   * rather than run over the window alone. */
+  if (a->c_cache)
+    return DSV4_EUNSUPPORTED;
   if (a->n_tokens == 0)
     return 0;
   if (!a->q || !a->positions || !a->tok_seg || !a->seg_p0 || !a->seg_first_lb || !a->seg_bt_off ||

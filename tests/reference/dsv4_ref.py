@@ -504,6 +504,24 @@ def attention_candidates(pos, p0):
     return np.arange(max(int(p0), int(pos) - (WINDOW - 1)), int(pos) + 1, dtype=np.int64)
 
 
+def compressed_entries(pos, p0, ratio, sel=None):
+    """The compressed entries a query at pos attends to after its window (SPEC §8.4, §8.6), in list
+    order: with sel None every visible entry, floor(p0 / ratio) <= j < floor((pos + 1) / ratio);
+    else the row sel up to its first -1, each entry checked to be visible and above the one before.
+    """
+    lo, hi = int(p0) // ratio, (int(pos) + 1) // ratio
+    if sel is None:
+        return np.arange(lo, max(lo, hi), dtype=np.int64)
+    out = []
+    for j in (int(x) for x in sel):
+        if j == -1:
+            break
+        if not (lo <= j < hi and (not out or j > out[-1])):
+            raise ValueError("entry %d is not visible at position %d or not increasing" % (j, pos))
+        out.append(j)
+    return np.array(out, dtype=np.int64)
+
+
 def attention_keys(cache, bs, slots):
     """The candidates' 584-byte records read from the paged cache and decoded (SPEC §3): exact
     values as [n, 512] binary64."""
@@ -512,7 +530,8 @@ def attention_keys(cache, bs, slots):
 
 
 def attention_token(q, keys, rope_row, sink=None):
-    """One query token: q [H, 512] bf16 bits, keys [nc, 512] (in position order), rope_row the 64
+    """One query token: q [H, 512] bf16 bits, keys [nc, 512] (in list order: the window's positions,
+    then on a compressed layer the entries of compressed_entries, SPEC §8.6), rope_row the 64
     fp32 table values of the query's position (cos then sin), sink [H] or None.
 
     Returns (out, lse, mag): out [H, 512] binary64 after the inverse rotation (before any rounding

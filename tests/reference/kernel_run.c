@@ -23,6 +23,11 @@
  * the attention launch to rc.txt and, when it is 0, out.bin [N,H,512] u16 and (lse=1) lse.bin
  * [N,H] f32.
  *
+ * mode=attn with ratio (4|128) adds the compressed entries (SPEC §8.6): c_n_blocks,
+ * n_c_block_table and c_sel_stride (0: every visible entry) in params.txt; c_cache_in.bin
+ * [c_n_blocks * stride] u8, seg_c_first_lb.bin [S] i64, seg_cbt_off.bin [S] u32, seg_cbt_len.bin
+ * [S] u32, c_block_table.bin i32 and, with c_sel_stride > 0, c_sel.bin [N, c_sel_stride] i32.
+ *
  * All files are little-endian, which is the host order on every machine the daemon supports.
  */
 #include <errno.h>
@@ -384,6 +389,11 @@ typedef struct {
   uint32_t *bt_off, *bt_len;
   uint8_t *cache;
   float *sink, *lse;
+  /* The compressed branch (ratio > 0). */
+  uint8_t *c_cache;
+  int64_t *c_first_lb;
+  uint32_t *cbt_off, *cbt_len;
+  int32_t *cbt, *c_sel;
 } attn_files_t;
 
 static void attn_files_free(attn_files_t *f) {
@@ -399,6 +409,48 @@ static void attn_files_free(attn_files_t *f) {
   free(f->cache);
   free(f->sink);
   free(f->lse);
+  free(f->c_cache);
+  free(f->c_first_lb);
+  free(f->cbt_off);
+  free(f->cbt_len);
+  free(f->cbt);
+  free(f->c_sel);
+}
+
+/* The compressed branch of a mode=attn launch, when params.txt names a ratio: its files into f and
+ * its fields into a. 0, or -1 when a file or a parameter is missing. */
+static int attn_compressed(const char *dir, long long n, long long n_seg, long long bs,
+                           attn_files_t *f, dsv4_attn_args_t *a) {
+  const long long ratio = param_int("ratio", 0), c_n_blocks = param_int("c_n_blocks", -1);
+  const long long n_cbt = param_int("n_c_block_table", -1);
+  const long long stride = param_int("c_sel_stride", 0);
+  if (ratio == 0)
+    return 0;
+  if (c_n_blocks < 1 || n_cbt < 0 || stride < 0 || stride > UINT32_MAX) {
+    fprintf(stderr, "kernel_run: bad compressed parameters in %s/params.txt\n", dir);
+    return -1;
+  }
+  f->c_cache =
+      read_file(dir, "c_cache_in.bin", (size_t)c_n_blocks * DSV4_BLOCK_STRIDE(bs), 0, NULL);
+  f->c_first_lb = read_file(dir, "seg_c_first_lb.bin", (size_t)n_seg * 8, 0, NULL);
+  f->cbt_off = read_file(dir, "seg_cbt_off.bin", (size_t)n_seg * 4, 0, NULL);
+  f->cbt_len = read_file(dir, "seg_cbt_len.bin", (size_t)n_seg * 4, 0, NULL);
+  f->cbt = read_file(dir, "c_block_table.bin", (size_t)n_cbt * 4, 0, NULL);
+  f->c_sel = stride ? read_file(dir, "c_sel.bin", (size_t)n * (size_t)stride * 4, 0, NULL) : NULL;
+  if (!f->c_cache || !f->c_first_lb || !f->cbt_off || !f->cbt_len || !f->cbt ||
+      (stride && !f->c_sel))
+    return -1;
+  a->ratio = (uint32_t)ratio;
+  a->c_cache = f->c_cache;
+  a->c_n_blocks = (uint32_t)c_n_blocks;
+  a->seg_c_first_lb = f->c_first_lb;
+  a->seg_cbt_off = f->cbt_off;
+  a->seg_cbt_len = f->cbt_len;
+  a->c_block_table = f->cbt;
+  a->c_bt_entries = (uint32_t)n_cbt;
+  a->c_sel = f->c_sel;
+  a->c_sel_stride = (uint32_t)stride;
+  return 0;
 }
 
 /* On the CPU backend (host memory) the launch reads the files' buffers directly. */
@@ -466,6 +518,10 @@ static int run_attn(const char *dir, dsv4_backend_t *be) {
       .out = f.out,
       .lse = with_lse ? f.lse : NULL,
   };
+  if (attn_compressed(dir, n, n_seg, bs, &f, &a) != 0) {
+    rc = -1;
+    goto out;
+  }
   rc = be->ops->attention(be, &a);
   if (rc == 0)
     rc = be->ops->sync(be);

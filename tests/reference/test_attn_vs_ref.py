@@ -5,7 +5,10 @@ Usage: test_attn_vs_ref.py <path of kernel_run> [backend] [isa]
 Each case builds sequences in a paged cache with the numpy model's own insert (dsv4_ref.qkv_insert:
 records and rotated queries), runs the C attention on that cache, and compares its bf16 outputs and
 fp32 lse with dsv4_ref.attention_token, which decodes the records and computes attention in binary64
-from SPEC §7's definition. The C result carries binary32 roundings, so the comparison is:
+from SPEC §7's definition. On a compressed layer (SPEC §8.6) a second paged cache holds entries
+(records made by the model's KV path from random inputs), and each token's keys are its window's
+records, then those of dsv4_ref.compressed_entries: every visible entry, or a selection padded with
+-1. The C result carries binary32 roundings, so the comparison is:
 
 - at least 99.9 % of all output elements within 1 bf16 ulp of the binary64 value;
 - every element within 2 bf16 ulps, or within the rounding bound of its binary32 computation (the
@@ -43,23 +46,61 @@ class LevelMissing(Exception):
 
 
 class Layer:
-    """One layer's paged cache and its sequences, written by the model's insert."""
+    """One layer's paged cache and its sequences, written by the model's insert; with a ratio, its
+    compressed cache of c_blocks blocks as well."""
 
-    def __init__(self, rng, bs, n_blocks, rope="plain"):
+    def __init__(self, rng, bs, n_blocks, rope="plain", ratio=0, c_blocks=0):
         self.rng, self.bs, self.n_blocks, self.rope = rng, bs, n_blocks, rope
         self.cache = np.zeros(n_blocks * R.block_stride(bs), dtype=np.uint8)
         self.free = list(rng.permutation(n_blocks))
         self.seqs = {}
         self.inv = R.inv_freq(rope)
+        self.ratio, self.c_n_blocks = ratio, c_blocks
+        self.c_cache = np.zeros(c_blocks * R.block_stride(bs), dtype=np.uint8)
+        self.c_free = list(rng.permutation(c_blocks))
 
-    def add(self, name, p0):
-        self.seqs[name] = {"p0": p0, "next": p0, "blocks": {}}
+    def add(self, name, p0, start=None):
+        """A sequence from p0 whose first batch starts at start (default p0): the window positions
+        below start are never written and read as zero records."""
+        self.seqs[name] = {"p0": p0, "next": p0 if start is None else start, "blocks": {},
+                           "c_blocks": {}, "c_next": p0 // self.ratio if self.ratio else 0}
+
+    def compressed(self, b, s, last, kv_gen):
+        """Segment s's compressed table (every entry its tokens see), and the records of the
+        entries not yet emitted, made from kv_gen at RoPE rows r * j (SPEC §8.3)."""
+        bs, r = self.bs, self.ratio
+        j_lo, j_hi = s["p0"] // r, (last + 1) // r
+        b["seg_c_first_lb"].append(j_lo // bs)
+        b["seg_cbt_off"].append(len(b["c_block_table"]))
+        for lb in range(j_lo // bs, (j_hi - 1) // bs + 1 if j_hi > j_lo else j_lo // bs):
+            if lb not in s["c_blocks"]:
+                s["c_blocks"][lb] = int(self.c_free.pop())
+            b["c_block_table"].append(s["c_blocks"][lb])
+        b["seg_cbt_len"].append(len(b["c_block_table"]) - b["seg_cbt_off"][-1])
+        js = np.arange(s["c_next"], j_hi, dtype=np.int64)
+        if len(js):
+            recs = R.kv_records(kv_gen(len(js)), R.rope_rows(self.inv, r * js))
+            slots = [s["c_blocks"][j // bs] * bs + j % bs for j in js]
+            R.write_records(self.c_cache, recs, slots, bs)
+            s["c_next"] = j_hi
+
+    def select(self, b, stride, count):
+        """Selection form: token t lists count(t, visible) of its visible entries, a uniform sample
+        in increasing order, padded with -1 to stride."""
+        sel = np.full((len(b["positions"]), stride), -1, dtype=np.int32)
+        for t, pos in enumerate(b["positions"]):
+            p0 = self.seqs[b["names"][b["tok_seg"][t]]]["p0"]
+            vis = R.compressed_entries(pos, p0, self.ratio)
+            k = min(count(t, len(vis)), len(vis), stride)
+            sel[t, :k] = np.sort(self.rng.choice(vis, size=k, replace=False))
+        b["c_sel"] = sel
 
     def batch(self, segs, heads, q_gen, kv_gen):
         """segs: [(name, len)]. Inserts the batch and returns the attention launch's arrays."""
         bs = self.bs
         b = {"positions": [], "tok_seg": [], "seg_p0": [], "seg_first_lb": [], "seg_bt_off": [],
-             "seg_bt_len": [], "block_table": []}
+             "seg_bt_len": [], "block_table": [], "seg_c_first_lb": [], "seg_cbt_off": [],
+             "seg_cbt_len": [], "c_block_table": []}
         for i, (name, n) in enumerate(segs):
             s = self.seqs[name]
             start, last = s["next"], s["next"] + n - 1
@@ -75,6 +116,8 @@ class Layer:
             b["positions"] += list(range(start, last + 1))
             b["tok_seg"] += [i] * n
             s["next"] = last + 1
+            if self.ratio:
+                self.compressed(b, s, last, kv_gen)
         pos = np.array(b["positions"], dtype=np.int64)
         slots = np.array([self.seqs[segs[t][0]]["blocks"][p // bs] * bs + p % bs
                           for t, p in zip(b["tok_seg"], pos)], dtype=np.int64)
@@ -95,6 +138,14 @@ def write_inputs(d, layer, b, sink):
               "block_table.bin": (b["block_table"], "<i4"), "cache_in.bin": (layer.cache, "u1")}
     if sink is not None:
         arrays["sink.bin"] = (sink, "<f4")
+    if layer.ratio:
+        arrays.update({"c_cache_in.bin": (layer.c_cache, "u1"),
+                       "seg_c_first_lb.bin": (b["seg_c_first_lb"], "<i8"),
+                       "seg_cbt_off.bin": (b["seg_cbt_off"], "<u4"),
+                       "seg_cbt_len.bin": (b["seg_cbt_len"], "<u4"),
+                       "c_block_table.bin": (b["c_block_table"], "<i4")})
+        if "c_sel" in b:
+            arrays["c_sel.bin"] = (b["c_sel"], "<i4")
     for name, (arr, dt) in arrays.items():
         np.ascontiguousarray(np.asarray(arr).astype(dt)).tofile(os.path.join(d, name))
     params = {"mode": "attn", "backend": BACKEND, "isa": ISA, "n_tokens": len(b["positions"]),
@@ -102,6 +153,10 @@ def write_inputs(d, layer, b, sink):
               "n_block_table": len(b["block_table"]), "block_size": layer.bs,
               "n_blocks": layer.n_blocks, "rope": layer.rope, "sink": int(sink is not None),
               "lse": 1}
+    if layer.ratio:
+        params.update({"ratio": layer.ratio, "c_n_blocks": layer.c_n_blocks,
+                       "n_c_block_table": len(b["c_block_table"]),
+                       "c_sel_stride": b["c_sel"].shape[1] if "c_sel" in b else 0})
     with open(os.path.join(d, "params.txt"), "w") as f:
         for k, v in params.items():
             f.write("%s=%s\n" % (k, v))
@@ -179,6 +234,12 @@ def compare(layer, b, sink, stats, label):
         cand = R.attention_candidates(pos, seq["p0"])
         slots = [seq["blocks"][p // layer.bs] * layer.bs + p % layer.bs for p in cand]
         keys = R.attention_keys(layer.cache, layer.bs, slots)
+        if layer.ratio:
+            ents = R.compressed_entries(pos, seq["p0"], layer.ratio,
+                                        b["c_sel"][t] if "c_sel" in b else None)
+            c_slots = [seq["c_blocks"][j // layer.bs] * layer.bs + j % layer.bs for j in ents]
+            if c_slots:
+                keys = np.concatenate([keys, R.attention_keys(layer.c_cache, layer.bs, c_slots)])
         ref, lse_ref, mag = R.attention_token(b["q"][t], keys, rows[t], sink)
         got = R.bf16_to_f32(out[t]).astype(np.float64)
         err = np.abs(got - ref)
@@ -283,7 +344,60 @@ def cases(rng):
     steps = [([("f", 140)], 4, q_zero, kv_normal(rng), None),
              ([("f", 2)], 128, q_normal(rng), kv_normal(rng, 0.25), None)]
     out.append(("equal scores, 128 heads", L, steps))
+    # Compressed entries (SPEC §8.6), ratio 128 in range form, block size 16 (entries across blocks):
+    # a sequence from p0 = 1000 (entries from 7) whose prefill ends on an emission (position
+    # 128 * 45 - 1 sees entry 44, which it emits), and one from 0; finite sinks.
+    L = Layer(rng, 16, 64, rope="yarn", ratio=128, c_blocks=16)
+    L.add("u", 1000, start=128 * 45 - 130)
+    L.add("v", 0, start=128 * 20 - 1)
+    sink = (rng.standard_normal(8) * 3).astype(np.float32)
+    steps = [([("u", 130), ("v", 3)], 8, q_normal(rng), kv_normal(rng), sink),
+             ([("u", 1), ("v", 1)], 8, q_peaked(rng), kv_normal(rng), sink)]
+    out.append(("ratio 128 range, p0 > 0, bs16", L, steps))
+    # Ratio 4 selections of stride 600 (longer than V4-Flash's 512): a full row, an empty one, one
+    # entry, lists across tile boundaries; 16 heads, mixed-regime keys; then every visible entry.
+    L = Layer(rng, 64, 32, rope="yarn", ratio=4, c_blocks=32)
+    L.add("w", 0, start=2399)
+    L.add("x", 37, start=900)
+    counts = [600, 0, 1, 129, 256, 77, 500]
+    sink = (rng.standard_normal(16) * 2).astype(np.float32)
+    steps = [([("w", 5), ("x", 2)], 16, q_normal(rng), kv_mixed(rng), sink,
+              {"sel": (600, lambda t, vis: counts[t % len(counts)])}),
+             ([("w", 1), ("x", 1)], 16, q_normal(rng), kv_normal(rng), sink,
+              {"sel": (600, lambda t, vis: vis)})]
+    out.append(("ratio 4 selections, stride 600", L, steps))
+    # The longest list: the 8192 entries a ratio-128 token sees at the largest position (a batch
+    # that fills the window first, not compared).
+    L = Layer(rng, 64, 8, rope="yarn", ratio=128, c_blocks=130)
+    L.add("y", 0, start=R.MAX_POSITION - 128)
+    steps = [([("y", 126)], 4, q_normal(rng), kv_normal(rng), None, {"check": False}),
+             ([("y", 2)], 4, q_normal(rng), kv_normal(rng, 2.0), sink[:4])]
+    out.append(("ratio 128, 8192 entries", L, steps))
     return out
+
+
+def refusals(rng, stats):
+    """Launches refused before anything is read or written: a window block missing from the table,
+    a compressed block missing, a selected entry not yet visible."""
+    layer = Layer(rng, 64, 8)
+    layer.add("g", 0)
+    b = layer.batch([("g", 70)], 8, q_normal(rng), kv_normal(rng))
+    b["block_table"][0] = -1
+    checks = [("missing block", layer, b)]
+    layer = Layer(rng, 64, 8, ratio=4, c_blocks=4)
+    layer.add("z", 0, start=100)
+    b = layer.batch([("z", 2)], 8, q_normal(rng), kv_normal(rng))
+    b["c_block_table"][0] = -1
+    checks.append(("missing compressed block", layer, b))
+    b = dict(b, c_block_table=list(b["c_block_table"]))
+    b["c_block_table"][0] = layer.seqs["z"]["c_blocks"][0]
+    layer.select(b, 8, lambda t, vis: 3)
+    b["c_sel"][0, 2] = (b["positions"][0] + 1) // 4  # emitted by a later position
+    checks.append(("entry not yet visible", layer, b))
+    for label, layer, b in checks:
+        rc, _, _ = run_c(layer, b, None)
+        if rc != EINVAL:
+            stats.failures.append("%s: attention returned %d, expected %d" % (label, rc, EINVAL))
 
 
 def main():
@@ -294,18 +408,16 @@ def main():
     stats = Stats()
     try:
         for label, layer, steps in cases(rng):
-            for k, (segs, heads, qg, kvg, sink) in enumerate(steps):
+            for k, step in enumerate(steps):
+                segs, heads, qg, kvg, sink = step[:5]
+                extra = step[5] if len(step) > 5 else {}
                 b = layer.batch(segs, heads, qg, kvg)
-                compare(layer, b, sink, stats, "%s, batch %d" % (label, k))
+                if "sel" in extra:
+                    layer.select(b, *extra["sel"])
+                if extra.get("check", True):
+                    compare(layer, b, sink, stats, "%s, batch %d" % (label, k))
             print("ok   %s" % label if not stats.failures else "...  %s" % label)
-        # A block missing from the table is refused before anything is read or written.
-        layer = Layer(rng, 64, 8)
-        layer.add("g", 0)
-        b = layer.batch([("g", 70)], 8, q_normal(rng), kv_normal(rng))
-        b["block_table"][0] = -1
-        rc, _, _ = run_c(layer, b, None)
-        if rc != EINVAL:
-            stats.failures.append("missing block: attention returned %d, expected %d" % (rc, EINVAL))
+        refusals(rng, stats)
     except LevelMissing as e:
         print("skipped: %s" % e)
         return 77

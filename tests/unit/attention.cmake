@@ -8,3 +8,7 @@ if(DSV4_HAVE_XXHASH)
 endif()
 # The CPU backend's attention against a model of SPEC §7, its edges, levels and refusals.
 dsv4_unit_test(attention_test SOURCES unit/attention_test.c LIBS dsv4_kernels m TIMEOUT 600)
+# Attention over the SWA window and the compressed entries (SPEC §8.6) against a model of its own,
+# at every level and worker count, with long lists and refusals.
+dsv4_unit_test(attention_union_test SOURCES unit/attention_union_test.c LIBS dsv4_kernels m
+               TIMEOUT 600)
