@@ -12,6 +12,20 @@
 #include "pool.h"
 #include "records.h"
 
+/* The addresses of a batch's compressed-branch arguments (engine_compress.c), host or device. */
+typedef struct {
+  const int64_t *positions;
+  const int32_t *tok_seg;
+  const int64_t *seg_p0;
+  const uint32_t *seg_slot, *seg_cbt_off, *seg_cbt_len;
+  const int64_t *seg_c_first_lb;
+  const int32_t *c_block_table;
+  const float *ckv, *ikv, *iw;
+  const uint16_t *iq;
+  int32_t *sel;         /* the indexer's selection: f->topk, e->sel, or the device copy */
+  const float *w_store; /* where the weights live: c_w_store, or its device copy */
+} dsv4__engine_c_view_t;
+
 struct dsv4_engine {
   dsv4_backend_t *be;
   dsv4_engine_params_t p;
@@ -52,6 +66,10 @@ struct dsv4_engine {
   uint32_t c_seg_cap;
   int32_t *sel; /* [tokens, index_topk] the selection when the caller asked none */
   size_t sel_cap;
+  /* What the branch's launches of the current batch read and write: host addresses, or on a
+   * backend without DSV4_BE_HOST_MEMORY the device copies held by cstage (engine_compress.c). */
+  dsv4__engine_c_view_t cv;
+  struct dsv4__engine_cstage *cstage;
 };
 
 /*
@@ -81,7 +99,17 @@ int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f);
 int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend);
 void dsv4__engine_c_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
                               dsv4_attn_args_t *aa);
-void dsv4__engine_c_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
+int dsv4__engine_c_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
+/*
+ * On a staged backend (engine.c's stage_run): upload the branch's inputs of the batch (its tensors,
+ * the per-segment arrays and the entry table) and point the view at the copies, given the device
+ * addresses of the positions, segments and p0 that engine.c uploaded; after the launches, download
+ * the selection into f->topk when it was asked. Both do nothing on a layer without the branch.
+ */
+int dsv4__engine_c_stage_put(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
+                             const int64_t *positions, const int32_t *tok_seg,
+                             const int64_t *seg_p0);
+int dsv4__engine_c_stage_get(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f);
 
 int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t n, void *dst);
 

@@ -259,10 +259,20 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
   aa.sink = e->sinks ? (const float *)s->sinks.ptr + (size_t)idx * e->p.heads : NULL;
   aa.out = s->buf[ST_ATTN].ptr;
   aa.lse = f->lse ? s->buf[ST_LSE].ptr : NULL;
+  /* The compressed branch's inputs (engine_compress.c), and its part of the attention. */
+  rc = dsv4__engine_c_stage_put(e, idx, f, ma->positions, ma->tok_seg, aa.seg_p0);
+  if (rc)
+    return rc;
+  dsv4__engine_c_attn_args(e, idx, f, &aa);
   t1 = mono_ns();
   rc = ops->map_slots(e->be, ma);
   if (!rc)
     rc = ops->qkv_insert(e->be, ia);
+  /* SPEC §8.4: the batch's emissions before its indexer and its attention. */
+  if (!rc)
+    rc = dsv4__engine_c_compress(e, idx, f);
+  if (!rc)
+    rc = dsv4__engine_c_index(e, idx, f, f->attn != NULL);
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
   t2 = mono_ns();
@@ -274,6 +284,8 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
     rc = ops->download(e->be, f->q_out, &s->buf[ST_Q_OUT], 0, q_bytes);
   if (!rc)
     rc = ops->download(e->be, f->slots, &s->buf[ST_SLOTS], 0, n * sizeof(int64_t));
+  if (!rc)
+    rc = dsv4__engine_c_stage_get(e, idx, f);
   if (!rc)
     rc = ops->sync(e->be);
   f->timing.staged = 1;
@@ -692,8 +704,9 @@ static int forward_digest(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     for (uint32_t t = 0; t < f->n_tokens; t++)
       dsv4_records_digest_add_slot(e->digest, e->positions[t], e->cache[idx].ptr, e->p.block_size,
                                    e->stride, f->slots[t]);
-    dsv4__engine_c_digest(e, (uint32_t)idx, f);
   }
+  if (!rc)
+    rc = dsv4__engine_c_digest(e, (uint32_t)idx, f);
   f->digest = dsv4_records_digest_value(e->digest);
   return rc;
 }
