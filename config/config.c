@@ -61,6 +61,9 @@ static const opt_t opts[] = {
      "file holding the data plane bearer token (empty = no token)"},
     {"listen_unix", OPT_STR, F(listen_unix), "", 0, 0, NULL, 0,
      "also serve the data plane on a Unix domain socket at this path (mode 0660; empty = off)"},
+    {"listen_shm", OPT_STR, F(listen_shm), "", 0, 0, NULL, 0,
+     "serve shared-memory regions (zero-copy forwards for same-host clients) on a SOCK_SEQPACKET "
+     "Unix socket at this path (mode 0660; empty = off)"},
     {"admin_host", OPT_STR, F(admin_host), "127.0.0.1", 0, 0, NULL, 0,
      "admin plane listen address"},
     {"admin_port", OPT_INT, F(admin_port), "8401", 0, 65535, NULL, 0,
@@ -115,6 +118,9 @@ static const opt_t opts[] = {
      "less a reserve of 64 descriptors)"},
     {"queue_depth", OPT_U32, F(queue_depth), "64", 1, 65536, NULL, 0,
      "batches waiting for the executor (503 queue_full beyond)"},
+    {"prefill_chunk_tokens", OPT_U32, F(prefill_chunk_tokens), "512", 0, 1u << 20, NULL, 0,
+     "a prefill batch of more tokens runs in chunks of this many, waiting decodes between them (0 "
+     "= never chunk)"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
      "seconds without a batch after which a sequence is deleted"},
     {"implicit_create", OPT_BOOL, F(implicit_create), "false", 0, 1, NULL, 0,

@@ -34,13 +34,14 @@ typedef enum {
 } dsv4_config_source_t;
 
 typedef struct dsv4_config {
-  char *host;                      /* data plane listener, default 127.0.0.1 */
-  int port;                        /* default 8400; 0 = an ephemeral port (tests) */
-  char *api_token_file;            /* bearer token for the data plane; empty = none (secret) */
-  char *admin_host;                /* admin plane listener, default 127.0.0.1 */
-  char *listen_unix;               /* data plane on a Unix domain socket too; "" = off */
-  int admin_port;                  /* default 8401; 0 = an ephemeral port */
-  char *admin_token_file;          /* bearer token for the admin plane; empty = none (secret) */
+  char *host;             /* data plane listener, default 127.0.0.1 */
+  int port;               /* default 8400; 0 = an ephemeral port (tests) */
+  char *api_token_file;   /* bearer token for the data plane; empty = none (secret) */
+  char *admin_host;       /* admin plane listener, default 127.0.0.1 */
+  char *listen_unix;      /* data plane on a Unix domain socket too; "" = off */
+  char *listen_shm;       /* shared regions' SOCK_SEQPACKET socket (SPEC §6.1); "" = off */
+  int admin_port;         /* default 8401; 0 = an ephemeral port */
+  char *admin_token_file; /* bearer token for the admin plane; empty = none (secret) */
   uint32_t admin_dump_chunk_bytes; /* bytes a dump reads per executor step */
   char *backend;                   /* auto|cpu|cuda|level_zero */
   uint32_t threads;    /* CPU executor threads; 0 in the input = online cores, never 0 after load */
@@ -63,6 +64,7 @@ typedef struct dsv4_config {
   uint64_t max_body_bytes;  /* 0 = derived, see max_body_bytes_effective */
   uint32_t max_connections; /* data plane; 0 = dsv4_server_default_max_connections() */
   uint32_t queue_depth;
+  uint32_t prefill_chunk_tokens; /* 0 = never chunk a prefill */
   uint64_t sequence_idle_timeout_s;
   int implicit_create; /* 0 or 1 */
   uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;

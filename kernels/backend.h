@@ -262,6 +262,15 @@ typedef struct dsv4_backend_ops {
    */
   void (*host_parallel)(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),
                         void *arg, size_t n_items);
+  /*
+   * Optional, both or neither (NULL: the backend copies from any host memory as fast, as the CPU
+   * does). Make the n bytes of host memory at p, a shared region a client maps with the daemon
+   * (SPEC §6.1), memory the device copies from and to directly (CUDA: cudaHostRegister), until
+   * host_unregister(p). Called once per region, not per batch; p stays mapped until after
+   * host_unregister returns.
+   */
+  int (*host_register)(dsv4_backend_t *be, void *p, size_t n);
+  void (*host_unregister)(dsv4_backend_t *be, void *p);
 } dsv4_backend_ops_t;
 
 /* Every backend's handle starts with this, so generic code can reach the table. */

@@ -61,6 +61,8 @@ struct dsv4_seqtable {
   uint32_t n_live;
   uint32_t published_live;
   seq_t *all;
+  /* Plans between plan and commit/fail: one, or two while a batch runs between the chunks of
+   * another (dsv4_seqtable_plan). */
   int plan_active;
   /* The compressed branch (seqtable_compress.c), when attached. */
   uint32_t *ratio;                 /* [n_layers]: 4, 128 or 0 */

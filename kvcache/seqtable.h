@@ -13,8 +13,10 @@
  *    positions, remembers each segment for replay detection and releases the blocks no served layer
  * can reach any more (SPEC §4 release rule).
  *  - dsv4_seqtable_fail, called instead when the device failed, drops every sequence of the batch.
- * Between plan and commit/fail no other batch may be planned (the executor runs one batch at a
- * time).
+ * Between plan and commit/fail no other batch may be planned, with one exception: while a prefill
+ * runs in chunks (its plan open), one batch at a time may be planned, run and committed between two
+ * chunks, provided it names none of the open plan's sequences (the executor never lets a batch pass
+ * one that names the same sequence). Nothing else (delete, the expiry sweep) runs with a plan open.
  *
  * Layers here are served-layer indices 0..n_layers-1; the server maps them to model layer numbers.
  * Thread affinity: the executor thread only.
@@ -156,6 +158,7 @@ uint32_t dsv4_seqtable_expire(dsv4_seqtable_t *st, uint64_t now_ns);
 /*
  * The same for the sequences a batch names only, so that a batch is told what a sweep at now_ns
  * would tell it however long ago the last sweep ran (the engine calls it before planning). O(n).
+ * Also with a plan open, for a batch between its chunks (which names none of its sequences).
  */
 uint32_t dsv4_seqtable_expire_named(dsv4_seqtable_t *st, const dsv4_seg_req_t *segs, uint32_t n,
                                     uint64_t now_ns);

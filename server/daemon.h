@@ -13,6 +13,7 @@
 #include "config.h"
 #include "engine.h"
 #include "executor.h"
+#include "forward_parse.h"
 #include "http.h"
 #include "metrics.h"
 
@@ -22,19 +23,48 @@ typedef struct dsv4_daemon {
   dsv4_engine_t *engine; /* executor thread only, except its "any thread" functions */
   dsv4_executor_t ex;
   dsv4_server_t *data;
-  dsv4_server_t *admin;   /* the admin plane's listener (admin.c) */
-  int admin_token;        /* admin_token_file is set: every admin route needs the token */
-  int admin_loopback;     /* admin_host is a loopback address */
-  struct dsv4_dump *dump; /* the dump streaming now, or NULL (at most one at a time) */
+  dsv4_server_t *admin;        /* the admin plane's listener (admin.c) */
+  int admin_token;             /* admin_token_file is set: every admin route needs the token */
+  int admin_loopback;          /* admin_host is a loopback address */
+  struct dsv4_dump *dump;      /* the dump streaming now, or NULL (at most one at a time) */
+  struct dsv4_shm_server *shm; /* the shared regions' socket (shm.c), or NULL */
   dsv4_metrics_t *metrics;
   char instance[33];
   int draining;
   uint64_t inflight; /* forward batches submitted and not yet answered (loop thread) */
   /* Metric families. */
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
-      *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total;
+      *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total,
+      *m_prefill_chunks;
 } dsv4_daemon_t;
 
+/*
+ * A forward request whose tensors live in a shared region (region.c, SPEC §6.1): where its outputs
+ * go in the region, and who is told the result.
+ */
+typedef struct {
+  uint16_t *q_out; /* when outputs names q (else the job has a buffer of its own) */
+  int64_t *slots;
+  uint16_t *attn;       /* when outputs names attn (lse alone gets a buffer of the job's own) */
+  float *lse;           /* when outputs names lse */
+  int32_t *topk;        /* when outputs names topk (a ratio-4 layer's selection) */
+  uint64_t deadline_ns; /* 0 = none */
+  /* Loop thread, once, after the batch ran or was refused by the executor: rc 0 (f holds the
+   * answer's metadata), or an error code with its JSON details (owned by the callee, may be NULL).
+   * The region must stay mapped until then. */
+  void (*done)(void *arg, int rc, const char *message, json_t *details, const dsv4_forward_t *f);
+  void *arg;
+} dsv4_region_forward_t;
+
+/* The limits a forward request is parsed against. Any thread. */
+dsv4_forward_limits_t dsv4_forward_limits(const dsv4_daemon_t *d);
+/*
+ * Loop thread: queue a parsed region request, moving *p into the job; rf->done is called later.
+ * Or an error (draining, unsupported attention, queue full, no memory) with why set when it says
+ * more than the code: then nothing was queued, *p is still the caller's and done is never called.
+ */
+int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,
+                               const dsv4_region_forward_t *rf, char *why, size_t why_len);
 /* The data-plane route table (forward, sequences, health, readiness, metrics). */
 size_t dsv4_data_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap);
 /* Copy a route table into out (at most cap rows); the rows copied. */

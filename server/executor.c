@@ -28,14 +28,33 @@ static void run_tick(dsv4_executor_t *ex, uint64_t now) {
   }
 }
 
+/* Whether job shares a key with other. */
+static int shares_key(const dsv4_job_t *job, const dsv4_job_t *other) {
+  for (uint32_t i = 0; i < other->n_keys; i++)
+    for (uint32_t k = 0; k < job->n_keys; k++)
+      if (other->keys[i] == job->keys[k])
+        return 1;
+  return 0;
+}
+
 /* Whether job shares a key with any job from head up to (not including) job. */
 static int blocked(const dsv4_job_t *head, const dsv4_job_t *job) {
   for (const dsv4_job_t *a = head; a != job; a = a->next)
-    for (uint32_t i = 0; i < a->n_keys; i++)
-      for (uint32_t k = 0; k < job->n_keys; k++)
-        if (a->keys[i] == job->keys[k])
-          return 1;
+    if (shares_key(job, a))
+      return 1;
   return 0;
+}
+
+/* Under mu: take job (after prev, or the head when prev is NULL) out of the waiting queue. */
+static dsv4_job_t *unlink_job(dsv4_executor_t *ex, dsv4_job_t *prev, dsv4_job_t *job) {
+  if (prev)
+    prev->next = job->next;
+  else
+    ex->q_head = job->next;
+  if (ex->q_tail == job)
+    ex->q_tail = prev;
+  ex->waiting[job->cls]--;
+  return job;
 }
 
 /* Under mu, with a job waiting: unlink the next one to run. The oldest job that is not a prefill
@@ -49,14 +68,50 @@ static dsv4_job_t *take_next(dsv4_executor_t *ex) {
     prev = NULL;
     job = ex->q_head;
   }
-  if (prev)
-    prev->next = job->next;
+  return unlink_job(ex, prev, job);
+}
+
+/* Under mu: unlink the oldest waiting decode that may pass running and every job ahead of it, or
+ * return NULL. */
+static dsv4_job_t *take_decode(dsv4_executor_t *ex, const dsv4_job_t *running) {
+  dsv4_job_t *prev = NULL, *job = ex->q_head;
+  for (; job; prev = job, job = job->next)
+    if (job->cls == DSV4_JOB_DECODE && !shares_key(job, running) && !blocked(ex->q_head, job))
+      break;
+  return job ? unlink_job(ex, prev, job) : NULL;
+}
+
+/* Executor thread: run one job and queue it for the loop thread. */
+static void run_job(dsv4_executor_t *ex, dsv4_job_t *job) {
+  job->t_start_ns = now_ns();
+  job->next = NULL;
+  job->run(job);
+
+  pthread_mutex_lock(&ex->mu);
+  if (ex->d_tail)
+    ex->d_tail->next = job;
   else
-    ex->q_head = job->next;
-  if (ex->q_tail == job)
-    ex->q_tail = prev;
-  ex->waiting[job->cls]--;
-  return job;
+    ex->d_head = job;
+  ex->d_tail = job;
+  pthread_mutex_unlock(&ex->mu);
+  uv_async_send(&ex->async);
+}
+
+uint32_t dsv4_executor_yield(dsv4_executor_t *ex, const dsv4_job_t *running) {
+  pthread_mutex_lock(&ex->mu);
+  /* Only the decodes waiting now: a steady stream of new ones cannot hold the prefill up. */
+  uint32_t budget = ex->waiting[DSV4_JOB_DECODE], ran = 0;
+  while (ran < budget) {
+    dsv4_job_t *job = take_decode(ex, running);
+    if (!job)
+      break;
+    pthread_mutex_unlock(&ex->mu);
+    run_job(ex, job);
+    ran++;
+    pthread_mutex_lock(&ex->mu);
+  }
+  pthread_mutex_unlock(&ex->mu);
+  return ran;
 }
 
 static void *executor_main(void *arg) {
@@ -83,19 +138,7 @@ static void *executor_main(void *arg) {
       break; /* stopping and nothing left */
     dsv4_job_t *job = take_next(ex);
     pthread_mutex_unlock(&ex->mu);
-
-    job->t_start_ns = now_ns();
-    job->next = NULL;
-    job->run(job);
-
-    pthread_mutex_lock(&ex->mu);
-    if (ex->d_tail)
-      ex->d_tail->next = job;
-    else
-      ex->d_head = job;
-    ex->d_tail = job;
-    pthread_mutex_unlock(&ex->mu);
-    uv_async_send(&ex->async);
+    run_job(ex, job);
     run_tick(ex, now_ns());
     pthread_mutex_lock(&ex->mu);
   }

@@ -12,6 +12,9 @@
  * that is not a prefill and shares no key with a job ahead of it, else the oldest job; prefills
  * therefore run in arrival order among themselves, and two jobs that share a key (a sequence name)
  * never swap. Keys are hashes of sequence names: a collision only keeps two jobs in arrival order.
+ *
+ * A long prefill yields between its chunks (dsv4_executor_yield): the decodes waiting then run
+ * inside it, each answered as soon as it finishes, so a decode waits at most one chunk.
  */
 
 #include <stddef.h>
@@ -76,6 +79,13 @@ void dsv4_executor_submit_force(dsv4_executor_t *ex, dsv4_job_t *job);
 uint32_t dsv4_executor_pending(dsv4_executor_t *ex);
 /* Jobs of class cls submitted and not yet started (the queue, not the running job). */
 uint32_t dsv4_executor_waiting(dsv4_executor_t *ex, dsv4_job_class_t cls);
+/*
+ * Executor thread, from inside running->run only: run the decode jobs waiting now that may pass
+ * running (they share no key with it nor with a job ahead of them), oldest first, and hand each
+ * back as it finishes. Control and prefill jobs wait for running to return, and so does the tick;
+ * decodes submitted meanwhile wait for the next yield. Returns the jobs it ran.
+ */
+uint32_t dsv4_executor_yield(dsv4_executor_t *ex, const dsv4_job_t *running);
 /* Finish the queued jobs, join the thread and close the async handle (cb after close). */
 void dsv4_executor_stop(dsv4_executor_t *ex, void (*closed)(void *arg), void *arg);
 

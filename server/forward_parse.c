@@ -159,6 +159,7 @@ static int parse_compressed(const dsv4_forward_limits_t *lim, int64_t n, dsv4_fo
       return DSV4_EINVAL;
     }
     data[i] = aligned_data(t, i == 2 ? 2 : 4, &r->c_copy[i]);
+    r->c_bytes[i] = t->nbytes;
     if (!data[i])
       return DSV4_ENOMEM;
   }
@@ -281,6 +282,19 @@ static int parse_segments(const char *segs_s, const dsv4_forward_limits_t *lim, 
 
 int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limits_t *lim,
                        dsv4_forward_req_t *out, char *why, size_t why_len) {
+  memset(out, 0, sizeof(*out));
+  int rc = dsv4_st_parse(body, len, &out->view);
+  if (rc) {
+    snprintf(why, why_len, "malformed safetensors body: %s", out->view.error);
+    /* A failed parse leaves nothing to free; keep the view empty for dsv4_forward_req_free. */
+    memset(&out->view, 0, sizeof(out->view));
+    return DSV4_EINVAL;
+  }
+  return dsv4_forward_parse_view(lim, out, why, why_len);
+}
+
+int dsv4_forward_parse_view(const dsv4_forward_limits_t *lim, dsv4_forward_req_t *out, char *why,
+                            size_t why_len) {
   dsv4_forward_req_t *r = out;
   const dsv4_st_tensor_t *q, *kv;
   const char *layer_s, *segs_s, *outputs_s;
@@ -288,14 +302,6 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
   int64_t n, h = lim->heads;
   int rc;
 
-  memset(r, 0, sizeof(*r));
-  rc = dsv4_st_parse(body, len, &r->view);
-  if (rc) {
-    snprintf(why, why_len, "malformed safetensors body: %s", r->view.error);
-    /* A failed parse leaves nothing to free; keep the view empty for dsv4_forward_req_free. */
-    memset(&r->view, 0, sizeof(r->view));
-    return DSV4_EINVAL;
-  }
   for (size_t i = 0; i < r->view.n_tensors; i++) {
     const char *name = r->view.tensors[i].name;
     if (strcmp(name, "q") && strcmp(name, "kv") && !is_c_name(name)) {
@@ -387,4 +393,31 @@ void dsv4_forward_req_free(dsv4_forward_req_t *r) {
   for (int i = 0; i < 4; i++)
     free(r->c_copy[i]);
   memset(r, 0, sizeof(*r));
+}
+
+/* Copy n bytes at *p into owned aligned memory (kept in *copy) unless *copy already holds them. */
+static int own(const void **p, size_t n, void **copy) {
+  if (*copy || !*p)
+    return 0;
+  *copy = aligned_alloc(DSV4_FORWARD_ALIGN,
+                        (n + DSV4_FORWARD_ALIGN - 1) & ~(size_t)(DSV4_FORWARD_ALIGN - 1));
+  if (!*copy)
+    return DSV4_ENOMEM;
+  memcpy(*copy, *p, n);
+  *p = *copy;
+  return 0;
+}
+
+int dsv4_forward_req_own_cache_inputs(dsv4_forward_req_t *r) {
+  const void *kv = r->kv;
+  const void *c[4] = {r->ckv, r->ikv, r->iq, r->iw};
+  int rc = own(&kv, r->kv_bytes, (void **)&r->kv_copy);
+  for (int i = 0; i < 4 && !rc; i++)
+    rc = own(&c[i], r->c_bytes[i], &r->c_copy[i]);
+  r->kv = kv;
+  r->ckv = c[0];
+  r->ikv = c[1];
+  r->iq = c[2];
+  r->iw = c[3];
+  return rc;
 }

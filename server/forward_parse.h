@@ -78,6 +78,7 @@ typedef struct {
   json_t *segs_doc;
   uint16_t *q_copy, *kv_copy; /* aligned copies when the sender's offsets were not 2-aligned */
   void *c_copy[4];            /* the same for ckv, ikv, iq and iw */
+  size_t c_bytes[4];          /* their sizes */
 } dsv4_forward_req_t;
 
 /*
@@ -88,6 +89,19 @@ typedef struct {
  */
 int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limits_t *lim,
                        dsv4_forward_req_t *out, char *why, size_t why_len);
+/*
+ * The same checks on a view already made (out->view, owned by *out from here on): the tensors
+ * and the metadata of a request whose tensors live in a shared region (SPEC §6.1). Returns and
+ * release as for dsv4_forward_parse.
+ */
+int dsv4_forward_parse_view(const dsv4_forward_limits_t *lim, dsv4_forward_req_t *out, char *why,
+                            size_t why_len);
 void dsv4_forward_req_free(dsv4_forward_req_t *r);
+/*
+ * Make the request own every input that reaches the cache or the rings (kv, ckv, ikv, iq, iw): a
+ * copy of each one still pointing into memory the sender can change (a shared region), so that what
+ * the range check passed is what the kernels read. 0 or DSV4_ENOMEM.
+ */
+int dsv4_forward_req_own_cache_inputs(dsv4_forward_req_t *r);
 
 #endif /* DSV4_SERVER_FORWARD_PARSE_H */

@@ -1674,11 +1674,15 @@ static void on_retry_closed(uv_handle_t *h) {
   server_maybe_done(s);
 }
 
+void dsv4_unix_unlink_own(const char *path, dev_t dev, ino_t ino) {
+  struct stat st;
+  if (path && lstat(path, &st) == 0 && st.st_dev == dev && st.st_ino == ino)
+    unlink(path);
+}
+
 /* Remove a Unix socket's file, unless another process has put a file of its own there since. */
 static void unlink_own(const listener_t *l) {
-  struct stat st;
-  if (l->path && lstat(l->path, &st) == 0 && st.st_dev == l->dev && st.st_ino == l->ino)
-    unlink(l->path);
+  dsv4_unix_unlink_own(l->path, l->dev, l->ino);
 }
 
 static void close_listener(dsv4_server_t *s) {
@@ -1784,15 +1788,20 @@ static int listen_socket(const struct sockaddr_storage *addr) {
 }
 
 /* Log why a listener cannot listen; DSV4_EIO, which tells the caller it was logged. */
-static int unix_fail(const char *path, const char *why) {
-  dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:s,s:s}", "listener", "unix", "path", path,
+static int unix_fail_as(const char *listener, const char *path, const char *why) {
+  dsv4_logp(DSV4_LOG_ERROR, "cannot listen", "{s:s,s:s,s:s}", "listener", listener, "path", path,
             "error", why);
   return DSV4_EIO;
 }
 
-/* Whether a process listens on the socket file at addr: a daemon still running keeps its file. */
-static bool unix_socket_live(const struct sockaddr_un *addr) {
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+static int unix_fail(const char *path, const char *why) {
+  return unix_fail_as("unix", path, why);
+}
+
+/* Whether a process listens on the socket file at addr (a socket of this type): a daemon still
+ * running keeps its file. */
+static bool unix_socket_live(const struct sockaddr_un *addr, int type) {
+  int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
   if (fd < 0)
     return false;
   /* A Unix connect does not wait: it is refused at once when nothing listens. */
@@ -1801,15 +1810,12 @@ static bool unix_socket_live(const struct sockaddr_un *addr) {
   return live;
 }
 
-/*
- * A bound, listening Unix domain socket at path, mode 0660, into l; 0 or DSV4_EIO (logged). A
- * socket file left by a daemon that died is replaced; any other file there is refused, so a typo
- * never deletes a file of the operator's.
- */
-static int unix_listen_socket(const char *path, listener_t *l) {
+int dsv4_unix_listen(const char *listener, const char *path, int type, int *out_fd, dev_t *dev,
+                     ino_t *ino) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   if (strlen(path) >= sizeof(addr.sun_path))
-    return unix_fail(path, "the path is longer than a Unix socket address holds (107 bytes)");
+    return unix_fail_as(listener, path,
+                        "the path is longer than a Unix socket address holds (107 bytes)");
   memcpy(addr.sun_path, path, strlen(path) + 1);
   char dir[sizeof(addr.sun_path)];
   snprintf(dir, sizeof(dir), "%s", path);
@@ -1818,32 +1824,46 @@ static int unix_listen_socket(const char *path, listener_t *l) {
     slash[slash == dir ? 1 : 0] = '\0'; /* the root keeps its slash */
   struct stat st;
   if (slash && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)))
-    return unix_fail(path, "the socket's directory does not exist");
+    return unix_fail_as(listener, path, "the socket's directory does not exist");
   if (lstat(path, &st) == 0) {
     if (!S_ISSOCK(st.st_mode))
-      return unix_fail(path, "the path exists and is not a socket");
-    if (unix_socket_live(&addr))
-      return unix_fail(path, "another process listens on this socket");
+      return unix_fail_as(listener, path, "the path exists and is not a socket");
+    if (unix_socket_live(&addr, type))
+      return unix_fail_as(listener, path, "another process listens on this socket");
     unlink(path); /* a stale socket: bind would fail with EADDRINUSE */
   }
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  int fd = socket(AF_UNIX, type | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0)
-    return unix_fail(path, strerror(errno));
+    return unix_fail_as(listener, path, strerror(errno));
   if (bind(fd, (const struct sockaddr *)&addr, sizeof(addr)) != 0) {
     int err = errno;
     close(fd);
-    return unix_fail(path, strerror(err));
+    return unix_fail_as(listener, path, strerror(err));
   }
   /* The mode is set before listen(), so no client connects through a wider one. */
   if (chmod(path, 0660) != 0 || lstat(path, &st) != 0 || listen(fd, 511) != 0) {
     int err = errno;
     close(fd);
     unlink(path);
-    return unix_fail(path, strerror(err));
+    return unix_fail_as(listener, path, strerror(err));
   }
+  *out_fd = fd;
+  *dev = st.st_dev;
+  *ino = st.st_ino;
+  return 0;
+}
+
+/*
+ * A bound, listening Unix domain socket at path, mode 0660, into l; 0 or DSV4_EIO (logged). A
+ * socket file left by a daemon that died is replaced; any other file there is refused, so a typo
+ * never deletes a file of the operator's.
+ */
+static int unix_listen_socket(const char *path, listener_t *l) {
+  int fd = -1;
+  int rc = dsv4_unix_listen("unix", path, SOCK_STREAM, &fd, &l->dev, &l->ino);
+  if (rc != 0)
+    return rc;
   l->fd = fd;
-  l->dev = st.st_dev;
-  l->ino = st.st_ino;
   l->path = strdup(path);
   if (!l->path) {
     close(fd);

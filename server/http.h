@@ -23,6 +23,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <sys/types.h>
+
 #include <jansson.h>
 #include <uv.h>
 
@@ -147,5 +149,17 @@ void dsv4_server_drain(dsv4_server_t *s);
 size_t dsv4_server_connections(const dsv4_server_t *s);
 /* Close everything; cb runs once all handles are closed. */
 void dsv4_server_close(dsv4_server_t *s, void (*cb)(void *), void *arg);
+
+/*
+ * A bound, listening Unix domain socket of type (SOCK_STREAM, SOCK_SEQPACKET) at path, mode 0660
+ * (set before it listens): its non-blocking, close-on-exec descriptor and the file's device and
+ * inode, or DSV4_EIO after a "cannot listen" error line naming listener and path. A socket file
+ * left by a process that died is replaced; any other file there, a socket something listens on,
+ * or a missing directory is refused (a typo never deletes a file).
+ */
+int dsv4_unix_listen(const char *listener, const char *path, int type, int *fd, dev_t *dev,
+                     ino_t *ino);
+/* Remove the socket file at path, unless another process has put a file of its own there since. */
+void dsv4_unix_unlink_own(const char *path, dev_t dev, ino_t ino);
 
 #endif /* DSV4_SERVER_HTTP_H */

@@ -232,5 +232,9 @@ void dsv4_log_listening(const char *listener, const char *host, int port) {
 }
 
 void dsv4_log_listening_unix(const char *path) {
-  emit(DSV4_LOG_INFO, "listening", json_pack("{s:s, s:s}", "listener", "unix", "path", path));
+  dsv4_log_listening_path("unix", path);
+}
+
+void dsv4_log_listening_path(const char *listener, const char *path) {
+  emit(DSV4_LOG_INFO, "listening", json_pack("{s:s, s:s}", "listener", listener, "path", path));
 }

@@ -52,6 +52,8 @@ void dsv4_vlogp(int level, const char *msg, const char *fmt, va_list ap);
 void dsv4_log_listening(const char *listener, const char *host, int port);
 /* The same line for the data plane's Unix domain socket: "listener":"unix","path":path. */
 void dsv4_log_listening_unix(const char *path);
+/* The same for another listener on a socket file ("shm"). */
+void dsv4_log_listening_path(const char *listener, const char *path);
 
 /* Format the RFC 3339 UTC timestamp with milliseconds for ns since the epoch into buf[25+]. */
 void dsv4_log_format_ts(char *buf, size_t len, long long epoch_ns);

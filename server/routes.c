@@ -35,7 +35,8 @@ static json_t *seq_name_json(const char *name, uint32_t len) {
 typedef struct {
   dsv4_job_t job; /* first */
   dsv4_daemon_t *d;
-  dsv4_req_t *req;
+  dsv4_req_t *req;              /* the HTTP request answered, or NULL for a region request */
+  dsv4_region_forward_t region; /* a region request's outputs and who is told (region.c) */
   uint8_t *body;
   dsv4_forward_req_t p; /* the parsed body; f's inputs point into it */
   uint64_t deadline_ns; /* 0 = none */
@@ -55,6 +56,12 @@ static void fwd_free(fwd_job_t *j) {
   free(j->out);
   free(j->keys);
   free(j);
+}
+
+/* Loop thread: the result of a region request, to whoever sent it; then the job is freed. */
+static void region_answer(fwd_job_t *j, int rc, json_t *details) {
+  j->region.done(j->region.arg, rc, NULL, details, &j->f);
+  fwd_free(j);
 }
 
 static void fwd_release(void *arg) {
@@ -204,6 +211,10 @@ static void fwd_done(dsv4_job_t *job) {
     default:
       break;
     }
+    if (!req) {
+      region_answer(j, j->rc, det);
+      return;
+    }
     dsv4_respond_error(req, j->rc, NULL, det);
     fwd_free(j);
     return;
@@ -221,9 +232,16 @@ static void fwd_done(dsv4_job_t *job) {
   }
   if (j->f.want_digest)
     observe_stage(d, "digest", cls, j->f.timing.digest_ns);
+  if (j->f.chunks > 1) {
+    observe_stage(d, "yield", cls, j->f.timing.yield_ns);
+    dsv4_metric_add(d->m_prefill_chunks, NULL, j->f.chunks);
+  }
   dsv4_metric_observe(d->m_batch_tokens, NULL, (double)j->f.n_tokens);
 
-  fwd_answer(j);
+  if (!req)
+    region_answer(j, 0, NULL);
+  else
+    fwd_answer(j);
 }
 
 static int layer_served(const void *engine, uint32_t layer) {
@@ -234,8 +252,15 @@ static uint32_t layer_ratio(const void *engine, uint32_t layer) {
   return dsv4_engine_layer_ratio(engine, layer);
 }
 
+/* Executor thread, between two chunks of a prefill: the decodes waiting may run. */
+static void fwd_yield(void *arg) {
+  fwd_job_t *j = arg;
+  dsv4_executor_yield(&j->d->ex, &j->job);
+}
+
 /* The executor's class and keys: decode when every segment is one token, else prefill; one key per
- * segment, so a batch never passes a waiting one that names the same sequence. */
+ * segment, so a batch never passes a waiting one that names the same sequence. A prefill yields to
+ * waiting decodes between its chunks (prefill_chunk_tokens). */
 static int fwd_schedule(fwd_job_t *j) {
   j->job.cls = DSV4_JOB_DECODE;
   j->keys = malloc((j->f.n_segs ? j->f.n_segs : 1) * sizeof(*j->keys));
@@ -248,12 +273,16 @@ static int fwd_schedule(fwd_job_t *j) {
   }
   j->job.keys = j->keys;
   j->job.n_keys = j->f.n_segs;
+  if (j->job.cls == DSV4_JOB_PREFILL) {
+    j->f.yield = fwd_yield;
+    j->f.yield_arg = j;
+  }
   return 0;
 }
 
-static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) {
+dsv4_forward_limits_t dsv4_forward_limits(const dsv4_daemon_t *d) {
   const dsv4_config_t *cfg = d->cfg;
-  const dsv4_forward_limits_t lim = {
+  return (dsv4_forward_limits_t){
       .heads = cfg->heads,
       .max_batch_tokens = cfg->max_batch_tokens,
       .max_segments = cfg->max_segments,
@@ -263,9 +292,11 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
       .layer_ratio = layer_ratio,
       .index_heads = cfg->model.index_n_heads,
   };
-  int rc = dsv4_forward_parse(j->body, j->req->body_len, &lim, &j->p, why, why_len);
-  if (rc)
-    return rc;
+}
+
+/* The batch from the parsed request: its fields, class and keys, and the attention check. */
+static int fwd_setup(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) {
+  int rc;
   j->f.layer = j->p.layer;
   j->f.n_tokens = j->p.n_tokens;
   j->f.q = j->p.q;
@@ -281,14 +312,25 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
   rc = fwd_schedule(j);
   if (rc)
     return rc;
-  int attend = j->p.want_attn || j->p.want_lse;
-  if (attend) {
+  if (j->p.want_attn || j->p.want_lse) {
     /* Refused here, before the batch is queued, so the refusal changes nothing. */
     j->f.attention = j->p.attention ? j->p.attention : dsv4_engine_attention_default(d->engine);
     rc = dsv4_engine_attention_check(d->engine, j->p.layer, j->f.attention, why, why_len);
     if (rc)
       return rc;
   }
+  return 0;
+}
+
+static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) {
+  const dsv4_config_t *cfg = d->cfg;
+  const dsv4_forward_limits_t lim = dsv4_forward_limits(d);
+  int rc = dsv4_forward_parse(j->body, j->req->body_len, &lim, &j->p, why, why_len);
+  if (!rc)
+    rc = fwd_setup(d, j, why, why_len);
+  if (rc)
+    return rc;
+  int attend = j->p.want_attn || j->p.want_lse;
   /* q_out, slots, attn and lse, each from a 64-byte boundary. attn is the kernel's output even
    * when only lse is asked for. */
   size_t n = j->p.n_tokens, lse_bytes = n * cfg->heads * sizeof(float);
@@ -370,6 +412,51 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
     return;
   }
   d->inflight++;
+}
+
+int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,
+                               const dsv4_region_forward_t *rf, char *why, size_t why_len) {
+  if (d->draining)
+    return DSV4_EDRAIN;
+  fwd_job_t *j = calloc(1, sizeof(*j));
+  if (!j)
+    return DSV4_ENOMEM;
+  j->d = d;
+  j->region = *rf;
+  j->p = *p;
+  memset(p, 0, sizeof(*p));
+  j->job.run = fwd_run;
+  j->job.done = fwd_done;
+  j->deadline_ns = rf->deadline_ns;
+  j->q_bytes = j->p.q_bytes;
+  int rc = fwd_setup(d, j, why, why_len);
+  j->f.q_out = rf->q_out;
+  j->f.slots = rf->slots;
+  j->f.attn = rf->attn;
+  j->f.lse = rf->lse;
+  j->f.topk = rf->topk;
+  /* q_out is the insert's output and the attention's input even when q is not asked for, and attn
+   * the kernel's output even when only lse is: buffers of the job's own then. */
+  int own_q = !rc && !j->p.want_q, own_attn = !rc && j->p.want_lse && !j->p.want_attn;
+  size_t q_span = (j->q_bytes + 63) & ~(size_t)63;
+  if (own_q || own_attn) {
+    j->out = aligned_alloc(64, q_span * (size_t)(own_q + own_attn));
+    rc = j->out ? 0 : DSV4_ENOMEM;
+  }
+  if (!rc && own_q)
+    j->f.q_out = (uint16_t *)(void *)j->out;
+  if (!rc && own_attn)
+    j->f.attn = (uint16_t *)(void *)(j->out + (own_q ? q_span : 0));
+  if (!rc)
+    rc = dsv4_executor_submit(&d->ex, &j->job);
+  if (rc) {
+    *p = j->p; /* the caller still owns the request it is refused with */
+    memset(&j->p, 0, sizeof(j->p));
+    fwd_free(j);
+    return rc;
+  }
+  d->inflight++;
+  return 0;
 }
 
 /* ---- GET / DELETE /v1/sequences/{seq} ---- */
@@ -568,6 +655,9 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                              &d->m_alloc_failures);
   rc |= dsv4_metrics_gauge(m, "dsv4d_inflight_batches", "Forward batches accepted, not answered.",
                            NULL, 0, &d->m_inflight);
+  rc |= dsv4_metrics_counter(m, "dsv4d_prefill_chunks_total",
+                             "Kernel chunks of the prefills run in chunks (prefill_chunk_tokens).",
+                             NULL, 0, &d->m_prefill_chunks);
   rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
                            "Forward batches waiting in the executor (not running) by class.", cls,
                            1, &d->m_queued);
@@ -581,6 +671,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   }
   dsv4_metric_set(d->m_block_size, NULL, (double)d->cfg->block_size);
   dsv4_metric_add(d->m_alloc_failures, NULL, 0);
+  dsv4_metric_add(d->m_prefill_chunks, NULL, 0);
   dsv4_metrics_set_collect(m, collect, d);
   return 0;
 }

@@ -16,6 +16,7 @@
 #include "dsv4-error.h"
 #include "log.h"
 #include "sdnotify.h"
+#include "shm.h"
 #include "startup.h"
 #include "weights.h"
 
@@ -94,18 +95,21 @@ static void shutdown_now(app_t *a) {
   if (a->closing)
     return;
   a->closing = 1;
-  a->servers_open = a->d.admin ? 2 : 1;
+  a->servers_open = 1 + (a->d.admin != NULL) + (a->d.shm != NULL);
   dsv4_server_close(a->d.data, on_server_closed, a);
   if (a->d.admin)
     dsv4_server_close(a->d.admin, on_server_closed, a);
+  if (a->d.shm)
+    dsv4_shm_close(a->d.shm, on_server_closed, a);
 }
 
 /* While draining: finish once no batch is pending and every connection has gone. */
 static void on_drain_timer(uv_timer_t *t) {
   app_t *a = t->data;
   uint32_t pending = dsv4_executor_pending(&a->d.ex);
-  size_t conns =
-      dsv4_server_connections(a->d.data) + (a->d.admin ? dsv4_server_connections(a->d.admin) : 0);
+  size_t conns = dsv4_server_connections(a->d.data) +
+                 (a->d.admin ? dsv4_server_connections(a->d.admin) : 0) +
+                 (a->d.shm ? dsv4_shm_connections(a->d.shm) : 0);
   if (pending == 0 && conns == 0) {
     dsv4_logp(DSV4_LOG_INFO, "drained", NULL);
     shutdown_now(a);
@@ -134,6 +138,8 @@ static void on_signal(uv_signal_t *s, int signum) {
   dsv4_server_drain(a->d.data);
   if (a->d.admin)
     dsv4_server_drain(a->d.admin);
+  if (a->d.shm)
+    dsv4_shm_drain(a->d.shm);
   a->drain_deadline_ms = uv_now(a->d.loop) + a->d.cfg->drain_timeout_ms;
   uv_timer_start(&a->drain_timer, on_drain_timer, 0, DRAIN_POLL_MS);
 }
@@ -364,6 +370,7 @@ static int start_engine(app_t *a) {
       .max_sequences = cfg->max_sequences,
       .implicit_create = cfg->implicit_create,
       .idle_timeout_ns = cfg->sequence_idle_timeout_s * 1000000000u,
+      .prefill_chunk_tokens = cfg->prefill_chunk_tokens,
   };
   err[0] = '\0';
   rc = dsv4_engine_create(&ep, &d->engine, err, sizeof(err));
@@ -417,6 +424,18 @@ static int start_serving(app_t *a) {
   if (!d->admin_token && !d->admin_loopback)
     dsv4_logp(DSV4_LOG_WARN, "admin listener is not loopback and has no token: dumps are refused",
               "{s:s}", "admin_host", cfg->admin_host);
+  /* Shared regions count their clients against the data plane's limit, separately. */
+  if (cfg->listen_shm[0] &&
+      dsv4_shm_listen(d, cfg->listen_shm, a->token,
+                      cfg->max_connections ? cfg->max_connections
+                                           : dsv4_server_default_max_connections(),
+                      &d->shm)) {
+    dsv4_server_close(d->admin, NULL, NULL);
+    dsv4_server_close(d->data, NULL, NULL);
+    dsv4_executor_stop(&d->ex, NULL, NULL);
+    uv_run(&a->loop, UV_RUN_DEFAULT);
+    return EXIT_FAILED;
+  }
   return 0;
 }
 
@@ -446,6 +465,8 @@ static void log_started(app_t *a, uint64_t t0) {
   dsv4_log_listening("admin", cfg->admin_host, dsv4_server_port(d->admin));
   if (cfg->listen_unix[0])
     dsv4_log_listening_unix(cfg->listen_unix);
+  if (cfg->listen_shm[0])
+    dsv4_log_listening_path("shm", cfg->listen_shm);
   if (dsv4_sd_notify("READY=1"))
     dsv4_logp(DSV4_LOG_WARN, "cannot notify the service manager", "{s:s}", "socket",
               getenv("NOTIFY_SOCKET"));

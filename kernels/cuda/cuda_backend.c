@@ -510,6 +510,18 @@ static void cuda_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t 
   dsv4_host_pool_run_balanced(cuda_of(be)->pool, fn, arg, n_items);
 }
 
+/* A shared region (SPEC §6.1) page-locked in place, so that copies from and to it are DMA. The
+ * staging path does not use it yet: it still copies through the pinned halves. */
+static int cuda_host_register(dsv4_backend_t *be, void *p, size_t n) {
+  int rc = use_device(cuda_of(be));
+  return rc ? rc : cu(cudaHostRegister(p, n, cudaHostRegisterDefault));
+}
+
+static void cuda_host_unregister(dsv4_backend_t *be, void *p) {
+  if (use_device(cuda_of(be)) == 0)
+    (void)cu(cudaHostUnregister(p));
+}
+
 static const dsv4_backend_ops_t cuda_ops = {
     .name = "cuda",
     .caps = 0, /* device memory: the engine stages through upload/download */
@@ -525,6 +537,8 @@ static const dsv4_backend_ops_t cuda_ops = {
     .indexer = cuda_indexer,
     .sync = cuda_sync,
     .host_parallel = cuda_host_parallel,
+    .host_register = cuda_host_register,
+    .host_unregister = cuda_host_unregister,
 };
 
 /* One line for why: what failed and CUDA's words for it. */

@@ -176,8 +176,8 @@ static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_s
     return fail(v, "tensor \"%.64s\": data_offsets [%lld, %lld] are not an increasing range", name,
                 (long long)b, (long long)e);
   if ((uint64_t)e > v->data_len)
-    return fail(v, "tensor \"%.64s\": data_offsets end %lld is past the data section (%zu bytes)",
-                name, (long long)e, v->data_len);
+    return fail(v, "tensor \"%.64s\": data_offsets end %lld is past the %s (%zu bytes)", name,
+                (long long)e, v->region ? "region" : "data section", v->data_len);
   if (other == 0) /* sub-byte elements: the size is what the offsets say */
     t->nbytes = (size_t)(e - b);
   if ((uint64_t)(e - b) != t->nbytes)
@@ -186,6 +186,47 @@ static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_s
   t->offset = (size_t)b;
   t->data = v->data + t->offset;
   return 0;
+}
+
+/* The __metadata__ and the tensors of a header object; each tensor's data_offsets are checked
+ * against v->data_len and its data points into v->data. */
+static int parse_entries(dsv4_st_view_t *v) {
+  size_t n = json_object_size(v->doc);
+  json_t *meta = json_object_get(v->doc, "__metadata__");
+  if (meta)
+    n--;
+  if (meta) {
+    int rc = parse_metadata(v, meta);
+    if (rc != 0)
+      return rc;
+  }
+  if (n > 0) {
+    v->tensors = calloc(n, sizeof(*v->tensors));
+    if (!v->tensors)
+      return DSV4_ENOMEM;
+  }
+  const char *key;
+  json_t *val;
+  json_object_foreach(v->doc, key, val) {
+    if (strcmp(key, "__metadata__") == 0)
+      continue;
+    int rc = parse_tensor(v, key, val, &v->tensors[v->n_tensors]);
+    if (rc != 0)
+      return rc;
+    v->n_tensors++;
+  }
+  return 0;
+}
+
+/* The tensors sorted by offset, or NULL (DSV4_ENOMEM) when there are some and no memory. */
+static dsv4_st_tensor_t **by_offset(dsv4_st_view_t *v) {
+  dsv4_st_tensor_t **order = malloc((v->n_tensors ? v->n_tensors : 1) * sizeof(*order));
+  if (!order)
+    return NULL;
+  for (size_t i = 0; i < v->n_tensors; i++)
+    order[i] = &v->tensors[i];
+  qsort(order, v->n_tensors, sizeof(*order), cmp_by_offset);
+  return order;
 }
 
 static int parse(const uint8_t *buf, size_t len, dsv4_st_view_t *v) {
@@ -211,45 +252,16 @@ static int parse(const uint8_t *buf, size_t len, dsv4_st_view_t *v) {
     return fail(v, "header is not valid JSON: %s (byte %d)", jerr.text, jerr.position);
   if (!json_is_object(v->doc))
     return fail(v, "header is not a JSON object");
-
-  size_t n = json_object_size(v->doc);
-  json_t *meta = json_object_get(v->doc, "__metadata__");
-  if (meta)
-    n--;
-  if (meta) {
-    int rc = parse_metadata(v, meta);
-    if (rc != 0)
-      return rc;
-  }
-  if (n > 0) {
-    v->tensors = calloc(n, sizeof(*v->tensors));
-    if (!v->tensors)
-      return DSV4_ENOMEM;
-  }
-  const char *key;
-  json_t *val;
-  json_object_foreach(v->doc, key, val) {
-    if (strcmp(key, "__metadata__") == 0)
-      continue;
-    int rc = parse_tensor(v, key, val, &v->tensors[v->n_tensors]);
-    if (rc != 0)
-      return rc;
-    v->n_tensors++;
-  }
+  int rc = parse_entries(v);
+  if (rc != 0)
+    return rc;
 
   /* Sorted by offset, each tensor must begin where the previous one ended and the last must end
    * at the buffer's end: no byte is shared, none is unaccounted for. */
-  dsv4_st_tensor_t **order = NULL;
-  if (n > 0) {
-    order = malloc(n * sizeof(*order));
-    if (!order)
-      return DSV4_ENOMEM;
-    for (size_t i = 0; i < n; i++)
-      order[i] = &v->tensors[i];
-    qsort(order, n, sizeof(*order), cmp_by_offset);
-  }
-  size_t pos = 0;
-  int rc = 0;
+  size_t n = v->n_tensors, pos = 0;
+  dsv4_st_tensor_t **order = by_offset(v);
+  if (!order)
+    return DSV4_ENOMEM;
   for (size_t i = 0; i < n && rc == 0; i++) {
     const dsv4_st_tensor_t *t = order[i];
     if (t->offset < pos)
@@ -271,6 +283,52 @@ static int parse_as(const uint8_t *buf, size_t len, int checkpoint, dsv4_st_view
   memset(out, 0, sizeof(*out));
   out->checkpoint = checkpoint;
   int rc = parse(buf, len, out);
+  if (rc != 0) {
+    char keep[DSV4_ST_ERR_LEN];
+    if (rc == DSV4_ENOMEM)
+      snprintf(out->error, sizeof(out->error), "out of memory parsing the safetensors header");
+    memcpy(keep, out->error, sizeof(keep));
+    dsv4_st_view_free(out);
+    memcpy(out->error, keep, sizeof(keep));
+  }
+  return rc;
+}
+
+/* A region's header: every tensor inside the region, on a multiple of its element size, and no
+ * two tensors sharing a byte; gaps are allowed. */
+static int parse_region(json_t *header, const uint8_t *base, size_t size, dsv4_st_view_t *v) {
+  if (!json_is_object(header))
+    return fail(v, "header is not a JSON object");
+  v->doc = json_incref(header);
+  v->region = 1;
+  v->data = base;
+  v->data_len = size;
+  int rc = parse_entries(v);
+  if (rc != 0)
+    return rc;
+  for (size_t i = 0; i < v->n_tensors; i++) {
+    const dsv4_st_tensor_t *t = &v->tensors[i];
+    size_t elem = dsv4_st_dtype_size(t->dtype);
+    if (elem && t->offset % elem)
+      return fail(v,
+                  "tensor \"%.64s\": data_offsets begin %zu is not a multiple of %zu (its "
+                  "element size)",
+                  t->name, t->offset, elem);
+  }
+  dsv4_st_tensor_t **order = by_offset(v);
+  if (!order)
+    return DSV4_ENOMEM;
+  for (size_t i = 1; i < v->n_tensors && rc == 0; i++)
+    if (order[i]->offset < order[i - 1]->offset + order[i - 1]->nbytes)
+      rc = fail(v, "tensor \"%.64s\": data [%zu, %zu) overlaps tensor \"%.64s\"", order[i]->name,
+                order[i]->offset, order[i]->offset + order[i]->nbytes, order[i - 1]->name);
+  free(order);
+  return rc;
+}
+
+int dsv4_st_view_region(json_t *header, const uint8_t *base, size_t size, dsv4_st_view_t *out) {
+  memset(out, 0, sizeof(*out));
+  int rc = parse_region(header, base, size, out);
   if (rc != 0) {
     char keep[DSV4_ST_ERR_LEN];
     if (rc == DSV4_ENOMEM)

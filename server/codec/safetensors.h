@@ -67,6 +67,7 @@ typedef struct {
   json_t *doc;                 /* the parsed header; owns the name and metadata strings */
   char error[DSV4_ST_ERR_LEN]; /* why parsing failed, naming the tensor and the problem */
   int checkpoint;              /* parsed by dsv4_st_parse_checkpoint */
+  int region;                  /* made by dsv4_st_view_region: data is a shared region */
 } dsv4_st_view_t;
 
 /*
@@ -80,6 +81,13 @@ int dsv4_st_parse(const uint8_t *buf, size_t len, dsv4_st_view_t *out);
  * those outside the six above as DSV4_ST_OTHER. A request body is never parsed this way.
  */
 int dsv4_st_parse_checkpoint(const uint8_t *buf, size_t len, dsv4_st_view_t *out);
+/*
+ * A view of tensors that live in a shared region (SPEC §6.1) rather than after their header: header
+ * is the safetensors header as a JSON object (a reference is taken), its data_offsets count from
+ * base, and every tensor must lie inside [0, size), begin on a multiple of its element size and
+ * share no byte with another (gaps are allowed). Errors and release as for dsv4_st_parse.
+ */
+int dsv4_st_view_region(json_t *header, const uint8_t *base, size_t size, dsv4_st_view_t *out);
 void dsv4_st_view_free(dsv4_st_view_t *v);
 /* A tensor by name, or NULL. */
 const dsv4_st_tensor_t *dsv4_st_find(const dsv4_st_view_t *v, const char *name);

@@ -12,7 +12,31 @@
 #include "pool.h"
 #include "records.h"
 
-/* The addresses of a batch's compressed-branch arguments (engine_compress.c), host or device. */
+/*
+ * The per-batch scratch of the forward path that a batch still reads after its plan. A batch run in
+ * chunks swaps these fields of the engine with a spare set around its yield hook, so that the
+ * batches run between its chunks get scratch of their own and leave its positions, segment arrays
+ * and plan alone. A new per-batch array that a batch reads after its plan belongs in this set too.
+ */
+typedef struct {
+  int64_t *positions;
+  int32_t *tok_seg;
+  uint32_t tok_cap;
+  int64_t *seg_first_lb;
+  uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
+  int64_t *seg_p0;
+  uint32_t seg_cap;
+  dsv4_plan_t plan;
+  /* The compressed branch's (engine_compress.c). */
+  uint32_t *seg_slot, *seg_cbt_off, *seg_cbt_len;
+  int64_t *seg_c_first_lb;
+  uint32_t c_seg_cap;
+  int32_t *sel;
+  size_t sel_cap;
+} dsv4__engine_scratch_t;
+
+/* The addresses the compressed branch's launches of one chunk of a batch read and write, on a
+ * staged backend (engine_compress.c): device copies. */
 typedef struct {
   const int64_t *positions;
   const int32_t *tok_seg;
@@ -22,8 +46,8 @@ typedef struct {
   const int32_t *c_block_table;
   const float *ckv, *ikv, *iw;
   const uint16_t *iq;
-  int32_t *sel;         /* the indexer's selection: f->topk, e->sel, or the device copy */
-  const float *w_store; /* where the weights live: c_w_store, or its device copy */
+  int32_t *sel;         /* the indexer's selection */
+  const float *w_store; /* the device copy of c_w_store */
 } dsv4__engine_c_view_t;
 
 struct dsv4_engine {
@@ -52,6 +76,8 @@ struct dsv4_engine {
   /* Device copies of the batch's inputs and outputs for a backend without DSV4_BE_HOST_MEMORY
    * (engine.c), or NULL when jobs point straight at host memory. */
   struct dsv4__engine_stage *stage;
+  /* The spare scratch: the set a chunked batch parks its own in while it yields (engine.c). */
+  dsv4__engine_scratch_t spare;
   atomic_int healthy;
   /* The compressed branch (engine_compress.c). */
   uint32_t *c_ratio;             /* [n_served]: 4 or 128 where the branch runs, else 0 */
@@ -61,14 +87,13 @@ struct dsv4_engine {
   dsv4_devbuf_t *c_cache;        /* [n_served] entry records */
   dsv4_devbuf_t *i_cache;        /* [n_served] index records (ratio 4) */
   dsv4_pool_t cpool[2];          /* c4, c128 entry block ids */
+  /* Per batch (swapped with the spare set, like the fields of dsv4__engine_scratch_t). */
   uint32_t *seg_slot, *seg_cbt_off, *seg_cbt_len;
   int64_t *seg_c_first_lb;
   uint32_t c_seg_cap;
   int32_t *sel; /* [tokens, index_topk] the selection when the caller asked none */
   size_t sel_cap;
-  /* What the branch's launches of the current batch read and write: host addresses, or on a
-   * backend without DSV4_BE_HOST_MEMORY the device copies held by cstage (engine_compress.c). */
-  dsv4__engine_c_view_t cv;
+  /* On a backend without DSV4_BE_HOST_MEMORY: the branch's staged copies (engine_compress.c). */
   struct dsv4__engine_cstage *cstage;
 };
 
@@ -95,16 +120,25 @@ int dsv4__engine_c_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4
                               uint32_t tok_off, uint32_t len, void *xxh3_state, const char **bad);
 int dsv4__engine_c_prepare(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
 void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
-int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f);
-int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend);
+/* The view of tokens t0.. of a batch run in chunks: the branch's tensors of v (a copy of f whose
+ * other fields are already the view's) point at those tokens. */
+void dsv4__engine_c_view(const dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f, uint32_t t0,
+                         dsv4_forward_t *v);
+/* The launches of tokens t0 .. t0 + f->n_tokens - 1 of the batch (f is the batch or a view of those
+ * tokens, its tensors pointing at them). */
+int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t t0);
+int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t t0,
+                         int attend);
 void dsv4__engine_c_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
                               dsv4_attn_args_t *aa);
 int dsv4__engine_c_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
 /*
- * On a staged backend (engine.c's stage_run): upload the branch's inputs of the batch (its tensors,
- * the per-segment arrays and the entry table) and point the view at the copies, given the device
- * addresses of the positions, segments and p0 that engine.c uploaded; after the launches, download
- * the selection into f->topk when it was asked. Both do nothing on a layer without the branch.
+ * On a staged backend (engine.c's stage_run), for each chunk of a batch before its launches:
+ * upload the branch's inputs of the chunk f (its tensors, the per-segment arrays and the entry
+ * table) and point the branch's next launches at the copies, given the device addresses of the
+ * chunk's positions and segments and of the p0 that engine.c uploaded; after the launches,
+ * download the chunk's selection into f->topk when it was asked. Both do nothing on a layer
+ * without the branch.
  */
 int dsv4__engine_c_stage_put(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
                              const int64_t *positions, const int32_t *tok_seg,

@@ -207,13 +207,14 @@ static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, void **
 }
 
 /*
- * The device half of a batch on a staged backend: ma and ia arrive pointing at host memory and are
- * re-pointed at the staging buffers (the cache already lives on the device). Order on the backend's
- * queue: uploads, map_slots, qkv_insert, then the downloads, which return once their bytes are in
- * host memory, then sync.
+ * The device half of a batch (or of its chunk of tokens tok0..) on a staged backend: ma and ia
+ * arrive pointing at host memory and are re-pointed at the staging buffers (the cache already lives
+ * on the device). Order on the backend's queue: uploads, map_slots, qkv_insert, the compressed
+ * branch's compress and indexer, attention, then the downloads, which return once their bytes are
+ * in host memory, then sync.
  */
-static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map_args_t *ma,
-                     dsv4_insert_args_t *ia) {
+static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t tok0,
+                     dsv4_map_args_t *ma, dsv4_insert_args_t *ia) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   struct dsv4__engine_stage *s = e->stage;
   size_t n = f->n_tokens, nseg = f->n_segs;
@@ -222,8 +223,8 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
   uint64_t t0 = mono_ns(), t1, t2;
   /* The slot mapper's arrays and the positions, packed (see ST_META), in one upload. */
   size_t bytes[M_COUNT], off[M_COUNT], meta = meta_layout(n, nseg, e->plan.bt_len, bytes, off);
-  const void *src[M_COUNT] = {e->positions,  e->tok_seg,          e->seg_first_lb, e->seg_bt_off,
-                              e->seg_bt_len, e->plan.block_table, e->seg_p0};
+  const void *src[M_COUNT] = {ma->positions,  ma->tok_seg,     ma->seg_first_lb, ma->seg_bt_off,
+                              ma->seg_bt_len, ma->block_table, e->seg_p0};
   if (meta > s->meta_cap)
     return DSV4_EINVAL; /* stage_reserve_batch's bound was wrong: never write past the buffer */
   for (int i = 0; i < M_COUNT; i++)
@@ -270,9 +271,9 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
     rc = ops->qkv_insert(e->be, ia);
   /* SPEC §8.4: the batch's emissions before its indexer and its attention. */
   if (!rc)
-    rc = dsv4__engine_c_compress(e, idx, f);
+    rc = dsv4__engine_c_compress(e, idx, f, tok0);
   if (!rc)
-    rc = dsv4__engine_c_index(e, idx, f, f->attn != NULL);
+    rc = dsv4__engine_c_index(e, idx, f, tok0, f->attn != NULL);
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
   t2 = mono_ns();
@@ -289,9 +290,9 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
   if (!rc)
     rc = ops->sync(e->be);
   f->timing.staged = 1;
-  f->timing.upload_ns = t1 - t0;
-  f->timing.launch_ns = t2 - t1;
-  f->timing.download_ns = mono_ns() - t2;
+  f->timing.upload_ns += t1 - t0;
+  f->timing.launch_ns += t2 - t1;
+  f->timing.download_ns += mono_ns() - t2;
   return rc;
 }
 
@@ -455,6 +456,19 @@ void dsv4_engine_destroy(dsv4_engine_t *e) {
   free(e->seg_bt_len);
   free(e->seg_tok_off);
   free(e->seg_p0);
+  free(e->spare.positions);
+  free(e->spare.tok_seg);
+  free(e->spare.seg_first_lb);
+  free(e->spare.seg_bt_off);
+  free(e->spare.seg_bt_len);
+  free(e->spare.seg_tok_off);
+  free(e->spare.seg_p0);
+  dsv4_plan_free(&e->spare.plan);
+  free(e->spare.seg_slot);
+  free(e->spare.seg_cbt_off);
+  free(e->spare.seg_cbt_len);
+  free(e->spare.seg_c_first_lb);
+  free(e->spare.sel);
   free(e->sinks);
   free(e);
 }
@@ -627,8 +641,8 @@ static int forward_plan(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint64_t n
 }
 
 /* Forward pass 4, the kernels: slot map, then norm/RoPE/insert, then attention when asked, on the
- * backend or its staging. */
-static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
+ * backend or its staging. f is the batch, or a view of tokens t0 .. t0 + f->n_tokens - 1 of it. */
+static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint32_t t0) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   uint32_t n = f->n_tokens;
   dsv4_map_args_t ma = {
@@ -636,8 +650,8 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       .n_segments = f->n_segs,
       .block_size = e->p.block_size,
       .n_blocks = e->p.kv_blocks,
-      .positions = e->positions,
-      .tok_seg = e->tok_seg,
+      .positions = e->positions + t0,
+      .tok_seg = e->tok_seg + t0,
       .seg_first_lb = e->seg_first_lb,
       .seg_bt_off = e->seg_bt_off,
       .seg_bt_len = e->seg_bt_len,
@@ -650,7 +664,7 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       .heads = e->p.heads,
       .q = f->q,
       .kv = f->kv,
-      .positions = e->positions,
+      .positions = e->positions + t0,
       .slots = f->slots,
       .rope = e->rope[idx],
       .kv_norm_weight = e->kv_norm ? e->kv_norm + (size_t)idx * DSV4_HEAD_DIM : NULL,
@@ -663,7 +677,7 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       .stride = e->stride,
   };
   if (e->stage)
-    return stage_run(e, (uint32_t)idx, f, &ma, &ia);
+    return stage_run(e, (uint32_t)idx, f, t0, &ma, &ia);
   dsv4_attn_args_t aa;
   dsv4__engine_attn_args(e, (uint32_t)idx, f, &ma, &aa);
   dsv4__engine_c_attn_args(e, (uint32_t)idx, f, &aa);
@@ -673,9 +687,9 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
 #ifndef DSV4_TEST_BROKEN_EMIT_LATE
   /* SPEC §8.4: the batch's emissions before its indexer and its attention. */
   if (!rc)
-    rc = dsv4__engine_c_compress(e, (uint32_t)idx, f);
+    rc = dsv4__engine_c_compress(e, (uint32_t)idx, f, t0);
   if (!rc)
-    rc = dsv4__engine_c_index(e, (uint32_t)idx, f, f->attn != NULL);
+    rc = dsv4__engine_c_index(e, (uint32_t)idx, f, t0, f->attn != NULL);
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
 #else
@@ -683,15 +697,97 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
    * indexer and the attention read the entry caches before the compressor has stored the batch's
    * entries. */
   if (!rc)
-    rc = dsv4__engine_c_index(e, (uint32_t)idx, f, f->attn != NULL);
+    rc = dsv4__engine_c_index(e, (uint32_t)idx, f, t0, f->attn != NULL);
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
   if (!rc)
-    rc = dsv4__engine_c_compress(e, (uint32_t)idx, f);
+    rc = dsv4__engine_c_compress(e, (uint32_t)idx, f, t0);
 #endif
   if (!rc)
     rc = ops->sync(e->be);
   return rc;
+}
+
+/* Swap the engine's per-batch scratch with the spare set (dsv4__engine_scratch_t). */
+static void scratch_swap(dsv4_engine_t *e) {
+  dsv4__engine_scratch_t *s = &e->spare, t = *s;
+  s->positions = e->positions;
+  s->tok_seg = e->tok_seg;
+  s->tok_cap = e->tok_cap;
+  s->seg_first_lb = e->seg_first_lb;
+  s->seg_bt_off = e->seg_bt_off;
+  s->seg_bt_len = e->seg_bt_len;
+  s->seg_tok_off = e->seg_tok_off;
+  s->seg_p0 = e->seg_p0;
+  s->seg_cap = e->seg_cap;
+  s->plan = e->plan;
+  s->seg_slot = e->seg_slot;
+  s->seg_cbt_off = e->seg_cbt_off;
+  s->seg_cbt_len = e->seg_cbt_len;
+  s->seg_c_first_lb = e->seg_c_first_lb;
+  s->c_seg_cap = e->c_seg_cap;
+  s->sel = e->sel;
+  s->sel_cap = e->sel_cap;
+  e->seg_slot = t.seg_slot;
+  e->seg_cbt_off = t.seg_cbt_off;
+  e->seg_cbt_len = t.seg_cbt_len;
+  e->seg_c_first_lb = t.seg_c_first_lb;
+  e->c_seg_cap = t.c_seg_cap;
+  e->sel = t.sel;
+  e->sel_cap = t.sel_cap;
+  e->positions = t.positions;
+  e->tok_seg = t.tok_seg;
+  e->tok_cap = t.tok_cap;
+  e->seg_first_lb = t.seg_first_lb;
+  e->seg_bt_off = t.seg_bt_off;
+  e->seg_bt_len = t.seg_bt_len;
+  e->seg_tok_off = t.seg_tok_off;
+  e->seg_p0 = t.seg_p0;
+  e->seg_cap = t.seg_cap;
+  e->plan = t.plan;
+}
+
+/*
+ * Forward pass 4 of a batch with a yield hook and more than prefill_chunk_tokens tokens: the
+ * kernels of each token range in turn, the hook between two. A token at position p reads the
+ * records of positions p - 127 .. p only, which its own range or an earlier one wrote, so every
+ * output and every cache byte is the one launch's. The plan (blocks, block tables) stays the whole
+ * batch's.
+ */
+static int forward_chunks(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
+  const uint32_t chunk = e->p.prefill_chunk_tokens, n = f->n_tokens;
+  const size_t q_row = (size_t)e->p.heads * DSV4_HEAD_DIM;
+  if (!f->yield || chunk == 0 || n <= chunk) {
+    f->chunks = 1;
+    return forward_kernels(e, idx, f, 0);
+  }
+  for (uint32_t t0 = 0; t0 < n; t0 += chunk) {
+    if (t0) {
+      uint64_t y0 = mono_ns();
+      scratch_swap(e);
+      f->yield(f->yield_arg);
+      scratch_swap(e);
+      f->timing.yield_ns += mono_ns() - y0;
+      /* A batch between the chunks found the device failed: this one cannot finish either. */
+      if (!atomic_load(&e->healthy))
+        return DSV4_EBACKEND;
+    }
+    dsv4_forward_t v = *f;
+    v.n_tokens = n - t0 < chunk ? n - t0 : chunk;
+    v.q = f->q + t0 * q_row;
+    v.kv = f->kv + (size_t)t0 * DSV4_HEAD_DIM;
+    v.q_out = f->q_out + t0 * q_row;
+    v.slots = f->slots + t0;
+    v.attn = f->attn ? f->attn + t0 * q_row : NULL;
+    v.lse = f->lse ? f->lse + (size_t)t0 * e->p.heads : NULL;
+    dsv4__engine_c_view(e, (uint32_t)idx, f, t0, &v);
+    int rc = forward_kernels(e, idx, &v, t0);
+    f->timing = v.timing;
+    f->chunks++;
+    if (rc)
+      return rc;
+  }
+  return 0;
 }
 
 /* Forward pass 5, SPEC §3.1: the digest of the records the batch wrote, in token order. */
@@ -718,6 +814,7 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
 
   memset(&f->timing, 0, sizeof(f->timing));
   f->replayed = 0;
+  f->chunks = 0;
   if (idx < 0)
     return DSV4_ELAYER;
   if (!atomic_load(&e->healthy))
@@ -733,9 +830,9 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
     return rc;
   t2 = mono_ns();
   f->timing.plan_ns = t2 - t1;
-  rc = forward_kernels(e, idx, f);
+  rc = forward_chunks(e, idx, f);
   t3 = mono_ns();
-  f->timing.kernel_ns = t3 - t2;
+  f->timing.kernel_ns = t3 - t2 - f->timing.yield_ns;
   if (!rc && f->want_digest) {
     rc = forward_digest(e, idx, f);
     f->timing.digest_ns = mono_ns() - t3;
@@ -812,4 +909,13 @@ int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t
     return 0;
   }
   return e->be->ops->download(e->be, dst, buf, off, n);
+}
+
+int dsv4_engine_host_register(dsv4_engine_t *e, void *p, size_t n) {
+  return e->be->ops->host_register ? e->be->ops->host_register(e->be, p, n) : 0;
+}
+
+void dsv4_engine_host_unregister(dsv4_engine_t *e, void *p) {
+  if (e->be->ops->host_unregister)
+    e->be->ops->host_unregister(e->be, p);
 }

@@ -52,6 +52,9 @@ typedef struct {
   uint32_t max_sequences;
   int implicit_create;
   uint64_t idle_timeout_ns;
+  /* A batch with a yield hook and more tokens than this runs its kernels in token ranges of this
+   * many, calling the hook between them; 0 = never. */
+  uint32_t prefill_chunk_tokens;
 } dsv4_engine_params_t;
 
 /* Per-stage timings of one batch, in nanoseconds. */
@@ -67,6 +70,8 @@ typedef struct {
   uint64_t upload_ns;
   uint64_t launch_ns;
   uint64_t download_ns;
+  /* A batch run in chunks: the time its yield hook took (other batches), left out of kernel_ns. */
+  uint64_t yield_ns;
 } dsv4_engine_timing_t;
 
 /* Attention modes (SPEC §7): exact is byte-identical on every backend; fast is a GPU's own. */
@@ -100,7 +105,18 @@ typedef struct {
   const float *iw;
   int32_t *topk;          /* ratio 4: [n_tokens, index_topk] the indexer's selection out, or NULL */
   const char *bad_tensor; /* on DSV4_ERANGE: the tensor holding the value */
+  /*
+   * Chunking (a prefill): when set and the batch has more than prefill_chunk_tokens tokens, the
+   * kernels run in token ranges and yield(yield_arg) is called between two of them. The whole batch
+   * is validated and planned before the first range, and committed after the last, so the answer
+   * and the cache are those of one launch. The hook may run other batches on this engine (one at a
+   * time, none nested, none naming a sequence of this one); nothing else (no delete, no expiry
+   * sweep, no admin read).
+   */
+  void (*yield)(void *yield_arg);
+  void *yield_arg;
   /* Results. */
+  uint32_t chunks; /* token ranges the kernels ran in (1 unless chunked; 0 when refused) */
   int replayed;
   uint64_t digest;         /* when want_digest */
   dsv4_plan_error_t error; /* details of a refused plan */
@@ -141,6 +157,13 @@ int dsv4_engine_seq_info(dsv4_engine_t *e, const char *name, uint32_t len, dsv4_
 uint32_t dsv4_engine_layer_ratio(const dsv4_engine_t *e, uint32_t layer);
 /* Any thread: the entry block pools' sizes and free counts (c4 then c128; 0 when absent). */
 void dsv4_engine_cpool_counts(const dsv4_engine_t *e, uint32_t total[2], uint32_t free_[2]);
+/*
+ * A shared region's mapping (SPEC §6.1) for the backend's host_register hook, once per region:
+ * 0 when the backend needs none or took it, else its error (the region is then refused). Unregister
+ * before unmapping. Executor thread.
+ */
+int dsv4_engine_host_register(dsv4_engine_t *e, void *p, size_t n);
+void dsv4_engine_host_unregister(dsv4_engine_t *e, void *p);
 
 /* The served index of a model layer, or -1. Any thread. */
 int dsv4_engine_layer_index(const dsv4_engine_t *e, uint32_t layer);

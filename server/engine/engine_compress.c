@@ -106,7 +106,8 @@ struct dsv4__engine_cstage {
   dsv4_devbuf_t weights; /* c_w_store, uploaded once */
   uint8_t *meta;         /* host: CS_META's bytes, assembled before the upload */
   size_t meta_cap;
-  uint8_t *span; /* host copy of up to one block, for the forward digest */
+  uint8_t *span;           /* host copy of up to one block, for the forward digest */
+  dsv4__engine_c_view_t v; /* the current chunk's copies, for its launches */
 };
 
 /* The packed arrays for nseg segments and bt table entries; returns the total bytes. */
@@ -232,7 +233,10 @@ int dsv4__engine_c_stage_put(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_
       memcpy(cs->meta + off[i], src[i], bytes[i]);
   int rc = 0;
   const uint8_t *m = cstage_put(e, CS_META, cs->meta, meta, &rc);
-  dsv4__engine_c_view_t *v = &e->cv;
+  if (rc)
+    return rc;
+  dsv4__engine_c_view_t *v = &cs->v;
+  *v = (dsv4__engine_c_view_t){0};
   v->positions = positions;
   v->tok_seg = tok_seg;
   v->seg_p0 = seg_p0;
@@ -444,6 +448,21 @@ int dsv4__engine_c_prepare(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t 
   return e->cstage ? cstage_reserve_batch(e, r, f) : 0;
 }
 
+void dsv4__engine_c_view(const dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f, uint32_t t0,
+                         dsv4_forward_t *v) {
+  uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
+  size_t ih = e->p.model->index_n_heads;
+  if (!r)
+    return;
+  v->ckv = f->ckv + (size_t)t0 * (r == 4 ? 2048 : 1024);
+  if (r != 4)
+    return;
+  v->ikv = f->ikv + (size_t)t0 * 512;
+  v->iq = f->iq + (size_t)t0 * ih * INDEX_DIM;
+  v->iw = f->iw + (size_t)t0 * ih;
+  v->topk = f->topk ? f->topk + (size_t)t0 * e->p.model->index_topk : NULL;
+}
+
 void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f) {
   if (!e->c_ratio || !e->c_ratio[idx])
     return;
@@ -454,10 +473,19 @@ void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f
     e->seg_cbt_off[s] = m->c_bt_off;
     e->seg_cbt_len[s] = m->c_bt_len;
   }
-  /* The host view; a staged backend's dsv4__engine_c_stage_put replaces it with device copies. */
-  e->cv = (dsv4__engine_c_view_t){
-      .positions = e->positions,
-      .tok_seg = e->tok_seg,
+}
+
+/*
+ * The addresses of a launch of tokens t0.. (f the batch or a chunk's view): on a staged backend the
+ * copies dsv4__engine_c_stage_put made for this chunk; otherwise host memory, built into *host.
+ */
+static const dsv4__engine_c_view_t *launch_view(const dsv4_engine_t *e, const dsv4_forward_t *f,
+                                                uint32_t t0, dsv4__engine_c_view_t *host) {
+  if (e->cstage)
+    return &e->cstage->v;
+  *host = (dsv4__engine_c_view_t){
+      .positions = e->positions + t0,
+      .tok_seg = e->tok_seg + t0,
       .seg_p0 = e->seg_p0,
       .seg_slot = e->seg_slot,
       .seg_cbt_off = e->seg_cbt_off,
@@ -471,39 +499,43 @@ void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f
       .sel = f->topk ? f->topk : e->sel,
       .w_store = e->c_w_store,
   };
+  return host;
 }
 
-/* A weight array of the host store, at the address the view's launches read it from. */
-static const float *weights_at(const dsv4_engine_t *e, const float *host) {
-  return host ? e->cv.w_store + (host - e->c_w_store) : NULL;
+/* A weight array of the host store, at the address a launch through view v reads it from. */
+static const float *weights_at(const dsv4_engine_t *e, const dsv4__engine_c_view_t *v,
+                               const float *host) {
+  return host ? v->w_store + (host - e->c_w_store) : NULL;
 }
 
-int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f) {
+int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t t0) {
   uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
   if (!r || e->plan.replay)
     return 0;
+  dsv4__engine_c_view_t v;
+  const dsv4__engine_c_view_t *dv = launch_view(e, f, t0, &v);
   dsv4_compress_args_t ca = {
       .ratio = r,
       .n_tokens = f->n_tokens,
       .n_segments = f->n_segs,
-      .positions = e->cv.positions,
-      .tok_seg = e->cv.tok_seg,
-      .seg_p0 = e->cv.seg_p0,
-      .seg_slot = e->cv.seg_slot,
-      .ckv = e->cv.ckv,
-      .ikv = r == 4 ? e->cv.ikv : NULL,
+      .positions = dv->positions,
+      .tok_seg = dv->tok_seg,
+      .seg_p0 = dv->seg_p0,
+      .seg_slot = dv->seg_slot,
+      .ckv = dv->ckv,
+      .ikv = r == 4 ? dv->ikv : NULL,
       .ring = e->ring[idx].ptr,
       .n_slots = e->p.max_sequences,
-      .ape = weights_at(e, e->c_w[idx].ape),
-      .norm_weight = weights_at(e, e->c_w[idx].norm),
-      .i_ape = weights_at(e, e->c_w[idx].i_ape),
-      .i_norm_weight = weights_at(e, e->c_w[idx].i_norm),
+      .ape = weights_at(e, dv, e->c_w[idx].ape),
+      .norm_weight = weights_at(e, dv, e->c_w[idx].norm),
+      .i_ape = weights_at(e, dv, e->c_w[idx].i_ape),
+      .i_norm_weight = weights_at(e, dv, e->c_w[idx].i_norm),
       .eps = e->p.model->rms_norm_eps,
       .rope = e->rope[idx],
-      .seg_c_first_lb = e->cv.seg_c_first_lb,
-      .seg_cbt_off = e->cv.seg_cbt_off,
-      .seg_cbt_len = e->cv.seg_cbt_len,
-      .c_block_table = e->cv.c_block_table,
+      .seg_c_first_lb = dv->seg_c_first_lb,
+      .seg_cbt_off = dv->seg_cbt_off,
+      .seg_cbt_len = dv->seg_cbt_len,
+      .c_block_table = dv->c_block_table,
       .c_bt_entries = e->plan.c_bt_len,
       .c_cache = e->c_cache[idx].ptr,
       .i_cache = r == 4 ? e->i_cache[idx].ptr : NULL,
@@ -514,11 +546,14 @@ int dsv4__engine_c_compress(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f) {
   return e->be->ops->compress(e->be, &ca);
 }
 
-int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int attend) {
+int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t t0,
+                         int attend) {
   uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
   const dsv4_model_t *m = e->p.model;
   if (r != 4 || !(attend || f->topk))
     return 0;
+  dsv4__engine_c_view_t v;
+  const dsv4__engine_c_view_t *dv = launch_view(e, f, t0, &v);
   dsv4_indexer_args_t xa = {
       .n_tokens = f->n_tokens,
       .n_segments = f->n_segs,
@@ -526,21 +561,21 @@ int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int 
       .n_heads = m->index_n_heads,
       /* (128 * n_heads)^-0.5 rounded once from double: 0x3C3504F3 for 64 heads (SPEC §8.5). */
       .w_scale = (float)(1.0 / sqrt((double)INDEX_DIM * m->index_n_heads)),
-      .positions = e->cv.positions,
-      .tok_seg = e->cv.tok_seg,
-      .seg_p0 = e->cv.seg_p0,
-      .iq = e->cv.iq,
-      .iw = e->cv.iw,
+      .positions = dv->positions,
+      .tok_seg = dv->tok_seg,
+      .seg_p0 = dv->seg_p0,
+      .iq = dv->iq,
+      .iw = dv->iw,
       .rope = e->rope[idx],
-      .seg_c_first_lb = e->cv.seg_c_first_lb,
-      .seg_cbt_off = e->cv.seg_cbt_off,
-      .seg_cbt_len = e->cv.seg_cbt_len,
-      .c_block_table = e->cv.c_block_table,
+      .seg_c_first_lb = dv->seg_c_first_lb,
+      .seg_cbt_off = dv->seg_cbt_off,
+      .seg_cbt_len = dv->seg_cbt_len,
+      .c_block_table = dv->c_block_table,
       .c_bt_entries = e->plan.c_bt_len,
       .i_cache = e->i_cache[idx].ptr,
       .c_n_blocks = e->p.c4_blocks,
       .block_size = e->p.block_size,
-      .sel = e->cv.sel,
+      .sel = dv->sel,
   };
   return e->be->ops->indexer(e->be, &xa);
 }
@@ -548,18 +583,20 @@ int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, int 
 void dsv4__engine_c_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
                               dsv4_attn_args_t *aa) {
   uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
-  (void)f; /* the view holds the batch's addresses */
   if (!r)
     return;
+  dsv4__engine_c_view_t v;
+  /* The tables and the selection only: no chunk offset applies to them. */
+  const dsv4__engine_c_view_t *dv = launch_view(e, f, 0, &v);
   aa->ratio = r;
   aa->c_cache = e->c_cache[idx].ptr;
   aa->c_n_blocks = r == 4 ? e->p.c4_blocks : e->p.c128_blocks;
-  aa->seg_c_first_lb = e->cv.seg_c_first_lb;
-  aa->seg_cbt_off = e->cv.seg_cbt_off;
-  aa->seg_cbt_len = e->cv.seg_cbt_len;
-  aa->c_block_table = e->cv.c_block_table;
+  aa->seg_c_first_lb = dv->seg_c_first_lb;
+  aa->seg_cbt_off = dv->seg_cbt_off;
+  aa->seg_cbt_len = dv->seg_cbt_len;
+  aa->c_block_table = dv->c_block_table;
   aa->c_bt_entries = e->plan.c_bt_len;
-  aa->c_sel = r == 4 ? e->cv.sel : NULL;
+  aa->c_sel = r == 4 ? dv->sel : NULL;
   aa->c_sel_stride = r == 4 ? e->p.model->index_topk : 0;
 }
 

@@ -249,6 +249,32 @@ def test_scored_selection_chunking():
         check(np.array_equal(got[0], one[0]), "chunked attn equals one batch's")
 
 
+def test_daemon_chunks_prefill():
+    """A prefill the daemon runs in chunks of prefill_chunk_tokens (with decodes between them)
+    answers the bytes of one launch on a compressed layer too: the rings carry over between the
+    chunks, and the entries a chunk emits are visible to the next."""
+    bodies = []
+    for chunk in ("0", "16"):
+        with daemon(["--prefill-chunk-tokens", chunk, "--model-config", small_topk_config(8)]) as d:
+            if not runs_branch(d):
+                return check_without_branch(d, np.random.default_rng(12))
+            rng = np.random.default_rng(13)
+            got = []
+            for layer in (C4, C128):
+                n = 150 if layer == C4 else 300
+                b = batch(rng, layer, [Seg("k%d" % layer, 0, n, True), Seg("j%d" % layer, 7, 41,
+                                                                            True)],
+                          outputs="q,attn,lse,digest" + (",topk" if layer == C4 else ""))
+                r = d.forward_raw(b.body())
+                check_eq(r.status, 200, "chunk %s layer %d: %r" % (chunk, layer, r))
+                got.append(r.body)
+            if chunk != "0":
+                ms = d.metrics()
+                check(h.metric(ms, "dsv4d_prefill_chunks_total") > 2, "the prefills ran in chunks")
+            bodies.append(got)
+    check(bodies[0] == bodies[1], "chunked prefills answer the bytes of one launch")
+
+
 def test_replay_exactly_once():
     """A replay answers the same bytes and changes nothing: the next batch then answers what it
     answers on a daemon that never saw the replay, also when the replay straddles an emission."""
@@ -338,4 +364,4 @@ def test_limits():
 
 if __name__ == "__main__":
     h.main([test_wire_refusals, test_topk_and_visibility, test_chunking_is_exact,
-            test_scored_selection_chunking, test_replay_exactly_once, test_mixed_phases, test_limits])
+            test_scored_selection_chunking, test_daemon_chunks_prefill, test_replay_exactly_once, test_mixed_phases, test_limits])

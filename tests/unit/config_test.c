@@ -107,6 +107,8 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.max_header_bytes, 65536);
   assert_int_equal(cfg.max_body_bytes, 0);
   assert_int_equal(cfg.queue_depth, 64);
+  assert_int_equal(cfg.prefill_chunk_tokens, 512);
+  assert_string_equal(cfg.listen_shm, "");
   assert_int_equal(cfg.sequence_idle_timeout_s, 600);
   assert_int_equal(cfg.implicit_create, 0);
   assert_int_equal(cfg.header_timeout_ms, 10000);
@@ -217,6 +219,7 @@ static void test_range_errors_name_the_option(void **state) {
       {"--max-segments", "0", "max_segments"},
       {"--max-header-bytes", "10", "max_header_bytes"},
       {"--queue-depth", "0", "queue_depth"},
+      {"--prefill-chunk-tokens", "2000000", "prefill_chunk_tokens"},
       {"--header-timeout-ms", "0", "header_timeout_ms"},
       {"--body-timeout-ms", "0", "body_timeout_ms"},
       {"--idle-timeout-ms", "0", "idle_timeout_ms"},

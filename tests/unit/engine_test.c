@@ -87,6 +87,29 @@ static int f_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   }
   return inner_of(be)->ops->qkv_insert(inner_of(be), a);
 }
+/* The host_register hook of a device backend, counted: registered bytes, live registrations. */
+static size_t registered_bytes;
+static int registrations;
+static int fail_next_register;
+static int f_host_register(dsv4_backend_t *be, void *p, size_t n) {
+  (void)be;
+  (void)p;
+  if (fail_next_register) {
+    fail_next_register = 0;
+    return DSV4_EBACKEND;
+  }
+  registered_bytes += n;
+  registrations++;
+  return 0;
+}
+static void f_host_unregister(dsv4_backend_t *be, void *p) {
+  (void)be;
+  (void)p;
+  registrations--;
+}
+static int f_attn(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
+  return inner_of(be)->ops->attention(inner_of(be), a);
+}
 static int f_sync(dsv4_backend_t *be) {
   return inner_of(be)->ops->sync(inner_of(be));
 }
@@ -117,6 +140,9 @@ static int faulty_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, 
   f->ops.map_slots = f_map;
   f->ops.qkv_insert = f_insert;
   f->ops.sync = f_sync;
+  f->ops.attention = f->inner->ops->attention ? f_attn : NULL;
+  f->ops.host_register = f_host_register;
+  f->ops.host_unregister = f_host_unregister;
   f->ops.host_parallel = f->inner->ops->host_parallel ? f_host_parallel : NULL;
   f->base.ops = &f->ops;
   *out = &f->base;
@@ -153,6 +179,30 @@ static dsv4_engine_t *open_engine_w(const char *name, const float *kv_norm_weigh
 
 static dsv4_engine_t *open_engine(const char *name) {
   return open_engine_w(name, NULL);
+}
+
+/* An engine with attention sinks for both served layers and prefill_chunk_tokens = chunk. */
+static dsv4_engine_t *open_engine_chunked(const char *name, uint32_t chunk) {
+  float sinks[2 * HEADS];
+  for (int i = 0; i < 2 * HEADS; i++)
+    sinks[i] = -1.0f + 0.25f * (float)i;
+  dsv4_engine_params_t p = {
+      .backend = name,
+      .threads = 2,
+      .block_size = 64,
+      .kv_blocks = BLOCKS,
+      .heads = HEADS,
+      .model = &model,
+      .served_layers = served,
+      .n_served = 2,
+      .max_sequences = 64,
+      .attn_sinks = sinks,
+      .prefill_chunk_tokens = chunk,
+  };
+  dsv4_engine_t *e = NULL;
+  char why[256];
+  assert_int_equal(dsv4_engine_create(&p, &e, why, sizeof(why)), 0);
+  return e;
 }
 
 /* Deterministic small bf16 inputs for token t of a batch. */
@@ -543,9 +593,231 @@ static void test_staged_matches_cpu(void **state) {
   }
 }
 
+/* ---- prefills in chunks ---- */
+
+/* A batch with attention outputs too (attn and lse), for the chunked tests. */
+typedef struct {
+  batch_t b;
+  uint16_t *attn;
+  float *lse;
+} attn_batch_t;
+
+static void attn_batch_make(attn_batch_t *ab, uint32_t layer, uint64_t seed, uint32_t n_segs,
+                            const char *const *names, const int64_t *starts, const uint32_t *lens,
+                            const int *is_new) {
+  batch_make(&ab->b, layer, seed, n_segs, names, starts, lens, is_new);
+  ab->attn = malloc((size_t)ab->b.n * HEADS * DSV4_HEAD_DIM * 2);
+  ab->lse = malloc((size_t)ab->b.n * HEADS * sizeof(float));
+  assert_true(ab->attn && ab->lse);
+  ab->b.f.attn = ab->attn;
+  ab->b.f.lse = ab->lse;
+  ab->b.f.attention = DSV4_ATTENTION_EXACT;
+}
+
+static void attn_batch_free(attn_batch_t *ab) {
+  batch_free(&ab->b);
+  free(ab->attn);
+  free(ab->lse);
+}
+
+/* Every output of two answers to the same batch is the same, byte for byte. */
+static void same_answer(const attn_batch_t *x, const attn_batch_t *y) {
+  size_t n = x->b.n;
+  assert_int_equal(x->b.n, y->b.n);
+  assert_memory_equal(x->b.q_out, y->b.q_out, n * HEADS * DSV4_HEAD_DIM * 2);
+  assert_memory_equal(x->b.slots, y->b.slots, n * sizeof(int64_t));
+  assert_memory_equal(x->attn, y->attn, n * HEADS * DSV4_HEAD_DIM * 2);
+  assert_memory_equal(x->lse, y->lse, n * HEADS * sizeof(float));
+  assert_int_equal(x->b.f.digest, y->b.f.digest);
+}
+
+/* The yield hook of the chunked tests: on its first call, one decode batch of a sequence of its
+ * own runs on the engine, as the executor runs a waiting decode between two chunks. */
+typedef struct {
+  dsv4_engine_t *e;
+  uint32_t calls;
+  attn_batch_t *decode; /* run at the first call, or NULL */
+  int decode_rc;
+  int fail_decode; /* the decode's insert fails on the device (the faulty backend) */
+} yield_probe_t;
+
+static void probe_yield(void *arg) {
+  yield_probe_t *y = arg;
+  if (y->calls++ == 0 && y->decode) {
+    fail_next_insert = y->fail_decode;
+    y->decode_rc = dsv4_engine_forward(y->e, &y->decode->b.f);
+  }
+}
+
+static const char *const pf_names[2] = {"p", "q"};
+static const int64_t pf_starts[2] = {0, 0};
+static const uint32_t pf_lens[2] = {100, 30};
+static const int pf_new[2] = {1, 1};
+
+/*
+ * A prefill run in chunks of 16 tokens, with a decode of another sequence between its first two
+ * chunks, gives the bytes of one launch on an engine that never chunks: q_out, slots, attn, lse,
+ * the digest, the decode's answer and every cache byte; its replay is recognised and answers the
+ * same bytes; the sequences then continue alike.
+ */
+static void test_chunked_prefill_matches_one_launch(void **state) {
+  (void)state;
+  dsv4_engine_t *a = open_engine_chunked(backend, 0), *b = open_engine_chunked(backend, 16);
+  const char *dn[1] = {"d"};
+  const int64_t d0[1] = {0};
+  const uint32_t one[1] = {1};
+  const int dnew[1] = {1};
+  attn_batch_t pa, pb, da, db;
+  attn_batch_make(&pa, 0, 11, 2, pf_names, pf_starts, pf_lens, pf_new);
+  attn_batch_make(&pb, 0, 11, 2, pf_names, pf_starts, pf_lens, pf_new);
+  attn_batch_make(&da, 0, 12, 1, dn, d0, one, dnew);
+  attn_batch_make(&db, 0, 12, 1, dn, d0, one, dnew);
+  yield_probe_t ya = {.e = a}, yb = {.e = b, .decode = &db};
+  pa.b.f.yield = probe_yield;
+  pa.b.f.yield_arg = &ya;
+  pb.b.f.yield = probe_yield;
+  pb.b.f.yield_arg = &yb;
+  assert_int_equal(dsv4_engine_forward(a, &pa.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(a, &da.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &pb.b.f), 0);
+  assert_int_equal(yb.decode_rc, 0);
+  assert_int_equal(pa.b.f.chunks, 1);
+  assert_int_equal(ya.calls, 0);
+  assert_int_equal(pb.b.f.chunks, (130 + 15) / 16);
+  assert_int_equal(yb.calls, (130 + 15) / 16 - 1);
+  assert_false(pb.b.f.replayed);
+  same_answer(&pa, &pb);
+  same_answer(&da, &db);
+
+  /* The whole request again: a replay, recognised although it ran in chunks, with the same bytes.
+   */
+  attn_batch_t ra, rb;
+  attn_batch_make(&ra, 0, 11, 2, pf_names, pf_starts, pf_lens, pf_new);
+  attn_batch_make(&rb, 0, 11, 2, pf_names, pf_starts, pf_lens, pf_new);
+  yield_probe_t yr = {.e = b};
+  rb.b.f.yield = probe_yield;
+  rb.b.f.yield_arg = &yr;
+  assert_int_equal(dsv4_engine_forward(a, &ra.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &rb.b.f), 0);
+  assert_true(ra.b.f.replayed && rb.b.f.replayed);
+  assert_int_equal(rb.b.f.chunks, (130 + 15) / 16);
+  same_answer(&pb, &rb);
+  same_answer(&ra, &rb);
+
+  /* The sequences continue alike on the other layer and with a decode step. */
+  const uint32_t other_lens[2] = {100, 30};
+  same_batch(a, b, served[1], 13, 2, pf_names, pf_starts, other_lens, (const int[]){0, 0});
+  same_batch(a, b, 0, 14, 2, pf_names, (const int64_t[]){100, 30}, (const uint32_t[]){1, 1},
+             (const int[]){0, 0});
+  size_t la, lb;
+  uint8_t *ca = cache_bytes(a, &la), *cb = cache_bytes(b, &lb);
+  assert_int_equal(la, lb);
+  assert_memory_equal(ca, cb, la);
+  free(ca);
+  free(cb);
+  assert_int_equal(dsv4_engine_blocks_free(a), dsv4_engine_blocks_free(b));
+  attn_batch_free(&pa);
+  attn_batch_free(&pb);
+  attn_batch_free(&da);
+  attn_batch_free(&db);
+  attn_batch_free(&ra);
+  attn_batch_free(&rb);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+}
+
+/* A chunked batch that fails validation or its plan never yields and changes nothing. */
+static void test_chunked_refusal_changes_nothing(void **state) {
+  (void)state;
+  dsv4_engine_t *e = open_engine_chunked(backend, 16), *fresh = open_engine_chunked(backend, 16);
+  uint32_t free0 = dsv4_engine_blocks_free(e);
+  for (int k = 0; k < 3; k++) {
+    attn_batch_t x;
+    yield_probe_t y = {.e = e};
+    if (k < 2) {
+      attn_batch_make(&x, 0, 21, 2, pf_names, pf_starts, pf_lens, pf_new);
+    } else {
+      /* One block more than the pool holds. */
+      const uint32_t big[2] = {64 * BLOCKS - 30 + 1, 30};
+      attn_batch_make(&x, 0, 21, 2, pf_names, pf_starts, big, pf_new);
+    }
+    x.b.f.yield = probe_yield;
+    x.b.f.yield_arg = &y;
+    int want = DSV4_ERANGE;
+    if (k == 0) {
+      x.b.kv[(size_t)130 * DSV4_HEAD_DIM - 1] = 0x5D00; /* |x| >= 2^59 in the last chunk */
+    } else if (k == 1) {
+      x.b.segs[1].start = 5; /* "new" may start anywhere, but "p" twice is a duplicate */
+      x.b.segs[1].name = "p";
+      want = DSV4_EDUPSEQ;
+    } else {
+      want = DSV4_ENOSPC;
+    }
+    assert_int_equal(dsv4_engine_forward(e, &x.b.f), want);
+    assert_int_equal(y.calls, 0);
+    assert_int_equal(x.b.f.chunks, 0);
+    attn_batch_free(&x);
+  }
+  assert_int_equal(dsv4_engine_sequences(e), 0);
+  assert_int_equal(dsv4_engine_blocks_free(e), free0);
+  same_batch(e, fresh, 0, 22, 2, pf_names, pf_starts, pf_lens, pf_new);
+  dsv4_engine_destroy(e);
+  dsv4_engine_destroy(fresh);
+}
+
+/* A device failure in a batch run between two chunks fails the chunked batch too: both batches'
+ * sequences are dropped, and the blocks come back. */
+static void test_chunked_device_failure(void **state) {
+  (void)state;
+  dsv4_engine_t *e = open_engine_chunked("faulty", 16);
+  const char *dn[1] = {"d"};
+  attn_batch_t p, d;
+  attn_batch_make(&p, 0, 31, 2, pf_names, pf_starts, pf_lens, pf_new);
+  attn_batch_make(&d, 0, 32, 1, dn, (const int64_t[]){0}, (const uint32_t[]){1}, (const int[]){1});
+  yield_probe_t y = {.e = e, .decode = &d, .fail_decode = 1};
+  p.b.f.yield = probe_yield;
+  p.b.f.yield_arg = &y;
+  assert_int_equal(dsv4_engine_forward(e, &p.b.f), DSV4_EBACKEND);
+  assert_int_equal(y.decode_rc, DSV4_EBACKEND);
+  assert_int_equal(y.calls, 1);
+  assert_int_equal(d.b.f.n_dropped, 1);
+  assert_int_equal(p.b.f.n_dropped, 2);
+  assert_string_equal(p.b.f.dropped[0], "p");
+  assert_string_equal(p.b.f.dropped[1], "q");
+  assert_int_equal(dsv4_engine_sequences(e), 0);
+  assert_int_equal(dsv4_engine_blocks_free(e), BLOCKS);
+  assert_false(dsv4_engine_healthy(e));
+  attn_batch_free(&p);
+  attn_batch_free(&d);
+  dsv4_engine_destroy(e);
+}
+
+/* A shared region goes to the backend's host_register hook once, and back; a backend without the
+ * hook (the CPU) needs none and takes any region. */
+static void test_host_register(void **state) {
+  (void)state;
+  static uint8_t region[1 << 16];
+  dsv4_engine_t *f = open_engine("faulty"), *c = open_engine("cpu");
+  registered_bytes = 0;
+  registrations = 0;
+  assert_int_equal(dsv4_engine_host_register(f, region, sizeof(region)), 0);
+  assert_int_equal(registrations, 1);
+  assert_int_equal(registered_bytes, sizeof(region));
+  fail_next_register = 1;
+  assert_int_equal(dsv4_engine_host_register(f, region, 4096), DSV4_EBACKEND);
+  assert_int_equal(registrations, 1);
+  dsv4_engine_host_unregister(f, region);
+  assert_int_equal(registrations, 0);
+  assert_int_equal(dsv4_engine_host_register(c, region, sizeof(region)), 0);
+  dsv4_engine_host_unregister(c, region);
+  assert_true(dsv4_engine_healthy(f) && dsv4_engine_healthy(c));
+  dsv4_engine_destroy(f);
+  dsv4_engine_destroy(c);
+}
+
 /* An engine serving a ratio-4 and a ratio-128 layer with their compressors (the weights drawn once
- * by c_weights), on backend name. */
-static dsv4_engine_t *open_c_engine(const char *name) {
+ * by c_weights), on backend name, running batches with a yield hook in chunks of chunk tokens. */
+static dsv4_engine_t *open_c_engine(const char *name, uint32_t chunk) {
   static const uint32_t layers[2] = {C4_LAYER, C128_LAYER};
   const dsv4_engine_compressor_t comp[2] = {{cfx.ape4, cfx.norm4, cfx.iape, cfx.inorm},
                                             {cfx.ape128, cfx.norm128, NULL, NULL}};
@@ -562,7 +834,8 @@ static dsv4_engine_t *open_c_engine(const char *name) {
                             .compressors = comp,
                             .c4_blocks = 24,
                             .c128_blocks = 8,
-                            .max_sequences = 8};
+                            .max_sequences = 8,
+                            .prefill_chunk_tokens = chunk};
   dsv4_engine_t *e = NULL;
   char why[256] = "";
   if (dsv4_engine_create(&p, &e, why, sizeof(why)))
@@ -645,26 +918,74 @@ static void c_same(const void *x, const void *y, size_t n, size_t row, const cha
                i, i / row, a[i], b[i]);
 }
 
-/* One batch on engines a (the CPU reference) and b: the same answer, byte for byte. */
+/* Two answers of one batch are equal byte for byte (the first difference named). */
+static void same_c_answer(const cbatch_t *ca, const cbatch_t *cb, uint32_t layer) {
+  size_t n = ca->b.n;
+  c_same(ca->b.q_out, cb->b.q_out, n * HEADS * 512 * 2, HEADS * 512 * 2, "q_out", layer);
+  c_same(ca->b.slots, cb->b.slots, n * 8, 8, "slots", layer);
+  if (ca->attn) {
+    c_same(ca->attn, cb->attn, n * HEADS * 512 * 2, HEADS * 512 * 2, "attn", layer);
+    c_same(ca->lse, cb->lse, n * HEADS * 4, HEADS * 4, "lse", layer);
+  }
+  if (ca->topk)
+    c_same(ca->topk, cb->topk, n * C_TOPK * 4, C_TOPK * 4, "topk", layer);
+  assert_int_equal(ca->b.f.digest, cb->b.f.digest);
+  assert_int_equal(ca->b.f.replayed, cb->b.f.replayed);
+}
+
+/* A decode step of a sequence of its own, run by b's yield hook between two chunks of a batch (as
+ * the executor runs a waiting decode), and on a after that batch. */
+typedef struct {
+  uint32_t layer;
+  uint64_t seed;
+  const char *name;
+  int64_t start;
+} c_decode_t;
+
+typedef struct {
+  dsv4_engine_t *e;
+  cbatch_t *decode; /* run at the first call, or NULL */
+  int rc;
+  uint32_t calls;
+} c_yield_t;
+
+static void c_yield(void *arg) {
+  c_yield_t *y = arg;
+  if (y->calls++ == 0 && y->decode)
+    y->rc = dsv4_engine_forward(y->e, &y->decode->b.f);
+}
+
+/* One batch on engines a (the CPU reference) and b (chunked when it is long, with dec between its
+ * first two chunks when given): the same answers, byte for byte. */
 static void same_c_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint32_t layer, uint64_t seed,
                          uint32_t n_segs, const char *const *names, const int64_t *starts,
-                         const uint32_t *lens, const int *is_new, int outputs) {
-  cbatch_t ca, cb;
+                         const uint32_t *lens, const int *is_new, int outputs,
+                         const c_decode_t *dec) {
+  cbatch_t ca, cb, da, db;
   cbatch_make(&ca, layer, seed, n_segs, names, starts, lens, is_new, outputs);
   cbatch_make(&cb, layer, seed, n_segs, names, starts, lens, is_new, outputs);
-  assert_int_equal(dsv4_engine_forward(a, &ca.b.f), 0);
-  assert_int_equal(dsv4_engine_forward(b, &cb.b.f), 0);
-  size_t n = ca.b.n;
-  c_same(ca.b.q_out, cb.b.q_out, n * HEADS * 512 * 2, HEADS * 512 * 2, "q_out", layer);
-  c_same(ca.b.slots, cb.b.slots, n * 8, 8, "slots", layer);
-  if (ca.attn) {
-    c_same(ca.attn, cb.attn, n * HEADS * 512 * 2, HEADS * 512 * 2, "attn", layer);
-    c_same(ca.lse, cb.lse, n * HEADS * 4, HEADS * 4, "lse", layer);
+  c_yield_t y = {.e = b};
+  if (dec) {
+    const uint32_t one = 1;
+    const int yes = 1;
+    cbatch_make(&da, dec->layer, dec->seed, 1, &dec->name, &dec->start, &one, &yes, 3);
+    cbatch_make(&db, dec->layer, dec->seed, 1, &dec->name, &dec->start, &one, &yes, 3);
+    y.decode = &db;
   }
-  if (ca.topk)
-    c_same(ca.topk, cb.topk, n * C_TOPK * 4, C_TOPK * 4, "topk", layer);
-  assert_int_equal(ca.b.f.digest, cb.b.f.digest);
-  assert_int_equal(ca.b.f.replayed, cb.b.f.replayed);
+  cb.b.f.yield = c_yield;
+  cb.b.f.yield_arg = &y;
+  assert_int_equal(dsv4_engine_forward(a, &ca.b.f), 0);
+  if (dec)
+    assert_int_equal(dsv4_engine_forward(a, &da.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &cb.b.f), 0);
+  same_c_answer(&ca, &cb, layer);
+  if (dec) {
+    assert_true(y.calls >= 1); /* b ran the batch in chunks */
+    assert_int_equal(y.rc, 0);
+    same_c_answer(&da, &db, dec->layer);
+    cbatch_free(&da);
+    cbatch_free(&db);
+  }
   cbatch_free(&ca);
   cbatch_free(&cb);
 }
@@ -703,32 +1024,35 @@ static void same_c_state(dsv4_engine_t *a, dsv4_engine_t *b) {
  * the entry and index caches and the SWA caches. Two sequences start at p0 > 0; prefills in chunks
  * that split windows, decode steps across emissions, a batch of two sequences at different phases,
  * replays; topk 8 of up to 40 visible entries (the scoring path), entries across blocks of 16 in
- * both pools; outputs with and without attention and topk (the selection then stays internal).
+ * both pools; outputs with and without attention and topk (the selection then stays internal). On
+ * b, batches longer than 32 tokens run in chunks, and between the first two chunks of the first
+ * batch of each layer a decode step of another sequence of that layer runs (a runs it after).
  */
 static void test_compressed_matches_cpu(void **state) {
   (void)state;
   const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
-  dsv4_engine_t *a = open_c_engine("cpu"), *b = open_c_engine(other);
+  dsv4_engine_t *a = open_c_engine("cpu", 0), *b = open_c_engine(other, 32);
   const char *names[2] = {"c", "d"};
   const int yes[2] = {1, 1}, no[2] = {0, 0};
   /* Ratio 4: c from 0, d from p0 = 37, together, then chunks, a replay and decode steps. */
   int64_t st[2] = {0, 37};
   uint32_t len[2] = {70, 45};
-  same_c_batch(a, b, C4_LAYER, 1, 2, names, st, len, yes, 3);
-  same_c_batch(a, b, C4_LAYER, 1, 2, names, st, len, no, 3); /* a replay */
+  const c_decode_t g = {C4_LAYER, 2, "g", 6}, h = {C128_LAYER, 3, "h", 0};
+  same_c_batch(a, b, C4_LAYER, 1, 2, names, st, len, yes, 3, &g);
+  same_c_batch(a, b, C4_LAYER, 1, 2, names, st, len, no, 3, NULL); /* a replay */
   static const uint32_t chunks[][2] = {{1, 7}, {3, 1}, {23, 26}, {41, 5}};
   for (size_t k = 0; k < sizeof(chunks) / sizeof(chunks[0]); k++) {
     st[0] += len[0];
     st[1] += len[1];
     len[0] = chunks[k][0];
     len[1] = chunks[k][1];
-    same_c_batch(a, b, C4_LAYER, 10 + k, 2, names, st, len, no, (int)(k % 3) + 1);
+    same_c_batch(a, b, C4_LAYER, 10 + k, 2, names, st, len, no, (int)(k % 3) + 1, NULL);
   }
   for (int k = 0; k < 9; k++) {
     st[0] += len[0];
     st[1] += len[1];
     len[0] = len[1] = 1;
-    same_c_batch(a, b, C4_LAYER, 20 + (uint64_t)k, 2, names, st, len, no, 3);
+    same_c_batch(a, b, C4_LAYER, 20 + (uint64_t)k, 2, names, st, len, no, 3, NULL);
   }
   /* Ratio 128: e from 0 and f from p0 = 300 in chunks that straddle emissions, up to entries in a
    * second block (16 entries a block: position 2048 on). */
@@ -736,20 +1060,20 @@ static void test_compressed_matches_cpu(void **state) {
   names[1] = "f";
   int64_t s2[2] = {0, 300};
   uint32_t l2[2] = {130, 1};
-  same_c_batch(a, b, C128_LAYER, 30, 2, names, s2, l2, yes, 1);
-  same_c_batch(a, b, C128_LAYER, 30, 2, names, s2, l2, no, 1); /* a replay */
+  same_c_batch(a, b, C128_LAYER, 30, 2, names, s2, l2, yes, 1, &h);
+  same_c_batch(a, b, C128_LAYER, 30, 2, names, s2, l2, no, 1, NULL); /* a replay */
   for (uint64_t k = 0; s2[0] + l2[0] < 2200; k++) {
     s2[0] += l2[0];
     s2[1] += l2[1];
     l2[0] = k % 2 ? 250 : 137;
     l2[1] = k % 2 ? 3 : 200;
-    same_c_batch(a, b, C128_LAYER, 40 + k, 2, names, s2, l2, no, k % 3 ? 1 : 0);
+    same_c_batch(a, b, C128_LAYER, 40 + k, 2, names, s2, l2, no, k % 3 ? 1 : 0, NULL);
   }
   for (int k = 0; k < 4; k++) {
     s2[0] += l2[0];
     s2[1] += l2[1];
     l2[0] = l2[1] = 1;
-    same_c_batch(a, b, C128_LAYER, 60 + (uint64_t)k, 2, names, s2, l2, no, 1);
+    same_c_batch(a, b, C128_LAYER, 60 + (uint64_t)k, 2, names, s2, l2, no, 1, NULL);
   }
   same_c_state(a, b);
   if (!strcmp(other, "cpu_staged")) {
@@ -773,6 +1097,10 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_device_failure_drops_batch),
       cmocka_unit_test(test_staged_matches_cpu),
       cmocka_unit_test(test_compressed_matches_cpu),
+      cmocka_unit_test(test_chunked_prefill_matches_one_launch),
+      cmocka_unit_test(test_chunked_refusal_changes_nothing),
+      cmocka_unit_test(test_chunked_device_failure),
+      cmocka_unit_test(test_host_register),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

@@ -1,5 +1,6 @@
 /* The executor's scheduling: decode and control jobs pass waiting prefills, prefills keep their
- * arrival order, and two jobs that share a key (a sequence) never swap. */
+ * arrival order, two jobs that share a key (a sequence) never swap, and a prefill that yields
+ * between its chunks lets the waiting decodes run and be answered before it completes. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -18,13 +19,16 @@ typedef struct {
   char id;
   uint64_t keys[2];
   int blocks; /* waits on the gate until the test opens it */
+  /* A chunked prefill: before chunk c it waits until chunks_open > c, and it yields between two. */
+  dsv4_executor_t *ex;
+  int chunks;
 } fake_job_t;
 
 /* What the executor thread ran and the loop thread got back, in order. */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static char ran[MAX_JOBS + 1], done[MAX_JOBS + 1];
-static int n_ran, n_done, running, gate_open;
+static int n_ran, n_done, running, gate_open, chunks_open, chunks_done;
 
 static void fake_run(dsv4_job_t *job) {
   fake_job_t *j = (fake_job_t *)job;
@@ -34,6 +38,26 @@ static void fake_run(dsv4_job_t *job) {
   pthread_cond_broadcast(&cv);
   while (j->blocks && !gate_open)
     pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu);
+}
+
+/* A prefill in chunks, as the engine runs one: the yield between two chunks. */
+static void chunked_run(dsv4_job_t *job) {
+  fake_job_t *j = (fake_job_t *)job;
+  pthread_mutex_lock(&mu);
+  ran[n_ran++] = j->id;
+  running = 1;
+  pthread_cond_broadcast(&cv);
+  for (int c = 0; c < j->chunks; c++) {
+    if (c) {
+      pthread_mutex_unlock(&mu);
+      dsv4_executor_yield(j->ex, job);
+      pthread_mutex_lock(&mu);
+    }
+    while (chunks_open <= c)
+      pthread_cond_wait(&cv, &mu);
+    chunks_done = c + 1;
+  }
   pthread_mutex_unlock(&mu);
 }
 
@@ -56,7 +80,7 @@ static void fake_init(fake_job_t *j, char id, dsv4_job_class_t cls, uint64_t k0,
 static void reset(void) {
   memset(ran, 0, sizeof(ran));
   memset(done, 0, sizeof(done));
-  n_ran = n_done = running = gate_open = 0;
+  n_ran = n_done = running = gate_open = chunks_open = chunks_done = 0;
 }
 
 /* Submit jobs[0] (which blocks), wait until it runs, submit the rest, open the gate and hand
@@ -164,11 +188,75 @@ static void test_queue_full(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+static void open_chunks(int n) {
+  pthread_mutex_lock(&mu);
+  chunks_open = n;
+  pthread_cond_broadcast(&cv);
+  pthread_mutex_unlock(&mu);
+}
+
+/*
+ * A decode queued behind a long prefill is run between two of its chunks and answered before the
+ * prefill completes; a decode of the prefill's own sequence, a control job and another prefill wait
+ * for the whole prefill, and then run in the usual order.
+ */
+static void test_decode_between_chunks(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  dsv4_executor_t ex;
+  fake_job_t j[5];
+  reset();
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(&ex, &loop, 16, NULL, NULL), 0);
+  fake_init(&j[0], 'P', DSV4_JOB_PREFILL, 1, 0);
+  j[0].job.run = chunked_run;
+  j[0].ex = &ex;
+  j[0].chunks = 3;
+  fake_init(&j[1], 'D', DSV4_JOB_DECODE, 2, 0);
+  fake_init(&j[2], 'E', DSV4_JOB_DECODE, 1, 0);  /* names P's sequence */
+  fake_init(&j[3], 'F', DSV4_JOB_CONTROL, 3, 0); /* a lookup: never between chunks */
+  fake_init(&j[4], 'Q', DSV4_JOB_PREFILL, 4, 0);
+  assert_int_equal(dsv4_executor_submit(&ex, &j[0].job), 0);
+  pthread_mutex_lock(&mu);
+  while (!running)
+    pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu);
+  for (int i = 1; i < 5; i++)
+    assert_int_equal(dsv4_executor_submit(&ex, &j[i].job), 0);
+  assert_int_equal(dsv4_executor_waiting(&ex, DSV4_JOB_DECODE), 2);
+
+  /* The first chunk ends, P yields: D runs and its answer reaches the loop while P waits before
+   * its second chunk. */
+  open_chunks(1);
+  while (n_done < 1)
+    uv_run(&loop, UV_RUN_ONCE);
+  assert_string_equal(done, "D");
+  pthread_mutex_lock(&mu);
+  assert_int_equal(chunks_done, 1);
+  assert_string_equal(ran, "PD");
+  pthread_mutex_unlock(&mu);
+  assert_int_equal(dsv4_executor_waiting(&ex, DSV4_JOB_DECODE), 1);
+  assert_int_equal(dsv4_executor_waiting(&ex, DSV4_JOB_CONTROL), 1);
+  assert_int_equal(dsv4_executor_waiting(&ex, DSV4_JOB_PREFILL), 1);
+
+  open_chunks(3);
+  while (n_done < 5)
+    uv_run(&loop, UV_RUN_ONCE);
+  assert_int_equal(chunks_done, 3);
+  assert_string_equal(ran, "PDEFQ");
+  assert_string_equal(done, "DPEFQ");
+  assert_int_equal(dsv4_executor_pending(&ex), 0);
+  dsv4_executor_stop(&ex, NULL, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_decode_first),
       cmocka_unit_test(test_same_sequence_order),
       cmocka_unit_test(test_queue_full),
+      cmocka_unit_test(test_decode_between_chunks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

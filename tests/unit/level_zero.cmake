@@ -180,5 +180,10 @@ if(DSV4_LEVEL_ZERO AND TARGET dsv4d AND EXISTS ${PROJECT_SOURCE_DIR}/tests/integ
     set_tests_properties(it_lz_fake_${n} PROPERTIES TIMEOUT 300
       LABELS "integration;level_zero;lz_fake"
       ENVIRONMENT "${DSV4_LZ_TEST_ENV};DSV4_TEST_BACKEND=level_zero;DSV4_IT_STARTUP_LIMIT=10")
+    if(TARGET dsv4client)
+      set_property(TEST it_lz_fake_${n} APPEND PROPERTY ENVIRONMENT
+                   DSV4CLIENT_LIB=$<TARGET_FILE:dsv4client>
+                   DSV4CLIENT_EXAMPLE=$<TARGET_FILE:dsv4client_example>)
+    endif()
   endforeach()
 endif()

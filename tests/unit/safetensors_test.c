@@ -370,6 +370,48 @@ static void test_dtypes(void **state) {
   assert_null(dsv4_st_dtype_name(-1));
 }
 
+/* A region's header (dsv4_st_view_region): gaps allowed; past the end, misaligned or overlapping
+ * tensors refused with a message naming the tensor. */
+static void region_expect(const char *header, size_t size, const char *want) {
+  static uint8_t region[4096];
+  json_t *doc = json_loads(header, 0, NULL);
+  dsv4_st_view_t v;
+  assert_non_null(doc);
+  int rc = dsv4_st_view_region(doc, region, size, &v);
+  if (!want) {
+    assert_int_equal(rc, 0);
+    const dsv4_st_tensor_t *kv = dsv4_st_find(&v, "kv");
+    assert_non_null(kv);
+    assert_ptr_equal(kv->data, region + kv->offset);
+    assert_string_equal(dsv4_st_meta(&v, "layer"), "0");
+    dsv4_st_view_free(&v);
+  } else {
+    assert_int_equal(rc, DSV4_EINVAL);
+    if (!strstr(v.error, want))
+      fail_msg("error \"%s\" lacks \"%s\"", v.error, want);
+  }
+  json_decref(doc);
+}
+
+static void test_region(void **state) {
+  (void)state;
+  /* q at 0, kv at 1024 with a gap between, outputs would go after. */
+  region_expect("{\"__metadata__\":{\"layer\":\"0\"},"
+                "\"q\":{\"dtype\":\"BF16\",\"shape\":[2,8],\"data_offsets\":[0,32]},"
+                "\"kv\":{\"dtype\":\"BF16\",\"shape\":[4],\"data_offsets\":[1024,1032]}}",
+                4096, NULL);
+  region_expect("{\"kv\":{\"dtype\":\"BF16\",\"shape\":[4],\"data_offsets\":[4092,4100]}}", 4096,
+                "past the region");
+  region_expect("{\"kv\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[6,22]}}", 4096,
+                "not a multiple of 4");
+  region_expect("{\"q\":{\"dtype\":\"BF16\",\"shape\":[8],\"data_offsets\":[0,16]},"
+                "\"kv\":{\"dtype\":\"BF16\",\"shape\":[4],\"data_offsets\":[8,16]}}",
+                4096, "overlaps");
+  region_expect("{\"kv\":{\"dtype\":\"BF16\",\"shape\":[4],\"data_offsets\":[0,6]}}", 4096,
+                "need 8");
+  region_expect("[1,2]", 4096, "not a JSON object");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_valid),
@@ -387,6 +429,7 @@ int main(void) {
       cmocka_unit_test(test_writer_roundtrip),
       cmocka_unit_test(test_writer_rejects),
       cmocka_unit_test(test_dtypes),
+      cmocka_unit_test(test_region),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -564,6 +564,48 @@ static void test_fail_drops_batch(void **state) {
   fx_close(&f);
 }
 
+/*
+ * A prefill's plan stays open while a batch of other sequences is planned and committed (the decode
+ * run between two of its chunks): the blocks go in plan order, the inner batch sees the open plan's
+ * new sequence and blocks as taken, and the outer commit then lands as if alone.
+ */
+static void test_plan_between_chunks(void **state) {
+  (void)state;
+  fx_t f;
+  dsv4_plan_t inner;
+  fx_open(&f, 1, 16, 8);
+  f.cfg.idle_timeout_ns = 1000;
+  fx_reopen(&f);
+  dsv4_plan_init(&inner);
+  assert_int_equal(step1(&f, 0, "d", 0, 3, 1, 0), 0);
+  dsv4_seg_req_t p = seg("p", 0, 100, 1, 7);
+  assert_int_equal(dsv4_seqtable_plan(f.st, 0, &p, 1, 10, &f.plan), 0);
+  assert_int_equal(used(&f), 1 + 7);
+  /* The decode between chunks: expiry of its own names first, then its plan and commit. */
+  dsv4_seg_req_t d = seg("d", 3, 1, 0, 8);
+  assert_int_equal(dsv4_seqtable_expire_named(f.st, &d, 1, 20), 0);
+  assert_int_equal(dsv4_seqtable_plan(f.st, 0, &d, 1, 20, &inner), 0);
+  dsv4_seqtable_commit(f.st, &inner, 20);
+  /* The pool is full: a new sequence between chunks is refused and changes nothing. */
+  dsv4_seg_req_t n = seg("n", 0, 1, 1, 9);
+  assert_int_equal(dsv4_seqtable_plan(f.st, 0, &n, 1, 20, &inner), DSV4_ENOSPC);
+  assert_int_equal(inner.error.free, 0);
+  dsv4_seqtable_commit(f.st, &f.plan, 30);
+  dsv4_seq_info_t info;
+  get_info(&f, "p", &info);
+  assert_int_equal(info.next[0], 100);
+  assert_int_equal(info.n_blocks_held, 7);
+  dsv4_seq_info_free(&info);
+  get_info(&f, "d", &info);
+  assert_int_equal(info.next[0], 4);
+  dsv4_seq_info_free(&info);
+  assert_int_equal(step1(&f, 0, "p", 0, 100, 0, 7), 0);
+  assert_true(f.plan.replay);
+  assert_int_equal(dsv4_seqtable_count(f.st), 2);
+  dsv4_plan_free(&inner);
+  fx_close(&f);
+}
+
 static void test_implicit_create(void **state) {
   (void)state;
   fx_t f;
@@ -744,6 +786,7 @@ int main(void) {
       cmocka_unit_test(test_expiry_without_sweep),
       cmocka_unit_test(test_implicit_create_expired),
       cmocka_unit_test(test_foreach_and_many),
+      cmocka_unit_test(test_plan_between_chunks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,351 @@
+/*
+ * libdsv4client (dsv4client.h): the messages of SPEC §6.1 over a SOCK_SEQPACKET socket, one JSON
+ * object each way, built and read with jansson.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memfd_create, MFD_ALLOW_SEALING, F_ADD_SEALS */
+#endif
+#include "dsv4client.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+/* The largest answer read: answers are small (an error, or the outputs' header). */
+#define ANSWER_MAX (64u << 10)
+/* Room for a forward request of about 1000 segments in one message (the daemon takes 256 KiB). */
+#define SEND_BUFFER (1u << 20)
+#define BF16_BYTES 2u
+#define HEAD_DIM 512u
+
+struct dsv4c_client {
+  int fd;
+  char *token;
+};
+
+struct dsv4c_region {
+  uint8_t *base;
+  size_t size;
+  uint32_t id;
+};
+
+int dsv4c_connect(const char *path, const char *token, dsv4c_client_t **out) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  *out = NULL;
+  if (strlen(path) >= sizeof(addr.sun_path))
+    return -ENAMETOOLONG;
+  memcpy(addr.sun_path, path, strlen(path) + 1);
+  dsv4c_client_t *c = calloc(1, sizeof(*c));
+  if (!c || (token && !(c->token = strdup(token)))) {
+    free(c);
+    return -ENOMEM;
+  }
+  c->fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  int sndbuf = SEND_BUFFER;
+  if (c->fd < 0 || connect(c->fd, (const struct sockaddr *)&addr, sizeof(addr)) != 0) {
+    int err = -errno;
+    if (c->fd >= 0)
+      close(c->fd);
+    free(c->token);
+    free(c);
+    return err;
+  }
+  /* The kernel caps it at net.core.wmem_max: a larger message then fails with EMSGSIZE. */
+  (void)setsockopt(c->fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
+  *out = c;
+  return 0;
+}
+
+void dsv4c_close(dsv4c_client_t *c) {
+  if (!c)
+    return;
+  close(c->fd);
+  free(c->token);
+  free(c);
+}
+
+void dsv4c_result_free(dsv4c_result_t *r) {
+  if (r) {
+    free(r->json);
+    r->json = NULL;
+  }
+}
+
+static void copy_str(char *dst, size_t cap, json_t *v) {
+  snprintf(dst, cap, "%s", json_is_string(v) ? json_string_value(v) : "");
+}
+
+/* The answer's fields into res. */
+static int read_answer(const char *text, size_t len, dsv4c_result_t *res) {
+  json_error_t jerr;
+  json_t *doc = json_loadb(text, len, 0, &jerr);
+  memset(res, 0, sizeof(*res));
+  if (!json_is_object(doc) || !json_is_integer(json_object_get(doc, "status"))) {
+    json_decref(doc);
+    return -EPROTO;
+  }
+  json_t *err = json_object_get(doc, "error"), *meta = json_object_get(doc, "metadata");
+  res->status = (int)json_integer_value(json_object_get(doc, "status"));
+  copy_str(res->code, sizeof(res->code), json_object_get(err, "code"));
+  copy_str(res->message, sizeof(res->message), json_object_get(err, "message"));
+  copy_str(res->cache_digest, sizeof(res->cache_digest), json_object_get(meta, "cache_digest"));
+  copy_str(res->attention, sizeof(res->attention), json_object_get(meta, "attention"));
+  json_t *rep = json_object_get(meta, "replayed");
+  res->replayed = json_is_string(rep) && !strcmp(json_string_value(rep), "true");
+  res->json = strndup(text, len);
+  json_decref(doc);
+  return res->json ? 0 : -ENOMEM;
+}
+
+int dsv4c_request(dsv4c_client_t *c, const char *msg, int fd, dsv4c_result_t *res) {
+  union {
+    struct cmsghdr align;
+    char buf[CMSG_SPACE(sizeof(int))];
+  } ctl;
+  struct iovec iov = {(void *)msg, strlen(msg)};
+  struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+  memset(res, 0, sizeof(*res));
+  if (fd >= 0) {
+    memset(&ctl, 0, sizeof(ctl));
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = sizeof(ctl.buf);
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  }
+  ssize_t n;
+  do
+    n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+  while (n < 0 && errno == EINTR);
+  /* A daemon that refused the connection (too many clients) said why before it closed it: that
+   * answer is still to be read. */
+  int flags = 0, err = n < 0 ? errno : 0;
+  if (n < 0 && err != EPIPE && err != ECONNRESET)
+    return -err;
+  if (n < 0)
+    flags = MSG_DONTWAIT;
+  char *buf = malloc(ANSWER_MAX);
+  if (!buf)
+    return -ENOMEM;
+  do
+    n = recv(c->fd, buf, ANSWER_MAX, flags);
+  while (n < 0 && errno == EINTR);
+  /* A peer that closed with our request unread reports the reset first, and its last answer after
+   * it. */
+  if (n < 0 && errno == ECONNRESET) {
+    err = ECONNRESET;
+    n = recv(c->fd, buf, ANSWER_MAX, MSG_DONTWAIT);
+  }
+  if (err && n <= 0) {
+    free(buf);
+    return -err;
+  }
+  int rc = n < 0 ? -errno : n == 0 ? -ECONNRESET : read_answer(buf, (size_t)n, res);
+  free(buf);
+  return rc;
+}
+
+/* Send a message built as a JSON object (taken) and read the answer. */
+static int request_doc(dsv4c_client_t *c, json_t *doc, int fd, dsv4c_result_t *res) {
+  char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+  json_decref(doc);
+  if (!text)
+    return -ENOMEM;
+  int rc = dsv4c_request(c, text, fd, res);
+  free(text);
+  return rc;
+}
+
+int dsv4c_region_create(dsv4c_client_t *c, size_t bytes, dsv4c_region_t **out,
+                        dsv4c_result_t *res) {
+  dsv4c_result_t local;
+  dsv4c_result_t *r = res ? res : &local;
+  long page = sysconf(_SC_PAGESIZE);
+  size_t size = (bytes + (size_t)page - 1) & ~((size_t)page - 1);
+  *out = NULL;
+  memset(r, 0, sizeof(*r));
+  if (size == 0)
+    return -EINVAL;
+  int fd = memfd_create("dsv4-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0)
+    return -errno;
+  dsv4c_region_t *reg = calloc(1, sizeof(*reg));
+  void *base = MAP_FAILED;
+  int rc = 0;
+  /* Sealed before the daemon sees it: neither side can resize it, so no access past its end (and
+   * no SIGBUS) is possible on either side. */
+  if (!reg || ftruncate(fd, (off_t)size) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0 ||
+      (base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)) == MAP_FAILED)
+    rc = reg ? -errno : -ENOMEM;
+  if (!rc) {
+    json_t *msg = json_pack("{s:s}", "op", "register");
+    if (msg && c->token)
+      json_object_set_new(msg, "token", json_string(c->token));
+    rc = request_doc(c, msg, fd, r);
+    if (!rc && r->status != 200)
+      rc = -EPROTO;
+  }
+  if (!rc) {
+    json_t *doc = json_loads(r->json, 0, NULL);
+    reg->id = (uint32_t)json_integer_value(json_object_get(doc, "region"));
+    json_decref(doc);
+  }
+  close(fd); /* the mappings, ours and the daemon's, keep the memory */
+  if (r == &local)
+    dsv4c_result_free(&local);
+  if (rc) {
+    if (base != MAP_FAILED)
+      munmap(base, size);
+    free(reg);
+    return rc;
+  }
+  reg->base = base;
+  reg->size = size;
+  *out = reg;
+  return 0;
+}
+
+void *dsv4c_region_data(const dsv4c_region_t *r) {
+  return r->base;
+}
+
+size_t dsv4c_region_size(const dsv4c_region_t *r) {
+  return r->size;
+}
+
+uint32_t dsv4c_region_id(const dsv4c_region_t *r) {
+  return r->id;
+}
+
+int dsv4c_region_destroy(dsv4c_client_t *c, dsv4c_region_t *r) {
+  int rc = 0;
+  if (!r)
+    return 0;
+  if (c) {
+    dsv4c_result_t res;
+    rc = request_doc(c, json_pack("{s:s,s:I}", "op", "unregister", "region", (json_int_t)r->id), -1,
+                     &res);
+    if (!rc && res.status != 200)
+      rc = -EPROTO;
+    dsv4c_result_free(&res);
+  }
+  munmap(r->base, r->size);
+  free(r);
+  return rc;
+}
+
+/* A tensor entry of the header: dtype, shape and where it lies in the region. */
+static json_t *typed_entry(const char *dtype, json_t *shape, size_t off, size_t nbytes) {
+  return json_pack("{s:s,s:o,s:[I,I]}", "dtype", dtype, "shape", shape, "data_offsets",
+                   (json_int_t)off, (json_int_t)(off + nbytes));
+}
+
+static json_t *tensor_entry(json_t *shape, size_t off, size_t nbytes) {
+  return typed_entry("BF16", shape, off, nbytes);
+}
+
+/* A compressed layer's ckv, ikv, iq and iw (SPEC §8.2) into the header, those the batch has. */
+static void add_compressed(json_t *header, const dsv4c_forward_t *f, uint64_t n) {
+  json_int_t jn = (json_int_t)n, ih = (json_int_t)f->index_heads;
+  if (!header)
+    return;
+  if (f->ckv_width)
+    json_object_set_new(header, "ckv",
+                        typed_entry("F32", json_pack("[I,I]", jn, (json_int_t)f->ckv_width),
+                                    f->ckv_off, (size_t)n * f->ckv_width * 4));
+  if (!f->index_heads)
+    return;
+  json_object_set_new(
+      header, "ikv",
+      typed_entry("F32", json_pack("[I,I]", jn, (json_int_t)512), f->ikv_off, (size_t)n * 512 * 4));
+  json_object_set_new(header, "iq",
+                      typed_entry("BF16", json_pack("[I,I,I]", jn, ih, (json_int_t)128), f->iq_off,
+                                  (size_t)n * f->index_heads * 128 * BF16_BYTES));
+  json_object_set_new(
+      header, "iw",
+      typed_entry("F32", json_pack("[I,I]", jn, ih), f->iw_off, (size_t)n * f->index_heads * 4));
+}
+
+/* The __metadata__ of the HTTP body: layer, segments (JSON text), outputs and attention. */
+static json_t *metadata(const dsv4c_forward_t *f, uint64_t *n_tokens) {
+  json_t *segs = json_array();
+  *n_tokens = 0;
+  for (uint32_t i = 0; i < f->n_segs && segs; i++) {
+    const dsv4c_segment_t *s = &f->segs[i];
+    /* A name that is not UTF-8 cannot be sent: the whole request fails (-ENOMEM), none is lost. */
+    json_t *o = json_pack("{s:s,s:I,s:I}", "seq", s->seq ? s->seq : "", "start",
+                          (json_int_t)s->start, "len", (json_int_t)s->len);
+    if (o && s->is_new)
+      json_object_set_new(o, "new", json_true());
+    if (!o || json_array_append_new(segs, o) != 0) {
+      json_decref(segs);
+      segs = NULL;
+    }
+    *n_tokens += s->len;
+  }
+  char *segs_text = segs ? json_dumps(segs, JSON_COMPACT) : NULL;
+  char layer[16];
+  snprintf(layer, sizeof(layer), "%u", f->layer);
+  json_t *m = segs_text ? json_pack("{s:s,s:s,s:s}", "layer", layer, "segments", segs_text,
+                                    "outputs", f->outputs ? f->outputs : "q")
+                        : NULL;
+  if (m && f->attention)
+    json_object_set_new(m, "attention", json_string(f->attention));
+  free(segs_text);
+  json_decref(segs);
+  return m;
+}
+
+/* The offsets of the outputs asked for (every output name of outputs; slots always). */
+static json_t *out_offsets(const dsv4c_forward_t *f) {
+  const char *o = f->outputs ? f->outputs : "q";
+  json_t *out = json_pack("{s:I}", "slots", (json_int_t)f->slots_off);
+  char list[64];
+  snprintf(list, sizeof(list), "%s", o);
+  for (char *save = NULL, *t = strtok_r(list, ", ", &save); t && out;
+       t = strtok_r(NULL, ", ", &save)) {
+    if (!strcmp(t, "q"))
+      json_object_set_new(out, "q_out", json_integer((json_int_t)f->q_out_off));
+    else if (!strcmp(t, "attn"))
+      json_object_set_new(out, "attn", json_integer((json_int_t)f->attn_off));
+    else if (!strcmp(t, "lse"))
+      json_object_set_new(out, "lse", json_integer((json_int_t)f->lse_off));
+    else if (!strcmp(t, "topk"))
+      json_object_set_new(out, "topk", json_integer((json_int_t)f->topk_off));
+  }
+  return out;
+}
+
+int dsv4c_forward(dsv4c_client_t *c, const dsv4c_region_t *r, const dsv4c_forward_t *f,
+                  dsv4c_result_t *res) {
+  uint64_t n;
+  json_t *meta = metadata(f, &n);
+  size_t q_bytes = (size_t)n * f->heads * HEAD_DIM * BF16_BYTES;
+  json_t *header =
+      meta ? json_pack("{s:o,s:o,s:o}", "__metadata__", meta, "q",
+                       tensor_entry(json_pack("[I,I,I]", (json_int_t)n, (json_int_t)f->heads,
+                                              (json_int_t)HEAD_DIM),
+                                    f->q_off, q_bytes),
+                       "kv",
+                       tensor_entry(json_pack("[I,I]", (json_int_t)n, (json_int_t)HEAD_DIM),
+                                    f->kv_off, (size_t)n * HEAD_DIM * BF16_BYTES))
+           : NULL;
+  add_compressed(header, f, n);
+  json_t *msg = header ? json_pack("{s:s,s:I,s:o,s:o}", "op", "forward", "region",
+                                   (json_int_t)r->id, "header", header, "out", out_offsets(f))
+                       : NULL;
+  if (msg && f->deadline_ms >= 0)
+    json_object_set_new(msg, "deadline_ms", json_integer(f->deadline_ms));
+  return request_doc(c, msg, -1, res);
+}

@@ -1,0 +1,211 @@
+"""dsv4client: Python binding (ctypes) of libdsv4client, the same-host client of dsv4d's shared
+regions (SPEC §6.1 in docs/SPEC.md).
+
+    import numpy as np, dsv4client
+    c = dsv4client.Client("/run/dsv4d/shm.sock")
+    r = c.region(64 << 20)                      # a sealed memfd, mapped here and in the daemon
+    q = r.array(np.uint16, (n, heads, 512), 0)  # bf16 bits, written in place
+    ...
+    res = c.forward(r, layer=0, segments=[("req-1", 0, n, True)], heads=heads,
+                    q_off=0, kv_off=..., out={"q_out": ..., "slots": ...}, outputs="q,digest")
+    q_out = r.array(np.uint16, (n, heads, 512), res.tensors["q_out"]["data_offsets"][0])
+
+The library is found through $DSV4CLIENT_LIB, then next to this file's checkout build
+(build*/libdsv4client.so), then by the loader (ctypes.util.find_library).
+"""
+
+import ctypes
+import ctypes.util
+import glob
+import json
+import os
+
+__all__ = ["Client", "Region", "Result", "Dsv4Error", "load_library"]
+
+
+class Result(ctypes.Structure):
+    """dsv4c_result_t: the daemon's answer."""
+
+    _fields_ = [("status", ctypes.c_int), ("code", ctypes.c_char * 48),
+                ("message", ctypes.c_char * 512), ("cache_digest", ctypes.c_char * 17),
+                ("attention", ctypes.c_char * 8), ("replayed", ctypes.c_int),
+                ("json", ctypes.c_void_p)]
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("seq", ctypes.c_char_p), ("start", ctypes.c_int64), ("len", ctypes.c_uint32),
+                ("is_new", ctypes.c_int)]
+
+
+class _Forward(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_uint32), ("segs", ctypes.POINTER(_Segment)),
+                ("n_segs", ctypes.c_uint32), ("heads", ctypes.c_uint32),
+                ("outputs", ctypes.c_char_p), ("attention", ctypes.c_char_p),
+                ("q_off", ctypes.c_size_t), ("kv_off", ctypes.c_size_t),
+                ("q_out_off", ctypes.c_size_t), ("slots_off", ctypes.c_size_t),
+                ("attn_off", ctypes.c_size_t), ("lse_off", ctypes.c_size_t),
+                ("deadline_ms", ctypes.c_int64),
+                ("ckv_width", ctypes.c_uint32), ("index_heads", ctypes.c_uint32),
+                ("ckv_off", ctypes.c_size_t), ("ikv_off", ctypes.c_size_t),
+                ("iq_off", ctypes.c_size_t), ("iw_off", ctypes.c_size_t),
+                ("index_topk", ctypes.c_uint32), ("topk_off", ctypes.c_size_t)]
+
+
+class Dsv4Error(Exception):
+    """A refusal: status (the HTTP status of the same failure), code, message and the answer."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.status = answer["status"]
+        err = answer.get("error", {})
+        self.code, self.message = err.get("code"), err.get("message")
+        super().__init__("%d %s: %s" % (self.status, self.code, self.message))
+
+
+def load_library(path=None):
+    here = os.path.dirname(os.path.abspath(__file__))
+    cands = [path, os.environ.get("DSV4CLIENT_LIB")]
+    cands += sorted(glob.glob(os.path.join(here, "..", "..", "build*", "libdsv4client.so")))
+    cands.append(ctypes.util.find_library("dsv4client"))
+    for c in cands:
+        if c and (os.path.exists(c) or not os.path.isabs(c)):
+            try:
+                lib = ctypes.CDLL(c)
+                break
+            except OSError:
+                continue
+    else:
+        raise OSError("libdsv4client not found (set DSV4CLIENT_LIB)")
+    vp, sz, res = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(Result)
+    lib.dsv4c_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(vp)]
+    lib.dsv4c_close.argtypes = [vp]
+    lib.dsv4c_close.restype = None
+    lib.dsv4c_result_free.argtypes = [res]
+    lib.dsv4c_result_free.restype = None
+    lib.dsv4c_region_create.argtypes = [vp, sz, ctypes.POINTER(vp), res]
+    lib.dsv4c_region_data.argtypes = [vp]
+    lib.dsv4c_region_data.restype = vp
+    lib.dsv4c_region_size.argtypes = [vp]
+    lib.dsv4c_region_size.restype = sz
+    lib.dsv4c_region_id.argtypes = [vp]
+    lib.dsv4c_region_id.restype = ctypes.c_uint32
+    lib.dsv4c_region_destroy.argtypes = [vp, vp]
+    lib.dsv4c_forward.argtypes = [vp, vp, ctypes.POINTER(_Forward), res]
+    lib.dsv4c_request.argtypes = [vp, ctypes.c_char_p, ctypes.c_int, res]
+    return lib
+
+
+def _answer(lib, res):
+    """The answer's JSON as a dict, and the C result freed."""
+    try:
+        return json.loads(ctypes.string_at(res.json).decode()) if res.json else None
+    finally:
+        lib.dsv4c_result_free(ctypes.byref(res))
+
+
+def _errno(rc, what):
+    return OSError(-rc, "%s: %s" % (what, os.strerror(-rc)))
+
+
+class Region:
+    """A shared region: buffer is a writable memoryview of its bytes."""
+
+    def __init__(self, client, handle):
+        self._client, self._h = client, handle
+        lib = client._lib
+        self.id = lib.dsv4c_region_id(handle)
+        self.size = lib.dsv4c_region_size(handle)
+        self.address = lib.dsv4c_region_data(handle)
+        self.buffer = memoryview((ctypes.c_ubyte * self.size).from_address(self.address)).cast("B")
+
+    def array(self, dtype, shape, offset):
+        """A numpy array over the region's bytes at offset (no copy)."""
+        import numpy as np
+        count = 1
+        for d in shape:
+            count *= d
+        return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def destroy(self):
+        """Unregister and unmap: every array over buffer must be gone."""
+        if self._h:
+            self.buffer.release()
+            h, self._h = self._h, None
+            rc = self._client._lib.dsv4c_region_destroy(self._client._c, h)
+            if rc:
+                raise _errno(rc, "unregister")
+
+
+class Client:
+    """One connection to the daemon's listen_shm socket; one request at a time."""
+
+    def __init__(self, path, token=None, lib=None):
+        self._lib = lib or load_library()
+        self._c = ctypes.c_void_p()
+        rc = self._lib.dsv4c_connect(path.encode(), token.encode() if token else None,
+                                     ctypes.byref(self._c))
+        if rc:
+            raise _errno(rc, "connect to %s" % path)
+
+    def close(self):
+        if self._c:
+            self._lib.dsv4c_close(self._c)
+            self._c = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def region(self, nbytes):
+        """A new region of at least nbytes; Dsv4Error when the daemon refuses it."""
+        h, res = ctypes.c_void_p(), Result()
+        rc = self._lib.dsv4c_region_create(self._c, nbytes, ctypes.byref(h), ctypes.byref(res))
+        ans = _answer(self._lib, res)
+        if rc == -71 and ans:  # EPROTO: the daemon answered with a refusal
+            raise Dsv4Error(ans)
+        if rc:
+            raise _errno(rc, "region")
+        return Region(self, h)
+
+    def forward(self, region, layer, segments, heads, q_off, kv_off, out, outputs="q",
+                attention=None, deadline_ms=None, check=True, compressed=None):
+        """One batch; segments are (seq, start, len[, new]). out maps q_out, slots, attn, lse and
+        topk to offsets in the region. compressed: a compressed layer's tensors (SPEC §8.2) as a
+        dict of offsets in the region: ckv (with ckv_width 2048 or 1024), and at ratio 4 ikv, iq
+        and iw (with index_heads) and index_topk for a topk output. Returns the answer as a dict
+        (status, metadata, tensors: the outputs' header with data_offsets into the region); a
+        refusal raises Dsv4Error unless check is false."""
+        segs = (_Segment * len(segments))()
+        for i, s in enumerate(segments):
+            segs[i] = _Segment(s[0].encode(), s[1], s[2], 1 if len(s) > 3 and s[3] else 0)
+        f = _Forward(layer, segs, len(segments), heads, outputs.encode(),
+                     attention.encode() if attention else None, q_off, kv_off,
+                     out.get("q_out", 0), out.get("slots", 0), out.get("attn", 0),
+                     out.get("lse", 0), -1 if deadline_ms is None else deadline_ms)
+        c = compressed or {}
+        f.ckv_width, f.index_heads = c.get("ckv_width", 0), c.get("index_heads", 0)
+        f.ckv_off, f.ikv_off = c.get("ckv", 0), c.get("ikv", 0)
+        f.iq_off, f.iw_off = c.get("iq", 0), c.get("iw", 0)
+        f.index_topk, f.topk_off = c.get("index_topk", 0), out.get("topk", 0)
+        res = Result()
+        rc = self._lib.dsv4c_forward(self._c, region._h, ctypes.byref(f), ctypes.byref(res))
+        if rc:
+            raise _errno(rc, "forward")
+        return self._checked(_answer(self._lib, res), check)
+
+    def request(self, msg, fd=-1, check=False):
+        """A raw message (a dict or JSON text) with a descriptor attached when fd >= 0."""
+        text = msg if isinstance(msg, str) else json.dumps(msg, separators=(",", ":"))
+        res = Result()
+        rc = self._lib.dsv4c_request(self._c, text.encode(), fd, ctypes.byref(res))
+        if rc:
+            raise _errno(rc, "request")
+        return self._checked(_answer(self._lib, res), check)
+
+    @staticmethod
+    def _checked(ans, check):
+        if check and ans["status"] != 200:
+            raise Dsv4Error(ans)
+        return ans

@@ -1,0 +1,459 @@
+"""Shared regions (listen_shm, SPEC §6.1) through libdsv4client: its Python binding and its C example.
+
+A daemon served through regions answers every batch with the bytes a daemon served over HTTP
+answers (q_out, slots, attn, lse, cache_digest, replayed, the error objects) and ends with the same
+cache; registrations without the seals, of the wrong kind or without the token are refused;
+offsets out of range, misaligned or overlapping are refused with the JSON error and change nothing;
+a region the client unmaps or tries to truncate never hurts the daemon; closing the connection
+unmaps its regions; SIGTERM drains and removes the socket file."""
+
+import fcntl
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dsv4_harness as h  # noqa: E402
+from dsv4_harness import Batch, Daemon, Seg, check, check_eq, expect_error  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
+import dsv4client  # noqa: E402
+
+HEADS = 8
+MODEL_HEADS = 64
+ALIGN = 64
+
+
+def write_weights(path):
+    entries = [("layers.%d.attn.attn_sink" % l, "F32", [MODEL_HEADS],
+                np.linspace(-2.0, 2.0 + l, MODEL_HEADS).astype("<f4").tobytes())
+               for l in range(4)]
+    entries += [e for l in range(4) for e in h.compressor_entries(l)]
+    with open(path, "wb") as f:
+        f.write(h.st_encode(entries, {"format": "pt"}))
+
+
+def up(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Layout:
+    """Where a batch's tensors go in a region: q, kv, then q_out, slots, attn, lse, then a compressed
+    layer's ckv, ikv, iq, iw and the topk output."""
+
+    def __init__(self, batch, base=0):
+        n, hh = batch.n, batch.q.shape[1]
+        self.q_bytes, self.kv_bytes = n * hh * 1024, n * 1024
+        self.q = base
+        self.kv = up(self.q + self.q_bytes)
+        self.out = {"q_out": up(self.kv + self.kv_bytes)}
+        self.out["slots"] = up(self.out["q_out"] + self.q_bytes)
+        self.out["attn"] = up(self.out["slots"] + n * 8)
+        self.out["lse"] = up(self.out["attn"] + self.q_bytes)
+        self.end = up(self.out["lse"] + n * hh * 4)
+        self.extra = {}
+        for name, _, _, raw in batch.extra:
+            self.extra[name] = self.end
+            self.end = up(self.end + len(raw))
+        self.out["topk"] = self.end
+        self.end = up(self.end + n * 512 * 4)
+
+
+def shm_forward(client, region, batch, check_ok=False):
+    """The batch through the region: inputs written in place, then the daemon's answer."""
+    lay = Layout(batch)
+    region.buffer[lay.q:lay.q + lay.q_bytes] = batch.q.astype("<u2").tobytes()
+    region.buffer[lay.kv:lay.kv + lay.kv_bytes] = batch.kv.astype("<u2").tobytes()
+    comp = {}
+    for name, _, shape, raw in batch.extra:
+        region.buffer[lay.extra[name]:lay.extra[name] + len(raw)] = raw
+        comp[name] = lay.extra[name]
+        if name == "ckv":
+            comp["ckv_width"] = shape[1]
+        if name == "iw":
+            comp["index_heads"] = shape[1]
+    comp["index_topk"] = 512
+    wanted = (batch.outputs or "q").split(",")
+    names = {"q": "q_out", "attn": "attn", "lse": "lse", "topk": "topk"}
+    out = {"slots": lay.out["slots"]}
+    out.update({names[w]: lay.out[names[w]] for w in wanted if w in names})
+    return client.forward(region, batch.layer, [(s.seq, s.start, s.len, s.new) for s in batch.segs],
+                          HEADS, lay.q, lay.kv, out, outputs=batch.outputs or "q", check=check_ok,
+                          compressed=comp)
+
+
+def region_tensors(region, ans):
+    return {k: bytes(region.buffer[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in ans["tensors"].items()}
+
+
+def same_answer(a, client, region, batch, what, b=None):
+    """The batch over HTTP to a and through the region (of daemon b): the same status and bytes;
+    an error object's instance is each daemon's own."""
+    ra = a.forward_raw(batch.body())
+    ans = shm_forward(client, region, batch)
+    check_eq(ans["status"], ra.status, "%s: status through the region (%r)" % (what, ans))
+    check_eq(ans["instance"], b.instance if b else ans["instance"], "%s: instance" % what)
+    if ra.status != 200:
+        want, got = dict(ra.json()["error"]), dict(ans["error"])
+        if "instance" in want:
+            check_eq(want.pop("instance"), a.instance, "%s: instance in the HTTP error" % what)
+            check_eq(got.pop("instance", None), ans["instance"], "%s: instance in the error" % what)
+        check_eq(got, want, "%s: the error object" % what)
+        return ans
+    meta, t = h.st_decode(ra.body)
+    check_eq(ans["metadata"], meta, "%s: the metadata" % what)
+    got = region_tensors(region, ans)
+    check_eq(sorted(got), sorted(t), "%s: the tensors" % what)
+    for name, (dt, shape, raw) in t.items():
+        check_eq(ans["tensors"][name]["dtype"], dt, "%s: dtype of %s" % (what, name))
+        check_eq(ans["tensors"][name]["shape"], list(shape), "%s: shape of %s" % (what, name))
+        check(got[name] == bytes(raw), "%s: %s differs from the HTTP answer" % (what, name))
+    return ans
+
+
+def daemons(work, extra_b=()):
+    w = os.path.join(work, "w.safetensors")
+    if not os.path.exists(w):
+        write_weights(w)
+    sock = os.path.join(work, "shm.sock")
+    args = h.SMALL + ["--weights", w, "--prefill-chunk-tokens", "0"]
+    return (Daemon(args, name="http"),
+            Daemon(args + ["--listen-shm", sock] + list(extra_b), name="shm"), sock)
+
+
+def same_state(a, b, names):
+    for n in names:
+        check_eq(b.seq(n)["next"], a.seq(n)["next"], "next positions of %s" % n)
+        check_eq(b.seq(n)["blocks"], a.seq(n)["blocks"], "block ids of %s" % n)
+    check_eq(b.admin_json("/admin/v1/cache")["pool_digests"],
+             a.admin_json("/admin/v1/cache")["pool_digests"], "pool digests")
+
+
+def test_shm_same_bytes():
+    """Prefills across blocks with attention, a YaRN layer, replays, decodes and a conflict: every
+    answer through the region equals the HTTP daemon's, and so does the cache."""
+    rng = np.random.default_rng(91)
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        da, db, sock = daemons(work)
+        with da as a, db as b:
+            lines = [j for j in h.log_records("\n".join(b.lines))
+                     if j.get("msg") == "listening" and j.get("listener") == "shm"]
+            check_eq([j.get("path") for j in lines], [sock], "the shm listening line")
+            check_eq(os.stat(sock).st_mode & 0o777, 0o660, "the socket file's mode")
+            # Layer 2 (ratio 4) takes its compressed branch's tensors where the daemon runs it.
+            r2 = h.flash_ratio(2) if "2" in a.admin_json("/admin/v1/cache").get(
+                "compressed", {}).get("layers", {}) else 0
+            with dsv4client.Client(sock) as c:
+                r = c.region(64 << 20)
+                check(r.size >= 64 << 20 and r.id >= 1, "region %d of %d bytes" % (r.id, r.size))
+                b0 = Batch.random(rng, 0, [Seg("a", 0, 150, True), Seg("b", 0, 40, True)], HEADS,
+                                  outputs="q,attn,lse,digest")
+                same_answer(a, c, r, b0, "layer 0 prefill")
+                b2 = Batch.random(rng, 2, [Seg("a", 0, 150), Seg("b", 0, 40)], HEADS, ratio=r2,
+                                  outputs="q,digest" + (",attn,lse,topk" if r2 else ""))
+                same_answer(a, c, r, b2, "layer 2 prefill")
+                rep = same_answer(a, c, r, b0, "layer 0 replay")
+                check_eq(rep["metadata"].get("replayed"), "true", "the replay through the region")
+                for step in range(3):
+                    # Step 1 asks layer 0 for lse alone (attn is then the daemon's own scratch).
+                    for layer, outs in ((0, "lse" if step == 1 else "q,attn,digest"),
+                                        (2, "q,digest")):
+                        d = Batch.random(rng, layer, [Seg("a", 150 + step, 1), Seg("b", 40 + step, 1)],
+                                         HEADS, outputs=outs, ratio=r2 if layer == 2 else 0)
+                        ans = same_answer(a, c, r, d, "decode %d layer %d %s" % (step, layer, outs))
+                        check_eq(ans["status"], 200, "decode %d layer %d" % (step, layer))
+                gap = Batch.random(rng, 0, [Seg("a", 160, 2)], HEADS)
+                e = same_answer(a, c, r, gap, "a position gap")
+                check_eq(e["error"]["code"], "position_mismatch", "the gap's error code")
+                same_answer(a, c, r, Batch.random(rng, 0, [Seg("nobody", 0, 1)], HEADS), "unknown",
+                            b=b)
+                same_answer(a, c, r, Batch.random(rng, 2, [Seg("a", 153, 1)], HEADS, ratio=r2,
+                                                  outputs="q,attn,topk"), "attn on a ratio-4 layer")
+                if r2:
+                    # The indexer's tensors missing: refused through the region as over HTTP.
+                    bad = Batch.random(rng, 2, [Seg("a", 154, 1)], HEADS, ratio=r2)
+                    bad.extra = [e for e in bad.extra if e[0] == "ckv"]
+                    e = same_answer(a, c, r, bad, "ikv missing")
+                    check_eq((e["error"].get("tensor"), e["error"].get("reason")),
+                             ("ikv", "missing"), "the refusal names the tensor")
+                r.destroy()
+            same_state(a, b, ["a", "b"])
+            ms = b.metrics()
+            # Every decode, both prefills, the replay and the attention batch (the refusals are
+            # counted under their own codes).
+            check_eq(h.metric(ms, "dsv4d_shm_requests_total", op="forward", code="200"),
+                     10.0 if r2 else 9.0,
+                     "forwards counted in dsv4d_shm_requests_total")
+            check_eq(h.metric(ms, "dsv4d_shm_regions"), 0.0, "regions after destroy")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def memfd(size, seals):
+    fd = os.memfd_create("t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def refused(ans, status, code, what, words=None):
+    check_eq(ans["status"], status, "%s: status (%r)" % (what, ans))
+    check_eq(ans["error"]["code"], code, "%s: code" % what)
+    check(isinstance(ans["error"].get("message"), str) and ans["error"]["message"],
+          "%s: a message" % what)
+    if words:
+        check(words in ans["error"]["message"], "%s: %r in %r" % (what, words,
+                                                                  ans["error"]["message"]))
+
+
+def test_shm_registration_refusals():
+    """A region without both seals, one sealed against writing, a file that is not a memfd, no
+    descriptor, two descriptors or no token are refused; a registered region cannot be truncated,
+    and one the client has unmapped still serves."""
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        sock = os.path.join(work, "shm.sock")
+        tok = h.write_token_file(work, "shm-token", 0o600, "api.token")
+        with Daemon(h.SMALL + ["--listen-shm", sock, "--api-token-file", tok]) as d:
+            with dsv4client.Client(sock) as c:
+                try:
+                    c.region(1 << 20)
+                    check(False, "a region without the token was registered")
+                except dsv4client.Dsv4Error as e:
+                    check_eq((e.status, e.code), (401, "unauthorized"), "no token")
+            c = dsv4client.Client(sock, token="shm-token")
+            reg = {"op": "register", "token": "shm-token"}
+            for seals, words in ((0, "F_SEAL_SHRINK"), (fcntl.F_SEAL_SHRINK, "F_SEAL_GROW"),
+                                 (fcntl.F_SEAL_GROW, "F_SEAL_SHRINK"),
+                                 (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE,
+                                  "writing")):
+                fd = memfd(1 << 20, seals)
+                refused(c.request(reg, fd), 400, "bad_request", "seals 0x%x" % seals, words)
+                os.close(fd)
+            with open(os.path.join(work, "plain"), "wb+") as f:
+                f.truncate(1 << 20)
+                refused(c.request(reg, f.fileno()), 400, "bad_request", "a plain file",
+                        "F_SEAL_SHRINK")
+            refused(c.request(reg), 400, "bad_request", "no descriptor", "descriptor")
+            refused(c.request({"op": "register", "token": "wrong"}, -1), 401, "unauthorized",
+                    "a wrong token")
+            fd = memfd(0, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            refused(c.request(reg, fd), 400, "bad_request", "an empty region", "bytes")
+            os.close(fd)
+            check_eq(h.metric(d.metrics(), "dsv4d_shm_regions"), 0.0, "regions after refusals")
+            # A region registered by hand: sealed, so the client cannot truncate it; the client
+            # unmaps its own view and the daemon still serves from its mapping.
+            size = 4 << 20
+            fd = memfd(size, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            ans = c.request(reg, fd)
+            check_eq(ans["status"], 200, "a sealed region: %r" % ans)
+            rid = ans["region"]
+            check_eq(ans["bytes"], size, "the region's size")
+            try:
+                os.ftruncate(fd, 4096)
+                check(False, "a sealed region was truncated")
+            except PermissionError:
+                pass
+            rng = np.random.default_rng(92)
+            b = Batch.random(rng, 0, [Seg("m", 0, 3, True)], HEADS, outputs="q,digest")
+            lay = Layout(b)
+            with mmap.mmap(fd, size) as m:
+                m[lay.q:lay.q + lay.q_bytes] = b.q.astype("<u2").tobytes()
+                m[lay.kv:lay.kv + lay.kv_bytes] = b.kv.astype("<u2").tobytes()
+            header = {"__metadata__": b.metadata(),
+                      "q": {"dtype": "BF16", "shape": [3, HEADS, 512],
+                            "data_offsets": [lay.q, lay.q + lay.q_bytes]},
+                      "kv": {"dtype": "BF16", "shape": [3, 512],
+                             "data_offsets": [lay.kv, lay.kv + lay.kv_bytes]}}
+            ans = c.request({"op": "forward", "region": rid, "header": header,
+                             "out": {"q_out": lay.out["q_out"], "slots": lay.out["slots"]}})
+            check_eq(ans["status"], 200, "a forward after the client unmapped: %r" % ans)
+            with mmap.mmap(fd, size) as m:
+                o = ans["tensors"]["q_out"]["data_offsets"]
+                q_out = np.frombuffer(m[o[0]:o[1]], dtype="<u2").reshape(3, HEADS, 512)
+            check(np.array_equal(q_out, h.model().q_out(b)), "q_out in the region vs the model")
+            check_eq(ans["metadata"]["cache_digest"], h.model().cache_digest(b), "cache_digest")
+            os.close(fd)
+            check_eq(c.request({"op": "unregister", "region": rid})["status"], 200, "unregister")
+            refused(c.request({"op": "unregister", "region": rid}), 404, "not_found",
+                    "unregister twice")
+            c.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_shm_bad_requests_change_nothing():
+    """Offsets past the region, misaligned or overlapping, missing or unasked outputs, an unknown
+    region, a bad header, bad JSON, an unknown op and an oversized message: each answered with a
+    JSON error, none changing a sequence or a block; then the valid batch gives the bytes of a
+    daemon that saw none of them."""
+    rng = np.random.default_rng(93)
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        da, db, sock = daemons(work)
+        with da as a, db as b:
+            c = dsv4client.Client(sock)
+            r = c.region(8 << 20)
+            first = Batch.random(rng, 0, [Seg("x", 0, 10, True)], HEADS)
+            same_answer(a, c, r, first, "the first prefill")
+            used0 = b.used_blocks()
+            good = Batch.random(rng, 0, [Seg("x", 10, 5), Seg("y", 0, 4, True)], HEADS,
+                                outputs="q,attn,digest")
+            lay = Layout(good)
+            r.buffer[lay.q:lay.q + lay.q_bytes] = good.q.astype("<u2").tobytes()
+            r.buffer[lay.kv:lay.kv + lay.kv_bytes] = good.kv.astype("<u2").tobytes()
+            n = good.n
+
+            def header(q=None, kv=None, meta=None):
+                return {"__metadata__": meta or good.metadata(),
+                        "q": {"dtype": "BF16", "shape": [n, HEADS, 512],
+                              "data_offsets": q or [lay.q, lay.q + lay.q_bytes]},
+                        "kv": {"dtype": "BF16", "shape": [n, 512],
+                               "data_offsets": kv or [lay.kv, lay.kv + lay.kv_bytes]}}
+            out = {"q_out": lay.out["q_out"], "slots": lay.out["slots"], "attn": lay.out["attn"]}
+
+            def fwd(hdr=None, o=None, region=None):
+                return c.request({"op": "forward", "region": r.id if region is None else region,
+                                  "header": hdr or header(), "out": out if o is None else o})
+            big = r.size - lay.q_bytes + 2
+            cases = [
+                (fwd(header(q=[big, big + lay.q_bytes])), 400, "bad_request", "past the region"),
+                (fwd(header(kv=[lay.kv + 1, lay.kv + 1 + lay.kv_bytes])), 400, "bad_request",
+                 "multiple of"),
+                (fwd(header(kv=[lay.q + 64, lay.q + 64 + lay.kv_bytes])), 400, "bad_request",
+                 "overlaps"),
+                (fwd(o=dict(out, q_out=r.size - 64)), 400, "bad_request", "outside"),
+                (fwd(o=dict(out, slots=lay.out["slots"] + 4)), 400, "bad_request", "aligned"),
+                (fwd(o=dict(out, attn=lay.kv)), 400, "bad_request", "overlaps input"),
+                (fwd(o=dict(out, attn=lay.out["q_out"] + 64)), 400, "bad_request",
+                 "overlaps output"),
+                (fwd(o={"q_out": lay.out["q_out"], "attn": lay.out["attn"]}), 400, "bad_request",
+                 "slots"),
+                (fwd(o=dict(out, lse=lay.out["lse"])), 400, "bad_request", "lse"),
+                (fwd(region=r.id + 7), 404, "not_found", "region"),
+                (fwd(header(meta=dict(good.metadata(), layer="9"))), 400, "unknown_layer", None),
+                (c.request({"op": "forward", "region": r.id, "header": 5, "out": out}), 400,
+                 "bad_request", "malformed region header"),
+                (c.request("not json"), 400, "bad_request", "JSON"),
+                (c.request({"op": "dance"}), 400, "bad_request", "op"),
+                (c.request({"op": "forward", "pad": "x" * (300 << 10)}), 413, "payload_too_large",
+                 None),
+            ]
+            for i, (ans, status, code, words) in enumerate(cases):
+                refused(ans, status, code, "case %d" % i, words)
+            # |x| >= 2^59 in the last kv element: the same 400 as over HTTP.
+            bad = good.copy()
+            bad.kv[-1, -1] = h.BF16_2_59
+            e = same_answer(a, c, r, bad, "a kv value out of range")
+            check_eq(e["error"]["code"], "value_out_of_range", "the range refusal")
+            check_eq(b.seq("x")["next"]["0"], 10, "sequence x after the refusals")
+            check(b.seq("y") is None, "a refused request created sequence y")
+            check_eq(b.used_blocks(), used0, "used blocks after the refusals")
+            same_answer(a, c, r, good, "the valid batch after the refusals")
+            same_state(a, b, ["x", "y"])
+            c.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_shm_c_example():
+    """The README's C example through libdsv4client: its prefill and decode answer what the same
+    batches answer over HTTP."""
+    exe = os.environ.get("DSV4CLIENT_EXAMPLE")
+    check(exe and os.access(exe, os.X_OK), "DSV4CLIENT_EXAMPLE (the C example) not found: %r" % exe)
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        da, db, sock = daemons(work)
+        with da as a, db as b:
+            run = subprocess.run([exe, sock, str(HEADS), "ex"], capture_output=True, text=True,
+                                 timeout=60)
+            check_eq(run.returncode, 0, "the example's exit status (%s)" % run.stderr)
+            lines = run.stdout.split("\n")[:2]
+
+            def pattern(n):
+                i = np.arange(n, dtype=np.uint64)
+                return ((((i // 3) & 1) << 15) | (0x3F80 + (7 * i) % 128)).astype(np.uint16)
+            for step, line in enumerate(lines):
+                n = 1 if step else 4
+                seg = Seg("ex", 4 if step else 0, n, not step)
+                batch = Batch(0, [seg], pattern(n * HEADS * 512).reshape(n, HEADS, 512),
+                              pattern(n * 512).reshape(n, 512), "q,digest")
+                res = a.forward(batch)
+                check_eq(line, "200 %s 0x%04x" % (res.cache_digest, res.q_out[0, 0, 0]),
+                         "the example's step %d" % step)
+            check_eq(h.metric(b.metrics(), "dsv4d_shm_regions"), 0.0, "the example's region")
+            same_state(a, b, ["ex"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_shm_close_and_drain():
+    """A connection that goes away has its regions unmapped; SIGTERM with a client connected
+    drains, closes it and removes the socket file."""
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        sock = os.path.join(work, "shm.sock")
+        d = Daemon(h.SMALL + ["--listen-shm", sock]).start()
+        try:
+            c = dsv4client.Client(sock)
+            c.region(1 << 20)
+            c.region(2 << 20)
+            check_eq(h.metric(d.metrics(), "dsv4d_shm_regions"), 2.0, "two regions mapped")
+            c.close()
+            deadline = __import__("time").monotonic() + 5
+            while h.metric(d.metrics(), "dsv4d_shm_regions") and \
+                    __import__("time").monotonic() < deadline:
+                __import__("time").sleep(0.02)
+            check_eq(h.metric(d.metrics(), "dsv4d_shm_regions"), 0.0, "regions after close")
+            idle = dsv4client.Client(sock)
+            idle.region(1 << 20)
+            d.signal(signal.SIGTERM)
+            check_eq(d.wait(15), 0, "exit status after SIGTERM with a client connected")
+            check(not os.path.exists(sock), "the socket file is still there")
+            d.check_log_clean()
+            idle.close()
+        finally:
+            d.kill()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_shm_max_connections():
+    """Past max_connections a client is told 503 too_many_connections and closed; the first one
+    keeps working."""
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        sock = os.path.join(work, "shm.sock")
+        with Daemon(h.SMALL + ["--listen-shm", sock, "--max-connections", "1"]) as d:
+            first = dsv4client.Client(sock)
+            r = first.region(1 << 20)
+            second = dsv4client.Client(sock)
+            try:
+                ans = second.request({"op": "register"}, -1)
+                refused(ans, 503, "too_many_connections", "a second client")
+            except OSError:
+                check(False, "the second client got no answer before the close")
+            second.close()
+            check_eq(first.request({"op": "unregister", "region": r.id})["status"], 200,
+                     "the first client after the refusal")
+            first.close()
+            check_eq(h.metric(d.metrics(), "dsv4d_shm_regions"), 0.0, "regions at the end")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    h.main([test_shm_same_bytes, test_shm_registration_refusals,
+            test_shm_bad_requests_change_nothing, test_shm_c_example, test_shm_close_and_drain,
+            test_shm_max_connections])
