@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "decimal.h"
@@ -21,6 +22,9 @@
 
 /* The most CPU backend threads, also when "0" takes the online cores. */
 #define MAX_THREADS 1024
+/* The longest snapshot_dir: its files' paths (a sequence name and a suffix below it) stay within
+ * PATH_MAX (the message says the same number). */
+#define SNAPSHOT_DIR_MAX 3072
 /* The longest string option value (the messages say the same number). */
 #define OPT_STR_MAX 4096
 /* The derived max_body_bytes: safetensors' 8-byte length prefix, room for the largest header the
@@ -80,6 +84,10 @@ static const opt_t opts[] = {
      OPT_POW2, "tokens per KV cache block"},
     {"kv_blocks", OPT_U32, F(kv_blocks), "256", 1, 1u << 24, NULL, 0,
      "block ids in the KV cache pool (memory = kv_blocks x stride x served layers)"},
+    {"compressed_branch", OPT_ENUM, F(compressed_branch), "on", 0, 0, "on|off", 0,
+     "run the compressed branch (SPEC §8) of ratio-4 and ratio-128 layers where weights and "
+     "backend "
+     "allow (off: those layers serve their SWA part only, and their compressors are not read)"},
     {"max_sequences", OPT_U32, F(max_sequences), "256", 1, 1u << 20, NULL, 0,
      "live sequences at most (503 sequence_limit beyond); each holds one compressor state slot"},
     {"c4_blocks", OPT_U32, F(c4_blocks), "256", 1, 1u << 24, NULL, 0,
@@ -135,6 +143,9 @@ static const opt_t opts[] = {
      "milliseconds to send a response"},
     {"drain_timeout_ms", OPT_U64, F(drain_timeout_ms), "30000", 0, DAY_MS, NULL, 0,
      "milliseconds to finish in-flight work after SIGTERM"},
+    {"snapshot_dir", OPT_STR, F(snapshot_dir), "", 0, 0, NULL, 0,
+     "directory where a drain writes every live sequence as a dump, which the next start restores "
+     "before /readyz turns 200 (empty = off)"},
     {"log_level", OPT_ENUM, F(log_level), "info", 0, 0, "debug|info|warn|error", 0,
      "least severe log level written"},
     {"config_file", OPT_STR, F(config_file), "", 0, 0, NULL, OPT_NOFILE,
@@ -694,6 +705,15 @@ static int resolve(dsv4_config_t *cfg, char *why, size_t why_len) {
     snprintf(reason, sizeof(reason), "cannot be read: %s", strerror(errno));
     return resolve_fail(cfg, weights_field, cfg->weights_path, reason, why, why_len);
   }
+  /* Checked now rather than at the drain, when a snapshot that cannot be written is lost. */
+  struct stat sb;
+  if (*cfg->snapshot_dir &&
+      (strlen(cfg->snapshot_dir) > SNAPSHOT_DIR_MAX || stat(cfg->snapshot_dir, &sb) != 0 ||
+       !S_ISDIR(sb.st_mode) || access(cfg->snapshot_dir, W_OK | X_OK) != 0))
+    return resolve_fail(cfg, F(snapshot_dir), cfg->snapshot_dir,
+                        "is not a directory the daemon can write; allowed: an existing writable "
+                        "directory (a path of at most 3072 bytes), or empty (no snapshots)",
+                        why, why_len);
   if (cfg->threads == 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     cfg->threads = n > 0 ? (uint32_t)(n > MAX_THREADS ? MAX_THREADS : n) : 1;

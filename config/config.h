@@ -58,6 +58,7 @@ typedef struct dsv4_config {
   char *kv_norm_weights;  /* older name of weights */
   char *weights;          /* checkpoint: safetensors file or HF directory; empty = none */
   char *attention_mode;   /* exact|fast */
+  char *compressed_branch; /* on|off */
   uint32_t max_batch_tokens;
   uint32_t max_segments;
   uint64_t max_header_bytes;
@@ -69,8 +70,9 @@ typedef struct dsv4_config {
   int implicit_create; /* 0 or 1 */
   uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;
   uint64_t drain_timeout_ms;
-  char *log_level;   /* debug|info|warn|error */
-  char *config_file; /* the JSON file read, empty when none */
+  char *snapshot_dir; /* where a drain writes every live sequence; "" = off */
+  char *log_level;    /* debug|info|warn|error */
+  char *config_file;  /* the JSON file read, empty when none */
 
   /* Resolved after load. */
   dsv4_model_t model;

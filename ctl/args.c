@@ -19,6 +19,10 @@ const char dsv4_ctl_usage[] =
     "  checksum --layer L [--seq S]        pool, block and sequence digests of a layer\n"
     "  dump --seq S [--layers a-b] -o FILE a sequence's records as safetensors, then verify\n"
     "  verify FILE                         recompute a dump's digests\n"
+    "  snapshot --seq S -o FILE            a dump of every layer, one that restore takes\n"
+    "  restore --seq S FILE [--replace]    recreate S from a snapshot (--replace: over a live S)\n"
+    "  migrate --seq S --to HOST:PORT      snapshot S, restore it on the other admin listener,\n"
+    "                                      check its digests there, then delete it here\n"
     "\n"
     "options:\n"
     "  --admin URL        admin listener (default $DSV4CTL_ADMIN, else " DSV4_CTL_DEFAULT_ADMIN
@@ -27,6 +31,7 @@ const char dsv4_ctl_usage[] =
     "  --json             print the daemon's JSON documents instead of tables\n"
     "  --progress         progress line for dump even when stderr is not a terminal\n"
     "  --no-progress      no progress line\n"
+    "  --to-token-file F  migrate: the target's bearer token (default: --token-file's)\n"
     "  --timeout S        seconds to connect and between reads (default 30)\n"
     "  --                 the rest are arguments (for a sequence name starting with '-')\n"
     "\n"
@@ -155,15 +160,17 @@ static const struct {
   const char *name;
   int cmd;
 } commands[] = {
-    {"status", DSV4_CTL_CMD_STATUS}, {"seq", DSV4_CTL_CMD_SEQ},
-    {"token", DSV4_CTL_CMD_TOKEN},   {"checksum", DSV4_CTL_CMD_CHECKSUM},
-    {"dump", DSV4_CTL_CMD_DUMP},     {"verify", DSV4_CTL_CMD_VERIFY},
-    {"help", DSV4_CTL_CMD_HELP},
+    {"status", DSV4_CTL_CMD_STATUS},   {"seq", DSV4_CTL_CMD_SEQ},
+    {"token", DSV4_CTL_CMD_TOKEN},     {"checksum", DSV4_CTL_CMD_CHECKSUM},
+    {"dump", DSV4_CTL_CMD_DUMP},       {"verify", DSV4_CTL_CMD_VERIFY},
+    {"help", DSV4_CTL_CMD_HELP},       {"snapshot", DSV4_CTL_CMD_SNAPSHOT},
+    {"restore", DSV4_CTL_CMD_RESTORE}, {"migrate", DSV4_CTL_CMD_MIGRATE},
 };
 
 /* Options that take a value; the rest are flags. */
-static const char *const valued[] = {"--admin", "--token-file", "--timeout", "--layer",
-                                     "--seq",   "--layers",     "-o",        "--output"};
+static const char *const valued[] = {"--admin", "--token-file",   "--timeout", "--layer",
+                                     "--seq",   "--layers",       "-o",        "--output",
+                                     "--to",    "--to-token-file"};
 
 static int is_valued(const char *name) {
   for (size_t i = 0; i < sizeof(valued) / sizeof(valued[0]); i++)
@@ -214,6 +221,12 @@ static int apply_option(const char *name, const char *val, const char *a, dsv4_c
     if (!*val)
       return fail(err, errlen, "%s needs a file name", name);
     out->output = val;
+  } else if (strcmp(name, "--to") == 0) {
+    out->to = val;
+  } else if (strcmp(name, "--to-token-file") == 0) {
+    out->to_token_file = val;
+  } else if (strcmp(name, "--replace") == 0) {
+    out->replace = 1;
   } else if (strcmp(name, "--json") == 0) {
     out->json = 1;
   } else if (strcmp(name, "--progress") == 0) {
@@ -297,15 +310,45 @@ static int pick_command(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size_
 /* Argument pass 3: the options only some commands take. */
 static int check_options(const scan_t *sc, const dsv4_ctl_args_t *out, char *err, size_t errlen) {
   const char *cmd = sc->pos[0];
-  int want_layer = out->cmd == DSV4_CTL_CMD_TOKEN || out->cmd == DSV4_CTL_CMD_CHECKSUM;
+  int c = out->cmd;
+  int want_layer = c == DSV4_CTL_CMD_TOKEN || c == DSV4_CTL_CMD_CHECKSUM;
+  int want_seq = c == DSV4_CTL_CMD_CHECKSUM || c == DSV4_CTL_CMD_DUMP ||
+                 c == DSV4_CTL_CMD_SNAPSHOT || c == DSV4_CTL_CMD_RESTORE ||
+                 c == DSV4_CTL_CMD_MIGRATE;
   if (sc->layer && !want_layer)
     return fail(err, errlen, "%s takes no --layer", cmd);
-  if (out->seq && out->cmd != DSV4_CTL_CMD_CHECKSUM && out->cmd != DSV4_CTL_CMD_DUMP)
+  if (out->seq && !want_seq)
     return fail(err, errlen, "%s takes no --seq", cmd);
-  if (out->has_layers && out->cmd != DSV4_CTL_CMD_DUMP)
-    return fail(err, errlen, "%s takes no --layers", cmd);
-  if (out->output && out->cmd != DSV4_CTL_CMD_DUMP)
+  if (out->has_layers && c != DSV4_CTL_CMD_DUMP)
+    return fail(err, errlen, "%s takes no --layers%s", cmd,
+                c == DSV4_CTL_CMD_SNAPSHOT ? " (a snapshot holds every layer)" : "");
+  if (out->output && c != DSV4_CTL_CMD_DUMP && c != DSV4_CTL_CMD_SNAPSHOT)
     return fail(err, errlen, "%s takes no -o", cmd);
+  if (out->replace && c != DSV4_CTL_CMD_RESTORE)
+    return fail(err, errlen, "%s takes no --replace", cmd);
+  if ((out->to || out->to_token_file) && c != DSV4_CTL_CMD_MIGRATE)
+    return fail(err, errlen, "%s takes no %s", cmd, out->to ? "--to" : "--to-token-file");
+  return 0;
+}
+
+/* Argument pass 4, the commands that move a sequence: snapshot, restore and migrate. */
+static int check_transfer(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size_t errlen) {
+  const char *cmd = sc->pos[0];
+  if (out->cmd == DSV4_CTL_CMD_RESTORE) {
+    if (sc->n_pos != 2)
+      return fail(err, errlen, "usage: restore --seq S FILE [--replace]");
+    out->file = sc->pos[1];
+  } else if (sc->n_pos > 1) {
+    return fail(err, errlen, "%s takes no positional arguments (\"%.64s\")", cmd, sc->pos[1]);
+  }
+  if (!out->seq)
+    return fail(err, errlen, "%s needs --seq S", cmd);
+  if (check_seq(out->seq, err, errlen) != 0)
+    return DSV4_EINVAL;
+  if (out->cmd == DSV4_CTL_CMD_SNAPSHOT && !out->output)
+    return fail(err, errlen, "snapshot needs -o FILE");
+  if (out->cmd == DSV4_CTL_CMD_MIGRATE && (!out->to || !*out->to))
+    return fail(err, errlen, "migrate needs --to HOST:PORT");
   return 0;
 }
 
@@ -367,6 +410,10 @@ static int check_command(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size
       return fail(err, errlen, "usage: verify FILE");
     out->file = pos_args[1];
     break;
+  case DSV4_CTL_CMD_SNAPSHOT:
+  case DSV4_CTL_CMD_RESTORE:
+  case DSV4_CTL_CMD_MIGRATE:
+    return check_transfer(sc, out, err, errlen);
   default:
     break;
   }

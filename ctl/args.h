@@ -48,6 +48,9 @@ typedef enum {
   DSV4_CTL_CMD_CHECKSUM,
   DSV4_CTL_CMD_DUMP,
   DSV4_CTL_CMD_VERIFY,
+  DSV4_CTL_CMD_SNAPSHOT,
+  DSV4_CTL_CMD_RESTORE,
+  DSV4_CTL_CMD_MIGRATE,
 } dsv4_ctl_cmd_t;
 
 typedef struct {
@@ -57,14 +60,17 @@ typedef struct {
   int json;               /* --json: the daemon's documents as they are, one per line */
   int progress;           /* --progress: 1; --no-progress: 0; else -1 (when stderr is a tty) */
   int timeout_ms;         /* --timeout SECONDS: connect and per-read limit */
-  const char *seq;        /* seq [S], token S, checksum --seq S, dump --seq S */
-  int64_t pos;            /* token S POS */
-  int has_layer;          /* token / checksum --layer L */
+  const char *seq; /* seq [S], token S, --seq S of checksum, dump, snapshot, restore, migrate */
+  int64_t pos;     /* token S POS */
+  int has_layer;   /* token / checksum --layer L */
   uint32_t layer;
   int has_layers; /* dump --layers a-b */
   uint32_t layer_first, layer_last;
-  const char *output; /* dump -o FILE */
-  const char *file;   /* verify FILE */
+  const char *output;        /* dump / snapshot -o FILE */
+  const char *file;          /* verify FILE, restore FILE */
+  int replace;               /* restore --replace */
+  const char *to;            /* migrate --to HOST:PORT (or a URL) */
+  const char *to_token_file; /* migrate --to-token-file, else token_file */
 } dsv4_ctl_args_t;
 
 /*

@@ -267,8 +267,77 @@ void dsv4_ctl_response_free(dsv4_ctl_response_t *resp) {
   memset(resp, 0, sizeof(*resp));
 }
 
-int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_response_t *resp,
-                 char *why, size_t why_len) {
+/* The request head: method, target, host, token, and Content-Length when a body follows. */
+static char *request_head(const dsv4_ctl_request_t *req, const char *method, const char *target,
+                          int with_body, size_t body_len, size_t *len) {
+  const dsv4_ctl_url_t *u = req->url;
+  /* The token was checked for control characters when read, so the request cannot be split. */
+  char clen[96] = "";
+  if (with_body)
+    snprintf(clen, sizeof(clen),
+             "Content-Type: application/octet-stream\r\nContent-Length: %zu\r\n", body_len);
+  size_t need = strlen(u->base) + strlen(target) + strlen(u->host) + strlen(method) + strlen(clen) +
+                HEAD_FIXED_BYTES + (req->token ? strlen(req->token) : 0);
+  char *head = malloc(need);
+  if (!head)
+    return NULL;
+  int hn = snprintf(head, need,
+                    "%s %s%s HTTP/1.1\r\nHost: %s%s%s:%s\r\nUser-Agent: dsv4ctl/%s\r\n"
+                    "Accept: */*\r\n%s%s%s%sConnection: close\r\n\r\n",
+                    method, u->base, target, u->ipv6 ? "[" : "", u->host, u->ipv6 ? "]" : "",
+                    u->port, DSV4_VERSION, req->token ? "Authorization: Bearer " : "",
+                    req->token ? req->token : "", req->token ? "\r\n" : "", clen);
+  *len = (size_t)hn;
+  return head;
+}
+
+/* Read and parse the answer on fd until it is complete (rx set up by the caller). */
+static int receive(int fd, rx_t *rx, const dsv4_ctl_request_t *req, char *why, size_t why_len) {
+  const dsv4_ctl_url_t *u = req->url;
+  dsv4_ctl_response_t *resp = rx->resp;
+  char buf[RECV_BYTES];
+  while (!rx->complete) {
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      int rc = wait_fd(fd, POLLIN, req->timeout_ms);
+      if (rc == DSV4_ETIMEDOUT)
+        return fail(rc, why, why_len, "no data from %s:%s for %d ms (%llu body bytes received)",
+                    u->host, u->port, req->timeout_ms, (unsigned long long)resp->body_bytes);
+      if (rc != 0)
+        return fail(rc, why, why_len, "waiting for the answer: %s", strerror(errno));
+      continue;
+    }
+    if (n < 0)
+      return fail(DSV4_EIO, why, why_len, "reading the answer: %s", strerror(errno));
+    if (n == 0) {
+      /* EOF ends a body that had no length; anywhere else the answer was cut short. */
+      llhttp_finish(&rx->parser);
+      if (rx->complete)
+        break;
+      return fail(DSV4_EIO, why, why_len,
+                  "connection closed before the answer was complete (%llu of %lld body bytes)",
+                  (unsigned long long)resp->body_bytes, (long long)resp->content_length);
+    }
+    llhttp_errno_t e = llhttp_execute(&rx->parser, buf, (size_t)n);
+    if (rx->complete)
+      break;
+    if (e != HPE_OK) {
+      if (rx->rc == 0)
+        return fail(DSV4_EIO, why, why_len, "bad HTTP answer from %s:%s: %s", u->host, u->port,
+                    llhttp_get_error_reason(&rx->parser));
+      if (why[0] == '\0')
+        snprintf(why, why_len, "the answer's body could not be stored: %s", dsv4_strerror(rx->rc));
+      return rx->rc;
+    }
+  }
+  return 0;
+}
+
+int dsv4_ctl_send(const dsv4_ctl_request_t *req_in, const char *method, const char *target,
+                  const uint8_t *body, size_t body_len, dsv4_ctl_response_t *resp, char *why,
+                  size_t why_len) {
   dsv4_ctl_request_t req = *req_in;
   if (why_len > 0)
     why[0] = '\0';
@@ -277,33 +346,27 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
   memset(resp, 0, sizeof(*resp));
   resp->content_length = -1;
   const dsv4_ctl_url_t *u = req.url;
-
-  /* The token was checked for control characters when read, so the request cannot be split. */
-  size_t need = strlen(u->base) + strlen(target) + strlen(u->host) + HEAD_FIXED_BYTES +
-                (req.token ? strlen(req.token) : 0);
-  char *head = malloc(need);
+  size_t hn;
+  char *head = request_head(&req, method, target, body != NULL, body_len, &hn);
   if (!head)
     return fail(DSV4_ENOMEM, why, why_len, "out of memory");
-  int hn = snprintf(head, need,
-                    "GET %s%s HTTP/1.1\r\nHost: %s%s%s:%s\r\nUser-Agent: dsv4ctl/%s\r\n"
-                    "Accept: */*\r\n%s%s%sConnection: close\r\n\r\n",
-                    u->base, target, u->ipv6 ? "[" : "", u->host, u->ipv6 ? "]" : "", u->port,
-                    DSV4_VERSION, req.token ? "Authorization: Bearer " : "",
-                    req.token ? req.token : "", req.token ? "\r\n" : "");
   int fd = -1;
   int rc = connect_to(u, req.timeout_ms, &fd, why, why_len);
   if (rc != 0) {
     free(head);
     return rc;
   }
-  rc = send_all(fd, head, (size_t)hn, req.timeout_ms);
+  rc = send_all(fd, head, hn, req.timeout_ms);
   free(head);
+  /* A daemon may answer before the whole body is in (a refusal by its head) and close: the answer
+   * is still read, and the failed send reported only when there is none. */
+  int body_rc =
+      rc == 0 && body_len ? send_all(fd, (const char *)body, body_len, req.timeout_ms) : 0;
   if (rc != 0) {
     close(fd);
     return fail(rc, why, why_len, "sending the request to %s:%s: %s", u->host, u->port,
                 rc == DSV4_ETIMEDOUT ? "timed out" : strerror(errno));
   }
-
   llhttp_settings_t settings;
   llhttp_settings_init(&settings);
   settings.on_header_field = on_header_field;
@@ -320,62 +383,23 @@ int dsv4_ctl_get(const dsv4_ctl_request_t *req_in, const char *target, dsv4_ctl_
   rx.req = &req;
   rx.why = why;
   rx.why_len = why_len;
-
-  char buf[RECV_BYTES];
-  while (!rx.complete) {
-    ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n < 0 && errno == EINTR)
-      continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      rc = wait_fd(fd, POLLIN, req.timeout_ms);
-      if (rc == DSV4_ETIMEDOUT) {
-        rc = fail(rc, why, why_len, "no data from %s:%s for %d ms (%llu body bytes received)",
-                  u->host, u->port, req.timeout_ms, (unsigned long long)resp->body_bytes);
-        break;
-      }
-      if (rc != 0) {
-        rc = fail(rc, why, why_len, "waiting for the answer: %s", strerror(errno));
-        break;
-      }
-      continue;
-    }
-    if (n < 0) {
-      rc = fail(DSV4_EIO, why, why_len, "reading the answer: %s", strerror(errno));
-      break;
-    }
-    if (n == 0) {
-      /* EOF ends a body that had no length; anywhere else the answer was cut short. */
-      llhttp_finish(&rx.parser);
-      if (rx.complete)
-        break;
-      rc = fail(DSV4_EIO, why, why_len,
-                "connection closed before the answer was complete (%llu of %lld body bytes)",
-                (unsigned long long)resp->body_bytes, (long long)resp->content_length);
-      break;
-    }
-    llhttp_errno_t e = llhttp_execute(&rx.parser, buf, (size_t)n);
-    if (rx.complete)
-      break;
-    if (e != HPE_OK) {
-      if (rx.rc != 0) {
-        rc = rx.rc;
-        if (why[0] == '\0')
-          snprintf(why, why_len, "the answer's body could not be stored: %s", dsv4_strerror(rc));
-      } else {
-        rc = fail(DSV4_EIO, why, why_len, "bad HTTP answer from %s:%s: %s", u->host, u->port,
-                  llhttp_get_error_reason(&rx.parser));
-      }
-      break;
-    }
-  }
+  rc = receive(fd, &rx, &req, why, why_len);
   close(fd);
   if (rc != 0 || !rx.complete) {
-    if (rc == 0)
+    if (body_rc != 0)
+      rc = fail(body_rc, why, why_len, "sending the body to %s:%s: %s", u->host, u->port,
+                body_rc == DSV4_ETIMEDOUT ? "timed out" : "the connection was closed");
+    else if (rc == 0)
       rc = fail(DSV4_EIO, why, why_len, "incomplete answer");
     dsv4_ctl_response_free(resp);
     return rc;
   }
   return 0;
+}
+
+int dsv4_ctl_get(const dsv4_ctl_request_t *req, const char *target, dsv4_ctl_response_t *resp,
+                 char *why, size_t why_len) {
+  return dsv4_ctl_send(req, "GET", target, NULL, 0, resp, why, why_len);
 }
 
 int dsv4_ctl_read_token(const char *path, char **out, char *why, size_t why_len) {

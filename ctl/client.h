@@ -2,7 +2,7 @@
 #define DSV4_CTL_CLIENT_H
 
 /*
- * A minimal blocking HTTP/1.1 client for the admin plane: one GET per connection (Connection:
+ * A minimal blocking HTTP/1.1 client for the admin plane: one request per connection (Connection:
  * close), responses parsed by llhttp, bodies either buffered (JSON documents, error answers) or
  * handed chunk by chunk to a sink (dumps, which are never held in memory whole).
  *
@@ -51,6 +51,13 @@ typedef struct {
  */
 int dsv4_ctl_get(const dsv4_ctl_request_t *req, const char *target, dsv4_ctl_response_t *resp,
                  char *why, size_t why_len);
+/*
+ * The same for any method, with a body (body NULL: none, and no Content-Length). An answer that
+ * comes before the whole body was sent (a refusal, then the connection closed) is still returned.
+ */
+int dsv4_ctl_send(const dsv4_ctl_request_t *req, const char *method, const char *target,
+                  const uint8_t *body, size_t body_len, dsv4_ctl_response_t *resp, char *why,
+                  size_t why_len);
 void dsv4_ctl_response_free(dsv4_ctl_response_t *resp);
 
 /*

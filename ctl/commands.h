@@ -3,7 +3,8 @@
 
 /*
  * The commands of dsv4ctl: each one GET of the admin plane (or, for verify, none), its answer
- * printed as a table or, with --json, as the daemon sent it.
+ * printed as a table or, with --json, as the daemon sent it; restore is one PUT of a dump file, and
+ * migrate a dump from one daemon, a PUT to another, checksums on both and a DELETE on the first.
  *
  * Thread affinity: none; a call owns its connection and files.
  */

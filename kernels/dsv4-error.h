@@ -41,7 +41,9 @@
   X(ENOTWRITTEN, -29, "position never written at this layer")                                      \
   X(ERELEASED, -30, "position no longer stored (out of the window)")                               \
   X(ECONNLIMIT, -31, "too many connections")                                                       \
-  X(ESEQLIMIT, -32, "no free sequence slot (max_sequences)")
+  X(ESEQLIMIT, -32, "no free sequence slot (max_sequences)")                                       \
+  X(EDIGEST, -33, "a digest does not match its records")                                           \
+  X(EGEOMETRY, -34, "the dump does not match this daemon's layout or geometry")
 
 typedef enum {
 #define DSV4__ERR_ENUM(name, val, msg) DSV4_##name = (val),

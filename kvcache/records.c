@@ -26,6 +26,33 @@ void dsv4_records_gather(const uint8_t *data, const uint8_t *scales, uint32_t n,
   }
 }
 
+void dsv4_records_scatter(const uint8_t *in, size_t in_stride, uint32_t n, uint8_t *data,
+                          uint8_t *scales) {
+  for (uint32_t i = 0; i < n; i++) {
+    const uint8_t *rec = in + (size_t)i * in_stride;
+    memcpy(data + (size_t)i * DSV4_TOKEN_DATA_BYTES, rec, DSV4_TOKEN_DATA_BYTES);
+    memcpy(scales + (size_t)i * DSV4_SCALE_BYTES, rec + DSV4_TOKEN_DATA_BYTES, DSV4_SCALE_BYTES);
+  }
+}
+
+/* The scale codes the insert path can produce for a finite bf16 tile (SPEC §2.2): amax from 1e-4
+ * to the largest bf16 gives e from -22 to 120. */
+#define CODE_MIN 105
+#define CODE_MAX 247
+
+const char *dsv4_record_implausible(const uint8_t rec[DSV4_RECORD_BYTES]) {
+  const uint8_t *sc = rec + DSV4_TOKEN_DATA_BYTES;
+  for (int t = 0; t < DSV4_NTILES; t++)
+    if (sc[t] < CODE_MIN || sc[t] > CODE_MAX)
+      return "a scale code outside 105..247";
+  if (sc[DSV4_NTILES] != 0)
+    return "a non-zero scale padding byte";
+  for (int i = 0; i < DSV4_NOPE_DIM; i++)
+    if ((rec[i] & 0x7f) == 0x7f)
+      return "an e4m3 NaN byte";
+  return NULL;
+}
+
 void dsv4_record_read(const uint8_t *layer_base, uint32_t block_size, size_t stride, int64_t slot,
                       uint8_t out[DSV4_RECORD_BYTES]) {
   assert(slot >= 0);

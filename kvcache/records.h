@@ -45,6 +45,22 @@
 void dsv4_records_gather(const uint8_t *data, const uint8_t *scales, uint32_t n, uint8_t *out,
                          size_t out_stride);
 
+/*
+ * The inverse of dsv4_records_gather: n logical records (record i at in + i * in_stride) split into
+ * a block's NoPE|RoPE run (576 bytes per token, from data) and its scale run (8 per token, from
+ * scales), as a restore places them.
+ */
+void dsv4_records_scatter(const uint8_t *in, size_t in_stride, uint32_t n, uint8_t *data,
+                          uint8_t *scales);
+
+/*
+ * Whether a record is one the insert path can write (SPEC §2.2): its seven scale codes within
+ * 105..247, its padding byte 0, and no e4m3 NaN byte (0x7f, 0xff) among the NoPE values. NULL when
+ * it is, else a static phrase naming what is wrong. A restore refuses any other record: attention
+ * over it would read values no batch could have produced.
+ */
+const char *dsv4_record_implausible(const uint8_t rec[DSV4_RECORD_BYTES]);
+
 /* Copy the logical record of slot (block_id * block_size + offset, slot >= 0) out of a layer buffer
  * in host memory whose blocks are stride bytes apart. */
 void dsv4_record_read(const uint8_t *layer_base, uint32_t block_size, size_t stride, int64_t slot,

@@ -742,3 +742,119 @@ uint32_t dsv4_seqtable_count(const dsv4_seqtable_t *st) {
 uint32_t dsv4_seqtable_count_relaxed(const dsv4_seqtable_t *st) {
   return __atomic_load_n(&st->published_live, __ATOMIC_RELAXED);
 }
+
+/* ---- restore: a sequence with given state ---- */
+
+int dsv4_seqtable_state(const dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                        dsv4_seq_state_t *out) {
+  if (!dsv4_seq_name_valid(name, name_len))
+    return DSV4_ENOSEQ;
+  const seq_t *s = map_find(st, name, name_len, name_hash(name, name_len));
+  if (s == NULL)
+    return DSV4_ENOSEQ;
+  if (s->state != SEQ_LIVE)
+    return DSV4_EEXPIRED;
+  out->p0 = s->p0;
+  for (uint32_t l = 0; l < st->cfg.n_layers; l++) {
+    const layer_state_t *ls = &s->layers[l];
+    out->layers[l] = (dsv4_seq_layer_state_t){ls->next, ls->s, ls->last_len, ls->last_hash};
+  }
+  return 0;
+}
+
+int dsv4_seqtable_state_low(const dsv4_seqtable_config_t *cfg, const dsv4_seq_state_t *state,
+                            int64_t *low) {
+  const int64_t p0 = state->p0;
+  if (p0 < 0 || p0 >= cfg->max_position)
+    return DSV4_EINVAL;
+  int64_t lo = INT64_MAX;
+  for (uint32_t l = 0; l < cfg->n_layers; l++) {
+    const dsv4_seq_layer_state_t *ls = &state->layers[l];
+    if (ls->last_len == 0) {
+      if (ls->next != p0 || ls->last_start != p0)
+        return DSV4_EINVAL;
+    } else if (ls->last_start < p0 || ls->last_start >= cfg->max_position ||
+               (int64_t)ls->last_len > cfg->max_position - ls->last_start ||
+               ls->next != ls->last_start + ls->last_len) {
+      return DSV4_EINVAL;
+    }
+    /* The same bound release() applies after a commit. */
+    int64_t v = ls->last_start - (DSV4_WINDOW - 1);
+    if (v < p0)
+      v = p0;
+    if (v < lo)
+      lo = v;
+  }
+  *low = lo;
+  return 0;
+}
+
+/* Whether blocks [first_lb, first_lb + n_blocks) are the ones a table holding state keeps. */
+static int insert_blocks_fit(const dsv4_seqtable_config_t *cfg, const dsv4_seq_state_t *state,
+                             int64_t low, int64_t first_lb, uint32_t n_blocks) {
+  const int64_t bs = cfg->block_size;
+  int64_t end = state->p0;
+  for (uint32_t l = 0; l < cfg->n_layers; l++)
+    if (state->layers[l].next > end)
+      end = state->layers[l].next;
+  if (first_lb < state->p0 / bs || first_lb > low / bs)
+    return 0;
+  /* Nothing written: no block, as before a sequence's first batch. */
+  if (end == state->p0)
+    return n_blocks == 0 && first_lb == state->p0 / bs;
+  return first_lb + (int64_t)n_blocks == (end - 1) / bs + 1;
+}
+
+int dsv4_seqtable_insert(dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                         const dsv4_seq_state_t *state, int64_t first_lb, const int32_t *blocks,
+                         uint32_t n_blocks, int replace, uint64_t now_ns, dsv4_plan_error_t *err) {
+  assert(!st->plan_active);
+  int64_t low;
+  memset(err, 0, sizeof(*err));
+  if (!dsv4_seq_name_valid(name, name_len) || dsv4_seqtable_state_low(&st->cfg, state, &low) != 0 ||
+      !insert_blocks_fit(&st->cfg, state, low, first_lb, n_blocks))
+    return DSV4_EINVAL;
+  for (uint32_t i = 0; i < n_blocks; i++)
+    if (blocks[i] < 0 || !dsv4_pool_is_used(st->pool, (uint32_t)blocks[i]))
+      return DSV4_EINVAL;
+  uint64_t h = name_hash(name, name_len);
+  seq_t *old = map_find(st, name, name_len, h);
+  int live = old != NULL && old->state == SEQ_LIVE;
+  if (live && !replace)
+    return DSV4_EEXIST;
+  if (!live && st->cfg.max_sequences != 0 && st->n_live >= st->cfg.max_sequences) {
+    err->sequences_full = 1;
+    err->new_sequences = 1;
+    return DSV4_ENOSPC;
+  }
+  /* Every allocation before the first change, so that ENOMEM leaves the table as it was. */
+  seq_t *s = calloc(1, sizeof(seq_t) + (size_t)st->cfg.n_layers * sizeof(layer_state_t));
+  if (s == NULL || ensure_blocks(s, n_blocks ? n_blocks : 1) != 0 || map_reserve(st, 1) != 0) {
+    if (s != NULL)
+      free(s->blocks);
+    free(s);
+    return DSV4_ENOMEM;
+  }
+  if (live)
+    drop_live(st, old);
+  else if (old != NULL)
+    map_remove(st, old);
+  memcpy(s->name, name, name_len);
+  s->name_len = name_len;
+  s->hash = h;
+  s->state = SEQ_LIVE;
+  s->last_used_ns = now_ns;
+  s->p0 = state->p0;
+  s->first_lb = first_lb;
+  s->n_blocks = n_blocks;
+  if (n_blocks)
+    memcpy(s->blocks, blocks, (size_t)n_blocks * sizeof(int32_t));
+  for (uint32_t l = 0; l < st->cfg.n_layers; l++) {
+    const dsv4_seq_layer_state_t *ls = &state->layers[l];
+    s->layers[l] = (layer_state_t){ls->next, ls->last_start, ls->last_len, ls->last_hash};
+  }
+  map_insert(st, s);
+  st->n_live++;
+  publish(st);
+  return 0;
+}

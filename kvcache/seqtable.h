@@ -174,6 +174,56 @@ typedef int (*dsv4_seq_visit_fn)(const char *name, uint32_t name_len, const dsv4
                                  void *arg);
 int dsv4_seqtable_foreach(const dsv4_seqtable_t *st, dsv4_seq_visit_fn fn, void *arg);
 
+/* ---- restore (SPEC §6 PUT /admin/v1/sequences/{seq}): a sequence with given state ---------- */
+
+/* One served layer's state as a batch leaves it: what continuity, replay detection and the release
+ * rule of SPEC §4 read. */
+typedef struct {
+  int64_t next;       /* next position the layer writes (p0 before any segment) */
+  int64_t last_start; /* first position of the last applied segment (p0 before any) */
+  uint32_t last_len;  /* length of that segment; 0 before any */
+  uint64_t last_hash; /* its replay hash (dsv4_seg_req_t.hash) */
+} dsv4_seq_layer_state_t;
+
+/* A sequence's state without its blocks. */
+typedef struct {
+  int64_t p0;
+  dsv4_seq_layer_state_t *layers; /* [n_layers], the caller's memory */
+} dsv4_seq_state_t;
+
+/* Copy a live sequence's state into out (out->layers must hold n_layers entries); DSV4_ENOSEQ /
+ * DSV4_EEXPIRED when it is not live. */
+int dsv4_seqtable_state(const dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                        dsv4_seq_state_t *out);
+
+/*
+ * The first position of the window blocks of a state (SPEC §4 release rule): the lowest
+ * max(p0, last_start - 127) over the layers. A table holding the state keeps every block from
+ * low / block_size on. DSV4_EINVAL when the state is inconsistent: p0 outside 0..max_position, a
+ * layer without a segment whose next or last_start is not p0, a segment that starts below p0 or
+ * whose start + len is not next, or a next beyond max_position.
+ */
+int dsv4_seqtable_state_low(const dsv4_seqtable_config_t *cfg, const dsv4_seq_state_t *state,
+                            int64_t *low);
+
+/*
+ * Insert a sequence with the given state and blocks: block ids blocks[0..n_blocks) hold logical
+ * blocks first_lb .. first_lb + n_blocks - 1, already taken from the table's pool by the caller
+ * (and already written). Apart from the plan path: it is how a sequence comes back from a dump.
+ * The blocks must cover the state: p0 / bs <= first_lb <= low / bs (dsv4_seqtable_state_low), and
+ * first_lb + n_blocks is the block after the highest next - 1 (n_blocks 0 when no layer was
+ * written and first_lb = p0 / bs). The sequence is idle from now_ns.
+ *
+ * Returns 0 (the table owns the blocks), DSV4_EINVAL (bad name, inconsistent state or blocks),
+ * DSV4_EEXIST (a live sequence of that name and replace 0), DSV4_ENOSPC (max_sequences reached,
+ * err->sequences_full set), DSV4_ENOMEM. On error nothing changed and the caller still owns the
+ * blocks. With replace, a live sequence of the name is dropped first (its blocks freed, deferred
+ * while pinned); an expired name is replaced either way. Not between plan and commit/fail.
+ */
+int dsv4_seqtable_insert(dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                         const dsv4_seq_state_t *state, int64_t first_lb, const int32_t *blocks,
+                         uint32_t n_blocks, int replace, uint64_t now_ns, dsv4_plan_error_t *err);
+
 uint32_t dsv4_seqtable_count(const dsv4_seqtable_t *st);
 /* Any thread: the last published live-sequence count. */
 uint32_t dsv4_seqtable_count_relaxed(const dsv4_seqtable_t *st);

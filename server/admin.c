@@ -1,7 +1,8 @@
 /*
  * The admin plane (SPEC §6 admin routes, README "Admin API"): GET /admin/v1/cache, /sequences,
  * /sequences/{seq}, /sequences/{seq}/tokens/{pos}, /checksums and /config, the audit log line of
- * every admin call, and the route table (the dump lives in admin_dump.c).
+ * every admin call, and the route table (the dump lives in admin_dump.c, the restore and the admin
+ * plane's delete in admin_restore.c).
  *
  * Handlers run on the loop thread and check the request there; every read of cache or sequence
  * state runs as an executor job, between batches, so it sees the state at one batch boundary and
@@ -23,6 +24,7 @@
 #include "forward_parse.h"
 #include "log.h"
 #include "records.h"
+#include "restore.h"
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
@@ -641,6 +643,9 @@ size_t dsv4_admin_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap) {
       {DSV4_HTTP_GET, "/admin/v1/cache", "admin_cache", 0, 0, on_cache, d},
       {DSV4_HTTP_GET, "/admin/v1/sequences", "admin_sequences", 0, 0, on_sequences, d},
       {DSV4_HTTP_GET, "/admin/v1/sequences/", "admin_sequence", 0, 0, on_sequence, d},
+      {DSV4_HTTP_PUT, "/admin/v1/sequences/", "admin_restore",
+       (size_t)dsv4__restore_max_body(d->cfg), 0, dsv4__admin_on_restore, d},
+      {DSV4_HTTP_DELETE, "/admin/v1/sequences/", "admin_delete", 0, 0, dsv4__admin_on_delete, d},
       {DSV4_HTTP_GET, "/admin/v1/checksums", "admin_checksums", 0, 0, on_checksums, d},
       {DSV4_HTTP_GET, "/admin/v1/dump", "admin_dump", 0, 0, dsv4__admin_on_dump, d},
       {DSV4_HTTP_GET, "/admin/v1/config", "admin_config", 0, 0, on_config, d},

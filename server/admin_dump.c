@@ -25,7 +25,9 @@
 #include "admin.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
+#include "dump_format.h"
 #include "engine_admin.h"
+#include "engine_restore.h"
 #include "log.h"
 #include "records.h"
 #include "safetensors.h"
@@ -55,6 +57,7 @@ struct dsv4_dump {
   int64_t *end;
   uint64_t *digest; /* [n] */
   uint64_t *off;    /* [n] file offset of the layer's records; its positions follow them */
+  dsv4_seq_layer_state_t *state; /* [n_served] next and last segment, what a restore needs */
   dsv4_seq_info_t info;
   int have_info, pinned, begun, failed, job_busy, write_busy;
   step_t step;
@@ -93,6 +96,7 @@ static void dump_free(dump_t *dm) {
   free(dm->end);
   free(dm->digest);
   free(dm->off);
+  free(dm->state);
   free(dm->head);
   for (uint32_t i = 0; i < NBUF; i++)
     free(dm->buf[i].p);
@@ -113,6 +117,10 @@ static void snapshot(dump_t *dm) {
   if (dm->rc)
     return;
   dm->have_info = 1;
+  dsv4_seq_state_t ss = {0, dm->state};
+  dm->rc = dsv4_engine_seq_state(e, dm->seq, dm->seq_len, &ss);
+  if (dm->rc)
+    return;
   for (uint32_t i = 0; i < dm->n; i++) {
     dsv4_seq_stored_range(&dm->info, bs, dm->idx[i], &dm->first[i], &dm->end[i]);
     dm->dig_pos[i] = dm->first[i];
@@ -293,76 +301,30 @@ static void fail_early(dump_t *dm) {
 
 static int build_head(dump_t *dm) {
   dsv4_daemon_t *d = dm->d;
-  size_t nd = 2 * (size_t)dm->n, nm = 0, data_len = 0;
-  dsv4_st_desc_t *desc = calloc(nd, sizeof(*desc));
-  dsv4_st_meta_t *meta = calloc(13 + 2 * (size_t)dm->n, sizeof(*meta));
-  char(*names)[48] = calloc(nd, sizeof(*names));
-  char(*keys)[40] = calloc(2 * (size_t)dm->n, sizeof(*keys));
-  char(*vals)[48] = calloc(2 * (size_t)dm->n, sizeof(*vals));
-  char bs[16], p0[24], *layers = calloc(dm->n, 24);
-  int rc = DSV4_ENOMEM;
-  if (!desc || !meta || !names || !keys || !vals || !layers)
-    goto out;
-  for (uint32_t i = 0; i < dm->n; i++) {
-    uint32_t layer = dm->layer[i];
-    uint64_t t = layer_records(dm, i);
-    snprintf(names[2 * i], 48, "layers.%u.records", layer);
-    snprintf(names[2 * i + 1], 48, "layers.%u.positions", layer);
-    desc[2 * i] = (dsv4_st_desc_t){names[2 * i],
-                                   DSV4_ST_U8,
-                                   2,
-                                   {(int64_t)t, DSV4_RECORD_BYTES},
-                                   (size_t)t * DSV4_RECORD_BYTES};
-    desc[2 * i + 1] =
-        (dsv4_st_desc_t){names[2 * i + 1], DSV4_ST_I64, 1, {(int64_t)t}, (size_t)t * 8};
-    snprintf(keys[2 * i], 40, "positions.%u", layer);
-    if (t)
-      snprintf(vals[2 * i], 48, "%" PRId64 "-%" PRId64, dm->first[i], dm->end[i] - 1);
-    snprintf(keys[2 * i + 1], 40, "digest.%u", layer);
-    dsv4_digest_hex(dm->digest[i], vals[2 * i + 1]);
-  }
-  snprintf(bs, sizeof(bs), "%u", dsv4_engine_block_size(d->engine));
-  snprintf(p0, sizeof(p0), "%" PRId64, dm->info.p0);
-  /* The layers as runs "a-b", comma-separated when the served set has gaps. */
-  for (uint32_t i = 0, len = 0; i < dm->n;) {
-    uint32_t k = i;
-    while (k + 1 < dm->n && dm->layer[k + 1] == dm->layer[k] + 1)
-      k++;
-    len += (uint32_t)snprintf(layers + len, (size_t)dm->n * 24 - len, "%s%u-%u", i ? "," : "",
-                              dm->layer[i], dm->layer[k]);
-    i = k + 1;
-  }
-  meta[nm++] = (dsv4_st_meta_t){"layout", DSV4_RECORD_LAYOUT};
-  meta[nm++] = (dsv4_st_meta_t){"fp8", DSV4_RECORD_FP8};
-  meta[nm++] = (dsv4_st_meta_t){"scale", DSV4_RECORD_SCALE};
-  meta[nm++] = (dsv4_st_meta_t){"block_size", bs};
-  meta[nm++] = (dsv4_st_meta_t){"window", DSV4_RECORD_WINDOW_TEXT};
-  meta[nm++] = (dsv4_st_meta_t){"record_bytes", DSV4_RECORD_BYTES_TEXT};
-  meta[nm++] = (dsv4_st_meta_t){"records", DSV4_RECORD_FIELDS};
-  meta[nm++] = (dsv4_st_meta_t){"p0", p0};
-  meta[nm++] = (dsv4_st_meta_t){"seq", dm->seq};
-  meta[nm++] = (dsv4_st_meta_t){"layers", layers};
-  meta[nm++] = (dsv4_st_meta_t){"version", DSV4_VERSION};
-  meta[nm++] = (dsv4_st_meta_t){"instance", d->instance};
-  for (uint32_t i = 0; i < 2 * dm->n; i++)
-    meta[nm++] = (dsv4_st_meta_t){keys[i], vals[i]};
-  rc = dsv4_st_build_header(desc, nd, meta, nm, &dm->head, &dm->head_len, &data_len);
-  if (rc)
-    goto out;
-  uint64_t off = dm->head_len;
-  for (uint32_t i = 0; i < dm->n; i++) {
-    dm->off[i] = off;
-    off += layer_records(dm, i) * (DSV4_RECORD_BYTES + 8);
-  }
-  dm->total = off;
-  rc = dm->total == dm->head_len + data_len ? 0 : DSV4_EINVAL;
-out:
-  free(desc);
-  free(meta);
-  free(names);
-  free(keys);
-  free(vals);
-  free(layers);
+  char model[17];
+  dsv4_seq_layer_state_t *ls = calloc(dm->n ? dm->n : 1, sizeof(*ls));
+  if (!ls)
+    return DSV4_ENOMEM;
+  for (uint32_t i = 0; i < dm->n; i++)
+    ls[i] = dm->state[dm->idx[i]];
+  dsv4_dump_model_id(&d->cfg->model, model);
+  dsv4_dump_desc_t dd = {
+      .seq = dm->seq,
+      .instance = d->instance,
+      .model_id = model,
+      .block_size = dsv4_engine_block_size(d->engine),
+      .heads = d->cfg->heads,
+      .head_offset = d->cfg->head_offset,
+      .p0 = dm->info.p0,
+      .n = dm->n,
+      .layer = dm->layer,
+      .first = dm->first,
+      .end = dm->end,
+      .digest = dm->digest,
+      .layers = ls,
+  };
+  int rc = dsv4_dump_header(&dd, &dm->head, &dm->head_len, &dm->total, dm->off);
+  free(ls);
   return rc;
 }
 
@@ -505,12 +467,13 @@ void dsv4__admin_on_dump(dsv4_req_t *req, void *ctx) {
   dm->end = calloc(n, sizeof(*dm->end));
   dm->digest = calloc(n, sizeof(*dm->digest));
   dm->off = calloc(n, sizeof(*dm->off));
+  dm->state = calloc(d->cfg->n_served ? d->cfg->n_served : 1, sizeof(*dm->state));
   int bufs_ok = 1;
   for (uint32_t i = 0; i < NBUF; i++)
     bufs_ok &= (dm->buf[i].p = malloc(dm->chunk)) != NULL;
-  if (!dm->layer || !dm->idx || !dm->first || !dm->end || !dm->digest || !dm->off || !bufs_ok ||
-      !(dm->dig_pos = calloc(n, sizeof(*dm->dig_pos))) || !(dm->rd = calloc(n, sizeof(*dm->rd))) ||
-      !(dm->djobs = calloc(n, sizeof(*dm->djobs)))) {
+  if (!dm->layer || !dm->idx || !dm->first || !dm->end || !dm->digest || !dm->off || !dm->state ||
+      !bufs_ok || !(dm->dig_pos = calloc(n, sizeof(*dm->dig_pos))) ||
+      !(dm->rd = calloc(n, sizeof(*dm->rd))) || !(dm->djobs = calloc(n, sizeof(*dm->djobs)))) {
     dump_free(dm);
     dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);
     return;

@@ -69,10 +69,11 @@ int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query
       return DSV4_EINVAL;
     }
     key[kn] = '\0';
-    unsigned bit = !strcmp(key, "layer")    ? DSV4_AQ_LAYER
-                   : !strcmp(key, "layers") ? DSV4_AQ_LAYERS
-                   : !strcmp(key, "seq")    ? DSV4_AQ_SEQ
-                                            : 0;
+    unsigned bit = !strcmp(key, "layer")     ? DSV4_AQ_LAYER
+                   : !strcmp(key, "layers")  ? DSV4_AQ_LAYERS
+                   : !strcmp(key, "seq")     ? DSV4_AQ_SEQ
+                   : !strcmp(key, "replace") ? DSV4_AQ_REPLACE
+                                             : 0;
     if (!(bit & allowed)) {
       /* Named when printable ASCII (so the message stays valid JSON text), else not echoed. */
       int printable = 1;
@@ -109,6 +110,12 @@ int dsv4_admin_query_parse(const char *query, unsigned allowed, dsv4_admin_query
         snprintf(why, why_len, "query: layers must be a-b (decimal, a <= b) or one layer");
         return DSV4_EINVAL;
       }
+    } else if (bit == DSV4_AQ_REPLACE) {
+      if (strcmp(val, "0") != 0 && strcmp(val, "1") != 0) {
+        snprintf(why, why_len, "query: replace must be 0 or 1");
+        return DSV4_EINVAL;
+      }
+      out->replace = val[0] == '1';
     } else {
       if (!dsv4_seq_name_valid(val, (size_t)vn)) {
         snprintf(why, why_len,

@@ -16,9 +16,10 @@
 #include "seqtable.h"
 
 enum {
-  DSV4_AQ_LAYER = 1u,  /* layer=L */
-  DSV4_AQ_LAYERS = 2u, /* layers=a-b (inclusive) or layers=a */
-  DSV4_AQ_SEQ = 4u,    /* seq=S */
+  DSV4_AQ_LAYER = 1u,   /* layer=L */
+  DSV4_AQ_LAYERS = 2u,  /* layers=a-b (inclusive) or layers=a */
+  DSV4_AQ_SEQ = 4u,     /* seq=S */
+  DSV4_AQ_REPLACE = 8u, /* replace=0|1 */
 };
 
 /* Layer numbers above this are refused as not a layer at all (no model has that many). */
@@ -34,6 +35,7 @@ typedef struct {
   uint32_t lo, hi; /* layers=a-b, lo <= hi */
   char seq[DSV4_SEQ_NAME_MAX + 1];
   uint32_t seq_len; /* seq=S, a valid sequence name, NUL-terminated in seq */
+  int replace;      /* replace=1 */
 } dsv4_admin_query_t;
 
 /*

@@ -31,6 +31,7 @@ typedef struct dsv4_daemon {
   dsv4_metrics_t *metrics;
   char instance[33];
   int draining;
+  int restoring;     /* the snapshot in snapshot_dir is being restored: /readyz says so */
   uint64_t inflight; /* forward batches submitted and not yet answered (loop thread) */
   /* Metric families. */
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,

@@ -316,6 +316,8 @@ const char *dsv4_req_method_name(const dsv4_req_t *req) {
     return "DELETE";
   case DSV4_HTTP_HEAD:
     return "HEAD";
+  case DSV4_HTTP_PUT:
+    return "PUT";
   default:
     return "OTHER";
   }
@@ -923,6 +925,8 @@ static int method_of(uint8_t m) {
     return DSV4_HTTP_DELETE;
   case HTTP_HEAD:
     return DSV4_HTTP_HEAD;
+  case HTTP_PUT:
+    return DSV4_HTTP_PUT;
   default:
     return 0;
   }
@@ -1009,7 +1013,7 @@ static int on_headers_complete(llhttp_t *p) {
                 path_seen ? "method not allowed for this path" : "no such route");
   else if (!rt->public_route && !authorized(s, q))
     early_error(r, DSV4_EUNAUTH, "missing or wrong bearer token");
-  else if (chunked || (q->method == DSV4_HTTP_POST && !has_len))
+  else if (chunked || ((q->method == DSV4_HTTP_POST || q->method == DSV4_HTTP_PUT) && !has_len))
     early_error(r, DSV4_ELENGTH, "a request body needs Content-Length (chunked is not accepted)");
   else if (r->content_length > rt->max_body) {
     char m[96];

@@ -36,6 +36,7 @@ enum {
   DSV4_HTTP_POST = 2,
   DSV4_HTTP_DELETE = 4,
   DSV4_HTTP_HEAD = 8,
+  DSV4_HTTP_PUT = 16,
 };
 
 struct dsv4_req {

@@ -572,6 +572,8 @@ static void on_readyz(dsv4_req_t *req, void *ctx) {
     why = "draining";
   else if (!d->engine || !dsv4_engine_healthy(d->engine))
     why = "backend_unusable";
+  else if (d->restoring)
+    why = "restoring";
   if (why)
     dsv4_respond_json(req, 503, json_pack("{s:s,s:s}", "status", "not_ready", "reason", why));
   else

@@ -5,6 +5,7 @@
  */
 #include <malloc.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 #include "daemon.h"
 #include "dsv4-error.h"
 #include "log.h"
+#include "restore.h"
 #include "sdnotify.h"
 #include "shm.h"
 #include "startup.h"
@@ -27,7 +29,7 @@ extern char **environ;
 /* While draining, in-flight work is looked at this often (ms) until it is done or the deadline. */
 #define DRAIN_POLL_MS 20
 /* Room for the routes of one listener (data or admin). */
-#define MAX_ROUTES 8
+#define MAX_ROUTES 12
 
 typedef struct {
   dsv4_daemon_t d;
@@ -36,6 +38,8 @@ typedef struct {
   uint64_t drain_deadline_ms;
   int servers_open; /* listeners not yet closed: the executor stops after the last */
   int closing;
+  dsv4_job_t snap_job; /* the snapshot written after a drain, or restored at start-up */
+  int snap_started;
   int exit_code;
   dsv4_config_t cfg;
   char *token, *admin_token;
@@ -103,6 +107,34 @@ static void shutdown_now(app_t *a) {
     dsv4_shm_close(a->d.shm, on_server_closed, a);
 }
 
+static app_t *app_of(dsv4_job_t *job) {
+  return (app_t *)(void *)((char *)job - offsetof(app_t, snap_job));
+}
+
+/* Executor thread: every live sequence into snapshot_dir, once the drain has run every batch. */
+static void snapshot_run(dsv4_job_t *job) {
+  dsv4__snapshot_write(&app_of(job)->d);
+}
+
+static void snapshot_done(dsv4_job_t *job) {
+  shutdown_now(app_of(job));
+}
+
+/* The drain is over: with snapshot_dir, the snapshot is written before the listeners close. */
+static void drained(app_t *a) {
+  if (!a->cfg.snapshot_dir[0] || a->closing) {
+    shutdown_now(a);
+    return;
+  }
+  if (a->snap_started)
+    return;
+  a->snap_started = 1;
+  uv_timer_stop(&a->drain_timer);
+  a->snap_job.run = snapshot_run;
+  a->snap_job.done = snapshot_done;
+  dsv4_executor_submit_force(&a->d.ex, &a->snap_job);
+}
+
 /* While draining: finish once no batch is pending and every connection has gone. */
 static void on_drain_timer(uv_timer_t *t) {
   app_t *a = t->data;
@@ -112,12 +144,12 @@ static void on_drain_timer(uv_timer_t *t) {
                  (a->d.shm ? dsv4_shm_connections(a->d.shm) : 0);
   if (pending == 0 && conns == 0) {
     dsv4_logp(DSV4_LOG_INFO, "drained", NULL);
-    shutdown_now(a);
+    drained(a);
   } else if (uv_now(a->d.loop) >= a->drain_deadline_ms && pending == 0) {
     /* Batches always finish; past the deadline only idle or slow connections are cut. */
     dsv4_logp(DSV4_LOG_WARN, "drain deadline passed; closing connections", "{s:I}", "connections",
               (json_int_t)conns);
-    shutdown_now(a);
+    drained(a);
   }
 }
 
@@ -314,6 +346,8 @@ static int load_weights(const dsv4_config_t *cfg, dsv4_layer_weights_t *lw) {
   int rc = dsv4_weights_open(cfg->weights_path, &w, why, sizeof(why));
   /* Named only by the older kv_norm_weights, a file of kv_norm weights alone stays valid: its
    * layers then have no sinks and no compressor, and a batch asking for attention is refused. */
+  if (!strcmp(cfg->compressed_branch, "off"))
+    req.ratios = NULL;
   if (!rc && !*cfg->weights && cfg->n_served) {
     req.ratios = NULL;
     char name[64];
@@ -453,6 +487,26 @@ static void start_signals(app_t *a) {
   uv_signal_start(&a->sighup, on_signal, SIGHUP);
 }
 
+/* Executor thread: the sequences of the last drain's snapshot, before any request is served. */
+static void restore_run(dsv4_job_t *job) {
+  dsv4__snapshot_restore(&app_of(job)->d);
+}
+
+static void restore_done(dsv4_job_t *job) {
+  app_of(job)->d.restoring = 0;
+}
+
+/* The restore is the executor's first job: a request that arrives meanwhile waits behind it, and
+ * /readyz answers 503 "restoring" until it is done. */
+static void start_restore(app_t *a) {
+  if (!a->cfg.snapshot_dir[0])
+    return;
+  a->d.restoring = 1;
+  a->snap_job.run = restore_run;
+  a->snap_job.done = restore_done;
+  dsv4_executor_submit_force(&a->d.ex, &a->snap_job);
+}
+
 static void log_started(app_t *a, uint64_t t0) {
   dsv4_daemon_t *d = &a->d;
   const dsv4_config_t *cfg = &a->cfg;
@@ -519,6 +573,7 @@ int dsv4d_run(int argc, char **argv) {
     return rc;
   }
   start_signals(a);
+  start_restore(a);
   log_started(a, t0);
   uv_run(&a->loop, UV_RUN_DEFAULT);
   /* Every handle must be closed by now; a leak shows as a non-zero uv_loop_close. */

@@ -139,17 +139,87 @@ int dsv4__cpu_attention(dsv4_host_pool_t *pool, int isa, dsv4__cpu_attn_scratch_
  */
 int dsv4__cpu_compress(dsv4_host_pool_t *pool, int isa, const dsv4_compress_args_t *a);
 
+/* One row of a pooling at the channels of its half: the score is s[c] + ape[c] (one rounding) for
+ * a row of this batch, and the stored s[c] (ape NULL) for a row from the ring. */
+typedef struct {
+  const float *kv;
+  const float *s;
+  const float *ape;
+} dsv4__cpu_pool_row_t;
+
+#if defined(__x86_64__)
+/*
+ * The vector levels of the compressor's pooling (SPEC §8.3): z[c] for c < channels (a multiple of
+ * 16) over n >= 1 rows in R's order, one channel per lane, each lane running dsv4-compress.h's max,
+ * dsv4_pool_add and divide in their order (cpu_compress_avx512.c, cpu_compress_avx2.c).
+ */
+void dsv4__cpu_pool_rows_avx512(const dsv4__cpu_pool_row_t *rows, uint32_t n, uint32_t channels,
+                                float *z);
+void dsv4__cpu_pool_rows_avx2(const dsv4__cpu_pool_row_t *rows, uint32_t n, uint32_t channels,
+                              float *z);
+#endif
+
 /* The workspaces of one backend's indexer launches, one per pool participant. */
 typedef struct dsv4__cpu_index_scratch dsv4__cpu_index_scratch_t;
 void dsv4__cpu_index_scratch_free(dsv4__cpu_index_scratch_t *s);
 
 /*
  * The CPU backend's indexer op: checks every argument and every block a selection reads before it
- * writes anything, then selects per token on the pool. *scratch is allocated (or enlarged) by the
- * launch that first needs it and kept for later launches.
+ * writes anything, then selects per token on the pool, scoring at the given level (every level
+ * selects the same entries). *scratch is allocated (or enlarged) by the launch that first needs it
+ * and kept for later launches.
  */
-int dsv4__cpu_indexer(dsv4_host_pool_t *pool, dsv4__cpu_index_scratch_t **scratch,
+int dsv4__cpu_indexer(dsv4_host_pool_t *pool, int isa, dsv4__cpu_index_scratch_t **scratch,
                       const dsv4_indexer_args_t *a);
+
+/*
+ * The vector levels of the index scores (SPEC §8.5), one token's scores over a run of visible
+ * entries. Lanes are entries: each lane runs the scalar level's operations in its order (8 fma
+ * chains of 16 dims from +0.0f, the fold 4, 2, 1, then fmaf(w_h, max(d, +0.0f), acc) over the heads
+ * in order), so the scores are the scalar level's bytes. Entries come in groups of 16 that start at
+ * a multiple of 16: block sizes are multiples of 16, so a group's records are consecutive in one
+ * index block. Lanes before the run (lead of them in the first group) and after it read nothing.
+ */
+#define DSV4__CPU_INDEX_GROUP 16
+/* Heads per pass over the keys. */
+#define DSV4__CPU_INDEX_QUAD 4
+/* q^ of the vector levels is stored by groups of 16 heads: qt[(h / 16) * 16 * 128 + 16 * d + h %
+ * 16], so the values of one dim of four heads are side by side, with zeros past the last head. */
+#define DSV4__CPU_INDEX_QHEADS 16
+/* Floats of a level's workspace (64-byte aligned): the dequantised keys of a pass (up to 4 groups
+ * of 16 entries, 128 dims) and the chains' partial sums (8 chains, 4 heads, 64 lanes). */
+#define DSV4__CPU_INDEX_WORK_FLOATS (4 * DSV4__CPU_INDEX_GROUP * 128 + 8 * 4 * 64)
+
+typedef struct {
+  const uint8_t *vals;  /* the group's 16 records' value bytes, 64 each, consecutive */
+  const uint8_t *codes; /* their block codes, 4 each, consecutive */
+} dsv4__cpu_index_group_t;
+
+typedef struct {
+  const float *qt; /* q^ in the DSV4__CPU_INDEX_QHEADS layout */
+  const float *w;  /* [n_heads] the scaled weights */
+  uint32_t n_heads;
+  const dsv4__cpu_index_group_t *groups; /* ceil((lead + n) / 16) of them */
+  uint32_t lead;                         /* lanes of the first group before the run */
+  uint32_t n;                            /* entries of the run */
+  float *scores;                         /* [n] out */
+  float *work;                           /* DSV4__CPU_INDEX_WORK_FLOATS */
+} dsv4__cpu_index_scan_t;
+
+/*
+ * q^ of n_heads heads (dsv4_index_query: RoPE at the token's row, Hadamard, MXFP4, dequantised)
+ * from iq [n_heads, 128] bf16, into qt in the DSV4__CPU_INDEX_QHEADS layout, heads up to a multiple
+ * of 16 zero. Lanes are heads, each running dsv4_index_query's operations in its order.
+ */
+#if defined(__x86_64__)
+/* cpu_compress_avx512.c and cpu_compress_avx2.c; callers check dsv4__cpu_isa_supported first. */
+void dsv4__cpu_index_queries_avx512(const uint16_t *iq, uint32_t n_heads, const float *rope_row,
+                                    float *qt);
+void dsv4__cpu_index_scan_avx512(const dsv4__cpu_index_scan_t *s);
+void dsv4__cpu_index_queries_avx2(const uint16_t *iq, uint32_t n_heads, const float *rope_row,
+                                  float *qt);
+void dsv4__cpu_index_scan_avx2(const dsv4__cpu_index_scan_t *s);
+#endif
 
 /*
  * ---- test-only hooks of the ordering-invariant tests (tests/unit/inv_*.c, SPEC §5) ----

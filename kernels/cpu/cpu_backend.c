@@ -331,7 +331,7 @@ static int cpu_compress(dsv4_backend_t *be, const dsv4_compress_args_t *a) {
 
 static int cpu_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
   cpu_backend_t *c = cpu_of(be);
-  return dsv4__cpu_indexer(c->pool, &c->index_scratch, a);
+  return dsv4__cpu_indexer(c->pool, c->isa, &c->index_scratch, a);
 }
 
 static void cpu_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t first, size_t last),

@@ -3,8 +3,9 @@
  * compressed records and index records, and the indexer, which selects the entries a ratio-4 query
  * attends to. The math is kernels/dsv4-compress.h's and, for the 584-byte record, the §2.2 KV path
  * of cpu_kernels.c with the compressor's norm weight; this file gathers rows, walks block tables
- * and hands work to the pool. Every level gives the same bytes: the only level-dependent call is
- * dsv4__cpu_kv_token, whose levels are byte-identical.
+ * and hands work to the pool. Every level gives the same bytes: the level-dependent calls are
+ * dsv4__cpu_kv_token, the pooling and the indexer's queries and scores (cpu_compress_avx2.c,
+ * cpu_compress_avx512.c), whose levels are byte-identical.
  *
  * The compressor's contract reads token by token (a row enters the ring, then an emission pools the
  * ring's rows), but a prefill chunk emits hundreds of entries and a ring of 8 rows cannot hold them
@@ -115,13 +116,8 @@ typedef struct {
   const uint32_t *emit; /* the tokens that emit an entry, in batch order */
 } compress_job_t;
 
-/* One row of a pooling, at the channels of its half: the score is s[c] + ape[c] (one rounding)
- * for a row of this batch, and the stored s[c] (ape NULL) for a row from the ring. */
-typedef struct {
-  const float *kv;
-  const float *s;
-  const float *ape;
-} pool_row_t;
+/* The rows of a pooling (cpu-internal.h). */
+typedef dsv4__cpu_pool_row_t pool_row_t;
 
 static inline float row_score(const pool_row_t *r, uint32_t c) {
   return r->ape ? r->s[c] + r->ape[c] : r->s[c];
@@ -172,8 +168,8 @@ static uint32_t gather_rows(const compress_job_t *j, const comp_geom_t *g, uint3
 
 /* z[c] for c < channels: the max, then the in-order sums, then one divide (dsv4-compress.h). Rows
  * run in the outer loop, so each channel still sees R in order. */
-SCALAR_CLONES static void pool_rows(const pool_row_t *rows, uint32_t n, uint32_t channels,
-                                    float *z) {
+SCALAR_CLONES static void pool_rows_scalar(const pool_row_t *rows, uint32_t n, uint32_t channels,
+                                           float *z) {
   float m[POOL_MAX_CHANNELS], sum[POOL_MAX_CHANNELS], num[POOL_MAX_CHANNELS];
   for (uint32_t c = 0; c < channels; c++) {
     m[c] = row_score(&rows[0], c);
@@ -190,6 +186,27 @@ SCALAR_CLONES static void pool_rows(const pool_row_t *rows, uint32_t n, uint32_t
     z[c] = num[c] / sum[c];
 }
 
+/* z at the job's level: the vector levels pool one channel per lane, in the same order. */
+static void pool_rows(int isa, const pool_row_t *rows, uint32_t n, uint32_t channels, float *z) {
+#if defined(__x86_64__)
+  if (isa == DSV4__CPU_ISA_AVX512) {
+    dsv4__cpu_pool_rows_avx512(rows, n, channels, z);
+    return;
+  }
+  if (isa == DSV4__CPU_ISA_AVX2) {
+    dsv4__cpu_pool_rows_avx2(rows, n, channels, z);
+    return;
+  }
+#endif
+  pool_rows_scalar(rows, n, channels, z);
+}
+
+/* dsv4_index_key, cloned like the scalar kernels so that its fmas are instructions. */
+SCALAR_CLONES static void index_key(const float *z, const float *w, float eps,
+                                    const float *rope_row, uint8_t *vals, uint8_t *codes) {
+  dsv4_index_key(z, w, eps, rope_row, vals, codes);
+}
+
 /* The entry of token t: its 584-byte record and, at ratio 4, its 68-byte index record. */
 static void emit_entry(const compress_job_t *j, uint32_t t) {
   const dsv4_compress_args_t *a = j->a;
@@ -202,7 +219,7 @@ static void emit_entry(const compress_job_t *j, uint32_t t) {
   float z[POOL_MAX_CHANNELS];
   uint16_t zb[DSV4_HEAD_DIM];
   uint32_t n = gather_rows(j, &j->main, t, rows);
-  pool_rows(rows, n, j->main.channels, z);
+  pool_rows(j->isa, rows, n, j->main.channels, z);
   for (int c = 0; c < DSV4_HEAD_DIM; c++)
     zb[c] = dsv4_f32_to_bf16(z[c]);
   uint8_t *base = a->c_cache + b * a->stride;
@@ -211,9 +228,9 @@ static void emit_entry(const compress_job_t *j, uint32_t t) {
   if (a->ratio != 4u)
     return;
   n = gather_rows(j, &j->index, t, rows);
-  pool_rows(rows, n, j->index.channels, z);
+  pool_rows(j->isa, rows, n, j->index.channels, z);
   uint8_t vals[DSV4_INDEX_VALUE_BYTES], codes[DSV4_MXFP4_BLOCKS];
-  dsv4_index_key(z, a->i_norm_weight, a->eps, rope_row, vals, codes);
+  index_key(z, a->i_norm_weight, a->eps, rope_row, vals, codes);
   uint8_t *ib = a->i_cache + b * DSV4_INDEX_BLOCK_BYTES(a->block_size);
   memcpy(ib + DSV4_INDEX_VALUE_BYTES * o, vals, sizeof(vals));
   DSV4__COUNT_STORE(ib + DSV4_INDEX_VALUE_BYTES * o, sizeof(vals));
@@ -350,6 +367,8 @@ struct dsv4__cpu_index_scratch {
   size_t bytes; /* of each workspace */
   atomic_int *busy;
   void **work;
+  uint32_t *keys; /* the keys of a launch whose tokens are scored in pieces (index_piece_items) */
+  size_t keys_bytes;
 };
 
 void dsv4__cpu_index_scratch_free(dsv4__cpu_index_scratch_t *s) {
@@ -359,7 +378,21 @@ void dsv4__cpu_index_scratch_free(dsv4__cpu_index_scratch_t *s) {
     free(s->work[i]);
   free(s->work);
   free(s->busy);
+  free(s->keys);
   free(s);
+}
+
+/* The shared keys of a launch scored in pieces: at least bytes, kept for later launches. */
+static int index_scratch_keys(dsv4__cpu_index_scratch_t *s, size_t bytes) {
+  if (s->keys_bytes >= bytes)
+    return 0;
+  free(s->keys);
+  s->keys_bytes = 0;
+  s->keys = malloc(bytes);
+  if (!s->keys)
+    return DSV4_ENOMEM;
+  s->keys_bytes = bytes;
+  return 0;
 }
 
 /* n workspaces of at least bytes each; a launch that needs more than the last replaces them. */
@@ -403,23 +436,83 @@ static void *index_scratch_claim(dsv4__cpu_index_scratch_t *s, unsigned *slot) {
 
 typedef struct {
   const dsv4_indexer_args_t *a;
+  int isa;
   ctable_t ct;
   dsv4__cpu_index_scratch_t *scratch;
+  uint64_t max_visible; /* the most entries one token scores */
+  uint32_t pieces;      /* items per token (index_piece_items), 1 when every token is one item */
 } indexer_job_t;
 
-/* Bytes of a workspace: q^ of every head, the weights, one key per visible entry. */
-static size_t indexer_work_bytes(uint32_t n_heads, uint64_t max_visible) {
-  return ((size_t)n_heads * (DSV4_INDEX_DIM + 1) + (size_t)max_visible) * sizeof(float);
+/* A participant's workspace, carved from one allocation of index_work_bytes. */
+typedef struct {
+  float *q;      /* q^: [n_heads, 128] at the scalar level, DSV4__CPU_INDEX_QHEADS else */
+  float *w;      /* [n_heads] the scaled weights */
+  float *level;  /* DSV4__CPU_INDEX_WORK_FLOATS for the vector levels */
+  uint32_t *key; /* [max_visible] */
+  dsv4__cpu_index_group_t *groups; /* max_visible / 16 + 2 */
+} index_work_t;
+
+#define ALIGN64(n) (((n) + 63) / 64 * 64)
+
+static size_t index_work_bytes(uint64_t max_visible) {
+  return ALIGN64((size_t)DSV4_MAX_HEADS * DSV4_INDEX_DIM * sizeof(float)) +
+         ALIGN64((size_t)DSV4_MAX_HEADS * sizeof(float)) +
+         ALIGN64((size_t)DSV4__CPU_INDEX_WORK_FLOATS * sizeof(float)) +
+         ALIGN64((size_t)max_visible * sizeof(uint32_t)) +
+         (size_t)(max_visible / DSV4__CPU_INDEX_GROUP + 2) * sizeof(dsv4__cpu_index_group_t);
 }
 
-/* The key of every visible entry jlo..jlo+n-1 of segment s (SPEC §8.5 scores). */
-SCALAR_CLONES static void index_scores(const indexer_job_t *j, uint32_t s, int64_t jlo, uint32_t n,
+static index_work_t index_work_at(void *base, uint64_t max_visible) {
+  char *p = base;
+  index_work_t wk;
+  wk.q = (float *)p;
+  p += ALIGN64((size_t)DSV4_MAX_HEADS * DSV4_INDEX_DIM * sizeof(float));
+  wk.w = (float *)p;
+  p += ALIGN64((size_t)DSV4_MAX_HEADS * sizeof(float));
+  wk.level = (float *)p;
+  p += ALIGN64((size_t)DSV4__CPU_INDEX_WORK_FLOATS * sizeof(float));
+  wk.key = (uint32_t *)p;
+  p += ALIGN64((size_t)max_visible * sizeof(uint32_t));
+  wk.groups = (dsv4__cpu_index_group_t *)p;
+  return wk;
+}
+
+SCALAR_CLONES static void index_queries_scalar(const uint16_t *iq, uint32_t n_heads,
+                                               const float *rope_row, float *qhat) {
+  for (uint32_t h = 0; h < n_heads; h++)
+    dsv4_index_query(iq + (size_t)h * DSV4_INDEX_DIM, rope_row, qhat + (size_t)h * DSV4_INDEX_DIM);
+}
+
+/* q^ and the scaled weight of every head of token t, q^ in the level's layout: [n_heads, 128] at
+ * the scalar level, DSV4__CPU_INDEX_QHEADS at the vector levels. */
+static void index_queries(const indexer_job_t *j, uint32_t t, const index_work_t *wk) {
+  const dsv4_indexer_args_t *a = j->a;
+  const float *rope_row = dsv4_rope_table_row(a->rope, a->positions[t]);
+  const uint16_t *iq = a->iq + (size_t)t * a->n_heads * DSV4_INDEX_DIM;
+  for (uint32_t h = 0; h < a->n_heads; h++)
+    wk->w[h] = a->iw[(size_t)t * a->n_heads + h] * a->w_scale;
+#if defined(__x86_64__)
+  if (j->isa == DSV4__CPU_ISA_AVX512) {
+    dsv4__cpu_index_queries_avx512(iq, a->n_heads, rope_row, wk->q);
+    return;
+  }
+  if (j->isa == DSV4__CPU_ISA_AVX2) {
+    dsv4__cpu_index_queries_avx2(iq, a->n_heads, rope_row, wk->q);
+    return;
+  }
+#endif
+  index_queries_scalar(iq, a->n_heads, rope_row, wk->q);
+}
+
+/* The key of every entry e0..e0+n-1 of segment s (SPEC §8.5 scores): the scalar level, one entry
+ * at a time, each record dequantised once for all heads. */
+SCALAR_CLONES static void index_scores(const indexer_job_t *j, uint32_t s, int64_t e0, uint32_t n,
                                        const float *qhat, const float *w, uint32_t *key) {
   const dsv4_indexer_args_t *a = j->a;
   const uint64_t bs = a->block_size;
   float k[DSV4_INDEX_DIM];
   for (uint32_t i = 0; i < n; i++) {
-    int64_t entry = jlo + i;
+    int64_t entry = e0 + i;
     uint64_t o = (uint64_t)entry % bs;
     const uint8_t *blk =
         a->i_cache + (uint64_t)ctable_block(&j->ct, s, entry) * DSV4_INDEX_BLOCK_BYTES(bs);
@@ -430,6 +523,51 @@ SCALAR_CLONES static void index_scores(const indexer_job_t *j, uint32_t s, int64
       acc = dsv4_index_score_add(w[h], dsv4_dot128(qhat + (size_t)h * DSV4_INDEX_DIM, k), acc);
     key[i] = dsv4_index_score_key(acc);
   }
+}
+
+/*
+ * The keys of entries e0..e0+n-1 of segment s at the job's level. The vector levels take groups of
+ * 16 entries starting at multiples of 16 (each within one block, as block sizes are multiples of
+ * 16), write the scores as floats into key[], which then become keys in place.
+ */
+static void index_scan(const indexer_job_t *j, uint32_t s, int64_t e0, uint32_t n,
+                       const index_work_t *wk, uint32_t *key) {
+#if defined(__x86_64__)
+  if (j->isa != DSV4__CPU_ISA_SCALAR) {
+    const dsv4_indexer_args_t *a = j->a;
+    const uint64_t bs = a->block_size;
+    const int64_t first = e0 - e0 % DSV4__CPU_INDEX_GROUP;
+    const uint32_t lead = (uint32_t)(e0 - first);
+    for (uint32_t g = 0; g * DSV4__CPU_INDEX_GROUP < lead + n; g++) {
+      int64_t entry = first + (int64_t)g * DSV4__CPU_INDEX_GROUP;
+      /* The group's first visible entry names its block (checked by the launch). */
+      const uint8_t *blk = a->i_cache + (uint64_t)ctable_block(&j->ct, s, entry > e0 ? entry : e0) *
+                                            DSV4_INDEX_BLOCK_BYTES(bs);
+      uint64_t o = (uint64_t)entry % bs;
+      wk->groups[g].vals = blk + DSV4_INDEX_VALUE_BYTES * o;
+      wk->groups[g].codes = blk + DSV4_INDEX_VALUE_BYTES * bs + DSV4_MXFP4_BLOCKS * o;
+    }
+    dsv4__cpu_index_scan_t scan = {.qt = wk->q,
+                                   .w = wk->w,
+                                   .n_heads = a->n_heads,
+                                   .groups = wk->groups,
+                                   .lead = lead,
+                                   .n = n,
+                                   .scores = (float *)key,
+                                   .work = wk->level};
+    if (j->isa == DSV4__CPU_ISA_AVX512)
+      dsv4__cpu_index_scan_avx512(&scan);
+    else
+      dsv4__cpu_index_scan_avx2(&scan);
+    for (uint32_t i = 0; i < n; i++) {
+      float score;
+      memcpy(&score, &key[i], sizeof(score));
+      key[i] = dsv4_index_score_key(score);
+    }
+    return;
+  }
+#endif
+  index_scores(j, s, e0, n, wk->q, wk->w, key);
 }
 
 /*
@@ -464,39 +602,93 @@ static void select_topk(const uint32_t *key, uint32_t n, uint32_t k, int64_t jlo
   }
 }
 
-static void indexer_token(const indexer_job_t *j, uint32_t t, void *work) {
-  const dsv4_indexer_args_t *a = j->a;
-  const uint32_t s = (uint32_t)a->tok_seg[t];
-  const int64_t p = a->positions[t];
-  const int64_t jlo = a->seg_p0[s] / 4, jhi = (p + 1) / 4;
-  const int64_t n = jhi > jlo ? jhi - jlo : 0;
+/* The visible entries jlo..jlo+n-1 of token t (SPEC §8.4). */
+static int64_t index_span(const dsv4_indexer_args_t *a, uint32_t t, int64_t *jlo) {
+  const int64_t jhi = (a->positions[t] + 1) / 4;
+  *jlo = a->seg_p0[a->tok_seg[t]] / 4;
+  return jhi > *jlo ? jhi - *jlo : 0;
+}
+
+/* A token with at most topk visible entries selects them all, then -1 padding; returns 1 then. */
+static int index_select_all(const dsv4_indexer_args_t *a, uint32_t t) {
+  int64_t jlo, n = index_span(a, t, &jlo);
+  if (n > (int64_t)a->topk)
+    return 0;
   int32_t *sel = a->sel + (size_t)t * a->topk;
-  if (n <= (int64_t)a->topk) {
-    for (uint32_t k = 0; k < a->topk; k++)
-      sel[k] = k < n ? (int32_t)(jlo + k) : -1;
+  for (uint32_t k = 0; k < a->topk; k++)
+    sel[k] = k < n ? (int32_t)(jlo + k) : -1;
+  return 1;
+}
+
+static void indexer_token(const indexer_job_t *j, uint32_t t, const index_work_t *wk) {
+  const dsv4_indexer_args_t *a = j->a;
+  if (index_select_all(a, t))
     return;
-  }
-  float *qhat = work;
-  float *w = qhat + (size_t)a->n_heads * DSV4_INDEX_DIM;
-  uint32_t *key = (uint32_t *)(w + a->n_heads);
-  const float *rope_row = dsv4_rope_table_row(a->rope, p);
-  for (uint32_t h = 0; h < a->n_heads; h++) {
-    size_t row = (size_t)t * a->n_heads + h;
-    dsv4_index_query(a->iq + row * DSV4_INDEX_DIM, rope_row, qhat + (size_t)h * DSV4_INDEX_DIM);
-    w[h] = a->iw[row] * a->w_scale;
-  }
-  index_scores(j, s, jlo, (uint32_t)n, qhat, w, key);
-  select_topk(key, (uint32_t)n, a->topk, jlo, sel);
+  int64_t jlo, n = index_span(a, t, &jlo);
+  index_queries(j, t, wk);
+  index_scan(j, (uint32_t)a->tok_seg[t], jlo, (uint32_t)n, wk, wk->key);
+  select_topk(wk->key, (uint32_t)n, a->topk, jlo, a->sel + (size_t)t * a->topk);
 }
 
 static void indexer_items(void *varg, size_t first, size_t last) {
   const indexer_job_t *j = varg;
   unsigned slot = 0;
-  void *work = j->scratch ? index_scratch_claim(j->scratch, &slot) : NULL;
+  /* Without scratch no token scores, and none reads the workspace. */
+  index_work_t wk = {0};
+  if (j->scratch)
+    wk = index_work_at(index_scratch_claim(j->scratch, &slot), j->max_visible);
   for (size_t t = first; t < last; t++)
-    indexer_token(j, (uint32_t)t, work);
+    indexer_token(j, (uint32_t)t, &wk);
   if (j->scratch)
     atomic_store_explicit(&j->scratch->busy[slot], 0, memory_order_release);
+}
+
+/*
+ * A batch of fewer tokens than threads (a decode step) scores each token in pieces, so that every
+ * thread has work: item t * pieces + c scores piece c of token t's entries into the launch's keys
+ * (each piece computes the token's queries itself), and a second pass selects per token. Pieces
+ * start at multiples of 16 entries, the vector levels' groups. A score does not depend on the
+ * piece that computes it, so the selection is the same as from one item.
+ */
+static int64_t index_piece_start(int64_t jlo, int64_t n, uint32_t c, uint32_t pieces) {
+  if (c == pieces)
+    return jlo + n;
+  int64_t e = jlo + n * c / pieces;
+  e -= e % DSV4__CPU_INDEX_GROUP;
+  return e > jlo ? e : jlo;
+}
+
+static void index_piece_items(void *varg, size_t first, size_t last) {
+  const indexer_job_t *j = varg;
+  const dsv4_indexer_args_t *a = j->a;
+  unsigned slot = 0;
+  index_work_t wk = index_work_at(index_scratch_claim(j->scratch, &slot), j->max_visible);
+  for (size_t i = first; i < last; i++) {
+    const uint32_t t = (uint32_t)(i / j->pieces), c = (uint32_t)(i % j->pieces);
+    int64_t jlo, n = index_span(a, t, &jlo);
+    if (n <= (int64_t)a->topk)
+      continue;
+    int64_t lo = index_piece_start(jlo, n, c, j->pieces);
+    int64_t hi = index_piece_start(jlo, n, c + 1, j->pieces);
+    if (lo == hi)
+      continue;
+    index_queries(j, t, &wk);
+    index_scan(j, (uint32_t)a->tok_seg[t], lo, (uint32_t)(hi - lo), &wk,
+               j->scratch->keys + t * j->max_visible + (lo - jlo));
+  }
+  atomic_store_explicit(&j->scratch->busy[slot], 0, memory_order_release);
+}
+
+static void index_select_items(void *varg, size_t first, size_t last) {
+  const indexer_job_t *j = varg;
+  const dsv4_indexer_args_t *a = j->a;
+  for (size_t t = first; t < last; t++) {
+    if (index_select_all(a, (uint32_t)t))
+      continue;
+    int64_t jlo, n = index_span(a, (uint32_t)t, &jlo);
+    select_topk(j->scratch->keys + t * j->max_visible, (uint32_t)n, a->topk, jlo,
+                a->sel + t * a->topk);
+  }
 }
 
 /*
@@ -539,23 +731,36 @@ static int indexer_validate(const indexer_job_t *j, uint64_t *max_visible) {
   return 0;
 }
 
-int dsv4__cpu_indexer(dsv4_host_pool_t *pool, dsv4__cpu_index_scratch_t **scratch,
+/* Pieces of at least this many entries: a piece also computes its token's queries. */
+#define INDEX_PIECE_MIN 512
+
+int dsv4__cpu_indexer(dsv4_host_pool_t *pool, int isa, dsv4__cpu_index_scratch_t **scratch,
                       const dsv4_indexer_args_t *a) {
   int rc = dsv4_backend_check_indexer_args(a);
   if (rc || a->n_tokens == 0)
     return rc;
-  indexer_job_t j = {.a = a};
+  indexer_job_t j = {.a = a, .isa = isa, .pieces = 1};
   j.ct = CTABLE_OF(a);
-  uint64_t max_visible = 0;
-  rc = indexer_validate(&j, &max_visible);
+  rc = indexer_validate(&j, &j.max_visible);
   if (rc)
     return rc;
-  if (max_visible) {
-    rc = index_scratch_reserve(scratch, dsv4_host_pool_threads(pool),
-                               indexer_work_bytes(a->n_heads, max_visible));
+  const unsigned threads = dsv4_host_pool_threads(pool);
+  if (j.max_visible) {
+    rc = index_scratch_reserve(scratch, threads, index_work_bytes(j.max_visible));
     if (rc)
       return rc;
     j.scratch = *scratch;
+  }
+  if (j.max_visible >= 2 * INDEX_PIECE_MIN && a->n_tokens < threads) {
+    j.pieces = (threads + a->n_tokens - 1) / a->n_tokens;
+    if (j.pieces > j.max_visible / INDEX_PIECE_MIN)
+      j.pieces = (uint32_t)(j.max_visible / INDEX_PIECE_MIN);
+    rc = index_scratch_keys(j.scratch, (size_t)a->n_tokens * j.max_visible * sizeof(uint32_t));
+    if (rc)
+      return rc;
+    dsv4_host_pool_run(pool, index_piece_items, &j, (size_t)a->n_tokens * j.pieces, 1);
+    dsv4_host_pool_run(pool, index_select_items, &j, a->n_tokens, 1);
+    return 0;
   }
   dsv4_host_pool_run_balanced(pool, indexer_items, &j, a->n_tokens);
   return 0;

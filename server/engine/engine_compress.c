@@ -63,6 +63,13 @@ uint32_t dsv4_engine_layer_ratio(const dsv4_engine_t *e, uint32_t layer) {
   return idx < 0 || !e->c_ratio ? 0 : e->c_ratio[idx];
 }
 
+int dsv4_engine_runs_compressed(const dsv4_engine_t *e) {
+  for (uint32_t i = 0; e->c_ratio && i < e->p.n_served; i++)
+    if (e->c_ratio[i])
+      return 1;
+  return 0;
+}
+
 void dsv4_engine_cpool_counts(const dsv4_engine_t *e, uint32_t total[2], uint32_t free_[2]) {
   for (int k = 0; k < 2; k++) {
     total[k] = e->cpool[k].free_stack ? e->cpool[k].n_blocks : 0;

@@ -337,6 +337,28 @@ def test_mixed_phases():
             t0 += s.len
 
 
+def test_restore_refused():
+    """A dump does not carry the compressed branch's state yet: a daemon that runs the branch
+    refuses to restore one (400 unsupported, nothing changed), and one with compressed_branch = off
+    serves those layers' SWA part with no compressor read."""
+    with daemon() as d:
+        if not runs_branch(d):
+            return check_without_branch(d, np.random.default_rng(14))
+        rng = np.random.default_rng(15)
+        tensors(d, batch(rng, 0, [Seg("z", 0, 5, True)], outputs="q"))
+        r = d.admin("/admin/v1/dump?seq=z")
+        check_eq(r.status, 200, "the dump of a sequence: %r" % (r,))
+        e = h.expect_error(d.request("PUT", "/admin/v1/sequences/z2", body=r.body, admin=True),
+                           400, "unsupported")
+        check("compressed" in e["message"], "the refusal names the compressed branch: %r" % (e,))
+        check(d.seq("z2") is None, "the refused restore created nothing")
+    with daemon(["--compressed-branch", "off"]) as d:
+        check(not runs_branch(d), "compressed_branch = off runs no branch")
+        b = batch(np.random.default_rng(16), C4, [Seg("o", 0, 5, True)], outputs="q")
+        e = h.expect_error(d.forward_raw(b.body()), 400, "bad_request")
+        check_eq(e.get("reason"), "unexpected", "branch tensors refused when off: %r" % (e,))
+
+
 def test_limits():
     """max_sequences bounds the state slots (503 sequence_limit); a full entry pool refuses the batch
     naming the pool; neither refusal changes anything."""
@@ -364,4 +386,5 @@ def test_limits():
 
 if __name__ == "__main__":
     h.main([test_wire_refusals, test_topk_and_visibility, test_chunking_is_exact,
-            test_scored_selection_chunking, test_daemon_chunks_prefill, test_replay_exactly_once, test_mixed_phases, test_limits])
+            test_scored_selection_chunking, test_daemon_chunks_prefill, test_replay_exactly_once,
+            test_mixed_phases, test_restore_refused, test_limits])

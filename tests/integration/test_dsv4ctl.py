@@ -493,6 +493,82 @@ def test_readme_snippet():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def seq_digests(d, name):
+    """{layer: digest} of a sequence on a daemon, from /admin/v1/checksums."""
+    return {l: d.admin_json("/admin/v1/checksums?layer=%d&seq=%s" % (l, name))["sequences"][name]
+            ["digest"] for l in range(4)}
+
+
+def test_snapshot_restore_migrate():
+    with Daemon(h.SMALL, name="source") as d1, Daemon(h.SMALL, name="target") as d2, \
+            Daemon(h.SMALL + ["--heads", "4"], name="other-heads") as d3:
+        rng = np.random.default_rng(31)
+        fill(d1, rng, "a", 150)
+        want = seq_digests(d1, "a")
+        tmp = tempfile.mkdtemp(prefix="dsv4ctl-snap-")
+        try:
+            f = os.path.join(tmp, "a.safetensors")
+            r = ctl(d1, "snapshot", "--seq", "a", "-o", f, "--no-progress")
+            expect_rc(r, 0, "snapshot")
+            check("all 4 layers match" in r.out, "snapshot verified: %r" % r)
+            check_eq(os.stat(f).st_mode & 0o777, 0o600, "snapshot file mode")
+
+            r = ctl(d2, "restore", "--seq", "a", f)
+            expect_rc(r, 0, "restore")
+            check(r.out.startswith("restored a: p0 0, "), "restore table: %r" % r.out)
+            for l in range(4):
+                check("%d" % l in r.out and want[l] in r.out, "digest of layer %d printed" % l)
+            check_eq(seq_digests(d2, "a"), want, "digests on the target")
+            r = ctl(d2, "restore", "--seq", "a", f)
+            expect_rc(r, 1, "restore over a live sequence")
+            check("409 sequence_exists" in r.err, "sequence_exists named: %r" % r)
+            r = ctl(d2, "--json", "restore", "--seq", "a", f, "--replace")
+            expect_rc(r, 0, "restore --replace")
+            check_eq(r.json()["replaced"], True, "replaced in --json")
+
+            bad = os.path.join(tmp, "bad.safetensors")
+            body = bytearray(open(f, "rb").read())
+            body[-100] ^= 0x01  # a position of the last layer
+            open(bad, "wb").write(bytes(body))
+            r = ctl(d2, "restore", "--seq", "b", bad)
+            expect_rc(r, 1, "restore of a corrupt file")
+            check("400 " in r.err, "the daemon's refusal is printed: %r" % r)
+            check(d2.seq("b") is None, "nothing restored from a corrupt file")
+            r = ctl(d3, "restore", "--seq", "a", f)
+            expect_rc(r, 1, "restore into other heads")
+            check("409 geometry_mismatch" in r.err and "heads" in r.err, "geometry: %r" % r)
+
+            # migrate: dump, restore on the target, digests compared there, delete here.
+            fill(d1, rng, "m", 90)
+            want_m = seq_digests(d1, "m")
+            to = "127.0.0.1:%d" % d2.admin_port
+            r = ctl(d1, "migrate", "--seq", "m", "--to", to)
+            expect_rc(r, 0, "migrate")
+            check(r.out.startswith("migrated m: "), "migrate output: %r" % r)
+            check(d1.seq("m") is None, "gone from the source")
+            check_eq(seq_digests(d2, "m"), want_m, "digests on the target after migrate")
+            # The target already has a: it refuses, and the source keeps a.
+            r = ctl(d1, "migrate", "--seq", "a", "--to", to)
+            expect_rc(r, 1, "migrate onto a live name")
+            check("the source is intact" in r.err, "says the source is intact: %r" % r)
+            check_eq(seq_digests(d1, "a"), want, "a on the source after the refused migrate")
+            to3 = "127.0.0.1:%d" % d3.admin_port
+            r = ctl(d1, "migrate", "--seq", "a", "--to", to3)
+            expect_rc(r, 1, "migrate to another geometry")
+            check("geometry_mismatch" in r.err and "the source is intact" in r.err, "%r" % r)
+            check(d3.seq("a") is None, "nothing on the other geometry")
+            r = ctl(d1, "migrate", "--seq", "a", "--to", "127.0.0.1:1")
+            expect_rc(r, 2, "migrate to nowhere")
+            check("the source is intact" in r.err, "says so: %r" % r)
+            check_eq(seq_digests(d1, "a"), want, "a on the source after a failed migrate")
+            r = ctl(d1, "migrate", "--seq", "nobody", "--to", to)
+            expect_rc(r, 1, "migrate of an unknown sequence")
+            check("nothing changed" in r.err and "404 unknown_sequence" in r.err, "%r" % r)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 if __name__ == "__main__":
     h.main([test_status_and_seq, test_token_and_checksum, test_dump_and_verify,
-            test_dump_empty_layers, test_dump_gapped_layers, test_token_file, test_no_daemon, test_readme_snippet])
+            test_dump_empty_layers, test_dump_gapped_layers, test_token_file, test_no_daemon, test_readme_snippet,
+            test_snapshot_restore_migrate])

@@ -15,7 +15,11 @@
  * garbage first, and the whole of every buffer must equal the model's image: the records in their
  * blocks and offsets, the ring rows, and nothing else changed. Refused launches must leave every
  * buffer as it was. The indexer is compared with a brute-force selection, and on constructed
- * records for ties and the ReLU. Thread counts and kernel levels must not change a byte.
+ * records for ties and the ReLU. Thread counts and kernel levels must not change a byte. The
+ * indexer's vector levels are also held against the scalar level's functions directly: q^ bit for
+ * bit over every input magnitude the wire allows (meeting the e2m1 ties), and the scores bit for
+ * bit over runs at every lane offset and tail length, 1 to 128 heads, with ties across lanes.
+ * Batches smaller than the thread count score in pieces, which must select the same entries.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -1333,46 +1337,66 @@ static void test_indexer_all_visible(void **state) {
   ix_close(&x);
 }
 
-/* More visible entries than topk: the brute-force selection, with 64 heads and with 5, and the
- * same selection from 1, 2 and 4 threads. */
+/* Sets every backend's kernel level; 0 when this machine lacks it. */
+static int set_level(dsv4_backend_t **be, int n, int isa) {
+  for (int i = 0; i < n; i++)
+    if (dsv4__cpu_backend_set_isa(be[i], isa) != 0)
+      return 0;
+  return 1;
+}
+
+/*
+ * More visible entries than topk: the brute-force selection, with 64 heads and with 5, 17 and 128
+ * (partial quads and groups of heads), and the same selection from 1, 2 and 4 threads at every
+ * kernel level. Segment B's entries start at 9 (not a multiple of the vector levels' 16 lanes) and
+ * the tokens see every count of entries from 25 to 50.
+ */
 static void test_indexer_brute_force(void **state) {
   (void)state;
   static const uint32_t topks[] = {8, 20, 36};
-  static const uint32_t heads[] = {64, 5};
-  for (int hi = 0; hi < 2; hi++) {
+  static const uint32_t heads[] = {64, 5, 17, 128};
+  for (int hi = 0; hi < 4; hi++) {
     ix_t x;
     ix_open(&x, 2, heads[hi]);
-    dsv4_backend_t *others[2];
+    dsv4_backend_t *be[3] = {x.fx.be, NULL, NULL};
     dsv4_backend_options_t o1 = {.threads = 1}, o4 = {.threads = 4};
     char why[256];
-    assert_int_equal(dsv4_backend_open("cpu", &o1, &others[0], why, sizeof(why)), 0);
-    assert_int_equal(dsv4_backend_open("cpu", &o4, &others[1], why, sizeof(why)), 0);
+    assert_int_equal(dsv4_backend_open("cpu", &o1, &be[1], why, sizeof(why)), 0);
+    assert_int_equal(dsv4_backend_open("cpu", &o4, &be[2], why, sizeof(why)), 0);
     for (int ki = 0; ki < 3; ki++) {
       const uint32_t topk = topks[ki];
       size_t bytes = (size_t)x.last.n * topk * sizeof(int32_t);
       int32_t *sel = xmalloc(bytes), *sel2 = xmalloc(bytes);
       dsv4_indexer_args_t a = iargs(&x.fx, &x.last, topk, sel);
-      assert_int_equal(x.fx.be->ops->indexer(x.fx.be, &a), 0);
+      assert_true(set_level(be, 3, DSV4__CPU_ISA_SCALAR));
+      assert_int_equal(be[0]->ops->indexer(be[0], &a), 0);
       expect_selection(&x.fx, &a, "brute force");
-      for (int oi = 0; oi < 2; oi++) {
-        memset(sel2, 0x55, bytes);
-        a.sel = sel2;
-        assert_int_equal(others[oi]->ops->indexer(others[oi], &a), 0);
-        assert_memory_equal(sel, sel2, bytes);
+      for (int isa = DSV4__CPU_ISA_SCALAR; isa < DSV4__CPU_ISA_COUNT; isa++) {
+        if (!set_level(be, 3, isa))
+          continue;
+        for (int bi = 0; bi < 3; bi++) {
+          memset(sel2, 0x55, bytes);
+          a.sel = sel2;
+          assert_int_equal(be[bi]->ops->indexer(be[bi], &a), 0);
+          if (memcmp(sel, sel2, bytes) != 0)
+            fail_msg("brute force, %u heads, topk %u: level %s, backend %d differs from scalar",
+                     heads[hi], topk, dsv4__cpu_isa_name(isa), bi);
+        }
       }
       free(sel);
       free(sel2);
     }
-    dsv4_backend_close(others[0]);
-    dsv4_backend_close(others[1]);
+    dsv4_backend_close(be[1]);
+    dsv4_backend_close(be[2]);
     ix_close(&x);
   }
 }
 
 /*
- * Constructed index records for ties: head 0 weighs 1, head 1 weighs 0. Entries holding R, the
- * MXFP4 form of head 0's own q^, score w * |q^|^2 > 0; zero records score +0; -R scores +0 too
- * (the ReLU). The selection must take the positive ones, then the lowest entries among the ties.
+ * Constructed index records for ties, at every kernel level: head 0 weighs 1, head 1 weighs 0.
+ * Entries holding R, the MXFP4 form of head 0's own q^, score w * |q^|^2 > 0; zero records score
+ * +0; -R scores +0 too (the ReLU). The selection must take the positive ones, then the lowest
+ * entries among the ties.
  */
 static void test_indexer_ties(void **state) {
   (void)state;
@@ -1406,7 +1430,11 @@ static void test_indexer_ties(void **state) {
       {"four equal positive scores for three places", 3, {2, 5, 11, 17}, 0, {2, 5, 11}},
   };
   int32_t sel[5];
-  for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+  for (size_t n = 0; n < DSV4__CPU_ISA_COUNT * sizeof(cases) / sizeof(cases[0]); n++) {
+    const size_t c = n % (sizeof(cases) / sizeof(cases[0]));
+    const int isa = (int)(n / (sizeof(cases) / sizeof(cases[0])));
+    if (!set_level(&fx.be, 1, isa))
+      continue;
     for (int j = 0; j < 20; j++) {
       int32_t blk = A.blocks[j / 16];
       uint8_t *ib = fx.i_cache + (uint64_t)blk * DSV4_INDEX_BLOCK_BYTES(16);
@@ -1425,7 +1453,8 @@ static void test_indexer_ties(void **state) {
     assert_int_equal(fx.be->ops->indexer(fx.be, &a), 0);
     for (uint32_t k = 0; k < cases[c].topk; k++)
       if (sel[k] != cases[c].want[k])
-        fail_msg("%s: sel[%u] = %d, want %d", cases[c].what, k, sel[k], cases[c].want[k]);
+        fail_msg("%s (%s): sel[%u] = %d, want %d", cases[c].what, dsv4__cpu_isa_name(isa), k,
+                 sel[k], cases[c].want[k]);
     expect_selection(&fx, &a, cases[c].what);
   }
   cbatch_free(&b);
@@ -1511,15 +1540,413 @@ static void test_indexer_refused(void **state) {
   ix_close(&x);
 }
 
+/* ---- the vector levels of the indexer against the scalar level's functions ---- */
+
+static const int vector_levels[] = {DSV4__CPU_ISA_AVX2, DSV4__CPU_ISA_AVX512};
+
+static void *xalloc64(size_t n) {
+  void *p = aligned_alloc(64, (n + 63) / 64 * 64);
+  assert_non_null(p);
+  return p;
+}
+
+static void level_queries(int isa, const uint16_t *iq, uint32_t heads, const float *cs, float *qt) {
+#if defined(__x86_64__)
+  if (isa == DSV4__CPU_ISA_AVX512)
+    dsv4__cpu_index_queries_avx512(iq, heads, cs, qt);
+  else
+    dsv4__cpu_index_queries_avx2(iq, heads, cs, qt);
+#else
+  (void)isa, (void)iq, (void)heads, (void)cs, (void)qt;
+  fail_msg("no vector levels on this machine");
+#endif
+}
+
+static void level_scan(int isa, const dsv4__cpu_index_scan_t *scan) {
+#if defined(__x86_64__)
+  if (isa == DSV4__CPU_ISA_AVX512)
+    dsv4__cpu_index_scan_avx512(scan);
+  else
+    dsv4__cpu_index_scan_avx2(scan);
+#else
+  (void)isa, (void)scan;
+  fail_msg("no vector levels on this machine");
+#endif
+}
+
+/*
+ * One head's iq by kind: 0 random values up to 2^8; 1 every bf16 exponent from zero and subnormals
+ * to 2^31 (just under the wire's bound 2^32), zeros and negative zeros among them; 2 zeros but for
+ * two unrotated dims, so the 128 outputs of the Hadamard transform take only two magnitudes.
+ */
+static void query_inputs(uint16_t *iq, int kind) {
+  for (int d = 0; d < 128; d++) {
+    if (kind == 0)
+      iq[d] = dsv4_f32_to_bf16(ldexpf(rnd_unit(), (int)(rng() % 9)));
+    else if (kind == 1)
+      iq[d] = (uint16_t)((rng() & 0x807fu) | ((rng() % 159) << 7));
+    else
+      iq[d] = 0;
+  }
+  if (kind == 1)
+    iq[rng() % 128] = 0x8000;
+  if (kind == 2) {
+    iq[rng() % 64] = dsv4_f32_to_bf16((float)(rng() % 64 + 1) * 0.5f);
+    iq[rng() % 64] = dsv4_f32_to_bf16(-(float)(rng() % 64 + 1) * 0.5f);
+  }
+}
+
+/* The e2m1 ties (0.25, 0.75, ... 5 after the block's scaling) that dsv4_index_query meets. */
+static int query_ties(const uint16_t *iq, const float *cs) {
+  float x[128];
+  int ties = 0;
+  for (int d = 0; d < 128; d++)
+    x[d] = dsv4_bf16_to_f32(iq[d]);
+  dsv4_index_rope(x, cs);
+  dsv4_hadamard128(x);
+  for (int b = 0; b < 4; b++) {
+    float amax = u2f(DSV4_MXFP4_AMAX_FLOOR_BITS);
+    for (int k = 0; k < 32; k++)
+      amax = fabsf(x[32 * b + k]) > amax ? fabsf(x[32 * b + k]) : amax;
+    int e = dsv4_mxfp4_exponent(amax);
+    for (int k = 0; k < 32; k++) {
+      float t = fabsf(ldexpf(x[32 * b + k], -e));
+      ties += t == 0.25f || t == 0.75f || t == 1.25f || t == 1.75f || t == 2.5f || t == 3.5f ||
+              t == 5.0f;
+    }
+  }
+  return ties;
+}
+
+/*
+ * q^ of every vector level equals dsv4_index_query's (the scalar level's) bit for bit, head by
+ * head, for head counts that leave partial groups of 8 and 16, inputs of every magnitude the wire
+ * allows, and three RoPE rows; the heads past the last up to a multiple of 16 are zero. The inputs
+ * meet the e2m1 ties (counted, so the test knows it covers them).
+ */
+static void test_index_queries_levels(void **state) {
+  (void)state;
+  static const uint32_t heads[] = {1, 5, 8, 9, 16, 17, 31, 64, 128};
+  static const int64_t positions[] = {0, 4711, 1000003};
+  float inv_freq[DSV4_ROPE_PAIRS];
+  dsv4_rope_table_t *rope;
+  dsv4_rope_inv_freq(&dsv4_rope_yarn_default, inv_freq);
+  assert_int_equal(dsv4_rope_table_create(inv_freq, DSV4_MAX_POSITION_DEFAULT, &rope), 0);
+  assert_int_equal(dsv4_rope_table_ensure(rope, positions, 3), 0);
+  uint16_t *iq = xmalloc(128 * 128 * sizeof(uint16_t));
+  float *qt = xalloc64(128 * 128 * sizeof(float)), want[128];
+  int ties = 0, ran = 0;
+  for (size_t li = 0; li < 2; li++) {
+    const int isa = vector_levels[li];
+    if (!dsv4__cpu_isa_supported(isa))
+      continue;
+    for (size_t hi = 0; hi < sizeof(heads) / sizeof(heads[0]); hi++)
+      for (int kind = 0; kind < 3; kind++)
+        for (int pi = 0; pi < 3; pi++) {
+          const float *cs = dsv4_rope_table_row(rope, positions[pi]);
+          const uint32_t padded = (heads[hi] + 15) / 16 * 16;
+          for (uint32_t h = 0; h < heads[hi]; h++)
+            query_inputs(iq + 128 * h, kind);
+          memset(qt, 0x7f, padded * 128 * sizeof(float));
+          level_queries(isa, iq, heads[hi], cs, qt);
+          ran++;
+          for (uint32_t h = 0; h < padded; h++) {
+            if (h < heads[hi]) {
+              dsv4_index_query(iq + 128 * h, cs, want);
+              ties += query_ties(iq + 128 * h, cs);
+            } else {
+              memset(want, 0, sizeof(want));
+            }
+            for (int d = 0; d < 128; d++) {
+              float got = qt[(h / 16) * 16 * 128 + 16 * d + h % 16];
+              if (f2u(got) != f2u(want[d]))
+                fail_msg("%s q^, %u heads, kind %d, position %lld: head %u dim %d is %a, want %a",
+                         dsv4__cpu_isa_name(isa), heads[hi], kind, (long long)positions[pi], h, d,
+                         (double)got, (double)want[d]);
+            }
+          }
+        }
+  }
+  if (ran)
+    assert_true(ties > 100);
+  free(iq);
+  free(qt);
+  dsv4_rope_table_destroy(rope);
+}
+
+/* Index blocks of bs 64 holding random records: codes around 127, and runs of equal records (and
+ * of zero records) whose scores tie across lanes. */
+static uint8_t *scan_records(uint32_t n_blocks) {
+  const size_t bb = DSV4_INDEX_BLOCK_BYTES(64);
+  uint8_t *cache = xmalloc(n_blocks * bb);
+  for (uint32_t j = 0; j < 64 * n_blocks; j++) {
+    uint8_t *blk = cache + (j / 64) * bb, *vals = blk + 64 * (j % 64);
+    uint8_t *codes = blk + 64 * 64 + 4 * (j % 64);
+    if (j % 37 >= 30) {
+      /* A run of 7 copies of entry j - 1 (or zeros), across the groups of 16. */
+      uint32_t src = j - 1;
+      const uint8_t *sb = cache + (src / 64) * bb;
+      memcpy(vals, sb + 64 * (src % 64), 64);
+      memcpy(codes, sb + 64 * 64 + 4 * (src % 64), 4);
+      if (j % 74 >= 67)
+        memset(vals, 0, 64);
+      continue;
+    }
+    fill_bytes(vals, 64);
+    for (int b = 0; b < 4; b++)
+      codes[b] = (uint8_t)(120 + rng() % 14);
+  }
+  return cache;
+}
+
+/* The scalar level's score of entry j (dsv4-compress.h's functions, in cpu_compress.c's order). */
+static float scan_want(const uint8_t *cache, uint32_t j, const float *qhat, const float *w,
+                       uint32_t heads) {
+  const uint8_t *blk = cache + (j / 64) * DSV4_INDEX_BLOCK_BYTES(64);
+  float k[128], acc = 0.0f;
+  dsv4_mxfp4_dequant128(blk + 64 * (j % 64), blk + 64 * 64 + 4 * (j % 64), k);
+  for (uint32_t h = 0; h < heads; h++)
+    acc = dsv4_index_score_add(w[h], dsv4_dot128(qhat + 128 * h, k), acc);
+  return acc;
+}
+
+/*
+ * The scores of every vector level equal the scalar level's bit for bit: runs that start at every
+ * lane offset of a group (lead) and hold 1 to 447 entries (so every tail length of the groups of
+ * 16 and of the AVX-512 passes of 64), 1 to 128 heads (partial quads), over records with ties
+ * across lanes. No score outside the run is written.
+ */
+static void test_index_scan_levels(void **state) {
+  (void)state;
+  static const uint32_t heads[] = {1, 3, 4, 5, 16, 17, 64, 128};
+  static const uint32_t runs[][2] = {{0, 1},  {0, 16},  {0, 17}, {5, 11}, {5, 12},  {15, 1},
+                                     {15, 2}, {9, 100}, {0, 64}, {1, 63}, {3, 200}, {0, 447}};
+  const uint32_t n_blocks = 8;
+  uint8_t *cache = scan_records(n_blocks);
+  uint16_t *iq = xmalloc(128 * 128 * sizeof(uint16_t));
+  float *qhat = xmalloc(128 * 128 * sizeof(float)), *w = xmalloc(128 * sizeof(float));
+  float *qt = xalloc64(128 * 128 * sizeof(float));
+  float *work = xalloc64(DSV4__CPU_INDEX_WORK_FLOATS * sizeof(float));
+  float *scores = xmalloc(512 * sizeof(float));
+  dsv4__cpu_index_group_t groups[40];
+  float cs[64];
+  for (int i = 0; i < 64; i++)
+    cs[i] = i < 32 ? 1.0f : 0.0f;
+  for (uint32_t h = 0; h < 128; h++) {
+    query_inputs(iq + 128 * h, 0);
+    dsv4_index_query(iq + 128 * h, cs, qhat + 128 * h);
+    w[h] = rnd_unit() * u2f(DSV4_INDEX_W_SCALE_BITS);
+  }
+  for (size_t li = 0; li < 2; li++) {
+    const int isa = vector_levels[li];
+    if (!dsv4__cpu_isa_supported(isa))
+      continue;
+    for (size_t hi = 0; hi < sizeof(heads) / sizeof(heads[0]); hi++) {
+      level_queries(isa, iq, heads[hi], cs, qt);
+      for (size_t ri = 0; ri < sizeof(runs) / sizeof(runs[0]); ri++) {
+        const uint32_t lead = runs[ri][0], n = runs[ri][1], e0 = 64 + lead;
+        for (uint32_t g = 0; 16 * g < lead + n; g++) {
+          uint32_t j = 64 + 16 * g;
+          const uint8_t *blk = cache + (j / 64) * DSV4_INDEX_BLOCK_BYTES(64);
+          groups[g].vals = blk + 64 * (j % 64);
+          groups[g].codes = blk + 64 * 64 + 4 * (j % 64);
+        }
+        memset(scores, 0x55, 512 * sizeof(float));
+        dsv4__cpu_index_scan_t scan = {.qt = qt,
+                                       .w = w,
+                                       .n_heads = heads[hi],
+                                       .groups = groups,
+                                       .lead = lead,
+                                       .n = n,
+                                       .scores = scores,
+                                       .work = work};
+        level_scan(isa, &scan);
+        for (uint32_t i = 0; i < 512; i++) {
+          float want = i < n ? scan_want(cache, e0 + i, qhat, w, heads[hi]) : u2f(0x55555555u);
+          if (f2u(scores[i]) != f2u(want))
+            fail_msg("%s scan, %u heads, lead %u, %u entries: score %u is %a, want %a",
+                     dsv4__cpu_isa_name(isa), heads[hi], lead, n, i, (double)scores[i],
+                     (double)want);
+        }
+      }
+    }
+  }
+  free(cache);
+  free(iq);
+  free(qhat);
+  free(w);
+  free(qt);
+  free(work);
+  free(scores);
+}
+
+static void level_pool(int isa, const dsv4__cpu_pool_row_t *rows, uint32_t n, uint32_t channels,
+                       float *z) {
+#if defined(__x86_64__)
+  if (isa == DSV4__CPU_ISA_AVX512)
+    dsv4__cpu_pool_rows_avx512(rows, n, channels, z);
+  else
+    dsv4__cpu_pool_rows_avx2(rows, n, channels, z);
+#else
+  (void)isa, (void)rows, (void)n, (void)channels, (void)z;
+  fail_msg("no vector levels on this machine");
+#endif
+}
+
+/*
+ * The pooled z of every vector level equals dsv4_pool_channel's (the scalar level's) bit for bit,
+ * before any rounding to bf16 hides a difference: 1 to 128 rows, rows of this batch (score plus
+ * ape) mixed with ring rows, scores spread so that some weights underflow to zero and some rows
+ * tie for the max, at the 512 and 128 channels of the two compressors.
+ */
+static void test_pool_rows_levels(void **state) {
+  (void)state;
+  static const uint32_t ns[] = {1, 2, 3, 7, 8, 64, 127, 128};
+  float *kv = xmalloc(128 * 512 * sizeof(float)), *sc = xmalloc(128 * 512 * sizeof(float));
+  float *ape = xmalloc(128 * 512 * sizeof(float)), z[512], s1[128], kv1[128];
+  dsv4__cpu_pool_row_t rows[128];
+  for (size_t i = 0; i < 128 * 512; i++) {
+    kv[i] = ldexpf(rnd_unit(), (int)(rng() % 20) - 10);
+    sc[i] = rnd_unit() * (i % 3 ? 8.0f : 120.0f);
+    ape[i] = rnd_unit();
+  }
+  for (int c = 0; c < 512; c += 5)
+    sc[512 * 3 + c] = sc[c]; /* rows 0 and 3 tie for the max in some channels */
+  for (size_t li = 0; li < 2; li++) {
+    const int isa = vector_levels[li];
+    if (!dsv4__cpu_isa_supported(isa))
+      continue;
+    for (size_t ni = 0; ni < sizeof(ns) / sizeof(ns[0]); ni++)
+      for (uint32_t channels = 128; channels <= 512; channels += 384) {
+        const uint32_t n = ns[ni];
+        for (uint32_t k = 0; k < n; k++)
+          rows[k] = (dsv4__cpu_pool_row_t){
+              .kv = kv + 512 * k, .s = sc + 512 * k, .ape = k % 3 == 1 ? NULL : ape + 512 * k};
+        memset(z, 0x55, sizeof(z));
+        level_pool(isa, rows, n, channels, z);
+        for (uint32_t c = 0; c < 512; c++) {
+          for (uint32_t k = 0; k < n; k++) {
+            s1[k] = rows[k].ape ? rows[k].s[c] + rows[k].ape[c] : rows[k].s[c];
+            kv1[k] = rows[k].kv[c];
+          }
+          float want = c < channels ? dsv4_pool_channel(s1, kv1, (dsv4_i32)n) : u2f(0x55555555u);
+          if (f2u(z[c]) != f2u(want))
+            fail_msg("%s pooling, %u rows, %u channels: z[%u] is %a, want %a",
+                     dsv4__cpu_isa_name(isa), n, channels, c, (double)z[c], (double)want);
+        }
+      }
+  }
+  free(kv);
+  free(sc);
+  free(ape);
+}
+
+/*
+ * Decode batches smaller than the thread count score each token in pieces (more than 1024 visible
+ * entries), and larger ones token by token: both give the brute-force selection at every level.
+ * Two sequences see 1141 entries from entry 37 (not a multiple of 16) and 1101 from entry 0, with
+ * 17 heads of positive weights. Six records in ten are zero, so fewer than 512 entries score above
+ * zero and the 512th place falls inside the tie at zero, which spans lanes, groups and pieces: the
+ * lower entries must win (checked: some zero records are selected and some are not).
+ */
+static void test_indexer_pieces(void **state) {
+  (void)state;
+  cfx_t fx;
+  cfx_open(&fx, 4, 64, 40, 4);
+  const uint32_t topk = 512, heads = 17, lbs[2] = {19, 18};
+  uint8_t *records = scan_records(19);
+  uint8_t zero[19 * 64];
+  for (uint32_t j = 0; j < 19 * 64; j++) {
+    zero[j] = (uint8_t)(((j * 2654435761u) >> 7) % 10 < 6);
+    if (zero[j])
+      memset(records + (j / 64) * DSV4_INDEX_BLOCK_BYTES(64) + 64 * (j % 64), 0, 64);
+  }
+  int64_t positions[2] = {4711, 4403}, seg_p0[2] = {148, 0}, first_lb[2] = {0, 0};
+  int32_t tok_seg[2] = {0, 1}, table[37];
+  uint32_t bt_off[2] = {0, 19}, bt_len[2] = {19, 18};
+  for (uint32_t s = 0, i = 0; s < 2; s++)
+    for (uint32_t lb = 0; lb < lbs[s]; lb++, i++) {
+      table[i] = fx.free_ids[--fx.n_free];
+      memcpy(fx.i_cache + (uint64_t)table[i] * DSV4_INDEX_BLOCK_BYTES(64),
+             records + (size_t)lb * DSV4_INDEX_BLOCK_BYTES(64), DSV4_INDEX_BLOCK_BYTES(64));
+    }
+  assert_int_equal(dsv4_rope_table_ensure(fx.rope, positions, 2), 0);
+  cbatch_t b = {.n = 2, .n_segs = 2};
+  cbatch_index_inputs(&b, heads);
+  for (uint32_t i = 0; i < 2 * heads; i++)
+    b.iw[i] = fabsf(b.iw[i]) + 0.125f;
+  dsv4_indexer_args_t a = {.n_tokens = 2,
+                           .n_segments = 2,
+                           .topk = topk,
+                           .n_heads = heads,
+                           .w_scale = u2f(DSV4_INDEX_W_SCALE_BITS),
+                           .positions = positions,
+                           .tok_seg = tok_seg,
+                           .seg_p0 = seg_p0,
+                           .iq = b.iq,
+                           .iw = b.iw,
+                           .rope = fx.rope,
+                           .seg_c_first_lb = first_lb,
+                           .seg_cbt_off = bt_off,
+                           .seg_cbt_len = bt_len,
+                           .c_block_table = table,
+                           .c_bt_entries = 37,
+                           .i_cache = fx.i_cache,
+                           .c_n_blocks = fx.n_blocks,
+                           .block_size = 64};
+  int32_t *sel = xmalloc(2 * topk * sizeof(int32_t));
+  dsv4_backend_t *be[2] = {fx.be, NULL};
+  dsv4_backend_options_t o1 = {.threads = 1};
+  char why[256];
+  assert_int_equal(dsv4_backend_open("cpu", &o1, &be[1], why, sizeof(why)), 0);
+  for (int isa = DSV4__CPU_ISA_SCALAR; isa < DSV4__CPU_ISA_COUNT; isa++) {
+    if (!set_level(be, 2, isa))
+      continue;
+    for (uint32_t n_tokens = 1; n_tokens <= 2; n_tokens++)
+      for (int bi = 0; bi < 2; bi++) {
+        a.n_tokens = n_tokens;
+        a.sel = sel;
+        memset(sel, 0x55, 2 * topk * sizeof(int32_t));
+        assert_int_equal(be[bi]->ops->indexer(be[bi], &a), 0);
+        expect_selection(&fx, &a, bi ? "one thread" : "pieces");
+        for (uint32_t t = 0; t < n_tokens; t++) {
+          uint32_t taken = 0, all = 0;
+          for (uint32_t k = 0; k < topk; k++)
+            taken += zero[sel[t * topk + k]];
+          for (int64_t j = seg_p0[t] / 4; j < (positions[t] + 1) / 4; j++)
+            all += zero[j];
+          assert_true(taken > 0 && taken < all);
+        }
+      }
+  }
+  dsv4_backend_close(be[1]);
+  free(sel);
+  free(records);
+  free(b.iq);
+  free(b.iw);
+  cfx_close(&fx);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_e2m1_ties),           cmocka_unit_test(test_mxfp4_exponent),
-      cmocka_unit_test(test_mxfp4_blocks),        cmocka_unit_test(test_hadamard),
-      cmocka_unit_test(test_reductions),          cmocka_unit_test(test_pool_channel),
-      cmocka_unit_test(test_compress_ratio4),     cmocka_unit_test(test_compress_ratio128),
-      cmocka_unit_test(test_compress_hand),       cmocka_unit_test(test_compress_refused),
-      cmocka_unit_test(test_indexer_all_visible), cmocka_unit_test(test_indexer_brute_force),
-      cmocka_unit_test(test_indexer_ties),        cmocka_unit_test(test_indexer_refused),
+      cmocka_unit_test(test_e2m1_ties),
+      cmocka_unit_test(test_mxfp4_exponent),
+      cmocka_unit_test(test_mxfp4_blocks),
+      cmocka_unit_test(test_hadamard),
+      cmocka_unit_test(test_reductions),
+      cmocka_unit_test(test_pool_channel),
+      cmocka_unit_test(test_compress_ratio4),
+      cmocka_unit_test(test_compress_ratio128),
+      cmocka_unit_test(test_compress_hand),
+      cmocka_unit_test(test_compress_refused),
+      cmocka_unit_test(test_indexer_all_visible),
+      cmocka_unit_test(test_indexer_brute_force),
+      cmocka_unit_test(test_indexer_ties),
+      cmocka_unit_test(test_indexer_refused),
+      cmocka_unit_test(test_index_queries_levels),
+      cmocka_unit_test(test_index_scan_levels),
+      cmocka_unit_test(test_pool_rows_levels),
+      cmocka_unit_test(test_indexer_pieces),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

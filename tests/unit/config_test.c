@@ -116,6 +116,7 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.idle_timeout_ms, 60000);
   assert_int_equal(cfg.write_timeout_ms, 30000);
   assert_int_equal(cfg.drain_timeout_ms, 30000);
+  assert_string_equal(cfg.snapshot_dir, "");
   assert_string_equal(cfg.log_level, "info");
   assert_string_equal(cfg.config_file, "");
   /* Layers 0..42 of the built-in V4-Flash model, not its MTP layer 43. */
@@ -368,6 +369,20 @@ static void test_kv_norm(void **state) {
   expect_ok(&cfg, (const char *const[]){"--kv-norm", "fused", "--kv-norm-weights", w, NULL}, NULL);
   assert_string_equal(cfg.kv_norm, "fused");
   assert_string_equal(cfg.kv_norm_weights, w);
+  dsv4_config_free(&cfg);
+}
+
+static void test_snapshot_dir(void **state) {
+  (void)state;
+  dsv4_config_t cfg;
+  /* A directory that is not there, or a file, is refused at start rather than at the drain. */
+  expect_error((const char *const[]){"--snapshot-dir", "/nonexistent/snap", NULL}, NULL,
+               "snapshot_dir", "/nonexistent/snap", "writable directory", NULL);
+  const char *f = write_file("not-a-dir", "x");
+  expect_error((const char *const[]){"--snapshot-dir", f, NULL}, NULL, "snapshot_dir", NULL);
+  expect_ok(&cfg, (const char *const[]){"--snapshot-dir", tmpdir, NULL}, NULL);
+  assert_string_equal(cfg.snapshot_dir, tmpdir);
+  assert_string_equal(dsv4_config_source(&cfg, "snapshot_dir"), "cli");
   dsv4_config_free(&cfg);
 }
 
@@ -820,6 +835,7 @@ int main(void) {
       cmocka_unit_test(test_heads_and_offsets),
       cmocka_unit_test(test_derived_body_limit),
       cmocka_unit_test(test_kv_norm),
+      cmocka_unit_test(test_snapshot_dir),
       cmocka_unit_test(test_help_version_json),
       cmocka_unit_test(test_model_builtin_flash),
       cmocka_unit_test(test_model_flash_json_equals_builtin),

@@ -103,6 +103,48 @@ static void test_record_read(void **state) {
 }
 
 /* A snapshot of positions first_lb*bs .. over the given block ids (-1 a hole). */
+static void test_records_scatter(void **state) {
+  (void)state;
+  const uint32_t bs = 16;
+  const size_t stride = DSV4_BLOCK_STRIDE(bs);
+  uint8_t *blk = random_layer(1, stride);
+  uint8_t recs[3 * DSV4_RECORD_BYTES], back[3 * DSV4_RECORD_BYTES];
+  for (size_t i = 0; i < sizeof(recs); i++)
+    recs[i] = rbyte();
+  /* Three records at offsets 5..7, then read back through the one reader. */
+  dsv4_records_scatter(recs, DSV4_RECORD_BYTES, 3, blk + DSV4_TOKEN_DATA_OFFSET(5),
+                       blk + DSV4_SCALE_OFFSET(bs, 5));
+  for (uint32_t i = 0; i < 3; i++)
+    dsv4_record_read(blk, bs, stride, 5 + i, back + (size_t)i * DSV4_RECORD_BYTES);
+  assert_memory_equal(back, recs, sizeof(recs));
+  free(blk);
+}
+
+static void test_record_implausible(void **state) {
+  (void)state;
+  uint8_t rec[DSV4_RECORD_BYTES];
+  memset(rec, 0x11, sizeof(rec));
+  for (int t = 0; t < DSV4_NTILES; t++)
+    rec[DSV4_TOKEN_DATA_BYTES + t] = (uint8_t)(105 + 20 * t);
+  rec[DSV4_TOKEN_DATA_BYTES + 7] = 0;
+  assert_null(dsv4_record_implausible(rec));
+  rec[DSV4_TOKEN_DATA_BYTES + 3] = 247;
+  assert_null(dsv4_record_implausible(rec));
+  rec[DSV4_TOKEN_DATA_BYTES + 3] = 248;
+  assert_non_null(dsv4_record_implausible(rec));
+  rec[DSV4_TOKEN_DATA_BYTES + 3] = 104;
+  assert_non_null(dsv4_record_implausible(rec));
+  rec[DSV4_TOKEN_DATA_BYTES + 3] = 200;
+  rec[DSV4_TOKEN_DATA_BYTES + 7] = 1;
+  assert_non_null(dsv4_record_implausible(rec));
+  rec[DSV4_TOKEN_DATA_BYTES + 7] = 0;
+  rec[447] = 0xff;
+  assert_non_null(dsv4_record_implausible(rec));
+  rec[447] = 0x7e; /* the largest finite e4m3 is fine; RoPE bytes may hold anything */
+  rec[448] = 0xff;
+  assert_null(dsv4_record_implausible(rec));
+}
+
 static dsv4_seq_info_t snapshot(int64_t first_lb, int32_t *blocks, uint32_t n, int64_t *next) {
   dsv4_seq_info_t in;
   memset(&in, 0, sizeof(in));
@@ -575,6 +617,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stride),
       cmocka_unit_test(test_record_read),
+      cmocka_unit_test(test_records_scatter),
+      cmocka_unit_test(test_record_implausible),
       cmocka_unit_test(test_seq_records_read),
       cmocka_unit_test(test_record_decode),
       cmocka_unit_test(test_hex),

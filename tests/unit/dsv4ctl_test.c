@@ -237,6 +237,23 @@ static void test_args_commands(void **state) {
   assert_int_equal(parse(&a, NULL, NULL, "verify", "--", "-odd-name", NULL), 0);
   assert_int_equal(a.cmd, DSV4_CTL_CMD_VERIFY);
   assert_string_equal(a.file, "-odd-name");
+
+  /* The commands that move a sequence. */
+  assert_int_equal(parse(&a, NULL, NULL, "snapshot", "--seq", "s", "-o", "f.st", NULL), 0);
+  assert_int_equal(a.cmd, DSV4_CTL_CMD_SNAPSHOT);
+  assert_string_equal(a.output, "f.st");
+  assert_int_equal(parse(&a, NULL, NULL, "restore", "--seq", "s", "f.st", NULL), 0);
+  assert_int_equal(a.cmd, DSV4_CTL_CMD_RESTORE);
+  assert_string_equal(a.file, "f.st");
+  assert_int_equal(a.replace, 0);
+  assert_int_equal(parse(&a, NULL, NULL, "restore", "f.st", "--replace", "--seq=s", NULL), 0);
+  assert_int_equal(a.replace, 1);
+  assert_int_equal(parse(&a, NULL, NULL, "migrate", "--seq", "s", "--to", "10.0.0.2:8401",
+                         "--to-token-file", "/t", NULL),
+                   0);
+  assert_int_equal(a.cmd, DSV4_CTL_CMD_MIGRATE);
+  assert_string_equal(a.to, "10.0.0.2:8401");
+  assert_string_equal(a.to_token_file, "/t");
 }
 
 static void test_args_errors(void **state) {
@@ -275,6 +292,21 @@ static void test_args_errors(void **state) {
   EXPECT_USAGE("verify takes no -o", "verify", "f", "-o", "g");
   EXPECT_USAGE("usage: verify FILE", "verify");
   EXPECT_USAGE("too many arguments", "verify", "a", "b", "c", "d", "e");
+  EXPECT_USAGE("snapshot needs -o", "snapshot", "--seq", "a");
+  EXPECT_USAGE("snapshot needs --seq", "snapshot", "-o", "f");
+  EXPECT_USAGE("a snapshot holds every layer", "snapshot", "--seq", "a", "-o", "f", "--layers",
+               "0-1");
+  EXPECT_USAGE("usage: restore --seq S FILE", "restore", "--seq", "a");
+  EXPECT_USAGE("restore needs --seq", "restore", "f");
+  EXPECT_USAGE("not a sequence name", "restore", "--seq", "a/b", "f");
+  EXPECT_USAGE("restore takes no -o", "restore", "--seq", "a", "f", "-o", "g");
+  EXPECT_USAGE("dump takes no --replace", "dump", "--seq", "a", "-o", "f", "--replace");
+  EXPECT_USAGE("migrate needs --to", "migrate", "--seq", "a");
+  EXPECT_USAGE("migrate takes no positional arguments", "migrate", "--seq", "a", "--to", "h:1",
+               "x");
+  EXPECT_USAGE("restore takes no --to", "restore", "--seq", "a", "f", "--to", "h:1");
+  EXPECT_USAGE("status takes no --to-token-file", "status", "--to-token-file", "t");
+  EXPECT_USAGE("--replace takes no value", "restore", "--seq", "a", "f", "--replace=1");
 }
 
 /* ---- views --------------------------------------------------------------------------------- */
@@ -932,6 +964,8 @@ static struct {
   script_t script[4];
   int n;
   char request[4096]; /* the last request's head */
+  char body[4096];    /* and its body (up to Content-Length, at most this much) */
+  size_t body_len;
 } srv;
 
 static void *serve(void *arg) {
@@ -949,6 +983,22 @@ static void *serve(void *arg) {
       srv.request[got] = '\0';
       if (strstr(srv.request, "\r\n\r\n"))
         break;
+    }
+    /* A body announced by Content-Length is read whole before the answer, as the daemon does. */
+    char *end = strstr(srv.request, "\r\n\r\n"), *cl = strstr(srv.request, "Content-Length: ");
+    srv.body_len = 0;
+    if (end && cl && cl < end) {
+      size_t want = (size_t)strtoul(cl + 16, NULL, 10),
+             have = got - (size_t)(end + 4 - srv.request);
+      want = want < sizeof(srv.body) ? want : sizeof(srv.body);
+      memcpy(srv.body, end + 4, have < want ? have : want);
+      srv.body_len = have < want ? have : want;
+      while (srv.body_len < want) {
+        ssize_t n = read(fd, srv.body + srv.body_len, want - srv.body_len);
+        if (n <= 0)
+          break;
+        srv.body_len += (size_t)n;
+      }
     }
     const script_t *s = &srv.script[i];
     if (s->bytes) {
@@ -1136,6 +1186,53 @@ static void test_client_targets_and_token(void **state) {
   free(err);
 }
 
+static void test_client_restore(void **state) {
+  (void)state;
+  char *ok = json_answer("201 Created", "",
+                         "{\"instance\":\"0011\",\"seq\":\"r.1\",\"p0\":5,\"next\":{\"0\":308,"
+                         "\"1\":306},\"blocks\":3,\"replaced\":false,\"digests\":{\"0\":"
+                         "\"00000000000000aa\",\"1\":\"00000000000000bb\"}}");
+  char *bad = json_answer("400 Bad Request", "",
+                          "{\"error\":{\"code\":\"digest_mismatch\",\"message\":\"layer 1: the "
+                          "records hash to 1, the dump says 2\",\"layer\":1}}");
+  script_t s[2] = {{ok, strlen(ok), 0}, {bad, strlen(bad), 0}};
+  serve_start(2, s);
+  blob_t b = {(uint8_t *)strdup("not really a dump, the daemon checks it"), 39};
+  char *path = write_temp(&b);
+  char *out, *err;
+  assert_int_equal(
+      run_cmd(&out, &err, "--admin", admin_url(), "restore", "--seq", "r.1", path, NULL), 0);
+  assert_non_null(strstr(srv.request, "PUT /admin/v1/sequences/r.1 HTTP/1.1\r\n"));
+  assert_non_null(strstr(srv.request, "\r\nContent-Length: 39\r\n"));
+  assert_int_equal(srv.body_len, 39);
+  assert_memory_equal(srv.body, b.buf, 39);
+  assert_non_null(strstr(out, "restored r.1: p0 5, 3 blocks\n"));
+  assert_non_null(strstr(out, "1               306  00000000000000bb\n"));
+  free(out);
+  free(err);
+  assert_int_equal(run_cmd(&out, &err, "--admin", admin_url(), "restore", "--seq", "r.1", path,
+                           "--replace", NULL),
+                   1);
+  assert_non_null(strstr(srv.request, "PUT /admin/v1/sequences/r.1?replace=1 HTTP/1.1\r\n"));
+  assert_string_equal(err, "dsv4ctl: PUT /admin/v1/sequences/r.1?replace=1: 400 digest_mismatch: "
+                           "layer 1: the records hash to 1, the dump says 2\n");
+  free(out);
+  free(err);
+  serve_stop();
+  /* A file that is not there is refused before anything is sent. */
+  assert_int_equal(run_cmd(&out, &err, "--admin", admin_url(), "restore", "--seq", "r.1",
+                           "/nonexistent/r.st", NULL),
+                   2);
+  assert_non_null(strstr(err, "No such file"));
+  free(out);
+  free(err);
+  unlink(path);
+  free(path);
+  free(b.buf);
+  free(ok);
+  free(bad);
+}
+
 static void test_client_failures(void **state) {
   (void)state;
   /* Nothing listening: exit 2 naming the address. */
@@ -1301,6 +1398,7 @@ int main(void) {
       cmocka_unit_test(test_verify_exit_codes),
       cmocka_unit_test(test_client_json_and_errors),
       cmocka_unit_test(test_client_targets_and_token),
+      cmocka_unit_test(test_client_restore),
       cmocka_unit_test(test_client_failures),
       cmocka_unit_test(test_dump),
   };

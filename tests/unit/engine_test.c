@@ -21,6 +21,7 @@
 #include "engine-internal.h"
 #include "engine.h"
 #include "engine_admin.h"
+#include "engine_restore.h"
 #include "model.h"
 
 /* The backend under test: "cpu", or "cpu_staged" (the engine's device staging path) from argv[1].
@@ -36,6 +37,7 @@ typedef struct {
 } faulty_t;
 
 static int fail_next_insert;
+static int fail_next_upload;
 
 static dsv4_backend_t *inner_of(dsv4_backend_t *be) {
   return ((faulty_t *)be)->inner;
@@ -52,6 +54,10 @@ static void f_free(dsv4_backend_t *be, dsv4_devbuf_t *buf) {
 }
 static int f_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
                     size_t n) {
+  if (fail_next_upload) {
+    fail_next_upload = 0;
+    return DSV4_EBACKEND;
+  }
   return inner_of(be)->ops->upload(inner_of(be), dst, off, src, n);
 }
 static int f_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
@@ -726,6 +732,113 @@ static void test_chunked_prefill_matches_one_launch(void **state) {
   dsv4_engine_destroy(b);
 }
 
+/* ---- restore ---- */
+
+/* What a dump of sequence name on e holds: its state and the stored records of each served layer.
+ */
+typedef struct {
+  dsv4_seq_layer_state_t ls[2];
+  uint8_t *recs[2];
+  int64_t first;
+  uint64_t digest[2];
+} saved_t;
+
+static void save(dsv4_engine_t *e, const char *name, saved_t *sv) {
+  dsv4_seq_info_t info;
+  dsv4_seq_state_t st = {0, sv->ls};
+  uint32_t len = (uint32_t)strlen(name);
+  assert_int_equal(dsv4_engine_seq_info(e, name, len, &info), 0);
+  assert_int_equal(dsv4_engine_seq_state(e, name, len, &st), 0);
+  for (uint32_t i = 0; i < 2; i++) {
+    int64_t f, end;
+    assert_int_equal(dsv4_engine_seq_digest(e, i, &info, &sv->digest[i], &f, &end), 0);
+    sv->first = f;
+    sv->recs[i] = malloc((size_t)(end - f + 1) * DSV4_RECORD_BYTES);
+    assert_int_equal(dsv4_engine_read_records(e, i, &info, f, (uint32_t)(end - f), sv->recs[i]), 0);
+  }
+  dsv4_seq_info_free(&info);
+}
+
+static int restore(dsv4_engine_t *e, const char *name, const saved_t *sv, int replace,
+                   dsv4_engine_restore_result_t *res) {
+  const uint8_t *recs[2] = {sv->recs[0], sv->recs[1]};
+  dsv4_engine_restore_t r = {0, sv->first, sv->ls, recs};
+  return dsv4_engine_restore(e, name, (uint32_t)strlen(name), &r, replace, 1, res);
+}
+
+static void digests_of(dsv4_engine_t *e, const char *name, uint64_t d[2]) {
+  dsv4_seq_info_t info;
+  assert_int_equal(dsv4_engine_seq_info(e, name, (uint32_t)strlen(name), &info), 0);
+  for (uint32_t i = 0; i < 2; i++)
+    assert_int_equal(dsv4_engine_seq_digest(e, i, &info, &d[i], NULL, NULL), 0);
+  dsv4_seq_info_free(&info);
+}
+
+/* A sequence restored on another engine has the same digests and continues byte for byte; each
+ * refusal changes nothing; a device that fails while the records are written restores nothing. */
+static void test_restore(void **state) {
+  (void)state;
+  dsv4_engine_t *a = open_engine(backend), *b = open_engine("faulty");
+  dsv4_engine_restore_result_t res;
+  uint64_t da, db, d2[2];
+  saved_t sv;
+  /* Layer 0 runs ahead (150 then decode), so blocks before its window go; layer 2 stays at 0..99.
+   */
+  assert_int_equal(run1(a, 0, 1, "s", 0, 150, 1, NULL), 0);
+  assert_int_equal(run1(a, 2, 2, "s", 0, 100, 0, NULL), 0);
+  assert_int_equal(run1(a, 0, 3, "s", 150, 1, 0, NULL), 0);
+  save(a, "s", &sv);
+  /* Another sequence on b fills the pool but two blocks: s needs three. */
+  assert_int_equal(run1(b, 0, 4, "o", 0, 64 * (BLOCKS - 2), 1, NULL), 0);
+  assert_int_equal(restore(b, "s", &sv, 0, &res), DSV4_ENOSPC);
+  assert_int_equal(res.needed, 3);
+  assert_int_equal(res.free, 2);
+  assert_int_equal(dsv4_engine_sequences(b), 1);
+  int existed;
+  assert_int_equal(dsv4_engine_delete(b, "o", 1, &existed), 0);
+  /* On a device backend the records are uploaded: a failed upload restores nothing. */
+  if (strcmp(backend, "cpu") != 0) {
+    fail_next_upload = 1;
+    assert_int_equal(restore(b, "s", &sv, 0, &res), DSV4_EBACKEND);
+    assert_int_equal(dsv4_engine_sequences(b), 0);
+    assert_int_equal(dsv4_engine_blocks_free(b), BLOCKS);
+    assert_false(dsv4_engine_healthy(b));
+    dsv4_engine_destroy(b);
+    b = open_engine("faulty");
+  }
+  assert_int_equal(restore(b, "s", &sv, 0, &res), 0);
+  assert_int_equal(res.blocks, 3);
+  assert_false(res.replaced);
+  digests_of(b, "s", d2);
+  assert_memory_equal(d2, sv.digest, sizeof(d2));
+  assert_int_equal(restore(b, "s", &sv, 0, &res), DSV4_EEXIST);
+  assert_int_equal(restore(b, "s", &sv, 1, &res), 0);
+  assert_true(res.replaced);
+  assert_int_equal(dsv4_engine_blocks_free(b), BLOCKS - 3);
+  /* Records that do not reach back to the windows are refused. */
+  sv.first += 1;
+  assert_int_equal(restore(b, "t", &sv, 0, &res), DSV4_EINVAL);
+  sv.first -= 1;
+  /* The last segment replays, and the next batches are the same bytes on both engines. */
+  assert_int_equal(run1(b, 0, 3, "s", 150, 1, 0, &db), 0);
+  assert_int_equal(run1(a, 0, 3, "s", 150, 1, 0, &da), 0);
+  assert_int_equal(da, db);
+  for (int64_t p = 100; p < 151; p += 17) {
+    uint32_t n = p + 17 > 151 ? (uint32_t)(151 - p) : 17;
+    assert_int_equal(run1(a, 2, 10 + (uint64_t)p, "s", p, n, 0, &da), 0);
+    assert_int_equal(run1(b, 2, 10 + (uint64_t)p, "s", p, n, 0, &db), 0);
+    assert_int_equal(da, db);
+  }
+  digests_of(a, "s", sv.digest);
+  digests_of(b, "s", d2);
+  assert_memory_equal(d2, sv.digest, sizeof(d2));
+  assert_int_equal(dsv4_engine_blocks_free(a), dsv4_engine_blocks_free(b));
+  free(sv.recs[0]);
+  free(sv.recs[1]);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+}
+
 /* A chunked batch that fails validation or its plan never yields and changes nothing. */
 static void test_chunked_refusal_changes_nothing(void **state) {
   (void)state;
@@ -1095,6 +1208,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_refused_batch_changes_nothing),
       cmocka_unit_test(test_replay),
       cmocka_unit_test(test_device_failure_drops_batch),
+      cmocka_unit_test(test_restore),
       cmocka_unit_test(test_staged_matches_cpu),
       cmocka_unit_test(test_compressed_matches_cpu),
       cmocka_unit_test(test_chunked_prefill_matches_one_launch),

@@ -71,11 +71,14 @@ static void test_spec_table(void **state) {
   /* The data plane's connection limit. */
   expect(DSV4_ECONNLIMIT, 503, "too_many_connections");
   expect(DSV4_ESEQLIMIT, 503, "sequence_limit");
+  /* A restore's refusals of a dump (SPEC §6 PUT /admin/v1/sequences/{seq}). */
+  expect(DSV4_EDIGEST, 400, "digest_mismatch");
+  expect(DSV4_EGEOMETRY, 409, "geometry_mismatch");
 }
 
 static void test_outside_the_table(void **state) {
   (void)state;
-  const int others[] = {0, 1, -33, -1000, INT32_MIN, INT32_MAX};
+  const int others[] = {0, 1, -64, -1000, INT32_MIN, INT32_MAX};
   for (size_t i = 0; i < sizeof(others) / sizeof(others[0]); i++) {
     expect(others[i], 500, "internal_error");
     assert_string_equal(dsv4_strerror(others[i]), "unknown error");

@@ -119,7 +119,8 @@ if(TARGET dsv4_engine)
   set(DSV4_INV_ENGINE_DIR ${DSV4_INV_ROOT}/server/engine)
   add_library(dsv4_inv_engine_emit_late STATIC
     ${DSV4_INV_ENGINE_DIR}/engine.c ${DSV4_INV_ENGINE_DIR}/engine_admin.c
-    ${DSV4_INV_ENGINE_DIR}/engine_attn.c ${DSV4_INV_ENGINE_DIR}/engine_compress.c)
+    ${DSV4_INV_ENGINE_DIR}/engine_attn.c ${DSV4_INV_ENGINE_DIR}/engine_compress.c
+    ${DSV4_INV_ENGINE_DIR}/engine_restore.c)
   target_include_directories(dsv4_inv_engine_emit_late PUBLIC ${DSV4_INV_ENGINE_DIR}
                                                               ${XXHASH_INCLUDE_DIR})
   target_link_libraries(dsv4_inv_engine_emit_late PUBLIC dsv4_config dsv4_kvcache dsv4_kernels

@@ -765,6 +765,168 @@ static void test_foreach_and_many(void **state) {
   fx_close(&f);
 }
 
+/* ---- restore: state export and insert ---- */
+
+/* Take n blocks of f's pool for an insert (the caller's part of a restore). */
+static void take_blocks(fx_t *f, int32_t *ids, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t id;
+    assert_int_equal(dsv4_pool_alloc(&f->pool, &id), 0);
+    ids[i] = (int32_t)id;
+  }
+}
+
+static void test_state_insert_roundtrip(void **state) {
+  (void)state;
+  fx_t a, b;
+  fx_open(&a, 2, 16, 64);
+  fx_open(&b, 2, 16, 64);
+  /* Layer 0 well ahead of layer 1, so layer 1's window holds the release back; p0 = 5. */
+  assert_int_equal(step1(&a, 0, "s", 5, 100, 1, 11), 0);
+  assert_int_equal(step1(&a, 1, "s", 5, 60, 0, 12), 0);
+  assert_int_equal(step1(&a, 0, "s", 105, 150, 0, 13), 0);
+  assert_int_equal(step1(&a, 0, "s", 255, 1, 0, 14), 0);
+  dsv4_seq_layer_state_t ls[2];
+  dsv4_seq_state_t st = {0, ls};
+  assert_int_equal(dsv4_seqtable_state(a.st, "s", 1, &st), 0);
+  assert_int_equal(st.p0, 5);
+  assert_int_equal(ls[0].next, 256);
+  assert_int_equal(ls[0].last_start, 255);
+  assert_int_equal(ls[0].last_len, 1);
+  assert_int_equal(ls[0].last_hash, 14);
+  assert_int_equal(ls[1].next, 65);
+  assert_int_equal(ls[1].last_start, 5);
+  assert_int_equal(ls[1].last_hash, 12);
+  int64_t low;
+  assert_int_equal(dsv4_seqtable_state_low(&a.cfg, &st, &low), 0);
+  assert_int_equal(low, 5);
+  dsv4_seq_info_t ia, ib;
+  get_info(&a, "s", &ia);
+  assert_int_equal(ia.first_lb, 0);
+
+  int32_t ids[32];
+  take_blocks(&b, ids, ia.n_blocks_held);
+  dsv4_plan_error_t err;
+  assert_int_equal(
+      dsv4_seqtable_insert(b.st, "s", 1, &st, ia.first_lb, ids, ia.n_blocks_held, 0, 77, &err), 0);
+  get_info(&b, "s", &ib);
+  assert_int_equal(ib.p0, ia.p0);
+  assert_int_equal(ib.first_lb, ia.first_lb);
+  assert_int_equal(ib.n_blocks_held, ia.n_blocks_held);
+  assert_memory_equal(ib.next, ia.next, 2 * sizeof(int64_t));
+  assert_memory_equal(ib.last_start, ia.last_start, 2 * sizeof(int64_t));
+  assert_memory_equal(ib.blocks, ids, ia.n_blocks_held * sizeof(int32_t));
+  assert_int_equal(ib.last_used_ns, 77);
+  assert_int_equal(dsv4_seqtable_count(b.st), 1);
+  dsv4_seq_info_free(&ia);
+  dsv4_seq_info_free(&ib);
+
+  /* The last segment of each layer replays on the restored table as on the original. */
+  dsv4_seg_req_t r = seg("s", 255, 1, 0, 14);
+  assert_int_equal(dsv4_seqtable_plan(b.st, 0, &r, 1, 78, &b.plan), 0);
+  assert_true(b.plan.replay);
+  dsv4_seqtable_commit(b.st, &b.plan, 78);
+  /* The same next batches give the same release on both tables. */
+  for (int64_t p = 65; p < 256; p += 20) {
+    uint32_t n = p + 20 > 256 ? (uint32_t)(256 - p) : 20;
+    assert_int_equal(step1(&a, 1, "s", p, n, 0, 20), 0);
+    assert_int_equal(step1(&b, 1, "s", p, n, 0, 20), 0);
+    get_info(&a, "s", &ia);
+    get_info(&b, "s", &ib);
+    assert_int_equal(ib.first_lb, ia.first_lb);
+    assert_int_equal(ib.n_blocks_held, ia.n_blocks_held);
+    dsv4_seq_info_free(&ia);
+    dsv4_seq_info_free(&ib);
+  }
+  assert_int_equal(used(&b), used(&a));
+  fx_close(&a);
+  fx_close(&b);
+}
+
+static void test_insert_refusals(void **state) {
+  (void)state;
+  fx_t f;
+  fx_open(&f, 2, 16, 16);
+  dsv4_seq_layer_state_t ls[2] = {{40, 30, 10, 7}, {20, 20, 0, 0}};
+  dsv4_seq_state_t st = {20, ls};
+  dsv4_plan_error_t err;
+  int32_t ids[4];
+  take_blocks(&f, ids, 4);
+  uint32_t u = used(&f);
+  /* Layer 1 never wrote: its window is at p0 = 20 and holds block 1 on; next 40 ends in block 2. */
+  assert_int_equal(dsv4_seqtable_insert(f.st, ".x", 2, &st, 1, ids, 2, 0, 0, &err), DSV4_EINVAL);
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 0, ids, 3, 0, 0, &err), DSV4_EINVAL);
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 2, ids, 1, 0, 0, &err), DSV4_EINVAL);
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, ids, 1, 0, 0, &err), DSV4_EINVAL);
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, ids, 3, 0, 0, &err), DSV4_EINVAL);
+  ls[0].next = 41; /* start + len is not next */
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, ids, 2, 0, 0, &err), DSV4_EINVAL);
+  ls[0].next = 40;
+  ls[1].next = 21; /* a layer without a segment that moved */
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, ids, 2, 0, 0, &err), DSV4_EINVAL);
+  ls[1].next = 20;
+  ls[0].last_start = 19; /* a segment below p0 */
+  ls[0].last_len = 21;
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, ids, 2, 0, 0, &err), DSV4_EINVAL);
+  ls[0].last_start = 30;
+  ls[0].last_len = 10;
+  int32_t bad[2] = {ids[0], 15}; /* block 15 is not taken from the pool */
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, bad, 2, 0, 0, &err), DSV4_EINVAL);
+  assert_int_equal(dsv4_seqtable_count(f.st), 0);
+  assert_int_equal(used(&f), u);
+
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, ids, 2, 0, 0, &err), 0);
+  /* An existing name: refused without replace, nothing changes; with it, the old blocks go. */
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, ids + 2, 2, 0, 0, &err), DSV4_EEXIST);
+  assert_int_equal(used(&f), u);
+  assert_int_equal(dsv4_seqtable_insert(f.st, "x", 1, &st, 1, ids + 2, 2, 1, 0, &err), 0);
+  assert_int_equal(used(&f), u - 2);
+  assert_int_equal(dsv4_seqtable_count(f.st), 1);
+  dsv4_seq_info_t info;
+  get_info(&f, "x", &info);
+  assert_memory_equal(info.blocks, ids + 2, 2 * sizeof(int32_t));
+  dsv4_seq_info_free(&info);
+  /* The restored sequence continues like any other: layer 1 from p0, layer 0 from 40. */
+  assert_int_equal(step1(&f, 1, "x", 20, 5, 0, 1), 0);
+  assert_int_equal(step1(&f, 0, "x", 40, 1, 0, 1), 0);
+  assert_int_equal(step1(&f, 0, "x", 42, 1, 0, 1), DSV4_EPOSITION);
+  fx_close(&f);
+}
+
+static void test_insert_limits_and_expired(void **state) {
+  (void)state;
+  const uint64_t T = 1000;
+  fx_t f;
+  fx_open(&f, 1, 16, 16);
+  f.cfg.max_sequences = 1;
+  f.cfg.idle_timeout_ns = T;
+  fx_reopen(&f);
+  dsv4_seq_layer_state_t ls[1] = {{3, 0, 3, 9}};
+  dsv4_seq_state_t st = {0, ls};
+  dsv4_plan_error_t err;
+  int32_t ids[2];
+  take_blocks(&f, ids, 2);
+  assert_int_equal(dsv4_seqtable_insert(f.st, "a", 1, &st, 0, ids, 1, 0, 0, &err), 0);
+  /* max_sequences: a second name is refused, and says so. */
+  assert_int_equal(dsv4_seqtable_insert(f.st, "b", 1, &st, 0, ids + 1, 1, 0, 0, &err), DSV4_ENOSPC);
+  assert_true(err.sequences_full);
+  /* Nothing written: no blocks at all. */
+  ls[0] = (dsv4_seq_layer_state_t){0, 0, 0, 0};
+  assert_int_equal(dsv4_seqtable_insert(f.st, "a", 1, &st, 0, ids + 1, 1, 1, 0, &err), DSV4_EINVAL);
+  assert_int_equal(dsv4_seqtable_insert(f.st, "a", 1, &st, 0, NULL, 0, 1, 0, &err), 0);
+  assert_int_equal(used(&f), 1);
+  /* An expired name is replaced without replace (as "new": true recreates it). */
+  assert_int_equal(dsv4_seqtable_expire(f.st, T), 1);
+  dsv4_seq_info_t info;
+  assert_int_equal(dsv4_seqtable_info(f.st, "a", 1, &info), DSV4_EEXPIRED);
+  ls[0] = (dsv4_seq_layer_state_t){3, 0, 3, 9};
+  assert_int_equal(dsv4_seqtable_insert(f.st, "a", 1, &st, 0, ids + 1, 1, 0, T + 1, &err), 0);
+  get_info(&f, "a", &info);
+  assert_int_equal(info.next[0], 3);
+  dsv4_seq_info_free(&info);
+  fx_close(&f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_name_valid),
@@ -787,6 +949,9 @@ int main(void) {
       cmocka_unit_test(test_implicit_create_expired),
       cmocka_unit_test(test_foreach_and_many),
       cmocka_unit_test(test_plan_between_chunks),
+      cmocka_unit_test(test_state_insert_roundtrip),
+      cmocka_unit_test(test_insert_refusals),
+      cmocka_unit_test(test_insert_limits_and_expired),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
