@@ -31,7 +31,8 @@
 /* Error bits that are not reported: the launch stopped because another token failed. */
 #define ERR_EARLIER 0x80000000u
 #define ERR_REPORTED                                                                               \
-  (DSV4_CUDA_ATTN_ERR_SEGMENT | DSV4_CUDA_ATTN_ERR_POSITION | DSV4_CUDA_ATTN_ERR_BLOCK)
+  (DSV4_CUDA_ATTN_ERR_SEGMENT | DSV4_CUDA_ATTN_ERR_POSITION | DSV4_CUDA_ATTN_ERR_BLOCK |           \
+   DSV4_CUDA_ERR_ENTRY)
 
 static_assert(MAX_WIN_BLOCKS == DSV4_WINDOW / DSV4_MIN_BLOCK_SIZE + 1, "window blocks");
 
@@ -54,6 +55,14 @@ typedef struct {
   int64_t max_pos;
   uint32_t n_tokens, n_segments, heads, groups;
   uint32_t bt_entries, n_blocks, bs_shift, check_all;
+  /* The compressed entries (SPEC §8.6), c_cache NULL on an SWA-only launch (backend.h). */
+  const uint8_t *c_cache;
+  const int64_t *seg_c_first_lb;
+  const uint32_t *seg_cbt_off;
+  const uint32_t *seg_cbt_len;
+  const int32_t *c_bt;
+  const int32_t *c_sel; /* [n_tokens, c_sel_stride], or NULL: every visible entry */
+  uint32_t c_sel_stride, c_bt_entries, c_n_blocks, ratio;
 } attn_params_t;
 
 static_assert(sizeof(attn_params_t) % 4 == 0, "parameter block of whole words");
@@ -127,7 +136,47 @@ static __device__ int32_t window_block(const attn_params_t &p, const window_t &w
   return b;
 }
 
-/* 0, or the error bits of token t: its segment, position and every block of its window. */
+/* The physical block of logical entry block lb of segment s, or -1 when it is outside the
+ * segment's table (or past c_bt_entries), < 0, or outside the pool. */
+static __device__ int32_t entry_block(const attn_params_t &p, uint32_t s, int64_t lb) {
+  const int64_t idx = lb - p.seg_c_first_lb[s];
+  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
+    return -1;
+  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
+  if (p.c_bt_entries && e >= p.c_bt_entries)
+    return -1;
+  const int32_t b = p.c_bt[e];
+  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+}
+
+/* 0, or the error bits of token t's compressed entries (SPEC §8.4, backend.h): every visible
+ * entry's block, or every listed entry visible, above the one before, and its block. */
+static __device__ uint32_t entries_check(const attn_params_t &p, uint32_t t, uint32_t s,
+                                         int64_t pos) {
+  const int64_t j_lo = p.seg_p0[s] / p.ratio, j_hi = (pos + 1) / p.ratio;
+  if (!p.c_sel) {
+    for (int64_t lb = j_lo >> p.bs_shift; j_hi > j_lo && lb <= (j_hi - 1) >> p.bs_shift; lb++)
+      if (entry_block(p, s, lb) < 0)
+        return DSV4_CUDA_ATTN_ERR_BLOCK;
+    return 0;
+  }
+  const int32_t *row = p.c_sel + (uint64_t)t * p.c_sel_stride;
+  int64_t prev = -1;
+  for (uint32_t k = 0; k < p.c_sel_stride; k++) {
+    const int64_t j = row[k];
+    if (j == -1)
+      break;
+    if (j < j_lo || j >= j_hi || (k && j <= prev))
+      return DSV4_CUDA_ERR_ENTRY;
+    if ((!k || (j >> p.bs_shift) != (prev >> p.bs_shift)) && entry_block(p, s, j >> p.bs_shift) < 0)
+      return DSV4_CUDA_ATTN_ERR_BLOCK;
+    prev = j;
+  }
+  return 0;
+}
+
+/* 0, or the error bits of token t: its segment, position, every block of its window and, on a
+ * compressed layer, its entries. */
 static __device__ uint32_t token_check(const attn_params_t &p, uint32_t t) {
   window_t w;
   uint32_t bits = token_window(p, t, &w);
@@ -136,7 +185,20 @@ static __device__ uint32_t token_check(const attn_params_t &p, uint32_t t) {
   const uint32_t nb = window_blocks(p, w);
   for (uint32_t k = 0; k < nb; k++)
     (void)window_block(p, w, k, &bits);
+  if (!bits && p.c_cache)
+    bits = entries_check(p, t, (uint32_t)p.tok_seg[t], w.pos);
   return bits;
+}
+
+/* 0, or the error bits of segment s of a launch with compressed entries: the checks the CPU backend
+ * makes of every segment (p0 >= 0, the tables within the entries given). */
+static __device__ uint32_t segment_check(const attn_params_t &p, uint32_t s) {
+  if (p.seg_p0[s] < 0)
+    return DSV4_CUDA_ATTN_ERR_POSITION;
+  if ((p.bt_entries && (uint64_t)p.seg_bt_off[s] + p.seg_bt_len[s] > p.bt_entries) ||
+      (p.c_bt_entries && (uint64_t)p.seg_cbt_off[s] + p.seg_cbt_len[s] > p.c_bt_entries))
+    return DSV4_CUDA_ATTN_ERR_BLOCK;
+  return 0;
 }
 
 /* ---- numerics on packed bf16 ---- */
@@ -241,30 +303,27 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
 }
 
 /*
- * The window's records, dequantised into shared memory as bf16 (exact, see dequant8). Piece c of
- * a candidate (dims 8c..8c+7, 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so
- * that the two 16-byte pieces a lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over
- * the warp, two contiguous 512-byte runs. Thread x stages piece x & 63 of candidates x / 64 + 4j,
- * sixteen candidates' loads in flight at a time, after an L2 prefetch of every line of the window
- * (the records are scattered over blocks, and every round of loads would otherwise wait for the
- * DRAM).
+ * n records, dequantised into shared memory as bf16 (exact, see dequant8); addr(s, &rec, &scl)
+ * gives candidate s's 576 data bytes and its 8 scale bytes. Piece c of a candidate (dims 8c..8c+7,
+ * 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so that the two 16-byte pieces a
+ * lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over the warp, two contiguous
+ * 512-byte runs. Thread x stages piece x & 63 of candidates x / 64 + 4j, sixteen candidates' loads
+ * in flight at a time, after an L2 prefetch of every line of the records (they are scattered over
+ * blocks, and every round of loads would otherwise wait for the DRAM).
  */
-static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk) {
+template <typename Addr> static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
   constexpr int BATCH = 16;
-  const uint32_t c = threadIdx.x & 63, n = ms.n;
-  const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
-  const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
-  const uint64_t scales = (uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift;
+  const uint32_t c = threadIdx.x & 63;
   /* Candidate x / 8 + 32j: line x % 8 of its 576 data bytes (the fifth line also holds the part of
    * the next record), line 7 its scales. */
   for (uint32_t s = threadIdx.x >> 3; s < n; s += ATTN_THREADS / 8) {
-    const int64_t pos = lo + s;
-    const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
-    const uint64_t o = (uint64_t)(pos & mask), line = threadIdx.x & 7;
+    const uint8_t *rec, *scl;
+    addr(s, &rec, &scl);
+    const uint32_t line = threadIdx.x & 7;
     if (line < 5)
-      dsv4__prefetch_l2(base + o * DSV4_TOKEN_DATA_BYTES + 128 * line);
+      dsv4__prefetch_l2(rec + 128 * line);
     else if (line == 7)
-      dsv4__prefetch_l2(base + scales + o * DSV4_SCALE_BYTES);
+      dsv4__prefetch_l2(scl);
   }
   uint8_t *dst = sk + (c & 1) * 512 + (c >> 1) * 16;
   for (uint32_t s0 = threadIdx.x >> 6; s0 < n; s0 += 4 * BATCH) {
@@ -276,15 +335,13 @@ static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms,
       raw[j] = make_uint4(0, 0, 0, 0);
       code[j] = 0;
       if (s < n) {
-        const int64_t pos = lo + s;
-        const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
-        const uint64_t o = (uint64_t)(pos & mask);
-        const uint8_t *rec = base + o * DSV4_TOKEN_DATA_BYTES;
+        const uint8_t *rec, *scl;
+        addr(s, &rec, &scl);
         if (c < NOPE_PIECES) {
           const uint2 v = *reinterpret_cast<const uint2 *>(rec + 8 * c);
           raw[j].x = v.x;
           raw[j].y = v.y;
-          code[j] = base[scales + o * DSV4_SCALE_BYTES + (c >> 3)];
+          code[j] = scl[c >> 3];
         } else {
           raw[j] = *reinterpret_cast<const uint4 *>(rec + DSV4_NOPE_DIM + 16 * (c - NOPE_PIECES));
         }
@@ -298,6 +355,20 @@ static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms,
             c < NOPE_PIECES ? dequant8(raw[j].x, raw[j].y, code[j]) : raw[j];
     }
   }
+}
+
+/* The window's records (the window kernel's only candidates), through the blocks in ms.blk. */
+static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk) {
+  const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
+  const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
+  const uint64_t scales = (uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift;
+  stage_records(ms.n, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
+    const int64_t pos = lo + s;
+    const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
+    const uint64_t o = (uint64_t)(pos & mask);
+    *rec = base + o * DSV4_TOKEN_DATA_BYTES;
+    *scl = base + scales + o * DSV4_SCALE_BYTES;
+  });
 }
 
 /*
@@ -452,36 +523,27 @@ static __device__ __forceinline__ void store_out(uint4 *out, uint32_t d0,
   }
 }
 
-/*
- * Pass 2 and the output. The R warps of an octet split the 512 dims: a lane owns DL = 16 / R
- * consecutive dims of the eight heads (8 DL accumulators) and runs N[d] = fmaf(w_s, k_s[d], N[d])
- * over the candidates in order from +0, reading the eight weights of a candidate with two
- * broadcast loads. Dims from shared memory: with R = 1 lane l reads pieces 2l and 2l + 1 (dims
- * 16l..16l+15); otherwise warp r reads a contiguous run of 1024 / R bytes of half r & 1 of the row,
- * lane l the DL dims at byte x = (r >> 1) * 1024 / R + 2 DL l of it, which are dims
- * 16 (x / 16) + 8 (r & 1) + (x % 16) / 2 onwards (the staging layout). Then o = N / D, the inverse
- * RoPE on dims 448..511 with the pair in the lane, one bf16 rounding, one store per value.
- */
+/* The dims of the lane in pass 2: byte offset off of its values in a staged row, first dim d0. */
 template <int R>
-static __device__ void attn_output(const attn_params_t &p, const uint8_t *sk, const float *sl,
-                                   const attn_misc_t &ms, uint32_t n, uint32_t t, uint32_t h0,
-                                   uint32_t oct, uint32_t r, uint32_t lane) {
-  constexpr int DL = 16 / R, LS = 64 / R + 4;
-  uint32_t off, d0;
+static __device__ __forceinline__ void out_lane(uint32_t r, uint32_t lane, uint32_t *off,
+                                                uint32_t *d0) {
+  constexpr int DL = 16 / R;
   if (R == 1) {
-    off = 16 * lane;
-    d0 = 16 * lane;
+    *off = 16 * lane;
+    *d0 = 16 * lane;
   } else {
     const uint32_t x = (r >> 1) * (1024 / R) + 2 * DL * lane;
-    off = (r & 1) * 512 + x;
-    d0 = 16 * (x >> 4) + 8 * (r & 1) + ((x & 15) >> 1);
+    *off = (r & 1) * 512 + x;
+    *d0 = 16 * (x >> 4) + 8 * (r & 1) + ((x & 15) >> 1);
   }
-  float acc[OCT][DL];
-#pragma unroll
-  for (int hh = 0; hh < OCT; hh++)
-#pragma unroll
-    for (int d = 0; d < DL; d++)
-      acc[hh][d] = 0.0f;
+}
+
+/* The chains N of the octet's eight heads continued over n staged candidates, in order. */
+template <int R>
+static __device__ __forceinline__ void attn_accumulate(const uint8_t *sk, const float *sl,
+                                                       uint32_t n, uint32_t oct, uint32_t off,
+                                                       float (&acc)[OCT][16 / R]) {
+  constexpr int DL = 16 / R, LS = 64 / R + 4;
   for (uint32_t s = 0; s < n; s++) {
     const float4 *wv = reinterpret_cast<const float4 *>(sl + (size_t)s * LS + oct * OCT);
     const float4 wa = wv[0], wb = wv[1];
@@ -494,6 +556,15 @@ static __device__ void attn_output(const attn_params_t &p, const uint8_t *sk, co
       for (int d = 0; d < DL; d++)
         acc[hh][d] = __fmaf_rn(w[hh], k[d], acc[hh][d]);
   }
+}
+
+/* o = N / D, the inverse RoPE on dims 448..511 with the pair in the lane, one bf16 rounding, one
+ * store per value. */
+template <int R>
+static __device__ __forceinline__ void attn_store(const attn_params_t &p, const attn_misc_t &ms,
+                                                  uint32_t t, uint32_t h0, uint32_t oct,
+                                                  uint32_t d0, const float (&acc)[OCT][16 / R]) {
+  constexpr int DL = 16 / R;
   const float *cs = ms.rope;
 #pragma unroll
   for (int hh = 0; hh < OCT; hh++) {
@@ -519,6 +590,32 @@ static __device__ void attn_output(const attn_params_t &p, const uint8_t *sk, co
     }
     store_out<DL>(p.out + ((uint64_t)t * p.heads + h0 + hh) * 64, d0, wo);
   }
+}
+
+/*
+ * Pass 2 and the output. The R warps of an octet split the 512 dims: a lane owns DL = 16 / R
+ * consecutive dims of the eight heads (8 DL accumulators) and runs N[d] = fmaf(w_s, k_s[d], N[d])
+ * over the candidates in order from +0, reading the eight weights of a candidate with two
+ * broadcast loads. Dims from shared memory: with R = 1 lane l reads pieces 2l and 2l + 1 (dims
+ * 16l..16l+15); otherwise warp r reads a contiguous run of 1024 / R bytes of half r & 1 of the row,
+ * lane l the DL dims at byte x = (r >> 1) * 1024 / R + 2 DL l of it, which are dims
+ * 16 (x / 16) + 8 (r & 1) + (x % 16) / 2 onwards (the staging layout). Then attn_store.
+ */
+template <int R>
+static __device__ void attn_output(const attn_params_t &p, const uint8_t *sk, const float *sl,
+                                   const attn_misc_t &ms, uint32_t n, uint32_t t, uint32_t h0,
+                                   uint32_t oct, uint32_t r, uint32_t lane) {
+  constexpr int DL = 16 / R;
+  uint32_t off, d0;
+  out_lane<R>(r, lane, &off, &d0);
+  float acc[OCT][DL];
+#pragma unroll
+  for (int hh = 0; hh < OCT; hh++)
+#pragma unroll
+    for (int d = 0; d < DL; d++)
+      acc[hh][d] = 0.0f;
+  attn_accumulate<R>(sk, sl, n, oct, off, acc);
+  attn_store<R>(p, ms, t, h0, oct, d0, acc);
 }
 
 /*
@@ -591,15 +688,269 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
     attn_output<R>(p, sk, sl, ms, n, t, h0, oct, r, lane);
 }
 
-/* The launch check of a launch of more than CHECK_ALL_MAX tokens: one thread per token. */
+/* ---- the union of the window and the compressed entries (SPEC §8.6) ---- */
+
+/* Per-CTA facts of the union kernel, beyond attn_misc_t (whose m holds the running maximum). */
+typedef struct {
+  const uint8_t *rec[DSV4_WINDOW]; /* the current tile's candidates: 576 data bytes */
+  const uint8_t *scl[DSV4_WINDOW]; /* and their 8 scale bytes */
+  float s[64];                     /* each head's sum S, continued tile by tile */
+  const int32_t *sel;              /* the token's selection row, or NULL */
+  int64_t j_lo;                    /* the first visible entry */
+  uint32_t nw, nc;                 /* window candidates; all candidates */
+  uint32_t seg;
+  uint32_t ne; /* entries listed: the first -1 of the row (atomicMin), or c_sel_stride */
+} union_misc_t;
+
+/*
+ * The union kernel's setup (after the dependency wait): the window's blocks and the RoPE row as
+ * attn_setup, the running maxima and sums, and the candidate count. The launch was checked by the
+ * check kernel before (always, for a union launch): a CTA that finds the error word set returns
+ * before writing anything, every thread of it.
+ */
+static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms,
+                                  union_misc_t &um) {
+  const uint32_t tid = threadIdx.x;
+  if (tid == 0)
+    um.ne = p.c_sel ? p.c_sel_stride : 0u;
+  if (tid < 64) {
+    ms.m[tid] = -INFINITY;
+    um.s[tid] = 0.0f;
+  }
+  __syncthreads();
+  window_t w;
+  uint32_t bits = token_window(p, t, &w);
+  if (!bits) {
+    const uint32_t nb = window_blocks(p, w), seg = (uint32_t)p.tok_seg[t];
+    if (tid < nb)
+      ms.blk[tid] = window_block(p, w, tid, &bits);
+    if (tid >= 32 && tid < 48)
+      reinterpret_cast<float4 *>(ms.rope)[tid - 32] = p.rope[(uint64_t)w.pos * 16 + (tid - 32)];
+    const int32_t *row = p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL;
+    for (uint32_t k = tid; row && k < p.c_sel_stride; k += ATTN_THREADS)
+      if (row[k] == -1)
+        atomicMin(&um.ne, k);
+    if (tid == 0) {
+      const int64_t j_lo = p.seg_p0[seg] / p.ratio, j_hi = (w.pos + 1) / p.ratio;
+      ms.lo = w.lo;
+      um.nw = (uint32_t)(w.pos - w.lo + 1);
+      um.seg = seg;
+      um.j_lo = j_lo;
+      um.sel = row;
+      if (!row)
+        um.ne = j_hi > j_lo ? (uint32_t)(j_hi - j_lo) : 0u;
+    }
+  }
+  if (tid == 0 && __ldcg(p.err) != 0)
+    bits |= ERR_EARLIER;
+  if (bits & ERR_REPORTED)
+    atomicOr(p.err, bits & ERR_REPORTED);
+  if (__syncthreads_or(bits != 0))
+    return 1;
+  if (tid == 0)
+    um.nc = um.nw + um.ne;
+  __syncthreads();
+  return 0;
+}
+
+/* The record addresses of candidates first..first + nt - 1 (one thread each): window positions
+ * through ms.blk, then entries through the segment's entry table. */
+static __device__ void union_addrs(const attn_params_t &p, const attn_misc_t &ms, union_misc_t &um,
+                                   uint32_t first, uint32_t nt) {
+  const uint32_t i = threadIdx.x;
+  if (i >= nt)
+    return;
+  const uint32_t c = first + i;
+  const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
+  const uint8_t *base;
+  int64_t o;
+  if (c < um.nw) {
+    const int64_t pos = ms.lo + c;
+    base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - (ms.lo >> p.bs_shift)] * p.stride;
+    o = pos & mask;
+  } else {
+    const int64_t j = um.sel ? (int64_t)um.sel[c - um.nw] : um.j_lo + (c - um.nw);
+    base = p.c_cache + (uint64_t)entry_block(p, um.seg, j >> p.bs_shift) * p.stride;
+    o = j & mask;
+  }
+  um.rec[i] = base + (uint64_t)o * DSV4_TOKEN_DATA_BYTES;
+  um.scl[i] =
+      base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) + (uint64_t)o * DSV4_SCALE_BYTES;
+}
+
+/* One tile of the list into shared memory, and the logits of its candidates: the window kernel's
+ * staging and pass 1 over candidates first..first + nt - 1. */
+template <int R>
+static __device__ void union_tile(const attn_params_t &p, uint32_t t, const attn_misc_t &ms,
+                                  union_misc_t &um, uint8_t *sk, float *sl, float *tb,
+                                  uint32_t first, uint32_t nt, uint32_t h0, uint32_t oct,
+                                  uint32_t r, uint32_t lane, bool live) {
+  union_addrs(p, ms, um, first, nt);
+  __syncthreads();
+  stage_records(nt, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
+    *rec = um.rec[s];
+    *scl = um.scl[s];
+  });
+  __syncthreads();
+  if (live) {
+    uint4 qraw[OCT][2];
+    load_q(p, t, h0, lane, qraw);
+    attn_logits<R>(sk, sl, tb, qraw, nt, oct, r, lane);
+  }
+  __syncthreads();
+}
+
+/* Each head's running maximum over the tile's logits (exact in any order). */
+template <int HG>
+static __device__ void union_tile_max(const float *sl, attn_misc_t &ms, uint32_t n, uint32_t warp,
+                                      uint32_t lane) {
+  constexpr int LS = HG + 4;
+  for (uint32_t hl = warp; hl < HG; hl += ATTN_WARPS) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < DSV4_WINDOW / 32; k++) {
+      const uint32_t s = lane + 32 * k;
+      if (s < n)
+        m = fmaxf(m, sl[(size_t)s * LS + hl]);
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1)
+      m = fmaxf(m, __shfl_xor_sync(FULL, m, off));
+    if (lane == 0)
+      ms.m[hl] = fmaxf(ms.m[hl], m);
+  }
+}
+
+/* The tile's weights w = dsv4_expf(l - m) in place, with the maximum over the whole list. */
+template <int HG>
+static __device__ void union_tile_exp(float *sl, const attn_misc_t &ms, uint32_t n, uint32_t warp,
+                                      uint32_t lane) {
+  constexpr int LS = HG + 4;
+  for (uint32_t hl = warp; hl < HG; hl += ATTN_WARPS) {
+    const float m = ms.m[hl];
+#pragma unroll
+    for (int k = 0; k < DSV4_WINDOW / 32; k++) {
+      const uint32_t s = lane + 32 * k;
+      if (s < n)
+        sl[(size_t)s * LS + hl] = dsv4_expf(sl[(size_t)s * LS + hl] - m);
+    }
+  }
+}
+
+/* One thread per head: S continued over the tile's weights in candidate order. */
+template <int HG>
+static __device__ void union_tile_sum(const float *sl, union_misc_t &um, uint32_t n) {
+  constexpr int LS = HG + 4;
+  const uint32_t hl = threadIdx.x;
+  if (hl >= HG)
+    return;
+  float sum = um.s[hl];
+#pragma unroll 8
+  for (uint32_t s = 0; s < n; s++)
+    sum = sum + sl[(size_t)s * LS + hl];
+  um.s[hl] = sum;
+}
+
+/* One thread per head: D = S + w_sink, and lse = m + logf(S). */
+template <int HG>
+static __device__ void union_finish_sums(const attn_params_t &p, attn_misc_t &ms,
+                                         const union_misc_t &um, uint32_t t, uint32_t h_first,
+                                         float sink) {
+  const uint32_t hl = threadIdx.x;
+  if (hl >= HG)
+    return;
+  const float m = ms.m[hl], sum = um.s[hl];
+  float den = sum;
+  if (p.sink)
+    den = den + dsv4_expf(sink - m);
+  ms.d[hl] = den;
+  if (p.lse && h_first + hl < p.heads)
+    p.lse[(uint64_t)t * p.heads + h_first + hl] = m + dsv4_logf(sum);
+}
+
+/*
+ * Attention over the union (SPEC §8.6): the window max(p0, p - 127)..p, then the token's compressed
+ * entries (all visible ones, or its selection), one list. The list passes through shared memory in
+ * tiles of DSV4_WINDOW candidates, twice: pass 1 stages every tile (from the last, so that the
+ * first is still staged when pass 2 begins) and computes its logits for the maximum over the whole
+ * list; pass 2 stages each tile again, recomputes its logits (the same operations, so the same
+ * bits), turns them into weights with the final maximum, continues each head's sum S in candidate
+ * order and the chains N in registers, candidate by candidate. Then D, lse and the output as in the
+ * window kernel: one max, one denominator with the sink, one fma chain over the window then the
+ * entries, as the CPU reference computes them.
+ *
+ * The same CTA shape as the window kernel, with R of 4 or 8 only: the chains N (8 x 16 / R floats
+ * per lane) stay in registers across the tiles, beside the queries of pass 1. The queries are
+ * loaded again for each tile. Ordering (SPEC §5.2) as the window kernel; the check kernel always
+ * runs first and every CTA reads its error word after the wait.
+ */
+template <int R>
+__global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_union_kernel(attn_params_t p) {
+  constexpr int HG = 64 / R, DL = 16 / R;
+  extern __shared__ uint4 smem_dyn[];
+  __shared__ attn_misc_t ms;
+  __shared__ union_misc_t um;
+  uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
+  float *sl = reinterpret_cast<float *>(sk + (size_t)DSV4_WINDOW * K_ROW);
+  float *tbuf = sl + (size_t)DSV4_WINDOW * (HG + 4);
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t t = blockIdx.x / p.groups;
+  const uint32_t h_first = (blockIdx.x - t * p.groups) * HG;
+  const uint32_t oct = warp / R, r = warp % R, h0 = h_first + oct * OCT;
+  /* Before the wait: the sink of one head per thread, immutable data. */
+  float sink = 0.0f;
+  if (p.sink && tid < HG && h_first + tid < p.heads)
+    sink = p.sink[h_first + tid];
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  if (union_setup(p, t, ms, um))
+    return;
+  const uint32_t nc = um.nc, tiles = (nc + DSV4_WINDOW - 1) / DSV4_WINDOW;
+  const bool live = h0 < p.heads; /* warp-uniform: an octet past the last head idles */
+  float *tb = tbuf + warp * 32 * T_STRIDE;
+  for (uint32_t k = tiles; k-- > 0;) {
+    const uint32_t first = k * DSV4_WINDOW, nt = min(nc - first, (uint32_t)DSV4_WINDOW);
+    union_tile<R>(p, t, ms, um, sk, sl, tb, first, nt, h0, oct, r, lane, live);
+    union_tile_max<HG>(sl, ms, nt, warp, lane);
+    __syncthreads();
+  }
+  uint32_t off, d0;
+  out_lane<R>(r, lane, &off, &d0);
+  float acc[OCT][DL];
+#pragma unroll
+  for (int hh = 0; hh < OCT; hh++)
+#pragma unroll
+    for (int d = 0; d < DL; d++)
+      acc[hh][d] = 0.0f;
+  for (uint32_t k = 0; k < tiles; k++) {
+    const uint32_t first = k * DSV4_WINDOW, nt = min(nc - first, (uint32_t)DSV4_WINDOW);
+    if (k)
+      union_tile<R>(p, t, ms, um, sk, sl, tb, first, nt, h0, oct, r, lane, live);
+    union_tile_exp<HG>(sl, ms, nt, warp, lane);
+    __syncthreads();
+    union_tile_sum<HG>(sl, um, nt);
+    if (live)
+      attn_accumulate<R>(sk, sl, nt, oct, off, acc);
+    __syncthreads();
+  }
+  union_finish_sums<HG>(p, ms, um, t, h_first, sink);
+  __syncthreads();
+  if (live)
+    attn_store<R>(p, ms, t, h0, oct, d0, acc);
+}
+
+/* The launch check of a launch of more than CHECK_ALL_MAX tokens, and of every launch with
+ * compressed entries: one thread per token (and, with entries, per segment). */
 __global__ void __launch_bounds__(256) dsv4__attention_check_kernel(attn_params_t p) {
   /* The attention kernel may launch now; it still waits for this grid to complete. */
   dsv4__dep_trigger();
   dsv4__dep_wait_params(p);
   const uint32_t t = blockIdx.x * 256 + threadIdx.x;
-  if (t >= p.n_tokens)
-    return;
-  const uint32_t bits = token_check(p, t);
+  uint32_t bits = 0;
+  if (p.c_cache && t < p.n_segments)
+    bits |= segment_check(p, t);
+  if (t < p.n_tokens)
+    bits |= token_check(p, t);
   if (bits)
     atomicOr(p.err, bits);
 }
@@ -610,10 +961,6 @@ __global__ void __launch_bounds__(256) dsv4__attention_check_kernel(attn_params_
 static int check_args(const dsv4_attn_args_t *a) {
   if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS || a->fast)
     return DSV4_EINVAL;
-  /* The compressed entries (SPEC §8.6) are not implemented here yet: such a launch is refused
-   * rather than run over the window alone. */
-  if (a->c_cache)
-    return DSV4_EUNSUPPORTED;
   if (a->n_tokens == 0)
     return 0;
   if (!a->q || !a->positions || !a->tok_seg || !a->seg_p0 || !a->seg_first_lb || !a->seg_bt_off ||
@@ -623,6 +970,13 @@ static int check_args(const dsv4_attn_args_t *a) {
   if (!DSV4_BLOCK_SIZE_VALID(a->block_size) || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
     return DSV4_EINVAL;
   if (((uintptr_t)a->q | (uintptr_t)a->out | (uintptr_t)a->cache) & 15u)
+    return DSV4_EINVAL;
+  /* The compressed entries (SPEC §8.6), as dsv4_backend_check_attn_args has them. */
+  if (!a->c_cache)
+    return a->c_sel ? DSV4_EINVAL : 0;
+  if ((a->ratio != 4 && a->ratio != 128) || !a->seg_c_first_lb || !a->seg_cbt_off ||
+      !a->seg_cbt_len || !a->c_block_table || a->c_n_blocks == 0 ||
+      (a->c_sel && a->c_sel_stride == 0) || ((uintptr_t)a->c_cache & 15u))
     return DSV4_EINVAL;
   return 0;
 }
@@ -634,11 +988,11 @@ static int check_args(const dsv4_attn_args_t *a) {
  * each of the 4 schedulers runs (a CTA of few live heads has idle warps), plus about 3 quarters of
  * staging. Ties go to larger groups: fewer CTAs stage the same window.
  */
-static int choose_r(uint32_t n_tokens, uint32_t heads, int sms) {
+static int choose_r(uint32_t n_tokens, uint32_t heads, int sms, int min_r) {
   const uint64_t heads8 = ((uint64_t)heads + 7) / 8 * 8;
   uint64_t best = UINT64_MAX;
-  int best_r = 1;
-  for (int r = 1; r <= 8; r *= 2) {
+  int best_r = min_r;
+  for (int r = min_r; r <= 8; r *= 2) {
     const uint64_t hg = 64 / r, groups = (heads + hg - 1) / hg;
     const uint64_t waves = ((uint64_t)n_tokens * groups + sms - 1) / sms;
     const uint64_t warps = (hg < heads8 ? hg : heads8) / 8 * r;
@@ -667,11 +1021,40 @@ static cudaError_t launch_r(const attn_params_t &p, unsigned grid, cudaStream_t 
   return dsv4__cuda_launch_smem(dsv4__attention_kernel<R>, grid, ATTN_THREADS, smem, s, pdl, p);
 }
 
+/* The union kernel of R warps per octet (its own shared-memory limit, raised once). */
+template <int R>
+static cudaError_t launch_union_r(const attn_params_t &p, unsigned grid, cudaStream_t s, int pdl) {
+  static int ready = 0;
+  const size_t smem = attn_smem_bytes(64 / R);
+  if (!ready) {
+    cudaError_t e = cudaFuncSetAttribute(dsv4__attention_union_kernel<R>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return e;
+    }
+    ready = 1;
+  }
+  return dsv4__cuda_launch_smem(dsv4__attention_union_kernel<R>, grid, ATTN_THREADS, smem, s, pdl,
+                                p);
+}
+
+/* A union launch (SPEC §8.6): the check kernel, then the union kernel with R = 4 or 8. */
+static cudaError_t launch_union(const attn_params_t &p, int r, cudaStream_t s, int pdl) {
+  const uint32_t items = p.n_tokens > p.n_segments ? p.n_tokens : p.n_segments;
+  cudaError_t e =
+      dsv4__cuda_launch(dsv4__attention_check_kernel, (items + 255) / 256, 256, s, pdl, p);
+  if (e != cudaSuccess)
+    return e;
+  const unsigned grid = p.n_tokens * p.groups;
+  return r == 4 ? launch_union_r<4>(p, grid, s, pdl) : launch_union_r<8>(p, grid, s, pdl);
+}
+
 extern "C" uint32_t dsv4__cuda_attention_heads_per_block(uint32_t n_tokens, uint32_t heads) {
   dsv4__cuda_dev_t dev;
   if (dsv4__cuda_dev_info(&dev))
     return 0;
-  return 64u / (uint32_t)choose_r(n_tokens, heads ? heads : 1, dev.sms);
+  return 64u / (uint32_t)choose_r(n_tokens, heads ? heads : 1, dev.sms, 1);
 }
 
 extern "C" int dsv4__cuda_attention_supported(int dev) {
@@ -695,7 +1078,8 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
   int err = dsv4__cuda_dev_info(&dev);
   if (err)
     return err;
-  const int r = choose_r(a->n_tokens, a->heads, dev.sms);
+  /* A union launch keeps its chains N in registers across tiles: 4 or 8 warps per octet. */
+  const int r = choose_r(a->n_tokens, a->heads, dev.sms, a->c_cache ? 4 : 1);
   attn_params_t p = {};
   p.q = reinterpret_cast<const uint4 *>(a->q);
   p.pos = a->positions;
@@ -721,11 +1105,23 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
   p.n_blocks = a->n_blocks;
   while ((1u << p.bs_shift) < a->block_size)
     p.bs_shift++;
-  p.check_all = a->n_tokens <= CHECK_ALL_MAX;
+  p.check_all = a->n_tokens <= CHECK_ALL_MAX && !a->c_cache;
+  p.c_cache = a->c_cache;
+  p.seg_c_first_lb = a->seg_c_first_lb;
+  p.seg_cbt_off = a->seg_cbt_off;
+  p.seg_cbt_len = a->seg_cbt_len;
+  p.c_bt = a->c_block_table;
+  p.c_sel = a->c_sel;
+  p.c_sel_stride = a->c_sel_stride;
+  p.c_bt_entries = a->c_bt_entries;
+  p.c_n_blocks = a->c_n_blocks;
+  p.ratio = a->ratio;
   const uint64_t grid = (uint64_t)a->n_tokens * p.groups;
   if (grid > 0x7fffffffu)
     return DSV4_EINVAL;
   pdl = pdl && dev.pdl;
+  if (a->c_cache)
+    return dsv4__cuda_err(launch_union(p, r, s, pdl));
   cudaError_t e = cudaSuccess;
   if (!p.check_all)
     e = dsv4__cuda_launch(dsv4__attention_check_kernel, (a->n_tokens + 255) / 256, 256, s, pdl, p);

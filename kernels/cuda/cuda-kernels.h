@@ -91,14 +91,57 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
 #define DSV4_CUDA_ATTN_ERR_SEGMENT 1u
 #define DSV4_CUDA_ATTN_ERR_POSITION 2u
 #define DSV4_CUDA_ATTN_ERR_BLOCK 4u
+/* The same word serves the compressed branch's kernels (compress, indexer, the union attention):
+ * the three bits above with their meaning (a segment seen twice or not one run of consecutive
+ * positions counts as a segment or position error; an entry's block as a block error), and: a
+ * selected entry not visible or not above the one before it; a state slot outside the pool or
+ * shared by two segments. Once the word is set, every later kernel of the batch writes nothing. */
+#define DSV4_CUDA_ERR_SEGMENT DSV4_CUDA_ATTN_ERR_SEGMENT
+#define DSV4_CUDA_ERR_POSITION DSV4_CUDA_ATTN_ERR_POSITION
+#define DSV4_CUDA_ERR_BLOCK DSV4_CUDA_ATTN_ERR_BLOCK
+#define DSV4_CUDA_ERR_ENTRY 8u
+#define DSV4_CUDA_ERR_SLOT 16u
 
 /*
  * SPEC §7, exact mode (a->fast must be 0): out and lse for every token, or nothing and bits in
  * *err_dev (a device word the caller zeroes and reads back after the stream has run the launch).
  * rope_rows_dev and max_positions as for the insert; the rows of every query position are read.
+ * With a->c_cache, the union of SPEC §8.6 (attention.cu): the compressed fields are device
+ * addresses like the others (seg_c_first_lb, seg_cbt_off, seg_cbt_len [n_segments], c_block_table,
+ * c_sel [n_tokens, c_sel_stride] or NULL, c_cache 16-byte aligned), checked by a kernel before the
+ * attention kernel runs; a launch that finds its word already set writes nothing either.
  */
 int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope_rows_dev,
                          int64_t max_positions, uint32_t *err_dev, cudaStream_t s, int pdl);
+
+/*
+ * SPEC §8.3 (compress.cu): the rows of a batch into the rings and its emissions into c_cache (and
+ * i_cache at ratio 4), or nothing and bits in *err_dev (as for the attention; a word already set
+ * also stops it). Device addresses: positions, tok_seg [n_tokens], seg_p0 [n_segments], seg_slot
+ * [n_segments], ckv [n_tokens, 2 coff 512], ikv [n_tokens, 512], ring, ape, norm_weight, i_ape,
+ * i_norm_weight, the entry tables, c_cache, i_cache. The field `rope` is not read: the rows of the
+ * positions ratio * j of the emissions come from rope_rows_dev, which must hold them (the engine
+ * materialises them before the launch, as for the insert). The check runs in one CTA with a bitmap
+ * of the segments and slots in shared memory: n_segments + n_slots must stay below 376,768
+ * (DSV4_EINVAL otherwise, before anything is launched).
+ */
+int dsv4__cuda_compress(const dsv4_compress_args_t *a, const float *rope_rows_dev,
+                        int64_t max_positions, uint32_t *err_dev, cudaStream_t s, int pdl);
+
+/*
+ * SPEC §8.5 (indexer.cu): the selection of every token into sel [n_tokens, topk], or nothing and
+ * bits in *err_dev. Device addresses: positions, tok_seg, seg_p0, iq [n_tokens, n_heads, 128] bf16,
+ * iw [n_tokens, n_heads], the entry tables, i_cache, sel; the rows of the positions of the tokens
+ * that score come from rope_rows_dev. keys_dev is device scratch of keys_len uint32 for the scores:
+ * at least dsv4__cuda_indexer_ctas(n_tokens) * dsv4__cuda_indexer_keys_per_cta(max_positions)
+ * (the most entries a token can see), else DSV4_EINVAL; the stream must be done with it before it
+ * is reused or freed.
+ */
+int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rope_rows_dev,
+                       int64_t max_positions, uint32_t *keys_dev, uint64_t keys_len,
+                       uint32_t *err_dev, cudaStream_t s, int pdl);
+uint32_t dsv4__cuda_indexer_ctas(uint32_t n_tokens);
+uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions);
 
 /* Whether device dev can run the attention kernels (about 199 KiB of shared memory per block:
  * compute capability 9.0 and 10.0 can, 8.x cannot). */

@@ -25,8 +25,13 @@
  * Attention (SPEC §7, exact mode) follows the insert on the same stream, on devices with the
  * shared memory its kernel needs (otherwise the table has no attention op, and the engine says
  * so). A launch that finds a bad token writes nothing and sets a device error word instead; sync
- * reads the word back (only when an attention launch ran since the last sync) and answers
- * DSV4_EINVAL, clearing it for the next batch.
+ * reads the word back (only when a launch that checks on the device ran since the last sync) and
+ * answers DSV4_EINVAL, clearing it for the next batch.
+ *
+ * The compressed branch (SPEC §8): compress and indexer on the same stream after the insert, then
+ * the union attention, each checking on the device and sharing the error word (a kernel that finds
+ * it set writes nothing, so a batch whose compress failed leaves the caches as they were). The
+ * indexer scores into a device scratch of keys, grown on demand (dsv4__cuda_indexer).
  *
  * Thread affinity: one thread at a time (the engine's executor), as backend.h says; the CUDA
  * current device is per thread, so every entry point selects the backend's device first.
@@ -85,9 +90,11 @@ typedef struct {
   dsv4_host_pool_t *pool;
   /* This backend's table: cuda_ops, without attention where the device cannot run it. */
   dsv4_backend_ops_t ops;
-  uint32_t *attn_err;      /* device: the attention kernels' error word */
+  uint32_t *attn_err;      /* device: the error word of attention, compress and indexer */
   uint32_t *attn_err_host; /* pinned: where sync reads it back */
-  int attn_pending;        /* an attention launch since the last sync */
+  int attn_pending;        /* a launch that checks on the device since the last sync */
+  uint32_t *keys;          /* device: the indexer's score keys */
+  uint64_t keys_len;
 } cuda_backend_t;
 
 static cuda_backend_t *cuda_of(dsv4_backend_t *be) {
@@ -300,6 +307,8 @@ static void cuda_destroy(dsv4_backend_t *be) {
     (void)cudaFree(c->attn_err);
   if (c->attn_err_host)
     (void)cudaFreeHost(c->attn_err_host);
+  if (c->keys)
+    (void)cudaFree(c->keys);
   if (c->stream)
     (void)cudaStreamDestroy(c->stream);
   (void)cudaGetLastError();
@@ -409,7 +418,66 @@ static int cuda_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   return rc;
 }
 
-/* The attention error word, read back by the sync that follows an attention launch: 0, or
+/* SPEC §8.3, after the insert: the rows into the rings and the batch's emissions, checked on the
+ * device (the error word, as for the attention). The RoPE rows of the emissions come from the
+ * table's mirror, refreshed here. */
+static int cuda_compress(dsv4_backend_t *be, const dsv4_compress_args_t *a) {
+  cuda_backend_t *c = cuda_of(be);
+  rope_mirror_t *m;
+  if (a && a->n_tokens == 0)
+    return dsv4__cuda_compress(a, NULL, 0, c->attn_err, c->stream, c->pdl);
+  if (!a || !a->rope)
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  if (!rc)
+    rc = mirror_get(c, a->rope, &m);
+  if (!rc)
+    rc = dsv4__cuda_compress(a, m->dev, m->positions, c->attn_err, c->stream, c->pdl);
+  if (!rc)
+    c->attn_pending = 1;
+  return rc;
+}
+
+/* The indexer's key scratch: at least n keys. cudaFree waits for the launches still using it. */
+static int keys_reserve(cuda_backend_t *c, uint64_t n) {
+  if (n <= c->keys_len)
+    return 0;
+  if (c->keys)
+    (void)cudaFree(c->keys);
+  c->keys = NULL;
+  c->keys_len = 0;
+  int rc = cu(cudaMalloc((void **)&c->keys, n * sizeof(uint32_t)));
+  if (rc) {
+    c->keys = NULL;
+    return rc;
+  }
+  c->keys_len = n;
+  return 0;
+}
+
+/* SPEC §8.5, after compress: every token's selection, checked on the device. */
+static int cuda_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
+  cuda_backend_t *c = cuda_of(be);
+  rope_mirror_t *m;
+  if (a && a->n_tokens == 0)
+    return dsv4__cuda_indexer(a, NULL, 0, NULL, 0, c->attn_err, c->stream, c->pdl);
+  if (!a || !a->rope)
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  if (!rc)
+    rc = mirror_get(c, a->rope, &m);
+  if (!rc)
+    rc = keys_reserve(c, (uint64_t)dsv4__cuda_indexer_ctas(a->n_tokens) *
+                             dsv4__cuda_indexer_keys_per_cta(m->positions));
+  if (!rc)
+    rc = dsv4__cuda_indexer(a, m->dev, m->positions, c->keys, c->keys_len, c->attn_err, c->stream,
+                            c->pdl);
+  if (!rc)
+    c->attn_pending = 1;
+  return rc;
+}
+
+/* The error word, read back by the sync that follows a launch that checks on the device: 0, or
  * DSV4_EINVAL once the word is cleared for the next batch. */
 static int attn_err_take(cuda_backend_t *c) {
   c->attn_pending = 0;
@@ -465,6 +533,8 @@ static const dsv4_backend_ops_t cuda_ops = {
     .map_slots = cuda_map_slots,
     .qkv_insert = cuda_qkv_insert,
     .attention = cuda_attention,
+    .compress = cuda_compress,
+    .indexer = cuda_indexer,
     .sync = cuda_sync,
     .host_parallel = cuda_host_parallel,
     .host_register = cuda_host_register,
@@ -520,21 +590,20 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
       return fail(c, e, "cudaEventCreateWithFlags", why, why_len);
     }
   c->pdl = dsv4__cuda_pdl_supported(c->dev);
-  if (!dsv4__cuda_attention_supported(c->dev)) {
+  if (!dsv4__cuda_attention_supported(c->dev))
     c->ops.attention = NULL;
-  } else {
-    if ((e = cudaMallocHost((void **)&c->attn_err_host, sizeof(uint32_t))) != cudaSuccess) {
-      c->attn_err_host = NULL;
-      return fail(c, e, "cudaMallocHost (attention error word)", why, why_len);
-    }
-    if ((e = cudaMalloc((void **)&c->attn_err, sizeof(uint32_t))) != cudaSuccess) {
-      c->attn_err = NULL;
-      return fail(c, e, "cudaMalloc (attention error word)", why, why_len);
-    }
-    /* On the stream, ahead of every launch that reads or sets the word. */
-    if ((e = cudaMemsetAsync(c->attn_err, 0, sizeof(uint32_t), c->stream)) != cudaSuccess)
-      return fail(c, e, "cudaMemsetAsync (attention error word)", why, why_len);
+  /* The error word of the launches that check on the device (attention, compress, indexer). */
+  if ((e = cudaMallocHost((void **)&c->attn_err_host, sizeof(uint32_t))) != cudaSuccess) {
+    c->attn_err_host = NULL;
+    return fail(c, e, "cudaMallocHost (error word)", why, why_len);
   }
+  if ((e = cudaMalloc((void **)&c->attn_err, sizeof(uint32_t))) != cudaSuccess) {
+    c->attn_err = NULL;
+    return fail(c, e, "cudaMalloc (error word)", why, why_len);
+  }
+  /* On the stream, ahead of every launch that reads or sets the word. */
+  if ((e = cudaMemsetAsync(c->attn_err, 0, sizeof(uint32_t), c->stream)) != cudaSuccess)
+    return fail(c, e, "cudaMemsetAsync (error word)", why, why_len);
   unsigned threads = opt ? opt->threads : 0;
   if (threads == 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);

@@ -35,6 +35,21 @@ typedef struct {
   size_t sel_cap;
 } dsv4__engine_scratch_t;
 
+/* The addresses the compressed branch's launches of one chunk of a batch read and write, on a
+ * staged backend (engine_compress.c): device copies. */
+typedef struct {
+  const int64_t *positions;
+  const int32_t *tok_seg;
+  const int64_t *seg_p0;
+  const uint32_t *seg_slot, *seg_cbt_off, *seg_cbt_len;
+  const int64_t *seg_c_first_lb;
+  const int32_t *c_block_table;
+  const float *ckv, *ikv, *iw;
+  const uint16_t *iq;
+  int32_t *sel;         /* the indexer's selection */
+  const float *w_store; /* the device copy of c_w_store */
+} dsv4__engine_c_view_t;
+
 struct dsv4_engine {
   dsv4_backend_t *be;
   dsv4_engine_params_t p;
@@ -78,6 +93,8 @@ struct dsv4_engine {
   uint32_t c_seg_cap;
   int32_t *sel; /* [tokens, index_topk] the selection when the caller asked none */
   size_t sel_cap;
+  /* On a backend without DSV4_BE_HOST_MEMORY: the branch's staged copies (engine_compress.c). */
+  struct dsv4__engine_cstage *cstage;
 };
 
 /*
@@ -114,7 +131,19 @@ int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint
                          int attend);
 void dsv4__engine_c_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
                               dsv4_attn_args_t *aa);
-void dsv4__engine_c_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
+int dsv4__engine_c_digest(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
+/*
+ * On a staged backend (engine.c's stage_run), for each chunk of a batch before its launches:
+ * upload the branch's inputs of the chunk f (its tensors, the per-segment arrays and the entry
+ * table) and point the branch's next launches at the copies, given the device addresses of the
+ * chunk's positions and segments and of the p0 that engine.c uploaded; after the launches,
+ * download the chunk's selection into f->topk when it was asked. Both do nothing on a layer
+ * without the branch.
+ */
+int dsv4__engine_c_stage_put(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f,
+                             const int64_t *positions, const int32_t *tok_seg,
+                             const int64_t *seg_p0);
+int dsv4__engine_c_stage_get(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f);
 
 int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t n, void *dst);
 

@@ -207,13 +207,14 @@ static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, void **
 }
 
 /*
- * The device half of a batch on a staged backend: ma and ia arrive pointing at host memory and are
- * re-pointed at the staging buffers (the cache already lives on the device). Order on the backend's
- * queue: uploads, map_slots, qkv_insert, then the downloads, which return once their bytes are in
- * host memory, then sync.
+ * The device half of a batch (or of its chunk of tokens tok0..) on a staged backend: ma and ia
+ * arrive pointing at host memory and are re-pointed at the staging buffers (the cache already lives
+ * on the device). Order on the backend's queue: uploads, map_slots, qkv_insert, the compressed
+ * branch's compress and indexer, attention, then the downloads, which return once their bytes are
+ * in host memory, then sync.
  */
-static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map_args_t *ma,
-                     dsv4_insert_args_t *ia) {
+static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t tok0,
+                     dsv4_map_args_t *ma, dsv4_insert_args_t *ia) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   struct dsv4__engine_stage *s = e->stage;
   size_t n = f->n_tokens, nseg = f->n_segs;
@@ -259,10 +260,20 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
   aa.sink = e->sinks ? (const float *)s->sinks.ptr + (size_t)idx * e->p.heads : NULL;
   aa.out = s->buf[ST_ATTN].ptr;
   aa.lse = f->lse ? s->buf[ST_LSE].ptr : NULL;
+  /* The compressed branch's inputs (engine_compress.c), and its part of the attention. */
+  rc = dsv4__engine_c_stage_put(e, idx, f, ma->positions, ma->tok_seg, aa.seg_p0);
+  if (rc)
+    return rc;
+  dsv4__engine_c_attn_args(e, idx, f, &aa);
   t1 = mono_ns();
   rc = ops->map_slots(e->be, ma);
   if (!rc)
     rc = ops->qkv_insert(e->be, ia);
+  /* SPEC §8.4: the batch's emissions before its indexer and its attention. */
+  if (!rc)
+    rc = dsv4__engine_c_compress(e, idx, f, tok0);
+  if (!rc)
+    rc = dsv4__engine_c_index(e, idx, f, tok0, f->attn != NULL);
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
   t2 = mono_ns();
@@ -274,6 +285,8 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, dsv4_map
     rc = ops->download(e->be, f->q_out, &s->buf[ST_Q_OUT], 0, q_bytes);
   if (!rc)
     rc = ops->download(e->be, f->slots, &s->buf[ST_SLOTS], 0, n * sizeof(int64_t));
+  if (!rc)
+    rc = dsv4__engine_c_stage_get(e, idx, f);
   if (!rc)
     rc = ops->sync(e->be);
   f->timing.staged = 1;
@@ -664,7 +677,7 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint32_
       .stride = e->stride,
   };
   if (e->stage)
-    return stage_run(e, (uint32_t)idx, f, &ma, &ia);
+    return stage_run(e, (uint32_t)idx, f, t0, &ma, &ia);
   dsv4_attn_args_t aa;
   dsv4__engine_attn_args(e, (uint32_t)idx, f, &ma, &aa);
   dsv4__engine_c_attn_args(e, (uint32_t)idx, f, &aa);
@@ -787,8 +800,9 @@ static int forward_digest(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     for (uint32_t t = 0; t < f->n_tokens; t++)
       dsv4_records_digest_add_slot(e->digest, e->positions[t], e->cache[idx].ptr, e->p.block_size,
                                    e->stride, f->slots[t]);
-    dsv4__engine_c_digest(e, (uint32_t)idx, f);
   }
+  if (!rc)
+    rc = dsv4__engine_c_digest(e, (uint32_t)idx, f);
   f->digest = dsv4_records_digest_value(e->digest);
   return rc;
 }

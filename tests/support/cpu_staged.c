@@ -198,8 +198,72 @@ static int st_attn(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   XLATE(s, h.out, q_bytes);
   if (h.lse)
     XLATE(s, h.lse, n * a->heads * sizeof(float));
+  if (h.c_cache) {
+    XLATE(s, h.c_cache, (size_t)a->c_n_blocks * a->stride);
+    XLATE(s, h.seg_c_first_lb, nseg * sizeof(int64_t));
+    XLATE(s, h.seg_cbt_off, nseg * sizeof(uint32_t));
+    XLATE(s, h.seg_cbt_len, nseg * sizeof(uint32_t));
+    if (nseg)
+      XLATE(s, h.c_block_table, (size_t)a->c_bt_entries * sizeof(int32_t));
+    if (h.c_sel)
+      XLATE(s, h.c_sel, n * a->c_sel_stride * sizeof(int32_t));
+  }
   s->stats.launches++;
   return s->inner->ops->attention(s->inner, &h);
+}
+
+/* The entry tables of a compress or indexer launch (the same field names in both). */
+#define XLATE_CTABLE(s, h, nseg)                                                                   \
+  do {                                                                                             \
+    XLATE(s, (h).seg_c_first_lb, (nseg) * sizeof(int64_t));                                        \
+    XLATE(s, (h).seg_cbt_off, (nseg) * sizeof(uint32_t));                                          \
+    XLATE(s, (h).seg_cbt_len, (nseg) * sizeof(uint32_t));                                          \
+    if (nseg)                                                                                      \
+      XLATE(s, (h).c_block_table, (size_t)(h).c_bt_entries * sizeof(int32_t));                     \
+  } while (0)
+
+static int st_compress(dsv4_backend_t *be, const dsv4_compress_args_t *a) {
+  staged_t *s = staged_of(be);
+  if (!a)
+    return DSV4_EINVAL;
+  dsv4_compress_args_t h = *a;
+  size_t n = a->n_tokens, nseg = a->n_segments, coff = a->ratio == 4 ? 2 : 1;
+  XLATE(s, h.positions, n * sizeof(int64_t));
+  XLATE(s, h.tok_seg, n * sizeof(int32_t));
+  XLATE(s, h.seg_p0, nseg * sizeof(int64_t));
+  XLATE(s, h.seg_slot, nseg * sizeof(uint32_t));
+  XLATE(s, h.ckv, n * 2 * coff * DSV4_HEAD_DIM * sizeof(float));
+  XLATE(s, h.ring, (size_t)a->n_slots * DSV4_RING_FLOATS(a->ratio) * sizeof(float));
+  XLATE(s, h.ape, (size_t)a->ratio * coff * DSV4_HEAD_DIM * sizeof(float));
+  XLATE(s, h.norm_weight, DSV4_HEAD_DIM * sizeof(float));
+  XLATE(s, h.c_cache, (size_t)a->c_n_blocks * a->stride);
+  if (a->ratio == 4) {
+    XLATE(s, h.ikv, n * 512 * sizeof(float));
+    XLATE(s, h.i_ape, 4 * 256 * sizeof(float));
+    XLATE(s, h.i_norm_weight, 128 * sizeof(float));
+    XLATE(s, h.i_cache, (size_t)a->c_n_blocks * DSV4_INDEX_BLOCK_BYTES(a->block_size));
+  }
+  XLATE_CTABLE(s, h, nseg);
+  s->stats.launches++;
+  return s->inner->ops->compress(s->inner, &h);
+}
+
+static int st_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
+  staged_t *s = staged_of(be);
+  if (!a)
+    return DSV4_EINVAL;
+  dsv4_indexer_args_t h = *a;
+  size_t n = a->n_tokens, nseg = a->n_segments;
+  XLATE(s, h.positions, n * sizeof(int64_t));
+  XLATE(s, h.tok_seg, n * sizeof(int32_t));
+  XLATE(s, h.seg_p0, nseg * sizeof(int64_t));
+  XLATE(s, h.iq, n * a->n_heads * 128 * sizeof(uint16_t));
+  XLATE(s, h.iw, n * a->n_heads * sizeof(float));
+  XLATE(s, h.i_cache, (size_t)a->c_n_blocks * DSV4_INDEX_BLOCK_BYTES(a->block_size));
+  XLATE(s, h.sel, n * a->topk * sizeof(int32_t));
+  XLATE_CTABLE(s, h, nseg);
+  s->stats.launches++;
+  return s->inner->ops->indexer(s->inner, &h);
 }
 
 static int st_sync(dsv4_backend_t *be) {
@@ -239,6 +303,8 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
   s->ops.qkv_insert = st_insert;
   s->ops.sync = st_sync;
   s->ops.attention = s->inner->ops->attention ? st_attn : NULL;
+  s->ops.compress = s->inner->ops->compress ? st_compress : NULL;
+  s->ops.indexer = s->inner->ops->indexer ? st_indexer : NULL;
   s->ops.host_parallel = s->inner->ops->host_parallel ? st_host_parallel : NULL;
   s->next_dev = DEV_BASE;
   s->base.ops = &s->ops;

@@ -16,6 +16,7 @@
 #include "backend.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
+#include "dsv4-numerics.h"
 #include "cpu_staged.h"
 #include "engine-internal.h"
 #include "engine.h"
@@ -281,9 +282,52 @@ static int run1(dsv4_engine_t *e, uint32_t layer, uint64_t seed, const char *nam
   return rc;
 }
 
+/* ---- the compressed branch (SPEC §8) ---- */
+
+#define C4_LAYER 2   /* ratio 4 in the built-in V4-Flash geometry */
+#define C128_LAYER 3 /* ratio 128 */
+#define C_BS 16      /* small blocks, so that entries span several of them */
+#define C_TOPK 8     /* index_topk: short sequences already score their entries */
+#define C_IH 64      /* index heads */
+
+static struct {
+  float ape4[4 * 1024], norm4[512], iape[4 * 256], inorm[128];
+  float ape128[128 * 512], norm128[512];
+  float sinks[2 * HEADS];
+  dsv4_model_t model;
+} cfx;
+
+static uint64_t c_rng = 0x9E3779B97F4A7C15ull;
+
+static double c_unit(void) {
+  c_rng ^= c_rng << 13;
+  c_rng ^= c_rng >> 7;
+  c_rng ^= c_rng << 17;
+  return (double)(c_rng >> 11) / (double)(1ull << 53) * 2.0 - 1.0;
+}
+
+static void c_fill(float *x, size_t n, double scale) {
+  for (size_t i = 0; i < n; i++)
+    x[i] = (float)(c_unit() * scale);
+}
+
+static void c_weights(void) {
+  c_fill(cfx.ape4, 4 * 1024, 0.5);
+  c_fill(cfx.ape128, 128 * 512, 0.5);
+  c_fill(cfx.iape, 4 * 256, 0.5);
+  for (int i = 0; i < 512; i++)
+    cfx.norm4[i] = cfx.norm128[i] = 1.0f + 0.25f * (float)c_unit();
+  for (int i = 0; i < 128; i++)
+    cfx.inorm[i] = 1.0f + 0.25f * (float)c_unit();
+  c_fill(cfx.sinks, 2 * HEADS, 1.0);
+}
+
 static int group_setup(void **state) {
   (void)state;
   assert_int_equal(dsv4_model_builtin_flash(&model), 0);
+  assert_int_equal(dsv4_model_builtin_flash(&cfx.model), 0);
+  cfx.model.index_topk = C_TOPK;
+  c_weights();
   assert_int_equal(dsv4_backend_register("faulty", faulty_open), 0);
   return 0;
 }
@@ -291,6 +335,7 @@ static int group_setup(void **state) {
 static int group_teardown(void **state) {
   (void)state;
   dsv4_model_free(&model);
+  dsv4_model_free(&cfx.model);
   return 0;
 }
 
@@ -883,6 +928,276 @@ static void test_host_register(void **state) {
   dsv4_engine_destroy(c);
 }
 
+/* An engine serving a ratio-4 and a ratio-128 layer with their compressors (the weights drawn once
+ * by c_weights), on backend name, running batches with a yield hook in chunks of chunk tokens. */
+static dsv4_engine_t *open_c_engine(const char *name, uint32_t chunk) {
+  static const uint32_t layers[2] = {C4_LAYER, C128_LAYER};
+  const dsv4_engine_compressor_t comp[2] = {{cfx.ape4, cfx.norm4, cfx.iape, cfx.inorm},
+                                            {cfx.ape128, cfx.norm128, NULL, NULL}};
+  dsv4_engine_params_t p = {.backend = name,
+                            .threads = 2,
+                            .block_size = C_BS,
+                            .kv_blocks = 512, /* sequences advance at one layer only: no release */
+                            .heads = HEADS,
+                            .model = &cfx.model,
+                            .served_layers = layers,
+                            .n_served = 2,
+                            .attn_sinks = cfx.sinks,
+                            .attention_mode = DSV4_ATTENTION_EXACT,
+                            .compressors = comp,
+                            .c4_blocks = 24,
+                            .c128_blocks = 8,
+                            .max_sequences = 8,
+                            .prefill_chunk_tokens = chunk};
+  dsv4_engine_t *e = NULL;
+  char why[256] = "";
+  if (dsv4_engine_create(&p, &e, why, sizeof(why)))
+    fail_msg("engine on %s: %s", name, why);
+  /* The branch runs on this backend: a backend without it would pass every comparison below by
+   * serving the SWA part only. */
+  assert_int_equal(dsv4_engine_layer_ratio(e, C4_LAYER), 4);
+  assert_int_equal(dsv4_engine_layer_ratio(e, C128_LAYER), 128);
+  return e;
+}
+
+/* One batch's inputs and outputs; outputs: 1 attn and lse, 2 topk (ratio 4), 3 both. */
+typedef struct {
+  batch_t b;
+  float *ckv, *ikv, *iw;
+  uint16_t *iq, *attn;
+  float *lse;
+  int32_t *topk;
+} cbatch_t;
+
+static void cbatch_make(cbatch_t *c, uint32_t layer, uint64_t seed, uint32_t n_segs,
+                        const char *const *names, const int64_t *starts, const uint32_t *lens,
+                        const int *is_new, int outputs) {
+  memset(c, 0, sizeof(*c));
+  batch_make(&c->b, layer, seed, n_segs, names, starts, lens, is_new);
+  size_t n = c->b.n, w = layer == C4_LAYER ? 2048 : 1024;
+  c_rng = seed * 0x2545F4914F6CDD1Dull + 1;
+  /* Independent q and kv (batch_make's are correlated, which would let the window's logits
+   * drown the entries' weights). */
+  for (size_t i = 0; i < n * HEADS * DSV4_HEAD_DIM; i++)
+    c->b.q[i] = dsv4_f32_to_bf16((float)c_unit());
+  for (size_t i = 0; i < n * DSV4_HEAD_DIM; i++)
+    c->b.kv[i] = dsv4_f32_to_bf16((float)c_unit());
+  c->ckv = malloc(n * w * 4);
+  c_fill(c->ckv, n * w, 2.0);
+  c->b.f.ckv = c->ckv;
+  if (layer == C4_LAYER) {
+    c->ikv = malloc(n * 512 * 4);
+    c->iw = malloc(n * C_IH * 4);
+    c->iq = malloc(n * C_IH * 128 * 2);
+    c_fill(c->ikv, n * 512, 2.0);
+    c_fill(c->iw, n * C_IH, 1.0);
+    for (size_t i = 0; i < n * C_IH * 128; i++)
+      c->iq[i] = val(seed ^ 0x5A5A, i);
+    c->b.f.ikv = c->ikv;
+    c->b.f.iw = c->iw;
+    c->b.f.iq = c->iq;
+    if (outputs & 2) {
+      c->topk = malloc(n * C_TOPK * 4);
+      c->b.f.topk = c->topk;
+    }
+  }
+  if (outputs & 1) {
+    c->attn = malloc(n * HEADS * 512 * 2);
+    c->lse = malloc(n * HEADS * 4);
+    c->b.f.attn = c->attn;
+    c->b.f.lse = c->lse;
+    c->b.f.attention = DSV4_ATTENTION_EXACT;
+  }
+}
+
+static void cbatch_free(cbatch_t *c) {
+  batch_free(&c->b);
+  free(c->ckv);
+  free(c->ikv);
+  free(c->iw);
+  free(c->iq);
+  free(c->attn);
+  free(c->lse);
+  free(c->topk);
+}
+
+/* The first byte where two outputs differ, for a message that locates it. */
+static void c_same(const void *x, const void *y, size_t n, size_t row, const char *what,
+                   uint32_t layer) {
+  const uint8_t *a = x, *b = y;
+  for (size_t i = 0; i < n; i++)
+    if (a[i] != b[i])
+      fail_msg("layer %u: %s differs first at byte %zu (token %zu): %02x against %02x", layer, what,
+               i, i / row, a[i], b[i]);
+}
+
+/* Two answers of one batch are equal byte for byte (the first difference named). */
+static void same_c_answer(const cbatch_t *ca, const cbatch_t *cb, uint32_t layer) {
+  size_t n = ca->b.n;
+  c_same(ca->b.q_out, cb->b.q_out, n * HEADS * 512 * 2, HEADS * 512 * 2, "q_out", layer);
+  c_same(ca->b.slots, cb->b.slots, n * 8, 8, "slots", layer);
+  if (ca->attn) {
+    c_same(ca->attn, cb->attn, n * HEADS * 512 * 2, HEADS * 512 * 2, "attn", layer);
+    c_same(ca->lse, cb->lse, n * HEADS * 4, HEADS * 4, "lse", layer);
+  }
+  if (ca->topk)
+    c_same(ca->topk, cb->topk, n * C_TOPK * 4, C_TOPK * 4, "topk", layer);
+  assert_int_equal(ca->b.f.digest, cb->b.f.digest);
+  assert_int_equal(ca->b.f.replayed, cb->b.f.replayed);
+}
+
+/* A decode step of a sequence of its own, run by b's yield hook between two chunks of a batch (as
+ * the executor runs a waiting decode), and on a after that batch. */
+typedef struct {
+  uint32_t layer;
+  uint64_t seed;
+  const char *name;
+  int64_t start;
+} c_decode_t;
+
+typedef struct {
+  dsv4_engine_t *e;
+  cbatch_t *decode; /* run at the first call, or NULL */
+  int rc;
+  uint32_t calls;
+} c_yield_t;
+
+static void c_yield(void *arg) {
+  c_yield_t *y = arg;
+  if (y->calls++ == 0 && y->decode)
+    y->rc = dsv4_engine_forward(y->e, &y->decode->b.f);
+}
+
+/* One batch on engines a (the CPU reference) and b (chunked when it is long, with dec between its
+ * first two chunks when given): the same answers, byte for byte. */
+static void same_c_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint32_t layer, uint64_t seed,
+                         uint32_t n_segs, const char *const *names, const int64_t *starts,
+                         const uint32_t *lens, const int *is_new, int outputs,
+                         const c_decode_t *dec) {
+  cbatch_t ca, cb, da, db;
+  cbatch_make(&ca, layer, seed, n_segs, names, starts, lens, is_new, outputs);
+  cbatch_make(&cb, layer, seed, n_segs, names, starts, lens, is_new, outputs);
+  c_yield_t y = {.e = b};
+  if (dec) {
+    const uint32_t one = 1;
+    const int yes = 1;
+    cbatch_make(&da, dec->layer, dec->seed, 1, &dec->name, &dec->start, &one, &yes, 3);
+    cbatch_make(&db, dec->layer, dec->seed, 1, &dec->name, &dec->start, &one, &yes, 3);
+    y.decode = &db;
+  }
+  cb.b.f.yield = c_yield;
+  cb.b.f.yield_arg = &y;
+  assert_int_equal(dsv4_engine_forward(a, &ca.b.f), 0);
+  if (dec)
+    assert_int_equal(dsv4_engine_forward(a, &da.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &cb.b.f), 0);
+  same_c_answer(&ca, &cb, layer);
+  if (dec) {
+    assert_true(y.calls >= 1); /* b ran the batch in chunks */
+    assert_int_equal(y.rc, 0);
+    same_c_answer(&da, &db, dec->layer);
+    cbatch_free(&da);
+    cbatch_free(&db);
+  }
+  cbatch_free(&ca);
+  cbatch_free(&cb);
+}
+
+/* Every byte of a buffer of the engine, whatever memory the backend keeps it in. */
+static uint8_t *devbuf_bytes(dsv4_engine_t *e, const dsv4_devbuf_t *buf) {
+  uint8_t *out = malloc(buf->size ? buf->size : 1);
+  assert_non_null(out);
+  if (e->be->ops->caps & DSV4_BE_HOST_MEMORY)
+    memcpy(out, buf->ptr, buf->size);
+  else
+    assert_int_equal(e->be->ops->download(e->be, out, buf, 0, buf->size), 0);
+  return out;
+}
+
+/* The rings, entry caches, index cache and SWA caches of a and b are equal. */
+static void same_c_state(dsv4_engine_t *a, dsv4_engine_t *b) {
+  for (uint32_t i = 0; i < 2; i++) {
+    const dsv4_devbuf_t *bufs_a[4] = {&a->cache[i], &a->ring[i], &a->c_cache[i], &a->i_cache[i]};
+    const dsv4_devbuf_t *bufs_b[4] = {&b->cache[i], &b->ring[i], &b->c_cache[i], &b->i_cache[i]};
+    static const char *what[4] = {"SWA cache", "rings", "entry cache", "index cache"};
+    for (int k = 0; k < (i == 0 ? 4 : 3); k++) {
+      assert_int_equal(bufs_a[k]->size, bufs_b[k]->size);
+      uint8_t *x = devbuf_bytes(a, bufs_a[k]), *y = devbuf_bytes(b, bufs_b[k]);
+      c_same(x, y, bufs_a[k]->size, 1, what[k], i == 0 ? C4_LAYER : C128_LAYER);
+      free(x);
+      free(y);
+    }
+  }
+}
+
+/*
+ * The compressed branch on the backend under test gives the CPU backend's bytes (on cpu, through
+ * the staged CPU backend, i.e. the engine's device staging path): attn, lse, topk, q_out, slots,
+ * digests (with the batch's entries and index records), and at the end every byte of the rings,
+ * the entry and index caches and the SWA caches. Two sequences start at p0 > 0; prefills in chunks
+ * that split windows, decode steps across emissions, a batch of two sequences at different phases,
+ * replays; topk 8 of up to 40 visible entries (the scoring path), entries across blocks of 16 in
+ * both pools; outputs with and without attention and topk (the selection then stays internal). On
+ * b, batches longer than 32 tokens run in chunks, and between the first two chunks of the first
+ * batch of each layer a decode step of another sequence of that layer runs (a runs it after).
+ */
+static void test_compressed_matches_cpu(void **state) {
+  (void)state;
+  const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
+  dsv4_engine_t *a = open_c_engine("cpu", 0), *b = open_c_engine(other, 32);
+  const char *names[2] = {"c", "d"};
+  const int yes[2] = {1, 1}, no[2] = {0, 0};
+  /* Ratio 4: c from 0, d from p0 = 37, together, then chunks, a replay and decode steps. */
+  int64_t st[2] = {0, 37};
+  uint32_t len[2] = {70, 45};
+  const c_decode_t g = {C4_LAYER, 2, "g", 6}, h = {C128_LAYER, 3, "h", 0};
+  same_c_batch(a, b, C4_LAYER, 1, 2, names, st, len, yes, 3, &g);
+  same_c_batch(a, b, C4_LAYER, 1, 2, names, st, len, no, 3, NULL); /* a replay */
+  static const uint32_t chunks[][2] = {{1, 7}, {3, 1}, {23, 26}, {41, 5}};
+  for (size_t k = 0; k < sizeof(chunks) / sizeof(chunks[0]); k++) {
+    st[0] += len[0];
+    st[1] += len[1];
+    len[0] = chunks[k][0];
+    len[1] = chunks[k][1];
+    same_c_batch(a, b, C4_LAYER, 10 + k, 2, names, st, len, no, (int)(k % 3) + 1, NULL);
+  }
+  for (int k = 0; k < 9; k++) {
+    st[0] += len[0];
+    st[1] += len[1];
+    len[0] = len[1] = 1;
+    same_c_batch(a, b, C4_LAYER, 20 + (uint64_t)k, 2, names, st, len, no, 3, NULL);
+  }
+  /* Ratio 128: e from 0 and f from p0 = 300 in chunks that straddle emissions, up to entries in a
+   * second block (16 entries a block: position 2048 on). */
+  names[0] = "e";
+  names[1] = "f";
+  int64_t s2[2] = {0, 300};
+  uint32_t l2[2] = {130, 1};
+  same_c_batch(a, b, C128_LAYER, 30, 2, names, s2, l2, yes, 1, &h);
+  same_c_batch(a, b, C128_LAYER, 30, 2, names, s2, l2, no, 1, NULL); /* a replay */
+  for (uint64_t k = 0; s2[0] + l2[0] < 2200; k++) {
+    s2[0] += l2[0];
+    s2[1] += l2[1];
+    l2[0] = k % 2 ? 250 : 137;
+    l2[1] = k % 2 ? 3 : 200;
+    same_c_batch(a, b, C128_LAYER, 40 + k, 2, names, s2, l2, no, k % 3 ? 1 : 0, NULL);
+  }
+  for (int k = 0; k < 4; k++) {
+    s2[0] += l2[0];
+    s2[1] += l2[1];
+    l2[0] = l2[1] = 1;
+    same_c_batch(a, b, C128_LAYER, 60 + (uint64_t)k, 2, names, s2, l2, no, 1, NULL);
+  }
+  same_c_state(a, b);
+  if (!strcmp(other, "cpu_staged")) {
+    dsv4_test_cpu_staged_stats_t sa;
+    dsv4_test_cpu_staged_stats(b->be, &sa);
+    assert_true(sa.launches > 0 && sa.uploads > 0 && sa.downloads > 0);
+  }
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+}
+
 int main(int argc, char **argv) {
   int skip = dsv4_test_backend_from_args(argc, argv, &backend);
   if (skip)
@@ -895,6 +1210,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_device_failure_drops_batch),
       cmocka_unit_test(test_restore),
       cmocka_unit_test(test_staged_matches_cpu),
+      cmocka_unit_test(test_compressed_matches_cpu),
       cmocka_unit_test(test_chunked_prefill_matches_one_launch),
       cmocka_unit_test(test_chunked_refusal_changes_nothing),
       cmocka_unit_test(test_chunked_device_failure),

@@ -1,0 +1,344 @@
+/*
+ * The indexer's selection of a ratio-4 layer (SPEC §8.5), exact mode, computing exactly the CPU
+ * reference's selection (cpu_compress.c): per token, the top-k of its visible entries under (score
+ * descending, entry ascending), listed in increasing entry, -1 padded.
+ *
+ *   check    one thread per token: its segment and position, and for a token that must score (more
+ *            than topk visible entries) the block of every visible entry. Consecutive tokens of a
+ *            segment see entries from the same first one, so a token whose predecessor scored
+ *            checks only the blocks past the predecessor's last one (together they cover every
+ *            range). A failure sets bits of the error word, and the select kernel then writes
+ *            nothing.
+ *   select   CTAs over the tokens (a CTA takes tokens blockIdx.x, + gridDim.x, ...). A token with
+ * at most topk visible entries lists them. Otherwise: the dequantised index queries q^ of every
+ * head (dsv4_index_query: RoPE at p, Hadamard, MXFP4) and the weights into shared memory, one
+ * thread per head; then one thread per entry dequantises its index record and computes its score
+ * (the heads in order, dsv4_index_score_add) and stores the order key (dsv4_index_score_key) in the
+ * CTA's slice of a key scratch in device memory; a radix select over the keys (8 bits at a time
+ * from the top, a shared histogram per round) finds the k-th largest key T and how many keys equal
+ * to T are taken; a last pass over the keys in entry order, 256 at a time with two block-wide
+ *            prefix sums, lists every key above T and the first of those equal to T.
+ *
+ * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
+ * the selection is a function of the scores alone, so the lists are equal.
+ *
+ * Ordering (SPEC §5.2): both kernels execute the dependency wait first in every CTA; the select
+ * kernel reads the error word after it, and returns only after it.
+ */
+#include "cuda-internal.cuh"
+
+#include "dsv4-compress.h"
+#include "dsv4-error.h"
+#include "dsv4-numerics.h"
+
+#define CHECK_BLOCK 256
+#define SEL_THREADS 256
+#define SEL_WARPS (SEL_THREADS / 32)
+#define FULL 0xffffffffu
+
+typedef struct {
+  const int64_t *pos;
+  const int32_t *tok_seg;
+  const int64_t *seg_p0;
+  const uint16_t *iq; /* [n_tokens, n_heads, 128] bf16 */
+  const float *iw;    /* [n_tokens, n_heads] */
+  const float *rope;  /* rows of 64 floats by position */
+  const int64_t *seg_c_first_lb;
+  const uint32_t *seg_cbt_off;
+  const uint32_t *seg_cbt_len;
+  const int32_t *c_bt;
+  const uint8_t *i_cache;
+  int32_t *sel;
+  uint32_t *keys; /* [gridDim.x, keys_per_cta] */
+  uint32_t *err;
+  int64_t max_pos;
+  uint64_t keys_per_cta;
+  float w_scale;
+  uint32_t n_tokens, n_segments, topk, n_heads, c_bt_entries, c_n_blocks, bs_shift;
+} idx_params_t;
+
+static_assert(sizeof(idx_params_t) % 4 == 0, "parameter block of whole words");
+
+/* The physical block of logical entry block lb of segment s, or -1. */
+static __device__ int32_t lb_block(const idx_params_t &p, uint32_t s, int64_t lb) {
+  const int64_t idx = lb - p.seg_c_first_lb[s];
+  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
+    return -1;
+  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
+  if (p.c_bt_entries && e >= p.c_bt_entries)
+    return -1;
+  const int32_t b = p.c_bt[e];
+  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+}
+
+/* Token t's segment and its visible entries jlo..jhi-1 (SPEC §8.4 at ratio 4); error bits. */
+static __device__ uint32_t token_range(const idx_params_t &p, uint32_t t, uint32_t *s, int64_t *jlo,
+                                       int64_t *jhi) {
+  const int32_t seg = p.tok_seg[t];
+  if (seg < 0 || (uint32_t)seg >= p.n_segments)
+    return DSV4_CUDA_ERR_SEGMENT;
+  const int64_t pos = p.pos[t], p0 = p.seg_p0[seg];
+  if (p0 < 0 || pos < p0 || pos >= p.max_pos)
+    return DSV4_CUDA_ERR_POSITION;
+  *s = (uint32_t)seg;
+  *jlo = p0 / 4;
+  *jhi = (pos + 1) / 4;
+  return 0;
+}
+
+/* ---- check ---- */
+
+static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t) {
+  uint32_t s;
+  int64_t jlo, jhi;
+  uint32_t bits = token_range(p, t, &s, &jlo, &jhi);
+  if (bits || jhi - jlo <= (int64_t)p.topk)
+    return bits;
+  int64_t lb = jlo >> p.bs_shift;
+  const int64_t lb_hi = (jhi - 1) >> p.bs_shift;
+  /* The predecessor of the same segment at p - 1, if it scored, checked up to its last block. */
+  if (t > 0 && p.tok_seg[t - 1] == (int32_t)s && p.pos[t - 1] == p.pos[t] - 1) {
+    const int64_t prev_hi = p.pos[t] / 4;
+    if (prev_hi - jlo > (int64_t)p.topk && ((prev_hi - 1) >> p.bs_shift) > lb)
+      lb = (prev_hi - 1) >> p.bs_shift;
+  }
+  for (; lb <= lb_hi; lb++)
+    if (lb_block(p, s, lb) < 0)
+      return DSV4_CUDA_ERR_BLOCK;
+  return 0;
+}
+
+__global__ void __launch_bounds__(CHECK_BLOCK) dsv4__indexer_check_kernel(idx_params_t p) {
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  const uint32_t i = blockIdx.x * CHECK_BLOCK + threadIdx.x;
+  uint32_t bits = 0;
+  /* Every segment's table within the entries given (as the CPU's ctable_segments_ok). */
+  if (i < p.n_segments && p.c_bt_entries &&
+      (uint64_t)p.seg_cbt_off[i] + p.seg_cbt_len[i] > p.c_bt_entries)
+    bits |= DSV4_CUDA_ERR_BLOCK;
+  if (i < p.n_tokens)
+    bits |= check_token(p, i);
+  if (bits)
+    atomicOr(p.err, bits);
+}
+
+/* ---- select ---- */
+
+/* The exclusive prefix sum of v over the CTA (in thread order) and, in *total, the sum. */
+static __device__ uint32_t block_scan(uint32_t v, uint32_t *warp_sums, uint32_t *total) {
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t x = v;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t y = __shfl_up_sync(FULL, x, off);
+    if (lane >= (uint32_t)off)
+      x += y;
+  }
+  if (lane == 31)
+    warp_sums[warp] = x;
+  __syncthreads();
+  uint32_t before = 0, all = 0;
+  for (uint32_t w = 0; w < SEL_WARPS; w++) {
+    before += w < warp ? warp_sums[w] : 0u;
+    all += warp_sums[w];
+  }
+  __syncthreads(); /* warp_sums is rewritten by the next scan */
+  *total = all;
+  return before + x - v;
+}
+
+/* The scores of token t's n visible entries jlo.. of segment s as order keys in keys[0..n). */
+static __device__ void score_entries(const idx_params_t &p, uint32_t s, int64_t jlo, uint32_t n,
+                                     const float *qhat, const float *w, uint32_t *keys) {
+  const uint64_t bs = 1u << p.bs_shift;
+  for (uint32_t i = threadIdx.x; i < n; i += SEL_THREADS) {
+    const int64_t j = jlo + i;
+    const uint64_t o = (uint64_t)j & (bs - 1);
+    const uint8_t *blk =
+        p.i_cache + (uint64_t)lb_block(p, s, j >> p.bs_shift) * DSV4_INDEX_BLOCK_BYTES(bs);
+    float k[DSV4_INDEX_DIM];
+    dsv4_mxfp4_dequant128(blk + DSV4_INDEX_VALUE_BYTES * o,
+                          blk + DSV4_INDEX_VALUE_BYTES * bs + DSV4_MXFP4_BLOCKS * o, k);
+    float acc = 0.0f;
+    for (uint32_t h = 0; h < p.n_heads; h++)
+      acc = dsv4_index_score_add(w[h], dsv4_dot128(qhat + (size_t)h * DSV4_INDEX_DIM, k), acc);
+    keys[i] = dsv4_index_score_key(acc);
+  }
+}
+
+/* Shared state of the selection. */
+typedef struct {
+  uint32_t hist[256];
+  uint32_t warp_sums[SEL_WARPS];
+  uint32_t prefix, need;
+} sel_smem_t;
+
+/* The k-th largest of the n keys, T, and in sm.need how many keys equal to T the top k take:
+ * cpu_compress.c's select_topk, one histogram per 8 bits. */
+static __device__ uint32_t radix_select(const uint32_t *keys, uint32_t n, uint32_t k,
+                                        sel_smem_t &sm) {
+  uint32_t prefix = 0, mask = 0, need = k;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (uint32_t i = threadIdx.x; i < 256; i += SEL_THREADS)
+      sm.hist[i] = 0;
+    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < n; i += SEL_THREADS) {
+      const uint32_t key = keys[i];
+      if ((key & mask) == prefix)
+        atomicAdd(&sm.hist[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      /* The keys matching prefix number at least need, so some bucket reaches it. */
+      uint32_t b = 255;
+      while (sm.hist[b] < need) {
+        need -= sm.hist[b];
+        b--;
+      }
+      sm.prefix = prefix | (b << shift);
+      sm.need = need;
+    }
+    __syncthreads();
+    prefix = sm.prefix;
+    need = sm.need;
+    mask |= 255u << shift;
+  }
+  return prefix;
+}
+
+/* Every key above T and the first need keys equal to T, in entry order, into out[0..k). */
+static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t T, uint32_t need,
+                                     int64_t jlo, int32_t *out, sel_smem_t &sm) {
+  uint32_t taken = 0, ties = 0;
+  for (uint32_t base = 0; base < n; base += SEL_THREADS) {
+    const uint32_t i = base + threadIdx.x;
+    const uint32_t key = i < n ? keys[i] : 0u;
+    const uint32_t eq = i < n && key == T ? 1u : 0u;
+    uint32_t n_eq, n_take;
+    const uint32_t eq_before = block_scan(eq, sm.warp_sums, &n_eq);
+    const uint32_t take = (i < n && key > T) || (eq && ties + eq_before < need) ? 1u : 0u;
+    const uint32_t at = block_scan(take, sm.warp_sums, &n_take);
+    if (take)
+      out[taken + at] = (int32_t)(jlo + i);
+    taken += n_take;
+    ties += n_eq;
+  }
+}
+
+/* Token t's selection: all visible entries when at most topk, else the scored top topk. */
+static __device__ void select_token(const idx_params_t &p, uint32_t t, float *qhat, float *w,
+                                    uint32_t *keys, sel_smem_t &sm) {
+  uint32_t s = 0;
+  int64_t jlo = 0, jhi = 0;
+  (void)token_range(p, t, &s, &jlo, &jhi); /* checked */
+  const int64_t n = jhi > jlo ? jhi - jlo : 0;
+  int32_t *out = p.sel + (uint64_t)t * p.topk;
+  if (n <= (int64_t)p.topk) {
+    for (uint32_t k = threadIdx.x; k < p.topk; k += SEL_THREADS)
+      out[k] = k < n ? (int32_t)(jlo + k) : -1;
+    return;
+  }
+  const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
+  for (uint32_t h = threadIdx.x; h < p.n_heads; h += SEL_THREADS) {
+    const uint64_t row = (uint64_t)t * p.n_heads + h;
+    dsv4_index_query(p.iq + row * DSV4_INDEX_DIM, rope_row, qhat + (size_t)h * DSV4_INDEX_DIM);
+    w[h] = __fmul_rn(p.iw[row], p.w_scale);
+  }
+  __syncthreads();
+  score_entries(p, s, jlo, (uint32_t)n, qhat, w, keys);
+  __syncthreads();
+  const uint32_t T = radix_select(keys, (uint32_t)n, p.topk, sm);
+  list_selected(keys, (uint32_t)n, T, sm.need, jlo, out, sm);
+}
+
+__global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_params_t p) {
+  extern __shared__ float qhat[]; /* [n_heads, 128] q^, then [n_heads] weights */
+  __shared__ sel_smem_t sm;
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  if (__ldcg(p.err) != 0)
+    return; /* the check (or an earlier launch of the batch) failed: write nothing */
+  float *w = qhat + (size_t)p.n_heads * DSV4_INDEX_DIM;
+  uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
+  for (uint32_t t = blockIdx.x; t < p.n_tokens; t += gridDim.x) {
+    select_token(p, t, qhat, w, keys, sm);
+    __syncthreads(); /* q^, the keys and the histogram are reused by the next token */
+  }
+}
+
+/* ---- the launch ---- */
+
+extern "C" uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions) {
+  return (uint64_t)(max_positions > 0 ? max_positions : 0) / 4 + 1;
+}
+
+extern "C" uint32_t dsv4__cuda_indexer_ctas(uint32_t n_tokens) {
+  dsv4__cuda_dev_t dev;
+  if (dsv4__cuda_dev_info(&dev))
+    return 0;
+  return n_tokens < (uint32_t)dev.sms ? n_tokens : (uint32_t)dev.sms;
+}
+
+extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rope_rows_dev,
+                                  int64_t max_positions, uint32_t *keys_dev, uint64_t keys_len,
+                                  uint32_t *err_dev, cudaStream_t s, int pdl) {
+  int rc = dsv4_backend_check_indexer_args(a);
+  if (rc || a->n_tokens == 0)
+    return rc;
+  if (!rope_rows_dev || max_positions <= 0 || !err_dev || !keys_dev)
+    return DSV4_EINVAL;
+  dsv4__cuda_dev_t dev;
+  int err = dsv4__cuda_dev_info(&dev);
+  if (err)
+    return err;
+  idx_params_t p = {};
+  p.pos = a->positions;
+  p.tok_seg = a->tok_seg;
+  p.seg_p0 = a->seg_p0;
+  p.iq = a->iq;
+  p.iw = a->iw;
+  p.rope = rope_rows_dev;
+  p.seg_c_first_lb = a->seg_c_first_lb;
+  p.seg_cbt_off = a->seg_cbt_off;
+  p.seg_cbt_len = a->seg_cbt_len;
+  p.c_bt = a->c_block_table;
+  p.i_cache = a->i_cache;
+  p.sel = a->sel;
+  p.keys = keys_dev;
+  p.err = err_dev;
+  p.max_pos = max_positions;
+  p.keys_per_cta = dsv4__cuda_indexer_keys_per_cta(max_positions);
+  p.w_scale = a->w_scale;
+  p.n_tokens = a->n_tokens;
+  p.n_segments = a->n_segments;
+  p.topk = a->topk;
+  p.n_heads = a->n_heads;
+  p.c_bt_entries = a->c_bt_entries;
+  p.c_n_blocks = a->c_n_blocks;
+  while ((1u << p.bs_shift) < a->block_size)
+    p.bs_shift++;
+  const uint32_t ctas = a->n_tokens < (uint32_t)dev.sms ? a->n_tokens : (uint32_t)dev.sms;
+  if (keys_len < (uint64_t)ctas * p.keys_per_cta)
+    return DSV4_EINVAL;
+  static int ready = 0; /* the shared-memory limit, raised once per process */
+  const size_t smem = (size_t)a->n_heads * (DSV4_INDEX_DIM + 1) * sizeof(float);
+  if (!ready) {
+    cudaError_t e = cudaFuncSetAttribute(dsv4__indexer_select_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)(DSV4_MAX_HEADS * (DSV4_INDEX_DIM + 1) * 4));
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return dsv4__cuda_err(e);
+    }
+    ready = 1;
+  }
+  pdl = pdl && dev.pdl;
+  const uint32_t check_items = a->n_tokens > a->n_segments ? a->n_tokens : a->n_segments;
+  cudaError_t e =
+      dsv4__cuda_launch(dsv4__indexer_check_kernel, (check_items + CHECK_BLOCK - 1) / CHECK_BLOCK,
+                        CHECK_BLOCK, s, pdl, p);
+  if (e == cudaSuccess)
+    e = dsv4__cuda_launch_smem(dsv4__indexer_select_kernel, ctas, SEL_THREADS, smem, s, pdl, p);
+  return dsv4__cuda_err(e);
+}

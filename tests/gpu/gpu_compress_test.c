@@ -1,0 +1,786 @@
+/*
+ * SPEC §8 on the GPU: the CUDA backend's compressed branch (compress, the indexer's selection and
+ * attention over the union of the window and the compressed entries, exact mode) gives the CPU
+ * backend's bytes. Both backends are opened by name and driven through their op tables with the
+ * same batches: per batch map_slots, qkv_insert, compress, the indexer (ratio 4) and the union
+ * attention; topk, attn and lse are compared after every batch, and at the end every byte of the
+ * rings, the entry cache, the index cache and the SWA cache.
+ *
+ * Each case serves several sequences of one layer, some with p0 > 0, through a schedule of batches:
+ * prefills in chunks that split windows, segments of different sequences in one batch, decode
+ * steps across emissions. Ratio 4 with topk 512 and more visible entries (scored), topk 8 (scored
+ * almost everywhere) and ratio 128 with entries across several blocks; block sizes 16 and 64;
+ * 8 to 64 heads. Every sequence owns a run of scattered physical blocks in each pool.
+ *
+ * Then the refusals (backend.h): a compress whose emission has no entry block, an indexer whose
+ * scoring token meets an entry block outside its table, an attention whose selection is not
+ * increasing: the CPU and CUDA backends both answer DSV4_EINVAL and the CUDA backend writes no
+ * byte (its caches and outputs stay as they were); the next launch is right again.
+ *
+ * Mismatches name the case, the batch, the token (position, sequence), the head and dim or entry,
+ * the bytes on both sides and how many differ, so one run on a device is enough to diagnose.
+ *
+ * Usage: gpu_compress_test [quick]   (quick: the small cases only)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dsv4-compress.h"
+#include "gpu_attn_common.h"
+
+#define MAX_POS DSV4_MAX_POSITION_DEFAULT
+#define MAX_SEQ 4
+#define MAX_SEGS 4
+#define IH 64 /* index heads */
+#define SLOTS 6
+
+/* One batch of a schedule: segments (sequence, tokens), at most MAX_SEGS. */
+typedef struct {
+  uint32_t n;
+  uint32_t seq[MAX_SEGS];
+  uint32_t len[MAX_SEGS];
+} bspec_t;
+
+typedef struct {
+  const char *name;
+  uint32_t ratio, bs, heads, topk;
+  uint32_t n_seq;
+  int64_t p0[MAX_SEQ];
+  const bspec_t *sched;
+  uint32_t n_batches;
+} case_t;
+
+/* The state of one backend: its buffers and the sequences' tables (the same on both). */
+typedef struct {
+  dsv4_backend_t *be;
+  dsv4_devbuf_t cache, ring, c_cache, i_cache, weights, sinks;
+  dsv4_devbuf_t bt, c_bt; /* every sequence's SWA and entry blocks, concatenated */
+} world_t;
+
+/* The tables and weights of a case (host). */
+typedef struct {
+  const case_t *k;
+  uint32_t n_blocks, c_n_blocks, bt_len, c_bt_len;
+  int32_t *bt, *c_bt;
+  uint32_t bt_off[MAX_SEQ], bt_n[MAX_SEQ], c_off[MAX_SEQ], c_n[MAX_SEQ];
+  int64_t c_first_lb[MAX_SEQ], next[MAX_SEQ];
+  float *w; /* ape | norm | i_ape | i_norm */
+  size_t ape_n, w_n;
+  float *sinks;
+  dsv4_rope_table_t *rope;
+} setup_t;
+
+typedef struct {
+  dsv4_backend_t *cpu, *cuda;
+  dsv4_rope_table_t *rope;
+  uint64_t rng;
+  int failures;
+} ctx_t;
+
+static float frand(uint64_t *rng, float scale) {
+  return ((float)gpu_below(rng, 1u << 20) / (float)(1u << 19) - 1.0f) * scale;
+}
+
+/* Positions every sequence reaches in the schedule. */
+static void seq_ends(const case_t *k, int64_t *end) {
+  for (uint32_t s = 0; s < k->n_seq; s++)
+    end[s] = k->p0[s];
+  for (uint32_t b = 0; b < k->n_batches; b++)
+    for (uint32_t i = 0; i < k->sched[b].n; i++)
+      end[k->sched[b].seq[i]] += k->sched[b].len[i];
+}
+
+/* Distinct physical ids 0..n-1 in a random order. */
+static uint32_t *perm(uint64_t *rng, uint32_t n) {
+  uint32_t *p = gpu_host_alloc(sizeof(uint32_t) * n);
+  for (uint32_t i = 0; i < n; i++)
+    p[i] = i;
+  for (uint32_t i = n - 1; i > 0; i--) {
+    uint32_t j = gpu_below(rng, i + 1), x = p[i];
+    p[i] = p[j];
+    p[j] = x;
+  }
+  return p;
+}
+
+static void setup_make(ctx_t *c, const case_t *k, setup_t *su) {
+  memset(su, 0, sizeof(*su));
+  su->k = k;
+  su->rope = c->rope;
+  int64_t end[MAX_SEQ];
+  seq_ends(k, end);
+  for (uint32_t s = 0; s < k->n_seq; s++) {
+    /* SWA blocks from logical block 0 (no release in a test), entry blocks from p0's entry. */
+    su->bt_off[s] = su->bt_len;
+    su->bt_n[s] = (uint32_t)((end[s] - 1) / k->bs + 1);
+    su->bt_len += su->bt_n[s];
+    su->c_first_lb[s] = k->p0[s] / k->ratio / k->bs;
+    su->c_off[s] = su->c_bt_len;
+    su->c_n[s] = (uint32_t)(end[s] / k->ratio / k->bs - su->c_first_lb[s] + 1);
+    su->c_bt_len += su->c_n[s];
+    su->next[s] = k->p0[s];
+  }
+  su->n_blocks = su->bt_len + 3;
+  su->c_n_blocks = su->c_bt_len + 3;
+  uint32_t *p = perm(&c->rng, su->n_blocks), *q = perm(&c->rng, su->c_n_blocks);
+  su->bt = gpu_host_alloc(sizeof(int32_t) * su->bt_len);
+  su->c_bt = gpu_host_alloc(sizeof(int32_t) * su->c_bt_len);
+  for (uint32_t i = 0; i < su->bt_len; i++)
+    su->bt[i] = (int32_t)p[i];
+  for (uint32_t i = 0; i < su->c_bt_len; i++)
+    su->c_bt[i] = (int32_t)q[i];
+  free(p);
+  free(q);
+  const uint32_t coff = k->ratio == 4 ? 2 : 1;
+  su->ape_n = (size_t)k->ratio * coff * 512;
+  su->w_n = su->ape_n + 512 + (k->ratio == 4 ? 4 * 256 + 128 : 0);
+  su->w = gpu_host_alloc(sizeof(float) * su->w_n);
+  for (size_t i = 0; i < su->w_n; i++)
+    su->w[i] = frand(&c->rng, 0.5f);
+  for (size_t i = 0; i < 512; i++) /* the norm weights: around 1 */
+    su->w[su->ape_n + i] = 1.0f + frand(&c->rng, 0.25f);
+  for (size_t i = 0; k->ratio == 4 && i < 128; i++)
+    su->w[su->ape_n + 512 + 1024 + i] = 1.0f + frand(&c->rng, 0.25f);
+  su->sinks = gpu_host_alloc(sizeof(float) * k->heads);
+  for (uint32_t h = 0; h < k->heads; h++)
+    su->sinks[h] = frand(&c->rng, 2.0f);
+  for (uint32_t s = 0; s < k->n_seq; s++)
+    CKD(dsv4_rope_table_ensure_range(c->rope, 0, end[s] + 1));
+}
+
+static void setup_free(setup_t *su) {
+  free(su->bt);
+  free(su->c_bt);
+  free(su->w);
+  free(su->sinks);
+}
+
+static void world_open(world_t *w, dsv4_backend_t *be, const setup_t *su) {
+  const case_t *k = su->k;
+  memset(w, 0, sizeof(*w));
+  w->be = be;
+  w->cache = attn_put(be, NULL, (size_t)su->n_blocks * DSV4_BLOCK_STRIDE(k->bs));
+  w->ring = attn_put(be, NULL, (size_t)SLOTS * DSV4_RING_FLOATS(k->ratio) * sizeof(float));
+  w->c_cache = attn_put(be, NULL, (size_t)su->c_n_blocks * DSV4_BLOCK_STRIDE(k->bs));
+  w->i_cache = attn_put(be, NULL, (size_t)su->c_n_blocks * DSV4_INDEX_BLOCK_BYTES(k->bs));
+  w->weights = attn_put(be, su->w, sizeof(float) * su->w_n);
+  w->sinks = attn_put(be, su->sinks, sizeof(float) * k->heads);
+  w->bt = attn_put(be, su->bt, sizeof(int32_t) * su->bt_len);
+  w->c_bt = attn_put(be, su->c_bt, sizeof(int32_t) * su->c_bt_len);
+}
+
+static void world_close(world_t *w) {
+  dsv4_devbuf_t *b[] = {&w->cache,   &w->ring,  &w->c_cache, &w->i_cache,
+                        &w->weights, &w->sinks, &w->bt,      &w->c_bt};
+  for (size_t i = 0; i < sizeof(b) / sizeof(b[0]); i++)
+    w->be->ops->buf_free(w->be, b[i]);
+}
+
+/* One batch's host arrays and inputs (the same for both backends). */
+typedef struct {
+  uint32_t n, nseg;
+  int64_t *pos, *seg_p0, *seg_first_lb, *seg_c_first_lb;
+  int32_t *tok_seg;
+  uint32_t *seg_bt_off, *seg_bt_len, *seg_slot, *seg_cbt_off, *seg_cbt_len;
+  uint32_t seg_seq[MAX_SEGS];
+  uint16_t *q, *kv, *iq;
+  float *ckv, *ikv, *iw;
+} binput_t;
+
+static void binput_make(ctx_t *c, setup_t *su, const bspec_t *bs, binput_t *in) {
+  const case_t *k = su->k;
+  memset(in, 0, sizeof(*in));
+  in->nseg = bs->n;
+  for (uint32_t i = 0; i < bs->n; i++)
+    in->n += bs->len[i];
+  const size_t n = in->n, ns = in->nseg, w = k->ratio == 4 ? 2048 : 1024;
+  in->pos = gpu_host_alloc(8 * n);
+  in->tok_seg = gpu_host_alloc(4 * n);
+  in->seg_p0 = gpu_host_alloc(8 * ns);
+  in->seg_first_lb = gpu_host_alloc(8 * ns);
+  in->seg_c_first_lb = gpu_host_alloc(8 * ns);
+  in->seg_bt_off = gpu_host_alloc(4 * ns);
+  in->seg_bt_len = gpu_host_alloc(4 * ns);
+  in->seg_slot = gpu_host_alloc(4 * ns);
+  in->seg_cbt_off = gpu_host_alloc(4 * ns);
+  in->seg_cbt_len = gpu_host_alloc(4 * ns);
+  uint32_t t = 0;
+  for (uint32_t i = 0; i < bs->n; i++) {
+    uint32_t s = bs->seq[i];
+    in->seg_seq[i] = s;
+    in->seg_p0[i] = k->p0[s];
+    in->seg_first_lb[i] = 0;
+    in->seg_bt_off[i] = su->bt_off[s];
+    in->seg_bt_len[i] = su->bt_n[s];
+    in->seg_slot[i] = s + 1; /* slot 0 stays unused */
+    in->seg_c_first_lb[i] = su->c_first_lb[s];
+    in->seg_cbt_off[i] = su->c_off[s];
+    in->seg_cbt_len[i] = su->c_n[s];
+    for (uint32_t j = 0; j < bs->len[i]; j++, t++) {
+      in->pos[t] = su->next[s] + j;
+      in->tok_seg[t] = (int32_t)i;
+    }
+    su->next[s] += bs->len[i];
+  }
+  in->q = gpu_host_alloc(2 * n * k->heads * 512);
+  in->kv = gpu_host_alloc(2 * n * 512);
+  in->iq = gpu_host_alloc(2 * n * IH * 128);
+  in->ckv = gpu_host_alloc(4 * n * w);
+  in->ikv = gpu_host_alloc(4 * n * 512);
+  in->iw = gpu_host_alloc(4 * n * IH);
+  gpu_fill_bf16(&c->rng, in->q, n * k->heads * 512, 127, 2);
+  gpu_fill_bf16(&c->rng, in->kv, n * 512, 127, 2);
+  gpu_fill_bf16(&c->rng, in->iq, n * IH * 128, 127, 2);
+  for (size_t i = 0; i < n * w; i++)
+    in->ckv[i] = frand(&c->rng, 2.0f);
+  for (size_t i = 0; i < n * 512; i++)
+    in->ikv[i] = frand(&c->rng, 2.0f);
+  for (size_t i = 0; i < n * IH; i++)
+    in->iw[i] = frand(&c->rng, 1.0f);
+}
+
+static void binput_free(binput_t *in) {
+  void *p[] = {in->pos,        in->tok_seg,    in->seg_p0,   in->seg_first_lb, in->seg_c_first_lb,
+               in->seg_bt_off, in->seg_bt_len, in->seg_slot, in->seg_cbt_off,  in->seg_cbt_len,
+               in->q,          in->kv,         in->iq,       in->ckv,          in->ikv,
+               in->iw};
+  for (size_t i = 0; i < sizeof(p) / sizeof(p[0]); i++)
+    free(p[i]);
+}
+
+/* What a batch answers, and how a launch may be broken for the refusals. */
+typedef struct {
+  uint16_t *attn;
+  float *lse;
+  int32_t *sel;
+  int rc_compress, rc_index, rc_attn;
+} bout_t;
+
+enum { BREAK_NONE, BREAK_COMPRESS_BLOCK, BREAK_INDEX_BLOCK, BREAK_SEL_ORDER, BREAK_ATTN_BLOCK };
+
+/*
+ * The batch on world w: map_slots, qkv_insert, compress, indexer, attention, sync; outputs
+ * downloaded. A break makes one launch refuse and the batch stop there: entry c_bt[brk_idx] of
+ * the entry table becomes brk_val for compress (COMPRESS_BLOCK), the indexer after an unbroken
+ * compress (INDEX_BLOCK) or the attention alone (ATTN_BLOCK); SEL_ORDER runs the attention alone
+ * with the selection the caller left in out->sel.
+ */
+static void run_batch(world_t *w, const setup_t *su, const binput_t *in, bout_t *out, int brk,
+                      uint32_t brk_idx, int32_t brk_val) {
+  dsv4_backend_t *be = w->be;
+  const case_t *k = su->k;
+  const size_t n = in->n, ns = in->nseg, wd = k->ratio == 4 ? 2048 : 1024;
+  dsv4_devbuf_t b[17];
+  b[0] = attn_put(be, in->pos, 8 * n);
+  b[1] = attn_put(be, in->tok_seg, 4 * n);
+  b[2] = attn_put(be, in->seg_p0, 8 * ns);
+  b[3] = attn_put(be, in->seg_first_lb, 8 * ns);
+  b[4] = attn_put(be, in->seg_bt_off, 4 * ns);
+  b[5] = attn_put(be, in->seg_bt_len, 4 * ns);
+  b[6] = attn_put(be, in->seg_slot, 4 * ns);
+  b[7] = attn_put(be, in->seg_c_first_lb, 8 * ns);
+  b[8] = attn_put(be, in->seg_cbt_off, 4 * ns);
+  b[9] = attn_put(be, in->seg_cbt_len, 4 * ns);
+  b[10] = attn_put(be, in->q, 2 * n * k->heads * 512);
+  b[11] = attn_put(be, in->kv, 2 * n * 512);
+  b[12] = attn_put(be, NULL, 8 * n);                  /* slots */
+  b[13] = attn_put(be, NULL, 2 * n * k->heads * 512); /* q_out */
+  b[14] = attn_put(be, in->ckv, 4 * n * wd);
+  b[15] = attn_put(be, in->ikv, 4 * n * 512);
+  b[16] = attn_put(be, NULL, 2 * n * IH * 128 + 4 * n * IH + 4 * n * k->topk); /* iq|iw|sel */
+  uint8_t *x = b[16].ptr;
+  CKD(be->ops->upload(be, &b[16], 0, in->iq, 2 * n * IH * 128));
+  CKD(be->ops->upload(be, &b[16], 2 * n * IH * 128, in->iw, 4 * n * IH));
+  const size_t sel_off = 2 * n * IH * 128 + 4 * n * IH;
+  const size_t out_bytes = 2 * n * k->heads * 512, lse_bytes = 4 * n * k->heads;
+  memset(out->attn, ATTN_CANARY, out_bytes);
+  memset(out->lse, ATTN_CANARY, lse_bytes);
+  if (brk != BREAK_SEL_ORDER)
+    memset(out->sel, ATTN_CANARY, 4 * n * k->topk);
+  CKD(be->ops->upload(be, &b[16], sel_off, out->sel, 4 * n * k->topk));
+  dsv4_devbuf_t dout = attn_put(be, out->attn, out_bytes), dlse = attn_put(be, out->lse, lse_bytes);
+  /* The entry table, broken for a refusal. */
+  int32_t *cbt = gpu_host_alloc(sizeof(int32_t) * su->c_bt_len);
+  memcpy(cbt, su->c_bt, sizeof(int32_t) * su->c_bt_len);
+  if (brk != BREAK_NONE && brk != BREAK_SEL_ORDER)
+    cbt[brk_idx] = brk_val;
+  dsv4_devbuf_t dcbt = brk ? attn_put(be, cbt, sizeof(int32_t) * su->c_bt_len) : w->c_bt;
+  const float *wd_ = w->weights.ptr;
+  dsv4_map_args_t ma = {.n_tokens = (uint32_t)n,
+                        .n_segments = (uint32_t)ns,
+                        .block_size = k->bs,
+                        .n_blocks = su->n_blocks,
+                        .positions = b[0].ptr,
+                        .tok_seg = b[1].ptr,
+                        .seg_first_lb = b[3].ptr,
+                        .seg_bt_off = b[4].ptr,
+                        .seg_bt_len = b[5].ptr,
+                        .block_table = w->bt.ptr,
+                        .slots = b[12].ptr,
+                        .bt_entries = su->bt_len};
+  dsv4_insert_args_t ia = {.n_tokens = (uint32_t)n,
+                           .heads = k->heads,
+                           .q = b[10].ptr,
+                           .kv = b[11].ptr,
+                           .positions = b[0].ptr,
+                           .slots = b[12].ptr,
+                           .rope = su->rope,
+                           .eps = 1e-6f,
+                           .write_kv = 1,
+                           .q_out = b[13].ptr,
+                           .cache = w->cache.ptr,
+                           .block_size = k->bs,
+                           .n_blocks = su->n_blocks,
+                           .stride = DSV4_BLOCK_STRIDE(k->bs)};
+  dsv4_compress_args_t ca = {.ratio = k->ratio,
+                             .n_tokens = (uint32_t)n,
+                             .n_segments = (uint32_t)ns,
+                             .positions = b[0].ptr,
+                             .tok_seg = b[1].ptr,
+                             .seg_p0 = b[2].ptr,
+                             .seg_slot = b[6].ptr,
+                             .ckv = b[14].ptr,
+                             .ikv = k->ratio == 4 ? b[15].ptr : NULL,
+                             .ring = w->ring.ptr,
+                             .n_slots = SLOTS,
+                             .ape = wd_,
+                             .norm_weight = wd_ + su->ape_n,
+                             .i_ape = k->ratio == 4 ? wd_ + su->ape_n + 512 : NULL,
+                             .i_norm_weight = k->ratio == 4 ? wd_ + su->ape_n + 512 + 1024 : NULL,
+                             .eps = 1e-6f,
+                             .rope = su->rope,
+                             .seg_c_first_lb = b[7].ptr,
+                             .seg_cbt_off = b[8].ptr,
+                             .seg_cbt_len = b[9].ptr,
+                             .c_block_table = dcbt.ptr,
+                             .c_bt_entries = su->c_bt_len,
+                             .c_cache = w->c_cache.ptr,
+                             .i_cache = k->ratio == 4 ? w->i_cache.ptr : NULL,
+                             .c_n_blocks = su->c_n_blocks,
+                             .block_size = k->bs,
+                             .stride = DSV4_BLOCK_STRIDE(k->bs)};
+  dsv4_indexer_args_t xa = {.n_tokens = (uint32_t)n,
+                            .n_segments = (uint32_t)ns,
+                            .topk = k->topk,
+                            .n_heads = IH,
+                            .w_scale = dsv4_u2f(DSV4_INDEX_W_SCALE_BITS),
+                            .positions = b[0].ptr,
+                            .tok_seg = b[1].ptr,
+                            .seg_p0 = b[2].ptr,
+                            .iq = (const uint16_t *)x,
+                            .iw = (const float *)(x + 2 * n * IH * 128),
+                            .rope = su->rope,
+                            .seg_c_first_lb = b[7].ptr,
+                            .seg_cbt_off = b[8].ptr,
+                            .seg_cbt_len = b[9].ptr,
+                            .c_block_table = dcbt.ptr,
+                            .c_bt_entries = su->c_bt_len,
+                            .i_cache = w->i_cache.ptr,
+                            .c_n_blocks = su->c_n_blocks,
+                            .block_size = k->bs,
+                            .sel = (int32_t *)(x + sel_off)};
+  dsv4_attn_args_t aa = {.n_tokens = (uint32_t)n,
+                         .n_segments = (uint32_t)ns,
+                         .heads = k->heads,
+                         .q = b[13].ptr,
+                         .positions = b[0].ptr,
+                         .tok_seg = b[1].ptr,
+                         .seg_p0 = b[2].ptr,
+                         .seg_first_lb = b[3].ptr,
+                         .seg_bt_off = b[4].ptr,
+                         .seg_bt_len = b[5].ptr,
+                         .block_table = w->bt.ptr,
+                         .bt_entries = su->bt_len,
+                         .cache = w->cache.ptr,
+                         .block_size = k->bs,
+                         .n_blocks = su->n_blocks,
+                         .stride = DSV4_BLOCK_STRIDE(k->bs),
+                         .sink = w->sinks.ptr,
+                         .rope = su->rope,
+                         .out = dout.ptr,
+                         .lse = dlse.ptr,
+                         .ratio = k->ratio,
+                         .c_cache = w->c_cache.ptr,
+                         .c_n_blocks = su->c_n_blocks,
+                         .seg_c_first_lb = b[7].ptr,
+                         .seg_cbt_off = b[8].ptr,
+                         .seg_cbt_len = b[9].ptr,
+                         .c_block_table = dcbt.ptr,
+                         .c_bt_entries = su->c_bt_len,
+                         .c_sel = k->ratio == 4 ? xa.sel : NULL,
+                         .c_sel_stride = k->ratio == 4 ? k->topk : 0};
+  out->rc_compress = out->rc_index = out->rc_attn = 0;
+  const int alone = brk == BREAK_SEL_ORDER || brk == BREAK_ATTN_BLOCK;
+  CKD(be->ops->map_slots(be, &ma));
+  CKD(be->ops->qkv_insert(be, &ia));
+  if (!alone) {
+    out->rc_compress = be->ops->compress(be, &ca);
+    if (!out->rc_compress)
+      out->rc_compress = be->ops->sync(be);
+  }
+  if (!out->rc_compress && k->ratio == 4 && !alone) {
+    out->rc_index = be->ops->indexer(be, &xa);
+    if (!out->rc_index)
+      out->rc_index = be->ops->sync(be);
+  }
+  if (!out->rc_compress && !out->rc_index && brk != BREAK_COMPRESS_BLOCK &&
+      brk != BREAK_INDEX_BLOCK) {
+    out->rc_attn = be->ops->attention(be, &aa);
+    if (!out->rc_attn)
+      out->rc_attn = be->ops->sync(be);
+  }
+  CKD(be->ops->sync(be));
+  CKD(be->ops->download(be, out->attn, &dout, 0, out_bytes));
+  CKD(be->ops->download(be, out->lse, &dlse, 0, lse_bytes));
+  CKD(be->ops->download(be, out->sel, &b[16], sel_off, 4 * n * k->topk));
+  CKD(be->ops->sync(be));
+  for (int i = 0; i < 17; i++)
+    be->ops->buf_free(be, &b[i]);
+  be->ops->buf_free(be, &dout);
+  be->ops->buf_free(be, &dlse);
+  if (brk)
+    be->ops->buf_free(be, &dcbt);
+  free(cbt);
+}
+
+/* ---- comparisons that say where ---- */
+
+static int cmp_sel(const char *what, const binput_t *in, const int32_t *got, const int32_t *ref,
+                   uint32_t topk) {
+  size_t diff = 0, first = 0;
+  for (size_t i = 0; i < (size_t)in->n * topk; i++)
+    if (got[i] != ref[i] && diff++ == 0)
+      first = i;
+  if (!diff)
+    return 0;
+  size_t t = first / topk, kk = first % topk;
+  fprintf(stderr,
+          "FAIL %s: topk differs first at token %zu (position %lld, segment %d) entry %zu: %d, "
+          "expected %d (%zu of %zu values differ)\n",
+          what, t, (long long)in->pos[t], in->tok_seg[t], kk, got[first], ref[first], diff,
+          (size_t)in->n * topk);
+  return 1;
+}
+
+static int cmp_attn(const char *what, const binput_t *in, uint32_t heads, const uint16_t *out,
+                    const uint16_t *ref, const float *lse, const float *ref_lse) {
+  size_t n = (size_t)in->n * heads * 512, diff = 0, first = 0, ldiff = 0, lfirst = 0;
+  for (size_t i = 0; i < n; i++)
+    if (out[i] != ref[i] && diff++ == 0)
+      first = i;
+  for (size_t i = 0; i < (size_t)in->n * heads; i++)
+    if (memcmp(&lse[i], &ref_lse[i], 4) && ldiff++ == 0)
+      lfirst = i;
+  if (diff) {
+    size_t t = first / 512 / heads;
+    fprintf(stderr,
+            "FAIL %s: attn differs first at token %zu (position %lld, segment %d) head %zu dim "
+            "%zu: %04x, expected %04x (%zu of %zu values differ)\n",
+            what, t, (long long)in->pos[t], in->tok_seg[t], first / 512 % heads, first % 512,
+            out[first], ref[first], diff, n);
+  }
+  if (ldiff) {
+    uint32_t a, b;
+    memcpy(&a, &lse[lfirst], 4);
+    memcpy(&b, &ref_lse[lfirst], 4);
+    size_t t = lfirst / heads;
+    fprintf(stderr,
+            "FAIL %s: lse differs first at token %zu (position %lld) head %zu: %08x (%.9g), "
+            "expected %08x (%.9g) (%zu of %zu differ)\n",
+            what, t, (long long)in->pos[t], lfirst % heads, a, (double)lse[lfirst], b,
+            (double)ref_lse[lfirst], ldiff, (size_t)in->n * heads);
+  }
+  return diff || ldiff;
+}
+
+/* Every byte of buffer b of both worlds; the first difference located in its layout. */
+static int cmp_buf(const char *what, const char *buf, const setup_t *su, world_t *a, world_t *b,
+                   const dsv4_devbuf_t *ba, const dsv4_devbuf_t *bb) {
+  uint8_t *x = gpu_host_alloc(ba->size), *y = gpu_host_alloc(bb->size);
+  CKD(a->be->ops->download(a->be, x, ba, 0, ba->size));
+  CKD(b->be->ops->download(b->be, y, bb, 0, bb->size));
+  CKD(a->be->ops->sync(a->be));
+  CKD(b->be->ops->sync(b->be));
+  long long f = gpu_first_diff(y, x, ba->size);
+  if (f >= 0) {
+    size_t diff = 0;
+    for (size_t i = 0; i < ba->size; i++)
+      diff += x[i] != y[i];
+    const uint32_t bs = su->k->bs;
+    const uint64_t stride = DSV4_BLOCK_STRIDE(bs), ib = DSV4_INDEX_BLOCK_BYTES(bs);
+    char where[160] = "";
+    if (!strcmp(buf, "rings")) {
+      uint64_t fl = (uint64_t)f / 4, per = DSV4_RING_FLOATS(su->k->ratio);
+      snprintf(where, sizeof(where), "slot %llu float %llu", (unsigned long long)(fl / per),
+               (unsigned long long)(fl % per));
+    } else if (!strcmp(buf, "index cache")) {
+      uint64_t o = (uint64_t)f % ib;
+      snprintf(where, sizeof(where), "block %llu, %s of offset %llu", (unsigned long long)(f / ib),
+               o < 64u * bs ? "values" : "codes",
+               (unsigned long long)(o < 64u * bs ? o / 64 : (o - 64u * bs) / 4));
+    } else {
+      uint64_t o = (uint64_t)f % stride;
+      snprintf(where, sizeof(where), "block %llu, %s of offset %llu",
+               (unsigned long long)(f / stride),
+               o >= 584u * bs   ? "padding"
+               : o >= 576u * bs ? "scales"
+               : o % 576 < 448  ? "NoPE"
+                                : "RoPE",
+               (unsigned long long)(o >= 576u * bs ? (o - 576u * bs) / 8 : o / 576));
+    }
+    fprintf(stderr,
+            "FAIL %s: %s differs first at byte %lld (%s): %02x, expected %02x (%zu of %zu "
+            "bytes differ)\n",
+            what, buf, f, where, y[f], x[f], diff, ba->size);
+  }
+  free(x);
+  free(y);
+  return f >= 0;
+}
+
+static int cmp_state(const char *what, const setup_t *su, world_t *a, world_t *b) {
+  int bad = cmp_buf(what, "rings", su, a, b, &a->ring, &b->ring);
+  bad |= cmp_buf(what, "entry cache", su, a, b, &a->c_cache, &b->c_cache);
+  if (su->k->ratio == 4)
+    bad |= cmp_buf(what, "index cache", su, a, b, &a->i_cache, &b->i_cache);
+  bad |= cmp_buf(what, "SWA cache", su, a, b, &a->cache, &b->cache);
+  return bad;
+}
+
+static void bout_alloc(bout_t *o, const case_t *k, uint32_t n) {
+  o->attn = gpu_host_alloc(2 * (size_t)n * k->heads * 512);
+  o->lse = gpu_host_alloc(4 * (size_t)n * k->heads);
+  o->sel = gpu_host_alloc(4 * (size_t)n * k->topk);
+}
+
+static void bout_free(bout_t *o) {
+  free(o->attn);
+  free(o->lse);
+  free(o->sel);
+}
+
+/* True when every byte of a is the canary. */
+static int untouched(const void *a, size_t n) {
+  const uint8_t *b = a;
+  for (size_t i = 0; i < n; i++)
+    if (b[i] != ATTN_CANARY)
+      return 0;
+  return 1;
+}
+
+/*
+ * One refusal after a case's schedule, over positions sequence 0 already has (so that every block
+ * and RoPE row exists): a compress of its last `ratio` positions with the block of the entry they
+ * emit missing; or its last position alone, scored by the indexer with its first entry block
+ * outside the pool, attended with a selection that repeats an entry, or (ratio 128) attended with
+ * its first entry block missing (the last two without compress or indexer, which would write). Both
+ * backends answer DSV4_EINVAL; the CUDA backend writes none of the launch's outputs, and the rings
+ * and caches still equal the CPU's.
+ */
+static void refusal(ctx_t *c, setup_t *su, world_t *wc, world_t *wg, int brk) {
+  static const char *const names[] = {
+      "", "a compress whose emission has no entry block",
+      "an indexer whose scoring token meets an entry block outside the pool",
+      "an attention whose selection repeats an entry",
+      "an attention whose first entry block is missing"};
+  const case_t *k = su->k;
+  const int64_t end = su->next[0];
+  const uint32_t len = brk == BREAK_COMPRESS_BLOCK ? k->ratio : 1;
+  const bspec_t one = {1, {0}, {len}};
+  su->next[0] = end - len;
+  binput_t in;
+  binput_make(c, su, &one, &in);
+  su->next[0] = end;
+  uint32_t idx = su->c_off[0];
+  int32_t val = brk == BREAK_INDEX_BLOCK ? (int32_t)su->c_n_blocks : -1;
+  for (uint32_t t = 0; brk == BREAK_COMPRESS_BLOCK && t < in.n; t++)
+    if ((in.pos[t] + 1) % k->ratio == 0)
+      idx = su->c_off[0] + (uint32_t)(in.pos[t] / k->ratio / k->bs - su->c_first_lb[0]);
+  bout_t rc, rg;
+  bout_alloc(&rc, k, in.n);
+  bout_alloc(&rg, k, in.n);
+  if (brk == BREAK_SEL_ORDER) {
+    /* The token's first visible entries, increasing, but with the second made equal to the first
+     * (the token sees more than two). */
+    const int64_t j_lo = k->p0[0] / k->ratio, j_hi = (in.pos[0] + 1) / k->ratio;
+    for (uint32_t q = 0; q < k->topk; q++)
+      rc.sel[q] = q < j_hi - j_lo ? (int32_t)(j_lo + q) : -1;
+    rc.sel[1] = rc.sel[0];
+    memcpy(rg.sel, rc.sel, 4 * (size_t)k->topk);
+  }
+  run_batch(wc, su, &in, &rc, brk, idx, val);
+  run_batch(wg, su, &in, &rg, brk, idx, val);
+  int rcpu = rc.rc_compress ? rc.rc_compress : rc.rc_index ? rc.rc_index : rc.rc_attn;
+  int rgpu = rg.rc_compress ? rg.rc_compress : rg.rc_index ? rg.rc_index : rg.rc_attn;
+  char what[200];
+  snprintf(what, sizeof(what), "refusal (%s, %s)", k->name, names[brk]);
+  int bad = 0;
+  if (rcpu != DSV4_EINVAL || rgpu != DSV4_EINVAL) {
+    fprintf(stderr, "FAIL %s: CPU answered %s, CUDA %s; expected %s from both\n", what,
+            dsv4_strerror(rcpu), dsv4_strerror(rgpu), dsv4_strerror(DSV4_EINVAL));
+    bad = 1;
+  }
+  if (brk == BREAK_INDEX_BLOCK && !untouched(rg.sel, 4 * (size_t)in.n * k->topk)) {
+    fprintf(stderr, "FAIL %s: the CUDA backend wrote topk\n", what);
+    bad = 1;
+  }
+  if (!untouched(rg.attn, 2 * (size_t)in.n * k->heads * 512) ||
+      !untouched(rg.lse, 4 * (size_t)in.n * k->heads)) {
+    fprintf(stderr, "FAIL %s: the CUDA backend wrote attn or lse\n", what);
+    bad = 1;
+  }
+  bad |= cmp_state(what, su, wc, wg);
+  printf("%s %s: DSV4_EINVAL, nothing written\n", bad ? "FAIL" : "ok  ", what);
+  c->failures += bad;
+  bout_free(&rc);
+  bout_free(&rg);
+  binput_free(&in);
+}
+
+/* The schedule on both backends, compared batch by batch and at the end; then, on the first case
+ * of each kind, the refusals. */
+static void run_case(ctx_t *c, const case_t *k, int refusals) {
+  setup_t su;
+  setup_make(c, k, &su);
+  world_t wc, wg;
+  world_open(&wc, c->cpu, &su);
+  world_open(&wg, c->cuda, &su);
+  int bad = 0;
+  uint32_t tokens = 0;
+  for (uint32_t bi = 0; bi < k->n_batches && !bad; bi++) {
+    binput_t in;
+    binput_make(c, &su, &k->sched[bi], &in);
+    tokens += in.n;
+    bout_t rc, rg;
+    bout_alloc(&rc, k, in.n);
+    bout_alloc(&rg, k, in.n);
+    run_batch(&wc, &su, &in, &rc, BREAK_NONE, 0, 0);
+    run_batch(&wg, &su, &in, &rg, BREAK_NONE, 0, 0);
+    char what[160];
+    snprintf(what, sizeof(what), "%s, batch %u (%u tokens in %u segments)", k->name, bi, in.n,
+             in.nseg);
+    if (rc.rc_compress || rc.rc_index || rc.rc_attn || rg.rc_compress || rg.rc_index ||
+        rg.rc_attn) {
+      fprintf(stderr, "FAIL %s: compress/indexer/attention answered CPU %d/%d/%d, CUDA %d/%d/%d\n",
+              what, rc.rc_compress, rc.rc_index, rc.rc_attn, rg.rc_compress, rg.rc_index,
+              rg.rc_attn);
+      bad = 1;
+    }
+    if (!bad && k->ratio == 4)
+      bad |= cmp_sel(what, &in, rg.sel, rc.sel, k->topk);
+    if (!bad)
+      bad |= cmp_attn(what, &in, k->heads, rg.attn, rc.attn, rg.lse, rc.lse);
+    bout_free(&rc);
+    bout_free(&rg);
+    binput_free(&in);
+  }
+  if (!bad)
+    bad = cmp_state(k->name, &su, &wc, &wg);
+  printf("%s %s: %u batches, %u tokens: topk, attn, lse, rings and caches%s\n",
+         bad ? "FAIL" : "ok  ", k->name, k->n_batches, tokens,
+         bad ? " differ" : " byte-identical to the CPU backend");
+  fflush(stdout);
+  c->failures += bad;
+  for (int brk = BREAK_COMPRESS_BLOCK; !bad && refusals && brk <= BREAK_ATTN_BLOCK; brk++)
+    if (brk == BREAK_COMPRESS_BLOCK || (k->ratio == 4) == (brk != BREAK_ATTN_BLOCK))
+      refusal(c, &su, &wc, &wg, brk);
+  world_close(&wc);
+  world_close(&wg);
+  setup_free(&su);
+}
+
+/* ---- the cases ---- */
+
+/* Ratio 4, topk 512: s0 from 0 past 2,048 positions (more than 512 visible entries), s1 from
+ * p0 = 37, s2 from p0 = 5 joining later; chunks, a mixed batch, decode steps across emissions. */
+static const bspec_t sched_a[] = {
+    {2, {0, 1}, {1300, 700}},
+    {3, {0, 1, 2}, {900, 3, 45}},
+    {3, {0, 1, 2}, {1, 1, 1}},
+    {3, {0, 1, 2}, {1, 1, 1}},
+    {3, {0, 1, 2}, {1, 1, 1}},
+    {2, {2, 0}, {2, 150}},
+    {1, {0}, {1}},
+};
+/* Ratio 4, topk 8: every sequence scores almost at once; bs 64. */
+static const bspec_t sched_b[] = {
+    {3, {0, 1, 2}, {90, 33, 7}}, {3, {2, 0, 1}, {40, 3, 1}}, {3, {0, 1, 2}, {1, 1, 1}},
+    {3, {0, 1, 2}, {1, 1, 1}},   {2, {1, 0}, {62, 5}},
+};
+/* Ratio 128, bs 16: s0 from 0 past 2,048 positions (entries in a second block), s1 from p0 = 300,
+ * s2 from p0 = 2100 (its first entry is 16, the second block's first); prefills in chunks that
+ * straddle emissions, decode steps across one. */
+static const bspec_t sched_c[] = {
+    {2, {0, 1}, {1000, 100}}, {3, {0, 1, 2}, {1050, 200, 200}},
+    {2, {0, 2}, {250, 1}},    {3, {0, 1, 2}, {1, 1, 1}},
+    {2, {1, 0}, {30, 1}},
+};
+/* Ratio 128, bs 64, 64 heads: a short prefill and decode steps that emit. */
+static const bspec_t sched_d[] = {
+    {2, {0, 1}, {127, 200}},
+    {2, {0, 1}, {1, 1}},
+    {2, {0, 1}, {1, 70}},
+    {1, {0}, {129}},
+};
+/* Quick: small versions of a and c. */
+static const bspec_t sched_q4[] = {{2, {0, 1}, {70, 45}}, {2, {0, 1}, {1, 1}}, {2, {1, 0}, {9, 3}}};
+static const bspec_t sched_q128[] = {{2, {0, 1}, {130, 20}}, {2, {0, 1}, {127, 1}}};
+
+#define N(a) (uint32_t)(sizeof(a) / sizeof(a[0]))
+
+int main(int argc, char **argv) {
+  int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+  if (!gpu_available("gpu_compress_test"))
+    return GPU_SKIP;
+  ctx_t c = {.rng = 0x243F6A8885A308D3ull};
+  char why[256];
+  dsv4_backend_options_t opt = {.threads = 0};
+  CKD(dsv4_backend_open("cpu", &opt, &c.cpu, why, sizeof(why)));
+  int rc = dsv4_backend_open("cuda", &opt, &c.cuda, why, sizeof(why));
+  if (rc == DSV4_ENODEV) {
+    printf("gpu_compress_test: skipped: %s\n", why);
+    dsv4_backend_close(c.cpu);
+    return GPU_SKIP;
+  }
+  CKD(rc);
+  if (!c.cuda->ops->attention || !c.cuda->ops->compress || !c.cuda->ops->indexer) {
+    printf("gpu_compress_test: skipped: device 0 cannot run the attention kernel\n");
+    dsv4_backend_close(c.cuda);
+    dsv4_backend_close(c.cpu);
+    return GPU_SKIP;
+  }
+  if (!c.cpu->ops->compress || !c.cpu->ops->indexer || !c.cpu->ops->attention) {
+    fprintf(stderr, "gpu_compress_test: FAIL: the CPU backend lacks the ops to compare with\n");
+    return 1;
+  }
+  float inv[DSV4_ROPE_PAIRS];
+  dsv4_rope_inv_freq(&dsv4_rope_yarn_default, inv);
+  CKD(dsv4_rope_table_create(inv, MAX_POS, &c.rope));
+  /* name, ratio, bs, heads, topk, sequences, p0, schedule */
+  const case_t quick_cases[] = {
+      {"ratio 4, H=8, topk 8, bs 16", 4, 16, 8, 8, 2, {0, 13}, sched_q4, N(sched_q4)},
+      {"ratio 128, H=8, bs 16", 128, 16, 8, 8, 2, {0, 7}, sched_q128, N(sched_q128)},
+  };
+  const case_t cases[] = {
+      {"ratio 4, H=16, topk 512, bs 16", 4, 16, 16, 512, 3, {0, 37, 5}, sched_a, N(sched_a)},
+      {"ratio 4, H=8, topk 8, bs 64", 4, 64, 8, 8, 3, {0, 3, 1000}, sched_b, N(sched_b)},
+      {"ratio 128, H=8, bs 16", 128, 16, 8, 8, 3, {0, 300, 2100}, sched_c, N(sched_c)},
+      {"ratio 128, H=64, bs 64", 128, 64, 64, 8, 2, {0, 5}, sched_d, N(sched_d)},
+  };
+  for (uint32_t i = 0; i < N(quick_cases); i++)
+    run_case(&c, &quick_cases[i], 1);
+  for (uint32_t i = 0; !quick && i < N(cases); i++)
+    run_case(&c, &cases[i], 0);
+  dsv4_backend_close(c.cuda);
+  dsv4_backend_close(c.cpu);
+  dsv4_rope_table_destroy(c.rope);
+  if (c.failures) {
+    printf("gpu_compress_test: %d check(s) FAILED\n", c.failures);
+    return 1;
+  }
+  printf("gpu_compress_test: every case byte-identical to the CPU backend, every refusal clean\n");
+  return 0;
+}
