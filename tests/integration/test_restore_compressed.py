@@ -15,6 +15,7 @@ dump is unchanged (test_restore covers it) and this test says so.
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -289,7 +290,60 @@ def test_snapshot_compressed_on_drain_and_restart():
         env.close()
 
 
+def ctl_verify(path):
+    """dsv4ctl --json verify path (dsv4ctl beside the daemon or above it): exit code and document."""
+    d = os.path.dirname(h.DAEMON)
+    for _ in range(3):
+        if os.access(os.path.join(d, "dsv4ctl"), os.X_OK):
+            break
+        d = os.path.dirname(d)
+    p = subprocess.run([os.path.join(d, "dsv4ctl"), "--json", "verify", path],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
+                       universal_newlines=True)
+    check("runtime error:" not in p.stderr and "Sanitizer" not in p.stderr,
+          "sanitizer report from dsv4ctl: %r" % p.stderr[:500])
+    return p.returncode, json.loads(p.stdout) if p.stdout.strip() else None
+
+
+def test_verify_compressed():
+    """dsv4ctl verify recomputes the compressed digests: a dump verifies, a flipped ring byte or
+    entry does not (exit 1, the layer not ok)."""
+    env = Env()
+    try:
+        with Daemon(env.args(), name="source") as a:
+            if not runs_branch(a):
+                print("backend %s does not run the compressed branch" % h.BACKEND_NAME)
+                return
+            for x in history(np.random.default_rng(11), "a"):
+                answer(a, x)
+            body = dump(a, "a")
+            meta, _ = h.st_decode(body)
+            path = os.path.join(env.dir, "a.safetensors")
+            with open(path, "wb") as f:
+                f.write(body)
+            rc, doc = ctl_verify(path)
+            check_eq(rc, 0, "verify of a dump with compressed state: %r" % doc)
+            layers = {x["layer"]: x for x in doc["layers"]}
+            for l in (C4, C128):
+                c = layers[l]["compressed"]
+                check_eq(c["c_digest"], {"expected": meta["c_digest.%d" % l],
+                                         "computed": meta["c_digest.%d" % l]}, "c_digest %d" % l)
+                check_eq(c["ring_digest"]["computed"], meta["ring_digest.%d" % l], "ring %d" % l)
+                check_eq(("i_digest" in c), l == C4, "i_digest only at ratio 4")
+            check("compressed" not in layers[0], "no compressed state on layer 0")
+            for name, what in (("layers.3.ring", "ring"), ("layers.2.c_records", "entry")):
+                bad = os.path.join(env.dir, "bad.safetensors")
+                with open(bad, "wb") as f:
+                    f.write(reencode(body, edit={name: lambda r: flip(r, 40)}))
+                rc, doc = ctl_verify(bad)
+                check_eq(rc, 1, "verify of a flipped %s byte" % what)
+                check_eq([x["layer"] for x in doc["layers"] if not x["ok"]],
+                         [int(name.split(".")[1])], "the flipped layer is the one not ok")
+    finally:
+        env.close()
+
+
 if __name__ == "__main__":
     h.main([test_restore_compressed_answers_as_never_interrupted,
             test_restore_compressed_refusals_change_nothing,
-            test_snapshot_compressed_on_drain_and_restart])
+            test_snapshot_compressed_on_drain_and_restart, test_verify_compressed])
