@@ -7,7 +7,10 @@
  *  1. snapshot: copy the sequence's block table and stored range per layer, and pin its blocks, so
  *     that a release, DELETE, expiry or device failure defers their return to the pool: nothing can
  *     reuse them, and positions once written are never rewritten, so the snapshot's bytes hold
- *     still for the whole dump while new positions keep arriving in later batches;
+ *     still for the whole dump while new positions keep arriving in later batches; where a layer
+ *     runs the compressed branch, copy its state (entries, index records, ring rows: SPEC §8.9)
+ *     into memory held until the head is built (entry blocks are not pinned; the state is bounded
+ *     by the entry pools and one slot), and from then on in the file's last bytes;
  *  2. digest steps: the §3.1 sequence digest of each layer, a bounded run of records per step (the
  *     safetensors header carries the digests, so they come first);
  *  3. fill steps: the file's bytes in chunks, each into one of NBUF buffers; a buffer is written to

@@ -286,9 +286,9 @@ out:
 /* ---- reading ------------------------------------------------------------------------------ */
 
 /*
- * The per-layer tensors a restore understands, one row per kind: a dump that carries any other
- * tensor (the compressed layers' records and rings, when SPEC §8 adds them to the dump) is refused,
- * never half-restored. A new kind adds a row here and its handling in read_layers.
+ * The per-layer tensors a restore understands, one row per kind, with the layers that may carry
+ * it: a dump that carries any other tensor, or compressed state where this daemon does not run the
+ * branch, is refused, never half-restored. A new kind adds a row here and its handling in a pass.
  */
 enum { K_RECORDS, K_POSITIONS, K_C_RECORDS, K_C_ENTRIES, K_I_RECORDS, K_RING, K_COUNT };
 static const struct {

@@ -9,9 +9,12 @@
  * last applied segment). One writer for the streamed dump and the snapshot files, one reader for
  * a restore (PUT /admin/v1/sequences/{seq}) and the snapshots read back at start-up.
  *
+ * A layer that runs the compressed branch adds its compressed state after every layer's records
+ * and positions (dsv4_dump_ctail, SPEC §8.9).
+ *
  * The reader takes nothing on trust and changes nothing: it checks the file strictly (a tensor it
- * does not know, as compressed layers' records will be, is refused rather than ignored), then the
- * geometry against this daemon's, then every position and digest.
+ * does not know, or compressed state of a layer that does not run the branch here, is refused
+ * rather than ignored), then the geometry against this daemon's, then every position and digest.
  *
  * Thread affinity: none (pure functions of their arguments); the reader may run on any thread.
  */
