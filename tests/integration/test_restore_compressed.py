@@ -115,8 +115,12 @@ def put(d, name, body):
 
 
 def digests(d, name):
-    return {l: d.admin_json("/admin/v1/checksums?layer=%d&seq=%s" % (l, name))
-            ["sequences"][name]["digest"] for l in LAYERS}
+    """{layer: (digest, compressed digests or None)} from /admin/v1/checksums."""
+    out = {}
+    for l in LAYERS:
+        row = d.admin_json("/admin/v1/checksums?layer=%d&seq=%s" % (l, name))["sequences"][name]
+        out[l] = (row["digest"], row.get("compressed"))
+    return out
 
 
 def state(d):
@@ -199,10 +203,21 @@ def test_restore_compressed_answers_as_never_interrupted():
             body = dump(a, "a")
             check_dump(body, a, "a")
             want = digests(a, "a")
+            meta, _ = h.st_decode(body)
+            for l in LAYERS:
+                cz = want[l][1]
+                check_eq(cz is not None, l in (C4, C128), "checksums name compressed state at %d" % l)
+                if cz is None:
+                    continue
+                check_eq((cz["c_digest"], cz["ring_digest"], cz.get("i_digest")),
+                         (meta["c_digest.%d" % l], meta["ring_digest.%d" % l],
+                          meta.get("i_digest.%d" % l)), "checksums vs the dump at layer %d" % l)
+                check_eq(cz["entries"], int(meta["next.%d" % l]) // cz["ratio"] - P0 // cz["ratio"],
+                         "entries at layer %d" % l)
             for d in (b, c):
                 r = put(d, "a", body)
                 check_eq(r.status, 201, "restore on %s: %r" % (d.name, r.body[:300]))
-                check_eq(digests(d, "a"), want, "%s: SWA digests" % d.name)
+                check_eq(digests(d, "a"), want, "%s: SWA and compressed digests" % d.name)
                 check_eq(d.seq("a")["next"], a.seq("a")["next"], "next")
             # The dump of the restored sequence is the source's (instance aside).
             meta_a, _ = h.st_decode(dump(a, "a"))
