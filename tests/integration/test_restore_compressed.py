@@ -110,8 +110,8 @@ def dump(d, name):
     return r.body
 
 
-def put(d, name, body):
-    return d.request("PUT", "/admin/v1/sequences/%s" % name, body=body, admin=True)
+def put(d, name, body, query=""):
+    return d.request("PUT", "/admin/v1/sequences/%s%s" % (name, query), body=body, admin=True)
 
 
 def digests(d, name):
@@ -191,7 +191,8 @@ def test_restore_compressed_answers_as_never_interrupted():
     try:
         hist = history(np.random.default_rng(1), "a")
         with Daemon(env.args(), name="source") as a, Daemon(env.args(), name="restored") as b, \
-                Daemon(env.args(block_size=16), name="restored-bs16") as c:
+                Daemon(env.args(block_size=16), name="restored-bs16") as c, \
+                Daemon(env.args("--max-sequences", "1"), name="one-slot") as m:
             if not runs_branch(a):
                 print("backend %s does not run the compressed branch: nothing to dump" %
                       h.BACKEND_NAME)
@@ -219,13 +220,25 @@ def test_restore_compressed_answers_as_never_interrupted():
                 check_eq(r.status, 201, "restore on %s: %r" % (d.name, r.body[:300]))
                 check_eq(digests(d, "a"), want, "%s: SWA and compressed digests" % d.name)
                 check_eq(d.seq("a")["next"], a.seq("a")["next"], "next")
+            # A replace of the live sequence by the same dump (into a fresh slot, or its own when
+            # none is free) leaves it as it was.
+            r = put(b, "a", body, "?replace=1")
+            check_eq(r.status, 200, "replace on %s: %r" % (b.name, r.body[:300]))
+            check_eq(r.json()["replaced"], True, "replaced")
+            check_eq(digests(b, "a"), want, "digests after the replace")
+            # With one slot, held by the sequence itself, a replace reuses it.
+            check_eq(put(m, "a", body).status, 201, "restore with one slot")
+            r = put(m, "a", body, "?replace=1")
+            check_eq(r.status, 200, "replace with one slot: %r" % (r.body[:300],))
+            check_eq(digests(m, "a"), want, "digests after the replace with one slot")
             # The dump of the restored sequence is the source's (instance aside).
             meta_a, _ = h.st_decode(dump(a, "a"))
             meta_b, _ = h.st_decode(dump(b, "a"))
             for k in meta_a:
                 if k.split(".")[0] in ("c_digest", "i_digest", "ring_digest", "digest", "next"):
                     check_eq(meta_b[k], meta_a[k], "restored dump's %s" % k)
-            same_answers(a, [b, c], next_batches(np.random.default_rng(2), a, "a"), "next batches")
+            same_answers(a, [b, c, m], next_batches(np.random.default_rng(2), a, "a"),
+                         "next batches")
             check_eq(digests(b, "a"), digests(a, "a"), "digests after the next batches")
     finally:
         env.close()
@@ -275,6 +288,13 @@ def test_restore_compressed_refusals_change_nothing():
             check_eq(e.get("layer"), C4, "digest refusal names the layer: %r" % e)
             # And the untouched dump is restored afterwards.
             check_eq(put(a, "new", body).status, 201, "the good dump restores")
+        # Entries 1..76 need two c4 blocks at bs 64: a pool of one refuses, naming it.
+        with Daemon(env.args("--c4-blocks", "1"), name="small-c4") as s:
+            answer(s, fwd(np.random.default_rng(5), C4, Seg("keep", 0, 9, True)))
+            before = state(s)
+            e = expect_error(put(s, "new", body), 503, "kv_pool_exhausted")
+            check_eq(e.get("pool"), "c4", "the refusal names the pool: %r" % e)
+            check_eq(state(s), before, "a full entry pool: nothing changed")
     finally:
         env.close()
 
