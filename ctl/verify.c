@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <jansson.h>
+#include <xxhash.h>
 
 #include "args.h"
 #include "decimal.h"
@@ -49,8 +50,13 @@ int dsv4_ctl_is_digest(const char *s) {
   return 1;
 }
 
-/* "layers.{L}.records" or "layers.{L}.positions" with L a decimal without leading zeros: the layer
- * and which of the two (0 records, 1 positions), or -1 for any other name. */
+/* The per-layer tensors of a dump: the SWA records and positions, then the compressed state. */
+enum { T_RECORDS, T_POSITIONS, T_C_RECORDS, T_C_ENTRIES, T_I_RECORDS, T_RING, T_KINDS };
+static const char *const kind_suffix[T_KINDS] = {".records",   ".positions", ".c_records",
+                                                 ".c_entries", ".i_records", ".ring"};
+
+/* "layers.{L}.records", ".positions" or a compressed kind with L a decimal without leading zeros:
+ * the layer and the kind (T_*), or -1 for any other name. */
 static int tensor_kind(const char *name, uint32_t *layer) {
   if (strncmp(name, LAYERS_PREFIX, PREFIX_LEN(LAYERS_PREFIX)) != 0)
     return -1;
@@ -59,10 +65,9 @@ static int tensor_kind(const char *name, uint32_t *layer) {
   if ((p - d > 1 && *d == '0') || dsv4_parse_decimal(d, (size_t)(p - d), INT32_MAX, &l) != 0)
     return -1;
   *layer = (uint32_t)l;
-  if (strcmp(p, ".records") == 0)
-    return 0;
-  if (strcmp(p, ".positions") == 0)
-    return 1;
+  for (int k = 0; k < T_KINDS; k++)
+    if (strcmp(p, kind_suffix[k]) == 0)
+      return k;
   return -1;
 }
 
@@ -193,30 +198,51 @@ static int check_header(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, uint32
     rc = fail(out, "metadata has no \"layers\" range");
   else if (parse_runs(range, st->n_tensors / 2 + 1, layers, n) != 0)
     rc = fail(out, "metadata layers \"%.64s\" is not a list of increasing runs a-b", range);
-  else if (st->n_tensors != 2 * *n)
+  else if (st->n_tensors < 2 * *n)
     rc = fail(out,
               "metadata layers \"%.64s\" names %zu layers but the file has %zu tensors (two "
-              "per layer)",
+              "per layer at least)",
               range, *n, st->n_tensors);
   return rc;
 }
 
-/* Verify pass 2: each tensor a layer's records (rec[x]) or positions (pos[x]); digest keys named.
- */
+/* A compressed tensor's dtype and shape: U8 [T, 584], I64 [T], U8 [T, 68], F32 [floats]. */
+static int ctensor_ok(const dsv4_st_tensor_t *t, int kind) {
+  switch (kind) {
+  case T_C_RECORDS:
+    return t->dtype == DSV4_ST_U8 && t->ndim == 2 && t->shape[1] == DSV4_RECORD_BYTES;
+  case T_I_RECORDS:
+    return t->dtype == DSV4_ST_U8 && t->ndim == 2 && t->shape[1] == DSV4_INDEX_RECORD_BYTES;
+  case T_C_ENTRIES:
+    return t->dtype == DSV4_ST_I64 && t->ndim == 1;
+  default:
+    return t->dtype == DSV4_ST_F32 && t->ndim == 1;
+  }
+}
+
+/* Verify pass 2: each tensor a layer's records (rec[x]), positions (pos[x]) or compressed state
+ * (ct[x * 4 + kind - T_C_RECORDS]); digest keys named. */
 static int sort_tensors(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const uint32_t *layers,
-                        size_t n, const dsv4_st_tensor_t **rec, const dsv4_st_tensor_t **pos) {
+                        size_t n, const dsv4_st_tensor_t **rec, const dsv4_st_tensor_t **pos,
+                        const dsv4_st_tensor_t **ct) {
   const char *range = dsv4_st_meta(st, "layers");
   for (size_t i = 0; i < st->n_tensors; i++) {
     const dsv4_st_tensor_t *t = &st->tensors[i];
     uint32_t l;
     int kind = tensor_kind(t->name, &l);
     if (kind < 0)
-      return fail(out, "tensor \"%.64s\" is not layers.{L}.records or layers.{L}.positions",
+      return fail(out,
+                  "tensor \"%.64s\" is not layers.{L}.records, layers.{L}.positions or a "
+                  "compressed layer's c_records, c_entries, i_records or ring",
                   t->name);
     long x = layer_index(layers, n, l);
     if (x < 0)
       return fail(out, "tensor \"%.64s\" is outside the layers %s of the metadata", t->name, range);
-    if (kind == 0) {
+    if (kind >= T_C_RECORDS) {
+      if (!ctensor_ok(t, kind))
+        return fail(out, "tensor \"%.64s\" has the wrong dtype or shape", t->name);
+      ct[(size_t)x * 4 + (size_t)(kind - T_C_RECORDS)] = t;
+    } else if (kind == 0) {
       if (t->dtype != DSV4_ST_U8 || t->ndim != 2 || t->shape[1] != DSV4_RECORD_BYTES)
         return fail(out, "tensor \"%.64s\" must be U8 [T, %d]", t->name, DSV4_RECORD_BYTES);
       rec[x] = t;
@@ -239,10 +265,68 @@ static int sort_tensors(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const 
   return 0;
 }
 
+/* A digest key "{what}.{L}" into dst: "" when absent, else 16 lowercase hex digits. */
+static int meta_digest(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const char *what,
+                       uint32_t layer, char dst[17]) {
+  char key[48];
+  snprintf(key, sizeof(key), "%s.%u", what, layer);
+  const char *v = dsv4_st_meta(st, key);
+  if (!v || !dsv4_ctl_is_digest(v))
+    return fail(out, "metadata %s is missing or not 16 lowercase hex digits", key);
+  memcpy(dst, v, 17);
+  return 0;
+}
+
+/* Verify pass 4: a layer's compressed state (t: c_records, c_entries, i_records, ring), its
+ * entries consecutive and its three digests recomputed. */
+static int check_compressed(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st,
+                            const dsv4_st_tensor_t *const *t, dsv4_records_digest_t *d,
+                            dsv4_ctl_layer_check_t *c) {
+  if (!t[0] && !t[1] && !t[2] && !t[3])
+    return 0;
+  if (!t[0] || !t[1] || !t[3])
+    return fail(out, "layer %u has compressed state without all of c_records, c_entries and ring",
+                c->layer);
+  uint64_t n = (uint64_t)t[0]->shape[0];
+  if ((uint64_t)t[1]->shape[0] != n || (t[2] && (uint64_t)t[2]->shape[0] != n))
+    return fail(out, "layer %u: c_records, c_entries and i_records differ in length", c->layer);
+  c->compressed = 1;
+  c->has_index = t[2] != NULL;
+  c->entries = n;
+  int rc = meta_digest(out, st, "c_digest", c->layer, c->c_expected);
+  if (!rc && c->has_index)
+    rc = meta_digest(out, st, "i_digest", c->layer, c->i_expected);
+  if (!rc)
+    rc = meta_digest(out, st, "ring_digest", c->layer, c->ring_expected);
+  if (rc)
+    return rc;
+  for (int pass = 0; pass < (c->has_index ? 2 : 1); pass++) {
+    dsv4_records_digest_reset(d);
+    for (uint64_t i = 0; i < n; i++) {
+      int64_t j = le64(t[1]->data + 8 * i);
+      if (i == 0)
+        c->j0 = j;
+      if (j != c->j0 + (int64_t)i && !c->problem[0])
+        snprintf(c->problem, sizeof(c->problem), "entries not consecutive at index %llu",
+                 (unsigned long long)i);
+      if (pass == 0)
+        dsv4_records_digest_add(d, j, t[0]->data + (size_t)i * DSV4_RECORD_BYTES);
+      else
+        dsv4_records_digest_add_index(d, j, t[2]->data + (size_t)i * DSV4_INDEX_RECORD_BYTES);
+    }
+    dsv4_digest_hex(dsv4_records_digest_value(d), pass == 0 ? c->c_computed : c->i_computed);
+  }
+  dsv4_digest_hex(XXH3_64bits(t[3]->data, t[3]->nbytes), c->ring_computed);
+  c->ok = c->ok && strcmp(c->c_expected, c->c_computed) == 0 &&
+          strcmp(c->i_expected, c->i_computed) == 0 &&
+          strcmp(c->ring_expected, c->ring_computed) == 0 && !c->problem[0];
+  return 0;
+}
+
 /* Verify pass 3: each layer's two tensors agree in length and its digest.{L} is recomputed. */
 static int check_layers(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const uint32_t *layers,
                         size_t n, const dsv4_st_tensor_t **rec, const dsv4_st_tensor_t **pos,
-                        dsv4_records_digest_t *d) {
+                        const dsv4_st_tensor_t **ct, dsv4_records_digest_t *d) {
   for (size_t i = 0; i < n; i++) {
     dsv4_ctl_layer_check_t *c = &out->layers[i];
     c->layer = layers[i];
@@ -262,6 +346,9 @@ static int check_layers(dsv4_ctl_verify_t *out, const dsv4_st_view_t *st, const 
     memcpy(c->expected, want, 17);
     check_layer(st, d, rec[i], pos[i], c);
     out->n_layers++;
+    int rc = check_compressed(out, st, ct + 4 * i, d, c);
+    if (rc)
+      return rc;
   }
   return 0;
 }
@@ -281,7 +368,7 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
   copy_meta(&st, "instance", out->instance, sizeof(out->instance));
   copy_meta(&st, "version", out->version, sizeof(out->version));
 
-  const dsv4_st_tensor_t **rec = NULL, **pos = NULL;
+  const dsv4_st_tensor_t **rec = NULL, **pos = NULL, **ct = NULL;
   dsv4_records_digest_t *d = NULL;
   uint32_t *layers = NULL;
   size_t n = 0;
@@ -290,12 +377,13 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
     goto done;
   rec = calloc(n, sizeof(*rec));
   pos = calloc(n, sizeof(*pos));
+  ct = calloc(4 * n, sizeof(*ct));
   out->layers = calloc(n, sizeof(*out->layers));
-  if (!rec || !pos || !out->layers) {
+  if (!rec || !pos || !ct || !out->layers) {
     rc = fail(out, "out of memory");
     goto done;
   }
-  rc = sort_tensors(out, &st, layers, n, rec, pos);
+  rc = sort_tensors(out, &st, layers, n, rec, pos, ct);
   if (rc != 0)
     goto done;
   rc = dsv4_records_digest_create(&d);
@@ -303,13 +391,14 @@ int dsv4_ctl_verify_buffer(const uint8_t *buf, size_t len, dsv4_ctl_verify_t *ou
     rc = fail(out, "out of memory");
     goto done;
   }
-  rc = check_layers(out, &st, layers, n, rec, pos, d);
+  rc = check_layers(out, &st, layers, n, rec, pos, ct, d);
 
 done:
   if (d)
     dsv4_records_digest_destroy(d);
   free(rec);
   free(pos);
+  free(ct);
   free(layers);
   dsv4_st_view_free(&st);
   return rc;
@@ -360,6 +449,28 @@ int dsv4_ctl_verify_all_ok(const dsv4_ctl_verify_t *v) {
   return 1;
 }
 
+/* {"entries", "first", "c_digest": {"expected", "computed"}, "i_digest"?, "ring_digest"}. */
+static json_t *compressed_json(const dsv4_ctl_layer_check_t *c) {
+  json_t *o = json_pack("{s:I, s:o, s:{s:s, s:s}, s:{s:s, s:s}}", "entries", (json_int_t)c->entries,
+                        "first", c->entries ? json_integer(c->j0) : json_null(), "c_digest",
+                        "expected", c->c_expected, "computed", c->c_computed, "ring_digest",
+                        "expected", c->ring_expected, "computed", c->ring_computed);
+  if (o && c->has_index)
+    json_object_set_new(
+        o, "i_digest",
+        json_pack("{s:s, s:s}", "expected", c->i_expected, "computed", c->i_computed));
+  return o;
+}
+
+/* The compressed state's line under its layer in the table. */
+static void print_compressed(FILE *out, const dsv4_ctl_layer_check_t *c) {
+  fprintf(out, "       entries %llu from %lld: c_digest %s/%s%s%s%s%s ring_digest %s/%s\n",
+          (unsigned long long)c->entries, (long long)c->j0, c->c_expected, c->c_computed,
+          c->has_index ? " i_digest " : "", c->has_index ? c->i_expected : "",
+          c->has_index ? "/" : "", c->has_index ? c->i_computed : "", c->ring_expected,
+          c->ring_computed);
+}
+
 void dsv4_ctl_verify_print(FILE *out, const char *path, const dsv4_ctl_verify_t *v, int json) {
   if (json) {
     json_t *doc = json_object();
@@ -373,6 +484,8 @@ void dsv4_ctl_verify_print(FILE *out, const char *path, const dsv4_ctl_verify_t 
                             c->expected, "computed", c->computed, "ok", c->ok);
       if (c->problem[0])
         json_object_set_new(l, "problem", json_string(c->problem));
+      if (c->compressed)
+        json_object_set_new(l, "compressed", compressed_json(c));
       json_array_append_new(layers, l);
     }
     json_object_set_new(doc, "file", json_string(path));
@@ -404,6 +517,8 @@ void dsv4_ctl_verify_print(FILE *out, const char *path, const dsv4_ctl_verify_t 
     if (c->problem[0])
       fprintf(out, " (%s)", c->problem);
     fputc('\n', out);
+    if (c->compressed)
+      print_compressed(out, c);
     bad += !c->ok;
   }
   if (bad)

@@ -8,6 +8,11 @@
  * digest is recomputed from the file: XXH3 over [LE int64 position || 584-byte record] in file
  * order.
  *
+ * A layer that ran the compressed branch (SPEC §8.7) also has `layers.{L}.c_records` U8 [T, 584],
+ * `layers.{L}.c_entries` I64 [T], at ratio 4 `layers.{L}.i_records` U8 [T, 68], and
+ * `layers.{L}.ring` F32, with `c_digest.{L}`, `i_digest.{L}` (SPEC §3.1 with the entry j in place
+ * of the position) and `ring_digest.{L}` (XXH3 over the ring's bytes), each recomputed too.
+ *
  * Any writer's file in that format verifies (tensor order and header padding are free, so a file
  * re-saved by the Python safetensors package still does). The header is checked strictly: a file
  * that is not exactly this format is an error, not a mismatch.
@@ -28,7 +33,16 @@ typedef struct {
   char expected[17];   /* digest.{L} from the metadata */
   char computed[17];   /* recomputed from the tensors */
   char problem[192];   /* "" or why the layer's content is inconsistent beyond its digest */
-  int ok;              /* expected == computed and no problem */
+  int ok;              /* expected == computed and no problem (the compressed part's too) */
+  /* The compressed branch's state, when the dump carries it for this layer (SPEC §8.7): entries
+   * j0 .. j0 + entries - 1 and the c_digest, i_digest (ratio 4: with index records) and
+   * ring_digest, each expected from the metadata and recomputed. */
+  int compressed, has_index;
+  uint64_t entries;
+  int64_t j0;
+  char c_expected[17], c_computed[17];
+  char i_expected[17], i_computed[17];
+  char ring_expected[17], ring_computed[17];
 } dsv4_ctl_layer_check_t;
 
 typedef struct {

@@ -103,5 +103,22 @@ void dsv4__st_c_release(dsv4_seqtable_t *st, seq_t *s);
 /* The arrays of an entry (live or not) that is freed. */
 void dsv4__st_c_free_arrays(seq_t *s);
 void dsv4__st_c_destroy(dsv4_seqtable_t *st);
+/*
+ * The compressed branch's steps of dsv4_seqtable_insert_c: insert_ok checks c (first blocks where
+ * the plan path puts them, ids used in their pools; no block without the branch); reserve_insert
+ * sizes the new entry's arrays (before the first change); apply_insert takes a free state slot and
+ * copies the blocks. Nothing in apply_insert can fail.
+ */
+/* Copy a live sequence's slot and entry blocks (dsv4_seqtable_centries). */
+int dsv4__st_c_copy(const dsv4_seqtable_t *st, const seq_t *s, dsv4_seq_centries_t *out);
+/* The slot a restore of a sequence writes (dsv4_seqtable_c_next_slot). */
+int dsv4__st_c_next_slot(const dsv4_seqtable_t *st, const seq_t *live, uint32_t *slot, int *taken);
+/* c->slot is free, or the slot of the sequence the insert replaces (NULL: none). */
+int dsv4__st_c_slot_ok(const dsv4_seqtable_t *st, const dsv4_seq_centries_t *c,
+                       const seq_t *replaced);
+int dsv4__st_c_insert_ok(const dsv4_seqtable_t *st, int64_t p0, const dsv4_seq_centries_t *c);
+int dsv4__st_c_reserve_insert(seq_t *s, const dsv4_seq_centries_t *c);
+void dsv4__st_c_apply_insert(dsv4_seqtable_t *st, seq_t *s, int64_t p0,
+                             const dsv4_seq_centries_t *c);
 
 #endif /* DSV4_KVCACHE_SEQTABLE_INTERNAL_H */

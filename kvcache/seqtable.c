@@ -709,6 +709,27 @@ int dsv4_seqtable_info(const dsv4_seqtable_t *st, const char *name, uint32_t nam
   return fill_info(st, s, out);
 }
 
+int dsv4_seqtable_centries(const dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                           dsv4_seq_centries_t *out) {
+  memset(out, 0, sizeof(*out));
+  if (!dsv4_seq_name_valid(name, name_len))
+    return DSV4_ENOSEQ;
+  const seq_t *s = map_find(st, name, name_len, name_hash(name, name_len));
+  if (s == NULL)
+    return DSV4_ENOSEQ;
+  if (s->state != SEQ_LIVE)
+    return DSV4_EEXPIRED;
+  return dsv4__st_c_copy(st, s, out);
+}
+
+int dsv4_seqtable_c_next_slot(const dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                              uint32_t *slot, int *taken) {
+  const seq_t *s = dsv4_seq_name_valid(name, name_len)
+                       ? map_find(st, name, name_len, name_hash(name, name_len))
+                       : NULL;
+  return dsv4__st_c_next_slot(st, s && s->state == SEQ_LIVE ? s : NULL, slot, taken);
+}
+
 void dsv4_seq_info_free(dsv4_seq_info_t *info) {
   free(info->next);
   free(info->last_start);
@@ -808,6 +829,14 @@ static int insert_blocks_fit(const dsv4_seqtable_config_t *cfg, const dsv4_seq_s
 int dsv4_seqtable_insert(dsv4_seqtable_t *st, const char *name, uint32_t name_len,
                          const dsv4_seq_state_t *state, int64_t first_lb, const int32_t *blocks,
                          uint32_t n_blocks, int replace, uint64_t now_ns, dsv4_plan_error_t *err) {
+  return dsv4_seqtable_insert_c(st, name, name_len, state, first_lb, blocks, n_blocks, NULL,
+                                replace, now_ns, err);
+}
+
+int dsv4_seqtable_insert_c(dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                           const dsv4_seq_state_t *state, int64_t first_lb, const int32_t *blocks,
+                           uint32_t n_blocks, const dsv4_seq_centries_t *c, int replace,
+                           uint64_t now_ns, dsv4_plan_error_t *err) {
   assert(!st->plan_active);
   int64_t low;
   memset(err, 0, sizeof(*err));
@@ -817,6 +846,8 @@ int dsv4_seqtable_insert(dsv4_seqtable_t *st, const char *name, uint32_t name_le
   for (uint32_t i = 0; i < n_blocks; i++)
     if (blocks[i] < 0 || !dsv4_pool_is_used(st->pool, (uint32_t)blocks[i]))
       return DSV4_EINVAL;
+  if (!dsv4__st_c_insert_ok(st, state->p0, c))
+    return DSV4_EINVAL;
   uint64_t h = name_hash(name, name_len);
   seq_t *old = map_find(st, name, name_len, h);
   int live = old != NULL && old->state == SEQ_LIVE;
@@ -827,11 +858,16 @@ int dsv4_seqtable_insert(dsv4_seqtable_t *st, const char *name, uint32_t name_le
     err->new_sequences = 1;
     return DSV4_ENOSPC;
   }
+  if (!dsv4__st_c_slot_ok(st, c, live ? old : NULL))
+    return DSV4_EINVAL;
   /* Every allocation before the first change, so that ENOMEM leaves the table as it was. */
   seq_t *s = calloc(1, sizeof(seq_t) + (size_t)st->cfg.n_layers * sizeof(layer_state_t));
-  if (s == NULL || ensure_blocks(s, n_blocks ? n_blocks : 1) != 0 || map_reserve(st, 1) != 0) {
-    if (s != NULL)
+  if (s == NULL || ensure_blocks(s, n_blocks ? n_blocks : 1) != 0 || map_reserve(st, 1) != 0 ||
+      dsv4__st_c_reserve_insert(s, c) != 0) {
+    if (s != NULL) {
       free(s->blocks);
+      dsv4__st_c_free_arrays(s);
+    }
     free(s);
     return DSV4_ENOMEM;
   }
@@ -839,6 +875,8 @@ int dsv4_seqtable_insert(dsv4_seqtable_t *st, const char *name, uint32_t name_le
     drop_live(st, old);
   else if (old != NULL)
     map_remove(st, old);
+  /* After the drop, which gave back the replaced sequence's slot. */
+  dsv4__st_c_apply_insert(st, s, state->p0, c);
   memcpy(s->name, name, name_len);
   s->name_len = name_len;
   s->hash = h;

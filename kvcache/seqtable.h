@@ -224,6 +224,58 @@ int dsv4_seqtable_insert(dsv4_seqtable_t *st, const char *name, uint32_t name_le
                          const dsv4_seq_state_t *state, int64_t first_lb, const int32_t *blocks,
                          uint32_t n_blocks, int replace, uint64_t now_ns, dsv4_plan_error_t *err);
 
+/*
+ * A sequence's compressed state at one served layer (SPEC §8.7, §8.9): the entries it emitted, j in
+ * [j0, j1) = [floor(p0 / ratio), floor(next / ratio)), as 584-byte records and at ratio 4 their
+ * 68-byte index records, and its state slot's ring (DSV4_RING_FLOATS(ratio) floats as stored).
+ * ratio 0: the layer does not run the branch and nothing else is set.
+ */
+typedef struct {
+  uint32_t ratio;
+  int64_t j0, j1;
+  const uint8_t *c_records; /* [(j1 - j0) * 584] */
+  const uint8_t *i_records; /* ratio 4: [(j1 - j0) * 68]; else NULL */
+  const float *ring;        /* [DSV4_RING_FLOATS(ratio)] */
+} dsv4_seq_cstate_t;
+
+/*
+ * A sequence's compressed-branch holdings (SPEC §8.7): its state slot and, per compressed pool (0:
+ * c4, 1: c128), its entry blocks: entry j of a layer of the pool lives in ids[k][j / bs -
+ * first_lb[k]].
+ */
+typedef struct {
+  uint32_t slot;
+  int64_t first_lb[2];
+  uint32_t n[2];
+  int32_t *ids[2];
+} dsv4_seq_centries_t;
+
+/* A live sequence's holdings (ids malloc'd: dsv4_seq_centries_free), for a dump. DSV4_ENOSEQ,
+ * DSV4_EEXPIRED, DSV4_EINVAL (the branch is not attached) or DSV4_ENOMEM. */
+int dsv4_seqtable_centries(const dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                           dsv4_seq_centries_t *out);
+void dsv4_seq_centries_free(dsv4_seq_centries_t *c);
+
+/* The state slot a restore of name writes its rings into (then passes as c->slot): the next free
+ * one, or when none is free the slot of the live sequence of that name, which a replace gives
+ * back (*taken = 1: the caller must drop that sequence before writing). DSV4_EINVAL without the
+ * branch, DSV4_ENOSPC when no slot can be had. */
+int dsv4_seqtable_c_next_slot(const dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                              uint32_t *slot, int *taken);
+
+/*
+ * dsv4_seqtable_insert for a table with the compressed branch attached: c names the state slot
+ * (free, or the replaced sequence's) and the entry blocks the caller took from each compressed pool
+ * (and wrote), whose first_lb must be the one the plan path gives a sequence starting at p0 (p0 /
+ * ratio / bs). c may be NULL (no entry blocks; the next free slot). Without the branch, c must be
+ * NULL or hold no block. Same returns; on error nothing changed and the caller still owns every
+ * block.
+ */
+int dsv4_seqtable_insert_c(dsv4_seqtable_t *st, const char *name, uint32_t name_len,
+                           const dsv4_seq_state_t *state, int64_t first_lb, const int32_t *blocks,
+                           uint32_t n_blocks, const dsv4_seq_centries_t *c, int replace,
+                           uint64_t now_ns, dsv4_plan_error_t *err);
+
 uint32_t dsv4_seqtable_count(const dsv4_seqtable_t *st);
 /* Any thread: the last published live-sequence count. */
 uint32_t dsv4_seqtable_count_relaxed(const dsv4_seqtable_t *st);

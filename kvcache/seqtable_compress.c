@@ -183,3 +183,116 @@ void dsv4__st_c_apply(dsv4_seqtable_t *st, uint32_t layer, uint32_t n, dsv4_plan
   }
   plan->c_bt_len = off;
 }
+
+/* ---- apart from the plan path: dumps and restores ----------------------------------------- */
+
+int dsv4__st_c_next_slot(const dsv4_seqtable_t *st, const seq_t *live, uint32_t *slot, int *taken) {
+  *taken = 0;
+  if (!st->ratio)
+    return DSV4_EINVAL;
+  if (st->n_free_slots > 0) {
+    *slot = st->free_slots[st->n_free_slots - 1];
+    return 0;
+  }
+  if (!live)
+    return DSV4_ENOSPC;
+  *slot = live->slot;
+  *taken = 1;
+  return 0;
+}
+
+int dsv4__st_c_copy(const dsv4_seqtable_t *st, const seq_t *s, dsv4_seq_centries_t *out) {
+  if (!st->ratio)
+    return DSV4_EINVAL;
+  out->slot = s->slot;
+  for (int k = 0; k < CPOOL_COUNT; k++) {
+    out->first_lb[k] = s->cb[k].first_lb;
+    out->n[k] = s->cb[k].n;
+    out->ids[k] = malloc((s->cb[k].n ? s->cb[k].n : 1) * sizeof(int32_t));
+    if (!out->ids[k]) {
+      dsv4_seq_centries_free(out);
+      return DSV4_ENOMEM;
+    }
+    if (s->cb[k].n)
+      memcpy(out->ids[k], s->cb[k].ids, s->cb[k].n * sizeof(int32_t));
+  }
+  return 0;
+}
+
+void dsv4_seq_centries_free(dsv4_seq_centries_t *c) {
+  for (int k = 0; k < CPOOL_COUNT; k++) {
+    free(c->ids[k]);
+    c->ids[k] = NULL;
+    c->n[k] = 0;
+  }
+}
+
+int dsv4__st_c_insert_ok(const dsv4_seqtable_t *st, int64_t p0, const dsv4_seq_centries_t *c) {
+  for (int k = 0; c && k < CPOOL_COUNT; k++) {
+    if (c->n[k] == 0)
+      continue;
+    /* Blocks only where a pool exists, and where the plan path would have put them. */
+    if (!st->ratio || !st->cpool[k] ||
+        c->first_lb[k] != c_first_lb(p0, k == CPOOL_C4 ? 4 : 128, st->cfg.block_size))
+      return 0;
+    for (uint32_t i = 0; i < c->n[k]; i++)
+      if (c->ids[k][i] < 0 || !dsv4_pool_is_used(st->cpool[k], (uint32_t)c->ids[k][i]))
+        return 0;
+  }
+  return 1;
+}
+
+int dsv4__st_c_reserve_insert(seq_t *s, const dsv4_seq_centries_t *c) {
+  for (int k = 0; c && k < CPOOL_COUNT; k++) {
+    int rc = dsv4__st_grow((void **)&s->cb[k].ids, &s->cb[k].cap, c->n[k] ? c->n[k] : 1,
+                           sizeof(int32_t));
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
+int dsv4__st_c_slot_ok(const dsv4_seqtable_t *st, const dsv4_seq_centries_t *c,
+                       const seq_t *replaced) {
+  if (!st->ratio || !c)
+    return 1;
+  if (replaced && replaced->slot == c->slot)
+    return 1;
+  for (uint32_t i = 0; i < st->n_free_slots; i++)
+    if (st->free_slots[i] == c->slot)
+      return 1;
+  return 0;
+}
+
+/* Take slot from the free stack (dsv4__st_c_slot_ok found it there, or it was just given back). */
+static void take_slot(dsv4_seqtable_t *st, uint32_t slot) {
+  for (uint32_t i = st->n_free_slots; i-- > 0;)
+    if (st->free_slots[i] == slot) {
+      memmove(st->free_slots + i, st->free_slots + i + 1,
+              (st->n_free_slots - i - 1) * sizeof(uint32_t));
+      st->n_free_slots--;
+      return;
+    }
+  abort();
+}
+
+void dsv4__st_c_apply_insert(dsv4_seqtable_t *st, seq_t *s, int64_t p0,
+                             const dsv4_seq_centries_t *c) {
+  if (!st->ratio)
+    return;
+  /* The insert checked max_sequences live sequences (each holds a slot) after any drop. */
+  if (st->n_free_slots == 0)
+    abort();
+  if (c) {
+    take_slot(st, c->slot);
+    s->slot = c->slot;
+  } else {
+    s->slot = st->free_slots[--st->n_free_slots];
+  }
+  for (int k = 0; k < CPOOL_COUNT; k++) {
+    s->cb[k].first_lb = c_first_lb(p0, k == CPOOL_C4 ? 4 : 128, st->cfg.block_size);
+    s->cb[k].n = c ? c->n[k] : 0;
+    if (s->cb[k].n)
+      memcpy(s->cb[k].ids, c->ids[k], s->cb[k].n * sizeof(int32_t));
+  }
+}

@@ -395,6 +395,26 @@ static json_t *seq_digest_json(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_in
                    f < t ? json_integer(t - 1) : json_null(), "records", (json_int_t)(t - f));
 }
 
+/* Where served layer idx runs the compressed branch, the sequence's entries and their digests
+ * (SPEC §8.9: c_digest, i_digest at ratio 4, ring_digest) into row as "compressed". */
+static int add_cdigests(dsv4_engine_t *e, uint32_t idx, const char *name, uint32_t len,
+                        json_t *row) {
+  dsv4_engine_cstate_t cs;
+  uint64_t dg[3];
+  int rc = dsv4_engine_read_cstate(e, name, len, idx, &cs);
+  if (rc || !cs.ratio)
+    return rc;
+  dsv4_dump_cdigests(&cs, &dg[0], &dg[1], &dg[2]);
+  json_t *c = json_pack("{s:I,s:o,s:I,s:o,s:o}", "ratio", (json_int_t)cs.ratio, "first",
+                        cs.j1 > cs.j0 ? json_integer(cs.j0) : json_null(), "entries",
+                        (json_int_t)(cs.j1 - cs.j0), "c_digest", hex_json(dg[0]), "ring_digest",
+                        hex_json(dg[2]));
+  if (c && cs.ratio == 4)
+    json_object_set_new(c, "i_digest", hex_json(dg[1]));
+  dsv4_engine_cstate_free(&cs);
+  return c && json_object_set_new(row, "compressed", c) == 0 ? 0 : DSV4_ENOMEM;
+}
+
 typedef struct {
   dsv4_engine_t *e;
   uint32_t idx;
@@ -408,6 +428,10 @@ static int digest_one(const char *name, uint32_t len, const dsv4_seq_info_t *inf
   json_t *row = seq_digest_json(dc->e, dc->idx, info, &dc->rc);
   if (!row)
     return dc->rc ? dc->rc : DSV4_ENOMEM;
+  if ((dc->rc = add_cdigests(dc->e, dc->idx, name, len, row)) != 0) {
+    json_decref(row);
+    return dc->rc;
+  }
   memcpy(key, name, len);
   key[len] = '\0';
   return json_object_set_new(dc->obj, key, row) ? DSV4_ENOMEM : 0;
@@ -441,6 +465,8 @@ static void run_checksums(admin_job_t *j, const dsv4_seq_info_t *info) {
     if (!row)
       goto out;
     json_object_set_new(seqs, j->seq, row);
+    if ((j->rc = add_cdigests(e, idx, j->seq, j->seq_len, row)) != 0)
+      goto out;
   } else {
     for (uint32_t b = 0; b < nb; b++) {
       char k[16];

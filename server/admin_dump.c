@@ -7,7 +7,10 @@
  *  1. snapshot: copy the sequence's block table and stored range per layer, and pin its blocks, so
  *     that a release, DELETE, expiry or device failure defers their return to the pool: nothing can
  *     reuse them, and positions once written are never rewritten, so the snapshot's bytes hold
- *     still for the whole dump while new positions keep arriving in later batches;
+ *     still for the whole dump while new positions keep arriving in later batches; where a layer
+ *     runs the compressed branch, copy its state (entries, index records, ring rows: SPEC §8.9)
+ *     into memory held until the head is built (entry blocks are not pinned; the state is bounded
+ *     by the entry pools and one slot), and from then on in the file's last bytes;
  *  2. digest steps: the §3.1 sequence digest of each layer, a bounded run of records per step (the
  *     safetensors header carries the digests, so they come first);
  *  3. fill steps: the file's bytes in chunks, each into one of NBUF buffers; a buffer is written to
@@ -58,6 +61,11 @@ struct dsv4_dump {
   uint64_t *digest; /* [n] */
   uint64_t *off;    /* [n] file offset of the layer's records; its positions follow them */
   dsv4_seq_layer_state_t *state; /* [n_served] next and last segment, what a restore needs */
+  /* [n] the compressed state of the layers that run the branch, copied at the snapshot (entry
+   * blocks are not pinned: a DELETE during the dump frees them), then the file's last bytes. */
+  dsv4_seq_cstate_t *cstate;
+  uint8_t *ctail;
+  size_t ctail_len;
   dsv4_seq_info_t info;
   int have_info, pinned, begun, failed, job_busy, write_busy;
   step_t step;
@@ -97,6 +105,10 @@ static void dump_free(dump_t *dm) {
   free(dm->digest);
   free(dm->off);
   free(dm->state);
+  for (uint32_t i = 0; dm->cstate && i < dm->n; i++)
+    dsv4_engine_cstate_free(&dm->cstate[i]);
+  free(dm->cstate);
+  free(dm->ctail);
   free(dm->head);
   for (uint32_t i = 0; i < NBUF; i++)
     free(dm->buf[i].p);
@@ -127,6 +139,10 @@ static void snapshot(dump_t *dm) {
     /* A layer with nothing stored has the digest of the empty list (no step will touch it). */
     dm->digest[i] = dsv4_records_digest_value(dm->rd[i]);
   }
+  for (uint32_t i = 0; i < dm->n && !dm->rc; i++)
+    dm->rc = dsv4_engine_read_cstate(e, dm->seq, dm->seq_len, dm->idx[i], &dm->cstate[i]);
+  if (dm->rc)
+    return;
   dm->rc = dsv4_engine_pin(e, &dm->info);
   dm->pinned = dm->rc == 0;
 }
@@ -178,6 +194,11 @@ static int fill(dump_t *dm, uint64_t off, uint8_t *dst, size_t len) {
     if (off < dm->head_len) {
       n = dm->head_len - off < len ? (size_t)(dm->head_len - off) : len;
       memcpy(dst, dm->head + off, n);
+    } else if (off >= dm->total - dm->ctail_len) {
+      /* The compressed state, copied at the snapshot. */
+      uint64_t x = off - (dm->total - dm->ctail_len);
+      n = dm->ctail_len - x < len ? (size_t)(dm->ctail_len - x) : len;
+      memcpy(dst, dm->ctail + x, n);
     } else {
       uint32_t i = 0;
       while (i + 1 < dm->n && dm->off[i + 1] <= off)
@@ -322,9 +343,15 @@ static int build_head(dump_t *dm) {
       .end = dm->end,
       .digest = dm->digest,
       .layers = ls,
+      .cstate = dsv4_engine_runs_compressed(d->engine) ? dm->cstate : NULL,
   };
   int rc = dsv4_dump_header(&dd, &dm->head, &dm->head_len, &dm->total, dm->off);
+  if (!rc)
+    rc = dsv4_dump_ctail(&dd, &dm->ctail, &dm->ctail_len);
   free(ls);
+  /* The file now holds the state's bytes: the copies go. */
+  for (uint32_t i = 0; i < dm->n; i++)
+    dsv4_engine_cstate_free(&dm->cstate[i]);
   return rc;
 }
 
@@ -468,11 +495,12 @@ void dsv4__admin_on_dump(dsv4_req_t *req, void *ctx) {
   dm->digest = calloc(n, sizeof(*dm->digest));
   dm->off = calloc(n, sizeof(*dm->off));
   dm->state = calloc(d->cfg->n_served ? d->cfg->n_served : 1, sizeof(*dm->state));
+  dm->cstate = calloc(n ? n : 1, sizeof(*dm->cstate));
   int bufs_ok = 1;
   for (uint32_t i = 0; i < NBUF; i++)
     bufs_ok &= (dm->buf[i].p = malloc(dm->chunk)) != NULL;
   if (!dm->layer || !dm->idx || !dm->first || !dm->end || !dm->digest || !dm->off || !dm->state ||
-      !bufs_ok || !(dm->dig_pos = calloc(n, sizeof(*dm->dig_pos))) ||
+      !dm->cstate || !bufs_ok || !(dm->dig_pos = calloc(n, sizeof(*dm->dig_pos))) ||
       !(dm->rd = calloc(n, sizeof(*dm->rd))) || !(dm->djobs = calloc(n, sizeof(*dm->djobs)))) {
     dump_free(dm);
     dsv4_respond_error(req, DSV4_ENOMEM, NULL, NULL);

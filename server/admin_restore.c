@@ -30,7 +30,19 @@
 
 uint64_t dsv4__restore_max_body(const dsv4_config_t *cfg) {
   uint64_t per_layer = (uint64_t)cfg->kv_blocks * cfg->block_size * (DSV4_RECORD_BYTES + 8);
-  return 8 + DSV4_ST_MAX_HEADER + per_layer * cfg->n_served;
+  uint64_t body = 8 + DSV4_ST_MAX_HEADER + per_layer * cfg->n_served;
+  /* A layer that may run the compressed branch adds its entries filling its pool and one ring. */
+  for (uint32_t i = 0; i < cfg->n_served; i++) {
+    uint32_t r = cfg->model.compress_ratios[cfg->served_layers[i]];
+    if (r == 4)
+      body += (uint64_t)cfg->c4_blocks * cfg->block_size *
+                  (DSV4_RECORD_BYTES + 8 + DSV4_INDEX_RECORD_BYTES) +
+              DSV4_RING_FLOATS(4u) * sizeof(float);
+    else if (r == 128)
+      body += (uint64_t)cfg->c128_blocks * cfg->block_size * (DSV4_RECORD_BYTES + 8) +
+              DSV4_RING_FLOATS(128u) * sizeof(float);
+  }
+  return body;
 }
 
 void dsv4__restore_expect(const dsv4_daemon_t *d, dsv4_dump_expect_t *want, char model[17]) {
@@ -43,6 +55,7 @@ void dsv4__restore_expect(const dsv4_daemon_t *d, dsv4_dump_expect_t *want, char
       .head_offset = cfg->head_offset,
       .model_id = model,
       .max_position = cfg->model.max_position_embeddings,
+      .ratio = dsv4_engine_c_ratios(d->engine),
   };
 }
 
@@ -59,13 +72,30 @@ static int check_back(dsv4_daemon_t *d, const char *name, uint32_t len,
   }
   if (rc != DSV4_ENOSEQ)
     dsv4_seq_info_free(&info);
+  /* The compressed state too: its three digests as the dump's. */
+  for (uint32_t i = 0; rc == 0 && dsv4_engine_runs_compressed(d->engine) && i < d->cfg->n_served;
+       i++) {
+    dsv4_engine_cstate_t cs;
+    uint64_t got[3], want[3];
+    if (!p->cstate[i].ratio)
+      continue;
+    rc = dsv4_engine_read_cstate(d->engine, name, len, i, &cs);
+    if (rc)
+      break;
+    dsv4_dump_cdigests(&cs, &got[0], &got[1], &got[2]);
+    dsv4_dump_cdigests(&p->cstate[i], &want[0], &want[1], &want[2]);
+    if (cs.j0 != p->cstate[i].j0 || cs.j1 != p->cstate[i].j1 || memcmp(got, want, sizeof(got)))
+      rc = DSV4_EIO;
+    dsv4_engine_cstate_free(&cs);
+  }
   return rc;
 }
 
 int dsv4__restore_apply(dsv4_daemon_t *d, const char *name, uint32_t len,
                         const dsv4_dump_parsed_t *p, int replace,
                         dsv4_engine_restore_result_t *res) {
-  dsv4_engine_restore_t r = {p->p0, p->first, p->layers, p->records};
+  dsv4_engine_restore_t r = {p->p0, p->first, p->layers, p->records,
+                             dsv4_engine_runs_compressed(d->engine) ? p->cstate : NULL};
   uint64_t now = uv_hrtime();
   /* Sweep first, so an idle name is seen as the expired one a batch would be told it is. */
   dsv4_engine_expire(d->engine, now);
@@ -99,8 +129,8 @@ json_t *dsv4__restore_error_details(int rc, const dsv4_dump_parsed_t *p,
   case DSV4_ENOSPC:
     if (res->sequences_full)
       return json_pack("{s:s,s:b}", "seq", seq, "sequences_full", 1);
-    return json_pack("{s:s,s:I,s:I}", "seq", seq, "needed", (json_int_t)res->needed, "free",
-                     (json_int_t)res->free);
+    return json_pack("{s:s,s:s,s:I,s:I}", "seq", seq, "pool", res->pool[0] ? res->pool : "swa",
+                     "needed", (json_int_t)res->needed, "free", (json_int_t)res->free);
   case DSV4_EBACKEND: {
     json_t *dropped = json_array();
     if (res->dropped)
@@ -259,16 +289,6 @@ void dsv4__admin_on_restore(dsv4_req_t *req, void *ctx) {
   }
   if (!req->body || !req->body_len) {
     dsv4_respond_error(req, DSV4_EINVAL, "empty body: a restore's body is a dump", NULL);
-    return;
-  }
-  if (dsv4_engine_runs_compressed(d->engine)) {
-    /* A dump holds the SWA records only: restored here, a sequence would lose its compressor rows
-     * and entries and answer differently from the daemon it came from. */
-    dsv4_respond_error(req, DSV4_EUNSUPPORTED,
-                       "this daemon runs the compressed branch (SPEC §8), whose state (compressor "
-                       "rows, entries) a dump does not carry yet; restore into a daemon with "
-                       "compressed_branch = off",
-                       NULL);
     return;
   }
   restore_job_t *j = calloc(1, sizeof(*j));

@@ -89,6 +89,108 @@ static void layer_runs(const uint32_t *layer, uint32_t n, char *out, size_t cap)
   }
 }
 
+void dsv4_dump_cdigests(const dsv4_seq_cstate_t *cs, uint64_t *c_digest, uint64_t *i_digest,
+                        uint64_t *ring_digest) {
+  dsv4_records_digest_t *d;
+  int64_t t = cs->j1 - cs->j0;
+  *c_digest = *i_digest = 0;
+  *ring_digest = XXH3_64bits(cs->ring, DSV4_RING_FLOATS(cs->ratio) * sizeof(float));
+  if (dsv4_records_digest_create(&d))
+    return;
+  for (int64_t k = 0; k < t; k++)
+    dsv4_records_digest_add(d, cs->j0 + k, cs->c_records + (size_t)k * DSV4_RECORD_BYTES);
+  *c_digest = dsv4_records_digest_value(d);
+  dsv4_records_digest_reset(d);
+  for (int64_t k = 0; cs->ratio == 4 && k < t; k++)
+    dsv4_records_digest_add_index(d, cs->j0 + k,
+                                  cs->i_records + (size_t)k * DSV4_INDEX_RECORD_BYTES);
+  *i_digest = dsv4_records_digest_value(d);
+  dsv4_records_digest_destroy(d);
+}
+
+/* The bytes of layer i's compressed tensors (0 when it does not run the branch). */
+static uint64_t c_bytes(const dsv4_dump_desc_t *dd, uint32_t i) {
+  const dsv4_seq_cstate_t *cs = dd->cstate ? &dd->cstate[i] : NULL;
+  if (!cs || !cs->ratio)
+    return 0;
+  uint64_t t = (uint64_t)(cs->j1 - cs->j0);
+  return t * (DSV4_RECORD_BYTES + 8 + (cs->ratio == 4 ? DSV4_INDEX_RECORD_BYTES : 0)) +
+         DSV4_RING_FLOATS(cs->ratio) * sizeof(float);
+}
+
+/* Layer i's compressed tensors and digest keys into the arrays at *nd and *nk, which advance. */
+static void c_entries(const dsv4_dump_desc_t *dd, uint32_t i, char (*names)[NAME_LEN],
+                      char (*keys)[NAME_LEN], char (*vals)[VALUE_LEN], dsv4_st_desc_t *desc,
+                      size_t *nd, size_t *nk) {
+  const dsv4_seq_cstate_t *cs = dd->cstate ? &dd->cstate[i] : NULL;
+  if (!cs || !cs->ratio)
+    return;
+  uint32_t layer = dd->layer[i];
+  int64_t t = cs->j1 - cs->j0;
+  uint64_t dg[3];
+  static const char *const dkey[3] = {"c_digest", "i_digest", "ring_digest"};
+  const struct {
+    const char *suffix;
+    int dtype, ndim;
+    int64_t d0, d1;
+    size_t bytes;
+  } td[4] = {
+      {"c_records", DSV4_ST_U8, 2, t, DSV4_RECORD_BYTES, (size_t)t * DSV4_RECORD_BYTES},
+      {"c_entries", DSV4_ST_I64, 1, t, 0, (size_t)t * 8},
+      {"i_records", DSV4_ST_U8, 2, t, DSV4_INDEX_RECORD_BYTES, (size_t)t * DSV4_INDEX_RECORD_BYTES},
+      {"ring", DSV4_ST_F32, 1, (int64_t)DSV4_RING_FLOATS(cs->ratio), 0,
+       DSV4_RING_FLOATS(cs->ratio) * sizeof(float)},
+  };
+  for (int k = 0; k < 4; k++) {
+    if (k == 2 && cs->ratio != 4)
+      continue;
+    snprintf(names[*nd], NAME_LEN, "layers.%u.%s", layer, td[k].suffix);
+    desc[*nd] =
+        (dsv4_st_desc_t){names[*nd], td[k].dtype, td[k].ndim, {td[k].d0, td[k].d1}, td[k].bytes};
+    (*nd)++;
+  }
+  dsv4_dump_cdigests(cs, &dg[0], &dg[1], &dg[2]);
+  for (int k = 0; k < 3; k++) {
+    if (k == 1 && cs->ratio != 4)
+      continue;
+    snprintf(keys[*nk], NAME_LEN, "%s.%u", dkey[k], layer);
+    dsv4_digest_hex(dg[k], vals[*nk]);
+    (*nk)++;
+  }
+}
+
+int dsv4_dump_ctail(const dsv4_dump_desc_t *dd, uint8_t **out, size_t *out_len) {
+  uint64_t n = 0;
+  *out = NULL;
+  *out_len = 0;
+  for (uint32_t i = 0; i < dd->n; i++)
+    n += c_bytes(dd, i);
+  if (n == 0)
+    return 0;
+  uint8_t *p = malloc((size_t)n);
+  if (!p)
+    return DSV4_ENOMEM;
+  *out = p;
+  *out_len = (size_t)n;
+  for (uint32_t i = 0; i < dd->n; i++) {
+    const dsv4_seq_cstate_t *cs = &dd->cstate[i];
+    size_t t = (size_t)(cs->j1 - cs->j0);
+    if (!cs->ratio)
+      continue;
+    memcpy(p, cs->c_records, t * DSV4_RECORD_BYTES);
+    p += t * DSV4_RECORD_BYTES;
+    for (size_t k = 0; k < t; k++, p += 8)
+      dsv4_position_put(p, cs->j0 + (int64_t)k);
+    if (cs->ratio == 4) {
+      memcpy(p, cs->i_records, t * DSV4_INDEX_RECORD_BYTES);
+      p += t * DSV4_INDEX_RECORD_BYTES;
+    }
+    memcpy(p, cs->ring, DSV4_RING_FLOATS(cs->ratio) * sizeof(float));
+    p += DSV4_RING_FLOATS(cs->ratio) * sizeof(float);
+  }
+  return 0;
+}
+
 /* The per-layer tensors and metadata of a header: names, keys and values into the arrays given. */
 static void layer_entries(const dsv4_dump_desc_t *dd, uint32_t i, char (*names)[NAME_LEN],
                           char (*keys)[NAME_LEN], char (*vals)[VALUE_LEN], dsv4_st_desc_t *desc) {
@@ -115,12 +217,14 @@ static void layer_entries(const dsv4_dump_desc_t *dd, uint32_t i, char (*names)[
 
 int dsv4_dump_header(const dsv4_dump_desc_t *dd, uint8_t **out, size_t *out_len, uint64_t *total,
                      uint64_t *offsets) {
+  /* Room for the compressed tensors (4) and digest keys (3) of every layer too. */
   size_t nd = 2 * (size_t)dd->n, nk = (size_t)LAYER_KEYS * dd->n, nm = 0, data_len = 0;
-  dsv4_st_desc_t *desc = calloc(nd ? nd : 1, sizeof(*desc));
-  dsv4_st_meta_t *meta = calloc(FIXED_KEYS + nk, sizeof(*meta));
-  char(*names)[NAME_LEN] = calloc(nd ? nd : 1, sizeof(*names));
-  char(*keys)[NAME_LEN] = calloc(nk ? nk : 1, sizeof(*keys));
-  char(*vals)[VALUE_LEN] = calloc(nk ? nk : 1, sizeof(*vals));
+  size_t dcap = nd + 4 * (size_t)dd->n, kcap = nk + 3 * (size_t)dd->n;
+  dsv4_st_desc_t *desc = calloc(dcap ? dcap : 1, sizeof(*desc));
+  dsv4_st_meta_t *meta = calloc(FIXED_KEYS + kcap, sizeof(*meta));
+  char(*names)[NAME_LEN] = calloc(dcap ? dcap : 1, sizeof(*names));
+  char(*keys)[NAME_LEN] = calloc(kcap ? kcap : 1, sizeof(*keys));
+  char(*vals)[VALUE_LEN] = calloc(kcap ? kcap : 1, sizeof(*vals));
   char *runs = calloc((size_t)dd->n + 1, RUN_LEN);
   char bs[16], p0[24], heads[16], off[16];
   int rc = DSV4_ENOMEM;
@@ -128,6 +232,8 @@ int dsv4_dump_header(const dsv4_dump_desc_t *dd, uint8_t **out, size_t *out_len,
     goto out;
   for (uint32_t i = 0; i < dd->n; i++)
     layer_entries(dd, i, names, keys, vals, desc);
+  for (uint32_t i = 0; i < dd->n; i++)
+    c_entries(dd, i, names, keys, vals, desc, &nd, &nk);
   snprintf(bs, sizeof(bs), "%u", dd->block_size);
   snprintf(p0, sizeof(p0), "%" PRId64, dd->p0);
   snprintf(heads, sizeof(heads), "%u", dd->heads);
@@ -159,6 +265,8 @@ int dsv4_dump_header(const dsv4_dump_desc_t *dd, uint8_t **out, size_t *out_len,
       offsets[i] = at;
     at += (uint64_t)(dd->end[i] - dd->first[i]) * (DSV4_RECORD_BYTES + 8);
   }
+  for (uint32_t i = 0; i < dd->n; i++)
+    at += c_bytes(dd, i);
   *total = at;
   rc = at == *out_len + data_len ? 0 : DSV4_EINVAL;
   if (rc) {
@@ -178,18 +286,20 @@ out:
 /* ---- reading ------------------------------------------------------------------------------ */
 
 /*
- * The per-layer tensors a restore understands, one row per kind: a dump that carries any other
- * tensor (the compressed layers' records and rings, when SPEC §8 adds them to the dump) is refused,
- * never half-restored. A new kind adds a row here and its handling in read_layers.
+ * The per-layer tensors a restore understands, one row per kind, with the layers that may carry
+ * it: a dump that carries any other tensor, or compressed state where this daemon does not run the
+ * branch, is refused, never half-restored. A new kind adds a row here and its handling in a pass.
  */
-enum { K_RECORDS, K_POSITIONS, K_COUNT };
+enum { K_RECORDS, K_POSITIONS, K_C_RECORDS, K_C_ENTRIES, K_I_RECORDS, K_RING, K_COUNT };
 static const struct {
   const char *suffix;
   int dtype;
-  int64_t row; /* the second dimension, or 0 for a one-dimensional tensor */
+  int64_t row;     /* the second dimension, or 0 for a one-dimensional tensor */
+  uint32_t ratios; /* bit 0: SWA (every layer), bit 1: ratio 4, bit 2: ratio 128 */
 } kinds[K_COUNT] = {
-    {"records", DSV4_ST_U8, DSV4_RECORD_BYTES},
-    {"positions", DSV4_ST_I64, 0},
+    {"records", DSV4_ST_U8, DSV4_RECORD_BYTES, 7},         {"positions", DSV4_ST_I64, 0, 7},
+    {"c_records", DSV4_ST_U8, DSV4_RECORD_BYTES, 6},       {"c_entries", DSV4_ST_I64, 0, 6},
+    {"i_records", DSV4_ST_U8, DSV4_INDEX_RECORD_BYTES, 2}, {"ring", DSV4_ST_F32, 0, 6},
 };
 
 /* The reader's working state beside the caller's result. */
@@ -376,13 +486,27 @@ static int read_tensors(rd_t *r) {
     if (kind < 0)
       return fail(r->out, DSV4_EINVAL,
                   "tensor \"%.64s\" is not one this daemon restores (layers.{L}.records and "
-                  "layers.{L}.positions of its served layers): a dump with state it does not know "
-                  "is refused, not half-restored",
+                  "layers.{L}.positions of its served layers, and the compressed state of those "
+                  "that run the branch): a dump with state it does not know is refused, not "
+                  "half-restored",
                   t->name);
+    uint32_t ratio = r->want->ratio ? r->want->ratio[idx] : 0;
+    if (!(kinds[kind].ratios & (ratio == 4 ? 2u : ratio == 128 ? 4u : 1u)))
+      return fail(r->out, DSV4_EINVAL,
+                  "tensor \"%.64s\" is compressed state this daemon does not hold at layer %" PRId64
+                  " (it %s): a dump of a daemon that ran the branch is not restored into one "
+                  "that does not",
+                  t->name, l,
+                  ratio ? "runs the branch at another ratio"
+                        : "does not run the compressed branch");
     int shape_ok = kinds[kind].row ? t->ndim == 2 && t->shape[1] == kinds[kind].row : t->ndim == 1;
-    if (t->dtype != kinds[kind].dtype || !shape_ok)
-      return fail(r->out, DSV4_EINVAL, "tensor \"%.64s\" must be %s [T%s]", t->name,
-                  dsv4_st_dtype_name(kinds[kind].dtype), kinds[kind].row ? ", 584" : "");
+    if (t->dtype != kinds[kind].dtype || !shape_ok) {
+      char row[24] = "";
+      if (kinds[kind].row)
+        snprintf(row, sizeof(row), ", %" PRId64, kinds[kind].row);
+      return fail(r->out, DSV4_EINVAL, "tensor \"%.64s\" must be %s [%s%s]", t->name,
+                  dsv4_st_dtype_name(kinds[kind].dtype), kind == K_RING ? "floats" : "T", row);
+    }
     r->t[(size_t)idx * K_COUNT + (size_t)kind] = t;
   }
   return 0;
@@ -559,6 +683,97 @@ static int read_digests(rd_t *r) {
   return rc;
 }
 
+/* A digest key of the metadata ("{what}.{L}"), 16 lowercase hex digits. */
+static int meta_digest(rd_t *r, const char *what, uint32_t l, uint64_t *v) {
+  char key[NAME_LEN];
+  snprintf(key, sizeof(key), "%s.%u", what, l);
+  const char *x = need(r, key);
+  if (!x || strlen(x) != 16 || strspn(x, "0123456789abcdef") != 16)
+    return fail(r->out, DSV4_EINVAL, "metadata %s is missing or not 16 lowercase hex digits", key);
+  *v = strtoull(x, NULL, 16);
+  return 0;
+}
+
+/* Layer i's compressed tensors are there, of the lengths its p0 and next give, entries in order. */
+static int read_ctensors(rd_t *r, uint32_t i, uint32_t ratio, const dsv4_st_tensor_t **t) {
+  dsv4_dump_parsed_t *o = r->out;
+  uint32_t l = r->want->served_layers[i];
+  int64_t j0 = o->p0 / ratio, j1 = o->layers[i].next / ratio;
+  j1 = j1 < j0 ? j0 : j1;
+  for (int k = K_C_RECORDS; k <= K_RING; k++)
+    if (!t[k] && (k != K_I_RECORDS || ratio == 4))
+      return fail(o, DSV4_EINVAL,
+                  "layer %u runs the compressed branch here but the dump has no layers.%u.%s (a "
+                  "dump of a daemon without the branch is not restored into one that runs it)",
+                  l, l, kinds[k].suffix);
+  for (int k = K_C_RECORDS; k <= K_I_RECORDS; k++)
+    if (t[k] && t[k]->shape[0] != j1 - j0)
+      return fail(o, DSV4_EINVAL,
+                  "layers.%u.%s has %" PRId64 " rows; p0 %" PRId64 " and next %" PRId64
+                  " emitted %" PRId64 " entries",
+                  l, kinds[k].suffix, t[k]->shape[0], o->p0, o->layers[i].next, j1 - j0);
+  if (t[K_RING]->shape[0] != (int64_t)DSV4_RING_FLOATS(ratio))
+    return fail(o, DSV4_EINVAL, "layers.%u.ring must hold %lu floats", l,
+                (unsigned long)DSV4_RING_FLOATS(ratio));
+  for (int64_t k = 0; k < j1 - j0; k++) {
+    const char *bad = dsv4_record_implausible(t[K_C_RECORDS]->data + (size_t)k * DSV4_RECORD_BYTES);
+    if (le64(t[K_C_ENTRIES]->data + (size_t)k * 8) != j0 + k)
+      return fail(o, DSV4_EINVAL, "layer %u: entries are not %" PRId64 " .. %" PRId64, l, j0,
+                  j1 - 1);
+    if (bad)
+      return fail(o, DSV4_EINVAL,
+                  "layer %u, entry %" PRId64 ": the record holds %s, which no batch writes", l,
+                  j0 + k, bad);
+  }
+  /* Ring rows come from inputs below 2^59 (SPEC §8.8): a non-finite one is no batch's. */
+  for (size_t k = 0; k < DSV4_RING_FLOATS(ratio); k++) {
+    uint32_t u = (uint32_t)t[K_RING]->data[4 * k] | (uint32_t)t[K_RING]->data[4 * k + 1] << 8 |
+                 (uint32_t)t[K_RING]->data[4 * k + 2] << 16 |
+                 (uint32_t)t[K_RING]->data[4 * k + 3] << 24;
+    if ((u & 0x7f800000u) == 0x7f800000u)
+      return fail(o, DSV4_EINVAL, "layers.%u.ring holds a non-finite float at %zu", l, k);
+  }
+  o->cstate[i] = (dsv4_seq_cstate_t){ratio,
+                                     j0,
+                                     j1,
+                                     t[K_C_RECORDS]->data,
+                                     t[K_I_RECORDS] ? t[K_I_RECORDS]->data : NULL,
+                                     (const float *)(const void *)t[K_RING]->data};
+  return 0;
+}
+
+/* Read pass 8: the compressed state of every layer that runs the branch, and its digests. */
+static int read_cstate(rd_t *r) {
+  dsv4_dump_parsed_t *o = r->out;
+  for (uint32_t i = 0; i < r->want->n_served; i++) {
+    uint32_t ratio = r->want->ratio ? r->want->ratio[i] : 0, l = r->want->served_layers[i];
+    uint64_t want[3] = {0, 0, 0}, got[3];
+    static const char *const what[3] = {"c_digest", "i_digest", "ring_digest"};
+    if (!ratio)
+      continue;
+    int rc = read_ctensors(r, i, ratio, r->t + (size_t)i * K_COUNT);
+    for (int k = 0; k < 3 && !rc; k++)
+      if (k != 1 || ratio == 4)
+        rc = meta_digest(r, what[k], l, &want[k]);
+    if (rc)
+      return rc;
+    dsv4_dump_cdigests(&o->cstate[i], &got[0], &got[1], &got[2]);
+    for (int k = 0; k < 3; k++) {
+      if (got[k] == want[k] || (k == 1 && ratio != 4))
+        continue;
+      o->layer = l;
+      dsv4_digest_hex(want[k], o->expected);
+      dsv4_digest_hex(got[k], o->computed);
+      return fail(o, DSV4_EDIGEST, "layer %u: the %s hash to %s, the dump's %s.%u says %s", l,
+                  k == 0   ? "compressed entries"
+                  : k == 1 ? "index records"
+                           : "ring rows",
+                  o->computed, what[k], l, o->expected);
+    }
+  }
+  return 0;
+}
+
 int dsv4_dump_parse(const uint8_t *buf, size_t len, const dsv4_dump_expect_t *want,
                     dsv4_dump_parsed_t *out) {
   memset(out, 0, sizeof(*out));
@@ -567,8 +782,9 @@ int dsv4_dump_parse(const uint8_t *buf, size_t len, const dsv4_dump_expect_t *wa
   out->layers = calloc(n ? n : 1, sizeof(*out->layers));
   out->records = calloc(n ? n : 1, sizeof(*out->records));
   out->digest = calloc(n ? n : 1, sizeof(*out->digest));
+  out->cstate = calloc(n ? n : 1, sizeof(*out->cstate));
   const dsv4_st_tensor_t **t = calloc((size_t)(n ? n : 1) * K_COUNT, sizeof(*t));
-  if (!out->layers || !out->records || !out->digest || !t) {
+  if (!out->layers || !out->records || !out->digest || !out->cstate || !t) {
     free(t);
     return fail(out, DSV4_ENOMEM, "out of memory");
   }
@@ -594,6 +810,8 @@ int dsv4_dump_parse(const uint8_t *buf, size_t len, const dsv4_dump_expect_t *wa
     rc = read_windows(&r);
   if (!rc)
     rc = read_digests(&r);
+  if (!rc)
+    rc = read_cstate(&r);
   dsv4_st_view_free(&st);
   free(t);
   return rc;
@@ -603,6 +821,8 @@ void dsv4_dump_parsed_free(dsv4_dump_parsed_t *p) {
   free(p->layers);
   free(p->records);
   free(p->digest);
+  free(p->cstate);
+  p->cstate = NULL;
   p->layers = NULL;
   p->records = NULL;
   p->digest = NULL;

@@ -9,9 +9,12 @@
  * last applied segment). One writer for the streamed dump and the snapshot files, one reader for
  * a restore (PUT /admin/v1/sequences/{seq}) and the snapshots read back at start-up.
  *
+ * A layer that runs the compressed branch adds its compressed state after every layer's records
+ * and positions (dsv4_dump_ctail, SPEC §8.9).
+ *
  * The reader takes nothing on trust and changes nothing: it checks the file strictly (a tensor it
- * does not know, as compressed layers' records will be, is refused rather than ignored), then the
- * geometry against this daemon's, then every position and digest.
+ * does not know, or compressed state of a layer that does not run the branch here, is refused
+ * rather than ignored), then the geometry against this daemon's, then every position and digest.
  *
  * Thread affinity: none (pure functions of their arguments); the reader may run on any thread.
  */
@@ -40,6 +43,9 @@ typedef struct {
   const int64_t *first, *end;           /* [n] stored range [first, end) */
   const uint64_t *digest;               /* [n] §3.1 sequence digests */
   const dsv4_seq_layer_state_t *layers; /* [n] next and last segment */
+  /* [n] the compressed state of each layer (SPEC §8.7; ratio 0 where the layer does not run the
+   * branch), or NULL when none does: such a dump is exactly the SWA-only dump. */
+  const dsv4_seq_cstate_t *cstate;
 } dsv4_dump_desc_t;
 
 /*
@@ -50,6 +56,20 @@ typedef struct {
 int dsv4_dump_header(const dsv4_dump_desc_t *dd, uint8_t **out, size_t *out_len, uint64_t *total,
                      uint64_t *offsets);
 
+/*
+ * The compressed part of the file, which follows every layer's records and positions: per layer
+ * that runs the branch, `layers.{L}.c_records` U8 [T, 584], `layers.{L}.c_entries` I64 [T] (the
+ * entries j), at ratio 4 `layers.{L}.i_records` U8 [T, 68], and `layers.{L}.ring` F32
+ * [DSV4_RING_FLOATS(ratio)] (the state slot's ring). Its bytes into *out (malloc'd, *out_len
+ * long; 0 and NULL when no layer runs the branch); they end the file dsv4_dump_header describes.
+ */
+int dsv4_dump_ctail(const dsv4_dump_desc_t *dd, uint8_t **out, size_t *out_len);
+
+/* The digests of one layer's compressed state: the entries' and the index records' (SPEC §3.1
+ * with the entry j in place of the position) and the ring's (XXH3 over its little-endian bytes). */
+void dsv4_dump_cdigests(const dsv4_seq_cstate_t *cs, uint64_t *c_digest, uint64_t *i_digest,
+                        uint64_t *ring_digest);
+
 /* What a restore expects of a dump: this daemon's geometry. */
 typedef struct {
   const uint32_t *served_layers; /* ascending */
@@ -57,6 +77,9 @@ typedef struct {
   uint32_t heads, head_offset;
   const char *model_id;
   int64_t max_position;
+  /* [n_served] the ratio at which each layer runs the compressed branch (0: it does not), or NULL
+   * when none does: the dump must carry exactly those layers' compressed state. */
+  const uint32_t *ratio;
 } dsv4_dump_expect_t;
 
 /* A dump read for a restore; arrays by served index, records pointing into the caller's buffer. */
@@ -67,6 +90,7 @@ typedef struct {
   dsv4_seq_layer_state_t *layers;  /* [n_served] */
   const uint8_t **records;         /* [n_served] positions first .. next - 1, or NULL */
   uint64_t *digest;                /* [n_served] */
+  dsv4_seq_cstate_t *cstate;       /* [n_served] pointing into the caller's buffer */
   char seq[DSV4_SEQ_NAME_MAX + 1]; /* the metadata's seq ("" when absent or not a name) */
   /* Why the dump was refused: a sentence, and for DSV4_EGEOMETRY the field with the dump's and
    * this daemon's values, for DSV4_EDIGEST the model layer with both digests. */

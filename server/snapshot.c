@@ -143,15 +143,21 @@ typedef struct {
   dsv4_seq_layer_state_t *state;
   int64_t *first, *end;
   uint64_t *digest;
+  dsv4_seq_cstate_t *cstate; /* [n_served] the compressed state (SPEC §8.7) */
+  uint8_t *ctail;            /* its bytes, which end the file */
+  size_t ctail_len;
+  uint32_t n;
 } seqdump_t;
 
 static int seqdump_read(dsv4_daemon_t *d, const char *name, seqdump_t *sd) {
   uint32_t n = d->cfg->n_served, len = (uint32_t)strlen(name);
+  sd->n = n;
   sd->state = calloc(n, sizeof(*sd->state));
   sd->first = calloc(n, sizeof(*sd->first));
   sd->end = calloc(n, sizeof(*sd->end));
   sd->digest = calloc(n, sizeof(*sd->digest));
-  if (!sd->state || !sd->first || !sd->end || !sd->digest)
+  sd->cstate = calloc(n, sizeof(*sd->cstate));
+  if (!sd->state || !sd->first || !sd->end || !sd->digest || !sd->cstate)
     return DSV4_ENOMEM;
   dsv4_seq_state_t ss = {0, sd->state};
   int rc = dsv4_engine_seq_info(d->engine, name, len, &sd->info);
@@ -160,6 +166,8 @@ static int seqdump_read(dsv4_daemon_t *d, const char *name, seqdump_t *sd) {
   for (uint32_t i = 0; i < n && !rc; i++)
     rc =
         dsv4_engine_seq_digest(d->engine, i, &sd->info, &sd->digest[i], &sd->first[i], &sd->end[i]);
+  for (uint32_t i = 0; i < n && !rc; i++)
+    rc = dsv4_engine_read_cstate(d->engine, name, len, i, &sd->cstate[i]);
   return rc;
 }
 
@@ -169,6 +177,10 @@ static void seqdump_free(seqdump_t *sd) {
   free(sd->first);
   free(sd->end);
   free(sd->digest);
+  for (uint32_t i = 0; sd->cstate && i < sd->n; i++)
+    dsv4_engine_cstate_free(&sd->cstate[i]);
+  free(sd->cstate);
+  free(sd->ctail);
 }
 
 /* The records and positions of every layer after the header, a chunk of records at a time. */
@@ -225,8 +237,11 @@ static json_t *write_one(dsv4_daemon_t *d, const char *name, uint8_t *buf, size_
         .end = sd.end,
         .digest = sd.digest,
         .layers = sd.state,
+        .cstate = dsv4_engine_runs_compressed(d->engine) ? sd.cstate : NULL,
     };
     *rc = dsv4_dump_header(&dd, &head, &head_len, &total, NULL);
+    if (!*rc)
+      *rc = dsv4_dump_ctail(&dd, &sd.ctail, &sd.ctail_len);
   }
   if (!*rc)
     *rc = open_tmp(cfg->snapshot_dir, file, tmp, sizeof(tmp), &o);
@@ -234,6 +249,8 @@ static json_t *write_one(dsv4_daemon_t *d, const char *name, uint8_t *buf, size_
     *rc = out_write(&o, head, head_len);
   if (!*rc)
     *rc = write_body(d, &sd, &o, buf, cap);
+  if (!*rc && sd.ctail_len)
+    *rc = out_write(&o, sd.ctail, sd.ctail_len);
   if (!*rc && o.bytes != total)
     *rc = DSV4_EIO;
   if (o.fd >= 0)
@@ -278,14 +295,6 @@ void dsv4__snapshot_write(dsv4_daemon_t *d) {
   json_t *rows = json_array();
   uint8_t *buf = malloc(cap);
   uint32_t skipped = 0;
-  if (dsv4_engine_runs_compressed(d->engine)) {
-    /* Its dumps would not carry the compressed branch's state: a restore of them would be wrong. */
-    dsv4_logp(DSV4_LOG_WARN, "snapshot skipped: dumps do not carry the compressed branch's state",
-              "{s:s}", "dir", d->cfg->snapshot_dir);
-    free(buf);
-    json_decref(rows);
-    return;
-  }
   int rc = rows && buf ? dsv4_engine_foreach_seq(d->engine, collect, &ns) : DSV4_ENOMEM;
   for (uint32_t i = 0; i < ns.n && !rc; i++) {
     int one;

@@ -9,6 +9,7 @@
 #include <stdatomic.h>
 
 #include "engine.h"
+#include "engine_restore.h"
 #include "pool.h"
 #include "records.h"
 
@@ -146,5 +147,19 @@ int dsv4__engine_c_stage_put(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_
 int dsv4__engine_c_stage_get(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f);
 
 int dsv4__engine_cache_read(dsv4_engine_t *e, uint32_t idx, uint64_t off, size_t n, void *dst);
+/*
+ * A restore's compressed state (engine_cstate.c): check that r->cstate is the state of exactly the
+ * layers that run the branch, for r's p0 and next, and set c's first blocks and the blocks each
+ * pool needs (c->n; no id yet); then write it into c's blocks and slot.
+ */
+int dsv4__engine_cstate_check(const dsv4_engine_t *e, const dsv4_engine_restore_t *r,
+                              dsv4_seq_centries_t *c, char *why, size_t why_len);
+int dsv4__engine_cstate_write(dsv4_engine_t *e, const dsv4_engine_restore_t *r,
+                              const dsv4_seq_centries_t *c);
+/* Bytes [off, off + n) of any engine buffer, whatever memory holds it (engine_cstate.c). */
+int dsv4__engine_buf_read(dsv4_engine_t *e, const dsv4_devbuf_t *buf, uint64_t off, size_t n,
+                          void *dst);
+int dsv4__engine_buf_write(dsv4_engine_t *e, const dsv4_devbuf_t *buf, uint64_t off,
+                           const void *src, size_t n);
 
 #endif /* DSV4_SERVER_ENGINE_INTERNAL_H */

@@ -155,6 +155,9 @@ int dsv4_engine_seq_info(dsv4_engine_t *e, const char *name, uint32_t len, dsv4_
 
 /* 1 when some served layer runs the compressed branch. Any thread. */
 int dsv4_engine_runs_compressed(const dsv4_engine_t *e);
+/* [n_served] the ratio at which each served layer runs the branch (0 where it does not), or NULL
+ * when no layer runs it; valid for the engine's life. */
+const uint32_t *dsv4_engine_c_ratios(const dsv4_engine_t *e);
 /* The ratio (4 or 128) of a served model layer whose compressed branch runs, else 0. Any thread. */
 uint32_t dsv4_engine_layer_ratio(const dsv4_engine_t *e, uint32_t layer);
 /* Any thread: the entry block pools' sizes and free counts (c4 then c128; 0 when absent). */

@@ -70,6 +70,10 @@ int dsv4_engine_runs_compressed(const dsv4_engine_t *e) {
   return 0;
 }
 
+const uint32_t *dsv4_engine_c_ratios(const dsv4_engine_t *e) {
+  return dsv4_engine_runs_compressed(e) ? e->c_ratio : NULL;
+}
+
 void dsv4_engine_cpool_counts(const dsv4_engine_t *e, uint32_t total[2], uint32_t free_[2]) {
   for (int k = 0; k < 2; k++) {
     total[k] = e->cpool[k].free_stack ? e->cpool[k].n_blocks : 0;

@@ -58,16 +58,43 @@ static int plan_span(dsv4_engine_t *e, const dsv4_engine_restore_t *r, span_t *s
   return 0;
 }
 
+/* Restore pass 2a: room in the compressed pools for c's entry blocks, counting what a replaced
+ * sequence gives back (its entry blocks are never pinned). */
+static int check_c_room(dsv4_engine_t *e, const char *name, uint32_t len, int replacing,
+                        const dsv4_seq_centries_t *c, int *early,
+                        dsv4_engine_restore_result_t *out) {
+  dsv4_seq_centries_t old = {0};
+  if (replacing && dsv4_seqtable_centries(e->st, name, len, &old) == DSV4_ENOMEM)
+    return DSV4_ENOMEM;
+  int rc = 0;
+  for (int k = 0; k < 2 && !rc; k++) {
+    uint32_t nfree = c->n[k] ? dsv4_pool_free_count(&e->cpool[k]) : 0;
+    if (c->n[k] > (uint64_t)nfree + old.n[k]) {
+      out->needed = c->n[k];
+      out->free = nfree + old.n[k];
+      snprintf(out->pool, sizeof(out->pool), "%s", k == 0 ? "c4" : "c128");
+      rc = DSV4_ENOSPC;
+    }
+    *early |= c->n[k] > nfree;
+  }
+  dsv4_seq_centries_free(&old);
+  return rc;
+}
+
 /* Restore pass 2: the name and the room, against the table and the pool. *early is set when the
  * pool has room only once the replaced sequence's blocks are back. */
 static int check_room(dsv4_engine_t *e, const char *name, uint32_t len, int replace,
-                      const span_t *sp, int *early, dsv4_engine_restore_result_t *out) {
+                      const span_t *sp, const dsv4_seq_centries_t *c, int *early,
+                      dsv4_engine_restore_result_t *out) {
   const dsv4_seqtable_config_t *cfg = dsv4_seqtable_config(e->st);
   dsv4_seq_info_t info;
   uint32_t reclaim = 0;
   int rc = dsv4_seqtable_info(e->st, name, len, &info);
   int live = rc == 0;
   if (rc == DSV4_ENOMEM)
+    return rc;
+  rc = check_c_room(e, name, len, live && replace, c, early, out);
+  if (rc)
     return rc;
   if (live) {
     /* A pinned block (a dump reads it) returns to the pool only at its unpin. */
@@ -87,7 +114,7 @@ static int check_room(dsv4_engine_t *e, const char *name, uint32_t len, int repl
     out->free = nfree + reclaim;
     return DSV4_ENOSPC;
   }
-  *early = sp->n_blocks > nfree;
+  *early |= sp->n_blocks > nfree;
   out->replaced = live;
   return 0;
 }
@@ -132,18 +159,49 @@ static int write_records(dsv4_engine_t *e, const dsv4_engine_restore_t *r, const
       pos += run;
     }
   }
-  return (e->be->ops->caps & DSV4_BE_HOST_MEMORY) ? 0 : e->be->ops->sync(e->be);
+  return 0;
 }
 
-static void give_back(dsv4_engine_t *e, span_t *sp, uint32_t n) {
+static void give_back(dsv4_engine_t *e, span_t *sp, uint32_t n, dsv4_seq_centries_t *c) {
   for (uint32_t i = 0; i < n; i++)
     dsv4_pool_free(&e->pool, (uint32_t)sp->ids[i]);
+  for (int k = 0; k < 2; k++)
+    for (uint32_t i = 0; c->ids[k] && i < c->n[k]; i++)
+      dsv4_pool_free(&e->cpool[k], (uint32_t)c->ids[k][i]);
+}
+
+/* Room for c's entry block ids (before anything changes). */
+static int c_arrays(dsv4_seq_centries_t *c) {
+  for (int k = 0; k < 2; k++)
+    if (!(c->ids[k] = malloc((c->n[k] ? c->n[k] : 1) * sizeof(int32_t)))) {
+      dsv4_seq_centries_free(c);
+      return DSV4_ENOMEM;
+    }
+  return 0;
+}
+
+/* Take every block the restore writes: the SWA blocks, and c's entry blocks from the compressed
+ * pools. check_room counted them: a failure here means a corrupt pool. */
+static void take_blocks(dsv4_engine_t *e, span_t *sp, dsv4_seq_centries_t *c) {
+  uint32_t id;
+  for (uint32_t i = 0; i < sp->n_blocks; i++) {
+    if (dsv4_pool_alloc(&e->pool, &id) != 0)
+      abort();
+    sp->ids[i] = (int32_t)id;
+  }
+  for (int k = 0; k < 2; k++)
+    for (uint32_t i = 0; i < c->n[k]; i++) {
+      if (dsv4_pool_alloc(&e->cpool[k], &id) != 0)
+        abort();
+      c->ids[k][i] = (int32_t)id;
+    }
 }
 
 int dsv4_engine_restore(dsv4_engine_t *e, const char *name, uint32_t len,
                         const dsv4_engine_restore_t *r, int replace, uint64_t now_ns,
                         dsv4_engine_restore_result_t *out) {
   span_t sp = {0, 0, NULL};
+  dsv4_seq_centries_t c;
   int early = 0, existed = 0;
   memset(out, 0, sizeof(*out));
   if (!atomic_load(&e->healthy))
@@ -152,45 +210,54 @@ int dsv4_engine_restore(dsv4_engine_t *e, const char *name, uint32_t len,
     return DSV4_EINVAL;
   int rc = plan_span(e, r, &sp, out);
   if (!rc)
-    rc = check_room(e, name, len, replace, &sp, &early, out);
+    rc = dsv4__engine_cstate_check(e, r, &c, out->why, sizeof(out->why));
+  if (!rc)
+    rc = check_room(e, name, len, replace, &sp, &c, &early, out);
   if (rc)
     return rc;
   uint8_t *stage = malloc((size_t)e->p.block_size * DSV4_RECORD_BYTES);
   sp.ids = malloc((sp.n_blocks ? sp.n_blocks : 1) * sizeof(int32_t));
-  if (!stage || !sp.ids) {
+  if (!stage || !sp.ids || c_arrays(&c)) {
     free(stage);
     free(sp.ids);
     return DSV4_ENOMEM;
   }
+  /* check_room found room for a sequence: a slot is free, or the replaced one gives back its,
+   * which must then go before its ring is overwritten. */
+  int taken = 0;
+  if (dsv4_engine_runs_compressed(e) &&
+      dsv4_seqtable_c_next_slot(e->st, name, len, &c.slot, &taken) != 0)
+    abort();
+  early |= taken;
   /* A replace into a pool that has room only with the old blocks back lets them go first. */
   if (early) {
     dsv4_seqtable_delete(e->st, name, len, &existed);
     out->dropped = existed;
   }
-  for (uint32_t i = 0; i < sp.n_blocks; i++) {
-    uint32_t id;
-    /* check_room counted the free blocks: a failure here means a corrupt pool. */
-    if (dsv4_pool_alloc(&e->pool, &id) != 0)
-      abort();
-    sp.ids[i] = (int32_t)id;
-  }
+  take_blocks(e, &sp, &c);
   rc = write_records(e, r, &sp, stage);
+  if (!rc)
+    rc = dsv4__engine_cstate_write(e, r, &c);
+  if (!rc && !(e->be->ops->caps & DSV4_BE_HOST_MEMORY))
+    rc = e->be->ops->sync(e->be);
   if (rc) {
     /* As for a batch (SPEC §4): a device that failed while writing is not used again. */
     if (rc != DSV4_EINVAL)
       atomic_store(&e->healthy, 0);
-    give_back(e, &sp, sp.n_blocks);
+    give_back(e, &sp, sp.n_blocks, &c);
     rc = DSV4_EBACKEND;
   } else {
     dsv4_plan_error_t perr;
     dsv4_seq_state_t st = {r->p0, (dsv4_seq_layer_state_t *)r->layers};
-    rc = dsv4_seqtable_insert(e->st, name, len, &st, sp.first_lb, sp.ids, sp.n_blocks, replace,
-                              now_ns, &perr);
+    rc = dsv4_seqtable_insert_c(e->st, name, len, &st, sp.first_lb, sp.ids, sp.n_blocks,
+                                e->c_ratio && dsv4_engine_runs_compressed(e) ? &c : NULL, replace,
+                                now_ns, &perr);
     if (rc)
-      give_back(e, &sp, sp.n_blocks);
+      give_back(e, &sp, sp.n_blocks, &c);
     else
       out->blocks = sp.n_blocks;
   }
+  dsv4_seq_centries_free(&c);
   free(stage);
   free(sp.ids);
   return rc;

@@ -16,6 +16,20 @@
 #include "engine.h"
 #include "seqtable.h"
 
+/* A layer's compressed state (seqtable.h), as dumps carry it. */
+typedef dsv4_seq_cstate_t dsv4_engine_cstate_t;
+
+/*
+ * Read a live sequence's compressed state at served layer idx into out (malloc'd arrays, freed by
+ * dsv4_engine_cstate_free), through the engine's read path (downloads on a device backend). The
+ * executor thread between batches: entry blocks and the slot stay while the sequence lives, and
+ * nothing rewrites an emitted entry, so the copy is the state at this batch boundary. Returns 0,
+ * DSV4_ENOSEQ, DSV4_EEXPIRED, DSV4_ENOMEM or the backend's error.
+ */
+int dsv4_engine_read_cstate(dsv4_engine_t *e, const char *name, uint32_t len, uint32_t idx,
+                            dsv4_engine_cstate_t *out);
+void dsv4_engine_cstate_free(dsv4_engine_cstate_t *c);
+
 /* A sequence to restore. Every array is indexed by served layer. */
 typedef struct {
   int64_t p0;
@@ -26,12 +40,16 @@ typedef struct {
   /* [n_served] the records of positions first .. next - 1 of each layer, 584 bytes each and
    * contiguous (NULL for a layer that stores none). */
   const uint8_t *const *records;
+  /* [n_served] the compressed state of each layer, whose ratio must be the one this engine runs
+   * the branch at (0 where it does not); NULL only when no served layer runs it. */
+  const dsv4_engine_cstate_t *cstate;
 } dsv4_engine_restore_t;
 
 typedef struct {
   int replaced;          /* a live sequence of the name was replaced */
   int dropped;           /* DSV4_EBACKEND: the sequence replaced was dropped before the failure */
   uint32_t needed, free; /* DSV4_ENOSPC: blocks needed and available (free + what replace frees) */
+  char pool[8];          /* DSV4_ENOSPC: the pool short of blocks ("" for swa, "c4", "c128") */
   int sequences_full;    /* DSV4_ENOSPC because of max_sequences */
   uint32_t blocks;       /* on success: blocks the sequence holds */
   char why[256];         /* DSV4_EINVAL / DSV4_EGEOMETRY: why */

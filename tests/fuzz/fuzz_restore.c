@@ -45,7 +45,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (!buf)
     return 0;
   memcpy(buf, data, size);
-  dsv4_dump_expect_t want = {served, 2, 8, 0, "0123456789abcdef", 1 << 20};
+  dsv4_dump_expect_t want = {served, 2, 8, 0, "0123456789abcdef", 1 << 20, NULL};
   dsv4_dump_parsed_t p;
   int rc = dsv4_dump_parse(buf, size, &want, &p);
   if (rc != 0 && p.why[0] == '\0')

@@ -337,21 +337,24 @@ def test_mixed_phases():
             t0 += s.len
 
 
-def test_restore_refused():
-    """A dump does not carry the compressed branch's state yet: a daemon that runs the branch
-    refuses to restore one (400 unsupported, nothing changed), and one with compressed_branch = off
-    serves those layers' SWA part with no compressor read."""
+def test_restore_and_branch_off():
+    """A dump carries the compressed branch's state (test_restore_compressed checks it whole): a
+    daemon that runs the branch restores its own dump, and one with compressed_branch = off serves
+    those layers' SWA part with no compressor read."""
     with daemon() as d:
         if not runs_branch(d):
             return check_without_branch(d, np.random.default_rng(14))
         rng = np.random.default_rng(15)
         tensors(d, batch(rng, 0, [Seg("z", 0, 5, True)], outputs="q"))
+        tensors(d, batch(rng, C4, [Seg("z", 0, 9)], outputs="attn"))
         r = d.admin("/admin/v1/dump?seq=z")
         check_eq(r.status, 200, "the dump of a sequence: %r" % (r,))
-        e = h.expect_error(d.request("PUT", "/admin/v1/sequences/z2", body=r.body, admin=True),
-                           400, "unsupported")
-        check("compressed" in e["message"], "the refusal names the compressed branch: %r" % (e,))
-        check(d.seq("z2") is None, "the refused restore created nothing")
+        meta, t = h.st_decode(r.body)
+        check("layers.%d.c_records" % C4 in t and "layers.%d.ring" % C128 in t,
+              "the dump carries the compressed state: %r" % sorted(t))
+        r = d.request("PUT", "/admin/v1/sequences/z2", body=r.body, admin=True)
+        check_eq(r.status, 201, "the restore of a dump with compressed state: %r" % (r.body,))
+        check_eq(d.seq("z2")["next"], d.seq("z")["next"], "the restored sequence's positions")
     with daemon(["--compressed-branch", "off"]) as d:
         check(not runs_branch(d), "compressed_branch = off runs no branch")
         b = batch(np.random.default_rng(16), C4, [Seg("o", 0, 5, True)], outputs="q")
@@ -387,4 +390,4 @@ def test_limits():
 if __name__ == "__main__":
     h.main([test_wire_refusals, test_topk_and_visibility, test_chunking_is_exact,
             test_scored_selection_chunking, test_daemon_chunks_prefill, test_replay_exactly_once,
-            test_mixed_phases, test_restore_refused, test_limits])
+            test_mixed_phases, test_restore_and_branch_off, test_limits])

@@ -50,8 +50,8 @@ class Env:
         write_weights(self.weights)
 
     def args(self, *extra, kv_blocks=64, block_size=64):
-        # A dump carries the SWA records only: a daemon that runs the compressed branch refuses
-        # restores (test_compressed), so these daemons serve layers 2 and 3 without it.
+        # These daemons serve layers 2 and 3 without the compressed branch, so their dumps are
+        # SWA-only; test_restore_compressed covers dumps that carry the branch's state.
         return ["--kv-blocks", str(kv_blocks), "--block-size", str(block_size), "--layers", "0-3",
                 "--heads", str(HEADS), "--threads", "1", "--weights", self.weights,
                 "--compressed-branch", "off"] + list(extra)

@@ -801,7 +801,7 @@ static void test_verify_bad_files(void **state) {
       {"\"fp8_ds_mla\"", "\"fp8_ds_mlb\"", "layout is \"fp8_ds_mlb\""},
       {"\"layout\"", "\"layouT\"", "no \"layout\""},
       {"\"layers\"", "\"layerz\"", "no \"layers\""},
-      {"\"2-4\"", "\"2-3\"", "names 2 layers but the file has 6 tensors"},
+      {"\"2-4\"", "\"2-3\"", "\"layers.4.records\" is outside the layers 2-3"},
       {"\"2-4\"", "\"4-2\"", "is not a list of increasing runs"},
       {"\"2-4\"", "\"4,3\"", "is not a list of increasing runs"},
       {"\"2-4\"", "\",24\"", "is not a list of increasing runs"},

@@ -762,7 +762,7 @@ static void save(dsv4_engine_t *e, const char *name, saved_t *sv) {
 static int restore(dsv4_engine_t *e, const char *name, const saved_t *sv, int replace,
                    dsv4_engine_restore_result_t *res) {
   const uint8_t *recs[2] = {sv->recs[0], sv->recs[1]};
-  dsv4_engine_restore_t r = {0, sv->first, sv->ls, recs};
+  dsv4_engine_restore_t r = {0, sv->first, sv->ls, recs, NULL};
   return dsv4_engine_restore(e, name, (uint32_t)strlen(name), &r, replace, 1, res);
 }
 

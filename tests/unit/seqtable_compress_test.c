@@ -245,12 +245,96 @@ static void test_expiry(void **state) {
   fx_close(&f);
 }
 
+/* Take n blocks of a pool into ids. */
+static void take(dsv4_pool_t *p, int32_t *ids, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++) {
+    uint32_t id;
+    assert_int_equal(dsv4_pool_alloc(p, &id), 0);
+    ids[i] = (int32_t)id;
+  }
+}
+
+/* A restore's insert (dsv4_seqtable_insert_c): the state slot the caller wrote and its entry
+ * blocks enter the table, refusals change nothing, and the plan path continues from them. */
+static void test_insert_with_entries(void **state) {
+  (void)state;
+  fx_t f;
+  fx_open(&f, 64, 8, 8, 2);
+  assert_int_equal(step1(&f, 1, "a", 0, 40, 1), 0); /* slot 0, one c4 block */
+  dsv4_seq_centries_t ca;
+  assert_int_equal(dsv4_seqtable_centries(f.st, "a", 1, &ca), 0);
+  assert_int_equal(ca.slot, 0);
+  assert_int_equal(ca.n[0], 1);
+  assert_int_equal(ca.n[1], 0);
+  assert_int_equal(ca.first_lb[0], 0);
+  /* "b" at layer 1 up to 40 (entries 0..9), in 3 SWA blocks and 1 c4 block. */
+  dsv4_seq_layer_state_t ls[4] = {{0, 0, 0, 0}, {40, 0, 40, 7}, {0, 0, 0, 0}, {0, 0, 0, 0}};
+  dsv4_seq_state_t st = {0, ls};
+  int32_t swa[3], c4[1];
+  take(&f.swa, swa, 3);
+  take(&f.c4, c4, 1);
+  dsv4_seq_centries_t cb = {.first_lb = {0, 0}, .n = {1, 0}, .ids = {c4, NULL}};
+  int taken = -1;
+  assert_int_equal(dsv4_seqtable_c_next_slot(f.st, "b", 1, &cb.slot, &taken), 0);
+  assert_int_equal(cb.slot, 1);
+  assert_int_equal(taken, 0);
+  dsv4_plan_error_t err;
+  /* Refused: a's slot, entry blocks where the plan path would not put them, a free block id. */
+  dsv4_seq_centries_t bad = cb;
+  bad.slot = 0;
+  assert_int_equal(dsv4_seqtable_insert_c(f.st, "b", 1, &st, 0, swa, 3, &bad, 0, 0, &err),
+                   DSV4_EINVAL);
+  bad = cb;
+  bad.first_lb[0] = 1;
+  assert_int_equal(dsv4_seqtable_insert_c(f.st, "b", 1, &st, 0, swa, 3, &bad, 0, 0, &err),
+                   DSV4_EINVAL);
+  int32_t free_id = (int32_t)(c4[0] + 1 < 8 ? c4[0] + 1 : 0);
+  while (dsv4_pool_is_used(&f.c4, (uint32_t)free_id))
+    free_id = (free_id + 1) % 8;
+  bad = cb;
+  bad.ids[0] = &free_id;
+  assert_int_equal(dsv4_seqtable_insert_c(f.st, "b", 1, &st, 0, swa, 3, &bad, 0, 0, &err),
+                   DSV4_EINVAL);
+  assert_int_equal(dsv4_seqtable_count(f.st), 1);
+  assert_int_equal(dsv4_seqtable_insert_c(f.st, "b", 1, &st, 0, swa, 3, &cb, 0, 0, &err), 0);
+  dsv4_seq_centries_t got;
+  assert_int_equal(dsv4_seqtable_centries(f.st, "b", 1, &got), 0);
+  assert_int_equal(got.slot, 1);
+  assert_int_equal(got.n[0], 1);
+  assert_int_equal(got.ids[0][0], c4[0]);
+  dsv4_seq_centries_free(&got);
+  /* The plan path continues: entries 10..16 reach logical block 1, and the segment has slot 1. */
+  assert_int_equal(step1(&f, 1, "b", 40, 30, 0), 0);
+  assert_int_equal(f.plan.segs[0].slot, 1);
+  assert_int_equal(f.plan.segs[0].c_bt_len, 2);
+  assert_int_equal(f.plan.c_block_table[f.plan.segs[0].c_bt_off], c4[0]);
+  assert_int_equal(used(&f.c4), 3);
+  /* Every slot taken: a new name has none, a live one offers its own (to be dropped first). */
+  uint32_t slot;
+  assert_int_equal(dsv4_seqtable_c_next_slot(f.st, "c", 1, &slot, &taken), DSV4_ENOSPC);
+  assert_int_equal(dsv4_seqtable_c_next_slot(f.st, "b", 1, &slot, &taken), 0);
+  assert_int_equal(slot, 1);
+  assert_int_equal(taken, 1);
+  /* A replace into b's own slot gives back b's blocks. */
+  take(&f.swa, swa, 3);
+  take(&f.c4, c4, 1);
+  cb.slot = 1;
+  assert_int_equal(dsv4_seqtable_insert_c(f.st, "b", 1, &st, 0, swa, 3, &cb, 1, 0, &err), 0);
+  assert_int_equal(used(&f.c4), 2); /* a's and the new b's */
+  int existed;
+  assert_int_equal(dsv4_seqtable_delete(f.st, "b", 1, &existed), 0);
+  assert_int_equal(dsv4_seqtable_delete(f.st, "a", 1, &existed), 0);
+  assert_int_equal(used(&f.c4), 0);
+  dsv4_seq_centries_free(&ca);
+  fx_close(&f);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_attach_refusals), cmocka_unit_test(test_entry_blocks_and_tables),
       cmocka_unit_test(test_p0_offset),       cmocka_unit_test(test_all_or_nothing),
       cmocka_unit_test(test_slots),           cmocka_unit_test(test_fail_and_replay),
-      cmocka_unit_test(test_expiry),
+      cmocka_unit_test(test_expiry),          cmocka_unit_test(test_insert_with_entries),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
