@@ -339,7 +339,8 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
   size_t off_lse = off_attn + (attend ? q_span : 0);
   size_t off_topk = off_lse + (attend ? (lse_bytes + 63) & ~(size_t)63 : 0);
   size_t topk_bytes = j->p.want_topk ? n * cfg->model.index_topk * sizeof(int32_t) : 0;
-  size_t total = off_topk + topk_bytes;
+  /* aligned_alloc takes a multiple of the alignment (C11 7.22.3.1). */
+  size_t total = (off_topk + topk_bytes + 63) & ~(size_t)63;
   j->out = aligned_alloc(64, total ? total : 64);
   if (!j->out)
     return DSV4_ENOMEM;

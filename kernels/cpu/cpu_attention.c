@@ -261,7 +261,8 @@ static int scratch_reserve(dsv4__cpu_attn_scratch_t *s, size_t floats) {
   }
   s->floats = 0;
   for (unsigned i = 0; i < s->n; i++) {
-    s->work[i] = aligned_alloc(64, floats * sizeof(float));
+    /* aligned_alloc takes a multiple of the alignment (C11 7.22.3.1). */
+    s->work[i] = aligned_alloc(64, (floats * sizeof(float) + 63) & ~(size_t)63);
     if (!s->work[i]) {
       for (unsigned k = 0; k < i; k++) {
         free(s->work[k]);
