@@ -183,6 +183,17 @@ def test_manifests_match_config():
     check(grace >= need + 5, "terminationGracePeriodSeconds %d < preStop %s s + drain %g s + 5 s"
           % (grace, pre[1], need - int(pre[1])))
 
+    # snapshot_dir: a writable volume of its own per daemon (a volumeClaimTemplate), and the grace
+    # period leaves the snapshot time beyond the drain (the manifest's arithmetic: 60 s).
+    snap = cfg.get("snapshot_dir")
+    check(snap, "config.json sets snapshot_dir (sequences survive a restart)")
+    m = mount_of(c, snap)
+    check(m is not None and not m.get("readOnly"), "snapshot_dir is on a writable mount: %r" % (m,))
+    claims = [t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])]
+    check(m["name"] in claims, "snapshot_dir's volume %s is a volumeClaimTemplate (%r)" %
+          (m["name"], claims))
+    check(grace >= need + 5 + 60, "terminationGracePeriodSeconds %d leaves no snapshot time" % grace)
+
     # Token files: 0600 copies on a memory volume, made by the init container from the Secret.
     secret_files = generator("secretGenerator", "dsv4d-tokens")
     init = container(spec, "tokens")
@@ -244,7 +255,9 @@ def test_configmap_config_served():
         # space here), one thread, the test's backend, and token files the test wrote.
         test_cfg = dict(cfg)
         rewritten = {"host": "127.0.0.1", "port": 0, "admin_host": "127.0.0.1", "admin_port": 0,
-                     "kv_blocks": 64, "threads": 1, "backend": h.BACKEND or "cpu"}
+                     "kv_blocks": 64, "threads": 1, "backend": h.BACKEND or "cpu",
+                     "snapshot_dir": os.path.join(work, "snapshots")}
+        os.makedirs(rewritten["snapshot_dir"])
         for opt in ("api_token_file", "admin_token_file"):
             if opt in cfg:
                 rewritten[opt] = h.write_token_file(work, TOKEN, 0o600, opt + ".token")
