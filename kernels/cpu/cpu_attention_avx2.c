@@ -20,34 +20,13 @@
 #include <string.h>
 
 #include "cpu-internal.h"
+#include "cpu-simd.h"
 #include "dsv4-numerics.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
 /* Heads of one item processed together (the accumulation of N); logits go by pairs. */
 #define QUAD 4
-
-/* Transposes the 8 x 8 floats of r[0..7] in place. */
-INLINE void transpose8(__m256 *r) {
-  __m256 t[8], u[8];
-#pragma GCC unroll 4
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; i++) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-  }
-}
 
 /*
  * 32 chains given as c[2l] (elements 0..7 of chain l) and c[2l + 1] (elements 8..15) written as 16
@@ -62,7 +41,7 @@ INLINE void store_transposed(__m256 *c, float *rows) {
 #pragma GCC unroll 8
       for (int i = 0; i < 8; i++)
         b[i] = c[2 * (8 * g + i) + half];
-      transpose8(b);
+      dsv4__transpose8(b);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; j++)
         _mm256_store_ps(rows + 32 * (8 * half + j) + 8 * g, b[j]);
@@ -79,7 +58,7 @@ INLINE void load_untransposed(const float *rows, __m256 den, __m256 *c) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; j++)
         b[j] = _mm256_div_ps(_mm256_load_ps(rows + 32 * (8 * half + j) + 8 * g), den);
-      transpose8(b);
+      dsv4__transpose8(b);
 #pragma GCC unroll 8
       for (int i = 0; i < 8; i++)
         c[2 * (8 * g + i) + half] = b[i];
@@ -165,45 +144,6 @@ INLINE void logits_pair(const float *qt, const float *kt, uint32_t s, int h, flo
   l[(size_t)(h + 1) * l_stride + s] = fold32(a[1][0], a[1][1], a[1][2], a[1][3]) * scale;
 }
 
-/* dsv4_expf on 8 lanes: the same operations, the special cases blended in afterwards. */
-INLINE __m256 expf8(__m256 x) {
-  __m256i u = _mm256_castps_si256(x);
-  __m256i a = _mm256_and_si256(u, set1(0x7fffffff));
-  __m256 k = _mm256_mul_ps(x, _mm256_set1_ps(0x1.715476p+0f));
-  k = _mm256_sub_ps(_mm256_add_ps(k, _mm256_set1_ps(0x1.8p+23f)), _mm256_set1_ps(0x1.8p+23f));
-  __m256 rh = _mm256_fnmadd_ps(k, _mm256_set1_ps(0x1.62e4p-1f), x);
-  __m256 nk = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(k), set1(0x80000000u)));
-  __m256 rl = _mm256_mul_ps(nk, _mm256_set1_ps(0x1.7f7d1cp-20f));
-  __m256 r = _mm256_add_ps(rh, rl);
-  __m256 bv = _mm256_sub_ps(r, rh);
-  __m256 re = _mm256_add_ps(_mm256_sub_ps(rh, _mm256_sub_ps(r, bv)), _mm256_sub_ps(rl, bv));
-  __m256 p = _mm256_set1_ps(0x1.9f0894p-13f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0x1.6d8d04p-10f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0x1.11127p-7f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0x1.55548ep-5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0x1.555554p-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0x1p-1f));
-  __m256 w = _mm256_fmadd_ps(_mm256_mul_ps(r, r), p, re);
-  __m256 one = _mm256_set1_ps(1.0f);
-  __m256 hi = _mm256_add_ps(one, r);
-  __m256 lo = _mm256_add_ps(_mm256_sub_ps(one, hi), r);
-  __m256 y = _mm256_add_ps(hi, _mm256_add_ps(lo, w));
-  /* q / 2 rounds towards zero, as C's division does. */
-  __m256i q = _mm256_cvttps_epi32(k);
-  __m256i q1 = _mm256_srai_epi32(_mm256_add_epi32(q, _mm256_srli_epi32(q, 31)), 1);
-  __m256i e1 = _mm256_slli_epi32(_mm256_add_epi32(q1, set1(127)), 23);
-  __m256i e2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, q1), set1(127)), 23);
-  y = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e1)), _mm256_castsi256_ps(e2));
-  /* |x| as an int32 is non-negative, so signed compares order it. */
-  y = _mm256_blendv_ps(y, one, _mm256_castsi256_ps(_mm256_cmpgt_epi32(set1(0x33000000), a)));
-  y = _mm256_blendv_ps(y, _mm256_setzero_ps(),
-                       _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
-  y = _mm256_blendv_ps(y, _mm256_castsi256_ps(set1(0x7f800000)),
-                       _mm256_cmp_ps(x, _mm256_set1_ps(89.0f), _CMP_GT_OQ));
-  __m256 quiet = _mm256_castsi256_ps(_mm256_or_si256(u, set1(0x00400000)));
-  return _mm256_blendv_ps(y, quiet, _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, set1(0x7f800000))));
-}
-
 /* The largest logit, as in cpu_attention_avx512.c (NaN skipped from a start of l[0]; the sign of
  * a zero maximum is invisible to every later step). */
 static float max_logit(const float *l, uint32_t nc) {
@@ -223,7 +163,7 @@ static float max_logit(const float *l, uint32_t nc) {
 static void weights(float *l, uint32_t nc, float m) {
   __m256 vm = _mm256_set1_ps(m);
   for (uint32_t s = 0; s < nc; s += 8)
-    _mm256_storeu_ps(l + s, expf8(_mm256_sub_ps(_mm256_loadu_ps(l + s), vm)));
+    _mm256_storeu_ps(l + s, dsv4__expf8(_mm256_sub_ps(_mm256_loadu_ps(l + s), vm)));
 }
 
 /* The chains N of the four heads over columns j0..j0+15 of the transposed layout, continued over

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "cpu-internal.h"
+#include "cpu-simd.h"
 #include "dsv4-numerics.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -29,42 +30,10 @@
 /* Heads per pass over a tile. */
 #define QUAD 4
 
-/* Transposes the 16 x 16 floats of r[0..15] in place. */
-INLINE void transpose16(__m512 *r) {
-  __m512 t[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 16; i += 4) {
-    __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
-    __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; i++) {
-    int j = (i & 3) | ((i & 4) << 1);
-    t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
-    t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; i++) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
-
 /* Writes 32 chain vectors (lanes = elements 0..15 of chain l) as 16 rows of 32 (lanes = chains). */
 INLINE void store_transposed(__m512 *chains, float *rows) {
-  transpose16(chains);
-  transpose16(chains + 16);
+  dsv4__transpose16(chains);
+  dsv4__transpose16(chains + 16);
 #pragma GCC unroll 16
   for (int k = 0; k < 16; k++) {
     _mm512_store_ps(rows + 32 * k, chains[k]);
@@ -163,47 +132,6 @@ INLINE void logits_quad(const float *qt, const float *kt, uint32_t s, int nc, fl
       l[(size_t)h * l_stride + s + c] = fold32(a[h][c][0], a[h][c][1]) * scale;
 }
 
-/* dsv4_expf on 16 lanes: the same operations, the special cases blended in afterwards. */
-INLINE __m512 expf16(__m512 x) {
-  __m512i u = _mm512_castps_si512(x);
-  __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  __m512 k = _mm512_mul_ps(x, _mm512_set1_ps(0x1.715476p+0f));
-  k = _mm512_sub_ps(_mm512_add_ps(k, _mm512_set1_ps(0x1.8p+23f)), _mm512_set1_ps(0x1.8p+23f));
-  __m512 rh = _mm512_fnmadd_ps(k, _mm512_set1_ps(0x1.62e4p-1f), x);
-  __m512i sign = _mm512_set1_epi32((int)0x80000000u);
-  __m512 nk = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(k), sign));
-  __m512 rl = _mm512_mul_ps(nk, _mm512_set1_ps(0x1.7f7d1cp-20f));
-  __m512 r = _mm512_add_ps(rh, rl);
-  __m512 bv = _mm512_sub_ps(r, rh);
-  __m512 re = _mm512_add_ps(_mm512_sub_ps(rh, _mm512_sub_ps(r, bv)), _mm512_sub_ps(rl, bv));
-  __m512 p = _mm512_set1_ps(0x1.9f0894p-13f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.6d8d04p-10f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.11127p-7f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.55548ep-5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.555554p-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1p-1f));
-  __m512 w = _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, re);
-  __m512 one = _mm512_set1_ps(1.0f);
-  __m512 hi = _mm512_add_ps(one, r);
-  __m512 lo = _mm512_add_ps(_mm512_sub_ps(one, hi), r);
-  __m512 y = _mm512_add_ps(hi, _mm512_add_ps(lo, w));
-  /* q / 2 rounds towards zero, as C's division does. */
-  __m512i q = _mm512_cvttps_epi32(k);
-  __m512i q1 = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_srli_epi32(q, 31)), 1);
-  __m512i e1 = _mm512_slli_epi32(_mm512_add_epi32(q1, _mm512_set1_epi32(127)), 23);
-  __m512i e2 =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, q1), _mm512_set1_epi32(127)), 23);
-  y = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(e1)), _mm512_castsi512_ps(e2));
-  y = _mm512_mask_mov_ps(y, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x33000000)), one);
-  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ),
-                         _mm512_setzero_ps());
-  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(89.0f), _CMP_GT_OQ),
-                         _mm512_castsi512_ps(_mm512_set1_epi32(0x7f800000)));
-  __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
-  return _mm512_mask_mov_ps(y, nan,
-                            _mm512_castsi512_ps(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000))));
-}
-
 /*
  * The largest logit. Lanes keep running maxima that skip NaN (max(x, m) returns m when x is NaN)
  * from a start of l[0], as the scalar level's l > m ? l : m does; a zero's sign may differ from the
@@ -229,7 +157,7 @@ static float max_logit(const float *l, uint32_t nc) {
 static void weights(float *l, uint32_t nc, float m) {
   __m512 vm = _mm512_set1_ps(m);
   for (uint32_t s = 0; s < nc; s += 16)
-    _mm512_storeu_ps(l + s, expf16(_mm512_sub_ps(_mm512_loadu_ps(l + s), vm)));
+    _mm512_storeu_ps(l + s, dsv4__expf16(_mm512_sub_ps(_mm512_loadu_ps(l + s), vm)));
 }
 
 /*
@@ -282,8 +210,8 @@ static void finish_head(const float *nt, float den, const float *cs, uint16_t *o
     c[k] = _mm512_div_ps(_mm512_load_ps(nt + 32 * k), vd);
     c[16 + k] = _mm512_div_ps(_mm512_load_ps(nt + 32 * k + 16), vd);
   }
-  transpose16(c); /* c[l] = dims 16l..16l+15 */
-  transpose16(c + 16);
+  dsv4__transpose16(c); /* c[l] = dims 16l..16l+15 */
+  dsv4__transpose16(c + 16);
   for (int l = 0; l < 28; l++)
     _mm256_storeu_si256((__m256i *)(void *)(out + 16 * l), bf16_round16(c[l]));
   /* Pair i of a vector sits in lanes 2i (even dim) and 2i+1: e and o duplicated over both, cos and
