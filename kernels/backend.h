@@ -40,7 +40,8 @@ enum {
   /* Device memory is host memory: jobs may point straight at host buffers (no staging copies). */
   DSV4_BE_HOST_MEMORY = 1u << 0,
   /* The attention op also has a fast mode (SPEC §7: tensor cores, within FlashMLA's tolerances of
-   * exact); selected per launch by dsv4_attn_args_t.fast. */
+   * exact); selected per launch by dsv4_attn_args_t.fast. It covers launches without compressed
+   * entries: a fast launch with c_cache is refused with DSV4_EUNSUPPORTED. */
   DSV4_BE_ATTN_FAST = 1u << 1,
 };
 

@@ -154,7 +154,8 @@ static json_t *attention_json(dsv4_daemon_t *d) {
   for (uint32_t i = 0; i < cfg->n_served; i++) {
     char why[320], k[16];
     uint32_t layer = cfg->served_layers[i];
-    if (dsv4_engine_attention_check(d->engine, layer, mode, why, sizeof(why)) == 0) {
+    int lmode = dsv4_engine_attention_mode(d->engine, layer, DSV4_ATTENTION_DEFAULT);
+    if (dsv4_engine_attention_check(d->engine, layer, lmode, why, sizeof(why)) == 0) {
       json_array_append_new(ready, json_integer(layer));
     } else {
       key_u32(k, layer);

@@ -314,7 +314,7 @@ static int fwd_setup(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) 
     return rc;
   if (j->p.want_attn || j->p.want_lse) {
     /* Refused here, before the batch is queued, so the refusal changes nothing. */
-    j->f.attention = j->p.attention ? j->p.attention : dsv4_engine_attention_default(d->engine);
+    j->f.attention = dsv4_engine_attention_mode(d->engine, j->p.layer, j->p.attention);
     rc = dsv4_engine_attention_check(d->engine, j->p.layer, j->f.attention, why, why_len);
     if (rc)
       return rc;

@@ -103,13 +103,15 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
 #define DSV4_CUDA_ERR_SLOT 16u
 
 /*
- * SPEC §7, exact mode (a->fast must be 0): out and lse for every token, or nothing and bits in
+ * SPEC §7: out and lse for every token, or nothing and bits in
  * *err_dev (a device word the caller zeroes and reads back after the stream has run the launch).
  * rope_rows_dev and max_positions as for the insert; the rows of every query position are read.
  * With a->c_cache, the union of SPEC §8.6 (attention.cu): the compressed fields are device
  * addresses like the others (seg_c_first_lb, seg_cbt_off, seg_cbt_len [n_segments], c_block_table,
  * c_sel [n_tokens, c_sel_stride] or NULL, c_cache 16-byte aligned), checked by a kernel before the
  * attention kernel runs; a launch that finds its word already set writes nothing either.
+ * a->fast selects fast mode (attention_fast.cu, tensor cores, compute capability 9.0 and newer),
+ * for launches without compressed entries: otherwise DSV4_EUNSUPPORTED, before anything runs.
  */
 int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope_rows_dev,
                          int64_t max_positions, uint32_t *err_dev, cudaStream_t s, int pdl);
@@ -151,6 +153,11 @@ int dsv4__cuda_attention_supported(int dev);
  * device (64, 32, 16 or 8), or 0 when the device cannot be queried: for the tests and the
  * benchmark, which report it. */
 uint32_t dsv4__cuda_attention_heads_per_block(uint32_t n_tokens, uint32_t heads);
+
+/* Whether device dev runs fast mode (compute capability 9.0 or newer, and its shared memory), and
+ * the heads one CTA of the fast kernel computes for a launch of that shape (64, 32 or 16). */
+int dsv4__cuda_attention_fast_supported(int dev);
+uint32_t dsv4__cuda_attention_fast_heads_per_block(uint32_t n_tokens, uint32_t heads);
 
 /*
  * A CUDA error as a project error code: cudaSuccess -> 0, out of memory -> DSV4_ENOMEM, no device

@@ -1,11 +1,13 @@
 /*
- * Exact-mode attention (SPEC §7) on one GPU: one-token decode queries, each of its own sequence
- * with a full window of 128 candidates over 3 blocks of 64 scattered in a pool, as the daemon's
- * pool holds them. GPU time per call from CUDA-graph replays, against two ceilings measured in the
- * same run (DESIGN.md, "Performance method"): the device-to-device copy bandwidth, for the bytes a
- * call must move (q read, 584 bytes per record read, attn and lse written), and the fp32 FMA rate
- * of a kernel that does nothing else (cuda_fma_peak.cu), for its arithmetic: 2 fma per head,
- * candidate and dim (the dot product and the accumulation), 4 FLOP.
+ * Attention (SPEC §7) on one GPU, exact mode and, where the device has it, fast mode: one-token
+ * decode queries, each of its own sequence with a full window of 128 candidates over 3 blocks of 64
+ * scattered in a pool, as the daemon's pool holds them. GPU time per call from CUDA-graph replays,
+ * against two ceilings measured in the same run (DESIGN.md, "Performance method"): the
+ * device-to-device copy bandwidth, for the bytes a call must move (q read, 584 bytes per record
+ * read, attn and lse written), and the fp32 FMA rate of a kernel that does nothing else
+ * (cuda_fma_peak.cu), for exact mode's arithmetic: 2 fma per head, candidate and dim (the dot
+ * product and the accumulation), 4 FLOP; for fast mode the same FLOP against the bf16 tensor-core
+ * rate of mma.sync measured the same way.
  *
  * The windows are written by the real slot map and insert first. Each graph cycles through input
  * sets whose bytes together are at least twice the L2, so no call finds its records in the cache.
@@ -128,7 +130,7 @@ static void insert(const attn_plan_t *p, void *const seg[4], uint32_t n, const i
   free(hkv);
 }
 
-static void bench(uint32_t heads, uint32_t b, double copy, double peak, float *mirror,
+static void bench(uint32_t heads, uint32_t b, int fast, double copy, double peak, float *mirror,
                   dsv4_rope_table_t *rope, cudaStream_t s) {
   uint64_t rng = 0x3C6EF372FE94F82Bull ^ ((uint64_t)b << 8) ^ heads;
   double bytes = (double)b * ((double)heads * DSV4_HEAD_DIM * 2 * 2 + (double)heads * 4 +
@@ -199,7 +201,8 @@ static void bench(uint32_t heads, uint32_t b, double copy, double peak, float *m
                                .sink = dsink,
                                .rope = rope,
                                .out = out + g * heads * DSV4_HEAD_DIM,
-                               .lse = lse + g * heads};
+                               .lse = lse + g * heads,
+                               .fast = fast};
   }
   /* One call outside the graphs: it sets the kernel's shared-memory limit, and a refusal shows
    * here rather than as a timing. */
@@ -221,9 +224,12 @@ static void bench(uint32_t heads, uint32_t b, double copy, double peak, float *m
     exit(1);
   }
   double gbs = bytes / (us[0] * 1e-6) / 1e9, gflops = flop / (us[0] * 1e-6) / 1e9;
-  printf("%5u %4u %6u %10.2f %9.2f %9.1f %7.1f%% %10.1f %7.1f%%   (%u sets, %u calls per graph)\n",
-         b, heads, dsv4__cuda_attention_heads_per_block(b, heads), us[0], us[1], gbs,
-         100.0 * gbs / copy, gflops, 100.0 * gflops / peak, sets, per_graph);
+  printf("%5u %4u %5s %6u %10.2f %9.2f %9.1f %7.1f%% %10.1f %7.1f%%   (%u sets, %u calls per "
+         "graph)\n",
+         b, heads, fast ? "fast" : "exact",
+         fast ? dsv4__cuda_attention_fast_heads_per_block(b, heads)
+              : dsv4__cuda_attention_heads_per_block(b, heads),
+         us[0], us[1], gbs, 100.0 * gbs / copy, gflops, 100.0 * gflops / peak, sets, per_graph);
   fflush(stdout);
   void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,  qpos,  cache,
                   q_hist, q,      out,    lse,    err, dsink, tok_seg};
@@ -263,6 +269,10 @@ int main(int argc, char **argv) {
          "ceiling %.1f GB/s\n",
          c1, c4, copy);
   printf("fp32 FMA peak (16 chains per thread, 2048 threads per SM): %.1f GFLOP/s\n", peak);
+  const int has_fast = dsv4__cuda_attention_fast_supported(0);
+  double tc = has_fast ? bench_mma_peak_gflops(s) : 0.0;
+  if (has_fast)
+    printf("bf16 tensor-core peak (mma.sync m16n8k16, 8 tiles per warp): %.1f GFLOP/s\n", tc);
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &mirror);
   uint32_t ns[16] = {1, 16, 64, 128, 256};
@@ -277,12 +287,14 @@ int main(int argc, char **argv) {
     }
   }
   /* us: a call with PDL behind the previous one; no-PDL: in plain stream order. Bytes: q, 584 per
-   * record, attn and lse. FLOP: 4 per head, candidate and dim. */
-  printf("%5s %4s %6s %10s %9s %9s %8s %10s %8s\n", "b", "H", "H/CTA", "us", "no-PDL", "GB/s",
-         "%copy", "GFLOP/s", "%FMA");
-  for (int h = 0; h < n_heads; h++)
-    for (size_t i = 0; i < n_ns; i++)
-      bench(heads_list[h], ns[i], copy, peak, mirror, rope, s);
+   * record, attn and lse. FLOP: 4 per head, candidate and dim. %peak: of the FMA peak (exact) or
+   * the tensor-core peak (fast). */
+  printf("%5s %4s %5s %6s %10s %9s %9s %8s %10s %8s\n", "b", "H", "mode", "H/CTA", "us", "no-PDL",
+         "GB/s", "%copy", "GFLOP/s", "%peak");
+  for (int fast = 0; fast <= has_fast; fast++)
+    for (int h = 0; h < n_heads; h++)
+      for (size_t i = 0; i < n_ns; i++)
+        bench(heads_list[h], ns[i], fast, copy, fast ? tc : peak, mirror, rope, s);
   cudaStreamDestroy(s);
   cudaFree(mirror);
   dsv4_rope_table_destroy(rope);

@@ -10,6 +10,9 @@ extern "C" {
 /* The fp32 FMA rate of the current device in GFLOP/s (2 per fma), measured on s
  * (cuda_fma_peak.cu); 0 when a CUDA call failed. */
 double bench_fma_peak_gflops(cudaStream_t s);
+/* The bf16 tensor-core rate (mma.sync m16n8k16, fp32 accumulation) in GFLOP/s; 0 on failure or
+ * before compute capability 8.0. */
+double bench_mma_peak_gflops(cudaStream_t s);
 
 #ifdef __cplusplus
 }

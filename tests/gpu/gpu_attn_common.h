@@ -119,6 +119,8 @@ typedef struct {
   const float *sink;                /* [heads], or NULL for no sink */
   int want_lse;
   dsv4_rope_table_t *rope; /* rows of every position materialised */
+  int fast;                /* fast mode (SPEC §7) */
+  int cache_fill;          /* the byte every cache slot holds before the inserts (0 by default) */
 } attn_inputs_t;
 
 /* Random inputs for a plan: queries and kv rows of bf16 around 1 (spread octaves each way). */
@@ -232,7 +234,14 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
                           attn_put(be, p->seg_bt_off, sizeof(uint32_t) * p->n_segs),
                           attn_put(be, p->seg_bt_len, sizeof(uint32_t) * p->n_segs),
                           attn_put(be, p->block_table, sizeof(int32_t) * p->bt_len)};
-  dsv4_devbuf_t cache = attn_put(be, NULL, (size_t)p->n_blocks * DSV4_BLOCK_STRIDE(p->bs));
+  size_t cache_bytes = (size_t)p->n_blocks * DSV4_BLOCK_STRIDE(p->bs);
+  uint8_t *fill = NULL;
+  if (in->cache_fill) {
+    fill = gpu_host_alloc(cache_bytes);
+    memset(fill, in->cache_fill, cache_bytes);
+  }
+  dsv4_devbuf_t cache = attn_put(be, fill, cache_bytes);
+  free(fill);
   dsv4_devbuf_t q_hist = {0}, q_out = {0};
   CKD(attn_insert(be, p, heads, in->rope, p->n_hist, p->hist_pos, p->hist_seg, in->q_hist,
                   in->kv_hist, seg, &cache, &q_hist));
@@ -274,7 +283,8 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
                          .sink = in->sink ? dsink.ptr : NULL,
                          .rope = in->rope,
                          .out = dout.ptr,
-                         .lse = in->want_lse ? dlse.ptr : NULL};
+                         .lse = in->want_lse ? dlse.ptr : NULL,
+                         .fast = in->fast};
   int rc = be->ops->attention(be, &aa);
   int sync_rc = be->ops->sync(be);
   if (!rc)

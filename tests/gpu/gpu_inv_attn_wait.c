@@ -9,6 +9,12 @@
  * Built again with DSV4_TEST_BROKEN_ATTN_EARLY_READ (the kernel loads its queries before the
  * wait), it must fail (ctest: gpu_inv_attn_wait_broken_early_read). On a device without PDL (below
  * sm_90) the launches are in plain stream order and the test reports "skipped".
+ *
+ * With the argument "fast" the same runs go through fast mode (attention_fast.cu), whose reference
+ * is fast mode's own output on the real bytes written before the launch (fast mode is
+ * deterministic, SPEC §7): a launch that read stale bytes differs from it. Its broken build loads
+ * the queries before the wait (DSV4_TEST_BROKEN_FAST_EARLY_READ; ctest:
+ * gpu_inv_attn_wait_fast_broken_early_read).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -54,15 +60,17 @@ static int check(int batch, const attn_plan_t *p, uint32_t heads, const uint16_t
   return 0;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  const int fast = argc > 1 && strcmp(argv[1], "fast") == 0;
   if (!gpu_available("gpu_inv_attn_wait"))
     return GPU_SKIP;
   if (!dsv4__cuda_pdl_supported(0)) {
     printf("gpu_inv_attn_wait: skipped: device 0 has no programmatic dependent launch\n");
     return GPU_SKIP;
   }
-  if (!dsv4__cuda_attention_supported(0)) {
-    printf("gpu_inv_attn_wait: skipped: device 0 cannot run the attention kernel\n");
+  if (!dsv4__cuda_attention_supported(0) || (fast && !dsv4__cuda_attention_fast_supported(0))) {
+    printf("gpu_inv_attn_wait: skipped: device 0 cannot run the attention kernel%s\n",
+           fast ? " in fast mode" : "");
     return GPU_SKIP;
   }
   dsv4_backend_t *cpu = NULL;
@@ -156,7 +164,22 @@ int main(void) {
                            .sink = dsink,
                            .rope = rope,
                            .out = dout,
-                           .lse = dlse};
+                           .lse = dlse,
+                           .fast = fast};
+    if (fast) {
+      /* The reference: fast mode over the real bytes, written before the launch. */
+      CK(cudaMemcpy(dq, real_q, out_n * 2, cudaMemcpyDeviceToDevice));
+      CK(cudaMemcpy(dcache, real_cache, cache_bytes, cudaMemcpyDeviceToDevice));
+      CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, err, s, 0));
+      CK(cudaStreamSynchronize(s));
+      CK(cudaMemcpy(ref, dout, out_n * 2, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(ref_lse, dlse, lse_n * 4, cudaMemcpyDeviceToHost));
+      CK(cudaMemset(dq, 0, out_n * 2));
+      CK(cudaMemset(dcache, 0, cache_bytes));
+      CK(cudaMemset(dout, ATTN_CANARY, out_n * 2));
+      CK(cudaMemset(dlse, ATTN_CANARY, lse_n * 4));
+      CK(cudaDeviceSynchronize());
+    }
     CK((cudaError_t)gpu_late_copy(&late, DELAY_NS, s));
     CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, err, s, 1));
     CK(cudaStreamSynchronize(s));
@@ -198,7 +221,8 @@ int main(void) {
   dsv4_backend_close(cpu);
   if (bad)
     return 1;
-  printf("gpu_inv_attn_wait: %d batches, every output from the late writer's q_out and cache\n",
-         BATCHES);
+  printf("gpu_inv_attn_wait: %d batches (%s mode), every output from the late writer's q_out and "
+         "cache\n",
+         BATCHES, fast ? "fast" : "exact");
   return 0;
 }

@@ -7,6 +7,12 @@ two ulps or the binary32 rounding bound of its sum; lse within its rounding boun
 attends to its own tokens (inserted by the same batch first), a decode token to itself and the 127
 positions before it, never below p0. Also: outputs=attn alone answers without q_out, the metadata
 says which mode ran, a replay answers the same bytes, and attn is deterministic across daemons.
+
+Fast mode (on a backend that offers it: cuda on sm_90 and newer): two sequences fed the same bytes,
+one in exact and one in fast mode, answer attn within FlashMLA's tolerances of each other (every
+value within 1e-3 absolute or 2.01/128 relative, cosine distance at most 5e-6) and lse within the
+same bounds; fast mode repeats its own bytes; a compressed layer asked for fast is refused (400,
+nothing changed); with attention_mode fast a compressed layer runs, and says it ran, exact.
 """
 
 import os
@@ -172,5 +178,81 @@ def test_deterministic_across_daemons():
                      "batch %d %s on 1 and 2 threads" % (i, name))
 
 
+def flashmla_close(got, ref, what):
+    """FlashMLA's acceptance test of an output against its reference."""
+    got, ref = got.astype(np.float64), ref.astype(np.float64)
+    err = np.abs(got - ref)
+    ok = (err <= 1e-3) | (err <= (2.01 / 128) * np.abs(ref))
+    check(ok.all(), "%s: %d values out of tolerance, first %r vs %r" %
+          (what, int((~ok).sum()), got[~ok][:3], ref[~ok][:3]))
+    cos = 1.0 - 2.0 * float((got * ref).sum()) / max(float((got * got + ref * ref).sum()), 1e-300)
+    check(cos <= 5e-6, "%s: cosine distance %.3g" % (what, cos))
+    return cos
+
+
+def attn_mode_run(d, b, mode, what):
+    b = b.copy()
+    b.outputs = "attn,lse"
+    meta = b.metadata()
+    meta["attention"] = mode
+    r = d.forward_raw(b.body(meta))
+    check_eq(r.status, 200, "%s: status (body %r)" % (what, r.body[:300]))
+    m, t = h.st_decode(r.body)
+    check_eq(m.get("attention"), mode, "%s: the mode that ran" % what)
+    attn = h.bf16_to_f32(h.st_array(t, "attn", "BF16", (b.n, HEADS, h.HEAD_DIM)))
+    return attn, h.st_array(t, "lse", "F32", (b.n, HEADS)).copy(), r.body
+
+
+def renamed(b, name):
+    c = b.copy()
+    for s in c.segs:
+        s.seq = name
+    return c
+
+
+def test_fast_mode():
+    if h.BACKEND != "cuda":
+        print("fast mode on backend %s: not offered (its refusal: test_weights)" % (h.BACKEND or "cpu"))
+        return
+    rng = np.random.default_rng(47)
+    tmp = tempfile.mkdtemp(prefix="dsv4d-fast-")
+    path = os.path.join(tmp, "w.safetensors")
+    write_weights(path)
+    worst = 0.0
+    with Daemon(h.SMALL + ["--weights", path]) as d:
+        for layer in (0, 1):
+            steps = [Batch.random(rng, layer, [Seg("x", 0, 150, layer == 0)], HEADS)]
+            steps += [Batch.random(rng, layer, [Seg("x", 150 + i, 1)], HEADS) for i in range(4)]
+            for i, b in enumerate(steps):
+                what = "layer %d step %d" % (layer, i)
+                ea, el, _ = attn_mode_run(d, renamed(b, "e"), "exact", what + " exact")
+                fa, fl, body = attn_mode_run(d, renamed(b, "f"), "fast", what + " fast")
+                worst = max(worst, flashmla_close(fa, ea, what + " attn"))
+                flashmla_close(fl, el, what + " lse")
+            # A replay of the last fast batch answers its bytes again.
+            _, _, again = attn_mode_run(d, renamed(steps[-1], "f"), "fast", "fast replay")
+            check_eq(h.st_decode(again)[1]["attn"], h.st_decode(body)[1]["attn"], "a replay's attn")
+        # A compressed layer (2: ratio 4) asked for fast: refused before anything changes.
+        b = Batch.random(rng, 2, [Seg("c", 0, 8, True)], HEADS, ratio=h.flash_ratio(2))
+        b.outputs = "attn"
+        meta = b.metadata()
+        meta["attention"] = "fast"
+        used = d.used_blocks()
+        e = h.expect_error(d.forward_raw(b.body(meta)), 400, "unsupported")
+        check("compress" in e["message"], "fast on a compressed layer: %r" % (e,))
+        check(d.seq("c") is None and d.used_blocks() == used, "the refusal changed nothing")
+    # attention_mode fast: SWA layers run fast, compressed layers exact, each saying so.
+    with Daemon(h.SMALL + ["--weights", path, "--attention-mode", "fast"]) as d:
+        check_eq(d.admin_json("/admin/v1/cache")["attention"]["mode"], "fast", "configured mode")
+        for layer, mode in ((0, "fast"), (2, "exact")):
+            b = Batch.random(rng, layer, [Seg("m", 0, 8, layer == 0)], HEADS,
+                             ratio=h.flash_ratio(layer))
+            b.outputs = "attn"
+            r = d.forward_raw(b.body())
+            check_eq(r.status, 200, "layer %d under attention_mode fast (body %r)" % (layer, r.body[:300]))
+            check_eq(h.st_decode(r.body)[0].get("attention"), mode, "layer %d ran %s" % (layer, mode))
+    print("fast mode: worst cosine distance to exact %.3g" % worst)
+
+
 if __name__ == "__main__":
-    h.main([test_prefill_and_decode, test_deterministic_across_daemons])
+    h.main([test_prefill_and_decode, test_deterministic_across_daemons, test_fast_mode])

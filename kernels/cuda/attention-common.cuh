@@ -1,0 +1,377 @@
+#ifndef DSV4_KERNELS_CUDA_ATTENTION_COMMON_CUH
+#define DSV4_KERNELS_CUDA_ATTENTION_COMMON_CUH
+/*
+ * What the attention kernels of both modes share (SPEC §7): the launch parameters, the per-CTA
+ * facts, a token's window and the launch checks, the exact dequantisation of records to bf16, the
+ * query load, the setup after the dependency wait and the staging of records into shared memory.
+ * Included by attention.cu (exact mode, the union, the launches) and attention_fast.cu (fast mode).
+ */
+#include "cuda-internal.cuh"
+
+#include "dsv4-error.h"
+#include "dsv4-numerics.h"
+
+#define ATTN_THREADS 256
+#define ATTN_WARPS (ATTN_THREADS / 32)
+#define FULL 0xffffffffu
+#define OCT 8            /* heads per warp (an octet) */
+#define QUAD 4           /* candidates per pass-1 step: OCT x QUAD = 32 values, one per lane */
+#define K_ROW 1024       /* bytes of one candidate's 512 bf16 values in shared memory */
+#define T_STRIDE 36      /* floats per lane row of a warp's transposition buffer (conflict-free) */
+#define NOPE_PIECES 56   /* 8-dim pieces of the NoPE part; pieces 56..63 are the RoPE part */
+#define MAX_WIN_BLOCKS 9 /* DSV4_WINDOW / DSV4_MIN_BLOCK_SIZE + 1 */
+/* Launches of at most this many tokens are checked whole by every CTA (below); larger ones by a
+ * separate kernel before the attention kernel. */
+#define CHECK_ALL_MAX 1024u
+/* Error bits that are not reported: the launch stopped because another token failed. */
+#define ERR_EARLIER 0x80000000u
+#define ERR_REPORTED                                                                               \
+  (DSV4_CUDA_ATTN_ERR_SEGMENT | DSV4_CUDA_ATTN_ERR_POSITION | DSV4_CUDA_ATTN_ERR_BLOCK |           \
+   DSV4_CUDA_ERR_ENTRY)
+
+static_assert(MAX_WIN_BLOCKS == DSV4_WINDOW / DSV4_MIN_BLOCK_SIZE + 1, "window blocks");
+
+typedef struct {
+  const uint4 *q; /* [n_tokens, heads, 64] uint4: bf16 q_out rows */
+  const int64_t *pos;
+  const int32_t *tok_seg;
+  const int64_t *seg_p0;
+  const int64_t *seg_first_lb;
+  const uint32_t *seg_bt_off;
+  const uint32_t *seg_bt_len;
+  const int32_t *bt;
+  const uint8_t *cache;
+  const float *sink;  /* [heads] or NULL */
+  const float4 *rope; /* 16 float4 per row: cos 0..7, sin 8..15 */
+  uint4 *out;
+  float *lse; /* or NULL */
+  uint32_t *err;
+  uint64_t stride;
+  int64_t max_pos;
+  uint32_t n_tokens, n_segments, heads, groups;
+  uint32_t bt_entries, n_blocks, bs_shift, check_all;
+  /* The compressed entries (SPEC §8.6), c_cache NULL on an SWA-only launch (backend.h). */
+  const uint8_t *c_cache;
+  const int64_t *seg_c_first_lb;
+  const uint32_t *seg_cbt_off;
+  const uint32_t *seg_cbt_len;
+  const int32_t *c_bt;
+  const int32_t *c_sel; /* [n_tokens, c_sel_stride], or NULL: every visible entry */
+  uint32_t c_sel_stride, c_bt_entries, c_n_blocks, ratio;
+} attn_params_t;
+
+static_assert(sizeof(attn_params_t) % 4 == 0, "parameter block of whole words");
+
+/* Per-CTA facts, in static shared memory (16-byte aligned: the RoPE row is stored as float4). */
+typedef struct alignas(16) {
+  float rope[DSV4_ROPE_ROW_FLOATS]; /* cos then sin at the query's position */
+  float m[64];                      /* each head's maximum logit */
+  float d[64];                      /* each head's denominator D */
+  int32_t blk[MAX_WIN_BLOCKS + 3];  /* physical blocks of the window's logical blocks */
+  int64_t lo;                       /* the first candidate's position */
+  uint32_t n;                       /* candidates */
+} attn_misc_t;
+
+/* Dynamic shared memory of a CTA of hg heads: the window (bf16), the logits and weights, and one
+ * transposition buffer per warp. */
+static constexpr size_t attn_smem_bytes(int hg) {
+  return (size_t)DSV4_WINDOW * K_ROW + (size_t)DSV4_WINDOW * (hg + 4) * sizeof(float) +
+         (size_t)ATTN_WARPS * 32 * T_STRIDE * sizeof(float);
+}
+
+/* ---- the window of a token, from its segment's block table ---- */
+
+typedef struct {
+  int64_t pos, lo; /* the query's position and the first candidate's */
+  int64_t first;   /* the logical block that entry `off` maps */
+  uint32_t off, len;
+} window_t;
+
+/* 0, or the error bits of token t's segment and position (SPEC §7: p0 <= p, a RoPE row for p). */
+static __device__ uint32_t token_window(const attn_params_t &p, uint32_t t, window_t *w) {
+  const int32_t seg = p.tok_seg[t];
+  if (seg < 0 || (uint32_t)seg >= p.n_segments)
+    return DSV4_CUDA_ATTN_ERR_SEGMENT;
+  const int64_t pos = p.pos[t], p0 = p.seg_p0[seg];
+  if (p0 < 0 || pos < p0 || pos >= p.max_pos)
+    return DSV4_CUDA_ATTN_ERR_POSITION;
+  w->pos = pos;
+  w->lo = pos - (DSV4_WINDOW - 1) > p0 ? pos - (DSV4_WINDOW - 1) : p0;
+  w->first = p.seg_first_lb[seg];
+  w->off = p.seg_bt_off[seg];
+  w->len = p.seg_bt_len[seg];
+  return 0;
+}
+
+/* The logical blocks the window spans (1..MAX_WIN_BLOCKS). */
+static __device__ __forceinline__ uint32_t window_blocks(const attn_params_t &p,
+                                                         const window_t &w) {
+  return (uint32_t)((w.pos >> p.bs_shift) - (w.lo >> p.bs_shift)) + 1u;
+}
+
+/* The physical block of the window's k-th logical block, or -1 with the error bit set when it is
+ * outside the segment's table (or past bt_entries), < 0, or outside the pool. */
+static __device__ int32_t window_block(const attn_params_t &p, const window_t &w, uint32_t k,
+                                       uint32_t *bits) {
+  const int64_t idx = (w.lo >> p.bs_shift) + (int64_t)k - w.first;
+  if (idx < 0 || idx >= (int64_t)w.len) {
+    *bits |= DSV4_CUDA_ATTN_ERR_BLOCK;
+    return -1;
+  }
+  const uint64_t e = (uint64_t)w.off + (uint64_t)idx;
+  if (p.bt_entries && e >= p.bt_entries) {
+    *bits |= DSV4_CUDA_ATTN_ERR_BLOCK;
+    return -1;
+  }
+  const int32_t b = p.bt[e];
+  if (b < 0 || (uint32_t)b >= p.n_blocks) {
+    *bits |= DSV4_CUDA_ATTN_ERR_BLOCK;
+    return -1;
+  }
+  return b;
+}
+
+/* The physical block of logical entry block lb of segment s, or -1 when it is outside the
+ * segment's table (or past c_bt_entries), < 0, or outside the pool. */
+static __device__ int32_t entry_block(const attn_params_t &p, uint32_t s, int64_t lb) {
+  const int64_t idx = lb - p.seg_c_first_lb[s];
+  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
+    return -1;
+  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
+  if (p.c_bt_entries && e >= p.c_bt_entries)
+    return -1;
+  const int32_t b = p.c_bt[e];
+  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+}
+
+/* 0, or the error bits of token t's compressed entries (SPEC §8.4, backend.h): every visible
+ * entry's block, or every listed entry visible, above the one before, and its block. */
+static __device__ uint32_t entries_check(const attn_params_t &p, uint32_t t, uint32_t s,
+                                         int64_t pos) {
+  const int64_t j_lo = p.seg_p0[s] / p.ratio, j_hi = (pos + 1) / p.ratio;
+  if (!p.c_sel) {
+    for (int64_t lb = j_lo >> p.bs_shift; j_hi > j_lo && lb <= (j_hi - 1) >> p.bs_shift; lb++)
+      if (entry_block(p, s, lb) < 0)
+        return DSV4_CUDA_ATTN_ERR_BLOCK;
+    return 0;
+  }
+  const int32_t *row = p.c_sel + (uint64_t)t * p.c_sel_stride;
+  int64_t prev = -1;
+  for (uint32_t k = 0; k < p.c_sel_stride; k++) {
+    const int64_t j = row[k];
+    if (j == -1)
+      break;
+    if (j < j_lo || j >= j_hi || (k && j <= prev))
+      return DSV4_CUDA_ERR_ENTRY;
+    if ((!k || (j >> p.bs_shift) != (prev >> p.bs_shift)) && entry_block(p, s, j >> p.bs_shift) < 0)
+      return DSV4_CUDA_ATTN_ERR_BLOCK;
+    prev = j;
+  }
+  return 0;
+}
+
+/* 0, or the error bits of token t: its segment, position, every block of its window and, on a
+ * compressed layer, its entries. */
+static __device__ uint32_t token_check(const attn_params_t &p, uint32_t t) {
+  window_t w;
+  uint32_t bits = token_window(p, t, &w);
+  if (bits)
+    return bits;
+  const uint32_t nb = window_blocks(p, w);
+  for (uint32_t k = 0; k < nb; k++)
+    (void)window_block(p, w, k, &bits);
+  if (!bits && p.c_cache)
+    bits = entries_check(p, t, (uint32_t)p.tok_seg[t], w.pos);
+  return bits;
+}
+
+/* 0, or the error bits of segment s of a launch with compressed entries: the checks the CPU backend
+ * makes of every segment (p0 >= 0, the tables within the entries given). */
+static __device__ uint32_t segment_check(const attn_params_t &p, uint32_t s) {
+  if (p.seg_p0[s] < 0)
+    return DSV4_CUDA_ATTN_ERR_POSITION;
+  if ((p.bt_entries && (uint64_t)p.seg_bt_off[s] + p.seg_bt_len[s] > p.bt_entries) ||
+      (p.c_bt_entries && (uint64_t)p.seg_cbt_off[s] + p.seg_cbt_len[s] > p.c_bt_entries))
+    return DSV4_CUDA_ATTN_ERR_BLOCK;
+  return 0;
+}
+
+/* ---- numerics on packed bf16 ---- */
+
+static __device__ __forceinline__ void unpack8(uint4 v, float *x) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    x[2 * k] = __uint_as_float(w[k] << 16);
+    x[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+  }
+}
+
+/*
+ * Two E4M3FN bytes (lo in the low byte) as fp32: one instruction to an f16 pair on sm_89+, where
+ * every E4M3FN value is an f16 value, so the conversion is exact, then two exact widenings; below,
+ * dsv4_e4m3_to_f32 of each byte. Both give dsv4_e4m3_to_f32 for every byte but the two NaN codes,
+ * which the insert never writes (the CPU reference computes with dsv4_e4m3_to_f32 too).
+ */
+static __device__ __forceinline__ void e4m3x2_to_f32(uint32_t pair, float *lo, float *hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((uint16_t)pair));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(*lo) : "h"((uint16_t)(h2 & 0xffffu)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(*hi) : "h"((uint16_t)(h2 >> 16)));
+#else
+  *lo = dsv4_e4m3_to_f32((dsv4_u8)(pair & 0xffu));
+  *hi = dsv4_e4m3_to_f32((dsv4_u8)((pair >> 8) & 0xffu));
+#endif
+}
+
+/*
+ * Eight NoPE values of a record (8 E4M3FN bytes in w0, w1) dequantised exactly (SPEC §2.2:
+ * e4m3 * 2^(code - 127)) and stored as bf16. The product has at most 4 significant bits and, for
+ * every code an insert writes (105..247, or 0 in a zero-filled record), is a normal fp32 or zero,
+ * so its bf16 is its upper half, exactly dsv4_f32_to_bf16 of it: nothing is rounded, and the
+ * kernel later reads back the very fp32 value the CPU reference computes.
+ */
+static __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, uint32_t code) {
+  const float sc = dsv4_ue8m0_scale((dsv4_u8)code);
+  const uint32_t pairs[4] = {w0 & 0xffffu, w0 >> 16, w1 & 0xffffu, w1 >> 16};
+  uint32_t o[4];
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    float a, b;
+    e4m3x2_to_f32(pairs[k], &a, &b);
+    o[k] =
+        __byte_perm(__float_as_uint(__fmul_rn(a, sc)), __float_as_uint(__fmul_rn(b, sc)), 0x7632);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+/* ---- the phases of a CTA ---- */
+
+/* The eight heads h0.. of token t that this lane's queries cover: dims 16 lane .. 16 lane + 15. */
+static __device__ __forceinline__ void load_q(const attn_params_t &p, uint32_t t, uint32_t h0,
+                                              uint32_t lane, uint4 (&qraw)[OCT][2]) {
+#pragma unroll
+  for (int hh = 0; hh < OCT; hh++) {
+    if (h0 + hh < p.heads) {
+      const uint4 *row = p.q + ((uint64_t)t * p.heads + h0 + hh) * 64;
+      qraw[hh][0] = row[2 * lane];
+      qraw[hh][1] = row[2 * lane + 1];
+    } else {
+      qraw[hh][0] = qraw[hh][1] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+/*
+ * The query's window and the launch's check (after the dependency wait): the physical blocks of
+ * the window into ms.blk, the RoPE row into ms.rope; with check_all, every token of the launch is
+ * checked here, else the word of the check kernel that ran before is read. Returns 0 when the CTA
+ * may go on; otherwise every thread of it returns before writing anything (SPEC §7: a failed
+ * launch writes nothing), and the error bits have been reported.
+ */
+static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
+  const uint32_t tid = threadIdx.x;
+  window_t w;
+  uint32_t bits = token_window(p, t, &w);
+  if (!bits) {
+    const uint32_t nb = window_blocks(p, w);
+    if (tid < nb)
+      ms.blk[tid] = window_block(p, w, tid, &bits);
+    if (tid >= 32 && tid < 48)
+      reinterpret_cast<float4 *>(ms.rope)[tid - 32] = p.rope[(uint64_t)w.pos * 16 + (tid - 32)];
+    if (tid == 0) {
+      ms.lo = w.lo;
+      ms.n = (uint32_t)(w.pos - w.lo + 1);
+    }
+  }
+  if (p.check_all) {
+    for (uint32_t u = tid; u < p.n_tokens; u += ATTN_THREADS)
+      bits |= token_check(p, u);
+  } else if (tid == 0 && __ldcg(p.err) != 0) {
+    bits |= ERR_EARLIER;
+  }
+  /* With check_all every CTA finds every error: the first one reports them. */
+  if ((bits & ERR_REPORTED) && (!p.check_all || blockIdx.x == 0))
+    atomicOr(p.err, bits & ERR_REPORTED);
+  return __syncthreads_or(bits != 0);
+}
+
+/*
+ * n records, dequantised into shared memory as bf16 (exact, see dequant8); addr(s, &rec, &scl)
+ * gives candidate s's 576 data bytes and its 8 scale bytes. Piece c of a candidate (dims 8c..8c+7,
+ * 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so that the two 16-byte pieces a
+ * lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over the warp, two contiguous
+ * 512-byte runs. Thread x stages piece x & 63 of candidates x / 64 + 4j, sixteen candidates' loads
+ * in flight at a time, after an L2 prefetch of every line of the records (they are scattered over
+ * blocks, and every round of loads would otherwise wait for the DRAM). With SWZ (the fast kernel's
+ * layout, read by ldmatrix) piece c of candidate s lies instead at 16-byte chunk c ^ (s & 7) of its
+ * row: eight consecutive candidates' copies of one piece fall in eight different bank groups.
+ */
+template <bool SWZ = false, typename Addr>
+static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
+  constexpr int BATCH = 16;
+  const uint32_t c = threadIdx.x & 63;
+  /* Candidate x / 8 + 32j: line x % 8 of its 576 data bytes (the fifth line also holds the part of
+   * the next record), line 7 its scales. */
+  for (uint32_t s = threadIdx.x >> 3; s < n; s += ATTN_THREADS / 8) {
+    const uint8_t *rec, *scl;
+    addr(s, &rec, &scl);
+    const uint32_t line = threadIdx.x & 7;
+    if (line < 5)
+      dsv4__prefetch_l2(rec + 128 * line);
+    else if (line == 7)
+      dsv4__prefetch_l2(scl);
+  }
+  uint8_t *dst = sk + (SWZ ? 0 : (c & 1) * 512 + (c >> 1) * 16);
+  for (uint32_t s0 = threadIdx.x >> 6; s0 < n; s0 += 4 * BATCH) {
+    uint4 raw[BATCH];
+    uint32_t code[BATCH];
+#pragma unroll
+    for (int j = 0; j < BATCH; j++) {
+      const uint32_t s = s0 + 4 * j;
+      raw[j] = make_uint4(0, 0, 0, 0);
+      code[j] = 0;
+      if (s < n) {
+        const uint8_t *rec, *scl;
+        addr(s, &rec, &scl);
+        if (c < NOPE_PIECES) {
+          const uint2 v = *reinterpret_cast<const uint2 *>(rec + 8 * c);
+          raw[j].x = v.x;
+          raw[j].y = v.y;
+          code[j] = scl[c >> 3];
+        } else {
+          raw[j] = *reinterpret_cast<const uint4 *>(rec + DSV4_NOPE_DIM + 16 * (c - NOPE_PIECES));
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < BATCH; j++) {
+      const uint32_t s = s0 + 4 * j;
+      if (s < n)
+        *reinterpret_cast<uint4 *>(dst + (size_t)s * K_ROW + (SWZ ? ((c ^ (s & 7)) << 4) : 0)) =
+            c < NOPE_PIECES ? dequant8(raw[j].x, raw[j].y, code[j]) : raw[j];
+    }
+  }
+}
+
+/* The window's records (the window kernel's only candidates), through the blocks in ms.blk. */
+template <bool SWZ = false>
+static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk) {
+  const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
+  const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
+  const uint64_t scales = (uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift;
+  stage_records<SWZ>(ms.n, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
+    const int64_t pos = lo + s;
+    const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
+    const uint64_t o = (uint64_t)(pos & mask);
+    *rec = base + o * DSV4_TOKEN_DATA_BYTES;
+    *scl = base + scales + o * DSV4_SCALE_BYTES;
+  });
+}
+
+/* Fast mode (attention_fast.cu): the kernel for the launch's shape, after the launch's check (the
+ * check kernel has been queued before it unless p.check_all). Sets p.groups itself. */
+cudaError_t dsv4__attention_fast_launch(attn_params_t p, int sms, cudaStream_t s, int pdl);
+
+#endif /* DSV4_KERNELS_CUDA_ATTENTION_COMMON_CUH */
