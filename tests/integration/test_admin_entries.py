@@ -9,12 +9,14 @@ index record against the dump's i_records row and its values against the model's
 entry's block and offset; the refusals (an entry before the first or at or past the next, a
 sequence that has emitted none, an SWA-only layer, a daemon with compressed_branch = off, bad
 paths and queries, unknown sequences), each a JSON error; and that none of these reads changes
-the cache or the compressed state. On a backend that does not run the branch, the route refuses
-every layer with 400 unsupported.
+the cache or the compressed state. dsv4ctl's entry command prints the route's document. On a
+backend that does not run the branch, the route refuses every layer with 400 unsupported.
 """
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -241,5 +243,64 @@ def test_entries_refusals():
         env.close()
 
 
+def ctl_path():
+    """dsv4ctl beside the daemon or above it, as test_dsv4ctl finds it."""
+    if os.environ.get("DSV4CTL_BIN"):
+        return os.environ["DSV4CTL_BIN"]
+    d = os.path.dirname(h.DAEMON)
+    for _ in range(3):
+        p = os.path.join(d, "dsv4ctl")
+        if os.access(p, os.X_OK):
+            return p
+        d = os.path.dirname(d)
+    raise h.TestFailure("no dsv4ctl beside %s or above it (set DSV4CTL_BIN)" % h.DAEMON)
+
+
+def ctl(d, *args):
+    d.admin_conn().close()
+    cmd = [ctl_path(), "--admin", "http://127.0.0.1:%d" % d.admin_port] + list(args)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSV4CTL_")}
+    return subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=env, timeout=60, universal_newlines=True)
+
+
+def test_dsv4ctl_entry():
+    env = Env()
+    try:
+        with Daemon(env.args(), name="branch") as d:
+            if not runs_branch(d):
+                p = ctl(d, "entry", "a", "0", "--layer", "2")
+                check_eq(p.returncode, 1, "entry on a backend without the branch: %r" % p.stderr)
+                print("backend %s does not run the compressed branch" % h.BACKEND_NAME)
+                return
+            rng = np.random.default_rng(9)
+            send(d, rng, 0, Seg("a", P0, 20, True), 0)
+            send(d, rng, C4, Seg("a", P0, 40), 4)
+            send(d, rng, C128, Seg("a", P0, 130), 128)
+            for layer, j in ((C4, 3), (C128, 0)):
+                p = ctl(d, "--json", "entry", "a", str(j), "--layer", str(layer))
+                check_eq(p.returncode, 0, "dsv4ctl --json entry: %r" % p.stderr)
+                route = entry(d, "a", j, layer)
+                check_eq(json.loads(p.stdout), route, "dsv4ctl --json entry vs the route")
+                p = ctl(d, "entry", "a", str(j), "--layer", str(layer))
+                check_eq(p.returncode, 0, "dsv4ctl entry: %r" % p.stderr)
+                head = "seq a  layer %d  entry %d  ratio %d  positions %d-%d  block %d" % (
+                    layer, j, route["ratio"], route["window"][0], route["window"][1],
+                    route["block"])
+                check(p.stdout.startswith(head), "entry view head: %r" % p.stdout[:200])
+                check("record_digest    %s\n" % route["record_digest"] in p.stdout,
+                      "entry view digest: %r" % p.stdout[:300])
+                check(("index record (MXFP4)" in p.stdout) == (layer == C4),
+                      "the index record shown at ratio 4 only")
+                if layer == C4:
+                    check("record_digest    %s\n" % route["index"]["record_digest"] in p.stdout,
+                          "index digest in the view")
+            p = ctl(d, "entry", "a", "99", "--layer", "2")
+            check_eq(p.returncode, 1, "entry not emitted: %r" % p.stderr)
+            check("404 entry_not_emitted" in p.stderr, "the error shown: %r" % p.stderr)
+    finally:
+        env.close()
+
+
 if __name__ == "__main__":
-    h.main([test_entries_decode_what_the_dump_holds, test_entries_refusals])
+    h.main([test_entries_decode_what_the_dump_holds, test_entries_refusals, test_dsv4ctl_entry])
