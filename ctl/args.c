@@ -16,6 +16,7 @@ const char dsv4_ctl_usage[] =
     "  status                              cache geometry, capacity and pool digests\n"
     "  seq [S]                             all sequences, or one with its block table\n"
     "  token S POS --layer L               one record, decoded\n"
+    "  entry S J --layer L                 one compressed entry (and index record), decoded\n"
     "  checksum --layer L [--seq S]        pool, block and sequence digests of a layer\n"
     "  dump --seq S [--layers a-b] -o FILE a sequence's records as safetensors, then verify\n"
     "  verify FILE                         recompute a dump's digests\n"
@@ -165,6 +166,7 @@ static const struct {
     {"dump", DSV4_CTL_CMD_DUMP},       {"verify", DSV4_CTL_CMD_VERIFY},
     {"help", DSV4_CTL_CMD_HELP},       {"snapshot", DSV4_CTL_CMD_SNAPSHOT},
     {"restore", DSV4_CTL_CMD_RESTORE}, {"migrate", DSV4_CTL_CMD_MIGRATE},
+    {"entry", DSV4_CTL_CMD_ENTRY},
 };
 
 /* Options that take a value; the rest are flags. */
@@ -311,7 +313,7 @@ static int pick_command(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size_
 static int check_options(const scan_t *sc, const dsv4_ctl_args_t *out, char *err, size_t errlen) {
   const char *cmd = sc->pos[0];
   int c = out->cmd;
-  int want_layer = c == DSV4_CTL_CMD_TOKEN || c == DSV4_CTL_CMD_CHECKSUM;
+  int want_layer = c == DSV4_CTL_CMD_TOKEN || c == DSV4_CTL_CMD_ENTRY || c == DSV4_CTL_CMD_CHECKSUM;
   int want_seq = c == DSV4_CTL_CMD_CHECKSUM || c == DSV4_CTL_CMD_DUMP ||
                  c == DSV4_CTL_CMD_SNAPSHOT || c == DSV4_CTL_CMD_RESTORE ||
                  c == DSV4_CTL_CMD_MIGRATE;
@@ -372,18 +374,22 @@ static int check_command(const scan_t *sc, dsv4_ctl_args_t *out, char *err, size
         return DSV4_EINVAL;
     }
     break;
-  case DSV4_CTL_CMD_TOKEN: {
+  case DSV4_CTL_CMD_TOKEN:
+  case DSV4_CTL_CMD_ENTRY: {
+    int tok = out->cmd == DSV4_CTL_CMD_TOKEN;
     if (n_pos != 3)
-      return fail(err, errlen, "usage: token SEQ POS --layer L");
+      return fail(err, errlen,
+                  tok ? "usage: token SEQ POS --layer L" : "usage: entry SEQ J --layer L");
     out->seq = pos_args[1];
     if (check_seq(out->seq, err, errlen) != 0)
       return DSV4_EINVAL;
     uint64_t p;
     if (dsv4_parse_decimal(pos_args[2], strlen(pos_args[2]), INT64_MAX, &p) != 0)
-      return fail(err, errlen, "position \"%.64s\" is not a non-negative decimal", pos_args[2]);
+      return fail(err, errlen, "%s \"%.64s\" is not a non-negative decimal",
+                  tok ? "position" : "entry", pos_args[2]);
     out->pos = (int64_t)p;
     if (!out->has_layer)
-      return fail(err, errlen, "token needs --layer L");
+      return fail(err, errlen, "%s needs --layer L", cmd);
     break;
   }
   case DSV4_CTL_CMD_CHECKSUM:

@@ -51,6 +51,7 @@ typedef enum {
   DSV4_CTL_CMD_SNAPSHOT,
   DSV4_CTL_CMD_RESTORE,
   DSV4_CTL_CMD_MIGRATE,
+  DSV4_CTL_CMD_ENTRY,
 } dsv4_ctl_cmd_t;
 
 typedef struct {
@@ -60,9 +61,10 @@ typedef struct {
   int json;               /* --json: the daemon's documents as they are, one per line */
   int progress;           /* --progress: 1; --no-progress: 0; else -1 (when stderr is a tty) */
   int timeout_ms;         /* --timeout SECONDS: connect and per-read limit */
-  const char *seq; /* seq [S], token S, --seq S of checksum, dump, snapshot, restore, migrate */
-  int64_t pos;     /* token S POS */
-  int has_layer;   /* token / checksum --layer L */
+  const char *seq; /* seq [S], token S, entry S, --seq S of checksum, dump, snapshot, restore,
+                      migrate */
+  int64_t pos;     /* token S POS; entry S J (the entry) */
+  int has_layer;   /* token / entry / checksum --layer L */
   uint32_t layer;
   int has_layers; /* dump --layers a-b */
   uint32_t layer_first, layer_last;

@@ -540,6 +540,11 @@ int dsv4_ctl_run(const dsv4_ctl_args_t *a, FILE *out, FILE *err, int err_is_tty)
              a->seq, a->pos, a->layer);
     rc = show(&c, target, dsv4_ctl_print_token);
     break;
+  case DSV4_CTL_CMD_ENTRY:
+    snprintf(target, sizeof(target), "/admin/v1/sequences/%s/entries/%" PRId64 "?layer=%" PRIu32,
+             a->seq, a->pos, a->layer);
+    rc = show(&c, target, dsv4_ctl_print_entry);
+    break;
   case DSV4_CTL_CMD_CHECKSUM:
     snprintf(target, sizeof(target), "/admin/v1/checksums?layer=%" PRIu32 "%s%s", a->layer,
              a->seq ? "&seq=" : "", a->seq ? a->seq : "");

@@ -353,12 +353,10 @@ static void print_numbers(FILE *out, const json_t *list, size_t first, size_t co
   }
 }
 
-void dsv4_ctl_print_token(FILE *out, const json_t *doc) {
-  char s[160], l[32], p[32], b[32], o[32], sl[32];
-  fprintf(out, "seq %s  layer %s  position %s  block %s  offset %s  slot %s\n",
-          field(doc, "seq", s, sizeof(s)), field(doc, "layer", l, sizeof(l)),
-          field(doc, "position", p, sizeof(p)), field(doc, "block", b, sizeof(b)),
-          field(doc, "offset", o, sizeof(o)), field(doc, "slot", sl, sizeof(sl)));
+/* A 584-byte record's fields as the tokens and entries routes decode them: the digest, then each
+ * NoPE tile with its scale, then the RoPE values. */
+static void print_record(FILE *out, const json_t *doc) {
+  char s[160];
   kv(out, "record_digest", field(doc, "record_digest", s, sizeof(s)));
 
   const json_t *codes = json_object_get(doc, "scale_codes"),
@@ -386,6 +384,49 @@ void dsv4_ctl_print_token(FILE *out, const json_t *doc) {
   if (json_array_size(rb) > 0) {
     fprintf(out, "  bf16 bits:\n");
     print_numbers(out, rb, 0, json_array_size(rb), 16, 4);
+  }
+}
+
+void dsv4_ctl_print_token(FILE *out, const json_t *doc) {
+  char s[160], l[32], p[32], b[32], o[32], sl[32];
+  fprintf(out, "seq %s  layer %s  position %s  block %s  offset %s  slot %s\n",
+          field(doc, "seq", s, sizeof(s)), field(doc, "layer", l, sizeof(l)),
+          field(doc, "position", p, sizeof(p)), field(doc, "block", b, sizeof(b)),
+          field(doc, "offset", o, sizeof(o)), field(doc, "slot", sl, sizeof(sl)));
+  print_record(out, doc);
+}
+
+void dsv4_ctl_print_entry(FILE *out, const json_t *doc) {
+  char s[160], l[32], j[32], r[32], w0[32], w1[32], b[32], o[32], sl[32];
+  const json_t *win = json_object_get(doc, "window");
+  dsv4_ctl_format_value(json_array_get(win, 0), w0, sizeof(w0));
+  dsv4_ctl_format_value(json_array_get(win, 1), w1, sizeof(w1));
+  fprintf(out,
+          "seq %s  layer %s  entry %s  ratio %s  positions %s-%s  block %s  offset %s  slot %s\n",
+          field(doc, "seq", s, sizeof(s)), field(doc, "layer", l, sizeof(l)),
+          field(doc, "entry", j, sizeof(j)), field(doc, "ratio", r, sizeof(r)), w0, w1,
+          field(doc, "block", b, sizeof(b)), field(doc, "offset", o, sizeof(o)),
+          field(doc, "slot", sl, sizeof(sl)));
+  print_record(out, doc);
+  const json_t *ix = json_object_get(doc, "index");
+  if (!json_is_object(ix))
+    return;
+  const json_t *codes = json_object_get(ix, "scale_codes"), *scales = json_object_get(ix, "scales");
+  const json_t *vals = json_object_get(ix, "values"), *nib = json_object_get(ix, "e2m1");
+  fprintf(out, "\nindex record (MXFP4)\n");
+  kv(out, "record_digest", field(ix, "record_digest", s, sizeof(s)));
+  for (size_t g = 0; g < json_array_size(codes); g++) {
+    char c[32], v[48];
+    const size_t block = 32, first = block * g;
+    dsv4_ctl_format_value(json_array_get(codes, g), c, sizeof(c));
+    dsv4_ctl_format_value(json_array_get(scales, g), v, sizeof(v));
+    fprintf(out, "\ndims %zu-%zu: scale code %s = %s\n", first, first + block - 1, c, v);
+    if (json_array_size(vals) >= first + block)
+      print_numbers(out, vals, first, block, 8, 0);
+    if (json_array_size(nib) >= first + block) {
+      fprintf(out, "  e2m1 nibbles:\n");
+      print_numbers(out, nib, first, block, 16, 1);
+    }
   }
 }
 

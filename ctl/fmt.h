@@ -46,6 +46,9 @@ void dsv4_ctl_print_cache(FILE *out, const json_t *doc);
 void dsv4_ctl_print_sequences(FILE *out, const json_t *doc);
 void dsv4_ctl_print_sequence(FILE *out, const json_t *doc);
 void dsv4_ctl_print_token(FILE *out, const json_t *doc);
+/* A compressed entry (GET /admin/v1/sequences/{seq}/entries/{j}): its record as a token's, then at
+ * ratio 4 its index record, block by block. */
+void dsv4_ctl_print_entry(FILE *out, const json_t *doc);
 void dsv4_ctl_print_checksums(FILE *out, const json_t *doc);
 
 /* One line describing a daemon's error answer: "404 unknown_sequence: message" (or the status and

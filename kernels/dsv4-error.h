@@ -43,7 +43,8 @@
   X(ECONNLIMIT, -31, "too many connections")                                                       \
   X(ESEQLIMIT, -32, "no free sequence slot (max_sequences)")                                       \
   X(EDIGEST, -33, "a digest does not match its records")                                           \
-  X(EGEOMETRY, -34, "the dump does not match this daemon's layout or geometry")
+  X(EGEOMETRY, -34, "the dump does not match this daemon's layout or geometry")                    \
+  X(ENOTEMITTED, -35, "compressed entry not emitted at this layer")
 
 typedef enum {
 #define DSV4__ERR_ENUM(name, val, msg) DSV4_##name = (val),

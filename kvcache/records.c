@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "dsv4-error.h"
+#include "dsv4-compress.h"
 #include "dsv4-numerics.h"
 
 #ifdef DSV4_HAVE_XXHASH
@@ -123,6 +124,22 @@ void dsv4_record_decode(const uint8_t rec[DSV4_RECORD_BYTES], dsv4_record_fields
     const uint8_t *p = rec + DSV4_NOPE_DIM + 2 * i;
     out->rope_bits[i] = (uint16_t)(p[0] | p[1] << 8);
     out->rope[i] = dsv4_bf16_to_f32(out->rope_bits[i]);
+  }
+}
+
+void dsv4_index_record_decode(const uint8_t rec[DSV4_INDEX_RECORD_BYTES],
+                              dsv4_index_fields_t *out) {
+  const uint8_t *sc = rec + DSV4_INDEX_VALUE_BYTES;
+  out->scale_codes = sc;
+  /* UE8M0 as the MX formats define it: 2^(code-127) for every code, code 0 included; 255 is NaN
+   * (the insert path writes 1..253 only, but a decode for people shows whatever is stored). */
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++)
+    out->scales[b] = sc[b] == 255 ? NAN : ldexp(1.0, sc[b] - 127);
+  for (int i = 0; i < DSV4_INDEX_DIM; i++) {
+    uint8_t nib = (uint8_t)(i & 1 ? rec[i / 2] >> 4 : rec[i / 2] & 15u);
+    out->nibbles[i] = nib;
+    /* An e2m1 value has at most two significant bits: the product is exact in double. */
+    out->values[i] = (double)dsv4_e2m1_to_f32(nib) * out->scales[i / DSV4_MXFP4_BLOCK];
   }
 }
 

@@ -108,6 +108,18 @@ typedef struct {
 
 void dsv4_record_decode(const uint8_t rec[DSV4_RECORD_BYTES], dsv4_record_fields_t *out);
 
+/* An index record's fields (SPEC §8.5: 64 bytes of e2m1 nibbles, element 2i in the low nibble of
+ * byte i, then the UE8M0 codes of the four 32-blocks), decoded for people (the admin plane's entry
+ * inspector). Doubles hold every value exactly. */
+typedef struct {
+  uint8_t nibbles[128];       /* element i's e2m1 nibble: bit 3 the sign, bits 0..2 the code */
+  const uint8_t *scale_codes; /* [4] the UE8M0 codes (inside the record) */
+  double scales[4];           /* 2^(code - 127); NaN for code 255 */
+  double values[128];         /* the nibble's value * its block's scale; NaN for a NaN scale */
+} dsv4_index_fields_t;
+
+void dsv4_index_record_decode(const uint8_t rec[DSV4_INDEX_RECORD_BYTES], dsv4_index_fields_t *out);
+
 /* ---- sequence snapshots --------------------------------------------------------------------- */
 
 /*

@@ -1,6 +1,7 @@
 /*
  * The admin plane (SPEC §6 admin routes, README "Admin API"): GET /admin/v1/cache, /sequences,
- * /sequences/{seq}, /sequences/{seq}/tokens/{pos}, /checksums and /config, the audit log line of
+ * /sequences/{seq}, /sequences/{seq}/tokens/{pos}, /sequences/{seq}/entries/{j}, /checksums and
+ * /config, the audit log line of
  * every admin call, and the route table (the dump lives in admin_dump.c, the restore and the admin
  * plane's delete in admin_restore.c).
  *
@@ -117,7 +118,7 @@ void dsv4__admin_seq_error(dsv4_daemon_t *d, dsv4_req_t *req, int rc, const char
 
 /* ---- the read jobs --------------------------------------------------------------------------- */
 
-typedef enum { AJ_CACHE, AJ_SEQUENCES, AJ_SEQUENCE, AJ_TOKEN, AJ_CHECKSUMS } aj_kind_t;
+typedef enum { AJ_CACHE, AJ_SEQUENCES, AJ_SEQUENCE, AJ_TOKEN, AJ_ENTRY, AJ_CHECKSUMS } aj_kind_t;
 
 typedef struct {
   dsv4_job_t job; /* first */
@@ -127,7 +128,7 @@ typedef struct {
   dsv4_admin_query_t q;
   char seq[DSV4_SEQ_NAME_MAX + 1];
   uint32_t seq_len;
-  int64_t pos;
+  int64_t pos; /* /tokens/{pos}: the position; /entries/{j}: the entry */
   int rc;
   char msg[160];
   json_t *details; /* merged into an error */
@@ -322,6 +323,46 @@ static void run_sequence(admin_job_t *j, const dsv4_seq_info_t *info) {
                 holder, "blocks", (json_int_t)held, "block_table", table);
 }
 
+/*
+ * A 584-byte record decoded into doc (SPEC §3): its fp8 bytes, scale codes and scales, dequantised
+ * NoPE values, RoPE bits and values, and its §3.1 digest with key (the position of an SWA record,
+ * the entry of a compressed one) in the position's place. The token and entry inspectors share it,
+ * so that both decode a record one way.
+ */
+static int record_json(json_t *doc, const uint8_t rec[DSV4_RECORD_BYTES], int64_t key) {
+  json_t *fp8 = json_array(), *nope = json_array(), *codes = json_array(), *scales = json_array();
+  json_t *rope_bits = json_array(), *rope = json_array();
+  dsv4_record_fields_t rf;
+  dsv4_record_decode(rec, &rf);
+  for (int t = 0; t < DSV4_NTILES; t++) {
+    json_array_append_new(codes, json_integer(rf.scale_codes[t]));
+    json_array_append_new(scales, num_json(rf.scales[t]));
+  }
+  for (int i = 0; i < DSV4_NOPE_DIM; i++) {
+    json_array_append_new(fp8, json_integer(rf.fp8[i]));
+    json_array_append_new(nope, num_json(rf.nope[i]));
+  }
+  for (int i = 0; i < DSV4_ROPE_DIM; i++) {
+    json_array_append_new(rope_bits, json_integer(rf.rope_bits[i]));
+    json_array_append_new(rope, num_json((double)rf.rope[i]));
+  }
+  dsv4_records_digest_t *rd;
+  uint64_t dig = 0;
+  int rc = dsv4_records_digest_create(&rd);
+  if (!rc) {
+    dsv4_records_digest_add(rd, key, rec);
+    dig = dsv4_records_digest_value(rd);
+    dsv4_records_digest_destroy(rd);
+  }
+  const char *const names[] = {"fp8",       "nope", "scale_codes",  "scales",
+                               "rope_bf16", "rope", "record_digest"};
+  json_t *vals[] = {fp8, nope, codes, scales, rope_bits, rope, hex_json(dig)};
+  for (size_t i = 0; i < sizeof(vals) / sizeof(vals[0]); i++)
+    if (json_object_set_new(doc, names[i], vals[i]) && !rc)
+      rc = DSV4_ENOMEM; /* set_new takes the reference even when it fails */
+  return rc;
+}
+
 static void run_token(admin_job_t *j, const dsv4_seq_info_t *info) {
   dsv4_daemon_t *d = j->d;
   const uint32_t bs = dsv4_engine_block_size(d->engine);
@@ -351,36 +392,79 @@ static void run_token(admin_job_t *j, const dsv4_seq_info_t *info) {
   if (j->rc)
     return;
   int64_t slot = dsv4_seq_slot(info, bs, j->pos);
-  json_t *fp8 = json_array(), *nope = json_array(), *codes = json_array(), *scales = json_array();
-  json_t *rope_bits = json_array(), *rope = json_array();
-  dsv4_record_fields_t rf;
-  dsv4_record_decode(rec, &rf);
-  for (int t = 0; t < DSV4_NTILES; t++) {
-    json_array_append_new(codes, json_integer(rf.scale_codes[t]));
-    json_array_append_new(scales, num_json(rf.scales[t]));
+  j->doc = json_pack("{s:s,s:s#,s:I,s:I,s:I,s:I,s:I}", "instance", d->instance, "seq", j->seq,
+                     (int)j->seq_len, "layer", (json_int_t)j->q.layer, "position",
+                     (json_int_t)j->pos, "block", (json_int_t)(slot / bs), "offset",
+                     (json_int_t)(slot % bs), "slot", (json_int_t)slot);
+  if (j->doc)
+    j->rc = record_json(j->doc, rec, j->pos);
+}
+
+/* A 68-byte index record decoded (SPEC §8.5): the e2m1 nibbles and their values, the four UE8M0
+ * codes and scales, and its digest [LE int64 j || record] as i_digest frames it. */
+static json_t *index_json(const uint8_t rec[DSV4_INDEX_RECORD_BYTES], int64_t entry, int *rc) {
+  json_t *nib = json_array(), *vals = json_array(), *codes = json_array(), *scales = json_array();
+  dsv4_index_fields_t f;
+  dsv4_index_record_decode(rec, &f);
+  for (int b = 0; b < 4; b++) {
+    json_array_append_new(codes, json_integer(f.scale_codes[b]));
+    json_array_append_new(scales, num_json(f.scales[b]));
   }
-  for (int i = 0; i < DSV4_NOPE_DIM; i++) {
-    json_array_append_new(fp8, json_integer(rf.fp8[i]));
-    json_array_append_new(nope, num_json(rf.nope[i]));
-  }
-  for (int i = 0; i < DSV4_ROPE_DIM; i++) {
-    json_array_append_new(rope_bits, json_integer(rf.rope_bits[i]));
-    json_array_append_new(rope, num_json((double)rf.rope[i]));
+  for (int i = 0; i < 128; i++) {
+    json_array_append_new(nib, json_integer(f.nibbles[i]));
+    json_array_append_new(vals, num_json(f.values[i]));
   }
   dsv4_records_digest_t *rd;
   uint64_t dig = 0;
-  j->rc = dsv4_records_digest_create(&rd);
-  if (!j->rc) {
-    dsv4_records_digest_add(rd, j->pos, rec);
+  *rc = dsv4_records_digest_create(&rd);
+  if (!*rc) {
+    dsv4_records_digest_add_index(rd, entry, rec);
     dig = dsv4_records_digest_value(rd);
     dsv4_records_digest_destroy(rd);
   }
-  j->doc = json_pack("{s:s,s:s#,s:I,s:I,s:I,s:I,s:I,s:o,s:o,s:o,s:o,s:o,s:o,s:o}", "instance",
-                     d->instance, "seq", j->seq, (int)j->seq_len, "layer", (json_int_t)j->q.layer,
-                     "position", (json_int_t)j->pos, "block", (json_int_t)(slot / bs), "offset",
-                     (json_int_t)(slot % bs), "slot", (json_int_t)slot, "fp8", fp8, "nope", nope,
-                     "scale_codes", codes, "scales", scales, "rope_bf16", rope_bits, "rope", rope,
-                     "record_digest", hex_json(dig));
+  return json_pack("{s:o,s:o,s:o,s:o,s:o}", "e2m1", nib, "values", vals, "scale_codes", codes,
+                   "scales", scales, "record_digest", hex_json(dig));
+}
+
+/* /entries/{j}: compressed entry j of a layer that runs the branch (SPEC §8.7), its record decoded
+ * as a token's is and, at ratio 4, its index record. */
+static void run_entry(admin_job_t *j, const dsv4_seq_info_t *info) {
+  dsv4_daemon_t *d = j->d;
+  const uint32_t bs = dsv4_engine_block_size(d->engine);
+  uint32_t idx = (uint32_t)dsv4_engine_layer_index(d->engine, j->q.layer);
+  dsv4_engine_entry_t en;
+  j->rc = dsv4_engine_read_entry(d->engine, j->seq, j->seq_len, idx, info, j->pos, &en);
+  if (j->rc == DSV4_ENOTEMITTED) {
+    if (en.j1 > en.j0)
+      snprintf(j->msg, sizeof(j->msg),
+               "entry %" PRId64 " was not emitted at layer %u: entries %" PRId64 "..%" PRId64
+               " are (ratio %u, next position %" PRId64 ")",
+               j->pos, j->q.layer, en.j0, en.j1 - 1, en.ratio, info->next[idx]);
+    else
+      snprintf(j->msg, sizeof(j->msg),
+               "entry %" PRId64 " was not emitted at layer %u: none is yet (ratio %u, next "
+               "position %" PRId64 ")",
+               j->pos, j->q.layer, en.ratio, info->next[idx]);
+    j->details =
+        json_pack("{s:s,s:I,s:I,s:I,s:I,s:I}", "seq", j->seq, "layer", (json_int_t)j->q.layer,
+                  "entry", (json_int_t)j->pos, "ratio", (json_int_t)en.ratio, "first_entry",
+                  (json_int_t)en.j0, "next_entry", (json_int_t)en.j1);
+    return;
+  }
+  if (j->rc)
+    return;
+  int64_t w = j->pos * en.ratio;
+  j->doc = json_pack("{s:s,s:s#,s:I,s:I,s:I,s:[I,I],s:I,s:I,s:I}", "instance", d->instance, "seq",
+                     j->seq, (int)j->seq_len, "layer", (json_int_t)j->q.layer, "ratio",
+                     (json_int_t)en.ratio, "entry", (json_int_t)j->pos, "window", (json_int_t)w,
+                     (json_int_t)(w + en.ratio - 1), "block", (json_int_t)en.block, "offset",
+                     (json_int_t)en.offset, "slot", (json_int_t)(en.block * bs + en.offset));
+  if (!j->doc)
+    return;
+  j->rc = record_json(j->doc, en.record, j->pos);
+  if (!j->rc && en.ratio == 4 &&
+      json_object_set_new(j->doc, "index", index_json(en.index, j->pos, &j->rc)) && !j->rc)
+    j->rc = DSV4_ENOMEM;
 }
 
 /* One sequence's digest entry at served layer idx. */
@@ -519,6 +603,9 @@ static void admin_run(dsv4_job_t *job) {
   case AJ_TOKEN:
     run_token(j, &info);
     break;
+  case AJ_ENTRY:
+    run_entry(j, &info);
+    break;
   case AJ_CHECKSUMS:
     run_checksums(j, have_info ? &info : NULL);
     break;
@@ -595,36 +682,76 @@ static void on_sequences(dsv4_req_t *req, void *ctx) {
   on_plain(req, ctx, AJ_SEQUENCES);
 }
 
-/* /admin/v1/sequences/{seq} and /admin/v1/sequences/{seq}/tokens/{pos}. */
+/*
+ * Loop thread: the layer of an /entries/{j} query must run the compressed branch; the refusal
+ * names why it does not (the model's ratio, compressed_branch, the weights or the backend).
+ */
+static int entry_layer_refused(dsv4_daemon_t *d, dsv4_req_t *req, uint32_t layer) {
+  if (dsv4_engine_layer_ratio(d->engine, layer))
+    return 0;
+  const dsv4_model_t *m = &d->cfg->model;
+  uint32_t r = layer < m->n_layers_total ? m->compress_ratios[layer] : 0;
+  char msg[320], why[160];
+  if (r < 2)
+    snprintf(why, sizeof(why), "compress ratio %u: an SWA-only layer", r);
+  else if (r != 4 && r != 128)
+    snprintf(why, sizeof(why), "compress ratio %u: the branch exists for ratios 4 and 128 only", r);
+  else
+    snprintf(why, sizeof(why),
+             "compress ratio %u, but this daemon serves its SWA part only (SPEC §8.9: "
+             "compressed_branch, the weights option or the backend)",
+             r);
+  snprintf(msg, sizeof(msg),
+           "layer %u has no compressed entries (%s); /tokens/{pos} decodes its SWA records", layer,
+           why);
+  dsv4_respond_error(req, DSV4_EUNSUPPORTED, msg,
+                     json_pack("{s:I,s:I}", "layer", (json_int_t)layer, "ratio", (json_int_t)r));
+  return 1;
+}
+
+/*
+ * /admin/v1/sequences/{seq}, /admin/v1/sequences/{seq}/tokens/{pos} and
+ * /admin/v1/sequences/{seq}/entries/{j}.
+ */
 static void on_sequence(dsv4_req_t *req, void *ctx) {
+  static const char tok[] = "/tokens/", ent[] = "/entries/";
   dsv4_daemon_t *d = ctx;
   const char *name = req->path + strlen("/admin/v1/sequences/");
   const char *slash = strchr(name, '/');
   size_t len = slash ? (size_t)(slash - name) : strlen(name);
   dsv4_admin_query_t q;
   uint64_t pos = 0;
-  int token = 0;
+  aj_kind_t kind = AJ_SEQUENCE;
   if (!dsv4_seq_name_valid(name, len)) {
     dsv4_respond_error(req, DSV4_EINVAL, "a sequence name must be " DSV4_SEQ_NAME_RULE, NULL);
     return;
   }
   if (slash) {
-    static const char tok[] = "/tokens/";
-    const char *p = slash + sizeof(tok) - 1;
-    if (strncmp(slash, tok, sizeof(tok) - 1) != 0) {
+    const char *p;
+    if (strncmp(slash, tok, sizeof(tok) - 1) == 0) {
+      kind = AJ_TOKEN;
+      p = slash + sizeof(tok) - 1;
+    } else if (strncmp(slash, ent, sizeof(ent) - 1) == 0) {
+      kind = AJ_ENTRY;
+      p = slash + sizeof(ent) - 1;
+    } else {
       dsv4_respond_error(req, DSV4_ENOTFOUND, "no such route", NULL);
       return;
     }
     if (dsv4_parse_decimal(p, strlen(p), DSV4_AQ_MAX_POSITION, &pos)) {
-      dsv4_respond_error(req, DSV4_EINVAL, "a position must be a non-negative decimal number",
+      dsv4_respond_error(req, DSV4_EINVAL,
+                         kind == AJ_TOKEN ? "a position must be a non-negative decimal number"
+                                          : "an entry must be a non-negative decimal number",
                          NULL);
       return;
     }
-    token = 1;
   }
-  if (dsv4__admin_query(d, req, token ? DSV4_AQ_LAYER : 0, token ? DSV4_AQ_LAYER : 0, &q))
+  unsigned lq = kind == AJ_SEQUENCE ? 0 : DSV4_AQ_LAYER;
+  if (dsv4__admin_query(d, req, lq, lq, &q))
     return;
-  admin_job_t *j = new_job(req, token ? AJ_TOKEN : AJ_SEQUENCE);
+  if (kind == AJ_ENTRY && entry_layer_refused(d, req, q.layer))
+    return;
+  admin_job_t *j = new_job(req, kind);
   if (!j)
     return;
   memcpy(j->seq, name, len);

@@ -41,7 +41,8 @@
   X(ECONNLIMIT, 503, "too_many_connections")                                                       \
   X(ESEQLIMIT, 503, "sequence_limit")                                                              \
   X(EDIGEST, 400, "digest_mismatch")                                                               \
-  X(EGEOMETRY, 409, "geometry_mismatch")
+  X(EGEOMETRY, 409, "geometry_mismatch")                                                           \
+  X(ENOTEMITTED, 404, "entry_not_emitted")
 
 dsv4_http_error_t dsv4_http_error(int err) {
   /* A switch over the enum without a default: -Wswitch (in -Wall) flags a code of dsv4-error.h that

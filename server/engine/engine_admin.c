@@ -103,6 +103,59 @@ int dsv4_engine_pool_digest(dsv4_engine_t *e, uint32_t idx, uint32_t layer, uint
   return rc ? rc : dsv4_pool_digest(&e->pool, layer, &src, pool, block_digests, used);
 }
 
+/* The entry caches as a records.h source (arg: the engine, idx: the served index). */
+static int entry_read(void *arg, uint32_t idx, uint64_t off, size_t n, void *dst) {
+  dsv4_engine_t *e = arg;
+  return dsv4__engine_buf_read(e, &e->c_cache[idx], off, n, dst);
+}
+
+/* Entry j's records out of the entry blocks c holds; j is emitted, so its block is held. */
+static int read_entry(dsv4_engine_t *e, uint32_t idx, const dsv4_seq_centries_t *c, int64_t j,
+                      dsv4_engine_entry_t *out) {
+  const uint32_t bs = e->p.block_size, k = out->ratio == 4 ? 0 : 1;
+  int64_t lb = j / bs - c->first_lb[k];
+  if (lb < 0 || lb >= c->n[k] || c->ids[k][lb] < 0)
+    return DSV4_EINVAL;
+  out->block = c->ids[k][lb];
+  out->offset = (uint32_t)(j % bs);
+  /* The entry table has the shape of an SWA block table (entry j at j / bs), so the record is
+   * read the way the token inspector reads a position's. */
+  dsv4_seq_info_t table = {
+      .first_lb = c->first_lb[k], .blocks = c->ids[k], .n_blocks_held = c->n[k]};
+  dsv4_layer_src_t src = {NULL, entry_read, e, idx, bs, e->stride};
+  if (e->be->ops->caps & DSV4_BE_HOST_MEMORY)
+    src.host = e->c_cache[idx].ptr;
+  int rc = dsv4_seq_records_read(&src, &table, j, 1, out->record, DSV4_RECORD_BYTES);
+  if (rc || out->ratio != 4)
+    return rc;
+  uint64_t base = (uint64_t)out->block * DSV4_INDEX_BLOCK_BYTES(bs);
+  rc = dsv4__engine_buf_read(e, &e->i_cache[idx], base + 64u * out->offset, 64, out->index);
+  return rc ? rc
+            : dsv4__engine_buf_read(e, &e->i_cache[idx], base + 64u * bs + 4u * out->offset, 4,
+                                    out->index + 64);
+}
+
+int dsv4_engine_read_entry(dsv4_engine_t *e, const char *name, uint32_t len, uint32_t idx,
+                           const dsv4_seq_info_t *info, int64_t j, dsv4_engine_entry_t *out) {
+  memset(out, 0, sizeof(*out));
+  out->ratio = e->c_ratio && idx < e->p.n_served ? e->c_ratio[idx] : 0;
+  if (!out->ratio)
+    return DSV4_EINVAL;
+  out->j0 = info->p0 / out->ratio;
+  out->j1 = info->next[idx] / out->ratio;
+  if (out->j1 < out->j0)
+    out->j1 = out->j0;
+  if (j < out->j0 || j >= out->j1)
+    return DSV4_ENOTEMITTED;
+  dsv4_seq_centries_t c;
+  int rc = dsv4_seqtable_centries(e->st, name, len, &c);
+  if (rc)
+    return rc;
+  rc = read_entry(e, idx, &c, j, out);
+  dsv4_seq_centries_free(&c);
+  return rc;
+}
+
 int dsv4_engine_pin(dsv4_engine_t *e, const dsv4_seq_info_t *info) {
   for (uint32_t i = 0; i < info->n_blocks_held; i++) {
     if (info->blocks[i] < 0)

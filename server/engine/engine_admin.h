@@ -79,6 +79,31 @@ int dsv4_engine_pool_digest(dsv4_engine_t *e, uint32_t idx, uint32_t layer, uint
                             uint64_t *block_digests, uint8_t *used);
 
 /*
+ * One compressed entry of a sequence (SPEC §8.7), for the admin plane's entry inspector: its
+ * 584-byte record, at ratio 4 its 68-byte index record (64 value bytes, then the 4 codes), and
+ * where it lives. ratio, j0 and j1 are set whenever the layer runs the branch, so that a refusal
+ * can say which entries exist.
+ */
+typedef struct {
+  uint32_t ratio;  /* 4 or 128 */
+  int64_t j0, j1;  /* the emitted entries [j0, j1): floor(p0 / r) .. floor(next / r) */
+  int64_t block;   /* the entry block of the layer's pool (c4 or c128) */
+  uint32_t offset; /* the entry's offset in it, j % block_size */
+  uint8_t record[DSV4_RECORD_BYTES];
+  uint8_t index[DSV4_INDEX_RECORD_BYTES]; /* ratio 4 only */
+} dsv4_engine_entry_t;
+
+/*
+ * Read entry j of sequence name at served layer idx, given the sequence's snapshot info (its p0
+ * and next positions; the caller took it in the same executor turn). Returns 0, DSV4_EINVAL when
+ * the layer does not run the branch (out->ratio 0), DSV4_ENOTEMITTED when j is not an emitted
+ * entry (outside [out->j0, out->j1)), DSV4_ENOSEQ / DSV4_EEXPIRED, DSV4_ENOMEM or the backend's
+ * read error. Reads only: nothing changes.
+ */
+int dsv4_engine_read_entry(dsv4_engine_t *e, const char *name, uint32_t len, uint32_t idx,
+                           const dsv4_seq_info_t *info, int64_t j, dsv4_engine_entry_t *out);
+
+/*
  * Pin the blocks a snapshot holds (its -1 holes skipped), so that a release, a delete or an expiry
  * defers their return to the pool until the unpin: their bytes stay as the snapshot saw them. All
  * or nothing. The unpin takes the same snapshot.

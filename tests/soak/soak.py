@@ -5,7 +5,14 @@ SWA layers 0 and 1, the ratio-4 layer 2 and the ratio-128 layer 3 with their com
 prefills of 16..200 tokens and decode steps asking for attn, lse, topk and the digest, deleting a
 sequence past 1,500 tokens; an admin client dumps a live sequence, restores it under another name
 and deletes the copy, every two seconds. Every answer must be 200 (or 503 with Retry-After, counted
-apart); the daemon's resident memory and open descriptors are sampled every 10 s.
+apart). The daemon's resident memory and open descriptors are sampled every --sample-s seconds
+(default 10) and the whole series is printed, then a verdict on each: the second half's maximum
+against the first half's, "flat" when it grew by at most --flat-mib MiB or --flat-pct percent of
+the first half's maximum, whichever is larger (descriptors: 2 or that percentage), else "RISING".
+Memory that rises while the load first touches the pools and then stays flat is warm-up; memory
+still rising in the second half is what a leak looks like. The verdict is printed for the reader
+(and NOTES.md), not counted in the pass/fail line: a run too short for the pools to fill rises
+without leaking.
 
 Phase 2, --sigterms drains under load with snapshot_dir: each cycle starts the daemon on the same
 snapshot directory, checks that every sequence the clients saw answered is back (its next position
@@ -14,6 +21,7 @@ loads it for two seconds and sends SIGTERM while the clients keep sending. Every
 accepted must be answered (a connection refused after the listener closed is not accepted).
 
 Usage: /usr/bin/python3 tests/soak/soak.py <dsv4d> <dsv4_ref.py> [--minutes M] [--sigterms K]
+       [--sample-s S] [--flat-mib X] [--flat-pct P]
 """
 
 import argparse
@@ -159,6 +167,37 @@ def sample(pid):
     return rss, len(os.listdir("/proc/%d/fd" % pid))
 
 
+def print_series(label, values, width=100):
+    """values on as many lines as they need, each at most width characters."""
+    line = "  %s:" % label
+    for v in values:
+        if len(line) + 1 + len(v) > width:
+            print(line)
+            line = " " * 4
+        line += " " + v
+    print(line)
+
+
+def plateau(what, series, fmt, abs_tol, pct):
+    """The verdict on one sampled series [(seconds, value)]: the second half's maximum (samples past
+    the middle of the run) against the first half's; fmt formats a value or a difference. Returns
+    "flat", "RISING" or "too short"."""
+    mid = series[-1][0] / 2.0
+    first = [v for t, v in series if t <= mid]
+    second = [v for t, v in series if t > mid]
+    if len(first) < 2 or len(second) < 2:
+        print("  %s: too few samples for a verdict (%d, %d)" % (what, len(first), len(second)))
+        return "too short"
+    m1, m2 = max(first), max(second)
+    tol = max(abs_tol, m1 * pct / 100.0)
+    verdict = "flat" if m2 - m1 <= tol else "RISING"
+    print("  %s: max %s in the first half (%d samples), %s in the second (%d): %s%s (%+.1f %%), "
+          "flat up to +%s: %s" %
+          (what, fmt % m1, len(first), fmt % m2, len(second), "+" if m2 >= m1 else "",
+           fmt % (m2 - m1), 100.0 * (m2 - m1) / m1 if m1 else 0.0, fmt % tol, verdict))
+    return verdict
+
+
 def mixed_load(args, work, weights):
     tally = Tally()
     clients = [Client("m%d" % i, 100 + i, tally) for i in range(2)]
@@ -170,21 +209,29 @@ def mixed_load(args, work, weights):
         threads.append(threading.Thread(target=admin_loop, args=(d, clients, tally, stop)))
         for t in threads:
             t.start()
-        t_end = time.monotonic() + args.minutes * 60
+        t0 = time.monotonic()
+        t_end = t0 + args.minutes * 60
         while time.monotonic() < t_end:
-            samples.append(sample(d.proc.pid))
-            time.sleep(min(10.0, max(0.0, t_end - time.monotonic())))
-        samples.append(sample(d.proc.pid))
+            samples.append((time.monotonic() - t0,) + sample(d.proc.pid))
+            time.sleep(min(args.sample_s, max(0.0, t_end - time.monotonic())))
+        samples.append((time.monotonic() - t0,) + sample(d.proc.pid))
         for c in clients:
             c.stop.set()
         stop.set()
         for t in threads:
             t.join()
-    rss = [s[0] for s in samples]
-    fds = [s[1] for s in samples]
+    rss = [(t, r / 1024.0) for t, r, _ in samples]
+    fds = [(t, f) for t, _, f in samples]
     print("mixed load: %.1f min, %s" % (args.minutes, dict(sorted(tally.counts.items()))))
-    print("  RSS kB first %d, max %d, last %d; open fds first %d, max %d, last %d" %
-          (rss[0], max(rss), rss[-1], fds[0], max(fds), fds[-1]))
+    print("  RSS MiB first %.1f, max %.1f, last %.1f; open fds first %d, max %d, last %d" %
+          (rss[0][1], max(v for _, v in rss), rss[-1][1], fds[0][1], max(v for _, v in fds),
+           fds[-1][1]))
+    print("  %d samples, every %g s (the last at %.0f s)" % (len(samples), args.sample_s,
+                                                           samples[-1][0]))
+    print_series("RSS MiB", ["%.1f" % v for _, v in rss])
+    print_series("open fds", ["%d" % v for _, v in fds])
+    plateau("RSS", rss, "%.1f MiB", args.flat_mib, args.flat_pct)
+    plateau("open fds", fds, "%.0f", 2.0, args.flat_pct)
     for e in tally.errors:
         print("  error:", e)
     return not any(k in tally.counts for k in ("error", "unanswered", "admin error"))
@@ -254,6 +301,12 @@ def main():
     ap.add_argument("ref")
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--sigterms", type=int, default=20)
+    ap.add_argument("--sample-s", type=float, default=10.0,
+                    help="seconds between two samples of RSS and open descriptors (default 10)")
+    ap.add_argument("--flat-mib", type=float, default=4.0,
+                    help="RSS growth of the second half still called flat, in MiB (default 4)")
+    ap.add_argument("--flat-pct", type=float, default=5.0,
+                    help="or this percentage of the first half's maximum, if larger (default 5)")
     args = ap.parse_args()
     h.DAEMON, h.REF_PATH = os.path.abspath(args.daemon), os.path.abspath(args.ref)
     work = tempfile.mkdtemp(prefix="dsv4d-soak-")

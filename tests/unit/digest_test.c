@@ -5,6 +5,7 @@
  * values are built here by hand from the SPEC's byte layout (literal offsets, not the layout
  * macros) and hashed with XXH3_64bits in one shot.
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -240,6 +241,40 @@ static void test_record_decode(void **state) {
   assert_int_equal(f.rope_bits[1], 0xc000);
   assert_true(f.rope[0] == 1.0f && f.rope[1] == -2.0f);
   assert_int_equal(f.rope_bits[63], 0x403f);
+}
+
+/* SPEC §8.5's index record: element 2i in the low nibble of byte i, 2i+1 in the high one, the
+ * e2m1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} with bit 3 the sign, each 32-block scaled by its UE8M0
+ * code at byte 64 + block. */
+static void test_index_record_decode(void **state) {
+  (void)state;
+  static const double grid[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  uint8_t rec[68];
+  for (int i = 0; i < 64; i++)
+    rec[i] = (uint8_t)(i * 29 + 7);
+  rec[0] = 0x9f;  /* element 0: 0xf = -6; element 1: 0x9 = -0.5 */
+  rec[16] = 0x08; /* element 32: -0 (sign bit alone); element 33: +0 */
+  const uint8_t codes[4] = {127, 130, 0, 255};
+  memcpy(rec + 64, codes, 4);
+  dsv4_index_fields_t f;
+  dsv4_index_record_decode(rec, &f);
+  assert_ptr_equal(f.scale_codes, rec + 64);
+  assert_true(f.scales[0] == 1.0 && f.scales[1] == 8.0 && f.scales[2] == 0x1p-127);
+  assert_true(f.scales[3] != f.scales[3]); /* code 255 is NaN */
+  assert_int_equal(f.nibbles[0], 0xf);
+  assert_int_equal(f.nibbles[1], 0x9);
+  assert_true(f.values[0] == -6.0 && f.values[1] == -0.5);
+  assert_int_equal(f.nibbles[32], 0x8);
+  assert_true(f.values[32] == 0.0 && signbit(f.values[32]));
+  assert_true(f.values[33] == 0.0 && !signbit(f.values[33]));
+  for (int i = 2; i < 96; i++) {
+    uint8_t nib = (uint8_t)(i & 1 ? rec[i / 2] >> 4 : rec[i / 2] & 15);
+    double want = ldexp((nib & 8 ? -1.0 : 1.0) * grid[nib & 7], codes[i / 32] - 127);
+    assert_int_equal(f.nibbles[i], nib);
+    assert_true(f.values[i] == want && signbit(f.values[i]) == signbit(want));
+  }
+  for (int i = 96; i < 128; i++)
+    assert_true(f.values[i] != f.values[i]); /* every value of the NaN-scaled block */
 }
 
 static void test_hex(void **state) {
@@ -621,6 +656,7 @@ int main(void) {
       cmocka_unit_test(test_record_implausible),
       cmocka_unit_test(test_seq_records_read),
       cmocka_unit_test(test_record_decode),
+      cmocka_unit_test(test_index_record_decode),
       cmocka_unit_test(test_hex),
       cmocka_unit_test(test_stored_range_and_slot),
 #ifdef DSV4_HAVE_XXHASH

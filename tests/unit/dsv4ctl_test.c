@@ -202,6 +202,12 @@ static void test_args_commands(void **state) {
   assert_int_equal(parse(&a, NULL, NULL, "--layer=0", "token", "s", "0", NULL), 0);
   assert_int_equal(a.layer, 0);
   assert_int_equal(a.pos, 0);
+  assert_int_equal(parse(&a, NULL, NULL, "entry", "s", "38", "--layer", "2", NULL), 0);
+  assert_int_equal(a.cmd, DSV4_CTL_CMD_ENTRY);
+  assert_string_equal(a.seq, "s");
+  assert_int_equal(a.pos, 38);
+  assert_int_equal(a.has_layer, 1);
+  assert_int_equal(a.layer, 2);
 
   assert_int_equal(parse(&a, NULL, NULL, "checksum", "--layer", "43", NULL), 0);
   assert_int_equal(a.cmd, DSV4_CTL_CMD_CHECKSUM);
@@ -277,6 +283,11 @@ static void test_args_errors(void **state) {
                "0");
   EXPECT_USAGE("token needs --layer", "token", "s", "5");
   EXPECT_USAGE("--layer \"x\"", "token", "s", "5", "--layer", "x");
+  EXPECT_USAGE("usage: entry SEQ J", "entry", "s", "--layer", "2");
+  EXPECT_USAGE("entry \"-1\"", "entry", "s", "-1", "--layer", "2");
+  EXPECT_USAGE("entry needs --layer", "entry", "s", "5");
+  EXPECT_USAGE("not a sequence name", "entry", "a/b", "5", "--layer", "2");
+  EXPECT_USAGE("seq takes no --layer", "seq", "--layer", "2");
   EXPECT_USAGE("--layer \"-1\"", "checksum", "--layer", "-1");
   EXPECT_USAGE("checksum needs --layer", "checksum");
   EXPECT_USAGE("use --seq", "checksum", "--layer", "0", "s");
@@ -494,6 +505,62 @@ static void test_views(void **state) {
       strstr(s, "\nRoPE (64 values):\n     0:               0           -0.25            -0.5"));
   assert_non_null(strstr(s, "    48: beb0 beb1"));
   free(s);
+}
+
+/* An entry: its head, its record as a token's, then at ratio 4 the index record by 32-blocks. */
+static void test_print_entry(void **state) {
+  (void)state;
+  json_t *doc = json_pack("{s:s, s:i, s:i, s:i, s:[i,i], s:i, s:i, s:i, s:s}", "seq", "a", "layer",
+                          2, "ratio", 4, "entry", 38, "window", 152, 155, "block", 9, "offset", 6,
+                          "slot", 150, "record_digest", "00000000000000e1");
+  json_t *codes = json_array(), *scales = json_array(), *nope = json_array();
+  for (int g = 0; g < 7; g++) {
+    json_array_append_new(codes, json_integer(127));
+    json_array_append_new(scales, json_real(1.0));
+  }
+  for (int i = 0; i < 448; i++)
+    json_array_append_new(nope, json_real(i));
+  json_object_set_new(doc, "scale_codes", codes);
+  json_object_set_new(doc, "scales", scales);
+  json_object_set_new(doc, "nope", nope);
+  json_t *ix = json_pack("{s:s}", "record_digest", "00000000000000f2");
+  json_t *icodes = json_array(), *iscales = json_array(), *vals = json_array(), *nib = json_array();
+  for (int b = 0; b < 4; b++) {
+    json_array_append_new(icodes, json_integer(125 + b));
+    json_array_append_new(iscales, json_real(0.25 * (1 << b)));
+  }
+  for (int i = 0; i < 128; i++) {
+    json_array_append_new(vals, json_real(i % 2 ? -1.5 : 6.0));
+    json_array_append_new(nib, json_integer(i % 2 ? 0xb : 0x7));
+  }
+  json_object_set_new(ix, "scale_codes", icodes);
+  json_object_set_new(ix, "scales", iscales);
+  json_object_set_new(ix, "values", vals);
+  json_object_set_new(ix, "e2m1", nib);
+  json_object_set_new(doc, "index", ix);
+  capture_t c;
+  cap_open(&c);
+  dsv4_ctl_print_entry(c.f, doc);
+  char *s = cap_close(&c);
+  assert_non_null(strstr(
+      s, "seq a  layer 2  entry 38  ratio 4  positions 152-155  block 9  offset 6  slot 150\n"
+         "record_digest    00000000000000e1\n"));
+  assert_non_null(strstr(s, "\nNoPE dims 384-447: scale code 127 = 1\n"));
+  assert_non_null(strstr(s, "\nindex record (MXFP4)\nrecord_digest    00000000000000f2\n"));
+  assert_non_null(strstr(s, "\ndims 0-31: scale code 125 = 0.25\n"));
+  assert_non_null(strstr(s, "\ndims 96-127: scale code 128 = 2\n"));
+  assert_non_null(strstr(s, "    96:               6            -1.5               6"));
+  assert_non_null(strstr(s, "  e2m1 nibbles:\n    96: 7 b 7 b"));
+  free(s);
+  /* At ratio 128 there is no index record to show. */
+  json_object_del(doc, "index");
+  cap_open(&c);
+  dsv4_ctl_print_entry(c.f, doc);
+  s = cap_close(&c);
+  assert_null(strstr(s, "index record"));
+  assert_non_null(strstr(s, "record_digest    00000000000000e1\n"));
+  free(s);
+  json_decref(doc);
 }
 
 /* ---- dumps built here ---------------------------------------------------------------------- */
@@ -1127,8 +1194,9 @@ static void test_client_json_and_errors(void **state) {
 static void test_client_targets_and_token(void **state) {
   (void)state;
   const char *ok = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}";
-  script_t s[3] = {{ok, strlen(ok), 0}, {ok, strlen(ok), 0}, {ok, strlen(ok), 0}};
-  serve_start(3, s);
+  script_t s[4] = {
+      {ok, strlen(ok), 0}, {ok, strlen(ok), 0}, {ok, strlen(ok), 0}, {ok, strlen(ok), 0}};
+  serve_start(4, s);
   char tok[] = "/tmp/dsv4ctl-token-XXXXXX";
   int fd = mkstemp(tok);
   assert_true(fd >= 0);
@@ -1142,6 +1210,13 @@ static void test_client_targets_and_token(void **state) {
                    0);
   assert_non_null(
       strstr(srv.request, "GET /prefix/admin/v1/sequences/q.1/tokens/77?layer=3 HTTP/1.1\r\n"));
+  free(out);
+  free(err);
+  assert_int_equal(run_cmd(&out, &err, "--admin", url, "--token-file", tok, "entry", "q.1", "19",
+                           "--layer", "2", NULL),
+                   0);
+  assert_non_null(
+      strstr(srv.request, "GET /prefix/admin/v1/sequences/q.1/entries/19?layer=2 HTTP/1.1\r\n"));
   assert_non_null(strstr(srv.request, "\r\nAuthorization: Bearer s3cr3t-T0ken\r\n"));
   char host[64];
   snprintf(host, sizeof(host), "\r\nHost: 127.0.0.1:%d\r\n", srv.port);
@@ -1391,6 +1466,7 @@ int main(void) {
       cmocka_unit_test(test_args_errors),
       cmocka_unit_test(test_table),
       cmocka_unit_test(test_views),
+      cmocka_unit_test(test_print_entry),
       cmocka_unit_test(test_verify_good),
       cmocka_unit_test(test_verify_mismatch),
       cmocka_unit_test(test_verify_gapped_layers),

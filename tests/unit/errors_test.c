@@ -68,6 +68,7 @@ static void test_spec_table(void **state) {
   expect(DSV4_EDUMPBUSY, 429, "dump_in_progress");
   expect(DSV4_ENOTWRITTEN, 404, "position_not_written");
   expect(DSV4_ERELEASED, 410, "position_released");
+  expect(DSV4_ENOTEMITTED, 404, "entry_not_emitted");
   /* The data plane's connection limit. */
   expect(DSV4_ECONNLIMIT, 503, "too_many_connections");
   expect(DSV4_ESEQLIMIT, 503, "sequence_limit");
