@@ -245,8 +245,13 @@ typedef struct dsv4_backend_ops {
   /* A zero-filled device allocation. */
   int (*buf_alloc)(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out);
   void (*buf_free)(dsv4_backend_t *be, dsv4_devbuf_t *buf);
+  /* Queue a copy of n host bytes into dst at off. src may be reused once the call returns, except
+   * memory given to host_register: a backend may read it in place until the next sync, so the
+   * caller leaves it unchanged until then. */
   int (*upload)(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
                 size_t n);
+  /* Copy n bytes of src at off into host dst, after everything queued before; the bytes are in
+   * dst when the call returns. */
   int (*download)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n);
   int (*map_slots)(dsv4_backend_t *be, const dsv4_map_args_t *a);
   int (*qkv_insert)(dsv4_backend_t *be, const dsv4_insert_args_t *a);
@@ -265,10 +270,12 @@ typedef struct dsv4_backend_ops {
                         void *arg, size_t n_items);
   /*
    * Optional, both or neither (NULL: the backend copies from any host memory as fast, as the CPU
-   * does). Make the n bytes of host memory at p, a shared region a client maps with the daemon
-   * (SPEC §6.1), memory the device copies from and to directly (CUDA: cudaHostRegister), until
+   * does). Make the n bytes of host memory at p (a shared region a client maps with the daemon,
+   * SPEC §6.1, or the daemon's page-locked pool) memory the device copies from and to directly
+   * (CUDA: cudaHostRegister; uploads from it and downloads into it skip the staging), until
    * host_unregister(p). Called once per region, not per batch; p stays mapped until after
-   * host_unregister returns.
+   * host_unregister returns, which the caller calls only after a sync that follows its last copy
+   * from or to p.
    */
   int (*host_register)(dsv4_backend_t *be, void *p, size_t n);
   void (*host_unregister)(dsv4_backend_t *be, void *p);

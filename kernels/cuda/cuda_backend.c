@@ -12,9 +12,13 @@
  * an event per half, recorded when the uploads move on to the other half, says when its bytes may
  * be overwritten.
  * A download queues the DMA into a half, waits for it and copies out, alternating halves so that
- * the copy-out of one piece overlaps the DMA of the next. Pinned memory crosses PCIe several times
- * faster than pageable memory (see tests/bench/NOTES.md, "Figures formerly quoted in kernel
- * comments", cuda_backend: pinned staging); large copies into and out of it run on the host threads
+ * the copy-out of one piece overlaps the DMA of the next. Memory given to host_register (shared
+ * regions, the daemon's page-locked pool of request bodies and answers) skips the staging: an
+ * upload from it queues the DMA straight from the caller's bytes (which stay unchanged until the
+ * next sync, backend.h), a download into it queues the DMA straight into them and waits for it.
+ * Pinned memory crosses PCIe several times faster than pageable memory (see tests/bench/NOTES.md,
+ * "Figures formerly quoted in kernel comments", cuda_backend: pinned staging); large copies into
+ * and out of it run on the host threads
  * (`threads`, the CPU backend's pool), which also validate batches.
  *
  * RoPE rows: per host table (rope.h), a dense device mirror of max_positions rows, allocated at the
@@ -38,6 +42,7 @@
  */
 #include "cuda_backend.h"
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +67,9 @@
 #define COPY_PIECE ((size_t)128 << 10)
 /* Host tables mirrored at once: the engine has two (plain and YaRN). */
 #define MAX_MIRRORS 8
+/* Host ranges given to host_register that copies use in place; past this many, a range is still
+ * registered but copies to and from it go through the staging. */
+#define MAX_REGISTERED 64
 #define ROPE_ROW_BYTES (DSV4_ROPE_ROW_FLOATS * sizeof(float))
 
 typedef struct {
@@ -95,6 +103,14 @@ typedef struct {
   int attn_pending;        /* a launch that checks on the device since the last sync */
   uint32_t *keys;          /* device: the indexer's score keys */
   uint64_t keys_len;
+  /* The ranges of host_register, which copies use in place. The list is changed by host_register
+   * and host_unregister and read by every copy, possibly on other threads: under reg_lock. */
+  pthread_mutex_t reg_lock;
+  struct {
+    const uint8_t *p;
+    size_t n;
+  } reg[MAX_REGISTERED];
+  int n_reg;
 } cuda_backend_t;
 
 static cuda_backend_t *cuda_of(dsv4_backend_t *be) {
@@ -163,10 +179,24 @@ static int stage_take(cuda_backend_t *c, size_t n, uint8_t **p) {
   return 0;
 }
 
-/* Queue a copy of n host bytes to device address dst; returns once src may be reused. */
+/* Whether the n bytes at p lie inside one range given to host_register. */
+static int registered(cuda_backend_t *c, const void *p, size_t n) {
+  const uint8_t *b = p;
+  int in = 0;
+  pthread_mutex_lock(&c->reg_lock);
+  for (int i = 0; i < c->n_reg && !in; i++)
+    in = b >= c->reg[i].p && n <= c->reg[i].n && (size_t)(b - c->reg[i].p) <= c->reg[i].n - n;
+  pthread_mutex_unlock(&c->reg_lock);
+  return in;
+}
+
+/* Queue a copy of n host bytes to device address dst; returns once src may be reused, except from
+ * registered memory, which the DMA reads in place (it stays unchanged until the next sync). */
 static int h2d(cuda_backend_t *c, void *dst, const void *src, size_t n) {
   const uint8_t *s = src;
   uint8_t *d = dst;
+  if (n && registered(c, src, n))
+    return cu(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream));
   while (n) {
     size_t k = n < STAGE_HALF ? n : STAGE_HALF;
     uint8_t *p;
@@ -194,6 +224,14 @@ static int d2h(cuda_backend_t *c, void *dst, const void *src, size_t n) {
    * uploads, so they are not reset either. */
   if (n == 0)
     return 0;
+  if (registered(c, dst, n)) {
+    int rc = cu(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream));
+    if (!rc)
+      rc = cu(cudaStreamSynchronize(c->stream));
+    if (!rc)
+      stage_reset(c);
+    return rc;
+  }
   const uint8_t *s = src;
   uint8_t *d = dst, *prev_dst = NULL;
   size_t prev_n = 0;
@@ -314,6 +352,7 @@ static void cuda_destroy(dsv4_backend_t *be) {
   (void)cudaGetLastError();
   if (c->pool)
     dsv4_host_pool_destroy(c->pool);
+  pthread_mutex_destroy(&c->reg_lock);
   free(c);
 }
 
@@ -510,15 +549,36 @@ static void cuda_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t 
   dsv4_host_pool_run_balanced(cuda_of(be)->pool, fn, arg, n_items);
 }
 
-/* A shared region (SPEC §6.1) page-locked in place, so that copies from and to it are DMA. The
- * staging path does not use it yet: it still copies through the pinned halves. */
+/* Host memory (a shared region, SPEC §6.1, or the daemon's pool) page-locked in place, and listed
+ * so that copies from and to it are DMA in place. */
 static int cuda_host_register(dsv4_backend_t *be, void *p, size_t n) {
-  int rc = use_device(cuda_of(be));
-  return rc ? rc : cu(cudaHostRegister(p, n, cudaHostRegisterDefault));
+  cuda_backend_t *c = cuda_of(be);
+  int rc = use_device(c);
+  if (!rc)
+    rc = cu(cudaHostRegister(p, n, cudaHostRegisterDefault));
+  if (rc)
+    return rc;
+  pthread_mutex_lock(&c->reg_lock);
+  if (c->n_reg < MAX_REGISTERED) {
+    c->reg[c->n_reg].p = p;
+    c->reg[c->n_reg].n = n;
+    c->n_reg++;
+  }
+  pthread_mutex_unlock(&c->reg_lock);
+  return 0;
 }
 
+/* The caller has synced since its last copy from or to p (backend.h): no DMA reads it now. */
 static void cuda_host_unregister(dsv4_backend_t *be, void *p) {
-  if (use_device(cuda_of(be)) == 0)
+  cuda_backend_t *c = cuda_of(be);
+  pthread_mutex_lock(&c->reg_lock);
+  for (int i = 0; i < c->n_reg; i++)
+    if (c->reg[i].p == p) {
+      c->reg[i] = c->reg[--c->n_reg];
+      break;
+    }
+  pthread_mutex_unlock(&c->reg_lock);
+  if (use_device(c) == 0)
     (void)cu(cudaHostUnregister(p));
 }
 
@@ -574,6 +634,7 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
   c->ops = cuda_ops;
   c->base.ops = &c->ops;
   c->dev = 0;
+  pthread_mutex_init(&c->reg_lock, NULL);
   if ((e = cudaSetDevice(c->dev)) != cudaSuccess)
     return fail(c, e, "cudaSetDevice(0)", why, why_len);
   if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {

@@ -1,7 +1,8 @@
 /*
  * The CUDA backend's host glue without the engine: zero-filled allocations, uploads and downloads
  * through the pinned two-half staging (pieces smaller than, equal to and larger than a half, many
- * small uploads that wrap both halves before one download), and argument checks. Needs a CUDA
+ * small uploads that wrap both halves before one download), copies from and to registered host
+ * memory (in place, and ranges that reach past a registered one), and argument checks. Needs a CUDA
  * device: without one it prints "skipped" and exits 77.
  */
 #include <setjmp.h>
@@ -86,6 +87,56 @@ static void test_zero_fill_and_round_trips(void **state) {
   dsv4_backend_close(be);
 }
 
+/*
+ * Registered host memory (host_register): uploads read it in place and downloads write it in
+ * place. Uploads from it queued back to back, each from its own piece, land as written once synced;
+ * a download into it has its bytes when it returns; a range that starts inside the registered
+ * memory and ends past it takes the staging and is right too; after host_unregister the same
+ * memory is copied through the staging.
+ */
+static void test_registered_memory(void **state) {
+  (void)state;
+  dsv4_backend_t *be = open_cuda();
+  const size_t size = 24 * MIB, page = 4096;
+  dsv4_devbuf_t buf = {0};
+  uint8_t *reg = aligned_alloc(page, size + page), *back = aligned_alloc(page, size);
+  assert_non_null(reg);
+  assert_non_null(back);
+  assert_int_equal(be->ops->buf_alloc(be, size + page, &buf), 0);
+  assert_int_equal(be->ops->host_register(be, reg, size), 0);
+  assert_int_equal(be->ops->host_register(be, back, size), 0);
+  for (size_t j = 0; j < 24; j++) {
+    for (size_t i = 0; i < MIB; i++)
+      reg[j * MIB + i] = pattern(200 + j, i);
+    assert_int_equal(be->ops->upload(be, &buf, j * MIB, reg + j * MIB, MIB), 0);
+  }
+  assert_int_equal(be->ops->sync(be), 0);
+  memset(back, 0xEE, size);
+  assert_int_equal(be->ops->download(be, back, &buf, 0, size), 0);
+  assert_memory_equal(back, reg, size);
+  /* Inside, then straddling the end of the registered range (the last page is not registered). */
+  for (size_t i = 0; i < size + page; i++)
+    reg[i] = pattern(300, i);
+  assert_int_equal(be->ops->upload(be, &buf, 0, reg + size - MIB, MIB + page), 0);
+  memset(back, 0xEE, size);
+  assert_int_equal(be->ops->download(be, back + 7, &buf, 0, MIB + page), 0);
+  assert_memory_equal(back + 7, reg + size - MIB, MIB + page);
+  be->ops->host_unregister(be, reg);
+  be->ops->host_unregister(be, back);
+  for (size_t i = 0; i < MIB; i++)
+    reg[i] = pattern(400, i);
+  assert_int_equal(be->ops->upload(be, &buf, 3, reg, MIB), 0);
+  memset(reg, 0, MIB); /* the staging copied it: the device keeps the pattern */
+  assert_int_equal(be->ops->download(be, back, &buf, 3, MIB), 0);
+  for (size_t i = 0; i < MIB; i += 997)
+    assert_int_equal(back[i], pattern(400, i));
+  assert_int_equal(be->ops->sync(be), 0);
+  be->ops->buf_free(be, &buf);
+  free(reg);
+  free(back);
+  dsv4_backend_close(be);
+}
+
 static void test_argument_checks(void **state) {
   (void)state;
   dsv4_backend_t *be = open_cuda();
@@ -112,6 +163,7 @@ int main(void) {
     return 77;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_zero_fill_and_round_trips),
+      cmocka_unit_test(test_registered_memory),
       cmocka_unit_test(test_argument_checks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
