@@ -12,7 +12,12 @@
  * The windows are written by the real slot map and insert first. Each graph cycles through input
  * sets whose bytes together are at least twice the L2, so no call finds its records in the cache.
  *
- * Usage: cuda_attn_bench [heads...]   (default 64; DSV4_BENCH_N="1,128" picks batch sizes)
+ * Rows: decode steps of b = 1, 16, 64, 128, 256 sequences, then one prefill call of 16 fresh
+ * sequences x 1024 tokens ("16x1024": its FLOP count the candidates each token has, 1 to 128, and
+ * its bytes each record once).
+ *
+ * Usage: cuda_attn_bench [heads...]   (default 64; DSV4_BENCH_N="1,128" picks batch sizes and
+ * leaves out the prefill row)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -130,21 +135,32 @@ static void insert(const attn_plan_t *p, void *const seg[4], uint32_t n, const i
   free(hkv);
 }
 
-static void bench(uint32_t heads, uint32_t b, int fast, double copy, double peak, float *mirror,
-                  dsv4_rope_table_t *rope, cudaStream_t s) {
-  uint64_t rng = 0x3C6EF372FE94F82Bull ^ ((uint64_t)b << 8) ^ heads;
-  double bytes = (double)b * ((double)heads * DSV4_HEAD_DIM * 2 * 2 + (double)heads * 4 +
-                              (double)DSV4_WINDOW * DSV4_RECORD_BYTES);
-  double flop = (double)b * heads * DSV4_WINDOW * DSV4_HEAD_DIM * 4;
+/*
+ * b sequences of len query tokens each per call: len 1, one-token decode steps with full windows;
+ * len > 1, prefills of fresh sequences (their first len tokens, windows growing to 128).
+ */
+static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double copy, double peak,
+                  float *mirror, dsv4_rope_table_t *rope, cudaStream_t s) {
+  uint64_t rng = 0x3C6EF372FE94F82Bull ^ ((uint64_t)b << 8) ^ heads ^ ((uint64_t)len << 20);
+  /* Candidates of a sequence's len queries: 1, 2, ... up to the window; each record read once. */
+  double cands = len == 1 ? DSV4_WINDOW : 0.0, records = len == 1 ? DSV4_WINDOW : len;
+  for (uint32_t i = 0; len > 1 && i < len; i++)
+    cands += i + 1 < DSV4_WINDOW ? i + 1 : DSV4_WINDOW;
+  const uint32_t tokens = b * len;
+  double bytes = (double)tokens * ((double)heads * DSV4_HEAD_DIM * 2 * 2 + (double)heads * 4) +
+                 (double)b * records * DSV4_RECORD_BYTES;
+  double flop = (double)b * cands * heads * DSV4_HEAD_DIM * 4;
   uint32_t sets = (uint32_t)(120e6 / bytes) + 1;
   sets = sets < 2 ? 2 : sets;
-  uint32_t per_graph = sets * ((64 + sets - 1) / sets);
-  /* Every set's b sequences in one plan: a full window each, past its p0 (0 or later). */
+  uint32_t per_graph = len > 1 ? 2 * sets : sets * ((64 + sets - 1) / sets);
+  /* Every set's b sequences in one plan: a full window each past its p0 (0 or later), or a fresh
+   * sequence's first len tokens. */
   uint32_t n_segs = sets * b;
   attn_seg_spec_t *spec = gpu_host_alloc(sizeof(*spec) * n_segs);
   for (uint32_t g = 0; g < n_segs; g++) {
     int64_t p0 = g % 2 ? (int64_t)gpu_below(&rng, 20000) : 0;
-    spec[g] = (attn_seg_spec_t){p0, p0 + 127 + (int64_t)gpu_below(&rng, 40000), 1};
+    int64_t first = len > 1 ? p0 : p0 + 127 + (int64_t)gpu_below(&rng, 40000);
+    spec[g] = (attn_seg_spec_t){p0, first, len};
   }
   attn_plan_t p;
   attn_plan_make(&rng, &p, spec, n_segs, BS, n_segs);
@@ -174,19 +190,19 @@ static void bench(uint32_t heads, uint32_t b, int fast, double copy, double peak
   for (uint32_t h = 0; h < heads; h++)
     sink[h] = ((float)gpu_below(&rng, 4096) - 2048.0f) * 0x1p-9f;
   float *dsink = dev_put(sink, sizeof(float) * heads);
-  /* Set i: sequences i b .. i b + b - 1, whose queries are the plan's tokens of those indices. */
-  int32_t *local = gpu_host_alloc(sizeof(int32_t) * b);
-  for (uint32_t t = 0; t < b; t++)
-    local[t] = (int32_t)t;
-  int32_t *tok_seg = dev_put(local, sizeof(int32_t) * b);
+  /* Set i: sequences i b .. i b + b - 1, whose queries are the plan's tokens i b len ... */
+  int32_t *local = gpu_host_alloc(sizeof(int32_t) * tokens);
+  for (uint32_t t = 0; t < tokens; t++)
+    local[t] = (int32_t)(t / len);
+  int32_t *tok_seg = dev_put(local, sizeof(int32_t) * tokens);
   dsv4_attn_args_t *aa = gpu_host_alloc(sizeof(*aa) * sets);
   for (uint32_t i = 0; i < sets; i++) {
-    size_t g = (size_t)i * b;
-    aa[i] = (dsv4_attn_args_t){.n_tokens = b,
+    size_t g = (size_t)i * b, t0 = (size_t)i * tokens;
+    aa[i] = (dsv4_attn_args_t){.n_tokens = tokens,
                                .n_segments = b,
                                .heads = heads,
-                               .q = q + g * heads * DSV4_HEAD_DIM,
-                               .positions = qpos + g,
+                               .q = q + t0 * heads * DSV4_HEAD_DIM,
+                               .positions = qpos + t0,
                                .tok_seg = tok_seg,
                                .seg_p0 = p0 + g,
                                .seg_first_lb = (const int64_t *)seg[0] + g,
@@ -200,8 +216,8 @@ static void bench(uint32_t heads, uint32_t b, int fast, double copy, double peak
                                .stride = DSV4_BLOCK_STRIDE(BS),
                                .sink = dsink,
                                .rope = rope,
-                               .out = out + g * heads * DSV4_HEAD_DIM,
-                               .lse = lse + g * heads,
+                               .out = out + t0 * heads * DSV4_HEAD_DIM,
+                               .lse = lse + t0 * heads,
                                .fast = fast};
   }
   /* One call outside the graphs: it sets the kernel's shared-memory limit, and a refusal shows
@@ -224,11 +240,13 @@ static void bench(uint32_t heads, uint32_t b, int fast, double copy, double peak
     exit(1);
   }
   double gbs = bytes / (us[0] * 1e-6) / 1e9, gflops = flop / (us[0] * 1e-6) / 1e9;
-  printf("%5u %4u %5s %6u %10.2f %9.2f %9.1f %7.1f%% %10.1f %7.1f%%   (%u sets, %u calls per "
+  char what[32];
+  snprintf(what, sizeof(what), len > 1 ? "%ux%u" : "%u", b, len);
+  printf("%9s %4u %5s %6u %10.2f %9.2f %9.1f %7.1f%% %10.1f %7.1f%%   (%u sets, %u calls per "
          "graph)\n",
-         b, heads, fast ? "fast" : "exact",
-         fast ? dsv4__cuda_attention_fast_heads_per_block(b, heads)
-              : dsv4__cuda_attention_heads_per_block(b, heads),
+         what, heads, fast ? "fast" : "exact",
+         fast ? dsv4__cuda_attention_fast_heads_per_block(tokens, heads)
+              : dsv4__cuda_attention_heads_per_block(tokens, heads),
          us[0], us[1], gbs, 100.0 * gbs / copy, gflops, 100.0 * gflops / peak, sets, per_graph);
   fflush(stdout);
   void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,  qpos,  cache,
@@ -289,12 +307,16 @@ int main(int argc, char **argv) {
   /* us: a call with PDL behind the previous one; no-PDL: in plain stream order. Bytes: q, 584 per
    * record, attn and lse. FLOP: 4 per head, candidate and dim. %peak: of the FMA peak (exact) or
    * the tensor-core peak (fast). */
-  printf("%5s %4s %5s %6s %10s %9s %9s %8s %10s %8s\n", "b", "H", "mode", "H/CTA", "us", "no-PDL",
+  printf("%9s %4s %5s %6s %10s %9s %9s %8s %10s %8s\n", "b", "H", "mode", "H/CTA", "us", "no-PDL",
          "GB/s", "%copy", "GFLOP/s", "%peak");
   for (int fast = 0; fast <= has_fast; fast++)
-    for (int h = 0; h < n_heads; h++)
+    for (int h = 0; h < n_heads; h++) {
       for (size_t i = 0; i < n_ns; i++)
-        bench(heads_list[h], ns[i], fast, copy, fast ? tc : peak, mirror, rope, s);
+        bench(heads_list[h], ns[i], 1, fast, copy, fast ? tc : peak, mirror, rope, s);
+      /* The prefill row: 16 fresh sequences of 1024 tokens in one call. */
+      if (!getenv("DSV4_BENCH_N"))
+        bench(heads_list[h], 16, 1024, fast, copy, fast ? tc : peak, mirror, rope, s);
+    }
   cudaStreamDestroy(s);
   cudaFree(mirror);
   dsv4_rope_table_destroy(rope);

@@ -10,11 +10,16 @@ those three parts: upload, launch, download) per batch; "client" is the
 request's wall time seen over loopback HTTP. The ceiling for the kernel stage on a device is the PCIe
 time of q in and q_out back: 2 x N x 64 x 1 KiB at 55 GB/s (FIELD-NOTES), printed beside it.
 
+Then 30 more decode steps ask for attention alone (outputs=attn: q in, attn back, the same bytes over
+PCIe as q_out), in exact mode and, on a backend that offers it, in fast mode (rows decode+attn and
+decode+fast); their answers are checked for shape and mode, not values (test_attention.py does that).
+
     python3 tests/gpu/forward_stages.py <dsv4d> <dsv4_ref.py> cpu cuda
 """
 
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -50,9 +55,38 @@ def means(before, after):
     return res
 
 
+def write_sinks(path):
+    """A checkpoint with layer 0's attention sinks (64 heads), all the daemon needs for attn."""
+    sinks = np.linspace(-2.0, 2.0, HEADS).astype("<f4").tobytes()
+    with open(path, "wb") as f:
+        f.write(h.st_encode([("layers.0.attn.attn_sink", "F32", [HEADS], sinks)], {"format": "pt"}))
+
+
+def attn_steps(d, conn, rng, backend, mode, first, rows):
+    """STEPS decode steps of the 16 sequences asking for attn alone in `mode`."""
+    m0 = stage_sums(d)
+    t_client = 0.0
+    for step in range(STEPS):
+        segs = [h.Seg("s%d" % i, first + step, 1) for i in range(SEQS)]
+        b = h.Batch.random(rng, 0, segs, HEADS, outputs="attn")
+        meta = b.metadata()
+        meta["attention"] = mode
+        t0 = time.perf_counter()
+        r = d.forward_raw(b.body(meta), conn=conn)
+        t_client += time.perf_counter() - t0
+        h.check_eq(r.status, 200, "%s %s attention step %d" % (backend, mode, step))
+        m, t = h.st_decode(r.body)
+        h.check_eq(m.get("attention"), mode, "the mode that ran")
+        h.check_eq(sorted(t), ["attn", "slots"], "outputs=attn answers attn and slots")
+    rows.append((backend, "decode+" + ("attn" if mode == "exact" else "fast"), SEQS,
+                 t_client / STEPS * 1e6, means(m0, stage_sums(d))))
+
+
 def run(backend, rng, rows):
+    weights = os.path.join(tempfile.mkdtemp(prefix="dsv4d-stages-"), "w.safetensors")
+    write_sinks(weights)
     args = ["--backend", backend, "--layers", "0-0", "--heads", str(HEADS), "--kv-blocks", "256",
-            "--max-batch-tokens", "2048"]
+            "--max-batch-tokens", "2048", "--weights", weights]
     with h.Daemon(args, name=backend) as d:
         conn = d.conn()
         segs = [h.Seg("s%d" % i, 0, PREFILL, True) for i in range(SEQS)]
@@ -74,6 +108,9 @@ def run(backend, rng, rows):
             if step % 10 == 0:
                 h.check_result(res, b, "%s decode step %d" % (backend, step))
         rows.append((backend, "decode", SEQS, t_client / STEPS * 1e6, means(m1, stage_sums(d))))
+        attn_steps(d, conn, rng, backend, "exact", PREFILL + STEPS, rows)
+        if backend == "cuda":  # fast mode: the cuda backend on sm_90 and newer
+            attn_steps(d, conn, rng, backend, "fast", PREFILL + 2 * STEPS, rows)
         conn.close()
 
 
@@ -86,12 +123,12 @@ def main():
     rows = []
     for backend in sys.argv[3:]:
         run(backend, rng, rows)
-    print("%-8s %-8s %6s %10s %10s %8s %10s %10s %10s %10s %10s" % (
+    print("%-8s %-12s %6s %10s %10s %8s %10s %10s %10s %10s %10s" % (
         "backend", "batch", "tokens", "client us", "valid. us", "plan us", "kernel us", "upload us",
         "launch us", "downl. us", "PCIe floor"))
     for backend, phase, n, client, st in rows:
         floor = 2.0 * n * HEADS * 1024 / PCIE_BPS * 1e6
-        print("%-8s %-8s %6d %10.0f %10.0f %8.0f %10.0f %10.1f %10.1f %10.1f %10.0f" % (
+        print("%-8s %-12s %6d %10.0f %10.0f %8.0f %10.0f %10.1f %10.1f %10.1f %10.0f" % (
             backend, phase, n, client, st["validate"], st["plan"], st["kernel"], st["upload"],
             st["launch"], st["download"], floor))
     print("(upload, launch, download: parts of kernel on a device backend; nan on the host CPU one)")
