@@ -49,6 +49,13 @@ static __device__ __forceinline__ void ldsm4_t(uint32_t addr, uint32_t (&r)[4]) 
                : "r"(addr));
 }
 
+/* lo and hi rounded to bf16 (to nearest even) and packed, lo in the low half: one instruction. */
+static __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 /* d += a b for a 16 x 16 bf16 tile a (row-major fragments) and a 16 x 8 tile (b0, b1). */
 static __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                                 uint32_t b1) {
@@ -174,8 +181,8 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
     for (int k = 0; k < 4; k++) {
       const float w = __expf(v[k] - m); /* exp(-inf) = +0 past the window */
       sum += w;
-      const uint16_t hi = dsv4_f32_to_bf16(w);
-      const uint16_t lo = dsv4_f32_to_bf16(w - __uint_as_float((uint32_t)hi << 16));
+      const uint32_t hw = bf16x2(w, 0.0f);
+      const uint16_t hi = (uint16_t)hw, lo = (uint16_t)bf16x2(w - __uint_as_float(hw << 16), 0.0f);
       const uint32_t s = lane + 32 * k, off = swz(h, s >> 3, P_ROW) + 2 * (s & 7);
       *reinterpret_cast<uint16_t *>(sp + off) = hi;
       *reinterpret_cast<uint16_t *>(sp_lo + off) = lo;
@@ -217,7 +224,7 @@ static __device__ void fast_store_out(const attn_params_t &p, const attn_misc_t 
         od = dsv4_rope_inv_odd(e, od, c, sn);
         e = ee;
       }
-      row[d >> 1] = (uint32_t)dsv4_f32_to_bf16(e) | ((uint32_t)dsv4_f32_to_bf16(od) << 16);
+      row[d >> 1] = bf16x2(e, od);
     }
   }
 }
