@@ -25,6 +25,9 @@
 /* The longest snapshot_dir: its files' paths (a sequence name and a suffix below it) stay within
  * PATH_MAX (the message says the same number). */
 #define SNAPSHOT_DIR_MAX 3072
+/* The largest page-locked pool (MiB): page-locked memory cannot be swapped or reclaimed, so a
+ * value meant as bytes or a typo of a few digits is refused rather than starving the host. */
+#define PINNED_POOL_MAX_MIB 65536
 /* The longest string option value (the messages say the same number). */
 #define OPT_STR_MAX 4096
 /* The derived max_body_bytes: safetensors' 8-byte length prefix, room for the largest header the
@@ -129,6 +132,9 @@ static const opt_t opts[] = {
     {"prefill_chunk_tokens", OPT_U32, F(prefill_chunk_tokens), "512", 0, 1u << 20, NULL, 0,
      "a prefill batch of more tokens runs in chunks of this many, waiting decodes between them (0 "
      "= never chunk)"},
+    {"pinned_pool_mib", OPT_U32, F(pinned_pool_mib), "256", 0, PINNED_POOL_MAX_MIB, NULL, 0,
+     "MiB of page-locked host memory for request bodies and answers, registered once with a "
+     "backend that copies from it directly (cuda); past it, buffers come from the heap (0 = off)"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
      "seconds without a batch after which a sequence is deleted"},
     {"implicit_create", OPT_BOOL, F(implicit_create), "false", 0, 1, NULL, 0,

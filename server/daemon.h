@@ -28,6 +28,9 @@ typedef struct dsv4_daemon {
   int admin_loopback;          /* admin_host is a loopback address */
   struct dsv4_dump *dump;      /* the dump streaming now, or NULL (at most one at a time) */
   struct dsv4_shm_server *shm; /* the shared regions' socket (shm.c), or NULL */
+  /* Page-locked memory for request bodies and answers, registered with the backend; NULL when the
+   * pool is off (pinned_pool_mib 0, a backend without host_register, or registration failed). */
+  struct dsv4_pinned_pool *pinned;
   dsv4_metrics_t *metrics;
   char instance[33];
   int draining;
@@ -36,7 +39,7 @@ typedef struct dsv4_daemon {
   /* Metric families. */
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
       *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total,
-      *m_prefill_chunks;
+      *m_prefill_chunks, *m_pinned_bytes, *m_pinned_total, *m_pinned_fallbacks;
 } dsv4_daemon_t;
 
 /*
@@ -56,6 +59,17 @@ typedef struct {
   void (*done)(void *arg, int rc, const char *message, json_t *details, const dsv4_forward_t *f);
   void *arg;
 } dsv4_region_forward_t;
+
+/*
+ * A buffer of n bytes, 64-byte aligned, for a request body (use "body") or the tensors of an
+ * answer ("output"): from the pinned pool when it is on and has room, else from the heap, counted
+ * in dsv4d_pinned_pool_fallbacks_total{use} while the pool is on. NULL when the heap fails too. Any
+ * thread.
+ */
+void *dsv4_daemon_buf_alloc(dsv4_daemon_t *d, size_t n, const char *use);
+/* Free a buffer from dsv4_daemon_buf_alloc, or any heap pointer, to where it came from (NULL is a
+ * no-op). Any thread. */
+void dsv4_daemon_buf_free(dsv4_daemon_t *d, void *p);
 
 /* The limits a forward request is parsed against. Any thread. */
 dsv4_forward_limits_t dsv4_forward_limits(const dsv4_daemon_t *d);

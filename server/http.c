@@ -117,6 +117,10 @@ typedef struct {
   /* The listener's completion hook, copied: the request may outlive its connection. */
   void (*on_complete)(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
   void *on_complete_arg;
+  /* The listener's body allocator, copied for the same reason (NULL: aligned_alloc and free). */
+  void *(*body_alloc)(void *arg, size_t n);
+  void (*body_free)(void *arg, void *p);
+  void *body_alloc_arg;
 } req_t;
 
 struct conn {
@@ -227,6 +231,9 @@ struct dsv4_server {
   dsv4_series_t *connections;
   void (*on_complete)(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
   void *on_complete_arg;
+  void *(*body_alloc)(void *arg, size_t n);
+  void (*body_free)(void *arg, void *p);
+  void *body_alloc_arg;
 };
 
 static void conn_close(conn_t *c);
@@ -250,11 +257,17 @@ static req_t *req_new(conn_t *c) {
   snprintf(r->peer, sizeof(r->peer), "%s", c->peer[0] ? c->peer : "unknown");
   r->on_complete = c->srv->on_complete;
   r->on_complete_arg = c->srv->on_complete_arg;
+  r->body_alloc = c->srv->body_alloc;
+  r->body_free = c->srv->body_free;
+  r->body_alloc_arg = c->srv->body_alloc_arg;
   return r;
 }
 
 static void req_free(req_t *r) {
-  free(r->pub.body);
+  if (r->body_free)
+    r->body_free(r->body_alloc_arg, r->pub.body);
+  else
+    free(r->pub.body);
   free(r->arena);
   free(r->hdrs);
   free(r);
@@ -1029,8 +1042,9 @@ static int on_headers_complete(llhttp_t *p) {
     return -1; /* conn_fail answers with Connection: close */
   }
   if (r->content_length > 0) {
-    size_t n = (size_t)r->content_length;
-    q->body = aligned_alloc(64, (n + 63) & ~(size_t)63);
+    /* A multiple of the alignment, as aligned_alloc takes (C11 7.22.3.1). */
+    size_t n = ((size_t)r->content_length + 63) & ~(size_t)63;
+    q->body = r->body_alloc ? r->body_alloc(r->body_alloc_arg, n) : aligned_alloc(64, n);
     if (!q->body) {
       early_error(r, DSV4_ENOMEM, "cannot allocate the request body");
       return -1;
@@ -1971,6 +1985,11 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   s->write_timeout_ms = cfg->write_timeout_ms;
   s->on_complete = cfg->on_complete;
   s->on_complete_arg = cfg->on_complete_arg;
+  if (cfg->body_alloc && cfg->body_free) {
+    s->body_alloc = cfg->body_alloc;
+    s->body_free = cfg->body_free;
+    s->body_alloc_arg = cfg->body_alloc_arg;
+  }
   int rc = server_prepare(s, cfg);
   if (rc != 0) {
     server_free(s);

@@ -58,7 +58,8 @@ int dsv4_req_gone(const dsv4_req_t *req);
 const char *dsv4_req_peer(const dsv4_req_t *req);
 /* 1 when the listener requires a bearer token and the request carried it. */
 int dsv4_req_authenticated(const dsv4_req_t *req);
-/* Take ownership of the body (free with free()); req->body becomes NULL. */
+/* Take ownership of the body; req->body becomes NULL. Free it with the listener's body_free hook
+ * (dsv4_server_config_t), or with free() when the listener has none. */
 uint8_t *dsv4_req_take_body(dsv4_req_t *req);
 /* The method's name ("GET", ...), for logs. */
 const char *dsv4_req_method_name(const dsv4_req_t *req);
@@ -132,6 +133,13 @@ typedef struct {
    * 0 when the client went away first): the admin plane's audit log. NULL = none. */
   void (*on_complete)(const dsv4_req_t *req, int status, uint64_t bytes, int written, void *arg);
   void *on_complete_arg;
+  /* Where request bodies live (both or neither; NULL = aligned_alloc and free): body_alloc(arg, n)
+   * returns n bytes, n a multiple of 64, aligned to 64 bytes, or NULL when there is no memory (the
+   * request is then answered 503 out_of_memory); body_free(arg, p) takes back what it returned, and
+   * NULL. The daemon puts bodies in memory a device copies from directly. */
+  void *(*body_alloc)(void *arg, size_t n);
+  void (*body_free)(void *arg, void *p);
+  void *body_alloc_arg;
 } dsv4_server_config_t;
 
 int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const dsv4_route_t *routes,

@@ -18,6 +18,7 @@
 #include "dsv4-layout.h"
 #include "forward_parse.h"
 #include "log.h"
+#include "pinned_pool.h"
 #include "safetensors.h"
 
 /* ---- helpers ---- */
@@ -28,6 +29,20 @@ static void free_release(void *p) {
 
 static json_t *seq_name_json(const char *name, uint32_t len) {
   return json_stringn(name, len);
+}
+
+void *dsv4_daemon_buf_alloc(dsv4_daemon_t *d, size_t n, const char *use) {
+  int fell_back;
+  void *p = dsv4_pinned_alloc(d->pinned, n, &fell_back);
+  if (fell_back) {
+    const char *v[1] = {use};
+    dsv4_metric_add(d->m_pinned_fallbacks, v, 1);
+  }
+  return p;
+}
+
+void dsv4_daemon_buf_free(dsv4_daemon_t *d, void *p) {
+  dsv4_pinned_free(d->pinned, p);
 }
 
 /* ---- POST /v1/forward ---- */
@@ -52,8 +67,8 @@ static void fwd_free(fwd_job_t *j) {
   dsv4_forward_release(&j->f);
   json_decref(j->err_details);
   dsv4_forward_req_free(&j->p);
-  free(j->body);
-  free(j->out);
+  dsv4_daemon_buf_free(j->d, j->body);
+  dsv4_daemon_buf_free(j->d, j->out);
   free(j->keys);
   free(j);
 }
@@ -152,8 +167,9 @@ static void fwd_answer(fwd_job_t *j) {
     fwd_free(j);
     return;
   }
-  /* The header buffer is freed with the job: keep it in the job's body slot. */
-  free(j->body);
+  /* The header buffer is freed with the job: keep it in the job's body slot (a heap pointer there
+   * goes back to the heap). */
+  dsv4_daemon_buf_free(j->d, j->body);
   j->body = hdr;
   /* uv_buf_init takes an unsigned length, and q_out reaches 2^37 bytes (N = 2^20, H = 128): set
    * the size_t lengths directly. */
@@ -339,9 +355,9 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
   size_t off_lse = off_attn + (attend ? q_span : 0);
   size_t off_topk = off_lse + (attend ? (lse_bytes + 63) & ~(size_t)63 : 0);
   size_t topk_bytes = j->p.want_topk ? n * cfg->model.index_topk * sizeof(int32_t) : 0;
-  /* aligned_alloc takes a multiple of the alignment (C11 7.22.3.1). */
+  /* In the pinned pool when it has room, so the device downloads where the socket sends from. */
   size_t total = (off_topk + topk_bytes + 63) & ~(size_t)63;
-  j->out = aligned_alloc(64, total ? total : 64);
+  j->out = dsv4_daemon_buf_alloc(d, total, "output");
   if (!j->out)
     return DSV4_ENOMEM;
   j->f.q_out = (uint16_t *)(void *)j->out;
@@ -441,7 +457,7 @@ int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,
   int own_q = !rc && !j->p.want_q, own_attn = !rc && j->p.want_lse && !j->p.want_attn;
   size_t q_span = (j->q_bytes + 63) & ~(size_t)63;
   if (own_q || own_attn) {
-    j->out = aligned_alloc(64, q_span * (size_t)(own_q + own_attn));
+    j->out = dsv4_daemon_buf_alloc(d, q_span * (size_t)(own_q + own_attn), "output");
     rc = j->out ? 0 : DSV4_ENOMEM;
   }
   if (!rc && own_q)
@@ -622,6 +638,38 @@ static void collect(dsv4_metrics_t *m, void *arg) {
   const char *decode_l[1] = {"decode"}, *prefill_l[1] = {"prefill"};
   dsv4_metric_set(d->m_queued, decode_l, (double)dsv4_executor_waiting(&d->ex, DSV4_JOB_DECODE));
   dsv4_metric_set(d->m_queued, prefill_l, (double)dsv4_executor_waiting(&d->ex, DSV4_JOB_PREFILL));
+  dsv4_pinned_stats_t ps = {0};
+  if (d->pinned)
+    dsv4_pinned_pool_stats(d->pinned, &ps);
+  const char *used_l[1] = {"used"}, *free_l[1] = {"free"};
+  dsv4_metric_set(d->m_pinned_bytes, used_l, (double)ps.used);
+  dsv4_metric_set(d->m_pinned_bytes, free_l, (double)(ps.total - ps.used));
+  dsv4_metric_set(d->m_pinned_total, NULL, (double)ps.total);
+}
+
+/* The pinned pool's bytes by state and in all (0 while it is off) and the buffers it could not
+ * hold. Both uses render from the start, so a scrape can tell none from not yet counted. */
+static int pinned_metrics_init(dsv4_daemon_t *d) {
+  const char *state[1] = {"state"}, *use[1] = {"use"};
+  const char *body_l[1] = {"body"}, *output_l[1] = {"output"};
+  dsv4_metrics_t *m = d->metrics;
+  int rc = 0;
+  rc |= dsv4_metrics_gauge(m, "dsv4d_pinned_pool_bytes",
+                           "Bytes of the page-locked pool for bodies and answers, by state.", state,
+                           1, &d->m_pinned_bytes);
+  rc |= dsv4_metrics_gauge(m, "dsv4d_pinned_pool_bytes_total",
+                           "Bytes of the page-locked pool (used + free; 0 when it is off).", NULL,
+                           0, &d->m_pinned_total);
+  rc |=
+      dsv4_metrics_counter(m, "dsv4d_pinned_pool_fallbacks_total",
+                           "Request bodies and answers put in heap memory because the page-locked "
+                           "pool had no room, by use (body, output).",
+                           use, 1, &d->m_pinned_fallbacks);
+  if (rc)
+    return rc;
+  dsv4_metric_add(d->m_pinned_fallbacks, body_l, 0);
+  dsv4_metric_add(d->m_pinned_fallbacks, output_l, 0);
+  return 0;
 }
 
 int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
@@ -666,6 +714,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                            1, &d->m_queued);
   rc |= dsv4_metrics_gauge(m, "dsv4d_build_info", "Build and backend of this daemon.", build, 2,
                            &d->m_build_info);
+  rc |= pinned_metrics_init(d);
   if (rc)
     return DSV4_ENOMEM;
   {

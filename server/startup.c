@@ -16,6 +16,7 @@
 #include "daemon.h"
 #include "dsv4-error.h"
 #include "log.h"
+#include "pinned_pool.h"
 #include "restore.h"
 #include "sdnotify.h"
 #include "shm.h"
@@ -232,12 +233,22 @@ static int read_token_file(const char *path, int private_only, char **out, unsig
   return *out ? 0 : DSV4_ENOMEM;
 }
 
-/* One listener with the configuration's limits and timeouts; logs why when it cannot listen. */
+/* The data plane's request bodies, in the pinned pool when it has room. Loop thread. */
+static void *body_alloc(void *arg, size_t n) {
+  return dsv4_daemon_buf_alloc(arg, n, "body");
+}
+
+static void body_free(void *arg, void *p) {
+  dsv4_daemon_buf_free(arg, p);
+}
+
+/* One listener with the configuration's limits and timeouts; logs why when it cannot listen. Its
+ * request bodies go to the pinned pool when pinned_bodies is set and the pool is on. */
 static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int port,
                      const char *unix_path, size_t max_connections, const char *token,
                      const dsv4_route_t *routes, size_t n_routes,
                      void (*on_complete)(const dsv4_req_t *, int, uint64_t, int, void *),
-                     dsv4_server_t **out) {
+                     int pinned_bodies, dsv4_server_t **out) {
   const dsv4_config_t *cfg = d->cfg;
   dsv4_server_config_t sc = {
       .host = host,
@@ -255,6 +266,9 @@ static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int p
       .metrics = d->metrics,
       .on_complete = on_complete,
       .on_complete_arg = d,
+      .body_alloc = pinned_bodies && d->pinned ? body_alloc : NULL,
+      .body_free = pinned_bodies && d->pinned ? body_free : NULL,
+      .body_alloc_arg = d,
   };
   int rc = dsv4_server_create(d->loop, &sc, routes, n_routes, out);
   if (rc) {
@@ -421,6 +435,51 @@ static int start_engine(app_t *a) {
   return 0;
 }
 
+/*
+ * The pinned pool (pinned_pool_mib), when the backend copies faster from registered memory: one
+ * arena, registered once before the executor thread starts. Without the hook the pool is off and
+ * says nothing (the CPU backend reads any memory as fast); when the arena cannot be mapped or
+ * registered, one line says why and the daemon runs without it, as with pinned_pool_mib 0.
+ */
+static void start_pinned_pool(app_t *a) {
+  dsv4_daemon_t *d = &a->d;
+  size_t bytes = (size_t)a->cfg.pinned_pool_mib << 20;
+  dsv4_pinned_pool_t *p = NULL;
+  if (!bytes || !dsv4_engine_can_host_register(d->engine))
+    return;
+  int rc = dsv4_pinned_pool_create(bytes, &p);
+  const char *what = "cannot map the arena";
+  if (!rc) {
+    rc = dsv4_engine_host_register(d->engine, dsv4_pinned_pool_base(p), dsv4_pinned_pool_bytes(p));
+    what = "the backend cannot register the arena";
+  }
+  if (rc) {
+    dsv4_logp(DSV4_LOG_WARN, "pinned pool off: bodies and answers in heap memory", "{s:I,s:s,s:s}",
+              "bytes", (json_int_t)bytes, "why", what, "error", dsv4_strerror(rc));
+    dsv4_pinned_pool_destroy(p);
+    return;
+  }
+  d->pinned = p;
+  dsv4_logp(DSV4_LOG_INFO, "pinned pool", "{s:I,s:s}", "bytes",
+            (json_int_t)dsv4_pinned_pool_bytes(p), "backend", dsv4_engine_backend_name(d->engine));
+}
+
+/* After the executor thread has stopped: unregister the arena and unmap it. Every body and answer
+ * has been freed by then (their connections and jobs are gone); a block still live is a leak. */
+static void stop_pinned_pool(app_t *a) {
+  dsv4_daemon_t *d = &a->d;
+  dsv4_pinned_stats_t st;
+  if (!d->pinned)
+    return;
+  dsv4_pinned_pool_stats(d->pinned, &st);
+  if (st.blocks)
+    dsv4_logp(DSV4_LOG_WARN, "pinned pool blocks still allocated at exit", "{s:I,s:I}", "blocks",
+              (json_int_t)st.blocks, "bytes", (json_int_t)st.used);
+  dsv4_engine_host_unregister(d->engine, dsv4_pinned_pool_base(d->pinned));
+  dsv4_pinned_pool_destroy(d->pinned);
+  d->pinned = NULL;
+}
+
 /* The metrics, the executor thread and both listeners. On failure what was started is stopped and
  * the loop has run until it is closed. */
 static int start_serving(app_t *a) {
@@ -440,7 +499,7 @@ static int start_serving(app_t *a) {
   /* The admin plane has no limit of its own: its few connections come out of the reserve. */
   if (listen_on(d, "data", cfg->host, cfg->port, cfg->listen_unix,
                 cfg->max_connections ? cfg->max_connections : dsv4_server_default_max_connections(),
-                a->token, routes, n_routes, NULL, &d->data)) {
+                a->token, routes, n_routes, NULL, 1, &d->data)) {
     dsv4_executor_stop(&d->ex, NULL, NULL);
     uv_run(&a->loop, UV_RUN_DEFAULT);
     return EXIT_FAILED;
@@ -449,7 +508,7 @@ static int start_serving(app_t *a) {
   d->admin_token = a->admin_token != NULL;
   d->admin_loopback = dsv4_host_is_loopback(cfg->admin_host);
   if (listen_on(d, "admin", cfg->admin_host, cfg->admin_port, NULL, 0, a->admin_token, routes,
-                n_routes, dsv4_admin_audit, &d->admin)) {
+                n_routes, dsv4_admin_audit, 0, &d->admin)) {
     dsv4_server_close(d->data, NULL, NULL);
     dsv4_executor_stop(&d->ex, NULL, NULL);
     uv_run(&a->loop, UV_RUN_DEFAULT);
@@ -534,6 +593,7 @@ static int close_loop(app_t *a) {
 }
 
 static void release(app_t *a) {
+  stop_pinned_pool(a);
   dsv4_engine_destroy(a->d.engine);
   dsv4_metrics_destroy(a->d.metrics);
   free(a->token);
@@ -559,6 +619,8 @@ int dsv4d_run(int argc, char **argv) {
   make_instance(a->d.instance);
   if (!rc)
     rc = start_engine(a);
+  if (!rc)
+    start_pinned_pool(a);
   if (rc) {
     release(a);
     return rc < 0 ? 0 : rc;

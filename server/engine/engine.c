@@ -915,6 +915,10 @@ int dsv4_engine_host_register(dsv4_engine_t *e, void *p, size_t n) {
   return e->be->ops->host_register ? e->be->ops->host_register(e->be, p, n) : 0;
 }
 
+int dsv4_engine_can_host_register(const dsv4_engine_t *e) {
+  return e->be->ops->host_register != NULL && e->be->ops->host_unregister != NULL;
+}
+
 void dsv4_engine_host_unregister(dsv4_engine_t *e, void *p) {
   if (e->be->ops->host_unregister)
     e->be->ops->host_unregister(e->be, p);

@@ -167,12 +167,16 @@ uint32_t dsv4_engine_layer_ratio(const dsv4_engine_t *e, uint32_t layer);
 /* Any thread: the entry block pools' sizes and free counts (c4 then c128; 0 when absent). */
 void dsv4_engine_cpool_counts(const dsv4_engine_t *e, uint32_t total[2], uint32_t free_[2]);
 /*
- * A shared region's mapping (SPEC §6.1) for the backend's host_register hook, once per region:
- * 0 when the backend needs none or took it, else its error (the region is then refused). Unregister
- * before unmapping. Executor thread.
+ * A shared region's mapping (SPEC §6.1), or the daemon's pinned pool, for the backend's
+ * host_register hook, once per range: 0 when the backend needs none or took it, else its error (the
+ * range is then not used). Unregister before unmapping. Executor thread, or while no executor
+ * thread runs (the pinned pool is registered before it starts and unregistered after it stopped).
  */
 int dsv4_engine_host_register(dsv4_engine_t *e, void *p, size_t n);
 void dsv4_engine_host_unregister(dsv4_engine_t *e, void *p);
+/* 1 when the backend has the host_register hook: it copies faster from registered memory. Any
+ * thread. */
+int dsv4_engine_can_host_register(const dsv4_engine_t *e);
 
 /* The served index of a model layer, or -1. Any thread. */
 int dsv4_engine_layer_index(const dsv4_engine_t *e, uint32_t layer);

@@ -21,6 +21,12 @@ typedef struct {
   dsv4_devbuf_t real; /* the inner CPU backend's buffer */
 } staged_buf_t;
 
+/* A host range given to host_register. */
+typedef struct {
+  uintptr_t p;
+  size_t n;
+} host_range_t;
+
 typedef struct {
   dsv4_backend_t base; /* first */
   dsv4_backend_t *inner;
@@ -28,6 +34,8 @@ typedef struct {
   staged_buf_t *bufs;
   size_t n_bufs, cap_bufs;
   uintptr_t next_dev;
+  host_range_t *ranges;
+  size_t n_ranges, cap_ranges;
   dsv4_test_cpu_staged_stats_t stats;
 } staged_t;
 
@@ -60,7 +68,53 @@ static void st_destroy(dsv4_backend_t *be) {
     s->inner->ops->buf_free(s->inner, &s->bufs[i].real);
   dsv4_backend_close(s->inner);
   free(s->bufs);
+  free(s->ranges);
   free(s);
+}
+
+/* 1 when the n host bytes at p lie inside one registered range. */
+static int registered(const staged_t *s, const void *p, size_t n) {
+  uintptr_t a = (uintptr_t)p;
+  for (size_t i = 0; i < s->n_ranges; i++)
+    if (a >= s->ranges[i].p && a - s->ranges[i].p <= s->ranges[i].n &&
+        n <= s->ranges[i].n - (a - s->ranges[i].p))
+      return 1;
+  return 0;
+}
+
+/* As cudaHostRegister: a range overlapping one already registered is refused. */
+static int st_host_register(dsv4_backend_t *be, void *p, size_t n) {
+  staged_t *s = staged_of(be);
+  uintptr_t a = (uintptr_t)p;
+  if (!p || !n || a > UINTPTR_MAX - n)
+    return DSV4_EINVAL;
+  for (size_t i = 0; i < s->n_ranges; i++)
+    if (a < s->ranges[i].p + s->ranges[i].n && s->ranges[i].p < a + n)
+      return DSV4_EINVAL;
+  if (s->n_ranges == s->cap_ranges) {
+    size_t cap = s->cap_ranges ? 2 * s->cap_ranges : 8;
+    host_range_t *nr = realloc(s->ranges, cap * sizeof(*nr));
+    if (!nr)
+      return DSV4_ENOMEM;
+    s->ranges = nr;
+    s->cap_ranges = cap;
+  }
+  s->ranges[s->n_ranges++] = (host_range_t){a, n};
+  s->stats.live_registrations = s->n_ranges;
+  return 0;
+}
+
+/* Unregistering what was never registered is a bug of the caller: fail loudly. */
+static void st_host_unregister(dsv4_backend_t *be, void *p) {
+  staged_t *s = staged_of(be);
+  for (size_t i = 0; i < s->n_ranges; i++)
+    if (s->ranges[i].p == (uintptr_t)p) {
+      s->ranges[i] = s->ranges[--s->n_ranges];
+      s->stats.live_registrations = s->n_ranges;
+      return;
+    }
+  fprintf(stderr, "cpu_staged: host_unregister(%p) names no registered range\n", p);
+  abort();
 }
 
 static int st_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
@@ -109,6 +163,7 @@ static int st_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, c
   if (n && to_host(s, src, 0))
     return DSV4_EINVAL;
   s->stats.uploads++;
+  s->stats.registered_uploads += n && registered(s, src, n);
   return s->inner->ops->upload(s->inner, &b->real, off, src, n);
 }
 
@@ -121,6 +176,7 @@ static int st_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
   if (n && to_host(s, dst, 0))
     return DSV4_EINVAL;
   s->stats.downloads++;
+  s->stats.registered_downloads += n && registered(s, dst, n);
   return s->inner->ops->download(s->inner, dst, &b->real, off, n);
 }
 
@@ -306,6 +362,8 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
   s->ops.compress = s->inner->ops->compress ? st_compress : NULL;
   s->ops.indexer = s->inner->ops->indexer ? st_indexer : NULL;
   s->ops.host_parallel = s->inner->ops->host_parallel ? st_host_parallel : NULL;
+  s->ops.host_register = st_host_register;
+  s->ops.host_unregister = st_host_unregister;
   s->next_dev = DEV_BASE;
   s->base.ops = &s->ops;
   *out = &s->base;

@@ -19,10 +19,16 @@
 int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
                               size_t why_len);
 
-/* Counters of the staged backend be (for tests that check the engine staged what it should). */
+/*
+ * Counters of the staged backend be (for tests that check the engine staged what it should). The
+ * backend has a host_register hook, as CUDA's: it keeps the ranges (one may not overlap another;
+ * unregistering a pointer that starts none aborts) and counts the copies from and to them.
+ */
 typedef struct {
   size_t uploads, downloads, launches, syncs;
   size_t live_buffers;
+  size_t live_registrations;                       /* host ranges registered now */
+  size_t registered_uploads, registered_downloads; /* copies whose host side lies in one */
 } dsv4_test_cpu_staged_stats_t;
 
 void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out);

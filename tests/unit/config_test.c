@@ -108,6 +108,7 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.max_body_bytes, 0);
   assert_int_equal(cfg.queue_depth, 64);
   assert_int_equal(cfg.prefill_chunk_tokens, 512);
+  assert_int_equal(cfg.pinned_pool_mib, 256);
   assert_string_equal(cfg.listen_shm, "");
   assert_int_equal(cfg.sequence_idle_timeout_s, 600);
   assert_int_equal(cfg.implicit_create, 0);
@@ -198,6 +199,15 @@ static void test_sources_and_precedence(void **state) {
   expect_ok(&cfg, NULL, (const char *const[]){"DSV4D_IMPLICIT_CREATE=yes", NULL});
   assert_int_equal(cfg.implicit_create, 1);
   dsv4_config_free(&cfg);
+
+  /* The page-locked pool: 0 turns it off, and its largest size is accepted. */
+  expect_ok(&cfg, (const char *const[]){"--pinned-pool-mib", "0", NULL}, NULL);
+  assert_int_equal(cfg.pinned_pool_mib, 0);
+  dsv4_config_free(&cfg);
+  expect_ok(&cfg, NULL, (const char *const[]){"DSV4D_PINNED_POOL_MIB=65536", NULL});
+  assert_int_equal(cfg.pinned_pool_mib, 65536);
+  assert_string_equal(dsv4_config_source(&cfg, "pinned_pool_mib"), "env");
+  dsv4_config_free(&cfg);
 }
 
 static void test_range_errors_name_the_option(void **state) {
@@ -221,6 +231,9 @@ static void test_range_errors_name_the_option(void **state) {
       {"--max-header-bytes", "10", "max_header_bytes"},
       {"--queue-depth", "0", "queue_depth"},
       {"--prefill-chunk-tokens", "2000000", "prefill_chunk_tokens"},
+      {"--pinned-pool-mib", "-1", "pinned_pool_mib"},
+      {"--pinned-pool-mib", "65537", "pinned_pool_mib"},
+      {"--pinned-pool-mib", "99999999999", "pinned_pool_mib"},
       {"--header-timeout-ms", "0", "header_timeout_ms"},
       {"--body-timeout-ms", "0", "body_timeout_ms"},
       {"--idle-timeout-ms", "0", "idle_timeout_ms"},

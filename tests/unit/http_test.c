@@ -230,7 +230,76 @@ static void on_complete(const dsv4_req_t *req, int status, uint64_t bytes, int w
   atomic_store(&completion_bytes, (long long)bytes);
 }
 
+/* ---- the body allocator hook (setup_body_hook) ---- */
+
+/* Bodies the hook has handed out and not yet taken back: the test sees that every body comes from
+ * the hook and goes back to it exactly once. Loop thread, read by the test thread. */
+#define HOOK_SLOTS 16
+static void *hook_live[HOOK_SLOTS];
+static atomic_int hook_allocs, hook_frees, hook_foreign, hook_refusals, hook_refuse;
+static atomic_size_t hook_last_size;
+static pthread_mutex_t hook_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void *hook_alloc(void *arg, size_t n) {
+  if (arg != &hook_live)
+    atomic_fetch_add(&hook_foreign, 1);
+  atomic_store(&hook_last_size, n);
+  if (atomic_load(&hook_refuse)) {
+    atomic_fetch_add(&hook_refusals, 1);
+    return NULL;
+  }
+  void *p = aligned_alloc(64, n);
+  pthread_mutex_lock(&hook_mu);
+  for (int i = 0; p && i < HOOK_SLOTS; i++)
+    if (!hook_live[i]) {
+      hook_live[i] = p;
+      atomic_fetch_add(&hook_allocs, 1);
+      pthread_mutex_unlock(&hook_mu);
+      return p;
+    }
+  pthread_mutex_unlock(&hook_mu);
+  free(p);
+  return NULL;
+}
+
+static void hook_free(void *arg, void *p) {
+  if (arg != &hook_live)
+    atomic_fetch_add(&hook_foreign, 1);
+  if (!p)
+    return;
+  pthread_mutex_lock(&hook_mu);
+  int i = 0;
+  while (i < HOOK_SLOTS && hook_live[i] != p)
+    i++;
+  if (i < HOOK_SLOTS) {
+    hook_live[i] = NULL;
+    atomic_fetch_add(&hook_frees, 1);
+  } else {
+    atomic_fetch_add(&hook_foreign, 1);
+  }
+  pthread_mutex_unlock(&hook_mu);
+  if (i < HOOK_SLOTS)
+    free(p);
+}
+
+/* A handler that takes the body and gives it back through the hook, as the daemon's forward does.
+ */
+static void h_take(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  atomic_fetch_add(&handler_calls, 1);
+  size_t n = req->body_len;
+  uint8_t *b = dsv4_req_take_body(req);
+  if (req->body)
+    n = 0; /* the body was not taken: the answer says so */
+  hook_free(&hook_live, b);
+  char *text = malloc(64);
+  int len = snprintf(text, 64, "took len=%zu", n);
+  uv_buf_t out = uv_buf_init(text, (unsigned)len);
+  dsv4_respond(req, 200, "text/plain", NULL, 0, &out, 1, free, text);
+}
+
 static const dsv4_route_t routes[] = {
+    {DSV4_HTTP_POST, "/take", "take", 1 << 20, 0, h_take, NULL},
     {DSV4_HTTP_GET, "/stream", "stream", 0, 0, h_stream, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST | DSV4_HTTP_HEAD, "/imm", "imm", 1 << 20, 0, h_imm, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST, "/defer", "defer", 1 << 20, 0, h_defer, NULL},
@@ -251,6 +320,7 @@ static void *loop_main(void *arg) {
 /* What a test's setup changes in the server's configuration (0 = the default below). */
 static uint64_t cfg_idle_timeout_ms;
 static size_t cfg_max_connections;
+static int cfg_body_hook;
 
 static void do_create(void *arg) {
   (void)arg;
@@ -271,6 +341,11 @@ static void do_create(void *arg) {
   if (cfg_idle_timeout_ms)
     cfg.idle_timeout_ms = cfg_idle_timeout_ms;
   cfg.max_connections = cfg_max_connections;
+  if (cfg_body_hook) {
+    cfg.body_alloc = hook_alloc;
+    cfg.body_free = hook_free;
+    cfg.body_alloc_arg = &hook_live;
+  }
   assert_int_equal(
       dsv4_server_create(&loop, &cfg, routes, sizeof(routes) / sizeof(routes[0]), &srv), 0);
   port = dsv4_server_port(srv);
@@ -334,10 +409,21 @@ static int setup_two_connections(void **state) {
   return setup(state);
 }
 
+static int setup_body_hook(void **state) {
+  cfg_body_hook = 1;
+  atomic_store(&hook_allocs, 0);
+  atomic_store(&hook_frees, 0);
+  atomic_store(&hook_foreign, 0);
+  atomic_store(&hook_refusals, 0);
+  atomic_store(&hook_refuse, 0);
+  return setup(state);
+}
+
 static int teardown(void **state) {
   (void)state;
   cfg_idle_timeout_ms = 0;
   cfg_max_connections = 0;
+  cfg_body_hook = 0;
   on_loop(do_close, NULL);
   pthread_join(loop_thread, NULL);
   assert_int_equal(atomic_load(&server_closed), 1);
@@ -1150,6 +1236,79 @@ static void test_stream_client_gone(void **state) {
   wait_connections(0);
 }
 
+/* Wait until the hook has taken back as many bodies as it gave (the answer's release frees the
+ * body after the write completed, a moment after the client read it). */
+static void wait_hook_balanced(int allocs) {
+  double t0 = now_s();
+  while (atomic_load(&hook_frees) != allocs && now_s() - t0 < 5)
+    usleep(5000);
+  assert_int_equal(atomic_load(&hook_allocs), allocs);
+  assert_int_equal(atomic_load(&hook_frees), allocs);
+  assert_int_equal(atomic_load(&hook_foreign), 0);
+}
+
+/* With a body allocator hook, every body comes from it (a multiple of 64 bytes, at least the
+ * body) and goes back to it exactly once: after the answer, from a handler that took it, and when
+ * the client leaves mid-body. A hook without memory gets 503 out_of_memory, and a request without
+ * a body never calls it. */
+static void test_body_hook(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  resp_t r;
+  size_t n = 300001;
+  char *body = malloc(n), head[256];
+  for (size_t i = 0; i < n; i++)
+    body[i] = (char)(uint8_t)(i * 31 + 7);
+  snprintf(head, sizeof(head),
+           "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nContent-Length: %zu\r\n"
+           "X-Id: hook\r\n\r\n",
+           n);
+  send_s(c, head);
+  send_str(c, body, n);
+  assert_int_equal(read_response(c, &r, 0), 200);
+  char want[128];
+  snprintf(want, sizeof(want), "imm id=hook path=/imm query= len=%zu", n);
+  assert_memory_equal(r.body, want, strlen(want));
+  assert_int_equal(atomic_load(&hook_last_size), 300032);
+  wait_hook_balanced(1);
+
+  send_s(c, "POST /take HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+            "\r\nContent-Length: 5\r\n\r\nhello");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_memory_equal(r.body, "took len=5", r.body_len);
+  assert_int_equal(atomic_load(&hook_last_size), 64);
+  wait_hook_balanced(2);
+
+  get(c, "/imm", "nobody");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  wait_hook_balanced(2);
+  client_free(c);
+
+  c = client_new();
+  send_s(c,
+         "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nContent-Length: 100000\r\n\r\n");
+  send_str(c, body, 5000);
+  usleep(50000);
+  assert_int_equal(atomic_load(&hook_allocs), 3);
+  client_free(c);
+  wait_connections(0);
+  wait_hook_balanced(3);
+
+  atomic_store(&hook_refuse, 1);
+  c = client_new();
+  send_s(c, "POST /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN
+            "\r\nContent-Length: 10\r\n\r\n0123456789");
+  assert_int_equal(read_response(c, &r, 0), 503);
+  assert_non_null(strstr(r.body, "out_of_memory"));
+  assert_string_equal(header(&r, "Connection"), "close");
+  assert_int_equal(atomic_load(&hook_refusals), 1);
+  client_free(c);
+  wait_connections(0);
+  wait_hook_balanced(3);
+  assert_int_equal(atomic_load(&handler_calls), 3); /* imm, take, the GET */
+  free(body);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_keep_alive, setup, teardown),
@@ -1173,6 +1332,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_drain_mid_answer, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_body_hook, setup_body_hook, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
