@@ -46,7 +46,7 @@ ctest --test-dir "$build" --output-on-failure \
   tee "$out/ctest-kernels.log" || rc=1
 DSV4_TEST_BACKEND=cuda DSV4_IT_STARTUP_LIMIT=${DSV4_IT_STARTUP_LIMIT:-5} PYTHONUNBUFFERED=1 \
   ctest --test-dir "$build" --output-on-failure -L integration -LE staged -j8 \
-  -R 'it_test_(compressed|compressed_vs_model|attention|forward|weights|prefill_chunks|restore|shm)$' \
+  -R 'it_test_(compressed|compressed_vs_model|attention|forward|weights|prefill_chunks|restore|shm|pinned_pool|admin_entries)$' \
   2>&1 | tee "$out/ctest-integration.log" || rc=1
 echo "total: $(($(date +%s) - t0)) s, status $rc"
 exit $rc
