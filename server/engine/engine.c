@@ -592,6 +592,102 @@ static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
   return t != n ? DSV4_EINVAL : 0;
 }
 
+static void scratch_swap(dsv4_engine_t *e);
+
+/* A validation slice: the bytes of q (then kv) one segment checks and hashes between two yields. */
+#define VALIDATE_SLICE ((size_t)2 << 20)
+
+/* One segment's range check and hash done in slices: its XXH3 state and how far it got. */
+typedef struct {
+  XXH3_state_t st;
+  size_t q_done, kv_done; /* bf16 values of the segment's q and kv checked and hashed */
+  int done;
+} seg_slices_t;
+
+typedef struct {
+  validate_job_t *v;
+  seg_slices_t *ss;
+} sliced_job_t;
+
+/* Each unfinished segment's next slice of at most VALIDATE_SLICE bytes of q, then kv, then the
+ * compressed rows and the digest: a segment that fits one slice is done in the first round. */
+static void validate_slices(void *arg, size_t first, size_t last) {
+  sliced_job_t *j = arg;
+  validate_job_t *v = j->v;
+  const size_t q_row = (size_t)v->e->p.heads * DSV4_HEAD_DIM;
+  for (size_t s = first; s < last; s++) {
+    seg_slices_t *x = &j->ss[s];
+    dsv4_seg_req_t *sg = &v->f->segs[s];
+    const size_t q_n = (size_t)sg->len * q_row, kv_n = (size_t)sg->len * DSV4_HEAD_DIM;
+    const uint16_t *q = v->f->q + (size_t)v->tok_off[s] * q_row;
+    const uint16_t *kv = v->f->kv + (size_t)v->tok_off[s] * DSV4_HEAD_DIM;
+    const char *bad = NULL;
+    size_t budget = VALIDATE_SLICE / 2; /* bf16 values */
+    int rc = 0;
+    while (!x->done && budget && !rc) {
+      if (x->q_done < q_n) {
+        size_t k = q_n - x->q_done < budget ? q_n - x->q_done : budget;
+        rc = check_and_hash(&x->st, q + x->q_done, k);
+        x->q_done += k;
+        budget -= k;
+      } else if (x->kv_done < kv_n) {
+        size_t k = kv_n - x->kv_done < budget ? kv_n - x->kv_done : budget;
+        rc = check_and_hash(&x->st, kv + x->kv_done, k);
+        x->kv_done += k;
+        budget -= k;
+      } else {
+        rc = dsv4__engine_c_check_hash(v->e, v->ratio, v->f, v->tok_off[s], sg->len, &x->st, &bad);
+        sg->hash = XXH3_64bits_digest(&x->st);
+        x->done = 1;
+      }
+    }
+    if (rc) {
+      x->done = 1;
+      atomic_store_explicit(&v->bad, 1, memory_order_relaxed);
+      if (bad)
+        atomic_store_explicit(&v->bad_tensor, bad, memory_order_relaxed);
+    }
+  }
+}
+
+/*
+ * The range check and hashes of a batch that runs in chunks (a prefill), in rounds of one slice
+ * per segment, the batch's yield hook between two rounds: a decode that arrives while a long
+ * segment is checked waits for one slice, not the whole batch. Nothing of this batch is applied
+ * before its validation and plan are done, so the batches the hook runs see none of it.
+ */
+static int validate_in_slices(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t *v) {
+  seg_slices_t *ss = aligned_alloc(64, ((f->n_segs * sizeof(seg_slices_t)) + 63) & ~(size_t)63);
+  if (!ss)
+    return DSV4_ENOMEM;
+  for (uint32_t s = 0; s < f->n_segs; s++) {
+    XXH3_64bits_reset(&ss[s].st);
+    ss[s].q_done = ss[s].kv_done = 0;
+    ss[s].done = 0;
+  }
+  sliced_job_t j = {v, ss};
+  for (int round = 0;; round++) {
+    int left = 0;
+    for (uint32_t s = 0; s < f->n_segs && !left; s++)
+      left = !ss[s].done;
+    if (!left || atomic_load(&v->bad))
+      break;
+    if (round) {
+      uint64_t y0 = mono_ns();
+      scratch_swap(e);
+      f->yield(f->yield_arg);
+      scratch_swap(e);
+      f->timing.yield_ns += mono_ns() - y0;
+    }
+    if (e->be->ops->host_parallel)
+      e->be->ops->host_parallel(e->be, validate_slices, &j, f->n_segs);
+    else
+      validate_slices(&j, 0, f->n_segs);
+  }
+  free(ss);
+  return 0;
+}
+
 /* Forward pass 2, validation: bounds, value range, replay hashes, RoPE rows and staging room. */
 static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   /* Validation comes first, so that a refused batch changes nothing. */
@@ -604,10 +700,14 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   validate_job_t v = {.e = e, .f = f, .ratio = e->c_ratio[idx], .tok_off = e->seg_tok_off};
   atomic_init(&v.bad, 0);
   atomic_init(&v.bad_tensor, NULL);
-  if (ops->host_parallel)
+  if (f->yield && e->p.prefill_chunk_tokens && f->n_tokens > e->p.prefill_chunk_tokens)
+    rc = validate_in_slices(e, f, &v);
+  else if (ops->host_parallel)
     ops->host_parallel(e->be, validate_items, &v, f->n_segs);
   else
     validate_items(&v, 0, f->n_segs);
+  if (rc)
+    return rc;
   if (atomic_load(&v.bad)) {
     f->bad_tensor = atomic_load(&v.bad_tensor);
     return DSV4_ERANGE;
@@ -824,7 +924,9 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   if (rc)
     return rc;
   t1 = mono_ns();
-  f->timing.validate_ns = t1 - t0;
+  /* A chunked batch's validation may have yielded: that time was other batches'. */
+  const uint64_t yield_validate = f->timing.yield_ns;
+  f->timing.validate_ns = t1 - t0 - yield_validate;
   rc = forward_plan(e, idx, f, t1);
   if (rc)
     return rc;
@@ -832,7 +934,7 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   f->timing.plan_ns = t2 - t1;
   rc = forward_chunks(e, idx, f);
   t3 = mono_ns();
-  f->timing.kernel_ns = t3 - t2 - f->timing.yield_ns;
+  f->timing.kernel_ns = t3 - t2 - (f->timing.yield_ns - yield_validate);
   if (!rc && f->want_digest) {
     rc = forward_digest(e, idx, f);
     f->timing.digest_ns = mono_ns() - t3;

@@ -107,11 +107,12 @@ typedef struct {
   const char *bad_tensor; /* on DSV4_ERANGE: the tensor holding the value */
   /*
    * Chunking (a prefill): when set and the batch has more than prefill_chunk_tokens tokens, the
-   * kernels run in token ranges and yield(yield_arg) is called between two of them. The whole batch
-   * is validated and planned before the first range, and committed after the last, so the answer
-   * and the cache are those of one launch. The hook may run other batches on this engine (one at a
-   * time, none nested, none naming a sequence of this one); nothing else (no delete, no expiry
-   * sweep, no admin read).
+   * kernels run in token ranges and yield(yield_arg) is called between two of them; its range
+   * check and hashes run in rounds of at most 2 MiB of q or kv per segment, with the hook between
+   * two rounds as well. The whole batch is validated and planned before the first range, and
+   * committed after the last, so the answer and the cache are those of one launch. The hook may run
+   * other batches on this engine (one at a time, none nested, none naming a sequence of this one);
+   * nothing else (no delete, no expiry sweep, no admin read).
    */
   void (*yield)(void *yield_arg);
   void *yield_arg;

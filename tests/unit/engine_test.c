@@ -839,7 +839,58 @@ static void test_restore(void **state) {
   dsv4_engine_destroy(b);
 }
 
-/* A chunked batch that fails validation or its plan never yields and changes nothing. */
+/*
+ * A chunked prefill whose one segment holds more q than one validation slice (2 MiB; here 600
+ * tokens x 8 heads x 1 KiB) yields to a waiting decode while its range check and hash run, before
+ * anything of it is applied, and still answers one launch's bytes. With a value out of range in
+ * its last kv row it is refused after such a yield and changes nothing.
+ */
+static void test_chunked_validation_yields(void **state) {
+  (void)state;
+  dsv4_engine_t *a = open_engine_chunked(backend, 0), *b = open_engine_chunked(backend, 64);
+  const char *nm[1] = {"L"}, *dn[1] = {"d"}, *bad_nm[1] = {"M"};
+  const int64_t st[1] = {0};
+  const uint32_t len[1] = {600}, one[1] = {1};
+  const int nw[1] = {1};
+  attn_batch_t pa, pb, da, db, x;
+  attn_batch_make(&pa, 0, 31, 1, nm, st, len, nw);
+  attn_batch_make(&pb, 0, 31, 1, nm, st, len, nw);
+  attn_batch_make(&da, 0, 32, 1, dn, st, one, nw);
+  attn_batch_make(&db, 0, 32, 1, dn, st, one, nw);
+  yield_probe_t yb = {.e = b, .decode = &db};
+  pb.b.f.yield = probe_yield;
+  pb.b.f.yield_arg = &yb;
+  /* On b the decode runs during the prefill's validation, before its plan: a runs them in that
+   * order, so that both pools hand out the same blocks. */
+  assert_int_equal(dsv4_engine_forward(a, &da.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(a, &pa.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &pb.b.f), 0);
+  assert_int_equal(yb.decode_rc, 0);
+  assert_int_equal(pb.b.f.chunks, (600 + 63) / 64);
+  /* Two yields while validating (3 slices of q), then one between each two kernel chunks. */
+  assert_int_equal(yb.calls, 2 + (600 + 63) / 64 - 1);
+  same_answer(&pa, &pb);
+  same_answer(&da, &db);
+
+  uint32_t free0 = dsv4_engine_blocks_free(b), seqs0 = dsv4_engine_sequences(b);
+  attn_batch_make(&x, 0, 33, 1, bad_nm, st, len, nw);
+  x.b.kv[(size_t)600 * DSV4_HEAD_DIM - 1] = 0x5D00; /* |x| >= 2^59 in the last kv row */
+  yield_probe_t y = {.e = b};
+  x.b.f.yield = probe_yield;
+  x.b.f.yield_arg = &y;
+  assert_int_equal(dsv4_engine_forward(b, &x.b.f), DSV4_ERANGE);
+  assert_true(y.calls >= 1);
+  assert_int_equal(x.b.f.chunks, 0);
+  assert_int_equal(dsv4_engine_blocks_free(b), free0);
+  assert_int_equal(dsv4_engine_sequences(b), seqs0);
+  attn_batch_t *all[] = {&pa, &pb, &da, &db, &x};
+  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+    attn_batch_free(all[i]);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+}
+
+/* A chunked batch that fails validation or its plan runs no kernel chunk and changes nothing. */
 static void test_chunked_refusal_changes_nothing(void **state) {
   (void)state;
   dsv4_engine_t *e = open_engine_chunked(backend, 16), *fresh = open_engine_chunked(backend, 16);
@@ -867,7 +918,10 @@ static void test_chunked_refusal_changes_nothing(void **state) {
       want = DSV4_ENOSPC;
     }
     assert_int_equal(dsv4_engine_forward(e, &x.b.f), want);
-    assert_int_equal(y.calls, 0);
+    /* The 995-token segment's range check and hash (7.96 MiB of q, then 0.97 MiB of kv: five
+     * rounds of at most 2 MiB) yield between their rounds, before the plan finds the pool too
+     * small; nothing of the batch was applied then. */
+    assert_int_equal(y.calls, k == 2 ? 4 : 0);
     assert_int_equal(x.b.f.chunks, 0);
     attn_batch_free(&x);
   }
@@ -1213,6 +1267,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_compressed_matches_cpu),
       cmocka_unit_test(test_chunked_prefill_matches_one_launch),
       cmocka_unit_test(test_chunked_refusal_changes_nothing),
+      cmocka_unit_test(test_chunked_validation_yields),
       cmocka_unit_test(test_chunked_device_failure),
       cmocka_unit_test(test_host_register),
   };
