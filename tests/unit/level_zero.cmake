@@ -23,6 +23,9 @@ if(NOT OpenCL_FOUND)
 endif()
 
 set(DSV4_LZ_TEST_DIR ${PROJECT_SOURCE_DIR}/tests/level_zero)
+# The backend's host glue, linked into the tests over the Level Zero test double.
+set(DSV4_LZ_GLUE_SOURCES ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c
+                         ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_compress.c)
 add_executable(lz_kernels_test ${DSV4_LZ_TEST_DIR}/lz_kernels_test.c)
 target_link_libraries(lz_kernels_test PRIVATE dsv4_kernels OpenCL::OpenCL)
 target_compile_definitions(lz_kernels_test PRIVATE
@@ -81,9 +84,9 @@ endif()
 # appended first, so only the backend's barriers order its commands; device memory not zeroed; strict argument checks). The
 # double builds the same .cl source (PoCL takes no SPIR-V), so this checks the glue, not the SPIR-V.
 if(DSV4_LEVEL_ZERO)
-  function(dsv4_lz_fake_test name)
-    add_executable(${name} ${DSV4_LZ_TEST_DIR}/lz_kernels_test.c ${DSV4_LZ_TEST_DIR}/fake_ze.c
-                           ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
+  function(dsv4_lz_fake_test name src)
+    add_executable(${name} ${DSV4_LZ_TEST_DIR}/${src} ${DSV4_LZ_TEST_DIR}/fake_ze.c
+                           ${DSV4_LZ_GLUE_SOURCES})
     target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/kernels
                                                ${PROJECT_SOURCE_DIR}/kernels/level_zero
                                                ${DSV4_LZ_TEST_DIR})
@@ -94,11 +97,11 @@ if(DSV4_LEVEL_ZERO)
       DSV4_LZ_KERNELS_DIR="${PROJECT_SOURCE_DIR}/kernels")
     dsv4_strict(${name})
   endfunction()
-  dsv4_lz_fake_test(lz_fake_ze_test)
+  dsv4_lz_fake_test(lz_fake_ze_test lz_kernels_test.c)
   # SPEC §5.2's broken build for Level Zero: kernels launched without the barrier in front of them.
   # The double then runs the consumer before the RoPE rows' copy, on every run (the producer is
   # complete by then: qkv_insert waits for the positions it reads back; see INVARIANTS.md).
-  dsv4_lz_fake_test(lz_fake_ze_test_no_barrier DSV4_TEST_BROKEN_NO_BARRIER)
+  dsv4_lz_fake_test(lz_fake_ze_test_no_barrier lz_kernels_test.c DSV4_TEST_BROKEN_NO_BARRIER)
   add_test(NAME lz_fake_ze_backend_broken_no_barrier
            COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
                    "MISMATCH [[].*[]] run [0-9]+: (slots|q_out|cache) differs from the CPU backend"
@@ -109,7 +112,8 @@ if(DSV4_LEVEL_ZERO)
   # SPEC §5.2 for attention: the glue without the barrier in front of its attention launches. The
   # double then runs attention before the insert whose q_out and records it reads (attention reuses
   # the RoPE rows the insert staged, so no wait of the host orders them instead).
-  dsv4_lz_fake_test(lz_fake_ze_test_no_attn_barrier DSV4_TEST_BROKEN_NO_ATTN_BARRIER)
+  dsv4_lz_fake_test(lz_fake_ze_test_no_attn_barrier lz_kernels_test.c
+                    DSV4_TEST_BROKEN_NO_ATTN_BARRIER)
   add_test(NAME lz_fake_ze_attention_broken_no_barrier
            COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
                    "MISMATCH [[].*[]] run [0-9]+: attn differs from the CPU backend"
@@ -119,7 +123,7 @@ if(DSV4_LEVEL_ZERO)
     ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
   # The glue after a batch went wrong: no stale error word, out of memory refuses one batch only.
   add_executable(lz_glue_test ${DSV4_LZ_TEST_DIR}/lz_glue_test.c ${DSV4_LZ_TEST_DIR}/fake_ze.c
-                              ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
+                              ${DSV4_LZ_GLUE_SOURCES})
   target_include_directories(lz_glue_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels
                                                   ${PROJECT_SOURCE_DIR}/kernels/level_zero
                                                   ${DSV4_LZ_TEST_DIR})
@@ -156,7 +160,7 @@ endif()
 # through the real glue, every answer checked against the numpy model.
 if(DSV4_LEVEL_ZERO AND TARGET dsv4d AND EXISTS ${PROJECT_SOURCE_DIR}/tests/integration)
   add_executable(dsv4d_lz_fake $<TARGET_OBJECTS:dsv4d_main> ${DSV4_LZ_TEST_DIR}/fake_ze.c
-                               ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
+                               ${DSV4_LZ_GLUE_SOURCES})
   target_include_directories(dsv4d_lz_fake PRIVATE ${PROJECT_SOURCE_DIR}/kernels
                                                    ${PROJECT_SOURCE_DIR}/kernels/level_zero
                                                    ${DSV4_LZ_TEST_DIR})
