@@ -59,6 +59,24 @@ foreach(mode attention attention-fp64 attention-errors)
                                            ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
 endforeach()
 
+# The compressed branch (SPEC §8.3-§8.6): the compressor's, the indexer's and the union attention's
+# kernels against the CPU backend over batches of several layers and sequences, the ring, entries,
+# index records, selection, attn and lse byte for byte after every batch, with the fp32 and the
+# double-precision divide and sqrt; and each argument the CPU backend refuses refused by the check
+# launches, with nothing written (tests/level_zero/lz_compress_test.c).
+add_executable(lz_compress_test ${DSV4_LZ_TEST_DIR}/lz_compress_test.c)
+target_link_libraries(lz_compress_test PRIVATE dsv4_kernels OpenCL::OpenCL m)
+target_compile_definitions(lz_compress_test PRIVATE
+  DSV4_LZ_CL_SOURCE="${PROJECT_SOURCE_DIR}/kernels/level_zero/dsv4_kernels.cl"
+  DSV4_LZ_KERNELS_DIR="${PROJECT_SOURCE_DIR}/kernels")
+dsv4_strict(lz_compress_test)
+foreach(mode compress compress-fp64 compress-errors)
+  string(REPLACE "-" "_" tname "lz_pocl_${mode}")
+  add_test(NAME ${tname} COMMAND lz_compress_test ${mode})
+  set_tests_properties(${tname} PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl"
+                                           ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+endforeach()
+
 # SPEC §5.1's broken build: the unmasked bulk store of the vLLM XPU bug must be caught by the counters.
 add_test(NAME lz_pocl_one_writer_broken_bulk_store
          COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
