@@ -103,7 +103,8 @@ int dsv4__lz_stage_rope(lz_backend_t *z, const int64_t *positions, size_t n,
 int dsv4__lz_compress(dsv4_backend_t *be, const dsv4_compress_args_t *a);
 int dsv4__lz_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a);
 ze_result_t dsv4__lz_attn_c_check(lz_backend_t *z, const dsv4_attn_args_t *a, uint32_t groups);
-/* A launch of the compressed branch, or of attention: behind a barrier, like every command. */
+/* A launch of the compressor's emissions or ring rows, or of attention: behind a barrier, like
+ * every command (the test-only build DSV4_TEST_BROKEN_NO_COMPRESS_BARRIER leaves it out). */
 ze_result_t dsv4__lz_launch_c(lz_backend_t *z, ze_kernel_handle_t k, uint32_t groups);
 
 #endif /* DSV4_KERNELS_LEVEL_ZERO_LZ_INTERNAL_H */

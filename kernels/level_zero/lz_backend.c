@@ -500,9 +500,9 @@ static ze_result_t lz_launch_attn(lz_backend_t *z, ze_kernel_handle_t k, uint32_
 
 ze_result_t dsv4__lz_launch_c(lz_backend_t *z, ze_kernel_handle_t k, uint32_t groups) {
 #ifdef DSV4_TEST_BROKEN_NO_COMPRESS_BARRIER
-  /* Test-only (tests/unit/level_zero.cmake): the compressor's launches without the barrier in
-   * front of them; with the attention's unordered as well, the attention may run before the
-   * emissions it reads (SPEC §8.4), and the emissions after the ring rows they read are
+  /* Test-only (tests/unit/level_zero.cmake): the compressor's emissions and ring rows without the
+   * barrier in front of them; with the attention's unordered as well, the attention may run before
+   * the emissions it reads (SPEC §8.4), and the emissions after the ring rows they read are
    * overwritten. */
   ze_group_count_t g = {.groupCountX = groups, .groupCountY = 1, .groupCountZ = 1};
   return zeCommandListAppendLaunchKernel(z->list, k, &g, NULL, 0, NULL);

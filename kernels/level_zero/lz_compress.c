@@ -160,7 +160,7 @@ static ze_result_t compress_check(lz_backend_t *z, const dsv4_compress_args_t *a
   if (r == ZE_RESULT_SUCCESS)
     r = dsv4__lz_set_args(z->k_c_check, 0, args, DSV4_LZ_COMP_CHECK_NARGS);
   if (r == ZE_RESULT_SUCCESS)
-    r = dsv4__lz_launch_c(z, z->k_c_check, groups);
+    r = dsv4__lz_launch(z, z->k_c_check, groups);
   return r;
 }
 
@@ -296,7 +296,7 @@ static ze_result_t index_check(lz_backend_t *z, const dsv4_indexer_args_t *a, ui
   _Static_assert(sizeof(args) / sizeof(args[0]) == DSV4_LZ_INDEX_CHECK_NARGS, "lz_kernels.h");
   ze_result_t r = dsv4__lz_set_args(z->k_i_check, 0, args, DSV4_LZ_INDEX_CHECK_NARGS);
   if (r == ZE_RESULT_SUCCESS)
-    r = dsv4__lz_launch_c(z, z->k_i_check, groups);
+    r = dsv4__lz_launch(z, z->k_i_check, groups);
   return r;
 }
 
@@ -329,7 +329,7 @@ static ze_result_t index_select(lz_backend_t *z, const dsv4_indexer_args_t *a, u
   _Static_assert(sizeof(args) / sizeof(args[0]) == DSV4_LZ_INDEX_NARGS, "lz_kernels.h");
   ze_result_t r = dsv4__lz_set_args(z->k_i_select, 0, args, DSV4_LZ_INDEX_NARGS);
   if (r == ZE_RESULT_SUCCESS)
-    r = dsv4__lz_launch_c(z, z->k_i_select, g);
+    r = dsv4__lz_launch(z, z->k_i_select, g);
   return r;
 }
 

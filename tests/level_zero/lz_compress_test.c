@@ -1270,6 +1270,270 @@ static int errors_main(void) {
   return 0;
 }
 
+/* ---- through the level_zero backend ---- */
+
+/* The device's buffers of a layer (its caches, ring and weights), kept from batch to batch. */
+typedef struct {
+  dsv4_devbuf_t swa, ring, c_cache, i_cache, ape, norm, i_ape, i_norm, kvw, sink;
+} lz_layer_t;
+
+static void dev_put(dsv4_backend_t *be, dsv4_devbuf_t *b, const void *src, size_t n) {
+  if (be->ops->buf_alloc(be, n, b) != 0)
+    die("level_zero buf_alloc(%zu)", n);
+  if (src && be->ops->upload(be, b, 0, src, n) != 0)
+    die("level_zero upload");
+}
+
+static void dev_get(dsv4_backend_t *be, void *dst, dsv4_devbuf_t *b, size_t n) {
+  if (be->ops->download(be, dst, b, 0, n) != 0)
+    die("level_zero download");
+}
+
+static void lz_layer_make(dsv4_backend_t *be, const layer_t *L, lz_layer_t *d) {
+  dev_put(be, &d->swa, L->swa0, L->swa_bytes);
+  dev_put(be, &d->ring, L->ring0, L->ring_bytes);
+  dev_put(be, &d->c_cache, L->c0, L->c_bytes);
+  dev_put(be, &d->i_cache, L->i0, L->i_bytes);
+  dev_put(be, &d->ape, L->ape, (size_t)L->r * L->coff * DSV4_HEAD_DIM * 4);
+  dev_put(be, &d->norm, L->norm, DSV4_HEAD_DIM * 4);
+  dev_put(be, &d->i_ape, L->i_ape, 4 * 256 * 4);
+  dev_put(be, &d->i_norm, L->i_norm, INDEX_DIM * 4);
+  dev_put(be, &d->kvw, L->kvw, DSV4_HEAD_DIM * 4);
+  dev_put(be, &d->sink, L->sink, DSV4_MAX_HEADS * 4);
+}
+
+static void lz_layer_free(dsv4_backend_t *be, lz_layer_t *d) {
+  dsv4_devbuf_t *all[] = {&d->swa,  &d->ring,  &d->c_cache, &d->i_cache, &d->ape,
+                          &d->norm, &d->i_ape, &d->i_norm,  &d->kvw,     &d->sink};
+  for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+    be->ops->buf_free(be, all[i]);
+}
+
+/* The device's state and outputs after a batch. */
+typedef struct {
+  uint8_t *swa, *c_cache, *i_cache;
+  float *ring;
+} lz_state_t;
+
+/*
+ * One batch through the backend, as the engine runs it (run_ops), from fresh device copies of its
+ * arrays; cbt, when not NULL, replaces the entry tables. The outputs start as JUNK. Returns the
+ * first refusal's code (which launch in *which), and reads back the outputs and the state.
+ */
+static int lz_run(dsv4_backend_t *be, const layer_t *L, const step_t *st, const int32_t *cbt,
+                  lz_layer_t *d, outs_t *got, lz_state_t *s, int *which) {
+  uint32_t n = st->n, ns = st->n_seg, ih = L->sc->ih ? L->sc->ih : 1,
+           k = L->sc->topk ? L->sc->topk : 1;
+  size_t qb = (size_t)n * L->sc->heads * DSV4_HEAD_DIM * 2, lb = (size_t)n * L->sc->heads * 4;
+  enum {
+    POS,
+    SEG,
+    P0,
+    SLOT,
+    FLB,
+    OFF,
+    LEN,
+    BT,
+    CFLB,
+    COFF,
+    CLEN,
+    CBT,
+    Q,
+    KV,
+    IQ,
+    CKV,
+    IKV,
+    IW,
+    SLOTS,
+    QOUT,
+    OUT,
+    LSE,
+    SEL,
+    N_BUF
+  };
+  const struct {
+    const void *src;
+    size_t size;
+  } in[N_BUF] = {
+      [POS] = {st->pos, n * 8},
+      [SEG] = {st->tok_seg, n * 4},
+      [P0] = {st->p0, ns * 8},
+      [SLOT] = {st->slot, ns * 4},
+      [FLB] = {st->first_lb, ns * 8},
+      [OFF] = {st->bt_off, ns * 4},
+      [LEN] = {st->bt_len, ns * 4},
+      [BT] = {st->bt, st->n_bt * 4},
+      [CFLB] = {st->c_first_lb, ns * 8},
+      [COFF] = {st->cbt_off, ns * 4},
+      [CLEN] = {st->cbt_len, ns * 4},
+      [CBT] = {cbt ? cbt : st->cbt, st->n_cbt * 4},
+      [Q] = {st->q, qb},
+      [KV] = {st->kv, (size_t)n * DSV4_HEAD_DIM * 2},
+      [IQ] = {st->iq, (size_t)n * ih * INDEX_DIM * 2},
+      [CKV] = {st->ckv, (size_t)n * 2 * L->coff * DSV4_HEAD_DIM * 4},
+      [IKV] = {st->ikv, (size_t)n * 512 * 4},
+      [IW] = {st->iw, (size_t)n * ih * 4},
+      [SLOTS] = {NULL, n * 8},
+      [QOUT] = {got->q_out, qb},
+      [OUT] = {got->out, qb},
+      [LSE] = {got->lse, lb},
+      [SEL] = {got->sel, (size_t)n * k * 4},
+  };
+  dsv4_devbuf_t b[N_BUF];
+  memset(b, 0, sizeof(b));
+  for (int i = 0; i < N_BUF; i++)
+    dev_put(be, &b[i], in[i].src, in[i].size);
+  view_t v = {b[POS].ptr, b[P0].ptr,      b[FLB].ptr,     b[CFLB].ptr,   b[SEG].ptr,   b[BT].ptr,
+              b[CBT].ptr, b[SLOT].ptr,    b[OFF].ptr,     b[LEN].ptr,    b[COFF].ptr,  b[CLEN].ptr,
+              b[Q].ptr,   b[KV].ptr,      b[IQ].ptr,      b[CKV].ptr,    b[IKV].ptr,   b[IW].ptr,
+              d->ape.ptr, d->norm.ptr,    d->i_ape.ptr,   d->i_norm.ptr, d->kvw.ptr,   d->sink.ptr,
+              d->swa.ptr, d->c_cache.ptr, d->i_cache.ptr, d->ring.ptr,   b[SLOTS].ptr, b[QOUT].ptr,
+              b[OUT].ptr, b[LSE].ptr,     b[SEL].ptr};
+  int rc = run_ops(be, L, st, &v, which);
+  dev_get(be, got->q_out, &b[QOUT], qb);
+  dev_get(be, got->out, &b[OUT], qb);
+  dev_get(be, got->lse, &b[LSE], lb);
+  dev_get(be, got->sel, &b[SEL], (size_t)n * k * 4);
+  dev_get(be, s->swa, &d->swa, L->swa_bytes);
+  dev_get(be, s->ring, &d->ring, L->ring_bytes);
+  dev_get(be, s->c_cache, &d->c_cache, L->c_bytes);
+  dev_get(be, s->i_cache, &d->i_cache, L->i_bytes);
+  for (int i = 0; i < N_BUF; i++)
+    be->ops->buf_free(be, &b[i]);
+  return rc;
+}
+
+/* The batch with its first emission's entry block taken out of its table: every launch is
+ * accepted, sync answers DSV4_EINVAL, and the entries, index records, ring and outputs keep
+ * their bytes (the state is the CPU's before the batch). */
+static size_t lz_refused(dsv4_backend_t *be, const layer_t *L, const step_t *st, lz_layer_t *d,
+                         lz_state_t *s) {
+  uint32_t t = 0;
+  while (t < st->n && (st->pos[t] + 1) % L->r)
+    t++;
+  if (t == st->n)
+    return 0;
+  uint32_t g = (uint32_t)st->tok_seg[t];
+  int32_t *cbt = inv_alloc(st->n_cbt * sizeof(int32_t));
+  memcpy(cbt, st->cbt, st->n_cbt * sizeof(int32_t));
+  cbt[st->cbt_off[g] + (st->pos[t] / L->r / L->bs - st->c_first_lb[g])] = -1;
+  outs_t got;
+  outs_alloc(&got, L, st);
+  int which, rc = lz_run(be, L, st, cbt, d, &got, s, &which);
+  size_t qb = (size_t)st->n * L->sc->heads * DSV4_HEAD_DIM * 2;
+  size_t bad = rc != DSV4_EINVAL || which != 5;
+  if (bad)
+    fprintf(stderr, "REFUSAL [%s]: launch %d answered %d, expected the sync (5) and DSV4_EINVAL\n",
+            L->sc->name, which, rc);
+  bad += diff(s->c_cache, L->c_cache, L->c_bytes, "c_cache after a refusal", L->sc->name, -1);
+  bad += diff(s->ring, L->ring, L->ring_bytes, "ring after a refusal", L->sc->name, -1);
+  bad += diff(s->i_cache, L->i_cache, L->i_bytes, "i_cache after a refusal", L->sc->name, -1);
+  bad += !untouched(got.out, qb) ||
+         !untouched(got.sel, (size_t)st->n * (L->sc->topk ? L->sc->topk : 1) * 4);
+  printf("%-48s refused: an emission's block missing: sync %s, entries, ring and outputs %s\n",
+         L->sc->name, dsv4_strerror(rc), bad ? "CHANGED" : "unchanged");
+  outs_free(&got);
+  free(cbt);
+  return bad;
+}
+
+/* The no-driver skip, or the backend (over the test double, or a GPU). */
+static int lz_open(dsv4_backend_t **lz) {
+  char why[512];
+  int rc = dsv4_backend_open("level_zero", NULL, lz, why, sizeof(why));
+#ifdef DSV4_LZ_FAKE_ZE
+  cl_uint n_plats = 0;
+  if (rc && (clGetPlatformIDs(0, NULL, &n_plats) != CL_SUCCESS || n_plats == 0)) {
+    printf("skipped: no OpenCL platform for the Level Zero test double\n");
+    return 77;
+  }
+#else
+  if (rc && (!strncmp(why, "zeInit found no driver", 22) || !strncmp(why, "no driver", 9) ||
+             !strncmp(why, "no GPU among", 12))) {
+    printf("skipped: no Level Zero GPU: %s\n", why);
+    return 77;
+  }
+#endif
+  if (rc)
+    die("the level_zero backend did not open: %s", why);
+  if (!(*lz)->ops->compress || !(*lz)->ops->indexer)
+    die("the level_zero backend has no compressed branch");
+  return 0;
+}
+
+static size_t lz_scenario(dsv4_backend_t *lz, dsv4_backend_t *cpu, const scen_t *sc,
+                          dsv4_rope_table_t *yarn, int refusals, size_t *batches) {
+  layer_t L;
+  layer_init(&L, sc, yarn);
+  lz_layer_t d;
+  lz_layer_make(lz, &L, &d);
+  lz_state_t s = {inv_alloc(L.swa_bytes), inv_alloc(L.c_bytes), inv_alloc(L.i_bytes),
+                  inv_alloc(L.ring_bytes)};
+  size_t bad = 0;
+  for (int k = 0; k < MAX_STEPS && sc->steps[k][0].len && !bad; k++, (*batches)++) {
+    step_t st;
+    step_make(&L, k, &st);
+    if (refusals && k == 1)
+      bad += lz_refused(lz, &L, &st, &d, &s);
+    outs_t want, got;
+    outs_alloc(&want, &L, &st);
+    outs_alloc(&got, &L, &st);
+    run_cpu(cpu, &L, &st, &want);
+    int which, rc = lz_run(lz, &L, &st, NULL, &d, &got, &s, &which);
+    if (rc)
+      die("[%s] batch %d: level_zero refused it (launch %d): %s", sc->name, k, which,
+          dsv4_strerror(rc));
+    bad += compare(&L, &st, &got, &want, s.swa, s.c_cache, s.i_cache, s.ring, 1, k);
+    step_report(&L, &st, k, bad);
+    outs_free(&want);
+    outs_free(&got);
+    step_free(&st);
+  }
+  free(s.swa);
+  free(s.c_cache);
+  free(s.i_cache);
+  free(s.ring);
+  lz_layer_free(lz, &d);
+  layer_free(&L);
+  return bad;
+}
+
+/* The modes level-zero (every scenario, and the refusals) and level-zero-c128. */
+static int level_zero_main(int only128) {
+  dsv4_backend_t *lz = NULL, *cpu = NULL;
+  int rc = lz_open(&lz);
+  if (rc)
+    return rc;
+  dsv4_backend_options_t opt = {.threads = 2};
+  char why[256];
+  if (dsv4_backend_open("cpu", &opt, &cpu, why, sizeof(why)) != 0)
+    die("cannot open the cpu backend: %s", why);
+  float f[DSV4_ROPE_PAIRS];
+  dsv4_rope_table_t *yarn = NULL;
+  dsv4_rope_inv_freq(&dsv4_rope_yarn_default, f);
+  if (dsv4_rope_table_create(f, DSV4_MAX_POSITION_DEFAULT, &yarn) != 0)
+    die("rope table");
+  size_t bad = 0, batches = 0;
+  for (size_t si = 0; si < sizeof(scenarios) / sizeof(scenarios[0]) && !bad; si++)
+    if (!only128 || scenarios[si].ratio == 128)
+      bad += lz_scenario(lz, cpu, &scenarios[si], yarn, !only128, &batches);
+  dsv4_backend_close(cpu);
+  dsv4_backend_close(lz);
+  dsv4_rope_table_destroy(yarn);
+#ifdef DSV4_LZ_FAKE_ZE
+  if (fake_ze_live_allocations() != 0)
+    die("%zu Level Zero allocations still alive after the backend was closed",
+        fake_ze_live_allocations());
+#endif
+  if (bad) {
+    fprintf(stderr, "FAIL: %zu bytes differ from the cpu backend\n", bad);
+    return 1;
+  }
+  printf("PASS: %zu batches through the level_zero backend byte-identical to the cpu backend\n",
+         batches);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "compress";
   if (!strcmp(mode, "compress"))
@@ -1278,6 +1542,8 @@ int main(int argc, char **argv) {
     return opencl_main("-DDSV4_CL_RMS_FP64", 1);
   if (!strcmp(mode, "compress-errors"))
     return errors_main();
+  if (!strcmp(mode, "level-zero") || !strcmp(mode, "level-zero-c128"))
+    return level_zero_main(!strcmp(mode, "level-zero-c128"));
   die("unknown mode %s (compress, compress-fp64, compress-errors, level-zero, level-zero-c128)",
       mode);
 }

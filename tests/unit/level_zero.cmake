@@ -93,7 +93,9 @@ if(DSV4_LEVEL_ZERO)
   add_test(NAME lz_backend_no_driver COMMAND lz_kernels_test no-driver)
   add_test(NAME lz_backend_device COMMAND lz_kernels_test level-zero)
   add_test(NAME lz_backend_device_attention COMMAND lz_kernels_test level-zero-attention)
-  set_tests_properties(lz_backend_no_driver lz_backend_device lz_backend_device_attention PROPERTIES
+  add_test(NAME lz_backend_device_compress COMMAND lz_compress_test level-zero)
+  set_tests_properties(lz_backend_no_driver lz_backend_device lz_backend_device_attention
+    lz_backend_device_compress PROPERTIES
     TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS level_zero ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
 endif()
 
@@ -137,6 +139,30 @@ if(DSV4_LEVEL_ZERO)
                    "MISMATCH [[].*[]] run [0-9]+: attn differs from the CPU backend"
                    $<TARGET_FILE:lz_fake_ze_test_no_attn_barrier> level-zero-attention)
   set_tests_properties(lz_fake_ze_attention_broken_no_barrier PROPERTIES
+    TIMEOUT 600 LABELS "level_zero;opencl;invariants" SKIP_RETURN_CODE 77
+    ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+  # The compressed branch through the glue (map_slots, qkv_insert, compress, indexer, attention,
+  # sync) against the CPU backend: q_out, the SWA cache, the ring, the entries, the index records,
+  # the selection, attn and lse after every batch, and a batch refused at sync leaves no trace;
+  # then with the fp64 module and launches split by maxGroupCountX.
+  dsv4_lz_fake_test(lz_fake_compress_test lz_compress_test.c)
+  add_test(NAME lz_fake_ze_compress COMMAND lz_fake_compress_test level-zero)
+  add_test(NAME lz_fake_ze_compress_fp64_split COMMAND lz_fake_compress_test level-zero)
+  set_tests_properties(lz_fake_ze_compress lz_fake_ze_compress_fp64_split PROPERTIES
+    TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl" ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+  set_property(TEST lz_fake_ze_compress_fp64_split APPEND PROPERTY ENVIRONMENT
+               "FAKE_ZE_FP32_FLAGS=0x1" "FAKE_ZE_MAX_GROUPS=13")
+  # SPEC §8.4 and §5.2 for the compressed branch: the glue without the barriers in front of the
+  # compressor's and the attention's launches. The double then runs the attention before the
+  # emissions it reads (and the emissions after the ring rows they read are overwritten). Ratio 128
+  # only: at ratio 4 the attention would also run before the indexer writes its selection.
+  dsv4_lz_fake_test(lz_fake_compress_test_no_barrier lz_compress_test.c
+                    DSV4_TEST_BROKEN_NO_COMPRESS_BARRIER)
+  add_test(NAME lz_fake_ze_compress_broken_no_barrier
+           COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
+                   "MISMATCH [[].*[]] batch [0-9]+: (attn|lse|c_cache [(]the entries[)]) differs from the CPU backend"
+                   $<TARGET_FILE:lz_fake_compress_test_no_barrier> level-zero-c128)
+  set_tests_properties(lz_fake_ze_compress_broken_no_barrier PROPERTIES
     TIMEOUT 600 LABELS "level_zero;opencl;invariants" SKIP_RETURN_CODE 77
     ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
   # The glue after a batch went wrong: no stale error word, out of memory refuses one batch only.
