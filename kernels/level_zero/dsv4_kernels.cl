@@ -376,29 +376,72 @@ static float logit_of(__local const float *qv, cand_t c) {
 }
 
 /*
- * Attention, second launch (SPEC §7, exact mode): rows row0.. of this launch, row = t * H + h, in
- * the thread layout of dsv4_qkv_insert (32 lanes per row, 8 rows per work-group). Lane j computes
- * the logits of candidates j, j + 32, .. (each a whole canonical dot product) and their weights;
- * every lane then takes the max and the sums over all candidates in SPEC order from local memory,
- * so the values are the same in every lane without a reduction tree. For N, lane l owns dims
- * 16l..16l+15 and runs the fma chain over the candidates in increasing position; it also stores
- * those dims, once (lanes 28..31 after the inverse RoPE). Lane 0 stores lse.
- *
- * Nothing is written when the error word is not zero: dsv4_attn_check (or the batch's slot map or
- * insert) found something the CPU backend refuses. Every work-item reads the same word, so a group
- * returns as a whole, before its first barrier.
+ * A row's candidate list (SPEC §7, §8.6): nw window positions lo.., then the compressed entries,
+ * j_lo, j_lo + 1, .. or the listed ones sel[0..], through their own table and cache.
  */
-__kernel __attribute__((reqd_work_group_size(DSV4_LZ_GROUP_SIZE, 1, 1))) void
-dsv4_attention(uint row0, uint n_rows, uint heads, __global const ushort *q,
-               __global const long *positions, __global const int *tok_seg,
-               __global const long *seg_p0, __global const long *seg_first_lb,
-               __global const uint *seg_bt_off, __global const int *block_table,
-               __global const uchar *cache, uint block_size, ulong stride,
-               __global const float *sink, uint has_sink, __global const float *rope_rows,
-               __global ushort *out, __global float *lse, uint want_lse, __global const uint *err) {
+typedef struct {
+  long lo, lb0, nw, n;
+  __global const int *table;
+  __global const uchar *cache;
+  long j_lo, clb0;
+  __global const int *sel; /* NULL: the range form */
+  __global const int *ctable;
+  __global const uchar *c_cache;
+} clist_t;
+
+static cand_t list_at(const clist_t *L, long i, uint block_size, ulong stride) {
+  if (i < L->nw)
+    return candidate(L->lo + i, L->table, L->lb0, block_size, L->cache, stride);
+  long j = L->sel ? (long)L->sel[i - L->nw] : L->j_lo + (i - L->nw);
+  return candidate(j, L->ctable, L->clb0, block_size, L->c_cache, stride);
+}
+
+/* The compressed entries of token t after its window (SPEC §8.4): with a selection, its listed
+ * entries up to the first -1; else floor(p0 / ratio) <= j < floor((p + 1) / ratio). */
+static long c_entries(uint ratio, long p0, long p, __global const int *sel_row, uint sel_stride,
+                      long *j_lo) {
+  *j_lo = p0 / (long)ratio;
+  if (!sel_row) {
+    long j_hi = (p + 1) / (long)ratio;
+    return j_hi > *j_lo ? j_hi - *j_lo : 0;
+  }
+  uint k = 0;
+  while (k < sel_stride && sel_row[k] != -1)
+    k++;
+  return (long)k;
+}
+
+/*
+ * Attention, second launch (SPEC §7, §8.6, exact mode): rows row0.. of this launch, row = t * H +
+ * h, in the thread layout of dsv4_qkv_insert (32 lanes per row, 8 rows per work-group). The
+ * candidates are the window and, on a compressed layer (ratio != 0), the compressed entries after
+ * it, taken in chunks of DSV4_LZ_ATTN_CHUNK. Lane j computes the logits of candidates j, j + 32,
+ * .. of a chunk (each a whole canonical dot product) into local memory, and every lane continues
+ * the max over the chunk in list order. Then, chunk by chunk again, lane j computes the weights of
+ * its candidates (the first chunk's logits were kept; later chunks compute theirs once more, the
+ * same values), and every lane continues the sum in list order while lane l continues the fma
+ * chains of its dims 16l..16l+15. So every value is the CPU's, in the CPU's order, whatever the
+ * length of the list; a window-only list is one chunk. Each lane stores its dims once (lanes
+ * 28..31 after the inverse RoPE); lane 0 stores lse.
+ *
+ * Nothing is written when the error word is not zero: dsv4_attn_check (or the batch's slot map,
+ * insert, compressor or indexer) found something the CPU backend refuses. Every work-item reads
+ * the same word, so a group returns as a whole, before its first barrier. Every work-item runs the
+ * group's largest chunk count, so every barrier is reached by all of them.
+ */
+__kernel __attribute__((reqd_work_group_size(DSV4_LZ_GROUP_SIZE, 1, 1))) void dsv4_attention(
+    uint row0, uint n_rows, uint heads, __global const ushort *q, __global const long *positions,
+    __global const int *tok_seg, __global const long *seg_p0, __global const long *seg_first_lb,
+    __global const uint *seg_bt_off, __global const int *block_table, __global const uchar *cache,
+    uint block_size, ulong stride, __global const float *sink, uint has_sink,
+    __global const float *rope_rows, __global ushort *out, __global float *lse, uint want_lse,
+    __global const uint *err, uint ratio, __global const uchar *c_cache,
+    __global const long *seg_c_first_lb, __global const uint *seg_cbt_off,
+    __global const int *c_block_table, __global const int *c_sel, uint c_sel_stride) {
   __local float qv[DSV4_LZ_ROWS_PER_GROUP][DSV4_HEAD_DIM];
-  __local float logit[DSV4_LZ_ROWS_PER_GROUP][DSV4_WINDOW];
-  __local float wt[DSV4_LZ_ROWS_PER_GROUP][DSV4_WINDOW];
+  __local float logit[DSV4_LZ_ROWS_PER_GROUP][DSV4_LZ_ATTN_CHUNK];
+  __local float wt[DSV4_LZ_ROWS_PER_GROUP][DSV4_LZ_ATTN_CHUNK];
+  __local int chunks_of[DSV4_LZ_ROWS_PER_GROUP];
   if (*err)
     return;
   uint lid = (uint)get_local_id(0);
@@ -407,53 +450,74 @@ dsv4_attention(uint row0, uint n_rows, uint heads, __global const ushort *q,
   int live = row < (ulong)n_rows;
   ulong t = live ? row / heads : 0;
   uint d0 = lane * DSV4_LZ_DIMS_PER_LANE;
-  long first = 0, lb0 = 0;
-  int n_cand = 0;
-  __global const int *table = block_table;
+  clist_t L = {0, 0, 0, 0, block_table, cache, 0, 0, 0, c_block_table, c_cache};
   if (live) {
     int s = tok_seg[t];
     long p = positions[t];
-    first = max(seg_p0[s], p - (DSV4_WINDOW - 1));
-    n_cand = (int)(p - first + 1);
-    lb0 = seg_first_lb[s];
-    table = block_table + seg_bt_off[s];
+    L.lo = max(seg_p0[s], p - (DSV4_WINDOW - 1));
+    L.nw = p - L.lo + 1;
+    L.lb0 = seg_first_lb[s];
+    L.table = block_table + seg_bt_off[s];
+    L.n = L.nw;
+    if (ratio) {
+      L.sel = c_sel_stride ? c_sel + t * c_sel_stride : 0;
+      L.n += c_entries(ratio, seg_p0[s], p, L.sel, c_sel_stride, &L.j_lo);
+      L.clb0 = seg_c_first_lb[s];
+      L.ctable = c_block_table + seg_cbt_off[s];
+    }
     for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
       qv[r_in][d0 + i] = dsv4_bf16_to_f32(q[row * DSV4_HEAD_DIM + d0 + i]);
   }
+  if (lane == 0)
+    chunks_of[r_in] = (int)((L.n + DSV4_LZ_ATTN_CHUNK - 1) / DSV4_LZ_ATTN_CHUNK);
   barrier(CLK_LOCAL_MEM_FENCE);
+  int chunks = 0;
+  for (int r = 0; r < DSV4_LZ_ROWS_PER_GROUP; r++)
+    chunks = max(chunks, chunks_of[r]);
 
-  for (int i = (int)lane; i < n_cand; i += DSV4_LZ_LANES)
-    logit[r_in][i] =
-        logit_of(qv[r_in], candidate(first + i, table, lb0, block_size, cache, stride));
-  barrier(CLK_LOCAL_MEM_FENCE);
+  /* m = the max in list order, chunk by chunk (the first chunk's logits stay in logit[], later
+   * ones pass through wt[]). */
+  float m = 0.0f;
+  for (int ch = 0; ch < chunks; ch++) {
+    long base = (long)ch * DSV4_LZ_ATTN_CHUNK;
+    int cnt = (int)clamp(L.n - base, 0L, (long)DSV4_LZ_ATTN_CHUNK);
+    __local float *l = ch == 0 ? logit[r_in] : wt[r_in];
+    for (int i = (int)lane; i < cnt; i += DSV4_LZ_LANES)
+      l[i] = logit_of(qv[r_in], list_at(&L, base + i, block_size, stride));
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int i = 0; i < cnt; i++)
+      m = (ch == 0 && i == 0) || l[i] > m ? l[i] : m;
+    barrier(CLK_LOCAL_MEM_FENCE); /* wt[] is rewritten by the next chunk */
+  }
 
-  /* m = the max in increasing position (exact, so the order only matters for NaN, which the
-   * daemon's validated inputs cannot produce). */
-  float m = n_cand ? logit[r_in][0] : 0.0f;
-  for (int i = 1; i < n_cand; i++)
-    m = logit[r_in][i] > m ? logit[r_in][i] : m;
-  for (int i = (int)lane; i < n_cand; i += DSV4_LZ_LANES)
-    wt[r_in][i] = dsv4_expf(logit[r_in][i] - m);
-  barrier(CLK_LOCAL_MEM_FENCE);
+  /* S (the weights in list order from +0, the sink excluded) and the chains N. */
+  float sum = 0.0f, acc[DSV4_LZ_DIMS_PER_LANE], k[DSV4_LZ_DIMS_PER_LANE];
+  for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+    acc[i] = 0.0f;
+  for (int ch = 0; ch < chunks; ch++) {
+    long base = (long)ch * DSV4_LZ_ATTN_CHUNK;
+    int cnt = (int)clamp(L.n - base, 0L, (long)DSV4_LZ_ATTN_CHUNK);
+    for (int i = (int)lane; i < cnt; i += DSV4_LZ_LANES) {
+      float l =
+          ch == 0 ? logit[r_in][i] : logit_of(qv[r_in], list_at(&L, base + i, block_size, stride));
+      wt[r_in][i] = dsv4_expf(l - m);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int j = 0; j < cnt; j++) {
+      float w = wt[r_in][j];
+      sum = sum + w;
+      dequant16(list_at(&L, base + j, block_size, stride), lane, k);
+      for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
+        acc[i] = fma(w, k[i], acc[i]);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE); /* wt[] is rewritten by the next chunk */
+  }
   if (!live)
     return;
 
-  float sum = 0.0f; /* S: the weights in increasing position from +0, the sink excluded */
-  for (int i = 0; i < n_cand; i++)
-    sum = sum + wt[r_in][i];
   float den = sum;
   if (has_sink)
     den = den + dsv4_expf(sink[row % heads] - m);
-
-  float acc[DSV4_LZ_DIMS_PER_LANE], k[DSV4_LZ_DIMS_PER_LANE];
-  for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
-    acc[i] = 0.0f;
-  for (int j = 0; j < n_cand; j++) {
-    float w = wt[r_in][j];
-    dequant16(candidate(first + j, table, lb0, block_size, cache, stride), lane, k);
-    for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
-      acc[i] = fma(w, k[i], acc[i]);
-  }
   for (int i = 0; i < DSV4_LZ_DIMS_PER_LANE; i++)
     acc[i] = quotient(acc[i], den);
 
@@ -476,6 +540,9 @@ dsv4_attention(uint row0, uint n_rows, uint heads, __global const ushort *q,
   if (want_lse && lane == 0)
     lse[row] = m + dsv4_logf(sum);
 }
+
+/* The compressed branch's kernels (SPEC §8.3-§8.6). */
+#include "level_zero/dsv4_compress.cl"
 
 /*
  * SPEC §2's device checks, run by the backend when it opens a device (lz_probe.h): out[0] = a * b +

@@ -17,6 +17,10 @@
  * Attention after the insert of the same positions uses the same rows (its inverse RoPE is at the
  * query's position), so it adds no round trip to the host.
  *
+ * The compressed branch (SPEC §8, lz_compress.c) follows the insert in the order insert ->
+ * compress -> indexer -> attention, each launch behind its barrier: the emissions are stored
+ * before the indexer scores them and before attention reads them (SPEC §8.4).
+ *
  * The kernels cannot return an error code: arguments the CPU backend would refuse set bits of a
  * device error word instead (and nothing is read or written out of bounds); sync() reads the word
  * and answers DSV4_EINVAL when a bit is set.
@@ -32,6 +36,7 @@
 #include <string.h>
 
 #include "dsv4-numerics.h"
+#include "lz-internal.h"
 #include "lz_kernels.h"
 #include "lz_probe.h"
 #include "lz_spirv.h"
@@ -52,35 +57,6 @@
 #define LZ_MAX_QUEUE_GROUPS 16
 /* The RoPE row buffers' first size, in tokens; they double from there. */
 #define LZ_ROPE_ROWS_MIN 256
-
-typedef struct {
-  dsv4_backend_t base;
-  ze_driver_handle_t driver;
-  ze_device_handle_t device;
-  ze_context_handle_t ctx;
-  ze_command_list_handle_t list; /* immediate, asynchronous */
-  ze_event_pool_handle_t pool;
-  ze_event_handle_t done; /* signalled by the barrier sync() appends */
-  ze_module_handle_t module;
-  ze_kernel_handle_t k_map, k_insert, k_probe, k_attn_check, k_attn;
-  uint32_t max_groups_x;
-  uint8_t *stage; /* host USM, LZ_STAGE_BYTES */
-  uint32_t *err;  /* device: the kernels' error word */
-  float *rope_host, *rope_dev;
-  size_t rope_cap; /* tokens the two RoPE row buffers hold */
-  /* What the rows in rope_dev are: the positions (device address) and table they were staged for.
-   * Any upload may change what is behind that address, so it clears rope_pos. */
-  const int64_t *rope_pos;
-  const dsv4_rope_table_t *rope_tab;
-  size_t rope_n;
-  int64_t *pos_host;
-  size_t pos_cap;
-  int failed; /* a Level Zero call failed: the device is no longer trusted */
-} lz_backend_t;
-
-static lz_backend_t *lz_of(dsv4_backend_t *be) {
-  return (lz_backend_t *)be;
-}
 
 #define LZ_RESULTS(X)                                                                              \
   X(ZE_RESULT_SUCCESS)                                                                             \
@@ -136,45 +112,52 @@ __attribute__((format(printf, 3, 4))) static void say(char *why, size_t why_len,
   va_end(ap);
 }
 
-/* A failed call after open: the device state is unknown from here on. */
-static int lz_fail(lz_backend_t *z) {
+int dsv4__lz_fail(lz_backend_t *z) {
   z->failed = 1;
   return DSV4_EBACKEND;
 }
 
-/* Every command is preceded by a barrier: commands run in the order they were appended. */
-static ze_result_t lz_barrier(lz_backend_t *z) {
+ze_result_t dsv4__lz_barrier(lz_backend_t *z) {
   return zeCommandListAppendBarrier(z->list, NULL, 0, NULL);
 }
 
-/* Waits until everything appended so far has completed. */
-static ze_result_t lz_wait(lz_backend_t *z) {
+ze_result_t dsv4__lz_wait(lz_backend_t *z) {
   ze_result_t r = zeCommandListAppendBarrier(z->list, z->done, 0, NULL);
   if (r == ZE_RESULT_SUCCESS)
     r = zeEventHostSynchronize(z->done, LZ_WAIT_NS);
   if (r == ZE_RESULT_SUCCESS)
     r = zeEventHostReset(z->done);
+  if (r == ZE_RESULT_SUCCESS)
+    z->emit_busy = 0; /* every copy from the host staging has completed */
   return r;
 }
 
-static ze_result_t lz_copy(lz_backend_t *z, void *dst, const void *src, size_t n) {
-  ze_result_t r = lz_barrier(z);
+ze_result_t dsv4__lz_copy(lz_backend_t *z, void *dst, const void *src, size_t n) {
+  ze_result_t r = dsv4__lz_barrier(z);
   if (r == ZE_RESULT_SUCCESS)
     r = zeCommandListAppendMemoryCopy(z->list, dst, src, n, NULL, 0, NULL);
   return r;
 }
 
-static ze_result_t lz_dev_alloc(lz_backend_t *z, size_t size, void **out) {
+ze_result_t dsv4__lz_zero(lz_backend_t *z, void *p, size_t n) {
+  uint8_t zero = 0;
+  ze_result_t r = dsv4__lz_barrier(z);
+  if (r == ZE_RESULT_SUCCESS)
+    r = zeCommandListAppendMemoryFill(z->list, p, &zero, 1, n, NULL, 0, NULL);
+  return r;
+}
+
+ze_result_t dsv4__lz_dev_alloc(lz_backend_t *z, size_t size, void **out) {
   ze_device_mem_alloc_desc_t d = {.stype = ZE_STRUCTURE_TYPE_DEVICE_MEM_ALLOC_DESC};
   return zeMemAllocDevice(z->ctx, &d, size ? size : 1, LZ_ALIGN, z->device, out);
 }
 
-static ze_result_t lz_host_alloc(lz_backend_t *z, size_t size, void **out) {
+ze_result_t dsv4__lz_host_alloc(lz_backend_t *z, size_t size, void **out) {
   ze_host_mem_alloc_desc_t d = {.stype = ZE_STRUCTURE_TYPE_HOST_MEM_ALLOC_DESC};
   return zeMemAllocHost(z->ctx, &d, size ? size : 1, LZ_ALIGN, out);
 }
 
-static void lz_free(lz_backend_t *z, void *p) {
+void dsv4__lz_free(lz_backend_t *z, void *p) {
   if (p)
     zeMemFree(z->ctx, p);
 }
@@ -183,38 +166,26 @@ static ze_result_t lz_set_ptr(ze_kernel_handle_t k, uint32_t i, const void *p) {
   return zeKernelSetArgumentValue(k, i, sizeof(p), &p);
 }
 
-static ze_result_t lz_set_u32(ze_kernel_handle_t k, uint32_t i, uint32_t v) {
+ze_result_t dsv4__lz_set_u32(ze_kernel_handle_t k, uint32_t i, uint32_t v) {
   return zeKernelSetArgumentValue(k, i, sizeof(v), &v);
 }
 
-/* One kernel argument: its size and where its value is (for a pointer, the address of the
- * pointer). A kernel's arguments are set from an array of these, in the order of lz_kernels.h. */
-typedef struct {
-  size_t size;
-  const void *value;
-} lz_arg_t;
-
-/* clang-format off */
-#define LZ_U32(v) {sizeof(uint32_t), &(uint32_t){(v)}}
-#define LZ_PTR(p) {sizeof(void *), &(const void *){(p)}}
-/* clang-format on */
-
-static ze_result_t lz_set_args(ze_kernel_handle_t k, uint32_t first, const lz_arg_t *args,
-                               uint32_t n) {
+ze_result_t dsv4__lz_set_args(ze_kernel_handle_t k, uint32_t first, const lz_arg_t *args,
+                              uint32_t n) {
   ze_result_t r = ZE_RESULT_SUCCESS;
   for (uint32_t i = 0; i < n && r == ZE_RESULT_SUCCESS; i++)
     r = zeKernelSetArgumentValue(k, first + i, args[i].size, args[i].value);
   return r;
 }
 
-static ze_result_t lz_launch(lz_backend_t *z, ze_kernel_handle_t k, uint32_t groups) {
+ze_result_t dsv4__lz_launch(lz_backend_t *z, ze_kernel_handle_t k, uint32_t groups) {
   ze_group_count_t g = {.groupCountX = groups, .groupCountY = 1, .groupCountZ = 1};
 #ifdef DSV4_TEST_BROKEN_NO_BARRIER
   /* Test-only (tests/unit/level_zero.cmake): kernels without the barrier in front of them, so
    * the consumer may run before the producer and the RoPE rows' copy (SPEC §5.2). */
   ze_result_t r = ZE_RESULT_SUCCESS;
 #else
-  ze_result_t r = lz_barrier(z);
+  ze_result_t r = dsv4__lz_barrier(z);
 #endif
   if (r == ZE_RESULT_SUCCESS)
     r = zeCommandListAppendLaunchKernel(z->list, k, &g, NULL, 0, NULL);
@@ -224,14 +195,23 @@ static ze_result_t lz_launch(lz_backend_t *z, ze_kernel_handle_t k, uint32_t gro
 /* ---- the backend table ---- */
 
 static void lz_destroy(dsv4_backend_t *be) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   if (z->list && z->done && !z->failed)
-    (void)lz_wait(z);
-  lz_free(z, z->err);
-  lz_free(z, z->stage);
-  lz_free(z, z->rope_host);
-  lz_free(z, z->rope_dev);
+    (void)dsv4__lz_wait(z);
+  dsv4__lz_free(z, z->err);
+  dsv4__lz_free(z, z->stage);
+  dsv4__lz_free(z, z->rope_host);
+  dsv4__lz_free(z, z->rope_dev);
+  dsv4__lz_free(z, z->emit_host);
+  dsv4__lz_free(z, z->emit_dev);
+  dsv4__lz_free(z, z->c_seen);
+  dsv4__lz_free(z, z->x_scratch);
   free(z->pos_host);
+  ze_kernel_handle_t c_kernels[] = {z->k_attn_c_check, z->k_c_check, z->k_c_emit,
+                                    z->k_c_ring,       z->k_i_check, z->k_i_select};
+  for (size_t i = 0; i < sizeof(c_kernels) / sizeof(c_kernels[0]); i++)
+    if (c_kernels[i])
+      zeKernelDestroy(c_kernels[i]);
   if (z->k_probe)
     zeKernelDestroy(z->k_probe);
   if (z->k_attn)
@@ -256,26 +236,26 @@ static void lz_destroy(dsv4_backend_t *be) {
 }
 
 static int lz_buf_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   void *p = NULL;
   if (!out)
     return DSV4_EINVAL;
-  ze_result_t r = lz_dev_alloc(z, size, &p);
+  ze_result_t r = dsv4__lz_dev_alloc(z, size, &p);
   if (r == ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY || r == ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY ||
       r == ZE_RESULT_ERROR_UNSUPPORTED_SIZE)
     return DSV4_ENOMEM;
   if (r != ZE_RESULT_SUCCESS)
-    return lz_fail(z);
+    return dsv4__lz_fail(z);
   /* Zero-filled, as on every backend (SPEC §3). */
   uint8_t zero = 0;
-  r = lz_barrier(z);
+  r = dsv4__lz_barrier(z);
   if (r == ZE_RESULT_SUCCESS)
     r = zeCommandListAppendMemoryFill(z->list, p, &zero, 1, size ? size : 1, NULL, 0, NULL);
   if (r == ZE_RESULT_SUCCESS)
-    r = lz_wait(z);
+    r = dsv4__lz_wait(z);
   if (r != ZE_RESULT_SUCCESS) {
-    lz_free(z, p);
-    return lz_fail(z);
+    dsv4__lz_free(z, p);
+    return dsv4__lz_fail(z);
   }
   out->ptr = p;
   out->size = size;
@@ -283,21 +263,21 @@ static int lz_buf_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
 }
 
 static void lz_buf_free(dsv4_backend_t *be, dsv4_devbuf_t *buf) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   if (!buf || !buf->ptr)
     return;
   z->rope_pos = NULL; /* the address may come back with other contents */
   /* Commands already appended may still use the buffer. */
-  if (!z->failed && lz_wait(z) != ZE_RESULT_SUCCESS)
+  if (!z->failed && dsv4__lz_wait(z) != ZE_RESULT_SUCCESS)
     z->failed = 1;
-  lz_free(z, buf->ptr);
+  dsv4__lz_free(z, buf->ptr);
   buf->ptr = NULL;
   buf->size = 0;
 }
 
 static int lz_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
                      size_t n) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   if (!dst || off > dst->size || n > dst->size - off || (n && !src))
     return DSV4_EINVAL;
   if (z->failed)
@@ -307,11 +287,11 @@ static int lz_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, c
     size_t chunk = n - done < LZ_STAGE_BYTES ? n - done : LZ_STAGE_BYTES;
     /* The staging buffer is free: every earlier copy from it has been waited for. */
     memcpy(z->stage, (const uint8_t *)src + done, chunk);
-    ze_result_t r = lz_copy(z, (uint8_t *)dst->ptr + off + done, z->stage, chunk);
+    ze_result_t r = dsv4__lz_copy(z, (uint8_t *)dst->ptr + off + done, z->stage, chunk);
     if (r == ZE_RESULT_SUCCESS)
-      r = lz_wait(z);
+      r = dsv4__lz_wait(z);
     if (r != ZE_RESULT_SUCCESS)
-      return lz_fail(z);
+      return dsv4__lz_fail(z);
     done += chunk;
   }
   return 0;
@@ -319,18 +299,18 @@ static int lz_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, c
 
 static int lz_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
                        size_t n) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   if (!src || off > src->size || n > src->size - off || (n && !dst))
     return DSV4_EINVAL;
   if (z->failed)
     return DSV4_EBACKEND;
   for (size_t done = 0; done < n;) {
     size_t chunk = n - done < LZ_STAGE_BYTES ? n - done : LZ_STAGE_BYTES;
-    ze_result_t r = lz_copy(z, z->stage, (const uint8_t *)src->ptr + off + done, chunk);
+    ze_result_t r = dsv4__lz_copy(z, z->stage, (const uint8_t *)src->ptr + off + done, chunk);
     if (r == ZE_RESULT_SUCCESS)
-      r = lz_wait(z);
+      r = dsv4__lz_wait(z);
     if (r != ZE_RESULT_SUCCESS)
-      return lz_fail(z);
+      return dsv4__lz_fail(z);
     memcpy((uint8_t *)dst + done, z->stage, chunk);
     done += chunk;
   }
@@ -339,15 +319,11 @@ static int lz_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
 
 /* Appends the zeroing of the kernels' error word, after everything appended before. */
 static ze_result_t lz_clear_err(lz_backend_t *z) {
-  uint8_t zero = 0;
-  ze_result_t r = lz_barrier(z);
-  if (r == ZE_RESULT_SUCCESS)
-    r = zeCommandListAppendMemoryFill(z->list, z->err, &zero, 1, sizeof(uint32_t), NULL, 0, NULL);
-  return r;
+  return dsv4__lz_zero(z, z->err, sizeof(uint32_t));
 }
 
 static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   int rc = dsv4_backend_check_map_args(a);
   if (rc || a->n_tokens == 0)
     return rc;
@@ -372,10 +348,10 @@ static int lz_map_slots(dsv4_backend_t *be, const dsv4_map_args_t *a) {
    * left there is not this batch's. */
   ze_result_t r = lz_clear_err(z);
   if (r == ZE_RESULT_SUCCESS)
-    r = lz_set_args(k, 0, args, DSV4_LZ_MAP_NARGS);
+    r = dsv4__lz_set_args(k, 0, args, DSV4_LZ_MAP_NARGS);
   if (r == ZE_RESULT_SUCCESS)
-    r = lz_launch(z, k, (uint32_t)groups);
-  return r == ZE_RESULT_SUCCESS ? 0 : lz_fail(z);
+    r = dsv4__lz_launch(z, k, (uint32_t)groups);
+  return r == ZE_RESULT_SUCCESS ? 0 : dsv4__lz_fail(z);
 }
 
 /* Grows the RoPE row buffers (host staging and device) to hold n tokens. */
@@ -386,17 +362,17 @@ static ze_result_t lz_rope_reserve(lz_backend_t *z, size_t n) {
   while (cap < n)
     cap *= 2;
   /* The old buffers may still be read by appended commands. */
-  ze_result_t r = lz_wait(z);
+  ze_result_t r = dsv4__lz_wait(z);
   if (r != ZE_RESULT_SUCCESS)
     return r;
-  lz_free(z, z->rope_host);
-  lz_free(z, z->rope_dev);
+  dsv4__lz_free(z, z->rope_host);
+  dsv4__lz_free(z, z->rope_dev);
   z->rope_host = z->rope_dev = NULL;
   z->rope_cap = 0;
   size_t bytes = cap * DSV4_ROPE_ROW_FLOATS * sizeof(float);
-  r = lz_host_alloc(z, bytes, (void **)&z->rope_host);
+  r = dsv4__lz_host_alloc(z, bytes, (void **)&z->rope_host);
   if (r == ZE_RESULT_SUCCESS)
-    r = lz_dev_alloc(z, bytes, (void **)&z->rope_dev);
+    r = dsv4__lz_dev_alloc(z, bytes, (void **)&z->rope_dev);
   if (r == ZE_RESULT_SUCCESS)
     z->rope_cap = cap;
   return r;
@@ -407,8 +383,8 @@ static ze_result_t lz_rope_reserve(lz_backend_t *z, size_t n) {
  * first; that wait also retires every earlier command, so the host staging buffer of the previous
  * batch is free again.
  */
-static int lz_stage_rope(lz_backend_t *z, const int64_t *positions, size_t n,
-                         const dsv4_rope_table_t *rope) {
+int dsv4__lz_stage_rope(lz_backend_t *z, const int64_t *positions, size_t n,
+                        const dsv4_rope_table_t *rope) {
   z->rope_pos = NULL;
   if (n > z->pos_cap) {
     int64_t *p = realloc(z->pos_host, n * sizeof(int64_t));
@@ -422,7 +398,7 @@ static int lz_stage_rope(lz_backend_t *z, const int64_t *positions, size_t n,
   if (rr == ZE_RESULT_ERROR_OUT_OF_HOST_MEMORY || rr == ZE_RESULT_ERROR_OUT_OF_DEVICE_MEMORY)
     return DSV4_ENOMEM;
   if (rr != ZE_RESULT_SUCCESS)
-    return lz_fail(z);
+    return dsv4__lz_fail(z);
   dsv4_devbuf_t pos = {.ptr = (void *)positions, .size = n * sizeof(int64_t)};
   int rc = lz_download(&z->base, z->pos_host, &pos, 0, pos.size);
   if (rc)
@@ -434,9 +410,9 @@ static int lz_stage_rope(lz_backend_t *z, const int64_t *positions, size_t n,
   for (size_t t = 0; t < n; t++)
     memcpy(z->rope_host + t * DSV4_ROPE_ROW_FLOATS, dsv4_rope_table_row(rope, z->pos_host[t]),
            DSV4_ROPE_ROW_FLOATS * sizeof(float));
-  if (lz_copy(z, z->rope_dev, z->rope_host, n * DSV4_ROPE_ROW_FLOATS * sizeof(float)) !=
+  if (dsv4__lz_copy(z, z->rope_dev, z->rope_host, n * DSV4_ROPE_ROW_FLOATS * sizeof(float)) !=
       ZE_RESULT_SUCCESS)
-    return lz_fail(z);
+    return dsv4__lz_fail(z);
   z->rope_pos = positions;
   z->rope_tab = rope;
   z->rope_n = n;
@@ -444,7 +420,7 @@ static int lz_stage_rope(lz_backend_t *z, const int64_t *positions, size_t n,
 }
 
 static int lz_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   int rc = dsv4_backend_check_insert_args(a);
   if (rc || a->n_tokens == 0)
     return rc;
@@ -455,7 +431,7 @@ static int lz_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
     return DSV4_EINVAL;
   if (z->failed)
     return DSV4_EBACKEND;
-  rc = lz_stage_rope(z, a->positions, a->n_tokens, a->rope);
+  rc = dsv4__lz_stage_rope(z, a->positions, a->n_tokens, a->rope);
   if (rc)
     return rc;
 
@@ -485,48 +461,53 @@ static int lz_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
       LZ_PTR(z->err),
   };
   ze_kernel_handle_t k = z->k_insert;
-  ze_result_t r = lz_set_args(k, 1, args, DSV4_LZ_INSERT_NARGS - 1);
+  ze_result_t r = dsv4__lz_set_args(k, 1, args, DSV4_LZ_INSERT_NARGS - 1);
   /* Launches of at most max_groups_x groups; the arguments are captured at each append. */
   uint64_t per_launch = (uint64_t)z->max_groups_x * DSV4_LZ_ROWS_PER_GROUP;
   for (uint64_t row0 = 0; r == ZE_RESULT_SUCCESS && row0 < rows; row0 += per_launch) {
     uint64_t chunk = rows - row0 < per_launch ? rows - row0 : per_launch;
-    r = lz_set_u32(k, 0, (uint32_t)row0);
+    r = dsv4__lz_set_u32(k, 0, (uint32_t)row0);
     if (r == ZE_RESULT_SUCCESS)
-      r = lz_launch(z, k,
-                    (uint32_t)((chunk + DSV4_LZ_ROWS_PER_GROUP - 1) / DSV4_LZ_ROWS_PER_GROUP));
+      r = dsv4__lz_launch(
+          z, k, (uint32_t)((chunk + DSV4_LZ_ROWS_PER_GROUP - 1) / DSV4_LZ_ROWS_PER_GROUP));
   }
-  return r == ZE_RESULT_SUCCESS ? 0 : lz_fail(z);
+  return r == ZE_RESULT_SUCCESS ? 0 : dsv4__lz_fail(z);
 }
 
-/* The host-side checks of an attention launch (the block table, positions and segments are checked
- * on the device by dsv4_attn_check). Only exact mode: this backend has no DSV4_BE_ATTN_FAST. */
+/* The host-side checks of an attention launch (the block tables, positions, segments and the
+ * selection are checked on the device by dsv4_attn_check and dsv4_attn_c_check). Only exact mode:
+ * this backend has no DSV4_BE_ATTN_FAST. */
 static int lz_check_attn_args(const dsv4_attn_args_t *a) {
-  if (!a || a->heads < 1 || a->heads > DSV4_MAX_HEADS || !DSV4_BLOCK_SIZE_VALID(a->block_size) ||
-      a->fast)
+  if (!a || a->fast)
     return DSV4_EINVAL;
-  /* The compressed entries (SPEC §8.6) are not implemented here yet: such a launch is refused
-   * rather than run over the window alone. */
-  if (a->c_cache)
-    return DSV4_EUNSUPPORTED;
-  if (a->n_tokens == 0)
-    return 0;
-  if (!a->q || !a->positions || !a->tok_seg || !a->seg_p0 || !a->seg_first_lb || !a->seg_bt_off ||
-      !a->seg_bt_len || !a->block_table || !a->cache || !a->rope || !a->out || a->n_segments == 0 ||
-      a->n_blocks == 0 || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
-    return DSV4_EINVAL;
-  return 0;
+  return dsv4_backend_check_attn_args(a);
 }
 
 /* Appends an attention launch behind a barrier: after the batch's insert, which writes the q_out
- * and the records it reads, and after the check launch before it (SPEC §5.2). */
+ * and the records it reads, after its compressor and indexer, which write the entries and the
+ * selection it reads, and after the check launches before it (SPEC §5.2, §8.4). */
 static ze_result_t lz_launch_attn(lz_backend_t *z, ze_kernel_handle_t k, uint32_t groups) {
-#ifdef DSV4_TEST_BROKEN_NO_ATTN_BARRIER
+#if defined(DSV4_TEST_BROKEN_NO_ATTN_BARRIER) || defined(DSV4_TEST_BROKEN_NO_COMPRESS_BARRIER)
   /* Test-only (tests/unit/level_zero.cmake): the attention launches without the barrier in front
-   * of them, so they may run before the insert whose output they read. */
+   * of them, so they may run before the insert whose output they read (or, with the compressor's
+   * launches unordered too, before the emissions they read). */
   ze_group_count_t g = {.groupCountX = groups, .groupCountY = 1, .groupCountZ = 1};
   return zeCommandListAppendLaunchKernel(z->list, k, &g, NULL, 0, NULL);
 #else
-  return lz_launch(z, k, groups);
+  return dsv4__lz_launch(z, k, groups);
+#endif
+}
+
+ze_result_t dsv4__lz_launch_c(lz_backend_t *z, ze_kernel_handle_t k, uint32_t groups) {
+#ifdef DSV4_TEST_BROKEN_NO_COMPRESS_BARRIER
+  /* Test-only (tests/unit/level_zero.cmake): the compressor's emissions and ring rows without the
+   * barrier in front of them; with the attention's unordered as well, the attention may run before
+   * the emissions it reads (SPEC §8.4), and the emissions after the ring rows they read are
+   * overwritten. */
+  ze_group_count_t g = {.groupCountX = groups, .groupCountY = 1, .groupCountZ = 1};
+  return zeCommandListAppendLaunchKernel(z->list, k, &g, NULL, 0, NULL);
+#else
+  return dsv4__lz_launch(z, k, groups);
 #endif
 }
 
@@ -539,7 +520,7 @@ static ze_result_t lz_attn_check(lz_backend_t *z, const dsv4_attn_args_t *a, uin
       LZ_PTR(z->err),
   };
   _Static_assert(sizeof(args) / sizeof(args[0]) == DSV4_LZ_ATTN_CHECK_NARGS, "lz_kernels.h");
-  ze_result_t r = lz_set_args(z->k_attn_check, 0, args, DSV4_LZ_ATTN_CHECK_NARGS);
+  ze_result_t r = dsv4__lz_set_args(z->k_attn_check, 0, args, DSV4_LZ_ATTN_CHECK_NARGS);
   if (r == ZE_RESULT_SUCCESS)
     r = lz_launch_attn(z, z->k_attn_check, groups);
   return r;
@@ -547,9 +528,12 @@ static ze_result_t lz_attn_check(lz_backend_t *z, const dsv4_attn_args_t *a, uin
 
 /* dsv4_attention over rows t * H + h, in launches of at most max_groups_x groups. */
 static ze_result_t lz_attn_rows(lz_backend_t *z, const dsv4_attn_args_t *a, uint32_t rows) {
-  /* A missing sink or lse still gets a valid address; the kernel never touches it then. */
+  /* A missing sink, lse, selection or compressed branch still gets a valid address; the kernel
+   * never touches it then. */
   const void *sink = a->sink ? (const void *)a->sink : (const void *)z->err;
   const void *lse = a->lse ? (const void *)a->lse : (const void *)z->err;
+  const int c = a->c_cache != NULL;
+  const void *none = z->err;
   uint64_t stride = a->stride;
   /* Argument 0, the first row of a launch, is set per launch below. */
   const lz_arg_t args[] = {
@@ -572,14 +556,21 @@ static ze_result_t lz_attn_rows(lz_backend_t *z, const dsv4_attn_args_t *a, uint
       LZ_PTR(lse),
       LZ_U32(a->lse ? 1u : 0u),
       LZ_PTR(z->err),
+      LZ_U32(c ? a->ratio : 0u),
+      LZ_PTR(c ? (const void *)a->c_cache : none),
+      LZ_PTR(c ? (const void *)a->seg_c_first_lb : none),
+      LZ_PTR(c ? (const void *)a->seg_cbt_off : none),
+      LZ_PTR(c ? (const void *)a->c_block_table : none),
+      LZ_PTR(c && a->c_sel ? (const void *)a->c_sel : none),
+      LZ_U32(c && a->c_sel ? a->c_sel_stride : 0u),
   };
   _Static_assert(sizeof(args) / sizeof(args[0]) == DSV4_LZ_ATTN_NARGS - 1, "lz_kernels.h");
   ze_kernel_handle_t k = z->k_attn;
-  ze_result_t r = lz_set_args(k, 1, args, DSV4_LZ_ATTN_NARGS - 1);
+  ze_result_t r = dsv4__lz_set_args(k, 1, args, DSV4_LZ_ATTN_NARGS - 1);
   uint64_t per_launch = (uint64_t)z->max_groups_x * DSV4_LZ_ROWS_PER_GROUP;
   for (uint64_t row0 = 0; r == ZE_RESULT_SUCCESS && row0 < rows; row0 += per_launch) {
     uint64_t chunk = rows - row0 < per_launch ? rows - row0 : per_launch;
-    r = lz_set_u32(k, 0, (uint32_t)row0);
+    r = dsv4__lz_set_u32(k, 0, (uint32_t)row0);
     if (r == ZE_RESULT_SUCCESS)
       r = lz_launch_attn(z, k,
                          (uint32_t)((chunk + DSV4_LZ_ROWS_PER_GROUP - 1) / DSV4_LZ_ROWS_PER_GROUP));
@@ -588,12 +579,13 @@ static ze_result_t lz_attn_rows(lz_backend_t *z, const dsv4_attn_args_t *a, uint
 }
 
 /*
- * Exact-mode attention (SPEC §7): the check launch, then the attention rows, each behind a barrier.
- * A candidate's block missing from its table (or any other argument the CPU backend refuses) sets
- * the error word; the rows then write nothing and sync() answers DSV4_EINVAL.
+ * Exact-mode attention (SPEC §7, and §8.6 on a compressed layer): the check launch (and the check
+ * of the compressed candidates), then the attention rows, each behind a barrier. A candidate's
+ * block missing from its table (or any other argument the CPU backend refuses) sets the error
+ * word; the rows then write nothing and sync() answers DSV4_EINVAL.
  */
 static int lz_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   int rc = lz_check_attn_args(a);
   if (rc || a->n_tokens == 0)
     return rc;
@@ -607,18 +599,20 @@ static int lz_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   /* The inverse RoPE's rows: those the batch's insert staged for the same positions, else staged
    * here (a round trip to read the positions back). */
   if (z->rope_pos != a->positions || z->rope_tab != a->rope || z->rope_n != a->n_tokens) {
-    rc = lz_stage_rope(z, a->positions, a->n_tokens, a->rope);
+    rc = dsv4__lz_stage_rope(z, a->positions, a->n_tokens, a->rope);
     if (rc)
       return rc;
   }
   ze_result_t r = lz_attn_check(z, a, (uint32_t)groups);
+  if (r == ZE_RESULT_SUCCESS && a->c_cache)
+    r = dsv4__lz_attn_c_check(z, a, (uint32_t)groups);
   if (r == ZE_RESULT_SUCCESS)
     r = lz_attn_rows(z, a, (uint32_t)rows);
-  return r == ZE_RESULT_SUCCESS ? 0 : lz_fail(z);
+  return r == ZE_RESULT_SUCCESS ? 0 : dsv4__lz_fail(z);
 }
 
 static int lz_sync(dsv4_backend_t *be) {
-  lz_backend_t *z = lz_of(be);
+  lz_backend_t *z = dsv4__lz_of(be);
   if (z->failed)
     return DSV4_EBACKEND;
   uint32_t err = 0;
@@ -631,8 +625,8 @@ static int lz_sync(dsv4_backend_t *be) {
     return 0;
   ze_result_t r = lz_clear_err(z);
   if (r == ZE_RESULT_SUCCESS)
-    r = lz_wait(z);
-  return r == ZE_RESULT_SUCCESS ? DSV4_EINVAL : lz_fail(z);
+    r = dsv4__lz_wait(z);
+  return r == ZE_RESULT_SUCCESS ? DSV4_EINVAL : dsv4__lz_fail(z);
 }
 
 static const dsv4_backend_ops_t lz_ops = {
@@ -647,6 +641,8 @@ static const dsv4_backend_ops_t lz_ops = {
     .qkv_insert = lz_qkv_insert,
     .sync = lz_sync,
     .attention = lz_attention,
+    .compress = dsv4__lz_compress,
+    .indexer = dsv4__lz_indexer,
     .host_parallel = NULL,
 };
 
@@ -792,6 +788,12 @@ static int lz_build_module(lz_backend_t *z, const char *name, const unsigned cha
       {DSV4_LZ_PROBE_KERNEL, &z->k_probe, 1},
       {DSV4_LZ_ATTN_CHECK_KERNEL, &z->k_attn_check, DSV4_LZ_MAP_GROUP_SIZE},
       {DSV4_LZ_ATTN_KERNEL, &z->k_attn, DSV4_LZ_GROUP_SIZE},
+      {DSV4_LZ_ATTN_C_CHECK_KERNEL, &z->k_attn_c_check, DSV4_LZ_MAP_GROUP_SIZE},
+      {DSV4_LZ_COMP_CHECK_KERNEL, &z->k_c_check, DSV4_LZ_MAP_GROUP_SIZE},
+      {DSV4_LZ_COMP_EMIT_KERNEL, &z->k_c_emit, DSV4_LZ_GROUP_SIZE},
+      {DSV4_LZ_COMP_RING_KERNEL, &z->k_c_ring, DSV4_LZ_GROUP_SIZE},
+      {DSV4_LZ_INDEX_CHECK_KERNEL, &z->k_i_check, DSV4_LZ_MAP_GROUP_SIZE},
+      {DSV4_LZ_INDEX_KERNEL, &z->k_i_select, DSV4_LZ_GROUP_SIZE},
   };
   for (size_t i = 0; i < sizeof(ks) / sizeof(ks[0]); i++) {
     ze_kernel_desc_t kd = {.stype = ZE_STRUCTURE_TYPE_KERNEL_DESC, .pKernelName = ks[i].name};
@@ -822,8 +824,8 @@ static int lz_probe(lz_backend_t *z, const char *name, char *why, size_t why_len
     rc = lz_upload(&z->base, &din, 0, in, sizeof(in));
   if (rc == 0 && (lz_set_ptr(z->k_probe, 0, din.ptr) != ZE_RESULT_SUCCESS ||
                   lz_set_ptr(z->k_probe, 1, dout.ptr) != ZE_RESULT_SUCCESS ||
-                  lz_launch(z, z->k_probe, 1) != ZE_RESULT_SUCCESS))
-    rc = lz_fail(z);
+                  dsv4__lz_launch(z, z->k_probe, 1) != ZE_RESULT_SUCCESS))
+    rc = dsv4__lz_fail(z);
   if (rc == 0)
     rc = lz_download(&z->base, out, &dout, 0, sizeof(out));
   lz_buf_free(&z->base, &din);
@@ -890,7 +892,7 @@ static int lz_open_device(lz_backend_t *z, char *why, size_t why_len) {
   }
   if (r == ZE_RESULT_SUCCESS) {
     step = "zeMemAllocHost";
-    r = lz_host_alloc(z, LZ_STAGE_BYTES, (void **)&z->stage);
+    r = dsv4__lz_host_alloc(z, LZ_STAGE_BYTES, (void **)&z->stage);
   }
   if (r != ZE_RESULT_SUCCESS) {
     say(why, why_len, "%s: %s failed (%s)", name, step, lz_result_name(r));

@@ -9,7 +9,11 @@
  *   - attention with a candidate's block missing from the segment's table (SPEC §7): the launch is
  *             accepted, sync() answers DSV4_EINVAL, attn and lse keep their bytes, and the next
  *             batch's attention is accepted and written (its bytes against the CPU backend are
- *             lz_kernels_test's level-zero-attention).
+ *             lz_kernels_test's level-zero-attention);
+ *   - compress oom: the host running out of memory while the compressor's emission staging grows
+ *             refuses that launch with DSV4_ENOMEM; the same launch then runs, without an insert
+ *             before it (the glue reads the positions back itself), and writes the CPU backend's
+ *             entries and ring (the compressed branch's batches are lz_compress_test's).
  */
 #include <level_zero/ze_api.h>
 #include <stdio.h>
@@ -288,6 +292,118 @@ static void check_attn_missing(dsv4_backend_t *lz, dsv4_rope_table_t *rope) {
   free(r.lse);
 }
 
+/* SPEC §8.3 at ratio 128 on one sequence from position 0: 130 tokens, one emission (p = 127). */
+#define C_N 130
+#define C_W 512
+
+typedef struct {
+  int64_t pos[C_N], p0, first_lb;
+  int32_t seg[C_N], bt[2];
+  uint32_t slot, off, len;
+  float ckv[C_N * 2 * C_W], ape[128 * C_W], norm[C_W];
+} c_batch_t;
+
+/* The compress op of the batch on be, from device copies (or, on the CPU, host memory); ring and
+ * entries start as zeros. rc: the first launch's answer; then, with rc 0, sync's. */
+static int run_compress(dsv4_backend_t *be, const c_batch_t *b, dsv4_rope_table_t *rope,
+                        int *sync_rc, float *ring, uint8_t *c_cache) {
+  const size_t ring_bytes = DSV4_RING_FLOATS(128u) * sizeof(float);
+  const size_t c_bytes = 2 * DSV4_BLOCK_STRIDE(BS);
+  enum { POS, SEG, P0, SLOT, FLB, OFF, LEN, BT, CKV, APE, NORM, RING, CACHE, N_BUF };
+  const void *src[N_BUF] = {b->pos, b->seg, &b->p0, &b->slot, &b->first_lb, &b->off, &b->len,
+                            b->bt,  b->ckv, b->ape, b->norm,  NULL,         NULL};
+  const size_t sz[N_BUF] = {
+      sizeof(b->pos), sizeof(b->seg),  8,          4,      8, 4, 4, 8, sizeof(b->ckv),
+      sizeof(b->ape), sizeof(b->norm), ring_bytes, c_bytes};
+  dsv4_devbuf_t d[N_BUF] = {{0}};
+  const void *p[N_BUF];
+  for (int i = 0; i < N_BUF; i++) {
+    if (be->ops->buf_alloc(be, sz[i], &d[i]) != 0 ||
+        (src[i] && be->ops->upload(be, &d[i], 0, src[i], sz[i]) != 0)) {
+      printf("FAIL: device buffer %d\n", i);
+      exit(1);
+    }
+    p[i] = d[i].ptr;
+  }
+  dsv4_compress_args_t a = {.ratio = 128,
+                            .n_tokens = C_N,
+                            .n_segments = 1,
+                            .positions = p[POS],
+                            .tok_seg = p[SEG],
+                            .seg_p0 = p[P0],
+                            .seg_slot = p[SLOT],
+                            .ckv = p[CKV],
+                            .ring = d[RING].ptr,
+                            .n_slots = 1,
+                            .ape = p[APE],
+                            .norm_weight = p[NORM],
+                            .eps = 1e-6f,
+                            .rope = rope,
+                            .seg_c_first_lb = p[FLB],
+                            .seg_cbt_off = p[OFF],
+                            .seg_cbt_len = p[LEN],
+                            .c_block_table = p[BT],
+                            .c_bt_entries = 2,
+                            .c_cache = d[CACHE].ptr,
+                            .c_n_blocks = 2,
+                            .block_size = BS,
+                            .stride = DSV4_BLOCK_STRIDE(BS)};
+  int rc = be->ops->compress(be, &a);
+  *sync_rc = rc ? 1 : be->ops->sync(be);
+  if (be->ops->download(be, ring, &d[RING], 0, ring_bytes) != 0 ||
+      be->ops->download(be, c_cache, &d[CACHE], 0, c_bytes) != 0) {
+    printf("FAIL: download\n");
+    exit(1);
+  }
+  for (int i = 0; i < N_BUF; i++)
+    be->ops->buf_free(be, &d[i]);
+  return rc;
+}
+
+static void check_compress_oom(dsv4_backend_t *lz, dsv4_backend_t *cpu, dsv4_rope_table_t *rope) {
+  static c_batch_t b;
+  for (uint32_t t = 0; t < C_N; t++) {
+    b.pos[t] = t;
+    b.seg[t] = 0;
+  }
+  b.bt[0] = 1; /* entries 0..15: block 1 of 2 */
+  b.bt[1] = 0;
+  b.len = 2;
+  for (size_t i = 0; i < sizeof(b.ckv) / sizeof(float); i++)
+    b.ckv[i] = (float)((int)((i * 2654435761u) % 2001u) - 1000) * 0x1p-8f;
+  for (size_t i = 0; i < sizeof(b.ape) / sizeof(float); i++)
+    b.ape[i] = (float)((int)((i * 40503u) % 101u) - 50) * 0x1p-7f;
+  for (int i = 0; i < C_W; i++)
+    b.norm[i] = 1.0f + (float)(i % 7) * 0x1p-4f;
+  /* The engine materialises the rows of the batch and of its entries' first positions. */
+  (void)dsv4_rope_table_ensure(rope, b.pos, C_N);
+  const size_t ring_bytes = DSV4_RING_FLOATS(128u) * sizeof(float);
+  const size_t c_bytes = 2 * DSV4_BLOCK_STRIDE(BS);
+  float *ring_l = malloc(ring_bytes), *ring_c = malloc(ring_bytes);
+  uint8_t *c_l = malloc(c_bytes), *c_c = malloc(c_bytes);
+  if (!ring_l || !ring_c || !c_l || !c_c)
+    exit(1);
+  int sync_rc;
+  host_alloc_fail_in = 1;
+  int rc = run_compress(lz, &b, rope, &sync_rc, ring_l, c_l);
+  CHECK(host_alloc_fail_in == 0, "compress oom: no host allocation was made");
+  CHECK(rc == DSV4_ENOMEM, "compress oom: compress answered %d, expected DSV4_ENOMEM (%d)", rc,
+        DSV4_ENOMEM);
+  host_alloc_fail_in = 0;
+  rc = run_compress(lz, &b, rope, &sync_rc, ring_l, c_l);
+  CHECK(rc == 0 && sync_rc == 0, "compress oom: the launch after it: compress %d sync %d", rc,
+        sync_rc);
+  rc = run_compress(cpu, &b, rope, &sync_rc, ring_c, c_c);
+  CHECK(rc == 0 && sync_rc == 0, "compress oom: the CPU backend refused the batch");
+  CHECK(memcmp(ring_l, ring_c, ring_bytes) == 0, "compress oom: the ring differs from the CPU's");
+  CHECK(memcmp(c_l, c_c, c_bytes) == 0, "compress oom: the entries differ from the CPU's");
+  printf("compress oom: DSV4_ENOMEM, then the launch runs with the CPU's entry and ring\n");
+  free(ring_l);
+  free(ring_c);
+  free(c_l);
+  free(c_c);
+}
+
 static void result_free(result_t *r) {
   free(r->cache);
   free(r->q_out);
@@ -358,6 +474,7 @@ int main(void) {
   check_valid(lz, cpu, rope, MAXT, "oom: the same size of batch after it");
 
   check_attn_missing(lz, rope);
+  check_compress_oom(lz, cpu, rope);
 
   dsv4_backend_close(lz);
   dsv4_backend_close(cpu);
@@ -366,7 +483,7 @@ int main(void) {
     printf("%d checks failed\n", failures);
     return 1;
   }
-  printf("PASS: a failed batch leaves no error word behind; out of memory refuses one batch; a "
-         "missing block refuses attention without writing\n");
+  printf("PASS: a failed batch leaves no error word behind; out of memory refuses one batch (and "
+         "one compress); a missing block refuses attention without writing\n");
   return 0;
 }

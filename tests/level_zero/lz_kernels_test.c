@@ -1333,6 +1333,12 @@ static void run_attn_cl(clrt_t *rt, const attn_batch_t *b, const uint16_t *q_out
   set_arg(k, 17, sizeof(cl_mem), &m[11]);
   set_arg(k, 18, sizeof(cl_uint), &u_lse);
   set_arg(k, 19, sizeof(cl_mem), &err);
+  /* An SWA-only layer: ratio 0, no compressed branch (lz_compress_test runs the union). */
+  cl_uint u_none = 0;
+  set_arg(k, 20, sizeof(cl_uint), &u_none);
+  for (cl_uint i = 21; i < 26; i++) /* c_cache, its tables and the selection */
+    set_arg(k, i, sizeof(cl_mem), NULL);
+  set_arg(k, 26, sizeof(cl_uint), &u_none);
   for (uint64_t row0 = 0; row0 < u_rows; row0 += max_rows) {
     uint64_t chunk = u_rows - row0 < max_rows ? u_rows - row0 : max_rows;
     cl_uint u_row0 = (cl_uint)row0;

@@ -23,6 +23,9 @@ if(NOT OpenCL_FOUND)
 endif()
 
 set(DSV4_LZ_TEST_DIR ${PROJECT_SOURCE_DIR}/tests/level_zero)
+# The backend's host glue, linked into the tests over the Level Zero test double.
+set(DSV4_LZ_GLUE_SOURCES ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c
+                         ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_compress.c)
 add_executable(lz_kernels_test ${DSV4_LZ_TEST_DIR}/lz_kernels_test.c)
 target_link_libraries(lz_kernels_test PRIVATE dsv4_kernels OpenCL::OpenCL)
 target_compile_definitions(lz_kernels_test PRIVATE
@@ -56,6 +59,24 @@ foreach(mode attention attention-fp64 attention-errors)
                                            ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
 endforeach()
 
+# The compressed branch (SPEC §8.3-§8.6): the compressor's, the indexer's and the union attention's
+# kernels against the CPU backend over batches of several layers and sequences, the ring, entries,
+# index records, selection, attn and lse byte for byte after every batch, with the fp32 and the
+# double-precision divide and sqrt; and each argument the CPU backend refuses refused by the check
+# launches, with nothing written (tests/level_zero/lz_compress_test.c).
+add_executable(lz_compress_test ${DSV4_LZ_TEST_DIR}/lz_compress_test.c)
+target_link_libraries(lz_compress_test PRIVATE dsv4_kernels OpenCL::OpenCL m)
+target_compile_definitions(lz_compress_test PRIVATE
+  DSV4_LZ_CL_SOURCE="${PROJECT_SOURCE_DIR}/kernels/level_zero/dsv4_kernels.cl"
+  DSV4_LZ_KERNELS_DIR="${PROJECT_SOURCE_DIR}/kernels")
+dsv4_strict(lz_compress_test)
+foreach(mode compress compress-fp64 compress-errors)
+  string(REPLACE "-" "_" tname "lz_pocl_${mode}")
+  add_test(NAME ${tname} COMMAND lz_compress_test ${mode})
+  set_tests_properties(${tname} PROPERTIES TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl"
+                                           ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+endforeach()
+
 # SPEC §5.1's broken build: the unmasked bulk store of the vLLM XPU bug must be caught by the counters.
 add_test(NAME lz_pocl_one_writer_broken_bulk_store
          COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
@@ -72,7 +93,9 @@ if(DSV4_LEVEL_ZERO)
   add_test(NAME lz_backend_no_driver COMMAND lz_kernels_test no-driver)
   add_test(NAME lz_backend_device COMMAND lz_kernels_test level-zero)
   add_test(NAME lz_backend_device_attention COMMAND lz_kernels_test level-zero-attention)
-  set_tests_properties(lz_backend_no_driver lz_backend_device lz_backend_device_attention PROPERTIES
+  add_test(NAME lz_backend_device_compress COMMAND lz_compress_test level-zero)
+  set_tests_properties(lz_backend_no_driver lz_backend_device lz_backend_device_attention
+    lz_backend_device_compress PROPERTIES
     TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS level_zero ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
 endif()
 
@@ -81,9 +104,9 @@ endif()
 # appended first, so only the backend's barriers order its commands; device memory not zeroed; strict argument checks). The
 # double builds the same .cl source (PoCL takes no SPIR-V), so this checks the glue, not the SPIR-V.
 if(DSV4_LEVEL_ZERO)
-  function(dsv4_lz_fake_test name)
-    add_executable(${name} ${DSV4_LZ_TEST_DIR}/lz_kernels_test.c ${DSV4_LZ_TEST_DIR}/fake_ze.c
-                           ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
+  function(dsv4_lz_fake_test name src)
+    add_executable(${name} ${DSV4_LZ_TEST_DIR}/${src} ${DSV4_LZ_TEST_DIR}/fake_ze.c
+                           ${DSV4_LZ_GLUE_SOURCES})
     target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR}/kernels
                                                ${PROJECT_SOURCE_DIR}/kernels/level_zero
                                                ${DSV4_LZ_TEST_DIR})
@@ -94,11 +117,11 @@ if(DSV4_LEVEL_ZERO)
       DSV4_LZ_KERNELS_DIR="${PROJECT_SOURCE_DIR}/kernels")
     dsv4_strict(${name})
   endfunction()
-  dsv4_lz_fake_test(lz_fake_ze_test)
+  dsv4_lz_fake_test(lz_fake_ze_test lz_kernels_test.c)
   # SPEC §5.2's broken build for Level Zero: kernels launched without the barrier in front of them.
   # The double then runs the consumer before the RoPE rows' copy, on every run (the producer is
   # complete by then: qkv_insert waits for the positions it reads back; see INVARIANTS.md).
-  dsv4_lz_fake_test(lz_fake_ze_test_no_barrier DSV4_TEST_BROKEN_NO_BARRIER)
+  dsv4_lz_fake_test(lz_fake_ze_test_no_barrier lz_kernels_test.c DSV4_TEST_BROKEN_NO_BARRIER)
   add_test(NAME lz_fake_ze_backend_broken_no_barrier
            COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
                    "MISMATCH [[].*[]] run [0-9]+: (slots|q_out|cache) differs from the CPU backend"
@@ -109,7 +132,8 @@ if(DSV4_LEVEL_ZERO)
   # SPEC §5.2 for attention: the glue without the barrier in front of its attention launches. The
   # double then runs attention before the insert whose q_out and records it reads (attention reuses
   # the RoPE rows the insert staged, so no wait of the host orders them instead).
-  dsv4_lz_fake_test(lz_fake_ze_test_no_attn_barrier DSV4_TEST_BROKEN_NO_ATTN_BARRIER)
+  dsv4_lz_fake_test(lz_fake_ze_test_no_attn_barrier lz_kernels_test.c
+                    DSV4_TEST_BROKEN_NO_ATTN_BARRIER)
   add_test(NAME lz_fake_ze_attention_broken_no_barrier
            COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
                    "MISMATCH [[].*[]] run [0-9]+: attn differs from the CPU backend"
@@ -117,9 +141,33 @@ if(DSV4_LEVEL_ZERO)
   set_tests_properties(lz_fake_ze_attention_broken_no_barrier PROPERTIES
     TIMEOUT 600 LABELS "level_zero;opencl;invariants" SKIP_RETURN_CODE 77
     ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+  # The compressed branch through the glue (map_slots, qkv_insert, compress, indexer, attention,
+  # sync) against the CPU backend: q_out, the SWA cache, the ring, the entries, the index records,
+  # the selection, attn and lse after every batch, and a batch refused at sync leaves no trace;
+  # then with the fp64 module and launches split by maxGroupCountX.
+  dsv4_lz_fake_test(lz_fake_compress_test lz_compress_test.c)
+  add_test(NAME lz_fake_ze_compress COMMAND lz_fake_compress_test level-zero)
+  add_test(NAME lz_fake_ze_compress_fp64_split COMMAND lz_fake_compress_test level-zero)
+  set_tests_properties(lz_fake_ze_compress lz_fake_ze_compress_fp64_split PROPERTIES
+    TIMEOUT 600 SKIP_RETURN_CODE 77 LABELS "level_zero;opencl" ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
+  set_property(TEST lz_fake_ze_compress_fp64_split APPEND PROPERTY ENVIRONMENT
+               "FAKE_ZE_FP32_FLAGS=0x1" "FAKE_ZE_MAX_GROUPS=13")
+  # SPEC §8.4 and §5.2 for the compressed branch: the glue without the barriers in front of the
+  # compressor's and the attention's launches. The double then runs the attention before the
+  # emissions it reads (and the emissions after the ring rows they read are overwritten). Ratio 128
+  # only: at ratio 4 the attention would also run before the indexer writes its selection.
+  dsv4_lz_fake_test(lz_fake_compress_test_no_barrier lz_compress_test.c
+                    DSV4_TEST_BROKEN_NO_COMPRESS_BARRIER)
+  add_test(NAME lz_fake_ze_compress_broken_no_barrier
+           COMMAND sh ${PROJECT_SOURCE_DIR}/tests/unit/inv_expect_fail.sh
+                   "MISMATCH [[].*[]] batch [0-9]+: (attn|lse|c_cache [(]the entries[)]) differs from the CPU backend"
+                   $<TARGET_FILE:lz_fake_compress_test_no_barrier> level-zero-c128)
+  set_tests_properties(lz_fake_ze_compress_broken_no_barrier PROPERTIES
+    TIMEOUT 600 LABELS "level_zero;opencl;invariants" SKIP_RETURN_CODE 77
+    ENVIRONMENT "${DSV4_LZ_TEST_ENV}")
   # The glue after a batch went wrong: no stale error word, out of memory refuses one batch only.
   add_executable(lz_glue_test ${DSV4_LZ_TEST_DIR}/lz_glue_test.c ${DSV4_LZ_TEST_DIR}/fake_ze.c
-                              ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
+                              ${DSV4_LZ_GLUE_SOURCES})
   target_include_directories(lz_glue_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels
                                                   ${PROJECT_SOURCE_DIR}/kernels/level_zero
                                                   ${DSV4_LZ_TEST_DIR})
@@ -156,7 +204,7 @@ endif()
 # through the real glue, every answer checked against the numpy model.
 if(DSV4_LEVEL_ZERO AND TARGET dsv4d AND EXISTS ${PROJECT_SOURCE_DIR}/tests/integration)
   add_executable(dsv4d_lz_fake $<TARGET_OBJECTS:dsv4d_main> ${DSV4_LZ_TEST_DIR}/fake_ze.c
-                               ${PROJECT_SOURCE_DIR}/kernels/level_zero/lz_backend.c)
+                               ${DSV4_LZ_GLUE_SOURCES})
   target_include_directories(dsv4d_lz_fake PRIVATE ${PROJECT_SOURCE_DIR}/kernels
                                                    ${PROJECT_SOURCE_DIR}/kernels/level_zero
                                                    ${DSV4_LZ_TEST_DIR})
