@@ -679,7 +679,8 @@ static int validate_in_slices(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_
       scratch_swap(e);
       f->timing.yield_ns += mono_ns() - y0;
     }
-    if (e->be->ops->host_parallel)
+    /* One segment (a prefill's usual shape) runs on this thread: no pool hand-off per round. */
+    if (e->be->ops->host_parallel && f->n_segs > 1)
       e->be->ops->host_parallel(e->be, validate_slices, &j, f->n_segs);
     else
       validate_slices(&j, 0, f->n_segs);
