@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "../gpu/gpu_common.h"
+#include "cuda_bench_common.h"
 #include "cuda_floor.h"
 
 #define MAX_POS 65536
@@ -41,30 +42,6 @@ typedef struct {
   dsv4_insert_args_t ia;
   void *pin_meta; /* DSV4_BENCH_UPLOAD: the packed metadata in pinned host memory */
 } set_t;
-
-static double copy_ceiling(size_t bytes) {
-  void *a = gpu_dev_alloc(bytes), *b = gpu_dev_alloc(bytes);
-  CK(cudaMemset(a, 1, bytes));
-  CK(cudaMemset(b, 2, bytes));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 2; i++)
-    CK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
-  const int reps = 10;
-  CK(cudaEventRecord(e0, 0));
-  for (int i = 0; i < reps; i++)
-    CK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice, 0));
-  CK(cudaEventRecord(e1, 0));
-  CK(cudaEventSynchronize(e1));
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  cudaFree(a);
-  cudaFree(b);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  return 2.0 * (double)bytes * reps / (ms * 1e-3) / 1e9; /* read + written */
-}
 
 /* vLLM's CUDA op on the same GPU at H = 64 (FIELD-NOTES.md), for the last column. */
 static double vllm_us(uint32_t n) {
@@ -82,32 +59,6 @@ static double vllm_us(uint32_t n) {
   default:
     return 0;
   }
-}
-
-/* GPU time per item of a captured graph of `items` items: instantiated, replayed 3 times to warm
- * up, then timed over 10 replays with events; the graph is destroyed. */
-static double replay_us(cudaStream_t s, cudaGraph_t g, uint32_t items) {
-  const int reps = 10;
-  cudaGraphExec_t ge;
-  cudaEvent_t e0, e1;
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; i++)
-    CK(cudaGraphLaunch(ge, s));
-  CK(cudaEventRecord(e0, s));
-  for (int i = 0; i < reps; i++)
-    CK(cudaGraphLaunch(ge, s));
-  CK(cudaEventRecord(e1, s));
-  CK(cudaEventSynchronize(e1));
-  CK(cudaGetLastError());
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  return ms * 1e3 / ((double)reps * items);
 }
 
 static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
