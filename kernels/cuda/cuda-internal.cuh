@@ -108,13 +108,13 @@ typedef struct {
 int dsv4__cuda_dev_info(dsv4__cuda_dev_t *out);
 
 /* Launch kernel k on s with smem bytes of dynamic shared memory, with programmatic stream
- * serialization when pdl. */
+ * serialization when pdl (grid: a count of CTAs, or a dim3). */
 template <typename... Params, typename... Args>
-static cudaError_t dsv4__cuda_launch_smem(void (*k)(Params...), unsigned grid, unsigned block,
+static cudaError_t dsv4__cuda_launch_smem(void (*k)(Params...), dim3 grid, unsigned block,
                                           size_t smem, cudaStream_t s, int pdl, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1] = {};
-  cfg.gridDim = dim3(grid, 1, 1);
+  cfg.gridDim = grid;
   cfg.blockDim = dim3(block, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;

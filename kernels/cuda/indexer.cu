@@ -9,21 +9,26 @@
  *            checks only the blocks past the predecessor's last one (together they cover every
  *            range). A failure sets bits of the error word, and the select kernel then writes
  *            nothing.
- *   select   CTAs over the tokens (a CTA takes tokens blockIdx.x, + gridDim.x, ...). A token with
- * at most topk visible entries lists them. Otherwise: the dequantised index queries q^ of every
- * head (dsv4_index_query: RoPE at p, Hadamard, MXFP4) and the weights into shared memory, one
- * thread per head; then one thread per entry dequantises its index record and computes its score
- * (the heads in order, dsv4_index_score_add) and stores the order key (dsv4_index_score_key) in the
- * CTA's slice of a key scratch in device memory; a radix select over the keys (8 bits at a time
- * from the top, a shared histogram per round) finds the k-th largest key T and how many keys equal
- * to T are taken; a last pass over the keys in entry order, 256 at a time with two block-wide
+ *   score    in waves of at most one token per SM (a token's keys take one slot of the key
+ *            scratch), a grid of (token, split) CTAs: a token's visible entries are split over
+ *            several CTAs, so that one token's scan spreads over the device. Each CTA of a token
+ *            that must score computes the dequantised index queries q^ of every head
+ *            (dsv4_index_query: RoPE at p, Hadamard, MXFP4) and the weights into shared memory, one
+ *            thread per head; then one thread per entry of its split dequantises the entry's index
+ *            record, computes its score (the heads in order, dsv4_index_score_add) and stores the
+ *            order key (dsv4_index_score_key) at the entry's index in the token's slot.
+ *   select   one CTA per token of the wave. A token with at most topk visible entries lists them.
+ *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
+ *            histogram per round) finds the k-th largest key T and how many keys equal to T are
+ *            taken; a last pass over the keys in entry order, 256 at a time with two block-wide
  *            prefix sums, lists every key above T and the first of those equal to T.
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
  * the selection is a function of the scores alone, so the lists are equal.
  *
- * Ordering (SPEC §5.2): both kernels execute the dependency wait first in every CTA; the select
- * kernel reads the error word after it, and returns only after it.
+ * Ordering (SPEC §5.2): every kernel executes the dependency wait first in every CTA (the select
+ * kernel's waits for the score kernel that wrote its keys); the score and select kernels read the
+ * error word after it, and return only after it.
  */
 #include "cuda-internal.cuh"
 
@@ -55,6 +60,8 @@ typedef struct {
   uint64_t keys_per_cta;
   float w_scale;
   uint32_t n_tokens, n_segments, topk, n_heads, c_bt_entries, c_n_blocks, bs_shift;
+  uint32_t t_base; /* the first token of this wave: key slot x holds token t_base + x */
+  uint32_t pad;
 } idx_params_t;
 
 static_assert(sizeof(idx_params_t) % 4 == 0, "parameter block of whole words");
@@ -148,11 +155,12 @@ static __device__ uint32_t block_scan(uint32_t v, uint32_t *warp_sums, uint32_t 
   return before + x - v;
 }
 
-/* The scores of token t's n visible entries jlo.. of segment s as order keys in keys[0..n). */
-static __device__ void score_entries(const idx_params_t &p, uint32_t s, int64_t jlo, uint32_t n,
-                                     const float *qhat, const float *w, uint32_t *keys) {
+/* The scores of entries jlo + i, i in [i0, i1), of segment s as order keys in keys[i]. */
+static __device__ void score_entries(const idx_params_t &p, uint32_t s, int64_t jlo, uint32_t i0,
+                                     uint32_t i1, const float *qhat, const float *w,
+                                     uint32_t *keys) {
   const uint64_t bs = 1u << p.bs_shift;
-  for (uint32_t i = threadIdx.x; i < n; i += SEL_THREADS) {
+  for (uint32_t i = i0 + threadIdx.x; i < i1; i += SEL_THREADS) {
     const int64_t j = jlo + i;
     const uint64_t o = (uint64_t)j & (bs - 1);
     const uint8_t *blk =
@@ -226,11 +234,50 @@ static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t 
   }
 }
 
-/* Token t's selection: all visible entries when at most topk, else the scored top topk. */
-static __device__ void select_token(const idx_params_t &p, uint32_t t, float *qhat, float *w,
-                                    uint32_t *keys, sel_smem_t &sm) {
+/* Split y of token t_base + blockIdx.x: the queries, then the keys of its entries. */
+__global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_score_kernel(idx_params_t p) {
+  extern __shared__ float qhat[]; /* [n_heads, 128] q^, then [n_heads] weights */
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  if (__ldcg(p.err) != 0)
+    return; /* the check (or an earlier launch of the batch) failed: write nothing */
+  const uint32_t t = p.t_base + blockIdx.x;
   uint32_t s = 0;
   int64_t jlo = 0, jhi = 0;
+  if (t >= p.n_tokens)
+    return;
+  (void)token_range(p, t, &s, &jlo, &jhi); /* checked */
+  const int64_t n = jhi > jlo ? jhi - jlo : 0;
+  if (n <= (int64_t)p.topk)
+    return; /* listed whole by the select kernel */
+  const uint32_t per = (uint32_t)((n + gridDim.y - 1) / gridDim.y);
+  const uint32_t i0 = blockIdx.y * per, i1 = min((uint32_t)n, i0 + per);
+  if (i0 >= i1)
+    return;
+  float *w = qhat + (size_t)p.n_heads * DSV4_INDEX_DIM;
+  const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
+  for (uint32_t h = threadIdx.x; h < p.n_heads; h += SEL_THREADS) {
+    const uint64_t row = (uint64_t)t * p.n_heads + h;
+    dsv4_index_query(p.iq + row * DSV4_INDEX_DIM, rope_row, qhat + (size_t)h * DSV4_INDEX_DIM);
+    w[h] = __fmul_rn(p.iw[row], p.w_scale);
+  }
+  __syncthreads();
+  score_entries(p, s, jlo, i0, i1, qhat, w, p.keys + (uint64_t)blockIdx.x * p.keys_per_cta);
+}
+
+/* Token t_base + blockIdx.x's selection: all visible entries when at most topk, else the top topk
+ * of the keys the score kernel wrote. */
+__global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_params_t p) {
+  __shared__ sel_smem_t sm;
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  if (__ldcg(p.err) != 0)
+    return; /* the check (or an earlier launch of the batch) failed: write nothing */
+  const uint32_t t = p.t_base + blockIdx.x;
+  uint32_t s = 0;
+  int64_t jlo = 0, jhi = 0;
+  if (t >= p.n_tokens)
+    return;
   (void)token_range(p, t, &s, &jlo, &jhi); /* checked */
   const int64_t n = jhi > jlo ? jhi - jlo : 0;
   int32_t *out = p.sel + (uint64_t)t * p.topk;
@@ -239,32 +286,9 @@ static __device__ void select_token(const idx_params_t &p, uint32_t t, float *qh
       out[k] = k < n ? (int32_t)(jlo + k) : -1;
     return;
   }
-  const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
-  for (uint32_t h = threadIdx.x; h < p.n_heads; h += SEL_THREADS) {
-    const uint64_t row = (uint64_t)t * p.n_heads + h;
-    dsv4_index_query(p.iq + row * DSV4_INDEX_DIM, rope_row, qhat + (size_t)h * DSV4_INDEX_DIM);
-    w[h] = __fmul_rn(p.iw[row], p.w_scale);
-  }
-  __syncthreads();
-  score_entries(p, s, jlo, (uint32_t)n, qhat, w, keys);
-  __syncthreads();
+  const uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
   const uint32_t T = radix_select(keys, (uint32_t)n, p.topk, sm);
   list_selected(keys, (uint32_t)n, T, sm.need, jlo, out, sm);
-}
-
-__global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_params_t p) {
-  extern __shared__ float qhat[]; /* [n_heads, 128] q^, then [n_heads] weights */
-  __shared__ sel_smem_t sm;
-  dsv4__dep_wait_params(p);
-  dsv4__dep_trigger();
-  if (__ldcg(p.err) != 0)
-    return; /* the check (or an earlier launch of the batch) failed: write nothing */
-  float *w = qhat + (size_t)p.n_heads * DSV4_INDEX_DIM;
-  uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
-  for (uint32_t t = blockIdx.x; t < p.n_tokens; t += gridDim.x) {
-    select_token(p, t, qhat, w, keys, sm);
-    __syncthreads(); /* q^, the keys and the histogram are reused by the next token */
-  }
 }
 
 /* ---- the launch ---- */
@@ -324,7 +348,7 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   static int ready = 0; /* the shared-memory limit, raised once per process */
   const size_t smem = (size_t)a->n_heads * (DSV4_INDEX_DIM + 1) * sizeof(float);
   if (!ready) {
-    cudaError_t e = cudaFuncSetAttribute(dsv4__indexer_select_kernel,
+    cudaError_t e = cudaFuncSetAttribute(dsv4__indexer_score_kernel,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)(DSV4_MAX_HEADS * (DSV4_INDEX_DIM + 1) * 4));
     if (e != cudaSuccess) {
@@ -338,7 +362,17 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   cudaError_t e =
       dsv4__cuda_launch(dsv4__indexer_check_kernel, (check_items + CHECK_BLOCK - 1) / CHECK_BLOCK,
                         CHECK_BLOCK, s, pdl, p);
-  if (e == cudaSuccess)
-    e = dsv4__cuda_launch_smem(dsv4__indexer_select_kernel, ctas, SEL_THREADS, smem, s, pdl, p);
+  /* Waves of ctas tokens (one key slot each); a token's entries split over about one CTA per SM
+   * across the wave (at most 64 splits): a full wave takes one CTA per token, which computes the
+   * token's queries once. */
+  uint32_t splits = (uint32_t)dev.sms / ctas;
+  splits = splits < 1 ? 1 : splits > 64 ? 64 : splits;
+  for (uint32_t t0 = 0; e == cudaSuccess && t0 < a->n_tokens; t0 += ctas) {
+    p.t_base = t0;
+    e = dsv4__cuda_launch_smem(dsv4__indexer_score_kernel, dim3(ctas, splits, 1), SEL_THREADS, smem,
+                               s, pdl, p);
+    if (e == cudaSuccess)
+      e = dsv4__cuda_launch(dsv4__indexer_select_kernel, ctas, SEL_THREADS, s, pdl, p);
+  }
   return dsv4__cuda_err(e);
 }
