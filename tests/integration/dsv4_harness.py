@@ -702,6 +702,17 @@ class Daemon:
                 return out
             time.sleep(0.02)
 
+    def wait_lines(self, select, count=1, timeout=10.0):
+        """The log lines select(line) keeps, once there are at least count of them or timeout
+        seconds have passed: a line reaches this process through a pipe and a reader thread, a
+        little after what it describes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = [ln for ln in list(self.lines) if select(ln)]
+            if len(out) >= count or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.02)
+
     def delete(self, path, **kw):
         return self.request("DELETE", path, **kw)
 

@@ -40,8 +40,10 @@ def metrics_on(sock):
     return h.parse_metrics(r.body.decode("utf-8"))
 
 
-def refusal_lines(d, reason):
-    return [ln for ln in d.lines if '"refusing connections"' in ln and '"%s"' % reason in ln]
+def refusal_lines(d, reason, count=1, timeout=5.0):
+    """The "refusing connections" lines for reason, once there are count of them (or timeout)."""
+    return d.wait_lines(lambda ln: '"refusing connections"' in ln and '"%s"' % reason in ln,
+                        count, timeout)
 
 
 def expect_refused(s, what, reason_text):

@@ -35,8 +35,9 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def unix_listening(d):
-    """The "listening" lines the daemon logged for its Unix socket."""
-    return [j for j in h.log_records("\n".join(d.lines))
+    """The "listening" lines the daemon logged for its Unix socket (waiting for the first)."""
+    lines = d.wait_lines(lambda ln: '"listening"' in ln and '"unix"' in ln)
+    return [j for j in h.log_records("\n".join(lines))
             if j.get("msg") == "listening" and j.get("listener") == "unix"]
 
 
