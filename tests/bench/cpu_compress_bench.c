@@ -37,6 +37,7 @@
 #include "cpu/cpu-internal.h"
 #include "dsv4-compress.h"
 #include "rope.h"
+#include "cpu_bench_common.h"
 
 #define BS 64
 #define MAX_B 16
@@ -45,12 +46,6 @@
  * floating-point operations and one conversion on its common path (its range checks not counted),
  * the sum and the fma. */
 #define POOL_OPS 30
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static uint64_t rng = 0x243F6A8885A308D3ull;
 
@@ -64,101 +59,6 @@ static uint64_t rnd(void) {
 /* Uniform in [lo, hi). */
 static float rnd_float(float lo, float hi) {
   return lo + (hi - lo) * (float)(rnd() >> 40) * 0x1p-24f;
-}
-
-static void *xmalloc(size_t n) {
-  void *p = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
-  if (!p) {
-    fprintf(stderr, "out of memory (%zu bytes)\n", n);
-    exit(1);
-  }
-  return p;
-}
-
-/* ---- the fused multiply-add peak ---- */
-
-#define PEAK_ITERS 20000000L
-#define PEAK_CHAINS 12
-
-__attribute__((target("avx512f"))) static void fma_loop_avx512(float *sink) {
-  __m512 a[PEAK_CHAINS];
-  const __m512 b = _mm512_set1_ps(0.9999999f), c = _mm512_set1_ps(1e-7f);
-  for (int i = 0; i < PEAK_CHAINS; i++)
-    a[i] = _mm512_set1_ps((float)i);
-  for (long it = 0; it < PEAK_ITERS; it++)
-#pragma GCC unroll 12
-    for (int i = 0; i < PEAK_CHAINS; i++)
-      a[i] = _mm512_fmadd_ps(a[i], b, c);
-  for (int i = 1; i < PEAK_CHAINS; i++)
-    a[0] = _mm512_add_ps(a[0], a[i]);
-  *sink = _mm512_reduce_add_ps(a[0]);
-}
-
-__attribute__((target("avx2,fma"))) static void fma_loop_avx2(float *sink) {
-  __m256 a[PEAK_CHAINS];
-  const __m256 b = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
-  for (int i = 0; i < PEAK_CHAINS; i++)
-    a[i] = _mm256_set1_ps((float)i);
-  for (long it = 0; it < PEAK_ITERS; it++)
-#pragma GCC unroll 12
-    for (int i = 0; i < PEAK_CHAINS; i++)
-      a[i] = _mm256_fmadd_ps(a[i], b, c);
-  float v[8];
-  for (int i = 1; i < PEAK_CHAINS; i++)
-    a[0] = _mm256_add_ps(a[0], a[i]);
-  _mm256_storeu_ps(v, a[0]);
-  *sink = v[0] + v[7];
-}
-
-__attribute__((target("fma"))) static void fma_loop_scalar(float *sink) {
-  float a[PEAK_CHAINS];
-  for (int i = 0; i < PEAK_CHAINS; i++)
-    a[i] = (float)i;
-  for (long it = 0; it < PEAK_ITERS; it++)
-#pragma GCC unroll 12
-    for (int i = 0; i < PEAK_CHAINS; i++)
-      a[i] = __builtin_fmaf(a[i], 0.9999999f, 1e-7f);
-  *sink = a[0] + a[PEAK_CHAINS - 1];
-}
-
-/* Lanes of each level's fused multiply-add. */
-static const int LANES[DSV4__CPU_ISA_COUNT] = {1, 8, 16};
-
-typedef struct {
-  int isa;
-  float sink;
-} peak_job_t;
-
-static void *peak_thread(void *arg) {
-  peak_job_t *j = arg;
-  if (j->isa == DSV4__CPU_ISA_AVX512)
-    fma_loop_avx512(&j->sink);
-  else if (j->isa == DSV4__CPU_ISA_AVX2)
-    fma_loop_avx2(&j->sink);
-  else
-    fma_loop_scalar(&j->sink);
-  return NULL;
-}
-
-/* GFLOP/s of the loop on `threads` threads at once (the best of three runs). */
-static double fma_peak(int isa, unsigned threads) {
-  double best = 0.0;
-  for (int trial = 0; trial < 3; trial++) {
-    pthread_t tid[256];
-    peak_job_t jobs[256];
-    double t0 = now_s();
-    for (unsigned t = 0; t < threads; t++) {
-      jobs[t].isa = isa;
-      if (pthread_create(&tid[t], NULL, peak_thread, &jobs[t]) != 0)
-        exit(1);
-    }
-    for (unsigned t = 0; t < threads; t++)
-      pthread_join(tid[t], NULL);
-    double gf = 2.0 * LANES[isa] * PEAK_CHAINS * (double)PEAK_ITERS * threads / (now_s() - t0);
-    if (gf * 1e-9 > best)
-      best = gf * 1e-9;
-  }
-  return best;
 }
 
 /* ---- timing and the copy rate ---- */
