@@ -2,6 +2,7 @@
 #include "engine-internal.h"
 
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -514,26 +515,6 @@ static int check_and_hash(XXH3_state_t *st, const uint16_t *x, size_t n) {
   return 0;
 }
 
-/*
- * The replay identity of SPEC §4, XXH3 of a segment's q bytes then its kv bytes, computed in the
- * same pass as the |x| < 2^59 check. DSV4_ERANGE when a value is out of range.
- */
-static int segment_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4_forward_t *f,
-                              uint32_t tok_off, uint32_t len, uint64_t *hash, const char **bad) {
-  XXH3_state_t st;
-  size_t q_row = (size_t)e->p.heads * DSV4_HEAD_DIM;
-  XXH3_64bits_reset(&st);
-  *bad = NULL;
-  if (check_and_hash(&st, f->q + (size_t)tok_off * q_row, (size_t)len * q_row) ||
-      check_and_hash(&st, f->kv + (size_t)tok_off * DSV4_HEAD_DIM, (size_t)len * DSV4_HEAD_DIM))
-    return DSV4_ERANGE;
-  /* SPEC §8.8: the replay identity covers the compressed branch's rows too. */
-  if (dsv4__engine_c_check_hash(e, ratio, f, tok_off, len, &st, bad))
-    return DSV4_ERANGE;
-  *hash = XXH3_64bits_digest(&st);
-  return 0;
-}
-
 /* The per-segment range check and hash, spread over the backend's host threads. */
 typedef struct {
   const dsv4_engine_t *e;
@@ -543,19 +524,6 @@ typedef struct {
   atomic_int bad;
   _Atomic(const char *) bad_tensor; /* a compressed tensor out of range (any one of them) */
 } validate_job_t;
-
-static void validate_items(void *arg, size_t first, size_t last) {
-  validate_job_t *v = arg;
-  for (size_t s = first; s < last; s++) {
-    dsv4_seg_req_t *sg = &v->f->segs[s];
-    const char *bad = NULL;
-    if (segment_check_hash(v->e, v->ratio, v->f, v->tok_off[s], sg->len, &sg->hash, &bad)) {
-      atomic_store_explicit(&v->bad, 1, memory_order_relaxed);
-      if (bad)
-        atomic_store_explicit(&v->bad_tensor, bad, memory_order_relaxed);
-    }
-  }
-}
 
 static void collect_dropped(dsv4_forward_t *f) {
   f->dropped = calloc(f->n_segs, sizeof(char *));
@@ -592,12 +560,16 @@ static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
   return t != n ? DSV4_EINVAL : 0;
 }
 
-static void scratch_swap(dsv4_engine_t *e);
+static void batch_yield(dsv4_engine_t *e, dsv4_forward_t *f);
 
 /* A validation slice: the bytes of q (then kv) one segment checks and hashes between two yields. */
 #define VALIDATE_SLICE ((size_t)2 << 20)
 
-/* One segment's range check and hash done in slices: its XXH3 state and how far it got. */
+/*
+ * One segment's range check (|x| < 2^59) and replay identity (SPEC §4: XXH3 of its q bytes, then
+ * its kv bytes, then its compressed rows, SPEC §8.8), read once for both, in slices: its XXH3
+ * state and how far it got.
+ */
 typedef struct {
   XXH3_state_t st;
   size_t q_done, kv_done; /* bf16 values of the segment's q and kv checked and hashed */
@@ -607,10 +579,11 @@ typedef struct {
 typedef struct {
   validate_job_t *v;
   seg_slices_t *ss;
+  size_t slice; /* bf16 values of q or kv a segment takes in one round */
 } sliced_job_t;
 
-/* Each unfinished segment's next slice of at most VALIDATE_SLICE bytes of q, then kv, then the
- * compressed rows and the digest: a segment that fits one slice is done in the first round. */
+/* Each unfinished segment's next slice of q, then kv, then the compressed rows and the digest: a
+ * segment that fits one slice is done in the first round. */
 static void validate_slices(void *arg, size_t first, size_t last) {
   sliced_job_t *j = arg;
   validate_job_t *v = j->v;
@@ -622,7 +595,7 @@ static void validate_slices(void *arg, size_t first, size_t last) {
     const uint16_t *q = v->f->q + (size_t)v->tok_off[s] * q_row;
     const uint16_t *kv = v->f->kv + (size_t)v->tok_off[s] * DSV4_HEAD_DIM;
     const char *bad = NULL;
-    size_t budget = VALIDATE_SLICE / 2; /* bf16 values */
+    size_t budget = j->slice;
     int rc = 0;
     while (!x->done && budget && !rc) {
       if (x->q_done < q_n) {
@@ -651,12 +624,14 @@ static void validate_slices(void *arg, size_t first, size_t last) {
 }
 
 /*
- * The range check and hashes of a batch that runs in chunks (a prefill), in rounds of one slice
- * per segment, the batch's yield hook between two rounds: a decode that arrives while a long
- * segment is checked waits for one slice, not the whole batch. Nothing of this batch is applied
- * before its validation and plan are done, so the batches the hook runs see none of it.
+ * The range check and hashes of every segment, spread over the backend's host threads. A batch
+ * that runs in chunks (a prefill) takes them in rounds of one slice per segment (VALIDATE_SLICE),
+ * the batch's yield hook between two rounds: a decode that arrives while a long segment is checked
+ * waits for one slice, not the whole batch. Nothing of this batch is applied before its validation
+ * and plan are done, so the batches the hook runs see none of it. Any other batch takes one round.
  */
-static int validate_in_slices(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t *v) {
+static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t *v,
+                             int in_slices) {
   seg_slices_t *ss = aligned_alloc(64, ((f->n_segs * sizeof(seg_slices_t)) + 63) & ~(size_t)63);
   if (!ss)
     return DSV4_ENOMEM;
@@ -665,7 +640,7 @@ static int validate_in_slices(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_
     ss[s].q_done = ss[s].kv_done = 0;
     ss[s].done = 0;
   }
-  sliced_job_t j = {v, ss};
+  sliced_job_t j = {v, ss, in_slices ? VALIDATE_SLICE / 2 : SIZE_MAX};
   for (int round = 0;; round++) {
     int left = 0;
     for (uint32_t s = 0; s < f->n_segs && !left; s++)
@@ -673,11 +648,7 @@ static int validate_in_slices(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_
     if (!left || atomic_load(&v->bad))
       break;
     if (round) {
-      uint64_t y0 = mono_ns();
-      scratch_swap(e);
-      f->yield(f->yield_arg);
-      scratch_swap(e);
-      f->timing.yield_ns += mono_ns() - y0;
+      batch_yield(e, f);
     }
     /* One segment (a prefill's usual shape) runs on this thread: no pool hand-off per round. */
     if (e->be->ops->host_parallel && f->n_segs > 1)
@@ -692,7 +663,6 @@ static int validate_in_slices(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_
 /* Forward pass 2, validation: bounds, value range, replay hashes, RoPE rows and staging room. */
 static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   /* Validation comes first, so that a refused batch changes nothing. */
-  const dsv4_backend_ops_t *ops = e->be->ops;
   int rc = grow_scratch(e, f->n_tokens, f->n_segs);
   if (!rc)
     rc = forward_positions(e, f);
@@ -701,12 +671,8 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   validate_job_t v = {.e = e, .f = f, .ratio = e->c_ratio[idx], .tok_off = e->seg_tok_off};
   atomic_init(&v.bad, 0);
   atomic_init(&v.bad_tensor, NULL);
-  if (f->yield && e->p.prefill_chunk_tokens && f->n_tokens > e->p.prefill_chunk_tokens)
-    rc = validate_in_slices(e, f, &v);
-  else if (ops->host_parallel)
-    ops->host_parallel(e->be, validate_items, &v, f->n_segs);
-  else
-    validate_items(&v, 0, f->n_segs);
+  rc = validate_segments(
+      e, f, &v, f->yield && e->p.prefill_chunk_tokens && f->n_tokens > e->p.prefill_chunk_tokens);
   if (rc)
     return rc;
   if (atomic_load(&v.bad)) {
@@ -848,6 +814,16 @@ static void scratch_swap(dsv4_engine_t *e) {
   e->plan = t.plan;
 }
 
+/* The batch's yield hook, on the spare scratch (the batches it runs use this engine's), its time
+ * counted apart from the batch's own stages. */
+static void batch_yield(dsv4_engine_t *e, dsv4_forward_t *f) {
+  uint64_t y0 = mono_ns();
+  scratch_swap(e);
+  f->yield(f->yield_arg);
+  scratch_swap(e);
+  f->timing.yield_ns += mono_ns() - y0;
+}
+
 /*
  * Forward pass 4 of a batch with a yield hook and more than prefill_chunk_tokens tokens: the
  * kernels of each token range in turn, the hook between two. A token at position p reads the
@@ -864,11 +840,7 @@ static int forward_chunks(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   }
   for (uint32_t t0 = 0; t0 < n; t0 += chunk) {
     if (t0) {
-      uint64_t y0 = mono_ns();
-      scratch_swap(e);
-      f->yield(f->yield_arg);
-      scratch_swap(e);
-      f->timing.yield_ns += mono_ns() - y0;
+      batch_yield(e, f);
       /* A batch between the chunks found the device failed: this one cannot finish either. */
       if (!atomic_load(&e->healthy))
         return DSV4_EBACKEND;
