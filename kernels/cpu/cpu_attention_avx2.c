@@ -289,39 +289,7 @@ static void tile_accumulate(const dsv4__cpu_attn_item_t *it, uint32_t first, uin
   }
 }
 
-void dsv4__cpu_attn_item_avx2(const dsv4__cpu_attn_item_t *it) {
-  const uint32_t tiles = (it->nc + DSV4__CPU_ATTN_TILE - 1) / DSV4__CPU_ATTN_TILE;
-  /* Heads past nh in the last quad have zero queries: their logits serve as weights of nothing. */
-  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
-    uint32_t nh = it->nh - h0 < QUAD ? it->nh - h0 : QUAD;
-    queries_t(it->q + (size_t)h0 * DSV4_HEAD_DIM, nh, it->qf + (size_t)h0 * DSV4_HEAD_DIM);
-  }
-  /* The logits tile by tile from the last, so that the first tile is still in the workspace when
-   * the chains N begin. */
-  for (uint32_t k = tiles; k-- > 0;) {
-    uint32_t first = k * DSV4__CPU_ATTN_TILE;
-    uint32_t count = it->nc - first < DSV4__CPU_ATTN_TILE ? it->nc - first : DSV4__CPU_ATTN_TILE;
-    tile_load(it, first, count);
-    tile_logits(it, first, count);
-  }
-  float m[DSV4_MAX_HEADS], sum[DSV4_MAX_HEADS];
-  softmax_sums(it, m, sum);
-  for (uint32_t k = 0; k < tiles; k++) {
-    uint32_t first = k * DSV4__CPU_ATTN_TILE;
-    uint32_t count = it->nc - first < DSV4__CPU_ATTN_TILE ? it->nc - first : DSV4__CPU_ATTN_TILE;
-    if (k)
-      tile_load(it, first, count);
-    tile_accumulate(it, first, count);
-  }
-  for (uint32_t h = 0; h < it->nh; h++) {
-    float den = sum[h];
-    if (it->sink)
-      den = den + dsv4_expf(it->sink[h] - m[h]);
-    finish_head(it->n + (size_t)h * DSV4_HEAD_DIM, den, it->rope_row,
-                it->out + (size_t)h * DSV4_HEAD_DIM);
-    if (it->lse)
-      it->lse[h] = m[h] + dsv4_logf(sum[h]);
-  }
-}
+#define DSV4__CPU_ATTN_ITEM_FN dsv4__cpu_attn_item_avx2
+#include "cpu-attn-item.h"
 
 #endif /* __x86_64__ */
