@@ -9,8 +9,9 @@
  * The response size comes from the request header Bench-Response-Bytes (the size the daemon would
  * answer with for the same batch); without it the response is as long as the request body.
  *
- * Usage: bare_server [--host 127.0.0.1] [--port 0] [--max-response-bytes 67108864]
- * The bound port is printed on stdout as one line. SIGTERM or SIGINT stops the server.
+ * Usage: bare_server [--host 127.0.0.1] [--port 0] [--unix PATH] [--max-response-bytes 67108864]
+ * The bound port is printed on stdout as one line; with --unix the server listens on a Unix socket
+ * at PATH instead (as the daemon's listen_unix does) and prints PATH. SIGTERM or SIGINT stops it.
  */
 #include <errno.h>
 #include <llhttp.h>
@@ -19,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 #include <uv.h>
 
 #define READ_BUF_BYTES (256u * 1024u)
@@ -26,7 +28,11 @@
 #define VALUE_MAX 32
 
 typedef struct {
-  uv_tcp_t tcp; /* first, so a handle pointer is a conn pointer */
+  /* First, so a handle pointer is a conn pointer; a TCP or a Unix socket connection. */
+  union {
+    uv_tcp_t tcp;
+    uv_pipe_t pipe;
+  };
   llhttp_t parser;
   uv_write_t wr;
   char head[256];
@@ -46,7 +52,11 @@ typedef struct {
 } conn_t;
 
 static uv_loop_t *loop;
-static uv_tcp_t listener;
+static union {
+  uv_tcp_t tcp;
+  uv_pipe_t pipe;
+} listener;
+static int unix_socket;
 static uv_signal_t sig_term, sig_int;
 static llhttp_settings_t settings;
 static uint8_t *payload; /* the one response body, shared read-only by every connection */
@@ -235,12 +245,16 @@ static void on_connection(uv_stream_t *srv, int status) {
   conn_t *c = calloc(1, sizeof(*c));
   if (!c)
     return;
-  uv_tcp_init(loop, &c->tcp);
+  if (unix_socket)
+    uv_pipe_init(loop, &c->pipe, 0);
+  else
+    uv_tcp_init(loop, &c->tcp);
   if (uv_accept(srv, (uv_stream_t *)&c->tcp)) {
     conn_close(c);
     return;
   }
-  uv_tcp_nodelay(&c->tcp, 1);
+  if (!unix_socket)
+    uv_tcp_nodelay(&c->tcp, 1);
   llhttp_init(&c->parser, HTTP_REQUEST, &settings);
   c->parser.data = c;
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
@@ -249,7 +263,9 @@ static void on_connection(uv_stream_t *srv, int status) {
 static void on_walk_close(uv_handle_t *h, void *arg) {
   (void)arg;
   if (!uv_is_closing(h))
-    uv_close(h, h->type == UV_TCP && h != (uv_handle_t *)&listener ? on_closed : NULL);
+    uv_close(h, (h->type == UV_TCP || h->type == UV_NAMED_PIPE) && h != (uv_handle_t *)&listener
+                    ? on_closed
+                    : NULL);
 }
 
 static void on_signal(uv_signal_t *s, int signum) {
@@ -257,19 +273,66 @@ static void on_signal(uv_signal_t *s, int signum) {
   uv_walk(s->loop, on_walk_close, NULL);
 }
 
+/* Listen on a Unix socket at path (replacing a stale socket file) and print the path. */
+static int listen_unix(const char *path) {
+  unlink(path);
+  int rc = uv_pipe_init(loop, &listener.pipe, 0);
+  if (rc == 0)
+    rc = uv_pipe_bind(&listener.pipe, path);
+  if (rc == 0)
+    rc = uv_listen((uv_stream_t *)&listener, 128, on_connection);
+  if (rc) {
+    fprintf(stderr, "bare_server: cannot listen on %s: %s\n", path, uv_strerror(rc));
+    return -1;
+  }
+  printf("%s\n", path);
+  fflush(stdout);
+  return 0;
+}
+
+/* Listen on host:port and print the bound port. */
+static int listen_tcp(const char *host, int port) {
+  struct sockaddr_storage addr;
+  int rc = uv_ip4_addr(host, port, (struct sockaddr_in *)&addr);
+  if (rc)
+    rc = uv_ip6_addr(host, port, (struct sockaddr_in6 *)&addr);
+  if (rc == 0)
+    rc = uv_tcp_init(loop, &listener.tcp);
+  if (rc == 0)
+    rc = uv_tcp_bind(&listener.tcp, (const struct sockaddr *)&addr, 0);
+  if (rc == 0)
+    rc = uv_listen((uv_stream_t *)&listener, 128, on_connection);
+  if (rc) {
+    fprintf(stderr, "bare_server: cannot listen on %s:%d: %s\n", host, port, uv_strerror(rc));
+    return -1;
+  }
+  struct sockaddr_storage bound;
+  int blen = sizeof(bound);
+  uv_tcp_getsockname(&listener.tcp, (struct sockaddr *)&bound, &blen);
+  int bound_port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
+                                               : ntohs(((struct sockaddr_in *)&bound)->sin_port);
+  printf("%d\n", bound_port);
+  fflush(stdout);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   const char *host = "127.0.0.1";
   int port = 0;
+  const char *unix_path = NULL;
   size_t max_bytes = (size_t)64 << 20;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--host") == 0 && i + 1 < argc) {
       host = argv[++i];
     } else if (strcmp(argv[i], "--port") == 0 && i + 1 < argc) {
       port = atoi(argv[++i]);
+    } else if (strcmp(argv[i], "--unix") == 0 && i + 1 < argc) {
+      unix_path = argv[++i];
     } else if (strcmp(argv[i], "--max-response-bytes") == 0 && i + 1 < argc) {
       max_bytes = strtoull(argv[++i], NULL, 10);
     } else {
-      fprintf(stderr, "usage: %s [--host H] [--port P] [--max-response-bytes B]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--host H] [--port P] [--unix PATH] [--max-response-bytes B]\n",
+              argv[0]);
       return 2;
     }
   }
@@ -293,28 +356,9 @@ int main(int argc, char **argv) {
   settings.on_message_complete = on_message_complete;
 
   loop = uv_default_loop();
-  struct sockaddr_storage addr;
-  int rc = uv_ip4_addr(host, port, (struct sockaddr_in *)&addr);
-  if (rc)
-    rc = uv_ip6_addr(host, port, (struct sockaddr_in6 *)&addr);
-  if (rc == 0)
-    rc = uv_tcp_init(loop, &listener);
-  if (rc == 0)
-    rc = uv_tcp_bind(&listener, (const struct sockaddr *)&addr, 0);
-  if (rc == 0)
-    rc = uv_listen((uv_stream_t *)&listener, 128, on_connection);
-  if (rc) {
-    fprintf(stderr, "bare_server: cannot listen on %s:%d: %s\n", host, port, uv_strerror(rc));
+  unix_socket = unix_path != NULL;
+  if (unix_socket ? listen_unix(unix_path) : listen_tcp(host, port))
     return 1;
-  }
-  struct sockaddr_storage bound;
-  int blen = sizeof(bound);
-  uv_tcp_getsockname(&listener, (struct sockaddr *)&bound, &blen);
-  int bound_port = bound.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&bound)->sin6_port)
-                                               : ntohs(((struct sockaddr_in *)&bound)->sin_port);
-  printf("%d\n", bound_port);
-  fflush(stdout);
-
   uv_signal_init(loop, &sig_term);
   uv_signal_init(loop, &sig_int);
   uv_signal_start(&sig_term, on_signal, SIGTERM);

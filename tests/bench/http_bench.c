@@ -46,16 +46,13 @@
 #include <unistd.h>
 #include <arpa/inet.h>
 
-#include "bench_child.h"
-#include "backend.h"
-#include "dsv4-layout.h"
-#include "rope.h"
+#include "bench_daemon.h"
+#include "bench_forward.h"
 
 #define MAX_CONNS 16
 #define MAX_NS 16
 #define RECV_BYTES (1u << 20)
 #define ERRBODY_MAX 1024
-#define BLOCK_SIZE 64
 /* Phases that overrun this many seconds past their own budget are abandoned as a failure. */
 #define GRACE_S 60
 
@@ -74,6 +71,7 @@ typedef struct {
   int64_t p0;
   unsigned cpu_threads;
   int run_bare, run_cpu;
+  int unix_socket; /* --unix: the daemon and bare_server over Unix sockets */
   int verbose;
 } opts_t;
 
@@ -152,38 +150,6 @@ static result_t stats_result(stats_t *s) {
 
 /* ---- Batches -------------------------------------------------------------------------------- */
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-
-static uint32_t rng_next(void) {
-  /* xorshift64*: fast and good enough for test values. */
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
-}
-
-/* A bf16 of magnitude in [2^-8, 2) with a random sign: well inside the daemon's range check. */
-static uint16_t rand_bf16(void) {
-  uint32_t r = rng_next();
-  uint32_t exp = 119u + (r % 8u); /* 2^-8 .. 2^0 */
-  uint32_t mant = (r >> 8) & 0x7Fu;
-  uint32_t sign = (r >> 16) & 1u;
-  return (uint16_t)((sign << 15) | (exp << 7) | mant);
-}
-
-/* Tensor bytes of one batch: q [n, heads, 512] then kv [n, 512], both bf16, as the body lays them.
- */
-static uint8_t *make_tensors(uint32_t n, uint32_t heads, size_t *len) {
-  size_t elems = (size_t)n * heads * DSV4_HEAD_DIM + (size_t)n * DSV4_HEAD_DIM;
-  uint16_t *v = malloc(elems * 2);
-  if (!v)
-    die("%s", "out of memory");
-  for (size_t i = 0; i < elems; i++)
-    v[i] = rand_bf16(); /* little-endian hosts only, like the daemon */
-  *len = elems * 2;
-  return (uint8_t *)v;
-}
-
 /* The response size the daemon would give when it has not told us: q_out, slots and a header. */
 static size_t expected_response_bytes(uint32_t n, uint32_t heads) {
   return (size_t)n * heads * DSV4_HEAD_DIM * 2 + (size_t)n * 8 + 8 + 200;
@@ -252,18 +218,14 @@ static int on_r_complete(llhttp_t *p) {
   return 0;
 }
 
-static int connect_loopback(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+/* A non-blocking connection to t (TCP_NODELAY on TCP), or -1. */
+static int connect_target(const bench_target_t *t) {
+  int fd = bench_connect(t);
   if (fd < 0)
     return -1;
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0) {
-    close(fd);
-    return -1;
-  }
   int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (!t->path[0])
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
   return fd;
 }
@@ -356,21 +318,18 @@ typedef struct {
  * exchange on its own connection, outside any measured window). Differences of two scrapes give the
  * daemon's mean time per batch in each stage over the window between them.
  */
-static int scrape_stages(int port, stages_t *out) {
+static int scrape_stages(const bench_target_t *t, stages_t *out) {
   memset(out, 0, sizeof(*out));
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int fd = bench_connect(t);
   if (fd < 0)
     return -1;
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   struct timeval tv = {.tv_sec = 5};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   static const char req[] = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
   size_t cap = 1 << 20, len = 0;
   char *buf = malloc(cap + 1);
-  if (!buf || connect(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
-      send(fd, req, sizeof(req) - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof(req) - 1)) {
+  if (!buf || send(fd, req, sizeof(req) - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof(req) - 1)) {
     free(buf);
     close(fd);
     return -1;
@@ -420,7 +379,6 @@ static int scrape_stages(int port, stages_t *out) {
 /* ---- One target (daemon or bare server) ---------------------------------------------------- */
 
 typedef struct {
-  int port;
   int is_daemon;
   uint32_t n;
   const uint8_t *tensors;
@@ -435,50 +393,15 @@ typedef struct {
 
 /* Build the next forward request of connection c: step k is layer k % layers at p0 + k / layers. */
 static void build_forward(run_t *R, conn_t *c) {
-  uint32_t n = R->n;
-  int layer = (int)(c->step % O.layers);
-  int64_t pos = O.p0 + c->step / O.layers;
-  int is_new = c->step == 0;
-  size_t qbytes = (size_t)n * O.heads * DSV4_HEAD_DIM * 2;
-  size_t need = 1024 + (size_t)n * 96;
-  conn_reserve(c, need);
-
-  /* The safetensors header goes after the HTTP head and the 8-byte length; write it first. */
-  char *json = c->head + 512 + 8;
-  size_t cap = c->head_cap - 512 - 8;
-  size_t j = 0;
-  j += (size_t)snprintf(json + j, cap - j, "{\"__metadata__\":{\"layer\":\"%d\",\"segments\":\"[",
-                        layer);
-  for (uint32_t i = 0; i < n; i++)
-    j += (size_t)snprintf(
-        json + j, cap - j,
-        "%s{\\\"seq\\\":\\\"r%db%uc%ds%u\\\",\\\"start\\\":%" PRId64 ",\\\"len\\\":1%s}",
-        i ? "," : "", R->round, n, c->id, i, pos, is_new ? ",\\\"new\\\":true" : "");
-  j += (size_t)snprintf(json + j, cap - j,
-                        "]\"},\"q\":{\"dtype\":\"BF16\",\"shape\":[%u,%u,512],\"data_offsets\":[0,"
-                        "%zu]},\"kv\":{\"dtype\":\"BF16\",\"shape\":[%u,512],\"data_offsets\":[%zu,"
-                        "%zu]}}",
-                        n, O.heads, qbytes, n, qbytes, R->tensors_len);
-  if (j + 8 >= cap)
+  conn_reserve(c, 1024 + (size_t)R->n * 96);
+  char prefix[64];
+  snprintf(prefix, sizeof(prefix), "r%db%uc%d", R->round, R->n, c->id);
+  size_t h =
+      bench_forward_head(c->head, c->head_cap, prefix, R->n, O.heads, (int)(c->step % O.layers),
+                         O.p0 + c->step / O.layers, c->step == 0, R->tensors_len, R->resp_bytes);
+  if (!h)
     die("%s", "request header buffer too small");
-  while (j % 8)
-    json[j++] = ' ';
-  uint64_t hl = j;
-  size_t body = 8 + j + R->tensors_len;
-
-  char http[512];
-  int h = snprintf(http, sizeof(http),
-                   "POST /v1/forward HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                   "Content-Type: application/octet-stream\r\nContent-Length: %zu\r\n"
-                   "Bench-Response-Bytes: %zu\r\n\r\n",
-                   body, R->resp_bytes);
-  /* Slide the HTTP head against the length prefix so the request is one contiguous buffer. */
-  char *start = c->head + 512 - h;
-  memcpy(start, http, (size_t)h);
-  for (int b = 0; b < 8; b++)
-    c->head[512 + b] = (char)((hl >> (8 * b)) & 0xFF);
-  memmove(c->head, start, (size_t)h + 8 + j);
-  conn_start(c, (size_t)h + 8 + j, R->tensors, R->tensors_len);
+  conn_start(c, h, R->tensors, R->tensors_len);
 }
 
 static void build_delete(run_t *R, conn_t *c, uint32_t i) {
@@ -602,13 +525,12 @@ static int run_phase(run_t *R, int phase, uint64_t deadline) {
  * One round of one target for one N: connect, warm up, measure (samples added to st, stage
  * timings to stages when given), delete the round's sequences, disconnect.
  */
-static int run_target(int port, int is_daemon, int round, uint32_t n, const uint8_t *tensors,
-                      size_t tlen, size_t resp_bytes, stats_t *st, size_t *seen_resp,
-                      stages_t *stages) {
+static int run_target(const bench_target_t *t, int is_daemon, int round, uint32_t n,
+                      const uint8_t *tensors, size_t tlen, size_t resp_bytes, stats_t *st,
+                      size_t *seen_resp, stages_t *stages) {
   run_t *R = calloc(1, sizeof(*R));
   if (!R)
     die("%s", "out of memory");
-  R->port = port;
   R->is_daemon = is_daemon;
   R->n = n;
   R->tensors = tensors;
@@ -620,9 +542,11 @@ static int run_target(int port, int is_daemon, int round, uint32_t n, const uint
   for (int i = 0; i < O.conns; i++) {
     conn_t *c = &R->conns[i];
     c->id = i;
-    c->fd = connect_loopback(port);
+    c->fd = connect_target(t);
     if (c->fd < 0) {
-      fprintf(stderr, "http_bench: cannot connect to 127.0.0.1:%d: %s\n", port, strerror(errno));
+      char name[128];
+      fprintf(stderr, "http_bench: cannot connect to %s: %s\n",
+              bench_target_name(t, name, sizeof(name)), strerror(errno));
       rc = -1;
       break;
     }
@@ -632,14 +556,14 @@ static int run_target(int port, int is_daemon, int round, uint32_t n, const uint
   if (rc == 0)
     rc = run_phase(R, PH_WARMUP, 0);
   stages_t s0, s1;
-  int have_stages = is_daemon && stages && rc == 0 && scrape_stages(port, &s0) == 0;
+  int have_stages = is_daemon && stages && rc == 0 && scrape_stages(t, &s0) == 0;
   if (rc == 0) {
     uint64_t t0 = now_ns();
     rc = run_phase(R, PH_MEASURE, t0 + (uint64_t)(O.seconds * 1e9));
     if (rc == 0 && R->t_last > t0)
       st->elapsed += R->t_last - t0;
   }
-  if (have_stages && rc == 0 && scrape_stages(port, &s1) == 0) {
+  if (have_stages && rc == 0 && scrape_stages(t, &s1) == 0) {
     for (int k = 0; k < N_STAGES; k++) {
       stages->sum[k] += s1.sum[k] - s0.sum[k];
       stages->count[k] += s1.count[k] - s0.count[k];
@@ -661,122 +585,20 @@ static int run_target(int port, int is_daemon, int round, uint32_t n, const uint
 
 /* ---- Child processes ------------------------------------------------------------------------ */
 
-static pid_t daemon_pid = -1, bare_pid = -1;
-static char daemon_log[64];
+static bench_daemon_t daemon_child = {.prog = "http_bench", .pid = -1};
+static pid_t bare_pid = -1;
 
 static void stop_children(void) {
-  stop_child(&daemon_pid);
+  stop_child(&daemon_child.pid);
   stop_child(&bare_pid);
 }
 
-/* The port of the "data" listener from a JSON-lines log line, or -1. */
-static int listening_port(const char *line) {
-  if (!strstr(line, "\"listening\"") || !strstr(line, "\"data\""))
-    return -1;
-  const char *p = strstr(line, "\"port\"");
-  if (!p)
-    return -1;
-  p += 6;
-  while (*p == ' ' || *p == ':')
-    p++;
-  char *end;
-  long v = strtol(p, &end, 10);
-  return end != p && v > 0 && v < 65536 ? (int)v : -1;
-}
-
-/* The last lines of the daemon's log (it logs every request, so the whole file can be long). */
-static void print_log_tail(void) {
-  enum { TAIL = 20, LINE = 1024 };
-  static char ring[TAIL][LINE];
-  FILE *f = fopen(daemon_log, "r");
-  if (!f)
-    return;
-  size_t n = 0;
-  while (fgets(ring[n % TAIL], LINE, f)) {
-    size_t l = strlen(ring[n % TAIL]);
-    /* Long lines are cut; skip their remainder so that it does not count as a line. */
-    if (l && ring[n % TAIL][l - 1] != '\n') {
-      int ch;
-      while ((ch = fgetc(f)) != EOF && ch != '\n')
-        ;
-    }
-    n++;
-  }
-  fclose(f);
-  fprintf(stderr, "http_bench: last lines of the daemon log (%s):\n", daemon_log);
-  for (size_t i = n > TAIL ? n - TAIL : 0; i < n; i++) {
-    const char *line = ring[i % TAIL];
-    fputs(line, stderr);
-    if (!strchr(line, '\n'))
-      fputc('\n', stderr);
-  }
-}
-
 /*
- * Start the daemon with stderr to a file (read here for the listening line; a file never fills up
- * and blocks the daemon the way an unread pipe would) and wait up to 60 s for its port.
+ * Start bare_server on a loopback TCP port, or on the Unix socket unix_path when it is not NULL;
+ * its first line on stdout is the bound port (or the path). Returns the port (0 for a Unix socket)
+ * or -1.
  */
-static int start_daemon(char **argv) {
-  snprintf(daemon_log, sizeof(daemon_log), "/tmp/http_bench_daemon_XXXXXX");
-  int lfd = mkstemp(daemon_log);
-  if (lfd < 0)
-    die("cannot create a log file: %s", strerror(errno));
-  daemon_pid = fork();
-  if (daemon_pid < 0)
-    die("fork: %s", strerror(errno));
-  if (daemon_pid == 0) {
-    dup2(lfd, 2);
-    int devnull = open("/dev/null", O_RDWR);
-    if (devnull >= 0) {
-      dup2(devnull, 0);
-      dup2(devnull, 1);
-    }
-    execvp(argv[0], argv);
-    fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
-    _exit(127);
-  }
-  close(lfd);
-  FILE *f = fopen(daemon_log, "r");
-  if (!f)
-    die("cannot read %s", daemon_log);
-  char line[4096];
-  size_t have = 0;
-  uint64_t until = now_ns() + 60ull * 1000000000u;
-  while (now_ns() < until) {
-    /* A partial line is kept only while room is left after it; stated here too, so that the read's
-     * size is provably within line[] (gcc 13's fortified fgets could not see it through the loop).
-     */
-    if (have >= sizeof(line) - 1)
-      have = 0;
-    if (fgets(line + have, (int)(sizeof(line) - have), f)) {
-      have = strlen(line);
-      if (have && line[have - 1] != '\n' && have < sizeof(line) - 1)
-        continue; /* a partial line: the rest comes later */
-      int port = listening_port(line);
-      have = 0;
-      if (port > 0) {
-        fclose(f);
-        return port;
-      }
-      continue;
-    }
-    clearerr(f);
-    if (waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
-      daemon_pid = -1;
-      fclose(f);
-      fprintf(stderr, "http_bench: the daemon exited before listening\n");
-      print_log_tail();
-      return -1;
-    }
-    usleep(20000);
-  }
-  fclose(f);
-  fprintf(stderr, "http_bench: no \"listening\" line from the daemon within 60 s\n");
-  print_log_tail();
-  return -1;
-}
-
-static int start_bare(const char *path) {
+static int start_bare(const char *path, const char *unix_path) {
   int pfd[2];
   if (pipe(pfd))
     die("pipe: %s", strerror(errno));
@@ -787,12 +609,15 @@ static int start_bare(const char *path) {
     dup2(pfd[1], 1);
     close(pfd[0]);
     close(pfd[1]);
-    execl(path, path, "--port", "0", (char *)NULL);
+    if (unix_path)
+      execl(path, path, "--unix", unix_path, (char *)NULL);
+    else
+      execl(path, path, "--port", "0", (char *)NULL);
     fprintf(stderr, "exec %s: %s\n", path, strerror(errno));
     _exit(127);
   }
   close(pfd[1]);
-  char buf[32];
+  char buf[160];
   size_t have = 0;
   uint64_t until = now_ns() + 10ull * 1000000000u;
   while (have < sizeof(buf) - 1 && now_ns() < until) {
@@ -809,6 +634,13 @@ static int start_bare(const char *path) {
   }
   close(pfd[0]);
   buf[have] = '\0';
+  if (unix_path) {
+    buf[strcspn(buf, "\n")] = '\0';
+    if (strcmp(buf, unix_path) == 0)
+      return 0;
+    fprintf(stderr, "http_bench: bare server %s did not listen on %s\n", path, unix_path);
+    return -1;
+  }
   int port = atoi(buf);
   if (port <= 0) {
     fprintf(stderr, "http_bench: bare server %s did not print its port\n", path);
@@ -819,44 +651,12 @@ static int start_bare(const char *path) {
 
 /* ---- The CPU op alone ---------------------------------------------------------------------- */
 
-/*
- * map_slots + qkv_insert through the CPU backend on the same batches the daemon gets: N sequences
- * of one token each, every sequence cycling through three blocks of its own as its position
- * advances. Rope rows are ensured inside the timed step, as the daemon's executor does for each
- * batch.
- */
+/* The CPU op alone (bench_forward.h) on the same batches, timed step by step after a warm-up. */
 static int run_cpu(uint32_t n, const uint8_t *tensors, stats_t *st) {
-  dsv4_backend_options_t bo = {.threads = O.cpu_threads};
-  dsv4_backend_t *be = NULL;
-  char why[256];
-  int rc = dsv4_backend_open("cpu", &bo, &be, why, sizeof(why));
-  if (rc) {
-    fprintf(stderr, "http_bench: cpu backend: %s\n", why);
+  bench_cpu_op_t op;
+  if (bench_cpu_op_open(&op, n, O.heads, O.cpu_threads, "http_bench"))
     return -1;
-  }
-  float inv_freq[DSV4_ROPE_PAIRS];
-  dsv4_rope_inv_freq(&dsv4_rope_plain_default, inv_freq);
-  dsv4_rope_table_t *rope = NULL;
-  rc = dsv4_rope_table_create(inv_freq, DSV4_MAX_POSITION_DEFAULT, &rope);
-  uint32_t n_blocks = 3 * n;
-  uint64_t stride = DSV4_BLOCK_STRIDE(BLOCK_SIZE);
-  dsv4_devbuf_t cache = {0};
-  if (rc == 0)
-    rc = be->ops->buf_alloc(be, (size_t)n_blocks * stride, &cache);
-  size_t qn = (size_t)n * O.heads * DSV4_HEAD_DIM;
-  /* 64-byte aligned as the daemon's output buffers are, so the same store paths are taken. */
-  uint16_t *q_out = aligned_alloc(64, (qn * 2 + 63) & ~(size_t)63);
-  int64_t *pos = malloc(n * sizeof(*pos));
-  int64_t *slots = malloc(n * sizeof(*slots));
-  int32_t *tok_seg = malloc(n * sizeof(*tok_seg));
-  int64_t *first_lb = malloc(n * sizeof(*first_lb));
-  uint32_t *bt_off = malloc(n * sizeof(*bt_off));
-  uint32_t *bt_len = malloc(n * sizeof(*bt_len));
-  int32_t *bt = malloc(n * sizeof(*bt));
-  if (rc || !q_out || !pos || !slots || !tok_seg || !first_lb || !bt_off || !bt_len || !bt) {
-    fprintf(stderr, "http_bench: cpu op setup failed\n");
-    rc = -1;
-  }
+  int rc = 0;
   uint64_t t0 = 0, deadline = 0;
   size_t n0 = st->n;
   for (long step = 0; rc == 0; step++) {
@@ -865,48 +665,7 @@ static int run_cpu(uint32_t n, const uint8_t *tensors, stats_t *st) {
       deadline = t0 + (uint64_t)(O.seconds * 1e9);
     }
     uint64_t t = now_ns();
-    int64_t p = O.p0 + step;
-    for (uint32_t i = 0; i < n; i++) {
-      pos[i] = p;
-      tok_seg[i] = (int32_t)i;
-      first_lb[i] = p / BLOCK_SIZE;
-      bt_off[i] = i;
-      bt_len[i] = 1;
-      bt[i] = (int32_t)(3 * i + (uint32_t)((p / BLOCK_SIZE) % 3));
-    }
-    dsv4_map_args_t ma = {.n_tokens = n,
-                          .n_segments = n,
-                          .block_size = BLOCK_SIZE,
-                          .n_blocks = n_blocks,
-                          .positions = pos,
-                          .tok_seg = tok_seg,
-                          .seg_first_lb = first_lb,
-                          .seg_bt_off = bt_off,
-                          .seg_bt_len = bt_len,
-                          .block_table = bt,
-                          .slots = slots};
-    dsv4_insert_args_t ia = {.n_tokens = n,
-                             .heads = O.heads,
-                             .q = (const uint16_t *)tensors,
-                             .kv = (const uint16_t *)(tensors + qn * 2),
-                             .positions = pos,
-                             .slots = slots,
-                             .rope = rope,
-                             .kv_norm_weight = NULL,
-                             .eps = 1e-6f,
-                             .write_kv = 1,
-                             .q_out = q_out,
-                             .cache = cache.ptr,
-                             .block_size = BLOCK_SIZE,
-                             .n_blocks = n_blocks,
-                             .stride = stride};
-    rc = dsv4_rope_table_ensure(rope, pos, n);
-    if (rc == 0)
-      rc = be->ops->map_slots(be, &ma);
-    if (rc == 0)
-      rc = be->ops->qkv_insert(be, &ia);
-    if (rc == 0)
-      rc = be->ops->sync(be);
+    rc = bench_cpu_op_step(&op, tensors, O.p0 + step);
     if (rc) {
       fprintf(stderr, "http_bench: cpu op failed: %s\n", dsv4_strerror(rc));
       break;
@@ -920,18 +679,7 @@ static int run_cpu(uint32_t n, const uint8_t *tensors, stats_t *st) {
       }
     }
   }
-  free(q_out);
-  free(pos);
-  free(slots);
-  free(tok_seg);
-  free(first_lb);
-  free(bt_off);
-  free(bt_len);
-  free(bt);
-  if (cache.ptr)
-    be->ops->buf_free(be, &cache);
-  dsv4_rope_table_destroy(rope);
-  dsv4_backend_close(be);
+  bench_cpu_op_close(&op);
   return rc ? -1 : 0;
 }
 
@@ -953,6 +701,8 @@ static void usage(const char *argv0) {
           "  --cpu-threads T      CPU backend threads for the cpu op ceiling (2)\n"
           "  --bare PATH          bare_server binary (default: beside this program)\n"
           "  --no-bare, --no-cpu  skip a ceiling\n"
+          "  --unix               the daemon (with --listen-unix added to its command) and\n"
+          "                       bare_server over Unix sockets instead of loopback TCP\n"
           "Without a daemon command only the ceilings run. The daemon must be started with\n"
           "--port 0 (its data port is read from its log) and enough --kv-blocks for\n"
           "3 * C * max(N) sequences' blocks.\n",
@@ -970,6 +720,8 @@ static void parse_args(int argc, char **argv) {
       return;
     } else if (strcmp(a, "--no-bare") == 0) {
       O.run_bare = 0;
+    } else if (strcmp(a, "--unix") == 0) {
+      O.unix_socket = 1;
     } else if (strcmp(a, "--no-cpu") == 0) {
       O.run_cpu = 0;
     } else if (!v) {
@@ -1013,12 +765,42 @@ static void parse_args(int argc, char **argv) {
 
 static void on_fatal_signal(int sig) {
   /* Leave no server behind when interrupted. */
-  if (daemon_pid > 0)
-    kill(daemon_pid, SIGKILL);
+  if (daemon_child.pid > 0)
+    kill(daemon_child.pid, SIGKILL);
   if (bare_pid > 0)
     kill(bare_pid, SIGKILL);
   signal(sig, SIG_DFL);
   raise(sig);
+}
+
+/* A copy of the daemon's command with "--listen-unix path" added. */
+static char **with_listen_unix(char **argv, char *path) {
+  int n = 0;
+  while (argv[n])
+    n++;
+  char **v = calloc((size_t)n + 3, sizeof(*v));
+  if (!v)
+    die("%s", "out of memory");
+  memcpy(v, argv, (size_t)n * sizeof(*v));
+  v[n] = "--listen-unix";
+  v[n + 1] = path;
+  return v;
+}
+
+/*
+ * Where the two servers listen. With --unix both get a Unix socket in a fresh folder (sockdir,
+ * removed at the end) and the daemon's command gets --listen-unix; its TCP data port stays open but
+ * unused. Returns the daemon's command, or NULL for none.
+ */
+static char **plan_targets(bench_target_t *dt, bench_target_t *bt, char *sockdir, size_t len) {
+  if (!O.unix_socket)
+    return O.daemon_argv;
+  snprintf(sockdir, len, "/tmp/http_bench_XXXXXX");
+  if (!mkdtemp(sockdir))
+    die("cannot create a socket folder: %s", strerror(errno));
+  snprintf(dt->path, sizeof(dt->path), "%s/dsv4d.sock", sockdir);
+  snprintf(bt->path, sizeof(bt->path), "%s/bare.sock", sockdir);
+  return O.daemon_argv ? with_listen_unix(O.daemon_argv, dt->path) : NULL;
 }
 
 static void fmt_pct(char *buf, size_t n, const result_t *a, const result_t *b) {
@@ -1080,7 +862,9 @@ int main(int argc, char **argv) {
   uint8_t *tensors[MAX_NS];
   size_t tlen[MAX_NS];
   for (int k = 0; k < O.n_ns; k++) {
-    tensors[k] = make_tensors(O.ns[k], O.heads, &tlen[k]);
+    tensors[k] = bench_make_tensors(O.ns[k], O.heads, &tlen[k]);
+    if (!tensors[k])
+      die("%s", "out of memory");
     resp[k] = expected_response_bytes(O.ns[k], O.heads);
   }
 
@@ -1089,33 +873,43 @@ int main(int argc, char **argv) {
    * take turns, N by N and round by round, so slow drifts in what else the machine is doing fall
    * on all three alike; samples are pooled over the rounds.
    */
-  int failed = 0, dport = -1, bport = -1;
-  if (O.daemon_argv && (dport = start_daemon(O.daemon_argv)) < 0)
+  int failed = 0;
+  bench_target_t dt = {0}, bt = {0};
+  char sockdir[64] = "";
+  char **dargv = plan_targets(&dt, &bt, sockdir, sizeof(sockdir));
+  if (dargv && (dt.port = bench_daemon_start(&daemon_child, dargv)) < 0)
     return 1;
-  if (O.run_bare && (bport = start_bare(O.bare_path)) < 0)
+  if (O.run_bare && (bt.port = start_bare(O.bare_path, O.unix_socket ? bt.path : NULL)) < 0)
     return 1;
   for (int r = 0; r < O.rounds && !failed; r++) {
     for (int k = 0; k < O.n_ns && !failed; k++) {
-      if (dport > 0) {
+      if (dargv) {
         size_t seen = 0;
-        failed = run_target(dport, 1, r, O.ns[k], tensors[k], tlen[k], resp[k], &st[k][0], &seen,
+        failed = run_target(&dt, 1, r, O.ns[k], tensors[k], tlen[k], resp[k], &st[k][0], &seen,
                             &stages[k]) != 0;
         if (failed)
-          print_log_tail();
+          bench_daemon_log_tail(&daemon_child);
         if (seen)
           resp[k] = seen;
       }
-      if (bport > 0 && !failed)
-        failed = run_target(bport, 0, r, O.ns[k], tensors[k], tlen[k], resp[k], &st[k][1], NULL,
+      if (O.run_bare && !failed)
+        failed = run_target(&bt, 0, r, O.ns[k], tensors[k], tlen[k], resp[k], &st[k][1], NULL,
                             NULL) != 0;
       if (O.run_cpu && !failed)
         failed = run_cpu(O.ns[k], tensors[k], &st[k][2]) != 0;
     }
   }
-  stop_child(&daemon_pid);
+  stop_child(&daemon_child.pid);
   stop_child(&bare_pid);
-  if (!failed && O.daemon_argv)
-    unlink(daemon_log);
+  if (!failed && dargv)
+    unlink(daemon_child.log);
+  if (sockdir[0]) {
+    unlink(dt.path);
+    unlink(bt.path);
+    rmdir(sockdir);
+  }
+  if (dargv != O.daemon_argv)
+    free(dargv);
   if (failed)
     return 1;
   double stage_us[MAX_NS][N_STAGES];
@@ -1132,6 +926,8 @@ int main(int argc, char **argv) {
   printf("# http_bench: H = %u heads, %d connection(s), %d round(s) of %.1f s per cell, cpu op on "
          "%u thread(s)\n",
          O.heads, O.conns, O.rounds, O.seconds, O.cpu_threads);
+  if (O.unix_socket)
+    printf("# transport: Unix sockets (the daemon's listen_unix, bare_server --unix)\n");
   printf("# tok/s over the measured window; p50/p99 per request (batch) in microseconds\n");
   printf("%5s %9s | %10s %9s %9s | %10s %9s %9s | %10s %9s %9s | %7s %7s %7s\n", "N", "resp B",
          "daemon", "p50", "p99", "bare", "p50", "p99", "cpu op", "p50", "p99", "%bare", "%cpu",
