@@ -29,19 +29,7 @@
 #include "../gpu/gpu_common.h"
 #include "cuda_bench_common.h"
 #include "cuda_floor.h"
-
-#define MAX_POS 65536
-#define BS 64
-
-typedef struct {
-  gpu_plan_dev_t d;
-  uint16_t *q, *kv, *q_out;
-  int64_t *slots;
-  uint8_t *cache;
-  dsv4_map_args_t ma;
-  dsv4_insert_args_t ia;
-  void *pin_meta; /* DSV4_BENCH_UPLOAD: the packed metadata in pinned host memory */
-} set_t;
+#include "cuda_insert_sets.h"
 
 /* vLLM's CUDA op on the same GPU at H = 64 (FIELD-NOTES.md), for the last column. */
 static double vllm_us(uint32_t n) {
@@ -63,83 +51,13 @@ static double vllm_us(uint32_t n) {
 
 static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
                   dsv4_rope_table_t *rope, cudaStream_t s) {
-  uint64_t rng = 0x3C6EF372FE94F82Bull ^ ((uint64_t)n << 8) ^ heads;
-  double bytes =
-      (double)n * ((double)heads * DSV4_HEAD_DIM * 4 + DSV4_HEAD_DIM * 2 + DSV4_RECORD_BYTES + 16);
-  /* Input sets: together at least twice the 60 MB of L2 (counting the minimal bytes), at least 2.
-   */
-  uint32_t sets = (uint32_t)(120e6 / bytes) + 1;
-  sets = sets < 2 ? 2 : sets;
-  const char *force = getenv("DSV4_BENCH_SETS");
-  if (force && strtoul(force, NULL, 10) > 0)
-    sets = (uint32_t)strtoul(force, NULL, 10);
-  /* Forwards per graph: every set at least once and at least 64 in all. */
-  uint32_t per_graph = sets * ((64 + sets - 1) / sets);
-  set_t *st = calloc(sets, sizeof(*st));
-  gpu_plan_t p;
-  gpu_plan_make(&rng, &p, n, n < 64 ? n : 64, BS, MAX_POS, 0);
-  gpu_rope_upload(rope, mirror, MAX_POS, p.pos, n);
-  size_t q_bytes = (size_t)n * heads * DSV4_HEAD_DIM * 2;
-  uint64_t stride = DSV4_BLOCK_STRIDE(BS);
-  uint16_t *hq = gpu_host_alloc(q_bytes), *hkv = gpu_host_alloc((size_t)n * 1024);
-  gpu_fill_bf16(&rng, hq, q_bytes / 2, 127, 6);
-  gpu_fill_bf16(&rng, hkv, (size_t)n * DSV4_HEAD_DIM, 127, 6);
-  for (uint32_t i = 0; i < sets; i++) {
-    set_t *x = &st[i];
-    gpu_plan_upload_packed(&p, &x->d); /* one allocation per set, as the daemon stages it */
-    x->q = gpu_dev_alloc(q_bytes);
-    x->q_out = gpu_dev_alloc(q_bytes);
-    x->kv = gpu_dev_alloc((size_t)n * 1024);
-    x->slots = gpu_dev_alloc(sizeof(int64_t) * n);
-    x->cache = gpu_dev_alloc((size_t)p.n_blocks * stride);
-    CK(cudaMemcpy(x->q, hq, q_bytes, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(x->kv, hkv, (size_t)n * 1024, cudaMemcpyHostToDevice));
-    CK(cudaMemset(x->cache, 0, (size_t)p.n_blocks * stride));
-    x->ma = gpu_plan_map_args(&p, x->d.pos, x->d.tok_seg, x->d.seg_first_lb, x->d.seg_bt_off,
-                              x->d.seg_bt_len, x->d.block_table, x->slots);
-    if (getenv("DSV4_BENCH_NO_TABLE_LENGTH"))
-      x->ma.bt_entries = 0; /* the producer reads the block table from global memory */
-    dsv4_insert_args_t ia = {.n_tokens = n,
-                             .heads = heads,
-                             .q = x->q,
-                             .kv = x->kv,
-                             .positions = x->d.pos,
-                             .slots = x->slots,
-                             .eps = 1e-6f,
-                             .write_kv = 1,
-                             .q_out = x->q_out,
-                             .cache = x->cache,
-                             .block_size = BS,
-                             .n_blocks = p.n_blocks,
-                             .stride = stride};
-    x->ia = ia;
-  }
-  const int upload = getenv("DSV4_BENCH_UPLOAD") != NULL;
-  for (uint32_t i = 0; upload && i < sets; i++) {
-    CK(cudaMallocHost(&st[i].pin_meta, st[i].d.arena_bytes));
-    CK(cudaMemcpy(st[i].pin_meta, st[i].d.arena, st[i].d.arena_bytes, cudaMemcpyDeviceToHost));
-  }
-  CK(cudaDeviceSynchronize());
-
+  insert_sets_t x;
+  insert_sets_make(&x, heads, n, mirror, rope);
   /* Forwards (producer + consumer), each kernel alone, and forwards without PDL. */
   double us[4];
-  for (int mode = 0; mode < 4; mode++) {
-    int pdl = mode != 3;
-    cudaGraph_t g;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    for (uint32_t k = 0; k < per_graph; k++) {
-      set_t *x = &st[k % sets];
-      if (upload && mode != 2)
-        CK(cudaMemcpyAsync(x->d.arena, x->pin_meta, x->d.arena_bytes, cudaMemcpyHostToDevice, s));
-      if (mode != 2)
-        CKD(dsv4__cuda_map_slots(&x->ma, s, pdl));
-      if (mode != 1)
-        CKD(dsv4__cuda_qkv_insert(&x->ia, mirror, MAX_POS, s, pdl));
-    }
-    CK(cudaStreamEndCapture(s, &g));
-    us[mode] = replay_us(s, g, per_graph);
-  }
-  double gbs = bytes / (us[0] * 1e-6) / 1e9;
+  for (int mode = 0; mode < 4; mode++)
+    us[mode] = insert_sets_us(&x, mode, mirror, s);
+  double gbs = x.bytes / (us[0] * 1e-6) / 1e9;
   double v = heads == 64 ? vllm_us(n) : 0;
   printf("%6u %4u %10.2f %10.1f %8.1f%% %9.2f %9.2f %9.2f", n, heads, us[0], gbs,
          100.0 * gbs / ceiling, us[1], us[2], us[3]);
@@ -147,23 +65,9 @@ static void bench(uint32_t heads, uint32_t n, double ceiling, float *mirror,
     printf(" %9.2f %7.2fx", v, v / us[0]);
   else
     printf(" %9s %8s", "", "");
-  printf("   (%u sets, %u forwards per graph)\n", sets, per_graph);
+  printf("   (%u sets, %u forwards per graph)\n", x.sets, x.per_graph);
   fflush(stdout);
-  for (uint32_t i = 0; i < sets; i++) {
-    set_t *x = &st[i];
-    gpu_plan_dev_free(&x->d);
-    if (x->pin_meta)
-      cudaFreeHost(x->pin_meta);
-    cudaFree(x->q);
-    cudaFree(x->q_out);
-    cudaFree(x->kv);
-    cudaFree(x->slots);
-    cudaFree(x->cache);
-  }
-  free(st);
-  free(hq);
-  free(hkv);
-  gpu_plan_free(&p);
+  insert_sets_free(&x);
 }
 
 /* GPU time of one pair of empty kernels shaped like the producer and the consumer, from graph
@@ -205,7 +109,7 @@ int main(int argc, char **argv) {
   if (getenv("DSV4_BENCH_UPLOAD"))
     printf("each forward's metadata is first copied from pinned host memory (DSV4_BENCH_UPLOAD)\n");
   float *mirror = NULL;
-  dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &mirror);
+  dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, INSERT_MAX_POS, &mirror);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   uint32_t ns[16] = {1, 16, 64, 256, 1024, 4096, 16384};
