@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
@@ -26,7 +27,7 @@ typedef struct {
 } bench_target_t;
 
 /* A blocking connection to t, or -1 with errno set. */
-static int bench_connect(const bench_target_t *t) {
+static inline int bench_connect(const bench_target_t *t) {
   int unix_socket = t->path[0] != '\0';
   int fd = socket(unix_socket ? AF_UNIX : AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0)
@@ -51,7 +52,7 @@ static int bench_connect(const bench_target_t *t) {
 }
 
 /* The target in words, for messages and tables. */
-static const char *bench_target_name(const bench_target_t *t, char *buf, size_t len) {
+static inline const char *bench_target_name(const bench_target_t *t, char *buf, size_t len) {
   if (t->path[0])
     snprintf(buf, len, "%s", t->path);
   else
@@ -66,7 +67,7 @@ typedef struct {
 } bench_daemon_t;
 
 /* The port of the "data" listener from a JSON-lines log line, or -1. */
-static int bench_listening_port(const char *line) {
+static inline int bench_listening_port(const char *line) {
   if (!strstr(line, "\"listening\"") || !strstr(line, "\"data\""))
     return -1;
   const char *p = strstr(line, "\"port\"");
@@ -81,7 +82,7 @@ static int bench_listening_port(const char *line) {
 }
 
 /* The last lines of the daemon's log (it logs every request, so the whole file can be long). */
-static void bench_daemon_log_tail(const bench_daemon_t *d) {
+static inline void bench_daemon_log_tail(const bench_daemon_t *d) {
   enum { TAIL = 20, LINE = 1024 };
   static char ring[TAIL][LINE];
   FILE *f = fopen(d->log, "r");
@@ -109,7 +110,7 @@ static void bench_daemon_log_tail(const bench_daemon_t *d) {
 }
 
 /* Fork and exec argv with stderr to a fresh log file; 0, or -1 with the reason printed. */
-static int bench_daemon_spawn(bench_daemon_t *d, char **argv) {
+static inline int bench_daemon_spawn(bench_daemon_t *d, char **argv) {
   snprintf(d->log, sizeof(d->log), "/tmp/%.24s_daemon_XXXXXX", d->prog);
   int lfd = mkstemp(d->log);
   if (lfd < 0) {
@@ -140,7 +141,7 @@ static int bench_daemon_spawn(bench_daemon_t *d, char **argv) {
  * Start the daemon and wait up to 60 s for its data port. Every listener is bound before the daemon
  * logs the first "listening" line, so its Unix and shared-region sockets are up by then too.
  */
-static int bench_daemon_start(bench_daemon_t *d, char **argv) {
+static inline int bench_daemon_start(bench_daemon_t *d, char **argv) {
   if (bench_daemon_spawn(d, argv))
     return -1;
   FILE *f = fopen(d->log, "r");
@@ -183,6 +184,80 @@ static int bench_daemon_start(bench_daemon_t *d, char **argv) {
   fprintf(stderr, "%s: no \"listening\" line from the daemon within 60 s\n", d->prog);
   bench_daemon_log_tail(d);
   return -1;
+}
+
+/* ---- The daemon's own stage timings ---- */
+
+#define N_STAGES 4
+static const char *const stage_names[N_STAGES] = {"queue", "validate", "plan", "kernel"};
+
+typedef struct {
+  double sum[N_STAGES];
+  double count[N_STAGES];
+  int ok;
+} stages_t;
+
+/*
+ * Read the forward_seconds histogram's _sum and _count per stage from GET /metrics (a blocking
+ * exchange on its own connection, outside any measured window). Differences of two scrapes give the
+ * daemon's mean time per batch in each stage over the window between them.
+ */
+static inline int scrape_stages(const bench_target_t *t, stages_t *out) {
+  memset(out, 0, sizeof(*out));
+  int fd = bench_connect(t);
+  if (fd < 0)
+    return -1;
+  struct timeval tv = {.tv_sec = 5};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  static const char req[] = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  size_t cap = 1 << 20, len = 0;
+  char *buf = malloc(cap + 1);
+  if (!buf || send(fd, req, sizeof(req) - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof(req) - 1)) {
+    free(buf);
+    close(fd);
+    return -1;
+  }
+  for (;;) {
+    ssize_t r = recv(fd, buf + len, cap - len, 0);
+    if (r <= 0)
+      break;
+    len += (size_t)r;
+    if (len == cap)
+      break;
+  }
+  close(fd);
+  buf[len] = '\0';
+  for (char *line = buf; line && *line;) {
+    char *nl = strchr(line, '\n');
+    if (nl)
+      *nl = '\0';
+    /* e.g. dsv4d_forward_seconds_sum{stage="kernel",class="prefill"} 0.0123: the classes of a
+     * stage add up. */
+    char *m = strstr(line, "forward_seconds_");
+    if (m && line[0] != '#') {
+      int is_sum = strncmp(m + 16, "sum{", 4) == 0, is_count = strncmp(m + 16, "count{", 6) == 0;
+      char *st = strstr(m, "stage=\"");
+      char *close_brace = strchr(m, '}');
+      if ((is_sum || is_count) && st && close_brace) {
+        st += 7;
+        for (int k = 0; k < N_STAGES; k++) {
+          size_t sl = strlen(stage_names[k]);
+          if (strncmp(st, stage_names[k], sl) == 0 && st[sl] == '"') {
+            double v = strtod(close_brace + 1, NULL);
+            if (is_sum)
+              out->sum[k] += v;
+            else
+              out->count[k] += v;
+            out->ok = 1;
+          }
+        }
+      }
+    }
+    line = nl ? nl + 1 : NULL;
+  }
+  free(buf);
+  return out->ok ? 0 : -1;
 }
 
 #endif /* DSV4_TESTS_BENCH_BENCH_DAEMON_H */

@@ -24,7 +24,7 @@
 
 static uint64_t bench_rng_state = 0x9E3779B97F4A7C15ull;
 
-static uint32_t bench_rng_next(void) {
+static inline uint32_t bench_rng_next(void) {
   /* xorshift64*: fast and good enough for test values. */
   bench_rng_state ^= bench_rng_state >> 12;
   bench_rng_state ^= bench_rng_state << 25;
@@ -33,7 +33,7 @@ static uint32_t bench_rng_next(void) {
 }
 
 /* A bf16 of magnitude in [2^-8, 2) with a random sign: well inside the daemon's range check. */
-static uint16_t bench_rand_bf16(void) {
+static inline uint16_t bench_rand_bf16(void) {
   uint32_t r = bench_rng_next();
   uint32_t exp = 119u + (r % 8u); /* 2^-8 .. 2^0 */
   uint32_t mant = (r >> 8) & 0x7Fu;
@@ -42,7 +42,7 @@ static uint16_t bench_rand_bf16(void) {
 }
 
 /* Fill q [n, heads, 512] then kv [n, 512], both bf16, as a body lays them out. */
-static void bench_fill_tensors(uint8_t *dst, uint32_t n, uint32_t heads) {
+static inline void bench_fill_tensors(uint8_t *dst, uint32_t n, uint32_t heads) {
   size_t elems = (size_t)n * heads * DSV4_HEAD_DIM + (size_t)n * DSV4_HEAD_DIM;
   uint16_t *v = (uint16_t *)(void *)dst;
   for (size_t i = 0; i < elems; i++)
@@ -50,7 +50,7 @@ static void bench_fill_tensors(uint8_t *dst, uint32_t n, uint32_t heads) {
 }
 
 /* The tensor bytes of one batch in a fresh buffer (NULL when out of memory). */
-static uint8_t *bench_make_tensors(uint32_t n, uint32_t heads, size_t *len) {
+static inline uint8_t *bench_make_tensors(uint32_t n, uint32_t heads, size_t *len) {
   *len = ((size_t)n * heads * DSV4_HEAD_DIM + (size_t)n * DSV4_HEAD_DIM) * 2;
   uint8_t *v = malloc(*len);
   if (v)
@@ -64,9 +64,9 @@ static uint8_t *bench_make_tensors(uint32_t n, uint32_t heads, size_t *len) {
  * followed by "s" and i. Returns the head's length, or 0 when buf is too small (at least
  * 1024 + 96 N bytes are enough).
  */
-static size_t bench_forward_head(char *buf, size_t cap, const char *seq_prefix, uint32_t n,
-                                 uint32_t heads, int layer, int64_t pos, int is_new,
-                                 size_t tensors_len, size_t resp_bytes) {
+static inline size_t bench_forward_head(char *buf, size_t cap, const char *seq_prefix, uint32_t n,
+                                        uint32_t heads, int layer, int64_t pos, int is_new,
+                                        size_t tensors_len, size_t resp_bytes) {
   size_t qbytes = (size_t)n * heads * DSV4_HEAD_DIM * 2;
   if (cap < 1024)
     return 0;
@@ -126,7 +126,7 @@ typedef struct {
   uint32_t *bt_off, *bt_len;
 } bench_cpu_op_t;
 
-static void bench_cpu_op_close(bench_cpu_op_t *op) {
+static inline void bench_cpu_op_close(bench_cpu_op_t *op) {
   free(op->q_out);
   free(op->pos);
   free(op->slots);
@@ -144,8 +144,8 @@ static void bench_cpu_op_close(bench_cpu_op_t *op) {
 }
 
 /* 0, or -1 with the reason printed after prog. */
-static int bench_cpu_op_open(bench_cpu_op_t *op, uint32_t n, uint32_t heads, unsigned threads,
-                             const char *prog) {
+static inline int bench_cpu_op_open(bench_cpu_op_t *op, uint32_t n, uint32_t heads,
+                                    unsigned threads, const char *prog) {
   memset(op, 0, sizeof(*op));
   op->n = n;
   op->heads = heads;
@@ -183,7 +183,7 @@ static int bench_cpu_op_open(bench_cpu_op_t *op, uint32_t n, uint32_t heads, uns
 }
 
 /* One batch at position p on tensors laid out as bench_fill_tensors writes them; 0 or an error. */
-static int bench_cpu_op_step(bench_cpu_op_t *op, const uint8_t *tensors, int64_t p) {
+static inline int bench_cpu_op_step(bench_cpu_op_t *op, const uint8_t *tensors, int64_t p) {
   uint32_t n = op->n;
   size_t qn = (size_t)n * op->heads * DSV4_HEAD_DIM;
   for (uint32_t i = 0; i < n; i++) {

@@ -91,6 +91,9 @@ typedef struct {
   double *us;
   long n;
   double wall_s; /* the measured calls' wall time, for calls/s */
+  double mean_us;
+  /* The daemon's mean per call in each stage (its /metrics around the run), -1 when unknown. */
+  double stage_us[N_STAGES];
 } samples_t;
 
 static void samples_init(samples_t *s, long cap) {
@@ -113,7 +116,19 @@ static double pct(const samples_t *s, int pct) {
 }
 
 static void samples_sort(samples_t *s) {
+  double sum = 0;
+  for (long i = 0; i < s->n; i++)
+    sum += s->us[i];
+  s->mean_us = s->n ? sum / (double)s->n : 0;
   qsort(s->us, (size_t)s->n, sizeof(*s->us), cmp_double);
+}
+
+/* The daemon's stage means per call between two scrapes of its /metrics (s0 before a run). */
+static void samples_stages(samples_t *st, const stages_t *s0, const stages_t *s1) {
+  for (int k = 0; k < N_STAGES; k++) {
+    double c = s1->count[k] - s0->count[k];
+    st->stage_us[k] = s0->ok && s1->ok && c > 0 ? (s1->sum[k] - s0->sum[k]) / c * 1e6 : -1;
+  }
 }
 
 /* ---- The batches ---------------------------------------------------------------------------- */
@@ -138,8 +153,11 @@ static size_t kv_bytes(void) {
 
 /* ---- The zero-copy path ------------------------------------------------------------------- */
 
-/* Time warm-up + calls forwards through a region; the sequences are named shm s0 .. s(N-1). */
-static int run_shm(const char *path, samples_t *st) {
+/*
+ * Time warm-up + calls forwards through a region; the sequences are named shms0 .. shms(N-1). The
+ * daemon's stage timings come from /metrics on tcp around the measured calls.
+ */
+static int run_shm(const char *path, const bench_target_t *tcp, samples_t *st) {
   dsv4c_client_t *c = NULL;
   dsv4c_region_t *r = NULL;
   dsv4c_result_t res = {0};
@@ -178,14 +196,17 @@ static int run_shm(const char *path, samples_t *st) {
   f.segs = segs;
   f.n_segs = O.n;
   uint64_t t_first = 0;
+  stages_t s0 = {0}, s1 = {0};
   for (long k = 0; k < O.warmup + O.calls && rc == 0; k++) {
     f.layer = (uint32_t)call_layer(k);
     for (uint32_t i = 0; i < O.n; i++) {
       segs[i].start = call_pos(k);
       segs[i].is_new = k == 0;
     }
-    if (k == O.warmup)
+    if (k == O.warmup) {
+      scrape_stages(tcp, &s0);
       t_first = now_ns();
+    }
     uint64_t t0 = now_ns();
     rc = dsv4c_forward(c, r, &f, &res);
     uint64_t t1 = now_ns();
@@ -200,6 +221,8 @@ static int run_shm(const char *path, samples_t *st) {
     }
     dsv4c_result_free(&res);
   }
+  scrape_stages(tcp, &s1);
+  samples_stages(st, &s0, &s1);
   free(segs);
   free(names);
   dsv4c_region_destroy(c, r);
@@ -328,8 +351,12 @@ static int delete_sequences(hclient_t *h, const char *prefix) {
   return 0;
 }
 
-/* Time warm-up + calls forwards over HTTP to t, sequences named <prefix>s0 ..; then delete them. */
-static int run_http(const bench_target_t *t, const char *prefix, long calls, samples_t *st) {
+/*
+ * Time warm-up + calls forwards over HTTP to t, sequences named <prefix>s0 ..; then delete them.
+ * The daemon's stage timings come from /metrics on tcp around the measured calls.
+ */
+static int run_http(const bench_target_t *t, const bench_target_t *tcp, const char *prefix,
+                    long calls, samples_t *st) {
   hclient_t h;
   if (hclient_open(&h, t))
     return -1;
@@ -341,9 +368,12 @@ static int run_http(const bench_target_t *t, const char *prefix, long calls, sam
   bench_fill_tensors(tensors, O.n, O.heads);
   int rc = 0;
   uint64_t t_first = 0;
+  stages_t s0 = {0}, s1 = {0};
   for (long k = 0; k < O.warmup + calls && rc == 0; k++) {
-    if (k == O.warmup)
+    if (k == O.warmup) {
+      scrape_stages(tcp, &s0);
       t_first = now_ns();
+    }
     uint64_t t0 = now_ns();
     size_t hl = bench_forward_head(head, cap, prefix, O.n, O.heads, call_layer(k), call_pos(k),
                                    k == 0, tlen, 0);
@@ -357,6 +387,8 @@ static int run_http(const bench_target_t *t, const char *prefix, long calls, sam
       st->wall_s = (double)(t1 - t_first) * 1e-9;
     }
   }
+  scrape_stages(tcp, &s1);
+  samples_stages(st, &s0, &s1);
   if (rc == 0)
     rc = delete_sequences(&h, prefix);
   hclient_close(&h);
@@ -586,6 +618,37 @@ static void print_row(int r, samples_t *s) {
          s->us[s->n - 1], rate);
 }
 
+/* Where a call's time goes in the daemon, by its own stage timings, for the paths through it. */
+static void print_stages(const samples_t *rows) {
+  printf(
+      "# the daemon's mean per call (us) by its forward_seconds stages over the measured calls;\n"
+      "# rest = the client's mean - the stages: the transport, parsing, thread hand-offs;\n"
+      "# \"-\": the daemon recorded no stage for these calls\n");
+  printf("%-42s %9s | %9s %9s %9s %9s | %9s\n", "path", "mean", "queue", "validate", "plan",
+         "kernel", "rest");
+  for (int r = R_SHM; r <= R_TCP; r++) {
+    if (!rows[r].n)
+      continue;
+    char cols[N_STAGES + 1][16];
+    double rest = rows[r].mean_us;
+    int known = 0;
+    for (int k = 0; k < N_STAGES; k++) {
+      snprintf(cols[k], sizeof(cols[k]), "-");
+      if (rows[r].stage_us[k] >= 0) {
+        snprintf(cols[k], sizeof(cols[k]), "%.1f", rows[r].stage_us[k]);
+        rest -= rows[r].stage_us[k];
+        known = 1;
+      }
+    }
+    if (known)
+      snprintf(cols[N_STAGES], sizeof(cols[N_STAGES]), "%.1f", rest);
+    else
+      snprintf(cols[N_STAGES], sizeof(cols[N_STAGES]), "-");
+    printf("%-42s %9.1f | %9s %9s %9s %9s | %9s\n", row_names[r], rows[r].mean_us, cols[0], cols[1],
+           cols[2], cols[3], cols[4]);
+  }
+}
+
 static void print_table(const char *backend, samples_t *rows) {
   printf(
       "# shm_bench: N = %u (sequences, one token each per call), H = %u heads, backend %s, layers "
@@ -608,6 +671,7 @@ static void print_table(const char *backend, samples_t *rows) {
   if (rows[R_SHM].n && ceil_us > 0)
     printf("# shm p50 / ceiling (%s, %.1f us) = %.2f x (target <= 1.5 x)\n", ceil_name, ceil_us,
            pct(&rows[R_SHM], 50) / ceil_us);
+  print_stages(rows);
   if (rows[R_SHM].n && rows[R_UNIX].n && rows[R_TCP].n)
     printf("# http p50 / shm p50: Unix socket %.2f x, TCP %.2f x\n",
            pct(&rows[R_UNIX], 50) / pct(&rows[R_SHM], 50),
@@ -635,7 +699,7 @@ static int run_all(const char *sockdir, bench_target_t *tcp, char *backend, size
     O.heads = heads;
   for (int r = 0; r < R_COUNT; r++)
     samples_init(&rows[r], r == R_UNIX || r == R_TCP ? O.http_calls : O.calls);
-  int rc = run_shm(shm_path, &rows[R_SHM]);
+  int rc = run_shm(shm_path, tcp, &rows[R_SHM]);
   /* The region's sequences are deleted over HTTP: the shared-region socket has no delete. */
   hclient_t h;
   if (rc == 0 && (rc = hclient_open(&h, tcp)) == 0) {
@@ -643,9 +707,9 @@ static int run_all(const char *sockdir, bench_target_t *tcp, char *backend, size
     hclient_close(&h);
   }
   if (rc == 0 && O.run_http)
-    rc = run_http(&unix_t, "unx", O.http_calls, &rows[R_UNIX]);
+    rc = run_http(&unix_t, tcp, "unx", O.http_calls, &rows[R_UNIX]);
   if (rc == 0 && O.run_http)
-    rc = run_http(tcp, "tcp", O.http_calls, &rows[R_TCP]);
+    rc = run_http(tcp, tcp, "tcp", O.http_calls, &rows[R_TCP]);
   if (rc)
     bench_daemon_log_tail(&daemon_child);
   if (rc == 0)
