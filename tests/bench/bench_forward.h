@@ -61,12 +61,14 @@ static inline uint8_t *bench_make_tensors(uint32_t n, uint32_t heads, size_t *le
 /*
  * The head of POST /v1/forward for one batch, in front of its tensor bytes: the HTTP head, the
  * 8-byte length and the safetensors header, contiguous at buf. Sequence i is named seq_prefix
- * followed by "s" and i. Returns the head's length, or 0 when buf is too small (at least
+ * followed by "s" and i; meta_extra (or NULL) is appended to the __metadata__ object as it is,
+ * for instance ,"outputs":"attn". Returns the head's length, or 0 when buf is too small (at least
  * 1024 + 96 N bytes are enough).
  */
 static inline size_t bench_forward_head(char *buf, size_t cap, const char *seq_prefix, uint32_t n,
                                         uint32_t heads, int layer, int64_t pos, int is_new,
-                                        size_t tensors_len, size_t resp_bytes) {
+                                        size_t tensors_len, size_t resp_bytes,
+                                        const char *meta_extra) {
   size_t qbytes = (size_t)n * heads * DSV4_HEAD_DIM * 2;
   if (cap < 1024)
     return 0;
@@ -83,10 +85,10 @@ static inline size_t bench_forward_head(char *buf, size_t cap, const char *seq_p
   if (j < room)
     j += (size_t)snprintf(
         json + j, room - j,
-        "]\"},\"q\":{\"dtype\":\"BF16\",\"shape\":[%u,%u,512],\"data_offsets\":[0,"
+        "]\"%s},\"q\":{\"dtype\":\"BF16\",\"shape\":[%u,%u,512],\"data_offsets\":[0,"
         "%zu]},\"kv\":{\"dtype\":\"BF16\",\"shape\":[%u,512],\"data_offsets\":[%zu,"
         "%zu]}}",
-        n, heads, qbytes, n, qbytes, tensors_len);
+        meta_extra ? meta_extra : "", n, heads, qbytes, n, qbytes, tensors_len);
   if (j + 8 >= room)
     return 0;
   while (j % 8)
@@ -110,9 +112,12 @@ static inline size_t bench_forward_head(char *buf, size_t cap, const char *seq_p
 }
 
 /*
- * The CPU op alone: map_slots + qkv_insert through the CPU backend on the batches the daemon gets,
- * every sequence cycling through three blocks of its own as its position advances. Rope rows are
- * ensured inside each step, as the daemon's executor does for each batch.
+ * The CPU op alone: map_slots + qkv_insert (and, when opened with attention, the exact attention
+ * over each token's window with a sink per head) through the CPU backend on the batches the daemon
+ * gets, every sequence cycling through three blocks of its own as its position advances: a
+ * window of 128 positions spans at most three 64-token blocks, so the block table lists the
+ * sequence's last three logical blocks. Rope rows are ensured inside each step, as the daemon's
+ * executor does for each batch.
  */
 typedef struct {
   dsv4_backend_t *be;
@@ -124,6 +129,12 @@ typedef struct {
   int64_t *pos, *slots, *first_lb;
   int32_t *tok_seg, *bt;
   uint32_t *bt_off, *bt_len;
+  /* With attention: the sequences' first position, the output and the sinks. */
+  int attn;
+  int64_t p0;
+  int64_t *seg_p0;
+  uint16_t *out;
+  float *sink;
 } bench_cpu_op_t;
 
 static inline void bench_cpu_op_close(bench_cpu_op_t *op) {
@@ -135,6 +146,9 @@ static inline void bench_cpu_op_close(bench_cpu_op_t *op) {
   free(op->bt_off);
   free(op->bt_len);
   free(op->bt);
+  free(op->seg_p0);
+  free(op->out);
+  free(op->sink);
   if (op->cache.ptr)
     op->be->ops->buf_free(op->be, &op->cache);
   dsv4_rope_table_destroy(op->rope);
@@ -143,12 +157,15 @@ static inline void bench_cpu_op_close(bench_cpu_op_t *op) {
   memset(op, 0, sizeof(*op));
 }
 
-/* 0, or -1 with the reason printed after prog. */
+/* 0, or -1 with the reason printed after prog. With attn, every token also attends over its
+ * sequence's positions from p0 on (its first position in the daemon), sinks spread over [-2, 2]. */
 static inline int bench_cpu_op_open(bench_cpu_op_t *op, uint32_t n, uint32_t heads,
-                                    unsigned threads, const char *prog) {
+                                    unsigned threads, const char *prog, int attn, int64_t p0) {
   memset(op, 0, sizeof(*op));
   op->n = n;
   op->heads = heads;
+  op->attn = attn;
+  op->p0 = p0;
   dsv4_backend_options_t bo = {.threads = threads};
   char why[256];
   if (dsv4_backend_open("cpu", &bo, &op->be, why, sizeof(why))) {
@@ -172,7 +189,16 @@ static inline int bench_cpu_op_open(bench_cpu_op_t *op, uint32_t n, uint32_t hea
   op->first_lb = malloc(n * sizeof(*op->first_lb));
   op->bt_off = malloc(n * sizeof(*op->bt_off));
   op->bt_len = malloc(n * sizeof(*op->bt_len));
-  op->bt = malloc(n * sizeof(*op->bt));
+  op->bt = malloc(3 * n * sizeof(*op->bt));
+  if (attn) {
+    op->seg_p0 = malloc(n * sizeof(*op->seg_p0));
+    op->out = aligned_alloc(64, (qn * 2 + 63) & ~(size_t)63);
+    op->sink = malloc(heads * sizeof(*op->sink));
+    if (!op->seg_p0 || !op->out || !op->sink)
+      rc = -1;
+    for (uint32_t h = 0; rc == 0 && h < heads; h++)
+      op->sink[h] = heads > 1 ? -2.0f + 4.0f * (float)h / (float)(heads - 1) : 0.0f;
+  }
   if (rc || !op->q_out || !op->pos || !op->slots || !op->tok_seg || !op->first_lb || !op->bt_off ||
       !op->bt_len || !op->bt) {
     fprintf(stderr, "%s: cpu op setup failed\n", prog);
@@ -186,13 +212,17 @@ static inline int bench_cpu_op_open(bench_cpu_op_t *op, uint32_t n, uint32_t hea
 static inline int bench_cpu_op_step(bench_cpu_op_t *op, const uint8_t *tensors, int64_t p) {
   uint32_t n = op->n;
   size_t qn = (size_t)n * op->heads * DSV4_HEAD_DIM;
+  const int64_t lb = p / BENCH_BLOCK_SIZE, lb0 = lb >= 2 ? lb - 2 : 0;
   for (uint32_t i = 0; i < n; i++) {
     op->pos[i] = p;
     op->tok_seg[i] = (int32_t)i;
-    op->first_lb[i] = p / BENCH_BLOCK_SIZE;
-    op->bt_off[i] = i;
-    op->bt_len[i] = 1;
-    op->bt[i] = (int32_t)(3 * i + (uint32_t)((p / BENCH_BLOCK_SIZE) % 3));
+    op->first_lb[i] = lb0;
+    op->bt_off[i] = 3 * i;
+    op->bt_len[i] = (uint32_t)(lb - lb0 + 1);
+    for (int64_t b = lb0; b <= lb; b++)
+      op->bt[3 * i + (uint32_t)(b - lb0)] = (int32_t)(3 * i + (uint32_t)(b % 3));
+    if (op->attn)
+      op->seg_p0[i] = op->p0;
   }
   dsv4_map_args_t ma = {.n_tokens = n,
                         .n_segments = n,
@@ -220,11 +250,33 @@ static inline int bench_cpu_op_step(bench_cpu_op_t *op, const uint8_t *tensors, 
                            .block_size = BENCH_BLOCK_SIZE,
                            .n_blocks = op->n_blocks,
                            .stride = op->stride};
+  dsv4_attn_args_t aa = {.n_tokens = n,
+                         .n_segments = n,
+                         .heads = op->heads,
+                         .q = op->q_out,
+                         .positions = op->pos,
+                         .tok_seg = op->tok_seg,
+                         .seg_p0 = op->seg_p0,
+                         .seg_first_lb = op->first_lb,
+                         .seg_bt_off = op->bt_off,
+                         .seg_bt_len = op->bt_len,
+                         .block_table = op->bt,
+                         .bt_entries = 3 * n,
+                         .cache = op->cache.ptr,
+                         .block_size = BENCH_BLOCK_SIZE,
+                         .n_blocks = op->n_blocks,
+                         .stride = op->stride,
+                         .sink = op->sink,
+                         .rope = op->rope,
+                         .out = op->out};
+  ma.bt_entries = 3 * n;
   int rc = dsv4_rope_table_ensure(op->rope, op->pos, n);
   if (rc == 0)
     rc = op->be->ops->map_slots(op->be, &ma);
   if (rc == 0)
     rc = op->be->ops->qkv_insert(op->be, &ia);
+  if (rc == 0 && op->attn)
+    rc = op->be->ops->attention(op->be, &aa);
   if (rc == 0)
     rc = op->be->ops->sync(op->be);
   return rc;

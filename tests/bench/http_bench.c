@@ -71,7 +71,9 @@ typedef struct {
   int64_t p0;
   unsigned cpu_threads;
   int run_bare, run_cpu;
-  int unix_socket; /* --unix: the daemon and bare_server over Unix sockets */
+  int unix_socket;  /* --unix: the daemon and bare_server over Unix sockets */
+  const char *attn; /* --attn MODE: outputs=attn in mode exact or fast; NULL: outputs q as before */
+  char meta_extra[80]; /* what --attn adds to each request's __metadata__ */
   int verbose;
 } opts_t;
 
@@ -322,9 +324,9 @@ static void build_forward(run_t *R, conn_t *c) {
   conn_reserve(c, 1024 + (size_t)R->n * 96);
   char prefix[64];
   snprintf(prefix, sizeof(prefix), "r%db%uc%d", R->round, R->n, c->id);
-  size_t h =
-      bench_forward_head(c->head, c->head_cap, prefix, R->n, O.heads, (int)(c->step % O.layers),
-                         O.p0 + c->step / O.layers, c->step == 0, R->tensors_len, R->resp_bytes);
+  size_t h = bench_forward_head(c->head, c->head_cap, prefix, R->n, O.heads,
+                                (int)(c->step % O.layers), O.p0 + c->step / O.layers, c->step == 0,
+                                R->tensors_len, R->resp_bytes, O.meta_extra);
   if (!h)
     die("%s", "request header buffer too small");
   conn_start(c, h, R->tensors, R->tensors_len);
@@ -355,8 +357,9 @@ static int check_forward(run_t *R, conn_t *c) {
   }
   if (R->is_daemon && !R->seen_resp_bytes) {
     /* The first answer shows the real response size, which the bare server then reproduces. */
-    if (!strstr(c->errbody + (c->errbody_len > 8 ? 8 : c->errbody_len), "q_out")) {
-      fprintf(stderr, "http_bench: daemon response has no q_out tensor\n");
+    const char *want = O.attn ? "\"attn\"" : "\"q_out\"";
+    if (!strstr(c->errbody + (c->errbody_len > 8 ? 8 : c->errbody_len), want)) {
+      fprintf(stderr, "http_bench: daemon response has no %s tensor\n", want);
       return -1;
     }
     R->seen_resp_bytes = (size_t)c->content_length;
@@ -580,7 +583,7 @@ static int start_bare(const char *path, const char *unix_path) {
 /* The CPU op alone (bench_forward.h) on the same batches, timed step by step after a warm-up. */
 static int run_cpu(uint32_t n, const uint8_t *tensors, stats_t *st) {
   bench_cpu_op_t op;
-  if (bench_cpu_op_open(&op, n, O.heads, O.cpu_threads, "http_bench"))
+  if (bench_cpu_op_open(&op, n, O.heads, O.cpu_threads, "http_bench", O.attn != NULL, O.p0))
     return -1;
   int rc = 0;
   uint64_t t0 = 0, deadline = 0;
@@ -629,6 +632,10 @@ static void usage(const char *argv0) {
           "  --no-bare, --no-cpu  skip a ceiling\n"
           "  --unix               the daemon (with --listen-unix added to its command) and\n"
           "                       bare_server over Unix sockets instead of loopback TCP\n"
+          "  --attn MODE          ask for outputs=attn in MODE (exact or fast) instead of q; the\n"
+          "                       daemon gets --weights with sinks for H heads of layers\n"
+          "                       0..L-1, which must be SWA-only (V4-Flash: --layers 2 here\n"
+          "                       and --layers 0-1 for the daemon); the cpu op then attends too\n"
           "Without a daemon command only the ceilings run. The daemon must be started with\n"
           "--port 0 (its data port is read from its log) and enough --kv-blocks for\n"
           "3 * C * max(N) sequences' blocks.\n",
@@ -683,6 +690,11 @@ static void parse_args(int argc, char **argv) {
       O.cpu_threads = (unsigned)atoi(v), i++;
     } else if (strcmp(a, "--bare") == 0) {
       O.bare_path = v, i++;
+    } else if (strcmp(a, "--attn") == 0) {
+      if (strcmp(v, "exact") != 0 && strcmp(v, "fast") != 0)
+        usage(argv[0]);
+      O.attn = v, i++;
+      snprintf(O.meta_extra, sizeof(O.meta_extra), ",\"outputs\":\"attn\",\"attention\":\"%s\"", v);
     } else {
       usage(argv[0]);
     }
@@ -699,8 +711,8 @@ static void on_fatal_signal(int sig) {
   raise(sig);
 }
 
-/* A copy of the daemon's command with "--listen-unix path" added. */
-static char **with_listen_unix(char **argv, char *path) {
+/* A copy of the daemon's command (freed with free) with option opt and its value added. */
+static char **with_option(char **argv, char *opt, char *value) {
   int n = 0;
   while (argv[n])
     n++;
@@ -708,9 +720,41 @@ static char **with_listen_unix(char **argv, char *path) {
   if (!v)
     die("%s", "out of memory");
   memcpy(v, argv, (size_t)n * sizeof(*v));
-  v[n] = "--listen-unix";
-  v[n + 1] = path;
+  v[n] = opt;
+  v[n + 1] = value;
   return v;
+}
+
+/*
+ * For --attn: a safetensors checkpoint at path with layers.L.attn.attn_sink, F32 [H], for the
+ * layers the bench cycles over, the sinks spread over [-2, 2] as the cpu op's are.
+ */
+static void write_sinks(const char *path) {
+  char hdr[8192];
+  size_t j = 1, bytes = (size_t)O.heads * sizeof(float);
+  hdr[0] = '{';
+  for (int l = 0; l < O.layers && j < sizeof(hdr) - 256; l++)
+    j += (size_t)snprintf(hdr + j, sizeof(hdr) - j,
+                          "%s\"layers.%d.attn.attn_sink\":{\"dtype\":\"F32\",\"shape\":[%u],"
+                          "\"data_offsets\":[%zu,%zu]}",
+                          l ? "," : "", l, O.heads, (size_t)l * bytes, (size_t)(l + 1) * bytes);
+  hdr[j++] = '}';
+  while (j % 8)
+    hdr[j++] = ' ';
+  FILE *f = fopen(path, "wb");
+  if (!f)
+    die("cannot write the sinks checkpoint: %s", strerror(errno));
+  uint8_t len[8];
+  for (int b = 0; b < 8; b++)
+    len[b] = (uint8_t)(((uint64_t)j >> (8 * b)) & 0xFF);
+  int ok = fwrite(len, 1, 8, f) == 8 && fwrite(hdr, 1, j, f) == j;
+  for (int l = 0; ok && l < O.layers; l++)
+    for (uint32_t h = 0; ok && h < O.heads; h++) {
+      float x = O.heads > 1 ? -2.0f + 4.0f * (float)h / (float)(O.heads - 1) : 0.0f;
+      ok = fwrite(&x, sizeof(x), 1, f) == 1; /* little-endian hosts only, like the daemon */
+    }
+  if (fclose(f) != 0 || !ok)
+    die("cannot write the sinks checkpoint: %s", strerror(errno));
 }
 
 /*
@@ -718,15 +762,28 @@ static char **with_listen_unix(char **argv, char *path) {
  * removed at the end) and the daemon's command gets --listen-unix; its TCP data port stays open but
  * unused. Returns the daemon's command, or NULL for none.
  */
-static char **plan_targets(bench_target_t *dt, bench_target_t *bt, char *sockdir, size_t len) {
-  if (!O.unix_socket)
+static char **plan_targets(bench_target_t *dt, bench_target_t *bt, char *sockdir, size_t len,
+                           char *weights) {
+  if (!O.unix_socket && !O.attn)
     return O.daemon_argv;
   snprintf(sockdir, len, "/tmp/http_bench_XXXXXX");
   if (!mkdtemp(sockdir))
     die("cannot create a socket folder: %s", strerror(errno));
-  snprintf(dt->path, sizeof(dt->path), "%s/dsv4d.sock", sockdir);
-  snprintf(bt->path, sizeof(bt->path), "%s/bare.sock", sockdir);
-  return O.daemon_argv ? with_listen_unix(O.daemon_argv, dt->path) : NULL;
+  char **argv = O.daemon_argv;
+  if (O.unix_socket) {
+    snprintf(dt->path, sizeof(dt->path), "%s/dsv4d.sock", sockdir);
+    snprintf(bt->path, sizeof(bt->path), "%s/bare.sock", sockdir);
+    argv = argv ? with_option(argv, "--listen-unix", dt->path) : NULL;
+  }
+  if (O.attn && argv) {
+    snprintf(weights, len, "%s/sinks.safetensors", sockdir);
+    write_sinks(weights);
+    char **a = with_option(argv, "--weights", weights);
+    if (argv != O.daemon_argv)
+      free(argv);
+    argv = a;
+  }
+  return argv;
 }
 
 static void fmt_pct(char *buf, size_t n, const result_t *a, const result_t *b) {
@@ -801,8 +858,8 @@ int main(int argc, char **argv) {
    */
   int failed = 0;
   bench_target_t dt = {0}, bt = {0};
-  char sockdir[64] = "";
-  char **dargv = plan_targets(&dt, &bt, sockdir, sizeof(sockdir));
+  char sockdir[64] = "", weights[64] = "";
+  char **dargv = plan_targets(&dt, &bt, sockdir, sizeof(sockdir), weights);
   if (dargv && (dt.port = bench_daemon_start(&daemon_child, dargv)) < 0)
     return 1;
   if (O.run_bare && (bt.port = start_bare(O.bare_path, O.unix_socket ? bt.path : NULL)) < 0)
@@ -830,8 +887,12 @@ int main(int argc, char **argv) {
   if (!failed && dargv)
     unlink(daemon_child.log);
   if (sockdir[0]) {
-    unlink(dt.path);
-    unlink(bt.path);
+    if (dt.path[0])
+      unlink(dt.path);
+    if (bt.path[0])
+      unlink(bt.path);
+    if (weights[0])
+      unlink(weights);
     rmdir(sockdir);
   }
   if (dargv != O.daemon_argv)
@@ -854,6 +915,9 @@ int main(int argc, char **argv) {
          O.heads, O.conns, O.rounds, O.seconds, O.cpu_threads);
   if (O.unix_socket)
     printf("# transport: Unix sockets (the daemon's listen_unix, bare_server --unix)\n");
+  if (O.attn)
+    printf("# outputs: attn, attention %s (the cpu op: map_slots + qkv_insert + exact attention)\n",
+           O.attn);
   printf("# tok/s over the measured window; p50/p99 per request (batch) in microseconds\n");
   printf("%5s %9s | %10s %9s %9s | %10s %9s %9s | %10s %9s %9s | %7s %7s %7s\n", "N", "resp B",
          "daemon", "p50", "p99", "bare", "p50", "p99", "cpu op", "p50", "p99", "%bare", "%cpu",

@@ -376,7 +376,7 @@ static int run_http(const bench_target_t *t, const bench_target_t *tcp, const ch
     }
     uint64_t t0 = now_ns();
     size_t hl = bench_forward_head(head, cap, prefix, O.n, O.heads, call_layer(k), call_pos(k),
-                                   k == 0, tlen, 0);
+                                   k == 0, tlen, 0, NULL);
     int status = hl ? hclient_exchange(&h, head, hl, tensors, tlen) : -1;
     uint64_t t1 = now_ns();
     if (status != 200) {
@@ -407,7 +407,7 @@ static int run_cpu_op(samples_t *st) {
   uint8_t *tensors = bench_make_tensors(O.n, O.heads, &tlen);
   if (!tensors)
     die("%s", "out of memory");
-  if (bench_cpu_op_open(&op, O.n, O.heads, O.cpu_threads, "shm_bench")) {
+  if (bench_cpu_op_open(&op, O.n, O.heads, O.cpu_threads, "shm_bench", 0, 0)) {
     free(tensors);
     return -1;
   }
