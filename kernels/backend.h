@@ -43,6 +43,9 @@ enum {
    * exact); selected per launch by dsv4_attn_args_t.fast. It covers launches without compressed
    * entries: a fast launch with c_cache is refused with DSV4_EUNSUPPORTED. */
   DSV4_BE_ATTN_FAST = 1u << 1,
+  /* The fused decode path (SPEC §7): qkv_insert takes q_out NULL (the KV rows only) and attention
+   * takes the raw q (dsv4_attn_args_t.q_raw), normalising and rotating it itself. */
+  DSV4_BE_ATTN_FUSED_Q = 1u << 2,
 };
 
 /* The producer: sequence block tables -> one cache slot per token. */
@@ -82,8 +85,11 @@ typedef struct {
   const float *kv_norm_weight; /* [512] fp32, or NULL for kv_norm = prenormed */
   float eps;                   /* RMSNorm epsilon */
   int write_kv;                /* 0: compute q_out only (a replayed batch), never touch the cache */
-  uint16_t *q_out;             /* [n_tokens, heads, 512] bf16 out */
-  uint8_t *cache;              /* the layer's cache: n_blocks * stride bytes */
+  /* [n_tokens, heads, 512] bf16 out. NULL (only with write_kv, and only on a backend with
+   * DSV4_BE_ATTN_FUSED_Q; the others refuse it with DSV4_EINVAL): the KV rows only, q is not read,
+   * for the fused decode path where the attention normalises the raw q itself. */
+  uint16_t *q_out;
+  uint8_t *cache; /* the layer's cache: n_blocks * stride bytes */
   uint32_t block_size;
   uint32_t n_blocks;
   uint64_t stride; /* DSV4_BLOCK_STRIDE(block_size) */
@@ -160,6 +166,15 @@ typedef struct {
   uint32_t c_bt_entries; /* entries of c_block_table, or 0 when not given (as bt_entries) */
   const int32_t *c_sel;  /* [n_tokens, c_sel_stride] or NULL */
   uint32_t c_sel_stride;
+  /*
+   * The fused decode path (SPEC §7), only on a backend with DSV4_BE_ATTN_FUSED_Q (the shared check
+   * below refuses it): q is the batch's raw q (the insert's input) instead of its q_out, and the
+   * attention applies SPEC §2.1's Q norm with eps and the RoPE at each token's position from its
+   * own rope table (which must be the insert's) before anything else, computing exactly the bf16
+   * values the insert would have written. Every output byte is the unfused path's.
+   */
+  int q_raw;
+  float eps;
 } dsv4_attn_args_t;
 
 /*

@@ -37,6 +37,10 @@ int dsv4_backend_check_attn_args(const dsv4_attn_args_t *a) {
       !a->seg_bt_len || !a->cache || !a->rope || !a->out || a->n_segments == 0 ||
       a->n_blocks == 0 || !a->block_table || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
     return DSV4_EINVAL;
+  /* The fused decode path is a backend's own (DSV4_BE_ATTN_FUSED_Q), checked where it runs: a
+   * backend that takes this check computes from q_out and must not read a raw q as one. */
+  if (a->q_raw)
+    return DSV4_EINVAL;
   /* A selection without a compressed cache is a caller's mistake, not an SWA-only launch. */
   if (!a->c_cache)
     return a->c_sel ? DSV4_EINVAL : 0;

@@ -320,6 +320,7 @@ static int fwd_setup(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) 
   j->f.segs = j->p.segs;
   j->f.n_segs = j->p.n_segs;
   j->f.want_digest = j->p.want_digest;
+  j->f.q_unwanted = !j->p.want_q;
   j->f.ckv = j->p.ckv;
   j->f.ikv = j->p.ikv;
   j->f.iq = j->p.iq;

@@ -7,6 +7,7 @@
  * Included by attention.cu (exact mode, the union, the launches) and attention_fast.cu (fast mode).
  */
 #include "cuda-internal.cuh"
+#include "q-norm.cuh"
 
 #include "dsv4-error.h"
 #include "dsv4-numerics.h"
@@ -32,7 +33,7 @@
 static_assert(MAX_WIN_BLOCKS == DSV4_WINDOW / DSV4_MIN_BLOCK_SIZE + 1, "window blocks");
 
 typedef struct {
-  const uint4 *q; /* [n_tokens, heads, 64] uint4: bf16 q_out rows */
+  const uint4 *q; /* [n_tokens, heads, 64] uint4: bf16 q_out rows, or the raw q with q_raw */
   const int64_t *pos;
   const int32_t *tok_seg;
   const int64_t *seg_p0;
@@ -58,6 +59,9 @@ typedef struct {
   const int32_t *c_bt;
   const int32_t *c_sel; /* [n_tokens, c_sel_stride], or NULL: every visible entry */
   uint32_t c_sel_stride, c_bt_entries, c_n_blocks, ratio;
+  /* The fused decode path (backend.h): q holds the raw rows, normalised and rotated here. */
+  uint32_t q_raw;
+  float eps;
 } attn_params_t;
 
 static_assert(sizeof(attn_params_t) % 4 == 0, "parameter block of whole words");
@@ -261,6 +265,22 @@ static __device__ __forceinline__ void load_q(const attn_params_t &p, uint32_t t
       qraw[hh][0] = qraw[hh][1] = make_uint4(0, 0, 0, 0);
     }
   }
+}
+
+/*
+ * On the fused decode path (p.q_raw), the raw rows load_q put in qraw become the bf16 values the
+ * insert would have written to q_out (q-norm.cuh, whose run layout is load_q's), with rope the
+ * query position's RoPE row (ms.rope, after the setup). Called by whole warps: an octet's heads,
+ * and so the rows normalised, are the same for every lane.
+ */
+static __device__ __forceinline__ void norm_q(const attn_params_t &p, uint32_t h0, uint32_t lane,
+                                              const float *rope, uint4 (&qraw)[OCT][2]) {
+  if (!p.q_raw)
+    return;
+#pragma unroll
+  for (int hh = 0; hh < OCT; hh++)
+    if (h0 + hh < p.heads)
+      qn_row_run(lane, rope, p.eps, qraw[hh][0], qraw[hh][1]);
 }
 
 /*

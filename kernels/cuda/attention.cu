@@ -308,10 +308,20 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
    * the wait, while the grid before this one may still be writing q_out. */
   load_q(p, t, h0, lane, qraw);
 #endif
+#ifdef DSV4_TEST_BROKEN_FUSED_EARLY_READ
+  /* Test-only breakage of SPEC §5.2 on the fused decode path (tests/gpu/gpu_inv_attn_wait.c,
+   * "fused"): the raw queries are loaded before the wait, while the grid before this one may still
+   * be writing them. */
+  if (p.q_raw)
+    load_q(p, t, h0, lane, qraw);
+#endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
 #ifndef DSV4_TEST_BROKEN_ATTN_EARLY_READ
-  load_q(p, t, h0, lane, qraw); /* in flight during the setup and the staging */
+#ifdef DSV4_TEST_BROKEN_FUSED_EARLY_READ
+  if (!p.q_raw)
+#endif
+    load_q(p, t, h0, lane, qraw); /* in flight during the setup and the staging */
 #endif
   if (attn_setup(p, t, ms))
     return;
@@ -319,8 +329,10 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
   __syncthreads();
   const uint32_t n = ms.n;
   const bool live = h0 < p.heads; /* warp-uniform: an octet past the last head idles */
-  if (live)
+  if (live) {
+    norm_q(p, h0, lane, ms.rope, qraw); /* the fused decode path's q, after the staging */
     attn_logits<R>(sk, sl, tbuf + warp * 32 * T_STRIDE, qraw, n, oct, r, lane);
+  }
   __syncthreads();
   attn_weights<HG>(sl, ms, n, warp, lane);
   __syncthreads();
@@ -437,6 +449,7 @@ static __device__ void union_tile(const attn_params_t &p, uint32_t t, const attn
   if (live) {
     uint4 qraw[OCT][2];
     load_q(p, t, h0, lane, qraw);
+    norm_q(p, h0, lane, ms.rope, qraw);
     attn_logits<R>(sk, sl, tb, qraw, nt, oct, r, lane);
   }
   __syncthreads();
@@ -761,6 +774,8 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
   p.c_bt_entries = a->c_bt_entries;
   p.c_n_blocks = a->c_n_blocks;
   p.ratio = a->ratio;
+  p.q_raw = a->q_raw ? 1u : 0u;
+  p.eps = a->eps;
   const uint64_t grid = (uint64_t)a->n_tokens * p.groups;
   if (grid > 0x7fffffffu)
     return DSV4_EINVAL;

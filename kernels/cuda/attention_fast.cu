@@ -82,10 +82,46 @@ typedef struct {
   float den[64];
 } fast_misc_t;
 
-/* The queries of heads h_first.. (zeros past the last head), swizzled like the records. */
+/*
+ * The fused decode path's queries (p.q_raw): warp w takes rows w, w + 8, ... of the raw q, all in
+ * flight at once, and turns each into the bf16 values the insert would have written (q-norm.cuh,
+ * the run layout: lane l holds chunks 2l and 2l + 1), placed as fast_load_q places q_out.
+ */
+template <int MT>
+static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint32_t h_first,
+                                       uint8_t *sq, const float *rope) {
+  constexpr int RW = 16 * MT / ATTN_WARPS;
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4 v[RW][2];
+#pragma unroll
+  for (int i = 0; i < RW; i++) {
+    const uint32_t h = warp + ATTN_WARPS * i;
+    v[i][0] = v[i][1] = make_uint4(0, 0, 0, 0);
+    if (h_first + h < p.heads) {
+      const uint4 *row = p.q + ((uint64_t)t * p.heads + h_first + h) * 64;
+      v[i][0] = row[2 * lane];
+      v[i][1] = row[2 * lane + 1];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < RW; i++) {
+    const uint32_t h = warp + ATTN_WARPS * i;
+    if (h_first + h < p.heads) /* warp-uniform */
+      qn_row_run(lane, rope, p.eps, v[i][0], v[i][1]);
+    *reinterpret_cast<uint4 *>(sq + swz(h, 2 * lane, K_ROW)) = v[i][0];
+    *reinterpret_cast<uint4 *>(sq + swz(h, 2 * lane + 1, K_ROW)) = v[i][1];
+  }
+}
+
+/* The queries of heads h_first.. (zeros past the last head), swizzled like the records; rope: the
+ * query position's RoPE row, for the fused decode path. */
 template <int MT>
 static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
-                                   uint8_t *sq) {
+                                   uint8_t *sq, const float *rope) {
+  if (p.q_raw) {
+    fast_load_q_raw<MT>(p, t, h_first, sq, rope);
+    return;
+  }
   for (uint32_t i = threadIdx.x; i < 16 * MT * 64; i += ATTN_THREADS) {
     const uint32_t h = i >> 6, c = i & 63;
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -287,14 +323,14 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_fast_kernel(a
 #ifdef DSV4_TEST_BROKEN_FAST_EARLY_READ
   /* Test-only breakage of SPEC §5.2 (tests/gpu/gpu_inv_attn_wait.c, "fast"): the queries are
    * loaded before the wait, while the grid before this one may still be writing q_out. */
-  fast_load_q<MT>(p, t, h_first, sq);
+  fast_load_q<MT>(p, t, h_first, sq, ms.rope);
 #endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (attn_setup(p, t, ms))
     return;
 #ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
-  fast_load_q<MT>(p, t, h_first, sq);
+  fast_load_q<MT>(p, t, h_first, sq, ms.rope);
 #endif
   attn_stage<true>(p, ms, sk);
   const uint32_t n = ms.n;

@@ -15,16 +15,17 @@
  *     bt_entries is 0: as many as the segments map), slots [n_tokens] int64 (written).
  *   dsv4_insert_args_t (consumer, SPEC §2.1-2.2 and the paged insert of §3):
  *     q [n_tokens, heads, 512] bf16, kv [n_tokens, 512] bf16, q_out [n_tokens, heads, 512] bf16
- *     (written), positions [n_tokens] int64, slots [n_tokens] int64, kv_norm_weight [512] fp32 or
- *     NULL, cache n_blocks * stride bytes (written). q, kv, q_out, kv_norm_weight and cache must be
- *     16-byte aligned (cudaMalloc gives 256). The field `rope` (a host table) is not read: the
- *     rows come from rope_rows_dev.
+ *     (written; NULL with write_kv: the KV rows only), positions [n_tokens] int64, slots
+ *     [n_tokens] int64, kv_norm_weight [512] fp32 or NULL, cache n_blocks * stride bytes
+ *     (written). q, kv, q_out, kv_norm_weight and cache must be 16-byte aligned (cudaMalloc gives
+ *     256). The field `rope` (a host table) is not read: the rows come from rope_rows_dev.
  *   dsv4_attn_args_t (attention after the insert, SPEC §7, exact mode only):
- *     q [n_tokens, heads, 512] bf16 (the insert's q_out), positions [n_tokens] int64, tok_seg
- *     [n_tokens] int32, seg_p0 / seg_first_lb [n_segments] int64, seg_bt_off / seg_bt_len
- *     [n_segments] uint32, block_table int32, cache, sink [heads] fp32 or NULL, out [n_tokens,
- *     heads, 512] bf16 (written), lse [n_tokens, heads] fp32 or NULL (written). q, out and cache
- *     must be 16-byte aligned; `rope` is not read (rope_rows_dev, as for the insert).
+ *     q [n_tokens, heads, 512] bf16 (the insert's q_out, or with q_raw its raw q), positions
+ *     [n_tokens] int64, tok_seg [n_tokens] int32, seg_p0 / seg_first_lb [n_segments] int64,
+ *     seg_bt_off / seg_bt_len [n_segments] uint32, block_table int32, cache, sink [heads] fp32
+ *     or NULL, out [n_tokens, heads, 512] bf16 (written), lse [n_tokens, heads] fp32 or NULL
+ *     (written). q, out and cache must be 16-byte aligned; `rope` is not read (rope_rows_dev, as
+ *     for the insert).
  *
  * RoPE rows. rope_rows_dev is the device mirror of one host table (dsv4_rope_table_t of rope.h),
  * dense and indexed by position: the 64 floats of row p (cos[0..31] then sin[0..31], exactly the

@@ -655,6 +655,10 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
     c->ops.attention = NULL;
   else if (dsv4__cuda_attention_fast_supported(c->dev))
     c->ops.caps |= DSV4_BE_ATTN_FAST;
+  /* Wherever attention runs, so does the fused decode path: a KV-only insert (q_out NULL) and the
+   * attention kernels' own Q norm of the raw q (SPEC §7). */
+  if (c->ops.attention)
+    c->ops.caps |= DSV4_BE_ATTN_FUSED_Q;
   /* The error word of the launches that check on the device (attention, compress, indexer). */
   if ((e = cudaMallocHost((void **)&c->attn_err_host, sizeof(uint32_t))) != cudaSuccess) {
     c->attn_err_host = NULL;

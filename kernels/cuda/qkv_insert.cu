@@ -2,16 +2,14 @@
  * The consumer: Q weightless RMSNorm + RoPE, and KV (optional RMSNorm) + RoPE + fp8/UE8M0
  * quantisation + paged insert (SPEC §2.1-2.2, §3), computing exactly the CPU reference's bytes.
  *
- * Rows and thread mapping. A token has `heads` Q rows and, when the launch writes the cache, one KV
- * row (the last): 512 bf16 values, 1 KiB. A warp processes a row at a time. Lane l holds dims
- * 8l..8l+7 ("a") and 256+8l..256+8l+7 ("b"): two 16-byte pieces at byte 16l and 512+16l, so every
- * warp-wide access covers 512 contiguous bytes. The canonical sum of squares (SPEC §2: 32 fma
- * chains over 16 consecutive dims, then a fold 16, 8, 4, 2, 1) maps onto this layout exactly:
- * chain m covers dims 16m..16m+15, that is lane 2m's eight values and then lane 2m+1's, so each
- * even lane starts the chain and hands it to its odd neighbour with one shuffle; chain m of "a" and
- * chain 16+m of "b" then meet in odd lane 2m+1 (the fold's first step), and the remaining steps are
- * xor shuffles over the odd lanes. The RoPE dims 448..511 are "b" of lanes 24..31, four pairs
- * each, with one 16-byte load of cos and one of sin from the resident RoPE row.
+ * Rows and thread mapping. A token has `heads` Q rows (none when q_out is NULL: the KV-only
+ * launch of the fused decode path) and, when the launch writes the cache, one KV row (the last):
+ * 512 bf16 values, 1 KiB. A warp processes a row at a time. Lane l holds dims 8l..8l+7 ("a") and
+ * 256+8l..256+8l+7 ("b"): two 16-byte pieces at byte 16l and 512+16l, so every warp-wide access
+ * covers 512 contiguous bytes. The canonical sum of squares and the Q row's numerics map onto this
+ * layout exactly ("split" in q-norm.cuh, which the attention kernels share). The RoPE dims
+ * 448..511 are "b" of lanes 24..31, four pairs each, with one 16-byte load of cos and one of sin
+ * from the resident RoPE row.
  *
  * KV: the seven 64-value NoPE tiles are eight lanes each ("a" of lanes 8j..8j+7 for tiles 0..3,
  * "b" of lanes 8(j-4).. for tiles 4..6), so a tile's amax takes three xor shuffles. Each lane
@@ -30,6 +28,7 @@
  * kernel's own (immutable) parameters.
  */
 #include "cuda-internal.cuh"
+#include "q-norm.cuh"
 
 #include "dsv4-error.h"
 #include "dsv4-numerics.h"
@@ -44,6 +43,7 @@
 #define HALF_DIMS (DSV4_HEAD_DIM / 2)
 #define HALF_U4 (ROW_U4 / 2)
 #define ROPE_LANE0 ((DSV4_NOPE_DIM - HALF_DIMS) / LANE_DIMS)
+static_assert(ROPE_LANE0 == QN_SPLIT_ROPE_LANE0, "the split layout of q-norm.cuh");
 /* A RoPE row in float4s: cos in the first ROPE_SIN_F4, then sin. */
 #define ROPE_ROW_F4 (DSV4_ROPE_ROW_FLOATS / 4)
 #define ROPE_SIN_F4 (DSV4_ROPE_PAIRS / 4)
@@ -148,52 +148,10 @@ static __device__ __forceinline__ void st8(void *p, uint2 v) {
   COUNT_STORE(p, 8);
 }
 
-/* ---- numerics on a lane's eight values ---- */
-
-static __device__ __forceinline__ void unpack8(uint4 v, float x[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int k = 0; k < 4; k++) {
-    x[2 * k] = __uint_as_float(w[k] << 16);
-    x[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-  }
-}
+/* ---- numerics on a lane's eight values (q-norm.cuh, shared with the attention kernels) ---- */
 
 static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return dsv4__bf16x2_rn(lo, hi);
-}
-
-static __device__ __forceinline__ float chain8(const float x[8], float acc) {
-#pragma unroll
-  for (int k = 0; k < 8; k++)
-    acc = __fmaf_rn(x[k], x[k], acc);
-  return acc;
-}
-
-/* The canonical sum of squares of the warp's row (see the comment at the top); every lane gets it.
- */
-static __device__ __forceinline__ float warp_sumsq(const float xa[8], const float xb[8]) {
-  float ca = chain8(xa, 0.0f), cb = chain8(xb, 0.0f);
-  float ea = __shfl_xor_sync(FULL, ca, 1), eb = __shfl_xor_sync(FULL, cb, 1);
-  /* Odd lanes continue their even neighbour's chain; the even lanes' results are not used. */
-  float p = __fadd_rn(chain8(xa, ea), chain8(xb, eb));
-  p = __fadd_rn(p, __shfl_xor_sync(FULL, p, 16));
-  p = __fadd_rn(p, __shfl_xor_sync(FULL, p, 8));
-  p = __fadd_rn(p, __shfl_xor_sync(FULL, p, 4));
-  p = __fadd_rn(p, __shfl_xor_sync(FULL, p, 2));
-  return __shfl_sync(FULL, p, 1);
-}
-
-/* Four RoPE pairs of a lane's "b" values y (already normalised), rounded to bf16. */
-static __device__ __forceinline__ uint4 rope4(const float y[8], float4 c, float4 s) {
-  const float cc[4] = {c.x, c.y, c.z, c.w}, ss[4] = {s.x, s.y, s.z, s.w};
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; k++) {
-    float e = y[2 * k], o = y[2 * k + 1];
-    w[k] = pack2(dsv4_rope_even(e, o, cc[k], ss[k]), dsv4_rope_odd(e, o, cc[k], ss[k]));
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 /* ---- one row ---- */
@@ -208,21 +166,9 @@ typedef struct {
 template <bool CS>
 static __device__ __forceinline__ void q_row(const insert_params_t &p, uint32_t lane,
                                              const tok_t &k, uint32_t h, uint4 ra, uint4 rb) {
-  float xa[8], xb[8];
-  unpack8(ra, xa);
-  unpack8(rb, xb);
-  float r = dsv4_rms_factor(warp_sumsq(xa, xb), p.eps);
-#pragma unroll
-  for (int j = 0; j < 8; j++) {
-    xa[j] = __fmul_rn(xa[j], r);
-    xb[j] = __fmul_rn(xb[j], r);
-  }
+  uint4 oa, ob;
+  qn_row_split(lane, ra, rb, k.c, k.s, p.eps, &oa, &ob);
   uint4 *out = p.q_out + ((uint64_t)k.t * p.heads + h) * ROW_U4;
-  uint4 oa = make_uint4(pack2(xa[0], xa[1]), pack2(xa[2], xa[3]), pack2(xa[4], xa[5]),
-                        pack2(xa[6], xa[7]));
-  uint4 ob = lane < ROPE_LANE0 ? make_uint4(pack2(xb[0], xb[1]), pack2(xb[2], xb[3]),
-                                            pack2(xb[4], xb[5]), pack2(xb[6], xb[7]))
-                               : rope4(xb, k.c, k.s);
   st16q<CS>(out + lane, oa);
   st16q<CS>(out + HALF_U4 + lane, ob);
 }
@@ -252,10 +198,10 @@ static __device__ __forceinline__ uint2 quant8(const float z[8], dsv4_i32 e) {
 static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t lane,
                                               const tok_t &k, uint4 ra, uint4 rb) {
   float za[8], zb[8];
-  unpack8(ra, za);
-  unpack8(rb, zb);
+  qn_unpack8(ra, za);
+  qn_unpack8(rb, zb);
   if (p.w) {
-    float r = dsv4_rms_factor(warp_sumsq(za, zb), p.eps);
+    float r = dsv4_rms_factor(qn_sumsq_split(za, zb), p.eps);
     const float4 w0 = p.w[2 * lane], w1 = p.w[2 * lane + 1];
     const float4 w2 = p.w[HALF_W4 + 2 * lane], w3 = p.w[HALF_W4 + 2 * lane + 1];
     const float wa[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
@@ -297,7 +243,7 @@ static __device__ __forceinline__ void kv_row(const insert_params_t &p, uint32_t
          make_uint4(pack2(zb[0], zb[1]), pack2(zb[2], zb[3]), pack2(zb[4], zb[5]),
                     pack2(zb[6], zb[7])));
 #endif
-    st16(rec + DSV4_NOPE_DIM + 2 * LANE_DIMS * (lane - ROPE_LANE0), rope4(zb, k.c, k.s));
+    st16(rec + DSV4_NOPE_DIM + 2 * LANE_DIMS * (lane - ROPE_LANE0), qn_rope4(zb, k.c, k.s));
   }
   if (lane == 0)
     st8(base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) + DSV4_SCALE_BYTES * o,
@@ -479,7 +425,16 @@ template <int S, bool EF> static int blocks_per_sm(void) {
 
 extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_dev,
                                      int64_t max_positions, cudaStream_t s, int pdl) {
-  int rc = dsv4_backend_check_insert_args(a);
+  if (!a)
+    return DSV4_EINVAL;
+  /* q_out NULL with write_kv: the KV rows only (backend.h, the fused decode path), which the shared
+   * check, made for every backend, refuses; it only compares pointers with NULL, so it sees a
+   * stand-in here. */
+  const int kv_only = !a->q_out && a->write_kv;
+  dsv4_insert_args_t chk = *a;
+  if (kv_only)
+    chk.q_out = reinterpret_cast<uint16_t *>(a->cache);
+  int rc = dsv4_backend_check_insert_args(&chk);
   if (rc || a->n_tokens == 0)
     return rc;
   if (!rope_rows_dev || max_positions <= 0)
@@ -510,8 +465,9 @@ extern "C" int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *r
   p.q_out = (uint4 *)a->q_out;
   p.cache = a->cache;
   p.eps = a->eps;
-  p.heads = a->heads;
-  p.ipt = a->heads + (a->write_kv ? 1u : 0u);
+  /* A launch of the KV rows only has no Q rows: with heads 0 every row is a token's KV row. */
+  p.heads = kv_only ? 0u : a->heads;
+  p.ipt = p.heads + (a->write_kv ? 1u : 0u);
   p.stride = a->stride;
   p.max_pos = max_positions;
   pdl = pdl && dev.pdl;

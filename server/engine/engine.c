@@ -208,6 +208,29 @@ static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, void **
 }
 
 /*
+ * SPEC §7's fused decode path: a batch of one-token segments that asks for attention but not for
+ * q, on a backend that offers the path, inserts its KV rows only and lets the attention normalise
+ * and rotate the raw q itself, so q_out never reaches device memory; every answered byte is the
+ * unfused path's. A replay writes no KV rows and keeps the unfused path.
+ */
+static int fused_decode(const dsv4_engine_t *e, const dsv4_forward_t *f) {
+  if (!(e->be->ops->caps & DSV4_BE_ATTN_FUSED_Q) || !f->attn || !f->q_unwanted || e->plan.replay)
+    return 0;
+  for (uint32_t s = 0; s < f->n_segs; s++)
+    if (f->segs[s].len != 1)
+      return 0;
+  return 1;
+}
+
+/* The fused path's launches (fused_decode): the insert without q_out, the attention on raw q. */
+static void fuse_args(dsv4_insert_args_t *ia, dsv4_attn_args_t *aa) {
+  ia->q_out = NULL;
+  aa->q = ia->q;
+  aa->q_raw = 1;
+  aa->eps = ia->eps;
+}
+
+/*
  * The device half of a batch (or of its chunk of tokens tok0..) on a staged backend: ma and ia
  * arrive pointing at host memory and are re-pointed at the staging buffers (the cache already lives
  * on the device). Order on the backend's queue: uploads, map_slots, qkv_insert, the compressed
@@ -266,6 +289,9 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   if (rc)
     return rc;
   dsv4__engine_c_attn_args(e, idx, f, &aa);
+  const int fused = fused_decode(e, f);
+  if (fused)
+    fuse_args(ia, &aa);
   t1 = mono_ns();
   rc = ops->map_slots(e->be, ma);
   if (!rc)
@@ -282,7 +308,7 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
     rc = ops->download(e->be, f->attn, &s->buf[ST_ATTN], 0, q_bytes);
   if (!rc && f->lse)
     rc = ops->download(e->be, f->lse, &s->buf[ST_LSE], 0, n * e->p.heads * sizeof(float));
-  if (!rc)
+  if (!rc && !fused)
     rc = ops->download(e->be, f->q_out, &s->buf[ST_Q_OUT], 0, q_bytes);
   if (!rc)
     rc = ops->download(e->be, f->slots, &s->buf[ST_SLOTS], 0, n * sizeof(int64_t));
@@ -748,6 +774,8 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint32_
   dsv4_attn_args_t aa;
   dsv4__engine_attn_args(e, (uint32_t)idx, f, &ma, &aa);
   dsv4__engine_c_attn_args(e, (uint32_t)idx, f, &aa);
+  if (fused_decode(e, f))
+    fuse_args(&ia, &aa);
   int rc = ops->map_slots(e->be, &ma);
   if (!rc)
     rc = ops->qkv_insert(e->be, &ia);

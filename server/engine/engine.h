@@ -91,7 +91,10 @@ typedef struct {
   uint32_t n_segs;
   int want_digest;
   uint16_t *q_out; /* [n_tokens, heads, 512] (also the attention's input: always given) */
-  int64_t *slots;  /* [n_tokens] */
+  /* q_out is not an output of the request: a decode batch with attention may then leave it
+   * unwritten and run the fused path (SPEC §7), whose answer is the same bytes. */
+  int q_unwanted;
+  int64_t *slots; /* [n_tokens] */
   /* Attention after the insert (SPEC §7), when attn or lse is given; NULL = not wanted. */
   uint16_t *attn; /* [n_tokens, heads, 512] bf16 */
   float *lse;     /* [n_tokens, heads] */

@@ -14,7 +14,8 @@
  *
  * Rows: decode steps of b = 1, 16, 64, 128, 256 sequences, then one prefill call of 16 fresh
  * sequences x 1024 tokens ("16x1024": its FLOP count the candidates each token has, 1 to 128, and
- * its bytes each record once).
+ * its bytes each record once). Then the decode chain after the slot map at the same b: the insert
+ * and the attention as two launches through q_out against the fused decode path (SPEC §7).
  *
  * Usage: cuda_attn_bench [heads...]   (default 64; DSV4_BENCH_N="1,128" picks batch sizes and
  * leaves out the prefill row)
@@ -205,6 +206,166 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
   attn_plan_free(&p);
 }
 
+/* One set's launches of the decode chain: the insert (with q_out, or the KV rows only) and the
+ * attention (on q_out, or on the raw q). */
+typedef struct {
+  dsv4_insert_args_t ia[2];
+  dsv4_attn_args_t aa[2];
+} chain_t;
+
+/*
+ * The decode step of b sequences as the engine runs it after the slot map, per call: the two
+ * launches (qkv_insert writing q_out, then the attention reading it) against the fused chain
+ * (SPEC §7: the insert of the KV rows only, then the attention normalising the raw q itself).
+ * Each graph holds one chain; the sets cycle as in bench(). Bytes of the fused chain: raw q and kv
+ * read, 584 per record written, the window's records read, attn and lse written; the two launches
+ * move q_out's bytes twice more.
+ */
+static void bench_chain(uint32_t heads, uint32_t b, int fast, double copy, float *mirror,
+                        dsv4_rope_table_t *rope, cudaStream_t s) {
+  uint64_t rng = 0x243F6A8885A308D3ull ^ ((uint64_t)b << 8) ^ heads;
+  const double qb = (double)b * heads * DSV4_HEAD_DIM * 2;
+  double bytes = qb * 2 + (double)b * (heads * 4 + 1024 + (1 + DSV4_WINDOW) * DSV4_RECORD_BYTES);
+  uint32_t sets = (uint32_t)(120e6 / bytes) + 1;
+  sets = sets < 2 ? 2 : sets;
+  uint32_t n_segs = sets * b, per_graph = sets * ((64 + sets - 1) / sets);
+  attn_seg_spec_t *spec = gpu_host_alloc(sizeof(*spec) * n_segs);
+  for (uint32_t g = 0; g < n_segs; g++) {
+    int64_t p0 = g % 2 ? (int64_t)gpu_below(&rng, 20000) : 0;
+    spec[g] = (attn_seg_spec_t){p0, p0 + 127 + (int64_t)gpu_below(&rng, 40000), 1};
+  }
+  attn_plan_t p;
+  attn_plan_make(&rng, &p, spec, n_segs, BS, n_segs);
+  CKD(dsv4_rope_table_ensure(rope, p.q_pos, p.n_q));
+  gpu_rope_upload(rope, mirror, MAX_POS, p.q_pos, p.n_q);
+  gpu_rope_upload(rope, mirror, MAX_POS, p.hist_pos, p.n_hist);
+  void *seg[4] = {dev_put(p.seg_first_lb, sizeof(int64_t) * n_segs),
+                  dev_put(p.seg_bt_off, sizeof(uint32_t) * n_segs),
+                  dev_put(p.seg_bt_len, sizeof(uint32_t) * n_segs),
+                  dev_put(p.block_table, sizeof(int32_t) * p.bt_len)};
+  int64_t *p0 = dev_put(p.seg_p0, sizeof(int64_t) * n_segs);
+  int64_t *qpos = dev_put(p.q_pos, sizeof(int64_t) * p.n_q);
+  int32_t *qseg = dev_put(p.q_seg, sizeof(int32_t) * p.n_q);
+  size_t cache_bytes = (size_t)p.n_blocks * DSV4_BLOCK_STRIDE(BS);
+  size_t q_elems = (size_t)p.n_q * heads * DSV4_HEAD_DIM;
+  uint8_t *cache = gpu_dev_alloc(cache_bytes);
+  uint16_t *q_hist = gpu_dev_alloc((size_t)p.n_hist * DSV4_HEAD_DIM * 2);
+  uint16_t *q_out = gpu_dev_alloc(q_elems * 2), *out = gpu_dev_alloc(q_elems * 2);
+  uint16_t *hq = gpu_host_alloc(q_elems * 2), *hkv = gpu_host_alloc((size_t)p.n_q * 1024);
+  gpu_fill_bf16(&rng, hq, q_elems, 127, 3);
+  gpu_fill_bf16(&rng, hkv, (size_t)p.n_q * DSV4_HEAD_DIM, 127, 3);
+  uint16_t *q = dev_put(hq, q_elems * 2), *kv = dev_put(hkv, (size_t)p.n_q * 1024);
+  int64_t *slots = gpu_dev_alloc(sizeof(int64_t) * p.n_q);
+  float *lse = gpu_dev_alloc((size_t)p.n_q * heads * sizeof(float));
+  uint32_t *err = gpu_dev_alloc(sizeof(uint32_t));
+  CK(cudaMemset(cache, 0, cache_bytes));
+  CK(cudaMemset(err, 0, sizeof(uint32_t)));
+  CK(cudaDeviceSynchronize());
+  insert(&p, seg, p.n_hist, p.hist_pos, p.hist_seg, 1, q_hist, cache, mirror, &rng, s);
+  /* The queries' slots, once: every chain rewrites its records at them with the same bytes. */
+  dsv4_map_args_t ma = {.n_tokens = p.n_q,
+                        .n_segments = n_segs,
+                        .block_size = BS,
+                        .n_blocks = p.n_blocks,
+                        .positions = qpos,
+                        .tok_seg = qseg,
+                        .seg_first_lb = seg[0],
+                        .seg_bt_off = seg[1],
+                        .seg_bt_len = seg[2],
+                        .block_table = seg[3],
+                        .slots = slots,
+                        .bt_entries = p.bt_len};
+  CKD(dsv4__cuda_map_slots(&ma, s, 1));
+  int32_t *local = gpu_host_alloc(sizeof(int32_t) * b);
+  for (uint32_t t = 0; t < b; t++)
+    local[t] = (int32_t)t;
+  int32_t *tok_seg = dev_put(local, sizeof(int32_t) * b);
+  float *sink = gpu_host_alloc(sizeof(float) * heads);
+  for (uint32_t h = 0; h < heads; h++)
+    sink[h] = ((float)gpu_below(&rng, 4096) - 2048.0f) * 0x1p-9f;
+  float *dsink = dev_put(sink, sizeof(float) * heads);
+  chain_t *ch = gpu_host_alloc(sizeof(*ch) * sets);
+  for (uint32_t i = 0; i < sets; i++) {
+    size_t t0 = (size_t)i * b, q0 = t0 * heads * DSV4_HEAD_DIM;
+    for (int f = 0; f < 2; f++) {
+      ch[i].ia[f] = (dsv4_insert_args_t){.n_tokens = b,
+                                         .heads = heads,
+                                         .q = q + q0,
+                                         .kv = kv + t0 * DSV4_HEAD_DIM,
+                                         .positions = qpos + t0,
+                                         .slots = slots + t0,
+                                         .eps = 1e-6f,
+                                         .write_kv = 1,
+                                         .q_out = f ? NULL : q_out + q0,
+                                         .cache = cache,
+                                         .block_size = BS,
+                                         .n_blocks = p.n_blocks,
+                                         .stride = DSV4_BLOCK_STRIDE(BS)};
+      ch[i].aa[f] = (dsv4_attn_args_t){.n_tokens = b,
+                                       .n_segments = b,
+                                       .heads = heads,
+                                       .q = f ? q + q0 : q_out + q0,
+                                       .positions = qpos + t0,
+                                       .tok_seg = tok_seg,
+                                       .seg_p0 = p0 + t0,
+                                       .seg_first_lb = (const int64_t *)seg[0] + t0,
+                                       .seg_bt_off = (const uint32_t *)seg[1] + t0,
+                                       .seg_bt_len = (const uint32_t *)seg[2] + t0,
+                                       .block_table = seg[3],
+                                       .bt_entries = p.bt_len,
+                                       .cache = cache,
+                                       .block_size = BS,
+                                       .n_blocks = p.n_blocks,
+                                       .stride = DSV4_BLOCK_STRIDE(BS),
+                                       .sink = dsink,
+                                       .rope = rope,
+                                       .out = out + q0,
+                                       .lse = lse + t0 * heads,
+                                       .fast = fast,
+                                       .q_raw = f,
+                                       .eps = 1e-6f};
+    }
+  }
+  /* us[0]: the two launches; us[1]: the fused chain. One chain of each outside the graphs first:
+   * it sets the kernels' shared-memory limits, and a refusal shows here rather than as a time. */
+  double us[2];
+  for (int f = 0; f < 2; f++) {
+    CKD(dsv4__cuda_qkv_insert(&ch[0].ia[f], mirror, MAX_POS, s, 1));
+    CKD(dsv4__cuda_attention(&ch[0].aa[f], mirror, MAX_POS, err, s, 1));
+    CK(cudaStreamSynchronize(s));
+    cudaGraph_t gr;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (uint32_t k = 0; k < per_graph; k++) {
+      CKD(dsv4__cuda_qkv_insert(&ch[k % sets].ia[f], mirror, MAX_POS, s, 1));
+      CKD(dsv4__cuda_attention(&ch[k % sets].aa[f], mirror, MAX_POS, err, s, 1));
+    }
+    CK(cudaStreamEndCapture(s, &gr));
+    us[f] = replay_us(s, gr, per_graph);
+  }
+  uint32_t word = 1;
+  CK(cudaMemcpy(&word, err, sizeof(word), cudaMemcpyDeviceToHost));
+  if (word) {
+    fprintf(stderr, "cuda_attn_bench: the kernel refused the batch (error word %#x)\n", word);
+    exit(1);
+  }
+  const double two = (bytes + 2 * qb) / (us[0] * 1e-6) / 1e9, one = bytes / (us[1] * 1e-6) / 1e9;
+  printf("%9u %4u %5s %10.2f %7.1f%% %10.2f %7.1f%% %7.2fx   (%u sets, %u chains per graph)\n", b,
+         heads, fast ? "fast" : "exact", us[0], 100.0 * two / copy, us[1], 100.0 * one / copy,
+         us[0] / us[1], sets, per_graph);
+  fflush(stdout);
+  void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,    qpos, qseg, cache,   q_hist,
+                  q_out,  out,    q,      kv,     slots, lse,  err,  tok_seg, dsink};
+  for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+    cudaFree(bufs[i]);
+  free(ch);
+  free(local);
+  free(sink);
+  free(hq);
+  free(hkv);
+  free(spec);
+  attn_plan_free(&p);
+}
+
 int main(int argc, char **argv) {
   if (!gpu_available("cuda_attn_bench"))
     return GPU_SKIP;
@@ -262,6 +423,15 @@ int main(int argc, char **argv) {
       if (!getenv("DSV4_BENCH_N"))
         bench(heads_list[h], 16, 1024, fast, copy, fast ? tc : peak, mirror, rope, s);
     }
+  /* The decode chain after the slot map: two launches against the fused one (SPEC §7). %copy: of
+   * the copy ceiling, for the bytes each chain moves. */
+  printf("\ndecode chain (insert + attention), full windows\n");
+  printf("%9s %4s %5s %10s %8s %10s %8s %8s\n", "b", "H", "mode", "two us", "%copy", "fused us",
+         "%copy", "speedup");
+  for (int fast = 0; fast <= has_fast; fast++)
+    for (int h = 0; h < n_heads; h++)
+      for (size_t i = 0; i < n_ns; i++)
+        bench_chain(heads_list[h], ns[i], fast, copy, mirror, rope, s);
   cudaStreamDestroy(s);
   cudaFree(mirror);
   dsv4_rope_table_destroy(rope);

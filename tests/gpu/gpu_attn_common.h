@@ -121,6 +121,9 @@ typedef struct {
   dsv4_rope_table_t *rope; /* rows of every position materialised */
   int fast;                /* fast mode (SPEC §7) */
   int cache_fill;          /* the byte every cache slot holds before the inserts (0 by default) */
+  /* The fused decode path (SPEC §7, DSV4_BE_ATTN_FUSED_Q): the query batch's insert writes the KV
+   * rows only and the attention reads the raw q, normalising it itself. */
+  int fused;
 } attn_inputs_t;
 
 /* Random inputs for a plan: queries and kv rows of bf16 around 1 (spread octaves each way). */
@@ -157,7 +160,11 @@ static inline dsv4_devbuf_t attn_put(dsv4_backend_t *be, const void *src, size_t
   return b;
 }
 
-/* One batch (map_slots then qkv_insert) of n tokens on the backend's buffers. */
+/* The RMSNorm epsilon of every insert (and of the fused path's attention). */
+#define ATTN_EPS 1e-6f
+
+/* One batch (map_slots then qkv_insert) of n tokens on the backend's buffers; q_out NULL: the KV
+ * rows only (the fused decode path's insert). */
 static inline int attn_insert(dsv4_backend_t *be, const attn_plan_t *p, uint32_t heads,
                               dsv4_rope_table_t *rope, uint32_t n, const int64_t *pos,
                               const int32_t *seg, const uint16_t *q, const uint16_t *kv,
@@ -169,7 +176,8 @@ static inline int attn_insert(dsv4_backend_t *be, const attn_plan_t *p, uint32_t
   dsv4_devbuf_t dq = attn_put(be, q, q_bytes);
   dsv4_devbuf_t dkv = attn_put(be, kv, (size_t)n * DSV4_HEAD_DIM * 2);
   dsv4_devbuf_t dslots = attn_put(be, NULL, sizeof(int64_t) * n);
-  *q_out = attn_put(be, NULL, q_bytes);
+  if (q_out)
+    *q_out = attn_put(be, NULL, q_bytes);
   dsv4_map_args_t ma = {.n_tokens = n,
                         .n_segments = p->n_segs,
                         .block_size = p->bs,
@@ -189,9 +197,9 @@ static inline int attn_insert(dsv4_backend_t *be, const attn_plan_t *p, uint32_t
                            .positions = dpos.ptr,
                            .slots = dslots.ptr,
                            .rope = rope,
-                           .eps = 1e-6f,
+                           .eps = ATTN_EPS,
                            .write_kv = 1,
-                           .q_out = q_out->ptr,
+                           .q_out = q_out ? q_out->ptr : NULL,
                            .cache = cache->ptr,
                            .block_size = p->bs,
                            .n_blocks = p->n_blocks,
@@ -213,7 +221,8 @@ static inline int attn_insert(dsv4_backend_t *be, const attn_plan_t *p, uint32_t
 #define ATTN_CANARY 0xA5
 
 /* What attn_run leaves behind when asked: host copies of the query batch's q_out and of the cache
- * after both inserts (n_q * heads * 1024 and n_blocks * stride bytes, malloc'd). */
+ * after both inserts (n_q * heads * 1024 and n_blocks * stride bytes, malloc'd; q_out NULL on the
+ * fused path, which writes none). */
 typedef struct {
   uint16_t *q_out;
   uint8_t *cache;
@@ -246,7 +255,10 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
   CKD(attn_insert(be, p, heads, in->rope, p->n_hist, p->hist_pos, p->hist_seg, in->q_hist,
                   in->kv_hist, seg, &cache, &q_hist));
   CKD(attn_insert(be, p, heads, in->rope, p->n_q, p->q_pos, p->q_seg, in->q_q, in->kv_q, seg,
-                  &cache, &q_out));
+                  &cache, in->fused ? NULL : &q_out));
+  /* The fused path's attention reads the raw q of the query batch. */
+  if (in->fused)
+    q_out = attn_put(be, in->q_q, out_bytes);
   attn_table_t own = attn_plan_table(p);
   if (!tab)
     tab = &own;
@@ -284,7 +296,9 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
                          .rope = in->rope,
                          .out = dout.ptr,
                          .lse = in->want_lse ? dlse.ptr : NULL,
-                         .fast = in->fast};
+                         .fast = in->fast,
+                         .q_raw = in->fused,
+                         .eps = ATTN_EPS};
   int rc = be->ops->attention(be, &aa);
   int sync_rc = be->ops->sync(be);
   if (!rc)
@@ -293,9 +307,10 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
   if (in->want_lse)
     CKD(be->ops->download(be, lse, &dlse, 0, lse_bytes));
   if (keep) {
-    keep->q_out = gpu_host_alloc(out_bytes);
+    keep->q_out = in->fused ? NULL : gpu_host_alloc(out_bytes);
     keep->cache = gpu_host_alloc(cache.size);
-    CKD(be->ops->download(be, keep->q_out, &q_out, 0, out_bytes));
+    if (!in->fused)
+      CKD(be->ops->download(be, keep->q_out, &q_out, 0, out_bytes));
     CKD(be->ops->download(be, keep->cache, &cache, 0, cache.size));
   }
   CKD(be->ops->sync(be));

@@ -15,6 +15,12 @@
  * deterministic, SPEC §7): a launch that read stale bytes differs from it. Its broken build loads
  * the queries before the wait (DSV4_TEST_BROKEN_FAST_EARLY_READ; ctest:
  * gpu_inv_attn_wait_fast_broken_early_read).
+ *
+ * With the argument "fused" (alone or with "fast") the launch is the fused decode path's (SPEC §7:
+ * the attention reads the raw q and normalises it itself), and the late writer writes the raw q
+ * and the cache; the reference is the same (the fused path's bytes are the unfused path's). Its
+ * broken build loads the raw queries before the wait (DSV4_TEST_BROKEN_FUSED_EARLY_READ; ctest:
+ * gpu_inv_attn_wait_fused_broken_early_read).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -61,7 +67,11 @@ static int check(int batch, const attn_plan_t *p, uint32_t heads, const uint16_t
 }
 
 int main(int argc, char **argv) {
-  const int fast = argc > 1 && strcmp(argv[1], "fast") == 0;
+  int fast = 0, fused = 0;
+  for (int i = 1; i < argc; i++) {
+    fast |= strcmp(argv[i], "fast") == 0;
+    fused |= strcmp(argv[i], "fused") == 0;
+  }
   if (!gpu_available("gpu_inv_attn_wait"))
     return GPU_SKIP;
   if (!dsv4__cuda_pdl_supported(0)) {
@@ -134,7 +144,9 @@ int main(int argc, char **argv) {
     uint16_t *dq = gpu_dev_alloc(out_n * 2), *dout = gpu_dev_alloc(out_n * 2);
     uint8_t *dcache = gpu_dev_alloc(cache_bytes);
     float *dlse = gpu_dev_alloc(lse_n * 4);
-    void *real_q = dev_copy(real.q_out, out_n * 2), *real_cache = dev_copy(real.cache, cache_bytes);
+    /* On the fused path the launch reads the raw q (the query batch's input) instead of q_out. */
+    void *real_q = dev_copy(fused ? in.q_q : real.q_out, out_n * 2);
+    void *real_cache = dev_copy(real.cache, cache_bytes);
     CK(cudaMemset(dq, 0, out_n * 2));
     CK(cudaMemset(dcache, 0, cache_bytes));
     CK(cudaMemset(dout, ATTN_CANARY, out_n * 2));
@@ -165,7 +177,9 @@ int main(int argc, char **argv) {
                            .rope = rope,
                            .out = dout,
                            .lse = dlse,
-                           .fast = fast};
+                           .fast = fast,
+                           .q_raw = fused,
+                           .eps = ATTN_EPS};
     if (fast) {
       /* The reference: fast mode over the real bytes, written before the launch. */
       CK(cudaMemcpy(dq, real_q, out_n * 2, cudaMemcpyDeviceToDevice));
@@ -221,8 +235,8 @@ int main(int argc, char **argv) {
   dsv4_backend_close(cpu);
   if (bad)
     return 1;
-  printf("gpu_inv_attn_wait: %d batches (%s mode), every output from the late writer's q_out and "
+  printf("gpu_inv_attn_wait: %d batches (%s mode%s), every output from the late writer's %s and "
          "cache\n",
-         BATCHES, fast ? "fast" : "exact");
+         BATCHES, fast ? "fast" : "exact", fused ? ", fused" : "", fused ? "raw q" : "q_out");
   return 0;
 }

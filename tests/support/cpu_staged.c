@@ -37,6 +37,9 @@ typedef struct {
   host_range_t *ranges;
   size_t n_ranges, cap_ranges;
   dsv4_test_cpu_staged_stats_t stats;
+  /* Host scratch of the fused decode path's stand-in (q_out the CPU backend computes and drops). */
+  uint16_t *q_scratch;
+  size_t q_scratch_bytes;
 } staged_t;
 
 static staged_t *staged_of(dsv4_backend_t *be) {
@@ -69,7 +72,21 @@ static void st_destroy(dsv4_backend_t *be) {
   dsv4_backend_close(s->inner);
   free(s->bufs);
   free(s->ranges);
+  free(s->q_scratch);
   free(s);
+}
+
+/* The scratch for n bytes of q_out, or NULL (out of memory). The inner backend is done with it when
+ * its call returns (the CPU backend computes in the call). */
+static uint16_t *q_scratch(staged_t *s, size_t n) {
+  if (n > s->q_scratch_bytes) {
+    uint16_t *p = realloc(s->q_scratch, n);
+    if (!p)
+      return NULL;
+    s->q_scratch = p;
+    s->q_scratch_bytes = n;
+  }
+  return s->q_scratch;
 }
 
 /* 1 when the n host bytes at p lie inside one registered range. */
@@ -222,7 +239,14 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   XLATE(s, h.kv, n * DSV4_HEAD_DIM * sizeof(uint16_t));
   XLATE(s, h.positions, n * sizeof(int64_t));
   XLATE(s, h.slots, n * sizeof(int64_t));
-  XLATE(s, h.q_out, q_bytes);
+  /* The fused decode path's KV-only insert (DSV4_BE_ATTN_FUSED_Q): the CPU backend writes q_out
+   * with the records, so it gets a scratch q_out that nobody reads. */
+  if (!h.q_out && h.write_kv && n) {
+    if (!(h.q_out = q_scratch(s, q_bytes)))
+      return DSV4_ENOMEM;
+  } else {
+    XLATE(s, h.q_out, q_bytes);
+  }
   if (h.kv_norm_weight)
     XLATE(s, h.kv_norm_weight, DSV4_HEAD_DIM * sizeof(float));
   if (h.write_kv)
@@ -265,6 +289,29 @@ static int st_attn(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
       XLATE(s, h.c_sel, n * a->c_sel_stride * sizeof(int32_t));
   }
   s->stats.launches++;
+  /* The fused decode path (DSV4_BE_ATTN_FUSED_Q): q is the raw q, whose q_out the CPU backend's
+   * insert computes first (without touching the cache), the bytes a device's attention computes
+   * itself. */
+  if (h.q_raw && n) {
+    uint16_t *q_out = q_scratch(s, q_bytes);
+    if (!q_out)
+      return DSV4_ENOMEM;
+    dsv4_insert_args_t qa = {.n_tokens = a->n_tokens,
+                             .heads = a->heads,
+                             .q = h.q,
+                             .kv = h.q, /* not read without write_kv */
+                             .positions = h.positions,
+                             .slots = h.positions, /* read, unused without write_kv */
+                             .rope = a->rope,
+                             .eps = a->eps,
+                             .write_kv = 0,
+                             .q_out = q_out};
+    int rc = s->inner->ops->qkv_insert(s->inner, &qa);
+    if (rc)
+      return rc;
+    h.q = q_out;
+    h.q_raw = 0;
+  }
   return s->inner->ops->attention(s->inner, &h);
 }
 
@@ -350,6 +397,9 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
   s->ops = *s->inner->ops;
   s->ops.name = "cpu_staged";
   s->ops.caps = 0; /* no DSV4_BE_HOST_MEMORY: the engine must stage */
+  /* The fused decode path, as a device backend with attention offers it (SPEC §7). */
+  if (s->inner->ops->attention)
+    s->ops.caps |= DSV4_BE_ATTN_FUSED_Q;
   s->ops.destroy = st_destroy;
   s->ops.buf_alloc = st_alloc;
   s->ops.buf_free = st_free;

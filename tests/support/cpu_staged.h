@@ -6,7 +6,10 @@
  * reports no DSV4_BE_HOST_MEMORY, keeps every buffer in an allocation of its own and hands out
  * addresses that are not host addresses (dereferencing one faults), so the engine can only reach
  * the bytes through upload/download, and a launch whose argument points anywhere but into one of
- * its buffers is refused with DSV4_EINVAL. The bytes it computes are the CPU backend's.
+ * its buffers is refused with DSV4_EINVAL. The bytes it computes are the CPU backend's. It offers
+ * the fused decode path (DSV4_BE_ATTN_FUSED_Q) as the CUDA backend does, computing the raw q's
+ * q_out itself before the CPU backend's attention, so the engine's fused path runs without a
+ * device.
  *
  * Never built into the daemon that is installed: tests link it, and the test daemon dsv4d_staged
  * opens it for backend = cpu.

@@ -732,6 +732,78 @@ static void test_chunked_prefill_matches_one_launch(void **state) {
   dsv4_engine_destroy(b);
 }
 
+/*
+ * SPEC §7's fused decode path: decode steps of two sequences whose q is not an output, on both
+ * served layers, give on the backend under test the CPU backend's attn, lse, slots and digests
+ * (the reference answers q as well, so it runs the unfused path), and the same caches. Where the
+ * backend offers the path (DSV4_BE_ATTN_FUSED_Q) it leaves q_out as it was, which shows that the
+ * path ran; elsewhere q_out is the reference's. A replay of the last step, which runs unfused,
+ * answers the same bytes again, q_out included.
+ */
+static void test_fused_decode(void **state) {
+  (void)state;
+  dsv4_engine_t *a = open_engine_chunked("cpu", 0), *b = open_engine_chunked(backend, 0);
+  const int fused = (b->be->ops->caps & DSV4_BE_ATTN_FUSED_Q) != 0;
+  const uint32_t layers[2] = {0, served[1]}, prefill[2] = {100, 30}, one[2] = {1, 1};
+  const int yes[2] = {1, 1}, no[2] = {0, 0};
+  const size_t q_bytes = 2 * HEADS * DSV4_HEAD_DIM * 2;
+  for (int l = 0; l < 2; l++)
+    same_batch(a, b, layers[l], 70 + (uint64_t)l, 2, pf_names, pf_starts, prefill, l ? no : yes);
+  attn_batch_t x, y;
+  int64_t st[2] = {100, 30};
+  for (int k = 0; k < 6; k++) {
+    const uint32_t layer = layers[k % 2];
+    attn_batch_make(&x, layer, 80 + (uint64_t)k, 2, pf_names, st, one, no);
+    attn_batch_make(&y, layer, 80 + (uint64_t)k, 2, pf_names, st, one, no);
+    y.b.f.q_unwanted = 1;
+    memset(y.b.q_out, 0xA5, q_bytes);
+    assert_int_equal(dsv4_engine_forward(a, &x.b.f), 0);
+    assert_int_equal(dsv4_engine_forward(b, &y.b.f), 0);
+    assert_false(y.b.f.replayed);
+    assert_memory_equal(x.b.slots, y.b.slots, 2 * sizeof(int64_t));
+    assert_memory_equal(x.attn, y.attn, q_bytes);
+    assert_memory_equal(x.lse, y.lse, 2 * HEADS * sizeof(float));
+    assert_int_equal(x.b.f.digest, y.b.f.digest);
+    if (fused) {
+      for (size_t i = 0; i < q_bytes; i++)
+        assert_int_equal(((const uint8_t *)y.b.q_out)[i], 0xA5);
+    } else {
+      assert_memory_equal(x.b.q_out, y.b.q_out, q_bytes);
+    }
+    if (k % 2) {
+      st[0]++;
+      st[1]++;
+    }
+    if (k < 5) {
+      attn_batch_free(&x);
+      attn_batch_free(&y);
+    }
+  }
+  /* The last step again on b: a replay, which runs unfused and answers q_out as well. */
+  attn_batch_t r;
+  st[0]--;
+  st[1]--;
+  attn_batch_make(&r, layers[1], 85, 2, pf_names, st, one, no);
+  r.b.f.q_unwanted = 1;
+  assert_int_equal(dsv4_engine_forward(b, &r.b.f), 0);
+  assert_true(r.b.f.replayed);
+  assert_memory_equal(x.b.q_out, r.b.q_out, q_bytes);
+  assert_memory_equal(x.attn, r.attn, q_bytes);
+  assert_memory_equal(x.lse, r.lse, 2 * HEADS * sizeof(float));
+  assert_int_equal(x.b.f.digest, r.b.f.digest);
+  size_t la, lb;
+  uint8_t *ca = cache_bytes(a, &la), *cb = cache_bytes(b, &lb);
+  assert_int_equal(la, lb);
+  assert_memory_equal(ca, cb, la);
+  free(ca);
+  free(cb);
+  attn_batch_free(&x);
+  attn_batch_free(&y);
+  attn_batch_free(&r);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+}
+
 /* ---- restore ---- */
 
 /* What a dump of sequence name on e holds: its state and the stored records of each served layer.
@@ -1014,7 +1086,8 @@ static dsv4_engine_t *open_c_engine(const char *name, uint32_t chunk) {
   return e;
 }
 
-/* One batch's inputs and outputs; outputs: 1 attn and lse, 2 topk (ratio 4), 3 both. */
+/* One batch's inputs and outputs; outputs: 1 attn and lse, 2 topk (ratio 4), 3 both; with 4, q is
+ * not an output (q_unwanted: a decode batch may run the fused path and leave q_out unwritten). */
 typedef struct {
   batch_t b;
   float *ckv, *ikv, *iw;
@@ -1055,6 +1128,7 @@ static void cbatch_make(cbatch_t *c, uint32_t layer, uint64_t seed, uint32_t n_s
       c->b.f.topk = c->topk;
     }
   }
+  c->b.f.q_unwanted = (outputs & 4) != 0;
   if (outputs & 1) {
     c->attn = malloc(n * HEADS * 512 * 2);
     c->lse = malloc(n * HEADS * 4);
@@ -1088,7 +1162,8 @@ static void c_same(const void *x, const void *y, size_t n, size_t row, const cha
 /* Two answers of one batch are equal byte for byte (the first difference named). */
 static void same_c_answer(const cbatch_t *ca, const cbatch_t *cb, uint32_t layer) {
   size_t n = ca->b.n;
-  c_same(ca->b.q_out, cb->b.q_out, n * HEADS * 512 * 2, HEADS * 512 * 2, "q_out", layer);
+  if (!ca->b.f.q_unwanted)
+    c_same(ca->b.q_out, cb->b.q_out, n * HEADS * 512 * 2, HEADS * 512 * 2, "q_out", layer);
   c_same(ca->b.slots, cb->b.slots, n * 8, 8, "slots", layer);
   if (ca->attn) {
     c_same(ca->attn, cb->attn, n * HEADS * 512 * 2, HEADS * 512 * 2, "attn", layer);
@@ -1219,7 +1294,8 @@ static void test_compressed_matches_cpu(void **state) {
     st[0] += len[0];
     st[1] += len[1];
     len[0] = len[1] = 1;
-    same_c_batch(a, b, C4_LAYER, 20 + (uint64_t)k, 2, names, st, len, no, 3, NULL);
+    /* Every other step without q: the fused decode path where the backend offers it. */
+    same_c_batch(a, b, C4_LAYER, 20 + (uint64_t)k, 2, names, st, len, no, k % 2 ? 7 : 3, NULL);
   }
   /* Ratio 128: e from 0 and f from p0 = 300 in chunks that straddle emissions, up to entries in a
    * second block (16 entries a block: position 2048 on). */
@@ -1240,7 +1316,7 @@ static void test_compressed_matches_cpu(void **state) {
     s2[0] += l2[0];
     s2[1] += l2[1];
     l2[0] = l2[1] = 1;
-    same_c_batch(a, b, C128_LAYER, 60 + (uint64_t)k, 2, names, s2, l2, no, 1, NULL);
+    same_c_batch(a, b, C128_LAYER, 60 + (uint64_t)k, 2, names, s2, l2, no, k % 2 ? 5 : 1, NULL);
   }
   same_c_state(a, b);
   if (!strcmp(other, "cpu_staged")) {
@@ -1266,6 +1342,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_staged_matches_cpu),
       cmocka_unit_test(test_compressed_matches_cpu),
       cmocka_unit_test(test_chunked_prefill_matches_one_launch),
+      cmocka_unit_test(test_fused_decode),
       cmocka_unit_test(test_chunked_refusal_changes_nothing),
       cmocka_unit_test(test_chunked_validation_yields),
       cmocka_unit_test(test_chunked_device_failure),
