@@ -653,7 +653,8 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
   c->pdl = dsv4__cuda_pdl_supported(c->dev);
   if (!dsv4__cuda_attention_supported(c->dev))
     c->ops.attention = NULL;
-  else if (dsv4__cuda_attention_fast_supported(c->dev))
+  else if (dsv4__cuda_attention_fast_supported(c->dev) &&
+           dsv4__cuda_attention_fast_union_supported(c->dev))
     c->ops.caps |= DSV4_BE_ATTN_FAST;
   /* The error word of the launches that check on the device (attention, compress, indexer). */
   if ((e = cudaMallocHost((void **)&c->attn_err_host, sizeof(uint32_t))) != cudaSuccess) {
