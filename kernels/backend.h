@@ -40,8 +40,9 @@ enum {
   /* Device memory is host memory: jobs may point straight at host buffers (no staging copies). */
   DSV4_BE_HOST_MEMORY = 1u << 0,
   /* The attention op also has a fast mode (SPEC §7: tensor cores, within FlashMLA's tolerances of
-   * exact); selected per launch by dsv4_attn_args_t.fast. It covers launches without compressed
-   * entries: a fast launch with c_cache is refused with DSV4_EUNSUPPORTED. */
+   * exact); selected per launch by dsv4_attn_args_t.fast. It covers every launch the attention op
+   * runs, with or without compressed entries (the union of SPEC §8.6, where the backend offers the
+   * compressed branch). */
   DSV4_BE_ATTN_FAST = 1u << 1,
   /* The fused decode path (SPEC §7): qkv_insert takes q_out NULL (the KV rows only) and attention
    * takes the raw q (dsv4_attn_args_t.q_raw), normalising and rotating it itself. */
@@ -138,7 +139,7 @@ typedef struct {
   const dsv4_rope_table_t *rope;
   uint16_t *out; /* [n_tokens, heads, 512] bf16 out */
   float *lse;    /* [n_tokens, heads] fp32 out, or NULL when not wanted */
-  int fast;      /* fast mode (SPEC §7): only on a backend with DSV4_BE_ATTN_FAST */
+  int fast; /* fast mode (SPEC §7): only on a backend with DSV4_BE_ATTN_FAST, window or union */
   /*
    * The compressed branch of a layer of ratio >= 2 (SPEC §8.6), or c_cache NULL for an SWA-only
    * layer. After its window, a token at position p of segment s attends to compressed entries j in

@@ -393,5 +393,8 @@ static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms,
 /* Fast mode (attention_fast.cu): the kernel for the launch's shape, after the launch's check (the
  * check kernel has been queued before it unless p.check_all). Sets p.groups itself. */
 cudaError_t dsv4__attention_fast_launch(attn_params_t p, int sms, cudaStream_t s, int pdl);
+/* Fast mode over the union of the window and the compressed entries (attention_fast_union.cu),
+ * after the check kernel has been queued (always, for a union launch). Sets p.groups itself. */
+cudaError_t dsv4__attention_fast_union_launch(attn_params_t p, int sms, cudaStream_t s, int pdl);
 
 #endif /* DSV4_KERNELS_CUDA_ATTENTION_COMMON_CUH */

@@ -21,49 +21,7 @@
  * Ordering (SPEC §5.2) as the exact kernel: nothing but the parameters and the sinks is read before
  * griddepcontrol.wait; a launch whose check finds a bad token writes nothing.
  */
-#include "attention-common.cuh"
-
-/* Bytes of one row of weights (128 bf16) in shared memory. */
-#define P_ROW 256
-/* Floats per row of scores: 128 candidates and a pad that spreads the rows over the banks. */
-#define S_STRIDE 132
-
-/* The byte offset of 16-byte chunk c of row r in rows of `row` bytes, swizzled (c ^ (r & 7)). */
-static __device__ __forceinline__ uint32_t swz(uint32_t r, uint32_t c, uint32_t row) {
-  return r * row + ((c ^ (r & 7)) << 4);
-}
-
-static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-static __device__ __forceinline__ void ldsm4(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-static __device__ __forceinline__ void ldsm4_t(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-/* lo and hi rounded to bf16 (to nearest even) and packed, lo in the low half: one instruction. */
-static __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
-/* d += a b for a 16 x 16 bf16 tile a (row-major fragments) and a 16 x 8 tile (b0, b1). */
-static __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+#include "attention-fast.cuh"
 
 /* Shared memory of a CTA of MT m-tiles: the window (bf16, 128 rows of 1 KiB), then q (16 MT rows
  * of 1 KiB), whose space the scores and the weights (hi and lo) take once the scores are made. */
@@ -74,122 +32,6 @@ static constexpr size_t fast_q_bytes(int mt) {
 }
 static constexpr size_t fast_smem_bytes(int mt) {
   return (size_t)DSV4_WINDOW * K_ROW + fast_q_bytes(mt);
-}
-
-/* Per-CTA facts beyond attn_misc_t: each head's sink, and its denominator D from the softmax. */
-typedef struct {
-  float sink[64];
-  float den[64];
-} fast_misc_t;
-
-/*
- * The fused decode path's queries (p.q_raw): warp w takes rows w, w + 8, ... of the raw q, all in
- * flight at once, and turns each into the bf16 values the insert would have written (q-norm.cuh,
- * the run layout: lane l holds chunks 2l and 2l + 1), placed as fast_load_q places q_out.
- */
-template <int MT>
-static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint32_t h_first,
-                                       uint8_t *sq, const float *rope) {
-  constexpr int RW = 16 * MT / ATTN_WARPS;
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint4 v[RW][2];
-#pragma unroll
-  for (int i = 0; i < RW; i++) {
-    const uint32_t h = warp + ATTN_WARPS * i;
-    v[i][0] = v[i][1] = make_uint4(0, 0, 0, 0);
-    if (h_first + h < p.heads) {
-      const uint4 *row = p.q + ((uint64_t)t * p.heads + h_first + h) * 64;
-      v[i][0] = row[2 * lane];
-      v[i][1] = row[2 * lane + 1];
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < RW; i++) {
-    const uint32_t h = warp + ATTN_WARPS * i;
-    if (h_first + h < p.heads) /* warp-uniform */
-      qn_row_run(lane, rope, p.eps, v[i][0], v[i][1]);
-    *reinterpret_cast<uint4 *>(sq + swz(h, 2 * lane, K_ROW)) = v[i][0];
-    *reinterpret_cast<uint4 *>(sq + swz(h, 2 * lane + 1, K_ROW)) = v[i][1];
-  }
-}
-
-/* The queries of heads h_first.. (zeros past the last head), swizzled like the records; rope: the
- * query position's RoPE row, for the fused decode path. */
-template <int MT>
-static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
-                                   uint8_t *sq, const float *rope) {
-  if (p.q_raw) {
-    fast_load_q_raw<MT>(p, t, h_first, sq, rope);
-    return;
-  }
-  for (uint32_t i = threadIdx.x; i < 16 * MT * 64; i += ATTN_THREADS) {
-    const uint32_t h = i >> 6, c = i & 63;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (h_first + h < p.heads)
-      v = p.q[((uint64_t)t * p.heads + h_first + h) * 64 + c];
-    *reinterpret_cast<uint4 *>(sq + swz(h, c, K_ROW)) = v;
-  }
-}
-
-/* Zeros in the rows n..n16 - 1 of the window (n16 = n rounded up to 16), which the weighted sum
- * multiplies by zero weights: staged memory left from before could hold NaN patterns. */
-static __device__ void fast_zero_tail(uint8_t *sk, uint32_t n) {
-  const uint32_t n16 = (n + 15) & ~15u;
-  for (uint32_t i = threadIdx.x; i < (n16 - n) * 64; i += ATTN_THREADS)
-    *reinterpret_cast<uint4 *>(sk + (size_t)(n + (i >> 6)) * K_ROW + ((i & 63) << 4)) =
-        make_uint4(0, 0, 0, 0);
-}
-
-/* The scores of the warp's m-tile and its 16 MT candidates: 2 MT n-tiles of 8, over 512 dims. */
-template <int MT>
-static __device__ void fast_scores(const uint8_t *sq, const uint8_t *sk, uint32_t warp,
-                                   uint32_t lane, float (&acc)[2 * MT][4]) {
-  const uint32_t mt = warp % MT, c0 = (warp / MT) * 16 * MT;
-  const uint32_t qa = smem_addr(sq), ka = smem_addr(sk);
-  const uint32_t arow = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, acol = lane >> 4;
-  const uint32_t brow = c0 + (lane & 7) + (lane >> 4) * 8, bcol = (lane >> 3) & 1;
-#pragma unroll
-  for (int j = 0; j < 2 * MT; j++)
-    acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    /* Each MMA sums its 16 products from zero and the partial joins the total in an fp32 add: the
-     * MMA's accumulation truncates relative to its largest operand, so a running total fed back as
-     * its accumulator would lose bits of every later partial (large logits felt it). */
-#pragma unroll 4
-  for (uint32_t kc = 0; kc < 64; kc += 2) {
-    uint32_t a[4];
-    ldsm4(qa + swz(arow, kc + acol, K_ROW), a);
-#pragma unroll
-    for (int np = 0; np < MT; np++) {
-      uint32_t b[4];
-      float part[2][4] = {};
-      ldsm4(ka + swz(brow + 16 * np, kc + bcol, K_ROW), b);
-      mma16816(part[0], a, b[0], b[1]);
-      mma16816(part[1], a, b[2], b[3]);
-#pragma unroll
-      for (int i = 0; i < 4; i++) {
-        acc[2 * np][i] += part[0][i];
-        acc[2 * np + 1][i] += part[1][i];
-      }
-    }
-  }
-}
-
-/* The scaled scores into ss[head][candidate], -inf past the window's n candidates. */
-template <int MT>
-static __device__ void fast_store_scores(float *ss, uint32_t warp, uint32_t lane, uint32_t n,
-                                         const float (&acc)[2 * MT][4]) {
-  const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
-  const uint32_t mt = warp % MT, c0 = (warp / MT) * 16 * MT;
-  const uint32_t h = mt * 16 + (lane >> 2);
-#pragma unroll
-  for (int j = 0; j < 2 * MT; j++) {
-    const uint32_t s = c0 + 8 * j + 2 * (lane & 3);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const uint32_t si = s + (i & 1), hi = h + (i >> 1) * 8;
-      ss[hi * S_STRIDE + si] = si < n ? __fmul_rn(acc[j][i], scale) : -INFINITY;
-    }
-  }
 }
 
 /*
@@ -234,37 +76,6 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
   }
 }
 
-/* o = N (1 / D), the inverse RoPE on dims 448..511, bf16, stored: n-tile j of dims d0.. of the
- * warp's m-tile (a lane holds dims d, d + 1 of two heads, an even-odd pair of the RoPE part). */
-template <int NT>
-static __device__ void fast_store_out(const attn_params_t &p, const attn_misc_t &ms,
-                                      const fast_misc_t &fm, uint32_t t, uint32_t h_first,
-                                      uint32_t h, uint32_t d0, uint32_t lane,
-                                      const float (&acc)[NT][4]) {
-#pragma unroll
-  for (int half = 0; half < 2; half++) {
-    const uint32_t hh = h + 8 * half;
-    if (h_first + hh >= p.heads)
-      continue;
-    const float inv = 1.0f / fm.den[hh]; /* +inf (a sink of +inf) gives 0 */
-    uint32_t *row =
-        reinterpret_cast<uint32_t *>(p.out + ((uint64_t)t * p.heads + h_first + hh) * 64);
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-      const uint32_t d = d0 + 8 * j + 2 * (lane & 3);
-      float e = acc[j][2 * half] * inv, od = acc[j][2 * half + 1] * inv;
-      if (d >= DSV4_NOPE_DIM) {
-        const uint32_t i = (d - DSV4_NOPE_DIM) / 2;
-        const float c = ms.rope[i], sn = ms.rope[DSV4_ROPE_PAIRS + i];
-        const float ee = dsv4_rope_inv_even(e, od, c, sn);
-        od = dsv4_rope_inv_odd(e, od, c, sn);
-        e = ee;
-      }
-      row[d >> 1] = bf16x2(e, od);
-    }
-  }
-}
-
 /*
  * The weighted sums of the warp's m-tile over its 64 MT dims, in chunks of at most 128 dims (16
  * n-tiles of accumulators): N = P_hi V + P_lo V over the candidates 0..n16 - 1, then stored.
@@ -277,8 +88,6 @@ static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms
   constexpr int NT = 8 * MT < 16 ? 8 * MT : 16, CHUNKS = 8 * MT / NT;
   const uint32_t mt = warp % MT, dw0 = (warp / MT) * 64 * MT;
   const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 16 * MT * P_ROW), ka = smem_addr(sk);
-  const uint32_t arow = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, acol = lane >> 4;
-  const uint32_t brow = (lane & 7) + ((lane >> 3) & 1) * 8, bcol = lane >> 4;
   const uint32_t kcs = ((n + 15) / 16) * 2;
 #pragma unroll 1
   for (int ch = 0; ch < CHUNKS; ch++) {
@@ -287,20 +96,7 @@ static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms
 #pragma unroll
     for (int j = 0; j < NT; j++)
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    for (uint32_t kc = 0; kc < kcs; kc += 2) {
-      uint32_t a[4], al[4];
-      ldsm4(pa + swz(arow, kc + acol, P_ROW), a);
-      ldsm4(pla + swz(arow, kc + acol, P_ROW), al);
-#pragma unroll
-      for (int np = 0; np < NT / 2; np++) {
-        uint32_t b[4];
-        ldsm4_t(ka + swz(kc * 8 + brow, d0 / 8 + 2 * np + bcol, K_ROW), b);
-        mma16816(acc[2 * np], a, b[0], b[1]);
-        mma16816(acc[2 * np + 1], a, b[2], b[3]);
-        mma16816(acc[2 * np], al, b[0], b[1]);
-        mma16816(acc[2 * np + 1], al, b[2], b[3]);
-      }
-    }
+    fast_pv<NT>(pa, pla, ka, mt, d0, kcs, lane, acc);
     fast_store_out<NT>(p, ms, fm, t, h_first, mt * 16 + (lane >> 2), d0, lane, acc);
   }
 }
@@ -365,25 +161,6 @@ static cudaError_t launch_fast_mt(const attn_params_t &p, unsigned grid, cudaStr
                                 p);
 }
 
-/*
- * MT for a launch: the fewest rounds of the busiest SM (one CTA per SM), a CTA costing about one
- * unit of staging plus one per m-tile; ties go to larger CTAs (fewer stagings of one window).
- */
-static int choose_mt(uint32_t n_tokens, uint32_t heads, int sms) {
-  uint64_t best = UINT64_MAX;
-  int best_mt = 4;
-  for (int mt = 4; mt >= 1; mt /= 2) {
-    const uint64_t groups = (heads + 16u * mt - 1) / (16u * mt);
-    const uint64_t waves = ((uint64_t)n_tokens * groups + sms - 1) / sms;
-    const uint64_t cost = waves * (uint64_t)(mt + 1);
-    if (cost < best) {
-      best = cost;
-      best_mt = mt;
-    }
-  }
-  return best_mt;
-}
-
 extern "C" int dsv4__cuda_attention_fast_supported(int dev) {
   int optin = 0, major = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
@@ -399,11 +176,11 @@ extern "C" uint32_t dsv4__cuda_attention_fast_heads_per_block(uint32_t n_tokens,
   dsv4__cuda_dev_t dev;
   if (dsv4__cuda_dev_info(&dev))
     return 0;
-  return 16u * (uint32_t)choose_mt(n_tokens, heads ? heads : 1, dev.sms);
+  return 16u * (uint32_t)choose_mt(n_tokens, heads ? heads : 1, dev.sms, 4);
 }
 
 cudaError_t dsv4__attention_fast_launch(attn_params_t p, int sms, cudaStream_t s, int pdl) {
-  const int mt = choose_mt(p.n_tokens, p.heads, sms);
+  const int mt = choose_mt(p.n_tokens, p.heads, sms, 4);
   p.groups = (p.heads + 16u * mt - 1) / (16u * mt);
   const uint64_t grid = (uint64_t)p.n_tokens * p.groups;
   if (grid > 0x7fffffffu)

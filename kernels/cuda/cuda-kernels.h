@@ -111,8 +111,8 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
  * addresses like the others (seg_c_first_lb, seg_cbt_off, seg_cbt_len [n_segments], c_block_table,
  * c_sel [n_tokens, c_sel_stride] or NULL, c_cache 16-byte aligned), checked by a kernel before the
  * attention kernel runs; a launch that finds its word already set writes nothing either.
- * a->fast selects fast mode (attention_fast.cu, tensor cores, compute capability 9.0 and newer),
- * for launches without compressed entries: otherwise DSV4_EUNSUPPORTED, before anything runs.
+ * a->fast selects fast mode (tensor cores, compute capability 9.0 and newer: attention_fast.cu
+ * for the window, attention_fast_union.cu with compressed entries, behind the same check kernel).
  */
 int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope_rows_dev,
                          int64_t max_positions, uint32_t *err_dev, cudaStream_t s, int pdl);
@@ -159,6 +159,9 @@ uint32_t dsv4__cuda_attention_heads_per_block(uint32_t n_tokens, uint32_t heads)
  * the heads one CTA of the fast kernel computes for a launch of that shape (64, 32 or 16). */
 int dsv4__cuda_attention_fast_supported(int dev);
 uint32_t dsv4__cuda_attention_fast_heads_per_block(uint32_t n_tokens, uint32_t heads);
+/* The same for the fast union kernel (compressed entries; 32 or 16 heads per CTA). */
+int dsv4__cuda_attention_fast_union_supported(int dev);
+uint32_t dsv4__cuda_attention_fast_union_heads_per_block(uint32_t n_tokens, uint32_t heads);
 
 /*
  * A CUDA error as a project error code: cudaSuccess -> 0, out of memory -> DSV4_ENOMEM, no device

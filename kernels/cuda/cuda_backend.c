@@ -653,7 +653,8 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
   c->pdl = dsv4__cuda_pdl_supported(c->dev);
   if (!dsv4__cuda_attention_supported(c->dev))
     c->ops.attention = NULL;
-  else if (dsv4__cuda_attention_fast_supported(c->dev))
+  else if (dsv4__cuda_attention_fast_supported(c->dev) &&
+           dsv4__cuda_attention_fast_union_supported(c->dev))
     c->ops.caps |= DSV4_BE_ATTN_FAST;
   /* Wherever attention runs, so does the fused decode path: a KV-only insert (q_out NULL) and the
    * attention kernels' own Q norm of the raw q (SPEC §7). */

@@ -151,8 +151,8 @@ int dsv4_engine_attention_check(const dsv4_engine_t *e, uint32_t layer, int mode
 /* The mode DSV4_ATTENTION_DEFAULT stands for. Any thread. */
 int dsv4_engine_attention_default(const dsv4_engine_t *e);
 /* The mode a batch of `layer` runs in when it asked for `requested` (DSV4_ATTENTION_*): what it
- * asked for, or with DSV4_ATTENTION_DEFAULT the configured mode, except that a configured fast
- * runs a layer with a compressed branch in exact mode (fast mode covers the window only). */
+ * asked for, or with DSV4_ATTENTION_DEFAULT the configured mode (fast mode covers every layer the
+ * backend runs attention on, the compressed branch's union included). */
 int dsv4_engine_attention_mode(const dsv4_engine_t *e, uint32_t layer, int requested);
 void dsv4_forward_release(dsv4_forward_t *f);
 

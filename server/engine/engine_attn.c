@@ -33,11 +33,10 @@ int dsv4_engine_attention_default(const dsv4_engine_t *e) {
 }
 
 int dsv4_engine_attention_mode(const dsv4_engine_t *e, uint32_t layer, int requested) {
+  (void)layer; /* every layer the backend runs attention on has both modes (fast: the backend's) */
   if (requested != DSV4_ATTENTION_DEFAULT)
     return requested;
-  if (e->p.attention_mode == DSV4_ATTENTION_FAST && !dsv4_engine_layer_ratio(e, layer))
-    return DSV4_ATTENTION_FAST;
-  return DSV4_ATTENTION_EXACT;
+  return dsv4_engine_attention_default(e);
 }
 
 int dsv4_engine_attention_check(const dsv4_engine_t *e, uint32_t layer, int mode, char *why,
@@ -76,13 +75,6 @@ int dsv4_engine_attention_check(const dsv4_engine_t *e, uint32_t layer, int mode
   if (mode == DSV4_ATTENTION_FAST && !(ops->caps & DSV4_BE_ATTN_FAST)) {
     snprintf(why, why_len, "attention \"fast\" is not offered by backend %s; use \"exact\"",
              ops->name);
-    return DSV4_EUNSUPPORTED;
-  }
-  if (mode == DSV4_ATTENTION_FAST && dsv4_engine_layer_ratio(e, layer)) {
-    snprintf(why, why_len,
-             "attention \"fast\" covers the layers without a compressed branch; layer %u has "
-             "compress ratio %u: use \"exact\"",
-             layer, m->compress_ratios[layer]);
     return DSV4_EUNSUPPORTED;
   }
   return 0;

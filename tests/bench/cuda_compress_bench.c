@@ -1,12 +1,14 @@
 /*
- * The compressed branch's decode step on one GPU (SPEC §8.5, §8.6), exact mode: one-token queries
- * of b sequences at context ctx on a C4 layer (the indexer scans every visible index record and
- * picks 512 entries; attention reads the 128-record window and those 512 entries) and on a C128
+ * The compressed branch's decode step on one GPU (SPEC §8.5, §8.6), exact and fast mode: one-token
+ * queries of b sequences at context ctx on a C4 layer (the indexer scans every visible index record
+ * and picks 512 entries; attention reads the 128-record window and those 512 entries) and on a C128
  * layer (attention over the window and every entry, 512 at 64K). GPU time per call from CUDA-graph
  * replays, against the device-to-device copy ceiling measured in the same run (DESIGN.md,
  * "Performance method"): the indexer's floor is its bytes (68 per visible index record, iq, iw and
  * the selection) at that rate, the attention's its bytes (584 per distinct record read, q, attn and
- * lse), and the step's floor both together; the table prints each time over its floor.
+ * lse), and the step's floor both together; the table prints each time over its floor. Where the
+ * device offers fast mode (SPEC §7: tensor cores, compute capability 9.0 and newer) the attention
+ * and the step are timed again with it ("attn fast", "step fast"), against the same floors.
  *
  * The caches hold valid records written by the host in a pattern (no compressor runs: its cost is
  * per emitted entry, not per step) over block tables scattered in their pools, as a pool holds
@@ -235,7 +237,8 @@ static void set_args(const shape_t *sh, const world_t *w, dsv4_rope_table_t *rop
                            .c_sel_stride = sh->ratio == 4 ? TOPK : 0};
 }
 
-/* GPU time per call of the indexer (what = 0) or the attention (what = 1), cycling the sets. */
+/* GPU time per call of the indexer (what = 0), the attention (what = 1) or the attention in fast
+ * mode (what = 2), cycling the sets. */
 static double time_calls(const shape_t *sh, world_t *w, dsv4_rope_table_t *rope, float *mirror,
                          int what, cudaStream_t s) {
   const uint32_t per_graph = w->sets * ((32 + w->sets - 1) / w->sets);
@@ -245,6 +248,7 @@ static double time_calls(const shape_t *sh, world_t *w, dsv4_rope_table_t *rope,
     dsv4_indexer_args_t xa;
     dsv4_attn_args_t aa;
     set_args(sh, w, rope, k % w->sets, &xa, &aa);
+    aa.fast = what == 2;
     if (what == 0)
       CKD(dsv4__cuda_indexer(&xa, mirror, MAX_POS, w->keys, w->keys_len, w->err, s, 1));
     else
@@ -254,8 +258,14 @@ static double time_calls(const shape_t *sh, world_t *w, dsv4_rope_table_t *rope,
   return replay_us(s, g, per_graph);
 }
 
+/* One row of the table: time us against floor us. */
+static void row(const char *name, uint32_t b, const char *part, double us, double floor) {
+  printf("%-9s %4u %-9s %9.2f %9.2f %6.2fx %8.1f%%", name, b, part, us, floor, us / floor,
+         100.0 * floor / us);
+}
+
 static void bench(const shape_t *sh, double copy, float *mirror, dsv4_rope_table_t *rope,
-                  cudaStream_t s) {
+                  cudaStream_t s, int fast) {
   uint64_t rng = 0x9E3779B97F4A7C15ull ^ ((uint64_t)sh->ctx << 16) ^ sh->b ^ sh->ratio;
   const uint32_t e = sh->ctx / sh->ratio, k = sh->ratio == 4 ? (e < TOPK ? e : TOPK) : e;
   const double q_io = (double)HEADS * DSV4_HEAD_DIM * 2 * 2 + HEADS * 4.0;
@@ -277,10 +287,13 @@ static void bench(const shape_t *sh, double copy, float *mirror, dsv4_rope_table
     if (sh->ratio == 4)
       CKD(dsv4__cuda_indexer(&xa, mirror, MAX_POS, w.keys, w.keys_len, w.err, s, 1));
     CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, w.err, s, 1));
+    aa.fast = fast;
+    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, w.err, s, 1));
   }
   CK(cudaStreamSynchronize(s));
   double t_index = sh->ratio == 4 ? time_calls(sh, &w, rope, mirror, 0, s) : 0.0;
   double t_attn = time_calls(sh, &w, rope, mirror, 1, s);
+  double t_fast = fast ? time_calls(sh, &w, rope, mirror, 2, s) : 0.0;
   uint32_t word = 1;
   CK(cudaMemcpy(&word, w.err, sizeof(word), cudaMemcpyDeviceToHost));
   if (word) {
@@ -290,15 +303,21 @@ static void bench(const shape_t *sh, double copy, float *mirror, dsv4_rope_table
   const double f_index = index_bytes / (copy * 1e3), f_attn = attn_bytes / (copy * 1e3);
   char name[24];
   snprintf(name, sizeof(name), "C%u %uK", sh->ratio, sh->ctx / 1024);
-  if (sh->ratio == 4)
-    printf("%-9s %4u %-9s %9.2f %9.2f %6.2fx %8.1f%%   (%u sets)\n", name, sh->b, "indexer",
-           t_index, f_index, t_index / f_index, 100.0 * f_index / t_index, sets);
-  printf("%-9s %4u %-9s %9.2f %9.2f %6.2fx %8.1f%%   (%u entries + %u window records)\n", name,
-         sh->b, "attention", t_attn, f_attn, t_attn / f_attn, 100.0 * f_attn / t_attn, k,
-         DSV4_WINDOW);
-  printf("%-9s %4u %-9s %9.2f %9.2f %6.2fx %8.1f%%\n", name, sh->b, "step", t_index + t_attn,
-         f_index + f_attn, (t_index + t_attn) / (f_index + f_attn),
-         100.0 * (f_index + f_attn) / (t_index + t_attn));
+  if (sh->ratio == 4) {
+    row(name, sh->b, "indexer", t_index, f_index);
+    printf("   (%u sets)\n", sets);
+  }
+  row(name, sh->b, "attention", t_attn, f_attn);
+  printf("   (%u entries + %u window records)\n", k, DSV4_WINDOW);
+  row(name, sh->b, "step", t_index + t_attn, f_index + f_attn);
+  printf("\n");
+  if (fast) {
+    row(name, sh->b, "attn fast", t_fast, f_attn);
+    printf("   (%u heads per CTA)\n",
+           dsv4__cuda_attention_fast_union_heads_per_block(sh->b, HEADS));
+    row(name, sh->b, "step fast", t_index + t_fast, f_index + f_attn);
+    printf("\n");
+  }
   fflush(stdout);
   world_free(&w);
 }
@@ -317,6 +336,10 @@ int main(void) {
   printf("device-to-device copy (read + written): %.1f GB/s at 1 GiB, %.1f GB/s at 4 GiB; "
          "ceiling %.1f GB/s\n",
          c1, c4, copy);
+  const int fast =
+      dsv4__cuda_attention_fast_supported(0) && dsv4__cuda_attention_fast_union_supported(0);
+  if (!fast)
+    printf("device 0 has no fast mode (compute capability < 9.0): exact mode only\n");
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_yarn_default, MAX_POS, &mirror);
   uint32_t bs[8] = {1, 64, 256};
@@ -331,13 +354,14 @@ int main(void) {
     }
   }
   /* us: GPU time per call (PDL behind the previous call); floor: its bytes at the copy ceiling;
-   * x: us over floor (the issue's target for a step: 1.5); %copy: floor over us. Exact mode. */
+   * x: us over floor (the issue's target for a step: 1.5); %copy: floor over us. Exact mode, then
+   * fast mode where the device offers it (the same floors). */
   printf("%-9s %4s %-9s %9s %9s %7s %9s\n", "layer", "b", "part", "us", "floor us", "x", "%copy");
   static const uint32_t layers[][2] = {{4, 8192}, {4, 65536}, {128, 65536}};
   for (size_t l = 0; l < 3; l++)
     for (size_t i = 0; i < n_b; i++) {
       shape_t sh = {layers[l][0], layers[l][1], bs[i]};
-      bench(&sh, copy, mirror, rope, s);
+      bench(&sh, copy, mirror, rope, s, fast);
     }
   cudaStreamDestroy(s);
   cudaFree(mirror);

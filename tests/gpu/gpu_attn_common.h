@@ -112,15 +112,154 @@ static inline attn_table_t attn_plan_table(const attn_plan_t *p) {
   return t;
 }
 
+/*
+ * The compressed entries of a union launch (SPEC §8.6, backend.h): a second pool of records in the
+ * cache's format, written by inserts whose "positions" are the entry indices j (the records need
+ * not come from a compressor: the attention only reads them), its segments' tables, and at ratio 4
+ * each query token's selection. Only blocks holding an entry that some token reads are in the pool;
+ * the others are -1 in the tables, which no valid launch reads.
+ */
+typedef struct {
+  uint32_t ratio, n_blocks, bt_len;
+  int64_t *seg_first_lb; /* [n_segs] */
+  uint32_t *seg_bt_off, *seg_bt_len;
+  int32_t *block_table; /* [bt_len] */
+  uint32_t n_ent;       /* entries written, in increasing j per segment */
+  int64_t *ent_j;
+  int32_t *ent_seg;
+  uint16_t *ent_kv; /* [n_ent, 512] */
+  int32_t *sel;     /* ratio 4: [n_q, sel_stride], increasing, -1 padded; else NULL */
+  uint32_t sel_stride;
+} attn_entries_t;
+
+/* Row t of a ratio-4 selection: k of the visible entries j_lo..j_hi - 1, chosen at random (every
+ * subset of k as likely), in increasing order, then -1; each chosen entry marked in need. */
+static inline void attn_entries_pick(uint64_t *rng, int32_t *row, uint32_t stride, int64_t j_lo,
+                                     int64_t j_hi, uint32_t k, uint8_t *need) {
+  uint32_t n = 0;
+  for (int64_t j = j_lo; j < j_hi && n < k; j++)
+    if (gpu_below(rng, (uint32_t)(j_hi - j)) < k - n) {
+      row[n++] = (int32_t)j;
+      need[j - j_lo] = 1;
+    }
+  for (; n < stride; n++)
+    row[n] = -1;
+}
+
+/*
+ * Entries for plan p at ratio 4 (a selection of at most topk per token: every visible entry when
+ * there are at most topk, else topk of them; every short_every-th token, when short_every is not 0,
+ * lists fewer than it could) or 128 (every visible entry, topk unused), with kv rows around 1.
+ */
+static inline void attn_entries_make(uint64_t *rng, const attn_plan_t *p, attn_entries_t *e,
+                                     uint32_t ratio, uint32_t topk, uint32_t short_every,
+                                     int spread) {
+  memset(e, 0, sizeof(*e));
+  e->ratio = ratio;
+  const uint32_t bs = p->bs, ns = p->n_segs;
+  int64_t *j_hi = gpu_host_alloc(sizeof(int64_t) * ns);
+  size_t *need_off = gpu_host_alloc(sizeof(size_t) * (ns + 1));
+  need_off[0] = 0;
+  for (uint32_t g = 0; g < ns; g++) {
+    j_hi[g] = p->seg_p0[g] / ratio;
+    for (uint32_t t = 0; t < p->n_q; t++)
+      if ((uint32_t)p->q_seg[t] == g && (p->q_pos[t] + 1) / ratio > j_hi[g])
+        j_hi[g] = (p->q_pos[t] + 1) / ratio;
+    need_off[g + 1] = need_off[g] + (size_t)(j_hi[g] - p->seg_p0[g] / ratio);
+  }
+  uint8_t *need = calloc(need_off[ns] ? need_off[ns] : 1, 1);
+  if (ratio == 4) {
+    e->sel_stride = topk;
+    e->sel = gpu_host_alloc(sizeof(int32_t) * p->n_q * topk);
+  }
+  for (uint32_t t = 0; t < p->n_q; t++) {
+    const uint32_t g = (uint32_t)p->q_seg[t];
+    const int64_t lo = p->seg_p0[g] / ratio, hi = (p->q_pos[t] + 1) / ratio;
+    const uint32_t vis = hi > lo ? (uint32_t)(hi - lo) : 0;
+    if (ratio != 4) {
+      memset(need + need_off[g], 1, vis);
+      continue;
+    }
+    uint32_t k = vis < topk ? vis : topk;
+    if (short_every && t % short_every == short_every - 1 && k)
+      k = gpu_below(rng, k);
+    attn_entries_pick(rng, e->sel + (size_t)t * topk, topk, lo, hi, k, need + need_off[g]);
+  }
+  /* Tables over every logical block of the visible entries; blocks nobody reads stay -1. */
+  e->seg_first_lb = gpu_host_alloc(sizeof(int64_t) * ns);
+  e->seg_bt_off = gpu_host_alloc(sizeof(uint32_t) * ns);
+  e->seg_bt_len = gpu_host_alloc(sizeof(uint32_t) * ns);
+  size_t bt_cap = 1, ent_cap = 1;
+  for (uint32_t g = 0; g < ns; g++) {
+    const int64_t lo = p->seg_p0[g] / ratio;
+    bt_cap += j_hi[g] > lo ? (size_t)((j_hi[g] - 1) / bs - lo / bs + 1) : 0;
+    for (size_t i = need_off[g]; i < need_off[g + 1]; i++)
+      ent_cap += need[i];
+  }
+  e->block_table = gpu_host_alloc(sizeof(int32_t) * bt_cap);
+  e->ent_j = gpu_host_alloc(sizeof(int64_t) * ent_cap);
+  e->ent_seg = gpu_host_alloc(sizeof(int32_t) * ent_cap);
+  for (uint32_t g = 0; g < ns; g++) {
+    const int64_t lo = p->seg_p0[g] / ratio;
+    e->seg_first_lb[g] = lo / bs;
+    e->seg_bt_off[g] = e->bt_len;
+    e->seg_bt_len[g] = j_hi[g] > lo ? (uint32_t)((j_hi[g] - 1) / bs - lo / bs + 1) : 0;
+    for (uint32_t b = 0; b < e->seg_bt_len[g]; b++)
+      e->block_table[e->bt_len + b] = -1;
+    for (int64_t j = lo; j < j_hi[g]; j++) {
+      if (!need[need_off[g] + (size_t)(j - lo)])
+        continue;
+      int32_t *blk = &e->block_table[e->bt_len + (uint32_t)(j / bs - lo / bs)];
+      if (*blk < 0)
+        *blk = (int32_t)e->n_blocks++; /* numbered in order here, scattered below */
+      e->ent_j[e->n_ent] = j;
+      e->ent_seg[e->n_ent++] = (int32_t)g;
+    }
+    e->bt_len += e->seg_bt_len[g];
+  }
+  /* Scatter the blocks used over a pool with spare blocks between them. */
+  const uint32_t used = e->n_blocks;
+  e->n_blocks = used + used / 4 + 3;
+  uint32_t *perm = gpu_host_alloc(sizeof(uint32_t) * e->n_blocks);
+  for (uint32_t i = 0; i < e->n_blocks; i++)
+    perm[i] = i;
+  for (uint32_t i = e->n_blocks - 1; i > 0; i--) {
+    uint32_t j = gpu_below(rng, i + 1), x = perm[i];
+    perm[i] = perm[j];
+    perm[j] = x;
+  }
+  for (uint32_t i = 0; i < e->bt_len; i++)
+    if (e->block_table[i] >= 0)
+      e->block_table[i] = (int32_t)perm[e->block_table[i]];
+  e->ent_kv = gpu_host_alloc((size_t)(e->n_ent ? e->n_ent : 1) * DSV4_HEAD_DIM * 2);
+  gpu_fill_bf16(rng, e->ent_kv, (size_t)e->n_ent * DSV4_HEAD_DIM, 127, spread);
+  free(perm);
+  free(need);
+  free(need_off);
+  free(j_hi);
+}
+
+static inline void attn_entries_free(attn_entries_t *e) {
+  free(e->seg_first_lb);
+  free(e->seg_bt_off);
+  free(e->seg_bt_len);
+  free(e->block_table);
+  free(e->ent_j);
+  free(e->ent_seg);
+  free(e->ent_kv);
+  free(e->sel);
+}
+
 typedef struct {
   uint32_t heads;
   const uint16_t *q_hist, *kv_hist; /* [n_hist, heads, 512], [n_hist, 512] */
   const uint16_t *q_q, *kv_q;       /* [n_q, heads, 512], [n_q, 512] */
   const float *sink;                /* [heads], or NULL for no sink */
   int want_lse;
-  dsv4_rope_table_t *rope; /* rows of every position materialised */
-  int fast;                /* fast mode (SPEC §7) */
-  int cache_fill;          /* the byte every cache slot holds before the inserts (0 by default) */
+  dsv4_rope_table_t *rope;   /* rows of every position materialised */
+  int fast;                  /* fast mode (SPEC §7) */
+  int cache_fill;            /* the byte every cache slot holds before the inserts (0 by default) */
+  const attn_entries_t *ent; /* the compressed entries of a union launch, or NULL */
   /* The fused decode path (SPEC §7, DSV4_BE_ATTN_FUSED_Q): the query batch's insert writes the KV
    * rows only and the attention reads the raw q, normalising it itself. */
   int fused;
@@ -228,11 +367,55 @@ typedef struct {
   uint8_t *cache;
 } attn_keep_t;
 
+/* The entries of in->ent on be: their tables (etab 0..3), the selection (etab 4) and the entry pool
+ * c_cache, written by one insert of heads 1 (the queries are not used); the launch's compressed
+ * fields into aa. */
+static inline void attn_put_entries(dsv4_backend_t *be, const attn_plan_t *p,
+                                    const attn_inputs_t *in, dsv4_devbuf_t etab[5],
+                                    dsv4_devbuf_t *c_cache, dsv4_attn_args_t *aa) {
+  const attn_entries_t *e = in->ent;
+  etab[0] = attn_put(be, e->seg_first_lb, sizeof(int64_t) * p->n_segs);
+  etab[1] = attn_put(be, e->seg_bt_off, sizeof(uint32_t) * p->n_segs);
+  etab[2] = attn_put(be, e->seg_bt_len, sizeof(uint32_t) * p->n_segs);
+  etab[3] = attn_put(be, e->block_table, sizeof(int32_t) * e->bt_len);
+  etab[4] = attn_put(be, e->sel, e->sel ? sizeof(int32_t) * p->n_q * e->sel_stride : 0);
+  size_t bytes = (size_t)e->n_blocks * DSV4_BLOCK_STRIDE(p->bs);
+  uint8_t *fill = NULL;
+  if (in->cache_fill) {
+    fill = gpu_host_alloc(bytes);
+    memset(fill, in->cache_fill, bytes);
+  }
+  *c_cache = attn_put(be, fill, bytes);
+  free(fill);
+  attn_plan_t ep = *p;
+  ep.n_blocks = e->n_blocks;
+  ep.bt_len = e->bt_len;
+  uint16_t *q = calloc((size_t)(e->n_ent ? e->n_ent : 1) * DSV4_HEAD_DIM, 2);
+  dsv4_devbuf_t q_out = {0};
+  if (e->n_ent)
+    CKD(dsv4_rope_table_ensure(in->rope, e->ent_j, e->n_ent));
+  CKD(attn_insert(be, &ep, 1, in->rope, e->n_ent, e->ent_j, e->ent_seg, q, e->ent_kv, etab, c_cache,
+                  &q_out));
+  be->ops->buf_free(be, &q_out);
+  free(q);
+  aa->ratio = e->ratio;
+  aa->c_cache = c_cache->ptr;
+  aa->c_n_blocks = e->n_blocks;
+  aa->seg_c_first_lb = etab[0].ptr;
+  aa->seg_cbt_off = etab[1].ptr;
+  aa->seg_cbt_len = etab[2].ptr;
+  aa->c_block_table = etab[3].ptr;
+  aa->c_bt_entries = e->bt_len;
+  aa->c_sel = e->sel ? etab[4].ptr : NULL;
+  aa->c_sel_stride = e->sel_stride;
+}
+
 /*
  * The plan on backend be: the history batch, the query batch, then attention over the query batch
  * (with the segments of tab, or the plan's own when tab is NULL), out [n_q, heads, 512] and, with
  * want_lse, lse [n_q, heads] downloaded whether or not the launch failed; keep, when not NULL,
- * receives the inserts' q_out and cache. Returns the attention launch's result, or its sync's.
+ * receives the inserts' q_out and cache. With in->ent the launch is a union launch over those
+ * entries (attn_put_entries). Returns the attention launch's result, or its sync's.
  */
 static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_inputs_t *in,
                            const attn_table_t *tab, uint16_t *out, float *lse, attn_keep_t *keep) {
@@ -299,6 +482,9 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
                          .fast = in->fast,
                          .q_raw = in->fused,
                          .eps = ATTN_EPS};
+  dsv4_devbuf_t etab[5] = {{0}}, c_cache = {0};
+  if (in->ent)
+    attn_put_entries(be, p, in, etab, &c_cache, &aa);
   int rc = be->ops->attention(be, &aa);
   int sync_rc = be->ops->sync(be);
   if (!rc)
@@ -314,9 +500,10 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
     CKD(be->ops->download(be, keep->cache, &cache, 0, cache.size));
   }
   CKD(be->ops->sync(be));
-  dsv4_devbuf_t *bufs[] = {&seg[0],  &seg[1],  &seg[2], &seg[3], &aseg[0], &aseg[1],
-                           &aseg[2], &aseg[3], &cache,  &q_hist, &q_out,   &dpos,
-                           &dseg,    &dp0,     &dsink,  &dout,   &dlse};
+  dsv4_devbuf_t *bufs[] = {&seg[0],  &seg[1],  &seg[2],  &seg[3],  &aseg[0], &aseg[1],
+                           &aseg[2], &aseg[3], &cache,   &q_hist,  &q_out,   &dpos,
+                           &dseg,    &dp0,     &dsink,   &dout,    &dlse,    &etab[0],
+                           &etab[1], &etab[2], &etab[3], &etab[4], &c_cache};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     be->ops->buf_free(be, bufs[i]);
   return rc;

@@ -23,6 +23,14 @@
  * mode. That case is held to the cosine bound and to at most one value in 100,000 outside the
  * per-value bound (SPEC §7, fast mode).
  *
+ * The union of the window and the compressed entries (SPEC §8.6) runs its own kernel, measured the
+ * same way: ratio 4 with selections of 512 and 1024 (full rows, rows cut short and -1 padded, rows
+ * of tokens that see fewer entries than topk), ratio 128 with few, about 512 and more than 4000
+ * visible entries; p0 = 0 and p0 > 0, a token at its p0; H = 8, 64 and 128; sinks finite, +inf,
+ * -inf and none; decode steps and prefill chunks; both of its CTA shapes. The entry pool is filled
+ * with E4M3 NaN bytes as well. A bad selection row (repeated entry, entry not yet visible) is
+ * refused by the check kernel exact mode runs, with no byte of attn or lse written.
+ *
  * Usage: gpu_attn_fast_test
  */
 #include <math.h>
@@ -54,7 +62,8 @@ typedef struct {
   dsv4_rope_table_t *rope[2];
   uint64_t rng;
   int failures;
-  uint32_t shapes_seen; /* bit log2(heads per CTA / 16) of every CTA shape met */
+  uint32_t shapes_seen;       /* bit log2(heads per CTA / 16) of every CTA shape met */
+  uint32_t union_shapes_seen; /* the same for the union kernel */
   double worst_cos, worst_rel;
 } ctx_t;
 
@@ -75,18 +84,22 @@ static uint32_t make_specs(uint64_t *rng, const case_t *k, attn_seg_spec_t *spec
   return k->tokens;
 }
 
-static float *make_sinks(uint64_t *rng, const case_t *k) {
-  if (k->sinks == SINK_NONE)
+static float *make_sinks(uint64_t *rng, uint32_t heads, int kind) {
+  if (kind == SINK_NONE)
     return NULL;
-  float *s = gpu_host_alloc(sizeof(float) * k->heads);
-  for (uint32_t h = 0; h < k->heads; h++) {
+  float *s = gpu_host_alloc(sizeof(float) * heads);
+  for (uint32_t h = 0; h < heads; h++) {
     s[h] = ((float)gpu_below(rng, 1u << 16) - 32768.0f) * 0x1p-12f;
-    if (k->sinks == SINK_EDGES && h % 8 == 3)
+    if (kind == SINK_EDGES && h % 8 == 3)
       s[h] = INFINITY;
-    if (k->sinks == SINK_EDGES && h % 8 == 5)
+    if (kind == SINK_EDGES && h % 8 == 5)
       s[h] = -INFINITY;
   }
   return s;
+}
+
+static const char *sink_name(int kind) {
+  return kind == SINK_NONE ? "none" : kind == SINK_FINITE ? "finite" : "finite/+inf/-inf";
 }
 
 static double bf16_value(uint16_t v) {
@@ -155,6 +168,48 @@ static int measure(ctx_t *c, const char *what, const attn_plan_t *p, uint32_t he
   return fail;
 }
 
+/*
+ * The batch of plan p and inputs in on the CPU backend in exact mode (the reference) and on the
+ * CUDA backend in fast mode, measured; then fast mode four more times, which must give the same
+ * bytes. Returns 1 on a failure (named on stderr).
+ */
+static int check_fast(ctx_t *c, const char *what, const attn_plan_t *p, attn_inputs_t *in,
+                      int wide) {
+  const uint32_t heads = in->heads;
+  size_t out_n = (size_t)p->n_q * heads * DSV4_HEAD_DIM, lse_n = (size_t)p->n_q * heads;
+  uint16_t *ref = gpu_host_alloc(out_n * 2), *out = gpu_host_alloc(out_n * 2);
+  uint16_t *again = gpu_host_alloc(out_n * 2);
+  float *ref_lse = gpu_host_alloc(lse_n * 4), *lse = gpu_host_alloc(lse_n * 4);
+  float *again_lse = gpu_host_alloc(lse_n * 4);
+  in->fast = 0;
+  int bad = 0, rc = attn_run(c->cpu, p, in, NULL, ref, ref_lse, NULL);
+  if (rc) {
+    fprintf(stderr, "FAIL %s: the CPU backend refused the batch: %s\n", what, dsv4_strerror(rc));
+    bad = 1;
+  }
+  in->fast = 1;
+  if (!bad && (rc = attn_run(c->cuda, p, in, NULL, out, lse, NULL)) != 0) {
+    fprintf(stderr, "FAIL %s: fast mode refused the batch: %s\n", what, dsv4_strerror(rc));
+    bad = 1;
+  }
+  if (!bad)
+    bad = measure(c, what, p, heads, wide, out, ref, lse, ref_lse);
+  for (int rep = 0; rep < 4 && !bad; rep++) {
+    CKD(attn_run(c->cuda, p, in, NULL, again, again_lse, NULL));
+    if (memcmp(again, out, out_n * 2) != 0 || memcmp(again_lse, lse, lse_n * 4) != 0) {
+      fprintf(stderr, "FAIL %s: run %d of fast mode differs from the first\n", what, rep + 2);
+      bad = 1;
+    }
+  }
+  free(ref);
+  free(out);
+  free(again);
+  free(ref_lse);
+  free(lse);
+  free(again_lse);
+  return bad;
+}
+
 static void run_case(ctx_t *c, const case_t *k) {
   attn_seg_spec_t spec[300];
   uint32_t n_segs = make_specs(&c->rng, k, spec);
@@ -166,7 +221,7 @@ static void run_case(ctx_t *c, const case_t *k) {
     memset((void *)in.q_q, 0, (size_t)p.n_q * k->heads * DSV4_HEAD_DIM * 2);
     memset((void *)in.q_hist, 0, (size_t)p.n_hist * k->heads * DSV4_HEAD_DIM * 2);
   }
-  float *sinks = make_sinks(&c->rng, k);
+  float *sinks = make_sinks(&c->rng, k->heads, k->sinks);
   in.sink = sinks;
   in.want_lse = 1;
   in.rope = c->rope[k->yarn];
@@ -177,66 +232,189 @@ static void run_case(ctx_t *c, const case_t *k) {
   for (uint32_t s = 0; s < 3; s++)
     if (hpb == 16u << s)
       c->shapes_seen |= 1u << s;
-  char name[200];
-  snprintf(name, sizeof(name), "H=%u %u queries in %u segments bs=%u %s sinks=%s spread=%d%s",
-           k->heads, p.n_q, n_segs, k->bs, k->yarn ? "yarn" : "plain",
-           k->sinks == SINK_NONE     ? "none"
-           : k->sinks == SINK_FINITE ? "finite"
-                                     : "finite/+inf/-inf",
-           k->spread, k->zero_q ? " q=0" : "");
-  size_t out_n = (size_t)p.n_q * k->heads * DSV4_HEAD_DIM, lse_n = (size_t)p.n_q * k->heads;
-  uint16_t *ref = gpu_host_alloc(out_n * 2), *out = gpu_host_alloc(out_n * 2);
-  uint16_t *again = gpu_host_alloc(out_n * 2);
-  float *ref_lse = gpu_host_alloc(lse_n * 4), *lse = gpu_host_alloc(lse_n * 4);
-  float *again_lse = gpu_host_alloc(lse_n * 4);
-  int bad = 0, rc = attn_run(c->cpu, &p, &in, NULL, ref, ref_lse, NULL);
-  if (rc) {
-    fprintf(stderr, "FAIL %s: the CPU backend refused the batch: %s\n", name, dsv4_strerror(rc));
-    bad = 1;
-  }
-  in.fast = 1;
-  if (!bad && (rc = attn_run(c->cuda, &p, &in, NULL, out, lse, NULL)) != 0) {
-    fprintf(stderr, "FAIL %s: fast mode refused the batch: %s\n", name, dsv4_strerror(rc));
-    bad = 1;
-  }
-  if (!bad) {
-    char what[260];
-    snprintf(what, sizeof(what), "%s, %u heads per CTA", name, hpb);
-    bad = measure(c, what, &p, k->heads, k->wide, out, ref, lse, ref_lse);
-  }
-  for (int rep = 0; rep < 4 && !bad; rep++) {
-    CKD(attn_run(c->cuda, &p, &in, NULL, again, again_lse, NULL));
-    if (memcmp(again, out, out_n * 2) != 0 || memcmp(again_lse, lse, lse_n * 4) != 0) {
-      fprintf(stderr, "FAIL %s: run %d of fast mode differs from the first\n", name, rep + 2);
-      bad = 1;
-    }
-  }
-  c->failures += bad;
-  free(ref);
-  free(out);
-  free(again);
-  free(ref_lse);
-  free(lse);
-  free(again_lse);
+  char what[260];
+  snprintf(what, sizeof(what),
+           "H=%u %u queries in %u segments bs=%u %s sinks=%s spread=%d%s, %u heads per CTA",
+           k->heads, p.n_q, n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks),
+           k->spread, k->zero_q ? " q=0" : "", hpb);
+  c->failures += check_fast(c, what, &p, &in, k->wide);
   free(sinks);
   attn_inputs_free(&in);
   attn_plan_free(&p);
 }
 
-/* A fast launch with compressed entries is refused before anything runs (fast mode covers the
- * window); the engine never asks for one (dsv4_engine_attention_check). */
-static void refuse_union(ctx_t *c) {
-  uint8_t dummy[64] __attribute__((aligned(16))) = {0};
-  dsv4_attn_args_t a = {
-      .n_tokens = 1, .heads = 64, .fast = 1, .c_cache = dummy, .ratio = 4, .rope = c->rope[0]};
-  int rc = c->cuda->ops->attention(c->cuda, &a);
-  if (rc != DSV4_EUNSUPPORTED) {
-    fprintf(stderr, "FAIL a fast launch with compressed entries answered %s, not unsupported\n",
-            dsv4_strerror(rc));
-    c->failures++;
-  } else {
-    printf("ok   a fast launch with compressed entries is refused (unsupported)\n");
+/* ---- the union of the window and the compressed entries (SPEC §8.6) ---- */
+
+typedef struct {
+  uint32_t heads, tokens; /* tokens: decode sequences, or prefill chunk length */
+  int shape;
+  uint32_t bs, ratio, topk; /* topk: ratio 4's selection width (512, or 1024 as on V4-Pro) */
+  int64_t lo, hi;           /* query positions in lo..hi - 1 (a prefill starts there) */
+  int sinks, yarn;
+  uint32_t short_every; /* every short_every-th token lists fewer entries than it could (0: none) */
+} ucase_t;
+
+/* Segments whose queries lie in lo..hi: p0 of 0 on every third, else above 0 (up to lo / 2), one in
+ * seven at its p0 (a window of one, no entry yet at most ratios). */
+static uint32_t make_union_specs(uint64_t *rng, const ucase_t *k, attn_seg_spec_t *spec) {
+  const uint32_t n_segs = k->shape == SHAPE_PREFILL ? 1 : k->tokens;
+  for (uint32_t g = 0; g < n_segs; g++) {
+    int64_t p0 = g % 3 == 0 ? 0 : 1 + (int64_t)gpu_below(rng, (uint32_t)(k->lo / 2));
+    int64_t first = k->lo + (int64_t)(gpu_rnd(rng) % (uint64_t)(k->hi - k->lo));
+    if (g % 7 == 1 && k->shape == SHAPE_DECODE)
+      first = p0;
+    spec[g] = (attn_seg_spec_t){p0, first, k->shape == SHAPE_PREFILL ? k->tokens : 1};
   }
+  return n_segs;
+}
+
+/* The most and fewest candidates (window and entries) of a token of the plan. */
+static void union_span(const attn_plan_t *p, const attn_entries_t *e, uint32_t *most,
+                       uint32_t *fewest) {
+  *most = 0;
+  *fewest = UINT32_MAX;
+  for (uint32_t t = 0; t < p->n_q; t++) {
+    const int64_t pos = p->q_pos[t], p0 = p->seg_p0[p->q_seg[t]];
+    uint32_t n = (uint32_t)(pos - (pos - 127 > p0 ? pos - 127 : p0) + 1);
+    if (e->sel) {
+      for (uint32_t k = 0; k < e->sel_stride && e->sel[(size_t)t * e->sel_stride + k] >= 0; k++)
+        n++;
+    } else {
+      n += (uint32_t)((pos + 1) / e->ratio - p0 / e->ratio);
+    }
+    *most = n > *most ? n : *most;
+    *fewest = n < *fewest ? n : *fewest;
+  }
+}
+
+static void union_setup(ctx_t *c, const ucase_t *k, attn_plan_t *p, attn_inputs_t *in,
+                        attn_entries_t *e) {
+  attn_seg_spec_t spec[300];
+  uint32_t n_segs = make_union_specs(&c->rng, k, spec);
+  attn_plan_make(&c->rng, p, spec, n_segs, k->bs, n_segs + 5);
+  memset(in, 0, sizeof(*in));
+  attn_inputs_fill(&c->rng, p, in, k->heads, 3);
+  attn_entries_make(&c->rng, p, e, k->ratio, k->topk, k->short_every, 3);
+  in->ent = e;
+  in->want_lse = 1;
+  in->rope = c->rope[k->yarn];
+  in->cache_fill = 0x7f; /* E4M3 NaN in every slot no insert writes, in both pools */
+  CKD(dsv4_rope_table_ensure(in->rope, p->hist_pos, p->n_hist));
+  CKD(dsv4_rope_table_ensure(in->rope, p->q_pos, p->n_q));
+}
+
+static void run_union_case(ctx_t *c, const ucase_t *k) {
+  attn_plan_t p;
+  attn_inputs_t in;
+  attn_entries_t e;
+  union_setup(c, k, &p, &in, &e);
+  float *sinks = make_sinks(&c->rng, k->heads, k->sinks);
+  in.sink = sinks;
+  uint32_t hpb = dsv4__cuda_attention_fast_union_heads_per_block(p.n_q, k->heads);
+  for (uint32_t s = 0; s < 2; s++)
+    if (hpb == 16u << s)
+      c->union_shapes_seen |= 1u << s;
+  uint32_t most, fewest;
+  union_span(&p, &e, &most, &fewest);
+  char what[300];
+  snprintf(what, sizeof(what),
+           "C%u%s%.0u H=%u %u queries in %u segments bs=%u %s sinks=%s, %u..%u candidates, %u "
+           "heads per CTA",
+           k->ratio, k->ratio == 4 ? " topk " : "", k->ratio == 4 ? k->topk : 0, k->heads, p.n_q,
+           p.n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks), fewest, most, hpb);
+  c->failures += check_fast(c, what, &p, &in, 0);
+  free(sinks);
+  attn_entries_free(&e);
+  attn_inputs_free(&in);
+  attn_plan_free(&p);
+}
+
+static int untouched(const void *a, size_t n) {
+  const uint8_t *b = a;
+  for (size_t i = 0; i < n; i++)
+    if (b[i] != ATTN_CANARY)
+      return 0;
+  return 1;
+}
+
+/* A fast union launch whose selection row is bad (a repeated entry; an entry not yet visible) is
+ * refused by the check kernel exact mode runs, with DSV4_EINVAL, and writes no byte of attn or lse;
+ * the launch after it is right again (the next case). */
+static void union_refusals(ctx_t *c) {
+  static const char *const names[2] = {"a selection row not increasing",
+                                       "a selection row naming an entry not yet visible"};
+  const ucase_t k = {64, 8, SHAPE_DECODE, 64, 4, 512, 3000, 9000, SINK_FINITE, 0, 0};
+  for (int brk = 0; brk < 2; brk++) {
+    attn_plan_t p;
+    attn_inputs_t in;
+    attn_entries_t e;
+    union_setup(c, &k, &p, &in, &e);
+    const uint32_t t = p.n_q - 1; /* a token well past its p0: a full row */
+    int32_t *row = e.sel + (size_t)t * e.sel_stride;
+    uint32_t n = 0;
+    while (n < e.sel_stride && row[n] >= 0)
+      n++;
+    if (n < 8) {
+      fprintf(stderr, "FAIL the refusal's token lists %u entries, too few to break\n", n);
+      c->failures++;
+    } else if (brk == 0) {
+      row[7] = row[6];
+    } else {
+      /* After the last entry listed (or in place of it): increasing, but past the visible ones. */
+      row[n < e.sel_stride ? n : e.sel_stride - 1] = (int32_t)((p.q_pos[t] + 1) / 4);
+    }
+    size_t out_n = (size_t)p.n_q * k.heads * DSV4_HEAD_DIM, lse_n = (size_t)p.n_q * k.heads;
+    uint16_t *out = gpu_host_alloc(out_n * 2);
+    float *lse = gpu_host_alloc(lse_n * 4);
+    in.fast = 1;
+    int rc = attn_run(c->cuda, &p, &in, NULL, out, lse, NULL);
+    if (rc != DSV4_EINVAL || !untouched(out, out_n * 2) || !untouched(lse, lse_n * 4)) {
+      fprintf(stderr, "FAIL fast union launch with %s: %s, attn %s, lse %s\n", names[brk],
+              rc ? dsv4_strerror(rc) : "accepted",
+              untouched(out, out_n * 2) ? "untouched" : "written",
+              untouched(lse, lse_n * 4) ? "untouched" : "written");
+      c->failures++;
+    } else {
+      printf("ok   a fast union launch with %s is refused (invalid), nothing written\n",
+             names[brk]);
+    }
+    free(out);
+    free(lse);
+    attn_entries_free(&e);
+    attn_inputs_free(&in);
+    attn_plan_free(&p);
+  }
+}
+
+static void run_union_cases(ctx_t *c) {
+  /* heads, tokens, shape, bs, ratio, topk, lo, hi, sinks, yarn, short_every */
+  static const ucase_t cases[] = {
+      {64, 64, SHAPE_DECODE, 64, 4, 512, 2000, 12000, SINK_FINITE, 0, 5},
+      {64, 1, SHAPE_DECODE, 64, 4, 512, 8000, 9000, SINK_FINITE, 1, 0},
+      {64, 16, SHAPE_DECODE, 16, 4, 1024, 3000, 9000, SINK_EDGES, 1, 4},
+      {128, 32, SHAPE_DECODE, 64, 4, 512, 100, 5000, SINK_EDGES, 0, 3},
+      {8, 3, SHAPE_DECODE, 64, 4, 1024, 4000, 6000, SINK_NONE, 0, 0},
+      {64, 300, SHAPE_PREFILL, 64, 4, 512, 2500, 3000, SINK_FINITE, 0, 0},
+      {64, 256, SHAPE_DECODE, 64, 4, 512, 2100, 4000, SINK_FINITE, 1, 6},
+      {64, 64, SHAPE_DECODE, 64, 128, 0, 200, 3000, SINK_FINITE, 0, 0},
+      {8, 5, SHAPE_DECODE, 16, 128, 0, 100, 900, SINK_EDGES, 0, 0},
+      {64, 16, SHAPE_DECODE, 64, 128, 0, 60000, 70000, SINK_EDGES, 1, 0},
+      {128, 4, SHAPE_DECODE, 64, 128, 0, 520000, 600000, SINK_EDGES, 0, 0},
+      {64, 2, SHAPE_DECODE, 256, 128, 0, 530000, 540000, SINK_FINITE, 1, 0},
+      {8, 8, SHAPE_DECODE, 64, 128, 0, 525000, 560000, SINK_NONE, 0, 0},
+      {64, 200, SHAPE_PREFILL, 64, 128, 0, 66000, 67000, SINK_FINITE, 0, 0},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    run_union_case(c, &cases[i]);
+    if (i == 1)
+      union_refusals(c);
+  }
+  /* Both CTA shapes of the union kernel (16 and 32 heads) must have met exact mode. */
+  for (uint32_t sh = 0; sh < 2; sh++)
+    if (!(c->union_shapes_seen & (1u << sh))) {
+      fprintf(stderr, "FAIL no union case of this device got %u heads per CTA\n", 16u << sh);
+      c->failures++;
+    }
 }
 
 int main(void) {
@@ -300,7 +478,7 @@ int main(void) {
     }
     run_case(&c, &k);
   }
-  refuse_union(&c);
+  run_union_cases(&c);
   dsv4_backend_close(c.cuda);
   dsv4_backend_close(c.cpu);
   dsv4_rope_table_destroy(c.rope[0]);

@@ -11,8 +11,10 @@ says which mode ran, a replay answers the same bytes, and attn is deterministic 
 Fast mode (on a backend that offers it: cuda on sm_90 and newer): two sequences fed the same bytes,
 one in exact and one in fast mode, answer attn within FlashMLA's tolerances of each other (every
 value within 1e-3 absolute or 2.01/128 relative, cosine distance at most 5e-6) and lse within the
-same bounds; fast mode repeats its own bytes; a compressed layer asked for fast is refused (400,
-nothing changed); with attention_mode fast a compressed layer runs, and says it ran, exact.
+same bounds; fast mode repeats its own bytes. The same holds on the compressed layers (2: ratio 4, the
+window then the indexer's selection; 3: ratio 128, the window then every visible entry), where fast mode
+runs over the union of SPEC §8.6. With attention_mode fast every layer runs, and says it ran, fast. A
+backend without fast mode refuses it on every layer (test_weights).
 """
 
 import os
@@ -210,6 +212,26 @@ def renamed(b, name):
     return c
 
 
+def fast_vs_exact(d, rng, layer, prefill, worst):
+    """A prefill and four decode steps of one layer, fed the same bytes to a sequence in exact and one
+    in fast mode: fast within FlashMLA's tolerances of exact, and a replay of the last fast batch
+    answering its bytes again. Returns the worst cosine distance met."""
+    ratio = h.flash_ratio(layer)
+    steps = [Batch.random(rng, layer, [Seg("x", 0, prefill, True)], HEADS, ratio=ratio)]
+    steps += [Batch.random(rng, layer, [Seg("x", prefill + i, 1)], HEADS, ratio=ratio)
+              for i in range(4)]
+    for i, b in enumerate(steps):
+        what = "layer %d (ratio %d) step %d" % (layer, ratio, i)
+        ea, el, _ = attn_mode_run(d, renamed(b, "e%d" % layer), "exact", what + " exact")
+        fa, fl, body = attn_mode_run(d, renamed(b, "f%d" % layer), "fast", what + " fast")
+        worst = max(worst, flashmla_close(fa, ea, what + " attn"))
+        flashmla_close(fl, el, what + " lse")
+    _, _, again = attn_mode_run(d, renamed(steps[-1], "f%d" % layer), "fast", "fast replay")
+    check_eq(h.st_decode(again)[1]["attn"], h.st_decode(body)[1]["attn"],
+             "layer %d: a replay's attn" % layer)
+    return worst
+
+
 def test_fast_mode():
     if h.BACKEND != "cuda":
         print("fast mode on backend %s: not offered (its refusal: test_weights)" % (h.BACKEND or "cpu"))
@@ -220,37 +242,27 @@ def test_fast_mode():
     write_weights(path)
     worst = 0.0
     with Daemon(h.SMALL + ["--weights", path]) as d:
-        for layer in (0, 1):
-            steps = [Batch.random(rng, layer, [Seg("x", 0, 150, layer == 0)], HEADS)]
-            steps += [Batch.random(rng, layer, [Seg("x", 150 + i, 1)], HEADS) for i in range(4)]
-            for i, b in enumerate(steps):
-                what = "layer %d step %d" % (layer, i)
-                ea, el, _ = attn_mode_run(d, renamed(b, "e"), "exact", what + " exact")
-                fa, fl, body = attn_mode_run(d, renamed(b, "f"), "fast", what + " fast")
-                worst = max(worst, flashmla_close(fa, ea, what + " attn"))
-                flashmla_close(fl, el, what + " lse")
-            # A replay of the last fast batch answers its bytes again.
-            _, _, again = attn_mode_run(d, renamed(steps[-1], "f"), "fast", "fast replay")
-            check_eq(h.st_decode(again)[1]["attn"], h.st_decode(body)[1]["attn"], "a replay's attn")
-        # A compressed layer (2: ratio 4) asked for fast: refused before anything changes.
-        b = Batch.random(rng, 2, [Seg("c", 0, 8, True)], HEADS, ratio=h.flash_ratio(2))
-        b.outputs = "attn"
-        meta = b.metadata()
-        meta["attention"] = "fast"
-        used = d.used_blocks()
-        e = h.expect_error(d.forward_raw(b.body(meta)), 400, "unsupported")
-        check("compress" in e["message"], "fast on a compressed layer: %r" % (e,))
-        check(d.seq("c") is None and d.used_blocks() == used, "the refusal changed nothing")
-    # attention_mode fast: SWA layers run fast, compressed layers exact, each saying so.
+        # SWA-only layers 0 and 1; layer 2 (ratio 4) with 150 positions sees 37 entries and more,
+        # layer 3 (ratio 128) with 300 positions sees 2 (the window is 128 positions).
+        for layer, prefill in ((0, 150), (1, 150), (2, 150), (3, 300)):
+            worst = fast_vs_exact(d, rng, layer, prefill, worst)
+    # attention_mode fast: every layer runs fast and says so; a request may still ask for exact.
     with Daemon(h.SMALL + ["--weights", path, "--attention-mode", "fast"]) as d:
-        check_eq(d.admin_json("/admin/v1/cache")["attention"]["mode"], "fast", "configured mode")
-        for layer, mode in ((0, "fast"), (2, "exact")):
-            b = Batch.random(rng, layer, [Seg("m", 0, 8, layer == 0)], HEADS,
-                             ratio=h.flash_ratio(layer))
-            b.outputs = "attn"
-            r = d.forward_raw(b.body())
-            check_eq(r.status, 200, "layer %d under attention_mode fast (body %r)" % (layer, r.body[:300]))
-            check_eq(h.st_decode(r.body)[0].get("attention"), mode, "layer %d ran %s" % (layer, mode))
+        cache = d.admin_json("/admin/v1/cache")["attention"]
+        check_eq(cache["mode"], "fast", "configured mode")
+        check_eq(cache["ready_layers"], list(LAYERS), "every layer ready in its own mode")
+        for layer in LAYERS:
+            for asked, ran in ((None, "fast"), ("exact", "exact")):
+                b = Batch.random(rng, layer, [Seg("m%d%s" % (layer, asked or "d"), 0, 8, True)], HEADS,
+                                 ratio=h.flash_ratio(layer))
+                b.outputs = "attn"
+                meta = b.metadata()
+                if asked:
+                    meta["attention"] = asked
+                r = d.forward_raw(b.body(meta))
+                check_eq(r.status, 200, "layer %d under attention_mode fast, asked %s (body %r)" %
+                         (layer, asked, r.body[:300]))
+                check_eq(h.st_decode(r.body)[0].get("attention"), ran, "layer %d ran %s" % (layer, ran))
     print("fast mode: worst cosine distance to exact %.3g" % worst)
 
 

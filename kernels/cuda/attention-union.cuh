@@ -1,0 +1,99 @@
+#ifndef DSV4_KERNELS_CUDA_ATTENTION_UNION_CUH
+#define DSV4_KERNELS_CUDA_ATTENTION_UNION_CUH
+/*
+ * What the union kernels of both modes share (SPEC §8.6): the per-CTA facts of a token's list of
+ * candidates (the window, then its compressed entries), the setup after the dependency wait and
+ * the record addresses of a tile of the list. Included by attention.cu (exact mode) and
+ * attention_fast_union.cu (fast mode).
+ */
+#include "attention-common.cuh"
+
+/* Per-CTA facts of the union kernel, beyond attn_misc_t (whose m holds the running maximum). */
+typedef struct {
+  const uint8_t *rec[DSV4_WINDOW]; /* the current tile's candidates: 576 data bytes */
+  const uint8_t *scl[DSV4_WINDOW]; /* and their 8 scale bytes */
+  float s[64];                     /* each head's sum S, continued tile by tile */
+  const int32_t *sel;              /* the token's selection row, or NULL */
+  int64_t j_lo;                    /* the first visible entry */
+  uint32_t nw, nc;                 /* window candidates; all candidates */
+  uint32_t seg;
+  uint32_t ne; /* entries listed: the first -1 of the row (atomicMin), or c_sel_stride */
+} union_misc_t;
+
+/*
+ * The union kernel's setup (after the dependency wait): the window's blocks and the RoPE row as
+ * attn_setup, the running maxima and sums, and the candidate count. The launch was checked by the
+ * check kernel before (always, for a union launch): a CTA that finds the error word set returns
+ * before writing anything, every thread of it.
+ */
+static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms,
+                                  union_misc_t &um) {
+  const uint32_t tid = threadIdx.x;
+  if (tid == 0)
+    um.ne = p.c_sel ? p.c_sel_stride : 0u;
+  if (tid < 64) {
+    ms.m[tid] = -INFINITY;
+    um.s[tid] = 0.0f;
+  }
+  __syncthreads();
+  window_t w;
+  uint32_t bits = token_window(p, t, &w);
+  if (!bits) {
+    const uint32_t nb = window_blocks(p, w), seg = (uint32_t)p.tok_seg[t];
+    if (tid < nb)
+      ms.blk[tid] = window_block(p, w, tid, &bits);
+    if (tid >= 32 && tid < 48)
+      reinterpret_cast<float4 *>(ms.rope)[tid - 32] = p.rope[(uint64_t)w.pos * 16 + (tid - 32)];
+    const int32_t *row = p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL;
+    for (uint32_t k = tid; row && k < p.c_sel_stride; k += ATTN_THREADS)
+      if (row[k] == -1)
+        atomicMin(&um.ne, k);
+    if (tid == 0) {
+      const int64_t j_lo = p.seg_p0[seg] / p.ratio, j_hi = (w.pos + 1) / p.ratio;
+      ms.lo = w.lo;
+      um.nw = (uint32_t)(w.pos - w.lo + 1);
+      um.seg = seg;
+      um.j_lo = j_lo;
+      um.sel = row;
+      if (!row)
+        um.ne = j_hi > j_lo ? (uint32_t)(j_hi - j_lo) : 0u;
+    }
+  }
+  if (tid == 0 && __ldcg(p.err) != 0)
+    bits |= ERR_EARLIER;
+  if (bits & ERR_REPORTED)
+    atomicOr(p.err, bits & ERR_REPORTED);
+  if (__syncthreads_or(bits != 0))
+    return 1;
+  if (tid == 0)
+    um.nc = um.nw + um.ne;
+  __syncthreads();
+  return 0;
+}
+
+/* The record addresses of candidates first..first + nt - 1 (one thread each): window positions
+ * through ms.blk, then entries through the segment's entry table. */
+static __device__ void union_addrs(const attn_params_t &p, const attn_misc_t &ms, union_misc_t &um,
+                                   uint32_t first, uint32_t nt) {
+  const uint32_t i = threadIdx.x;
+  if (i >= nt)
+    return;
+  const uint32_t c = first + i;
+  const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
+  const uint8_t *base;
+  int64_t o;
+  if (c < um.nw) {
+    const int64_t pos = ms.lo + c;
+    base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - (ms.lo >> p.bs_shift)] * p.stride;
+    o = pos & mask;
+  } else {
+    const int64_t j = um.sel ? (int64_t)um.sel[c - um.nw] : um.j_lo + (c - um.nw);
+    base = p.c_cache + (uint64_t)entry_block(p, um.seg, j >> p.bs_shift) * p.stride;
+    o = j & mask;
+  }
+  um.rec[i] = base + (uint64_t)o * DSV4_TOKEN_DATA_BYTES;
+  um.scl[i] =
+      base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) + (uint64_t)o * DSV4_SCALE_BYTES;
+}
+
+#endif /* DSV4_KERNELS_CUDA_ATTENTION_UNION_CUH */
