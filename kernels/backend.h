@@ -253,6 +253,16 @@ typedef struct dsv4_backend_ops {
   /* Copy n bytes of src at off into host dst, after everything queued before; the bytes are in
    * dst when the call returns. */
   int (*download)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n);
+  /*
+   * Optional (NULL: the caller uses download). Queue a copy of n bytes of src at off into host dst,
+   * after everything queued before: the bytes are in dst once the next sync() returns (0). Until
+   * then dst must stay valid and the caller neither reads nor writes it; what it holds in between
+   * is unspecified. A backend that cannot defer the copy (CUDA: dst is not registered memory) may
+   * complete it before returning, as download does. Work queued after the call may overwrite src:
+   * the copy reads the bytes it had when it was queued.
+   */
+  int (*download_async)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                        size_t n);
   int (*map_slots)(dsv4_backend_t *be, const dsv4_map_args_t *a);
   int (*qkv_insert)(dsv4_backend_t *be, const dsv4_insert_args_t *a);
   /* Optional (NULL: the backend has no attention): exact-mode attention, after qkv_insert. */

@@ -15,7 +15,8 @@
  * the copy-out of one piece overlaps the DMA of the next. Memory given to host_register (shared
  * regions, the daemon's page-locked pool of request bodies and answers) skips the staging: an
  * upload from it queues the DMA straight from the caller's bytes (which stay unchanged until the
- * next sync, backend.h), a download into it queues the DMA straight into them and waits for it.
+ * next sync, backend.h), a download into it queues the DMA straight into them and waits for it,
+ * and download_async only queues it (the bytes land by the next sync, which waits for the stream).
  * Pinned memory crosses PCIe several times faster than pageable memory (see tests/bench/NOTES.md,
  * "Figures formerly quoted in kernel comments", cuda_backend: pinned staging); large copies into
  * and out of it run on the host threads
@@ -408,6 +409,23 @@ static int cuda_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src
   return rc ? rc : d2h(c, dst, (const uint8_t *)src->ptr + off, n);
 }
 
+/* A download that completes at the next sync (backend.h): into registered memory the DMA is only
+ * queued, so a batch's outputs cost one stream wait (the sync) instead of one each. Into other
+ * memory the bytes go through the staging and the call waits, as download does. */
+static int cuda_download_async(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                               size_t n) {
+  cuda_backend_t *c = cuda_of(be);
+  if (!src || !src->ptr || off > src->size || n > src->size - off || (n && !dst))
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  if (rc || n == 0)
+    return rc;
+  const uint8_t *s = (const uint8_t *)src->ptr + off;
+  if (registered(c, dst, n))
+    return cu(cudaMemcpyAsync(dst, s, n, cudaMemcpyDeviceToHost, c->stream));
+  return d2h(c, dst, s, n);
+}
+
 /*
  * The producer. The wrapper cannot see the contents of device arrays; the engine builds tok_seg,
  * positions and block tables itself, and the kernel maps a block id outside the pool to slot -1
@@ -590,6 +608,7 @@ static const dsv4_backend_ops_t cuda_ops = {
     .buf_free = cuda_buf_free,
     .upload = cuda_upload,
     .download = cuda_download,
+    .download_async = cuda_download_async,
     .map_slots = cuda_map_slots,
     .qkv_insert = cuda_qkv_insert,
     .attention = cuda_attention,

@@ -207,6 +207,15 @@ static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, void **
   return e->be->ops->upload(e->be, b, 0, src, n);
 }
 
+/* Download n bytes of staging buffer i into the caller's dst, completing by the next sync when the
+ * backend can defer it (backend.h): dst is then not read before that sync. */
+static int stage_get(dsv4_engine_t *e, int i, void *dst, size_t n) {
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  if (ops->download_async)
+    return ops->download_async(e->be, dst, &e->stage->buf[i], 0, n);
+  return ops->download(e->be, dst, &e->stage->buf[i], 0, n);
+}
+
 /*
  * The device half of a batch (or of its chunk of tokens tok0..) on a staged backend: ma and ia
  * arrive pointing at host memory and are re-pointed at the staging buffers (the cache already lives
@@ -278,18 +287,22 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
   t2 = mono_ns();
+  /* The outputs land by the one sync below: nothing reads them before it returns. */
   if (!rc && f->attn)
-    rc = ops->download(e->be, f->attn, &s->buf[ST_ATTN], 0, q_bytes);
+    rc = stage_get(e, ST_ATTN, f->attn, q_bytes);
   if (!rc && f->lse)
-    rc = ops->download(e->be, f->lse, &s->buf[ST_LSE], 0, n * e->p.heads * sizeof(float));
+    rc = stage_get(e, ST_LSE, f->lse, n * e->p.heads * sizeof(float));
   if (!rc)
-    rc = ops->download(e->be, f->q_out, &s->buf[ST_Q_OUT], 0, q_bytes);
+    rc = stage_get(e, ST_Q_OUT, f->q_out, q_bytes);
   if (!rc)
-    rc = ops->download(e->be, f->slots, &s->buf[ST_SLOTS], 0, n * sizeof(int64_t));
+    rc = stage_get(e, ST_SLOTS, f->slots, n * sizeof(int64_t));
   if (!rc)
     rc = dsv4__engine_c_stage_get(e, idx, f);
+  /* Also after a failed submission: the copies already queued complete before it returns, so the
+   * caller's buffers are never written after the batch has been answered. */
+  int sync_rc = ops->sync(e->be);
   if (!rc)
-    rc = ops->sync(e->be);
+    rc = sync_rc;
   f->timing.staged = 1;
   f->timing.upload_ns += t1 - t0;
   f->timing.launch_ns += t2 - t1;

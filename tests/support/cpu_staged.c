@@ -15,6 +15,8 @@
  * host load or store through one faults instead of silently reading the right bytes. */
 #define DEV_BASE ((uintptr_t)0xdead000000000000ull)
 #define DEV_ALIGN ((uintptr_t)4096)
+/* What dst holds between a download_async and the sync that delivers it. */
+#define DEFERRED_POISON 0xa5
 
 typedef struct {
   uintptr_t dev;
@@ -27,6 +29,14 @@ typedef struct {
   size_t n;
 } host_range_t;
 
+/* A download_async not yet delivered: the source bytes as they were when it was queued, copied
+ * into dst by the next sync. */
+typedef struct {
+  void *dst;
+  void *bytes;
+  size_t n;
+} deferred_t;
+
 typedef struct {
   dsv4_backend_t base; /* first */
   dsv4_backend_t *inner;
@@ -36,6 +46,8 @@ typedef struct {
   uintptr_t next_dev;
   host_range_t *ranges;
   size_t n_ranges, cap_ranges;
+  deferred_t *deferred;
+  size_t n_deferred, cap_deferred;
   dsv4_test_cpu_staged_stats_t stats;
 } staged_t;
 
@@ -64,6 +76,9 @@ static staged_buf_t *find_buf(staged_t *s, const dsv4_devbuf_t *d) {
 
 static void st_destroy(dsv4_backend_t *be) {
   staged_t *s = staged_of(be);
+  for (size_t i = 0; i < s->n_deferred; i++)
+    free(s->deferred[i].bytes);
+  free(s->deferred);
   for (size_t i = 0; i < s->n_bufs; i++)
     s->inner->ops->buf_free(s->inner, &s->bufs[i].real);
   dsv4_backend_close(s->inner);
@@ -178,6 +193,53 @@ static int st_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
   s->stats.downloads++;
   s->stats.registered_downloads += n && registered(s, dst, n);
   return s->inner->ops->download(s->inner, dst, &b->real, off, n);
+}
+
+/*
+ * As a device's copy engine: the bytes are read now (later work on the queue may overwrite them)
+ * and reach dst at the next sync. Until then dst holds DEFERRED_POISON, so a caller that reads it
+ * early sees bytes no backend computes instead of, by luck, the right ones.
+ */
+static int st_download_async(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                             size_t n) {
+  staged_t *s = staged_of(be);
+  staged_buf_t *b = find_buf(s, src);
+  if (!b || off > src->size || n > src->size - off || (n && !dst))
+    return DSV4_EINVAL;
+  if (n && to_host(s, dst, 0))
+    return DSV4_EINVAL;
+  if (n == 0)
+    return 0;
+  if (s->n_deferred == s->cap_deferred) {
+    size_t cap = s->cap_deferred ? 2 * s->cap_deferred : 8;
+    deferred_t *nd = realloc(s->deferred, cap * sizeof(*nd));
+    if (!nd)
+      return DSV4_ENOMEM;
+    s->deferred = nd;
+    s->cap_deferred = cap;
+  }
+  void *bytes = malloc(n);
+  if (!bytes)
+    return DSV4_ENOMEM;
+  int rc = s->inner->ops->download(s->inner, bytes, &b->real, off, n);
+  if (rc) {
+    free(bytes);
+    return rc;
+  }
+  s->deferred[s->n_deferred++] = (deferred_t){dst, bytes, n};
+  memset(dst, DEFERRED_POISON, n);
+  s->stats.async_downloads++;
+  s->stats.registered_downloads += registered(s, dst, n);
+  return 0;
+}
+
+/* Deliver every queued download_async, in queue order. */
+static void deferred_deliver(staged_t *s) {
+  for (size_t i = 0; i < s->n_deferred; i++) {
+    memcpy(s->deferred[i].dst, s->deferred[i].bytes, s->deferred[i].n);
+    free(s->deferred[i].bytes);
+  }
+  s->n_deferred = 0;
 }
 
 /* Translate field f of a launch (n bytes from it); a field that is not inside a buffer refuses the
@@ -325,7 +387,10 @@ static int st_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
 static int st_sync(dsv4_backend_t *be) {
   staged_t *s = staged_of(be);
   s->stats.syncs++;
-  return s->inner->ops->sync(s->inner);
+  int rc = s->inner->ops->sync(s->inner);
+  /* The copies were queued before the work that failed, if any: a device delivers them too. */
+  deferred_deliver(s);
+  return rc;
 }
 
 static void st_host_parallel(dsv4_backend_t *be, void (*fn)(void *, size_t, size_t), void *arg,
@@ -355,6 +420,7 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
   s->ops.buf_free = st_free;
   s->ops.upload = st_upload;
   s->ops.download = st_download;
+  s->ops.download_async = st_download_async;
   s->ops.map_slots = st_map;
   s->ops.qkv_insert = st_insert;
   s->ops.sync = st_sync;

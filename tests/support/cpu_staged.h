@@ -26,6 +26,9 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
  */
 typedef struct {
   size_t uploads, downloads, launches, syncs;
+  /* download_async calls: the copy is made at the next sync, and dst holds 0xa5 bytes until then,
+   * so a caller that reads it before the sync computes with those. */
+  size_t async_downloads;
   size_t live_buffers;
   size_t live_registrations;                       /* host ranges registered now */
   size_t registered_uploads, registered_downloads; /* copies whose host side lies in one */
