@@ -43,6 +43,32 @@ enum {
    * exact); selected per launch by dsv4_attn_args_t.fast. It covers launches without compressed
    * entries: a fast launch with c_cache is refused with DSV4_EUNSUPPORTED. */
   DSV4_BE_ATTN_FAST = 1u << 1,
+  /* Batches may overlap: the table has batch_phase and batch_wait (see there), and download_async.
+   */
+  DSV4_BE_OVERLAP = 1u << 2,
+};
+
+/*
+ * The phases of a batch submitted for overlap (DSV4_BE_OVERLAP), in this order, each announced by
+ * batch_phase before its calls:
+ *  - UPLOADS: the uploads that follow go on a copy queue of their own; they may run while the
+ *    launches of batches submitted before still run, and they do not wait for those launches.
+ *  - LAUNCHES: the launches that follow run after those uploads, and after every launch submitted
+ *    before (one queue, in submission order, as ever: SPEC §5 holds across batches).
+ *  - DOWNLOADS: the download_async calls that follow run after those launches, on a copy queue;
+ *    each reads its source at some time before batch_wait of this batch returns, so the caller lets
+ *    no later batch write a source before then.
+ *  - SUBMITTED: the batch is whole; *ticket receives its completion point, for batch_wait.
+ * Until batch_wait of a batch returns, the host memory its uploads read and its downloads write
+ * stays valid and unchanged (the caller neither writes the one nor reads the other). Only batch
+ * calls (phases, uploads, launches, download_async) may come between SUBMITTED and the batch's
+ * batch_wait; sync() waits for every batch as well.
+ */
+enum {
+  DSV4_BATCH_UPLOADS = 1,
+  DSV4_BATCH_LAUNCHES,
+  DSV4_BATCH_DOWNLOADS,
+  DSV4_BATCH_SUBMITTED,
 };
 
 /* The producer: sequence block tables -> one cache slot per token. */
@@ -287,6 +313,17 @@ typedef struct dsv4_backend_ops {
    * host_unregister returns, which the caller calls only after a sync that follows its last copy
    * from or to p.
    */
+  /*
+   * With DSV4_BE_OVERLAP, both (else NULL). batch_phase starts phase (DSV4_BATCH_*) of the batch
+   * being submitted; at DSV4_BATCH_SUBMITTED it writes the batch's ticket. batch_wait returns once
+   * every call of the batch with that ticket has completed: its download_async bytes are in host
+   * memory, and it answers what sync() would for the batch's launches (0, DSV4_EINVAL for a
+   * launch that refused on the device, or a device error). At most two batches are submitted and
+   * not yet waited for; each ticket is waited for once, in submission order. A batch whose
+   * submission failed part way is waited for by sync() instead (which waits for everything).
+   */
+  int (*batch_phase)(dsv4_backend_t *be, int phase, uint64_t *ticket);
+  int (*batch_wait)(dsv4_backend_t *be, uint64_t ticket);
   int (*host_register)(dsv4_backend_t *be, void *p, size_t n);
   void (*host_unregister)(dsv4_backend_t *be, void *p);
 } dsv4_backend_ops_t;
