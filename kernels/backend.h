@@ -310,8 +310,8 @@ typedef struct dsv4_backend_ops {
    * SPEC §6.1, or the daemon's page-locked pool) memory the device copies from and to directly
    * (CUDA: cudaHostRegister; uploads from it and downloads into it skip the staging), until
    * host_unregister(p). Called once per region, not per batch; p stays mapped until after
-   * host_unregister returns, which the caller calls only after a sync that follows its last copy
-   * from or to p.
+   * host_unregister returns, which the caller calls only after a sync (or the batch_wait of an
+   * overlapped batch) that follows its last copy from or to p.
    */
   /*
    * With DSV4_BE_OVERLAP, both (else NULL). batch_phase starts phase (DSV4_BATCH_*) of the batch

@@ -57,6 +57,7 @@ typedef struct {
   dsv4_forward_t *f;
   uint64_t ticket;
   uint64_t submitted_ns;
+  int half; /* the staging half it uses */
 } dsv4__engine_flight_t;
 
 struct dsv4_engine {

@@ -997,8 +997,9 @@ int dsv4_engine_forward_begin(dsv4_engine_t *e, dsv4_forward_t *f) {
   if (rc)
     return rc;
 #ifndef DSV4_TEST_BROKEN_ONE_STAGING_HALF
+  /* The half the batch in flight (parked in fly[1]) does not use, else the other one. */
   if (e->stage)
-    e->stage->cur ^= 1;
+    e->stage->cur = e->fly[1].f ? !e->fly[1].half : !e->stage->cur;
 #else
     /* Test-only breakage (tests/unit/inv_overlap.c): every batch stages through one half, so an
      * overlapped batch overwrites the buffers of the batch in flight before its downloads ran. */
@@ -1026,7 +1027,7 @@ int dsv4_engine_forward_begin(dsv4_engine_t *e, dsv4_forward_t *f) {
   t3 = mono_ns();
   f->timing.kernel_ns = t3 - t2 - (f->timing.yield_ns - yield_validate);
   if (!rc && overlap) {
-    e->fly[0] = (dsv4__engine_flight_t){f, ticket, t3};
+    e->fly[0] = (dsv4__engine_flight_t){f, ticket, t3, e->stage->cur};
     f->in_flight = 1;
     return 0;
   }

@@ -69,8 +69,19 @@ static uint16_t val(uint64_t seed, size_t i) {
   return (uint16_t)(((x & 1) << 15) | ((0x7C + (x >> 8) % 6) << 7) | ((x >> 16) & 0x7F));
 }
 
-/* One batch of one segment, with every output. */
+/* Page-aligned memory, so that a device backend may register it (cudaHostRegister). */
+static void *page_alloc(size_t n) {
+  void *p = NULL;
+  if (posix_memalign(&p, 4096, (n + 4095) / 4096 * 4096))
+    return NULL;
+  return p;
+}
+
+/* One batch of one segment, with every output. On the engine under test its buffers are
+ * registered with the backend (as the daemon's pinned pool is), so a device backend copies from and
+ * to them in place, on its copy streams: the overlap the test is about. */
 typedef struct {
+  dsv4_engine_t *reg; /* the engine they are registered with, or NULL */
   uint32_t n;
   uint16_t *q, *kv, *q_out, *attn;
   float *lse;
@@ -86,12 +97,12 @@ static void batch_make(batch_t *b, uint32_t layer, uint64_t seed, const char *na
   b->seg = (dsv4_seg_req_t){
       .name = name, .name_len = (uint32_t)strlen(name), .start = start, .len = len};
   size_t nq = (size_t)len * HEADS * DSV4_HEAD_DIM, nk = (size_t)len * DSV4_HEAD_DIM;
-  b->q = malloc(nq * 2);
-  b->kv = malloc(nk * 2);
-  b->q_out = malloc(nq * 2);
-  b->attn = malloc(nq * 2);
-  b->lse = malloc((size_t)len * HEADS * sizeof(float));
-  b->slots = malloc(len * sizeof(int64_t));
+  b->q = page_alloc(nq * 2);
+  b->kv = page_alloc(nk * 2);
+  b->q_out = page_alloc(nq * 2);
+  b->attn = page_alloc(nq * 2);
+  b->lse = page_alloc((size_t)len * HEADS * sizeof(float));
+  b->slots = page_alloc(len * sizeof(int64_t));
   assert_true(b->q && b->kv && b->q_out && b->attn && b->lse && b->slots);
   for (size_t i = 0; i < nq; i++)
     b->q[i] = val(seed, i);
@@ -110,7 +121,33 @@ static void batch_make(batch_t *b, uint32_t layer, uint64_t seed, const char *na
                           .attention = DSV4_ATTENTION_EXACT};
 }
 
+/* The sizes of the buffers of batch b, in the order of batch_bufs. */
+static void batch_bufs(batch_t *b, void *p[6], size_t n[6]) {
+  size_t nq = (size_t)b->n * HEADS * DSV4_HEAD_DIM * 2;
+  void *pp[6] = {b->q, b->kv, b->q_out, b->attn, b->lse, b->slots};
+  size_t nn[6] = {nq, (size_t)b->n * DSV4_HEAD_DIM * 2, nq,
+                  nq, (size_t)b->n * HEADS * 4,         (size_t)b->n * 8};
+  memcpy(p, pp, sizeof(pp));
+  memcpy(n, nn, sizeof(nn));
+}
+
+static void batch_register(batch_t *b, dsv4_engine_t *e) {
+  void *p[6];
+  size_t n[6];
+  batch_bufs(b, p, n);
+  for (int i = 0; i < 6; i++)
+    assert_int_equal(dsv4_engine_host_register(e, p[i], n[i]), 0);
+  b->reg = e;
+}
+
 static void batch_free(batch_t *b) {
+  if (b->reg) {
+    void *p[6];
+    size_t n[6];
+    batch_bufs(b, p, n);
+    for (int i = 0; i < 6; i++)
+      dsv4_engine_host_unregister(b->reg, p[i]);
+  }
   dsv4_forward_release(&b->f);
   free(b->q);
   free(b->kv);
@@ -176,6 +213,7 @@ static void test_overlapped_batches_match_alone(void **state) {
       uint32_t len = round_len(j / 2, s);
       batch_make(&ra[s], served[li], 100 + (uint64_t)j, names[s], next[s][li], len);
       batch_make(&rb[s], served[li], 100 + (uint64_t)j, names[s], next[s][li], len);
+      batch_register(&rb[s], b);
       ra[s].seg.is_new = rb[s].seg.is_new = j < 2;
       assert_int_equal(dsv4_engine_forward(a, &ra[s].f), 0);
       assert_int_equal(dsv4_engine_can_overlap(b, &rb[s].f), overlap);
