@@ -64,8 +64,11 @@ typedef struct {
   uint64_t kernel_ns;
   uint64_t digest_ns;
   /* On a backend with device memory (staged), kernel_ns split in three: the uploads (host copies
-   * into the backend's staging and the queued transfers), the two launches, and the downloads of
-   * q_out and slots with the final sync (they wait for the device to finish). */
+   * into the backend's staging and the queued transfers), the launches, and the downloads (queued
+   * to complete at the batch's one sync) with that sync, which waits for the device to finish.
+   * For a batch that overlapped (dsv4_engine_forward_begin left it in flight), download_ns is the
+   * queuing of its downloads plus the time dsv4_engine_forward_end waited for it: host time spent
+   * on the batch, not the device's, which ran partly behind the batch before it. */
   int staged;
   uint64_t upload_ns;
   uint64_t launch_ns;
