@@ -25,6 +25,7 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
  * write a staging buffer before an earlier batch's wait answers the later batch's bytes. A third
  * batch submitted before the first was waited for, or a wait out of order, aborts.
  */
+/* With DSV4_TEST_STAGED_STATS set, the overlap mode's close appends "overlapped N" to that file. */
 int dsv4_test_cpu_staged_overlap_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out,
                                       char *why, size_t why_len);
 
@@ -39,6 +40,7 @@ typedef struct {
    * so a caller that reads it before the sync computes with those. */
   size_t async_downloads;
   size_t batch_waits; /* overlap mode: batch_wait calls */
+  size_t overlapped;  /* overlap mode: batches submitted while another was in flight */
   size_t live_buffers;
   size_t live_registrations;                       /* host ranges registered now */
   size_t registered_uploads, registered_downloads; /* copies whose host side lies in one */
