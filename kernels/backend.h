@@ -47,6 +47,32 @@ enum {
   /* The fused decode path (SPEC §7): qkv_insert takes q_out NULL (the KV rows only) and attention
    * takes the raw q (dsv4_attn_args_t.q_raw), normalising and rotating it itself. */
   DSV4_BE_ATTN_FUSED_Q = 1u << 2,
+  /* Batches may overlap: the table has batch_phase and batch_wait (see there), and download_async.
+   */
+  DSV4_BE_OVERLAP = 1u << 3,
+};
+
+/*
+ * The phases of a batch submitted for overlap (DSV4_BE_OVERLAP), in this order, each announced by
+ * batch_phase before its calls:
+ *  - UPLOADS: the uploads that follow go on a copy queue of their own; they may run while the
+ *    launches of batches submitted before still run, and they do not wait for those launches.
+ *  - LAUNCHES: the launches that follow run after those uploads, and after every launch submitted
+ *    before (one queue, in submission order, as ever: SPEC §5 holds across batches).
+ *  - DOWNLOADS: the download_async calls that follow run after those launches, on a copy queue;
+ *    each reads its source at some time before batch_wait of this batch returns, so the caller lets
+ *    no later batch write a source before then.
+ *  - SUBMITTED: the batch is whole; *ticket receives its completion point, for batch_wait.
+ * Until batch_wait of a batch returns, the host memory its uploads read and its downloads write
+ * stays valid and unchanged (the caller neither writes the one nor reads the other). Only batch
+ * calls (phases, uploads, launches, download_async) may come between SUBMITTED and the batch's
+ * batch_wait; sync() waits for every batch as well.
+ */
+enum {
+  DSV4_BATCH_UPLOADS = 1,
+  DSV4_BATCH_LAUNCHES,
+  DSV4_BATCH_DOWNLOADS,
+  DSV4_BATCH_SUBMITTED,
 };
 
 /* The producer: sequence block tables -> one cache slot per token. */
@@ -269,6 +295,16 @@ typedef struct dsv4_backend_ops {
   /* Copy n bytes of src at off into host dst, after everything queued before; the bytes are in
    * dst when the call returns. */
   int (*download)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n);
+  /*
+   * Optional (NULL: the caller uses download). Queue a copy of n bytes of src at off into host dst,
+   * after everything queued before: the bytes are in dst once the next sync() returns (0). Until
+   * then dst must stay valid and the caller neither reads nor writes it; what it holds in between
+   * is unspecified. A backend that cannot defer the copy (CUDA: dst is not registered memory) may
+   * complete it before returning, as download does. Work queued after the call may overwrite src:
+   * the copy reads the bytes it had when it was queued.
+   */
+  int (*download_async)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                        size_t n);
   int (*map_slots)(dsv4_backend_t *be, const dsv4_map_args_t *a);
   int (*qkv_insert)(dsv4_backend_t *be, const dsv4_insert_args_t *a);
   /* Optional (NULL: the backend has no attention): exact-mode attention, after qkv_insert. */
@@ -290,9 +326,20 @@ typedef struct dsv4_backend_ops {
    * SPEC §6.1, or the daemon's page-locked pool) memory the device copies from and to directly
    * (CUDA: cudaHostRegister; uploads from it and downloads into it skip the staging), until
    * host_unregister(p). Called once per region, not per batch; p stays mapped until after
-   * host_unregister returns, which the caller calls only after a sync that follows its last copy
-   * from or to p.
+   * host_unregister returns, which the caller calls only after a sync (or the batch_wait of an
+   * overlapped batch) that follows its last copy from or to p.
    */
+  /*
+   * With DSV4_BE_OVERLAP, both (else NULL). batch_phase starts phase (DSV4_BATCH_*) of the batch
+   * being submitted; at DSV4_BATCH_SUBMITTED it writes the batch's ticket. batch_wait returns once
+   * every call of the batch with that ticket has completed: its download_async bytes are in host
+   * memory, and it answers what sync() would for the batch's launches (0, DSV4_EINVAL for a
+   * launch that refused on the device, or a device error). At most two batches are submitted and
+   * not yet waited for; each ticket is waited for once, in submission order. A batch whose
+   * submission failed part way is waited for by sync() instead (which waits for everything).
+   */
+  int (*batch_phase)(dsv4_backend_t *be, int phase, uint64_t *ticket);
+  int (*batch_wait)(dsv4_backend_t *be, uint64_t ticket);
   int (*host_register)(dsv4_backend_t *be, void *p, size_t n);
   void (*host_unregister)(dsv4_backend_t *be, void *p);
 } dsv4_backend_ops_t;

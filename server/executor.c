@@ -57,17 +57,34 @@ static dsv4_job_t *unlink_job(dsv4_executor_t *ex, dsv4_job_t *prev, dsv4_job_t 
   return job;
 }
 
-/* Under mu, with a job waiting: unlink the next one to run. The oldest job that is not a prefill
- * and passes nothing it shares a key with, else the oldest job (which passes nothing). */
-static dsv4_job_t *take_next(dsv4_executor_t *ex) {
-  dsv4_job_t *prev = NULL, *job = ex->q_head;
-  for (; job; prev = job, job = job->next)
+/* Under mu, with a job waiting: the next one to run (*prev: the job before it, or NULL). The oldest
+ * job that is not a prefill and passes nothing it shares a key with, else the oldest job (which
+ * passes nothing). */
+static dsv4_job_t *peek_next(dsv4_executor_t *ex, dsv4_job_t **prev) {
+  dsv4_job_t *p = NULL, *job = ex->q_head;
+  for (; job; p = job, job = job->next)
     if (job->cls != DSV4_JOB_PREFILL && !blocked(ex->q_head, job))
       break;
   if (!job) {
-    prev = NULL;
+    p = NULL;
     job = ex->q_head;
   }
+  *prev = p;
+  return job;
+}
+
+/* Under mu, with a job waiting: unlink the next one to run. */
+static dsv4_job_t *take_next(dsv4_executor_t *ex) {
+  dsv4_job_t *prev, *job = peek_next(ex, &prev);
+  return unlink_job(ex, prev, job);
+}
+
+/* Under mu: unlink the next job to run when it may begin while fly is in flight (it has begin and
+ * shares no key with fly), else return NULL. */
+static dsv4_job_t *take_overlap(dsv4_executor_t *ex, const dsv4_job_t *fly) {
+  dsv4_job_t *prev, *job = ex->q_head ? peek_next(ex, &prev) : NULL;
+  if (!job || !job->begin || shares_key(job, fly))
+    return NULL;
   return unlink_job(ex, prev, job);
 }
 
@@ -81,12 +98,8 @@ static dsv4_job_t *take_decode(dsv4_executor_t *ex, const dsv4_job_t *running) {
   return job ? unlink_job(ex, prev, job) : NULL;
 }
 
-/* Executor thread: run one job and queue it for the loop thread. */
-static void run_job(dsv4_executor_t *ex, dsv4_job_t *job) {
-  job->t_start_ns = now_ns();
-  job->next = NULL;
-  job->run(job);
-
+/* Executor thread: queue a finished job for the loop thread. */
+static void finish_job(dsv4_executor_t *ex, dsv4_job_t *job) {
   pthread_mutex_lock(&ex->mu);
   if (ex->d_tail)
     ex->d_tail->next = job;
@@ -95,6 +108,62 @@ static void run_job(dsv4_executor_t *ex, dsv4_job_t *job) {
   ex->d_tail = job;
   pthread_mutex_unlock(&ex->mu);
   uv_async_send(&ex->async);
+}
+
+/* Executor thread: run one job and queue it for the loop thread. */
+static void run_job(dsv4_executor_t *ex, dsv4_job_t *job) {
+  job->t_start_ns = now_ns();
+  job->next = NULL;
+  job->run(job);
+  finish_job(ex, job);
+}
+
+/* Executor thread: begin job (alone: nothing else in flight); returns it when it is in flight,
+ * else NULL (it finished, and is queued for the loop thread). */
+static dsv4_job_t *begin_job(dsv4_executor_t *ex, dsv4_job_t *job, int alone) {
+  int st = job->begin(job, alone);
+  if (st == DSV4_JOB_IN_FLIGHT)
+    return job;
+  finish_job(ex, job);
+  return NULL;
+}
+
+/*
+ * Executor thread: run a job that has begin/end. While one is in flight, the job that would run
+ * next begins beside it when it may (take_overlap), then the one in flight ends; a job that
+ * defers begins once the one in flight has ended. Returns with nothing in flight, so a drain
+ * finishes everything it began.
+ */
+static void run_overlapped(dsv4_executor_t *ex, dsv4_job_t *job) {
+  job->t_start_ns = now_ns();
+  job->next = NULL;
+  dsv4_job_t *fly = begin_job(ex, job, 1);
+  while (fly) {
+    pthread_mutex_lock(&ex->mu);
+    dsv4_job_t *nx = take_overlap(ex, fly);
+    pthread_mutex_unlock(&ex->mu);
+    dsv4_job_t *next_fly = NULL;
+    if (nx) {
+      nx->t_start_ns = now_ns();
+      nx->next = NULL;
+      int st = nx->begin(nx, 0);
+      if (st == DSV4_JOB_DEFER) {
+        fly->end(fly);
+        finish_job(ex, fly);
+        fly = NULL;
+        next_fly = begin_job(ex, nx, 1);
+      } else if (st == DSV4_JOB_IN_FLIGHT) {
+        next_fly = nx;
+      } else {
+        finish_job(ex, nx);
+      }
+    }
+    if (fly) {
+      fly->end(fly);
+      finish_job(ex, fly);
+    }
+    fly = next_fly;
+  }
 }
 
 uint32_t dsv4_executor_yield(dsv4_executor_t *ex, const dsv4_job_t *running) {
@@ -138,7 +207,10 @@ static void *executor_main(void *arg) {
       break; /* stopping and nothing left */
     dsv4_job_t *job = take_next(ex);
     pthread_mutex_unlock(&ex->mu);
-    run_job(ex, job);
+    if (job->begin)
+      run_overlapped(ex, job);
+    else
+      run_job(ex, job);
     run_tick(ex, now_ns());
     pthread_mutex_lock(&ex->mu);
   }

@@ -15,6 +15,12 @@
  *
  * A long prefill yields between its chunks (dsv4_executor_yield): the decodes waiting then run
  * inside it, each answered as soon as it finishes, so a decode waits at most one chunk.
+ *
+ * Overlap: a job with begin/end whose begin leaves it in flight stays so while the executor begins
+ * the job it would run next, when that one has begin/end too and shares no key with it; then the
+ * first one ends. So at most two are in flight, they end in the order they began, and the order
+ * of the jobs that share a key, decode-first and the answers in completion order are as without.
+ * Any other job (control, one sharing a key, one whose begin defers) waits for the end.
  */
 
 #include <stddef.h>
@@ -34,9 +40,25 @@ typedef enum {
   DSV4_JOB_CLASSES
 } dsv4_job_class_t;
 
+/* What a job's begin did (dsv4_job_t.begin). */
+enum {
+  DSV4_JOB_DONE = 0,  /* the job finished inside begin */
+  DSV4_JOB_IN_FLIGHT, /* end must follow */
+  DSV4_JOB_DEFER, /* (only with alone 0) it cannot begin beside the job in flight: nothing done */
+};
+
 struct dsv4_job {
   void (*run)(dsv4_job_t *job);  /* executor thread */
-  void (*done)(dsv4_job_t *job); /* loop thread, after run */
+  void (*done)(dsv4_job_t *job); /* loop thread, after run (or end) */
+  /*
+   * Optional, both or neither (executor thread): the job in two halves, so that the device works
+   * on one batch while the next is submitted (dsv4_engine_forward_begin). begin(job, alone)
+   * returns a DSV4_JOB_* value; alone is 0 when another job is in flight, which the executor ends
+   * (end) before it begins anything that does not overlap. run stays required: a yield runs jobs
+   * whole.
+   */
+  int (*begin)(dsv4_job_t *job, int alone);
+  void (*end)(dsv4_job_t *job);
   dsv4_job_t *next;
   dsv4_job_class_t cls;
   /* The sequences the job names (XXH3 of each name), owned by the job; none for a job that may

@@ -83,15 +83,9 @@ static void fwd_release(void *arg) {
   fwd_free(arg);
 }
 
-/* Executor thread. */
-static void fwd_run(dsv4_job_t *job) {
-  fwd_job_t *j = (fwd_job_t *)job;
+/* Executor thread: the error details of a finished batch. */
+static void fwd_after(fwd_job_t *j) {
   dsv4_engine_t *e = j->d->engine;
-  if (j->deadline_ns && job->t_start_ns > j->deadline_ns) {
-    j->rc = DSV4_EDEADLINE;
-    return;
-  }
-  j->rc = dsv4_engine_forward(e, &j->f);
   if (j->rc == DSV4_EPOSITION || j->rc == DSV4_EEXIST) {
     /* The expected next position of every segment's sequence at this layer. */
     int idx = dsv4_engine_layer_index(e, j->f.layer);
@@ -112,6 +106,40 @@ static void fwd_run(dsv4_job_t *job) {
     j->err_details = json_pack("{s:I,s:o}", "layer", (json_int_t)j->f.layer, "segments", exp);
     json_object_set_new(j->err_details, "segment", json_integer(j->f.error.segment));
   }
+}
+
+/* Executor thread. */
+static void fwd_run(dsv4_job_t *job) {
+  fwd_job_t *j = (fwd_job_t *)job;
+  if (j->deadline_ns && job->t_start_ns > j->deadline_ns) {
+    j->rc = DSV4_EDEADLINE;
+    return;
+  }
+  j->rc = dsv4_engine_forward(j->d->engine, &j->f);
+  fwd_after(j);
+}
+
+/* Executor thread: the batch's first half (dsv4_job_t.begin); it stays in flight when the engine
+ * overlaps it with the next batch. */
+static int fwd_begin(dsv4_job_t *job, int alone) {
+  fwd_job_t *j = (fwd_job_t *)job;
+  if (j->deadline_ns && job->t_start_ns > j->deadline_ns) {
+    j->rc = DSV4_EDEADLINE;
+    return DSV4_JOB_DONE;
+  }
+  if (!alone && !dsv4_engine_can_overlap(j->d->engine, &j->f))
+    return DSV4_JOB_DEFER;
+  j->rc = dsv4_engine_forward_begin(j->d->engine, &j->f);
+  if (!j->rc && j->f.in_flight)
+    return DSV4_JOB_IN_FLIGHT;
+  fwd_after(j);
+  return DSV4_JOB_DONE;
+}
+
+static void fwd_end(dsv4_job_t *job) {
+  fwd_job_t *j = (fwd_job_t *)job;
+  j->rc = dsv4_engine_forward_end(j->d->engine, &j->f);
+  fwd_after(j);
 }
 
 static const char *class_label(const dsv4_job_t *job) {
@@ -398,6 +426,8 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
   j->body = dsv4_req_take_body(req);
   j->job.run = fwd_run;
   j->job.done = fwd_done;
+  j->job.begin = fwd_begin;
+  j->job.end = fwd_end;
   dl = dsv4_req_header(req, "Dsv4d-Deadline-Ms");
   if (dl) {
     uint64_t ms, span = UINT64_MAX;
@@ -445,6 +475,8 @@ int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,
   memset(p, 0, sizeof(*p));
   j->job.run = fwd_run;
   j->job.done = fwd_done;
+  j->job.begin = fwd_begin;
+  j->job.end = fwd_end;
   j->deadline_ns = rf->deadline_ns;
   j->q_bytes = j->p.q_bytes;
   int rc = fwd_setup(d, j, why, why_len);

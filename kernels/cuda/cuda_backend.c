@@ -15,7 +15,8 @@
  * the copy-out of one piece overlaps the DMA of the next. Memory given to host_register (shared
  * regions, the daemon's page-locked pool of request bodies and answers) skips the staging: an
  * upload from it queues the DMA straight from the caller's bytes (which stay unchanged until the
- * next sync, backend.h), a download into it queues the DMA straight into them and waits for it.
+ * next sync, backend.h), a download into it queues the DMA straight into them and waits for it,
+ * and download_async only queues it (the bytes land by the next sync, which waits for the stream).
  * Pinned memory crosses PCIe several times faster than pageable memory (see tests/bench/NOTES.md,
  * "Figures formerly quoted in kernel comments", cuda_backend: pinned staging); large copies into
  * and out of it run on the host threads
@@ -71,6 +72,9 @@
  * registered but copies to and from it go through the staging. */
 #define MAX_REGISTERED 64
 #define ROPE_ROW_BYTES (DSV4_ROPE_ROW_FLOATS * sizeof(float))
+/* Completion slots of overlapped batches: at most two are in flight (backend.h); four leave room.
+ */
+#define BATCH_SLOTS 4
 
 typedef struct {
   const dsv4_rope_table_t *table;
@@ -111,6 +115,19 @@ typedef struct {
     size_t n;
   } reg[MAX_REGISTERED];
   int n_reg;
+  /* Overlapped batches (backend.h, DSV4_BE_OVERLAP): their uploads from registered memory on
+   * up_stream, their downloads into it on dn_stream, with events between those and the stream.
+   * phase is the DSV4_BATCH_* of the batch being submitted (0 outside one). */
+  cudaStream_t up_stream, dn_stream;
+  cudaEvent_t ev_alloc, ev_up, ev_kern;
+  int phase;
+  int alloc_pending; /* a buf_alloc's memset queued on the stream since the last batch's uploads */
+  uint64_t tickets;  /* batches submitted */
+  struct {
+    cudaEvent_t done;       /* recorded on dn_stream after the batch's downloads */
+    int has_err;            /* the batch's error word was copied into batch_err_host */
+  } slot[BATCH_SLOTS];      /* by ticket % BATCH_SLOTS */
+  uint32_t *batch_err_host; /* pinned [BATCH_SLOTS]: each batch's error word */
 } cuda_backend_t;
 
 static cuda_backend_t *cuda_of(dsv4_backend_t *be) {
@@ -329,11 +346,32 @@ static int mirror_get(cuda_backend_t *c, const dsv4_rope_table_t *t, rope_mirror
   return mirror_refresh(c, m);
 }
 
+/* The copy streams and events of overlapped batches (NULL members: not made). */
+static void overlap_destroy(cuda_backend_t *c) {
+  cudaStream_t st[2] = {c->up_stream, c->dn_stream};
+  for (int i = 0; i < 2; i++)
+    if (st[i])
+      (void)cudaStreamDestroy(st[i]);
+  cudaEvent_t ev[3] = {c->ev_alloc, c->ev_up, c->ev_kern};
+  for (int i = 0; i < 3; i++)
+    if (ev[i])
+      (void)cudaEventDestroy(ev[i]);
+  for (int k = 0; k < BATCH_SLOTS; k++)
+    if (c->slot[k].done)
+      (void)cudaEventDestroy(c->slot[k].done);
+  if (c->batch_err_host)
+    (void)cudaFreeHost(c->batch_err_host);
+}
+
 static void cuda_destroy(dsv4_backend_t *be) {
   cuda_backend_t *c = cuda_of(be);
   (void)cudaSetDevice(c->dev);
   if (c->stream)
     (void)cudaStreamSynchronize(c->stream);
+  if (c->up_stream)
+    (void)cudaStreamSynchronize(c->up_stream);
+  if (c->dn_stream)
+    (void)cudaStreamSynchronize(c->dn_stream);
   for (int i = 0; i < c->n_mirrors; i++)
     mirror_free(&c->mirrors[i]);
   for (int h = 0; h < 2; h++)
@@ -349,6 +387,7 @@ static void cuda_destroy(dsv4_backend_t *be) {
     (void)cudaFree(c->keys);
   if (c->stream)
     (void)cudaStreamDestroy(c->stream);
+  overlap_destroy(c);
   (void)cudaGetLastError();
   if (c->pool)
     dsv4_host_pool_destroy(c->pool);
@@ -373,6 +412,7 @@ static int cuda_buf_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
     (void)cudaFree(p);
     return rc;
   }
+  c->alloc_pending = 1; /* the next batch's uploads wait for the memset */
   out->ptr = p;
   out->size = size;
   return 0;
@@ -396,7 +436,15 @@ static int cuda_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off,
   if (!dst || !dst->ptr || off > dst->size || n > dst->size - off || (n && !src))
     return DSV4_EINVAL;
   int rc = use_device(c);
-  return rc ? rc : h2d(c, (uint8_t *)dst->ptr + off, src, n);
+  if (rc)
+    return rc;
+  /* A batch's upload from registered memory goes on the copy stream, beside the launches of the
+   * batch before; from other memory it goes through the staging on the stream, as ever, which
+   * orders it before the batch's launches too. */
+  if (c->phase == DSV4_BATCH_UPLOADS && n && registered(c, src, n))
+    return cu(
+        cudaMemcpyAsync((uint8_t *)dst->ptr + off, src, n, cudaMemcpyHostToDevice, c->up_stream));
+  return h2d(c, (uint8_t *)dst->ptr + off, src, n);
 }
 
 static int cuda_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
@@ -406,6 +454,26 @@ static int cuda_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src
     return DSV4_EINVAL;
   int rc = use_device(c);
   return rc ? rc : d2h(c, dst, (const uint8_t *)src->ptr + off, n);
+}
+
+/* A download that completes at the next sync (backend.h): into registered memory the DMA is only
+ * queued, so a batch's outputs cost one stream wait (the sync) instead of one each. Into other
+ * memory the bytes go through the staging and the call waits, as download does. */
+static int cuda_download_async(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                               size_t n) {
+  cuda_backend_t *c = cuda_of(be);
+  if (!src || !src->ptr || off > src->size || n > src->size - off || (n && !dst))
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  if (rc || n == 0)
+    return rc;
+  const uint8_t *s = (const uint8_t *)src->ptr + off;
+  /* In a batch's DOWNLOADS phase the copy stream, which waits for the batch's launches only.
+   * Into other memory the staging on the stream waits for them, as download does. */
+  if (registered(c, dst, n))
+    return cu(cudaMemcpyAsync(dst, s, n, cudaMemcpyDeviceToHost,
+                              c->phase == DSV4_BATCH_DOWNLOADS ? c->dn_stream : c->stream));
+  return d2h(c, dst, s, n);
 }
 
 /*
@@ -537,10 +605,79 @@ static int cuda_sync(dsv4_backend_t *be) {
                             c->stream));
   if (!rc)
     rc = cu(cudaStreamSynchronize(c->stream));
+  /* Every overlapped batch too, and one whose submission stopped part way (backend.h). */
+  if (!rc && c->up_stream)
+    rc = cu(cudaStreamSynchronize(c->up_stream));
+  if (!rc && c->dn_stream)
+    rc = cu(cudaStreamSynchronize(c->dn_stream));
+  c->phase = 0;
   if (!rc)
     stage_reset(c);
   if (!rc && attn)
     rc = attn_err_take(c);
+  return rc;
+}
+
+/*
+ * The phases of an overlapped batch (backend.h). UPLOADS: the copy stream first waits for the
+ * zeroing memsets of buffers allocated since (they run on the stream). LAUNCHES: the stream waits
+ * for the batch's uploads. DOWNLOADS: the batch's error word is copied aside on the stream and
+ * cleared for the next batch, then the download stream waits for the launches. SUBMITTED: the
+ * batch's completion event, after its downloads.
+ */
+static int cuda_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
+  cuda_backend_t *c = cuda_of(be);
+  if (phase != c->phase + 1 || phase > DSV4_BATCH_SUBMITTED ||
+      (phase == DSV4_BATCH_SUBMITTED && !ticket))
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  const int k = (int)((c->tickets + 1) % BATCH_SLOTS);
+  if (!rc && phase == DSV4_BATCH_UPLOADS && c->alloc_pending) {
+    rc = cu(cudaEventRecord(c->ev_alloc, c->stream));
+    if (!rc)
+      rc = cu(cudaStreamWaitEvent(c->up_stream, c->ev_alloc, 0));
+    c->alloc_pending = rc != 0;
+  }
+  if (!rc && phase == DSV4_BATCH_LAUNCHES) {
+    rc = cu(cudaEventRecord(c->ev_up, c->up_stream));
+    if (!rc)
+      rc = cu(cudaStreamWaitEvent(c->stream, c->ev_up, 0));
+  }
+  if (!rc && phase == DSV4_BATCH_DOWNLOADS) {
+    c->slot[k].has_err = c->attn_pending;
+    if (c->attn_pending) {
+      rc = cu(cudaMemcpyAsync(&c->batch_err_host[k], c->attn_err, sizeof(uint32_t),
+                              cudaMemcpyDeviceToHost, c->stream));
+      if (!rc)
+        rc = cu(cudaMemsetAsync(c->attn_err, 0, sizeof(uint32_t), c->stream));
+      c->attn_pending = 0;
+    }
+    if (!rc)
+      rc = cu(cudaEventRecord(c->ev_kern, c->stream));
+    if (!rc)
+      rc = cu(cudaStreamWaitEvent(c->dn_stream, c->ev_kern, 0));
+  }
+  if (!rc && phase == DSV4_BATCH_SUBMITTED) {
+    rc = cu(cudaEventRecord(c->slot[k].done, c->dn_stream));
+    if (!rc)
+      *ticket = ++c->tickets;
+  }
+  /* A failed phase leaves the batch to sync(), which waits for everything. */
+  c->phase = rc || phase == DSV4_BATCH_SUBMITTED ? 0 : phase;
+  return rc;
+}
+
+static int cuda_batch_wait(dsv4_backend_t *be, uint64_t ticket) {
+  cuda_backend_t *c = cuda_of(be);
+  if (ticket == 0 || ticket > c->tickets)
+    return DSV4_EINVAL;
+  const int k = (int)(ticket % BATCH_SLOTS);
+  int rc = use_device(c);
+  if (!rc)
+    rc = cu(cudaEventSynchronize(c->slot[k].done));
+  if (!rc && c->slot[k].has_err && c->batch_err_host[k])
+    rc = DSV4_EINVAL;
+  c->slot[k].has_err = 0;
   return rc;
 }
 
@@ -584,12 +721,17 @@ static void cuda_host_unregister(dsv4_backend_t *be, void *p) {
 
 static const dsv4_backend_ops_t cuda_ops = {
     .name = "cuda",
-    .caps = 0, /* device memory: the engine stages through upload/download */
+    /* Device memory: the engine stages through upload/download; batches may overlap (the copy
+     * streams are made at open, which clears the bit when DSV4_CUDA_NO_OVERLAP=1). */
+    .caps = DSV4_BE_OVERLAP,
     .destroy = cuda_destroy,
     .buf_alloc = cuda_buf_alloc,
     .buf_free = cuda_buf_free,
     .upload = cuda_upload,
     .download = cuda_download,
+    .download_async = cuda_download_async,
+    .batch_phase = cuda_batch_phase,
+    .batch_wait = cuda_batch_wait,
     .map_slots = cuda_map_slots,
     .qkv_insert = cuda_qkv_insert,
     .attention = cuda_attention,
@@ -609,6 +751,33 @@ static int fail(cuda_backend_t *c, cudaError_t e, const char *what, char *why, s
   if (c)
     cuda_destroy(&c->base);
   return rc;
+}
+
+/* The copy streams and events of overlapped batches, or none with DSV4_CUDA_NO_OVERLAP=1 (the
+ * engine then runs every batch alone, as a backend without DSV4_BE_OVERLAP). */
+static cudaError_t overlap_create(cuda_backend_t *c) {
+  const char *off = getenv("DSV4_CUDA_NO_OVERLAP");
+  cudaError_t e = cudaSuccess;
+  if (off && !strcmp(off, "1")) {
+    c->ops.caps &= ~(unsigned)DSV4_BE_OVERLAP;
+    c->ops.batch_phase = NULL;
+    c->ops.batch_wait = NULL;
+    return cudaSuccess;
+  }
+  if (e == cudaSuccess)
+    e = cudaStreamCreateWithFlags(&c->up_stream, cudaStreamNonBlocking);
+  if (e == cudaSuccess)
+    e = cudaStreamCreateWithFlags(&c->dn_stream, cudaStreamNonBlocking);
+  cudaEvent_t *ev[3] = {&c->ev_alloc, &c->ev_up, &c->ev_kern};
+  for (int i = 0; i < 3 && e == cudaSuccess; i++)
+    e = cudaEventCreateWithFlags(ev[i], cudaEventDisableTiming);
+  for (int k = 0; k < BATCH_SLOTS && e == cudaSuccess; k++)
+    e = cudaEventCreateWithFlags(&c->slot[k].done, cudaEventDisableTiming);
+  if (e == cudaSuccess)
+    e = cudaMallocHost((void **)&c->batch_err_host, BATCH_SLOTS * sizeof(uint32_t));
+  if (e == cudaSuccess)
+    memset(c->batch_err_host, 0, BATCH_SLOTS * sizeof(uint32_t));
+  return e;
 }
 
 int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
@@ -650,6 +819,8 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
       c->done[h] = NULL;
       return fail(c, e, "cudaEventCreateWithFlags", why, why_len);
     }
+  if ((e = overlap_create(c)) != cudaSuccess)
+    return fail(c, e, "overlap streams and events", why, why_len);
   c->pdl = dsv4__cuda_pdl_supported(c->dev);
   if (!dsv4__cuda_attention_supported(c->dev))
     c->ops.attention = NULL;

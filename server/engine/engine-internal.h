@@ -51,6 +51,15 @@ typedef struct {
   const float *w_store; /* the device copy of c_w_store */
 } dsv4__engine_c_view_t;
 
+/* A batch in flight (dsv4_engine_forward_begin on a DSV4_BE_OVERLAP backend): its backend ticket
+ * and when its submission ended (the commit's time). */
+typedef struct {
+  dsv4_forward_t *f;
+  uint64_t ticket;
+  uint64_t submitted_ns;
+  int half; /* the staging half it uses */
+} dsv4__engine_flight_t;
+
 struct dsv4_engine {
   dsv4_backend_t *be;
   dsv4_engine_params_t p;
@@ -77,8 +86,12 @@ struct dsv4_engine {
   /* Device copies of the batch's inputs and outputs for a backend without DSV4_BE_HOST_MEMORY
    * (engine.c), or NULL when jobs point straight at host memory. */
   struct dsv4__engine_stage *stage;
-  /* The spare scratch: the set a chunked batch parks its own in while it yields (engine.c). */
+  /* The spare scratch: the set a chunked batch parks its own in while it yields (engine.c), and
+   * where the older of two batches in flight keeps its own. */
   dsv4__engine_scratch_t spare;
+  /* The batches in flight: fly[0] with its scratch in the engine's fields, fly[1] (the older, when
+   * two are) with its scratch in spare; f NULL = none. */
+  dsv4__engine_flight_t fly[2];
   atomic_int healthy;
   /* The compressed branch (engine_compress.c). */
   uint32_t *c_ratio;             /* [n_served]: 4 or 128 where the branch runs, else 0 */

@@ -48,10 +48,14 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  * One buffer per argument, reused from batch to batch and grown on demand, except that the
  * positions and the slot mapper's five small arrays share one (ST_META): assembled on the host and
  * uploaded in one copy, they cost a batch one upload instead of six, and the producer reads one
- * allocation instead of six. Single buffers are enough under SPEC §5.2 only because
- * dsv4_engine_forward returns after the backend's sync(): no upload of batch k+1 is submitted
- * before every launch of batch k has completed, so nothing a launch still reads is overwritten.
- * Submitting a batch before the previous one's sync would need a second set (double buffering).
+ * allocation instead of six.
+ *
+ * Two sets (halves) of these buffers, the batches alternating between them. A batch that overlaps
+ * (dsv4_engine_forward_begin on a DSV4_BE_OVERLAP backend) is submitted while the one before may
+ * still run: its uploads may land while that batch's launches read their inputs, and its launches
+ * may write before that batch's downloads read their outputs, so the two must not share a set.
+ * Batch k + 2 begins only after batch k has ended (its downloads waited for), so two sets suffice.
+ * A batch that does not overlap runs alone and syncs before it returns, so any set would do.
  */
 enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_ATTN, ST_LSE, ST_COUNT };
 
@@ -89,10 +93,15 @@ static size_t meta_layout(size_t n, size_t nseg, size_t bt, size_t bytes[M_COUNT
   return total;
 }
 
-struct dsv4__engine_stage {
+typedef struct {
   dsv4_devbuf_t buf[ST_COUNT];
   uint8_t *meta; /* host: ST_META's bytes, assembled before the upload */
   size_t meta_cap;
+} stage_half_t;
+
+struct dsv4__engine_stage {
+  stage_half_t half[2];
+  int cur;               /* the half of the batch being begun */
   dsv4_devbuf_t kv_norm; /* [n_served][512] fp32, uploaded once; size 0 for prenormed */
   dsv4_devbuf_t sinks;   /* [n_served][heads] fp32, uploaded once; size 0 without a checkpoint */
   uint8_t *span;         /* host copy of up to one block, for the forward digest */
@@ -102,14 +111,16 @@ static void stage_destroy(dsv4_engine_t *e) {
   struct dsv4__engine_stage *s = e->stage;
   if (!s)
     return;
-  for (int i = 0; i < ST_COUNT; i++)
-    if (s->buf[i].ptr)
-      e->be->ops->buf_free(e->be, &s->buf[i]);
+  for (int h = 0; h < 2; h++) {
+    for (int i = 0; i < ST_COUNT; i++)
+      if (s->half[h].buf[i].ptr)
+        e->be->ops->buf_free(e->be, &s->half[h].buf[i]);
+    free(s->half[h].meta);
+  }
   if (s->kv_norm.ptr)
     e->be->ops->buf_free(e->be, &s->kv_norm);
   if (s->sinks.ptr)
     e->be->ops->buf_free(e->be, &s->sinks);
-  free(s->meta);
   free(s->span);
   free(s);
   e->stage = NULL;
@@ -146,7 +157,7 @@ static int stage_create(dsv4_engine_t *e) {
 /* Make staging buffer i hold at least bytes; the old contents are not kept. Growth doubles, so a
  * daemon whose batches grow slowly reallocates only a few times. */
 static int stage_reserve(dsv4_engine_t *e, int i, size_t bytes) {
-  dsv4_devbuf_t *b = &e->stage->buf[i];
+  dsv4_devbuf_t *b = &e->stage->half[e->stage->cur].buf[i];
   size_t want;
   if (b->ptr && b->size >= bytes)
     return 0;
@@ -166,7 +177,7 @@ static int stage_reserve(dsv4_engine_t *e, int i, size_t bytes) {
  * - 1, at most (126 + len) / bs + 2 blocks.
  */
 static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
-  struct dsv4__engine_stage *st = e->stage;
+  stage_half_t *st = &e->stage->half[e->stage->cur];
   size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
   size_t bt = 0, bytes[M_COUNT], off[M_COUNT];
   for (uint32_t s = 0; s < f->n_segs; s++)
@@ -200,7 +211,7 @@ static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
 
 /* Upload n bytes of host src into staging buffer i; *dev receives the buffer's device address. */
 static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, void **dev) {
-  dsv4_devbuf_t *b = &e->stage->buf[i];
+  dsv4_devbuf_t *b = &e->stage->half[e->stage->cur].buf[i];
   if (n > b->size)
     return DSV4_EINVAL; /* stage_reserve_batch's bound was wrong: never launch past a buffer */
   *dev = b->ptr;
@@ -230,70 +241,104 @@ static void fuse_args(dsv4_insert_args_t *ia, dsv4_attn_args_t *aa) {
   aa->eps = ia->eps;
 }
 
-/*
- * The device half of a batch (or of its chunk of tokens tok0..) on a staged backend: ma and ia
- * arrive pointing at host memory and are re-pointed at the staging buffers (the cache already lives
- * on the device). Order on the backend's queue: uploads, map_slots, qkv_insert, the compressed
- * branch's compress and indexer, attention, then the downloads, which return once their bytes are
- * in host memory, then sync.
- */
-static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t tok0,
-                     dsv4_map_args_t *ma, dsv4_insert_args_t *ia) {
+/* Download n bytes of staging buffer i into the caller's dst, completing by the next sync when the
+ * backend can defer it (backend.h): dst is then not read before that sync. */
+static int stage_get(dsv4_engine_t *e, int i, void *dst, size_t n) {
   const dsv4_backend_ops_t *ops = e->be->ops;
-  struct dsv4__engine_stage *s = e->stage;
-  size_t n = f->n_tokens, nseg = f->n_segs;
-  size_t q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  if (ops->download_async)
+    return ops->download_async(e->be, dst, &e->stage->half[e->stage->cur].buf[i], 0, n);
+  return ops->download(e->be, dst, &e->stage->half[e->stage->cur].buf[i], 0, n);
+}
+
+/* A phase of an overlapped batch (backend.h), or nothing for a batch that runs alone. */
+static int stage_phase(dsv4_engine_t *e, const uint64_t *ticket, int phase, uint64_t *out) {
+  return ticket ? e->be->ops->batch_phase(e->be, phase, out) : 0;
+}
+
+/* The batch's inputs into the current half: the packed metadata, q and kv; ma and ia are
+ * re-pointed at the copies, and *m receives the device address of the packed metadata. */
+static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, dsv4_map_args_t *ma,
+                        dsv4_insert_args_t *ia, const uint8_t **m, size_t off[M_COUNT]) {
+  stage_half_t *h = &e->stage->half[e->stage->cur];
+  size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
   void *d = NULL;
-  uint64_t t0 = mono_ns(), t1, t2;
   /* The slot mapper's arrays and the positions, packed (see ST_META), in one upload. */
-  size_t bytes[M_COUNT], off[M_COUNT], meta = meta_layout(n, nseg, e->plan.bt_len, bytes, off);
+  size_t bytes[M_COUNT], meta = meta_layout(n, f->n_segs, e->plan.bt_len, bytes, off);
   const void *src[M_COUNT] = {ma->positions,  ma->tok_seg,     ma->seg_first_lb, ma->seg_bt_off,
                               ma->seg_bt_len, ma->block_table, e->seg_p0};
-  if (meta > s->meta_cap)
+  if (meta > h->meta_cap)
     return DSV4_EINVAL; /* stage_reserve_batch's bound was wrong: never write past the buffer */
   for (int i = 0; i < M_COUNT; i++)
     if (bytes[i])
-      memcpy(s->meta + off[i], src[i], bytes[i]);
-  int rc = stage_put(e, ST_META, s->meta, meta, &d);
+      memcpy(h->meta + off[i], src[i], bytes[i]);
+  int rc = stage_put(e, ST_META, h->meta, meta, &d);
   if (rc)
     return rc;
-  const uint8_t *m = d;
-  ma->positions = ia->positions = (const int64_t *)(m + off[M_POSITIONS]);
-  ma->tok_seg = (const int32_t *)(m + off[M_TOK_SEG]);
-  ma->seg_first_lb = (const int64_t *)(m + off[M_SEG_FIRST_LB]);
-  ma->seg_bt_off = (const uint32_t *)(m + off[M_SEG_BT_OFF]);
-  ma->seg_bt_len = (const uint32_t *)(m + off[M_SEG_BT_LEN]);
-  ma->block_table = (const int32_t *)(m + off[M_BLOCK_TABLE]);
+  *m = d;
+  ma->positions = ia->positions = (const int64_t *)(*m + off[M_POSITIONS]);
+  ma->tok_seg = (const int32_t *)(*m + off[M_TOK_SEG]);
+  ma->seg_first_lb = (const int64_t *)(*m + off[M_SEG_FIRST_LB]);
+  ma->seg_bt_off = (const uint32_t *)(*m + off[M_SEG_BT_OFF]);
+  ma->seg_bt_len = (const uint32_t *)(*m + off[M_SEG_BT_LEN]);
+  ma->block_table = (const int32_t *)(*m + off[M_BLOCK_TABLE]);
   rc = stage_put(e, ST_Q, f->q, q_bytes, &d);
   ia->q = d;
   if (!rc)
     rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), &d);
   ia->kv = d;
-  if (rc)
-    return rc;
-  ma->slots = s->buf[ST_SLOTS].ptr;
-  ia->slots = s->buf[ST_SLOTS].ptr;
-  ia->q_out = s->buf[ST_Q_OUT].ptr;
-  ia->kv_norm_weight =
-      e->kv_norm ? (const float *)s->kv_norm.ptr + (size_t)idx * DSV4_HEAD_DIM : NULL;
+  ma->slots = h->buf[ST_SLOTS].ptr;
+  ia->slots = h->buf[ST_SLOTS].ptr;
+  ia->q_out = h->buf[ST_Q_OUT].ptr;
+  return rc;
+}
+
+/*
+ * The device half of a batch (or of its chunk of tokens tok0..) on a staged backend: ma and ia
+ * arrive pointing at host memory and are re-pointed at the staging buffers (the cache already lives
+ * on the device). Order on the backend's queue: uploads, map_slots, qkv_insert, the compressed
+ * branch's compress and indexer, attention, then the downloads, which complete by the sync.
+ *
+ * With ticket (an overlapped batch, on a DSV4_BE_OVERLAP backend) the same calls go in the
+ * backend's batch phases and nothing is waited for: *ticket receives the batch's completion point,
+ * and dsv4_engine_forward_end waits for it. A failure part way syncs, as a batch alone does, so
+ * that nothing of the batch is still queued when the caller hears of it.
+ */
+static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t tok0,
+                     dsv4_map_args_t *ma, dsv4_insert_args_t *ia, uint64_t *ticket) {
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  struct dsv4__engine_stage *s = e->stage;
+  stage_half_t *h = &s->half[s->cur];
+  size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  uint64_t t0 = mono_ns(), t1, t2;
+  size_t off[M_COUNT];
+  const uint8_t *m = NULL;
+  int rc = stage_phase(e, ticket, DSV4_BATCH_UPLOADS, NULL);
+  if (!rc)
+    rc = stage_inputs(e, f, ma, ia, &m, off);
   dsv4_attn_args_t aa;
-  dsv4__engine_attn_args(e, idx, f, ma, &aa);
-  aa.q = ia->q_out;
-  aa.seg_p0 = (const int64_t *)(m + off[M_SEG_P0]);
-  aa.cache = e->cache[idx].ptr;
-  aa.sink = e->sinks ? (const float *)s->sinks.ptr + (size_t)idx * e->p.heads : NULL;
-  aa.out = s->buf[ST_ATTN].ptr;
-  aa.lse = f->lse ? s->buf[ST_LSE].ptr : NULL;
-  /* The compressed branch's inputs (engine_compress.c), and its part of the attention. */
-  rc = dsv4__engine_c_stage_put(e, idx, f, ma->positions, ma->tok_seg, aa.seg_p0);
-  if (rc)
-    return rc;
-  dsv4__engine_c_attn_args(e, idx, f, &aa);
-  const int fused = fused_decode(e, f);
+  if (!rc) {
+    ia->kv_norm_weight =
+        e->kv_norm ? (const float *)s->kv_norm.ptr + (size_t)idx * DSV4_HEAD_DIM : NULL;
+    dsv4__engine_attn_args(e, idx, f, ma, &aa);
+    aa.q = ia->q_out;
+    aa.seg_p0 = (const int64_t *)(m + off[M_SEG_P0]);
+    aa.cache = e->cache[idx].ptr;
+    aa.sink = e->sinks ? (const float *)s->sinks.ptr + (size_t)idx * e->p.heads : NULL;
+    aa.out = h->buf[ST_ATTN].ptr;
+    aa.lse = f->lse ? h->buf[ST_LSE].ptr : NULL;
+    /* The compressed branch's inputs (engine_compress.c), and its part of the attention. */
+    rc = dsv4__engine_c_stage_put(e, idx, f, ma->positions, ma->tok_seg, aa.seg_p0);
+  }
+  if (!rc)
+    dsv4__engine_c_attn_args(e, idx, f, &aa);
+  const int fused = !rc && fused_decode(e, f);
   if (fused)
     fuse_args(ia, &aa);
   t1 = mono_ns();
-  rc = ops->map_slots(e->be, ma);
+  if (!rc)
+    rc = stage_phase(e, ticket, DSV4_BATCH_LAUNCHES, NULL);
+  if (!rc)
+    rc = ops->map_slots(e->be, ma);
   if (!rc)
     rc = ops->qkv_insert(e->be, ia);
   /* SPEC §8.4: the batch's emissions before its indexer and its attention. */
@@ -304,18 +349,28 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   if (!rc && f->attn)
     rc = ops->attention(e->be, &aa);
   t2 = mono_ns();
-  if (!rc && f->attn)
-    rc = ops->download(e->be, f->attn, &s->buf[ST_ATTN], 0, q_bytes);
-  if (!rc && f->lse)
-    rc = ops->download(e->be, f->lse, &s->buf[ST_LSE], 0, n * e->p.heads * sizeof(float));
-  if (!rc && !fused)
-    rc = ops->download(e->be, f->q_out, &s->buf[ST_Q_OUT], 0, q_bytes);
+  /* The outputs land by the batch's sync (or its batch_wait): nothing reads them before. */
   if (!rc)
-    rc = ops->download(e->be, f->slots, &s->buf[ST_SLOTS], 0, n * sizeof(int64_t));
+    rc = stage_phase(e, ticket, DSV4_BATCH_DOWNLOADS, NULL);
+  if (!rc && f->attn)
+    rc = stage_get(e, ST_ATTN, f->attn, q_bytes);
+  if (!rc && f->lse)
+    rc = stage_get(e, ST_LSE, f->lse, n * e->p.heads * sizeof(float));
+  if (!rc && !fused)
+    rc = stage_get(e, ST_Q_OUT, f->q_out, q_bytes);
+  if (!rc)
+    rc = stage_get(e, ST_SLOTS, f->slots, n * sizeof(int64_t));
   if (!rc)
     rc = dsv4__engine_c_stage_get(e, idx, f);
   if (!rc)
-    rc = ops->sync(e->be);
+    rc = stage_phase(e, ticket, DSV4_BATCH_SUBMITTED, ticket);
+  /* Also after a failed submission: the copies already queued complete before it returns, so the
+   * caller's buffers are never written after the batch has been answered. */
+  if (rc || !ticket) {
+    int sync_rc = ops->sync(e->be);
+    if (!rc)
+      rc = sync_rc;
+  }
   f->timing.staged = 1;
   f->timing.upload_ns += t1 - t0;
   f->timing.launch_ns += t2 - t1;
@@ -734,8 +789,10 @@ static int forward_plan(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint64_t n
 }
 
 /* Forward pass 4, the kernels: slot map, then norm/RoPE/insert, then attention when asked, on the
- * backend or its staging. f is the batch, or a view of tokens t0 .. t0 + f->n_tokens - 1 of it. */
-static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint32_t t0) {
+ * backend or its staging. f is the batch, or a view of tokens t0 .. t0 + f->n_tokens - 1 of it.
+ * With ticket (staged only) the batch is left in flight (stage_run). */
+static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint32_t t0,
+                           uint64_t *ticket) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   uint32_t n = f->n_tokens;
   dsv4_map_args_t ma = {
@@ -770,7 +827,7 @@ static int forward_kernels(dsv4_engine_t *e, int idx, dsv4_forward_t *f, uint32_
       .stride = e->stride,
   };
   if (e->stage)
-    return stage_run(e, (uint32_t)idx, f, t0, &ma, &ia);
+    return stage_run(e, (uint32_t)idx, f, t0, &ma, &ia, ticket);
   dsv4_attn_args_t aa;
   dsv4__engine_attn_args(e, (uint32_t)idx, f, &ma, &aa);
   dsv4__engine_c_attn_args(e, (uint32_t)idx, f, &aa);
@@ -846,9 +903,14 @@ static void scratch_swap(dsv4_engine_t *e) {
  * counted apart from the batch's own stages. */
 static void batch_yield(dsv4_engine_t *e, dsv4_forward_t *f) {
   uint64_t y0 = mono_ns();
+  /* The batches run in the hook alternate the staging halves too; this one keeps its own, which
+   * stage_reserve_batch sized for it (each of its chunks syncs before the hook runs). */
+  const int half = e->stage ? e->stage->cur : 0;
   scratch_swap(e);
   f->yield(f->yield_arg);
   scratch_swap(e);
+  if (e->stage)
+    e->stage->cur = half;
   f->timing.yield_ns += mono_ns() - y0;
 }
 
@@ -864,7 +926,7 @@ static int forward_chunks(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   const size_t q_row = (size_t)e->p.heads * DSV4_HEAD_DIM;
   if (!f->yield || chunk == 0 || n <= chunk) {
     f->chunks = 1;
-    return forward_kernels(e, idx, f, 0);
+    return forward_kernels(e, idx, f, 0, NULL);
   }
   for (uint32_t t0 = 0; t0 < n; t0 += chunk) {
     if (t0) {
@@ -882,7 +944,7 @@ static int forward_chunks(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     v.attn = f->attn ? f->attn + t0 * q_row : NULL;
     v.lse = f->lse ? f->lse + (size_t)t0 * e->p.heads : NULL;
     dsv4__engine_c_view(e, (uint32_t)idx, f, t0, &v);
-    int rc = forward_kernels(e, idx, &v, t0);
+    int rc = forward_kernels(e, idx, &v, t0, NULL);
     f->timing = v.timing;
     f->chunks++;
     if (rc)
@@ -908,7 +970,42 @@ static int forward_digest(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   return rc;
 }
 
-int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
+int dsv4_engine_can_overlap(const dsv4_engine_t *e, const dsv4_forward_t *f) {
+  int idx = dsv4_engine_layer_index(e, f->layer);
+  if (!e->stage || !(e->be->ops->caps & DSV4_BE_OVERLAP) || idx < 0)
+    return 0;
+  /* The digest reads the cache right after the batch, and the compressed branch's staging is one
+   * set: such batches run alone. So does a batch that runs in chunks (it yields between them). */
+  if (f->want_digest || (e->c_ratio && e->c_ratio[idx]))
+    return 0;
+  uint32_t chunk = e->p.prefill_chunk_tokens;
+  return !(f->yield && chunk && f->n_tokens > chunk);
+}
+
+/* SPEC §4: never serve from a partly written state. Drop the batch's sequences (plan is where its
+ * scratch is) and, unless the batch was only refused by the device's checks, stop serving. */
+static int forward_failed(dsv4_engine_t *e, dsv4_forward_t *f, dsv4_plan_t *plan, int rc) {
+  collect_dropped(f);
+  dsv4_seqtable_fail(e->st, plan);
+  if (rc != DSV4_EINVAL)
+    atomic_store(&e->healthy, 0);
+  return DSV4_EBACKEND;
+}
+
+/* The batch in flight whose scratch is the engine's own moves to the spare set, so that the next
+ * batch may plan; 0, or DSV4_EINVAL when two are in flight already. */
+static int flight_park(dsv4_engine_t *e) {
+  if (!e->fly[0].f)
+    return 0;
+  if (e->fly[1].f)
+    return DSV4_EINVAL;
+  scratch_swap(e);
+  e->fly[1] = e->fly[0];
+  memset(&e->fly[0], 0, sizeof(e->fly[0]));
+  return 0;
+}
+
+int dsv4_engine_forward_begin(dsv4_engine_t *e, dsv4_forward_t *f) {
   int idx = dsv4_engine_layer_index(e, f->layer);
   uint64_t t0 = mono_ns(), t1, t2, t3;
   int rc;
@@ -916,10 +1013,25 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
   memset(&f->timing, 0, sizeof(f->timing));
   f->replayed = 0;
   f->chunks = 0;
+  f->in_flight = 0;
   if (idx < 0)
     return DSV4_ELAYER;
+  const int overlap = dsv4_engine_can_overlap(e, f);
+  if ((e->fly[0].f || e->fly[1].f) && !overlap)
+    return DSV4_EINVAL; /* the caller ends the batches in flight first */
   if (!atomic_load(&e->healthy))
     return DSV4_EBACKEND;
+  rc = flight_park(e);
+  if (rc)
+    return rc;
+#ifndef DSV4_TEST_BROKEN_ONE_STAGING_HALF
+  /* The half the batch in flight (parked in fly[1]) does not use, else the other one. */
+  if (e->stage)
+    e->stage->cur = e->fly[1].f ? !e->fly[1].half : !e->stage->cur;
+#else
+    /* Test-only breakage (tests/unit/inv_overlap.c): every batch stages through one half, so an
+     * overlapped batch overwrites the buffers of the batch in flight before its downloads ran. */
+#endif
 
   rc = forward_validate(e, idx, f);
   if (rc)
@@ -933,24 +1045,64 @@ int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
     return rc;
   t2 = mono_ns();
   f->timing.plan_ns = t2 - t1;
-  rc = forward_chunks(e, idx, f);
+  uint64_t ticket = 0;
+  if (overlap) {
+    f->chunks = 1;
+    rc = forward_kernels(e, idx, f, 0, &ticket);
+  } else {
+    rc = forward_chunks(e, idx, f);
+  }
   t3 = mono_ns();
   f->timing.kernel_ns = t3 - t2 - (f->timing.yield_ns - yield_validate);
+  if (!rc && overlap) {
+    e->fly[0] = (dsv4__engine_flight_t){f, ticket, t3, e->stage->cur};
+    f->in_flight = 1;
+    return 0;
+  }
   if (!rc && f->want_digest) {
     rc = forward_digest(e, idx, f);
     f->timing.digest_ns = mono_ns() - t3;
   }
-  if (rc) {
-    /* SPEC §4: never serve from a partly written state. Drop the batch's sequences. */
-    collect_dropped(f);
-    dsv4_seqtable_fail(e->st, &e->plan);
-    if (rc != DSV4_EINVAL)
-      atomic_store(&e->healthy, 0);
-    return DSV4_EBACKEND;
-  }
+  if (rc)
+    return forward_failed(e, f, &e->plan, rc);
   f->replayed = e->plan.replay;
   dsv4_seqtable_commit(e->st, &e->plan, t3);
   return 0;
+}
+
+int dsv4_engine_forward_end(dsv4_engine_t *e, dsv4_forward_t *f) {
+  int k = e->fly[1].f == f ? 1 : 0;
+  if (!f->in_flight || e->fly[k].f != f)
+    return DSV4_EINVAL;
+  /* The older batch first: the backend's tickets are waited for in submission order. */
+  if (k == 0 && e->fly[1].f)
+    return DSV4_EINVAL;
+  dsv4_plan_t *plan = k ? &e->spare.plan : &e->plan;
+  uint64_t w0 = mono_ns();
+  int rc = e->be->ops->batch_wait(e->be, e->fly[k].ticket);
+  uint64_t w1 = mono_ns();
+  f->timing.download_ns += w1 - w0;
+  f->timing.kernel_ns += w1 - w0;
+  f->in_flight = 0;
+  const uint64_t done_ns = e->fly[k].submitted_ns;
+  memset(&e->fly[k], 0, sizeof(e->fly[k]));
+  /* A batch that failed after this one was submitted may have left the device broken. */
+  if (!rc && !atomic_load(&e->healthy))
+    rc = DSV4_EBACKEND;
+  if (rc)
+    return forward_failed(e, f, plan, rc);
+  f->replayed = plan->replay;
+  dsv4_seqtable_commit(e->st, plan, done_ns);
+  return 0;
+}
+
+int dsv4_engine_in_flight(const dsv4_engine_t *e) {
+  return (e->fly[0].f != NULL) + (e->fly[1].f != NULL);
+}
+
+int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f) {
+  int rc = dsv4_engine_forward_begin(e, f);
+  return !rc && f->in_flight ? dsv4_engine_forward_end(e, f) : rc;
 }
 
 void dsv4_forward_release(dsv4_forward_t *f) {

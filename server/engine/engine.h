@@ -64,8 +64,11 @@ typedef struct {
   uint64_t kernel_ns;
   uint64_t digest_ns;
   /* On a backend with device memory (staged), kernel_ns split in three: the uploads (host copies
-   * into the backend's staging and the queued transfers), the two launches, and the downloads of
-   * q_out and slots with the final sync (they wait for the device to finish). */
+   * into the backend's staging and the queued transfers), the launches, and the downloads (queued
+   * to complete at the batch's one sync) with that sync, which waits for the device to finish.
+   * For a batch that overlapped (dsv4_engine_forward_begin left it in flight), download_ns is the
+   * queuing of its downloads plus the time dsv4_engine_forward_end waited for it: host time spent
+   * on the batch, not the device's, which ran partly behind the batch before it. */
   int staged;
   uint64_t upload_ns;
   uint64_t launch_ns;
@@ -127,6 +130,8 @@ typedef struct {
   char **dropped;          /* on DSV4_EBACKEND: names of the dropped sequences (malloc'd) */
   uint32_t n_dropped;
   dsv4_engine_timing_t timing;
+  /* Set by dsv4_engine_forward_begin when the batch was left in flight. */
+  int in_flight;
 } dsv4_forward_t;
 
 int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char *why,
@@ -139,6 +144,25 @@ void dsv4_engine_destroy(dsv4_engine_t *e);
  * the device failed (every sequence of the batch dropped, names in f->dropped).
  */
 int dsv4_engine_forward(dsv4_engine_t *e, dsv4_forward_t *f);
+
+/*
+ * The same in two halves, so that batches overlap on a backend that can (DSV4_BE_OVERLAP): one
+ * batch's copies run while another's kernels do. dsv4_engine_forward_begin validates, plans and
+ * either runs the batch to its end, answering as dsv4_engine_forward, or submits it and returns 0
+ * with f->in_flight set; dsv4_engine_forward_end(f) then waits for it and answers for it (0, or
+ * DSV4_EBACKEND with its sequences dropped). While a batch is in flight only a batch for which
+ * dsv4_engine_can_overlap holds may begin (any other is refused with DSV4_EINVAL and changes
+ * nothing), and it must name none of the in-flight batch's sequences (the caller's keys); at most
+ * two are in flight, and they end in the order they began. Nothing else may use the engine
+ * (delete, expiry, admin reads, a yield hook's batches) while a batch is in flight.
+ */
+int dsv4_engine_forward_begin(dsv4_engine_t *e, dsv4_forward_t *f);
+int dsv4_engine_forward_end(dsv4_engine_t *e, dsv4_forward_t *f);
+/* Whether f may overlap: the backend can, the batch wants no digest, its layer runs no compressed
+ * branch and it does not run in chunks. */
+int dsv4_engine_can_overlap(const dsv4_engine_t *e, const dsv4_forward_t *f);
+/* Batches in flight (0, 1 or 2). */
+int dsv4_engine_in_flight(const dsv4_engine_t *e);
 
 /*
  * Whether a batch of model layer `layer` may ask for attention in `mode` (DSV4_ATTENTION_*): 0, or

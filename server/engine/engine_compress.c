@@ -276,8 +276,12 @@ int dsv4__engine_c_stage_get(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f) 
   uint32_t r = e->c_ratio ? e->c_ratio[idx] : 0;
   if (r != 4 || !e->cstage || !f->topk)
     return 0;
-  return e->be->ops->download(e->be, f->topk, &e->cstage->buf[CS_SEL], 0,
-                              (size_t)f->n_tokens * e->p.model->index_topk * sizeof(int32_t));
+  /* Read by the caller only, after the batch's sync: the copy may complete there. */
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  int (*get)(dsv4_backend_t *, void *, const dsv4_devbuf_t *, size_t, size_t) =
+      ops->download_async ? ops->download_async : ops->download;
+  return get(e->be, f->topk, &e->cstage->buf[CS_SEL], 0,
+             (size_t)f->n_tokens * e->p.model->index_topk * sizeof(int32_t));
 }
 
 /* Which served layers run the branch; returns the floats their weights need (0: none runs). */

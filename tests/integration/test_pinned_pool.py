@@ -21,7 +21,7 @@ HEADS = 8
 BS = 64
 MIB = 1 << 20
 # Backends with a host_register hook: the daemon registers its pool with them.
-POOL_BACKENDS = ("cuda", "cpu_staged")
+POOL_BACKENDS = ("cuda", "cpu_staged", "cpu_staged_overlap")
 
 
 def pool_on():

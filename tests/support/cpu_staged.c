@@ -15,6 +15,8 @@
  * host load or store through one faults instead of silently reading the right bytes. */
 #define DEV_BASE ((uintptr_t)0xdead000000000000ull)
 #define DEV_ALIGN ((uintptr_t)4096)
+/* What dst holds between a download_async and the sync that delivers it. */
+#define DEFERRED_POISON 0xa5
 
 typedef struct {
   uintptr_t dev;
@@ -27,6 +29,23 @@ typedef struct {
   size_t n;
 } host_range_t;
 
+/* A download_async not yet delivered: the source bytes as they were when it was queued, copied
+ * into dst by the next sync. */
+typedef struct {
+  void *dst;
+  void *bytes;
+  size_t n;
+} deferred_t;
+
+/* A download_async of a batch's DOWNLOADS phase (overlap mode): src is read when the batch is
+ * waited for, the latest moment backend.h allows, so a later batch that wrote it first shows. */
+typedef struct {
+  void *dst;
+  dsv4_devbuf_t src;
+  size_t off, n;
+  uint64_t ticket; /* 0 until the batch's SUBMITTED phase */
+} late_read_t;
+
 typedef struct {
   dsv4_backend_t base; /* first */
   dsv4_backend_t *inner;
@@ -36,6 +55,13 @@ typedef struct {
   uintptr_t next_dev;
   host_range_t *ranges;
   size_t n_ranges, cap_ranges;
+  deferred_t *deferred;
+  size_t n_deferred, cap_deferred;
+  /* Overlap mode (cpu_staged_overlap): the batch phase, the reads not yet made, the tickets. */
+  int phase;
+  late_read_t *late;
+  size_t n_late, cap_late;
+  uint64_t next_ticket, waited_ticket;
   dsv4_test_cpu_staged_stats_t stats;
   /* Host scratch of the fused decode path's stand-in (q_out the CPU backend computes and drops). */
   uint16_t *q_scratch;
@@ -67,6 +93,18 @@ static staged_buf_t *find_buf(staged_t *s, const dsv4_devbuf_t *d) {
 
 static void st_destroy(dsv4_backend_t *be) {
   staged_t *s = staged_of(be);
+  /* For the integration tests, which see the daemon only from outside: how many batches overlapped
+   * another, appended to the file DSV4_TEST_STAGED_STATS names. */
+  const char *path = getenv("DSV4_TEST_STAGED_STATS");
+  FILE *fp = path && s->ops.batch_phase ? fopen(path, "a") : NULL;
+  if (fp) {
+    fprintf(fp, "overlapped %zu\n", s->stats.overlapped);
+    fclose(fp);
+  }
+  for (size_t i = 0; i < s->n_deferred; i++)
+    free(s->deferred[i].bytes);
+  free(s->deferred);
+  free(s->late);
   for (size_t i = 0; i < s->n_bufs; i++)
     s->inner->ops->buf_free(s->inner, &s->bufs[i].real);
   dsv4_backend_close(s->inner);
@@ -195,6 +233,137 @@ static int st_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
   s->stats.downloads++;
   s->stats.registered_downloads += n && registered(s, dst, n);
   return s->inner->ops->download(s->inner, dst, &b->real, off, n);
+}
+
+static int late_queue(staged_t *s, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n) {
+  if (s->n_late == s->cap_late) {
+    size_t cap = s->cap_late ? 2 * s->cap_late : 8;
+    late_read_t *nl = realloc(s->late, cap * sizeof(*nl));
+    if (!nl)
+      return DSV4_ENOMEM;
+    s->late = nl;
+    s->cap_late = cap;
+  }
+  s->late[s->n_late++] = (late_read_t){dst, *src, off, n, 0};
+  memset(dst, DEFERRED_POISON, n);
+  s->stats.async_downloads++;
+  s->stats.registered_downloads += registered(s, dst, n);
+  return 0;
+}
+
+/* Make the reads of batch ticket (every batch's when ticket is 0), in queue order. A source freed
+ * since is a bug of the caller: it fails the wait. */
+static int late_deliver(staged_t *s, uint64_t ticket) {
+  size_t kept = 0;
+  int rc = 0;
+  for (size_t i = 0; i < s->n_late; i++) {
+    late_read_t *r = &s->late[i];
+    if (ticket && r->ticket != ticket) {
+      s->late[kept++] = *r;
+      continue;
+    }
+    staged_buf_t *b = find_buf(s, &r->src);
+    if (!b) {
+      fprintf(stderr, "cpu_staged: a batch's download source was freed before its wait\n");
+      rc = DSV4_EBACKEND;
+      continue;
+    }
+    int drc = s->inner->ops->download(s->inner, r->dst, &b->real, r->off, r->n);
+    if (!rc)
+      rc = drc;
+  }
+  s->n_late = kept;
+  return rc;
+}
+
+static int st_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
+  staged_t *s = staged_of(be);
+  if (phase < DSV4_BATCH_UPLOADS || phase > DSV4_BATCH_SUBMITTED || phase != s->phase % 4 + 1)
+    return DSV4_EINVAL;
+  if (phase == DSV4_BATCH_SUBMITTED) {
+    if (!ticket)
+      return DSV4_EINVAL;
+    /* backend.h: at most two batches between their submission and their wait. */
+    if (s->next_ticket - s->waited_ticket >= 2) {
+      fprintf(stderr, "cpu_staged: a third batch submitted before the first was waited for\n");
+      abort();
+    }
+    /* One batch still in flight: this one overlaps it. */
+    s->stats.overlapped += s->next_ticket - s->waited_ticket == 1;
+    *ticket = ++s->next_ticket;
+    for (size_t i = 0; i < s->n_late; i++)
+      if (!s->late[i].ticket)
+        s->late[i].ticket = *ticket;
+    s->phase = 0;
+    return 0;
+  }
+  s->phase = phase;
+  return 0;
+}
+
+static int st_batch_wait(dsv4_backend_t *be, uint64_t ticket) {
+  staged_t *s = staged_of(be);
+  /* A sync since the batch was submitted has waited for it already. */
+  if (ticket && ticket <= s->waited_ticket)
+    return 0;
+  if (ticket != s->waited_ticket + 1 || ticket > s->next_ticket) {
+    fprintf(stderr, "cpu_staged: batch %llu waited for out of order\n", (unsigned long long)ticket);
+    abort();
+  }
+  s->waited_ticket = ticket;
+  s->stats.batch_waits++;
+  int rc = s->inner->ops->sync(s->inner);
+  int lrc = late_deliver(s, ticket);
+  return rc ? rc : lrc;
+}
+
+/*
+ * As a device's copy engine: the bytes are read now (later work on the queue may overwrite them)
+ * and reach dst at the next sync. Until then dst holds DEFERRED_POISON, so a caller that reads it
+ * early sees bytes no backend computes instead of, by luck, the right ones.
+ */
+static int st_download_async(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
+                             size_t n) {
+  staged_t *s = staged_of(be);
+  staged_buf_t *b = find_buf(s, src);
+  if (!b || off > src->size || n > src->size - off || (n && !dst))
+    return DSV4_EINVAL;
+  if (n && to_host(s, dst, 0))
+    return DSV4_EINVAL;
+  if (n == 0)
+    return 0;
+  if (s->phase == DSV4_BATCH_DOWNLOADS)
+    return late_queue(s, dst, src, off, n);
+  if (s->n_deferred == s->cap_deferred) {
+    size_t cap = s->cap_deferred ? 2 * s->cap_deferred : 8;
+    deferred_t *nd = realloc(s->deferred, cap * sizeof(*nd));
+    if (!nd)
+      return DSV4_ENOMEM;
+    s->deferred = nd;
+    s->cap_deferred = cap;
+  }
+  void *bytes = malloc(n);
+  if (!bytes)
+    return DSV4_ENOMEM;
+  int rc = s->inner->ops->download(s->inner, bytes, &b->real, off, n);
+  if (rc) {
+    free(bytes);
+    return rc;
+  }
+  s->deferred[s->n_deferred++] = (deferred_t){dst, bytes, n};
+  memset(dst, DEFERRED_POISON, n);
+  s->stats.async_downloads++;
+  s->stats.registered_downloads += registered(s, dst, n);
+  return 0;
+}
+
+/* Deliver every queued download_async, in queue order. */
+static void deferred_deliver(staged_t *s) {
+  for (size_t i = 0; i < s->n_deferred; i++) {
+    memcpy(s->deferred[i].dst, s->deferred[i].bytes, s->deferred[i].n);
+    free(s->deferred[i].bytes);
+  }
+  s->n_deferred = 0;
 }
 
 /* Translate field f of a launch (n bytes from it); a field that is not inside a buffer refuses the
@@ -372,7 +541,14 @@ static int st_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
 static int st_sync(dsv4_backend_t *be) {
   staged_t *s = staged_of(be);
   s->stats.syncs++;
-  return s->inner->ops->sync(s->inner);
+  int rc = s->inner->ops->sync(s->inner);
+  /* The copies were queued before the work that failed, if any: a device delivers them too. */
+  deferred_deliver(s);
+  int lrc = late_deliver(s, 0);
+  /* sync() waits for every batch: a batch cut short in its submission ends here. */
+  s->phase = 0;
+  s->waited_ticket = s->next_ticket;
+  return rc ? rc : lrc;
 }
 
 static void st_host_parallel(dsv4_backend_t *be, void (*fn)(void *, size_t, size_t), void *arg,
@@ -381,8 +557,8 @@ static void st_host_parallel(dsv4_backend_t *be, void (*fn)(void *, size_t, size
   s->inner->ops->host_parallel(s->inner, fn, arg, n);
 }
 
-int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
-                              size_t why_len) {
+static int staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
+                       size_t why_len, int overlap) {
   staged_t *s = calloc(1, sizeof(*s));
   int rc;
   if (!s || !out) {
@@ -405,6 +581,7 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
   s->ops.buf_free = st_free;
   s->ops.upload = st_upload;
   s->ops.download = st_download;
+  s->ops.download_async = st_download_async;
   s->ops.map_slots = st_map;
   s->ops.qkv_insert = st_insert;
   s->ops.sync = st_sync;
@@ -414,10 +591,26 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
   s->ops.host_parallel = s->inner->ops->host_parallel ? st_host_parallel : NULL;
   s->ops.host_register = st_host_register;
   s->ops.host_unregister = st_host_unregister;
+  if (overlap) {
+    s->ops.name = "cpu_staged_overlap";
+    s->ops.caps |= DSV4_BE_OVERLAP;
+    s->ops.batch_phase = st_batch_phase;
+    s->ops.batch_wait = st_batch_wait;
+  }
   s->next_dev = DEV_BASE;
   s->base.ops = &s->ops;
   *out = &s->base;
   return 0;
+}
+
+int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
+                              size_t why_len) {
+  return staged_open(opt, out, why, why_len, 0);
+}
+
+int dsv4_test_cpu_staged_overlap_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out,
+                                      char *why, size_t why_len) {
+  return staged_open(opt, out, why, why_len, 1);
 }
 
 void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out) {
@@ -442,7 +635,8 @@ int dsv4_test_backend_absent(const char *name) {
 int dsv4_test_backend_from_args(int argc, char **argv, const char **backend) {
   if (argc > 1)
     *backend = argv[1];
-  if (dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open))
+  if (dsv4_backend_register("cpu_staged", dsv4_test_cpu_staged_open) ||
+      dsv4_backend_register("cpu_staged_overlap", dsv4_test_cpu_staged_overlap_open))
     return 1;
   return dsv4_test_backend_absent(*backend) ? 77 : 0;
 }

@@ -21,6 +21,16 @@
 
 int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, char *why,
                               size_t why_len);
+/*
+ * "cpu_staged_overlap": the same with DSV4_BE_OVERLAP. The launches still run at submission; a
+ * download_async of a batch's DOWNLOADS phase reads its source only when the batch is waited for
+ * (batch_wait or sync), the latest moment backend.h allows, so an engine that lets a later batch
+ * write a staging buffer before an earlier batch's wait answers the later batch's bytes. A third
+ * batch submitted before the first was waited for, or a wait out of order, aborts.
+ */
+/* With DSV4_TEST_STAGED_STATS set, the overlap mode's close appends "overlapped N" to that file. */
+int dsv4_test_cpu_staged_overlap_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out,
+                                      char *why, size_t why_len);
 
 /*
  * Counters of the staged backend be (for tests that check the engine staged what it should). The
@@ -29,6 +39,11 @@ int dsv4_test_cpu_staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t 
  */
 typedef struct {
   size_t uploads, downloads, launches, syncs;
+  /* download_async calls: the copy is made at the next sync, and dst holds 0xa5 bytes until then,
+   * so a caller that reads it before the sync computes with those. */
+  size_t async_downloads;
+  size_t batch_waits; /* overlap mode: batch_wait calls */
+  size_t overlapped;  /* overlap mode: batches submitted while another was in flight */
   size_t live_buffers;
   size_t live_registrations;                       /* host ranges registered now */
   size_t registered_uploads, registered_downloads; /* copies whose host side lies in one */

@@ -137,6 +137,62 @@ static void test_registered_memory(void **state) {
   dsv4_backend_close(be);
 }
 
+/*
+ * download_async (the bytes are there at the next sync, into registered memory and into other
+ * memory alike) and two overlapped batches through the phases: batch 2's uploads and downloads
+ * queued while batch 1 is in flight, each batch's bytes back by its own batch_wait, and phases out
+ * of order refused.
+ */
+static void test_async_and_batch_phases(void **state) {
+  (void)state;
+  dsv4_backend_t *be = open_cuda();
+  assert_true(be->ops->caps & DSV4_BE_OVERLAP);
+  assert_non_null(be->ops->download_async);
+  const size_t n = 3 * MIB + 17;
+  dsv4_devbuf_t buf[2] = {{0}, {0}};
+  uint8_t *reg = malloc(4 * n), *heap = malloc(n);
+  assert_non_null(reg);
+  assert_non_null(heap);
+  assert_int_equal(be->ops->host_register(be, reg, 4 * n), 0);
+  for (int b = 0; b < 2; b++)
+    assert_int_equal(be->ops->buf_alloc(be, n, &buf[b]), 0);
+  /* Outside a batch: into registered memory and into the heap, complete by the sync. */
+  for (size_t i = 0; i < n; i++)
+    reg[i] = pattern(7, i);
+  assert_int_equal(be->ops->upload(be, &buf[0], 0, reg, n), 0);
+  assert_int_equal(be->ops->download_async(be, reg + n, &buf[0], 0, n), 0);
+  assert_int_equal(be->ops->download_async(be, heap, &buf[0], 0, n), 0);
+  assert_int_equal(be->ops->sync(be), 0);
+  assert_memory_equal(reg + n, reg, n);
+  assert_memory_equal(heap, reg, n);
+  /* Two batches in flight: sources reg[0, n) and reg[n, 2n), answers into reg[2n, 3n), [3n, 4n). */
+  uint64_t t[2] = {0, 0};
+  assert_int_equal(be->ops->batch_phase(be, DSV4_BATCH_LAUNCHES, NULL), DSV4_EINVAL);
+  for (int b = 0; b < 2; b++) {
+    for (size_t i = 0; i < n; i++)
+      reg[(size_t)b * n + i] = pattern(20 + (uint64_t)b, i);
+    memset(reg + (size_t)(2 + b) * n, 0xEE, n);
+    assert_int_equal(be->ops->batch_phase(be, DSV4_BATCH_UPLOADS, NULL), 0);
+    assert_int_equal(be->ops->upload(be, &buf[b], 0, reg + (size_t)b * n, n), 0);
+    assert_int_equal(be->ops->batch_phase(be, DSV4_BATCH_LAUNCHES, NULL), 0);
+    assert_int_equal(be->ops->batch_phase(be, DSV4_BATCH_DOWNLOADS, NULL), 0);
+    assert_int_equal(be->ops->download_async(be, reg + (size_t)(2 + b) * n, &buf[b], 0, n), 0);
+    assert_int_equal(be->ops->batch_phase(be, DSV4_BATCH_SUBMITTED, &t[b]), 0);
+  }
+  assert_true(t[1] == t[0] + 1);
+  for (int b = 0; b < 2; b++) {
+    assert_int_equal(be->ops->batch_wait(be, t[b]), 0);
+    assert_memory_equal(reg + (size_t)(2 + b) * n, reg + (size_t)b * n, n);
+  }
+  assert_int_equal(be->ops->sync(be), 0);
+  for (int b = 0; b < 2; b++)
+    be->ops->buf_free(be, &buf[b]);
+  be->ops->host_unregister(be, reg);
+  free(reg);
+  free(heap);
+  dsv4_backend_close(be);
+}
+
 static void test_argument_checks(void **state) {
   (void)state;
   dsv4_backend_t *be = open_cuda();
@@ -164,6 +220,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_zero_fill_and_round_trips),
       cmocka_unit_test(test_registered_memory),
+      cmocka_unit_test(test_async_and_batch_phases),
       cmocka_unit_test(test_argument_checks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

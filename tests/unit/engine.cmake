@@ -8,6 +8,9 @@ if(TARGET dsv4_engine)
   dsv4_unit_test(engine_test SOURCES unit/engine_test.c LIBS dsv4_engine dsv4_test_staged)
   # The same tests with every engine on the staged backend.
   add_test(NAME engine_test_staged COMMAND engine_test cpu_staged)
+  # And on the staged backend in overlap mode: every batch through dsv4_engine_forward_begin/end
+  # and the backend's batch phases (a device failure included).
+  add_test(NAME engine_test_staged_overlap COMMAND engine_test cpu_staged_overlap)
 endif()
 if(TARGET dsv4_engine AND DSV4_CUDA)
   # The engine on the CUDA backend, compared byte for byte with the CPU backend (needs a device;

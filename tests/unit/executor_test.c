@@ -160,6 +160,65 @@ static void test_same_sequence_order(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* Jobs in two halves (begin/end), as the engine's overlapped batches: what each half did, in
+ * order: the id at begin (after '-' when begin deferred), the id in lower case at end. */
+static char halves[32];
+static int n_halves, defer_when_not_alone;
+
+static int half_begin(dsv4_job_t *job, int alone) {
+  fake_job_t *j = (fake_job_t *)job;
+  pthread_mutex_lock(&mu);
+  int defer = !alone && j->blocks == defer_when_not_alone;
+  halves[n_halves++] = defer ? '-' : j->id;
+  pthread_mutex_unlock(&mu);
+  return defer ? DSV4_JOB_DEFER : DSV4_JOB_IN_FLIGHT;
+}
+
+static void half_end(dsv4_job_t *job) {
+  fake_job_t *j = (fake_job_t *)job;
+  pthread_mutex_lock(&mu);
+  halves[n_halves++] = (char)(j->id - 'A' + 'a');
+  pthread_mutex_unlock(&mu);
+}
+
+/*
+ * A job in flight stays so while the next job begins when that one has halves too and shares no
+ * key with it (two in flight at most, ending in the order they began); a job sharing a key, one
+ * that defers, and a job without halves wait for the end. Answers come back in completion order.
+ */
+static void test_overlapped_halves(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  dsv4_executor_t ex;
+  fake_job_t j[6];
+  reset();
+  memset(halves, 0, sizeof(halves));
+  n_halves = 0;
+  defer_when_not_alone = 2; /* fake_job_t.blocks == 2 marks the job that defers */
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(&ex, &loop, 16, NULL, NULL), 0);
+  fake_init(&j[0], 'Z', DSV4_JOB_PREFILL, 9, 0);
+  j[0].blocks = 1;
+  fake_init(&j[1], 'A', DSV4_JOB_DECODE, 1, 0);
+  fake_init(&j[2], 'B', DSV4_JOB_DECODE, 2, 0);
+  fake_init(&j[3], 'C', DSV4_JOB_DECODE, 2, 0); /* B's sequence */
+  fake_init(&j[4], 'D', DSV4_JOB_DECODE, 3, 0);
+  j[4].blocks = 2;
+  fake_init(&j[5], 'E', DSV4_JOB_DECODE, 4, 0); /* no halves */
+  for (int i = 1; i < 5; i++) {
+    j[i].job.begin = half_begin;
+    j[i].job.end = half_end;
+  }
+  const uint32_t want[DSV4_JOB_CLASSES] = {[DSV4_JOB_DECODE] = 5};
+  run_all(&ex, &loop, j, 6, want);
+  assert_string_equal(halves, "ABabC-cDd");
+  assert_string_equal(ran, "ZE");
+  assert_string_equal(done, "ZABCDE");
+  dsv4_executor_stop(&ex, NULL, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* The queue limit counts every class alike, running and waiting jobs included. */
 static void test_queue_full(void **state) {
   (void)state;
@@ -253,10 +312,9 @@ static void test_decode_between_chunks(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_decode_first),
-      cmocka_unit_test(test_same_sequence_order),
-      cmocka_unit_test(test_queue_full),
-      cmocka_unit_test(test_decode_between_chunks),
+      cmocka_unit_test(test_decode_first),      cmocka_unit_test(test_same_sequence_order),
+      cmocka_unit_test(test_queue_full),        cmocka_unit_test(test_decode_between_chunks),
+      cmocka_unit_test(test_overlapped_halves),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

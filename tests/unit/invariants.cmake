@@ -133,3 +133,25 @@ if(TARGET dsv4_engine)
                   LIBS dsv4_inv_engine_emit_late TIMEOUT 120
                   EXPECT "invariant violated: SPEC 5[.]2: layer [0-9]+ token at position [0-9]+ [(][0-9]+ entries visible[)]: its attention did not see the entries its own batch emitted")
 endif()
+
+# SPEC §5 across overlapped batches (dsv4_engine_forward_begin/end on a DSV4_BE_OVERLAP backend):
+# batch k + 1 stages through buffers of its own while batch k is in flight. The test runs on the
+# staged CPU backend in overlap mode (its batch downloads read their sources only when the batch is
+# waited for); the broken build is the engine's sources again with one staging half for every batch.
+if(TARGET dsv4_engine AND TARGET dsv4_test_staged)
+  add_library(dsv4_inv_engine_one_half STATIC
+    ${DSV4_INV_ENGINE_DIR}/engine.c ${DSV4_INV_ENGINE_DIR}/engine_admin.c
+    ${DSV4_INV_ENGINE_DIR}/engine_attn.c ${DSV4_INV_ENGINE_DIR}/engine_compress.c
+    ${DSV4_INV_ENGINE_DIR}/engine_restore.c)
+  target_include_directories(dsv4_inv_engine_one_half PUBLIC ${DSV4_INV_ENGINE_DIR}
+                                                             ${XXHASH_INCLUDE_DIR})
+  target_link_libraries(dsv4_inv_engine_one_half PUBLIC dsv4_config dsv4_kvcache dsv4_kernels
+                                                        ${XXHASH_LIBRARY} m)
+  target_compile_definitions(dsv4_inv_engine_one_half PRIVATE DSV4_TEST_BROKEN_ONE_STAGING_HALF)
+  dsv4_strict(dsv4_inv_engine_one_half)
+  dsv4_unit_test(inv_overlap SOURCES unit/inv_overlap.c LIBS dsv4_engine dsv4_test_staged
+                 TIMEOUT 120 LABELS invariants)
+  dsv4_inv_broken(inv_overlap_broken_one_staging_half SOURCE inv_overlap.c
+                  LIBS dsv4_inv_engine_one_half dsv4_test_staged TIMEOUT 120
+                  EXPECT "invariant violated: SPEC 5: overlapped batches: .* differs from .* run alone")
+endif()
