@@ -21,8 +21,13 @@ static uint64_t now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* Whether the tick is due (executor thread). */
+static int tick_due(const dsv4_executor_t *ex, uint64_t now) {
+  return ex->tick && now - ex->last_tick_ns >= TICK_NS;
+}
+
 static void run_tick(dsv4_executor_t *ex, uint64_t now) {
-  if (ex->tick && now - ex->last_tick_ns >= TICK_NS) {
+  if (tick_due(ex, now)) {
     ex->last_tick_ns = now;
     ex->tick(ex->tick_arg);
   }
@@ -132,7 +137,9 @@ static dsv4_job_t *begin_job(dsv4_executor_t *ex, dsv4_job_t *job, int alone) {
  * Executor thread: run a job that has begin/end. While one is in flight, the job that would run
  * next begins beside it when it may (take_overlap), then the one in flight ends; a job that
  * defers begins once the one in flight has ended. Returns with nothing in flight, so a drain
- * finishes everything it began.
+ * finishes everything it began. A tick that falls due ends the chain too: it uses the engine
+ * (the expiry sweep), which no batch may have in flight, and a steady stream of overlapping
+ * batches must not hold idle sequences' blocks past their timeout.
  */
 static void run_overlapped(dsv4_executor_t *ex, dsv4_job_t *job) {
   job->t_start_ns = now_ns();
@@ -140,7 +147,7 @@ static void run_overlapped(dsv4_executor_t *ex, dsv4_job_t *job) {
   dsv4_job_t *fly = begin_job(ex, job, 1);
   while (fly) {
     pthread_mutex_lock(&ex->mu);
-    dsv4_job_t *nx = take_overlap(ex, fly);
+    dsv4_job_t *nx = tick_due(ex, now_ns()) ? NULL : take_overlap(ex, fly);
     pthread_mutex_unlock(&ex->mu);
     dsv4_job_t *next_fly = NULL;
     if (nx) {

@@ -20,7 +20,8 @@
  * the job it would run next, when that one has begin/end too and shares no key with it; then the
  * first one ends. So at most two are in flight, they end in the order they began, and the order
  * of the jobs that share a key, decode-first and the answers in completion order are as without.
- * Any other job (control, one sharing a key, one whose begin defers) waits for the end.
+ * Any other job (control, one sharing a key, one whose begin defers) waits for the end, and so
+ * does the tick when it falls due (it stops the chain of overlapping jobs).
  */
 
 #include <stddef.h>

@@ -219,6 +219,60 @@ static void test_overlapped_halves(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* The tick of test_overlap_tick: recorded in halves once armed (a spurious early tick is not). */
+static int tick_armed;
+
+static void halves_tick(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&mu);
+  if (tick_armed) {
+    halves[n_halves++] = 'T';
+    tick_armed = 0;
+  }
+  pthread_mutex_unlock(&mu);
+}
+
+/* half_end, and for job A: the tick falls due now. */
+static void half_end_tick_due(dsv4_job_t *job) {
+  fake_job_t *j = (fake_job_t *)job;
+  half_end(job);
+  if (j->id == 'A') {
+    pthread_mutex_lock(&mu);
+    tick_armed = 1;
+    pthread_mutex_unlock(&mu);
+    j->ex->last_tick_ns = 0; /* executor thread: the field is its own */
+  }
+}
+
+/* A tick that falls due while batches overlap runs once the one in flight has ended, before the
+ * next job begins: a steady stream of overlapping jobs does not hold the expiry sweep off. */
+static void test_overlap_tick(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  dsv4_executor_t ex;
+  fake_job_t j[5];
+  reset();
+  memset(halves, 0, sizeof(halves));
+  n_halves = tick_armed = 0;
+  defer_when_not_alone = -1;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(&ex, &loop, 16, halves_tick, NULL), 0);
+  fake_init(&j[0], 'Z', DSV4_JOB_PREFILL, 9, 0);
+  j[0].blocks = 1;
+  for (int i = 1; i < 5; i++) {
+    fake_init(&j[i], (char)('A' + i - 1), DSV4_JOB_DECODE, (uint64_t)i, 0);
+    j[i].ex = &ex;
+    j[i].job.begin = half_begin;
+    j[i].job.end = half_end_tick_due;
+  }
+  const uint32_t want[DSV4_JOB_CLASSES] = {[DSV4_JOB_DECODE] = 4};
+  run_all(&ex, &loop, j, 5, want);
+  assert_string_equal(halves, "ABabTCDcd");
+  dsv4_executor_stop(&ex, NULL, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* The queue limit counts every class alike, running and waiting jobs included. */
 static void test_queue_full(void **state) {
   (void)state;
@@ -314,7 +368,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_decode_first),      cmocka_unit_test(test_same_sequence_order),
       cmocka_unit_test(test_queue_full),        cmocka_unit_test(test_decode_between_chunks),
-      cmocka_unit_test(test_overlapped_halves),
+      cmocka_unit_test(test_overlapped_halves), cmocka_unit_test(test_overlap_tick),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
