@@ -13,10 +13,13 @@
  *    positions, remembers each segment for replay detection and releases the blocks no served layer
  * can reach any more (SPEC §4 release rule).
  *  - dsv4_seqtable_fail, called instead when the device failed, drops every sequence of the batch.
- * Between plan and commit/fail no other batch may be planned, with one exception: while a prefill
+ * Between plan and commit/fail no other batch may be planned, with two exceptions: while a prefill
  * runs in chunks (its plan open), one batch at a time may be planned, run and committed between two
- * chunks, provided it names none of the open plan's sequences (the executor never lets a batch pass
- * one that names the same sequence). Nothing else (delete, the expiry sweep) runs with a plan open.
+ * chunks; and while a batch is in flight (an overlapped batch, its plan open), the next one may be
+ * planned before the first is committed or failed (each plan in its own dsv4_plan_t, committed in
+ * the order planned). Either way the second names none of the open plan's sequences (the executor
+ * never lets a batch pass one that names the same sequence). Nothing else (delete, the expiry
+ * sweep) runs with a plan open.
  *
  * Layers here are served-layer indices 0..n_layers-1; the server maps them to model layer numbers.
  * Thread affinity: the executor thread only.
