@@ -9,9 +9,10 @@
  * Ordering contract (SPEC §5): map_slots is the producer, qkv_insert its consumer. A backend runs
  * them in submission order on one queue; qkv_insert may not read slots, q, kv or positions, nor
  * write anything, before map_slots of the same batch has completed. attention, when submitted,
- * consumes what qkv_insert wrote (q_out and the cache) and obeys the same rule towards it. sync()
- * returns once all submitted work has completed. Argument structs hold device addresses (on the CPU
- * backend, host addresses), and the memory they point to must stay valid until sync() returns.
+ * consumes what qkv_insert wrote (q_out and the cache; on the fused decode path the raw q and the
+ * cache) and obeys the same rule towards it. sync() returns once all submitted work has completed.
+ * Argument structs hold device addresses (on the CPU backend, host addresses), and the memory they
+ * point to must stay valid until sync() returns (or, for an overlapped batch, its batch_wait).
  *
  * Thread affinity: a backend is driven by one thread at a time (the executor).
  */
@@ -288,8 +289,9 @@ typedef struct dsv4_backend_ops {
   int (*buf_alloc)(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out);
   void (*buf_free)(dsv4_backend_t *be, dsv4_devbuf_t *buf);
   /* Queue a copy of n host bytes into dst at off. src may be reused once the call returns, except
-   * memory given to host_register: a backend may read it in place until the next sync, so the
-   * caller leaves it unchanged until then. */
+   * memory given to host_register: a backend may read it in place until the next sync (or the
+   * batch_wait of the overlapped batch it belongs to), so the caller leaves it unchanged until
+   * then. */
   int (*upload)(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, const void *src,
                 size_t n);
   /* Copy n bytes of src at off into host dst, after everything queued before; the bytes are in
@@ -297,11 +299,13 @@ typedef struct dsv4_backend_ops {
   int (*download)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n);
   /*
    * Optional (NULL: the caller uses download). Queue a copy of n bytes of src at off into host dst,
-   * after everything queued before: the bytes are in dst once the next sync() returns (0). Until
-   * then dst must stay valid and the caller neither reads nor writes it; what it holds in between
-   * is unspecified. A backend that cannot defer the copy (CUDA: dst is not registered memory) may
-   * complete it before returning, as download does. Work queued after the call may overwrite src:
-   * the copy reads the bytes it had when it was queued.
+   * after everything queued before: the bytes are in dst once the next sync() returns (0), or, in
+   * an overlapped batch's DOWNLOADS phase, once that batch's batch_wait does. Until then dst must
+   * stay valid and the caller neither reads nor writes it; what it holds in between is
+   * unspecified. A backend that cannot defer the copy (CUDA: dst is not registered memory) may
+   * complete it before returning, as download does. Outside a DOWNLOADS phase, work queued after
+   * the call may overwrite src: the copy reads the bytes it had when it was queued (inside one, see
+   * DSV4_BATCH_DOWNLOADS: src stays unwritten until the batch's batch_wait).
    */
   int (*download_async)(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
                         size_t n);
