@@ -524,6 +524,16 @@ static uint8_t *cache_bytes(dsv4_engine_t *e, size_t *len) {
   return all;
 }
 
+/* Engines a and b hold the same cache bytes, every block of both served layers. */
+static void same_cache(dsv4_engine_t *a, dsv4_engine_t *b) {
+  size_t la, lb;
+  uint8_t *ca = cache_bytes(a, &la), *cb = cache_bytes(b, &lb);
+  assert_int_equal(la, lb);
+  assert_memory_equal(ca, cb, la);
+  free(ca);
+  free(cb);
+}
+
 /*
  * The admin plane's reads on two engines (a on host memory, b possibly behind downloads) agree with
  * each other and with kvcache/records.h over a's cache bytes `ca` (cache_bytes): pool and block
@@ -775,12 +785,7 @@ static void test_chunked_prefill_matches_one_launch(void **state) {
   same_batch(a, b, served[1], 13, 2, pf_names, pf_starts, other_lens, (const int[]){0, 0});
   same_batch(a, b, 0, 14, 2, pf_names, (const int64_t[]){100, 30}, (const uint32_t[]){1, 1},
              (const int[]){0, 0});
-  size_t la, lb;
-  uint8_t *ca = cache_bytes(a, &la), *cb = cache_bytes(b, &lb);
-  assert_int_equal(la, lb);
-  assert_memory_equal(ca, cb, la);
-  free(ca);
-  free(cb);
+  same_cache(a, b);
   assert_int_equal(dsv4_engine_blocks_free(a), dsv4_engine_blocks_free(b));
   attn_batch_free(&pa);
   attn_batch_free(&pb);
@@ -851,12 +856,7 @@ static void test_fused_decode(void **state) {
   assert_memory_equal(x.attn, r.attn, q_bytes);
   assert_memory_equal(x.lse, r.lse, 2 * HEADS * sizeof(float));
   assert_int_equal(x.b.f.digest, r.b.f.digest);
-  size_t la, lb;
-  uint8_t *ca = cache_bytes(a, &la), *cb = cache_bytes(b, &lb);
-  assert_int_equal(la, lb);
-  assert_memory_equal(ca, cb, la);
-  free(ca);
-  free(cb);
+  same_cache(a, b);
   attn_batch_free(&x);
   attn_batch_free(&y);
   attn_batch_free(&r);
