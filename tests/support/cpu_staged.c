@@ -68,6 +68,18 @@ typedef struct {
   size_t q_scratch_bytes;
 } staged_t;
 
+/* The array arr (n elements of size elem used of *cap) with room for one more, doubling from
+ * first: arr itself, or its reallocation; NULL (out of memory) with arr and *cap unchanged. */
+static void *grow(void *arr, size_t n, size_t *cap, size_t elem, size_t first) {
+  if (n < *cap)
+    return arr;
+  size_t c = *cap ? 2 * *cap : first;
+  void *p = realloc(arr, c * elem);
+  if (p)
+    *cap = c;
+  return p;
+}
+
 static staged_t *staged_of(dsv4_backend_t *be) {
   return (staged_t *)be;
 }
@@ -146,14 +158,10 @@ static int st_host_register(dsv4_backend_t *be, void *p, size_t n) {
   for (size_t i = 0; i < s->n_ranges; i++)
     if (a < s->ranges[i].p + s->ranges[i].n && s->ranges[i].p < a + n)
       return DSV4_EINVAL;
-  if (s->n_ranges == s->cap_ranges) {
-    size_t cap = s->cap_ranges ? 2 * s->cap_ranges : 8;
-    host_range_t *nr = realloc(s->ranges, cap * sizeof(*nr));
-    if (!nr)
-      return DSV4_ENOMEM;
-    s->ranges = nr;
-    s->cap_ranges = cap;
-  }
+  void *grown = grow(s->ranges, s->n_ranges, &s->cap_ranges, sizeof(*s->ranges), 8);
+  if (!grown)
+    return DSV4_ENOMEM;
+  s->ranges = grown;
   s->ranges[s->n_ranges++] = (host_range_t){a, n};
   s->stats.live_registrations = s->n_ranges;
   return 0;
@@ -176,14 +184,10 @@ static int st_alloc(dsv4_backend_t *be, size_t size, dsv4_devbuf_t *out) {
   staged_t *s = staged_of(be);
   if (!out)
     return DSV4_EINVAL;
-  if (s->n_bufs == s->cap_bufs) {
-    size_t cap = s->cap_bufs ? 2 * s->cap_bufs : 16;
-    staged_buf_t *nb = realloc(s->bufs, cap * sizeof(*nb));
-    if (!nb)
-      return DSV4_ENOMEM;
-    s->bufs = nb;
-    s->cap_bufs = cap;
-  }
+  void *grown = grow(s->bufs, s->n_bufs, &s->cap_bufs, sizeof(*s->bufs), 16);
+  if (!grown)
+    return DSV4_ENOMEM;
+  s->bufs = grown;
   staged_buf_t *b = &s->bufs[s->n_bufs];
   int rc = s->inner->ops->buf_alloc(s->inner, size, &b->real);
   if (rc)
@@ -222,13 +226,21 @@ static int st_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off, c
   return s->inner->ops->upload(s->inner, &b->real, off, src, n);
 }
 
+/* The buffer of a download's src, or NULL when the download is refused: src is none of this
+ * backend's buffers, the range runs past it, or dst is missing or a device address. */
+static staged_buf_t *download_src(staged_t *s, const void *dst, const dsv4_devbuf_t *src,
+                                  size_t off, size_t n) {
+  staged_buf_t *b = find_buf(s, src);
+  if (!b || off > src->size || n > src->size - off || (n && !dst))
+    return NULL;
+  return n && to_host(s, dst, 0) ? NULL : b;
+}
+
 static int st_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
                        size_t n) {
   staged_t *s = staged_of(be);
-  staged_buf_t *b = find_buf(s, src);
-  if (!b || off > src->size || n > src->size - off || (n && !dst))
-    return DSV4_EINVAL;
-  if (n && to_host(s, dst, 0))
+  staged_buf_t *b = download_src(s, dst, src, off, n);
+  if (!b)
     return DSV4_EINVAL;
   s->stats.downloads++;
   s->stats.registered_downloads += n && registered(s, dst, n);
@@ -236,14 +248,10 @@ static int st_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
 }
 
 static int late_queue(staged_t *s, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n) {
-  if (s->n_late == s->cap_late) {
-    size_t cap = s->cap_late ? 2 * s->cap_late : 8;
-    late_read_t *nl = realloc(s->late, cap * sizeof(*nl));
-    if (!nl)
-      return DSV4_ENOMEM;
-    s->late = nl;
-    s->cap_late = cap;
-  }
+  void *grown = grow(s->late, s->n_late, &s->cap_late, sizeof(*s->late), 8);
+  if (!grown)
+    return DSV4_ENOMEM;
+  s->late = grown;
   s->late[s->n_late++] = (late_read_t){dst, *src, off, n, 0};
   memset(dst, DEFERRED_POISON, n);
   s->stats.async_downloads++;
@@ -325,23 +333,17 @@ static int st_batch_wait(dsv4_backend_t *be, uint64_t ticket) {
 static int st_download_async(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, size_t off,
                              size_t n) {
   staged_t *s = staged_of(be);
-  staged_buf_t *b = find_buf(s, src);
-  if (!b || off > src->size || n > src->size - off || (n && !dst))
-    return DSV4_EINVAL;
-  if (n && to_host(s, dst, 0))
+  staged_buf_t *b = download_src(s, dst, src, off, n);
+  if (!b)
     return DSV4_EINVAL;
   if (n == 0)
     return 0;
   if (s->phase == DSV4_BATCH_DOWNLOADS)
     return late_queue(s, dst, src, off, n);
-  if (s->n_deferred == s->cap_deferred) {
-    size_t cap = s->cap_deferred ? 2 * s->cap_deferred : 8;
-    deferred_t *nd = realloc(s->deferred, cap * sizeof(*nd));
-    if (!nd)
-      return DSV4_ENOMEM;
-    s->deferred = nd;
-    s->cap_deferred = cap;
-  }
+  void *grown = grow(s->deferred, s->n_deferred, &s->cap_deferred, sizeof(*s->deferred), 8);
+  if (!grown)
+    return DSV4_ENOMEM;
+  s->deferred = grown;
   void *bytes = malloc(n);
   if (!bytes)
     return DSV4_ENOMEM;
