@@ -73,14 +73,7 @@ static inline void attn_plan_make(uint64_t *rng, attn_plan_t *p, const attn_seg_
   }
   /* Distinct block ids in a random order, with spare ids in between. */
   p->n_blocks = p->bt_len + spare_blocks;
-  uint32_t *perm = gpu_host_alloc(sizeof(uint32_t) * p->n_blocks);
-  for (uint32_t i = 0; i < p->n_blocks; i++)
-    perm[i] = i;
-  for (uint32_t i = p->n_blocks - 1; i > 0; i--) {
-    uint32_t j = gpu_below(rng, i + 1), x = perm[i];
-    perm[i] = perm[j];
-    perm[j] = x;
-  }
+  uint32_t *perm = gpu_perm(rng, p->n_blocks);
   for (uint32_t i = 0; i < p->bt_len; i++)
     p->block_table[i] = (int32_t)perm[i];
   free(perm);
@@ -220,14 +213,7 @@ static inline void attn_entries_make(uint64_t *rng, const attn_plan_t *p, attn_e
   /* Scatter the blocks used over a pool with spare blocks between them. */
   const uint32_t used = e->n_blocks;
   e->n_blocks = used + used / 4 + 3;
-  uint32_t *perm = gpu_host_alloc(sizeof(uint32_t) * e->n_blocks);
-  for (uint32_t i = 0; i < e->n_blocks; i++)
-    perm[i] = i;
-  for (uint32_t i = e->n_blocks - 1; i > 0; i--) {
-    uint32_t j = gpu_below(rng, i + 1), x = perm[i];
-    perm[i] = perm[j];
-    perm[j] = x;
-  }
+  uint32_t *perm = gpu_perm(rng, e->n_blocks);
   for (uint32_t i = 0; i < e->bt_len; i++)
     if (e->block_table[i] >= 0)
       e->block_table[i] = (int32_t)perm[e->block_table[i]];

@@ -57,6 +57,20 @@ static inline uint32_t gpu_below(uint64_t *s, uint32_t n) {
   return (uint32_t)(gpu_rnd(s) % n);
 }
 
+/* Distinct ids 0..n-1 (n >= 1) in a random order (Fisher-Yates), in host memory the caller frees.
+ */
+static inline uint32_t *gpu_perm(uint64_t *s, uint32_t n) {
+  uint32_t *p = gpu_host_alloc(sizeof(uint32_t) * n);
+  for (uint32_t i = 0; i < n; i++)
+    p[i] = i;
+  for (uint32_t i = n - 1; i > 0; i--) {
+    uint32_t j = gpu_below(s, i + 1), x = p[i];
+    p[i] = p[j];
+    p[j] = x;
+  }
+  return p;
+}
+
 /*
  * bf16 values whose biased exponents spread over 2*spread+1 octaves around centre (clamped to
  * 0..185, so |x| < 2^59 as the daemon admits; exponent 0 gives subnormals), about 1 in 16 zero.
@@ -135,14 +149,7 @@ static inline void gpu_plan_make(uint64_t *s, gpu_plan_t *p, uint32_t n, uint32_
   p->bt_len = off;
   /* Distinct block ids in a random order, with spare ids in between. */
   p->n_blocks = off + off / 2 + 2;
-  uint32_t *perm = gpu_host_alloc(sizeof(uint32_t) * p->n_blocks);
-  for (uint32_t i = 0; i < p->n_blocks; i++)
-    perm[i] = i;
-  for (uint32_t i = p->n_blocks - 1; i > 0; i--) {
-    uint32_t j = gpu_below(s, i + 1), x = perm[i];
-    perm[i] = perm[j];
-    perm[j] = x;
-  }
+  uint32_t *perm = gpu_perm(s, p->n_blocks);
   for (uint32_t i = 0; i < off; i++)
     p->block_table[i] = no_block_in && gpu_below(s, no_block_in) == 0 ? -1 : (int32_t)perm[i];
   free(perm);

@@ -93,19 +93,6 @@ static void seq_ends(const case_t *k, int64_t *end) {
       end[k->sched[b].seq[i]] += k->sched[b].len[i];
 }
 
-/* Distinct physical ids 0..n-1 in a random order. */
-static uint32_t *perm(uint64_t *rng, uint32_t n) {
-  uint32_t *p = gpu_host_alloc(sizeof(uint32_t) * n);
-  for (uint32_t i = 0; i < n; i++)
-    p[i] = i;
-  for (uint32_t i = n - 1; i > 0; i--) {
-    uint32_t j = gpu_below(rng, i + 1), x = p[i];
-    p[i] = p[j];
-    p[j] = x;
-  }
-  return p;
-}
-
 static void setup_make(ctx_t *c, const case_t *k, setup_t *su) {
   memset(su, 0, sizeof(*su));
   su->k = k;
@@ -125,7 +112,7 @@ static void setup_make(ctx_t *c, const case_t *k, setup_t *su) {
   }
   su->n_blocks = su->bt_len + 3;
   su->c_n_blocks = su->c_bt_len + 3;
-  uint32_t *p = perm(&c->rng, su->n_blocks), *q = perm(&c->rng, su->c_n_blocks);
+  uint32_t *p = gpu_perm(&c->rng, su->n_blocks), *q = gpu_perm(&c->rng, su->c_n_blocks);
   su->bt = gpu_host_alloc(sizeof(int32_t) * su->bt_len);
   su->c_bt = gpu_host_alloc(sizeof(int32_t) * su->c_bt_len);
   for (uint32_t i = 0; i < su->bt_len; i++)
