@@ -42,8 +42,9 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
 
 /*
  * Device staging, for a backend whose memory the host cannot address (no DSV4_BE_HOST_MEMORY): the
- * batch's inputs are uploaded into device buffers, the launches are pointed at those, and q_out and
- * the slots are downloaded into the caller's host buffers.
+ * batch's inputs are uploaded into device buffers, the launches are pointed at those, and the
+ * outputs (q_out, except on the fused decode path, the slots, attn and lse) are downloaded into the
+ * caller's host buffers.
  *
  * One buffer per argument, reused from batch to batch and grown on demand, except that the
  * positions and the slot mapper's five small arrays share one (ST_META): assembled on the host and
