@@ -6,7 +6,9 @@
  *
  * Two sequences, x and y, take turns: batch k + 1 begins before batch k ends, at most two in
  * flight, and each batch's q_out, slots, attention and lse are compared with the CPU backend's
- * answer to the same batch run alone, then every cache byte. The backend under test is argv[1]:
+ * answer to the same batch run alone, then every cache byte; y's decode steps do not want q, so on
+ * a backend with the fused decode path they run it beside x's unfused batches. A batch refused
+ * beside one in flight changes nothing. The backend under test is argv[1]:
  * "cpu_staged_overlap" by default (the staged CPU backend, whose batch downloads read their
  * sources only when the batch is waited for, the latest moment the backend contract allows), or a
  * device backend such as cuda (tests/gpu runs it so). The broken build
