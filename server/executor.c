@@ -278,9 +278,10 @@ static void enqueue(dsv4_executor_t *ex, dsv4_job_t *job) {
   ex->q_tail = job;
   ex->queued++;
   ex->waiting[job->cls]++;
-  pthread_cond_signal(&ex->cv);
 }
 
+/* The executor is woken after mu is released: signalled while the submitter still held it, it
+ * would wake only to block on mu, and the unlock would have to wake it a second time. */
 int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job) {
   int rc = 0;
   pthread_mutex_lock(&ex->mu);
@@ -291,6 +292,8 @@ int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job) {
   else
     enqueue(ex, job);
   pthread_mutex_unlock(&ex->mu);
+  if (!rc)
+    pthread_cond_signal(&ex->cv);
   return rc;
 }
 
@@ -298,6 +301,7 @@ void dsv4_executor_submit_force(dsv4_executor_t *ex, dsv4_job_t *job) {
   pthread_mutex_lock(&ex->mu);
   enqueue(ex, job);
   pthread_mutex_unlock(&ex->mu);
+  pthread_cond_signal(&ex->cv);
 }
 
 uint32_t dsv4_executor_pending(dsv4_executor_t *ex) {

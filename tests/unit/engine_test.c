@@ -380,6 +380,31 @@ static void test_prefill_decode_deterministic(void **state) {
   dsv4_engine_destroy(b);
 }
 
+/* The range check finds one value at or above the limit wherever it lies: inside a whole block of
+ * the vectorised loop, in the tail after the last block, with either sign, and lets the largest
+ * value below the limit through. */
+static void test_bf16_range_check_every_position(void **state) {
+  (void)state;
+  enum { N = 1024 + 77 };
+  static uint16_t x[N];
+  for (size_t i = 0; i < N; i++)
+    x[i] = (uint16_t)((i * 2654435761u) % DSV4_BF16_LIMIT_BITS) | (uint16_t)((i & 1) << 15);
+  const size_t lens[] = {0, 1, 511, 512, 513, 1024, N};
+  for (size_t l = 0; l < sizeof(lens) / sizeof(lens[0]); l++)
+    assert_int_equal(dsv4_bf16_any_out_of_range(x, lens[l]), 0);
+  const uint16_t hits[] = {DSV4_BF16_LIMIT_BITS, DSV4_BF16_LIMIT_BITS | 0x8000u, 0x7fffu, 0xffffu};
+  for (size_t h = 0; h < sizeof(hits) / sizeof(hits[0]); h++)
+    for (size_t i = 0; i < N; i++) {
+      uint16_t keep = x[i];
+      x[i] = hits[h];
+      assert_int_equal(dsv4_bf16_any_out_of_range(x, N), 1);
+      assert_int_equal(dsv4_bf16_any_out_of_range(x, i), 0); /* the value just past the end */
+      x[i] = (uint16_t)(DSV4_BF16_LIMIT_BITS - 1u) | (uint16_t)(hits[h] & 0x8000u);
+      assert_int_equal(dsv4_bf16_any_out_of_range(x, N), 0);
+      x[i] = keep;
+    }
+}
+
 /* A batch refused for any reason leaves the next valid batch's bytes as on a fresh engine. */
 static void test_refused_batch_changes_nothing(void **state) {
   (void)state;
@@ -1397,6 +1422,7 @@ int main(int argc, char **argv) {
   print_message("backend under test: %s\n", backend);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_prefill_decode_deterministic),
+      cmocka_unit_test(test_bf16_range_check_every_position),
       cmocka_unit_test(test_refused_batch_changes_nothing),
       cmocka_unit_test(test_replay),
       cmocka_unit_test(test_device_failure_drops_batch),
