@@ -237,8 +237,10 @@ void dsv4_host_pool_run(dsv4_host_pool_t *p, dsv4_host_job_fn fn, void *arg, siz
   uint64_t gen = W_GEN(atomic_load_explicit(&p->word, memory_order_relaxed)) + 1u;
   pthread_mutex_lock(&p->mu);
   atomic_store_explicit(&p->word, (uint64_t)(uint32_t)gen << 32, memory_order_release);
-  pthread_cond_broadcast(&p->cv_start);
   pthread_mutex_unlock(&p->mu);
+  /* Woken after the unlock, so that a sleeping worker does not wake only to wait for the mutex;
+   * one that checked the generation under it before the store is already waiting, and is woken. */
+  pthread_cond_broadcast(&p->cv_start);
   run_chunks(p);
   /* Every item is taken: close the launch, then wait for the workers that joined it. */
   uint64_t w = atomic_fetch_or_explicit(&p->word, W_CLOSED, memory_order_acq_rel);
