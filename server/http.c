@@ -151,6 +151,7 @@ struct conn {
   head_scan_t scan;         /* the head being parsed, for obsolete line folding */
   conn_state_t state;
   int handles_open;
+  int counted_closing; /* counted in the server's n_closing */
   /* The booleans below are not states of the connection but facts that hold across several of them.
    * reading mirrors whether uv_read_start is in effect, which the state decides only together with
    * peer_eof and how much is buffered (conn_update_reading). */
@@ -220,6 +221,10 @@ struct dsv4_server {
   llhttp_settings_t settings;
   conn_t *conns;
   size_t n_conns;
+  /* Of those, the ones closing: their sockets are closed already, their handles not yet (libuv
+   * calls back on a later loop turn). They no longer count against max_connections, so a client
+   * that saw its connections end finds the room free at once. */
+  size_t n_closing;
   int port;
   int retry_open, draining, closing;
   refusing_t refusing;
@@ -1378,6 +1383,8 @@ static void on_conn_handle_closed(uv_handle_t *h) {
   if (c->next)
     c->next->prev = c->prev;
   s->n_conns--;
+  if (c->counted_closing)
+    s->n_closing--;
   dsv4_series_add(s->connections, -1);
   /* A streamed answer abandoned between pieces leaves its head here (write_done frees it else). */
   free(c->whdr);
@@ -1406,6 +1413,8 @@ static void conn_close(conn_t *c) {
     c->req = NULL;
   }
   /* A request being written is freed by the write callback, which uv_close cancels first. */
+  c->counted_closing = 1;
+  c->srv->n_closing++;
   uv_close(&c->io.handle, on_conn_handle_closed);
   uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
 }
@@ -1499,7 +1508,7 @@ static void conn_start(dsv4_server_t *s, conn_t *c) {
     conn_close(c);
     return;
   }
-  if (s->max_connections && s->n_conns > s->max_connections) {
+  if (s->max_connections && s->n_conns - s->n_closing > s->max_connections) {
     conn_refuse(c);
     return;
   }
