@@ -3,14 +3,15 @@ answers (a benchmark, not a test).
 
 For each backend named on the command line, a daemon serving one layer at 64 heads gets a prefill of
 16 sequences x 64 tokens (one batch of 1024 tokens) and then 30 decode steps of those 16 sequences
-(16 tokens a batch); every answer's q_out is checked against the reference model. The daemon's own
+(16 tokens a batch), after 10 that are not measured (the first launches of a kernel load its module);
+every answer's q_out is checked against the reference model. The daemon's own
 dsv4d_forward_seconds{stage} histograms give the mean time of validate, plan and kernel (on a device
 backend, kernel is the uploads, both launches, the downloads and the sync, and the daemon also reports
 those three parts: upload, launch, download) per batch; "client" is the
 request's wall time seen over loopback HTTP. The ceiling for the kernel stage on a device is the PCIe
 time of q in and q_out back: 2 x N x 64 x 1 KiB at 55 GB/s (FIELD-NOTES), printed beside it.
 
-Then 30 more decode steps ask for attention alone (outputs=attn: q in, attn back, the same bytes over
+Then 30 more decode steps (again after 10 unmeasured ones) ask for attention alone (outputs=attn: q in, attn back, the same bytes over
 PCIe as q_out), in exact mode and, on a backend that offers it, in fast mode (rows decode+attn and
 decode+fast); their answers are checked for shape and mode, not values (test_attention.py does that).
 
@@ -31,6 +32,9 @@ HEADS = 64
 SEQS = 16
 PREFILL = 64
 STEPS = 30
+# Decode steps run and not measured before each measured phase: the first launches of a kernel
+# variant load its module and the first copies touch cold pages, costs a serving daemon pays once.
+WARM = 10
 PCIE_BPS = 55e9
 
 
@@ -63,11 +67,13 @@ def write_sinks(path):
 
 
 def attn_steps(d, conn, rng, backend, mode, first, rows):
-    """STEPS decode steps of the 16 sequences asking for attn alone in `mode`."""
-    m0 = stage_sums(d)
+    """STEPS decode steps of the 16 sequences asking for attn alone in `mode`, after WARM ones."""
     t_client = 0.0
-    for step in range(STEPS):
-        segs = [h.Seg("s%d" % i, first + step, 1) for i in range(SEQS)]
+    for step in range(-WARM, STEPS):
+        if step == 0:
+            m0 = stage_sums(d)
+            t_client = 0.0
+        segs = [h.Seg("s%d" % i, first + WARM + step, 1) for i in range(SEQS)]
         b = h.Batch.random(rng, 0, segs, HEADS, outputs="attn")
         meta = b.metadata()
         meta["attention"] = mode
@@ -97,10 +103,12 @@ def run(backend, rng, rows):
         client = (time.perf_counter() - t0) * 1e6
         h.check_result(res, b, "%s prefill" % backend)
         rows.append((backend, "prefill", b.n, client, means(m0, stage_sums(d))))
-        m1 = stage_sums(d)
         t_client = 0.0
-        for step in range(STEPS):
-            segs = [h.Seg("s%d" % i, PREFILL + step, 1) for i in range(SEQS)]
+        for step in range(-WARM, STEPS):
+            if step == 0:
+                m1 = stage_sums(d)
+                t_client = 0.0
+            segs = [h.Seg("s%d" % i, PREFILL + WARM + step, 1) for i in range(SEQS)]
             b = h.Batch.random(rng, 0, segs, HEADS, outputs="q")
             t0 = time.perf_counter()
             res = d.forward(b, conn=conn)
@@ -108,9 +116,9 @@ def run(backend, rng, rows):
             if step % 10 == 0:
                 h.check_result(res, b, "%s decode step %d" % (backend, step))
         rows.append((backend, "decode", SEQS, t_client / STEPS * 1e6, means(m1, stage_sums(d))))
-        attn_steps(d, conn, rng, backend, "exact", PREFILL + STEPS, rows)
+        attn_steps(d, conn, rng, backend, "exact", PREFILL + WARM + STEPS, rows)
         if backend == "cuda":  # fast mode: the cuda backend on sm_90 and newer
-            attn_steps(d, conn, rng, backend, "fast", PREFILL + 2 * STEPS, rows)
+            attn_steps(d, conn, rng, backend, "fast", PREFILL + 2 * (WARM + STEPS), rows)
         conn.close()
 
 
