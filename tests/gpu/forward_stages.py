@@ -120,6 +120,18 @@ def run(backend, rng, rows):
         if backend == "cuda":  # fast mode: the cuda backend on sm_90 and newer
             attn_steps(d, conn, rng, backend, "fast", PREFILL + 2 * (WARM + STEPS), rows)
         conn.close()
+        pinned_note(d, backend)
+
+
+def pinned_note(d, backend):
+    """One line: the pinned pool's size and the bodies and answers that did not fit in it (those
+    cross PCIe from pageable memory, through the backend's staging)."""
+    ms = d.metrics()
+    fb = {dict(lab).get("use"): v for (name, lab), v in ms.items()
+          if name == "dsv4d_pinned_pool_fallbacks_total"}
+    total = sum(v for (name, _), v in ms.items() if name == "dsv4d_pinned_pool_bytes_total")
+    print("# %s: pinned pool %.0f MiB, fallbacks: body %d, output %d" % (
+        backend, total / 2**20, fb.get("body", 0), fb.get("output", 0)))
 
 
 def main():
