@@ -68,9 +68,12 @@ DSV4_FN float dsv4_pool_channel(const float *s, const float *kv, dsv4_i32 n) {
 
 /* The fold of 8 partials: p[l] = p[l] + p[l + step] for l < step, steps 4, 2, 1; returns p[0]. */
 DSV4_FN float dsv4_fold8(float *p) {
-  for (int step = 4; step >= 1; step >>= 1)
+  DSV4_UNROLL
+  for (int step = 4; step >= 1; step >>= 1) {
+    DSV4_UNROLL
     for (int l = 0; l < step; l++)
       p[l] = p[l] + p[l + step];
+  }
   return p[0];
 }
 
@@ -89,8 +92,10 @@ DSV4_FN float dsv4_sumsq128(const float *x) {
 /* The index dot product q . k: the same 8 chains of 16 and fold as dsv4_sumsq128. */
 DSV4_FN float dsv4_dot128(const float *x, const float *y) {
   float p[8];
+  DSV4_UNROLL
   for (int l = 0; l < 8; l++) {
     float acc = 0.0f;
+    DSV4_UNROLL
     for (int k = 0; k < 16; k++)
       acc = DSV4_FMA(x[16 * l + k], y[16 * l + k], acc);
     p[l] = acc;
@@ -223,8 +228,10 @@ DSV4_FN void dsv4_mxfp4_quant128(const float *v, dsv4_u8 *vals, dsv4_u8 *codes) 
 
 /* The 128 values of an MXFP4 record: nibble value * 2^(code - 127), exact in fp32. */
 DSV4_FN void dsv4_mxfp4_dequant128(const dsv4_u8 *vals, const dsv4_u8 *codes, float *out) {
+  DSV4_UNROLL
   for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
     float scale = dsv4_ue8m0_scale(codes[b]);
+    DSV4_UNROLL
     for (int i = 0; i < DSV4_MXFP4_BLOCK / 2; i++) {
       dsv4_u8 byte = vals[(DSV4_MXFP4_BLOCK / 2) * b + i];
       out[DSV4_MXFP4_BLOCK * b + 2 * i] = dsv4_e2m1_to_f32((dsv4_u8)(byte & 15u)) * scale;

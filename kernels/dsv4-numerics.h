@@ -24,6 +24,7 @@ typedef ushort dsv4_u16;
 typedef uchar dsv4_u8;
 typedef int dsv4_i32;
 #define DSV4_FN static inline
+#define DSV4_UNROLL
 #define DSV4_FMA(a, b, c) fma((a), (b), (c))
 #define DSV4_SQRT(x) sqrt(x)
 DSV4_FN dsv4_u32 dsv4_f2u(float f) {
@@ -40,9 +41,13 @@ typedef uint8_t dsv4_u8;
 typedef int32_t dsv4_i32;
 #define DSV4_FN static inline __host__ __device__
 #ifdef __CUDA_ARCH__
+/* Loops of a fixed count unrolled in device code, so that arrays indexed by their counters stay in
+ * registers: the operations and their order are the loop's. */
+#define DSV4_UNROLL _Pragma("unroll")
 #define DSV4_FMA(a, b, c) __fmaf_rn((a), (b), (c))
 #define DSV4_SQRT(x) __fsqrt_rn(x)
 #else
+#define DSV4_UNROLL
 #include <math.h>
 #define DSV4_FMA(a, b, c) fmaf((a), (b), (c))
 #define DSV4_SQRT(x) sqrtf(x)
@@ -74,6 +79,7 @@ typedef uint16_t dsv4_u16;
 typedef uint8_t dsv4_u8;
 typedef int32_t dsv4_i32;
 #define DSV4_FN static inline
+#define DSV4_UNROLL
 #define DSV4_FMA(a, b, c) fmaf((a), (b), (c))
 #define DSV4_SQRT(x) sqrtf(x)
 DSV4_FN dsv4_u32 dsv4_f2u(float f) {

@@ -3,25 +3,27 @@
  * reference's selection (cpu_compress.c): per token, the top-k of its visible entries under (score
  * descending, entry ascending), listed in increasing entry, -1 padded.
  *
- *   check    one thread per token: its segment and position, and for a token that must score (more
- *            than topk visible entries) the block of every visible entry. Consecutive tokens of a
- *            segment see entries from the same first one, so a token whose predecessor scored
- *            checks only the blocks past the predecessor's last one (together they cover every
- *            range). A failure sets bits of the error word, and the select kernel then writes
- *            nothing.
+ *   check    one warp per token: its segment and position, and for a token that must score (more
+ *            than topk visible entries) the block of every visible entry, the lanes taking every
+ *            32nd block. Consecutive tokens of a segment see entries from the same first one, so
+ *            a token whose predecessor scored checks only the blocks past the predecessor's last
+ *            one (together they cover every range). A failure sets bits of the error word, and
+ *            the select kernel then writes nothing.
  *   score    in waves of at most one token per SM (a token's keys take one slot of the key
  *            scratch), a grid of (token, split) CTAs: a token's visible entries are split over
  *            several CTAs, so that one token's scan spreads over the device. Each CTA of a token
  *            that must score computes the dequantised index queries q^ of every head
- *            (dsv4_index_query: RoPE at p, Hadamard, MXFP4) and the weights into shared memory, one
- *            thread per head; then one thread per entry of its split dequantises the entry's index
- *            record, computes its score (the heads in order, dsv4_index_score_add) and stores the
- *            order key (dsv4_index_score_key) at the entry's index in the token's slot.
- *   select   one CTA per token of the wave. A token with at most topk visible entries lists them.
- *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
- *            histogram per round) finds the k-th largest key T and how many keys equal to T are
- *            taken; a last pass over the keys in entry order, 256 at a time with two block-wide
- *            prefix sums, lists every key above T and the first of those equal to T.
+ *            (dsv4_index_query: RoPE at p, Hadamard, MXFP4; a warp per head, index_query_warp) and
+ *            the weights into shared memory; then one thread per entry of its split dequantises the
+ * entry's index record, computes its score (the heads in order, dsv4_index_score_add) and stores
+ * the order key (dsv4_index_score_key) at the entry's index in the token's slot. A split with fewer
+ * entries than threads (a decode at short context) gives each entry a group of TPE lanes that share
+ * its heads' dot products and add them in the same order. select   one CTA per token of the wave. A
+ * token with at most topk visible entries lists them. Otherwise a radix select over its keys (8
+ * bits at a time from the top, a shared histogram per round, its bucket found by a block-wide scan)
+ * finds the k-th largest key T and how many keys equal to T are taken; a last pass over the keys in
+ * entry order, 256 at a time with two block-wide prefix sums, lists every key above T and the first
+ * of those equal to T.
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
  * the selection is a function of the scores alone, so the lists are equal.
@@ -37,6 +39,11 @@
 #include "dsv4-numerics.h"
 
 #define CHECK_BLOCK 256
+/* Lanes per entry in score_entries_grouped. */
+#define TPE 8
+/* Floats per row of q^ in shared memory: 128 and a pad of 4, so the lanes of a warp that read
+ * different heads' rows (score_entries_grouped) read different banks. */
+#define Q_STRIDE (DSV4_INDEX_DIM + 4)
 #define SEL_THREADS 256
 #define SEL_WARPS (SEL_THREADS / 32)
 #define FULL 0xffffffffu
@@ -95,7 +102,8 @@ static __device__ uint32_t token_range(const idx_params_t &p, uint32_t t, uint32
 
 /* ---- check ---- */
 
-static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t) {
+/* Lane `lane` of the warp that checks token t: the blocks lb, lb + 32, ... of its range. */
+static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t, uint32_t lane) {
   uint32_t s;
   int64_t jlo, jhi;
   uint32_t bits = token_range(p, t, &s, &jlo, &jhi);
@@ -109,7 +117,7 @@ static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t) {
     if (prev_hi - jlo > (int64_t)p.topk && ((prev_hi - 1) >> p.bs_shift) > lb)
       lb = (prev_hi - 1) >> p.bs_shift;
   }
-  for (; lb <= lb_hi; lb++)
+  for (lb += lane; lb <= lb_hi; lb += 32)
     if (lb_block(p, s, lb) < 0)
       return DSV4_CUDA_ERR_BLOCK;
   return 0;
@@ -124,8 +132,9 @@ __global__ void __launch_bounds__(CHECK_BLOCK) dsv4__indexer_check_kernel(idx_pa
   if (i < p.n_segments && p.c_bt_entries &&
       (uint64_t)p.seg_cbt_off[i] + p.seg_cbt_len[i] > p.c_bt_entries)
     bits |= DSV4_CUDA_ERR_BLOCK;
-  if (i < p.n_tokens)
-    bits |= check_token(p, i);
+  /* A warp per token: a decode token at 64K context has hundreds of blocks to look up. */
+  if (i / 32 < p.n_tokens)
+    bits |= check_token(p, i / 32, i & 31);
   if (bits)
     atomicOr(p.err, bits);
 }
@@ -155,23 +164,68 @@ static __device__ uint32_t block_scan(uint32_t v, uint32_t *warp_sums, uint32_t 
   return before + x - v;
 }
 
-/* The scores of entries jlo + i, i in [i0, i1), of segment s as order keys in keys[i]. */
+/* Entry jlo + i of segment s dequantised into k. */
+static __device__ void entry_key(const idx_params_t &p, uint32_t s, int64_t j, float *k) {
+  const uint64_t bs = 1u << p.bs_shift, o = (uint64_t)j & (bs - 1);
+  const uint8_t *blk =
+      p.i_cache + (uint64_t)lb_block(p, s, j >> p.bs_shift) * DSV4_INDEX_BLOCK_BYTES(bs);
+  dsv4_mxfp4_dequant128(blk + DSV4_INDEX_VALUE_BYTES * o,
+                        blk + DSV4_INDEX_VALUE_BYTES * bs + DSV4_MXFP4_BLOCKS * o, k);
+}
+
+/* The scores of entries jlo + i, i in [i0, i1), of segment s as order keys in keys[i]: a thread
+ * per entry, each head's dot product and the heads' sum in order. */
 static __device__ void score_entries(const idx_params_t &p, uint32_t s, int64_t jlo, uint32_t i0,
                                      uint32_t i1, const float *qhat, const float *w,
                                      uint32_t *keys) {
-  const uint64_t bs = 1u << p.bs_shift;
   for (uint32_t i = i0 + threadIdx.x; i < i1; i += SEL_THREADS) {
-    const int64_t j = jlo + i;
-    const uint64_t o = (uint64_t)j & (bs - 1);
-    const uint8_t *blk =
-        p.i_cache + (uint64_t)lb_block(p, s, j >> p.bs_shift) * DSV4_INDEX_BLOCK_BYTES(bs);
     float k[DSV4_INDEX_DIM];
-    dsv4_mxfp4_dequant128(blk + DSV4_INDEX_VALUE_BYTES * o,
-                          blk + DSV4_INDEX_VALUE_BYTES * bs + DSV4_MXFP4_BLOCKS * o, k);
+    entry_key(p, s, jlo + i, k);
     float acc = 0.0f;
     for (uint32_t h = 0; h < p.n_heads; h++)
-      acc = dsv4_index_score_add(w[h], dsv4_dot128(qhat + (size_t)h * DSV4_INDEX_DIM, k), acc);
+      acc = dsv4_index_score_add(w[h], dsv4_dot128(qhat + (size_t)h * Q_STRIDE, k), acc);
     keys[i] = dsv4_index_score_key(acc);
+  }
+}
+
+/*
+ * The same keys when a split has fewer entries than threads (a decode token's split at short
+ * context): TPE lanes per entry, lane g of a group computing the dot products of heads g, g + TPE,
+ * ...; then every lane of the group adds the heads' terms in order, taking each product from the
+ * lane that computed it, so the sum is the one score_entries forms. Every lane of a warp takes the
+ * same number of turns (the shuffles), and only those of an entry in range compute or store.
+ */
+static __device__ void score_entries_grouped(const idx_params_t &p, uint32_t s, int64_t jlo,
+                                             uint32_t i0, uint32_t i1, const float *qhat,
+                                             const float *w, uint32_t *keys) {
+  constexpr uint32_t PER = SEL_THREADS / TPE; /* entries a turn */
+  constexpr uint32_t MAXM = (DSV4_MAX_HEADS + TPE - 1) / TPE;
+  const uint32_t lane = threadIdx.x & 31, g = lane % TPE, base = lane - g;
+  for (uint32_t i = i0 + threadIdx.x / TPE; i - threadIdx.x / TPE < i1; i += PER) {
+    const bool in = i < i1;
+    float d[MAXM];
+    if (in) {
+      float k[DSV4_INDEX_DIM];
+      entry_key(p, s, jlo + i, k);
+#pragma unroll
+      for (uint32_t m = 0; m < MAXM; m++)
+        d[m] = g + TPE * m < p.n_heads ? dsv4_dot128(qhat + (size_t)(g + TPE * m) * Q_STRIDE, k)
+                                       : 0.0f;
+    } else {
+#pragma unroll
+      for (uint32_t m = 0; m < MAXM; m++)
+        d[m] = 0.0f;
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (uint32_t m = 0; m < MAXM; m++)
+      for (uint32_t gg = 0; gg < TPE; gg++) {
+        const float v = __shfl_sync(FULL, d[m], base + gg);
+        if (TPE * m + gg < p.n_heads)
+          acc = dsv4_index_score_add(w[TPE * m + gg], v, acc);
+      }
+    if (in && g == 0)
+      keys[i] = dsv4_index_score_key(acc);
   }
 }
 
@@ -197,15 +251,16 @@ static __device__ uint32_t radix_select(const uint32_t *keys, uint32_t n, uint32
         atomicAdd(&sm.hist[(key >> shift) & 255u], 1u);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      /* The keys matching prefix number at least need, so some bucket reaches it. */
-      uint32_t b = 255;
-      while (sm.hist[b] < need) {
-        need -= sm.hist[b];
-        b--;
-      }
+    /* The bucket b of the k-th largest: the keys matching prefix number at least need, so there is
+     * exactly one b whose buckets above hold fewer than need keys and b and those above at least
+     * need. Thread x looks at bucket 255 - x, the scan summing the buckets above it. */
+    static_assert(SEL_THREADS == 256, "one thread per bucket");
+    const uint32_t b = 255u - threadIdx.x, hb = sm.hist[b];
+    uint32_t total;
+    const uint32_t above = block_scan(hb, sm.warp_sums, &total);
+    if (above < need && above + hb >= need) {
       sm.prefix = prefix | (b << shift);
-      sm.need = need;
+      sm.need = need - above;
     }
     __syncthreads();
     prefix = sm.prefix;
@@ -234,9 +289,64 @@ static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t 
   }
 }
 
+/*
+ * dsv4_index_query of one head by a warp: lane l holds dims 4l..4l + 3. Every value goes through
+ * the operations the one-thread function applies to it (RoPE pairs, the Hadamard butterflies with
+ * the lane's partner across a stage, the scale and bf16 rounding, the block's maximum, the nibble
+ * and its value), so the bytes are the same; the stages' butterflies are independent (SPEC §8.5).
+ */
+static __device__ void index_query_warp(const uint16_t *iq, const float *rope_row, float *qhat) {
+  const uint32_t lane = threadIdx.x & 31;
+  float x[4];
+  for (int i = 0; i < 4; i++)
+    x[i] = dsv4_bf16_to_f32(iq[4 * lane + i]);
+  if (4 * lane >= DSV4_INDEX_ROPE_FIRST) /* two RoPE pairs a lane */
+    for (int k = 0; k < 2; k++) {
+      const uint32_t i = (4 * lane - DSV4_INDEX_ROPE_FIRST) / 2 + k;
+      const float e = x[2 * k], o = x[2 * k + 1], c = rope_row[i],
+                  sn = rope_row[DSV4_ROPE_PAIRS + i];
+      x[2 * k] = dsv4_round_bf16(dsv4_rope_even(e, o, c, sn));
+      x[2 * k + 1] = dsv4_round_bf16(dsv4_rope_odd(e, o, c, sn));
+    }
+  /* Stages h = 1 and 2 within the lane, then h = 4 .. 64 with lane l ^ (h / 4): the lower lane
+   * keeps x + y, the upper one x - y, x being the lower lane's value. */
+  for (int h = 1; h < 4; h <<= 1)
+    for (int i = 0; i < 4; i++)
+      if ((i & h) == 0) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+  for (uint32_t m = 1; m < 32; m <<= 1)
+    for (int i = 0; i < 4; i++) {
+      const float other = __shfl_xor_sync(FULL, x[i], m);
+      x[i] = (lane & m) ? other - x[i] : x[i] + other;
+    }
+  const float hs = dsv4_u2f(DSV4_HADAMARD_SCALE_BITS);
+  float amax = dsv4_u2f(DSV4_MXFP4_AMAX_FLOOR_BITS);
+  for (int i = 0; i < 4; i++) {
+    x[i] = dsv4_round_bf16(x[i] * hs);
+    const float a = dsv4_u2f(dsv4_f2u(x[i]) & 0x7fffffffu);
+    amax = a > amax ? a : amax;
+  }
+  /* A block of 32 values is 8 lanes. */
+  for (uint32_t m = 1; m < DSV4_MXFP4_BLOCK / 4; m <<= 1) {
+    const float a = __shfl_xor_sync(FULL, amax, m);
+    amax = a > amax ? a : amax;
+  }
+  const int32_t e = dsv4_mxfp4_exponent(amax);
+  const float scale = dsv4_pow2_neg(e), back = dsv4_ue8m0_scale((uint8_t)(e + DSV4_UE8M0_BIAS));
+  float4 out;
+  out.x = dsv4_e2m1_to_f32(dsv4_e2m1_nibble(x[0] * scale)) * back;
+  out.y = dsv4_e2m1_to_f32(dsv4_e2m1_nibble(x[1] * scale)) * back;
+  out.z = dsv4_e2m1_to_f32(dsv4_e2m1_nibble(x[2] * scale)) * back;
+  out.w = dsv4_e2m1_to_f32(dsv4_e2m1_nibble(x[3] * scale)) * back;
+  reinterpret_cast<float4 *>(qhat)[lane] = out;
+}
+
 /* Split y of token t_base + blockIdx.x: the queries, then the keys of its entries. */
 __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_score_kernel(idx_params_t p) {
-  extern __shared__ float qhat[]; /* [n_heads, 128] q^, then [n_heads] weights */
+  extern __shared__ float qhat[]; /* [n_heads, Q_STRIDE] q^, then [n_heads] weights */
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (__ldcg(p.err) != 0)
@@ -254,15 +364,20 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_score_kernel(idx_pa
   const uint32_t i0 = blockIdx.y * per, i1 = min((uint32_t)n, i0 + per);
   if (i0 >= i1)
     return;
-  float *w = qhat + (size_t)p.n_heads * DSV4_INDEX_DIM;
+  float *w = qhat + (size_t)p.n_heads * Q_STRIDE;
   const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
-  for (uint32_t h = threadIdx.x; h < p.n_heads; h += SEL_THREADS) {
-    const uint64_t row = (uint64_t)t * p.n_heads + h;
-    dsv4_index_query(p.iq + row * DSV4_INDEX_DIM, rope_row, qhat + (size_t)h * DSV4_INDEX_DIM);
-    w[h] = __fmul_rn(p.iw[row], p.w_scale);
-  }
+  /* A warp per head's query (index_query_warp), a thread per head's weight. */
+  for (uint32_t h = threadIdx.x / 32; h < p.n_heads; h += SEL_WARPS)
+    index_query_warp(p.iq + ((uint64_t)t * p.n_heads + h) * DSV4_INDEX_DIM, rope_row,
+                     qhat + (size_t)h * Q_STRIDE);
+  for (uint32_t h = threadIdx.x; h < p.n_heads; h += SEL_THREADS)
+    w[h] = __fmul_rn(p.iw[(uint64_t)t * p.n_heads + h], p.w_scale);
   __syncthreads();
-  score_entries(p, s, jlo, i0, i1, qhat, w, p.keys + (uint64_t)blockIdx.x * p.keys_per_cta);
+  uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
+  if (i1 - i0 < SEL_THREADS) /* CTA-uniform */
+    score_entries_grouped(p, s, jlo, i0, i1, qhat, w, keys);
+  else
+    score_entries(p, s, jlo, i0, i1, qhat, w, keys);
 }
 
 /* Token t_base + blockIdx.x's selection: all visible entries when at most topk, else the top topk
@@ -346,11 +461,11 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   if (keys_len < (uint64_t)ctas * p.keys_per_cta)
     return DSV4_EINVAL;
   static int ready = 0; /* the shared-memory limit, raised once per process */
-  const size_t smem = (size_t)a->n_heads * (DSV4_INDEX_DIM + 1) * sizeof(float);
+  const size_t smem = (size_t)a->n_heads * (Q_STRIDE + 1) * sizeof(float);
   if (!ready) {
     cudaError_t e = cudaFuncSetAttribute(dsv4__indexer_score_kernel,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)(DSV4_MAX_HEADS * (DSV4_INDEX_DIM + 1) * 4));
+                                         (int)(DSV4_MAX_HEADS * (Q_STRIDE + 1) * 4));
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       return dsv4__cuda_err(e);
@@ -358,15 +473,19 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
     ready = 1;
   }
   pdl = pdl && dev.pdl;
-  const uint32_t check_items = a->n_tokens > a->n_segments ? a->n_tokens : a->n_segments;
-  cudaError_t e =
-      dsv4__cuda_launch(dsv4__indexer_check_kernel, (check_items + CHECK_BLOCK - 1) / CHECK_BLOCK,
-                        CHECK_BLOCK, s, pdl, p);
+  const uint64_t check_items = (uint64_t)a->n_tokens * 32 > a->n_segments
+                                   ? (uint64_t)a->n_tokens * 32
+                                   : (uint64_t)a->n_segments;
+  if ((check_items + CHECK_BLOCK - 1) / CHECK_BLOCK > 0x7fffffffu)
+    return DSV4_EINVAL;
+  cudaError_t e = dsv4__cuda_launch(dsv4__indexer_check_kernel,
+                                    (unsigned)((check_items + CHECK_BLOCK - 1) / CHECK_BLOCK),
+                                    CHECK_BLOCK, s, pdl, p);
   /* Waves of ctas tokens (one key slot each); a token's entries split over about one CTA per SM
-   * across the wave (at most 64 splits): a full wave takes one CTA per token, which computes the
-   * token's queries once. */
+   * across the wave: a full wave takes one CTA per token, which computes the token's queries
+   * once. */
   uint32_t splits = (uint32_t)dev.sms / ctas;
-  splits = splits < 1 ? 1 : splits > 64 ? 64 : splits;
+  splits = splits < 1 ? 1 : splits;
   for (uint32_t t0 = 0; e == cudaSuccess && t0 < a->n_tokens; t0 += ctas) {
     p.t_base = t0;
     e = dsv4__cuda_launch_smem(dsv4__indexer_score_kernel, dim3(ctas, splits, 1), SEL_THREADS, smem,
