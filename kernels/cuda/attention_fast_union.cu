@@ -111,9 +111,9 @@ static __device__ void funion_finish(const attn_params_t &p, const attn_misc_t &
   if (h >= 16 * MT)
     return;
   const float m = ms.m[h], sum = um.s[h];
-  fm.den[h] = p.sink ? sum + __expf(fm.sink[h] - m) : sum;
+  fm.den[h] = fast_den(p, sum, m, fm.sink[h]);
   if (p.lse && h_first + h < p.heads)
-    p.lse[(uint64_t)t * p.heads + h_first + h] = m + logf(sum);
+    p.lse[(uint64_t)t * p.heads + h_first + h] = fast_lse(m, sum);
 }
 
 /* Tile `first` of nt candidates: addresses, records staged as bf16 (zeros up to a multiple of 16),
