@@ -76,6 +76,12 @@
  */
 #define BATCH_SLOTS 4
 
+/* Device scratch that launches use while they run, grown on demand (scratch_reserve). */
+typedef struct {
+  void *p;
+  uint64_t n; /* elements of the scratch's type */
+} scratch_t;
+
 typedef struct {
   const dsv4_rope_table_t *table;
   float *dev; /* positions rows of 64 floats */
@@ -105,8 +111,7 @@ typedef struct {
   uint32_t *attn_err;      /* device: the error word of attention, compress and indexer */
   uint32_t *attn_err_host; /* pinned: where sync reads it back */
   int attn_pending;        /* a launch that checks on the device since the last sync */
-  uint32_t *keys;          /* device: the indexer's score keys */
-  uint64_t keys_len;
+  scratch_t keys;          /* device: the indexer's score keys (uint32) */
   /* The ranges of host_register, which copies use in place. The list is changed by host_register
    * and host_unregister and read by every copy, possibly on other threads: under reg_lock. */
   pthread_mutex_t reg_lock;
@@ -383,8 +388,8 @@ static void cuda_destroy(dsv4_backend_t *be) {
     (void)cudaFree(c->attn_err);
   if (c->attn_err_host)
     (void)cudaFreeHost(c->attn_err_host);
-  if (c->keys)
-    (void)cudaFree(c->keys);
+  if (c->keys.p)
+    (void)cudaFree(c->keys.p);
   if (c->stream)
     (void)cudaStreamDestroy(c->stream);
   overlap_destroy(c);
@@ -503,6 +508,24 @@ static int cuda_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   return rc ? rc : dsv4__cuda_qkv_insert(a, m->dev, m->positions, c->stream, c->pdl);
 }
 
+/* Scratch of at least n elements of `size` bytes. cudaFree waits for the launches still using the
+ * smaller one, so no queued kernel reads memory freed under it. */
+static int scratch_reserve(scratch_t *d, uint64_t n, size_t size) {
+  if (n <= d->n)
+    return 0;
+  if (d->p)
+    (void)cudaFree(d->p);
+  d->p = NULL;
+  d->n = 0;
+  int rc = cu(cudaMalloc(&d->p, n * size));
+  if (rc) {
+    d->p = NULL;
+    return rc;
+  }
+  d->n = n;
+  return 0;
+}
+
 /*
  * Attention after the insert, on the same stream. The kernels check what the host cannot see (the
  * device copies of positions and block tables); a failure shows in the error word, which sync
@@ -545,23 +568,6 @@ static int cuda_compress(dsv4_backend_t *be, const dsv4_compress_args_t *a) {
   return rc;
 }
 
-/* The indexer's key scratch: at least n keys. cudaFree waits for the launches still using it. */
-static int keys_reserve(cuda_backend_t *c, uint64_t n) {
-  if (n <= c->keys_len)
-    return 0;
-  if (c->keys)
-    (void)cudaFree(c->keys);
-  c->keys = NULL;
-  c->keys_len = 0;
-  int rc = cu(cudaMalloc((void **)&c->keys, n * sizeof(uint32_t)));
-  if (rc) {
-    c->keys = NULL;
-    return rc;
-  }
-  c->keys_len = n;
-  return 0;
-}
-
 /* SPEC §8.5, after compress: every token's selection, checked on the device. */
 static int cuda_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
   cuda_backend_t *c = cuda_of(be);
@@ -574,10 +580,12 @@ static int cuda_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
   if (!rc)
     rc = mirror_get(c, a->rope, &m);
   if (!rc)
-    rc = keys_reserve(c, (uint64_t)dsv4__cuda_indexer_ctas(a->n_tokens) *
-                             dsv4__cuda_indexer_keys_per_cta(m->positions));
+    rc = scratch_reserve(&c->keys,
+                         (uint64_t)dsv4__cuda_indexer_ctas(a->n_tokens) *
+                             dsv4__cuda_indexer_keys_per_cta(m->positions),
+                         sizeof(uint32_t));
   if (!rc)
-    rc = dsv4__cuda_indexer(a, m->dev, m->positions, c->keys, c->keys_len, c->attn_err, c->stream,
+    rc = dsv4__cuda_indexer(a, m->dev, m->positions, c->keys.p, c->keys.n, c->attn_err, c->stream,
                             c->pdl);
   if (!rc)
     c->attn_pending = 1;
