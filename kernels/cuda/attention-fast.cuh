@@ -167,7 +167,8 @@ static __device__ void fast_store_scores(float *ss, uint32_t warp, uint32_t lane
 }
 
 /* A head's denominator D = S + exp(sink - m) (the sink in the denominator only; none without
- * sinks), and lse = m + log S (the sink excluded), for the window's kernel and the union's. */
+ * sinks), and lse = m + log S (the sink excluded): the window's kernel, the union's and the split
+ * union's combine compute them here. */
 static __device__ __forceinline__ float fast_den(const attn_params_t &p, float sum, float m,
                                                  float sink) {
   return p.sink ? sum + __expf(sink - m) : sum;

@@ -36,7 +36,9 @@
  * The compressed branch (SPEC §8): compress and indexer on the same stream after the insert, then
  * the union attention, each checking on the device and sharing the error word (a kernel that finds
  * it set writes nothing, so a batch whose compress failed leaves the caches as they were). The
- * indexer scores into a device scratch of keys, grown on demand (dsv4__cuda_indexer).
+ * indexer scores into a device scratch of keys, grown on demand (dsv4__cuda_indexer); the fast
+ * union attention of a small batch splits each token's list and leaves partial states in another
+ * (dsv4__cuda_attention), grown the same way.
  *
  * Thread affinity: one thread at a time (the engine's executor), as backend.h says; the CUDA
  * current device is per thread, so every entry point selects the backend's device first.
@@ -53,6 +55,7 @@
 #include <cuda_runtime_api.h>
 
 #include "host_pool.h"
+#include "attention-split.h"
 #include "cuda-kernels.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
@@ -112,6 +115,7 @@ typedef struct {
   uint32_t *attn_err_host; /* pinned: where sync reads it back */
   int attn_pending;        /* a launch that checks on the device since the last sync */
   scratch_t keys;          /* device: the indexer's score keys (uint32) */
+  scratch_t part;          /* device: the split fast union's partial states (float) */
   /* The ranges of host_register, which copies use in place. The list is changed by host_register
    * and host_unregister and read by every copy, possibly on other threads: under reg_lock. */
   pthread_mutex_t reg_lock;
@@ -390,6 +394,8 @@ static void cuda_destroy(dsv4_backend_t *be) {
     (void)cudaFreeHost(c->attn_err_host);
   if (c->keys.p)
     (void)cudaFree(c->keys.p);
+  if (c->part.p)
+    (void)cudaFree(c->part.p);
   if (c->stream)
     (void)cudaStreamDestroy(c->stream);
   overlap_destroy(c);
@@ -535,14 +541,22 @@ static int cuda_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   cuda_backend_t *c = cuda_of(be);
   rope_mirror_t *m;
   if (a && a->n_tokens == 0)
-    return dsv4__cuda_attention(a, NULL, 0, c->attn_err, c->stream, c->pdl);
+    return dsv4__cuda_attention(a, NULL, 0, NULL, 0, c->attn_err, c->stream, c->pdl);
   if (!a || !a->rope)
     return DSV4_EINVAL;
   int rc = use_device(c);
   if (!rc)
     rc = mirror_get(c, a->rope, &m);
+  /* A fast union launch of a small batch splits its tokens' lists: their partial states. */
+  const uint32_t nsplit = a->fast && a->c_cache && !rc
+                              ? dsv4__cuda_attention_fast_union_splits(a->n_tokens, a->heads)
+                              : 1;
   if (!rc)
-    rc = dsv4__cuda_attention(a, m->dev, m->positions, c->attn_err, c->stream, c->pdl);
+    rc = scratch_reserve(&c->part, dsv4__union_part_floats(a->n_tokens, a->heads, nsplit),
+                         sizeof(float));
+  if (!rc)
+    rc = dsv4__cuda_attention(a, m->dev, m->positions, c->part.p, c->part.n, c->attn_err, c->stream,
+                              c->pdl);
   if (!rc)
     c->attn_pending = 1;
   return rc;
