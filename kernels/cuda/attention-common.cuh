@@ -62,6 +62,10 @@ typedef struct {
   /* The fused decode path (backend.h): q holds the raw rows, normalised and rotated here. */
   uint32_t q_raw;
   float eps;
+  /* Fast mode's split union (attention_fast_union.cu): nsplit > 1 splits of each token's list
+   * write their partial states into part (attention-split.h), which a combine kernel merges. */
+  float *part;
+  uint32_t nsplit;
 } attn_params_t;
 
 static_assert(sizeof(attn_params_t) % 4 == 0, "parameter block of whole words");
@@ -394,7 +398,10 @@ static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms,
  * check kernel has been queued before it unless p.check_all). Sets p.groups itself. */
 cudaError_t dsv4__attention_fast_launch(attn_params_t p, int sms, cudaStream_t s, int pdl);
 /* Fast mode over the union of the window and the compressed entries (attention_fast_union.cu),
- * after the check kernel has been queued (always, for a union launch). Sets p.groups itself. */
+ * after the check kernel has been queued (always, for a union launch). Sets p.groups and p.nsplit
+ * itself; with more than one split, p.part must hold dsv4__union_part_floats of the launch. */
 cudaError_t dsv4__attention_fast_union_launch(attn_params_t p, int sms, cudaStream_t s, int pdl);
+/* The splits of that launch on a device of sms SMs (attention-split.h). */
+uint32_t dsv4__attention_fast_union_splits(uint32_t n_tokens, uint32_t heads, int sms);
 
 #endif /* DSV4_KERNELS_CUDA_ATTENTION_COMMON_CUH */

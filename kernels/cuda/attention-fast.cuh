@@ -166,6 +166,34 @@ static __device__ void fast_store_scores(float *ss, uint32_t warp, uint32_t lane
   }
 }
 
+/* A head's denominator D = S + exp(sink - m) (the sink in the denominator only; none without
+ * sinks), and lse = m + log S (the sink excluded): the window's kernel, the union's and the split
+ * union's combine compute them here. */
+static __device__ __forceinline__ float fast_den(const attn_params_t &p, float sum, float m,
+                                                 float sink) {
+  return p.sink ? sum + __expf(sink - m) : sum;
+}
+
+static __device__ __forceinline__ float fast_lse(float m, float sum) {
+  return m + logf(sum);
+}
+
+/* Dims d, d + 1 (d even) of an output row from N's values ne, no and inv = 1 / D: o = N inv, the
+ * inverse RoPE on dims 448..511 (rope: the query position's row, cos then sin), one bf16 rounding
+ * each, packed (dim d in the low half). */
+static __device__ __forceinline__ uint32_t fast_out_pair(float ne, float no, float inv, uint32_t d,
+                                                         const float *rope) {
+  float e = ne * inv, od = no * inv;
+  if (d >= DSV4_NOPE_DIM) {
+    const uint32_t i = (d - DSV4_NOPE_DIM) / 2;
+    const float c = rope[i], sn = rope[DSV4_ROPE_PAIRS + i];
+    const float ee = dsv4_rope_inv_even(e, od, c, sn);
+    od = dsv4_rope_inv_odd(e, od, c, sn);
+    e = ee;
+  }
+  return bf16x2(e, od);
+}
+
 /* o = N (1 / D), the inverse RoPE on dims 448..511, bf16, stored: n-tile j of dims d0.. of the
  * warp's m-tile (a lane holds dims d, d + 1 of two heads, an even-odd pair of the RoPE part). */
 template <int NT>
@@ -184,15 +212,7 @@ static __device__ void fast_store_out(const attn_params_t &p, const attn_misc_t 
 #pragma unroll
     for (int j = 0; j < NT; j++) {
       const uint32_t d = d0 + 8 * j + 2 * (lane & 3);
-      float e = acc[j][2 * half] * inv, od = acc[j][2 * half + 1] * inv;
-      if (d >= DSV4_NOPE_DIM) {
-        const uint32_t i = (d - DSV4_NOPE_DIM) / 2;
-        const float c = ms.rope[i], sn = ms.rope[DSV4_ROPE_PAIRS + i];
-        const float ee = dsv4_rope_inv_even(e, od, c, sn);
-        od = dsv4_rope_inv_odd(e, od, c, sn);
-        e = ee;
-      }
-      row[d >> 1] = bf16x2(e, od);
+      row[d >> 1] = fast_out_pair(acc[j][2 * half], acc[j][2 * half + 1], inv, d, ms.rope);
     }
   }
 }

@@ -11,6 +11,7 @@
  * records are dequantised once per CTA into shared memory and reused by every head of the CTA, a
  * warp holds eight heads' queries in registers, and a lane owns one canonical 16-dim partial.
  */
+#include "attention-split.h"
 #include "attention-union.cuh"
 
 /*
@@ -637,9 +638,22 @@ extern "C" int dsv4__cuda_attention_supported(int dev) {
   return (size_t)optin >= attn_smem_bytes(64) + sizeof(attn_misc_t);
 }
 
+/* The partial states of a fast union launch that splits (attention_fast_union.cu): part_len
+ * floats at part_dev (16-byte aligned), at least what the launch's splits write. */
+static int check_part(const dsv4_attn_args_t *a, const float *part_dev, uint64_t part_len,
+                      int sms) {
+  if (!a->c_cache || !a->fast)
+    return 0;
+  const uint32_t nsplit = dsv4__attention_fast_union_splits(a->n_tokens, a->heads, sms);
+  const uint64_t need = dsv4__union_part_floats(a->n_tokens, a->heads, nsplit);
+  if (need && (!part_dev || part_len < need || ((uintptr_t)part_dev & 15u)))
+    return DSV4_EINVAL;
+  return 0;
+}
+
 extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope_rows_dev,
-                                    int64_t max_positions, uint32_t *err_dev, cudaStream_t s,
-                                    int pdl) {
+                                    int64_t max_positions, float *part_dev, uint64_t part_len,
+                                    uint32_t *err_dev, cudaStream_t s, int pdl) {
   int rc = check_args(a);
   if (rc || a->n_tokens == 0)
     return rc;
@@ -647,6 +661,10 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
     return DSV4_EINVAL;
   dsv4__cuda_dev_t dev;
   int err = dsv4__cuda_dev_info(&dev);
+  if (!err && a->fast && !dev.pdl) /* tensor-core fast mode: sm_90 and newer */
+    err = DSV4_EUNSUPPORTED;
+  if (!err)
+    err = check_part(a, part_dev, part_len, dev.sms);
   if (err)
     return err;
   /* A union launch keeps its chains N in registers across tiles: 4 or 8 warps per octet. */
@@ -689,11 +707,10 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
   p.ratio = a->ratio;
   p.q_raw = a->q_raw ? 1u : 0u;
   p.eps = a->eps;
+  p.part = part_dev;
   const uint64_t grid = (uint64_t)a->n_tokens * p.groups;
   if (grid > 0x7fffffffu)
     return DSV4_EINVAL;
-  if (a->fast && !dev.pdl) /* tensor-core fast mode: sm_90 and newer */
-    return DSV4_EUNSUPPORTED;
   pdl = pdl && dev.pdl;
   if (a->c_cache)
     return dsv4__cuda_err(launch_union(p, r, a->fast, dev.sms, s, pdl));

@@ -69,9 +69,9 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
     for (int off = 16; off >= 1; off >>= 1)
       sum += __shfl_xor_sync(FULL, sum, off);
     if (lane == 0) {
-      fm.den[h] = p.sink ? sum + __expf(fm.sink[h] - m) : sum;
+      fm.den[h] = fast_den(p, sum, m, fm.sink[h]);
       if (p.lse && h_first + h < p.heads)
-        p.lse[(uint64_t)t * p.heads + h_first + h] = m + logf(sum);
+        p.lse[(uint64_t)t * p.heads + h_first + h] = fast_lse(m, sum);
     }
   }
 }

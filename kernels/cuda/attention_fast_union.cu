@@ -13,8 +13,9 @@
  *   m' = max(m, the tile's maximum), a = exp(m - m'), S = S a + sum of exp(l - m'),
  *   N = N a + the tile's weights times its records,
  * every sum in one fixed order (the MMA's, fixed shuffle trees, tile after tile), so a run gives
- * the same bytes as the one before. The first tile holds at least the query's own position, so m
- * is finite from the first tile on (a = 0 there, and N and S start from zero).
+ * the same bytes as the one before. Every tile holds at least one candidate (the first, the query's
+ * own position), so m is finite from a CTA's first tile on (a = 0 there, and N and S start from
+ * zero).
  *
  * A CTA of 8 warps takes one query token and 16 MT heads (MT = 1 or 2: the accumulators N of the
  * warp's 16 heads and 64 MT dims, 32 MT floats a lane, live across the tiles in registers):
@@ -26,12 +27,40 @@
  * Shared memory: 128 KiB of records, 16 MT KiB of queries, the scores (16 MT rows of 132 floats)
  * and the two weight planes (16 MT rows of 256 bytes each): about 193 KiB at MT = 2.
  *
+ * Split lists (flash-decoding), when a launch's CTAs (tokens times head groups) fill less than half
+ * the device: at one decode token there are 4 CTAs on 132 SMs, each walking 5 or more tiles in
+ * turn. The launch then has nsplit splits (attention-split.h: as many as fit beside the CTAs, at
+ * most 8, from the launch's shape only) in its grid's y: split s walks tiles s, s + nsplit, ... of
+ * the token's list with the same online softmax and, instead of the end above, writes its partial
+ * state per head: N unnormalised (512 floats), its maximum m and its sum S (a split without a tile:
+ * m = -inf, S = 0, N = 0). The combine kernel then merges the splits of a (token, head) in the
+ * fixed order 0..nsplit - 1:
+ *   M = max m_s, a_s = exp(m_s - M), S = sum of S_s a_s, N = sum of N_s a_s,
+ *   D = S + exp(sink - M), lse = M + log S, o = N (1 / D), inverse RoPE, bf16, stored,
+ * with the end's arithmetic (fast_den, fast_lse, fast_out_pair). Every sum keeps one order, so a
+ * split launch is as deterministic as an unsplit one; its output differs from it by the rounding of
+ * the rescales, within the same tolerances of exact mode. nsplit = 1 is the path above, with no
+ * partial state and no combine. A combine CTA of 128 threads takes one (token, head), 4 dims a
+ * thread.
+ *
  * Ordering (SPEC §5.2) as the exact union kernel: before griddepcontrol.wait a CTA reads only its
  * parameters and the sinks; the check kernel (attention.cu) always runs first, and a CTA that
- * finds its error word set returns before writing anything.
+ * finds its error word set returns before writing anything. The combine waits before it reads the
+ * partial states (the union kernel's, complete after the wait) or anything else but its parameters
+ * and the sinks, and writes nothing once the error word is set; the next launch on the stream
+ * writes partial states only after its own wait, once the combine has completed.
  */
 #include "attention-fast.cuh"
+#include "attention-split.h"
 #include "attention-union.cuh"
+
+/* Threads of a combine CTA: one (token, head), 4 of its 512 dims each. */
+#define COMBINE_THREADS 128
+
+#ifdef DSV4_TEST_TUNE
+/* Test-only (cuda-kernels.h): the splits of every fast union launch; 0 = the launcher's choice. */
+unsigned dsv4__cuda_test_union_splits;
+#endif
 
 static constexpr size_t funion_smem_bytes(int mt) {
   return (size_t)DSV4_WINDOW * K_ROW + (size_t)16 * mt * (K_ROW + S_STRIDE * 4 + 2 * P_ROW);
@@ -111,9 +140,40 @@ static __device__ void funion_finish(const attn_params_t &p, const attn_misc_t &
   if (h >= 16 * MT)
     return;
   const float m = ms.m[h], sum = um.s[h];
-  fm.den[h] = p.sink ? sum + __expf(fm.sink[h] - m) : sum;
+  fm.den[h] = fast_den(p, sum, m, fm.sink[h]);
   if (p.lse && h_first + h < p.heads)
-    p.lse[(uint64_t)t * p.heads + h_first + h] = m + logf(sum);
+    p.lse[(uint64_t)t * p.heads + h_first + h] = fast_lse(m, sum);
+}
+
+/* The pairs (m, S) of the partial states, after every N (attention-split.h). */
+static __device__ __forceinline__ float2 *part_ms(const attn_params_t &p) {
+  return reinterpret_cast<float2 *>(p.part +
+                                    (uint64_t)DSV4_HEAD_DIM * p.n_tokens * p.heads * p.nsplit);
+}
+
+/* The partial state of split `split` for each of the CTA's heads: N from the warps' accumulators
+ * (a lane holds dims d, d + 1 of two heads, as in fast_store_out), m and S one thread per head. */
+template <int MT>
+static __device__ void funion_store_part(const attn_params_t &p, const attn_misc_t &ms,
+                                         const union_misc_t &um, uint32_t t, uint32_t h_first,
+                                         uint32_t split, uint32_t warp, uint32_t lane,
+                                         const float (&acc)[8 * MT][4]) {
+  const uint32_t h = (warp % MT) * 16 + (lane >> 2), d0 = (warp / MT) * 64 * MT;
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const uint32_t hh = h + 8 * half;
+    if (h_first + hh >= p.heads)
+      continue;
+    const uint64_t k = ((uint64_t)t * p.heads + h_first + hh) * p.nsplit + split;
+    float2 *row = reinterpret_cast<float2 *>(p.part + k * DSV4_HEAD_DIM);
+#pragma unroll
+    for (int j = 0; j < 8 * MT; j++)
+      row[(d0 + 8 * j + 2 * (lane & 3)) >> 1] = make_float2(acc[j][2 * half], acc[j][2 * half + 1]);
+  }
+  const uint32_t hh = threadIdx.x;
+  if (hh < 16 * MT && h_first + hh < p.heads)
+    part_ms(p)[((uint64_t)t * p.heads + h_first + hh) * p.nsplit + split] =
+        make_float2(ms.m[hh], um.s[hh]);
 }
 
 /* Tile `first` of nt candidates: addresses, records staged as bf16 (zeros up to a multiple of 16),
@@ -148,7 +208,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq + (size_t)16 * MT * K_ROW);
   uint8_t *sp = reinterpret_cast<uint8_t *>(ss + (size_t)16 * MT * S_STRIDE);
-  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, split = blockIdx.y;
   const uint32_t t = blockIdx.x / p.groups;
   const uint32_t h_first = (blockIdx.x - t * p.groups) * 16 * MT;
   /* Before the wait: the sinks, immutable data. */
@@ -158,15 +218,16 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
   dsv4__dep_trigger();
   if (union_setup(p, t, ms, um))
     return;
+  const uint32_t nc = um.nc, step = p.nsplit * DSV4_WINDOW;
   /* q is read once and kept for every tile, where the window's kernel reuses its space after
-   * its one tile; made visible by the first tile's barriers. */
-  fast_load_q<MT>(p, t, h_first, sq, ms.rope);
-  const uint32_t nc = um.nc;
+   * its one tile; made visible by the first tile's barriers. A split without a tile needs none. */
+  if (split * DSV4_WINDOW < nc)
+    fast_load_q<MT>(p, t, h_first, sq, ms.rope);
   float acc[8 * MT][4];
 #pragma unroll
   for (int j = 0; j < 8 * MT; j++)
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  for (uint32_t first = 0; first < nc; first += DSV4_WINDOW) {
+  for (uint32_t first = split * DSV4_WINDOW; first < nc; first += step) {
     const uint32_t nt = min(nc - first, (uint32_t)DSV4_WINDOW);
     funion_tile_scores<MT>(p, ms, um, sq, sk, ss, first, nt, warp, lane);
     __syncthreads();
@@ -175,15 +236,60 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
     funion_accumulate<MT>(sp, sk, alpha, nt, warp, lane, acc);
     __syncthreads(); /* the next tile rewrites the addresses, the records and the weights */
   }
+  if (p.nsplit > 1) {
+    funion_store_part<MT>(p, ms, um, t, h_first, split, warp, lane, acc);
+    return;
+  }
   funion_finish<MT>(p, ms, um, fm, t, h_first);
   __syncthreads();
   fast_store_out<8 * MT>(p, ms, fm, t, h_first, (warp % MT) * 16 + (lane >> 2),
                          (warp / MT) * 64 * MT, lane, acc);
 }
 
+/*
+ * Merges the nsplit partial states of one (token, head) in order 0..nsplit - 1 (the file's
+ * comment), thread i dims 4 i..4 i + 3. The error word set by the check or the union kernel (or an
+ * earlier kernel of the batch): nothing written.
+ */
+__global__ void __launch_bounds__(COMBINE_THREADS)
+    dsv4__attention_fast_combine_kernel(attn_params_t p) {
+  const uint32_t t = blockIdx.x / p.heads, h = blockIdx.x - t * p.heads, i = threadIdx.x;
+  /* Before the wait: the sink, immutable data. */
+  const float sink = p.sink ? p.sink[h] : 0.0f;
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  if (__syncthreads_or(i == 0 && __ldcg(p.err) != 0))
+    return;
+  const uint64_t k0 = ((uint64_t)t * p.heads + h) * p.nsplit;
+  const float2 *ms = part_ms(p) + k0;
+  float m = -INFINITY, sum = 0.0f;
+  for (uint32_t s = 0; s < p.nsplit; s++)
+    m = fmaxf(m, ms[s].x); /* finite: split 0 holds the window's first tile */
+  float4 n = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (uint32_t s = 0; s < p.nsplit; s++) {
+    const float2 v = ms[s];
+    const float a = __expf(v.x - m); /* 0 for a split without a tile (m_s = -inf) */
+    const float4 x = reinterpret_cast<const float4 *>(p.part + (k0 + s) * DSV4_HEAD_DIM)[i];
+    sum = sum + v.y * a;
+    n.x = n.x + x.x * a;
+    n.y = n.y + x.y * a;
+    n.z = n.z + x.z * a;
+    n.w = n.w + x.w * a;
+  }
+  if (i == 0 && p.lse)
+    p.lse[(uint64_t)t * p.heads + h] = fast_lse(m, sum);
+  const float inv = 1.0f / fast_den(p, sum, m, sink); /* +inf (a sink of +inf) gives 0 */
+  const uint32_t d = 4 * i;
+  /* The query position's RoPE row, for the dims that are rotated (checked by the check kernel). */
+  const float *rope = d >= DSV4_NOPE_DIM ? reinterpret_cast<const float *>(p.rope) +
+                                               (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS
+                                         : nullptr;
+  reinterpret_cast<uint2 *>(p.out + ((uint64_t)t * p.heads + h) * 64)[i] =
+      make_uint2(fast_out_pair(n.x, n.y, inv, d, rope), fast_out_pair(n.z, n.w, inv, d + 2, rope));
+}
+
 template <int MT>
-static cudaError_t launch_funion_mt(const attn_params_t &p, unsigned grid, cudaStream_t s,
-                                    int pdl) {
+static cudaError_t launch_funion_mt(const attn_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
   static int ready = 0; /* the shared-memory limit, raised once per process */
   const size_t smem = funion_smem_bytes(MT);
   if (!ready) {
@@ -209,20 +315,56 @@ extern "C" int dsv4__cuda_attention_fast_union_supported(int dev) {
                               sizeof(fast_misc_t) + 32 * sizeof(float);
 }
 
+/* A launch's shape: MT, the head groups and the splits (the test build may force the splits). */
+static void funion_shape(uint32_t n_tokens, uint32_t heads, int sms, int *mt, uint32_t *groups,
+                         uint32_t *nsplit) {
+  *mt = choose_mt(n_tokens, heads ? heads : 1, sms, 2);
+  *groups = (heads + 16u * *mt - 1) / (16u * *mt);
+  *nsplit = dsv4__union_splits((uint64_t)n_tokens * *groups, sms);
+#ifdef DSV4_TEST_TUNE
+  if (dsv4__cuda_test_union_splits)
+    *nsplit = dsv4__cuda_test_union_splits < DSV4_UNION_MAX_SPLITS ? dsv4__cuda_test_union_splits
+                                                                   : DSV4_UNION_MAX_SPLITS;
+#endif
+}
+
 extern "C" uint32_t dsv4__cuda_attention_fast_union_heads_per_block(uint32_t n_tokens,
                                                                     uint32_t heads) {
   dsv4__cuda_dev_t dev;
   if (dsv4__cuda_dev_info(&dev))
     return 0;
-  return 16u * (uint32_t)choose_mt(n_tokens, heads ? heads : 1, dev.sms, 2);
+  int mt;
+  uint32_t groups, nsplit;
+  funion_shape(n_tokens, heads, dev.sms, &mt, &groups, &nsplit);
+  return 16u * (uint32_t)mt;
+}
+
+extern "C" uint32_t dsv4__cuda_attention_fast_union_splits(uint32_t n_tokens, uint32_t heads) {
+  dsv4__cuda_dev_t dev;
+  if (dsv4__cuda_dev_info(&dev))
+    return 0;
+  return dsv4__attention_fast_union_splits(n_tokens, heads, dev.sms);
+}
+
+uint32_t dsv4__attention_fast_union_splits(uint32_t n_tokens, uint32_t heads, int sms) {
+  int mt;
+  uint32_t groups, nsplit;
+  funion_shape(n_tokens, heads, sms, &mt, &groups, &nsplit);
+  return nsplit;
 }
 
 cudaError_t dsv4__attention_fast_union_launch(attn_params_t p, int sms, cudaStream_t s, int pdl) {
-  const int mt = choose_mt(p.n_tokens, p.heads, sms, 2);
-  p.groups = (p.heads + 16u * mt - 1) / (16u * mt);
-  const uint64_t grid = (uint64_t)p.n_tokens * p.groups;
-  if (grid > 0x7fffffffu)
+  int mt;
+  funion_shape(p.n_tokens, p.heads, sms, &mt, &p.groups, &p.nsplit);
+  const uint64_t ctas = (uint64_t)p.n_tokens * p.groups, rows = (uint64_t)p.n_tokens * p.heads;
+  if (ctas > 0x7fffffffu || rows > 0x7fffffffu)
     return cudaErrorInvalidValue;
-  return mt == 1 ? launch_funion_mt<1>(p, (unsigned)grid, s, pdl)
-                 : launch_funion_mt<2>(p, (unsigned)grid, s, pdl);
+  const dim3 grid((unsigned)ctas, p.nsplit, 1);
+  cudaError_t e =
+      mt == 1 ? launch_funion_mt<1>(p, grid, s, pdl) : launch_funion_mt<2>(p, grid, s, pdl);
+  if (e != cudaSuccess || p.nsplit == 1)
+    return e;
+  /* One combine CTA per output row (token, head), after the splits on the same stream. */
+  return dsv4__cuda_launch(dsv4__attention_fast_combine_kernel, (unsigned)rows, COMBINE_THREADS, s,
+                           pdl, p);
 }

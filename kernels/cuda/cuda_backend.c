@@ -36,7 +36,9 @@
  * The compressed branch (SPEC §8): compress and indexer on the same stream after the insert, then
  * the union attention, each checking on the device and sharing the error word (a kernel that finds
  * it set writes nothing, so a batch whose compress failed leaves the caches as they were). The
- * indexer scores into a device scratch of keys, grown on demand (dsv4__cuda_indexer).
+ * indexer scores into a device scratch of keys, grown on demand (dsv4__cuda_indexer); the fast
+ * union attention of a small batch splits each token's list and leaves partial states in another
+ * (dsv4__cuda_attention), grown the same way.
  *
  * Thread affinity: one thread at a time (the engine's executor), as backend.h says; the CUDA
  * current device is per thread, so every entry point selects the backend's device first.
@@ -53,6 +55,7 @@
 #include <cuda_runtime_api.h>
 
 #include "host_pool.h"
+#include "attention-split.h"
 #include "cuda-kernels.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
@@ -75,6 +78,12 @@
 /* Completion slots of overlapped batches: at most two are in flight (backend.h); four leave room.
  */
 #define BATCH_SLOTS 4
+
+/* Device scratch that launches use while they run, grown on demand (scratch_reserve). */
+typedef struct {
+  void *p;
+  uint64_t n; /* elements of the scratch's type */
+} scratch_t;
 
 typedef struct {
   const dsv4_rope_table_t *table;
@@ -105,8 +114,8 @@ typedef struct {
   uint32_t *attn_err;      /* device: the error word of attention, compress and indexer */
   uint32_t *attn_err_host; /* pinned: where sync reads it back */
   int attn_pending;        /* a launch that checks on the device since the last sync */
-  uint32_t *keys;          /* device: the indexer's score keys */
-  uint64_t keys_len;
+  scratch_t keys;          /* device: the indexer's score keys (uint32) */
+  scratch_t part;          /* device: the split fast union's partial states (float) */
   /* The ranges of host_register, which copies use in place. The list is changed by host_register
    * and host_unregister and read by every copy, possibly on other threads: under reg_lock. */
   pthread_mutex_t reg_lock;
@@ -383,8 +392,10 @@ static void cuda_destroy(dsv4_backend_t *be) {
     (void)cudaFree(c->attn_err);
   if (c->attn_err_host)
     (void)cudaFreeHost(c->attn_err_host);
-  if (c->keys)
-    (void)cudaFree(c->keys);
+  if (c->keys.p)
+    (void)cudaFree(c->keys.p);
+  if (c->part.p)
+    (void)cudaFree(c->part.p);
   if (c->stream)
     (void)cudaStreamDestroy(c->stream);
   overlap_destroy(c);
@@ -503,6 +514,24 @@ static int cuda_qkv_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   return rc ? rc : dsv4__cuda_qkv_insert(a, m->dev, m->positions, c->stream, c->pdl);
 }
 
+/* Scratch of at least n elements of `size` bytes. cudaFree waits for the launches still using the
+ * smaller one, so no queued kernel reads memory freed under it. */
+static int scratch_reserve(scratch_t *d, uint64_t n, size_t size) {
+  if (n <= d->n)
+    return 0;
+  if (d->p)
+    (void)cudaFree(d->p);
+  d->p = NULL;
+  d->n = 0;
+  int rc = cu(cudaMalloc(&d->p, n * size));
+  if (rc) {
+    d->p = NULL;
+    return rc;
+  }
+  d->n = n;
+  return 0;
+}
+
 /*
  * Attention after the insert, on the same stream. The kernels check what the host cannot see (the
  * device copies of positions and block tables); a failure shows in the error word, which sync
@@ -512,14 +541,22 @@ static int cuda_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   cuda_backend_t *c = cuda_of(be);
   rope_mirror_t *m;
   if (a && a->n_tokens == 0)
-    return dsv4__cuda_attention(a, NULL, 0, c->attn_err, c->stream, c->pdl);
+    return dsv4__cuda_attention(a, NULL, 0, NULL, 0, c->attn_err, c->stream, c->pdl);
   if (!a || !a->rope)
     return DSV4_EINVAL;
   int rc = use_device(c);
   if (!rc)
     rc = mirror_get(c, a->rope, &m);
+  /* A fast union launch of a small batch splits its tokens' lists: their partial states. */
+  const uint32_t nsplit = a->fast && a->c_cache && !rc
+                              ? dsv4__cuda_attention_fast_union_splits(a->n_tokens, a->heads)
+                              : 1;
   if (!rc)
-    rc = dsv4__cuda_attention(a, m->dev, m->positions, c->attn_err, c->stream, c->pdl);
+    rc = scratch_reserve(&c->part, dsv4__union_part_floats(a->n_tokens, a->heads, nsplit),
+                         sizeof(float));
+  if (!rc)
+    rc = dsv4__cuda_attention(a, m->dev, m->positions, c->part.p, c->part.n, c->attn_err, c->stream,
+                              c->pdl);
   if (!rc)
     c->attn_pending = 1;
   return rc;
@@ -545,23 +582,6 @@ static int cuda_compress(dsv4_backend_t *be, const dsv4_compress_args_t *a) {
   return rc;
 }
 
-/* The indexer's key scratch: at least n keys. cudaFree waits for the launches still using it. */
-static int keys_reserve(cuda_backend_t *c, uint64_t n) {
-  if (n <= c->keys_len)
-    return 0;
-  if (c->keys)
-    (void)cudaFree(c->keys);
-  c->keys = NULL;
-  c->keys_len = 0;
-  int rc = cu(cudaMalloc((void **)&c->keys, n * sizeof(uint32_t)));
-  if (rc) {
-    c->keys = NULL;
-    return rc;
-  }
-  c->keys_len = n;
-  return 0;
-}
-
 /* SPEC §8.5, after compress: every token's selection, checked on the device. */
 static int cuda_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
   cuda_backend_t *c = cuda_of(be);
@@ -574,10 +594,12 @@ static int cuda_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
   if (!rc)
     rc = mirror_get(c, a->rope, &m);
   if (!rc)
-    rc = keys_reserve(c, (uint64_t)dsv4__cuda_indexer_ctas(a->n_tokens) *
-                             dsv4__cuda_indexer_keys_per_cta(m->positions));
+    rc = scratch_reserve(&c->keys,
+                         (uint64_t)dsv4__cuda_indexer_ctas(a->n_tokens) *
+                             dsv4__cuda_indexer_keys_per_cta(m->positions),
+                         sizeof(uint32_t));
   if (!rc)
-    rc = dsv4__cuda_indexer(a, m->dev, m->positions, c->keys, c->keys_len, c->attn_err, c->stream,
+    rc = dsv4__cuda_indexer(a, m->dev, m->positions, c->keys.p, c->keys.n, c->attn_err, c->stream,
                             c->pdl);
   if (!rc)
     c->attn_pending = 1;

@@ -168,14 +168,14 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
   }
   /* One call outside the graphs: it sets the kernel's shared-memory limit, and a refusal shows
    * here rather than as a timing. */
-  CKD(dsv4__cuda_attention(&aa[0], mirror, MAX_POS, err, s, 1));
+  CKD(dsv4__cuda_attention(&aa[0], mirror, MAX_POS, NULL, 0, err, s, 1));
   CK(cudaStreamSynchronize(s));
   double us[2];
   for (int mode = 0; mode < 2; mode++) {
     cudaGraph_t gr;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (uint32_t k = 0; k < per_graph; k++)
-      CKD(dsv4__cuda_attention(&aa[k % sets], mirror, MAX_POS, err, s, mode == 0));
+      CKD(dsv4__cuda_attention(&aa[k % sets], mirror, MAX_POS, NULL, 0, err, s, mode == 0));
     CK(cudaStreamEndCapture(s, &gr));
     us[mode] = replay_us(s, gr, per_graph);
   }
@@ -331,13 +331,13 @@ static void bench_chain(uint32_t heads, uint32_t b, int fast, double copy, float
   double us[2];
   for (int f = 0; f < 2; f++) {
     CKD(dsv4__cuda_qkv_insert(&ch[0].ia[f], mirror, MAX_POS, s, 1));
-    CKD(dsv4__cuda_attention(&ch[0].aa[f], mirror, MAX_POS, err, s, 1));
+    CKD(dsv4__cuda_attention(&ch[0].aa[f], mirror, MAX_POS, NULL, 0, err, s, 1));
     CK(cudaStreamSynchronize(s));
     cudaGraph_t gr;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (uint32_t k = 0; k < per_graph; k++) {
       CKD(dsv4__cuda_qkv_insert(&ch[k % sets].ia[f], mirror, MAX_POS, s, 1));
-      CKD(dsv4__cuda_attention(&ch[k % sets].aa[f], mirror, MAX_POS, err, s, 1));
+      CKD(dsv4__cuda_attention(&ch[k % sets].aa[f], mirror, MAX_POS, NULL, 0, err, s, 1));
     }
     CK(cudaStreamEndCapture(s, &gr));
     us[f] = replay_us(s, gr, per_graph);

@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "../gpu/gpu_attn_common.h"
+#include "attention-split.h"
 #include "cuda_bench_common.h"
 #include "dsv4-compress.h"
 
@@ -102,8 +103,8 @@ typedef struct {
   uint32_t *bt_off, *bt_len, *cbt_off, *cbt_len, *keys, *err;
   uint8_t *cache, *c_cache, *i_cache;
   uint16_t *q, *out, *iq;
-  float *iw, *lse, *sink;
-  uint64_t keys_len;
+  float *iw, *lse, *sink, *part;
+  uint64_t keys_len, part_len; /* part: the split fast union's partial states, or NULL */
 } world_t;
 
 static void world_make(uint64_t *rng, const shape_t *sh, uint32_t sets, world_t *w, float *mirror,
@@ -163,6 +164,9 @@ static void world_make(uint64_t *rng, const shape_t *sh, uint32_t sets, world_t 
   w->sel = gpu_dev_alloc(4 * (size_t)n * TOPK);
   w->keys_len = (uint64_t)dsv4__cuda_indexer_ctas(sh->b) * dsv4__cuda_indexer_keys_per_cta(MAX_POS);
   w->keys = gpu_dev_alloc(4 * w->keys_len);
+  w->part_len =
+      dsv4__union_part_floats(sh->b, HEADS, dsv4__cuda_attention_fast_union_splits(sh->b, HEADS));
+  w->part = w->part_len ? gpu_dev_alloc(4 * w->part_len) : NULL;
   w->err = gpu_dev_alloc(4);
   CK(cudaMemset(w->err, 0, 4));
   CK(cudaDeviceSynchronize());
@@ -175,7 +179,7 @@ static void world_free(world_t *w) {
   void *d[] = {w->pos,  w->p0,  w->first_lb, w->c_first_lb, w->tok_seg, w->bt,
                w->cbt,  w->sel, w->bt_off,   w->bt_len,     w->cbt_off, w->cbt_len,
                w->keys, w->err, w->cache,    w->c_cache,    w->i_cache, w->q,
-               w->out,  w->iq,  w->iw,       w->lse,        w->sink};
+               w->out,  w->iq,  w->iw,       w->lse,        w->sink,    w->part};
   for (size_t i = 0; i < sizeof(d) / sizeof(d[0]); i++)
     if (d[i])
       cudaFree(d[i]);
@@ -252,7 +256,7 @@ static double time_calls(const shape_t *sh, world_t *w, dsv4_rope_table_t *rope,
     if (what == 0)
       CKD(dsv4__cuda_indexer(&xa, mirror, MAX_POS, w->keys, w->keys_len, w->err, s, 1));
     else
-      CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, w->err, s, 1));
+      CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, w->part, w->part_len, w->err, s, 1));
   }
   CK(cudaStreamEndCapture(s, &g));
   return replay_us(s, g, per_graph);
@@ -286,9 +290,9 @@ static void bench(const shape_t *sh, double copy, float *mirror, dsv4_rope_table
     set_args(sh, &w, rope, i, &xa, &aa);
     if (sh->ratio == 4)
       CKD(dsv4__cuda_indexer(&xa, mirror, MAX_POS, w.keys, w.keys_len, w.err, s, 1));
-    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, w.err, s, 1));
+    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, w.part, w.part_len, w.err, s, 1));
     aa.fast = fast;
-    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, w.err, s, 1));
+    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, w.part, w.part_len, w.err, s, 1));
   }
   CK(cudaStreamSynchronize(s));
   double t_index = sh->ratio == 4 ? time_calls(sh, &w, rope, mirror, 0, s) : 0.0;
@@ -313,8 +317,9 @@ static void bench(const shape_t *sh, double copy, float *mirror, dsv4_rope_table
   printf("\n");
   if (fast) {
     row(name, sh->b, "attn fast", t_fast, f_attn);
-    printf("   (%u heads per CTA)\n",
-           dsv4__cuda_attention_fast_union_heads_per_block(sh->b, HEADS));
+    printf("   (%u heads per CTA, %u splits)\n",
+           dsv4__cuda_attention_fast_union_heads_per_block(sh->b, HEADS),
+           dsv4__cuda_attention_fast_union_splits(sh->b, HEADS));
     row(name, sh->b, "step fast", t_index + t_fast, f_index + f_attn);
     printf("\n");
   }

@@ -31,7 +31,15 @@
  * with E4M3 NaN bytes as well. A bad selection row (repeated entry, entry not yet visible) is
  * refused by the check kernel exact mode runs, with no byte of attn or lse written.
  *
- * Usage: gpu_attn_fast_test
+ * The small batches among those (1 to 16 decode tokens on an H200) split each token's list over
+ * several CTAs and merge the partial states in a combine kernel (attention_fast_union.cu); at least
+ * one case must have run split where the device splits a one-token launch. The same source built
+ * with DSV4_TEST_TUNE (gpu_attn_split_test) forces 1, 2, 3, 5 and 8 splits on the same inputs of
+ * each of several union cases (both CTA shapes, partial m-tiles, lists shorter than the splits'
+ * tiles, thousands of entries, sinks of every kind, a prefill chunk) and holds every run to the
+ * same tolerances of exact mode, the same bytes on every run, and the refusals to no byte written.
+ *
+ * Usage: gpu_attn_fast_test   (gpu_attn_split_test: the forced splits only)
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,6 +53,11 @@
 #define ABS_TOL 1e-3
 #define REL_TOL (2.01 / 128.0)
 #define COS_TOL 5e-6
+#ifdef DSV4_TEST_TUNE
+#define TEST_NAME "gpu_attn_split_test"
+#else
+#define TEST_NAME "gpu_attn_fast_test"
+#endif
 
 enum { SINK_NONE, SINK_FINITE, SINK_EDGES };
 enum { SHAPE_DECODE, SHAPE_PREFILL };
@@ -64,25 +77,9 @@ typedef struct {
   int failures;
   uint32_t shapes_seen;       /* bit log2(heads per CTA / 16) of every CTA shape met */
   uint32_t union_shapes_seen; /* the same for the union kernel */
+  uint32_t union_split_runs;  /* union cases whose launch split its tokens' lists */
   double worst_cos, worst_rel;
 } ctx_t;
-
-static uint32_t make_specs(uint64_t *rng, const case_t *k, attn_seg_spec_t *spec) {
-  if (k->shape == SHAPE_PREFILL) {
-    int64_t p0 = 1 + (int64_t)gpu_below(rng, 5000);
-    spec[0] = (attn_seg_spec_t){p0, p0 + 50, k->tokens};
-    return 1;
-  }
-  for (uint32_t g = 0; g < k->tokens; g++) {
-    int64_t p0 = g % 3 == 0 ? 0 : (int64_t)gpu_below(rng, 500000);
-    int64_t first = g % 7 == 1 ? p0
-                    : g % 7 == 2
-                        ? p0 + 1 + (int64_t)gpu_below(rng, 126)
-                        : p0 + 127 + (int64_t)(gpu_rnd(rng) % (uint64_t)(MAX_POS - 500000 - 500));
-    spec[g] = (attn_seg_spec_t){p0, first, 1};
-  }
-  return k->tokens;
-}
 
 static float *make_sinks(uint64_t *rng, uint32_t heads, int kind) {
   if (kind == SINK_NONE)
@@ -210,6 +207,24 @@ static int check_fast(ctx_t *c, const char *what, const attn_plan_t *p, attn_inp
   return bad;
 }
 
+#ifndef DSV4_TEST_TUNE
+static uint32_t make_specs(uint64_t *rng, const case_t *k, attn_seg_spec_t *spec) {
+  if (k->shape == SHAPE_PREFILL) {
+    int64_t p0 = 1 + (int64_t)gpu_below(rng, 5000);
+    spec[0] = (attn_seg_spec_t){p0, p0 + 50, k->tokens};
+    return 1;
+  }
+  for (uint32_t g = 0; g < k->tokens; g++) {
+    int64_t p0 = g % 3 == 0 ? 0 : (int64_t)gpu_below(rng, 500000);
+    int64_t first = g % 7 == 1 ? p0
+                    : g % 7 == 2
+                        ? p0 + 1 + (int64_t)gpu_below(rng, 126)
+                        : p0 + 127 + (int64_t)(gpu_rnd(rng) % (uint64_t)(MAX_POS - 500000 - 500));
+    spec[g] = (attn_seg_spec_t){p0, first, 1};
+  }
+  return k->tokens;
+}
+
 static void run_case(ctx_t *c, const case_t *k) {
   attn_seg_spec_t spec[300];
   uint32_t n_segs = make_specs(&c->rng, k, spec);
@@ -242,6 +257,47 @@ static void run_case(ctx_t *c, const case_t *k) {
   attn_inputs_free(&in);
   attn_plan_free(&p);
 }
+
+/* The window's cases (no compressed entries), then a decode batch for every CTA shape not met. */
+static void run_window_cases(ctx_t *c) {
+  /* heads, tokens, shape, bs, sinks, yarn, spread, zero_q, wide */
+  static const case_t cases[] = {
+      {64, 1, SHAPE_DECODE, 64, SINK_FINITE, 0, 3, 0, 0},
+      {64, 16, SHAPE_DECODE, 64, SINK_EDGES, 1, 3, 0, 0},
+      {64, 64, SHAPE_DECODE, 64, SINK_FINITE, 0, 3, 0, 0},
+      {64, 128, SHAPE_DECODE, 16, SINK_EDGES, 0, 3, 0, 0},
+      {64, 256, SHAPE_DECODE, 256, SINK_FINITE, 1, 3, 0, 0},
+      {128, 64, SHAPE_DECODE, 64, SINK_EDGES, 1, 3, 0, 0},
+      {8, 3, SHAPE_DECODE, 16, SINK_NONE, 0, 3, 0, 0},
+      {1, 5, SHAPE_DECODE, 64, SINK_EDGES, 0, 3, 0, 0},
+      {13, 40, SHAPE_DECODE, 64, SINK_FINITE, 1, 6, 0, 0},
+      {100, 32, SHAPE_DECODE, 16, SINK_NONE, 0, 8, 0, 0},
+      {64, 200, SHAPE_PREFILL, 64, SINK_FINITE, 0, 3, 0, 0},
+      {16, 1500, SHAPE_PREFILL, 16, SINK_EDGES, 1, 3, 0, 0},
+      {64, 20, SHAPE_DECODE, 64, SINK_FINITE, 0, 3, 1, 0},
+      {64, 40, SHAPE_DECODE, 64, SINK_NONE, 0, 12, 0, 1},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+    run_case(c, &cases[i]);
+  /* Every CTA shape (16, 32 and 64 heads) must have met exact mode. */
+  for (uint32_t sh = 0; sh < 3; sh++) {
+    if (c->shapes_seen & (1u << sh))
+      continue;
+    case_t k = {0, 0, SHAPE_DECODE, 64, SINK_EDGES, 0, 3, 0, 0};
+    for (uint32_t b = 1; b <= 256 && !k.heads; b++)
+      if (dsv4__cuda_attention_fast_heads_per_block(b, 64) == 16u << sh) {
+        k.heads = 64;
+        k.tokens = b;
+      }
+    if (!k.heads) {
+      fprintf(stderr, "FAIL no decode batch of this device gets %u heads per CTA\n", 16u << sh);
+      c->failures++;
+      continue;
+    }
+    run_case(c, &k);
+  }
+}
+#endif
 
 /* ---- the union of the window and the compressed entries (SPEC §8.6) ---- */
 
@@ -314,14 +370,17 @@ static void run_union_case(ctx_t *c, const ucase_t *k) {
   for (uint32_t s = 0; s < 2; s++)
     if (hpb == 16u << s)
       c->union_shapes_seen |= 1u << s;
+  const uint32_t splits = dsv4__cuda_attention_fast_union_splits(p.n_q, k->heads);
+  c->union_split_runs += splits > 1;
   uint32_t most, fewest;
   union_span(&p, &e, &most, &fewest);
   char what[300];
   snprintf(what, sizeof(what),
            "C%u%s%.0u H=%u %u queries in %u segments bs=%u %s sinks=%s, %u..%u candidates, %u "
-           "heads per CTA",
+           "heads per CTA, %u split%s",
            k->ratio, k->ratio == 4 ? " topk " : "", k->ratio == 4 ? k->topk : 0, k->heads, p.n_q,
-           p.n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks), fewest, most, hpb);
+           p.n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks), fewest, most, hpb,
+           splits, splits == 1 ? "" : "s");
   c->failures += check_fast(c, what, &p, &in, 0);
   free(sinks);
   attn_entries_free(&e);
@@ -386,39 +445,78 @@ static void union_refusals(ctx_t *c) {
   }
 }
 
+/* The union's cases: heads, tokens, shape, bs, ratio, topk, lo, hi, sinks, yarn, short_every. */
+static const ucase_t union_cases[] = {
+    {64, 64, SHAPE_DECODE, 64, 4, 512, 2000, 12000, SINK_FINITE, 0, 5},
+    {64, 1, SHAPE_DECODE, 64, 4, 512, 8000, 9000, SINK_FINITE, 1, 0},
+    {64, 16, SHAPE_DECODE, 16, 4, 1024, 3000, 9000, SINK_EDGES, 1, 4},
+    {128, 32, SHAPE_DECODE, 64, 4, 512, 100, 5000, SINK_EDGES, 0, 3},
+    {8, 3, SHAPE_DECODE, 64, 4, 1024, 4000, 6000, SINK_NONE, 0, 0},
+    {64, 300, SHAPE_PREFILL, 64, 4, 512, 2500, 3000, SINK_FINITE, 0, 0},
+    {64, 256, SHAPE_DECODE, 64, 4, 512, 2100, 4000, SINK_FINITE, 1, 6},
+    {64, 64, SHAPE_DECODE, 64, 128, 0, 200, 3000, SINK_FINITE, 0, 0},
+    {8, 5, SHAPE_DECODE, 16, 128, 0, 100, 900, SINK_EDGES, 0, 0},
+    {64, 16, SHAPE_DECODE, 64, 128, 0, 60000, 70000, SINK_EDGES, 1, 0},
+    {128, 4, SHAPE_DECODE, 64, 128, 0, 520000, 600000, SINK_EDGES, 0, 0},
+    {64, 2, SHAPE_DECODE, 256, 128, 0, 530000, 540000, SINK_FINITE, 1, 0},
+    {8, 8, SHAPE_DECODE, 64, 128, 0, 525000, 560000, SINK_NONE, 0, 0},
+    {64, 200, SHAPE_PREFILL, 64, 128, 0, 66000, 67000, SINK_FINITE, 0, 0},
+};
+
+#ifdef DSV4_TEST_TUNE
+/* The union cases of the split build: each shape's inputs once, then every forced split count. */
+static void run_split_cases(ctx_t *c) {
+  static const uint32_t splits[] = {1, 2, 3, 5, 8};
+  /* C4: one token (the split of every decode step at b = 1), 64 tokens of 32 heads per CTA with
+   * short rows, 128 heads and sinks +-inf, H = 8 (a part-empty m-tile, no sinks); C128: entries
+   * fewer than the splits' tiles, thousands of entries, two tokens of bs 256, a prefill chunk. */
+  static const size_t picks[] = {1, 0, 3, 4, 8, 10, 11, 13};
+  for (size_t i = 0; i < sizeof(picks) / sizeof(picks[0]); i++) {
+    const ucase_t *k = &union_cases[picks[i]];
+    const uint64_t rng = c->rng; /* each split count draws the same inputs */
+    for (size_t j = 0; j < sizeof(splits) / sizeof(splits[0]); j++) {
+      dsv4__cuda_test_union_splits = splits[j];
+      if (dsv4__cuda_attention_fast_union_splits(k->tokens, k->heads) != splits[j]) {
+        fprintf(stderr, "FAIL the launcher did not take %u forced splits\n", splits[j]);
+        c->failures++;
+        continue;
+      }
+      c->rng = rng;
+      run_union_case(c, k);
+      if (i == 0 && splits[j] == 3)
+        union_refusals(c);
+    }
+  }
+  dsv4__cuda_test_union_splits = 0;
+  for (uint32_t sh = 0; sh < 2; sh++)
+    if (!(c->union_shapes_seen & (1u << sh))) {
+      fprintf(stderr, "FAIL no split case of this device got %u heads per CTA\n", 16u << sh);
+      c->failures++;
+    }
+}
+#else
 static void run_union_cases(ctx_t *c) {
-  /* heads, tokens, shape, bs, ratio, topk, lo, hi, sinks, yarn, short_every */
-  static const ucase_t cases[] = {
-      {64, 64, SHAPE_DECODE, 64, 4, 512, 2000, 12000, SINK_FINITE, 0, 5},
-      {64, 1, SHAPE_DECODE, 64, 4, 512, 8000, 9000, SINK_FINITE, 1, 0},
-      {64, 16, SHAPE_DECODE, 16, 4, 1024, 3000, 9000, SINK_EDGES, 1, 4},
-      {128, 32, SHAPE_DECODE, 64, 4, 512, 100, 5000, SINK_EDGES, 0, 3},
-      {8, 3, SHAPE_DECODE, 64, 4, 1024, 4000, 6000, SINK_NONE, 0, 0},
-      {64, 300, SHAPE_PREFILL, 64, 4, 512, 2500, 3000, SINK_FINITE, 0, 0},
-      {64, 256, SHAPE_DECODE, 64, 4, 512, 2100, 4000, SINK_FINITE, 1, 6},
-      {64, 64, SHAPE_DECODE, 64, 128, 0, 200, 3000, SINK_FINITE, 0, 0},
-      {8, 5, SHAPE_DECODE, 16, 128, 0, 100, 900, SINK_EDGES, 0, 0},
-      {64, 16, SHAPE_DECODE, 64, 128, 0, 60000, 70000, SINK_EDGES, 1, 0},
-      {128, 4, SHAPE_DECODE, 64, 128, 0, 520000, 600000, SINK_EDGES, 0, 0},
-      {64, 2, SHAPE_DECODE, 256, 128, 0, 530000, 540000, SINK_FINITE, 1, 0},
-      {8, 8, SHAPE_DECODE, 64, 128, 0, 525000, 560000, SINK_NONE, 0, 0},
-      {64, 200, SHAPE_PREFILL, 64, 128, 0, 66000, 67000, SINK_FINITE, 0, 0},
-  };
-  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-    run_union_case(c, &cases[i]);
+  for (size_t i = 0; i < sizeof(union_cases) / sizeof(union_cases[0]); i++) {
+    run_union_case(c, &union_cases[i]);
     if (i == 1)
       union_refusals(c);
   }
-  /* Both CTA shapes of the union kernel (16 and 32 heads) must have met exact mode. */
+  /* Both CTA shapes of the union kernel (16 and 32 heads) must have met exact mode, and so must
+   * the split lists where this device splits a one-token launch. */
   for (uint32_t sh = 0; sh < 2; sh++)
     if (!(c->union_shapes_seen & (1u << sh))) {
       fprintf(stderr, "FAIL no union case of this device got %u heads per CTA\n", 16u << sh);
       c->failures++;
     }
+  if (dsv4__cuda_attention_fast_union_splits(1, 64) > 1 && c->union_split_runs == 0) {
+    fprintf(stderr, "FAIL no union case of this device split its tokens' lists\n");
+    c->failures++;
+  }
 }
+#endif
 
 int main(void) {
-  if (!gpu_available("gpu_attn_fast_test"))
+  if (!gpu_available(TEST_NAME))
     return GPU_SKIP;
   ctx_t c = {.rng = 0x243F6A8885A308D3ull};
   char why[256];
@@ -426,13 +524,13 @@ int main(void) {
   CKD(dsv4_backend_open("cpu", &opt, &c.cpu, why, sizeof(why)));
   int rc = dsv4_backend_open("cuda", &opt, &c.cuda, why, sizeof(why));
   if (rc == DSV4_ENODEV) {
-    printf("gpu_attn_fast_test: skipped: %s\n", why);
+    printf("%s: skipped: %s\n", TEST_NAME, why);
     dsv4_backend_close(c.cpu);
     return GPU_SKIP;
   }
   CKD(rc);
   if (!c.cuda->ops->attention || !(c.cuda->ops->caps & DSV4_BE_ATTN_FAST)) {
-    printf("gpu_attn_fast_test: skipped: device 0 has no fast mode (compute capability < 9.0)\n");
+    printf("%s: skipped: device 0 has no fast mode (compute capability < 9.0)\n", TEST_NAME);
     dsv4_backend_close(c.cuda);
     dsv4_backend_close(c.cpu);
     return GPU_SKIP;
@@ -442,55 +540,23 @@ int main(void) {
   CKD(dsv4_rope_table_create(inv, MAX_POS, &c.rope[0]));
   dsv4_rope_inv_freq(&dsv4_rope_yarn_default, inv);
   CKD(dsv4_rope_table_create(inv, MAX_POS, &c.rope[1]));
-  /* heads, tokens, shape, bs, sinks, yarn, spread, zero_q, wide */
-  static const case_t cases[] = {
-      {64, 1, SHAPE_DECODE, 64, SINK_FINITE, 0, 3, 0, 0},
-      {64, 16, SHAPE_DECODE, 64, SINK_EDGES, 1, 3, 0, 0},
-      {64, 64, SHAPE_DECODE, 64, SINK_FINITE, 0, 3, 0, 0},
-      {64, 128, SHAPE_DECODE, 16, SINK_EDGES, 0, 3, 0, 0},
-      {64, 256, SHAPE_DECODE, 256, SINK_FINITE, 1, 3, 0, 0},
-      {128, 64, SHAPE_DECODE, 64, SINK_EDGES, 1, 3, 0, 0},
-      {8, 3, SHAPE_DECODE, 16, SINK_NONE, 0, 3, 0, 0},
-      {1, 5, SHAPE_DECODE, 64, SINK_EDGES, 0, 3, 0, 0},
-      {13, 40, SHAPE_DECODE, 64, SINK_FINITE, 1, 6, 0, 0},
-      {100, 32, SHAPE_DECODE, 16, SINK_NONE, 0, 8, 0, 0},
-      {64, 200, SHAPE_PREFILL, 64, SINK_FINITE, 0, 3, 0, 0},
-      {16, 1500, SHAPE_PREFILL, 16, SINK_EDGES, 1, 3, 0, 0},
-      {64, 20, SHAPE_DECODE, 64, SINK_FINITE, 0, 3, 1, 0},
-      {64, 40, SHAPE_DECODE, 64, SINK_NONE, 0, 12, 0, 1},
-  };
-  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
-    run_case(&c, &cases[i]);
-  /* Every CTA shape (16, 32 and 64 heads) must have met exact mode. */
-  for (uint32_t sh = 0; sh < 3; sh++) {
-    if (c.shapes_seen & (1u << sh))
-      continue;
-    case_t k = {0, 0, SHAPE_DECODE, 64, SINK_EDGES, 0, 3, 0, 0};
-    for (uint32_t b = 1; b <= 256 && !k.heads; b++)
-      if (dsv4__cuda_attention_fast_heads_per_block(b, 64) == 16u << sh) {
-        k.heads = 64;
-        k.tokens = b;
-      }
-    if (!k.heads) {
-      fprintf(stderr, "FAIL no decode batch of this device gets %u heads per CTA\n", 16u << sh);
-      c.failures++;
-      continue;
-    }
-    run_case(&c, &k);
-  }
+#ifdef DSV4_TEST_TUNE
+  run_split_cases(&c);
+#else
+  run_window_cases(&c);
   run_union_cases(&c);
+#endif
   dsv4_backend_close(c.cuda);
   dsv4_backend_close(c.cpu);
   dsv4_rope_table_destroy(c.rope[0]);
   dsv4_rope_table_destroy(c.rope[1]);
-  printf("gpu_attn_fast_test: worst cosine distance %.3g (bound %.0e), worst relative error of a "
-         "value past 1e-3 absolute %.3g (bound %.4f; the wide case apart)\n",
-         c.worst_cos, COS_TOL, c.worst_rel, REL_TOL);
+  printf("%s: worst cosine distance %.3g (bound %.0e), worst relative error of a value past 1e-3 "
+         "absolute %.3g (bound %.4f; the wide case apart)\n",
+         TEST_NAME, c.worst_cos, COS_TOL, c.worst_rel, REL_TOL);
   if (c.failures) {
-    printf("gpu_attn_fast_test: %d check(s) FAILED\n", c.failures);
+    printf("%s: %d check(s) FAILED\n", TEST_NAME, c.failures);
     return 1;
   }
-  printf(
-      "gpu_attn_fast_test: fast mode within FlashMLA's tolerances of exact mode, deterministic\n");
+  printf("%s: fast mode within FlashMLA's tolerances of exact mode, deterministic\n", TEST_NAME);
   return 0;
 }

@@ -184,7 +184,7 @@ int main(int argc, char **argv) {
       /* The reference: fast mode over the real bytes, written before the launch. */
       CK(cudaMemcpy(dq, real_q, out_n * 2, cudaMemcpyDeviceToDevice));
       CK(cudaMemcpy(dcache, real_cache, cache_bytes, cudaMemcpyDeviceToDevice));
-      CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, err, s, 0));
+      CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, NULL, 0, err, s, 0));
       CK(cudaStreamSynchronize(s));
       CK(cudaMemcpy(ref, dout, out_n * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(ref_lse, dlse, lse_n * 4, cudaMemcpyDeviceToHost));
@@ -195,7 +195,7 @@ int main(int argc, char **argv) {
       CK(cudaDeviceSynchronize());
     }
     CK((cudaError_t)gpu_late_copy(&late, DELAY_NS, s));
-    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, err, s, 1));
+    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, NULL, 0, err, s, 1));
     CK(cudaStreamSynchronize(s));
     CK(cudaGetLastError());
     uint32_t word = 0;

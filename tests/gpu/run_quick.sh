@@ -33,7 +33,7 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF -DDSV4
   -DDSV4_IT_PYTHON="$py" >"$out/configure.log" 2>&1 || { tail -n 40 "$out/configure.log"; exit 1; }
 help=$(cmake --build "$build" --target help 2>/dev/null || true)
 targets="dsv4d engine_test cuda_backend_test"
-for t in gpu_compress_test gpu_attn_test gpu_attn_fast_test gpu_attn_fused_test dsv4ctl dsv4client dsv4client_example; do
+for t in gpu_compress_test gpu_attn_test gpu_attn_fast_test gpu_attn_split_test gpu_attn_fused_test dsv4ctl dsv4client dsv4client_example; do
   if grep -q " $t\$" <<<"$help"; then targets="$targets $t"; fi
 done
 # shellcheck disable=SC2086 # one word per target
@@ -42,7 +42,7 @@ cmake --build "$build" -j"$(nproc)" --target $targets >"$out/build.log" 2>&1 ||
 echo "unpack + configure + build: $(($(date +%s) - t0)) s"
 rc=0
 ctest --test-dir "$build" --output-on-failure \
-  -R '^(cuda_backend_test|engine_test_cuda|gpu_compress_test|gpu_attn_test|gpu_attn_fast_test|gpu_attn_fused_test)$' 2>&1 |
+  -R '^(cuda_backend_test|engine_test_cuda|gpu_compress_test|gpu_attn_test|gpu_attn_fast_test|gpu_attn_split_test|gpu_attn_fused_test)$' 2>&1 |
   tee "$out/ctest-kernels.log" || rc=1
 DSV4_TEST_BACKEND=cuda DSV4_IT_STARTUP_LIMIT=${DSV4_IT_STARTUP_LIMIT:-5} PYTHONUNBUFFERED=1 \
   ctest --test-dir "$build" --output-on-failure -L integration -LE staged -j8 \

@@ -1,0 +1,78 @@
+/*
+ * Unit tests of kernels/cuda/attention-split.h, the host's side of fast mode's split union
+ * attention (SPEC §7): a launch splits only while its CTAs fill less than half the device, never
+ * into more CTAs than the device holds at once (one per SM) nor more than DSV4_UNION_MAX_SPLITS
+ * splits, the choice depends on the shape alone; and the partial states' size.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include "attention-split.h"
+
+/* The H200's SMs, the device the figures of tests/bench/NOTES.md come from. */
+#define H200_SMS 132
+
+static void test_h200_shapes(void **state) {
+  (void)state;
+  /* One decode token, 64 heads in 4 CTAs of 16; 16 tokens in 64 CTAs; 64 tokens in 128. */
+  assert_int_equal(dsv4__union_splits(4, H200_SMS), 8);
+  assert_int_equal(dsv4__union_splits(64, H200_SMS), 2);
+  assert_int_equal(dsv4__union_splits(128, H200_SMS), 1);
+  assert_int_equal(dsv4__union_splits(16, H200_SMS), 8);
+  assert_int_equal(dsv4__union_splits(17, H200_SMS), 7);
+  assert_int_equal(dsv4__union_splits(44, H200_SMS), 3);
+  assert_int_equal(dsv4__union_splits(65, H200_SMS), 2);
+  assert_int_equal(dsv4__union_splits(66, H200_SMS), 1);
+  assert_int_equal(dsv4__union_splits(1u << 20, H200_SMS), 1);
+}
+
+/* Over every device of up to 256 SMs and every launch of up to 600 CTAs: 1 exactly when the CTAs
+ * fill half the device; otherwise 2..DSV4_UNION_MAX_SPLITS splits whose CTAs all fit at once. */
+static void test_every_shape(void **state) {
+  (void)state;
+  for (int sms = 1; sms <= 256; sms++)
+    for (uint64_t ctas = 1; ctas <= 600; ctas++) {
+      const uint32_t k = dsv4__union_splits(ctas, sms);
+      if (2 * ctas >= (uint64_t)sms) {
+        assert_int_equal(k, 1);
+        continue;
+      }
+      assert_in_range(k, 2, DSV4_UNION_MAX_SPLITS);
+      assert_true(ctas * k <= (uint64_t)sms);
+      /* As many as fit, up to the cap. */
+      assert_true(k == DSV4_UNION_MAX_SPLITS || ctas * (k + 1) > (uint64_t)sms);
+    }
+}
+
+static void test_degenerate(void **state) {
+  (void)state;
+  assert_int_equal(dsv4__union_splits(0, H200_SMS), 1);
+  assert_int_equal(dsv4__union_splits(4, 0), 1);
+  assert_int_equal(dsv4__union_splits(4, -1), 1);
+  assert_int_equal(dsv4__union_splits(UINT64_MAX / 2, H200_SMS), 1);
+}
+
+static void test_part_floats(void **state) {
+  (void)state;
+  assert_true(dsv4__union_part_floats(1, 64, 1) == 0);
+  assert_true(dsv4__union_part_floats(64, 128, 1) == 0);
+  assert_true(dsv4__union_part_floats(1, 64, 8) == 64u * 8u * 514u);
+  assert_true(dsv4__union_part_floats(16, 64, 2) == 16u * 64u * 2u * 514u);
+  /* 64-bit all the way: past 2^32 floats. */
+  assert_true(dsv4__union_part_floats(1u << 20, 128, 8) == (uint64_t)(1u << 20) * 128u * 8u * 514u);
+  assert_true(DSV4_UNION_PART_FLOATS == 512 + 2);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_h200_shapes),
+      cmocka_unit_test(test_every_shape),
+      cmocka_unit_test(test_degenerate),
+      cmocka_unit_test(test_part_floats),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
