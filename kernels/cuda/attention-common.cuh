@@ -152,44 +152,55 @@ static __device__ int32_t entry_block(const attn_params_t &p, uint32_t s, int64_
   return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
 }
 
-/* 0, or the error bits of token t's compressed entries (SPEC §8.4, backend.h): every visible
- * entry's block, or every listed entry visible, above the one before, and its block. */
+/*
+ * 0, or the error bits of token t's compressed entries (SPEC §8.4, backend.h): every visible
+ * entry's block, or every listed entry visible, above the one before, and its block. A warp per
+ * token, every lane calling with its lane number: the lanes take 32 entries of the list at a time,
+ * and the first entry in list order that ends the list (-1) or fails decides, as a walk of the list
+ * from its start would: the bits of that entry's first failing check, or 0.
+ */
 static __device__ uint32_t entries_check(const attn_params_t &p, uint32_t t, uint32_t s,
-                                         int64_t pos) {
+                                         int64_t pos, uint32_t lane) {
   const int64_t j_lo = p.seg_p0[s] / p.ratio, j_hi = (pos + 1) / p.ratio;
   if (!p.c_sel) {
-    for (int64_t lb = j_lo >> p.bs_shift; j_hi > j_lo && lb <= (j_hi - 1) >> p.bs_shift; lb++)
-      if (entry_block(p, s, lb) < 0)
-        return DSV4_CUDA_ATTN_ERR_BLOCK;
-    return 0;
+    uint32_t bad = 0;
+    for (int64_t lb = (j_lo >> p.bs_shift) + lane; j_hi > j_lo && lb <= (j_hi - 1) >> p.bs_shift;
+         lb += 32)
+      bad |= entry_block(p, s, lb) < 0;
+    return __any_sync(0xffffffffu, bad) ? DSV4_CUDA_ATTN_ERR_BLOCK : 0u;
   }
   const int32_t *row = p.c_sel + (uint64_t)t * p.c_sel_stride;
-  int64_t prev = -1;
-  for (uint32_t k = 0; k < p.c_sel_stride; k++) {
-    const int64_t j = row[k];
-    if (j == -1)
-      break;
-    if (j < j_lo || j >= j_hi || (k && j <= prev))
-      return DSV4_CUDA_ERR_ENTRY;
-    if ((!k || (j >> p.bs_shift) != (prev >> p.bs_shift)) && entry_block(p, s, j >> p.bs_shift) < 0)
-      return DSV4_CUDA_ATTN_ERR_BLOCK;
-    prev = j;
+  for (uint32_t k0 = 0; k0 < p.c_sel_stride; k0 += 32) {
+    const uint32_t k = k0 + lane;
+    uint32_t ev = 0; /* 1: the list ends here; else the bits of this entry's failure */
+    if (k < p.c_sel_stride) {
+      const int64_t j = row[k], prev = k ? row[k - 1] : -1;
+      if (j == -1)
+        ev = 1;
+      else if (j < j_lo || j >= j_hi || (k && j <= prev))
+        ev = DSV4_CUDA_ERR_ENTRY;
+      else if ((!k || (j >> p.bs_shift) != (prev >> p.bs_shift)) &&
+               entry_block(p, s, j >> p.bs_shift) < 0)
+        ev = DSV4_CUDA_ATTN_ERR_BLOCK;
+    }
+    const uint32_t any = __ballot_sync(0xffffffffu, ev != 0);
+    if (any) {
+      const uint32_t first = __shfl_sync(0xffffffffu, ev, __ffs(any) - 1);
+      return first == 1 ? 0u : first;
+    }
   }
   return 0;
 }
 
-/* 0, or the error bits of token t: its segment, position, every block of its window and, on a
- * compressed layer, its entries. */
-static __device__ uint32_t token_check(const attn_params_t &p, uint32_t t) {
-  window_t w;
-  uint32_t bits = token_window(p, t, &w);
+/* 0, or the error bits of token t: its segment, position and every block of its window (and its
+ * window's facts in *w). */
+static __device__ uint32_t token_check(const attn_params_t &p, uint32_t t, window_t *w) {
+  uint32_t bits = token_window(p, t, w);
   if (bits)
     return bits;
-  const uint32_t nb = window_blocks(p, w);
+  const uint32_t nb = window_blocks(p, *w);
   for (uint32_t k = 0; k < nb; k++)
-    (void)window_block(p, w, k, &bits);
-  if (!bits && p.c_cache)
-    bits = entries_check(p, t, (uint32_t)p.tok_seg[t], w.pos);
+    (void)window_block(p, *w, k, &bits);
   return bits;
 }
 
@@ -310,8 +321,9 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
     }
   }
   if (p.check_all) {
+    window_t wu; /* a launch without compressed entries: the window's checks are all */
     for (uint32_t u = tid; u < p.n_tokens; u += ATTN_THREADS)
-      bits |= token_check(p, u);
+      bits |= token_check(p, u, &wu);
   } else if (tid == 0 && __ldcg(p.err) != 0) {
     bits |= ERR_EARLIER;
   }

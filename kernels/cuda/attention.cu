@@ -508,19 +508,31 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_union_kernel(
 }
 
 /* The launch check of a launch of more than CHECK_ALL_MAX tokens, and of every launch with
- * compressed entries: one thread per token (and, with entries, per segment). */
+ * compressed entries: a warp per token (a decode token's list of entries is hundreds long) and,
+ * with entries, a thread per segment. */
 __global__ void __launch_bounds__(256) dsv4__attention_check_kernel(attn_params_t p) {
   /* The attention kernel may launch now; it still waits for this grid to complete. */
   dsv4__dep_trigger();
   dsv4__dep_wait_params(p);
-  const uint32_t t = blockIdx.x * 256 + threadIdx.x;
+  const uint32_t i = blockIdx.x * 256 + threadIdx.x, t = i / 32;
   uint32_t bits = 0;
-  if (p.c_cache && t < p.n_segments)
-    bits |= segment_check(p, t);
-  if (t < p.n_tokens)
-    bits |= token_check(p, t);
+  if (p.c_cache && i < p.n_segments)
+    bits |= segment_check(p, i);
+  if (t < p.n_tokens) { /* warp-uniform */
+    window_t w;
+    uint32_t tb = token_check(p, t, &w);
+    if (!tb && p.c_cache)
+      tb = entries_check(p, t, (uint32_t)p.tok_seg[t], w.pos, i & 31);
+    bits |= tb;
+  }
   if (bits)
     atomicOr(p.err, bits);
+}
+
+/* Threads of a check kernel's launch: a warp per token, a thread per segment. */
+static uint64_t check_threads(const attn_params_t &p) {
+  const uint64_t tok = (uint64_t)p.n_tokens * 32;
+  return tok > p.n_segments ? tok : (uint64_t)p.n_segments;
 }
 
 /* ---- the launch ---- */
@@ -611,9 +623,8 @@ static cudaError_t launch_union_r(const attn_params_t &p, unsigned grid, cudaStr
  * mode the fast union kernel (attention_fast_union.cu), behind the same check. */
 static cudaError_t launch_union(const attn_params_t &p, int r, int fast, int sms, cudaStream_t s,
                                 int pdl) {
-  const uint32_t items = p.n_tokens > p.n_segments ? p.n_tokens : p.n_segments;
-  cudaError_t e =
-      dsv4__cuda_launch(dsv4__attention_check_kernel, (items + 255) / 256, 256, s, pdl, p);
+  cudaError_t e = dsv4__cuda_launch(dsv4__attention_check_kernel,
+                                    (unsigned)((check_threads(p) + 255) / 256), 256, s, pdl, p);
   if (e != cudaSuccess)
     return e;
   if (fast)
@@ -716,7 +727,8 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
     return dsv4__cuda_err(launch_union(p, r, a->fast, dev.sms, s, pdl));
   cudaError_t e = cudaSuccess;
   if (!p.check_all)
-    e = dsv4__cuda_launch(dsv4__attention_check_kernel, (a->n_tokens + 255) / 256, 256, s, pdl, p);
+    e = dsv4__cuda_launch(dsv4__attention_check_kernel, (unsigned)((check_threads(p) + 255) / 256),
+                          256, s, pdl, p);
   if (e == cudaSuccess && a->fast)
     return dsv4__cuda_err(dsv4__attention_fast_launch(p, dev.sms, s, pdl));
   if (e == cudaSuccess) {
