@@ -3,8 +3,10 @@ answers (a benchmark, not a test).
 
 For each backend named on the command line, a daemon serving one layer at 64 heads gets a prefill of
 16 sequences x 64 tokens (one batch of 1024 tokens) and then 30 decode steps of those 16 sequences
-(16 tokens a batch), after 10 that are not measured (the first launches of a kernel load its module);
-every answer's q_out is checked against the reference model. The daemon's own
+(16 tokens a batch), after 10 that are not measured (the first launches of a kernel load its module),
+sent one after the other with no pause (every body is made first and the answers are checked after
+the last, so that the daemon sees a gateway's pace, not the client's); every tenth answer's q_out is
+checked against the reference model. The daemon's own
 dsv4d_forward_seconds{stage} histograms give the mean time of validate, plan and kernel (on a device
 backend, kernel is the uploads, both launches, the downloads and the sync, and the daemon also reports
 those three parts: upload, launch, download) per batch; "client" is the
@@ -66,26 +68,42 @@ def write_sinks(path):
         f.write(h.st_encode([("layers.0.attn.attn_sink", "F32", [HEADS], sinks)], {"format": "pt"}))
 
 
-def attn_steps(d, conn, rng, backend, mode, first, rows):
-    """STEPS decode steps of the 16 sequences asking for attn alone in `mode`, after WARM ones."""
-    t_client = 0.0
-    for step in range(-WARM, STEPS):
-        if step == 0:
-            m0 = stage_sums(d)
-            t_client = 0.0
-        segs = [h.Seg("s%d" % i, first + WARM + step, 1) for i in range(SEQS)]
-        b = h.Batch.random(rng, 0, segs, HEADS, outputs="attn")
+def decode_steps(d, conn, rng, backend, first, rows, mode=None):
+    """WARM + STEPS decode steps of the 16 sequences from position `first`, asking for q (mode
+    None) or for attn alone in `mode`. Every body is made before the first is sent and the answers
+    are checked after the last: the requests follow each other at once, as a gateway's layers do,
+    and the means are over the last STEPS."""
+    outputs = "q" if mode is None else "attn"
+    steps = []
+    for step in range(WARM + STEPS):
+        segs = [h.Seg("s%d" % i, first + step, 1) for i in range(SEQS)]
+        b = h.Batch.random(rng, 0, segs, HEADS, outputs=outputs)
         meta = b.metadata()
-        meta["attention"] = mode
+        if mode is not None:
+            meta["attention"] = mode
+        steps.append((b, b.body(meta)))
+    answers = []
+    t_client = 0.0
+    for step, (b, body) in enumerate(steps):
+        if step == WARM:
+            m0 = stage_sums(d)
         t0 = time.perf_counter()
-        r = d.forward_raw(b.body(meta), conn=conn)
-        t_client += time.perf_counter() - t0
-        h.check_eq(r.status, 200, "%s %s attention step %d" % (backend, mode, step))
+        answers.append(d.forward_raw(body, conn=conn))
+        if step >= WARM:
+            t_client += time.perf_counter() - t0
+    m1 = stage_sums(d)
+    for step, ((b, _), r) in enumerate(zip(steps, answers)):
+        what = "%s %s step %d" % (backend, mode or "decode", step)
+        h.check_eq(r.status, 200, what)
+        if mode is None:
+            if step % 10 == 0:
+                h.check_result(h.ForwardResult(r, b), b, what)
+            continue
         m, t = h.st_decode(r.body)
         h.check_eq(m.get("attention"), mode, "the mode that ran")
         h.check_eq(sorted(t), ["attn", "slots"], "outputs=attn answers attn and slots")
-    rows.append((backend, "decode+" + ("attn" if mode == "exact" else "fast"), SEQS,
-                 t_client / STEPS * 1e6, means(m0, stage_sums(d))))
+    name = "decode" if mode is None else "decode+" + ("attn" if mode == "exact" else "fast")
+    rows.append((backend, name, SEQS, t_client / STEPS * 1e6, means(m0, m1)))
 
 
 def run(backend, rng, rows):
@@ -103,22 +121,10 @@ def run(backend, rng, rows):
         client = (time.perf_counter() - t0) * 1e6
         h.check_result(res, b, "%s prefill" % backend)
         rows.append((backend, "prefill", b.n, client, means(m0, stage_sums(d))))
-        t_client = 0.0
-        for step in range(-WARM, STEPS):
-            if step == 0:
-                m1 = stage_sums(d)
-                t_client = 0.0
-            segs = [h.Seg("s%d" % i, PREFILL + WARM + step, 1) for i in range(SEQS)]
-            b = h.Batch.random(rng, 0, segs, HEADS, outputs="q")
-            t0 = time.perf_counter()
-            res = d.forward(b, conn=conn)
-            t_client += time.perf_counter() - t0
-            if step % 10 == 0:
-                h.check_result(res, b, "%s decode step %d" % (backend, step))
-        rows.append((backend, "decode", SEQS, t_client / STEPS * 1e6, means(m1, stage_sums(d))))
-        attn_steps(d, conn, rng, backend, "exact", PREFILL + WARM + STEPS, rows)
+        decode_steps(d, conn, rng, backend, PREFILL, rows)
+        decode_steps(d, conn, rng, backend, PREFILL + WARM + STEPS, rows, "exact")
         if backend == "cuda":  # fast mode: the cuda backend on sm_90 and newer
-            attn_steps(d, conn, rng, backend, "fast", PREFILL + 2 * (WARM + STEPS), rows)
+            decode_steps(d, conn, rng, backend, PREFILL + 2 * (WARM + STEPS), rows, "fast")
         conn.close()
         pinned_note(d, backend)
 
