@@ -51,6 +51,8 @@ static float rms_factor(float ss, float eps) {
 #ifdef DSV4_CL_COUNT_STORES
 #define MAP_COUNT_ARGS , __global uint *slot_count
 #define INSERT_COUNT_ARGS , __global uint *q_count, __global uint *cache_count
+#define CACHE_COUNT_ARG , __global uint *cache_count
+#define CACHE_COUNT_PASS , cache_count
 /* n bytes stored at byte offset off of the region whose counters are cnt. */
 #define COUNT(cnt, off, n)                                                                         \
   do {                                                                                             \
@@ -60,6 +62,8 @@ static float rms_factor(float ss, float eps) {
 #else
 #define MAP_COUNT_ARGS
 #define INSERT_COUNT_ARGS
+#define CACHE_COUNT_ARG
+#define CACHE_COUNT_PASS
 #define COUNT(cnt, off, n) ((void)0)
 #endif
 
@@ -133,6 +137,63 @@ dsv4_map_slots(uint n_tokens, uint block_size, uint n_blocks, __global const lon
     }
   }
   STORE_SLOT(t, slot);
+}
+
+/*
+ * The KV row's stores (SPEC §2.2), lane `lane` of the row of token t: its slot's record, the RoPE
+ * lanes their rotated bf16 values bf, the others their tile's scale (from the lanes' maxima
+ * lane_max) and their 16 fp8 values of x; a slot past the pool sets the error word instead.
+ */
+static void kv_store(ulong t, uint lane, const float *x, const ushort *bf,
+                     __local const float *lane_max, __global const long *slots,
+                     __global const ushort *kv, __global uchar *cache, uint block_size,
+                     uint n_blocks, ulong stride, __global uint *err CACHE_COUNT_ARG) {
+  const int rope_lane = lane >= DSV4_LZ_ROPE_LANE0;
+  const uint d0 = lane * DSV4_LZ_DIMS_PER_LANE;
+  long slot = slots[t];
+  ulong n_slots = (ulong)n_blocks * block_size;
+  if (slot < 0)
+    return;
+  if ((ulong)slot >= n_slots) {
+    if (lane == 0)
+      atomic_or(err, DSV4_LZ_ERR_SLOT);
+    return;
+  }
+  ulong o = (ulong)slot % block_size;
+  ulong base = (ulong)slot / block_size * stride;
+  ulong rec = base + DSV4_TOKEN_DATA_OFFSET(o);
+  ulong sc = base + DSV4_SCALE_OFFSET(block_size, o);
+
+  if (rope_lane) {
+    STORE_CACHE_BF16X16(rec + DSV4_NOPE_DIM + 2 * (d0 - DSV4_NOPE_DIM), bf);
+    if (lane == DSV4_LZ_ROPE_LANE0)
+      STORE_CACHE_U8(sc + DSV4_NTILES, (uchar)0);
+    return;
+  }
+
+  uint j = lane / DSV4_LZ_TILE_LANES, first = j * DSV4_LZ_TILE_LANES;
+  float amax = lane_max[first];
+  for (uint l = first + 1; l < first + DSV4_LZ_TILE_LANES; l++)
+    amax = lane_max[l] > amax ? lane_max[l] : amax;
+  dsv4_i32 e = dsv4_ue8m0_exponent(amax);
+  float scale = dsv4_pow2_neg(e);
+  uchar f8[DSV4_LZ_DIMS_PER_LANE];
+  for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
+    f8[k] = dsv4_f32_to_e4m3(x[k] * scale);
+  STORE_CACHE_U8X16(rec + d0, f8);
+  if (lane == first)
+    STORE_CACHE_U8(sc + j, (uchar)(e + DSV4_UE8M0_BIAS));
+#ifdef DSV4_CL_BROKEN_BULK_STORE
+  /* Test-only: the unmasked bulk store. Lanes 0..3 also store the unrotated bf16 RoPE values of
+   * lanes 28..31, racing with their rotated stores above. */
+  if (lane < DSV4_LZ_LANES - DSV4_LZ_ROPE_LANE0) {
+    ulong d = DSV4_NOPE_DIM + lane * DSV4_LZ_DIMS_PER_LANE;
+    ushort raw[DSV4_LZ_DIMS_PER_LANE];
+    for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
+      raw[k] = kv[t * DSV4_HEAD_DIM + d + (ulong)k];
+    STORE_CACHE_BF16X16(rec + DSV4_NOPE_DIM + 2 * (d - DSV4_NOPE_DIM), raw);
+  }
+#endif
 }
 
 /*
@@ -222,50 +283,8 @@ dsv4_qkv_insert(uint row0, uint n_rows, uint n_tokens, uint heads, uint write_kv
     return;
   }
 
-  long slot = slots[t];
-  ulong n_slots = (ulong)n_blocks * block_size;
-  if (slot < 0)
-    return;
-  if ((ulong)slot >= n_slots) {
-    if (lane == 0)
-      atomic_or(err, DSV4_LZ_ERR_SLOT);
-    return;
-  }
-  ulong o = (ulong)slot % block_size;
-  ulong base = (ulong)slot / block_size * stride;
-  ulong rec = base + DSV4_TOKEN_DATA_OFFSET(o);
-  ulong sc = base + DSV4_SCALE_OFFSET(block_size, o);
-
-  if (rope_lane) {
-    STORE_CACHE_BF16X16(rec + DSV4_NOPE_DIM + 2 * (d0 - DSV4_NOPE_DIM), bf);
-    if (lane == DSV4_LZ_ROPE_LANE0)
-      STORE_CACHE_U8(sc + DSV4_NTILES, (uchar)0);
-    return;
-  }
-
-  uint j = lane / DSV4_LZ_TILE_LANES, first = j * DSV4_LZ_TILE_LANES;
-  float amax = lane_max[r_in][first];
-  for (uint l = first + 1; l < first + DSV4_LZ_TILE_LANES; l++)
-    amax = lane_max[r_in][l] > amax ? lane_max[r_in][l] : amax;
-  dsv4_i32 e = dsv4_ue8m0_exponent(amax);
-  float scale = dsv4_pow2_neg(e);
-  uchar f8[DSV4_LZ_DIMS_PER_LANE];
-  for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
-    f8[k] = dsv4_f32_to_e4m3(x[k] * scale);
-  STORE_CACHE_U8X16(rec + d0, f8);
-  if (lane == first)
-    STORE_CACHE_U8(sc + j, (uchar)(e + DSV4_UE8M0_BIAS));
-#ifdef DSV4_CL_BROKEN_BULK_STORE
-  /* Test-only: the unmasked bulk store. Lanes 0..3 also store the unrotated bf16 RoPE values of
-   * lanes 28..31, racing with their rotated stores above. */
-  if (lane < DSV4_LZ_LANES - DSV4_LZ_ROPE_LANE0) {
-    ulong d = DSV4_NOPE_DIM + lane * DSV4_LZ_DIMS_PER_LANE;
-    ushort raw[DSV4_LZ_DIMS_PER_LANE];
-    for (int k = 0; k < DSV4_LZ_DIMS_PER_LANE; k++)
-      raw[k] = kv[t * DSV4_HEAD_DIM + d + (ulong)k];
-    STORE_CACHE_BF16X16(rec + DSV4_NOPE_DIM + 2 * (d - DSV4_NOPE_DIM), raw);
-  }
-#endif
+  kv_store(t, lane, x, bf, lane_max[r_in], slots, kv, cache, block_size, n_blocks, stride,
+           err CACHE_COUNT_PASS);
 }
 
 /*
