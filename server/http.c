@@ -151,7 +151,6 @@ struct conn {
   head_scan_t scan;         /* the head being parsed, for obsolete line folding */
   conn_state_t state;
   int handles_open;
-  int counted_closing; /* counted in the server's n_closing */
   /* The booleans below are not states of the connection but facts that hold across several of them.
    * reading mirrors whether uv_read_start is in effect, which the state decides only together with
    * peer_eof and how much is buffered (conn_update_reading). */
@@ -221,9 +220,9 @@ struct dsv4_server {
   llhttp_settings_t settings;
   conn_t *conns;
   size_t n_conns;
-  /* Of those, the ones closing: their sockets are closed already, their handles not yet (libuv
-   * calls back on a later loop turn). They no longer count against max_connections, so a client
-   * that saw its connections end finds the room free at once. */
+  /* Of those, the ones in CONN_CLOSING: their sockets are closed already, their handles not yet
+   * (libuv calls back on a later loop turn). They no longer count against max_connections, so a
+   * client that saw its connections end finds the room free at once. */
   size_t n_closing;
   int port;
   int retry_open, draining, closing;
@@ -373,8 +372,10 @@ static void conn_enter(conn_t *c, conn_state_t state) {
     break;
   }
   c->state = state;
-  if (state == CONN_CLOSING)
-    return; /* uv_close stops the timer */
+  if (state == CONN_CLOSING) {
+    c->srv->n_closing++; /* until on_conn_handle_closed */
+    return;              /* uv_close stops the timer */
+  }
   if (ms > 0)
     uv_timer_start(&c->timer, on_timer, ms, 0);
   else
@@ -1383,8 +1384,7 @@ static void on_conn_handle_closed(uv_handle_t *h) {
   if (c->next)
     c->next->prev = c->prev;
   s->n_conns--;
-  if (c->counted_closing)
-    s->n_closing--;
+  s->n_closing--; /* every connection closes through CONN_CLOSING */
   dsv4_series_add(s->connections, -1);
   /* A streamed answer abandoned between pieces leaves its head here (write_done frees it else). */
   free(c->whdr);
@@ -1413,8 +1413,6 @@ static void conn_close(conn_t *c) {
     c->req = NULL;
   }
   /* A request being written is freed by the write callback, which uv_close cancels first. */
-  c->counted_closing = 1;
-  c->srv->n_closing++;
   uv_close(&c->io.handle, on_conn_handle_closed);
   uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
 }
