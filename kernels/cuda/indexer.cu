@@ -24,8 +24,8 @@
  *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
  *            histogram per round, its bucket found by a block-wide scan) finds the k-th largest
  *            key T and how many keys equal to T are taken; a last pass over the keys in entry
- *            order, 256 at a time with two block-wide prefix sums, lists every key above T and the
- *            first of those equal to T.
+ *            order, 2048 at a time (8 a thread) with two block-wide prefix sums, lists every key
+ *            above T and the first of those equal to T.
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
  * the selection is a function of the scores alone, so the lists are equal.
@@ -41,6 +41,8 @@
 #include "dsv4-numerics.h"
 
 #define CHECK_BLOCK 256
+/* Consecutive keys a thread takes in a round of list_selected. */
+#define LIST_PER 8
 /* Lanes per entry in score_entries_grouped. */
 #define TPE 8
 /* Floats per row of q^ in shared memory: 128 and a pad of 4, so the lanes of a warp that read
@@ -272,20 +274,37 @@ static __device__ uint32_t radix_select(const uint32_t *keys, uint32_t n, uint32
   return prefix;
 }
 
-/* Every key above T and the first need keys equal to T, in entry order, into out[0..k). */
+/* Every key above T and the first need keys equal to T, in entry order, into out[0..k): rounds
+ * of LIST_PER consecutive keys a thread, two block-wide prefix sums a round (the keys equal to T
+ * before a thread's, then the keys taken before its). */
 static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t T, uint32_t need,
                                      int64_t jlo, int32_t *out, sel_smem_t &sm) {
   uint32_t taken = 0, ties = 0;
-  for (uint32_t base = 0; base < n; base += SEL_THREADS) {
-    const uint32_t i = base + threadIdx.x;
-    const uint32_t key = i < n ? keys[i] : 0u;
-    const uint32_t eq = i < n && key == T ? 1u : 0u;
+  for (uint32_t base = 0; base < n; base += SEL_THREADS * LIST_PER) {
+    const uint32_t i0 = base + threadIdx.x * LIST_PER;
+    uint32_t key[LIST_PER], my_eq = 0;
+#pragma unroll
+    for (uint32_t v = 0; v < LIST_PER; v++) {
+      key[v] = i0 + v < n ? keys[i0 + v] : 0u;
+      my_eq += i0 + v < n && key[v] == T ? 1u : 0u;
+    }
     uint32_t n_eq, n_take;
-    const uint32_t eq_before = block_scan(eq, sm.warp_sums, &n_eq);
-    const uint32_t take = (i < n && key > T) || (eq && ties + eq_before < need) ? 1u : 0u;
-    const uint32_t at = block_scan(take, sm.warp_sums, &n_take);
-    if (take)
-      out[taken + at] = (int32_t)(jlo + i);
+    uint32_t eq = ties + block_scan(my_eq, sm.warp_sums, &n_eq); /* keys equal to T before */
+    uint32_t take = 0, my_take = 0;
+#pragma unroll
+    for (uint32_t v = 0; v < LIST_PER; v++) {
+      const bool in = i0 + v < n, is_t = in && key[v] == T;
+      if ((in && key[v] > T) || (is_t && eq < need)) {
+        take |= 1u << v;
+        my_take++;
+      }
+      eq += is_t ? 1u : 0u;
+    }
+    uint32_t at = taken + block_scan(my_take, sm.warp_sums, &n_take);
+#pragma unroll
+    for (uint32_t v = 0; v < LIST_PER; v++)
+      if (take & (1u << v))
+        out[at++] = (int32_t)(jlo + i0 + v);
     taken += n_take;
     ties += n_eq;
   }
