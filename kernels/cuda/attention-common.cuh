@@ -391,14 +391,16 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
   }
 }
 
-/* The window's records (the window kernel's only candidates), through the blocks in ms.blk. */
+/* The window's records (the window kernel's only candidates), through the blocks in ms.blk: n of
+ * them from candidate `first` on (a split of fast mode's window), into rows 0..n - 1. */
 template <bool SWZ = false>
-static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk) {
+static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk,
+                                  uint32_t first, uint32_t n) {
   const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
   const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
   const uint64_t scales = (uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift;
-  stage_records<SWZ>(ms.n, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
-    const int64_t pos = lo + s;
+  stage_records<SWZ>(n, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
+    const int64_t pos = lo + first + s;
     const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
     const uint64_t o = (uint64_t)(pos & mask);
     *rec = base + o * DSV4_TOKEN_DATA_BYTES;
@@ -407,8 +409,14 @@ static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms,
 }
 
 /* Fast mode (attention_fast.cu): the kernel for the launch's shape, after the launch's check (the
- * check kernel has been queued before it unless p.check_all). Sets p.groups itself. */
+ * check kernel has been queued before it unless p.check_all). Sets p.groups and p.nsplit itself;
+ * with more than one split, p.part must hold dsv4__union_part_floats of the launch. */
 cudaError_t dsv4__attention_fast_launch(attn_params_t p, int sms, cudaStream_t s, int pdl);
+/* The splits of each token's window in that launch on a device of sms SMs (attention-split.h). */
+uint32_t dsv4__attention_fast_splits(uint32_t n_tokens, uint32_t heads, int sms);
+/* The combine kernel of a split fast launch (attention_fast_union.cu), window or union: one CTA
+ * per output row, after the splits on the same stream. */
+cudaError_t dsv4__attention_fast_combine_launch(const attn_params_t &p, cudaStream_t s, int pdl);
 /* Fast mode over the union of the window and the compressed entries (attention_fast_union.cu),
  * after the check kernel has been queued (always, for a union launch). Sets p.groups and p.nsplit
  * itself; with more than one split, p.part must hold dsv4__union_part_floats of the launch. */

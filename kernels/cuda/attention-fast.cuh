@@ -217,6 +217,47 @@ static __device__ void fast_store_out(const attn_params_t &p, const attn_misc_t 
   }
 }
 
+/* The pairs (m, S) of a split launch's partial states, after every N (attention-split.h). */
+static __device__ __forceinline__ float2 *part_ms(const attn_params_t &p) {
+  return reinterpret_cast<float2 *>(p.part +
+                                    (uint64_t)DSV4_HEAD_DIM * p.n_tokens * p.heads * p.nsplit);
+}
+
+/* N of split `split` unnormalised into its partial state: n-tile j of dims d0.. of heads h and h +
+ * 8 of the CTA (a lane holds dims d, d + 1 of two heads, as in fast_store_out). */
+template <int NT>
+static __device__ void fast_store_part(const attn_params_t &p, uint32_t t, uint32_t h_first,
+                                       uint32_t h, uint32_t d0, uint32_t split, uint32_t lane,
+                                       const float (&acc)[NT][4]) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const uint32_t hh = h + 8 * half;
+    if (h_first + hh >= p.heads)
+      continue;
+    const uint64_t k = ((uint64_t)t * p.heads + h_first + hh) * p.nsplit + split;
+    float2 *row = reinterpret_cast<float2 *>(p.part + k * DSV4_HEAD_DIM);
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+      row[(d0 + 8 * j + 2 * (lane & 3)) >> 1] = make_float2(acc[j][2 * half], acc[j][2 * half + 1]);
+  }
+}
+
+/* The partial state of a split without candidates for each of the CTA's nh heads: N = 0, m = -inf,
+ * S = 0 (the combine gives it the weight 0). */
+static __device__ void fast_empty_part(const attn_params_t &p, uint32_t t, uint32_t h_first,
+                                       uint32_t nh, uint32_t split) {
+  const uint32_t live = h_first + nh <= p.heads ? nh : p.heads - h_first;
+  for (uint32_t i = threadIdx.x; i < live * (DSV4_HEAD_DIM / 4); i += blockDim.x) {
+    const uint64_t k =
+        ((uint64_t)t * p.heads + h_first + i / (DSV4_HEAD_DIM / 4)) * p.nsplit + split;
+    reinterpret_cast<float4 *>(p.part + k * DSV4_HEAD_DIM)[i % (DSV4_HEAD_DIM / 4)] =
+        make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  if (threadIdx.x < live)
+    part_ms(p)[((uint64_t)t * p.heads + h_first + threadIdx.x) * p.nsplit + split] =
+        make_float2(-INFINITY, 0.0f);
+}
+
 /*
  * N += P_hi V + P_lo V for the candidates 0..16 kcs / 2 - 1 (kcs: 8-candidate chunks, even): the
  * warp's m-tile of weights (planes at byte addresses pa and pla, rows of P_ROW) times dims d0..d0 +

@@ -1,17 +1,25 @@
 #ifndef DSV4_KERNELS_CUDA_ATTENTION_SPLIT_H
 #define DSV4_KERNELS_CUDA_ATTENTION_SPLIT_H
 /*
- * The split of fast mode's union attention at small batches (attention_fast_union.cu), in plain C
- * so that the host's choices are tested without a device (tests/unit/union_split_test.c): how many
- * splits a launch gets, and the size and layout of the partial states the splits leave for the
- * combine kernel. Split s of nsplit takes tiles s, s + nsplit, s + 2 nsplit, ... of its token's
- * list (tile k: candidates 128 k..128 k + 127), in that order.
+ * The split of fast mode's attention at small batches, in plain C so that the host's choices are
+ * tested without a device (tests/unit/union_split_test.c): how many splits a launch gets, and the
+ * size and layout of the partial states the splits leave for the combine kernel. Over the union
+ * (attention_fast_union.cu) split s of nsplit takes the candidates s span.. of its token's list
+ * (dsv4__union_split_span), in tiles of at most 128; over the window alone (attention_fast.cu) it
+ * takes the window's candidates 128 s / nsplit.. (128 / nsplit of them).
  */
 #include <stdint.h>
 
-/* The most splits of one token's list: 8 tiles of 128 candidates cover the window and a selection
- * of 896 entries, past V4-Flash's 512. */
-#define DSV4_UNION_MAX_SPLITS 8u
+/* The span of a split is computed by the union kernel too: host and device code under CUDA. */
+#ifdef __CUDACC__
+#define DSV4_SPLIT_FN static inline __host__ __device__
+#else
+#define DSV4_SPLIT_FN static inline
+#endif
+
+/* The most splits of one token's list: at one decode token of 64 heads (4 CTAs of 16) on a device
+ * of 132 SMs, 32 splits of 20 to 32 candidates each cover the window and a selection of 512. */
+#define DSV4_UNION_MAX_SPLITS 32u
 /* Floats of one partial state: the unnormalised sum N (512), then the maximum m and the sum S. */
 #define DSV4_UNION_PART_FLOATS 514u
 
@@ -26,6 +34,27 @@ static inline uint32_t dsv4__union_splits(uint64_t ctas, int sms) {
     return 1;
   const uint64_t k = (uint64_t)sms / ctas;
   return k > DSV4_UNION_MAX_SPLITS ? DSV4_UNION_MAX_SPLITS : (uint32_t)k;
+}
+
+/*
+ * The candidates of each split of a list of nc candidates in nsplit splits: nc / nsplit rounded up
+ * to a multiple of 16 (whole m16n8k16 tiles), the last splits taking what is left or nothing; the
+ * whole list without a split. Split 0 always holds the list's first candidate.
+ */
+DSV4_SPLIT_FN uint32_t dsv4__union_split_span(uint32_t nc, uint32_t nsplit) {
+  if (nsplit <= 1)
+    return nc;
+  return ((nc + nsplit - 1) / nsplit + 15u) & ~15u;
+}
+
+/*
+ * Splits of a fast window launch (attention_fast.cu) of `ctas` CTAs: the union's count rounded down
+ * to a power of two, so that split s of n takes the window's candidates s 128 / n.. (128 / n of
+ * them, a multiple of 16: whole m16n8k16 tiles).
+ */
+static inline uint32_t dsv4__window_splits(uint64_t ctas, int sms) {
+  const uint32_t k = dsv4__union_splits(ctas, sms); /* at most 8: spans of 16 candidates */
+  return k >= 8 ? 8 : k >= 4 ? 4 : k >= 2 ? 2 : 1;
 }
 
 /*

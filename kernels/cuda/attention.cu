@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
 #endif
   if (attn_setup(p, t, ms))
     return;
-  attn_stage(p, ms, sk);
+  attn_stage(p, ms, sk, 0, ms.n);
   __syncthreads();
   const uint32_t n = ms.n;
   const bool live = h0 < p.heads; /* warp-uniform: an octet past the last head idles */
@@ -619,12 +619,17 @@ static cudaError_t launch_union_r(const attn_params_t &p, unsigned grid, cudaStr
                                 p);
 }
 
+/* The check kernel of a launch, before its attention kernel (a warp per token). */
+static cudaError_t launch_check(const attn_params_t &p, cudaStream_t s, int pdl) {
+  return dsv4__cuda_launch(dsv4__attention_check_kernel, (unsigned)((check_threads(p) + 255) / 256),
+                           256, s, pdl, p);
+}
+
 /* A union launch (SPEC §8.6): the check kernel, then the union kernel with R = 4 or 8, or in fast
  * mode the fast union kernel (attention_fast_union.cu), behind the same check. */
 static cudaError_t launch_union(const attn_params_t &p, int r, int fast, int sms, cudaStream_t s,
                                 int pdl) {
-  cudaError_t e = dsv4__cuda_launch(dsv4__attention_check_kernel,
-                                    (unsigned)((check_threads(p) + 255) / 256), 256, s, pdl, p);
+  cudaError_t e = launch_check(p, s, pdl);
   if (e != cudaSuccess)
     return e;
   if (fast)
@@ -649,14 +654,26 @@ extern "C" int dsv4__cuda_attention_supported(int dev) {
   return (size_t)optin >= attn_smem_bytes(64) + sizeof(attn_misc_t);
 }
 
-/* The partial states of a fast union launch that splits (attention_fast_union.cu): part_len
- * floats at part_dev (16-byte aligned), at least what the launch's splits write. */
+/* The splits of each token's list in a launch of a's shape on sms SMs: 1 for exact mode. */
+static uint32_t launch_splits(const dsv4_attn_args_t *a, int sms) {
+  if (!a->fast)
+    return 1;
+  return a->c_cache ? dsv4__attention_fast_union_splits(a->n_tokens, a->heads, sms)
+                    : dsv4__attention_fast_splits(a->n_tokens, a->heads, sms);
+}
+
+extern "C" uint64_t dsv4__cuda_attention_part_floats(const dsv4_attn_args_t *a) {
+  dsv4__cuda_dev_t dev;
+  if (!a || dsv4__cuda_dev_info(&dev))
+    return 0;
+  return dsv4__union_part_floats(a->n_tokens, a->heads, launch_splits(a, dev.sms));
+}
+
+/* The partial states of a fast launch that splits (attention-split.h): part_len floats at
+ * part_dev (16-byte aligned), at least what the launch's splits write. */
 static int check_part(const dsv4_attn_args_t *a, const float *part_dev, uint64_t part_len,
                       int sms) {
-  if (!a->c_cache || !a->fast)
-    return 0;
-  const uint32_t nsplit = dsv4__attention_fast_union_splits(a->n_tokens, a->heads, sms);
-  const uint64_t need = dsv4__union_part_floats(a->n_tokens, a->heads, nsplit);
+  const uint64_t need = dsv4__union_part_floats(a->n_tokens, a->heads, launch_splits(a, sms));
   if (need && (!part_dev || part_len < need || ((uintptr_t)part_dev & 15u)))
     return DSV4_EINVAL;
   return 0;
@@ -727,8 +744,7 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
     return dsv4__cuda_err(launch_union(p, r, a->fast, dev.sms, s, pdl));
   cudaError_t e = cudaSuccess;
   if (!p.check_all)
-    e = dsv4__cuda_launch(dsv4__attention_check_kernel, (unsigned)((check_threads(p) + 255) / 256),
-                          256, s, pdl, p);
+    e = launch_check(p, s, pdl);
   if (e == cudaSuccess && a->fast)
     return dsv4__cuda_err(dsv4__attention_fast_launch(p, dev.sms, s, pdl));
   if (e == cudaSuccess) {

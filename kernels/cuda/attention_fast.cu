@@ -18,10 +18,20 @@
  *   softmax warp w: heads w, w + 8, ...: max, w, S, D (with the sink), lse, the weights as bf16
  *   output  warp w: m-tile w % MT, dims (w / MT) 64 MT.., mma over the candidates, then o = N / D,
  *           inverse RoPE, bf16, stored
+ * Split windows (flash-decoding), when a launch's CTAs fill less than half the device (a decode
+ * step of a few tokens; attention-split.h): the grid's y holds nsplit = 2, 4 or 8 splits, and split
+ * s stages, scores and weighs only the window's candidates 128 s / nsplit.. (128 / nsplit of them:
+ * at one decode token each CTA walks 16 candidates instead of 128). Its softmax keeps m and S over
+ * those alone and it writes its partial state (N unnormalised, m, S) instead of the output; a split
+ * past a short window writes N = 0, m = -inf, S = 0. The union's combine kernel
+ * (attention_fast_union.cu) then merges the splits in fixed order and ends the softmax; the bytes
+ * are deterministic for a launch of that shape.
  * Ordering (SPEC §5.2) as the exact kernel: nothing but the parameters and the sinks is read before
- * griddepcontrol.wait; a launch whose check finds a bad token writes nothing.
+ * griddepcontrol.wait; a launch whose check finds a bad token writes nothing (no partial state
+ * either, and the combine, seeing the error word, writes nothing).
  */
 #include "attention-fast.cuh"
+#include "attention-split.h"
 
 /* Shared memory of a CTA of MT m-tiles: the window (bf16, 128 rows of 1 KiB), then q (16 MT rows
  * of 1 KiB), whose space the scores and the weights (hi and lo) take once the scores are made. */
@@ -41,8 +51,8 @@ static constexpr size_t fast_smem_bytes(int mt) {
  */
 template <int MT>
 static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uint8_t *sp,
-                                    fast_misc_t &fm, uint32_t t, uint32_t h_first, uint32_t warp,
-                                    uint32_t lane) {
+                                    fast_misc_t &fm, uint32_t t, uint32_t h_first, uint32_t split,
+                                    uint32_t warp, uint32_t lane) {
   uint8_t *sp_lo = sp + 16 * MT * P_ROW;
   for (uint32_t h = warp; h < 16 * MT; h += ATTN_WARPS) {
     float v[4], m = -INFINITY;
@@ -68,7 +78,10 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
 #pragma unroll
     for (int off = 16; off >= 1; off >>= 1)
       sum += __shfl_xor_sync(FULL, sum, off);
-    if (lane == 0) {
+    if (lane == 0 && p.nsplit > 1) {
+      if (h_first + h < p.heads) /* a split's partial m and S: the combine ends the softmax */
+        part_ms(p)[((uint64_t)t * p.heads + h_first + h) * p.nsplit + split] = make_float2(m, sum);
+    } else if (lane == 0) {
       fm.den[h] = fast_den(p, sum, m, fm.sink[h]);
       if (p.lse && h_first + h < p.heads)
         p.lse[(uint64_t)t * p.heads + h_first + h] = fast_lse(m, sum);
@@ -78,13 +91,14 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
 
 /*
  * The weighted sums of the warp's m-tile over its 64 MT dims, in chunks of at most 128 dims (16
- * n-tiles of accumulators): N = P_hi V + P_lo V over the candidates 0..n16 - 1, then stored.
+ * n-tiles of accumulators): N = P_hi V + P_lo V over the candidates 0..n16 - 1, then stored (a
+ * split's N unnormalised, into its partial state).
  */
 template <int MT>
 static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms,
                                    const fast_misc_t &fm, const uint8_t *sp, const uint8_t *sk,
-                                   uint32_t n, uint32_t t, uint32_t h_first, uint32_t warp,
-                                   uint32_t lane) {
+                                   uint32_t n, uint32_t t, uint32_t h_first, uint32_t split,
+                                   uint32_t warp, uint32_t lane) {
   constexpr int NT = 8 * MT < 16 ? 8 * MT : 16, CHUNKS = 8 * MT / NT;
   const uint32_t mt = warp % MT, dw0 = (warp / MT) * 64 * MT;
   const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 16 * MT * P_ROW), ka = smem_addr(sk);
@@ -97,7 +111,10 @@ static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms
     for (int j = 0; j < NT; j++)
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     fast_pv<NT>(pa, pla, ka, mt, d0, kcs, lane, acc);
-    fast_store_out<NT>(p, ms, fm, t, h_first, mt * 16 + (lane >> 2), d0, lane, acc);
+    if (p.nsplit > 1)
+      fast_store_part<NT>(p, t, h_first, mt * 16 + (lane >> 2), d0, split, lane, acc);
+    else
+      fast_store_out<NT>(p, ms, fm, t, h_first, mt * 16 + (lane >> 2), d0, lane, acc);
   }
 }
 
@@ -110,7 +127,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_fast_kernel(a
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq);
   uint8_t *sp = sq + (size_t)16 * MT * S_STRIDE * 4;
-  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, split = blockIdx.y;
   const uint32_t t = blockIdx.x / p.groups;
   const uint32_t h_first = (blockIdx.x - t * p.groups) * 16 * MT;
   /* Before the wait: the sinks, immutable data. */
@@ -125,27 +142,34 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_fast_kernel(a
   dsv4__dep_trigger();
   if (attn_setup(p, t, ms))
     return;
+  /* The CTA's candidates: the window, or split `split`'s part of it. */
+  const uint32_t span = DSV4_WINDOW / p.nsplit, first = split * span;
+  const uint32_t n = first < ms.n ? min(ms.n - first, span) : 0;
+  if (n == 0) { /* a split past a short window (uniform: ms.n is the CTA's) */
+    fast_empty_part(p, t, h_first, 16 * MT, split);
+    return;
+  }
 #ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
   fast_load_q<MT>(p, t, h_first, sq, ms.rope);
 #endif
-  attn_stage<true>(p, ms, sk);
-  const uint32_t n = ms.n;
+  attn_stage<true>(p, ms, sk, first, n);
   fast_zero_tail(sk, n);
   __syncthreads();
   {
-    float acc[2 * MT][4];
-    fast_scores<MT>(sq, sk, warp, lane, acc);
+    float acc[2 * MT][4] = {};
+    if ((warp / MT) * 16 * MT < n) /* warp-uniform: a warp whose candidates all lie past n rests */
+      fast_scores<MT>(sq, sk, warp, lane, acc);
     __syncthreads(); /* every warp is done with q: its space takes the scores */
     fast_store_scores<MT>(ss, warp, lane, n, acc);
   }
   __syncthreads();
-  fast_softmax<MT>(p, ss, sp, fm, t, h_first, warp, lane);
+  fast_softmax<MT>(p, ss, sp, fm, t, h_first, split, warp, lane);
   __syncthreads();
-  fast_output<MT>(p, ms, fm, sp, sk, n, t, h_first, warp, lane);
+  fast_output<MT>(p, ms, fm, sp, sk, n, t, h_first, split, warp, lane);
 }
 
 template <int MT>
-static cudaError_t launch_fast_mt(const attn_params_t &p, unsigned grid, cudaStream_t s, int pdl) {
+static cudaError_t launch_fast_mt(const attn_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
   static int ready = 0; /* the shared-memory limit, raised once per process */
   const size_t smem = fast_smem_bytes(MT);
   if (!ready) {
@@ -179,18 +203,57 @@ extern "C" uint32_t dsv4__cuda_attention_fast_heads_per_block(uint32_t n_tokens,
   return 16u * (uint32_t)choose_mt(n_tokens, heads ? heads : 1, dev.sms, 4);
 }
 
+/* A launch's shape: MT, the head groups and the splits (the test build may force the splits,
+ * rounded down to a power of two). */
+static void fast_shape(uint32_t n_tokens, uint32_t heads, int sms, int *mt, uint32_t *groups,
+                       uint32_t *nsplit) {
+  *mt = choose_mt(n_tokens, heads ? heads : 1, sms, 4);
+  *groups = (heads + 16u * *mt - 1) / (16u * *mt);
+  *nsplit = dsv4__window_splits((uint64_t)n_tokens * *groups, sms);
+#ifdef DSV4_TEST_TUNE
+  if (dsv4__cuda_test_union_splits)
+    *nsplit = dsv4__cuda_test_union_splits >= 8   ? 8
+              : dsv4__cuda_test_union_splits >= 4 ? 4
+              : dsv4__cuda_test_union_splits >= 2 ? 2
+                                                  : 1;
+#endif
+}
+
+uint32_t dsv4__attention_fast_splits(uint32_t n_tokens, uint32_t heads, int sms) {
+  int mt;
+  uint32_t groups, nsplit;
+  fast_shape(n_tokens, heads, sms, &mt, &groups, &nsplit);
+  return nsplit;
+}
+
+extern "C" uint32_t dsv4__cuda_attention_fast_splits(uint32_t n_tokens, uint32_t heads) {
+  dsv4__cuda_dev_t dev;
+  if (dsv4__cuda_dev_info(&dev))
+    return 0;
+  return dsv4__attention_fast_splits(n_tokens, heads, dev.sms);
+}
+
 cudaError_t dsv4__attention_fast_launch(attn_params_t p, int sms, cudaStream_t s, int pdl) {
-  const int mt = choose_mt(p.n_tokens, p.heads, sms, 4);
-  p.groups = (p.heads + 16u * mt - 1) / (16u * mt);
-  const uint64_t grid = (uint64_t)p.n_tokens * p.groups;
-  if (grid > 0x7fffffffu)
+  int mt;
+  fast_shape(p.n_tokens, p.heads, sms, &mt, &p.groups, &p.nsplit);
+  const uint64_t ctas = (uint64_t)p.n_tokens * p.groups;
+  if (ctas > 0x7fffffffu || (uint64_t)p.n_tokens * p.heads > 0x7fffffffu ||
+      (p.nsplit > 1 && !p.part))
     return cudaErrorInvalidValue;
+  const dim3 grid((unsigned)ctas, p.nsplit, 1);
+  cudaError_t e;
   switch (mt) {
   case 1:
-    return launch_fast_mt<1>(p, (unsigned)grid, s, pdl);
+    e = launch_fast_mt<1>(p, grid, s, pdl);
+    break;
   case 2:
-    return launch_fast_mt<2>(p, (unsigned)grid, s, pdl);
+    e = launch_fast_mt<2>(p, grid, s, pdl);
+    break;
   default:
-    return launch_fast_mt<4>(p, (unsigned)grid, s, pdl);
+    e = launch_fast_mt<4>(p, grid, s, pdl);
+    break;
   }
+  if (e != cudaSuccess || p.nsplit == 1)
+    return e;
+  return dsv4__attention_fast_combine_launch(p, s, pdl);
 }

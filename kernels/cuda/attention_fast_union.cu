@@ -30,9 +30,10 @@
  * Split lists (flash-decoding), when a launch's CTAs (tokens times head groups) fill less than half
  * the device: at one decode token there are 4 CTAs on 132 SMs, each walking 5 or more tiles in
  * turn. The launch then has nsplit splits (attention-split.h: as many as fit beside the CTAs, at
- * most 8, from the launch's shape only) in its grid's y: split s walks tiles s, s + nsplit, ... of
- * the token's list with the same online softmax and, instead of the end above, writes its partial
- * state per head: N unnormalised (512 floats), its maximum m and its sum S (a split without a tile:
+ * most 32, from the launch's shape only) in its grid's y: split s walks its share of the token's
+ * list (candidates s span.., span = the list's length / nsplit rounded up to 16) in tiles of at
+ * most 128 with the same online softmax and, instead of the end above, writes its partial state per
+ * head: N unnormalised (512 floats), its maximum m and its sum S (a split without a candidate:
  * m = -inf, S = 0, N = 0). The combine kernel then merges the splits of a (token, head) in the
  * fixed order 0..nsplit - 1:
  *   M = max m_s, a_s = exp(m_s - M), S = sum of S_s a_s, N = sum of N_s a_s,
@@ -145,31 +146,15 @@ static __device__ void funion_finish(const attn_params_t &p, const attn_misc_t &
     p.lse[(uint64_t)t * p.heads + h_first + h] = fast_lse(m, sum);
 }
 
-/* The pairs (m, S) of the partial states, after every N (attention-split.h). */
-static __device__ __forceinline__ float2 *part_ms(const attn_params_t &p) {
-  return reinterpret_cast<float2 *>(p.part +
-                                    (uint64_t)DSV4_HEAD_DIM * p.n_tokens * p.heads * p.nsplit);
-}
-
-/* The partial state of split `split` for each of the CTA's heads: N from the warps' accumulators
- * (a lane holds dims d, d + 1 of two heads, as in fast_store_out), m and S one thread per head. */
+/* The partial state of split `split` for each of the CTA's heads: N from the warps' accumulators,
+ * m and S one thread per head. */
 template <int MT>
 static __device__ void funion_store_part(const attn_params_t &p, const attn_misc_t &ms,
                                          const union_misc_t &um, uint32_t t, uint32_t h_first,
                                          uint32_t split, uint32_t warp, uint32_t lane,
                                          const float (&acc)[8 * MT][4]) {
-  const uint32_t h = (warp % MT) * 16 + (lane >> 2), d0 = (warp / MT) * 64 * MT;
-#pragma unroll
-  for (int half = 0; half < 2; half++) {
-    const uint32_t hh = h + 8 * half;
-    if (h_first + hh >= p.heads)
-      continue;
-    const uint64_t k = ((uint64_t)t * p.heads + h_first + hh) * p.nsplit + split;
-    float2 *row = reinterpret_cast<float2 *>(p.part + k * DSV4_HEAD_DIM);
-#pragma unroll
-    for (int j = 0; j < 8 * MT; j++)
-      row[(d0 + 8 * j + 2 * (lane & 3)) >> 1] = make_float2(acc[j][2 * half], acc[j][2 * half + 1]);
-  }
+  fast_store_part<8 * MT>(p, t, h_first, (warp % MT) * 16 + (lane >> 2), (warp / MT) * 64 * MT,
+                          split, lane, acc);
   const uint32_t hh = threadIdx.x;
   if (hh < 16 * MT && h_first + hh < p.heads)
     part_ms(p)[((uint64_t)t * p.heads + h_first + hh) * p.nsplit + split] =
@@ -191,8 +176,9 @@ static __device__ void funion_tile_scores(const attn_params_t &p, const attn_mis
   });
   fast_zero_tail(sk, nt);
   __syncthreads();
-  float acc[2 * MT][4];
-  fast_scores<MT>(sq, sk, warp, lane, acc);
+  float acc[2 * MT][4] = {};
+  if ((warp / MT) * 16 * MT < nt) /* warp-uniform: a warp whose candidates all lie past nt rests */
+    fast_scores<MT>(sq, sk, warp, lane, acc);
   fast_store_scores<MT>(ss, warp, lane, nt, acc);
 }
 
@@ -218,17 +204,19 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
   dsv4__dep_trigger();
   if (union_setup(p, t, ms, um))
     return;
-  const uint32_t nc = um.nc, step = p.nsplit * DSV4_WINDOW;
+  /* The CTA's part of the list: candidates lo..hi - 1 (attention-split.h), in tiles of 128. */
+  const uint32_t nc = um.nc, per = dsv4__union_split_span(nc, p.nsplit);
+  const uint32_t lo = min(split * per, nc), hi = min(lo + per, nc);
   /* q is read once and kept for every tile, where the window's kernel reuses its space after
    * its one tile; made visible by the first tile's barriers. A split without a tile needs none. */
-  if (split * DSV4_WINDOW < nc)
+  if (lo < hi)
     fast_load_q<MT>(p, t, h_first, sq, ms.rope);
   float acc[8 * MT][4];
 #pragma unroll
   for (int j = 0; j < 8 * MT; j++)
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  for (uint32_t first = split * DSV4_WINDOW; first < nc; first += step) {
-    const uint32_t nt = min(nc - first, (uint32_t)DSV4_WINDOW);
+  for (uint32_t first = lo; first < hi; first += DSV4_WINDOW) {
+    const uint32_t nt = min(hi - first, (uint32_t)DSV4_WINDOW);
     funion_tile_scores<MT>(p, ms, um, sq, sk, ss, first, nt, warp, lane);
     __syncthreads();
     funion_softmax<MT>(ss, sp, ms, um, alpha, warp, lane);
@@ -248,8 +236,9 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
 
 /*
  * Merges the nsplit partial states of one (token, head) in order 0..nsplit - 1 (the file's
- * comment), thread i dims 4 i..4 i + 3. The error word set by the check or the union kernel (or an
- * earlier kernel of the batch): nothing written.
+ * comment), thread i dims 4 i..4 i + 3; a split window launch (attention_fast.cu) ends here too.
+ * The error word set by the check or the splits' kernel (or an earlier kernel of the batch):
+ * nothing written.
  */
 __global__ void __launch_bounds__(COMBINE_THREADS)
     dsv4__attention_fast_combine_kernel(attn_params_t p) {
@@ -264,17 +253,28 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
   const float2 *ms = part_ms(p) + k0;
   float m = -INFINITY, sum = 0.0f;
   for (uint32_t s = 0; s < p.nsplit; s++)
-    m = fmaxf(m, ms[s].x); /* finite: split 0 holds the window's first tile */
+    m = fmaxf(m, ms[s].x); /* finite: split 0 holds the list's first candidates */
   float4 n = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (uint32_t s = 0; s < p.nsplit; s++) {
-    const float2 v = ms[s];
-    const float a = __expf(v.x - m); /* 0 for a split without a tile (m_s = -inf) */
-    const float4 x = reinterpret_cast<const float4 *>(p.part + (k0 + s) * DSV4_HEAD_DIM)[i];
-    sum = sum + v.y * a;
-    n.x = n.x + x.x * a;
-    n.y = n.y + x.y * a;
-    n.z = n.z + x.z * a;
-    n.w = n.w + x.w * a;
+  /* Eight splits' loads in flight at a time, then their terms in order. */
+  for (uint32_t s0 = 0; s0 < p.nsplit; s0 += 8) {
+    float2 v[8];
+    float4 x[8];
+#pragma unroll
+    for (uint32_t j = 0; j < 8; j++)
+      if (s0 + j < p.nsplit) {
+        v[j] = ms[s0 + j];
+        x[j] = reinterpret_cast<const float4 *>(p.part + (k0 + s0 + j) * DSV4_HEAD_DIM)[i];
+      }
+#pragma unroll
+    for (uint32_t j = 0; j < 8; j++)
+      if (s0 + j < p.nsplit) {
+        const float a = __expf(v[j].x - m); /* 0 for a split without a tile (m_s = -inf) */
+        sum = sum + v[j].y * a;
+        n.x = n.x + x[j].x * a;
+        n.y = n.y + x[j].y * a;
+        n.z = n.z + x[j].z * a;
+        n.w = n.w + x[j].w * a;
+      }
   }
   if (i == 0 && p.lse)
     p.lse[(uint64_t)t * p.heads + h] = fast_lse(m, sum);
@@ -364,7 +364,13 @@ cudaError_t dsv4__attention_fast_union_launch(attn_params_t p, int sms, cudaStre
       mt == 1 ? launch_funion_mt<1>(p, grid, s, pdl) : launch_funion_mt<2>(p, grid, s, pdl);
   if (e != cudaSuccess || p.nsplit == 1)
     return e;
-  /* One combine CTA per output row (token, head), after the splits on the same stream. */
+  return dsv4__attention_fast_combine_launch(p, s, pdl);
+}
+
+cudaError_t dsv4__attention_fast_combine_launch(const attn_params_t &p, cudaStream_t s, int pdl) {
+  const uint64_t rows = (uint64_t)p.n_tokens * p.heads;
+  if (rows > 0x7fffffffu)
+    return cudaErrorInvalidValue;
   return dsv4__cuda_launch(dsv4__attention_fast_combine_kernel, (unsigned)rows, COMBINE_THREADS, s,
                            pdl, p);
 }

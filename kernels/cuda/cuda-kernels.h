@@ -114,14 +114,15 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
  * a->fast selects fast mode (tensor cores, compute capability 9.0 and newer: attention_fast.cu
  * for the window, attention_fast_union.cu with compressed entries, behind the same check kernel).
  * part_dev is device scratch of part_len floats (16-byte aligned) for the partial states of a fast
- * union launch that splits its tokens' lists: at least dsv4__union_part_floats(n_tokens, heads,
- * dsv4__cuda_attention_fast_union_splits(n_tokens, heads)) (attention-split.h; 0 for every other
- * launch, which may pass NULL), else DSV4_EINVAL; the stream must be done with it before it is
- * reused or freed.
+ * launch that splits its tokens' lists (a small batch): at least
+ * dsv4__cuda_attention_part_floats(a) (attention-split.h; 0 for every other launch, which may pass
+ * NULL), else DSV4_EINVAL; the stream must be done with it before it is reused or freed.
  */
 int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope_rows_dev,
                          int64_t max_positions, float *part_dev, uint64_t part_len,
                          uint32_t *err_dev, cudaStream_t s, int pdl);
+/* The floats of partial state a launch of a's shape on device 0 writes (0: it does not split). */
+uint64_t dsv4__cuda_attention_part_floats(const dsv4_attn_args_t *a);
 
 /*
  * SPEC §8.3 (compress.cu): the rows of a batch into the rings and its emissions into c_cache (and
@@ -171,6 +172,8 @@ uint32_t dsv4__cuda_attention_fast_heads_per_block(uint32_t n_tokens, uint32_t h
 int dsv4__cuda_attention_fast_union_supported(int dev);
 uint32_t dsv4__cuda_attention_fast_union_heads_per_block(uint32_t n_tokens, uint32_t heads);
 uint32_t dsv4__cuda_attention_fast_union_splits(uint32_t n_tokens, uint32_t heads);
+/* The splits of each token's window in a fast launch without compressed entries (1, 2, 4 or 8). */
+uint32_t dsv4__cuda_attention_fast_splits(uint32_t n_tokens, uint32_t heads);
 
 /*
  * A CUDA error as a project error code: cudaSuccess -> 0, out of memory -> DSV4_ENOMEM, no device
@@ -199,8 +202,9 @@ extern unsigned dsv4__cuda_test_rows_per_warp;
 /* Test-only: 1 = rows copied without arithmetic, 2 = the same in grid-stride row order, 4 = q_out
  * with plain stores instead of evict-first ones. */
 extern unsigned dsv4__cuda_test_flags_host;
-/* Test-only (tests/gpu/gpu_attn_fast_test.c's split build): the splits of every fast union launch
- * (at most DSV4_UNION_MAX_SPLITS); 0 = the launcher's choice. */
+/* Test-only (tests/gpu/gpu_attn_fast_test.c's split build): the splits of every fast launch (at
+ * most DSV4_UNION_MAX_SPLITS; a window launch takes the power of two at or below); 0 = the
+ * launcher's choice. */
 extern unsigned dsv4__cuda_test_union_splits;
 #endif
 

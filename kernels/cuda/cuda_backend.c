@@ -55,7 +55,6 @@
 #include <cuda_runtime_api.h>
 
 #include "host_pool.h"
-#include "attention-split.h"
 #include "cuda-kernels.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
@@ -115,7 +114,7 @@ typedef struct {
   uint32_t *attn_err_host; /* pinned: where sync reads it back */
   int attn_pending;        /* a launch that checks on the device since the last sync */
   scratch_t keys;          /* device: the indexer's score keys (uint32) */
-  scratch_t part;          /* device: the split fast union's partial states (float) */
+  scratch_t part;          /* device: a split fast launch's partial states (float) */
   /* The ranges of host_register, which copies use in place. The list is changed by host_register
    * and host_unregister and read by every copy, possibly on other threads: under reg_lock. */
   pthread_mutex_t reg_lock;
@@ -547,13 +546,9 @@ static int cuda_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   int rc = use_device(c);
   if (!rc)
     rc = mirror_get(c, a->rope, &m);
-  /* A fast union launch of a small batch splits its tokens' lists: their partial states. */
-  const uint32_t nsplit = a->fast && a->c_cache && !rc
-                              ? dsv4__cuda_attention_fast_union_splits(a->n_tokens, a->heads)
-                              : 1;
+  /* A fast launch of a small batch splits its tokens' lists: their partial states. */
   if (!rc)
-    rc = scratch_reserve(&c->part, dsv4__union_part_floats(a->n_tokens, a->heads, nsplit),
-                         sizeof(float));
+    rc = scratch_reserve(&c->part, dsv4__cuda_attention_part_floats(a), sizeof(float));
   if (!rc)
     rc = dsv4__cuda_attention(a, m->dev, m->positions, c->part.p, c->part.n, c->attn_err, c->stream,
                               c->pdl);

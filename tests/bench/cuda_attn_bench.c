@@ -166,16 +166,19 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
                                .lse = lse + t0 * heads,
                                .fast = fast};
   }
+  /* A small batch splits each token's window: the partial states (the same shape every set). */
+  const uint64_t part_len = dsv4__cuda_attention_part_floats(&aa[0]);
+  float *part = part_len ? gpu_dev_alloc(part_len * sizeof(float)) : NULL;
   /* One call outside the graphs: it sets the kernel's shared-memory limit, and a refusal shows
    * here rather than as a timing. */
-  CKD(dsv4__cuda_attention(&aa[0], mirror, MAX_POS, NULL, 0, err, s, 1));
+  CKD(dsv4__cuda_attention(&aa[0], mirror, MAX_POS, part, part_len, err, s, 1));
   CK(cudaStreamSynchronize(s));
   double us[2];
   for (int mode = 0; mode < 2; mode++) {
     cudaGraph_t gr;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (uint32_t k = 0; k < per_graph; k++)
-      CKD(dsv4__cuda_attention(&aa[k % sets], mirror, MAX_POS, NULL, 0, err, s, mode == 0));
+      CKD(dsv4__cuda_attention(&aa[k % sets], mirror, MAX_POS, part, part_len, err, s, mode == 0));
     CK(cudaStreamEndCapture(s, &gr));
     us[mode] = replay_us(s, gr, per_graph);
   }
@@ -189,14 +192,16 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
   char what[32];
   snprintf(what, sizeof(what), len > 1 ? "%ux%u" : "%u", b, len);
   printf("%9s %4u %5s %6u %10.2f %9.2f %9.1f %7.1f%% %10.1f %7.1f%%   (%u sets, %u calls per "
-         "graph)\n",
+         "graph, %u split%s)\n",
          what, heads, fast ? "fast" : "exact",
          fast ? dsv4__cuda_attention_fast_heads_per_block(tokens, heads)
               : dsv4__cuda_attention_heads_per_block(tokens, heads),
-         us[0], us[1], gbs, 100.0 * gbs / copy, gflops, 100.0 * gflops / peak, sets, per_graph);
+         us[0], us[1], gbs, 100.0 * gbs / copy, gflops, 100.0 * gflops / peak, sets, per_graph,
+         fast ? dsv4__cuda_attention_fast_splits(tokens, heads) : 1,
+         fast && dsv4__cuda_attention_fast_splits(tokens, heads) > 1 ? "s" : "");
   fflush(stdout);
-  void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,  qpos,  cache,
-                  q_hist, q,      out,    lse,    err, dsink, tok_seg};
+  void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,    qpos,    cache, q_hist,
+                  q,      out,    lse,    err,    dsink, tok_seg, part};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     cudaFree(bufs[i]);
   free(aa);
@@ -328,16 +333,18 @@ static void bench_chain(uint32_t heads, uint32_t b, int fast, double copy, float
   }
   /* us[0]: the two launches; us[1]: the fused chain. One chain of each outside the graphs first:
    * it sets the kernels' shared-memory limits, and a refusal shows here rather than as a time. */
+  const uint64_t part_len = dsv4__cuda_attention_part_floats(&ch[0].aa[0]);
+  float *part = part_len ? gpu_dev_alloc(part_len * sizeof(float)) : NULL;
   double us[2];
   for (int f = 0; f < 2; f++) {
     CKD(dsv4__cuda_qkv_insert(&ch[0].ia[f], mirror, MAX_POS, s, 1));
-    CKD(dsv4__cuda_attention(&ch[0].aa[f], mirror, MAX_POS, NULL, 0, err, s, 1));
+    CKD(dsv4__cuda_attention(&ch[0].aa[f], mirror, MAX_POS, part, part_len, err, s, 1));
     CK(cudaStreamSynchronize(s));
     cudaGraph_t gr;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (uint32_t k = 0; k < per_graph; k++) {
       CKD(dsv4__cuda_qkv_insert(&ch[k % sets].ia[f], mirror, MAX_POS, s, 1));
-      CKD(dsv4__cuda_attention(&ch[k % sets].aa[f], mirror, MAX_POS, NULL, 0, err, s, 1));
+      CKD(dsv4__cuda_attention(&ch[k % sets].aa[f], mirror, MAX_POS, part, part_len, err, s, 1));
     }
     CK(cudaStreamEndCapture(s, &gr));
     us[f] = replay_us(s, gr, per_graph);
@@ -353,8 +360,8 @@ static void bench_chain(uint32_t heads, uint32_t b, int fast, double copy, float
          heads, fast ? "fast" : "exact", us[0], 100.0 * two / copy, us[1], 100.0 * one / copy,
          us[0] / us[1], sets, per_graph);
   fflush(stdout);
-  void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,    qpos, qseg, cache,   q_hist,
-                  q_out,  out,    q,      kv,     slots, lse,  err,  tok_seg, dsink};
+  void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,  qpos, qseg,    cache, q_hist, q_out,
+                  out,    q,      kv,     slots,  lse, err,  tok_seg, dsink, part};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     cudaFree(bufs[i]);
   free(ch);

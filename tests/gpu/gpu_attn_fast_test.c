@@ -32,12 +32,15 @@
  * refused by the check kernel exact mode runs, with no byte of attn or lse written.
  *
  * The small batches among those (1 to 16 decode tokens on an H200) split each token's list over
- * several CTAs and merge the partial states in a combine kernel (attention_fast_union.cu); at least
- * one case must have run split where the device splits a one-token launch. The same source built
- * with DSV4_TEST_TUNE (gpu_attn_split_test) forces 1, 2, 3, 5 and 8 splits on the same inputs of
- * each of several union cases (both CTA shapes, partial m-tiles, lists shorter than the splits'
- * tiles, thousands of entries, sinks of every kind, a prefill chunk) and holds every run to the
- * same tolerances of exact mode, the same bytes on every run, and the refusals to no byte written.
+ * several CTAs and merge the partial states in a combine kernel (attention_fast_union.cu), the
+ * window's cases as well as the union's; at least one case of each must have run split where the
+ * device splits a one-token launch. The same source built with DSV4_TEST_TUNE (gpu_attn_split_test)
+ * forces 1, 2, 3, 5, 8 and 32 splits on the same inputs of each of several union cases (both CTA
+ * shapes, partial m-tiles, lists shorter than the splits' tiles, thousands of entries, sinks of
+ * every kind, a prefill chunk), and 1, 2, 4 and 8 splits of the window on several window cases
+ * (windows shorter than a split, a sequence's first token, part-empty m-tiles, a prefill chunk),
+ * and holds every run to the same tolerances of exact mode, the same bytes on every run, and the
+ * refusals to no byte written.
  *
  * Usage: gpu_attn_fast_test   (gpu_attn_split_test: the forced splits only)
  */
@@ -78,6 +81,7 @@ typedef struct {
   uint32_t shapes_seen;       /* bit log2(heads per CTA / 16) of every CTA shape met */
   uint32_t union_shapes_seen; /* the same for the union kernel */
   uint32_t union_split_runs;  /* union cases whose launch split its tokens' lists */
+  uint32_t window_split_runs; /* the same for the window's cases */
   double worst_cos, worst_rel;
 } ctx_t;
 
@@ -207,7 +211,6 @@ static int check_fast(ctx_t *c, const char *what, const attn_plan_t *p, attn_inp
   return bad;
 }
 
-#ifndef DSV4_TEST_TUNE
 static uint32_t make_specs(uint64_t *rng, const case_t *k, attn_seg_spec_t *spec) {
   if (k->shape == SHAPE_PREFILL) {
     int64_t p0 = 1 + (int64_t)gpu_below(rng, 5000);
@@ -244,20 +247,24 @@ static void run_case(ctx_t *c, const case_t *k) {
   CKD(dsv4_rope_table_ensure(in.rope, p.hist_pos, p.n_hist));
   CKD(dsv4_rope_table_ensure(in.rope, p.q_pos, p.n_q));
   uint32_t hpb = dsv4__cuda_attention_fast_heads_per_block(p.n_q, k->heads);
+  uint32_t splits = dsv4__cuda_attention_fast_splits(p.n_q, k->heads);
   for (uint32_t s = 0; s < 3; s++)
     if (hpb == 16u << s)
       c->shapes_seen |= 1u << s;
+  c->window_split_runs += splits > 1;
   char what[260];
   snprintf(what, sizeof(what),
-           "H=%u %u queries in %u segments bs=%u %s sinks=%s spread=%d%s, %u heads per CTA",
+           "H=%u %u queries in %u segments bs=%u %s sinks=%s spread=%d%s, %u heads per CTA, "
+           "%u split(s)",
            k->heads, p.n_q, n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks),
-           k->spread, k->zero_q ? " q=0" : "", hpb);
+           k->spread, k->zero_q ? " q=0" : "", hpb, splits);
   c->failures += check_fast(c, what, &p, &in, k->wide);
   free(sinks);
   attn_inputs_free(&in);
   attn_plan_free(&p);
 }
 
+#ifndef DSV4_TEST_TUNE
 /* The window's cases (no compressed entries), then a decode batch for every CTA shape not met. */
 static void run_window_cases(ctx_t *c) {
   /* heads, tokens, shape, bs, sinks, yarn, spread, zero_q, wide */
@@ -295,6 +302,10 @@ static void run_window_cases(ctx_t *c) {
       continue;
     }
     run_case(c, &k);
+  }
+  if (dsv4__cuda_attention_fast_splits(1, 64) > 1 && c->window_split_runs == 0) {
+    fprintf(stderr, "FAIL no window case of this device split its tokens' windows\n");
+    c->failures++;
   }
 }
 #endif
@@ -464,9 +475,39 @@ static const ucase_t union_cases[] = {
 };
 
 #ifdef DSV4_TEST_TUNE
+/* The window's cases of the split build, each under 1, 2, 4 and 8 forced splits on the same inputs:
+ * one token of 64 heads (a decode step at b = 1), 16 with YaRN and sinks +-inf, 5 of one head and
+ * 3 of 8 (part-empty m-tiles, no sinks) whose batches hold a sequence's first token and windows
+ * shorter than a split (splits without a candidate), and a prefill chunk. */
+static void run_window_split_cases(ctx_t *c) {
+  /* heads, tokens, shape, bs, sinks, yarn, spread, zero_q, wide */
+  static const case_t cases[] = {
+      {64, 1, SHAPE_DECODE, 64, SINK_FINITE, 0, 3, 0, 0},
+      {64, 16, SHAPE_DECODE, 64, SINK_EDGES, 1, 3, 0, 0},
+      {1, 5, SHAPE_DECODE, 64, SINK_EDGES, 0, 3, 0, 0},
+      {8, 3, SHAPE_DECODE, 16, SINK_NONE, 0, 3, 0, 0},
+      {64, 40, SHAPE_PREFILL, 64, SINK_FINITE, 0, 3, 0, 0},
+  };
+  static const uint32_t splits[] = {1, 2, 4, 8};
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    const uint64_t rng = c->rng;
+    for (size_t j = 0; j < sizeof(splits) / sizeof(splits[0]); j++) {
+      dsv4__cuda_test_union_splits = splits[j];
+      if (dsv4__cuda_attention_fast_splits(cases[i].tokens, cases[i].heads) != splits[j]) {
+        fprintf(stderr, "FAIL the window's launcher did not take %u forced splits\n", splits[j]);
+        c->failures++;
+        continue;
+      }
+      c->rng = rng;
+      run_case(c, &cases[i]);
+    }
+  }
+  dsv4__cuda_test_union_splits = 0;
+}
+
 /* The union cases of the split build: each shape's inputs once, then every forced split count. */
 static void run_split_cases(ctx_t *c) {
-  static const uint32_t splits[] = {1, 2, 3, 5, 8};
+  static const uint32_t splits[] = {1, 2, 3, 5, 8, 32};
   /* C4: one token (the split of every decode step at b = 1), 64 tokens of 32 heads per CTA with
    * short rows, 128 heads and sinks +-inf, H = 8 (a part-empty m-tile, no sinks); C128: entries
    * fewer than the splits' tiles, thousands of entries, two tokens of bs 256, a prefill chunk. */
@@ -541,6 +582,7 @@ int main(void) {
   dsv4_rope_inv_freq(&dsv4_rope_yarn_default, inv);
   CKD(dsv4_rope_table_create(inv, MAX_POS, &c.rope[1]));
 #ifdef DSV4_TEST_TUNE
+  run_window_split_cases(&c);
   run_split_cases(&c);
 #else
   run_window_cases(&c);

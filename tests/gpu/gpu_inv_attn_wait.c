@@ -180,11 +180,14 @@ int main(int argc, char **argv) {
                            .fast = fast,
                            .q_raw = fused,
                            .eps = ATTN_EPS};
+    /* A fast launch of a few tokens splits each token's window: its partial states. */
+    const uint64_t part_len = dsv4__cuda_attention_part_floats(&aa);
+    float *part = part_len ? gpu_dev_alloc(part_len * sizeof(float)) : NULL;
     if (fast) {
       /* The reference: fast mode over the real bytes, written before the launch. */
       CK(cudaMemcpy(dq, real_q, out_n * 2, cudaMemcpyDeviceToDevice));
       CK(cudaMemcpy(dcache, real_cache, cache_bytes, cudaMemcpyDeviceToDevice));
-      CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, NULL, 0, err, s, 0));
+      CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, part, part_len, err, s, 0));
       CK(cudaStreamSynchronize(s));
       CK(cudaMemcpy(ref, dout, out_n * 2, cudaMemcpyDeviceToHost));
       CK(cudaMemcpy(ref_lse, dlse, lse_n * 4, cudaMemcpyDeviceToHost));
@@ -195,7 +198,7 @@ int main(int argc, char **argv) {
       CK(cudaDeviceSynchronize());
     }
     CK((cudaError_t)gpu_late_copy(&late, DELAY_NS, s));
-    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, NULL, 0, err, s, 1));
+    CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, part, part_len, err, s, 1));
     CK(cudaStreamSynchronize(s));
     CK(cudaGetLastError());
     uint32_t word = 0;
@@ -216,6 +219,7 @@ int main(int argc, char **argv) {
     cudaFree(dout);
     cudaFree(dcache);
     cudaFree(dlse);
+    cudaFree(part);
     cudaFree(real_q);
     cudaFree(real_cache);
     free(real.q_out);

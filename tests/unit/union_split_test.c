@@ -1,8 +1,9 @@
 /*
- * Unit tests of kernels/cuda/attention-split.h, the host's side of fast mode's split union
- * attention (SPEC §7): a launch splits only while its CTAs fill less than half the device, never
- * into more CTAs than the device holds at once (one per SM) nor more than DSV4_UNION_MAX_SPLITS
- * splits, the choice depends on the shape alone; and the partial states' size.
+ * Unit tests of kernels/cuda/attention-split.h, the host's side of fast mode's split attention
+ * (SPEC §7): a launch splits only while its CTAs fill less than half the device, never into more
+ * CTAs than the device holds at once (one per SM) nor more than DSV4_UNION_MAX_SPLITS splits, the
+ * choice depends on the shape alone, a window launch's count is a power of two; and the partial
+ * states' size.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -19,7 +20,8 @@
 static void test_h200_shapes(void **state) {
   (void)state;
   /* One decode token, 64 heads in 4 CTAs of 16; 16 tokens in 64 CTAs; 64 tokens in 128. */
-  assert_int_equal(dsv4__union_splits(4, H200_SMS), 8);
+  assert_int_equal(dsv4__union_splits(4, H200_SMS), 32);
+  assert_int_equal(dsv4__union_splits(8, H200_SMS), 16);
   assert_int_equal(dsv4__union_splits(64, H200_SMS), 2);
   assert_int_equal(dsv4__union_splits(128, H200_SMS), 1);
   assert_int_equal(dsv4__union_splits(16, H200_SMS), 8);
@@ -48,6 +50,44 @@ static void test_every_shape(void **state) {
     }
 }
 
+/* The window's splits: the union's count rounded down to a power of two, so that each split takes
+ * 128 / n candidates, whole tiles of 16. */
+static void test_window_splits(void **state) {
+  (void)state;
+  assert_int_equal(dsv4__window_splits(4, H200_SMS), 8);
+  assert_int_equal(dsv4__window_splits(64, H200_SMS), 2);
+  assert_int_equal(dsv4__window_splits(44, H200_SMS), 2);
+  assert_int_equal(dsv4__window_splits(22, H200_SMS), 4);
+  assert_int_equal(dsv4__window_splits(17, H200_SMS), 4);
+  assert_int_equal(dsv4__window_splits(66, H200_SMS), 1);
+  assert_int_equal(dsv4__window_splits(0, H200_SMS), 1);
+  for (int sms = 1; sms <= 256; sms++)
+    for (uint64_t ctas = 1; ctas <= 600; ctas++) {
+      const uint32_t k = dsv4__window_splits(ctas, sms), u = dsv4__union_splits(ctas, sms);
+      assert_true(k == 1 || k == 2 || k == 4 || k == 8);
+      const uint32_t cap = u < 8 ? u : 8;
+      assert_true(k <= cap && 2 * k > cap);
+      assert_int_equal(128 % k, 0);
+    }
+}
+
+/* The union's spans: whole tiles of 16, every candidate in exactly one split, split 0 never empty,
+ * no split past the 32nd candidate of its share. */
+static void test_union_spans(void **state) {
+  (void)state;
+  assert_int_equal(dsv4__union_split_span(640, 1), 640);
+  assert_int_equal(dsv4__union_split_span(640, 32), 32);
+  assert_int_equal(dsv4__union_split_span(640, 8), 80);
+  assert_int_equal(dsv4__union_split_span(1, 8), 16);
+  for (uint32_t nsplit = 2; nsplit <= DSV4_UNION_MAX_SPLITS; nsplit++)
+    for (uint32_t nc = 1; nc <= 2000; nc++) {
+      const uint32_t span = dsv4__union_split_span(nc, nsplit);
+      assert_int_equal(span % 16, 0);
+      assert_true((uint64_t)span * nsplit >= nc);
+      assert_true(span < (nc + nsplit - 1) / nsplit + 16);
+    }
+}
+
 static void test_degenerate(void **state) {
   (void)state;
   assert_int_equal(dsv4__union_splits(0, H200_SMS), 1);
@@ -69,10 +109,9 @@ static void test_part_floats(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_h200_shapes),
-      cmocka_unit_test(test_every_shape),
-      cmocka_unit_test(test_degenerate),
-      cmocka_unit_test(test_part_floats),
+      cmocka_unit_test(test_h200_shapes),   cmocka_unit_test(test_every_shape),
+      cmocka_unit_test(test_window_splits), cmocka_unit_test(test_union_spans),
+      cmocka_unit_test(test_degenerate),    cmocka_unit_test(test_part_floats),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
