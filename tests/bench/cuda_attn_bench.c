@@ -33,52 +33,18 @@
 #define MAX_POS 65536
 #define BS 64
 
-/* One insert batch (slot map + insert) of n tokens over the plan's tables, on the device. */
-static void insert(const attn_plan_t *p, void *const seg[4], uint32_t n, const int64_t *pos,
-                   const int32_t *tok_seg, uint32_t heads, uint16_t *q_out, uint8_t *cache,
-                   const float *mirror, uint64_t *rng, cudaStream_t s) {
-  size_t q_elems = (size_t)n * heads * DSV4_HEAD_DIM;
-  uint16_t *hq = gpu_host_alloc(q_elems * 2), *hkv = gpu_host_alloc((size_t)n * 1024);
-  gpu_fill_bf16(rng, hq, q_elems, 127, 3);
-  gpu_fill_bf16(rng, hkv, (size_t)n * DSV4_HEAD_DIM, 127, 3);
-  void *dpos = dev_put(pos, sizeof(int64_t) * n), *dseg = dev_put(tok_seg, sizeof(int32_t) * n);
-  void *dq = dev_put(hq, q_elems * 2), *dkv = dev_put(hkv, (size_t)n * 1024);
-  int64_t *slots = gpu_dev_alloc(sizeof(int64_t) * n);
-  dsv4_map_args_t ma = {.n_tokens = n,
-                        .n_segments = p->n_segs,
-                        .block_size = p->bs,
-                        .n_blocks = p->n_blocks,
-                        .positions = dpos,
-                        .tok_seg = dseg,
-                        .seg_first_lb = seg[0],
-                        .seg_bt_off = seg[1],
-                        .seg_bt_len = seg[2],
-                        .block_table = seg[3],
-                        .slots = slots,
-                        .bt_entries = p->bt_len};
-  dsv4_insert_args_t ia = {.n_tokens = n,
-                           .heads = heads,
-                           .q = dq,
-                           .kv = dkv,
-                           .positions = dpos,
-                           .slots = slots,
-                           .eps = 1e-6f,
-                           .write_kv = 1,
-                           .q_out = q_out,
-                           .cache = cache,
-                           .block_size = p->bs,
-                           .n_blocks = p->n_blocks,
-                           .stride = DSV4_BLOCK_STRIDE(p->bs)};
-  CKD(dsv4__cuda_map_slots(&ma, s, 1));
-  CKD(dsv4__cuda_qkv_insert(&ia, mirror, MAX_POS, s, 1));
-  CK(cudaStreamSynchronize(s));
-  cudaFree(dpos);
-  cudaFree(dseg);
-  cudaFree(dq);
-  cudaFree(dkv);
-  cudaFree(slots);
-  free(hq);
-  free(hkv);
+/* The slot map's view of plan p's segments and table, whose device copies seg holds
+ * (seg_first_lb, seg_bt_off, seg_bt_len, block_table), for bench_insert. */
+static dsv4_map_args_t plan_tab(const attn_plan_t *p, void *const seg[4]) {
+  dsv4_map_args_t tab = {.n_segments = p->n_segs,
+                         .block_size = p->bs,
+                         .n_blocks = p->n_blocks,
+                         .seg_first_lb = seg[0],
+                         .seg_bt_off = seg[1],
+                         .seg_bt_len = seg[2],
+                         .block_table = seg[3],
+                         .bt_entries = p->bt_len};
+  return tab;
 }
 
 /*
@@ -130,8 +96,9 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
   CK(cudaMemset(err, 0, sizeof(uint32_t)));
   CK(cudaDeviceSynchronize());
   /* The history with one head (only its records matter), then the queries with all of them. */
-  insert(&p, seg, p.n_hist, p.hist_pos, p.hist_seg, 1, q_hist, cache, mirror, &rng, s);
-  insert(&p, seg, p.n_q, p.q_pos, p.q_seg, heads, q, cache, mirror, &rng, s);
+  const dsv4_map_args_t tab = plan_tab(&p, seg);
+  bench_insert(&tab, p.n_hist, p.hist_pos, p.hist_seg, 1, q_hist, cache, mirror, MAX_POS, &rng, s);
+  bench_insert(&tab, p.n_q, p.q_pos, p.q_seg, heads, q, cache, mirror, MAX_POS, &rng, s);
   float *sink = gpu_host_alloc(sizeof(float) * heads);
   for (uint32_t h = 0; h < heads; h++)
     sink[h] = ((float)gpu_below(&rng, 4096) - 2048.0f) * 0x1p-9f;
@@ -266,20 +233,13 @@ static void bench_chain(uint32_t heads, uint32_t b, int fast, double copy, float
   CK(cudaMemset(cache, 0, cache_bytes));
   CK(cudaMemset(err, 0, sizeof(uint32_t)));
   CK(cudaDeviceSynchronize());
-  insert(&p, seg, p.n_hist, p.hist_pos, p.hist_seg, 1, q_hist, cache, mirror, &rng, s);
+  dsv4_map_args_t ma = plan_tab(&p, seg);
+  bench_insert(&ma, p.n_hist, p.hist_pos, p.hist_seg, 1, q_hist, cache, mirror, MAX_POS, &rng, s);
   /* The queries' slots, once: every chain rewrites its records at them with the same bytes. */
-  dsv4_map_args_t ma = {.n_tokens = p.n_q,
-                        .n_segments = n_segs,
-                        .block_size = BS,
-                        .n_blocks = p.n_blocks,
-                        .positions = qpos,
-                        .tok_seg = qseg,
-                        .seg_first_lb = seg[0],
-                        .seg_bt_off = seg[1],
-                        .seg_bt_len = seg[2],
-                        .block_table = seg[3],
-                        .slots = slots,
-                        .bt_entries = p.bt_len};
+  ma.n_tokens = p.n_q;
+  ma.positions = qpos;
+  ma.tok_seg = qseg;
+  ma.slots = slots;
   CKD(dsv4__cuda_map_slots(&ma, s, 1));
   int32_t *local = gpu_host_alloc(sizeof(int32_t) * b);
   for (uint32_t t = 0; t < b; t++)
@@ -391,19 +351,14 @@ int main(int argc, char **argv) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   double c1 = copy_ceiling((size_t)1 << 30), c4 = copy_ceiling((size_t)4 << 30);
   double copy = c1 > c4 ? c1 : c4;
-  double peak = bench_fma_peak_gflops(s);
-  if (peak <= 0) {
-    fprintf(stderr, "cuda_attn_bench: the FMA-peak kernel failed\n");
-    return 1;
-  }
   printf("device-to-device copy (read + written): %.1f GB/s at 1 GiB, %.1f GB/s at 4 GiB; "
          "ceiling %.1f GB/s\n",
          c1, c4, copy);
-  printf("fp32 FMA peak (16 chains per thread, 2048 threads per SM): %.1f GFLOP/s\n", peak);
   const int has_fast = dsv4__cuda_attention_fast_supported(0);
-  double tc = has_fast ? bench_mma_peak_gflops(s) : 0.0;
-  if (has_fast)
-    printf("bf16 tensor-core peak (mma.sync m16n8k16, 8 tiles per warp): %.1f GFLOP/s\n", tc);
+  double peaks[2];
+  if (bench_peaks("cuda_attn_bench", s, has_fast, peaks))
+    return 1;
+  const double peak = peaks[0], tc = peaks[1];
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &mirror);
   uint32_t ns[16] = {1, 16, 64, 128, 256};

@@ -7,9 +7,10 @@ if(DSV4_CUDA)
   dsv4_bench(cuda_attn_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_attn_bench.c
              ${CMAKE_CURRENT_LIST_DIR}/cuda_fma_peak.cu LIBS dsv4_cuda dsv4_kernels)
   add_dependencies(benchmarks cuda_attn_bench)
-  # The compressed branch's decode step (tests/bench/cuda_compress_bench.c) against the copy ceiling.
+  # The compressed branch's decode step and a prefill (tests/bench/cuda_compress_bench.c) against
+  # the copy ceiling, and the prefill against the fp32 FMA and tensor-core peaks.
   dsv4_bench(cuda_compress_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_compress_bench.c
-             LIBS dsv4_cuda dsv4_kernels)
+             ${CMAKE_CURRENT_LIST_DIR}/cuda_fma_peak.cu LIBS dsv4_cuda dsv4_kernels)
   add_dependencies(benchmarks cuda_compress_bench)
 endif()
 

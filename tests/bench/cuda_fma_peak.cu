@@ -5,8 +5,11 @@
  * the compiler cannot decide, so no chain is folded away. Beside it, the bf16 tensor-core rate of
  * the instruction fast-mode attention uses (mma.sync m16n8k16, fp32 accumulation), measured the
  * same way: 8 independent accumulator tiles per warp, 8 warps per block, 2 blocks per SM.
+ * bench_peaks measures and prints both for the benchmarks (cuda_attn_bench.c and the prefill row of
+ * cuda_compress_bench.c).
  */
 #include <stdint.h>
+#include <stdio.h>
 
 #include "cuda_fma_peak.h"
 
@@ -111,4 +114,17 @@ extern "C" double bench_mma_peak_gflops(cudaStream_t s) {
   /* 2 x 16 x 8 x 16 FLOP per warp and instruction. */
   const double mmas = (double)sms * 2 * (PEAK_BLOCK / 32) * MMA_TILES * iters * reps;
   return mmas * 4096.0 / (ms * 1e-3) / 1e9;
+}
+
+extern "C" int bench_peaks(const char *bench, cudaStream_t s, int tensor_cores, double peak[2]) {
+  peak[0] = bench_fma_peak_gflops(s);
+  peak[1] = tensor_cores ? bench_mma_peak_gflops(s) : 0.0;
+  if (peak[0] <= 0 || (tensor_cores && peak[1] <= 0)) {
+    fprintf(stderr, "%s: the %s-peak kernel failed\n", bench, peak[0] <= 0 ? "FMA" : "MMA");
+    return -1;
+  }
+  printf("fp32 FMA peak (16 chains per thread, 2048 threads per SM): %.1f GFLOP/s\n", peak[0]);
+  if (tensor_cores)
+    printf("bf16 tensor-core peak (mma.sync m16n8k16, 8 tiles per warp): %.1f GFLOP/s\n", peak[1]);
+  return 0;
 }
