@@ -214,6 +214,9 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
   /* Before the wait: the sinks, immutable data. */
   if (tid < 16 * MT)
     fm.sink[tid] = p.sink && h_first + tid < p.heads ? p.sink[h_first + tid] : 0.0f;
+#ifdef DSV4_TEST_BROKEN_UNION_EARLY_READ
+  union_early_count(p, t, um);
+#endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (union_setup(p, t, ms, um))
