@@ -20,6 +20,29 @@ typedef struct {
   uint32_t ne; /* entries listed: the first -1 of the row (atomicMin), or c_sel_stride */
 } union_misc_t;
 
+/* The entries the token's selection row lists: every thread scans its part of the row for a -1
+ * and lowers um.ne to the first one found (complete after the next barrier). */
+static __device__ __forceinline__ void union_scan_row(const int32_t *row, uint32_t stride,
+                                                      union_misc_t &um) {
+  for (uint32_t k = threadIdx.x; row && k < stride; k += ATTN_THREADS)
+    if (row[k] == -1)
+      atomicMin(&um.ne, k);
+}
+
+#ifdef DSV4_TEST_BROKEN_UNION_EARLY_READ
+/*
+ * Test-only breakage of SPEC §5.2 (tests/gpu/gpu_inv_union_wait.c): the entries the token's
+ * selection row lists are counted before the wait, while the grid before this one (the indexer)
+ * may still be writing the row; union_setup keeps that count.
+ */
+static __device__ void union_early_count(const attn_params_t &p, uint32_t t, union_misc_t &um) {
+  if (threadIdx.x == 0)
+    um.ne = p.c_sel ? p.c_sel_stride : 0u;
+  __syncthreads();
+  union_scan_row(p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL, p.c_sel_stride, um);
+}
+#endif
+
 /*
  * The union kernel's setup (after the dependency wait): the window's blocks and the RoPE row as
  * attn_setup, the running maxima and sums, and the candidate count. The launch was checked by the
@@ -29,8 +52,10 @@ typedef struct {
 static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms,
                                   union_misc_t &um) {
   const uint32_t tid = threadIdx.x;
+#ifndef DSV4_TEST_BROKEN_UNION_EARLY_READ
   if (tid == 0)
     um.ne = p.c_sel ? p.c_sel_stride : 0u;
+#endif
   if (tid < 64) {
     ms.m[tid] = -INFINITY;
     um.s[tid] = 0.0f;
@@ -45,9 +70,9 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
     if (tid >= 32 && tid < 48)
       reinterpret_cast<float4 *>(ms.rope)[tid - 32] = p.rope[(uint64_t)w.pos * 16 + (tid - 32)];
     const int32_t *row = p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL;
-    for (uint32_t k = tid; row && k < p.c_sel_stride; k += ATTN_THREADS)
-      if (row[k] == -1)
-        atomicMin(&um.ne, k);
+#ifndef DSV4_TEST_BROKEN_UNION_EARLY_READ
+    union_scan_row(row, p.c_sel_stride, um);
+#endif
     if (tid == 0) {
       const int64_t j_lo = p.seg_p0[seg] / p.ratio, j_hi = (w.pos + 1) / p.ratio;
       ms.lo = w.lo;

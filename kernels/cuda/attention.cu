@@ -469,6 +469,9 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_union_kernel(
   float sink = 0.0f;
   if (p.sink && tid < HG && h_first + tid < p.heads)
     sink = p.sink[h_first + tid];
+#ifdef DSV4_TEST_BROKEN_UNION_EARLY_READ
+  union_early_count(p, t, um);
+#endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (union_setup(p, t, ms, um))

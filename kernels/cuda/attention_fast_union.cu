@@ -63,6 +63,22 @@
 unsigned dsv4__cuda_test_union_splits;
 #endif
 
+#ifdef DSV4_TEST_DELAY_PARTS
+/*
+ * Test-only (tests/gpu/gpu_inv_union_wait.c, "split"): a split has triggered the combine and then
+ * waits this long before it writes its partial state, so a combine that reads the partial states
+ * before its dependency wait reads the stale ones.
+ */
+#define TEST_DELAY_NS 200000ull
+/* The nap between two looks at the clock while it waits: short against the delay. */
+#define TEST_DELAY_STEP_NS 1000
+static __device__ __forceinline__ uint64_t globaltimer(void) {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
 static constexpr size_t funion_smem_bytes(int mt) {
   return (size_t)DSV4_WINDOW * K_ROW + (size_t)16 * mt * (K_ROW + S_STRIDE * 4 + 2 * P_ROW);
 }
@@ -200,6 +216,9 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
   /* Before the wait: the sinks, immutable data. */
   if (tid < 16 * MT)
     fm.sink[tid] = p.sink && h_first + tid < p.heads ? p.sink[h_first + tid] : 0.0f;
+#ifdef DSV4_TEST_BROKEN_UNION_EARLY_READ
+  union_early_count(p, t, um);
+#endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (union_setup(p, t, ms, um))
@@ -225,6 +244,11 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
     __syncthreads(); /* the next tile rewrites the addresses, the records and the weights */
   }
   if (p.nsplit > 1) {
+#ifdef DSV4_TEST_DELAY_PARTS
+    const uint64_t t0 = globaltimer();
+    while (globaltimer() - t0 < TEST_DELAY_NS)
+      __nanosleep(TEST_DELAY_STEP_NS);
+#endif
     funion_store_part<MT>(p, ms, um, t, h_first, split, warp, lane, acc);
     return;
   }
@@ -245,12 +269,24 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
   const uint32_t t = blockIdx.x / p.heads, h = blockIdx.x - t * p.heads, i = threadIdx.x;
   /* Before the wait: the sink, immutable data. */
   const float sink = p.sink ? p.sink[h] : 0.0f;
+#ifdef DSV4_TEST_BROKEN_COMBINE_EARLY_READ
+  /* Test-only breakage of SPEC §5.2 (tests/gpu/gpu_inv_union_wait.c, "split"): the splits' pairs
+   * (m, S) are loaded before the wait, while the union kernel before this one may still be writing
+   * them. */
+  float2 early[DSV4_UNION_MAX_SPLITS];
+  for (uint32_t s = 0; s < p.nsplit && s < DSV4_UNION_MAX_SPLITS; s++)
+    early[s] = part_ms(p)[((uint64_t)t * p.heads + h) * p.nsplit + s];
+#endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (__syncthreads_or(i == 0 && __ldcg(p.err) != 0))
     return;
   const uint64_t k0 = ((uint64_t)t * p.heads + h) * p.nsplit;
+#ifndef DSV4_TEST_BROKEN_COMBINE_EARLY_READ
   const float2 *ms = part_ms(p) + k0;
+#else
+  const float2 *ms = early;
+#endif
   float m = -INFINITY, sum = 0.0f;
   for (uint32_t s = 0; s < p.nsplit; s++)
     m = fmaxf(m, ms[s].x); /* finite: split 0 holds the list's first candidates */

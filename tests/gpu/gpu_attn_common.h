@@ -347,10 +347,12 @@ static inline int attn_insert(dsv4_backend_t *be, const attn_plan_t *p, uint32_t
 
 /* What attn_run leaves behind when asked: host copies of the query batch's q_out and of the cache
  * after both inserts (n_q * heads * 1024 and n_blocks * stride bytes, malloc'd; q_out NULL on the
- * fused path, which writes none). */
+ * fused path, which writes none), and of a union launch's entry pool (the entries' n_blocks *
+ * stride bytes; NULL without entries). */
 typedef struct {
   uint16_t *q_out;
   uint8_t *cache;
+  uint8_t *c_cache;
 } attn_keep_t;
 
 /* The entries of in->ent on be: their tables (etab 0..3), the selection (etab 4) and the entry pool
@@ -484,6 +486,9 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
     if (!in->fused)
       CKD(be->ops->download(be, keep->q_out, &q_out, 0, out_bytes));
     CKD(be->ops->download(be, keep->cache, &cache, 0, cache.size));
+    keep->c_cache = in->ent ? gpu_host_alloc(c_cache.size) : NULL;
+    if (in->ent)
+      CKD(be->ops->download(be, keep->c_cache, &c_cache, 0, c_cache.size));
   }
   CKD(be->ops->sync(be));
   dsv4_devbuf_t *bufs[] = {&seg[0],  &seg[1],  &seg[2],  &seg[3],  &aseg[0], &aseg[1],
