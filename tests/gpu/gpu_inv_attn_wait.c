@@ -187,6 +187,7 @@ int main(int argc, char **argv) {
       /* The reference: fast mode over the real bytes, written before the launch. */
       CK(cudaMemcpy(dq, real_q, out_n * 2, cudaMemcpyDeviceToDevice));
       CK(cudaMemcpy(dcache, real_cache, cache_bytes, cudaMemcpyDeviceToDevice));
+      CK(cudaDeviceSynchronize()); /* a device-to-device copy may return before it is done */
       CKD(dsv4__cuda_attention(&aa, mirror, MAX_POS, part, part_len, err, s, 0));
       CK(cudaStreamSynchronize(s));
       CK(cudaMemcpy(ref, dout, out_n * 2, cudaMemcpyDeviceToHost));
