@@ -44,10 +44,31 @@ static __device__ void union_early_count(const attn_params_t &p, uint32_t t, uni
 #endif
 
 /*
+ * 0, or the error bits of a whole small union launch (p.check_all): every segment (a thread each)
+ * and every token (a warp each: its window, then its entries), the checks of the check kernel,
+ * which such a launch does not run.
+ */
+static __device__ uint32_t union_check_all(const attn_params_t &p) {
+  const uint32_t tid = threadIdx.x;
+  uint32_t bits = 0;
+  for (uint32_t s = tid; s < p.n_segments; s += ATTN_THREADS)
+    bits |= segment_check(p, s);
+  for (uint32_t u = tid >> 5; u < p.n_tokens; u += ATTN_WARPS) { /* warp-uniform */
+    window_t w;
+    uint32_t tb = token_check(p, u, &w);
+    if (!tb)
+      tb = entries_check(p, u, (uint32_t)p.tok_seg[u], w.pos, tid & 31);
+    bits |= tb;
+  }
+  return bits;
+}
+
+/*
  * The union kernel's setup (after the dependency wait): the window's blocks and the RoPE row as
  * attn_setup, the running maxima and sums, and the candidate count. The launch was checked by the
- * check kernel before (always, for a union launch): a CTA that finds the error word set returns
- * before writing anything, every thread of it.
+ * check kernel before, or, for a small launch (p.check_all), every CTA checks all of it here: a
+ * CTA that finds the error word set, or an error, returns before writing anything, every thread of
+ * it (with check_all every CTA finds every error, and the first one reports them).
  */
 static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms,
                                   union_misc_t &um) {
@@ -84,9 +105,11 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
         um.ne = j_hi > j_lo ? (uint32_t)(j_hi - j_lo) : 0u;
     }
   }
+  if (p.check_all)
+    bits |= union_check_all(p);
   if (tid == 0 && __ldcg(p.err) != 0)
     bits |= ERR_EARLIER;
-  if (bits & ERR_REPORTED)
+  if ((bits & ERR_REPORTED) && (!p.check_all || (blockIdx.x == 0 && blockIdx.y == 0)))
     atomicOr(p.err, bits & ERR_REPORTED);
   if (__syncthreads_or(bits != 0))
     return 1;

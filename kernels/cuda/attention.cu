@@ -628,11 +628,12 @@ static cudaError_t launch_check(const attn_params_t &p, cudaStream_t s, int pdl)
                            256, s, pdl, p);
 }
 
-/* A union launch (SPEC §8.6): the check kernel, then the union kernel with R = 4 or 8, or in fast
- * mode the fast union kernel (attention_fast_union.cu), behind the same check. */
+/* A union launch (SPEC §8.6): the check kernel (unless the launch is small enough for every CTA
+ * to check all of it, p.check_all), then the union kernel with R = 4 or 8, or in fast mode the fast
+ * union kernel (attention_fast_union.cu), behind the same check. */
 static cudaError_t launch_union(const attn_params_t &p, int r, int fast, int sms, cudaStream_t s,
                                 int pdl) {
-  cudaError_t e = launch_check(p, s, pdl);
+  cudaError_t e = p.check_all ? cudaSuccess : launch_check(p, s, pdl);
   if (e != cudaSuccess)
     return e;
   if (fast)
@@ -725,7 +726,7 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
   p.n_blocks = a->n_blocks;
   while ((1u << p.bs_shift) < a->block_size)
     p.bs_shift++;
-  p.check_all = a->n_tokens <= CHECK_ALL_MAX && !a->c_cache;
+  p.check_all = a->n_tokens <= (a->c_cache ? UNION_CHECK_ALL_MAX : CHECK_ALL_MAX);
   p.c_cache = a->c_cache;
   p.seg_c_first_lb = a->seg_c_first_lb;
   p.seg_cbt_off = a->seg_cbt_off;
