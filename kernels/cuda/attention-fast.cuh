@@ -114,12 +114,11 @@ static __device__ void fast_zero_tail(uint8_t *sk, uint32_t n) {
         make_uint4(0, 0, 0, 0);
 }
 
-/* The scores of m-tile mt and the 16 MT candidates c0..: 2 MT n-tiles of 8, over the dims of the
- * 8-dim chunks kc_lo..kc_hi - 1 (all 64: the whole score). */
+/* The scores of the warp's m-tile and its 16 MT candidates: 2 MT n-tiles of 8, over 512 dims. */
 template <int MT>
-static __device__ void fast_scores_part(const uint8_t *sq, const uint8_t *sk, uint32_t mt,
-                                        uint32_t c0, uint32_t kc_lo, uint32_t kc_hi, uint32_t lane,
-                                        float (&acc)[2 * MT][4]) {
+static __device__ void fast_scores(const uint8_t *sq, const uint8_t *sk, uint32_t warp,
+                                   uint32_t lane, float (&acc)[2 * MT][4]) {
+  const uint32_t mt = warp % MT, c0 = (warp / MT) * 16 * MT;
   const uint32_t qa = smem_addr(sq), ka = smem_addr(sk);
   const uint32_t arow = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, acol = lane >> 4;
   const uint32_t brow = c0 + (lane & 7) + (lane >> 4) * 8, bcol = (lane >> 3) & 1;
@@ -130,7 +129,7 @@ static __device__ void fast_scores_part(const uint8_t *sq, const uint8_t *sk, ui
      * MMA's accumulation truncates relative to its largest operand, so a running total fed back as
      * its accumulator would lose bits of every later partial (large logits felt it). */
 #pragma unroll 4
-  for (uint32_t kc = kc_lo; kc < kc_hi; kc += 2) {
+  for (uint32_t kc = 0; kc < 64; kc += 2) {
     uint32_t a[4];
     ldsm4(qa + swz(arow, kc + acol, K_ROW), a);
 #pragma unroll
@@ -147,13 +146,6 @@ static __device__ void fast_scores_part(const uint8_t *sq, const uint8_t *sk, ui
       }
     }
   }
-}
-
-/* The scores of the warp's m-tile and its 16 MT candidates over all 512 dims. */
-template <int MT>
-static __device__ void fast_scores(const uint8_t *sq, const uint8_t *sk, uint32_t warp,
-                                   uint32_t lane, float (&acc)[2 * MT][4]) {
-  fast_scores_part<MT>(sq, sk, warp % MT, (warp / MT) * 16 * MT, 0, 64, lane, acc);
 }
 
 /* The scaled scores into ss[head][candidate], -inf past the window's n candidates. */

@@ -21,8 +21,7 @@
  * Split windows (flash-decoding), when a launch's CTAs fill less than half the device (a decode
  * step of a few tokens; attention-split.h): the grid's y holds nsplit = 2, 4 or 8 splits, and split
  * s stages, scores and weighs only the window's candidates 128 s / nsplit.. (128 / nsplit of them:
- * at one decode token each CTA walks 16 candidates instead of 128), its scores computed by all 8
- * warps over slices of the dims (fast_split_scores). Its softmax keeps m and S over
+ * at one decode token each CTA walks 16 candidates instead of 128). Its softmax keeps m and S over
  * those alone and it writes its partial state (N unnormalised, m, S) instead of the output; a split
  * past a short window writes N = 0, m = -inf, S = 0. The union's combine kernel
  * (attention_fast_union.cu) then merges the splits in fixed order and ends the softmax; the bytes
@@ -43,46 +42,6 @@ static constexpr size_t fast_q_bytes(int mt) {
 }
 static constexpr size_t fast_smem_bytes(int mt) {
   return (size_t)DSV4_WINDOW * K_ROW + fast_q_bytes(mt);
-}
-
-/*
- * A split's scores (p.nsplit > 1: its span of 128 / nsplit candidates, at most 64), the warps
- * spread over the m-tiles, the G = span / 16 MT groups of candidates (at least 1) and KS = 8 / (MT
- * G) slices of the 512 dims: each warp sums its slice's MMAs as fast_scores does, the slices'
- * partials pass through shared memory (part: rows of sk past the groups) and join in order 0..KS -
- * 1, scaled, into ss (-inf past the split's n candidates). Where one warp held a whole score, KS
- * warps hold its slices: a split of 16 candidates scores in an eighth of the time.
- */
-template <int MT>
-static __device__ void fast_split_scores(const uint8_t *sq, const uint8_t *sk, float *ss,
-                                         uint32_t span, uint32_t n, uint32_t warp, uint32_t lane) {
-  const uint32_t groups = span >= 16 * MT ? span / (16 * MT) : 1, ks_n = ATTN_WARPS / (MT * groups);
-  const uint32_t mt = warp % MT, g = (warp / MT) % groups, ks = warp / (MT * groups);
-  const uint32_t cols = 16 * MT * groups, kc_w = 64 / ks_n;
-  float *part = reinterpret_cast<float *>(const_cast<uint8_t *>(sk) + (size_t)cols * K_ROW);
-  float acc[2 * MT][4];
-  fast_scores_part<MT>(sq, sk, mt, g * 16 * MT, ks * kc_w, (ks + 1) * kc_w, lane, acc);
-#pragma unroll
-  for (int j = 0; j < 2 * MT; j++)
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const uint32_t c = g * 16 * MT + 8 * j + 2 * (lane & 3) + (i & 1);
-      const uint32_t h = mt * 16 + (lane >> 2) + (i >> 1) * 8;
-      part[(ks * 16 * MT + h) * cols + c] = acc[j][i];
-    }
-  __syncthreads(); /* every warp is done with q: its space takes the scores */
-  const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
-  for (uint32_t x = threadIdx.x; x < 16 * MT * DSV4_WINDOW; x += ATTN_THREADS) {
-    const uint32_t h = x / DSV4_WINDOW, c = x % DSV4_WINDOW;
-    float v = -INFINITY;
-    if (c < n) {
-      float sum = part[h * cols + c];
-      for (uint32_t k = 1; k < ks_n; k++)
-        sum += part[(k * 16 * MT + h) * cols + c];
-      v = __fmul_rn(sum, scale);
-    }
-    ss[h * S_STRIDE + c] = v;
-  }
 }
 
 /*
@@ -196,11 +155,10 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_fast_kernel(a
   attn_stage<true>(p, ms, sk, first, n);
   fast_zero_tail(sk, n);
   __syncthreads();
-  if (p.nsplit > 1) {
-    fast_split_scores<MT>(sq, sk, ss, span, n, warp, lane);
-  } else {
-    float acc[2 * MT][4];
-    fast_scores<MT>(sq, sk, warp, lane, acc);
+  {
+    float acc[2 * MT][4] = {};
+    if ((warp / MT) * 16 * MT < n) /* warp-uniform: a warp whose candidates all lie past n rests */
+      fast_scores<MT>(sq, sk, warp, lane, acc);
     __syncthreads(); /* every warp is done with q: its space takes the scores */
     fast_store_scores<MT>(ss, warp, lane, n, acc);
   }
