@@ -121,7 +121,8 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
 int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope_rows_dev,
                          int64_t max_positions, float *part_dev, uint64_t part_len,
                          uint32_t *err_dev, cudaStream_t s, int pdl);
-/* The floats of partial state a launch of a's shape on device 0 writes (0: it does not split). */
+/* The floats of partial state a launch of a's shape on the current device writes (0: it does not
+ * split). */
 uint64_t dsv4__cuda_attention_part_floats(const dsv4_attn_args_t *a);
 
 /*
