@@ -329,7 +329,8 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
   } else if (tid == 0 && __ldcg(p.err) != 0) {
     bits |= ERR_EARLIER;
   }
-  /* With check_all every CTA finds every error: the first one reports them. */
+  /* With check_all every CTA finds every error: those of the first column (each split of token 0's
+   * first head group) report them, the same bits. */
   if ((bits & ERR_REPORTED) && (!p.check_all || blockIdx.x == 0))
     atomicOr(p.err, bits & ERR_REPORTED);
   return __syncthreads_or(bits != 0);
@@ -420,8 +421,9 @@ uint32_t dsv4__attention_fast_splits(uint32_t n_tokens, uint32_t heads, int sms)
  * per output row, after the splits on the same stream. */
 cudaError_t dsv4__attention_fast_combine_launch(const attn_params_t &p, cudaStream_t s, int pdl);
 /* Fast mode over the union of the window and the compressed entries (attention_fast_union.cu),
- * after the check kernel has been queued (always, for a union launch). Sets p.groups and p.nsplit
- * itself; with more than one split, p.part must hold dsv4__union_part_floats of the launch. */
+ * after the check kernel has been queued (unless p.check_all: a launch of at most
+ * UNION_CHECK_ALL_MAX tokens, which its CTAs check). Sets p.groups and p.nsplit itself; with more
+ * than one split, p.part must hold dsv4__union_part_floats of the launch. */
 cudaError_t dsv4__attention_fast_union_launch(attn_params_t p, int sms, cudaStream_t s, int pdl);
 /* The splits of that launch on a device of sms SMs (attention-split.h). */
 uint32_t dsv4__attention_fast_union_splits(uint32_t n_tokens, uint32_t heads, int sms);

@@ -18,7 +18,8 @@
 #endif
 
 /* The most splits of one token's list: at one decode token of 64 heads (4 CTAs of 16) on a device
- * of 132 SMs, 32 splits of 20 to 32 candidates each cover the window and a selection of 512. */
+ * of 132 SMs, 32 splits; over the window and a selection of 512 (640 candidates) their span is 32
+ * (20 rounded up to 16), so 20 of them take 32 candidates each and 12 none. */
 #define DSV4_UNION_MAX_SPLITS 32u
 /* Floats of one partial state: the unnormalised sum N (512), then the maximum m and the sum S. */
 #define DSV4_UNION_PART_FLOATS 514u

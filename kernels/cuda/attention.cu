@@ -449,8 +449,9 @@ static __device__ void union_finish_sums(const attn_params_t &p, attn_misc_t &ms
  *
  * The same CTA shape as the window kernel, with R of 4 or 8 only: the chains N (8 x 16 / R floats
  * per lane) stay in registers across the tiles, beside the queries of pass 1. The queries are
- * loaded again for each tile. Ordering (SPEC §5.2) as the window kernel; the check kernel always
- * runs first and every CTA reads its error word after the wait.
+ * loaded again for each tile. Ordering (SPEC §5.2) as the window kernel; the check kernel runs
+ * first (or every CTA checks a launch of at most UNION_CHECK_ALL_MAX tokens itself) and every CTA
+ * reads its error word after the wait.
  */
 template <int R>
 __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_union_kernel(attn_params_t p) {
@@ -510,9 +511,9 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_union_kernel(
     attn_store<R>(p, ms, t, h0, oct, d0, acc);
 }
 
-/* The launch check of a launch of more than CHECK_ALL_MAX tokens, and of every launch with
- * compressed entries: a warp per token (a decode token's list of entries is hundreds long) and,
- * with entries, a thread per segment. */
+/* The launch check of a launch of more than CHECK_ALL_MAX tokens, and of a launch with compressed
+ * entries of more than UNION_CHECK_ALL_MAX: a warp per token (a decode token's list of entries is
+ * hundreds long) and, with entries, a thread per segment. */
 __global__ void __launch_bounds__(256) dsv4__attention_check_kernel(attn_params_t p) {
   /* The attention kernel may launch now; it still waits for this grid to complete. */
   dsv4__dep_trigger();

@@ -45,11 +45,12 @@
  * thread.
  *
  * Ordering (SPEC §5.2) as the exact union kernel: before griddepcontrol.wait a CTA reads only its
- * parameters and the sinks; the check kernel (attention.cu) always runs first, and a CTA that
- * finds its error word set returns before writing anything. The combine waits before it reads the
- * partial states (the union kernel's, complete after the wait) or anything else but its parameters
- * and the sinks, and writes nothing once the error word is set; the next launch on the stream
- * writes partial states only after its own wait, once the combine has completed.
+ * parameters and the sinks; the check kernel (attention.cu) runs first, or, for a launch of at most
+ * UNION_CHECK_ALL_MAX tokens, every CTA checks the whole launch after the wait (union_setup), and a
+ * CTA that finds an error or its error word set returns before writing anything. The combine waits
+ * before it reads the partial states (the union kernel's, complete after the wait) or anything else
+ * but its parameters and the sinks, and writes nothing once the error word is set; the next launch
+ * on the stream writes partial states only after its own wait, once the combine has completed.
  */
 #include "attention-fast.cuh"
 #include "attention-split.h"

@@ -109,10 +109,11 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
  * rope_rows_dev and max_positions as for the insert; the rows of every query position are read.
  * With a->c_cache, the union of SPEC §8.6 (attention.cu): the compressed fields are device
  * addresses like the others (seg_c_first_lb, seg_cbt_off, seg_cbt_len [n_segments], c_block_table,
- * c_sel [n_tokens, c_sel_stride] or NULL, c_cache 16-byte aligned), checked by a kernel before the
- * attention kernel runs; a launch that finds its word already set writes nothing either.
+ * c_sel [n_tokens, c_sel_stride] or NULL, c_cache 16-byte aligned), checked before the attention
+ * kernel writes anything (by a kernel before it, or by its own CTAs in a launch of a few tokens); a
+ * launch that finds its word already set writes nothing either.
  * a->fast selects fast mode (tensor cores, compute capability 9.0 and newer: attention_fast.cu
- * for the window, attention_fast_union.cu with compressed entries, behind the same check kernel).
+ * for the window, attention_fast_union.cu with compressed entries, behind the same checks).
  * part_dev is device scratch of part_len floats (16-byte aligned) for the partial states of a fast
  * launch that splits its tokens' lists (a small batch): at least
  * dsv4__cuda_attention_part_floats(a) (attention-split.h; 0 for every other launch, which may pass

@@ -5,11 +5,12 @@
  * compressed entries (gpu_attn_common.h) and its attention are computed by the CPU backend; on the
  * device q_out, the cache and the entry pool start as zeros and the selection as -1 everywhere (no
  * entry listed), and a test-only kernel (gpu_late_writer.h) triggers its dependents at once, sleeps
- * 200 µs and then writes the real bytes. The attention launch (its check kernel, then the union
- * kernel) follows it with programmatic dependent launch, so the union kernel's CTAs are resident
- * while the old bytes are still in place. The batches alternate ratio 4 (a selection of 512 per
- * token, what the indexer writes in the launch before the attention) and ratio 128 (every visible
- * entry, what the compressor emits). Output and lse must be the CPU backend's, bit for bit.
+ * 200 µs and then writes the real bytes. The attention launch (the union kernel, which checks a
+ * launch of these few tokens itself) follows it with programmatic dependent launch, so the union
+ * kernel's CTAs are resident while the old bytes are still in place. The batches alternate ratio 4
+ * (a selection of 512 per token, what the indexer writes in the launch before the attention) and
+ * ratio 128 (every visible entry, what the compressor emits). Output and lse must be the CPU
+ * backend's, bit for bit.
  *
  * Built again with DSV4_TEST_BROKEN_UNION_EARLY_READ (the union kernels count the entries a token's
  * selection row lists before the wait), it must fail (ctest: gpu_inv_union_wait_broken_early_read).
