@@ -48,14 +48,18 @@ DSV4_SPLIT_FN uint32_t dsv4__union_split_span(uint32_t nc, uint32_t nsplit) {
   return ((nc + nsplit - 1) / nsplit + 15u) & ~15u;
 }
 
+/* A count of splits k as a window launch takes it: rounded down to 1, 2, 4 or 8. */
+static inline uint32_t dsv4__window_split_count(uint32_t k) {
+  return k >= 8 ? 8 : k >= 4 ? 4 : k >= 2 ? 2 : 1;
+}
+
 /*
  * Splits of a fast window launch (attention_fast.cu) of `ctas` CTAs: the union's count rounded down
- * to a power of two, so that split s of n takes the window's candidates s 128 / n.. (128 / n of
- * them, a multiple of 16: whole m16n8k16 tiles).
+ * to a power of two (at most 8), so that split s of n takes the window's candidates s 128 / n..
+ * (128 / n of them, a multiple of 16: whole m16n8k16 tiles).
  */
 static inline uint32_t dsv4__window_splits(uint64_t ctas, int sms) {
-  const uint32_t k = dsv4__union_splits(ctas, sms); /* at most 8: spans of 16 candidates */
-  return k >= 8 ? 8 : k >= 4 ? 4 : k >= 2 ? 2 : 1;
+  return dsv4__window_split_count(dsv4__union_splits(ctas, sms));
 }
 
 /*

@@ -212,10 +212,7 @@ static void fast_shape(uint32_t n_tokens, uint32_t heads, int sms, int *mt, uint
   *nsplit = dsv4__window_splits((uint64_t)n_tokens * *groups, sms);
 #ifdef DSV4_TEST_TUNE
   if (dsv4__cuda_test_union_splits)
-    *nsplit = dsv4__cuda_test_union_splits >= 8   ? 8
-              : dsv4__cuda_test_union_splits >= 4 ? 4
-              : dsv4__cuda_test_union_splits >= 2 ? 2
-                                                  : 1;
+    *nsplit = dsv4__window_split_count(dsv4__cuda_test_union_splits);
 #endif
 }
 

@@ -64,22 +64,6 @@
 unsigned dsv4__cuda_test_union_splits;
 #endif
 
-#ifdef DSV4_TEST_DELAY_PARTS
-/*
- * Test-only (tests/gpu/gpu_inv_union_wait.c, "split"): a split has triggered the combine and then
- * waits this long before it writes its partial state, so a combine that reads the partial states
- * before its dependency wait reads the stale ones.
- */
-#define TEST_DELAY_NS 200000ull
-/* The nap between two looks at the clock while it waits: short against the delay. */
-#define TEST_DELAY_STEP_NS 1000
-static __device__ __forceinline__ uint64_t globaltimer(void) {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#endif
-
 static constexpr size_t funion_smem_bytes(int mt) {
   return (size_t)DSV4_WINDOW * K_ROW + (size_t)16 * mt * (K_ROW + S_STRIDE * 4 + 2 * P_ROW);
 }
@@ -246,9 +230,10 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
   }
   if (p.nsplit > 1) {
 #ifdef DSV4_TEST_DELAY_PARTS
-    const uint64_t t0 = globaltimer();
-    while (globaltimer() - t0 < TEST_DELAY_NS)
-      __nanosleep(TEST_DELAY_STEP_NS);
+    /* Test-only (tests/gpu/gpu_inv_union_wait.c, "split"): the split has let the combine launch
+     * and waits before it writes its partial state, so a combine that reads the partial states
+     * before its wait reads stale ones. */
+    dsv4__test_delay();
 #endif
     funion_store_part<MT>(p, ms, um, t, h_first, split, warp, lane, acc);
     return;

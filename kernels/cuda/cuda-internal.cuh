@@ -69,6 +69,19 @@ static __device__ __forceinline__ void dsv4__dep_trigger(void) {
 #endif
 }
 
+#if defined(DSV4_TEST_DELAY_PRODUCER) || defined(DSV4_TEST_DELAY_PARTS)
+/* Test-only (the ordering tests' delayed builds): the calling thread waits 200 µs of the global
+ * timer, napping 1 µs between two looks at it, before the writes that follow. */
+static __device__ __forceinline__ void dsv4__test_delay(void) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < 200000ull);
+}
+#endif
+
 /*
  * Two fp32 values to a packed pair of bf16 (lo in the low half), round to nearest even, in one
  * instruction (sm_80+). For every non-NaN input this is dsv4_f32_to_bf16 of each half

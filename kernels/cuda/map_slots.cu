@@ -35,22 +35,6 @@ typedef struct {
   uint32_t bs_shift; /* log2(block_size) */
 } map_params_t;
 
-#ifdef DSV4_TEST_DELAY_PRODUCER
-/*
- * Test-only (tests/gpu/gpu_inv_no_early_read.c): the producer has triggered its dependents and
- * then waits this long before it writes a slot, so a consumer that reads slots before its
- * dependency wait reads the stale ones.
- */
-#define TEST_DELAY_NS 200000ull
-/* The nap between two looks at the clock while it waits: short against the delay. */
-#define TEST_DELAY_STEP_NS 1000
-static __device__ __forceinline__ uint64_t globaltimer(void) {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#endif
-
 template <int B> __global__ void __launch_bounds__(B) dsv4__map_slots_kernel(map_params_t p) {
   __shared__ int64_t s_first[B];
   __shared__ uint32_t s_off[B], s_len[B];
@@ -89,9 +73,10 @@ template <int B> __global__ void __launch_bounds__(B) dsv4__map_slots_kernel(map
   /* The inputs may have been written by the kernel this launch overlaps. */
   dsv4__dep_wait_params(p);
 #ifdef DSV4_TEST_DELAY_PRODUCER
-  uint64_t t0 = globaltimer();
-  while (globaltimer() - t0 < TEST_DELAY_NS)
-    __nanosleep(TEST_DELAY_STEP_NS);
+  /* Test-only (tests/gpu/gpu_inv_no_early_read.c): the producer has triggered its dependents and
+   * waits before it writes a slot, so a consumer that reads slots before its wait reads stale ones.
+   */
+  dsv4__test_delay();
 #endif
   /* Every load first (see the top) ... */
   const int32_t s = in ? a->tok_seg[t] : -1;
