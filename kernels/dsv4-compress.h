@@ -240,6 +240,174 @@ DSV4_FN void dsv4_mxfp4_dequant128(const dsv4_u8 *vals, const dsv4_u8 *codes, fl
   }
 }
 
+/* ---- the index dot product on matrix units (SPEC §8.5) ----
+ *
+ * q^ . k^ of two MXFP4 vectors has products n_q * n_k * 2^(E_b) within block b, where n_q, n_k are
+ * e2m1 values (multiples of 1/2, |n| <= 6) and E_b = e_q,b + e_k,b = code_q,b + code_k,b - 254. A
+ * 16-dim partial l lies in block l / 2 on both sides, so every product and every prefix of its fma
+ * chain is an integer multiple of 2^(E_b - 2) below 576 * 2^(E_b) in magnitude (at most 2304 units,
+ * 12 bits). Such a value is an fp32 number whenever E_b - 2 >= -149 (the subnormal grid) and
+ * 2304 * 2^(E_b - 2) < 2^128, i.e. -147 <= E_b <= 118: there the CPU's chain (dsv4_dot128) rounds
+ * nothing and each partial is the exact sum. Outside it the chain can round: for every E_b in
+ * [-159, -148] and every E_b >= 119 some input makes it differ from the exact sum (below -159 both
+ * round every value to zero). The matrix path computes the same partials as sums of 16 bf16
+ * products of the prescaled values n * 2^e (exact in bf16, which has fp32's exponent range), so it
+ * has the CPU's partials whenever the tensor cores sum 16 exact products exactly: they keep at
+ * least fp32's 24 bits of a sum aligned to its largest term, and 12 suffice. To keep their inputs,
+ * products and sums normal, the path asks more than the CPU's window:
+ *   - a block with a nonzero value has a code in [2, 252] (e in [-125, 125]: n * 2^e is a normal
+ *     bf16, and finite: code 253 and 254 dequantise 4 and 6 to infinity, code 0 to zero, 255 to
+ *     infinity or NaN);
+ *   - a block whose nibbles are all +-0 contributes +0 to both sides' sums (its code only must
+ *     not be 255, whose infinity makes 0 * inf = NaN on the CPU);
+ *   - E_b in [-124, 118] for every block nonzero on both sides (the smallest product 2^(E_b - 2)
+ *     is normal).
+ * Then d = dsv4_fold8 of the partials is the CPU's d bit for bit ("partial" mode: each partial
+ * an MMA from zero). Outside these bounds the pair takes dsv4_dot128 itself.
+ *
+ * The fold adds partials of different blocks in fp32. It rounds nothing either when every sum it
+ * forms is an fp32 number: with span = max E_b - min E_b over the blocks nonzero on both sides,
+ * every sum is a multiple of 2^(min E_b - 2) of at most 1152 * (3 * 2^(max E_b) + 2^(min E_b)),
+ * i.e. at most 4608 * (3 * 2^span + 1) < 2^24 units for span <= 10, and below 2^128 for
+ * max E_b <= 115. Then d is the exact dot product, which a chain of MMAs over all 128 dims
+ * (accumulating in the tensor core) also gives if it holds that many bits: "fused" mode, taken for
+ * span <= DSV4_INDEX_MX_SPAN = 6 (at most 2^20 units, four bits inside fp32's 24).
+ *
+ * tests/unit/index_mx_test.c holds all of this against dsv4_dot128 bit for bit, and shows every
+ * bound that the CPU's numerics impose tight.
+ */
+#define DSV4_INDEX_MX_CODE_MIN 2
+#define DSV4_INDEX_MX_CODE_MAX 252
+#define DSV4_INDEX_MX_E_MIN (-124)
+#define DSV4_INDEX_MX_E_MAX 118
+#define DSV4_INDEX_MX_FUSED_E_MAX 115
+#define DSV4_INDEX_MX_SPAN 6
+/* A block's summary byte that sends the vector's pairs to the scalar product. */
+#define DSV4_INDEX_MX_INVALID 0xFFu
+/* The code sum of E = 0: E_b = code_q + code_k - DSV4_INDEX_MX_CODE_SUM0. */
+#define DSV4_INDEX_MX_CODE_SUM0 254
+#define DSV4_INDEX_MX_SCALAR 0
+#define DSV4_INDEX_MX_PARTIAL 1
+#define DSV4_INDEX_MX_FUSED 2
+
+/* The summary byte of one MXFP4 block: 0 for a block of zeros (any code but 255), the code for a
+ * block with a nonzero value and a code in [2, 252], else DSV4_INDEX_MX_INVALID. */
+DSV4_FN dsv4_u32 dsv4_index_mx_block(int nonzero, dsv4_u32 code) {
+  if (!nonzero)
+    return code == 255u ? DSV4_INDEX_MX_INVALID : 0u;
+  return code >= DSV4_INDEX_MX_CODE_MIN && code <= DSV4_INDEX_MX_CODE_MAX ? code
+                                                                          : DSV4_INDEX_MX_INVALID;
+}
+
+/* The summary of an MXFP4 record (64 value bytes, 4 codes): block b's byte in bits 8b..8b+7. */
+DSV4_FN dsv4_u32 dsv4_index_mx_summary(const dsv4_u8 *vals, const dsv4_u8 *codes) {
+  dsv4_u32 s = 0;
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+    dsv4_u32 any = 0;
+    for (int i = 0; i < DSV4_MXFP4_BLOCK / 2; i++)
+      any |= (dsv4_u32)vals[(DSV4_MXFP4_BLOCK / 2) * b + i] & 0x77u;
+    s |= dsv4_index_mx_block(any != 0u, codes[b]) << (8 * b);
+  }
+  return s;
+}
+
+/* max - min of a summary's nonzero bytes (0 with fewer than two). */
+DSV4_FN dsv4_u32 dsv4_index_mx_span(dsv4_u32 s) {
+  dsv4_u32 lo = 255u, hi = 0u;
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+    dsv4_u32 c = (s >> (8 * b)) & 255u;
+    if (c != 0u) {
+      lo = c < lo ? c : lo;
+      hi = c > hi ? c : hi;
+    }
+  }
+  return hi >= lo ? hi - lo : 0u;
+}
+
+/*
+ * The mode for every pair of a set of queries and a set of keys, from each set's per-block minima
+ * lo (of the nonzero summary bytes, 255 where none: byte b in bits 8b..), maxima hi (0 where none)
+ * and largest span: DSV4_INDEX_MX_FUSED, _PARTIAL or _SCALAR. Every pair of the sets meets the
+ * bounds of the mode returned (a block zero on one side has no E_b, and 255 + 2 or 0 + 252 pass
+ * either bound).
+ */
+DSV4_FN int dsv4_index_mx_mode(dsv4_u32 q_lo, dsv4_u32 q_hi, dsv4_u32 q_span, dsv4_u32 k_lo,
+                               dsv4_u32 k_hi, dsv4_u32 k_span) {
+  int fused = q_span + k_span <= DSV4_INDEX_MX_SPAN;
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+    dsv4_i32 ql = (dsv4_i32)((q_lo >> (8 * b)) & 255u), qh = (dsv4_i32)((q_hi >> (8 * b)) & 255u);
+    dsv4_i32 kl = (dsv4_i32)((k_lo >> (8 * b)) & 255u), kh = (dsv4_i32)((k_hi >> (8 * b)) & 255u);
+    if (qh == (dsv4_i32)DSV4_INDEX_MX_INVALID || kh == (dsv4_i32)DSV4_INDEX_MX_INVALID ||
+        ql + kl - DSV4_INDEX_MX_CODE_SUM0 < DSV4_INDEX_MX_E_MIN ||
+        qh + kh - DSV4_INDEX_MX_CODE_SUM0 > DSV4_INDEX_MX_E_MAX)
+      return DSV4_INDEX_MX_SCALAR;
+    if (qh + kh - DSV4_INDEX_MX_CODE_SUM0 > DSV4_INDEX_MX_FUSED_E_MAX)
+      fused = 0;
+  }
+  return fused ? DSV4_INDEX_MX_FUSED : DSV4_INDEX_MX_PARTIAL;
+}
+
+/* The mode of one pair: dsv4_index_mx_mode of two sets of one vector each. */
+DSV4_FN int dsv4_index_mx_pair_mode(dsv4_u32 qs, dsv4_u32 ks) {
+  dsv4_u32 ql = 0, kl = 0;
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+    dsv4_u32 q = (qs >> (8 * b)) & 255u, k = (ks >> (8 * b)) & 255u;
+    ql |= (q ? q : 255u) << (8 * b);
+    kl |= (k ? k : 255u) << (8 * b);
+  }
+  return dsv4_index_mx_mode(ql, qs, dsv4_index_mx_span(qs), kl, ks, dsv4_index_mx_span(ks));
+}
+
+/* The bytes of a and b selected by s (CUDA's __byte_perm, PTX prmt without sign replication):
+ * byte i of the result is byte (s >> 4i) & 7 of the 8 bytes a (0..3), b (4..7). */
+DSV4_FN dsv4_u32 dsv4_byte_perm(dsv4_u32 a, dsv4_u32 b, dsv4_u32 s) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, s);
+#else
+  dsv4_u32 r = 0;
+  for (int i = 0; i < 4; i++) {
+    dsv4_u32 k = (s >> (4 * i)) & 7u;
+    dsv4_u32 byte = k < 4u ? (a >> (8 * k)) & 255u : (b >> (8 * (k - 4u))) & 255u;
+    r |= byte << (8 * i);
+  }
+  return r;
+#endif
+}
+
+/*
+ * The byte table of the bf16 values of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 times
+ * 2^(code - 127), for a code in [2, 252] (other codes give some table): lut[0] and lut[1] hold the
+ * high bytes of magnitudes 0..3 and 4..7, lut[2] and lut[3] the low bytes. Magnitude m >= 1 is
+ * 2^a (1 + f / 2) with (a, f) = (-1, 0), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), so its
+ * bf16 exponent field is code + a and its mantissa f << 6.
+ */
+DSV4_FN void dsv4_index_mx_lut(dsv4_u32 code, dsv4_u32 *lut) {
+  lut[0] = lut[1] = lut[2] = lut[3] = 0;
+  for (dsv4_u32 m = 1; m < 8u; m++) {
+    dsv4_u32 a = m < 2u ? 0u : m < 4u ? 1u : m < 6u ? 2u : 3u; /* a + 1 */
+    dsv4_u32 f = m >= 3u && (m & 1u) ? 1u : 0u;
+    dsv4_u32 bits = ((code + a - 1u) & 255u) << 7 | f << 6;
+    lut[m >> 2] |= (bits >> 8) << (8 * (m & 3u));
+    lut[2 + (m >> 2)] |= (bits & 255u) << (8 * (m & 3u));
+  }
+}
+
+/*
+ * Four e2m1 nibbles x (element i in bits 4i..4i+3, sign in bit 3) as bf16 values times the
+ * table's 2^(code - 127): elements 0 and 1 in *b0, 2 and 3 in *b1 (the lower element in the low
+ * half). Exactly the bf16 bits of dsv4_e2m1_to_f32(nibble) * 2^(code - 127) for a code in
+ * [2, 252]; a zero magnitude gives a signed zero. Six byte permutes and three logic operations.
+ */
+DSV4_FN void dsv4_index_mx_bf16x4(dsv4_u32 x, const dsv4_u32 *lut, dsv4_u32 *b0, dsv4_u32 *b1) {
+  dsv4_u32 sel = x & 0x7777u;
+  dsv4_u32 hi = dsv4_byte_perm(lut[0], lut[1], sel), lo = dsv4_byte_perm(lut[2], lut[3], sel);
+  /* The signs (bits 3, 7, 11, 15 of x) to the top of bytes 0..3: from x << 4 and x. */
+  dsv4_u32 sg = dsv4_byte_perm(x << 4, x, 0x5140u);
+  hi |= sg & 0x80808080u;
+  *b0 = dsv4_byte_perm(lo, hi, 0x5140u);
+  *b1 = dsv4_byte_perm(lo, hi, 0x7362u);
+}
+
 /* ---- index keys, queries and scores (SPEC §8.5) ---- */
 
 /*
