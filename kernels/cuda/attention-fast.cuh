@@ -2,9 +2,9 @@
 #define DSV4_KERNELS_CUDA_ATTENTION_FAST_CUH
 /*
  * What the two fast-mode kernels share (SPEC §7): the window's (attention_fast.cu) and the union's
- * (attention_fast_union.cu). The tensor-core primitives (ldmatrix, mma m16n8k16 on bf16), the
- * swizzled layout of staged rows, the scores of a tile of 128 candidates, the weighted sum of a
- * tile, the output's last steps, and the choice of the CTA shape.
+ * (attention_fast_union.cu). The tensor-core primitives (ldmatrix; mma16816 is
+ * cuda-internal.cuh's), the swizzled layout of staged rows, the scores of a tile of 128 candidates,
+ * the weighted sum of a tile, the output's last steps, and the choice of the CTA shape.
  */
 #include "attention-common.cuh"
 
@@ -39,15 +39,6 @@ static __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
-}
-
-/* d += a b for a 16 x 16 bf16 tile a (row-major fragments) and a 16 x 8 tile (b0, b1). */
-static __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 /* Per-CTA facts beyond attn_misc_t: each head's sink, and its denominator D from the softmax. */

@@ -111,6 +111,21 @@ static __device__ __forceinline__ uint32_t dsv4__e4m3x2_rn(float lo, float hi) {
 #endif
 }
 
+/*
+ * d += a b on the tensor cores (mma.sync m16n8k16, sm_80+) for a 16 x 16 bf16 tile a (row-major
+ * fragments) and a 16 x 8 tile (b0, b1), fp32 accumulation. With g = lane / 4 and c = lane % 4:
+ * a[0] holds a(g, 2c..2c+1), a[1] a(g+8, 2c..2c+1), a[2] a(g, 2c+8..2c+9), a[3] a(g+8, 2c+8..2c+9);
+ * b0 holds b(2c..2c+1, g), b1 b(2c+8..2c+9, g); d[0], d[1] are d(g, 2c..2c+1), d[2], d[3]
+ * d(g+8, 2c..2c+1); the lower index in the lower half of each register.
+ */
+static __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 /* Facts of the current device, read once per device. */
 typedef struct {
   int sms;
