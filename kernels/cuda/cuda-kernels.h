@@ -155,6 +155,23 @@ int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rope_rows_dev,
 uint32_t dsv4__cuda_indexer_ctas(uint32_t n_tokens);
 uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions);
 
+/*
+ * Which score kernel dsv4__cuda_indexer runs from now on in this process, for the GPU tests and
+ * benchmarks that compare them on the same inputs (every path gives the same keys, bit for bit):
+ * AUTO (the daemon's) the tensor-core kernel where it applies (64 index heads, compute capability
+ * 9.0 and newer: indexer_mma.cu) and the per-entry kernel elsewhere; THREADS the per-entry kernel
+ * everywhere; MMA_PARTIAL and MMA_SCALAR the tensor-core kernel (where it applies) with its fused
+ * mode, or both its matrix modes, left out, so that its partial mode and its scalar product run on
+ * any data.
+ */
+enum {
+  DSV4_CUDA_INDEXER_AUTO = 0,
+  DSV4_CUDA_INDEXER_THREADS = 1,
+  DSV4_CUDA_INDEXER_MMA_PARTIAL = 2,
+  DSV4_CUDA_INDEXER_MMA_SCALAR = 3
+};
+void dsv4__cuda_indexer_set_path(int path);
+
 /* Whether device dev can run the attention kernels (about 199 KiB of shared memory per block:
  * compute capability 9.0 and 10.0 can, 8.x cannot). */
 int dsv4__cuda_attention_supported(int dev);

@@ -19,7 +19,10 @@
  *            dsv4_index_score_add) and stores the order key (dsv4_index_score_key) at the entry's
  *            index in the token's slot. A split with fewer entries than threads (a decode at short
  *            context) gives each entry a group of TPE lanes that share its heads' dot products and
- *            add them in the same order.
+ *            add them in the same order. With V4's 64 index heads on compute capability 9.0 and
+ *            newer the same grid runs indexer_mma.cu's kernel instead, whose dot products come from
+ *            the tensor cores with the same bits (dsv4__cuda_indexer_set_path picks the per-entry
+ *            kernel, or the tensor-core kernel's lower modes, for the tests that compare them).
  *   select   one CTA per token of the wave. A token with at most topk visible entries lists them.
  *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
  *            histogram per round, its bucket found by a block-wide scan) finds the k-th largest
@@ -31,78 +34,19 @@
  * the selection is a function of the scores alone, so the lists are equal.
  *
  * Ordering (SPEC §5.2): every kernel executes the dependency wait first in every CTA (the select
- * kernel's waits for the score kernel that wrote its keys); the score and select kernels read the
- * error word after it, and return only after it.
+ * kernel's waits for the score kernel that wrote its keys; the tensor-core score kernel only fills
+ * a table in shared memory before it); the score and select kernels read the error word after it,
+ * and return only after it.
  */
-#include "cuda-internal.cuh"
+#include "indexer-common.cuh"
 
-#include "dsv4-compress.h"
-#include "dsv4-error.h"
-#include "dsv4-numerics.h"
+#include <atomic>
 
 #define CHECK_BLOCK 256
 /* Consecutive keys a thread takes in a round of list_selected. */
 #define LIST_PER 8
 /* Lanes per entry in score_entries_grouped. */
 #define TPE 8
-/* Floats per row of q^ in shared memory: 128 and a pad of 4, so the lanes of a warp that read
- * different heads' rows (score_entries_grouped) read different banks. */
-#define Q_STRIDE (DSV4_INDEX_DIM + 4)
-#define SEL_THREADS 256
-#define SEL_WARPS (SEL_THREADS / 32)
-#define FULL 0xffffffffu
-
-typedef struct {
-  const int64_t *pos;
-  const int32_t *tok_seg;
-  const int64_t *seg_p0;
-  const uint16_t *iq; /* [n_tokens, n_heads, 128] bf16 */
-  const float *iw;    /* [n_tokens, n_heads] */
-  const float *rope;  /* rows of 64 floats by position */
-  const int64_t *seg_c_first_lb;
-  const uint32_t *seg_cbt_off;
-  const uint32_t *seg_cbt_len;
-  const int32_t *c_bt;
-  const uint8_t *i_cache;
-  int32_t *sel;
-  uint32_t *keys; /* [gridDim.x, keys_per_cta] */
-  uint32_t *err;
-  int64_t max_pos;
-  uint64_t keys_per_cta;
-  float w_scale;
-  uint32_t n_tokens, n_segments, topk, n_heads, c_bt_entries, c_n_blocks, bs_shift;
-  uint32_t t_base; /* the first token of this wave: key slot x holds token t_base + x */
-  uint32_t pad;
-} idx_params_t;
-
-static_assert(sizeof(idx_params_t) % 4 == 0, "parameter block of whole words");
-
-/* The physical block of logical entry block lb of segment s, or -1. */
-static __device__ int32_t lb_block(const idx_params_t &p, uint32_t s, int64_t lb) {
-  const int64_t idx = lb - p.seg_c_first_lb[s];
-  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
-    return -1;
-  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
-  if (p.c_bt_entries && e >= p.c_bt_entries)
-    return -1;
-  const int32_t b = p.c_bt[e];
-  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
-}
-
-/* Token t's segment and its visible entries jlo..jhi-1 (SPEC §8.4 at ratio 4); error bits. */
-static __device__ uint32_t token_range(const idx_params_t &p, uint32_t t, uint32_t *s, int64_t *jlo,
-                                       int64_t *jhi) {
-  const int32_t seg = p.tok_seg[t];
-  if (seg < 0 || (uint32_t)seg >= p.n_segments)
-    return DSV4_CUDA_ERR_SEGMENT;
-  const int64_t pos = p.pos[t], p0 = p.seg_p0[seg];
-  if (p0 < 0 || pos < p0 || pos >= p.max_pos)
-    return DSV4_CUDA_ERR_POSITION;
-  *s = (uint32_t)seg;
-  *jlo = p0 / 4;
-  *jhi = (pos + 1) / 4;
-  return 0;
-}
 
 /* ---- check ---- */
 
@@ -166,15 +110,6 @@ static __device__ uint32_t block_scan(uint32_t v, uint32_t *warp_sums, uint32_t 
   __syncthreads(); /* warp_sums is rewritten by the next scan */
   *total = all;
   return before + x - v;
-}
-
-/* Entry jlo + i of segment s dequantised into k. */
-static __device__ void entry_key(const idx_params_t &p, uint32_t s, int64_t j, float *k) {
-  const uint64_t bs = 1u << p.bs_shift, o = (uint64_t)j & (bs - 1);
-  const uint8_t *blk =
-      p.i_cache + (uint64_t)lb_block(p, s, j >> p.bs_shift) * DSV4_INDEX_BLOCK_BYTES(bs);
-  dsv4_mxfp4_dequant128(blk + DSV4_INDEX_VALUE_BYTES * o,
-                        blk + DSV4_INDEX_VALUE_BYTES * bs + DSV4_MXFP4_BLOCKS * o, k);
 }
 
 /* The scores of entries jlo + i, i in [i0, i1), of segment s as order keys in keys[i]: a thread
@@ -310,87 +245,22 @@ static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t 
   }
 }
 
-/*
- * dsv4_index_query of one head by a warp: lane l holds dims 4l..4l + 3. Every value goes through
- * the operations the one-thread function applies to it (RoPE pairs, the Hadamard butterflies with
- * the lane's partner across a stage, the scale and bf16 rounding, the block's maximum, the nibble
- * and its value), so the bytes are the same; the stages' butterflies are independent (SPEC §8.5).
- */
-static __device__ void index_query_warp(const uint16_t *iq, const float *rope_row, float *qhat) {
-  const uint32_t lane = threadIdx.x & 31;
-  float x[4];
-  for (int i = 0; i < 4; i++)
-    x[i] = dsv4_bf16_to_f32(iq[4 * lane + i]);
-  if (4 * lane >= DSV4_INDEX_ROPE_FIRST) /* two RoPE pairs a lane */
-    for (int k = 0; k < 2; k++) {
-      const uint32_t i = (4 * lane - DSV4_INDEX_ROPE_FIRST) / 2 + k;
-      const float e = x[2 * k], o = x[2 * k + 1], c = rope_row[i],
-                  sn = rope_row[DSV4_ROPE_PAIRS + i];
-      x[2 * k] = dsv4_round_bf16(dsv4_rope_even(e, o, c, sn));
-      x[2 * k + 1] = dsv4_round_bf16(dsv4_rope_odd(e, o, c, sn));
-    }
-  /* Stages h = 1 and 2 within the lane, then h = 4 .. 64 with lane l ^ (h / 4): the lower lane
-   * keeps x + y, the upper one x - y, x being the lower lane's value. */
-  for (int h = 1; h < 4; h <<= 1)
-    for (int i = 0; i < 4; i++)
-      if ((i & h) == 0) {
-        const float a = x[i], b = x[i + h];
-        x[i] = a + b;
-        x[i + h] = a - b;
-      }
-  for (uint32_t m = 1; m < 32; m <<= 1)
-    for (int i = 0; i < 4; i++) {
-      const float other = __shfl_xor_sync(FULL, x[i], m);
-      x[i] = (lane & m) ? other - x[i] : x[i] + other;
-    }
-  const float hs = dsv4_u2f(DSV4_HADAMARD_SCALE_BITS);
-  float amax = dsv4_u2f(DSV4_MXFP4_AMAX_FLOOR_BITS);
-  for (int i = 0; i < 4; i++) {
-    x[i] = dsv4_round_bf16(x[i] * hs);
-    const float a = dsv4_u2f(dsv4_f2u(x[i]) & 0x7fffffffu);
-    amax = a > amax ? a : amax;
-  }
-  /* A block of 32 values is 8 lanes. */
-  for (uint32_t m = 1; m < DSV4_MXFP4_BLOCK / 4; m <<= 1) {
-    const float a = __shfl_xor_sync(FULL, amax, m);
-    amax = a > amax ? a : amax;
-  }
-  const int32_t e = dsv4_mxfp4_exponent(amax);
-  const float scale = dsv4_pow2_neg(e), back = dsv4_ue8m0_scale((uint8_t)(e + DSV4_UE8M0_BIAS));
-  float4 out;
-  out.x = dsv4_e2m1_to_f32(dsv4_e2m1_nibble(x[0] * scale)) * back;
-  out.y = dsv4_e2m1_to_f32(dsv4_e2m1_nibble(x[1] * scale)) * back;
-  out.z = dsv4_e2m1_to_f32(dsv4_e2m1_nibble(x[2] * scale)) * back;
-  out.w = dsv4_e2m1_to_f32(dsv4_e2m1_nibble(x[3] * scale)) * back;
-  reinterpret_cast<float4 *>(qhat)[lane] = out;
-}
-
-/* Split y of token t_base + blockIdx.x: the queries, then the keys of its entries. */
+/* Split y of token t_base + blockIdx.x: the queries, then the keys of its entries, a thread (or
+ * TPE lanes) per entry. */
 __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_score_kernel(idx_params_t p) {
   extern __shared__ float qhat[]; /* [n_heads, Q_STRIDE] q^, then [n_heads] weights */
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
-  if (__ldcg(p.err) != 0)
-    return; /* the check (or an earlier launch of the batch) failed: write nothing */
-  const uint32_t t = p.t_base + blockIdx.x;
-  uint32_t s = 0;
-  int64_t jlo = 0, jhi = 0;
-  if (t >= p.n_tokens)
-    return;
-  (void)token_range(p, t, &s, &jlo, &jhi); /* checked */
-  const int64_t n = jhi > jlo ? jhi - jlo : 0;
-  if (n <= (int64_t)p.topk)
-    return; /* listed whole by the select kernel */
-  const uint32_t per = (uint32_t)((n + gridDim.y - 1) / gridDim.y);
-  const uint32_t i0 = blockIdx.y * per, i1 = min((uint32_t)n, i0 + per);
-  if (i0 >= i1)
+  uint32_t t, s, i0, i1;
+  int64_t jlo;
+  if (!score_split(p, &t, &s, &jlo, &i0, &i1))
     return;
   float *w = qhat + (size_t)p.n_heads * Q_STRIDE;
   const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
   /* A warp per head's query (index_query_warp), a thread per head's weight. */
   for (uint32_t h = threadIdx.x / 32; h < p.n_heads; h += SEL_WARPS)
     index_query_warp(p.iq + ((uint64_t)t * p.n_heads + h) * DSV4_INDEX_DIM, rope_row,
-                     qhat + (size_t)h * Q_STRIDE);
+                     qhat + (size_t)h * Q_STRIDE, nullptr);
   for (uint32_t h = threadIdx.x; h < p.n_heads; h += SEL_THREADS)
     w[h] = __fmul_rn(p.iw[(uint64_t)t * p.n_heads + h], p.w_scale);
   __syncthreads();
@@ -428,6 +298,13 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_p
 }
 
 /* ---- the launch ---- */
+
+/* The score path of later launches in this process (dsv4__cuda_indexer_set_path). */
+static std::atomic<int> score_path{DSV4_CUDA_INDEXER_AUTO};
+
+extern "C" void dsv4__cuda_indexer_set_path(int path) {
+  score_path.store(path, std::memory_order_relaxed);
+}
 
 extern "C" uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions) {
   return (uint64_t)(max_positions > 0 ? max_positions : 0) / 4 + 1;
@@ -478,6 +355,13 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   p.c_n_blocks = a->c_n_blocks;
   while ((1u << p.bs_shift) < a->block_size)
     p.bs_shift++;
+  /* The tensor-core kernel for V4's 64 index heads on compute capability 9.0 and newer (the
+   * devices with programmatic dependent launch), unless a test asks for the per-entry one. */
+  const int path = score_path.load(std::memory_order_relaxed);
+  const int mma = a->n_heads == MMA_HEADS && dev.pdl && path != DSV4_CUDA_INDEXER_THREADS;
+  p.mma_cap = path == DSV4_CUDA_INDEXER_MMA_PARTIAL  ? DSV4_INDEX_MX_PARTIAL
+              : path == DSV4_CUDA_INDEXER_MMA_SCALAR ? DSV4_INDEX_MX_SCALAR
+                                                     : DSV4_INDEX_MX_FUSED;
   const uint32_t ctas = a->n_tokens < (uint32_t)dev.sms ? a->n_tokens : (uint32_t)dev.sms;
   if (keys_len < (uint64_t)ctas * p.keys_per_cta)
     return DSV4_EINVAL;
@@ -509,8 +393,11 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   splits = splits < 1 ? 1 : splits;
   for (uint32_t t0 = 0; e == cudaSuccess && t0 < a->n_tokens; t0 += ctas) {
     p.t_base = t0;
-    e = dsv4__cuda_launch_smem(dsv4__indexer_score_kernel, dim3(ctas, splits, 1), SEL_THREADS, smem,
-                               s, pdl, p);
+    if (mma)
+      e = dsv4__indexer_mma_launch(p, dim3(ctas, splits, 1), s, pdl);
+    else
+      e = dsv4__cuda_launch_smem(dsv4__indexer_score_kernel, dim3(ctas, splits, 1), SEL_THREADS,
+                                 smem, s, pdl, p);
     if (e == cudaSuccess)
       e = dsv4__cuda_launch(dsv4__indexer_select_kernel, ctas, SEL_THREADS, s, pdl, p);
   }

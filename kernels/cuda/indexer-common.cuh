@@ -1,0 +1,199 @@
+#ifndef DSV4_KERNELS_CUDA_INDEXER_COMMON_CUH
+#define DSV4_KERNELS_CUDA_INDEXER_COMMON_CUH
+/*
+ * What the indexer's kernels share (SPEC §8.5): the parameter block, a token's visible entries and
+ * the part of them a CTA of the score grid takes, an entry's index record in the pool, and the
+ * index query of one head by a warp. indexer.cu holds the check, the per-entry score kernel, the
+ * selection and the launch; indexer_mma.cu the score kernel on tensor cores.
+ */
+#include "cuda-internal.cuh"
+
+#include "dsv4-compress.h"
+#include "dsv4-error.h"
+#include "dsv4-numerics.h"
+
+/* Floats per row of q^ in shared memory: 128 and a pad of 4, so the lanes of a warp that read
+ * different heads' rows (score_entries_grouped) read different banks. */
+#define Q_STRIDE (DSV4_INDEX_DIM + 4)
+#define SEL_THREADS 256
+#define SEL_WARPS (SEL_THREADS / 32)
+#define FULL 0xffffffffu
+/* The index heads of the tensor-core score kernel (V4's index_n_heads); other counts take the
+ * per-entry kernel. */
+#define MMA_HEADS 64
+
+typedef struct {
+  const int64_t *pos;
+  const int32_t *tok_seg;
+  const int64_t *seg_p0;
+  const uint16_t *iq; /* [n_tokens, n_heads, 128] bf16 */
+  const float *iw;    /* [n_tokens, n_heads] */
+  const float *rope;  /* rows of 64 floats by position */
+  const int64_t *seg_c_first_lb;
+  const uint32_t *seg_cbt_off;
+  const uint32_t *seg_cbt_len;
+  const int32_t *c_bt;
+  const uint8_t *i_cache;
+  int32_t *sel;
+  uint32_t *keys; /* [gridDim.x, keys_per_cta] */
+  uint32_t *err;
+  int64_t max_pos;
+  uint64_t keys_per_cta;
+  float w_scale;
+  uint32_t n_tokens, n_segments, topk, n_heads, c_bt_entries, c_n_blocks, bs_shift;
+  uint32_t t_base; /* the first token of this wave: key slot x holds token t_base + x */
+  /* The tensor-core kernel's highest mode (DSV4_INDEX_MX_FUSED in the daemon; lower ones let the
+   * GPU tests run its partial mode and its scalar product on any data). */
+  uint32_t mma_cap;
+} idx_params_t;
+
+static_assert(sizeof(idx_params_t) % 4 == 0, "parameter block of whole words");
+
+/* The physical block of logical entry block lb of segment s, or -1. */
+static __device__ int32_t lb_block(const idx_params_t &p, uint32_t s, int64_t lb) {
+  const int64_t idx = lb - p.seg_c_first_lb[s];
+  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
+    return -1;
+  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
+  if (p.c_bt_entries && e >= p.c_bt_entries)
+    return -1;
+  const int32_t b = p.c_bt[e];
+  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+}
+
+/* Token t's segment and its visible entries jlo..jhi-1 (SPEC §8.4 at ratio 4); error bits. */
+static __device__ uint32_t token_range(const idx_params_t &p, uint32_t t, uint32_t *s, int64_t *jlo,
+                                       int64_t *jhi) {
+  const int32_t seg = p.tok_seg[t];
+  if (seg < 0 || (uint32_t)seg >= p.n_segments)
+    return DSV4_CUDA_ERR_SEGMENT;
+  const int64_t pos = p.pos[t], p0 = p.seg_p0[seg];
+  if (p0 < 0 || pos < p0 || pos >= p.max_pos)
+    return DSV4_CUDA_ERR_POSITION;
+  *s = (uint32_t)seg;
+  *jlo = p0 / 4;
+  *jhi = (pos + 1) / 4;
+  return 0;
+}
+
+/*
+ * The part of token t = t_base + blockIdx.x's visible entries that this CTA of the score grid
+ * takes: its segment s, its first entry jlo and entry indices [i0, i1) (split blockIdx.y of
+ * gridDim.y). False, and nothing to write, when the error word is set (the check, or an earlier
+ * launch of the batch, failed), there is no such token, the token sees at most topk entries (the
+ * select kernel lists them whole) or the split is empty. After the dependency wait.
+ */
+static __device__ bool score_split(const idx_params_t &p, uint32_t *t, uint32_t *s, int64_t *jlo,
+                                   uint32_t *i0, uint32_t *i1) {
+  if (__ldcg(p.err) != 0)
+    return false;
+  *t = p.t_base + blockIdx.x;
+  *s = 0;
+  *jlo = 0;
+  int64_t jhi = 0;
+  if (*t >= p.n_tokens)
+    return false;
+  (void)token_range(p, *t, s, jlo, &jhi); /* checked */
+  const int64_t n = jhi > *jlo ? jhi - *jlo : 0;
+  if (n <= (int64_t)p.topk)
+    return false;
+  const uint32_t per = (uint32_t)((n + gridDim.y - 1) / gridDim.y);
+  *i0 = blockIdx.y * per;
+  *i1 = min((uint32_t)n, *i0 + per);
+  return *i0 < *i1;
+}
+
+/* The index record of entry j of segment s (its block checked): 64 value bytes, 4 codes. */
+static __device__ void entry_record(const idx_params_t &p, uint32_t s, int64_t j,
+                                    const uint8_t **vals, const uint8_t **codes) {
+  const uint64_t bs = 1u << p.bs_shift, o = (uint64_t)j & (bs - 1);
+  const uint8_t *blk =
+      p.i_cache + (uint64_t)lb_block(p, s, j >> p.bs_shift) * DSV4_INDEX_BLOCK_BYTES(bs);
+  *vals = blk + DSV4_INDEX_VALUE_BYTES * o;
+  *codes = blk + DSV4_INDEX_VALUE_BYTES * bs + DSV4_MXFP4_BLOCKS * o;
+}
+
+/* Entry j of segment s dequantised into k. */
+static __device__ void entry_key(const idx_params_t &p, uint32_t s, int64_t j, float *k) {
+  const uint8_t *vals, *codes;
+  entry_record(p, s, j, &vals, &codes);
+  dsv4_mxfp4_dequant128(vals, codes, k);
+}
+
+/*
+ * dsv4_index_query of one head by a warp: lane l holds dims 4l..4l + 3. Every value goes through
+ * the operations the one-thread function applies to it (RoPE pairs, the Hadamard butterflies with
+ * the lane's partner across a stage, the scale and bf16 rounding, the block's maximum, the nibble
+ * and its value), so the bytes are the same; the stages' butterflies are independent (SPEC §8.5).
+ * With summary, lane 0 also stores the head's dsv4_index_mx_summary (a block nonzero where one of
+ * its nibbles has a nonzero magnitude, its code e + 127).
+ */
+static __device__ void index_query_warp(const uint16_t *iq, const float *rope_row, float *qhat,
+                                        uint32_t *summary) {
+  const uint32_t lane = threadIdx.x & 31;
+  float x[4];
+  for (int i = 0; i < 4; i++)
+    x[i] = dsv4_bf16_to_f32(iq[4 * lane + i]);
+  if (4 * lane >= DSV4_INDEX_ROPE_FIRST) /* two RoPE pairs a lane */
+    for (int k = 0; k < 2; k++) {
+      const uint32_t i = (4 * lane - DSV4_INDEX_ROPE_FIRST) / 2 + k;
+      const float e = x[2 * k], o = x[2 * k + 1], c = rope_row[i],
+                  sn = rope_row[DSV4_ROPE_PAIRS + i];
+      x[2 * k] = dsv4_round_bf16(dsv4_rope_even(e, o, c, sn));
+      x[2 * k + 1] = dsv4_round_bf16(dsv4_rope_odd(e, o, c, sn));
+    }
+  /* Stages h = 1 and 2 within the lane, then h = 4 .. 64 with lane l ^ (h / 4): the lower lane
+   * keeps x + y, the upper one x - y, x being the lower lane's value. */
+  for (int h = 1; h < 4; h <<= 1)
+    for (int i = 0; i < 4; i++)
+      if ((i & h) == 0) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+  for (uint32_t m = 1; m < 32; m <<= 1)
+    for (int i = 0; i < 4; i++) {
+      const float other = __shfl_xor_sync(FULL, x[i], m);
+      x[i] = (lane & m) ? other - x[i] : x[i] + other;
+    }
+  const float hs = dsv4_u2f(DSV4_HADAMARD_SCALE_BITS);
+  float amax = dsv4_u2f(DSV4_MXFP4_AMAX_FLOOR_BITS);
+  for (int i = 0; i < 4; i++) {
+    x[i] = dsv4_round_bf16(x[i] * hs);
+    const float a = dsv4_u2f(dsv4_f2u(x[i]) & 0x7fffffffu);
+    amax = a > amax ? a : amax;
+  }
+  /* A block of 32 values is 8 lanes. */
+  for (uint32_t m = 1; m < DSV4_MXFP4_BLOCK / 4; m <<= 1) {
+    const float a = __shfl_xor_sync(FULL, amax, m);
+    amax = a > amax ? a : amax;
+  }
+  const int32_t e = dsv4_mxfp4_exponent(amax);
+  const float scale = dsv4_pow2_neg(e), back = dsv4_ue8m0_scale((uint8_t)(e + DSV4_UE8M0_BIAS));
+  uint8_t nib[4];
+  for (int i = 0; i < 4; i++)
+    nib[i] = dsv4_e2m1_nibble(x[i] * scale);
+  float4 out;
+  out.x = dsv4_e2m1_to_f32(nib[0]) * back;
+  out.y = dsv4_e2m1_to_f32(nib[1]) * back;
+  out.z = dsv4_e2m1_to_f32(nib[2]) * back;
+  out.w = dsv4_e2m1_to_f32(nib[3]) * back;
+  reinterpret_cast<float4 *>(qhat)[lane] = out;
+  if (summary) { /* warp-uniform */
+    const uint32_t nz = __ballot_sync(FULL, ((nib[0] | nib[1] | nib[2] | nib[3]) & 7u) != 0);
+    uint32_t sum = 0;
+    for (uint32_t b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+      const uint32_t code = (uint32_t)__shfl_sync(FULL, e, 8 * b) + DSV4_UE8M0_BIAS;
+      sum |= dsv4_index_mx_block(((nz >> (8 * b)) & 0xffu) != 0, code) << (8 * b);
+    }
+    if (lane == 0)
+      *summary = sum;
+  }
+}
+
+/* The tensor-core score kernel (indexer_mma.cu) over grid (tokens of the wave, splits): the keys
+ * of exactly the entries the per-entry kernel scores, with the same bits. n_heads must be
+ * MMA_HEADS and the device of compute capability 8.0 or newer. */
+cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl);
+
+#endif /* DSV4_KERNELS_CUDA_INDEXER_COMMON_CUH */

@@ -1,0 +1,392 @@
+/*
+ * The indexer's scores on tensor cores (SPEC §8.5): for 64 index heads, the keys of the per-entry
+ * score kernel (indexer.cu), bit for bit, for the same grid of (token, split) CTAs, waves and key
+ * slots, over the entries a CTA's split holds.
+ *
+ * The dot products d_hj = q^_h . k^_j come from bf16 MMAs (mma.sync m16n8k16) of the query's and
+ * the entry's MXFP4 values, each nibble prescaled by its block's 2^(code - 127) (exact in bf16);
+ * dsv4-compress.h ("the index dot product on matrix units") derives when these are the CPU's
+ * dsv4_dot128 to the bit, and tests/unit/index_mx_test.c holds it. Per warp of 32 entries, from
+ * the summaries of the heads' and the entries' blocks (dsv4_index_mx_mode):
+ *   fused    the products of all 128 dims accumulated in the tensor cores, which is d exactly;
+ *   partial  each 16-dim partial an MMA from zero, then dsv4_fold8's adds in fp32;
+ *   scalar   dsv4_dot128 of the dequantised values, as the per-entry kernel computes it.
+ * Then one thread per entry adds the heads' terms in order (dsv4_index_score_add, h = 0..63) and
+ * stores dsv4_index_score_key at the entry's index in the token's slot, as the per-entry kernel.
+ *
+ * A CTA of 256 threads: the queries q^ of its token (index_query_warp, a warp per head) and the
+ * weights into shared memory, each head's block summary beside them; each warp then holds the A
+ * fragments of all 64 heads x 128 dims in registers (128 a thread). Rounds of 256 entries: their
+ * 68-byte records are staged into shared memory by cp.async one round ahead (rows of 80 bytes, so
+ * that the lanes' 2-byte reads of one partial fall in distinct banks); warp w takes entries
+ * 32w..32w+31 as four n-tiles of 8, each lane turning the 16 nibbles of its entry and k-slots into
+ * bf16 B fragments through a byte table per code (dsv4_index_mx_bf16x4), 32 MMAs (4 head tiles x
+ * 8 partials) per n-tile, and d to a [256][68] float tile; a barrier, the heads' chains, a barrier.
+ *
+ * The MMA's k-slots 2c, 2c + 1, 2c + 8, 2c + 9 (c = lane % 4) of partial l hold dims 16l + 4c ..
+ * 16l + 4c + 3 on both sides (the sum of 16 exact products does not depend on the order), so a lane
+ * takes 4 consecutive nibbles, 2 bytes, of each partial; the A rows g and g + 8 of head tile m are
+ * heads 16m + 2g and 16m + 2g + 1, so a lane's two results of an entry are adjacent in d.
+ *
+ * Ordering (SPEC §5.2): the byte table is built before the dependency wait (it reads nothing); the
+ * wait comes before any other read, the error word is read after it, as in the per-entry kernel.
+ */
+#include "indexer-common.cuh"
+
+/* Entries a round: one a thread in the heads' chains. */
+#define TILE SEL_THREADS
+#define WARP_ROWS (TILE / SEL_WARPS)
+/* Bytes per staged record's values: 64 and a pad, 16-byte aligned for cp.async. */
+#define STAGE_ROW 80
+/* Floats per entry's row of d: the 64 heads and a pad, so that the lanes' float2 stores of one
+ * head tile fall in distinct banks and the chains' float4 reads of 8 rows too. */
+#define D_STRIDE (MMA_HEADS + 4)
+
+typedef struct {
+  float qhat[MMA_HEADS * Q_STRIDE]; /* q^, row h of head h */
+  float w[MMA_HEADS];
+  uint4 lut[256];           /* dsv4_index_mx_lut of every code */
+  uint32_t qsum[MMA_HEADS]; /* the heads' block summaries */
+  uint32_t qstat[4];        /* the heads' per-block minima and maxima, the largest span */
+  uint8_t stage[2][TILE * STAGE_ROW];
+  uint32_t codes[2][TILE];
+  float d[TILE * D_STRIDE];
+  float kbuf[SEL_WARPS][DSV4_INDEX_DIM]; /* a warp's dequantised entry (the scalar product) */
+} mma_smem_t;
+
+static_assert(sizeof(mma_smem_t) % 16 == 0, "whole 16-byte chunks");
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src)
+               : "memory");
+}
+
+static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src)
+               : "memory");
+}
+
+static __device__ __forceinline__ void cp_async_commit(void) {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+static __device__ __forceinline__ void cp_async_wait_all(void) {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+/* The records of entries jlo + i, i in [b0, b1) (at most TILE), into rows i - b0 of stage and
+ * codes: a thread's entry, 4 copies of 16 value bytes and one of the 4 codes. */
+static __device__ void stage_round(const idx_params_t &p, uint32_t s, int64_t jlo, uint32_t b0,
+                                   uint32_t b1, uint8_t *stage, uint32_t *codes) {
+  const uint32_t i = b0 + threadIdx.x;
+  if (i < b1) {
+    const uint8_t *vals, *c;
+    entry_record(p, s, jlo + i, &vals, &c);
+    uint8_t *row = stage + threadIdx.x * STAGE_ROW;
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+      cp_async16(row + 16 * k, vals + 16 * k);
+    cp_async4(codes + threadIdx.x, c);
+  }
+  cp_async_commit();
+}
+
+/* The statistics of a set of summaries, one a lane (absent lanes with in false): per-block minima
+ * of the nonzero bytes (255 where none), maxima and the largest span, as dsv4_index_mx_mode takes
+ * them. Every lane returns them. */
+static __device__ void warp_stats(uint32_t sum, bool in, uint32_t *lo, uint32_t *hi,
+                                  uint32_t *span) {
+  *lo = *hi = 0;
+#pragma unroll
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+    const uint32_t c = in ? (sum >> (8 * b)) & 255u : 0u;
+    *lo |= __reduce_min_sync(FULL, c ? c : 255u) << (8 * b);
+    *hi |= __reduce_max_sync(FULL, c) << (8 * b);
+  }
+  *span = __reduce_max_sync(FULL, in ? dsv4_index_mx_span(sum) : 0u);
+}
+
+/* The summary of a staged record (dsv4_index_mx_summary from words). */
+static __device__ uint32_t staged_summary(const uint8_t *row, uint32_t codes) {
+  const uint4 *v = reinterpret_cast<const uint4 *>(row);
+  uint32_t sum = 0;
+#pragma unroll
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+    const uint4 x = v[b];
+    const bool nz = ((x.x | x.y | x.z | x.w) & 0x77777777u) != 0;
+    sum |= dsv4_index_mx_block(nz, (codes >> (8 * b)) & 255u) << (8 * b);
+  }
+  return sum;
+}
+
+/* The A fragments of the 64 heads (dims permuted within each partial as the file's header says). */
+static __device__ __forceinline__ void load_queries(const float *qhat, uint32_t (&a)[4][8][4]) {
+  const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int m = 0; m < 4; m++)
+#pragma unroll
+    for (int l = 0; l < 8; l++) {
+      const float *r = qhat + (16 * m + 2 * g) * Q_STRIDE + 16 * l + 4 * c;
+      const float4 x = *reinterpret_cast<const float4 *>(r);
+      const float4 y = *reinterpret_cast<const float4 *>(r + Q_STRIDE);
+      /* q^ values are n * 2^e, bf16 numbers: the conversions are exact. */
+      a[m][l][0] = dsv4__bf16x2_rn(x.x, x.y);
+      a[m][l][1] = dsv4__bf16x2_rn(y.x, y.y);
+      a[m][l][2] = dsv4__bf16x2_rn(x.z, x.w);
+      a[m][l][3] = dsv4__bf16x2_rn(y.z, y.w);
+    }
+}
+
+/* A lane's four results of head tile m into the tile of d (row: its first entry's row, at its
+ * first head): heads 16m + 2g, + 1 of entries 2c and 2c + 1. */
+static __device__ __forceinline__ void store_d(float *row, int m, const float (&x)[4]) {
+  *reinterpret_cast<float2 *>(row + 16 * m) = make_float2(x[0], x[2]);
+  *reinterpret_cast<float2 *>(row + D_STRIDE + 16 * m) = make_float2(x[1], x[3]);
+}
+
+/* Fused mode: the products of all 8 partials accumulated on the tensor cores, d exactly. */
+static __device__ __forceinline__ void scores_fused(const uint32_t (&a)[4][8][4],
+                                                    const uint32_t (&b)[8][2], float *row) {
+  float d[4][4];
+#pragma unroll
+  for (int m = 0; m < 4; m++)
+    d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.0f;
+#pragma unroll
+  for (int l = 0; l < 8; l++)
+#pragma unroll
+    for (int m = 0; m < 4; m++)
+      mma16816(d[m], a[m][l], b[l][0], b[l][1]);
+#pragma unroll
+  for (int m = 0; m < 4; m++)
+    store_d(row, m, d[m]);
+}
+
+/* Partial l of head tile m from zero. */
+static __device__ __forceinline__ void
+partial(const uint32_t (&a)[4][8][4], const uint32_t (&b)[8][2], int m, int l, float (&x)[4]) {
+  x[0] = x[1] = x[2] = x[3] = 0.0f;
+  mma16816(x, a[m][l], b[l][0], b[l][1]);
+}
+
+static __device__ __forceinline__ void add4(float (&x)[4], const float (&y)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    x[i] = __fadd_rn(x[i], y[i]);
+}
+
+/* Partial mode: dsv4_fold8 of the 8 partials, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)),
+ * a head tile at a time. */
+static __device__ __forceinline__ void scores_partial(const uint32_t (&a)[4][8][4],
+                                                      const uint32_t (&b)[8][2], float *row) {
+#pragma unroll
+  for (int m = 0; m < 4; m++) {
+    float x[4], y[4], u[4], v[4];
+    partial(a, b, m, 0, x);
+    partial(a, b, m, 4, y);
+    add4(x, y);
+    partial(a, b, m, 2, u);
+    partial(a, b, m, 6, v);
+    add4(u, v);
+    add4(x, u);
+    partial(a, b, m, 1, u);
+    partial(a, b, m, 5, v);
+    add4(u, v);
+    partial(a, b, m, 3, y);
+    partial(a, b, m, 7, v);
+    add4(y, v);
+    add4(u, y);
+    add4(x, u);
+    store_d(row, m, x);
+  }
+}
+
+/* The d of the 64 heads and the 8 entries of rows r0..r0 + 7 of the staged round, into rows
+ * r0.. of dt: a lane's B fragments from entry r0 + g, its results for entries r0 + 2c, + 1. */
+template <bool FUSED>
+static __device__ __forceinline__ void ntile_scores(const uint32_t (&a)[4][8][4],
+                                                    const uint8_t *stage, const uint32_t *codes,
+                                                    const uint4 *lut, uint32_t r0, float *dt) {
+  const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  uint32_t b[8][2];
+  const uint8_t *v = stage + (r0 + g) * STAGE_ROW + 2 * c;
+  const uint32_t c4 = codes[r0 + g];
+#pragma unroll
+  for (int blk = 0; blk < DSV4_MXFP4_BLOCKS; blk++) {
+    const uint4 t = lut[(c4 >> (8 * blk)) & 255u];
+    const uint32_t tw[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int l = 2 * blk + h; /* partial l: bytes 8l..8l + 7, this lane's 8l + 2c, + 1 */
+      const uint32_t x = *reinterpret_cast<const uint16_t *>(v + 8 * l);
+      dsv4_index_mx_bf16x4(x, tw, &b[l][0], &b[l][1]);
+    }
+  }
+  float *row = dt + (r0 + 2 * c) * D_STRIDE + 2 * g;
+  if (FUSED)
+    scores_fused(a, b, row);
+  else
+    scores_partial(a, b, row);
+}
+
+/* dsv4_dot128(x, y) by the same operations in the same order (8 fma chains of 16 dims from +0.0f,
+ * then dsv4_fold8), a chain's loads issued as it runs: beside the 128 registers of A fragments the
+ * fully unrolled function would not fit. */
+static __device__ __forceinline__ float dot128_lean(const float *x, const float *y) {
+  float p[8];
+#pragma unroll
+  for (int l = 0; l < 8; l++) {
+    float acc = 0.0f;
+#pragma unroll 1
+    for (int k = 0; k < 16; k++)
+      acc = DSV4_FMA(x[16 * l + k], y[16 * l + k], acc);
+    p[l] = acc;
+  }
+  return dsv4_fold8(p);
+}
+
+/* Scalar mode: d of rows r0..r0 + n - 1, the dot product of q^ and the entry dequantised as
+ * dsv4_mxfp4_dequant128 does (lane l: dims 4l..4l + 3), two heads a lane. */
+static __device__ void rows_scalar(const float *qhat, const uint8_t *stage, const uint32_t *codes,
+                                   uint32_t r0, uint32_t n, float *kb, float *dt) {
+  const uint32_t lane = threadIdx.x & 31;
+  for (uint32_t r = r0; r < r0 + n; r++) {
+    const uint8_t *v = stage + r * STAGE_ROW + 2 * lane;
+    const float scale = dsv4_ue8m0_scale((uint8_t)(codes[r] >> (8 * (lane / 8))));
+    kb[4 * lane] = dsv4_e2m1_to_f32((uint8_t)(v[0] & 15u)) * scale;
+    kb[4 * lane + 1] = dsv4_e2m1_to_f32((uint8_t)(v[0] >> 4)) * scale;
+    kb[4 * lane + 2] = dsv4_e2m1_to_f32((uint8_t)(v[1] & 15u)) * scale;
+    kb[4 * lane + 3] = dsv4_e2m1_to_f32((uint8_t)(v[1] >> 4)) * scale;
+    __syncwarp();
+    for (uint32_t h = lane; h < MMA_HEADS; h += 32)
+      dt[r * D_STRIDE + h] = dot128_lean(qhat + h * Q_STRIDE, kb);
+    __syncwarp();
+  }
+}
+
+/* Warp w's rows 32w.. of the staged round (n entries in it), in the mode its entries' summaries
+ * and the heads' statistics allow (at most cap). */
+static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t (&a)[4][8][4],
+                                                  int buf, uint32_t n, uint32_t cap) {
+  const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * WARP_ROWS;
+  if (r0 >= n)
+    return; /* warp-uniform */
+  const uint32_t rows = min(n - r0, (uint32_t)WARP_ROWS);
+  const uint8_t *stage = sm.stage[buf];
+  const uint32_t *codes = sm.codes[buf];
+  const bool in = lane < rows;
+  uint32_t lo, hi, span;
+  warp_stats(in ? staged_summary(stage + (r0 + lane) * STAGE_ROW, codes[r0 + lane]) : 0u, in, &lo,
+             &hi, &span);
+  int mode = dsv4_index_mx_mode(sm.qstat[0], sm.qstat[1], sm.qstat[2], lo, hi, span);
+  mode = mode < (int)cap ? mode : (int)cap;
+  if (mode == DSV4_INDEX_MX_SCALAR) {
+    rows_scalar(sm.qhat, stage, codes, r0, rows, sm.kbuf[warp], sm.d);
+    return;
+  }
+  /* n-tiles past the last entry are skipped; the rows of one past it hold stale bytes, whose
+   * columns of d nobody reads. */
+  for (uint32_t t = 0; t < WARP_ROWS / 8 && 8 * t < rows; t++) {
+    if (mode == DSV4_INDEX_MX_FUSED)
+      ntile_scores<true>(a, stage, codes, sm.lut, r0 + 8 * t, sm.d);
+    else
+      ntile_scores<false>(a, stage, codes, sm.lut, r0 + 8 * t, sm.d);
+  }
+}
+
+/* Entry i's score (the thread's row of d, the heads in order) as its key, if i < i1. */
+static __device__ void entry_chain(const mma_smem_t &sm, uint32_t *keys, uint32_t i, uint32_t i1) {
+  if (i >= i1)
+    return;
+  const float4 *row = reinterpret_cast<const float4 *>(sm.d + threadIdx.x * D_STRIDE);
+  const float4 *w = reinterpret_cast<const float4 *>(sm.w);
+  float acc = 0.0f;
+#pragma unroll 4
+  for (int k = 0; k < MMA_HEADS / 4; k++) {
+    const float4 d = row[k], ww = w[k];
+    acc = dsv4_index_score_add(ww.x, d.x, acc);
+    acc = dsv4_index_score_add(ww.y, d.y, acc);
+    acc = dsv4_index_score_add(ww.z, d.z, acc);
+    acc = dsv4_index_score_add(ww.w, d.w, acc);
+  }
+  keys[i] = dsv4_index_score_key(acc);
+}
+
+/* The queries, the weights and the heads' statistics of token t into sm. */
+static __device__ void token_queries(const idx_params_t &p, uint32_t t, mma_smem_t &sm) {
+  const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
+  for (uint32_t h = threadIdx.x / 32; h < MMA_HEADS; h += SEL_WARPS)
+    index_query_warp(p.iq + ((uint64_t)t * MMA_HEADS + h) * DSV4_INDEX_DIM, rope_row,
+                     sm.qhat + h * Q_STRIDE, &sm.qsum[h]);
+  for (uint32_t h = threadIdx.x; h < MMA_HEADS; h += SEL_THREADS)
+    sm.w[h] = __fmul_rn(p.iw[(uint64_t)t * MMA_HEADS + h], p.w_scale);
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    /* Two heads a lane: the statistics of the lanes' first and second heads, then both. */
+    uint32_t lo[2], hi[2], span[2];
+    warp_stats(sm.qsum[threadIdx.x], true, &lo[0], &hi[0], &span[0]);
+    warp_stats(sm.qsum[threadIdx.x + 32], true, &lo[1], &hi[1], &span[1]);
+    if (threadIdx.x == 0) {
+      uint32_t l = 0, h = 0;
+      for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+        l |= min((lo[0] >> (8 * b)) & 255u, (lo[1] >> (8 * b)) & 255u) << (8 * b);
+        h |= max((hi[0] >> (8 * b)) & 255u, (hi[1] >> (8 * b)) & 255u) << (8 * b);
+      }
+      sm.qstat[0] = l;
+      sm.qstat[1] = h;
+      sm.qstat[2] = max(span[0], span[1]);
+    }
+  }
+}
+
+/* Split y of token t_base + blockIdx.x: the queries, then rounds of TILE entries. */
+__global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel(idx_params_t p) {
+  extern __shared__ uint4 smem_raw[];
+  mma_smem_t &sm = *reinterpret_cast<mma_smem_t *>(smem_raw);
+  for (uint32_t c = threadIdx.x; c < 256; c += SEL_THREADS) {
+    uint32_t t[4];
+    dsv4_index_mx_lut(c, t);
+    sm.lut[c] = make_uint4(t[0], t[1], t[2], t[3]);
+  }
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  uint32_t t, s, i0, i1;
+  int64_t jlo;
+  if (!score_split(p, &t, &s, &jlo, &i0, &i1))
+    return;
+  stage_round(p, s, jlo, i0, min(i1, i0 + TILE), sm.stage[0], sm.codes[0]);
+  token_queries(p, t, sm);
+  uint32_t a[4][8][4];
+  load_queries(sm.qhat, a);
+  uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
+  int buf = 0;
+  for (uint32_t base = i0; base < i1; base += TILE, buf ^= 1) {
+    cp_async_wait_all();
+    __syncthreads(); /* the round staged, qstat written, the last round's chains done with d */
+    if (base + TILE < i1)
+      stage_round(p, s, jlo, base + TILE, min(i1, base + 2 * TILE), sm.stage[buf ^ 1],
+                  sm.codes[buf ^ 1]);
+    warp_round(sm, a, buf, min(i1 - base, (uint32_t)TILE), p.mma_cap);
+    __syncthreads();
+    entry_chain(sm, keys, base + threadIdx.x, i1);
+  }
+}
+
+cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
+  static int ready = 0; /* the shared-memory limit, raised once per process */
+  if (!ready) {
+    cudaError_t e =
+        cudaFuncSetAttribute(dsv4__indexer_score_mma_kernel,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(mma_smem_t));
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return e;
+    }
+    ready = 1;
+  }
+  return dsv4__cuda_launch_smem(dsv4__indexer_score_mma_kernel, grid, SEL_THREADS,
+                                sizeof(mma_smem_t), s, pdl, p);
+}
