@@ -17,6 +17,13 @@
  * increasing: the CPU and CUDA backends both answer DSV4_EINVAL and the CUDA backend writes no
  * byte (its caches and outputs stay as they were); the next launch is right again.
  *
+ * Then the indexer's score paths on constructed records (indexer_paths): the per-entry kernel, the
+ * tensor-core kernel in the daemon's choice of modes, held to its partial mode and held to its
+ * scalar product, over queries of ordinary, huge, tiny and zero magnitude and records with block
+ * spans, zero blocks, +-6 everywhere, odd codes and codes that put E at and next to both edges of
+ * the tensor cores' window (dsv4-compress.h): every path's keys equal bit for bit, every
+ * selection the CPU backend's, and warps in every mode of the tensor-core kernel.
+ *
  * Mismatches name the case, the batch, the token (position, sequence), the head and dim or entry,
  * the bytes on both sides and how many differ, so one run on a device is enough to diagnose.
  *
@@ -679,6 +686,382 @@ static void run_case(ctx_t *c, const case_t *k, int refusals) {
   setup_free(&su);
 }
 
+/* ---- the indexer's score paths on constructed records ---- */
+
+#define IX_MAX_POS 16384
+#define IX_BS 64
+#define IX_TOPK 64
+#define IX_TOKENS 26
+#define IX_RUN 48 /* consecutive entries of one kind */
+#define IX_KINDS 7
+
+static const char *const ix_kind_names[IX_KINDS] = {
+    "realistic codes", "block spans of 9", "E at the top of the window", "E at its bottom",
+    "blocks of zeros", "+-6 everywhere",   "codes 0, 1, 253, 254"};
+
+/*
+ * Two sequences (2600 and 300 entries) and 26 decode-like tokens at their ends, every one scoring
+ * (topk 64). The queries: heads 0..15 of ordinary magnitude, 16..31 near the largest the daemon
+ * admits (q codes about 185), 32..47 tiny (codes about 25), 48..55 zero, 56..63 ordinary. The
+ * records come in runs of IX_RUN entries of one kind, so that the warps of 32 entries meet every
+ * mode of the tensor-core kernel and the window's edges (set from the queries' own codes).
+ */
+typedef struct {
+  int64_t pos[IX_TOKENS], seg_p0[2], c_first_lb[2];
+  int32_t tok_seg[IX_TOKENS], *c_bt;
+  uint32_t cbt_off[2], cbt_len[2], c_bt_len, c_n_blocks;
+  uint32_t n_ent[2];
+  uint8_t *icache;
+  size_t icache_bytes;
+  uint16_t *iq;
+  float *iw;
+  uint32_t qsum[IX_TOKENS][IH]; /* the heads' dsv4_index_mx_summary, from the host's quantiser */
+  int qlo, qhi;                 /* the smallest and largest nonzero q code of any head */
+} ix_t;
+
+/* iq of every token (head groups as above), iw > 0 (scores never NaN), and the queries' summaries.
+ */
+static void ix_queries(ctx_t *c, ix_t *x) {
+  static const int centre[8] = {127, 127, 180, 180, 24, 24, 0, 127};
+  x->qlo = 255;
+  x->qhi = 0;
+  for (uint32_t t = 0; t < IX_TOKENS; t++)
+    for (uint32_t h = 0; h < IH; h++) {
+      uint16_t *row = x->iq + ((size_t)t * IH + h) * 128;
+      if (centre[h / 8])
+        gpu_fill_bf16(&c->rng, row, 128, centre[h / 8], 2);
+      else
+        memset(row, 0, 256);
+      x->iw[t * IH + h] = 0.25f + (float)gpu_below(&c->rng, 1024) / 1024.0f;
+      float v[128];
+      uint8_t vals[64], codes[4];
+      for (int d = 0; d < 128; d++)
+        v[d] = dsv4_bf16_to_f32(row[d]);
+      dsv4_index_rope(v, dsv4_rope_table_row(c->rope, x->pos[t]));
+      dsv4_hadamard128(v);
+      dsv4_mxfp4_quant128(v, vals, codes);
+      x->qsum[t][h] = dsv4_index_mx_summary(vals, codes);
+      for (int b = 0; b < 4; b++) {
+        const int q = (int)((x->qsum[t][h] >> (8 * b)) & 255u);
+        if (q && q != (int)DSV4_INDEX_MX_INVALID) {
+          x->qlo = q < x->qlo ? q : x->qlo;
+          x->qhi = q > x->qhi ? q : x->qhi;
+        }
+      }
+    }
+}
+
+/* The record of one entry of the given kind; ku and kl: the k codes where E_b meets the window's
+ * top (118) and bottom (-124) against the queries' extreme codes. */
+static void ix_record(ctx_t *c, uint8_t *v, uint8_t *codes, int kind, int ku, int kl) {
+  static const uint8_t spans[4] = {118, 121, 124, 127}, odd[4] = {0, 1, 253, 254};
+  static const uint8_t zero_codes[5] = {0, 1, 127, 253, 254};
+  for (int i = 0; i < 64; i++)
+    v[i] = (uint8_t)gpu_rnd(&c->rng);
+  const int base = 125 + (int)gpu_below(&c->rng, 3), u = ku - 3 + (int)gpu_below(&c->rng, 7),
+            l = kl - 2 + (int)gpu_below(&c->rng, 5), rot = (int)gpu_below(&c->rng, 4);
+  for (int b = 0; b < 4; b++) {
+    int code = base + (int)gpu_below(&c->rng, 2);
+    if (kind == 1)
+      code = spans[(b + rot) & 3];
+    else if (kind == 2)
+      code = u - (int)gpu_below(&c->rng, 2);
+    else if (kind == 3)
+      code = l + (int)gpu_below(&c->rng, 2);
+    codes[b] = (uint8_t)code;
+  }
+  if (kind == 4)
+    for (int b = 0; b < 4; b++)
+      if (gpu_below(&c->rng, 2)) {
+        for (int i = 16 * b; i < 16 * b + 16; i++)
+          v[i] &= 0x88; /* signed zeros */
+        codes[b] = zero_codes[gpu_below(&c->rng, 5)];
+      }
+  if (kind == 5)
+    for (int i = 0; i < 64; i++)
+      v[i] = (uint8_t)(0x77 | (v[i] & 0x88));
+  if (kind == 6)
+    codes[rot] = odd[gpu_below(&c->rng, 4)];
+}
+
+/* The sequences, their tokens and tables, and every visible entry's record. */
+static void ix_make(ctx_t *c, ix_t *x) {
+  memset(x, 0, sizeof(*x));
+  x->n_ent[0] = 2600;
+  x->n_ent[1] = 300;
+  for (uint32_t t = 0; t < IX_TOKENS; t++) {
+    const uint32_t s = t < 20 ? 0 : 1, last = 4 * x->n_ent[s] - 1;
+    x->tok_seg[t] = (int32_t)s;
+    x->pos[t] = (int64_t)last - (s ? 25 - t : 19 - t);
+  }
+  CKD(dsv4_rope_table_ensure(c->rope, x->pos, IX_TOKENS));
+  for (uint32_t s = 0; s < 2; s++) {
+    x->cbt_off[s] = x->c_bt_len;
+    x->cbt_len[s] = (x->n_ent[s] + IX_BS - 1) / IX_BS;
+    x->c_bt_len += x->cbt_len[s];
+  }
+  x->c_n_blocks = x->c_bt_len + 5;
+  uint32_t *perm = gpu_perm(&c->rng, x->c_n_blocks);
+  x->c_bt = gpu_host_alloc(4 * x->c_bt_len);
+  for (uint32_t i = 0; i < x->c_bt_len; i++)
+    x->c_bt[i] = (int32_t)perm[i];
+  free(perm);
+  x->iq = gpu_host_alloc(2 * (size_t)IX_TOKENS * IH * 128);
+  x->iw = gpu_host_alloc(4 * (size_t)IX_TOKENS * IH);
+  ix_queries(c, x);
+  const int ku = 372 - x->qhi, kl = 130 - x->qlo;
+  x->icache_bytes = (size_t)x->c_n_blocks * DSV4_INDEX_BLOCK_BYTES(IX_BS);
+  x->icache = gpu_host_alloc(x->icache_bytes);
+  memset(x->icache, 0, x->icache_bytes);
+  for (uint32_t s = 0; s < 2; s++)
+    for (uint32_t j = 0; j < x->n_ent[s]; j++) {
+      uint8_t *blk =
+          x->icache + (size_t)x->c_bt[x->cbt_off[s] + j / IX_BS] * DSV4_INDEX_BLOCK_BYTES(IX_BS);
+      const uint32_t o = j % IX_BS;
+      ix_record(c, blk + 64 * o, blk + 64 * IX_BS + 4 * o, (int)((j / IX_RUN + s) % IX_KINDS), ku,
+                kl);
+    }
+}
+
+static void ix_free(ix_t *x) {
+  free(x->c_bt);
+  free(x->icache);
+  free(x->iq);
+  free(x->iw);
+}
+
+/* The indexer's arguments over the arrays of a, b, ... (host or device addresses alike). */
+static dsv4_indexer_args_t ix_args(ctx_t *c, const ix_t *x, void *const *a) {
+  return (dsv4_indexer_args_t){.n_tokens = IX_TOKENS,
+                               .n_segments = 2,
+                               .topk = IX_TOPK,
+                               .n_heads = IH,
+                               .w_scale = dsv4_u2f(DSV4_INDEX_W_SCALE_BITS),
+                               .positions = a[0],
+                               .tok_seg = a[1],
+                               .seg_p0 = a[2],
+                               .iq = a[3],
+                               .iw = a[4],
+                               .rope = c->rope,
+                               .seg_c_first_lb = a[5],
+                               .seg_cbt_off = a[6],
+                               .seg_cbt_len = a[7],
+                               .c_block_table = a[8],
+                               .c_bt_entries = x->c_bt_len,
+                               .i_cache = a[9],
+                               .c_n_blocks = x->c_n_blocks,
+                               .block_size = IX_BS,
+                               .sel = a[10]};
+}
+
+#define IX_ARRAYS 11
+
+static void ix_sources(const ix_t *x, const void *src[IX_ARRAYS], size_t len[IX_ARRAYS]) {
+  const void *s[IX_ARRAYS] = {x->pos,     x->tok_seg, x->seg_p0, x->iq,     x->iw, x->c_first_lb,
+                              x->cbt_off, x->cbt_len, x->c_bt,   x->icache, NULL};
+  const size_t l[IX_ARRAYS] = {8 * IX_TOKENS,
+                               4 * IX_TOKENS,
+                               16,
+                               2 * IX_TOKENS * IH * 128,
+                               4 * IX_TOKENS * IH,
+                               16,
+                               8,
+                               8,
+                               4 * x->c_bt_len,
+                               x->icache_bytes,
+                               4 * IX_TOKENS * IX_TOPK};
+  memcpy(src, s, sizeof(s));
+  memcpy(len, l, sizeof(l));
+}
+
+/* The CPU backend's selection. */
+static void ix_cpu(ctx_t *c, const ix_t *x, int32_t *sel) {
+  const void *src[IX_ARRAYS];
+  size_t len[IX_ARRAYS];
+  ix_sources(x, src, len);
+  dsv4_devbuf_t b[IX_ARRAYS];
+  void *a[IX_ARRAYS];
+  for (int i = 0; i < IX_ARRAYS; i++) {
+    b[i] = attn_put(c->cpu, src[i], len[i]);
+    a[i] = b[i].ptr;
+  }
+  const dsv4_indexer_args_t xa = ix_args(c, x, a);
+  CKD(c->cpu->ops->indexer(c->cpu, &xa));
+  CKD(c->cpu->ops->sync(c->cpu));
+  CKD(c->cpu->ops->download(c->cpu, sel, &b[10], 0, len[10]));
+  CKD(c->cpu->ops->sync(c->cpu));
+  for (int i = 0; i < IX_ARRAYS; i++)
+    c->cpu->ops->buf_free(c->cpu, &b[i]);
+}
+
+/* dsv4__cuda_indexer on path `path`: the selection and every token's keys (slot t: token t). */
+static void ix_cuda(ctx_t *c, const ix_t *x, int path, int32_t *sel, uint32_t *keys,
+                    uint64_t keys_len) {
+  const void *src[IX_ARRAYS];
+  size_t len[IX_ARRAYS];
+  ix_sources(x, src, len);
+  void *a[IX_ARRAYS];
+  for (int i = 0; i < IX_ARRAYS; i++) {
+    a[i] = gpu_dev_alloc(len[i]);
+    if (src[i])
+      CK(cudaMemcpy(a[i], src[i], len[i], cudaMemcpyHostToDevice));
+  }
+  CK(cudaMemset(a[10], ATTN_CANARY, len[10]));
+  float *mirror = gpu_dev_alloc((size_t)IX_MAX_POS * DSV4_ROPE_ROW_FLOATS * sizeof(float));
+  gpu_rope_upload(c->rope, mirror, IX_MAX_POS, x->pos, IX_TOKENS);
+  uint32_t *dkeys = gpu_dev_alloc(4 * keys_len), *err = gpu_dev_alloc(4), herr = 0;
+  CK(cudaMemset(dkeys, 0, 4 * keys_len));
+  CK(cudaMemset(err, 0, 4));
+  const dsv4_indexer_args_t xa = ix_args(c, x, a);
+  dsv4__cuda_indexer_set_path(path);
+  CKD(dsv4__cuda_indexer(&xa, mirror, IX_MAX_POS, dkeys, keys_len, err, 0, 0));
+  dsv4__cuda_indexer_set_path(DSV4_CUDA_INDEXER_AUTO);
+  CK(cudaDeviceSynchronize());
+  CK(cudaMemcpy(&herr, err, 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(sel, a[10], len[10], cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(keys, dkeys, 4 * keys_len, cudaMemcpyDeviceToHost));
+  if (herr) {
+    fprintf(stderr, "FAIL indexer paths: path %d set the error word (%u)\n", path, herr);
+    exit(1);
+  }
+  for (int i = 0; i < IX_ARRAYS; i++)
+    CK(cudaFree(a[i]));
+  CK(cudaFree(mirror));
+  CK(cudaFree(dkeys));
+  CK(cudaFree(err));
+}
+/* The per-block minima of the nonzero summary bytes, maxima and largest span of n summaries. */
+static void ix_stats(const uint32_t *sum, uint32_t n, uint32_t *lo, uint32_t *hi, uint32_t *span) {
+  *lo = 0xFFFFFFFFu;
+  *hi = *span = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    for (int b = 0; b < 4; b++) {
+      const uint32_t q = (sum[i] >> (8 * b)) & 255u, l = (*lo >> (8 * b)) & 255u,
+                     h = (*hi >> (8 * b)) & 255u;
+      if (q && q < l)
+        *lo = (*lo & ~(255u << (8 * b))) | (q << (8 * b));
+      if (q > h)
+        *hi = (*hi & ~(255u << (8 * b))) | (q << (8 * b));
+    }
+    const uint32_t sp = dsv4_index_mx_span(sum[i]);
+    *span = sp > *span ? sp : *span;
+  }
+}
+
+/* How many warps of the tensor-core kernel take each mode here: the launch's splits (indexer.cu)
+ * and rounds of 256 entries, 32 a warp (indexer_mma.cu), from the summaries. */
+static void ix_census(const ix_t *x, uint32_t sms, uint32_t count[3]) {
+  const uint32_t ctas = IX_TOKENS < sms ? IX_TOKENS : sms;
+  const uint32_t splits = sms / ctas ? sms / ctas : 1;
+  for (uint32_t t = 0; t < IX_TOKENS; t++) {
+    const uint32_t s = (uint32_t)x->tok_seg[t], n = (uint32_t)((x->pos[t] + 1) / 4);
+    const uint32_t per = (n + splits - 1) / splits;
+    uint32_t qlo, qhi, qspan, ksum[32];
+    ix_stats(x->qsum[t], IH, &qlo, &qhi, &qspan);
+    for (uint32_t y = 0; y < splits; y++) {
+      const uint32_t i0 = y * per, i1 = i0 + per < n ? i0 + per : n;
+      for (uint32_t r0 = i0; r0 < i1; r0 += 32) {
+        const uint32_t rows = i1 - r0 < 32 ? i1 - r0 : 32;
+        for (uint32_t r = 0; r < rows; r++) {
+          const uint32_t j = r0 + r, o = j % IX_BS;
+          const uint8_t *blk = x->icache + (size_t)x->c_bt[x->cbt_off[s] + j / IX_BS] *
+                                               DSV4_INDEX_BLOCK_BYTES(IX_BS);
+          ksum[r] = dsv4_index_mx_summary(blk + 64 * o, blk + 64 * IX_BS + 4 * o);
+        }
+        uint32_t klo, khi, kspan;
+        ix_stats(ksum, rows, &klo, &khi, &kspan);
+        count[dsv4_index_mx_mode(qlo, qhi, qspan, klo, khi, kspan)]++;
+      }
+    }
+  }
+}
+
+/* The first key of token t that differs between a and b over its visible entries, or -1. */
+static long long ix_key_diff(const ix_t *x, const uint32_t *a, const uint32_t *b, uint64_t per_cta,
+                             uint32_t *token) {
+  for (uint32_t t = 0; t < IX_TOKENS; t++) {
+    const uint64_t n = (uint64_t)(x->pos[t] + 1) / 4;
+    for (uint64_t i = 0; i < n; i++)
+      if (a[t * per_cta + i] != b[t * per_cta + i]) {
+        *token = t;
+        return (long long)i;
+      }
+  }
+  return -1;
+}
+
+/*
+ * Every score path of the CUDA indexer (dsv4__cuda_indexer_set_path) on the same constructed
+ * inputs: the per-entry kernel, the daemon's choice (the tensor-core kernel on compute capability
+ * 9.0 and newer), and the tensor-core kernel held to its partial mode and to its scalar product.
+ * Every path's keys must equal the per-entry kernel's bit for bit and every selection the CPU
+ * backend's; where the tensor-core kernel runs, the data must send warps to each of its modes.
+ */
+static void indexer_paths(ctx_t *c) {
+  static const int paths[4] = {DSV4_CUDA_INDEXER_THREADS, DSV4_CUDA_INDEXER_AUTO,
+                               DSV4_CUDA_INDEXER_MMA_PARTIAL, DSV4_CUDA_INDEXER_MMA_SCALAR};
+  static const char *const names[4] = {"per-entry kernel", "daemon's choice",
+                                       "tensor cores, partial mode at most",
+                                       "tensor cores, scalar product only"};
+  ix_t x;
+  ix_make(c, &x);
+  const size_t sel_n = (size_t)IX_TOKENS * IX_TOPK;
+  const uint64_t per_cta = dsv4__cuda_indexer_keys_per_cta(IX_MAX_POS);
+  const uint64_t keys_len = (uint64_t)dsv4__cuda_indexer_ctas(IX_TOKENS) * per_cta;
+  int32_t *ref = gpu_host_alloc(4 * sel_n), *sel = gpu_host_alloc(4 * sel_n);
+  uint32_t *keys[4];
+  ix_cpu(c, &x, ref);
+  int bad = 0;
+  for (int i = 0; i < 4; i++) {
+    keys[i] = gpu_host_alloc(4 * keys_len);
+    ix_cuda(c, &x, paths[i], sel, keys[i], keys_len);
+    long long f = gpu_first_diff(sel, ref, 4 * sel_n);
+    if (f >= 0) {
+      const size_t k = (size_t)f / 4;
+      fprintf(stderr,
+              "FAIL indexer paths, %s: topk differs first at token %zu entry %zu: %d, "
+              "expected %d\n",
+              names[i], k / IX_TOPK, k % IX_TOPK, sel[k], ref[k]);
+      bad = 1;
+    }
+    uint32_t t = 0;
+    f = i ? ix_key_diff(&x, keys[i], keys[0], per_cta, &t) : -1;
+    if (f >= 0) {
+      const uint32_t kind = (uint32_t)((f / IX_RUN + (uint32_t)x.tok_seg[t]) % IX_KINDS);
+      fprintf(stderr,
+              "FAIL indexer paths, %s: the key of token %u entry %lld (%s) is %08x, the "
+              "per-entry kernel's %08x\n",
+              names[i], t, f, ix_kind_names[kind], keys[i][t * per_cta + (uint64_t)f],
+              keys[0][t * per_cta + (uint64_t)f]);
+      bad = 1;
+    }
+  }
+  int sms = 0, major = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  uint32_t count[3] = {0, 0, 0};
+  ix_census(&x, (uint32_t)sms, count);
+  if (major >= 9 && (!count[0] || !count[1] || !count[2])) {
+    fprintf(stderr,
+            "FAIL indexer paths: the data sends %u, %u, %u warps to the scalar, partial and "
+            "fused modes; every mode must run\n",
+            count[0], count[1], count[2]);
+    bad = 1;
+  }
+  printf("%s indexer paths: %d tokens, q codes %d..%d, warps in scalar/partial/fused mode %u/%u/%u "
+         "(%s): keys of every path %s\n",
+         bad ? "FAIL" : "ok  ", IX_TOKENS, x.qlo, x.qhi, count[0], count[1], count[2],
+         major >= 9 ? "tensor-core kernel" : "per-entry kernel everywhere",
+         bad ? "or selections differ" : "equal, selections the CPU's");
+  fflush(stdout);
+  c->failures += bad;
+  for (int i = 0; i < 4; i++)
+    free(keys[i]);
+  free(ref);
+  free(sel);
+  ix_free(&x);
+}
+
 /* ---- the cases ---- */
 
 /* Ratio 4, topk 512: s0 from 0 past 2,048 positions (more than 512 visible entries), s1 from
@@ -759,6 +1142,7 @@ int main(int argc, char **argv) {
   };
   for (uint32_t i = 0; i < N(quick_cases); i++)
     run_case(&c, &quick_cases[i], 1);
+  indexer_paths(&c);
   for (uint32_t i = 0; !quick && i < N(cases); i++)
     run_case(&c, &cases[i], 0);
   dsv4_backend_close(c.cuda);
