@@ -46,7 +46,10 @@
  * times the one launch of each.
  *
  * Usage: cuda_compress_bench   (DSV4_BENCH_N="1,64" picks the decode batch sizes, default 1, 64,
- * 256, and leaves out the prefill row)
+ * 256, and leaves out the prefill row; DSV4_BENCH_INDEXER=threads|partial|scalar times the
+ * indexer's per-entry kernel or the tensor-core kernel held to a lower mode instead of the
+ * daemon's choice; DSV4_BENCH_INDEX_CODES=narrow writes index records whose block codes are
+ * within one of each other, as the compressor's are)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -106,6 +109,12 @@ static void fill_records(uint64_t *rng, uint8_t *block) {
   }
 }
 
+/* DSV4_BENCH_INDEX_CODES=narrow: each index record's four block codes within one of each other,
+ * as the compressor writes them (its Hadamard spreads a key evenly over the blocks), rather than
+ * independent in 120..130. The tensor-core indexer takes its fused mode on such records and its
+ * partial mode on the default ones (indexer_mma.cu). */
+static int narrow_codes;
+
 /* n blocks of `bytes` each on the device, from a host template of 64 blocks made by fill. */
 static uint8_t *pool_make(uint64_t *rng, uint32_t n, size_t bytes, int index) {
   const uint32_t tmpl = 64;
@@ -114,9 +123,12 @@ static uint8_t *pool_make(uint64_t *rng, uint32_t n, size_t bytes, int index) {
     if (index) {
       for (size_t i = 0; i < bytes; i++) /* e2m1 nibbles: every code is a value */
         h[k * bytes + i] = (uint8_t)gpu_rnd(rng);
-      for (uint32_t o = 0; o < BS; o++) /* UE8M0 codes after the values */
+      for (uint32_t o = 0; o < BS; o++) { /* UE8M0 codes after the values */
+        const uint32_t base = 124 + gpu_below(rng, 5);
         for (int i = 0; i < 4; i++)
-          h[k * bytes + (size_t)BS * 64 + 4 * o + i] = (uint8_t)(120 + gpu_below(rng, 11));
+          h[k * bytes + (size_t)BS * 64 + 4 * o + i] =
+              (uint8_t)(narrow_codes ? base + gpu_below(rng, 2) : 120 + gpu_below(rng, 11));
+      }
     } else {
       fill_records(rng, h + k * bytes);
     }
@@ -632,6 +644,22 @@ int main(void) {
   double peak[2] = {0.0, 0.0};
   if (prefill && bench_peaks("cuda_compress_bench", s, fast, peak))
     return 1;
+  const char *codes = getenv("DSV4_BENCH_INDEX_CODES"), *path = getenv("DSV4_BENCH_INDEXER");
+  narrow_codes = codes && !strcmp(codes, "narrow");
+  if (path && *path) {
+    static const char *const names[4] = {"auto", "threads", "partial", "scalar"};
+    int k = 0;
+    while (k < 4 && strcmp(path, names[k]))
+      k++;
+    if (k == 4) {
+      fprintf(stderr, "cuda_compress_bench: DSV4_BENCH_INDEXER is auto, threads, partial or "
+                      "scalar\n");
+      return 2;
+    }
+    dsv4__cuda_indexer_set_path(k); /* DSV4_CUDA_INDEXER_AUTO .. _MMA_SCALAR in that order */
+  }
+  printf("indexer: %s path, index records' block codes %s\n", path && *path ? path : "auto",
+         narrow_codes ? "within one of each other" : "independent in 120..130");
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_yarn_default, MAX_POS, &mirror);
   uint32_t bs[8] = {1, 64, 256};
