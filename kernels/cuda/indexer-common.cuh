@@ -193,7 +193,10 @@ static __device__ void index_query_warp(const uint16_t *iq, const float *rope_ro
 
 /* The tensor-core score kernel (indexer_mma.cu) over grid (tokens of the wave, splits): the keys
  * of exactly the entries the per-entry kernel scores, with the same bits. n_heads must be
- * MMA_HEADS and the device of compute capability 8.0 or newer. */
+ * MMA_HEADS, the device of compute capability 8.0 or newer and dsv4__indexer_mma_fits() true. */
 cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl);
+/* Whether the current device grants a CTA the kernel's shared memory (about 220 KiB: compute
+ * capability 9.0 and 10.0 do). */
+int dsv4__indexer_mma_fits(void);
 
 #endif /* DSV4_KERNELS_CUDA_INDEXER_COMMON_CUH */

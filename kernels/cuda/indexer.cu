@@ -356,9 +356,11 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   while ((1u << p.bs_shift) < a->block_size)
     p.bs_shift++;
   /* The tensor-core kernel for V4's 64 index heads on compute capability 9.0 and newer (the
-   * devices with programmatic dependent launch), unless a test asks for the per-entry one. */
+   * devices with programmatic dependent launch) that grant its shared memory, unless a test asks
+   * for the per-entry one. */
   const int path = score_path.load(std::memory_order_relaxed);
-  const int mma = a->n_heads == MMA_HEADS && dev.pdl && path != DSV4_CUDA_INDEXER_THREADS;
+  const int mma = a->n_heads == MMA_HEADS && dev.pdl && path != DSV4_CUDA_INDEXER_THREADS &&
+                  dsv4__indexer_mma_fits();
   p.mma_cap = path == DSV4_CUDA_INDEXER_MMA_PARTIAL  ? DSV4_INDEX_MX_PARTIAL
               : path == DSV4_CUDA_INDEXER_MMA_SCALAR ? DSV4_INDEX_MX_SCALAR
                                                      : DSV4_INDEX_MX_FUSED;

@@ -21,7 +21,9 @@
  * that the lanes' 2-byte reads of one partial fall in distinct banks); warp w takes entries
  * 32w..32w+31 as four n-tiles of 8, each lane turning the 16 nibbles of its entry and k-slots into
  * bf16 B fragments through a byte table per code (dsv4_index_mx_bf16x4), 32 MMAs (4 head tiles x
- * 8 partials) per n-tile, and d to a [256][68] float tile; a barrier, the heads' chains, a barrier.
+ * 8 partials) per n-tile, and d to a [256][68] float tile; then its threads run the heads' chains
+ * of the round before, from the other d tile, so that one warp's chains overlap another's MMAs.
+ * One barrier a round. About 220 KiB of shared memory: one CTA an SM.
  *
  * The MMA's k-slots 2c, 2c + 1, 2c + 8, 2c + 9 (c = lane % 4) of partial l hold dims 16l + 4c ..
  * 16l + 4c + 3 on both sides (the sum of 16 exact products does not depend on the order), so a lane
@@ -32,6 +34,8 @@
  * wait comes before any other read, the error word is read after it, as in the per-entry kernel.
  */
 #include "indexer-common.cuh"
+
+#include <atomic>
 
 /* Entries a round: one a thread in the heads' chains. */
 #define TILE SEL_THREADS
@@ -50,7 +54,7 @@ typedef struct {
   uint32_t qstat[4];        /* the heads' per-block minima and maxima, the largest span */
   uint8_t stage[2][TILE * STAGE_ROW];
   uint32_t codes[2][TILE];
-  float d[TILE * D_STRIDE];
+  float d[2][TILE * D_STRIDE]; /* a round's d while the last round's chains read the other */
   float kbuf[SEL_WARPS][DSV4_INDEX_DIM]; /* a warp's dequantised entry (the scalar product) */
 } mma_smem_t;
 
@@ -267,8 +271,8 @@ static __device__ void rows_scalar(const float *qhat, const uint8_t *stage, cons
   }
 }
 
-/* Warp w's rows 32w.. of the staged round (n entries in it), in the mode its entries' summaries
- * and the heads' statistics allow (at most cap). */
+/* Warp w's rows 32w.. of the staged round (n entries in it) into d[buf], in the mode its entries'
+ * summaries and the heads' statistics allow (at most cap). */
 static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t (&a)[4][8][4],
                                                   int buf, uint32_t n, uint32_t cap) {
   const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * WARP_ROWS;
@@ -284,24 +288,25 @@ static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t
   int mode = dsv4_index_mx_mode(sm.qstat[0], sm.qstat[1], sm.qstat[2], lo, hi, span);
   mode = mode < (int)cap ? mode : (int)cap;
   if (mode == DSV4_INDEX_MX_SCALAR) {
-    rows_scalar(sm.qhat, stage, codes, r0, rows, sm.kbuf[warp], sm.d);
+    rows_scalar(sm.qhat, stage, codes, r0, rows, sm.kbuf[warp], sm.d[buf]);
     return;
   }
   /* n-tiles past the last entry are skipped; the rows of one past it hold stale bytes, whose
    * columns of d nobody reads. */
   for (uint32_t t = 0; t < WARP_ROWS / 8 && 8 * t < rows; t++) {
     if (mode == DSV4_INDEX_MX_FUSED)
-      ntile_scores<true>(a, stage, codes, sm.lut, r0 + 8 * t, sm.d);
+      ntile_scores<true>(a, stage, codes, sm.lut, r0 + 8 * t, sm.d[buf]);
     else
-      ntile_scores<false>(a, stage, codes, sm.lut, r0 + 8 * t, sm.d);
+      ntile_scores<false>(a, stage, codes, sm.lut, r0 + 8 * t, sm.d[buf]);
   }
 }
 
-/* Entry i's score (the thread's row of d, the heads in order) as its key, if i < i1. */
-static __device__ void entry_chain(const mma_smem_t &sm, uint32_t *keys, uint32_t i, uint32_t i1) {
+/* Entry i's score (the thread's row of d[buf], the heads in order) as its key, if i < i1. */
+static __device__ void entry_chain(const mma_smem_t &sm, int buf, uint32_t *keys, uint32_t i,
+                                   uint32_t i1) {
   if (i >= i1)
     return;
-  const float4 *row = reinterpret_cast<const float4 *>(sm.d + threadIdx.x * D_STRIDE);
+  const float4 *row = reinterpret_cast<const float4 *>(sm.d[buf] + threadIdx.x * D_STRIDE);
   const float4 *w = reinterpret_cast<const float4 *>(sm.w);
   float acc = 0.0f;
 #pragma unroll 4
@@ -362,17 +367,51 @@ __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel
   uint32_t a[4][8][4];
   load_queries(sm.qhat, a);
   uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
+  /* Round r: its records staged in stage[r & 1] during round r - 1; its d into d[r & 1] while
+   * the chains of round r - 1 read d[(r - 1) & 1]. One barrier a round separates every write of a
+   * buffer from the reads of its last use. */
   int buf = 0;
-  for (uint32_t base = i0; base < i1; base += TILE, buf ^= 1) {
+  uint32_t base = i0;
+  for (;; buf ^= 1) {
     cp_async_wait_all();
-    __syncthreads(); /* the round staged, qstat written, the last round's chains done with d */
+    __syncthreads(); /* round staged, qstat written; d[buf] and stage[buf ^ 1] free */
     if (base + TILE < i1)
       stage_round(p, s, jlo, base + TILE, min(i1, base + 2 * TILE), sm.stage[buf ^ 1],
                   sm.codes[buf ^ 1]);
     warp_round(sm, a, buf, min(i1 - base, (uint32_t)TILE), p.mma_cap);
-    __syncthreads();
-    entry_chain(sm, keys, base + threadIdx.x, i1);
+    if (base > i0)
+      entry_chain(sm, buf ^ 1, keys, base - TILE + threadIdx.x, i1);
+    if (base + TILE >= i1)
+      break;
+    base += TILE;
   }
+  __syncthreads();
+  entry_chain(sm, buf, keys, base + threadIdx.x, i1);
+}
+
+/* One entry per device id: 0 = not read yet, 1 = no, 2 = yes. Racing readers store the same. */
+#define FITS_CACHE 64
+static std::atomic<int> fits_cache[FITS_CACHE];
+
+int dsv4__indexer_mma_fits(void) {
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (dev >= 0 && dev < FITS_CACHE) {
+    const int v = fits_cache[dev].load(std::memory_order_relaxed);
+    if (v)
+      return v == 2;
+  }
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int fits = (size_t)optin >= sizeof(mma_smem_t);
+  if (dev >= 0 && dev < FITS_CACHE)
+    fits_cache[dev].store(fits ? 2 : 1, std::memory_order_relaxed);
+  return fits;
 }
 
 cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
