@@ -751,15 +751,16 @@ static void ix_queries(ctx_t *c, ix_t *x) {
     }
 }
 
-/* The record of one entry of the given kind; ku and kl: the k codes where E_b meets the window's
- * top (118) and bottom (-124) against the queries' extreme codes. */
-static void ix_record(ctx_t *c, uint8_t *v, uint8_t *codes, int kind, int ku, int kl) {
+/* The record of one entry of the given kind in run `run`; ku and kl: the k codes where E_b meets
+ * the window's top (118) and bottom (-124) against the queries' extreme codes. */
+static void ix_record(ctx_t *c, uint8_t *v, uint8_t *codes, int run, int kind, int ku, int kl) {
   static const uint8_t spans[4] = {118, 121, 124, 127}, odd[4] = {0, 1, 253, 254};
   static const uint8_t zero_codes[5] = {0, 1, 127, 253, 254};
   for (int i = 0; i < 64; i++)
     v[i] = (uint8_t)gpu_rnd(&c->rng);
-  const int base = 125 + (int)gpu_below(&c->rng, 3), u = ku - 3 + (int)gpu_below(&c->rng, 7),
-            l = kl - 2 + (int)gpu_below(&c->rng, 5), rot = (int)gpu_below(&c->rng, 4);
+  /* A run's edge codes step across the window's edge from one run of the kind to the next. */
+  const int base = 125 + (int)gpu_below(&c->rng, 3), u = ku - 3 + (run / IX_KINDS) % 7,
+            l = kl - 3 + (run / IX_KINDS) % 7, rot = (int)gpu_below(&c->rng, 4);
   for (int b = 0; b < 4; b++) {
     int code = base + (int)gpu_below(&c->rng, 2);
     if (kind == 1)
@@ -818,8 +819,8 @@ static void ix_make(ctx_t *c, ix_t *x) {
       uint8_t *blk =
           x->icache + (size_t)x->c_bt[x->cbt_off[s] + j / IX_BS] * DSV4_INDEX_BLOCK_BYTES(IX_BS);
       const uint32_t o = j % IX_BS;
-      ix_record(c, blk + 64 * o, blk + 64 * IX_BS + 4 * o, (int)((j / IX_RUN + s) % IX_KINDS), ku,
-                kl);
+      const int run = (int)(j / IX_RUN);
+      ix_record(c, blk + 64 * o, blk + 64 * IX_BS + 4 * o, run, (run + (int)s) % IX_KINDS, ku, kl);
     }
 }
 
