@@ -16,10 +16,13 @@
  *   - every pair of block codes (0..255 each) with a nonzero block on both sides, and with a zero
  *     block on either: a battery of inputs (all +6, prefixes that overflow and cancel, products
  *     that round on the subnormal grid, random nibbles) finds a difference between the model
- *     without any fallback and the CPU exactly where the derivation says the CPU's chain rounds
- *     (codes 0, 253..255, E in [-159, -148] or E >= 119; a zero block with code 255), and the mode
- *     the kernel takes there is the scalar product; the mode is the documented formula of the
- *     codes everywhere;
+ *     without any fallback and the CPU exactly where the derivation says the CPU's values or chain
+ *     differ from the exact sums (a code 253..255; a code 0 with E >= -159, where the model's sum
+ *     is no longer rounded to zero; E in [-159, -148] or E >= 119; against a zero block: its code
+ *     255 or the other's 253..255), and the mode the kernel takes there is the scalar product (the
+ *     sign of a zero is not counted: the score's ReLU maps both to +0); the mode is the documented
+ *     formula of the codes everywhere, and the scalar product's pairs beyond those are counted
+ *     (subnormal or flushed matrix operands: codes 1, E in [-147, -125] or below -159);
  *   - millions of random pairs from generators that mix uniform codes, realistic codes, codes at
  *     and just outside every bound, spans of 0..12 between the blocks, zero blocks (with signed
  *     zeros), all +-6 (the largest partial sums) and sparse nibbles: the model with the pair's
