@@ -702,7 +702,7 @@ static const char *const ix_kind_names[IX_KINDS] = {
 /*
  * Two sequences (2600 and 300 entries) and 26 decode-like tokens at their ends, every one scoring
  * (topk 64). The queries: heads 0..15 of ordinary magnitude, 16..31 near the largest the daemon
- * admits (q codes about 185), 32..47 tiny (codes about 25), 48..55 zero, 56..63 ordinary. The
+ * admits (q codes up to about 182), 32..47 tiny (codes about 24), 48..55 zero, 56..63 ordinary. The
  * records come in runs of IX_RUN entries of one kind, so that the warps of 32 entries meet every
  * mode of the tensor-core kernel and the window's edges (set from the queries' own codes).
  */
@@ -719,8 +719,7 @@ typedef struct {
   int qlo, qhi;                 /* the smallest and largest nonzero q code of any head */
 } ix_t;
 
-/* iq of every token (head groups as above), iw > 0 (scores never NaN), and the queries' summaries.
- */
+/* iq of every token (head groups as above), iw > 0 (no score is NaN), the queries' summaries. */
 static void ix_queries(ctx_t *c, ix_t *x) {
   static const int centre[8] = {127, 127, 180, 180, 24, 24, 0, 127};
   x->qlo = 255;
