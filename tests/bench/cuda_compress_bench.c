@@ -46,7 +46,8 @@
  * times the one launch of each.
  *
  * Usage: cuda_compress_bench   (DSV4_BENCH_N="1,64" picks the decode batch sizes, default 1, 64,
- * 256, and leaves out the prefill row; DSV4_BENCH_INDEXER=threads|partial|scalar times the
+ * 256, and leaves out the prefill row; DSV4_BENCH_LAYERS="C4/64K,C128/64K" picks the layers, of
+ * C4/8K, C4/64K and C128/64K; DSV4_BENCH_INDEXER=threads|partial|scalar times the
  * indexer's per-entry kernel or the tensor-core kernel held to a lower mode instead of the
  * daemon's choice; DSV4_BENCH_INDEX_CODES=narrow writes index records whose block codes are
  * within one of each other, as the compressor's are)
@@ -621,6 +622,22 @@ static void bench_prefill(double copy, const double peak[2], float *mirror, dsv4
   world_free(&w);
 }
 
+/* Whether DSV4_BENCH_LAYERS (a comma-separated list of names such as "C4/64K"; unset or empty:
+ * all) names the layer of ratio r over ctx positions. */
+static int layer_picked(const char *list, uint32_t r, uint32_t ctx) {
+  char name[24];
+  if (!list || !*list)
+    return 1;
+  snprintf(name, sizeof(name), "C%u/%uK", r, ctx / 1024);
+  for (const char *at = list; *at;) {
+    size_t n = strcspn(at, ",");
+    if (n == strlen(name) && !strncmp(at, name, n))
+      return 1;
+    at += n + (at[n] == ',');
+  }
+  return 0;
+}
+
 int main(void) {
   if (!gpu_available("cuda_compress_bench"))
     return GPU_SKIP;
@@ -678,8 +695,9 @@ int main(void) {
    * fast mode where the device offers it (the same floors). */
   printf("%-9s %4s %-9s %9s %9s %7s %9s\n", "layer", "b", "part", "us", "floor us", "x", "%copy");
   static const uint32_t layers[][2] = {{4, 8192}, {4, 65536}, {128, 65536}};
+  const char *pick = getenv("DSV4_BENCH_LAYERS");
   for (size_t l = 0; l < 3; l++)
-    for (size_t i = 0; i < n_b; i++) {
+    for (size_t i = 0; i < n_b && layer_picked(pick, layers[l][0], layers[l][1]); i++) {
       shape_t sh = {layers[l][0], layers[l][1], bs[i], 1};
       bench(&sh, copy, mirror, rope, s, fast);
     }
