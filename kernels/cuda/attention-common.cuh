@@ -21,11 +21,12 @@
 #define T_STRIDE 36      /* floats per lane row of a warp's transposition buffer (conflict-free) */
 #define NOPE_PIECES 56   /* 8-dim pieces of the NoPE part; pieces 56..63 are the RoPE part */
 #define MAX_WIN_BLOCKS 9 /* DSV4_WINDOW / DSV4_MIN_BLOCK_SIZE + 1 */
-/* Launches of at most this many tokens are checked whole by every CTA (below); larger ones by a
- * separate kernel before the attention kernel. A union launch (its tokens' entries too) up to
- * UNION_CHECK_ALL_MAX tokens: a warp per token, one or two rounds of the CTA's warps. */
-#define CHECK_ALL_MAX 1024u
-#define UNION_CHECK_ALL_MAX 16u
+/* Launches of at most this many tokens (cuda-kernels.h) are checked whole by every CTA (below);
+ * larger ones by a separate kernel before the attention kernel. A union launch (its tokens'
+ * entries too) up to UNION_CHECK_ALL_MAX tokens: a warp per token, one or two rounds of the CTA's
+ * warps. */
+#define CHECK_ALL_MAX DSV4_CUDA_ATTN_CHECK_ALL_MAX
+#define UNION_CHECK_ALL_MAX DSV4_CUDA_UNION_CHECK_ALL_MAX
 /* Error bits that are not reported: the launch stopped because another token failed. */
 #define ERR_EARLIER 0x80000000u
 #define ERR_REPORTED                                                                               \

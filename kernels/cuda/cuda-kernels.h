@@ -103,6 +103,12 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
 #define DSV4_CUDA_ERR_ENTRY 8u
 #define DSV4_CUDA_ERR_SLOT 16u
 
+/* An attention launch of at most this many tokens is checked whole by every CTA of its attention
+ * kernel; a larger one by a check kernel queued before it (attention-common.cuh): without
+ * compressed entries, and with them. For the tests, which report the path a launch takes. */
+#define DSV4_CUDA_ATTN_CHECK_ALL_MAX 1024u
+#define DSV4_CUDA_UNION_CHECK_ALL_MAX 16u
+
 /*
  * SPEC §7: out and lse for every token, or nothing and bits in
  * *err_dev (a device word the caller zeroes and reads back after the stream has run the launch).
