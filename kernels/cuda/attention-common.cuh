@@ -304,9 +304,12 @@ static __device__ __forceinline__ void norm_q(const attn_params_t &p, uint32_t h
 /*
  * The query's window and the launch's check (after the dependency wait): the physical blocks of
  * the window into ms.blk, the RoPE row into ms.rope; with check_all, every token of the launch is
- * checked here, else the word of the check kernel that ran before is read. Returns 0 when the CTA
- * may go on; otherwise every thread of it returns before writing anything (SPEC §7: a failed
- * launch writes nothing), and the error bits have been reported.
+ * checked here, else by the check kernel that ran before. On both paths the error word is read:
+ * the check kernel's bits, or those of an earlier kernel of the batch (cuda-kernels.h: once the
+ * word is set, every later kernel of the batch writes nothing), as union_setup and the combine
+ * kernel read it. Returns 0 when the CTA may go on; otherwise every thread of it returns before
+ * writing anything (SPEC §7: a failed launch writes nothing), and the error bits have been
+ * reported.
  */
 static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
   const uint32_t tid = threadIdx.x;
@@ -327,9 +330,9 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
     window_t wu; /* a launch without compressed entries: the window's checks are all */
     for (uint32_t u = tid; u < p.n_tokens; u += ATTN_THREADS)
       bits |= token_check(p, u, &wu);
-  } else if (tid == 0 && __ldcg(p.err) != 0) {
-    bits |= ERR_EARLIER;
   }
+  if (tid == 0 && __ldcg(p.err) != 0)
+    bits |= ERR_EARLIER;
   /* With check_all every CTA finds every error: those of the first column (each split of token 0's
    * first head group) report them, the same bits. */
   if ((bits & ERR_REPORTED) && (!p.check_all || blockIdx.x == 0))
