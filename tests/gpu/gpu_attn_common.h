@@ -249,6 +249,10 @@ typedef struct {
   /* The fused decode path (SPEC §7, DSV4_BE_ATTN_FUSED_Q): the query batch's insert writes the KV
    * rows only and the attention reads the raw q, normalising it itself. */
   int fused;
+  /* A launch over these segments' tables queued before the measured one, on the same buffers and
+   * in the same batch (no sync between), or NULL: a table that makes it invalid sets the device's
+   * error word, and the measured launch must then write nothing either (cuda-kernels.h). */
+  const attn_table_t *earlier;
 } attn_inputs_t;
 
 /* Random inputs for a plan: queries and kv rows of bf16 around 1 (spread octaves each way). */
@@ -398,12 +402,31 @@ static inline void attn_put_entries(dsv4_backend_t *be, const attn_plan_t *p,
   aa->c_sel_stride = e->sel_stride;
 }
 
+/* The launch aa again over table t instead of its own segments' tables (their buffers into tb,
+ * freed by the caller): in->earlier's launch. */
+static inline int attn_launch_over(dsv4_backend_t *be, const attn_plan_t *p,
+                                   const dsv4_attn_args_t *aa, const attn_table_t *t,
+                                   dsv4_devbuf_t tb[4]) {
+  tb[0] = attn_put(be, t->seg_first_lb, sizeof(int64_t) * p->n_segs);
+  tb[1] = attn_put(be, t->seg_bt_off, sizeof(uint32_t) * p->n_segs);
+  tb[2] = attn_put(be, t->seg_bt_len, sizeof(uint32_t) * p->n_segs);
+  tb[3] = attn_put(be, t->block_table, sizeof(int32_t) * t->bt_len);
+  dsv4_attn_args_t ea = *aa;
+  ea.seg_first_lb = tb[0].ptr;
+  ea.seg_bt_off = tb[1].ptr;
+  ea.seg_bt_len = tb[2].ptr;
+  ea.block_table = tb[3].ptr;
+  ea.bt_entries = t->bt_len;
+  return be->ops->attention(be, &ea);
+}
+
 /*
  * The plan on backend be: the history batch, the query batch, then attention over the query batch
- * (with the segments of tab, or the plan's own when tab is NULL), out [n_q, heads, 512] and, with
- * want_lse, lse [n_q, heads] downloaded whether or not the launch failed; keep, when not NULL,
- * receives the inserts' q_out and cache. With in->ent the launch is a union launch over those
- * entries (attn_put_entries). Returns the attention launch's result, or its sync's.
+ * (with the segments of tab, or the plan's own when tab is NULL; after in->earlier's launch when
+ * there is one), out [n_q, heads, 512] and, with want_lse, lse [n_q, heads] downloaded whether or
+ * not the launch failed; keep, when not NULL, receives the inserts' q_out and cache. With in->ent
+ * the launch is a union launch over those entries (attn_put_entries). Returns the attention
+ * launch's result (or the earlier one's when it fails), or its sync's.
  */
 static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_inputs_t *in,
                            const attn_table_t *tab, uint16_t *out, float *lse, attn_keep_t *keep) {
@@ -473,7 +496,10 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
   dsv4_devbuf_t etab[5] = {{0}}, c_cache = {0};
   if (in->ent)
     attn_put_entries(be, p, in, etab, &c_cache, &aa);
-  int rc = be->ops->attention(be, &aa);
+  dsv4_devbuf_t early[4] = {{0}};
+  int rc = in->earlier ? attn_launch_over(be, p, &aa, in->earlier, early) : 0;
+  if (!rc)
+    rc = be->ops->attention(be, &aa);
   int sync_rc = be->ops->sync(be);
   if (!rc)
     rc = sync_rc;
@@ -491,10 +517,10 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
       CKD(be->ops->download(be, keep->c_cache, &c_cache, 0, c_cache.size));
   }
   CKD(be->ops->sync(be));
-  dsv4_devbuf_t *bufs[] = {&seg[0],  &seg[1],  &seg[2],  &seg[3],  &aseg[0], &aseg[1],
-                           &aseg[2], &aseg[3], &cache,   &q_hist,  &q_out,   &dpos,
-                           &dseg,    &dp0,     &dsink,   &dout,    &dlse,    &etab[0],
-                           &etab[1], &etab[2], &etab[3], &etab[4], &c_cache};
+  dsv4_devbuf_t *bufs[] = {&seg[0],  &seg[1],  &seg[2],   &seg[3],   &aseg[0],  &aseg[1], &aseg[2],
+                           &aseg[3], &cache,   &q_hist,   &q_out,    &dpos,     &dseg,    &dp0,
+                           &dsink,   &dout,    &dlse,     &etab[0],  &etab[1],  &etab[2], &etab[3],
+                           &etab[4], &c_cache, &early[0], &early[1], &early[2], &early[3]};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     be->ops->buf_free(be, bufs[i]);
   return rc;
