@@ -233,6 +233,14 @@ extern unsigned dsv4__cuda_test_flags_host;
 extern unsigned dsv4__cuda_test_union_splits;
 #endif
 
+#if defined(DSV4_TEST_SELECT)
+/* Test-only (tests/gpu/gpu_select_test.c, indexer.cu built again): the indexer's selection, one
+ * CTA per problem b < count, of the n[b] > topk keys at keys + b * stride into out + b * topk, as
+ * entries 0.. (all device pointers); waits for the device. 0 or a DSV4_E* code. */
+int dsv4__cuda_test_select(const uint32_t *keys, uint64_t stride, const uint32_t *n, uint32_t count,
+                           uint32_t topk, int32_t *out);
+#endif
+
 #ifdef __cplusplus
 }
 #endif

@@ -25,10 +25,14 @@
  *            kernel, or the tensor-core kernel's lower modes, for the tests that compare them).
  *   select   one CTA per token of the wave. A token with at most topk visible entries lists them.
  *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
- *            histogram per round, its bucket found by a block-wide scan) finds the k-th largest
- *            key T and how many keys equal to T are taken; a last pass over the keys in entry
- *            order, 2048 at a time (8 a thread) with two block-wide prefix sums, lists every key
- *            above T and the first of those equal to T.
+ *            histogram per round, a warp's lanes of one bucket adding together, the bucket found
+ *            by a block-wide scan) finds the k-th largest key T and how many keys equal to T are
+ *            taken; a last pass over the keys in entry order, 2048 at a time (8 a thread) with two
+ *            block-wide prefix sums, lists every key above T and the first of those equal to T. A
+ *            token of at most 16384 keys (64K positions) has them loaded into registers once, in
+ *            the last pass's layout; above that, the rounds read them from global memory until
+ *            the keys still in the race fit 8192, which the round that counts them copies into
+ *            shared memory for the later rounds.
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
  * the selection is a function of the scores alone, so the lists are equal.
@@ -168,81 +172,215 @@ static __device__ void score_entries_grouped(const idx_params_t &p, uint32_t s, 
   }
 }
 
+/* Keys a selection copies into shared memory once those still in the race fit (32 KiB). */
+#define SEL_CAND 8192
+/* Keys a thread loads at once in a histogram round from global memory. */
+#define HIST_UNROLL 4
+/* Rounds of list_selected whose keys a thread holds in registers: tokens with at most REG_KEYS
+ * keys are selected without reading them twice. */
+#define REG_ROUNDS 8
+#define REG_KEYS (REG_ROUNDS * SEL_THREADS * LIST_PER)
+
 /* Shared state of the selection. */
 typedef struct {
   uint32_t hist[256];
   uint32_t warp_sums[SEL_WARPS];
-  uint32_t prefix, need;
+  uint32_t prefix, need, count, n_cand;
+  uint32_t cand[SEL_CAND]; /* the keys in the race, in no particular order */
 } sel_smem_t;
 
+/* One count per lane with in into bucket b of hist, the lanes of a warp with equal buckets adding
+ * together (a token's keys share few top bytes, whose buckets would take one atomic a key). Called
+ * by whole warps. */
+static __device__ __forceinline__ void hist_add(uint32_t *hist, uint32_t b, bool in) {
+  const uint32_t act = __ballot_sync(FULL, in);
+  if (in) {
+    const uint32_t peers = __match_any_sync(act, b);
+    if ((uint32_t)(__ffs(peers) - 1) == (threadIdx.x & 31))
+      atomicAdd(&hist[b], (uint32_t)__popc(peers));
+  }
+}
+
+/* The lanes' keys with in appended to sm.cand, one atomic a warp. Called by whole warps. */
+static __device__ __forceinline__ void cand_add(sel_smem_t &sm, uint32_t key, bool in) {
+  const uint32_t act = __ballot_sync(FULL, in), lane = threadIdx.x & 31;
+  if (!act)
+    return; /* warp-uniform */
+  const uint32_t leader = __ffs(act) - 1;
+  uint32_t base = 0;
+  if (lane == leader)
+    base = atomicAdd(&sm.n_cand, (uint32_t)__popc(act));
+  base = __shfl_sync(FULL, base, leader);
+  if (in)
+    sm.cand[base + __popc(act & ((1u << lane) - 1u))] = key;
+}
+
+/* The histogram under shift of the keys of src[0..n) still in the race ((key & mask) == prefix),
+ * HIST_UNROLL loads in flight a thread; with compact, those keys copied into sm.cand too. */
+static __device__ void hist_round(const uint32_t *src, uint32_t n, uint32_t mask, uint32_t prefix,
+                                  int shift, bool compact, sel_smem_t &sm) {
+  for (uint32_t base = 0; base < n; base += SEL_THREADS * HIST_UNROLL) {
+    uint32_t key[HIST_UNROLL];
+#pragma unroll
+    for (int u = 0; u < HIST_UNROLL; u++) {
+      const uint32_t i = base + u * SEL_THREADS + threadIdx.x;
+      key[u] = i < n ? src[i] : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < HIST_UNROLL; u++) {
+      const bool in = base + u * SEL_THREADS + threadIdx.x < n && (key[u] & mask) == prefix;
+      hist_add(sm.hist, (key[u] >> shift) & 255u, in);
+      if (compact)
+        cand_add(sm, key[u], in);
+    }
+  }
+}
+
+/* After a round's histogram under shift: the bucket b of the k-th largest. The keys matching
+ * *prefix number at least *need, so there is exactly one b whose buckets above hold fewer than
+ * *need keys and b and those above at least *need. Thread x looks at bucket 255 - x, the scan
+ * summing the buckets above it. *prefix takes b, *need what is left of it and *count the keys in b.
+ */
+static __device__ void radix_choose(int shift, uint32_t *prefix, uint32_t *need, uint32_t *count,
+                                    sel_smem_t &sm) {
+  static_assert(SEL_THREADS == 256, "one thread per bucket");
+  const uint32_t b = 255u - threadIdx.x, hb = sm.hist[b];
+  uint32_t total;
+  const uint32_t above = block_scan(hb, sm.warp_sums, &total);
+  if (above < *need && above + hb >= *need) {
+    sm.prefix = *prefix | (b << shift);
+    sm.need = *need - above;
+    sm.count = hb;
+  }
+  __syncthreads();
+  *prefix = sm.prefix;
+  *need = sm.need;
+  *count = sm.count;
+}
+
 /* The k-th largest of the n keys, T, and in sm.need how many keys equal to T the top k take:
- * cpu_compress.c's select_topk, one histogram per 8 bits. */
+ * cpu_compress.c's select_topk, one histogram per 8 bits. The first round whose keys in the race
+ * fit SEL_CAND copies them into shared memory, and the later rounds read them there. */
 static __device__ uint32_t radix_select(const uint32_t *keys, uint32_t n, uint32_t k,
                                         sel_smem_t &sm) {
-  uint32_t prefix = 0, mask = 0, need = k;
+  uint32_t prefix = 0, mask = 0, need = k, count = n, n_src = n;
+  const uint32_t *src = keys;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (uint32_t i = threadIdx.x; i < 256; i += SEL_THREADS)
       sm.hist[i] = 0;
+    if (threadIdx.x == 0)
+      sm.n_cand = 0;
     __syncthreads();
-    for (uint32_t i = threadIdx.x; i < n; i += SEL_THREADS) {
-      const uint32_t key = keys[i];
-      if ((key & mask) == prefix)
-        atomicAdd(&sm.hist[(key >> shift) & 255u], 1u);
+    const bool compact = src == keys && shift > 0 && count <= SEL_CAND; /* CTA-uniform */
+    hist_round(src, n_src, mask, prefix, shift, compact, sm);
+    __syncthreads();
+    if (compact) {
+      src = sm.cand;
+      n_src = count; /* every key of the round's race, sm.n_cand of them */
     }
-    __syncthreads();
-    /* The bucket b of the k-th largest: the keys matching prefix number at least need, so there is
-     * exactly one b whose buckets above hold fewer than need keys and b and those above at least
-     * need. Thread x looks at bucket 255 - x, the scan summing the buckets above it. */
-    static_assert(SEL_THREADS == 256, "one thread per bucket");
-    const uint32_t b = 255u - threadIdx.x, hb = sm.hist[b];
-    uint32_t total;
-    const uint32_t above = block_scan(hb, sm.warp_sums, &total);
-    if (above < need && above + hb >= need) {
-      sm.prefix = prefix | (b << shift);
-      sm.need = need - above;
-    }
-    __syncthreads();
-    prefix = sm.prefix;
-    need = sm.need;
+    radix_choose(shift, &prefix, &need, &count, sm);
     mask |= 255u << shift;
   }
   return prefix;
 }
 
+/* How far list_selected got: the keys taken and the keys equal to T met. */
+typedef struct {
+  uint32_t taken, ties;
+} list_state_t;
+
+/* One round of list_selected: the thread's LIST_PER keys of entries i0.. (those below n), two
+ * block-wide prefix sums (the keys equal to T before the thread's, then the keys taken before
+ * its). Called by the whole CTA. */
+static __device__ __forceinline__ void list_round(const uint32_t (&key)[LIST_PER], uint32_t i0,
+                                                  uint32_t n, uint32_t T, uint32_t need,
+                                                  int64_t jlo, int32_t *out, sel_smem_t &sm,
+                                                  list_state_t &st) {
+  uint32_t my_eq = 0;
+#pragma unroll
+  for (uint32_t v = 0; v < LIST_PER; v++)
+    my_eq += i0 + v < n && key[v] == T ? 1u : 0u;
+  uint32_t n_eq, n_take;
+  uint32_t eq = st.ties + block_scan(my_eq, sm.warp_sums, &n_eq); /* keys equal to T before */
+  uint32_t take = 0, my_take = 0;
+#pragma unroll
+  for (uint32_t v = 0; v < LIST_PER; v++) {
+    const bool in = i0 + v < n, is_t = in && key[v] == T;
+    if ((in && key[v] > T) || (is_t && eq < need)) {
+      take |= 1u << v;
+      my_take++;
+    }
+    eq += is_t ? 1u : 0u;
+  }
+  uint32_t at = st.taken + block_scan(my_take, sm.warp_sums, &n_take);
+#pragma unroll
+  for (uint32_t v = 0; v < LIST_PER; v++)
+    if (take & (1u << v))
+      out[at++] = (int32_t)(jlo + i0 + v);
+  st.taken += n_take;
+  st.ties += n_eq;
+}
+
 /* Every key above T and the first need keys equal to T, in entry order, into out[0..k): rounds
- * of LIST_PER consecutive keys a thread, two block-wide prefix sums a round (the keys equal to T
- * before a thread's, then the keys taken before its). */
+ * of LIST_PER consecutive keys a thread. */
 static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t T, uint32_t need,
                                      int64_t jlo, int32_t *out, sel_smem_t &sm) {
-  uint32_t taken = 0, ties = 0;
+  list_state_t st = {0, 0};
   for (uint32_t base = 0; base < n; base += SEL_THREADS * LIST_PER) {
     const uint32_t i0 = base + threadIdx.x * LIST_PER;
-    uint32_t key[LIST_PER], my_eq = 0;
-#pragma unroll
-    for (uint32_t v = 0; v < LIST_PER; v++) {
-      key[v] = i0 + v < n ? keys[i0 + v] : 0u;
-      my_eq += i0 + v < n && key[v] == T ? 1u : 0u;
-    }
-    uint32_t n_eq, n_take;
-    uint32_t eq = ties + block_scan(my_eq, sm.warp_sums, &n_eq); /* keys equal to T before */
-    uint32_t take = 0, my_take = 0;
-#pragma unroll
-    for (uint32_t v = 0; v < LIST_PER; v++) {
-      const bool in = i0 + v < n, is_t = in && key[v] == T;
-      if ((in && key[v] > T) || (is_t && eq < need)) {
-        take |= 1u << v;
-        my_take++;
-      }
-      eq += is_t ? 1u : 0u;
-    }
-    uint32_t at = taken + block_scan(my_take, sm.warp_sums, &n_take);
+    uint32_t key[LIST_PER];
 #pragma unroll
     for (uint32_t v = 0; v < LIST_PER; v++)
-      if (take & (1u << v))
-        out[at++] = (int32_t)(jlo + i0 + v);
-    taken += n_take;
-    ties += n_eq;
+      key[v] = i0 + v < n ? keys[i0 + v] : 0u;
+    list_round(key, i0, n, T, need, jlo, out, sm, st);
   }
+}
+
+/* The selection of at most REG_KEYS keys (a token at up to 64K positions on a ratio-4 layer) from
+ * registers: each thread loads its list_selected keys once, every histogram round and the list
+ * read them there. */
+static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32_t topk,
+                                        int64_t jlo, int32_t *out, sel_smem_t &sm) {
+  constexpr uint32_t ROUND = SEL_THREADS * LIST_PER;
+  const uint32_t t8 = threadIdx.x * LIST_PER;
+  uint32_t k[REG_ROUNDS][LIST_PER];
+#pragma unroll
+  for (uint32_t r = 0; r < REG_ROUNDS; r++)
+#pragma unroll
+    for (uint32_t v = 0; v < LIST_PER; v++)
+      k[r][v] = r * ROUND + t8 + v < n ? keys[r * ROUND + t8 + v] : 0u;
+  uint32_t prefix = 0, mask = 0, need = topk, count = n;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (uint32_t i = threadIdx.x; i < 256; i += SEL_THREADS)
+      sm.hist[i] = 0;
+    __syncthreads();
+#pragma unroll
+    for (uint32_t r = 0; r < REG_ROUNDS; r++)
+      if (r * ROUND < n) /* CTA-uniform: a short token skips the rounds it has no key in */
+#pragma unroll
+        for (uint32_t v = 0; v < LIST_PER; v++)
+          hist_add(sm.hist, (k[r][v] >> shift) & 255u,
+                   r * ROUND + t8 + v < n && (k[r][v] & mask) == prefix);
+    __syncthreads();
+    radix_choose(shift, &prefix, &need, &count, sm);
+    mask |= 255u << shift;
+  }
+  list_state_t st = {0, 0};
+#pragma unroll
+  for (uint32_t r = 0; r < REG_ROUNDS; r++)
+    if (r * ROUND < n) /* CTA-uniform */
+      list_round(k[r], r * ROUND + t8, n, prefix, need, jlo, out, sm, st);
+}
+
+/* The top topk of the n > topk keys (entries jlo, jlo + 1, ...) listed in entry order into out. */
+static __device__ void select_keys(const uint32_t *keys, uint32_t n, uint32_t topk, int64_t jlo,
+                                   int32_t *out, sel_smem_t &sm) {
+  if (n <= REG_KEYS) {
+    select_registers(keys, n, topk, jlo, out, sm);
+    return;
+  }
+  const uint32_t T = radix_select(keys, n, topk, sm);
+  list_selected(keys, n, T, sm.need, jlo, out, sm);
 }
 
 /* Split y of token t_base + blockIdx.x: the queries, then the keys of its entries, a thread (or
@@ -292,10 +430,25 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_p
       out[k] = k < n ? (int32_t)(jlo + k) : -1;
     return;
   }
-  const uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
-  const uint32_t T = radix_select(keys, (uint32_t)n, p.topk, sm);
-  list_selected(keys, (uint32_t)n, T, sm.need, jlo, out, sm);
+  select_keys(p.keys + (uint64_t)blockIdx.x * p.keys_per_cta, (uint32_t)n, p.topk, jlo, out, sm);
 }
+
+#ifdef DSV4_TEST_SELECT
+/* gpu_select_test: the selection of CTA b's n[b] keys at keys + b * stride into out + b * topk. */
+__global__ void __launch_bounds__(SEL_THREADS)
+    dsv4__indexer_select_test_kernel(const uint32_t *keys, uint64_t stride, const uint32_t *n,
+                                     uint32_t topk, int32_t *out) {
+  __shared__ sel_smem_t sm;
+  select_keys(keys + blockIdx.x * stride, n[blockIdx.x], topk, 0, out + (uint64_t)blockIdx.x * topk,
+              sm);
+}
+
+extern "C" int dsv4__cuda_test_select(const uint32_t *keys, uint64_t stride, const uint32_t *n,
+                                      uint32_t count, uint32_t topk, int32_t *out) {
+  dsv4__indexer_select_test_kernel<<<count, SEL_THREADS>>>(keys, stride, n, topk, out);
+  return dsv4__cuda_err(cudaDeviceSynchronize());
+}
+#endif
 
 /* ---- the launch ---- */
 
