@@ -549,11 +549,11 @@ static int cuda_attention(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   /* A fast launch of a small batch splits its tokens' lists: their partial states. */
   if (!rc)
     rc = scratch_reserve(&c->part, dsv4__cuda_attention_part_floats(a), sizeof(float));
-  if (!rc)
+  if (!rc) {
     rc = dsv4__cuda_attention(a, m->dev, m->positions, c->part.p, c->part.n, c->attn_err, c->stream,
                               c->pdl);
-  if (!rc)
-    c->attn_pending = 1;
+    c->attn_pending = 1; /* even if a later launch failed: its check kernel may have set the word */
+  }
   return rc;
 }
 
@@ -570,10 +570,10 @@ static int cuda_compress(dsv4_backend_t *be, const dsv4_compress_args_t *a) {
   int rc = use_device(c);
   if (!rc)
     rc = mirror_get(c, a->rope, &m);
-  if (!rc)
+  if (!rc) {
     rc = dsv4__cuda_compress(a, m->dev, m->positions, c->attn_err, c->stream, c->pdl);
-  if (!rc)
-    c->attn_pending = 1;
+    c->attn_pending = 1; /* as in cuda_attention */
+  }
   return rc;
 }
 
@@ -593,11 +593,11 @@ static int cuda_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
                          (uint64_t)dsv4__cuda_indexer_ctas(a->n_tokens) *
                              dsv4__cuda_indexer_keys_per_cta(m->positions),
                          sizeof(uint32_t));
-  if (!rc)
+  if (!rc) {
     rc = dsv4__cuda_indexer(a, m->dev, m->positions, c->keys.p, c->keys.n, c->attn_err, c->stream,
                             c->pdl);
-  if (!rc)
-    c->attn_pending = 1;
+    c->attn_pending = 1; /* as in cuda_attention */
+  }
   return rc;
 }
 
