@@ -358,6 +358,9 @@ static void window_refusals(ctx_t *c) {
       {64, 64, SHAPE_DECODE, 64, SINK_NONE, 0, 3, 0, 0},
       {64, 1100, SHAPE_PREFILL, 64, SINK_FINITE, 0, 3, 0, 0},
   };
+  /* Drawn from a copy of the generator: the window cases after these see the inputs they had
+   * before the refusals were added. */
+  const uint64_t rng = c->rng;
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     const case_t *k = &cases[i];
     attn_plan_t p;
@@ -383,6 +386,7 @@ static void window_refusals(ctx_t *c) {
     attn_inputs_free(&in);
     attn_plan_free(&p);
   }
+  c->rng = rng;
 }
 
 #ifndef DSV4_TEST_TUNE
