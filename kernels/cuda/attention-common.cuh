@@ -144,15 +144,9 @@ static __device__ int32_t window_block(const attn_params_t &p, const window_t &w
 
 /* The physical block of logical entry block lb of segment s, or -1 when it is outside the
  * segment's table (or past c_bt_entries), < 0, or outside the pool. */
-static __device__ int32_t entry_block(const attn_params_t &p, uint32_t s, int64_t lb) {
-  const int64_t idx = lb - p.seg_c_first_lb[s];
-  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
-    return -1;
-  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
-  if (p.c_bt_entries && e >= p.c_bt_entries)
-    return -1;
-  const int32_t b = p.c_bt[e];
-  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+static __device__ __forceinline__ int32_t entry_block(const attn_params_t &p, uint32_t s,
+                                                      int64_t lb) {
+  return dsv4__entry_block(p, s, lb);
 }
 
 /*

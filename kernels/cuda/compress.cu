@@ -102,15 +102,9 @@ static __device__ geom_t geom_index(const comp_params_t &p) {
 }
 
 /* The physical block of entry j of segment s, or -1 when its table has none in range. */
-static __device__ int32_t entry_block(const comp_params_t &p, uint32_t s, int64_t j) {
-  const int64_t idx = (j >> p.bs_shift) - p.seg_c_first_lb[s];
-  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
-    return -1;
-  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
-  if (p.c_bt_entries && e >= p.c_bt_entries)
-    return -1;
-  const int32_t b = p.c_bt[e];
-  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+static __device__ __forceinline__ int32_t entry_block(const comp_params_t &p, uint32_t s,
+                                                      int64_t j) {
+  return dsv4__entry_block(p, s, j >> p.bs_shift);
 }
 
 /* ---- check ---- */

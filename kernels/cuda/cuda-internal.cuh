@@ -166,4 +166,22 @@ static cudaError_t dsv4__cuda_launch(void (*k)(Params...), unsigned grid, unsign
   return dsv4__cuda_launch_smem(k, grid, block, 0, s, pdl, args...);
 }
 
+/*
+ * The physical block of logical entry block lb of segment s in a launch's entry tables (SPEC
+ * §8.4), or -1 when lb is outside the segment's table (or past c_bt_entries, when given), or the
+ * table names a negative block or one outside the pool. P: a kernel's parameter block with the
+ * fields seg_c_first_lb, seg_cbt_off, seg_cbt_len, c_bt, c_bt_entries and c_n_blocks.
+ */
+template <typename P>
+static __device__ __forceinline__ int32_t dsv4__entry_block(const P &p, uint32_t s, int64_t lb) {
+  const int64_t idx = lb - p.seg_c_first_lb[s];
+  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
+    return -1;
+  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
+  if (p.c_bt_entries && e >= p.c_bt_entries)
+    return -1;
+  const int32_t b = p.c_bt[e];
+  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+}
+
 #endif /* DSV4_KERNELS_CUDA_CUDA_INTERNAL_CUH */

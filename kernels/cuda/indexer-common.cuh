@@ -50,15 +50,8 @@ typedef struct {
 static_assert(sizeof(idx_params_t) % 4 == 0, "parameter block of whole words");
 
 /* The physical block of logical entry block lb of segment s, or -1. */
-static __device__ int32_t lb_block(const idx_params_t &p, uint32_t s, int64_t lb) {
-  const int64_t idx = lb - p.seg_c_first_lb[s];
-  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
-    return -1;
-  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
-  if (p.c_bt_entries && e >= p.c_bt_entries)
-    return -1;
-  const int32_t b = p.c_bt[e];
-  return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+static __device__ __forceinline__ int32_t lb_block(const idx_params_t &p, uint32_t s, int64_t lb) {
+  return dsv4__entry_block(p, s, lb);
 }
 
 /* Token t's segment and its visible entries jlo..jhi-1 (SPEC §8.4 at ratio 4); error bits. */
