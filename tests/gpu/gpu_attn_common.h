@@ -349,6 +349,15 @@ static inline int attn_insert(dsv4_backend_t *be, const attn_plan_t *p, uint32_t
 /* Bytes a launch must overwrite start as this pattern, so that a value never written shows. */
 #define ATTN_CANARY 0xA5
 
+/* True when every one of the n bytes at a still holds the canary (a refused launch wrote none). */
+static inline int attn_untouched(const void *a, size_t n) {
+  const uint8_t *b = a;
+  for (size_t i = 0; i < n; i++)
+    if (b[i] != ATTN_CANARY)
+      return 0;
+  return 1;
+}
+
 /* What attn_run leaves behind when asked: host copies of the query batch's q_out and of the cache
  * after both inserts (n_q * heads * 1024 and n_blocks * stride bytes, malloc'd; q_out NULL on the
  * fused path, which writes none), and of a union launch's entry pool (the entries' n_blocks *

@@ -284,14 +284,6 @@ static void run_case(ctx_t *c, const case_t *k) {
 
 /* ---- refusals (SPEC §7: a launch that fails writes no byte of attn or lse) ---- */
 
-static int untouched(const void *a, size_t n) {
-  const uint8_t *b = a;
-  for (size_t i = 0; i < n; i++)
-    if (b[i] != ATTN_CANARY)
-      return 0;
-  return 1;
-}
-
 /* The launch of plan p (over table tab, or the plan's own; after in->earlier's launch when set)
  * in fast mode must be refused with DSV4_EINVAL and leave attn and lse as the canary left them. */
 static void expect_refusal(ctx_t *c, const char *what, const attn_plan_t *p, attn_inputs_t *in,
@@ -301,7 +293,7 @@ static void expect_refusal(ctx_t *c, const char *what, const attn_plan_t *p, att
   float *lse = gpu_host_alloc(lse_n * 4);
   in->fast = 1;
   int rc = attn_run(c->cuda, p, in, tab, out, lse, NULL);
-  const int out_ok = untouched(out, out_n * 2), lse_ok = untouched(lse, lse_n * 4);
+  const int out_ok = attn_untouched(out, out_n * 2), lse_ok = attn_untouched(lse, lse_n * 4);
   if (rc != DSV4_EINVAL || !out_ok || !lse_ok) {
     fprintf(stderr, "FAIL %s: %s, attn %s, lse %s\n", what, rc ? dsv4_strerror(rc) : "accepted",
             out_ok ? "untouched" : "written", lse_ok ? "untouched" : "written");

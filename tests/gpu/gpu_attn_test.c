@@ -209,15 +209,6 @@ static const char *const break_names[BREAKS] = {
     "a window block of -1", "a window block outside its segment's table",
     "a window block outside the pool", "a token below its sequence's p0"};
 
-/* True when every byte of a equals the canary. */
-static int untouched(const void *a, size_t n) {
-  const uint8_t *b = a;
-  for (size_t i = 0; i < n; i++)
-    if (b[i] != ATTN_CANARY)
-      return 0;
-  return 1;
-}
-
 /* One refusal on a plan whose segment g has a window of at least two blocks. */
 static int refuse_one(ctx_t *c, const char *shape, attn_plan_t *p, const attn_inputs_t *in,
                       uint32_t g, int how) {
@@ -256,7 +247,7 @@ static int refuse_one(ctx_t *c, const char *shape, attn_plan_t *p, const attn_in
             shape, break_names[how], dsv4_strerror(cpu_rc), dsv4_strerror(cuda_rc),
             dsv4_strerror(DSV4_EINVAL));
     bad = 1;
-  } else if (!untouched(out, out_bytes) || !untouched(lse, lse_bytes)) {
+  } else if (!attn_untouched(out, out_bytes) || !attn_untouched(lse, lse_bytes)) {
     fprintf(stderr, "FAIL refusal (%s, %s): the CUDA backend wrote attn or lse bytes\n", shape,
             break_names[how]);
     bad = 1;

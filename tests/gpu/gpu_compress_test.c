@@ -556,15 +556,6 @@ static void bout_free(bout_t *o) {
   free(o->sel);
 }
 
-/* True when every byte of a is the canary. */
-static int untouched(const void *a, size_t n) {
-  const uint8_t *b = a;
-  for (size_t i = 0; i < n; i++)
-    if (b[i] != ATTN_CANARY)
-      return 0;
-  return 1;
-}
-
 /*
  * One refusal after a case's schedule, over positions sequence 0 already has (so that every block
  * and RoPE row exists): a compress of its last `ratio` positions with the block of the entry they
@@ -617,12 +608,12 @@ static void refusal(ctx_t *c, setup_t *su, world_t *wc, world_t *wg, int brk) {
             dsv4_strerror(rcpu), dsv4_strerror(rgpu), dsv4_strerror(DSV4_EINVAL));
     bad = 1;
   }
-  if (brk == BREAK_INDEX_BLOCK && !untouched(rg.sel, 4 * (size_t)in.n * k->topk)) {
+  if (brk == BREAK_INDEX_BLOCK && !attn_untouched(rg.sel, 4 * (size_t)in.n * k->topk)) {
     fprintf(stderr, "FAIL %s: the CUDA backend wrote topk\n", what);
     bad = 1;
   }
-  if (!untouched(rg.attn, 2 * (size_t)in.n * k->heads * 512) ||
-      !untouched(rg.lse, 4 * (size_t)in.n * k->heads)) {
+  if (!attn_untouched(rg.attn, 2 * (size_t)in.n * k->heads * 512) ||
+      !attn_untouched(rg.lse, 4 * (size_t)in.n * k->heads)) {
     fprintf(stderr, "FAIL %s: the CUDA backend wrote attn or lse\n", what);
     bad = 1;
   }
