@@ -239,10 +239,10 @@ static __device__ void hist_round(const uint32_t *src, uint32_t n, uint32_t mask
 /* After a round's histogram under shift: the bucket b of the k-th largest. The keys matching
  * *prefix number at least *need, so there is exactly one b whose buckets above hold fewer than
  * *need keys and b and those above at least *need. Thread x looks at bucket 255 - x, the scan
- * summing the buckets above it. *prefix takes b, *need what is left of it and *count the keys in b.
+ * summing the buckets above it. *prefix takes b and *need what is left of it; sm.count holds the
+ * keys in b.
  */
-static __device__ void radix_choose(int shift, uint32_t *prefix, uint32_t *need, uint32_t *count,
-                                    sel_smem_t &sm) {
+static __device__ void radix_choose(int shift, uint32_t *prefix, uint32_t *need, sel_smem_t &sm) {
   static_assert(SEL_THREADS == 256, "one thread per bucket");
   const uint32_t b = 255u - threadIdx.x, hb = sm.hist[b];
   uint32_t total;
@@ -255,7 +255,6 @@ static __device__ void radix_choose(int shift, uint32_t *prefix, uint32_t *need,
   __syncthreads();
   *prefix = sm.prefix;
   *need = sm.need;
-  *count = sm.count;
 }
 
 /* The k-th largest of the n keys, T, and in sm.need how many keys equal to T the top k take:
@@ -278,7 +277,8 @@ static __device__ uint32_t radix_select(const uint32_t *keys, uint32_t n, uint32
       src = sm.cand;
       n_src = count; /* every key of the round's race, sm.n_cand of them */
     }
-    radix_choose(shift, &prefix, &need, &count, sm);
+    radix_choose(shift, &prefix, &need, sm);
+    count = sm.count;
     mask |= 255u << shift;
   }
   return prefix;
@@ -349,7 +349,7 @@ static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32
 #pragma unroll
     for (uint32_t v = 0; v < LIST_PER; v++)
       k[r][v] = r * ROUND + t8 + v < n ? keys[r * ROUND + t8 + v] : 0u;
-  uint32_t prefix = 0, mask = 0, need = topk, count = n;
+  uint32_t prefix = 0, mask = 0, need = topk;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (uint32_t i = threadIdx.x; i < 256; i += SEL_THREADS)
       sm.hist[i] = 0;
@@ -362,7 +362,7 @@ static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32
           hist_add(sm.hist, (k[r][v] >> shift) & 255u,
                    r * ROUND + t8 + v < n && (k[r][v] & mask) == prefix);
     __syncthreads();
-    radix_choose(shift, &prefix, &need, &count, sm);
+    radix_choose(shift, &prefix, &need, sm);
     mask |= 255u << shift;
   }
   list_state_t st = {0, 0};
