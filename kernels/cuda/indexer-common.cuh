@@ -21,6 +21,11 @@
 /* The index heads of the tensor-core score kernel (V4's index_n_heads); other counts take the
  * per-entry kernel. */
 #define MMA_HEADS 64
+/* A head's row of the query kernel's output (indexer_mma.cu): q^ (128 floats), then its weight and
+ * its block summary's bits, 2 floats of pad: Q_STRIDE floats, whole 16-byte chunks. */
+#define QROW Q_STRIDE
+/* The words at the end of each key slot that hold its token's MMA_HEADS rows of QROW floats. */
+#define SLOT_QUERY_WORDS ((uint64_t)MMA_HEADS * QROW)
 
 typedef struct {
   const int64_t *pos;
@@ -48,6 +53,14 @@ typedef struct {
 } idx_params_t;
 
 static_assert(sizeof(idx_params_t) % 4 == 0, "parameter block of whole words");
+static_assert(QROW % 4 == 0, "query rows of whole 16-byte chunks");
+
+/* Key slot x's query rows (the query kernel's output, read by the tensor-core score kernel): the
+ * last SLOT_QUERY_WORDS words of the slot, 16-byte aligned (keys_per_cta is a multiple of 4). */
+static __device__ __forceinline__ float *slot_queries(const idx_params_t &p, uint32_t x) {
+  return reinterpret_cast<float *>(p.keys + (uint64_t)x * p.keys_per_cta + p.keys_per_cta -
+                                   SLOT_QUERY_WORDS);
+}
 
 /* The physical block of logical entry block lb of segment s, or -1. */
 static __device__ __forceinline__ int32_t lb_block(const idx_params_t &p, uint32_t s, int64_t lb) {
@@ -188,6 +201,10 @@ static __device__ void index_query_warp(const uint16_t *iq, const float *rope_ro
  * of exactly the entries the per-entry kernel scores, with the same bits. n_heads must be
  * MMA_HEADS, the device of compute capability 8.0 or newer and dsv4__indexer_mma_fits() true. */
 cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl);
+/* The query kernel before it (indexer_mma.cu): the q^ rows, weights and summaries of the wave's
+ * tokens (one slot each, ctas of them) into the end of their key slots. */
+cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cudaStream_t s,
+                                       int pdl);
 /* Whether the current device grants a CTA the kernel's shared memory (about 220 KiB: compute
  * capability 9.0 and 10.0 do). */
 int dsv4__indexer_mma_fits(void);

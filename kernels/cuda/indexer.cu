@@ -21,8 +21,10 @@
  *            context) gives each entry a group of TPE lanes that share its heads' dot products and
  *            add them in the same order. With V4's 64 index heads on compute capability 9.0 and
  *            newer the same grid runs indexer_mma.cu's kernel instead, whose dot products come from
- *            the tensor cores with the same bits (dsv4__cuda_indexer_set_path picks the per-entry
- *            kernel, or the tensor-core kernel's lower modes, for the tests that compare them).
+ *            the tensor cores with the same bits, after a query kernel that forms each scoring
+ *            token's q^ once for all its splits, at the end of the token's key slot
+ *            (dsv4__cuda_indexer_set_path picks the per-entry kernel, or the tensor-core kernel's
+ *            lower modes, for the tests that compare them).
  *   select   one CTA per token of the wave. A token with at most topk visible entries lists them.
  *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
  *            histogram per round, a warp's lanes of one bucket adding together, the bucket found
@@ -460,7 +462,10 @@ extern "C" void dsv4__cuda_indexer_set_path(int path) {
 }
 
 extern "C" uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions) {
-  return (uint64_t)(max_positions > 0 ? max_positions : 0) / 4 + 1;
+  /* The keys of the most entries a token can see, rounded up to 16 bytes, then the tensor-core
+   * kernel's query rows (slot_queries). */
+  const uint64_t keys = (uint64_t)(max_positions > 0 ? max_positions : 0) / 4 + 1;
+  return ((keys + 3) & ~(uint64_t)3) + SLOT_QUERY_WORDS;
 }
 
 extern "C" uint32_t dsv4__cuda_indexer_ctas(uint32_t n_tokens) {
@@ -548,11 +553,14 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   splits = splits < 1 ? 1 : splits;
   for (uint32_t t0 = 0; e == cudaSuccess && t0 < a->n_tokens; t0 += ctas) {
     p.t_base = t0;
-    if (mma)
-      e = dsv4__indexer_mma_launch(p, dim3(ctas, splits, 1), s, pdl);
-    else
+    if (mma) {
+      e = dsv4__indexer_query_launch(p, ctas, s, pdl);
+      if (e == cudaSuccess)
+        e = dsv4__indexer_mma_launch(p, dim3(ctas, splits, 1), s, pdl);
+    } else {
       e = dsv4__cuda_launch_smem(dsv4__indexer_score_kernel, dim3(ctas, splits, 1), SEL_THREADS,
                                  smem, s, pdl, p);
+    }
     if (e == cudaSuccess)
       e = dsv4__cuda_launch(dsv4__indexer_select_kernel, ctas, SEL_THREADS, s, pdl, p);
   }

@@ -14,8 +14,9 @@
  * Then one thread per entry adds the heads' terms in order (dsv4_index_score_add, h = 0..63) and
  * stores dsv4_index_score_key at the entry's index in the token's slot, as the per-entry kernel.
  *
- * A CTA of 256 threads: the queries q^ of its token (index_query_warp, a warp per head) and the
- * weights into shared memory, each head's block summary beside them; each warp then holds the A
+ * A query kernel before it forms each of the wave's scoring tokens' q^ once (a warp per head,
+ * index_query_warp), with the heads' weights and block summaries, at the end of the token's key
+ * slot. A CTA of 256 threads copies its token's rows into shared memory; each warp then holds the A
  * fragments of all 64 heads x 128 dims in registers (128 a thread). Rounds of 256 entries: their
  * 68-byte records are staged into shared memory by cp.async one round ahead (rows of 80 bytes, so
  * that the lanes' 2-byte reads of one partial fall in distinct banks); warp w takes entries
@@ -32,6 +33,9 @@
  *
  * Ordering (SPEC §5.2): the byte table is built before the dependency wait (it reads nothing); the
  * wait comes before any other read, the error word is read after it, as in the per-entry kernel.
+ * The query kernel waits before it reads anything, and the score kernel reads its rows after its
+ * own wait; the next wave's query kernel rewrites them only after this wave's select kernel, which
+ * waited for this score kernel, has completed.
  */
 #include "indexer-common.cuh"
 
@@ -320,14 +324,44 @@ static __device__ void entry_chain(const mma_smem_t &sm, int buf, uint32_t *keys
   keys[i] = dsv4_index_score_key(acc);
 }
 
-/* The queries, the weights and the heads' statistics of token t into sm. */
-static __device__ void token_queries(const idx_params_t &p, uint32_t t, mma_smem_t &sm) {
+/*
+ * The query kernel, grid (tokens of the wave, MMA_HEADS / SEL_WARPS): warp w of CTA (x, y) forms
+ * head 8y + w's q^ of token t_base + x (index_query_warp), its summary and its weight into slot x's
+ * query rows, once for all the splits of the token that the score kernel after it runs. Nothing
+ * for a token that does not score, nor when the error word is set (the check failed: a position
+ * may be out of the tables' range).
+ */
+__global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_query_kernel(idx_params_t p) {
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  const uint32_t t = p.t_base + blockIdx.x, h = blockIdx.y * SEL_WARPS + threadIdx.x / 32;
+  uint32_t s;
+  int64_t jlo, jhi;
+  /* CTA-uniform: no rows for a token that does not score (it sees at most topk entries) */
+  if (__ldcg(p.err) != 0 || t >= p.n_tokens || h >= MMA_HEADS ||
+      token_range(p, t, &s, &jlo, &jhi) || jhi - jlo <= (int64_t)p.topk)
+    return;
   const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
-  for (uint32_t h = threadIdx.x / 32; h < MMA_HEADS; h += SEL_WARPS)
-    index_query_warp(p.iq + ((uint64_t)t * MMA_HEADS + h) * DSV4_INDEX_DIM, rope_row,
-                     sm.qhat + h * Q_STRIDE, &sm.qsum[h]);
-  for (uint32_t h = threadIdx.x; h < MMA_HEADS; h += SEL_THREADS)
-    sm.w[h] = __fmul_rn(p.iw[(uint64_t)t * MMA_HEADS + h], p.w_scale);
+  float *row = slot_queries(p, blockIdx.x) + (uint64_t)h * QROW;
+  index_query_warp(p.iq + ((uint64_t)t * MMA_HEADS + h) * DSV4_INDEX_DIM, rope_row, row,
+                   reinterpret_cast<uint32_t *>(row + DSV4_INDEX_DIM + 1));
+  if ((threadIdx.x & 31) == 0)
+    row[DSV4_INDEX_DIM] = __fmul_rn(p.iw[(uint64_t)t * MMA_HEADS + h], p.w_scale);
+}
+
+/* The queries, the weights and the heads' statistics of the CTA's token into sm: the query kernel's
+ * rows of slot blockIdx.x (after the dependency wait). */
+static __device__ void token_queries(const idx_params_t &p, mma_smem_t &sm) {
+  const float4 *src = reinterpret_cast<const float4 *>(slot_queries(p, blockIdx.x));
+  float4 *dst = reinterpret_cast<float4 *>(sm.qhat);
+  static_assert(QROW == Q_STRIDE, "the rows copied as they are");
+  for (uint32_t i = threadIdx.x; i < MMA_HEADS * QROW / 4; i += SEL_THREADS)
+    dst[i] = __ldcg(src + i);
+  __syncthreads();
+  for (uint32_t h = threadIdx.x; h < MMA_HEADS; h += SEL_THREADS) {
+    sm.w[h] = sm.qhat[h * Q_STRIDE + DSV4_INDEX_DIM];
+    sm.qsum[h] = __float_as_uint(sm.qhat[h * Q_STRIDE + DSV4_INDEX_DIM + 1]);
+  }
   __syncthreads();
   if (threadIdx.x < 32) {
     /* Two heads a lane: the statistics of the lanes' first and second heads, then both. */
@@ -363,7 +397,7 @@ __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel
   if (!score_split(p, &t, &s, &jlo, &i0, &i1))
     return;
   stage_round(p, s, jlo, i0, min(i1, i0 + TILE), sm.stage[0], sm.codes[0]);
-  token_queries(p, t, sm);
+  token_queries(p, sm);
   uint32_t a[4][8][4];
   load_queries(sm.qhat, a);
   uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
@@ -412,6 +446,12 @@ int dsv4__indexer_mma_fits(void) {
   if (dev >= 0 && dev < FITS_CACHE)
     fits_cache[dev].store(fits ? 2 : 1, std::memory_order_relaxed);
   return fits;
+}
+
+cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cudaStream_t s,
+                                       int pdl) {
+  return dsv4__cuda_launch_smem(dsv4__indexer_query_kernel, dim3(ctas, MMA_HEADS / SEL_WARPS, 1),
+                                SEL_THREADS, 0, s, pdl, p);
 }
 
 cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
