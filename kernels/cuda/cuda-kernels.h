@@ -153,7 +153,8 @@ int dsv4__cuda_compress(const dsv4_compress_args_t *a, const float *rope_rows_de
  * that score come from rope_rows_dev. keys_dev is device scratch of keys_len uint32 for the scores:
  * at least dsv4__cuda_indexer_ctas(n_tokens) * dsv4__cuda_indexer_keys_per_cta(max_positions)
  * (a slot a token of the wave: the most entries a token can see, then the tensor-core kernel's
- * query rows), else DSV4_EINVAL; the stream must be done with it before it is reused or freed.
+ * query rows) and on 16 bytes, else DSV4_EINVAL; the stream must be done with it before it is
+ * reused or freed.
  */
 int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rope_rows_dev,
                        int64_t max_positions, uint32_t *keys_dev, uint64_t keys_len,

@@ -481,7 +481,8 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   int rc = dsv4_backend_check_indexer_args(a);
   if (rc || a->n_tokens == 0)
     return rc;
-  if (!rope_rows_dev || max_positions <= 0 || !err_dev || !keys_dev)
+  /* keys_dev on 16 bytes: the query rows at the end of each slot are copied as float4. */
+  if (!rope_rows_dev || max_positions <= 0 || !err_dev || !keys_dev || ((uintptr_t)keys_dev & 15u))
     return DSV4_EINVAL;
   dsv4__cuda_dev_t dev;
   int err = dsv4__cuda_dev_info(&dev);

@@ -345,8 +345,10 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_query_kernel(idx_pa
   float *row = slot_queries(p, blockIdx.x) + (uint64_t)h * QROW;
   index_query_warp(p.iq + ((uint64_t)t * MMA_HEADS + h) * DSV4_INDEX_DIM, rope_row, row,
                    reinterpret_cast<uint32_t *>(row + DSV4_INDEX_DIM + 1));
-  if ((threadIdx.x & 31) == 0)
+  if ((threadIdx.x & 31) == 0) { /* the weight; the pad written too, so that no copy reads junk */
     row[DSV4_INDEX_DIM] = __fmul_rn(p.iw[(uint64_t)t * MMA_HEADS + h], p.w_scale);
+    row[DSV4_INDEX_DIM + 2] = row[DSV4_INDEX_DIM + 3] = 0.0f;
+  }
 }
 
 /* The queries, the weights and the heads' statistics of the CTA's token into sm: the query kernel's
