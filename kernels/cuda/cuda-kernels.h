@@ -240,6 +240,21 @@ extern unsigned dsv4__cuda_test_union_splits;
  * entries 0.. (all device pointers); waits for the device. 0 or a DSV4_E* code. */
 int dsv4__cuda_test_select(const uint32_t *keys, uint64_t stride, const uint32_t *n, uint32_t count,
                            uint32_t topk, int32_t *out);
+/* Test-only (tests/gpu/gpu_inv_select_wait.c): the select kernel itself, one CTA a token (token t
+ * in key slot t), with programmatic dependent launch when pdl, queued on s. Device arrays; token
+ * t sees entries seg_p0[s] / 4 .. (positions[t] + 1) / 4 of its segment s, as at ratio 4. */
+typedef struct {
+  const int64_t *positions;
+  const int32_t *tok_seg;
+  const int64_t *seg_p0;
+  uint32_t *keys; /* n_tokens slots of keys_per_cta */
+  int32_t *sel;   /* [n_tokens, topk] */
+  uint32_t *err;
+  int64_t max_positions;
+  uint64_t keys_per_cta;
+  uint32_t n_tokens, n_segments, topk;
+} dsv4_test_select_launch_t;
+int dsv4__cuda_test_select_launch(const dsv4_test_select_launch_t *a, cudaStream_t s, int pdl);
 #endif
 
 #ifdef __cplusplus

@@ -415,6 +415,14 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_score_kernel(idx_pa
  * of the keys the score kernel wrote. */
 __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_params_t p) {
   __shared__ sel_smem_t sm;
+#ifdef DSV4_TEST_BROKEN_SELECT_EARLY_READ
+  /* Test-only breakage of SPEC §5.2 (gpu_inv_select_wait_broken_early_read): the first SEL_CAND
+   * keys of the CTA's slot copied into shared memory before the dependency wait, and a token of at
+   * most that many selected from the copy. */
+  for (uint32_t i = threadIdx.x; i < SEL_CAND && i < p.keys_per_cta; i += SEL_THREADS)
+    sm.cand[i] = p.keys[(uint64_t)blockIdx.x * p.keys_per_cta + i];
+  __syncthreads();
+#endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
   if (__ldcg(p.err) != 0)
@@ -432,6 +440,12 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_p
       out[k] = k < n ? (int32_t)(jlo + k) : -1;
     return;
   }
+#ifdef DSV4_TEST_BROKEN_SELECT_EARLY_READ
+  if (n <= SEL_CAND) { /* CTA-uniform; below REG_KEYS, so select_keys never writes sm.cand */
+    select_keys(sm.cand, (uint32_t)n, p.topk, jlo, out, sm);
+    return;
+  }
+#endif
   select_keys(p.keys + (uint64_t)blockIdx.x * p.keys_per_cta, (uint32_t)n, p.topk, jlo, out, sm);
 }
 
@@ -449,6 +463,24 @@ extern "C" int dsv4__cuda_test_select(const uint32_t *keys, uint64_t stride, con
                                       uint32_t count, uint32_t topk, int32_t *out) {
   dsv4__indexer_select_test_kernel<<<count, SEL_THREADS>>>(keys, stride, n, topk, out);
   return dsv4__cuda_err(cudaDeviceSynchronize());
+}
+
+extern "C" int dsv4__cuda_test_select_launch(const dsv4_test_select_launch_t *a, cudaStream_t s,
+                                             int pdl) {
+  idx_params_t p = {};
+  p.pos = a->positions;
+  p.tok_seg = a->tok_seg;
+  p.seg_p0 = a->seg_p0;
+  p.sel = a->sel;
+  p.keys = a->keys;
+  p.err = a->err;
+  p.max_pos = a->max_positions;
+  p.keys_per_cta = a->keys_per_cta;
+  p.n_tokens = a->n_tokens;
+  p.n_segments = a->n_segments;
+  p.topk = a->topk;
+  return dsv4__cuda_err(
+      dsv4__cuda_launch(dsv4__indexer_select_kernel, a->n_tokens, SEL_THREADS, s, pdl, p));
 }
 #endif
 

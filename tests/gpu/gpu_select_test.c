@@ -20,6 +20,7 @@
 
 #include "dsv4-compress.h"
 #include "gpu_common.h"
+#include "gpu_select_model.h"
 
 #define TOPK 512
 #define CAND 8192      /* indexer.cu's SEL_CAND */
@@ -34,22 +35,14 @@ typedef struct {
 
 enum { K_SCORES, K_WIDE_SCORES, K_UNIFORM, K_FEW, K_EQUAL, K_TIES_AT_T };
 
-static float score_of(uint64_t *rng, float scale) {
-  /* A sum of three uniforms: a hump, as a token's scores over its entries are. */
-  float u = 0.0f;
-  for (int i = 0; i < 3; i++)
-    u += (float)gpu_below(rng, 1u << 20) * 0x1p-20f;
-  return (u - 1.2f) * scale;
-}
-
 static void make_keys(uint64_t *rng, const problem_t *pb, uint32_t *k) {
   for (uint32_t i = 0; i < pb->n; i++) {
     switch (pb->kind) {
     case K_SCORES:
-      k[i] = dsv4_index_score_key(score_of(rng, 3.0f));
+      k[i] = dsv4_index_score_key(gpu_select_score(rng, 3.0f));
       break;
     case K_WIDE_SCORES:
-      k[i] = dsv4_index_score_key(score_of(rng, 3.0f) * (float)(1u << gpu_below(rng, 20)));
+      k[i] = dsv4_index_score_key(gpu_select_score(rng, 3.0f) * (float)(1u << gpu_below(rng, 20)));
       break;
     case K_UNIFORM:
       k[i] = (uint32_t)gpu_rnd(rng);
@@ -67,33 +60,10 @@ static void make_keys(uint64_t *rng, const problem_t *pb, uint32_t *k) {
   }
 }
 
-static const uint32_t *sort_keys;
-
-static int by_key_then_entry(const void *a, const void *b) {
-  const uint32_t i = *(const uint32_t *)a, j = *(const uint32_t *)b;
-  if (sort_keys[i] != sort_keys[j])
-    return sort_keys[i] > sort_keys[j] ? -1 : 1;
-  return i < j ? -1 : i > j;
-}
-
-static int by_entry(const void *a, const void *b) {
-  const int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
-  return (i > j) - (i < j);
-}
-
 /* The model's list, and the kernel's path: 0 the keys in registers; 1, 2 the round (0-based) whose
  * race first fits CAND; 3 never. */
 static int model(const uint32_t *k, uint32_t n, int32_t *list) {
-  uint32_t *idx = gpu_host_alloc(sizeof(uint32_t) * n);
-  for (uint32_t i = 0; i < n; i++)
-    idx[i] = i;
-  sort_keys = k;
-  qsort(idx, n, sizeof(uint32_t), by_key_then_entry);
-  const uint32_t T = k[idx[TOPK - 1]];
-  for (uint32_t i = 0; i < TOPK; i++)
-    list[i] = (int32_t)idx[i];
-  qsort(list, TOPK, sizeof(int32_t), by_entry);
-  free(idx);
+  const uint32_t T = gpu_select_ref(k, n, TOPK, list);
   if (n <= REG_KEYS)
     return 0;
   /* Round r counts the keys that share T's top 8r bits; rounds 1 and 2 may copy them (round 0's
