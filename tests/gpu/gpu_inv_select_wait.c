@@ -52,7 +52,7 @@ static int run_batch(ctx_t *c, int batch) {
   memset(keys, 0, sizeof(keys));
   for (uint32_t t = 0; t < n_tok; t++) {
     n[t] = TOPK + 88 + gpu_below(&c->rng, MAX_KEYS - TOPK - 88);
-    pos[t] = 4 * (int64_t)n[t] - 1 - gpu_below(&c->rng, 4); /* (pos + 1) / 4 = n: ratio 4 */
+    pos[t] = 4 * (int64_t)n[t] - 1 + gpu_below(&c->rng, 4); /* (pos + 1) / 4 = n: ratio 4 */
     seg[t] = (int32_t)t;                                    /* a segment a token, from position 0 */
     p0s[t] = 0;
     for (uint32_t i = 0; i < n[t]; i++)
