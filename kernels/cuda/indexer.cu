@@ -27,14 +27,14 @@
  *            lower modes, for the tests that compare them).
  *   select   one CTA per token of the wave. A token with at most topk visible entries lists them.
  *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
- *            histogram per round, a warp's lanes of one bucket adding together, the bucket found
- *            by a block-wide scan) finds the k-th largest key T and how many keys equal to T are
- *            taken; a last pass over the keys in entry order, 2048 at a time (8 a thread) with two
- *            block-wide prefix sums, lists every key above T and the first of those equal to T. A
- *            token of at most 16384 keys (64K positions) has them loaded into registers once, in
- *            the last pass's layout; above that, the rounds read them from global memory until
- *            the keys still in the race fit 8192, which the round that counts them copies into
- *            shared memory for the later rounds.
+ *            histogram per round, a shared atomic a key, the bucket found by a block-wide scan)
+ *            finds the k-th largest key T and how many keys equal to T are taken; a last pass
+ *            over the keys in entry order, 2048 at a time (8 a thread) with two block-wide prefix
+ *            sums, lists every key above T and the first of those equal to T. A token of at most
+ *            16384 keys (64K positions) has them loaded into registers once, in the last pass's
+ *            layout; above that, the rounds read them from global memory until the keys still in
+ *            the race fit 8192, which the round that counts them copies into shared memory for
+ *            the later rounds.
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
  * the selection is a function of the scores alone, so the lists are equal.
@@ -191,16 +191,11 @@ typedef struct {
   uint32_t cand[SEL_CAND]; /* the keys in the race, in no particular order */
 } sel_smem_t;
 
-/* One count per lane with in into bucket b of hist, the lanes of a warp with equal buckets adding
- * together (a token's keys share few top bytes, whose buckets would take one atomic a key). Called
- * by whole warps. */
+/* One count per lane with in into bucket b of hist: a shared atomic a key (the hardware serialises
+ * the lanes of one bucket). Called by whole warps, as the other round helpers. */
 static __device__ __forceinline__ void hist_add(uint32_t *hist, uint32_t b, bool in) {
-  const uint32_t act = __ballot_sync(FULL, in);
-  if (in) {
-    const uint32_t peers = __match_any_sync(act, b);
-    if ((uint32_t)(__ffs(peers) - 1) == (threadIdx.x & 31))
-      atomicAdd(&hist[b], (uint32_t)__popc(peers));
-  }
+  if (in)
+    atomicAdd(&hist[b], 1u);
 }
 
 /* The lanes' keys with in appended to sm.cand, one atomic a warp. Called by whole warps. */
