@@ -591,34 +591,22 @@ static int choose_r(uint32_t n_tokens, uint32_t heads, int sms, int min_r) {
 
 template <int R>
 static cudaError_t launch_r(const attn_params_t &p, unsigned grid, cudaStream_t s, int pdl) {
-  static int ready = 0; /* the shared-memory limit, raised once per process */
+  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
   const size_t smem = attn_smem_bytes(64 / R);
-  if (!ready) {
-    cudaError_t e = cudaFuncSetAttribute(dsv4__attention_kernel<R>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return e;
-    }
-    ready = 1;
-  }
+  cudaError_t e = dsv4__cuda_smem_limit(dsv4__attention_kernel<R>, smem, limit_raised);
+  if (e != cudaSuccess)
+    return e;
   return dsv4__cuda_launch_smem(dsv4__attention_kernel<R>, grid, ATTN_THREADS, smem, s, pdl, p);
 }
 
 /* The union kernel of R warps per octet (its own shared-memory limit, raised once). */
 template <int R>
 static cudaError_t launch_union_r(const attn_params_t &p, unsigned grid, cudaStream_t s, int pdl) {
-  static int ready = 0;
+  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
   const size_t smem = attn_smem_bytes(64 / R);
-  if (!ready) {
-    cudaError_t e = cudaFuncSetAttribute(dsv4__attention_union_kernel<R>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return e;
-    }
-    ready = 1;
-  }
+  cudaError_t e = dsv4__cuda_smem_limit(dsv4__attention_union_kernel<R>, smem, limit_raised);
+  if (e != cudaSuccess)
+    return e;
   return dsv4__cuda_launch_smem(dsv4__attention_union_kernel<R>, grid, ATTN_THREADS, smem, s, pdl,
                                 p);
 }

@@ -312,17 +312,11 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
 
 template <int MT>
 static cudaError_t launch_funion_mt(const attn_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
-  static int ready = 0; /* the shared-memory limit, raised once per process */
+  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
   const size_t smem = funion_smem_bytes(MT);
-  if (!ready) {
-    cudaError_t e = cudaFuncSetAttribute(dsv4__attention_fast_union_kernel<MT>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return e;
-    }
-    ready = 1;
-  }
+  cudaError_t e = dsv4__cuda_smem_limit(dsv4__attention_fast_union_kernel<MT>, smem, limit_raised);
+  if (e != cudaSuccess)
+    return e;
   return dsv4__cuda_launch_smem(dsv4__attention_fast_union_kernel<MT>, grid, ATTN_THREADS, smem, s,
                                 pdl, p);
 }

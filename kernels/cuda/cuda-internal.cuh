@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
+
 #include "cuda-kernels.h"
 #include "dsv4-numerics.h"
 
@@ -157,6 +159,27 @@ static cudaError_t dsv4__cuda_launch_smem(void (*k)(Params...), dim3 grid, unsig
   if (e != cudaSuccess)
     (void)cudaGetLastError();
   return e;
+}
+
+/* Raise kernel k's dynamic shared-memory limit to bytes on the current device, once per device
+ * (the limit is an attribute of the kernel on each device): done holds a bit per device already
+ * raised, one variable per kernel. Devices from 64 on are raised at every call. */
+template <typename... Params>
+static cudaError_t dsv4__cuda_smem_limit(void (*k)(Params...), size_t bytes,
+                                         std::atomic<uint64_t> &done) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  const uint64_t bit = e == cudaSuccess && dev >= 0 && dev < 64 ? UINT64_C(1) << dev : 0;
+  if (e == cudaSuccess && (done.load(std::memory_order_acquire) & bit))
+    return cudaSuccess;
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return e;
+  }
+  done.fetch_or(bit, std::memory_order_release);
+  return cudaSuccess;
 }
 
 /* Launch kernel k on s, with programmatic stream serialization when pdl. */

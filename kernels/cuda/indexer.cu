@@ -553,27 +553,21 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   const uint32_t ctas = a->n_tokens < (uint32_t)dev.sms ? a->n_tokens : (uint32_t)dev.sms;
   if (keys_len < (uint64_t)ctas * p.keys_per_cta)
     return DSV4_EINVAL;
-  static int ready = 0; /* the shared-memory limit, raised once per process */
+  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
   const size_t smem = (size_t)a->n_heads * (Q_STRIDE + 1) * sizeof(float);
-  if (!ready) {
-    cudaError_t e = cudaFuncSetAttribute(dsv4__indexer_score_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)(DSV4_MAX_HEADS * (Q_STRIDE + 1) * 4));
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return dsv4__cuda_err(e);
-    }
-    ready = 1;
-  }
+  cudaError_t e = dsv4__cuda_smem_limit(
+      dsv4__indexer_score_kernel, DSV4_MAX_HEADS * (Q_STRIDE + 1) * sizeof(float), limit_raised);
+  if (e != cudaSuccess)
+    return dsv4__cuda_err(e);
   pdl = pdl && dev.pdl;
   const uint64_t check_items = (uint64_t)a->n_tokens * 32 > a->n_segments
                                    ? (uint64_t)a->n_tokens * 32
                                    : (uint64_t)a->n_segments;
   if ((check_items + CHECK_BLOCK - 1) / CHECK_BLOCK > 0x7fffffffu)
     return DSV4_EINVAL;
-  cudaError_t e = dsv4__cuda_launch(dsv4__indexer_check_kernel,
-                                    (unsigned)((check_items + CHECK_BLOCK - 1) / CHECK_BLOCK),
-                                    CHECK_BLOCK, s, pdl, p);
+  e = dsv4__cuda_launch(dsv4__indexer_check_kernel,
+                        (unsigned)((check_items + CHECK_BLOCK - 1) / CHECK_BLOCK), CHECK_BLOCK, s,
+                        pdl, p);
   /* Waves of ctas tokens (one key slot each); a token's entries split over about one CTA per SM
    * across the wave: a full wave takes one CTA per token, which computes the token's queries
    * once. */

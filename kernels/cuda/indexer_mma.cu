@@ -457,17 +457,11 @@ cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cud
 }
 
 cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
-  static int ready = 0; /* the shared-memory limit, raised once per process */
-  if (!ready) {
-    cudaError_t e =
-        cudaFuncSetAttribute(dsv4__indexer_score_mma_kernel,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(mma_smem_t));
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return e;
-    }
-    ready = 1;
-  }
+  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
+  cudaError_t e =
+      dsv4__cuda_smem_limit(dsv4__indexer_score_mma_kernel, sizeof(mma_smem_t), limit_raised);
+  if (e != cudaSuccess)
+    return e;
   return dsv4__cuda_launch_smem(dsv4__indexer_score_mma_kernel, grid, SEL_THREADS,
                                 sizeof(mma_smem_t), s, pdl, p);
 }
