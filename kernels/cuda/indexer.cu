@@ -28,7 +28,8 @@
  *   select   one CTA per token of the wave. A token with at most topk visible entries lists them.
  *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
  *            histogram per round, a shared atomic a key, the bucket found by a block-wide scan)
- *            finds the k-th largest key T and how many keys equal to T are taken; a last pass
+ *            finds the k-th largest key T and how many keys equal to T are taken (a round whose
+ *            bucket is taken whole ends it early, T the bucket's least key); a last pass
  *            over the keys in entry order, 2048 at a time (8 a thread) with two block-wide prefix
  *            sums, lists every key above T and the first of those equal to T. A token of at most
  *            16384 keys (64K positions) has them loaded into registers once, in the last pass's
@@ -254,11 +255,14 @@ static __device__ void radix_choose(int shift, uint32_t *prefix, uint32_t *need,
   *need = sm.need;
 }
 
-/* The k-th largest of the n keys, T, and in sm.need how many keys equal to T the top k take:
- * cpu_compress.c's select_topk, one histogram per 8 bits. The first round whose keys in the race
- * fit SEL_CAND copies them into shared memory, and the later rounds read them there. */
+/* A threshold T of the n keys and in *need how many keys equal to T the top k take: the k-th
+ * largest key, as cpu_compress.c's select_topk finds it, one histogram per 8 bits; or, once a
+ * round's chosen bucket is taken whole, the least key of that bucket (its lower bits zero) with
+ * *need every key equal to it, since the top k are then exactly the keys from T up. The first round
+ * whose keys in the race fit SEL_CAND copies them into shared memory, and the later rounds read
+ * them there. */
 static __device__ uint32_t radix_select(const uint32_t *keys, uint32_t n, uint32_t k,
-                                        sel_smem_t &sm) {
+                                        uint32_t *need_out, sel_smem_t &sm) {
   uint32_t prefix = 0, mask = 0, need = k, count = n, n_src = n;
   const uint32_t *src = keys;
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -277,7 +281,12 @@ static __device__ uint32_t radix_select(const uint32_t *keys, uint32_t n, uint32
     radix_choose(shift, &prefix, &need, sm);
     count = sm.count;
     mask |= 255u << shift;
+    if (count == need) { /* CTA-uniform: the bucket is taken whole */
+      need = UINT32_MAX;
+      break;
+    }
   }
+  *need_out = need;
   return prefix;
 }
 
@@ -361,6 +370,10 @@ static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32
     __syncthreads();
     radix_choose(shift, &prefix, &need, sm);
     mask |= 255u << shift;
+    if (sm.count == need) { /* CTA-uniform: the bucket is taken whole (radix_select) */
+      need = UINT32_MAX;
+      break;
+    }
   }
   list_state_t st = {0, 0};
 #pragma unroll
@@ -376,8 +389,9 @@ static __device__ void select_keys(const uint32_t *keys, uint32_t n, uint32_t to
     select_registers(keys, n, topk, jlo, out, sm);
     return;
   }
-  const uint32_t T = radix_select(keys, n, topk, sm);
-  list_selected(keys, n, T, sm.need, jlo, out, sm);
+  uint32_t need = 0;
+  const uint32_t T = radix_select(keys, n, topk, &need, sm);
+  list_selected(keys, n, T, need, jlo, out, sm);
 }
 
 /* Split y of token t_base + blockIdx.x: the queries, then the keys of its entries, a thread (or
