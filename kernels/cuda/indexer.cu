@@ -25,12 +25,13 @@
  *            token's q^ once for all its splits, at the end of the token's key slot
  *            (dsv4__cuda_indexer_set_path picks the per-entry kernel, or the tensor-core kernel's
  *            lower modes, for the tests that compare them).
- *   select   one CTA per token of the wave. A token with at most topk visible entries lists them.
+ *   select   one CTA of 512 threads per token of the wave. A token with at most topk visible
+ *            entries lists them.
  *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
  *            histogram per round, a shared atomic a key, the bucket found by a block-wide scan)
  *            finds the k-th largest key T and how many keys equal to T are taken (a round whose
  *            bucket is taken whole ends it early, T the bucket's least key); a last pass
- *            over the keys in entry order, 2048 at a time (8 a thread) with two block-wide prefix
+ *            over the keys in entry order, 4096 at a time (8 a thread) with two block-wide prefix
  *            sums, lists every key above T and the first of those equal to T. A token of at most
  *            16384 keys (64K positions) has them loaded into registers once, in the last pass's
  *            layout; above that, the rounds read them from global memory until the keys still in
@@ -96,6 +97,11 @@ __global__ void __launch_bounds__(CHECK_BLOCK) dsv4__indexer_check_kernel(idx_pa
 
 /* ---- select ---- */
 
+/* Threads of a select CTA: a token's selection is one CTA, so at small batches the CTA's warps are
+ * all an SM has to hide the histogram's shared atomics and the scans' barriers with. */
+#define SELECT_THREADS 512
+#define SELECT_WARPS (SELECT_THREADS / 32)
+
 /* The exclusive prefix sum of v over the CTA (in thread order) and, in *total, the sum. */
 static __device__ uint32_t block_scan(uint32_t v, uint32_t *warp_sums, uint32_t *total) {
   const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -110,7 +116,7 @@ static __device__ uint32_t block_scan(uint32_t v, uint32_t *warp_sums, uint32_t 
     warp_sums[warp] = x;
   __syncthreads();
   uint32_t before = 0, all = 0;
-  for (uint32_t w = 0; w < SEL_WARPS; w++) {
+  for (uint32_t w = 0; w < SELECT_WARPS; w++) {
     before += w < warp ? warp_sums[w] : 0u;
     all += warp_sums[w];
   }
@@ -181,13 +187,13 @@ static __device__ void score_entries_grouped(const idx_params_t &p, uint32_t s, 
 #define HIST_UNROLL 4
 /* Rounds of list_selected whose keys a thread holds in registers: tokens with at most REG_KEYS
  * keys are selected without reading them twice. */
-#define REG_ROUNDS 8
-#define REG_KEYS (REG_ROUNDS * SEL_THREADS * LIST_PER)
+#define REG_KEYS 16384
+#define REG_ROUNDS (REG_KEYS / (SELECT_THREADS * LIST_PER))
 
 /* Shared state of the selection. */
 typedef struct {
   uint32_t hist[256];
-  uint32_t warp_sums[SEL_WARPS];
+  uint32_t warp_sums[SELECT_WARPS];
   uint32_t prefix, need, count, n_cand;
   uint32_t cand[SEL_CAND]; /* the keys in the race, in no particular order */
 } sel_smem_t;
@@ -217,16 +223,16 @@ static __device__ __forceinline__ void cand_add(sel_smem_t &sm, uint32_t key, bo
  * HIST_UNROLL loads in flight a thread; with compact, those keys copied into sm.cand too. */
 static __device__ void hist_round(const uint32_t *src, uint32_t n, uint32_t mask, uint32_t prefix,
                                   int shift, bool compact, sel_smem_t &sm) {
-  for (uint32_t base = 0; base < n; base += SEL_THREADS * HIST_UNROLL) {
+  for (uint32_t base = 0; base < n; base += SELECT_THREADS * HIST_UNROLL) {
     uint32_t key[HIST_UNROLL];
 #pragma unroll
     for (int u = 0; u < HIST_UNROLL; u++) {
-      const uint32_t i = base + u * SEL_THREADS + threadIdx.x;
+      const uint32_t i = base + u * SELECT_THREADS + threadIdx.x;
       key[u] = i < n ? src[i] : 0u;
     }
 #pragma unroll
     for (int u = 0; u < HIST_UNROLL; u++) {
-      const bool in = base + u * SEL_THREADS + threadIdx.x < n && (key[u] & mask) == prefix;
+      const bool in = base + u * SELECT_THREADS + threadIdx.x < n && (key[u] & mask) == prefix;
       hist_add(sm.hist, (key[u] >> shift) & 255u, in);
       if (compact)
         cand_add(sm, key[u], in);
@@ -237,15 +243,15 @@ static __device__ void hist_round(const uint32_t *src, uint32_t n, uint32_t mask
 /* After a round's histogram under shift: the bucket b of the k-th largest. The keys matching
  * *prefix number at least *need, so there is exactly one b whose buckets above hold fewer than
  * *need keys and b and those above at least *need. Thread x looks at bucket 255 - x, the scan
- * summing the buckets above it. *prefix takes b and *need what is left of it; sm.count holds the
- * keys in b.
+ * summing the buckets above it (the threads from 256 on add nothing). *prefix takes b and *need
+ * what is left of it; sm.count holds the keys in b.
  */
 static __device__ void radix_choose(int shift, uint32_t *prefix, uint32_t *need, sel_smem_t &sm) {
-  static_assert(SEL_THREADS == 256, "one thread per bucket");
-  const uint32_t b = 255u - threadIdx.x, hb = sm.hist[b];
+  static_assert(SELECT_THREADS >= 256, "a thread per bucket");
+  const uint32_t b = 255u - threadIdx.x, hb = threadIdx.x < 256 ? sm.hist[b] : 0u;
   uint32_t total;
   const uint32_t above = block_scan(hb, sm.warp_sums, &total);
-  if (above < *need && above + hb >= *need) {
+  if (threadIdx.x < 256 && above < *need && above + hb >= *need) {
     sm.prefix = *prefix | (b << shift);
     sm.need = *need - above;
     sm.count = hb;
@@ -266,7 +272,7 @@ static __device__ uint32_t radix_select(const uint32_t *keys, uint32_t n, uint32
   uint32_t prefix = 0, mask = 0, need = k, count = n, n_src = n;
   const uint32_t *src = keys;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (uint32_t i = threadIdx.x; i < 256; i += SEL_THREADS)
+    for (uint32_t i = threadIdx.x; i < 256; i += SELECT_THREADS)
       sm.hist[i] = 0;
     if (threadIdx.x == 0)
       sm.n_cand = 0;
@@ -332,7 +338,7 @@ static __device__ __forceinline__ void list_round(const uint32_t (&key)[LIST_PER
 static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t T, uint32_t need,
                                      int64_t jlo, int32_t *out, sel_smem_t &sm) {
   list_state_t st = {0, 0};
-  for (uint32_t base = 0; base < n; base += SEL_THREADS * LIST_PER) {
+  for (uint32_t base = 0; base < n; base += SELECT_THREADS * LIST_PER) {
     const uint32_t i0 = base + threadIdx.x * LIST_PER;
     uint32_t key[LIST_PER];
 #pragma unroll
@@ -347,7 +353,7 @@ static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t 
  * read them there. */
 static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32_t topk,
                                         int64_t jlo, int32_t *out, sel_smem_t &sm) {
-  constexpr uint32_t ROUND = SEL_THREADS * LIST_PER;
+  constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
   const uint32_t t8 = threadIdx.x * LIST_PER;
   uint32_t k[REG_ROUNDS][LIST_PER];
 #pragma unroll
@@ -357,7 +363,7 @@ static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32
       k[r][v] = r * ROUND + t8 + v < n ? keys[r * ROUND + t8 + v] : 0u;
   uint32_t prefix = 0, mask = 0, need = topk;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (uint32_t i = threadIdx.x; i < 256; i += SEL_THREADS)
+    for (uint32_t i = threadIdx.x; i < 256; i += SELECT_THREADS)
       sm.hist[i] = 0;
     __syncthreads();
 #pragma unroll
@@ -422,13 +428,13 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_score_kernel(idx_pa
 
 /* Token t_base + blockIdx.x's selection: all visible entries when at most topk, else the top topk
  * of the keys the score kernel wrote. */
-__global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_params_t p) {
+__global__ void __launch_bounds__(SELECT_THREADS) dsv4__indexer_select_kernel(idx_params_t p) {
   __shared__ sel_smem_t sm;
 #ifdef DSV4_TEST_BROKEN_SELECT_EARLY_READ
   /* Test-only breakage of SPEC §5.2 (gpu_inv_select_wait_broken_early_read): the first SEL_CAND
    * keys of the CTA's slot copied into shared memory before the dependency wait, and a token of at
    * most that many selected from the copy. */
-  for (uint32_t i = threadIdx.x; i < SEL_CAND && i < p.keys_per_cta; i += SEL_THREADS)
+  for (uint32_t i = threadIdx.x; i < SEL_CAND && i < p.keys_per_cta; i += SELECT_THREADS)
     sm.cand[i] = p.keys[(uint64_t)blockIdx.x * p.keys_per_cta + i];
   __syncthreads();
 #endif
@@ -445,7 +451,7 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_p
   const int64_t n = jhi > jlo ? jhi - jlo : 0;
   int32_t *out = p.sel + (uint64_t)t * p.topk;
   if (n <= (int64_t)p.topk) {
-    for (uint32_t k = threadIdx.x; k < p.topk; k += SEL_THREADS)
+    for (uint32_t k = threadIdx.x; k < p.topk; k += SELECT_THREADS)
       out[k] = k < n ? (int32_t)(jlo + k) : -1;
     return;
   }
@@ -460,7 +466,7 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_select_kernel(idx_p
 
 #ifdef DSV4_TEST_SELECT
 /* gpu_select_test: the selection of CTA b's n[b] keys at keys + b * stride into out + b * topk. */
-__global__ void __launch_bounds__(SEL_THREADS)
+__global__ void __launch_bounds__(SELECT_THREADS)
     dsv4__indexer_select_test_kernel(const uint32_t *keys, uint64_t stride, const uint32_t *n,
                                      uint32_t topk, int32_t *out) {
   __shared__ sel_smem_t sm;
@@ -470,7 +476,7 @@ __global__ void __launch_bounds__(SEL_THREADS)
 
 extern "C" int dsv4__cuda_test_select(const uint32_t *keys, uint64_t stride, const uint32_t *n,
                                       uint32_t count, uint32_t topk, int32_t *out) {
-  dsv4__indexer_select_test_kernel<<<count, SEL_THREADS>>>(keys, stride, n, topk, out);
+  dsv4__indexer_select_test_kernel<<<count, SELECT_THREADS>>>(keys, stride, n, topk, out);
   return dsv4__cuda_err(cudaDeviceSynchronize());
 }
 
@@ -489,7 +495,7 @@ extern "C" int dsv4__cuda_test_select_launch(const dsv4_test_select_launch_t *a,
   p.n_segments = a->n_segments;
   p.topk = a->topk;
   return dsv4__cuda_err(
-      dsv4__cuda_launch(dsv4__indexer_select_kernel, a->n_tokens, SEL_THREADS, s, pdl, p));
+      dsv4__cuda_launch(dsv4__indexer_select_kernel, a->n_tokens, SELECT_THREADS, s, pdl, p));
 }
 #endif
 
@@ -598,7 +604,7 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
                                  smem, s, pdl, p);
     }
     if (e == cudaSuccess)
-      e = dsv4__cuda_launch(dsv4__indexer_select_kernel, ctas, SEL_THREADS, s, pdl, p);
+      e = dsv4__cuda_launch(dsv4__indexer_select_kernel, ctas, SELECT_THREADS, s, pdl, p);
   }
   return dsv4__cuda_err(e);
 }
