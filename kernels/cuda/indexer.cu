@@ -26,17 +26,16 @@
  *            (dsv4__cuda_indexer_set_path picks the per-entry kernel, or the tensor-core kernel's
  *            lower modes, for the tests that compare them).
  *   select   one CTA of 512 threads per token of the wave. A token with at most topk visible
- *            entries lists them.
- *            Otherwise a radix select over its keys (8 bits at a time from the top, a shared
- *            histogram per round, a shared atomic a key, the bucket found by a block-wide scan)
- *            finds the k-th largest key T and how many keys equal to T are taken (a round whose
- *            bucket is taken whole ends it early, T the bucket's least key); a last pass
- *            over the keys in entry order, 4096 at a time (8 a thread) with two block-wide prefix
- *            sums, lists every key above T and the first of those equal to T. A token of at most
- *            16384 keys (64K positions) has them loaded into registers once, in the last pass's
- *            layout; above that, the rounds read them from global memory until the keys still in
- *            the race fit 8192, which the round that counts them copies into shared memory for
- *            the later rounds.
+ *            entries lists them. Otherwise a radix select over its keys (8 bits at a time from
+ *            the top, a shared histogram per round, a shared atomic a key, the bucket found by a
+ *            block-wide scan) finds the k-th largest key T and how many keys equal to T are taken
+ *            (a round whose bucket is taken whole ends it early, T the bucket's least key); a last
+ *            pass over the keys in entry order, 4096 at a time (8 a thread) with two block-wide
+ *            prefix sums, lists every key above T and the first of those equal to T. A token of
+ *            at most 16384 keys (64K positions) has them loaded into registers once, in the last
+ *            pass's layout; above that, the rounds read them from global memory until the keys
+ *            still in the race fit 8192, which the round that counts them copies into shared
+ *            memory for the later rounds.
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
  * the selection is a function of the scores alone, so the lists are equal.
@@ -98,7 +97,8 @@ __global__ void __launch_bounds__(CHECK_BLOCK) dsv4__indexer_check_kernel(idx_pa
 /* ---- select ---- */
 
 /* Threads of a select CTA: a token's selection is one CTA, so at small batches the CTA's warps are
- * all an SM has to hide the histogram's shared atomics and the scans' barriers with. */
+ * all an SM has to hide the histogram's shared atomics and the scans' barriers with. On the H200
+ * 512 beat 256 at 64K positions (the wider CTA's histogram) and 1024 (its wider scans). */
 #define SELECT_THREADS 512
 #define SELECT_WARPS (SELECT_THREADS / 32)
 
