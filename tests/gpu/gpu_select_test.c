@@ -9,7 +9,10 @@
  * 8192 keys in the race to the end); the model's race sizes say which is which, so that a change
  * of either capacity cannot leave a path untested. Keys come from the daemon's own order of
  * scores (dsv4_index_score_key of finite floats: the top bytes of real keys crowd into few
- * buckets), from the whole 32-bit range, and from a handful of values.
+ * buckets), from the whole 32-bit range, from a handful of values, and from keys whose low 16 bits
+ * are zero: a round whose bucket is taken whole ends the select with the bucket's least key as
+ * the threshold, and only keys equal to it tell whether the listing takes every one of them (some
+ * problem must end so, or the test fails).
  *
  * Usage: gpu_select_test
  */
@@ -33,7 +36,7 @@ typedef struct {
   int kind; /* how the keys are drawn */
 } problem_t;
 
-enum { K_SCORES, K_WIDE_SCORES, K_UNIFORM, K_FEW, K_EQUAL, K_TIES_AT_T };
+enum { K_SCORES, K_WIDE_SCORES, K_UNIFORM, K_FEW, K_EQUAL, K_TIES_AT_T, K_ROUND };
 
 static void make_keys(uint64_t *rng, const problem_t *pb, uint32_t *k) {
   for (uint32_t i = 0; i < pb->n; i++) {
@@ -53,17 +56,39 @@ static void make_keys(uint64_t *rng, const problem_t *pb, uint32_t *k) {
     case K_EQUAL:
       k[i] = 0x80000000u; /* every score 0 (the ReLU of negative dot products) */
       break;
-    default: /* K_TIES_AT_T: about 300 keys above, the rest equal to the 512th */
+    case K_TIES_AT_T: /* about 300 keys above, the rest equal to the 512th */
       k[i] = gpu_below(rng, 1000) < 6 ? 0xC0000000u + gpu_below(rng, 1000) : 0x9000ABCDu;
+      break;
+    default: /* K_ROUND: the low 16 bits zero, so a bucket taken whole holds its least key */
+      k[i] = (uint32_t)gpu_below(rng, 1u << 16) << 16;
       break;
     }
   }
 }
 
+/* Whether the kernel's select ends early (a round's bucket of the k-th largest, T's, taken whole)
+ * at a threshold that keys of the race equal: the round's bucket floor, T's bits from the round's
+ * up and zeros below, itself a key. */
+static int ends_at_a_key(const uint32_t *k, uint32_t n, uint32_t T) {
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    const uint32_t hi = ~0u << shift, floor = T & hi;
+    uint32_t above = 0, in = 0, at_floor = 0;
+    for (uint32_t i = 0; i < n; i++) {
+      above += (k[i] & hi) > floor;
+      in += (k[i] & hi) == floor;
+      at_floor += k[i] == floor;
+    }
+    if (in == TOPK - above)
+      return at_floor > 0;
+  }
+  return 0;
+}
+
 /* The model's list, and the kernel's path: 0 the keys in registers; 1, 2 the round (0-based) whose
  * race first fits CAND; 3 never. */
-static int model(const uint32_t *k, uint32_t n, int32_t *list) {
+static int model(const uint32_t *k, uint32_t n, int32_t *list, int *at_key) {
   const uint32_t T = gpu_select_ref(k, n, TOPK, list);
+  *at_key = ends_at_a_key(k, n, T);
   if (n <= REG_KEYS)
     return 0;
   /* Round r counts the keys that share T's top 8r bits; rounds 1 and 2 may copy them (round 0's
@@ -96,18 +121,22 @@ int main(void) {
       {"16,000 keys of 5 values", 16000, K_FEW},
       {"50,000 keys, thousands tied at the 512th", 50000, K_TIES_AT_T},
       {"513 scores", 513, K_SCORES},
+      {"10,000 keys of zero low bits", 10000, K_ROUND},
+      {"30,000 keys of zero low bits", 30000, K_ROUND},
   };
   const uint32_t count = (uint32_t)(sizeof(pbs) / sizeof(pbs[0]));
   uint64_t rng = 0x243F6A8885A308D3ull;
   uint32_t *keys = gpu_host_alloc(sizeof(uint32_t) * MAX_N * count), n[16];
   int32_t *want = gpu_host_alloc(sizeof(int32_t) * TOPK * count);
   int32_t *got = gpu_host_alloc(sizeof(int32_t) * TOPK * count);
-  int round[16], rounds_seen = 0, failures = 0;
+  int round[16], rounds_seen = 0, failures = 0, at_key = 0;
   for (uint32_t b = 0; b < count; b++) {
     n[b] = pbs[b].n;
     make_keys(&rng, &pbs[b], keys + (size_t)b * MAX_N);
-    round[b] = model(keys + (size_t)b * MAX_N, n[b], want + (size_t)b * TOPK);
+    int early = 0;
+    round[b] = model(keys + (size_t)b * MAX_N, n[b], want + (size_t)b * TOPK, &early);
     rounds_seen |= 1 << round[b];
+    at_key += early;
   }
   uint32_t *d_keys = gpu_dev_alloc(sizeof(uint32_t) * MAX_N * count), *d_n = gpu_dev_alloc(64);
   int32_t *d_out = gpu_dev_alloc(sizeof(int32_t) * TOPK * count);
@@ -136,6 +165,12 @@ int main(void) {
       fprintf(stderr, "FAIL no problem has its keys %s\n", when[r]);
       failures++;
     }
+  if (!at_key) {
+    fprintf(stderr, "FAIL no problem ends its select early at a threshold that keys equal\n");
+    failures++;
+  } else {
+    printf("ok   %d problems end their select early at a threshold that keys equal\n", at_key);
+  }
   CK(cudaFree(d_keys));
   CK(cudaFree(d_n));
   CK(cudaFree(d_out));
