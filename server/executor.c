@@ -4,7 +4,10 @@
 #include <errno.h>
 #include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
 #endif
 
 #include "dsv4-error.h"
@@ -112,6 +115,7 @@ static void finish_job(dsv4_executor_t *ex, dsv4_job_t *job) {
     ex->d_head = job;
   ex->d_tail = job;
   pthread_mutex_unlock(&ex->mu);
+  atomic_fetch_add_explicit(&ex->finishes, 1, memory_order_release);
   uv_async_send(&ex->async);
 }
 
@@ -190,6 +194,22 @@ uint32_t dsv4_executor_yield(dsv4_executor_t *ex, const dsv4_job_t *running) {
   return ran;
 }
 
+/* Under mu with nothing queued: with busy polling, wait for a submit by spinning (mu released) for
+ * up to the window, so that a batch that comes soon does not wait for the thread's wake-up. */
+static void spin_for_work(dsv4_executor_t *ex) {
+  if (!ex->poll_ns || ex->q_head || ex->stopping)
+    return;
+  const uint64_t seen = atomic_load_explicit(&ex->submits, memory_order_relaxed);
+  const uint64_t until = now_ns() + ex->poll_ns;
+  pthread_mutex_unlock(&ex->mu);
+  for (uint32_t i = 1; atomic_load_explicit(&ex->submits, memory_order_relaxed) == seen; i++) {
+    if (!(i & 63) && now_ns() >= until)
+      break;
+    CPU_RELAX();
+  }
+  pthread_mutex_lock(&ex->mu);
+}
+
 static void *executor_main(void *arg) {
   dsv4_executor_t *ex = arg;
 #if defined(__x86_64__) || defined(__i386__)
@@ -199,11 +219,14 @@ static void *executor_main(void *arg) {
 #endif
   pthread_mutex_lock(&ex->mu);
   for (;;) {
+    spin_for_work(ex);
     while (!ex->q_head && !ex->stopping) {
       struct timespec ts;
       clock_gettime(CLOCK_REALTIME, &ts);
       ts.tv_sec += TICK_S;
+      ex->sleeping = 1;
       pthread_cond_timedwait(&ex->cv, &ex->mu, &ts);
+      ex->sleeping = 0;
       if (!ex->q_head && !ex->stopping) {
         pthread_mutex_unlock(&ex->mu);
         run_tick(ex, now_ns());
@@ -225,6 +248,17 @@ static void *executor_main(void *arg) {
   return NULL;
 }
 
+static void on_idle(uv_idle_t *h);
+
+/* Loop thread: keep the loop polling for the busy-poll window from now. */
+static void poll_on(dsv4_executor_t *ex) {
+  if (!ex->poll_ns)
+    return;
+  ex->poll_until_ns = now_ns() + ex->poll_ns;
+  if (!ex->idle_on && uv_idle_start(&ex->idle, on_idle) == 0)
+    ex->idle_on = 1;
+}
+
 /* Loop thread: hand every finished job back, in completion order. */
 static void on_async(uv_async_t *h) {
   dsv4_executor_t *ex = (dsv4_executor_t *)h;
@@ -232,6 +266,8 @@ static void on_async(uv_async_t *h) {
   dsv4_job_t *list = ex->d_head;
   ex->d_head = ex->d_tail = NULL;
   pthread_mutex_unlock(&ex->mu);
+  if (list)
+    poll_on(ex);
   while (list) {
     dsv4_job_t *next = list->next;
     pthread_mutex_lock(&ex->mu);
@@ -239,6 +275,21 @@ static void on_async(uv_async_t *h) {
     pthread_mutex_unlock(&ex->mu);
     list->done(list);
     list = next;
+  }
+}
+
+/* Loop thread, every loop iteration while busy polling: hand back what finished without waiting
+ * for the async wake-up; stop polling once the window has passed. */
+static void on_idle(uv_idle_t *h) {
+  dsv4_executor_t *ex = (dsv4_executor_t *)((char *)h - offsetof(dsv4_executor_t, idle));
+  const uint64_t f = atomic_load_explicit(&ex->finishes, memory_order_acquire);
+  if (f != ex->finishes_seen) {
+    ex->finishes_seen = f;
+    on_async(&ex->async);
+  }
+  if (now_ns() >= ex->poll_until_ns) {
+    uv_idle_stop(h);
+    ex->idle_on = 0;
   }
 }
 
@@ -255,12 +306,23 @@ int dsv4_executor_start(dsv4_executor_t *ex, uv_loop_t *loop, uint32_t max_queue
   ex->tick = tick;
   ex->tick_arg = tick_arg;
   ex->last_tick_ns = now_ns();
-  if (uv_async_init(loop, &ex->async, on_async))
+  ex->poll_ns = 0;
+  atomic_init(&ex->submits, 0);
+  atomic_init(&ex->finishes, 0);
+  ex->sleeping = 0;
+  ex->idle_on = 0;
+  ex->poll_until_ns = ex->finishes_seen = 0;
+  if (uv_idle_init(loop, &ex->idle))
     return DSV4_EIO;
+  if (uv_async_init(loop, &ex->async, on_async)) {
+    uv_close((uv_handle_t *)&ex->idle, NULL);
+    return DSV4_EIO;
+  }
   pthread_mutex_init(&ex->mu, NULL);
   pthread_cond_init(&ex->cv, NULL);
   rc = pthread_create(&ex->thread, NULL, executor_main, ex);
   if (rc) {
+    uv_close((uv_handle_t *)&ex->idle, NULL);
     uv_close((uv_handle_t *)&ex->async, NULL);
     return DSV4_ENOMEM;
   }
@@ -278,12 +340,21 @@ static void enqueue(dsv4_executor_t *ex, dsv4_job_t *job) {
   ex->q_tail = job;
   ex->queued++;
   ex->waiting[job->cls]++;
+  atomic_fetch_add_explicit(&ex->submits, 1, memory_order_relaxed);
+}
+
+void dsv4_executor_set_busy_poll(dsv4_executor_t *ex, uint32_t us) {
+  pthread_mutex_lock(&ex->mu);
+  ex->poll_ns = (uint64_t)us * 1000u;
+  pthread_mutex_unlock(&ex->mu);
 }
 
 /* The executor is woken after mu is released: signalled while the submitter still held it, it
- * would wake only to block on mu, and the unlock would have to wake it a second time. */
+ * would wake only to block on mu, and the unlock would have to wake it a second time. It is
+ * signalled only when it sleeps on cv: otherwise (running a job or the tick, spinning) it looks at
+ * the queue, under mu, before it sleeps. */
 int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job) {
-  int rc = 0;
+  int rc = 0, wake = 0;
   pthread_mutex_lock(&ex->mu);
   if (ex->stopping)
     rc = DSV4_EDRAIN;
@@ -291,17 +362,23 @@ int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job) {
     rc = DSV4_EQUEUE;
   else
     enqueue(ex, job);
+  wake = !rc && ex->sleeping;
   pthread_mutex_unlock(&ex->mu);
-  if (!rc)
+  if (wake)
     pthread_cond_signal(&ex->cv);
+  if (!rc)
+    poll_on(ex);
   return rc;
 }
 
 void dsv4_executor_submit_force(dsv4_executor_t *ex, dsv4_job_t *job) {
   pthread_mutex_lock(&ex->mu);
   enqueue(ex, job);
+  const int wake = ex->sleeping;
   pthread_mutex_unlock(&ex->mu);
-  pthread_cond_signal(&ex->cv);
+  if (wake)
+    pthread_cond_signal(&ex->cv);
+  poll_on(ex);
 }
 
 uint32_t dsv4_executor_pending(dsv4_executor_t *ex) {
@@ -329,6 +406,7 @@ static void on_async_closed(uv_handle_t *h) {
 void dsv4_executor_stop(dsv4_executor_t *ex, void (*closed)(void *arg), void *arg) {
   pthread_mutex_lock(&ex->mu);
   ex->stopping = 1;
+  atomic_fetch_add_explicit(&ex->submits, 1, memory_order_relaxed); /* ends a spin */
   pthread_cond_signal(&ex->cv);
   pthread_mutex_unlock(&ex->mu);
   if (ex->started) {
@@ -339,5 +417,6 @@ void dsv4_executor_stop(dsv4_executor_t *ex, void (*closed)(void *arg), void *ar
   on_async(&ex->async);
   ex->closed_cb = closed;
   ex->closed_arg = arg;
+  uv_close((uv_handle_t *)&ex->idle, NULL);
   uv_close((uv_handle_t *)&ex->async, on_async_closed);
 }

@@ -495,6 +495,7 @@ static int start_serving(app_t *a) {
     dsv4_logp(DSV4_LOG_ERROR, "cannot start the executor thread", NULL);
     return EXIT_FAILED;
   }
+  dsv4_executor_set_busy_poll(&d->ex, cfg->busy_poll_us);
   n_routes = dsv4_data_routes(d, routes, sizeof(routes) / sizeof(routes[0]));
   /* The admin plane has no limit of its own: its few connections come out of the reserve. */
   if (listen_on(d, "data", cfg->host, cfg->port, cfg->listen_unix,

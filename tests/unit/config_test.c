@@ -108,6 +108,7 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.max_body_bytes, 0);
   assert_int_equal(cfg.queue_depth, 64);
   assert_int_equal(cfg.prefill_chunk_tokens, 512);
+  assert_int_equal(cfg.busy_poll_us, 0);
   assert_int_equal(cfg.pinned_pool_mib, 256);
   assert_string_equal(cfg.listen_shm, "");
   assert_int_equal(cfg.sequence_idle_timeout_s, 600);
@@ -234,6 +235,8 @@ static void test_range_errors_name_the_option(void **state) {
       {"--pinned-pool-mib", "-1", "pinned_pool_mib"},
       {"--pinned-pool-mib", "65537", "pinned_pool_mib"},
       {"--pinned-pool-mib", "99999999999", "pinned_pool_mib"},
+      {"--busy-poll-us", "10001", "busy_poll_us"},
+      {"--busy-poll-us", "-5", "busy_poll_us"},
       {"--header-timeout-ms", "0", "header_timeout_ms"},
       {"--body-timeout-ms", "0", "body_timeout_ms"},
       {"--idle-timeout-ms", "0", "idle_timeout_ms"},
