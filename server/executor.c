@@ -252,7 +252,7 @@ static void on_idle(uv_idle_t *h);
 
 /* Loop thread: keep the loop polling for the busy-poll window from now. */
 static void poll_on(dsv4_executor_t *ex) {
-  if (!ex->poll_ns)
+  if (!ex->poll_ns || ex->stopping) /* stopping: written by the loop thread (stop) */
     return;
   ex->poll_until_ns = now_ns() + ex->poll_ns;
   if (!ex->idle_on && uv_idle_start(&ex->idle, on_idle) == 0)
@@ -395,6 +395,15 @@ uint32_t dsv4_executor_waiting(dsv4_executor_t *ex, dsv4_job_class_t cls) {
   return n;
 }
 
+static void on_async_closed(uv_handle_t *h);
+
+/* The idle handle closes first, then the async handle, whose close callback may free ex (libuv
+ * runs the close callbacks of one loop iteration in the reverse order of their uv_close). */
+static void on_idle_closed(uv_handle_t *h) {
+  dsv4_executor_t *ex = (dsv4_executor_t *)((char *)h - offsetof(dsv4_executor_t, idle));
+  uv_close((uv_handle_t *)&ex->async, on_async_closed);
+}
+
 static void on_async_closed(uv_handle_t *h) {
   dsv4_executor_t *ex = (dsv4_executor_t *)h;
   pthread_mutex_destroy(&ex->mu);
@@ -417,6 +426,5 @@ void dsv4_executor_stop(dsv4_executor_t *ex, void (*closed)(void *arg), void *ar
   on_async(&ex->async);
   ex->closed_cb = closed;
   ex->closed_arg = arg;
-  uv_close((uv_handle_t *)&ex->idle, NULL);
-  uv_close((uv_handle_t *)&ex->async, on_async_closed);
+  uv_close((uv_handle_t *)&ex->idle, on_idle_closed);
 }

@@ -9,6 +9,7 @@
 #include <cmocka.h>
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -449,12 +450,51 @@ static void test_busy_poll(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* test_stop_frees: the loop it runs, and handles of the executor still on that loop at its closed
+ * callback. */
+static uv_loop_t *stop_loop;
+static int handles_left, closed_runs;
+
+static void count_in_executor(uv_handle_t *h, void *arg) {
+  const char *at = (const char *)h, *ex = arg;
+  handles_left += at >= ex && at < ex + sizeof(dsv4_executor_t);
+}
+
+static void free_closed(void *arg) {
+  uv_walk(stop_loop, count_in_executor, arg);
+  closed_runs++;
+  free(arg);
+}
+
+/* The closed callback of dsv4_executor_stop may free the executor: every handle of it has finished
+ * closing by then (none is left on the loop, where libuv would still write to it), also with busy
+ * polling's idle handle active at the stop. */
+static void test_stop_frees(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  fake_job_t j;
+  dsv4_executor_t *ex = malloc(sizeof(*ex));
+  assert_non_null(ex);
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(ex, &loop, 16, NULL, NULL), 0);
+  dsv4_executor_set_busy_poll(ex, 10000);
+  round_trip(ex, &loop, &j);
+  assert_true(uv_is_active((uv_handle_t *)&ex->idle));
+  stop_loop = &loop;
+  handles_left = closed_runs = 0;
+  dsv4_executor_stop(ex, free_closed, ex);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(closed_runs, 1);
+  assert_int_equal(handles_left, 0);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_decode_first),      cmocka_unit_test(test_same_sequence_order),
       cmocka_unit_test(test_queue_full),        cmocka_unit_test(test_decode_between_chunks),
       cmocka_unit_test(test_overlapped_halves), cmocka_unit_test(test_overlap_tick),
-      cmocka_unit_test(test_busy_poll),
+      cmocka_unit_test(test_busy_poll),         cmocka_unit_test(test_stop_frees),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
