@@ -322,7 +322,7 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
   }
   if (p.check_all) {
     window_t wu; /* a launch without compressed entries: the window's checks are all */
-    for (uint32_t u = tid; u < p.n_tokens; u += ATTN_THREADS)
+    for (uint32_t u = tid; u < p.n_tokens; u += blockDim.x)
       bits |= token_check(p, u, &wu);
   }
   if (tid == 0 && __ldcg(p.err) != 0)
@@ -339,19 +339,20 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
  * gives candidate s's 576 data bytes and its 8 scale bytes. Piece c of a candidate (dims 8c..8c+7,
  * 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so that the two 16-byte pieces a
  * lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over the warp, two contiguous
- * 512-byte runs. Thread x stages piece x & 63 of candidates x / 64 + 4j, sixteen candidates' loads
- * in flight at a time, after an L2 prefetch of every line of the records (they are scattered over
- * blocks, and every round of loads would otherwise wait for the DRAM). With SWZ (the fast kernel's
- * layout, read by ldmatrix) piece c of candidate s lies instead at 16-byte chunk c ^ (s & 7) of its
- * row: eight consecutive candidates' copies of one piece fall in eight different bank groups.
+ * 512-byte runs. Of a CTA of T threads, thread x stages piece x & 63 of the candidates x / 64 + j
+ * T / 64, sixteen candidates' loads in flight at a time, after an L2 prefetch of every line of the
+ * records (they are scattered over blocks, and every round of loads would otherwise wait for the
+ * DRAM). With SWZ (the fast kernel's layout, read by ldmatrix) piece c of candidate s lies instead
+ * at 16-byte chunk c ^ (s & 7) of its row: eight consecutive candidates' copies of one piece fall
+ * in eight different bank groups.
  */
-template <bool SWZ = false, typename Addr>
+template <bool SWZ = false, int THREADS = ATTN_THREADS, typename Addr>
 static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
-  constexpr int BATCH = 16;
+  constexpr int BATCH = 16, ROWS = THREADS / 64;
   const uint32_t c = threadIdx.x & 63;
   /* Candidate x / 8 + 32j: line x % 8 of its 576 data bytes (the fifth line also holds the part of
    * the next record), line 7 its scales. */
-  for (uint32_t s = threadIdx.x >> 3; s < n; s += ATTN_THREADS / 8) {
+  for (uint32_t s = threadIdx.x >> 3; s < n; s += THREADS / 8) {
     const uint8_t *rec, *scl;
     addr(s, &rec, &scl);
     const uint32_t line = threadIdx.x & 7;
@@ -361,12 +362,12 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
       dsv4__prefetch_l2(scl);
   }
   uint8_t *dst = sk + (SWZ ? 0 : (c & 1) * 512 + (c >> 1) * 16);
-  for (uint32_t s0 = threadIdx.x >> 6; s0 < n; s0 += 4 * BATCH) {
+  for (uint32_t s0 = threadIdx.x >> 6; s0 < n; s0 += ROWS * BATCH) {
     uint4 raw[BATCH];
     uint32_t code[BATCH];
 #pragma unroll
     for (int j = 0; j < BATCH; j++) {
-      const uint32_t s = s0 + 4 * j;
+      const uint32_t s = s0 + ROWS * j;
       raw[j] = make_uint4(0, 0, 0, 0);
       code[j] = 0;
       if (s < n) {
@@ -384,7 +385,7 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
     }
 #pragma unroll
     for (int j = 0; j < BATCH; j++) {
-      const uint32_t s = s0 + 4 * j;
+      const uint32_t s = s0 + ROWS * j;
       if (s < n)
         *reinterpret_cast<uint4 *>(dst + (size_t)s * K_ROW + (SWZ ? ((c ^ (s & 7)) << 4) : 0)) =
             c < NOPE_PIECES ? dequant8(raw[j].x, raw[j].y, code[j]) : raw[j];
@@ -394,13 +395,13 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
 
 /* The window's records (the window kernel's only candidates), through the blocks in ms.blk: n of
  * them from candidate `first` on (a split of fast mode's window), into rows 0..n - 1. */
-template <bool SWZ = false>
+template <bool SWZ = false, int THREADS = ATTN_THREADS>
 static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk,
                                   uint32_t first, uint32_t n) {
   const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
   const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
   const uint64_t scales = (uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift;
-  stage_records<SWZ>(n, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
+  stage_records<SWZ, THREADS>(n, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
     const int64_t pos = lo + first + s;
     const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
     const uint64_t o = (uint64_t)(pos & mask);

@@ -52,15 +52,15 @@ typedef struct {
  * flight at once, and turns each into the bf16 values the insert would have written (q-norm.cuh,
  * the run layout: lane l holds chunks 2l and 2l + 1), placed as fast_load_q places q_out.
  */
-template <int MT>
+template <int MT, int W>
 static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint32_t h_first,
                                        uint8_t *sq, const float *rope) {
-  constexpr int RW = 16 * MT / ATTN_WARPS;
+  constexpr int RW = 16 * MT / W;
   const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint4 v[RW][2];
 #pragma unroll
   for (int i = 0; i < RW; i++) {
-    const uint32_t h = warp + ATTN_WARPS * i;
+    const uint32_t h = warp + W * i;
     v[i][0] = v[i][1] = make_uint4(0, 0, 0, 0);
     if (h_first + h < p.heads) {
       const uint4 *row = p.q + ((uint64_t)t * p.heads + h_first + h) * 64;
@@ -70,7 +70,7 @@ static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint3
   }
 #pragma unroll
   for (int i = 0; i < RW; i++) {
-    const uint32_t h = warp + ATTN_WARPS * i;
+    const uint32_t h = warp + W * i;
     if (h_first + h < p.heads) /* warp-uniform */
       qn_row_run(lane, rope, p.eps, v[i][0], v[i][1]);
     *reinterpret_cast<uint4 *>(sq + swz(h, 2 * lane, K_ROW)) = v[i][0];
@@ -78,16 +78,17 @@ static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint3
   }
 }
 
-/* The queries of heads h_first.. (zeros past the last head), swizzled like the records; rope: the
- * query position's RoPE row (ms.rope, after the setup), for the fused decode path. */
-template <int MT>
+/* The queries of heads h_first.. (zeros past the last head), swizzled like the records, by a CTA
+ * of W warps; rope: the query position's RoPE row (ms.rope, after the setup), for the fused
+ * decode path. */
+template <int MT, int W = ATTN_WARPS>
 static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
                                    uint8_t *sq, const float *rope) {
   if (p.q_raw) {
-    fast_load_q_raw<MT>(p, t, h_first, sq, rope);
+    fast_load_q_raw<MT, W>(p, t, h_first, sq, rope);
     return;
   }
-  for (uint32_t i = threadIdx.x; i < 16 * MT * 64; i += ATTN_THREADS) {
+  for (uint32_t i = threadIdx.x; i < 16 * MT * 64; i += 32 * W) {
     const uint32_t h = i >> 6, c = i & 63;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (h_first + h < p.heads)
@@ -100,21 +101,21 @@ static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t 
  * multiplies by zero weights: staged memory left from before could hold NaN patterns. */
 static __device__ void fast_zero_tail(uint8_t *sk, uint32_t n) {
   const uint32_t n16 = (n + 15) & ~15u;
-  for (uint32_t i = threadIdx.x; i < (n16 - n) * 64; i += ATTN_THREADS)
+  for (uint32_t i = threadIdx.x; i < (n16 - n) * 64; i += blockDim.x)
     *reinterpret_cast<uint4 *>(sk + (size_t)(n + (i >> 6)) * K_ROW + ((i & 63) << 4)) =
         make_uint4(0, 0, 0, 0);
 }
 
-/* The scores of the warp's m-tile and its 16 MT candidates: 2 MT n-tiles of 8, over 512 dims. */
-template <int MT>
+/* The scores of the warp's m-tile and its 16 NP candidates: 2 NP n-tiles of 8, over 512 dims. */
+template <int MT, int NP = MT>
 static __device__ void fast_scores(const uint8_t *sq, const uint8_t *sk, uint32_t warp,
-                                   uint32_t lane, float (&acc)[2 * MT][4]) {
-  const uint32_t mt = warp % MT, c0 = (warp / MT) * 16 * MT;
+                                   uint32_t lane, float (&acc)[2 * NP][4]) {
+  const uint32_t mt = warp % MT, c0 = (warp / MT) * 16 * NP;
   const uint32_t qa = smem_addr(sq), ka = smem_addr(sk);
   const uint32_t arow = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, acol = lane >> 4;
   const uint32_t brow = c0 + (lane & 7) + (lane >> 4) * 8, bcol = (lane >> 3) & 1;
 #pragma unroll
-  for (int j = 0; j < 2 * MT; j++)
+  for (int j = 0; j < 2 * NP; j++)
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     /* Each MMA sums its 16 products from zero and the partial joins the total in an fp32 add: the
      * MMA's accumulation truncates relative to its largest operand, so a running total fed back as
@@ -124,7 +125,7 @@ static __device__ void fast_scores(const uint8_t *sq, const uint8_t *sk, uint32_
     uint32_t a[4];
     ldsm4(qa + swz(arow, kc + acol, K_ROW), a);
 #pragma unroll
-    for (int np = 0; np < MT; np++) {
+    for (int np = 0; np < NP; np++) {
       uint32_t b[4];
       float part[2][4] = {};
       ldsm4(ka + swz(brow + 16 * np, kc + bcol, K_ROW), b);
@@ -140,14 +141,14 @@ static __device__ void fast_scores(const uint8_t *sq, const uint8_t *sk, uint32_
 }
 
 /* The scaled scores into ss[head][candidate], -inf past the window's n candidates. */
-template <int MT>
+template <int MT, int NP = MT>
 static __device__ void fast_store_scores(float *ss, uint32_t warp, uint32_t lane, uint32_t n,
-                                         const float (&acc)[2 * MT][4]) {
+                                         const float (&acc)[2 * NP][4]) {
   const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
-  const uint32_t mt = warp % MT, c0 = (warp / MT) * 16 * MT;
+  const uint32_t mt = warp % MT, c0 = (warp / MT) * 16 * NP;
   const uint32_t h = mt * 16 + (lane >> 2);
 #pragma unroll
-  for (int j = 0; j < 2 * MT; j++) {
+  for (int j = 0; j < 2 * NP; j++) {
     const uint32_t s = c0 + 8 * j + 2 * (lane & 3);
 #pragma unroll
     for (int i = 0; i < 4; i++) {

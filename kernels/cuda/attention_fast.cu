@@ -12,12 +12,15 @@
  *     rounding, where FlashMLA's single bf16 weight costs about 2^-9 relative per weight;
  *   - o = N (1 / D), then the inverse RoPE and the bf16 rounding as in exact mode.
  *
- * A CTA of 8 warps takes one query token and 16 MT heads (MT = 1, 2 or 4 m-tiles of 16 heads):
+ * A CTA of W warps takes one query token and 16 MT heads (MT = 1, 2 or 4 m-tiles of 16 heads;
+ * W = 8 for one m-tile, 16 for more: one CTA an SM, whose serial instruction stream is the time,
+ * so the more warps share it the sooner it ends):
  *   stage   the window's records as bf16 in shared memory (swizzled for ldmatrix), q beside them
- *   scores  warp w: m-tile w % MT, candidates (w / MT) 16 MT.. of the 128, mma m16n8k16 over 512
- *   softmax warp w: heads w, w + 8, ...: max, w, S, D (with the sink), lse, the weights as bf16
- *   output  warp w: m-tile w % MT, dims (w / MT) 64 MT.., mma over the candidates, then o = N / D,
- *           inverse RoPE, bf16, stored
+ *   scores  warp w: m-tile w % MT, candidates (w / MT) 128 MT / W.. of the 128, mma m16n8k16 over
+ *           the 512 dims
+ *   softmax warp w: heads w, w + W, ...: max, w, S, D (with the sink), lse, the weights as bf16
+ *   output  warp w: m-tile w % MT, dims (w / MT) 512 MT / W.., mma over the candidates, then
+ *           o = N / D, inverse RoPE, bf16, stored
  * Split windows (flash-decoding), when a launch's CTAs fill less than half the device (a decode
  * step of a few tokens; attention-split.h): the grid's y holds nsplit = 2, 4 or 8 splits, and split
  * s stages, scores and weighs only the window's candidates 128 s / nsplit.. (128 / nsplit of them:
@@ -32,6 +35,11 @@
  */
 #include "attention-fast.cuh"
 #include "attention-split.h"
+
+/* The warps of a CTA of MT m-tiles. */
+static constexpr int fast_warps(int mt) {
+  return mt >= 2 ? 16 : 8;
+}
 
 /* Shared memory of a CTA of MT m-tiles: the window (bf16, 128 rows of 1 KiB), then q (16 MT rows
  * of 1 KiB), whose space the scores and the weights (hi and lo) take once the scores are made. */
@@ -49,12 +57,12 @@ static constexpr size_t fast_smem_bytes(int mt) {
  * lse = m + log S, and the weights as bf16 pairs (hi, lo) into the two weight planes. The sums
  * run as fixed shuffle trees, the same on every run.
  */
-template <int MT>
+template <int MT, int W>
 static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uint8_t *sp,
                                     fast_misc_t &fm, uint32_t t, uint32_t h_first, uint32_t split,
                                     uint32_t warp, uint32_t lane) {
   uint8_t *sp_lo = sp + 16 * MT * P_ROW;
-  for (uint32_t h = warp; h < 16 * MT; h += ATTN_WARPS) {
+  for (uint32_t h = warp; h < 16 * MT; h += W) {
     float v[4], m = -INFINITY;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -90,17 +98,18 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
 }
 
 /*
- * The weighted sums of the warp's m-tile over its 64 MT dims, in chunks of at most 128 dims (16
- * n-tiles of accumulators): N = P_hi V + P_lo V over the candidates 0..n16 - 1, then stored (a
- * split's N unnormalised, into its partial state).
+ * The weighted sums of the warp's m-tile over its DW = 512 MT / W dims, in chunks of at most 128
+ * dims (16 n-tiles of accumulators): N = P_hi V + P_lo V over the candidates 0..n16 - 1, then
+ * stored (a split's N unnormalised, into its partial state).
  */
-template <int MT>
+template <int MT, int W>
 static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms,
                                    const fast_misc_t &fm, const uint8_t *sp, const uint8_t *sk,
                                    uint32_t n, uint32_t t, uint32_t h_first, uint32_t split,
                                    uint32_t warp, uint32_t lane) {
-  constexpr int NT = 8 * MT < 16 ? 8 * MT : 16, CHUNKS = 8 * MT / NT;
-  const uint32_t mt = warp % MT, dw0 = (warp / MT) * 64 * MT;
+  constexpr int DW = DSV4_HEAD_DIM * MT / W;
+  constexpr int NT = DW / 8 < 16 ? DW / 8 : 16, CHUNKS = DW / 8 / NT;
+  const uint32_t mt = warp % MT, dw0 = (warp / MT) * DW;
   const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 16 * MT * P_ROW), ka = smem_addr(sk);
   const uint32_t kcs = ((n + 15) / 16) * 2;
 #pragma unroll 1
@@ -118,8 +127,9 @@ static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms
   }
 }
 
-template <int MT>
-__global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_fast_kernel(attn_params_t p) {
+template <int MT, int W = fast_warps(MT)>
+__global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_params_t p) {
+  constexpr int NP = 8 * MT / W; /* pairs of n-tiles of candidates a warp scores */
   extern __shared__ uint4 smem_dyn[];
   __shared__ attn_misc_t ms;
   __shared__ fast_misc_t fm;
@@ -136,7 +146,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_fast_kernel(a
 #ifdef DSV4_TEST_BROKEN_FAST_EARLY_READ
   /* Test-only breakage of SPEC §5.2 (tests/gpu/gpu_inv_attn_wait.c, "fast"): the queries are
    * loaded before the wait, while the grid before this one may still be writing q_out. */
-  fast_load_q<MT>(p, t, h_first, sq, ms.rope);
+  fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
 #endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
@@ -150,22 +160,22 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_fast_kernel(a
     return;
   }
 #ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
-  fast_load_q<MT>(p, t, h_first, sq, ms.rope);
+  fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
 #endif
-  attn_stage<true>(p, ms, sk, first, n);
+  attn_stage<true, 32 * W>(p, ms, sk, first, n);
   fast_zero_tail(sk, n);
   __syncthreads();
   {
-    float acc[2 * MT][4] = {};
-    if ((warp / MT) * 16 * MT < n) /* warp-uniform: a warp whose candidates all lie past n rests */
-      fast_scores<MT>(sq, sk, warp, lane, acc);
+    float acc[2 * NP][4] = {};
+    if ((warp / MT) * 16 * NP < n) /* warp-uniform: a warp whose candidates all lie past n rests */
+      fast_scores<MT, NP>(sq, sk, warp, lane, acc);
     __syncthreads(); /* every warp is done with q: its space takes the scores */
-    fast_store_scores<MT>(ss, warp, lane, n, acc);
+    fast_store_scores<MT, NP>(ss, warp, lane, n, acc);
   }
   __syncthreads();
-  fast_softmax<MT>(p, ss, sp, fm, t, h_first, split, warp, lane);
+  fast_softmax<MT, W>(p, ss, sp, fm, t, h_first, split, warp, lane);
   __syncthreads();
-  fast_output<MT>(p, ms, fm, sp, sk, n, t, h_first, split, warp, lane);
+  fast_output<MT, W>(p, ms, fm, sp, sk, n, t, h_first, split, warp, lane);
 }
 
 template <int MT>
@@ -175,8 +185,8 @@ static cudaError_t launch_fast_mt(const attn_params_t &p, dim3 grid, cudaStream_
   cudaError_t e = dsv4__cuda_smem_limit(dsv4__attention_fast_kernel<MT>, smem, limit_raised);
   if (e != cudaSuccess)
     return e;
-  return dsv4__cuda_launch_smem(dsv4__attention_fast_kernel<MT>, grid, ATTN_THREADS, smem, s, pdl,
-                                p);
+  return dsv4__cuda_launch_smem(dsv4__attention_fast_kernel<MT>, grid, 32 * fast_warps(MT), smem, s,
+                                pdl, p);
 }
 
 extern "C" int dsv4__cuda_attention_fast_supported(int dev) {
