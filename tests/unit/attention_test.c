@@ -27,20 +27,8 @@
 
 #define MAX_LB 512 /* logical blocks per test sequence */
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-
-static uint64_t rng(void) {
-  uint64_t x = rng_state;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return rng_state = x;
-}
-
-/* A uniform value in [-1, 1). */
-static float rnd_unit(void) {
-  return (float)((double)(rng() >> 11) * 0x1p-52 - 1.0);
-}
+#define TEST_RNG_SEED 0x9E3779B97F4A7C15ull
+#include "test_rng.h"
 
 static uint16_t bf16(float f) {
   return dsv4_f32_to_bf16(f);

@@ -35,20 +35,8 @@
 #define MAX_BT 64   /* SWA table entries of a scene */
 #define MAX_CBT 160 /* compressed table entries of a scene */
 
-static uint64_t rng_state = 0xD1B54A32D192ED03ull;
-
-static uint64_t rng(void) {
-  uint64_t x = rng_state;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return rng_state = x;
-}
-
-/* A uniform value in [-1, 1). */
-static float rnd_unit(void) {
-  return (float)((double)(rng() >> 11) * 0x1p-52 - 1.0);
-}
+#define TEST_RNG_SEED 0xD1B54A32D192ED03ull
+#include "test_rng.h"
 
 static uint32_t f2u(float f) {
   uint32_t u;

@@ -37,20 +37,8 @@
 #include "dsv4-compress.h"
 #include "rope.h"
 
-static uint64_t rng_state = 0x2545F4914F6CDD1Dull;
-
-static uint64_t rng(void) {
-  uint64_t x = rng_state;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return rng_state = x;
-}
-
-/* A uniform value in [-1, 1). */
-static float rnd_unit(void) {
-  return (float)((double)(rng() >> 11) * 0x1p-52 - 1.0);
-}
+#define TEST_RNG_SEED 0x2545F4914F6CDD1Dull
+#include "test_rng.h"
 
 static uint32_t f2u(float f) {
   uint32_t u;

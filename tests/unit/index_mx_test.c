@@ -54,15 +54,8 @@ typedef struct {
   uint8_t c[4];
 } rec_t;
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-
-static uint64_t rng(void) {
-  uint64_t x = rng_state;
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return rng_state = x;
-}
+#define TEST_RNG_SEED 0x9E3779B97F4A7C15ull
+#include "test_rng.h"
 
 static uint32_t below(uint32_t n) {
   return (uint32_t)((rng() >> 32) % n);
