@@ -41,6 +41,13 @@ static __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
   return r;
 }
 
+/* The warps of a fast kernel's CTA of MT m-tiles (the window's and the union's): 8 for one, 16 for
+ * more. Such a CTA has an SM to itself (its shared memory), and its serial instruction stream is
+ * the kernel's time: twice the warps share it (32, tried, were slower: 64 registers a thread). */
+static constexpr int fast_warps(int mt) {
+  return mt >= 2 ? 16 : 8;
+}
+
 /* Per-CTA facts beyond attn_misc_t: each head's sink, and its denominator D from the softmax. */
 typedef struct {
   float sink[64];
@@ -78,9 +85,33 @@ static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint3
   }
 }
 
-/* The queries of heads h_first.. (zeros past the last head), swizzled like the records, by a CTA
- * of W warps; rope: the query position's RoPE row (ms.rope, after the setup), for the fused
- * decode path. */
+/* The q_out rows of heads h_first.. (zeros past the last head) into registers, a CTA of W warps'
+ * loads all in flight at once; fast_put_q then places them, swizzled like the records. The window's
+ * kernel issues them right after the dependency wait, so that their latency passes under the
+ * setup's. */
+template <int MT, int W>
+static __device__ void fast_fetch_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
+                                    uint4 (&v)[16 * MT * 64 / (32 * W)]) {
+#pragma unroll
+  for (int k = 0; k < 16 * MT * 64 / (32 * W); k++) {
+    const uint32_t i = threadIdx.x + 32 * W * k, h = i >> 6, c = i & 63;
+    v[k] = h_first + h < p.heads ? p.q[((uint64_t)t * p.heads + h_first + h) * 64 + c]
+                                 : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int MT, int W>
+static __device__ void fast_put_q(uint8_t *sq, const uint4 (&v)[16 * MT * 64 / (32 * W)]) {
+#pragma unroll
+  for (int k = 0; k < 16 * MT * 64 / (32 * W); k++) {
+    const uint32_t i = threadIdx.x + 32 * W * k;
+    *reinterpret_cast<uint4 *>(sq + swz(i >> 6, i & 63, K_ROW)) = v[k];
+  }
+}
+
+/* The queries of heads h_first.. in shared memory, by a CTA of W warps: q_out's rows, or on the
+ * fused decode path the raw rows normalised; rope: the query position's RoPE row (ms.rope, after
+ * the setup). */
 template <int MT, int W = ATTN_WARPS>
 static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
                                    uint8_t *sq, const float *rope) {
@@ -88,13 +119,9 @@ static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t 
     fast_load_q_raw<MT, W>(p, t, h_first, sq, rope);
     return;
   }
-  for (uint32_t i = threadIdx.x; i < 16 * MT * 64; i += 32 * W) {
-    const uint32_t h = i >> 6, c = i & 63;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (h_first + h < p.heads)
-      v = p.q[((uint64_t)t * p.heads + h_first + h) * 64 + c];
-    *reinterpret_cast<uint4 *>(sq + swz(h, c, K_ROW)) = v;
-  }
+  uint4 v[16 * MT * 64 / (32 * W)];
+  fast_fetch_q<MT, W>(p, t, h_first, v);
+  fast_put_q<MT, W>(sq, v);
 }
 
 /* Zeros in the rows n..n16 - 1 of the window (n16 = n rounded up to 16), which the weighted sum

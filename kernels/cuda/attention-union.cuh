@@ -24,7 +24,7 @@ typedef struct {
  * and lowers um.ne to the first one found (complete after the next barrier). */
 static __device__ __forceinline__ void union_scan_row(const int32_t *row, uint32_t stride,
                                                       union_misc_t &um) {
-  for (uint32_t k = threadIdx.x; row && k < stride; k += ATTN_THREADS)
+  for (uint32_t k = threadIdx.x; row && k < stride; k += blockDim.x)
     if (row[k] == -1)
       atomicMin(&um.ne, k);
 }
@@ -51,9 +51,9 @@ static __device__ void union_early_count(const attn_params_t &p, uint32_t t, uni
 static __device__ uint32_t union_check_all(const attn_params_t &p) {
   const uint32_t tid = threadIdx.x;
   uint32_t bits = 0;
-  for (uint32_t s = tid; s < p.n_segments; s += ATTN_THREADS)
+  for (uint32_t s = tid; s < p.n_segments; s += blockDim.x)
     bits |= segment_check(p, s);
-  for (uint32_t u = tid >> 5; u < p.n_tokens; u += ATTN_WARPS) { /* warp-uniform */
+  for (uint32_t u = tid >> 5; u < p.n_tokens; u += blockDim.x >> 5) { /* warp-uniform */
     window_t w;
     uint32_t tb = token_check(p, u, &w);
     if (!tb)

@@ -36,11 +36,6 @@
 #include "attention-fast.cuh"
 #include "attention-split.h"
 
-/* The warps of a CTA of MT m-tiles. */
-static constexpr int fast_warps(int mt) {
-  return mt >= 2 ? 16 : 8;
-}
-
 /* Shared memory of a CTA of MT m-tiles: the window (bf16, 128 rows of 1 KiB), then q (16 MT rows
  * of 1 KiB), whose space the scores and the weights (hi and lo) take once the scores are made. */
 static constexpr size_t fast_q_bytes(int mt) {
@@ -150,6 +145,9 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
 #endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
+  uint4 qv[16 * MT * 64 / (32 * W)];
+  if (!p.q_raw)
+    fast_fetch_q<MT, W>(p, t, h_first, qv);
   if (attn_setup(p, t, ms))
     return;
   /* The CTA's candidates: the window, or split `split`'s part of it. */
@@ -160,7 +158,10 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
     return;
   }
 #ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
-  fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
+  if (p.q_raw)
+    fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
+  else
+    fast_put_q<MT, W>(sq, qv);
 #endif
   attn_stage<true, 32 * W>(p, ms, sk, first, n);
   fast_zero_tail(sk, n);

@@ -17,12 +17,14 @@
  * own position), so m is finite from a CTA's first tile on (a = 0 there, and N and S start from
  * zero).
  *
- * A CTA of 8 warps takes one query token and 16 MT heads (MT = 1 or 2: the accumulators N of the
- * warp's 16 heads and 64 MT dims, 32 MT floats a lane, live across the tiles in registers):
+ * A CTA of W warps (attention-fast.cuh's fast_warps: 8 at MT = 1, 16 at MT = 2) takes one query
+ * token and 16 MT heads (MT = 1 or 2: the accumulators N of the warp's 16 heads and 512 MT / W
+ * dims, 256 MT / W floats a lane, live across the tiles in registers):
  *   q        loaded once after the wait, swizzled, kept in shared memory for every tile
  *   per tile the addresses (union_addrs), the records staged as bf16 (swizzled), the scores (warp
- *            w: m-tile w % MT, candidates (w / MT) 16 MT..), the online softmax (warp per head),
- *            then N rescaled and continued (warp w: m-tile w % MT, dims (w / MT) 64 MT..)
+ *            w: m-tile w % MT, candidates (w / MT) 128 MT / W..), the online softmax (warp per
+ *            head), then N rescaled and continued (warp w: m-tile w % MT, dims (w / MT) 512 MT /
+ *            W..)
  *   end      D = S + exp(sink - m), lse = m + log S, o = N (1 / D), inverse RoPE, bf16, stored
  * Shared memory: 128 KiB of records, 16 MT KiB of queries, the scores (16 MT rows of 132 floats)
  * and the two weight planes (16 MT rows of 256 bytes each): about 193 KiB at MT = 2.
@@ -73,12 +75,12 @@ static constexpr size_t funion_smem_bytes(int mt) {
  * as bf16 pairs into the two weight planes, the rescale a = exp(m - m') of the earlier tiles
  * (alpha), and S = S a + the tile's sum (um.s) in a fixed shuffle tree.
  */
-template <int MT>
+template <int MT, int W>
 static __device__ void funion_softmax(const float *ss, uint8_t *sp, attn_misc_t &ms,
                                       union_misc_t &um, float *alpha, uint32_t warp,
                                       uint32_t lane) {
   uint8_t *sp_lo = sp + 16 * MT * P_ROW;
-  for (uint32_t h = warp; h < 16 * MT; h += ATTN_WARPS) {
+  for (uint32_t h = warp; h < 16 * MT; h += W) {
     float v[4], tm = -INFINITY;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -113,24 +115,24 @@ static __device__ void funion_softmax(const float *ss, uint8_t *sp, attn_misc_t 
   }
 }
 
-/* N of the warp's m-tile and dims rescaled by the heads' a, then continued over the tile's nt
- * candidates (rows nt..nt16 - 1 hold zeros and weights +0). */
-template <int MT>
+/* N of the warp's m-tile and its NT n-tiles of dims rescaled by the heads' a, then continued over
+ * the tile's nt candidates (rows nt..nt16 - 1 hold zeros and weights +0). */
+template <int MT, int NT>
 static __device__ void funion_accumulate(const uint8_t *sp, const uint8_t *sk, const float *alpha,
                                          uint32_t nt, uint32_t warp, uint32_t lane,
-                                         float (&acc)[8 * MT][4]) {
-  const uint32_t mt = warp % MT, dw0 = (warp / MT) * 64 * MT;
+                                         float (&acc)[NT][4]) {
+  const uint32_t mt = warp % MT, dw0 = (warp / MT) * 8 * NT;
   const uint32_t h = mt * 16 + (lane >> 2);
   const float a0 = alpha[h], a1 = alpha[h + 8];
 #pragma unroll
-  for (int j = 0; j < 8 * MT; j++) {
+  for (int j = 0; j < NT; j++) {
     acc[j][0] *= a0;
     acc[j][1] *= a0;
     acc[j][2] *= a1;
     acc[j][3] *= a1;
   }
-  fast_pv<8 * MT>(smem_addr(sp), smem_addr(sp + 16 * MT * P_ROW), smem_addr(sk), mt, dw0,
-                  ((nt + 15) / 16) * 2, lane, acc);
+  fast_pv<NT>(smem_addr(sp), smem_addr(sp + 16 * MT * P_ROW), smem_addr(sk), mt, dw0,
+              ((nt + 15) / 16) * 2, lane, acc);
 }
 
 /* One thread per head: D = S + exp(sink - m) and lse = m + log S (the sink excluded). */
@@ -149,13 +151,13 @@ static __device__ void funion_finish(const attn_params_t &p, const attn_misc_t &
 
 /* The partial state of split `split` for each of the CTA's heads: N from the warps' accumulators,
  * m and S one thread per head. */
-template <int MT>
+template <int MT, int NT>
 static __device__ void funion_store_part(const attn_params_t &p, const attn_misc_t &ms,
                                          const union_misc_t &um, uint32_t t, uint32_t h_first,
                                          uint32_t split, uint32_t warp, uint32_t lane,
-                                         const float (&acc)[8 * MT][4]) {
-  fast_store_part<8 * MT>(p, t, h_first, (warp % MT) * 16 + (lane >> 2), (warp / MT) * 64 * MT,
-                          split, lane, acc);
+                                         const float (&acc)[NT][4]) {
+  fast_store_part<NT>(p, t, h_first, (warp % MT) * 16 + (lane >> 2), (warp / MT) * 8 * NT, split,
+                      lane, acc);
   const uint32_t hh = threadIdx.x;
   if (hh < 16 * MT && h_first + hh < p.heads)
     part_ms(p)[((uint64_t)t * p.heads + h_first + hh) * p.nsplit + split] =
@@ -164,28 +166,29 @@ static __device__ void funion_store_part(const attn_params_t &p, const attn_misc
 
 /* Tile `first` of nt candidates: addresses, records staged as bf16 (zeros up to a multiple of 16),
  * scores into ss (-inf past nt). */
-template <int MT>
+template <int MT, int W>
 static __device__ void funion_tile_scores(const attn_params_t &p, const attn_misc_t &ms,
                                           union_misc_t &um, const uint8_t *sq, uint8_t *sk,
                                           float *ss, uint32_t first, uint32_t nt, uint32_t warp,
                                           uint32_t lane) {
   union_addrs(p, ms, um, first, nt);
   __syncthreads();
-  stage_records<true>(nt, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
+  stage_records<true, 32 * W>(nt, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
     *rec = um.rec[s];
     *scl = um.scl[s];
   });
   fast_zero_tail(sk, nt);
   __syncthreads();
-  float acc[2 * MT][4] = {};
-  if ((warp / MT) * 16 * MT < nt) /* warp-uniform: a warp whose candidates all lie past nt rests */
-    fast_scores<MT>(sq, sk, warp, lane, acc);
-  fast_store_scores<MT>(ss, warp, lane, nt, acc);
+  constexpr int NP = 8 * MT / W; /* pairs of n-tiles of candidates a warp scores */
+  float acc[2 * NP][4] = {};
+  if ((warp / MT) * 16 * NP < nt) /* warp-uniform: a warp whose candidates all lie past nt rests */
+    fast_scores<MT, NP>(sq, sk, warp, lane, acc);
+  fast_store_scores<MT, NP>(ss, warp, lane, nt, acc);
 }
 
-template <int MT>
-__global__ void __launch_bounds__(ATTN_THREADS, 1)
-    dsv4__attention_fast_union_kernel(attn_params_t p) {
+template <int MT, int W = fast_warps(MT)>
+__global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(attn_params_t p) {
+  constexpr int NT = DSV4_HEAD_DIM * MT / W / 8; /* n-tiles of N's dims a warp accumulates */
   extern __shared__ uint4 smem_dyn[];
   __shared__ attn_misc_t ms;
   __shared__ union_misc_t um;
@@ -214,18 +217,18 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
   /* q is read once and kept for every tile, where the window's kernel reuses its space after
    * its one tile; made visible by the first tile's barriers. A split without a tile needs none. */
   if (lo < hi)
-    fast_load_q<MT>(p, t, h_first, sq, ms.rope);
-  float acc[8 * MT][4];
+    fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
+  float acc[NT][4];
 #pragma unroll
-  for (int j = 0; j < 8 * MT; j++)
+  for (int j = 0; j < NT; j++)
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   for (uint32_t first = lo; first < hi; first += DSV4_WINDOW) {
     const uint32_t nt = min(hi - first, (uint32_t)DSV4_WINDOW);
-    funion_tile_scores<MT>(p, ms, um, sq, sk, ss, first, nt, warp, lane);
+    funion_tile_scores<MT, W>(p, ms, um, sq, sk, ss, first, nt, warp, lane);
     __syncthreads();
-    funion_softmax<MT>(ss, sp, ms, um, alpha, warp, lane);
+    funion_softmax<MT, W>(ss, sp, ms, um, alpha, warp, lane);
     __syncthreads();
-    funion_accumulate<MT>(sp, sk, alpha, nt, warp, lane, acc);
+    funion_accumulate<MT, NT>(sp, sk, alpha, nt, warp, lane, acc);
     __syncthreads(); /* the next tile rewrites the addresses, the records and the weights */
   }
   if (p.nsplit > 1) {
@@ -235,13 +238,13 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1)
      * before its wait reads stale ones. */
     dsv4__test_delay();
 #endif
-    funion_store_part<MT>(p, ms, um, t, h_first, split, warp, lane, acc);
+    funion_store_part<MT, NT>(p, ms, um, t, h_first, split, warp, lane, acc);
     return;
   }
   funion_finish<MT>(p, ms, um, fm, t, h_first);
   __syncthreads();
-  fast_store_out<8 * MT>(p, ms, fm, t, h_first, (warp % MT) * 16 + (lane >> 2),
-                         (warp / MT) * 64 * MT, lane, acc);
+  fast_store_out<NT>(p, ms, fm, t, h_first, (warp % MT) * 16 + (lane >> 2), (warp / MT) * 8 * NT,
+                     lane, acc);
 }
 
 /*
@@ -317,8 +320,8 @@ static cudaError_t launch_funion_mt(const attn_params_t &p, dim3 grid, cudaStrea
   cudaError_t e = dsv4__cuda_smem_limit(dsv4__attention_fast_union_kernel<MT>, smem, limit_raised);
   if (e != cudaSuccess)
     return e;
-  return dsv4__cuda_launch_smem(dsv4__attention_fast_union_kernel<MT>, grid, ATTN_THREADS, smem, s,
-                                pdl, p);
+  return dsv4__cuda_launch_smem(dsv4__attention_fast_union_kernel<MT>, grid, 32 * fast_warps(MT),
+                                smem, s, pdl, p);
 }
 
 extern "C" int dsv4__cuda_attention_fast_union_supported(int dev) {
