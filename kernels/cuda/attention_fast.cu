@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
 #endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
-  uint4 qv[16 * MT * 64 / (32 * W)];
+  uint4 qv[16 * MT * 64 / (32 * W)]; /* q_out's rows, in flight during the setup's loads */
   if (!p.q_raw)
     fast_fetch_q<MT, W>(p, t, h_first, qv);
   if (attn_setup(p, t, ms))
