@@ -937,6 +937,19 @@ def connect(d, timeout=10.0):
     return s
 
 
+def wait_ready(d, timeout=20.0):
+    """Polls /readyz until 200; meanwhile only 503 "restoring" (the snapshot directory being read)
+    is accepted."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = d.get("/readyz")
+        if r.status == 200:
+            return
+        check(r.json().get("reason") in ("restoring", None), "readyz while starting: %r" % r.body)
+        check(time.monotonic() < deadline, "%s not ready within %.0f s" % (d.name, timeout))
+        time.sleep(0.02)
+
+
 def wait_closed(sock, timeout):
     """True when the peer closes (EOF or reset) within timeout; drains anything sent before."""
     deadline = time.monotonic() + timeout

@@ -18,7 +18,6 @@ import shlex
 import shutil
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dsv4_harness as h  # noqa: E402
@@ -267,15 +266,12 @@ def test_configmap_config_served():
         with open(path, "w") as f:
             json.dump(test_cfg, f)
         with Daemon(["--config", path], name="configmap") as d:
+            # The kubelet polls: /readyz answers 503 "restoring" until the snapshot directory has
+            # been read.
+            h.wait_ready(d)
             for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                # Polled as the kubelet does: /readyz answers 503 "restoring" until the snapshot
-                # directory has been read, so one early answer may be a 503.
                 p = c[probe]["httpGet"]["path"]
-                deadline = time.monotonic() + 10.0
                 r = d.get(p)
-                while r.status != 200 and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    r = d.get(p)
                 check_eq(r.status, 200, "%s GET %s (body %r)" % (probe, p, r.body[:200]))
             r = d.get("/metrics")
             check_eq(r.status, 200, "GET /metrics, the PodMonitor's path")

@@ -17,7 +17,6 @@ import shutil
 import struct
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -337,17 +336,6 @@ def test_restore_needs_the_admin_token():
 # ---- snapshots --------------------------------------------------------------------------------------
 
 
-def wait_ready(d, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        r = d.get("/readyz")
-        if r.status == 200:
-            return
-        check(r.json().get("reason") in ("restoring", None), "readyz while starting: %r" % r.body)
-        check(time.monotonic() < deadline, "%s not ready within %.0f s" % (d.name, timeout))
-        time.sleep(0.02)
-
-
 def log_msgs(d, msg):
     return [j for j in h.log_records("\n".join(d.lines)) if j.get("msg") == msg]
 
@@ -375,7 +363,7 @@ def test_snapshot_on_drain_and_restart():
             check(not [n for n in os.listdir(snap) if n.endswith(".tmp")], "no temporary left")
 
             with Daemon(env.args("--snapshot-dir", snap), name="second") as second:
-                wait_ready(second)
+                h.wait_ready(second)
                 for n in ("a", "b"):
                     check_eq(digests(second, n), want[n], "digests of %s after restart" % n)
                     got = second.seq(n)
@@ -418,7 +406,7 @@ def test_snapshot_skips_torn_and_corrupt_files():
         with open(pc, "r+b") as f:
             f.truncate(os.path.getsize(pc) // 2)
         with Daemon(env.args("--snapshot-dir", snap), name="second") as second:
-            wait_ready(second)
+            h.wait_ready(second)
             check_eq(digests(second, "a"), want_a, "a restored whole")
             check(second.seq("b") is None and second.seq("c") is None, "b and c not restored")
             skipped = {j["file"]: j for j in log_msgs(second, "snapshot file skipped")}
@@ -429,7 +417,7 @@ def test_snapshot_skips_torn_and_corrupt_files():
         with open(os.path.join(snap, "manifest.json"), "w") as f:
             f.write("{not json")
         with Daemon(env.args("--snapshot-dir", snap), name="third") as third:
-            wait_ready(third)
+            h.wait_ready(third)
             check(third.seq("a") is None, "nothing restored from a bad manifest")
             check(os.path.exists(os.path.join(snap, "manifest.json.bad")), "bad manifest kept")
             check_eq(len(log_msgs(third, "snapshot manifest unusable; nothing restored")), 1,
