@@ -18,6 +18,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "dsv4-error.h"
@@ -175,6 +176,9 @@ int dsv4_host_pool_create(unsigned threads, dsv4_host_pool_t **out) {
     w->index = started;
     if (pthread_create(&w->thread, NULL, worker_main, w) != 0)
       break;
+    char name[16];
+    snprintf(name, sizeof name, "dsv4d-host%u", (started + 1) % 100000u);
+    pthread_setname_np(w->thread, name);
   }
   if (started < p->n_workers) {
     p->n_workers = started;

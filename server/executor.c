@@ -321,6 +321,8 @@ int dsv4_executor_start(dsv4_executor_t *ex, uv_loop_t *loop, uint32_t max_queue
   pthread_mutex_init(&ex->mu, NULL);
   pthread_cond_init(&ex->cv, NULL);
   rc = pthread_create(&ex->thread, NULL, executor_main, ex);
+  if (rc == 0)
+    pthread_setname_np(ex->thread, "dsv4d-exec"); /* a name for top -H and /proc/PID/task */
   if (rc) {
     uv_close((uv_handle_t *)&ex->idle, NULL);
     uv_close((uv_handle_t *)&ex->async, NULL);

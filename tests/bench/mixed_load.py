@@ -330,8 +330,47 @@ def check_warmup_prefill(d, n):
     conn.close()
 
 
+def proc_sample(d):
+    """The daemon's minor page faults and, per group of threads (the executor `dsv4d-exec`, the
+    host pool's `dsv4d-host*`, the loop `dsv4d`, the rest), CPU seconds and involuntary context
+    switches, from /proc."""
+    pid = d.proc.pid
+    with open("/proc/%d/stat" % pid) as f:
+        out = {"minflt": int(f.read().rsplit(")", 1)[1].split()[7])}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/%d/task" % pid):
+        base = "/proc/%d/task/%s/" % (pid, tid)
+        try:
+            with open(base + "comm") as f:
+                comm = f.read().strip()
+            with open(base + "stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            with open(base + "status") as f:
+                nv = int(re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", f.read()).group(1))
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended between the listing and the read
+        g = ("exec" if comm == "dsv4d-exec" else "host" if comm.startswith("dsv4d-host") else
+             "loop" if comm == "dsv4d" else "other")
+        cpu, sw = out.get(g, (0.0, 0))
+        out[g] = (cpu + (int(st[11]) + int(st[12])) / tick, sw + nv)
+    return out
+
+
+def proc_rates(before, after, seconds):
+    """Per second between two proc_sample()s: minor faults, and per group (CPU share of one core,
+    involuntary switches)."""
+    out = {"minflt": (after["minflt"] - before["minflt"]) / seconds}
+    for g in ("exec", "host", "loop"):
+        c0, s0 = before.get(g, (0.0, 0))
+        c1, s1 = after.get(g, (0.0, 0))
+        out[g] = ((c1 - c0) / seconds, (s1 - s0) / seconds)
+    return out
+
+
 def phase_b(d, dec, args):
-    """The decodes while the prefill clients stream: (decode latencies, prefill spans, scrapes)."""
+    """The prefills alone (phase P), then the decodes while the prefill clients stream (phase B):
+    a dict of the decode latencies, the prefill spans and throughput, and the scrapes of both
+    phases."""
     ctx = mp.get_context("spawn")
     go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=prefill_client,
@@ -352,6 +391,14 @@ def phase_b(d, dec, args):
             finished.add(wid)
         return kind
 
+    def window(seconds, decode):
+        """Scrapes around `seconds` of decodes (or of waiting, the prefills alone)."""
+        m0, p0, t0 = stage_sums(d), proc_sample(d), time.monotonic()
+        lat = dec.run(seconds) if decode else time.sleep(seconds)
+        m1, p1, t1 = stage_sums(d), proc_sample(d), time.monotonic()
+        return {"lat": lat, "m0": m0, "m1": m1, "t0": t0, "t1": t1,
+                "proc": proc_rates(p0, p1, t1 - t0)}
+
     try:
         ready = 0
         while ready < len(procs):
@@ -361,18 +408,10 @@ def phase_b(d, dec, args):
         warm, deadline = 0, time.monotonic() + 300
         while warm < len(procs):
             h.check(time.monotonic() < deadline, "the prefill clients did not warm up in 300 s")
-            dec.run(0.2)
-            try:
-                while True:
-                    warm += take(0.001) == "warm"
-            except queue.Empty:
-                pass
+            warm += take(deadline - time.monotonic()) == "warm"
             h.check(not errors, "prefill clients failed: %s" % "; ".join(errors))
-        m0 = stage_sums(d)
-        t0 = time.monotonic()
-        lat = dec.run(args.seconds)
-        t1 = time.monotonic()
-        m1 = stage_sums(d)
+        pw = window(args.seconds / 2, False)
+        bw = window(args.seconds, True)
     finally:
         stop.set()
         go.set()
@@ -381,8 +420,11 @@ def phase_b(d, dec, args):
         for p in procs:
             p.join(60)
     h.check(not errors, "prefill clients failed: %s" % "; ".join(errors))
-    done = [s for s in spans if t0 <= s[1] <= t1]
-    return lat, m0, m1, len(done) / (t1 - t0), [b - a for a, b in done]
+    for w in (pw, bw):
+        done = [s for s in spans if w["t0"] <= s[1] <= w["t1"]]
+        w["pf_s"] = len(done) / (w["t1"] - w["t0"])
+        w["pf_lat"] = [b - a for a, b in done]
+    return pw, bw
 
 
 def run(backend, chunk, args, rng, rows):
@@ -400,16 +442,41 @@ def run(backend, chunk, args, rng, rows):
         check_warmup_prefill(d, args.prefill_tokens)
         dec = Decoder(d, args.seqs, rng, args.check_s)
         dec.run(WARMUP_S)
-        m0 = stage_sums(d)
+        m0, p0 = stage_sums(d), proc_sample(d)
         lat = dec.run(args.seconds)
         a = summary(lat, m0, stage_sums(d))
         a.update(pf_s=float("nan"), pf_p50=float("nan"))
-        lat, m0, m1, pf_s, pf_lat = phase_b(d, dec, args)
-        b = summary(lat, m0, m1)
-        b.update(pf_s=pf_s, pf_p50=float(np.percentile(pf_lat, 50)) * 1e3 if pf_lat else
-                 float("nan"))
+        a["proc"] = proc_rates(p0, proc_sample(d), args.seconds)
+        pw, bw = phase_b(d, dec, args)
+        p, b = summary([0.0], pw["m0"], pw["m1"]), summary(bw["lat"], bw["m0"], bw["m1"])
+        for r, w in ((p, pw), (b, bw)):
+            r.update(pf_s=w["pf_s"], proc=w["proc"],
+                     pf_p50=float(np.percentile(w["pf_lat"], 50)) * 1e3 if w["pf_lat"] else
+                     float("nan"))
         dec.conn.close()
-        rows.append((backend, cfg, a, b, dec.checked))
+        rows.append((backend, cfg, a, p, b, dec.checked))
+
+
+def print_threads(rows):
+    """The prefills' stages alone (P) and beside the decodes (B), and the daemon's threads."""
+    print("Prefills alone (P, half a phase) and with the decodes (B); the daemon's threads over each "
+          "phase")
+    print("%-7s %5s %-5s %5s %8s %8s %8s %8s %9s %9s %9s %9s %9s" % (
+        "backend", "chunk", "phase", "pf/s", "pf p50ms", "pval ms", "pker ms", "yield ms",
+        "exec cpu", "exec sw/s", "host cpu", "loop cpu", "minflt/s"))
+    for backend, cfg, a, p, b, _ in rows:
+        for phase, r in (("A", a), ("P", p), ("B", b)):
+            pr = r["proc"]
+            print("%-7s %5d %-5s %5.2f %8.1f %8.2f %8.2f %8.2f %9.2f %9.0f %9.2f %9.2f %9.0f" % (
+                backend, cfg["prefill_chunk_tokens"], phase, r["pf_s"], r["pf_p50"],
+                r["stages"][("validate", "prefill")] / 1e3,
+                r["stages"][("kernel", "prefill")] / 1e3, r["yield"] / 1e3, pr["exec"][0],
+                pr["exec"][1], pr["host"][0], pr["loop"][0], pr["minflt"]))
+    print("pval, pker: a prefill's mean validate and kernel stages; yield: the time decodes ran\n"
+          "inside one prefill. cpu: CPU seconds a second of the executor thread (dsv4d-exec), the\n"
+          "host pool's workers together (dsv4d-host*) and the loop thread; exec sw/s: the\n"
+          "executor's involuntary context switches a second; minflt/s: the daemon's minor page\n"
+          "faults a second.")
 
 
 def print_table(rows, args):
@@ -417,13 +484,13 @@ def print_table(rows, args):
           "token, %d heads; %d prefill client(s) of %d tokens; %.0f s a phase" % (
               os.cpu_count(), len(os.sched_getaffinity(0)), args.seqs, HEADS,
               args.prefill_clients, args.prefill_tokens, args.seconds))
-    for backend, cfg, _, _, _ in rows:
+    for backend, cfg, _, _, _, _ in rows:
         print("daemon: dsv4d %s (prefill_chunk_tokens %d, threads %d)" % (
             cfg["args"], cfg["prefill_chunk_tokens"], cfg["threads"]))
     print("%-7s %5s %7s %-5s %7s %8s %8s %8s %6s %5s %8s %7s %8s %9s %8s %8s %6s" % (
         "backend", "chunk", "threads", "phase", "decodes", "p50 us", "p99 us", "max us", "ratio",
         "pf/s", "pf p50ms", "kdec us", "qdec us", "qdec99 us", "qpf us", "yield us", "chunks"))
-    for backend, cfg, a, b, checked in rows:
+    for backend, cfg, a, _, b, checked in rows:
         for phase, r in (("A", a), ("B", b)):
             print("%-7s %5d %7d %-5s %7d %8.0f %8.0f %8.0f %6.2f %5.2f %8.1f %7.1f %8.1f %9.0f "
                   "%8.0f %8.0f %6.2f" % (backend, cfg["prefill_chunk_tokens"], cfg["threads"],
@@ -440,12 +507,14 @@ def print_table(rows, args):
     print()
     print("Phase B, mean of each stage per batch (us; nan: not observed)")
     print("%-7s %5s %-8s" % ("backend", "chunk", "class") + "".join("%10s" % st for st in STAGES))
-    for backend, cfg, _, b, _ in rows:
+    for backend, cfg, _, _, b, _ in rows:
         for cls in ("decode", "prefill"):
             print("%-7s %5d %-8s" % (backend, cfg["prefill_chunk_tokens"], cls) +
                   "".join("%10.1f" % b["stages"][(st, cls)] for st in STAGES))
     print()
-    for backend, cfg, a, b, checked in rows:
+    print_threads(rows)
+    print()
+    for backend, cfg, a, _, b, checked in rows:
         print("%s, prefill_chunk_tokens %d: B p99 %.0f us against 3 x A p50 = %.0f us: %s "
               "(%d decode answers checked against the model)" % (
                   backend, cfg["prefill_chunk_tokens"], b["p99"], 3 * a["p50"],
