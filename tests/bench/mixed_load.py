@@ -367,6 +367,19 @@ def proc_rates(before, after, seconds):
     return out
 
 
+def decode_durations(d, first, last):
+    """The daemon's own time (first byte of the request to its answer handed to the socket, in
+    seconds) of the decodes in its request log lines first..last: with --request-log only."""
+    out = []
+    for ln in d.lines[first:last]:
+        if '"msg":"request"' not in ln or '"route":"forward"' not in ln:
+            continue
+        j = json.loads(ln)
+        if j.get("bytes", 1 << 30) < (4 << 20):  # a decode's answer; a prefill's is 64 MiB
+            out.append(j["duration_ms"] * 1e-3)
+    return out
+
+
 def phase_b(d, dec, args):
     """The prefills alone (phase P), then the decodes while the prefill clients stream (phase B):
     a dict of the decode latencies, the prefill spans and throughput, and the scrapes of both
@@ -393,11 +406,11 @@ def phase_b(d, dec, args):
 
     def window(seconds, decode):
         """Scrapes around `seconds` of decodes (or of waiting, the prefills alone)."""
-        m0, p0, t0 = stage_sums(d), proc_sample(d), time.monotonic()
+        m0, p0, t0, l0 = stage_sums(d), proc_sample(d), time.monotonic(), len(d.lines)
         lat = dec.run(seconds) if decode else time.sleep(seconds)
-        m1, p1, t1 = stage_sums(d), proc_sample(d), time.monotonic()
+        m1, p1, t1, l1 = stage_sums(d), proc_sample(d), time.monotonic(), len(d.lines)
         return {"lat": lat, "m0": m0, "m1": m1, "t0": t0, "t1": t1,
-                "proc": proc_rates(p0, p1, t1 - t0)}
+                "proc": proc_rates(p0, p1, t1 - t0), "logged": decode_durations(d, l0, l1)}
 
     try:
         ready = 0
@@ -435,6 +448,8 @@ def run(backend, chunk, args, rng, rows):
     dargs = ["--backend", backend, "--layers", "0-0", "--heads", str(HEADS),
              "--kv-blocks", str(blocks),
              "--max-batch-tokens", str(max(2048, args.prefill_tokens))] + extra
+    if args.request_log:
+        dargs += ["--log-level", "debug"]
     with h.Daemon(dargs, name=backend) as d:
         opts = d.admin_json("/admin/v1/config")["options"]
         cfg = {k: opts[k]["value"] for k in ("prefill_chunk_tokens", "threads")}
@@ -443,14 +458,16 @@ def run(backend, chunk, args, rng, rows):
         dec = Decoder(d, args.seqs, rng, args.check_s)
         dec.run(WARMUP_S)
         m0, p0 = stage_sums(d), proc_sample(d)
+        l0 = len(d.lines)
         lat = dec.run(args.seconds)
         a = summary(lat, m0, stage_sums(d))
+        a["logged"] = decode_durations(d, l0, len(d.lines))
         a.update(pf_s=float("nan"), pf_p50=float("nan"))
         a["proc"] = proc_rates(p0, proc_sample(d), args.seconds)
         pw, bw = phase_b(d, dec, args)
         p, b = summary([0.0], pw["m0"], pw["m1"]), summary(bw["lat"], bw["m0"], bw["m1"])
         for r, w in ((p, pw), (b, bw)):
-            r.update(pf_s=w["pf_s"], proc=w["proc"],
+            r.update(pf_s=w["pf_s"], proc=w["proc"], logged=w["logged"],
                      pf_p50=float(np.percentile(w["pf_lat"], 50)) * 1e3 if w["pf_lat"] else
                      float("nan"))
         dec.conn.close()
@@ -513,6 +530,18 @@ def print_table(rows, args):
                   "".join("%10.1f" % b["stages"][(st, cls)] for st in STAGES))
     print()
     print_threads(rows)
+    if any(a["logged"] for _, _, a, _, _, _ in rows):
+        print()
+        print("The daemon's own time of a decode, from its request log (first byte to the answer "
+              "handed to the socket)")
+        print("%-7s %5s %-5s %8s %8s %8s %8s" % ("backend", "chunk", "phase", "n", "p50 us",
+                                                 "p99 us", "max us"))
+        for backend, cfg, a, _, b, _ in rows:
+            for phase, r in (("A", a), ("B", b)):
+                x = np.array(r["logged"] or [float("nan")]) * 1e6
+                print("%-7s %5d %-5s %8d %8.0f %8.0f %8.0f" % (
+                    backend, cfg["prefill_chunk_tokens"], phase, len(r["logged"]),
+                    np.percentile(x, 50), np.percentile(x, 99), x.max()))
     print()
     for backend, cfg, a, _, b, checked in rows:
         print("%s, prefill_chunk_tokens %d: B p99 %.0f us against 3 x A p50 = %.0f us: %s "
@@ -532,6 +561,8 @@ def main():
     ap.add_argument("--seqs", type=int, default=16, help="decode sequences (tokens per batch)")
     ap.add_argument("--chunk", default=None,
                     help="prefill_chunk_tokens values, comma-separated (default: the daemon's)")
+    ap.add_argument("--request-log", action="store_true",
+                    help="run the daemon at log level debug and print its own time of a decode")
     ap.add_argument("--check-s", type=float, default=2.0,
                     help="seconds between decode answers checked against the model")
     args = ap.parse_args()
