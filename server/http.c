@@ -29,6 +29,15 @@
 #define INFLIGHT_READ_CAP ((size_t)64 * 1024)
 /* Reads whose arrival times a connection remembers (conn_t.marks). */
 #define MARKS 16
+/*
+ * An answer larger than this goes out a slice at a time, at most one slice a connection in a loop
+ * iteration (the server's pace check sends the next). Written at once, a prefill's 64 MiB answer
+ * held the loop for the kernel's copy of what the socket took, 1.3-1.9 ms a write on the H200
+ * host, while other connections' decodes waited (tests/bench/NOTES.md, "mixed_load v3").
+ */
+#define WRITE_SLICE ((size_t)1 << 20)
+/* Buffers of one slice: an answer's head and its tensors (fwd_answer has at most 6). */
+#define WRITE_SLICE_BUFS 16
 /* After a response that closes the connection: shut down our side, then read and discard for at
  * most this long, so unread request bytes do not turn the close into a reset that destroys the
  * response before the client reads it (nginx's lingering close). */
@@ -164,9 +173,14 @@ struct conn {
   /* on_alloc handed libuv the body buffer itself rather than rbuf; on_read, called right after with
    * the same buffer, must know which one it got. */
   bool read_into_body;
-  /* The response being written. */
+  /* The response being written: wbufs[wfirst .. wnb) are still to go (wfirst's start moves as
+   * its bytes go out), wslice bytes of them in the write request in flight. pace_due: on the
+   * server's pace list, its next slice waiting for the check (no write in flight then). */
   char *whdr;
   uv_buf_t *wbufs;
+  size_t wnb, wfirst, wslice;
+  bool pace_due;
+  conn_t *pace_next;
   void (*wrelease)(void *);
   void *wrelease_arg;
   /* A streamed piece owns wreq. Unlike CONN_WRITING this outlives conn_close: uv_close cancels the
@@ -210,6 +224,12 @@ struct dsv4_server {
   int spare_fd; /* held so that at the descriptor limit a connection can still be taken and told */
   uv_timer_t
       retry; /* restarts accepting after a pause; closing it also guarantees a close callback */
+  /* Paced answers (WRITE_SLICE): the check sends the next slice of each connection on the list,
+   * once a loop iteration; the idle handle keeps the loop's poll from blocking meanwhile. */
+  uv_check_t pace;
+  uv_idle_t pace_idle;
+  conn_t *pace_head;
+  int pace_open; /* the two handles not yet closed */
   uv_loop_t *loop;
   char *host, *token, *name;
   char instance[40];
@@ -526,6 +546,7 @@ static void write_done(conn_t *c, int status_ok) {
   free(c->wbufs);
   c->whdr = NULL;
   c->wbufs = NULL;
+  c->wnb = c->wfirst = c->wslice = 0;
   if (release)
     release(arg);
   /* What the answer announced, not a new decision: a client told keep-alive may already be sending
@@ -553,10 +574,98 @@ static void write_done(conn_t *c, int status_ok) {
 
 static void stream_piece_done(conn_t *c, int status);
 
+static void on_write(uv_write_t *w, int status);
+
+/* The answer's next slice: up to WRITE_SLICE bytes from wbufs[wfirst] on; returns its bytes. */
+static size_t slice_bufs(const conn_t *c, uv_buf_t *part, unsigned *n) {
+  size_t bytes = 0;
+  *n = 0;
+  for (size_t i = c->wfirst; i < c->wnb && *n < WRITE_SLICE_BUFS && bytes < WRITE_SLICE; i++) {
+    part[*n] = c->wbufs[i];
+    if (part[*n].len > WRITE_SLICE - bytes)
+      part[*n].len = WRITE_SLICE - bytes;
+    bytes += part[(*n)++].len;
+  }
+  return bytes;
+}
+
+/* done bytes of the answer went out. Returns whether that was all of it. */
+static int write_advance(conn_t *c, size_t done) {
+  while (c->wfirst < c->wnb && done >= c->wbufs[c->wfirst].len) {
+    done -= c->wbufs[c->wfirst].len;
+    c->wfirst++;
+  }
+  if (c->wfirst == c->wnb)
+    return 1;
+  c->wbufs[c->wfirst].base += done;
+  c->wbufs[c->wfirst].len -= done;
+  return 0;
+}
+
+/* Queue the answer's next slice: uv_write writes what the socket takes at once (and copies the
+ * array); on_write hears when all of it is out. */
+static int write_slice(conn_t *c) {
+  uv_buf_t part[WRITE_SLICE_BUFS];
+  unsigned n;
+  c->wslice = slice_bufs(c, part, &n);
+  c->wreq.data = c;
+  return uv_write(&c->wreq, &c->io.stream, part, n, on_write);
+}
+
+static void pace_wait(uv_idle_t *h) {
+  (void)h; /* its being active is the point: the poll does not block while slices wait */
+}
+
+/* The pace check: one slice of each connection on the list. A connection whose slice goes out at
+ * once is back on the list in the next iteration (libuv runs write callbacks several times after
+ * the poll; a slice a callback would let one answer take the whole iteration again). */
+static void on_pace(uv_check_t *h) {
+  dsv4_server_t *s = h->data;
+  conn_t *list = s->pace_head;
+  s->pace_head = NULL;
+  uv_check_stop(&s->pace);
+  uv_idle_stop(&s->pace_idle);
+  while (list) {
+    conn_t *c = list;
+    list = c->pace_next;
+    c->pace_due = false;
+    if (write_slice(c) != 0)
+      write_done(c, 0);
+  }
+}
+
+/* c's next slice waits for the pace check. */
+static void pace_add(conn_t *c) {
+  dsv4_server_t *s = c->srv;
+  c->pace_due = true;
+  c->pace_next = s->pace_head;
+  s->pace_head = c;
+  uv_check_start(&s->pace, on_pace);
+  uv_idle_start(&s->pace_idle, pace_wait);
+}
+
+/* c closes: off the pace list. Returns whether it was on it. */
+static int pace_remove(conn_t *c) {
+  if (!c->pace_due)
+    return 0;
+  for (conn_t **p = &c->srv->pace_head; *p; p = &(*p)->pace_next)
+    if (*p == c) {
+      *p = c->pace_next;
+      break;
+    }
+  c->pace_due = false;
+  return 1;
+}
+
 static void on_write(uv_write_t *w, int status) {
   conn_t *c = w->data;
   if (c->stream_pending) {
     stream_piece_done(c, status);
+    return;
+  }
+  /* The write_timeout_ms timer keeps running: it bounds the whole answer, not each slice. */
+  if (status == 0 && !write_advance(c, c->wslice) && c->state != CONN_CLOSING) {
+    pace_add(c);
     return;
   }
   write_done(c, status == 0);
@@ -652,27 +761,20 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
   req_record(r, status, 1);
   conn_update_reading(c);
 
-  /* Most responses fit the socket buffer: try to write them now and skip the write request. */
-  int w = uv_try_write(&c->io.stream, bufs, (unsigned)nb);
-  size_t done = w > 0 ? (size_t)w : 0;
-  if (w < 0 && w != UV_EAGAIN) {
+  c->wnb = nb;
+  c->wfirst = 0;
+  /* The first slice (the whole of most answers) goes to the socket now, without a write request;
+   * the rest a slice a loop iteration, through the pace check. */
+  uv_buf_t part[WRITE_SLICE_BUFS];
+  unsigned np;
+  slice_bufs(c, part, &np);
+  int w = uv_try_write(&c->io.stream, part, np);
+  if (w < 0 && w != UV_EAGAIN)
     write_done(c, 0);
-    return;
-  }
-  size_t first = 0;
-  while (first < nb && done >= bufs[first].len) {
-    done -= bufs[first].len;
-    first++;
-  }
-  if (first == nb) {
+  else if (write_advance(c, w > 0 ? (size_t)w : 0))
     write_done(c, 1);
-    return;
-  }
-  bufs[first].base += done;
-  bufs[first].len -= done;
-  c->wreq.data = c;
-  if (uv_write(&c->wreq, &c->io.stream, bufs + first, (unsigned)(nb - first), on_write) != 0)
-    write_done(c, 0);
+  else
+    pace_add(c);
 }
 
 /* ---- streamed responses --------------------------------------------------------------------- */
@@ -1412,7 +1514,10 @@ static void conn_close(conn_t *c) {
     r->stream_failed = 1;
     c->req = NULL;
   }
-  /* A request being written is freed by the write callback, which uv_close cancels first. */
+  /* A request being written is freed by the write callback, which uv_close cancels first; one
+   * whose next slice waits for the pace check has none in flight, and is freed here. */
+  if (pace_remove(c))
+    write_done(c, 0);
   uv_close(&c->io.handle, on_conn_handle_closed);
   uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
 }
@@ -1675,7 +1780,7 @@ static void server_free(dsv4_server_t *s) {
 }
 
 static void server_maybe_done(dsv4_server_t *s) {
-  if (!s->closing || s->retry_open || s->n_conns > 0)
+  if (!s->closing || s->retry_open || s->pace_open || s->n_conns > 0)
     return;
   for (size_t i = 0; i < s->n_listeners; i++)
     if (s->listeners[i].open)
@@ -1696,6 +1801,12 @@ static void on_listener_closed(uv_handle_t *h) {
 static void on_retry_closed(uv_handle_t *h) {
   dsv4_server_t *s = h->data;
   s->retry_open = 0;
+  server_maybe_done(s);
+}
+
+static void on_pace_closed(uv_handle_t *h) {
+  dsv4_server_t *s = h->data;
+  s->pace_open--;
   server_maybe_done(s);
 }
 
@@ -1944,6 +2055,10 @@ static int server_listen(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
   uv_timer_init(s->loop, &s->retry);
   s->retry.data = s;
   s->retry_open = 1;
+  uv_check_init(s->loop, &s->pace);
+  uv_idle_init(s->loop, &s->pace_idle);
+  s->pace.data = s->pace_idle.data = s;
+  s->pace_open = 2;
   for (size_t i = 0; i < s->n_listeners; i++)
     uv_poll_start(&s->listeners[i].poll, UV_READABLE, on_listener_readable);
   return 0;
@@ -2071,6 +2186,10 @@ void dsv4_server_close(dsv4_server_t *s, void (*cb)(void *), void *arg) {
   for (conn_t *c = s->conns, *next; c; c = next) {
     next = c->next;
     conn_close(c);
+  }
+  if (s->pace_open == 2) { /* every connection is off its list now */
+    uv_close((uv_handle_t *)&s->pace, on_pace_closed);
+    uv_close((uv_handle_t *)&s->pace_idle, on_pace_closed);
   }
   /* Callbacks always run from the loop, never from inside this call. */
 }

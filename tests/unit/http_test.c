@@ -298,9 +298,36 @@ static void h_take(dsv4_req_t *req, void *ctx) {
   dsv4_respond(req, 200, "text/plain", NULL, 0, &out, 1, free, text);
 }
 
+/* The byte at offset i of a /parts answer: changes with i, and not with a period of a slice. */
+static uint8_t parts_byte(size_t i) {
+  return (uint8_t)((i * 131u) ^ (i >> 9) ^ (i >> 19));
+}
+
+/* An answer of several body buffers, their sizes in the query ("s=N,N,..."), one allocation
+ * filled with parts_byte: an answer larger than the server's write slice goes out in slices. */
+static void h_parts(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  size_t len[8], n = 0, total = 0;
+  const char *q = req->query && strncmp(req->query, "s=", 2) == 0 ? req->query + 2 : "";
+  while (*q && n < 8) {
+    char *end;
+    len[n] = strtoul(q, &end, 10);
+    total += len[n++];
+    q = *end == ',' ? end + 1 : end;
+  }
+  uint8_t *b = malloc(total ? total : 1);
+  for (size_t i = 0; i < total; i++)
+    b[i] = parts_byte(i);
+  uv_buf_t out[8];
+  for (size_t i = 0, off = 0; i < n; off += len[i++])
+    out[i] = uv_buf_init((char *)b + off, (unsigned)len[i]);
+  dsv4_respond(req, 200, "application/octet-stream", NULL, 0, out, n, free, b);
+}
+
 static const dsv4_route_t routes[] = {
     {DSV4_HTTP_POST, "/take", "take", 1 << 20, 0, h_take, NULL},
     {DSV4_HTTP_GET, "/stream", "stream", 0, 0, h_stream, NULL},
+    {DSV4_HTTP_GET, "/parts", "parts", 0, 0, h_parts, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST | DSV4_HTTP_HEAD, "/imm", "imm", 1 << 20, 0, h_imm, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST, "/defer", "defer", 1 << 20, 0, h_defer, NULL},
     {DSV4_HTTP_POST, "/gone", "gone", 1 << 20, 0, h_defer, (void *)1},
@@ -1175,6 +1202,92 @@ static void test_drain_mid_answer(void **state) {
   wait_connections(0);
 }
 
+/* Reads one /parts answer of `want` body bytes, checking every byte as it arrives (the client's
+ * buffer is smaller than the answer); a slow reader pauses after each read for the first MiBs.
+ * counted: the answer was asked for after completion_bytes was set to -1, and the completion
+ * hook must count its bytes. */
+static void read_parts(client_t *c, size_t want, int slow, int counted) {
+  char *end;
+  while (!(end = memmem(c->buf, c->len, "\r\n\r\n", 4)))
+    assert_int_equal(fill(c), 1);
+  size_t head = (size_t)(end - c->buf) + 4;
+  char *cl = strcasestr(c->buf, "\r\nContent-Length: ");
+  assert_non_null(cl);
+  assert_int_equal(strtoull(cl + 18, NULL, 10), want);
+  size_t got = 0, at = head;
+  for (;;) {
+    for (; at < c->len && got < want; at++, got++)
+      if ((uint8_t)c->buf[at] != parts_byte(got))
+        fail_msg("byte %zu of the answer: %u, expected %u", got, (uint8_t)c->buf[at],
+                 parts_byte(got));
+    memmove(c->buf, c->buf + at, c->len - at);
+    c->len -= at;
+    at = 0;
+    if (got == want)
+      break;
+    assert_int_equal(fill(c), 1);
+    if (slow && got < ((size_t)6 << 20))
+      usleep(1000);
+  }
+  double t0 = now_s();
+  while (counted && atomic_load(&completion_bytes) < 0 && now_s() - t0 < 5)
+    usleep(1000);
+  if (counted)
+    assert_int_equal(atomic_load(&completion_bytes), (long long)(head + want));
+}
+
+/* Answers around and beyond the write slice (1 MiB), of one buffer and of several that cross the
+ * slices' bounds, to a fast and a slow reader, on two connections at once: every byte once and in
+ * order, the byte count complete, and each connection serves its next request. */
+static void test_sliced_answers(void **state) {
+  (void)state;
+  static const struct {
+    const char *sizes;
+    size_t total;
+  } cases[] = {
+      {"1048000", 1048000}, {"1048576", 1048576},           {"1,1048576,3,2097152,777", 3146509},
+      {"9000001", 9000001}, {"0,65536,0,3000000", 3065536},
+  };
+  client_t *c = client_new(), *other = client_new();
+  for (int slow = 0; slow < 2; slow++)
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+      char path[96];
+      snprintf(path, sizeof(path), "/parts?s=%s", cases[k].sizes);
+      get(other, "/parts?s=5000000", "o");
+      atomic_store(&completion_bytes, -1);
+      get(c, path, "p");
+      read_parts(c, cases[k].total, slow, 1);
+      read_parts(other, 5000000, 0, 0);
+      resp_t r;
+      get(c, "/imm", "after");
+      assert_int_equal(read_response(c, &r, 0), 200);
+      assert_non_null(strstr(r.body, "imm id=after"));
+    }
+  client_free(c);
+  client_free(other);
+}
+
+/* Clients that leave (a reset) while their answers go out in slices, one that stopped reading and
+ * ones that read as fast as they can: each connection closes and its answer's buffer is released
+ * (the ASan build reports a leak otherwise). */
+static void test_sliced_answer_client_gone(void **state) {
+  (void)state;
+  for (int k = 0; k < 6; k++) {
+    client_t *c = client_new();
+    get(c, "/parts?s=40000000", "gone");
+    size_t got = 0, stop = k == 0 ? 0 : (size_t)k << 20;
+    do {
+      assert_int_equal(fill(c), 1);
+      got += c->len;
+      c->len = 0;
+    } while (got < stop);
+    struct linger reset = {1, 0};
+    setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+    client_free(c);
+    wait_connections(0);
+  }
+}
+
 /* A streamed answer: the head with its Content-Length, then every piece in order, and the
  * connection stays usable; the completion hook sees it once, with every byte counted. */
 static void test_stream(void **state) {
@@ -1331,6 +1444,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_drain, setup, teardown),
       cmocka_unit_test_setup_teardown(test_drain_mid_answer, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_sliced_answers, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_sliced_answer_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_body_hook, setup_body_hook, teardown),
   };
