@@ -7,10 +7,11 @@ connection:
 
 - phase A: the decodes alone for --seconds: the latency of each request (send to last byte of the
   answer) gives p50 and p99;
-- phase B: the same decodes for --seconds while --prefill-clients other clients (processes of their
-  own, so that no Python lock stands between them and the decode client) stream prefills of
-  --prefill-tokens tokens back to back, each a new sequence deleted after its answer so that the
-  pool does not fill.
+- phase P: --prefill-clients other clients (processes of their own, so that no Python lock stands
+  between them and the decode client) stream prefills of --prefill-tokens tokens back to back,
+  each a new sequence deleted after its answer so that the pool does not fill, for half of
+  --seconds, with no decodes: the prefills' stages alone;
+- phase B: the same decodes for --seconds while the prefills go on.
 
 The issue's target (issue 15, "Decode first"): phase B's decode p99 at most 3 x phase A's decode
 p50; the "ratio" column is each phase's p99 over phase A's p50. From the daemon's metrics over each
@@ -20,12 +21,17 @@ dsv4d_prefill_chunks_total, both per prefill. On a machine with few cores the pr
 the daemon's handling of 64 MiB each way compete with the decode for the cores, so there the queue
 times per class are the signal rather than the client's p99.
 
+Per phase, the daemon's threads (by name: the executor, the host pool, the loop) from /proc: CPU
+time, involuntary context switches, minor page faults. With --request-log the daemon logs every
+request (log level debug) and the bench prints the daemon's own time of a decode from those lines.
+
 Answers are checked: a decode answer against the reference model about every --check-s seconds
 (outside the timed requests), the first and last 64 tokens of a warm-up prefill's q_out, and the
 status and shape of every prefill answer.
 
     python3 tests/bench/mixed_load.py <dsv4d> <dsv4_ref.py> [backend...] [--seconds S]
         [--prefill-clients N] [--prefill-tokens T] [--seqs D] [--chunk C[,C...]] [--check-s S]
+        [--request-log]
 
 --chunk runs one daemon per value of prefill_chunk_tokens (0: never chunk); without it the daemon's
 default. Default backend cpu.
