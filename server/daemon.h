@@ -39,7 +39,7 @@ typedef struct dsv4_daemon {
   /* Metric families. */
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
       *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total,
-      *m_prefill_chunks, *m_pinned_bytes, *m_pinned_total, *m_pinned_fallbacks;
+      *m_prefill_chunks, *m_pinned_bytes, *m_pinned_total, *m_pinned_fallbacks, *m_forward_request;
 } dsv4_daemon_t;
 
 /*

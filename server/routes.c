@@ -282,10 +282,15 @@ static void fwd_done(dsv4_job_t *job) {
   }
   dsv4_metric_observe(d->m_batch_tokens, NULL, (double)j->f.n_tokens);
 
-  if (!req)
+  if (!req) {
     region_answer(j, 0, NULL);
-  else
-    fwd_answer(j);
+    return;
+  }
+  /* The whole of the daemon's time for the request, the loop's hand-offs and reads included (the
+   * stages above are the executor's part of it). */
+  const char *v[1] = {cls};
+  dsv4_metric_observe(d->m_forward_request, v, (double)(uv_hrtime() - req->t_start_ns) * 1e-9);
+  fwd_answer(j);
 }
 
 static int layer_served(const void *engine, uint32_t layer) {
@@ -734,6 +739,11 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   rc |= dsv4_metrics_histogram(
       m, "dsv4d_forward_seconds", "Forward batch time by stage and class (decode, prefill).", stage,
       2, sec_bounds, sizeof(sec_bounds) / sizeof(sec_bounds[0]), &d->m_forward_seconds);
+  rc |= dsv4_metrics_histogram(
+      m, "dsv4d_forward_request_seconds",
+      "HTTP forward requests answered 200, by class (decode, prefill): from "
+      "the request's first byte to its answer handed to the socket.",
+      cls, 1, sec_bounds, sizeof(sec_bounds) / sizeof(sec_bounds[0]), &d->m_forward_request);
   rc |= dsv4_metrics_counter(m, "dsv4d_kv_alloc_failures_total",
                              "Batches refused because the KV pool was exhausted.", NULL, 0,
                              &d->m_alloc_failures);

@@ -42,7 +42,8 @@ def test_metrics_names():
                   "dsv4d_batch_tokens_count", "dsv4d_forward_seconds_bucket",
                   "dsv4d_forward_seconds_sum", "dsv4d_forward_seconds_count",
                   "dsv4d_kv_alloc_failures_total", "dsv4d_inflight_batches", "dsv4d_build_info",
-                  "dsv4d_kv_block_size", "dsv4d_kv_blocks_total", "dsv4d_queued_batches"):
+                  "dsv4d_kv_block_size", "dsv4d_kv_blocks_total", "dsv4d_queued_batches",
+                  "dsv4d_forward_request_seconds_bucket"):
             if n not in names:
                 missing.append(n)
         used = h.metric(ms, "dsv4d_kv_blocks", pool="swa", state="used")
@@ -98,6 +99,17 @@ def test_metrics_names():
         check_eq(h.metric(msd, "dsv4d_forward_seconds_count", stage="queue",
                           **{"class": "prefill"}), 1.0,
                  "forward_seconds{stage=queue,class=prefill} count unchanged by a decode batch")
+        # A request's whole time in the daemon, per class: one of each, each at least its batch's
+        # executor stages (queue, validate, plan, kernel: parts of it on the same clock).
+        for c in ("decode", "prefill"):
+            cl = {"class": c}
+            check_eq(h.metric(msd, "dsv4d_forward_request_seconds_count", **cl), 1.0,
+                     "forward_request_seconds{class=%s} count" % c)
+            whole = h.metric(msd, "dsv4d_forward_request_seconds_sum", **cl)
+            parts = sum(h.metric(msd, "dsv4d_forward_seconds_sum", stage=x, **cl)
+                        for x in ("queue", "validate", "plan", "kernel"))
+            check(0 < parts <= whole, "forward_request_seconds{class=%s} sum %g s holds its "
+                  "stages' %g s" % (c, whole, parts))
         # Counters move with the requests that follow.
         d.forward_raw(b"junk")
         ms2 = d.metrics()
