@@ -617,8 +617,8 @@ static void pace_wait(uv_idle_t *h) {
 }
 
 /* The pace check: one slice of each connection on the list. A connection whose slice goes out at
- * once is back on the list in the next iteration (libuv runs write callbacks several times after
- * the poll; a slice a callback would let one answer take the whole iteration again). */
+ * once is back on the list in the next iteration. (Sending the next slice from the write callback
+ * instead let one answer write 18 slices of 2 MiB in a single iteration on the H200 host.) */
 static void on_pace(uv_check_t *h) {
   dsv4_server_t *s = h->data;
   conn_t *list = s->pace_head;
@@ -628,6 +628,8 @@ static void on_pace(uv_check_t *h) {
   while (list) {
     conn_t *c = list;
     list = c->pace_next;
+    if (!c->pace_due)
+      continue; /* closed meanwhile by a callback of this loop: its answer is done */
     c->pace_due = false;
     if (write_slice(c) != 0)
       write_done(c, 0);
@@ -644,7 +646,8 @@ static void pace_add(conn_t *c) {
   uv_idle_start(&s->pace_idle, pace_wait);
 }
 
-/* c closes: off the pace list. Returns whether it was on it. */
+/* c closes: off the pace list (or the list on_pace is working through, which skips it). Returns
+ * whether it was on one. */
 static int pace_remove(conn_t *c) {
   if (!c->pace_due)
     return 0;
@@ -844,7 +847,9 @@ int dsv4_respond_stream_write(dsv4_req_t *pub, const uv_buf_t *buf, dsv4_stream_
 static void stream_piece_done(conn_t *c, int status) {
   req_t *r = c->req;
   c->stream_pending = false;
-  assert(r && r->state == REQ_STREAMING);
+  if (!r)
+    return; /* the stream was ended while this piece was queued: the connection has closed */
+  assert(r->state == REQ_STREAMING);
   if (status == 0) {
     if (!r->stream_hdr_sent) {
       r->bytes_out += c->sbufs[0].len;
@@ -2191,5 +2196,7 @@ void dsv4_server_close(dsv4_server_t *s, void (*cb)(void *), void *arg) {
     uv_close((uv_handle_t *)&s->pace, on_pace_closed);
     uv_close((uv_handle_t *)&s->pace_idle, on_pace_closed);
   }
-  /* Callbacks always run from the loop, never from inside this call. */
+  /* The close callback always runs from the loop, never from inside this call. An answer waiting
+   * for its next slice has its release callback run here (its connection has no write in flight
+   * to run it later). */
 }

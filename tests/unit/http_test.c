@@ -160,10 +160,11 @@ static void h_empty(dsv4_req_t *req, void *ctx) {
 }
 
 /* The streaming responder: n pieces of `piece` bytes (piece i filled with byte i), each written
- * once the previous one is in the socket; with short=1 it ends one piece early. */
+ * once the previous one is in the socket; with short=1 it ends one piece early, with abandon=1
+ * right after it queued the first piece. */
 typedef struct {
   dsv4_req_t *req;
-  int n, sent, piece, short_end;
+  int n, sent, piece, short_end, abandon;
   char *buf;
 } stream_t;
 
@@ -200,8 +201,8 @@ static void stream_next(stream_t *st) {
   }
   memset(st->buf, st->sent & 0xff, (size_t)st->piece);
   uv_buf_t b = uv_buf_init(st->buf, (unsigned)st->piece);
-  if (dsv4_respond_stream_write(st->req, &b, on_piece, st))
-    stream_end(st); /* the client has gone: only the end is left */
+  if (dsv4_respond_stream_write(st->req, &b, on_piece, st) || st->abandon)
+    stream_end(st); /* the client has gone, or the test ends the stream with the piece queued */
 }
 
 static void h_stream(dsv4_req_t *req, void *ctx) {
@@ -211,7 +212,8 @@ static void h_stream(dsv4_req_t *req, void *ctx) {
   st->req = req;
   st->n = 4;
   st->piece = 1000;
-  sscanf(req->query, "n=%d&piece=%d&short=%d", &st->n, &st->piece, &st->short_end);
+  sscanf(req->query, "n=%d&piece=%d&short=%d&abandon=%d", &st->n, &st->piece, &st->short_end,
+         &st->abandon);
   st->buf = malloc((size_t)st->piece);
   dsv4_hdr_t h = {"X-Stream", "yes"};
   if (dsv4_respond_stream_begin(req, 200, "application/octet-stream", &h, 1,
@@ -1253,7 +1255,14 @@ static void test_sliced_answers(void **state) {
     for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
       char path[96];
       snprintf(path, sizeof(path), "/parts?s=%s", cases[k].sizes);
+      /* other's answer begins (its completion hook runs) before c's request goes out, so the
+       * hook's last count is c's: the server may take either connection's request first. */
+      int before = atomic_load(&completions);
       get(other, "/parts?s=5000000", "o");
+      double t0 = now_s();
+      while (atomic_load(&completions) == before && now_s() - t0 < 5)
+        usleep(500);
+      assert_int_not_equal(atomic_load(&completions), before);
       atomic_store(&completion_bytes, -1);
       get(c, path, "p");
       read_parts(c, cases[k].total, slow, 1);
@@ -1329,6 +1338,32 @@ static void test_stream(void **state) {
   client_free(c);
   wait_connections(0);
   assert_int_equal(atomic_load(&streams_ended), 2);
+}
+
+/* A stream ended while its piece is still queued for the socket: the answer is cut short, the
+ * connection closes, the write's cancellation finds no request (it was freed at the end), and the
+ * server goes on serving. */
+static void test_stream_ended_with_piece_queued(void **state) {
+  (void)state;
+  client_t *c = client_new();
+  int small = 4096;
+  setsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  get(c, "/stream?n=4&piece=8388608&short=0&abandon=1", "ab");
+  size_t got = 0;
+  int k;
+  while ((k = fill(c)) == 1) {
+    got += c->len;
+    c->len = 0;
+  }
+  assert_int_equal(k, 0); /* EOF, not a timeout */
+  assert_true(got < (size_t)4 * 8388608);
+  client_free(c);
+  wait_connections(0);
+  c = client_new();
+  resp_t r;
+  get(c, "/imm", "next");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  client_free(c);
 }
 
 /* The client leaves mid-stream: the writer hears of it (a failed piece or a refused write), ends
@@ -1445,6 +1480,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_drain_mid_answer, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream, setup, teardown),
       cmocka_unit_test_setup_teardown(test_sliced_answers, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_stream_ended_with_piece_queued, setup, teardown),
       cmocka_unit_test_setup_teardown(test_sliced_answer_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_body_hook, setup_body_hook, teardown),
