@@ -61,8 +61,10 @@ WARMUP_S = 1.0
 # batches fault in their buffers and run several times slower than the later ones.
 WARM_PREFILLS = 2
 # The stages of dsv4d_forward_seconds printed per class (upload, launch and download are parts of
-# kernel on a device backend; yield is a chunked prefill's).
-STAGES = ("queue", "validate", "plan", "kernel", "upload", "launch", "download", "yield")
+# kernel on a device backend; yield is a chunked prefill's), and "request", the whole of an HTTP
+# forward's time in the daemon (dsv4d_forward_request_seconds).
+STAGES = ("queue", "validate", "plan", "kernel", "upload", "launch", "download", "yield",
+          "request")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,7 +249,8 @@ class Decoder:
 
 
 def stage_sums(d):
-    """{(stage, class): (sum, count)} of dsv4d_forward_seconds, its cumulative buckets under
+    """{(stage, class): (sum, count)} of dsv4d_forward_seconds (and of
+    dsv4d_forward_request_seconds as stage "request"), its cumulative buckets under
     ("le", stage, class), and the prefill chunks."""
     ms = d.metrics()
     out = {}
@@ -255,8 +258,10 @@ def stage_sums(d):
         lab = dict(labels)
         if name == "dsv4d_forward_seconds_bucket":
             out.setdefault(("le", lab.get("stage"), lab.get("class")), {})[float(lab["le"])] = v
-        elif name in ("dsv4d_forward_seconds_sum", "dsv4d_forward_seconds_count"):
-            key = (lab.get("stage"), lab.get("class"))
+        elif name in ("dsv4d_forward_seconds_sum", "dsv4d_forward_seconds_count",
+                      "dsv4d_forward_request_seconds_sum", "dsv4d_forward_request_seconds_count"):
+            # The request's whole time in the daemon counts as the pseudo-stage "request".
+            key = (lab.get("stage", "request"), lab.get("class"))
             s, c = out.get(key, (0.0, 0.0))
             out[key] = (s + v, c) if name.endswith("_sum") else (s, c + v)
     out["chunks"] = h.metric(ms, "dsv4d_prefill_chunks_total")
@@ -528,7 +533,8 @@ def print_table(rows, args):
           "decodes' queue times fell; yield, the time decodes ran between a prefill's chunks, and\n"
           "chunks, kernel chunks, each per prefill.")
     print()
-    print("Phase B, mean of each stage per batch (us; nan: not observed)")
+    print("Phase B, mean of each stage per batch (us; nan: not observed; request: the whole of the "
+          "request in the daemon)")
     print("%-7s %5s %-8s" % ("backend", "chunk", "class") + "".join("%10s" % st for st in STAGES))
     for backend, cfg, _, _, b, _ in rows:
         for cls in ("decode", "prefill"):
