@@ -176,7 +176,7 @@ int dsv4_host_pool_create(unsigned threads, dsv4_host_pool_t **out) {
     w->index = started;
     if (pthread_create(&w->thread, NULL, worker_main, w) != 0)
       break;
-    char name[16];
+    char name[16]; /* a thread's name has at most 15 characters (the kernel's limit) */
     snprintf(name, sizeof name, "dsv4d-host%u", (started + 1) % 100000u);
     pthread_setname_np(w->thread, name);
   }

@@ -510,6 +510,15 @@ static client_t *client_new(void) {
   return c;
 }
 
+/* A client whose receive buffer is 4 KiB: an answer larger than the socket buffers stays queued
+ * on the server's side while the client does not read. */
+static client_t *client_small_window(void) {
+  client_t *c = client_new();
+  int small = 4096;
+  setsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  return c;
+}
+
 static void client_free(client_t *c) {
   if (c->fd >= 0)
     close(c->fd);
@@ -1345,9 +1354,7 @@ static void test_stream(void **state) {
  * server goes on serving. */
 static void test_stream_ended_with_piece_queued(void **state) {
   (void)state;
-  client_t *c = client_new();
-  int small = 4096;
-  setsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  client_t *c = client_small_window();
   get(c, "/stream?n=4&piece=8388608&short=0&abandon=1", "ab");
   size_t got = 0;
   int k;
@@ -1370,9 +1377,7 @@ static void test_stream_ended_with_piece_queued(void **state) {
  * the stream once, and the connection goes. */
 static void test_stream_client_gone(void **state) {
   (void)state;
-  client_t *c = client_new();
-  int small = 4096;
-  setsockopt(c->fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  client_t *c = client_small_window();
   get(c, "/stream?n=4096&piece=65536&short=0", "big");
   while (!memmem(c->buf, c->len, "\r\n\r\n", 4))
     assert_int_equal(fill(c), 1);
