@@ -78,6 +78,8 @@ typedef struct alignas(16) {
   float rope[DSV4_ROPE_ROW_FLOATS]; /* cos then sin at the query's position */
   float m[64];                      /* each head's maximum logit */
   float d[64];                      /* each head's denominator D */
+  const uint8_t *rec[DSV4_WINDOW];  /* the staged candidates' 576 data bytes (stage_records) */
+  const uint8_t *scl[DSV4_WINDOW];  /* and their 8 scale bytes */
   int32_t blk[MAX_WIN_BLOCKS + 3];  /* physical blocks of the window's logical blocks */
   int64_t lo;                       /* the first candidate's position */
   uint32_t n;                       /* candidates */
@@ -335,32 +337,44 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
 }
 
 /*
- * n records, dequantised into shared memory as bf16 (exact, see dequant8); addr(s, &rec, &scl)
- * gives candidate s's 576 data bytes and its 8 scale bytes. Piece c of a candidate (dims 8c..8c+7,
- * 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so that the two 16-byte pieces a
- * lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over the warp, two contiguous
- * 512-byte runs. Of a CTA of T threads, thread x stages piece x & 63 of the candidates x / 64 + j
- * T / 64, sixteen candidates' loads in flight at a time, after an L2 prefetch of every line of the
- * records (they are scattered over blocks, and every round of loads would otherwise wait for the
- * DRAM). With SWZ (the fast kernel's layout, read by ldmatrix) piece c of candidate s lies instead
- * at 16-byte chunk c ^ (s & 7) of its row: eight consecutive candidates' copies of one piece fall
- * in eight different bank groups.
+ * Candidate i's record, at slot o of the block whose bytes begin at base: its addresses into ms.rec
+ * and ms.scl for stage_records, and an L2 prefetch of every line of them (the records are
+ * scattered over blocks, and every round of the staging's loads would otherwise wait for the
+ * DRAM): the five lines of its 576 data bytes (the fifth also holds part of the next record) and
+ * the line of its scales. The thread that computes a candidate's addresses does this once, so the
+ * staging's loads need only an offset each.
  */
-template <bool SWZ = false, int THREADS = ATTN_THREADS, typename Addr>
-static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
+static __device__ __forceinline__ void
+put_record_addr(attn_misc_t &ms, uint32_t i, const uint8_t *base, int64_t o, uint32_t bs_shift) {
+  const uint8_t *rec = base + (uint64_t)o * DSV4_TOKEN_DATA_BYTES;
+  const uint8_t *scl =
+      base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << bs_shift) + (uint64_t)o * DSV4_SCALE_BYTES;
+  ms.rec[i] = rec;
+  ms.scl[i] = scl;
+#pragma unroll
+  for (int line = 0; line < 5; line++)
+    dsv4__prefetch_l2(rec + 128 * line);
+  dsv4__prefetch_l2(scl);
+}
+
+/*
+ * n records, whose addresses ms.rec and ms.scl hold (put_record_addr, before a barrier),
+ * dequantised into shared memory as bf16 (exact, see dequant8). Piece c of a candidate (dims
+ * 8c..8c+7, 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so that the two
+ * 16-byte pieces a lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over the warp,
+ * two contiguous 512-byte runs. Of a CTA of T threads, thread x stages piece x & 63 of the
+ * candidates x / 64 + j T / 64, sixteen candidates' loads in flight at a time. With SWZ (the fast
+ * kernel's layout, read by ldmatrix) piece c of candidate s lies instead at 16-byte chunk
+ * c ^ (s & 7) of its row: eight consecutive candidates' copies of one piece fall in eight
+ * different bank groups.
+ */
+template <bool SWZ = false, int THREADS = ATTN_THREADS>
+static __device__ void stage_records(uint32_t n, uint8_t *sk, const attn_misc_t &ms) {
   constexpr int BATCH = 16, ROWS = THREADS / 64;
   const uint32_t c = threadIdx.x & 63;
-  /* Candidate x / 8 + 32j: line x % 8 of its 576 data bytes (the fifth line also holds the part of
-   * the next record), line 7 its scales. */
-  for (uint32_t s = threadIdx.x >> 3; s < n; s += THREADS / 8) {
-    const uint8_t *rec, *scl;
-    addr(s, &rec, &scl);
-    const uint32_t line = threadIdx.x & 7;
-    if (line < 5)
-      dsv4__prefetch_l2(rec + 128 * line);
-    else if (line == 7)
-      dsv4__prefetch_l2(scl);
-  }
+  const bool nope = c < NOPE_PIECES;
+  /* The piece's bytes in a record: 8 E4M3FN bytes of the NoPE part, or 16 of the RoPE part. */
+  const uint32_t off = nope ? 8 * c : DSV4_NOPE_DIM + 16 * (c - NOPE_PIECES);
   uint8_t *dst = sk + (SWZ ? 0 : (c & 1) * 512 + (c >> 1) * 16);
   for (uint32_t s0 = threadIdx.x >> 6; s0 < n; s0 += ROWS * BATCH) {
     uint4 raw[BATCH];
@@ -371,15 +385,14 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
       raw[j] = make_uint4(0, 0, 0, 0);
       code[j] = 0;
       if (s < n) {
-        const uint8_t *rec, *scl;
-        addr(s, &rec, &scl);
-        if (c < NOPE_PIECES) {
-          const uint2 v = *reinterpret_cast<const uint2 *>(rec + 8 * c);
+        const uint8_t *piece = ms.rec[s] + off;
+        if (nope) {
+          const uint2 v = *reinterpret_cast<const uint2 *>(piece);
           raw[j].x = v.x;
           raw[j].y = v.y;
-          code[j] = scl[c >> 3];
+          code[j] = ms.scl[s][c >> 3];
         } else {
-          raw[j] = *reinterpret_cast<const uint4 *>(rec + DSV4_NOPE_DIM + 16 * (c - NOPE_PIECES));
+          raw[j] = *reinterpret_cast<const uint4 *>(piece);
         }
       }
     }
@@ -388,26 +401,26 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, Addr addr) {
       const uint32_t s = s0 + ROWS * j;
       if (s < n)
         *reinterpret_cast<uint4 *>(dst + (size_t)s * K_ROW + (SWZ ? ((c ^ (s & 7)) << 4) : 0)) =
-            c < NOPE_PIECES ? dequant8(raw[j].x, raw[j].y, code[j]) : raw[j];
+            nope ? dequant8(raw[j].x, raw[j].y, code[j]) : raw[j];
     }
   }
 }
 
 /* The window's records (the window kernel's only candidates), through the blocks in ms.blk: n of
- * them from candidate `first` on (a split of fast mode's window), into rows 0..n - 1. */
+ * them from candidate `first` on (a split of fast mode's window), into rows 0..n - 1: their
+ * addresses a thread each, then the staging. */
 template <bool SWZ = false, int THREADS = ATTN_THREADS>
-static __device__ void attn_stage(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk,
+static __device__ void attn_stage(const attn_params_t &p, attn_misc_t &ms, uint8_t *sk,
                                   uint32_t first, uint32_t n) {
   const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
   const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
-  const uint64_t scales = (uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift;
-  stage_records<SWZ, THREADS>(n, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
-    const int64_t pos = lo + first + s;
-    const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
-    const uint64_t o = (uint64_t)(pos & mask);
-    *rec = base + o * DSV4_TOKEN_DATA_BYTES;
-    *scl = base + scales + o * DSV4_SCALE_BYTES;
-  });
+  for (uint32_t i = threadIdx.x; i < n; i += THREADS) {
+    const int64_t pos = lo + first + i;
+    put_record_addr(ms, i, p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride,
+                    pos & mask, p.bs_shift);
+  }
+  __syncthreads();
+  stage_records<SWZ, THREADS>(n, sk, ms);
 }
 
 /* Fast mode (attention_fast.cu): the kernel for the launch's shape, after the launch's check (the

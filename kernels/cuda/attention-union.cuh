@@ -10,12 +10,10 @@
 
 /* Per-CTA facts of the union kernel, beyond attn_misc_t (whose m holds the running maximum). */
 typedef struct {
-  const uint8_t *rec[DSV4_WINDOW]; /* the current tile's candidates: 576 data bytes */
-  const uint8_t *scl[DSV4_WINDOW]; /* and their 8 scale bytes */
-  float s[64];                     /* each head's sum S, continued tile by tile */
-  const int32_t *sel;              /* the token's selection row, or NULL */
-  int64_t j_lo;                    /* the first visible entry */
-  uint32_t nw, nc;                 /* window candidates; all candidates */
+  float s[64];        /* each head's sum S, continued tile by tile */
+  const int32_t *sel; /* the token's selection row, or NULL */
+  int64_t j_lo;       /* the first visible entry */
+  uint32_t nw, nc;    /* window candidates; all candidates */
   uint32_t seg;
   uint32_t ne; /* entries listed: the first -1 of the row (atomicMin), or c_sel_stride */
 } union_misc_t;
@@ -119,9 +117,10 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
   return 0;
 }
 
-/* The record addresses of candidates first..first + nt - 1 (one thread each): window positions
- * through ms.blk, then entries through the segment's entry table. */
-static __device__ void union_addrs(const attn_params_t &p, const attn_misc_t &ms, union_misc_t &um,
+/* The record addresses of candidates first..first + nt - 1 (one thread each) into ms.rec and
+ * ms.scl (put_record_addr): window positions through ms.blk, then entries through the segment's
+ * entry table. */
+static __device__ void union_addrs(const attn_params_t &p, attn_misc_t &ms, const union_misc_t &um,
                                    uint32_t first, uint32_t nt) {
   const uint32_t i = threadIdx.x;
   if (i >= nt)
@@ -139,9 +138,7 @@ static __device__ void union_addrs(const attn_params_t &p, const attn_misc_t &ms
     base = p.c_cache + (uint64_t)entry_block(p, um.seg, j >> p.bs_shift) * p.stride;
     o = j & mask;
   }
-  um.rec[i] = base + (uint64_t)o * DSV4_TOKEN_DATA_BYTES;
-  um.scl[i] =
-      base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) + (uint64_t)o * DSV4_SCALE_BYTES;
+  put_record_addr(ms, i, base, o, p.bs_shift);
 }
 
 #endif /* DSV4_KERNELS_CUDA_ATTENTION_UNION_CUH */

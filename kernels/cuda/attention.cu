@@ -201,23 +201,27 @@ static __device__ __forceinline__ void attn_accumulate(const uint8_t *sk, const 
   }
 }
 
-/* o = N / D, the inverse RoPE on dims 448..511 with the pair in the lane, one bf16 rounding, one
- * store per value. */
+/*
+ * o = N / D, the inverse RoPE on dims 448..511 with the pair in the lane, one bf16 rounding (the
+ * conversion instruction: dsv4_f32_to_bf16 for every value the kernel can produce, see
+ * dsv4__bf16x2_rn), one store per value. One head a pass, whose values are always acc[0]: after
+ * each pass the heads move down a row (register moves). Every warp runs this code once, so it is
+ * kept one pass long: unrolled over the eight heads it waited on instruction fetches for about a
+ * fifth of the kernel's time (ncu, b = 128).
+ */
 template <int R>
 static __device__ __forceinline__ void attn_store(const attn_params_t &p, const attn_misc_t &ms,
                                                   uint32_t t, uint32_t h0, uint32_t oct,
-                                                  uint32_t d0, const float (&acc)[OCT][16 / R]) {
+                                                  uint32_t d0, float (&acc)[OCT][16 / R]) {
   constexpr int DL = 16 / R;
   const float *cs = ms.rope;
-#pragma unroll
-  for (int hh = 0; hh < OCT; hh++) {
-    if (h0 + hh >= p.heads)
-      break;
+#pragma unroll 1
+  for (uint32_t hh = 0; hh < OCT && h0 + hh < p.heads; hh++) {
     const float den = ms.d[oct * OCT + hh];
     float o[DL];
 #pragma unroll
     for (int d = 0; d < DL; d++)
-      o[d] = __fdiv_rn(acc[hh][d], den);
+      o[d] = __fdiv_rn(acc[0][d], den);
     uint32_t wo[DL / 2];
 #pragma unroll
     for (int j = 0; j < DL / 2; j++) {
@@ -229,9 +233,14 @@ static __device__ __forceinline__ void attn_store(const attn_params_t &p, const 
         od = dsv4_rope_inv_odd(e, od, c, sn);
         e = ee;
       }
-      wo[j] = (uint32_t)dsv4_f32_to_bf16(e) | ((uint32_t)dsv4_f32_to_bf16(od) << 16);
+      wo[j] = dsv4__bf16x2_rn(e, od);
     }
     store_out<DL>(p.out + ((uint64_t)t * p.heads + h0 + hh) * 64, d0, wo);
+#pragma unroll
+    for (int k = 0; k + 1 < OCT; k++)
+#pragma unroll
+      for (int d = 0; d < DL; d++)
+        acc[k][d] = acc[k + 1][d];
   }
 }
 
@@ -348,16 +357,13 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
 /* One tile of the list into shared memory, and the logits of its candidates: the window kernel's
  * staging and pass 1 over candidates first..first + nt - 1. */
 template <int R>
-static __device__ void union_tile(const attn_params_t &p, uint32_t t, const attn_misc_t &ms,
+static __device__ void union_tile(const attn_params_t &p, uint32_t t, attn_misc_t &ms,
                                   union_misc_t &um, uint8_t *sk, float *sl, float *tb,
                                   uint32_t first, uint32_t nt, uint32_t h0, uint32_t oct,
                                   uint32_t r, uint32_t lane, bool live) {
   union_addrs(p, ms, um, first, nt);
   __syncthreads();
-  stage_records(nt, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
-    *rec = um.rec[s];
-    *scl = um.scl[s];
-  });
+  stage_records(nt, sk, ms);
   __syncthreads();
   if (live) {
     uint4 qraw[OCT][2];

@@ -167,16 +167,12 @@ static __device__ void funion_store_part(const attn_params_t &p, const attn_misc
 /* Tile `first` of nt candidates: addresses, records staged as bf16 (zeros up to a multiple of 16),
  * scores into ss (-inf past nt). */
 template <int MT, int W>
-static __device__ void funion_tile_scores(const attn_params_t &p, const attn_misc_t &ms,
-                                          union_misc_t &um, const uint8_t *sq, uint8_t *sk,
-                                          float *ss, uint32_t first, uint32_t nt, uint32_t warp,
-                                          uint32_t lane) {
+static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &ms, union_misc_t &um,
+                                          const uint8_t *sq, uint8_t *sk, float *ss, uint32_t first,
+                                          uint32_t nt, uint32_t warp, uint32_t lane) {
   union_addrs(p, ms, um, first, nt);
   __syncthreads();
-  stage_records<true, 32 * W>(nt, sk, [&](uint32_t s, const uint8_t **rec, const uint8_t **scl) {
-    *rec = um.rec[s];
-    *scl = um.scl[s];
-  });
+  stage_records<true, 32 * W>(nt, sk, ms);
   fast_zero_tail(sk, nt);
   __syncthreads();
   constexpr int NP = 8 * MT / W; /* pairs of n-tiles of candidates a warp scores */
