@@ -36,6 +36,12 @@
  * host, while other connections' decodes waited (tests/bench/NOTES.md, "mixed_load v3").
  */
 #define WRITE_SLICE ((size_t)1 << 20)
+/*
+ * A body is read at most this much a connection in a loop iteration: a read that fills its slice
+ * stops the reading until the pace check. Offered the whole rest of a 64 MiB body, one read took
+ * what the socket held, up to several MiB, and held the loop for up to 1.7 ms on the H200 host.
+ */
+#define READ_SLICE ((size_t)1 << 20)
 /* Buffers of one slice: an answer's head and its tensors (fwd_answer has at most 6). */
 #define WRITE_SLICE_BUFS 16
 /* After a response that closes the connection: shut down our side, then read and discard for at
@@ -181,6 +187,10 @@ struct conn {
   size_t wnb, wfirst, wslice;
   bool pace_due;
   conn_t *pace_next;
+  /* A body read filled its slice (READ_SLICE bytes, read_offered): reading is stopped and the
+   * connection is on the pace list (pace_due) for the check to start it again. */
+  bool read_paced;
+  size_t read_offered;
   void (*wrelease)(void *);
   void *wrelease_arg;
   /* A streamed piece owns wreq. Unlike CONN_WRITING this outlives conn_close: uv_close cancels the
@@ -631,12 +641,16 @@ static void on_pace(uv_check_t *h) {
     if (!c->pace_due)
       continue; /* closed meanwhile by a callback of this loop: its answer is done */
     c->pace_due = false;
-    if (write_slice(c) != 0)
+    if (c->read_paced) {
+      c->read_paced = false;
+      conn_update_reading(c);
+    } else if (write_slice(c) != 0) {
       write_done(c, 0);
+    }
   }
 }
 
-/* c's next slice waits for the pace check. */
+/* c's next slice (of its answer, or with read_paced of its body) waits for the pace check. */
 static void pace_add(conn_t *c) {
   dsv4_server_t *s = c->srv;
   c->pace_due = true;
@@ -1373,10 +1387,10 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   c->read_into_body = false;
   if (c->state == CONN_BODY && c->rbuf_off == c->rbuf_len && r->body_received < r->content_length) {
     /* Mid-body with nothing buffered: read straight into the body buffer, at most what is left of
-     * it, so the bytes of a large body are copied once, by the kernel. */
+     * it and a slice, so the bytes of a large body are copied once, by the kernel. */
     size_t left = (size_t)r->content_length - r->body_received;
-    *buf = uv_buf_init((char *)r->pub.body + r->body_received,
-                       (unsigned)(left < 0x40000000u ? left : 0x40000000u));
+    c->read_offered = left < READ_SLICE ? left : READ_SLICE;
+    *buf = uv_buf_init((char *)r->pub.body + r->body_received, (unsigned)c->read_offered);
     c->read_into_body = true;
     return;
   }
@@ -1433,6 +1447,13 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
     parsed_t p = conn_parse(c, buf->base, (size_t)nread, &used, &why);
     conn_parsed(c, p, why);
     conn_process(c);
+    if (c->state == CONN_BODY && (size_t)nread == c->read_offered && c->reading && !c->pace_due) {
+      /* A whole slice: the next waits for the pace check (libuv would read again at once). */
+      uv_read_stop(&c->io.stream);
+      c->reading = false;
+      c->read_paced = true;
+      pace_add(c);
+    }
     return;
   }
   /* A mark for this read; with the ring full the oldest gives way (its bytes then count from the
@@ -1465,7 +1486,7 @@ static void conn_update_reading(conn_t *c) {
     want = !c->peer_eof && c->rbuf_len - c->rbuf_off < INFLIGHT_READ_CAP;
     break;
   default:
-    want = !c->peer_eof;
+    want = !c->peer_eof && !c->read_paced;
     break;
   }
   if (want && !c->reading) {
@@ -1520,8 +1541,11 @@ static void conn_close(conn_t *c) {
     c->req = NULL;
   }
   /* A request being written is freed by the write callback, which uv_close cancels first; one
-   * whose next slice waits for the pace check has none in flight, and is freed here. */
-  if (pace_remove(c))
+   * whose next slice waits for the pace check has none in flight, and is freed here. A body
+   * whose reading waits for it is the request's, freed above. */
+  const bool read_paced = c->read_paced;
+  c->read_paced = false;
+  if (pace_remove(c) && !read_paced)
     write_done(c, 0);
   uv_close(&c->io.handle, on_conn_handle_closed);
   uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);

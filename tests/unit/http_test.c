@@ -334,6 +334,7 @@ static const dsv4_route_t routes[] = {
     {DSV4_HTTP_GET | DSV4_HTTP_POST, "/defer", "defer", 1 << 20, 0, h_defer, NULL},
     {DSV4_HTTP_POST, "/gone", "gone", 1 << 20, 0, h_defer, (void *)1},
     {DSV4_HTTP_POST, "/small", "small", 1024, 0, h_imm, NULL},
+    {DSV4_HTTP_POST, "/big", "big", 64 << 20, 0, h_imm, NULL},
     {DSV4_HTTP_GET, "/public", "public", 0, 1, h_imm, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_DELETE, "/v1/things/", "things", 0, 0, h_imm, NULL},
     {DSV4_HTTP_GET, "/busy", "busy", 0, 0, h_busy, NULL},
@@ -1306,6 +1307,82 @@ static void test_sliced_answer_client_gone(void **state) {
   }
 }
 
+/* The head of a POST /big of n bytes with X-Id id, and its body (h_imm's pattern). */
+static char *big_request(size_t n, const char *id, char *head, size_t head_cap) {
+  snprintf(head, head_cap,
+           "POST /big HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nContent-Length: %zu\r\n"
+           "X-Id: %s\r\n\r\n",
+           n, id);
+  char *body = malloc(n);
+  assert_non_null(body);
+  for (size_t i = 0; i < n; i++)
+    body[i] = (char)(uint8_t)(i * 31 + 7);
+  return body;
+}
+
+static void expect_big_answer(client_t *c, size_t n, const char *id) {
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 200);
+  char want[128];
+  snprintf(want, sizeof(want), "imm id=%s path=/big query= len=%zu", id, n);
+  assert_int_equal(r.body_len, strlen(want));
+  assert_memory_equal(r.body, want, r.body_len);
+}
+
+/*
+ * Bodies are read a slice (1 MiB) a loop iteration: sizes around and beyond the slice, sent at
+ * once, arrive whole and in order (the handler checks every byte); two connections' bodies sent in
+ * turns of 3 MiB both do; a client that resets while its body's reading waits for the pace check
+ * leaves the server working.
+ */
+static void test_paced_body_reads(void **state) {
+  (void)state;
+  const size_t sizes[] = {(1u << 20) - 1, 1u << 20, (1u << 20) + 1, (5u << 20) + 123, 24u << 20};
+  char head[256], id[16];
+  client_t *c = client_new();
+  for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++) {
+    snprintf(id, sizeof(id), "b%zu", k);
+    char *body = big_request(sizes[k], id, head, sizeof(head));
+    send_s(c, head);
+    send_str(c, body, sizes[k]);
+    expect_big_answer(c, sizes[k], id);
+    free(body);
+  }
+  client_free(c);
+
+  const size_t n = 12u << 20, turn = 3u << 20;
+  client_t *two[2] = {client_new(), client_new()};
+  char *body = big_request(n, "two", head, sizeof(head));
+  for (int i = 0; i < 2; i++)
+    send_s(two[i], head);
+  for (size_t off = 0; off < n; off += turn)
+    for (int i = 0; i < 2; i++)
+      send_str(two[i], body + off, n - off < turn ? n - off : turn);
+  for (int i = 0; i < 2; i++) {
+    expect_big_answer(two[i], n, "two");
+    client_free(two[i]);
+  }
+
+  long calls = atomic_load(&handler_calls);
+  for (int k = 0; k < 4; k++) {
+    c = client_new();
+    send_s(c, head);
+    send_str(c, body, (size_t)(k + 1) << 20);
+    usleep(20000);
+    struct linger reset = {1, 0};
+    setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+    client_free(c);
+    wait_connections(0);
+  }
+  assert_int_equal(atomic_load(&handler_calls), calls);
+  c = client_new();
+  send_s(c, head);
+  send_str(c, body, n);
+  expect_big_answer(c, n, "two");
+  client_free(c);
+  free(body);
+}
+
 /* A streamed answer: the head with its Content-Length, then every piece in order, and the
  * connection stays usable; the completion hook sees it once, with every byte counted. */
 static void test_stream(void **state) {
@@ -1487,6 +1564,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_sliced_answers, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_ended_with_piece_queued, setup, teardown),
       cmocka_unit_test_setup_teardown(test_sliced_answer_client_gone, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_paced_body_reads, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_body_hook, setup_body_hook, teardown),
   };
