@@ -454,8 +454,9 @@ def phase_b(d, dec, args):
     return pw, bw
 
 
-def run(backend, chunk, args, rng, rows):
+def run(backend, chunk, threads, args, rng, rows):
     extra = [] if chunk is None else ["--prefill-chunk-tokens", str(chunk)]
+    extra += [] if threads is None else ["--threads", str(threads)]
     # Decode sequences keep about three blocks each (one served layer, the window released);
     # each prefill in flight holds prefill_tokens / 64 until it is deleted.
     blocks = 3 * args.seqs + (args.prefill_clients + 1) * (args.prefill_tokens // 64 + 2) + 64
@@ -576,6 +577,9 @@ def main():
     ap.add_argument("--seqs", type=int, default=16, help="decode sequences (tokens per batch)")
     ap.add_argument("--chunk", default=None,
                     help="prefill_chunk_tokens values, comma-separated (default: the daemon's)")
+    ap.add_argument("--threads", default=None,
+                    help="the daemon's host threads, comma-separated values (default: its own, a "
+                    "thread a core)")
     ap.add_argument("--request-log", action="store_true",
                     help="run the daemon at log level debug and print its own time of a decode")
     ap.add_argument("--check-s", type=float, default=2.0,
@@ -584,11 +588,13 @@ def main():
     h.DAEMON, h.REF_PATH = os.path.abspath(args.dsv4d), os.path.abspath(args.ref)
     h.check(os.access(h.DAEMON, os.X_OK), "daemon binary %s not executable" % h.DAEMON)
     chunks = [None] if args.chunk is None else [int(c) for c in args.chunk.split(",")]
+    threads = [None] if args.threads is None else [int(t) for t in args.threads.split(",")]
     rng = np.random.default_rng(15)
     rows = []
     for backend in args.backends:
         for chunk in chunks:
-            run(backend, chunk, args, rng, rows)
+            for n in threads:
+                run(backend, chunk, n, args, rng, rows)
     print_table(rows, args)
 
 
