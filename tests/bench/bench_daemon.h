@@ -194,6 +194,9 @@ static const char *const stage_names[N_STAGES] = {"queue", "validate", "plan", "
 typedef struct {
   double sum[N_STAGES];
   double count[N_STAGES];
+  /* dsv4d_forward_request_seconds over every class: an HTTP forward's whole time in the daemon,
+   * from its first byte to its answer handed to the socket. */
+  double req_sum, req_count;
   int ok;
 } stages_t;
 
@@ -235,6 +238,14 @@ static inline int scrape_stages(const bench_target_t *t, stages_t *out) {
     /* e.g. dsv4d_forward_seconds_sum{stage="kernel",class="prefill"} 0.0123: the classes of a
      * stage add up. */
     char *m = strstr(line, "forward_seconds_");
+    char *rq = strstr(line, "forward_request_seconds_");
+    if (rq && line[0] != '#') {
+      char *close_brace = strchr(rq, '}');
+      if (close_brace && strncmp(rq + 24, "sum{", 4) == 0)
+        out->req_sum += strtod(close_brace + 1, NULL);
+      else if (close_brace && strncmp(rq + 24, "count{", 6) == 0)
+        out->req_count += strtod(close_brace + 1, NULL);
+    }
     if (m && line[0] != '#') {
       int is_sum = strncmp(m + 16, "sum{", 4) == 0, is_count = strncmp(m + 16, "count{", 6) == 0;
       char *st = strstr(m, "stage=\"");

@@ -497,6 +497,8 @@ static int run_target(const bench_target_t *t, int is_daemon, int round, uint32_
       stages->sum[k] += s1.sum[k] - s0.sum[k];
       stages->count[k] += s1.count[k] - s0.count[k];
     }
+    stages->req_sum += s1.req_sum - s0.req_sum;
+    stages->req_count += s1.req_count - s0.req_count;
     stages->ok = 1;
   }
   if (rc == 0)
@@ -899,8 +901,11 @@ int main(int argc, char **argv) {
     free(dargv);
   if (failed)
     return 1;
-  double stage_us[MAX_NS][N_STAGES];
+  double stage_us[MAX_NS][N_STAGES], req_us[MAX_NS];
   for (int k = 0; k < O.n_ns; k++) {
+    req_us[k] = stages[k].ok && stages[k].req_count > 0
+                    ? stages[k].req_sum / stages[k].req_count * 1e6
+                    : -1;
     for (int t = 0; t < 3; t++) {
       res[k][t] = stats_result(&st[k][t]);
       free(st[k][t].v);
@@ -943,9 +948,12 @@ int main(int argc, char **argv) {
   if (O.daemon_argv) {
     /* Where a daemon request's time goes: its own stage timings against the client's mean. */
     printf("# daemon mean per batch (us): stages from its /metrics over the measured window;\n"
-           "# rest = client mean - stages = HTTP in/out, parsing, loop<->executor hand-offs\n");
-    printf("%5s | %9s | %9s %9s %9s %9s | %9s\n", "N", "mean", "queue", "validate", "plan",
-           "kernel", "rest");
+           "# rest = client mean - stages = HTTP in/out, parsing, loop<->executor hand-offs;\n"
+           "# request: the daemon's whole time (forward_request_seconds, first byte to the answer\n"
+           "# handed to the socket), of which the stages are a part; outside = client mean - "
+           "request\n");
+    printf("%5s | %9s | %9s %9s %9s %9s | %9s | %9s %9s\n", "N", "mean", "queue", "validate",
+           "plan", "kernel", "rest", "request", "outside");
     for (int k = 0; k < O.n_ns; k++) {
       if (!res[k][0].ok)
         continue;
@@ -959,8 +967,13 @@ int main(int argc, char **argv) {
           snprintf(cols[i], sizeof(cols[i]), "-");
         }
       }
-      printf("%5u | %9.0f | %9s %9s %9s %9s | %9.0f\n", O.ns[k], res[k][0].mean_us, cols[0],
-             cols[1], cols[2], cols[3], rest);
+      char rq[16] = "-", out[16] = "-";
+      if (req_us[k] >= 0) {
+        snprintf(rq, sizeof(rq), "%.0f", req_us[k]);
+        snprintf(out, sizeof(out), "%.0f", res[k][0].mean_us - req_us[k]);
+      }
+      printf("%5u | %9.0f | %9s %9s %9s %9s | %9.0f | %9s %9s\n", O.ns[k], res[k][0].mean_us,
+             cols[0], cols[1], cols[2], cols[3], rest, rq, out);
     }
   }
   for (int k = 0; k < O.n_ns; k++)
