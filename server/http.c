@@ -187,10 +187,9 @@ struct conn {
   size_t wnb, wfirst, wslice;
   bool pace_due;
   conn_t *pace_next;
-  /* A body read filled its slice (READ_SLICE bytes, read_offered): reading is stopped and the
-   * connection is on the pace list (pace_due) for the check to start it again. */
+  /* A body read filled its slice (READ_SLICE bytes, or the rest of the body): reading is stopped
+   * and the connection is on the pace list (pace_due) for the check to start it again. */
   bool read_paced;
-  size_t read_offered;
   void (*wrelease)(void *);
   void *wrelease_arg;
   /* A streamed piece owns wreq. Unlike CONN_WRITING this outlives conn_close: uv_close cancels the
@@ -1389,8 +1388,8 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
     /* Mid-body with nothing buffered: read straight into the body buffer, at most what is left of
      * it and a slice, so the bytes of a large body are copied once, by the kernel. */
     size_t left = (size_t)r->content_length - r->body_received;
-    c->read_offered = left < READ_SLICE ? left : READ_SLICE;
-    *buf = uv_buf_init((char *)r->pub.body + r->body_received, (unsigned)c->read_offered);
+    *buf = uv_buf_init((char *)r->pub.body + r->body_received,
+                       (unsigned)(left < READ_SLICE ? left : READ_SLICE));
     c->read_into_body = true;
     return;
   }
@@ -1447,7 +1446,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
     parsed_t p = conn_parse(c, buf->base, (size_t)nread, &used, &why);
     conn_parsed(c, p, why);
     conn_process(c);
-    if (c->state == CONN_BODY && (size_t)nread == c->read_offered && c->reading && !c->pace_due) {
+    if (c->state == CONN_BODY && (size_t)nread == buf->len && c->reading && !c->pace_due) {
       /* A whole slice: the next waits for the pace check (libuv would read again at once). */
       uv_read_stop(&c->io.stream);
       c->reading = false;
@@ -1543,9 +1542,7 @@ static void conn_close(conn_t *c) {
   /* A request being written is freed by the write callback, which uv_close cancels first; one
    * whose next slice waits for the pace check has none in flight, and is freed here. A body
    * whose reading waits for it is the request's, freed above. */
-  const bool read_paced = c->read_paced;
-  c->read_paced = false;
-  if (pace_remove(c) && !read_paced)
+  if (pace_remove(c) && !c->read_paced)
     write_done(c, 0);
   uv_close(&c->io.handle, on_conn_handle_closed);
   uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
