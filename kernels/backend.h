@@ -346,7 +346,20 @@ typedef struct dsv4_backend_ops {
   int (*batch_wait)(dsv4_backend_t *be, uint64_t ticket);
   int (*host_register)(dsv4_backend_t *be, void *p, size_t n);
   void (*host_unregister)(dsv4_backend_t *be, void *p);
+  /*
+   * Optional (NULL: none). The address at which launches read or write the n bytes of host memory
+   * at p in place, or NULL when they cannot: p lies inside one range given to host_register and is
+   * aligned to DSV4_ALIAS_ALIGN (CUDA: the registered pages' device mapping, which kernels reach
+   * over PCIe). A launch pointed at it replaces an upload from p or a download into p: it reads
+   * the bytes when it runs (so they stay unchanged until the sync or batch_wait that ends the
+   * batch, as an upload from registered memory does), and what it writes is in host memory once
+   * that sync or batch_wait returns, as a download_async's bytes are, and not read before.
+   */
+  void *(*host_alias)(dsv4_backend_t *be, const void *p, size_t n);
 } dsv4_backend_ops_t;
+
+/* The alignment host_alias asks of host memory: the launches' 16-byte loads and stores. */
+#define DSV4_ALIAS_ALIGN 16u
 
 /* Every backend's handle starts with this, so generic code can reach the table. */
 struct dsv4_backend {

@@ -154,6 +154,7 @@ typedef struct {
   uint64_t key; /* XXH3 of seq: ordered with the batches that name it */
   int replace;
   uint8_t *body;
+  void *body_alloc; /* what holds body (dsv4_req_take_body) */
   size_t body_len;
   char model[17];
   dsv4_dump_expect_t want;
@@ -166,7 +167,7 @@ typedef struct {
 static void restore_free(restore_job_t *j) {
   dsv4_dump_parsed_free(&j->parsed);
   json_decref(j->doc);
-  free(j->body);
+  free(j->body_alloc);
   free(j);
 }
 
@@ -302,7 +303,7 @@ void dsv4__admin_on_restore(dsv4_req_t *req, void *ctx) {
   j->seq_len = len;
   j->replace = q.replace;
   j->body_len = req->body_len;
-  j->body = dsv4_req_take_body(req);
+  j->body = dsv4_req_take_body(req, &j->body_alloc);
   dsv4__restore_expect(d, &j->want, j->model);
   j->work.data = j;
   int rc = uv_queue_work(d->loop, &j->work, parse_work, parse_after);

@@ -121,6 +121,9 @@ typedef struct {
   size_t header_bytes;
   size_t body_received;
   uint64_t content_length;
+  /* The body's allocation; pub.body is skew bytes into it once its route's body_skew placed it. */
+  uint8_t *body_base;
+  bool skew_pending; /* the route places the body and fewer than 8 of its bytes have come */
   size_t bytes_out;
   int authed;      /* carried the listener's bearer token */
   char peer[64];   /* "ip:port" of the client */
@@ -298,9 +301,9 @@ static req_t *req_new(conn_t *c) {
 
 static void req_free(req_t *r) {
   if (r->body_free)
-    r->body_free(r->body_alloc_arg, r->pub.body);
+    r->body_free(r->body_alloc_arg, r->body_base);
   else
-    free(r->pub.body);
+    free(r->body_base);
   free(r->arena);
   free(r->hdrs);
   free(r);
@@ -346,9 +349,12 @@ int dsv4_req_authenticated(const dsv4_req_t *pub) {
   return req_of(pub)->authed;
 }
 
-uint8_t *dsv4_req_take_body(dsv4_req_t *req) {
-  uint8_t *b = req->body;
-  req->body = NULL;
+uint8_t *dsv4_req_take_body(dsv4_req_t *pub, void **alloc) {
+  req_t *r = req_of(pub);
+  uint8_t *b = pub->body;
+  *alloc = r->body_base;
+  pub->body = NULL;
+  r->body_base = NULL;
   return b;
 }
 
@@ -1168,9 +1174,12 @@ static int on_headers_complete(llhttp_t *p) {
     return -1; /* conn_fail answers with Connection: close */
   }
   if (r->content_length > 0) {
-    /* A multiple of the alignment, as aligned_alloc takes (C11 7.22.3.1). */
-    size_t n = ((size_t)r->content_length + 63) & ~(size_t)63;
-    q->body = r->body_alloc ? r->body_alloc(r->body_alloc_arg, n) : aligned_alloc(64, n);
+    /* A multiple of the alignment, as aligned_alloc takes (C11 7.22.3.1), and room for the skew
+     * (body_place). */
+    r->skew_pending = rt->body_skew && r->content_length >= 8;
+    size_t n = (((size_t)r->content_length + 63) & ~(size_t)63) + (r->skew_pending ? 64 : 0);
+    r->body_base = r->body_alloc ? r->body_alloc(r->body_alloc_arg, n) : aligned_alloc(64, n);
+    q->body = r->body_base;
     if (!q->body) {
       early_error(r, DSV4_ENOMEM, "cannot allocate the request body");
       return -1;
@@ -1183,11 +1192,35 @@ static int on_headers_complete(llhttp_t *p) {
   return 0;
 }
 
+/*
+ * The body's place, once its first 8 bytes are here (the received ones and those n at *at): its
+ * route's body_skew past the allocation's start. The fewer than 8 bytes received so far move, and
+ * the n at *at with them when a read put them right after (on_alloc offers at most the first 8
+ * bytes while the place is open, so at most 8 bytes move); *at then follows them.
+ */
+static void body_place(req_t *r, const char **at, size_t n) {
+  uint8_t head[8];
+  const size_t have = r->body_received;
+  memcpy(head, r->pub.body, have);
+  memcpy(head + have, *at, 8 - have);
+  const size_t skew = r->route->body_skew(head) & 63;
+  r->skew_pending = false;
+  if (skew == 0)
+    return;
+  const int inside = (const uint8_t *)*at == r->pub.body + have;
+  memmove(r->body_base + skew, r->pub.body, have + (inside ? n : 0));
+  r->pub.body = r->body_base + skew;
+  if (inside)
+    *at = (const char *)r->pub.body + have;
+}
+
 static int on_body(llhttp_t *p, const char *at, size_t n) {
   conn_t *c = conn_of(p);
   req_t *r = c->req;
   if (r->body_received + n > r->content_length)
     return -1;
+  if (r->skew_pending && r->body_received + n >= 8)
+    body_place(r, &at, n);
   uint8_t *dst = r->pub.body + r->body_received;
   /* Reads during the body go straight into the body buffer (see on_alloc); copy only otherwise. */
   if ((const uint8_t *)at != dst)
@@ -1388,6 +1421,8 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
     /* Mid-body with nothing buffered: read straight into the body buffer, at most what is left of
      * it and a slice, so the bytes of a large body are copied once, by the kernel. */
     size_t left = (size_t)r->content_length - r->body_received;
+    if (r->skew_pending) /* the first 8 bytes alone, which say where the body goes */
+      left = 8 - r->body_received;
     *buf = uv_buf_init((char *)r->pub.body + r->body_received,
                        (unsigned)(left < READ_SLICE ? left : READ_SLICE));
     c->read_into_body = true;

@@ -58,9 +58,10 @@ int dsv4_req_gone(const dsv4_req_t *req);
 const char *dsv4_req_peer(const dsv4_req_t *req);
 /* 1 when the listener requires a bearer token and the request carried it. */
 int dsv4_req_authenticated(const dsv4_req_t *req);
-/* Take ownership of the body; req->body becomes NULL. Free it with the listener's body_free hook
- * (dsv4_server_config_t), or with free() when the listener has none. */
-uint8_t *dsv4_req_take_body(dsv4_req_t *req);
+/* Take ownership of the body; req->body becomes NULL. *alloc receives the allocation that holds it
+ * (the body itself, or where a route's body_skew placed it inside): free that with the listener's
+ * body_free hook (dsv4_server_config_t), or with free() when the listener has none. */
+uint8_t *dsv4_req_take_body(dsv4_req_t *req, void **alloc);
 /* The method's name ("GET", ...), for logs. */
 const char *dsv4_req_method_name(const dsv4_req_t *req);
 
@@ -111,6 +112,11 @@ typedef struct {
   int public_route;  /* 1: no bearer token needed (health, metrics) */
   dsv4_handler_fn fn;
   void *ctx;
+  /* Optional (NULL: 0). From a body's first 8 bytes, the offset (0..63) past a 64-byte boundary at
+   * which the body is placed, so that a part of it the handler hands on in place starts aligned
+   * (the forward route: its safetensors data section, which the CUDA backend's launches read in
+   * place). Called once per body of 8 bytes or more, before the handler. */
+  size_t (*body_skew)(const uint8_t *first8);
 } dsv4_route_t;
 
 typedef struct {

@@ -53,6 +53,7 @@ typedef struct {
   dsv4_req_t *req;              /* the HTTP request answered, or NULL for a region request */
   dsv4_region_forward_t region; /* a region request's outputs and who is told (region.c) */
   uint8_t *body;
+  void *body_alloc;     /* what holds body (dsv4_req_take_body), freed with the job */
   dsv4_forward_req_t p; /* the parsed body; f's inputs point into it */
   uint64_t deadline_ns; /* 0 = none */
   dsv4_forward_t f;
@@ -67,7 +68,7 @@ static void fwd_free(fwd_job_t *j) {
   dsv4_forward_release(&j->f);
   json_decref(j->err_details);
   dsv4_forward_req_free(&j->p);
-  dsv4_daemon_buf_free(j->d, j->body);
+  dsv4_daemon_buf_free(j->d, j->body_alloc);
   dsv4_daemon_buf_free(j->d, j->out);
   free(j->keys);
   free(j);
@@ -197,8 +198,8 @@ static void fwd_answer(fwd_job_t *j) {
   }
   /* The header buffer is freed with the job: keep it in the job's body slot (a heap pointer there
    * goes back to the heap). */
-  dsv4_daemon_buf_free(j->d, j->body);
-  j->body = hdr;
+  dsv4_daemon_buf_free(j->d, j->body_alloc);
+  j->body = j->body_alloc = hdr;
   /* uv_buf_init takes an unsigned length, and q_out reaches 2^37 bytes (N = 2^20, H = 128): set
    * the size_t lengths directly. */
   bufs[nb++] = uv_buf_init((char *)hdr, (unsigned)hdr_len);
@@ -428,7 +429,7 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
   }
   j->d = d;
   j->req = req;
-  j->body = dsv4_req_take_body(req);
+  j->body = dsv4_req_take_body(req, &j->body_alloc);
   j->job.run = fwd_run;
   j->job.done = fwd_done;
   j->job.begin = fwd_begin;
@@ -771,14 +772,24 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   return 0;
 }
 
+/* A forward body's place (dsv4_route_t.body_skew): its safetensors data section, 8 + the header's
+ * length in, on a 64-byte boundary, so that the tensors the launches read in place are aligned
+ * (backend.h, host_alias) whenever their offsets in the section are. */
+static size_t forward_body_skew(const uint8_t *first8) {
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; i--)
+    hlen = hlen << 8 | first8[i];
+  return (64 - (size_t)((8 + hlen) & 63)) & 63;
+}
+
 size_t dsv4_data_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap) {
   const dsv4_route_t routes[] = {
-      {DSV4_HTTP_POST, "/v1/forward", "forward", d->cfg->max_body_bytes_effective, 0, on_forward,
-       d},
-      {DSV4_HTTP_GET | DSV4_HTTP_DELETE, "/v1/sequences/", "sequences", 0, 0, on_sequence, d},
-      {DSV4_HTTP_GET, "/healthz", "healthz", 0, 1, on_healthz, d},
-      {DSV4_HTTP_GET, "/readyz", "readyz", 0, 1, on_readyz, d},
-      {DSV4_HTTP_GET, "/metrics", "metrics", 0, 1, on_metrics, d},
+      {DSV4_HTTP_POST, "/v1/forward", "forward", d->cfg->max_body_bytes_effective, 0, on_forward, d,
+       forward_body_skew},
+      {DSV4_HTTP_GET | DSV4_HTTP_DELETE, "/v1/sequences/", "sequences", 0, 0, on_sequence, d, NULL},
+      {DSV4_HTTP_GET, "/healthz", "healthz", 0, 1, on_healthz, d, NULL},
+      {DSV4_HTTP_GET, "/readyz", "readyz", 0, 1, on_readyz, d, NULL},
+      {DSV4_HTTP_GET, "/metrics", "metrics", 0, 1, on_metrics, d, NULL},
   };
   return dsv4_routes_copy(routes, sizeof(routes) / sizeof(routes[0]), out, cap);
 }

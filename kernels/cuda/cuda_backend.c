@@ -17,6 +17,12 @@
  * upload from it queues the DMA straight from the caller's bytes (which stay unchanged until the
  * next sync, backend.h), a download into it queues the DMA straight into them and waits for it,
  * and download_async only queues it (the bytes land by the next sync, which waits for the stream).
+ * Registered memory is mapped into the device's address space as well (cudaHostRegisterMapped):
+ * host_alias gives launches its device address, so that the engine points the insert at a
+ * request's q and kv where the socket or the client wrote them and lets it write q_out straight
+ * into the answer, over PCIe in both directions at once, with no copy before or after
+ * (DSV4_CUDA_NO_ALIAS=1 turns that off; tests/bench/NOTES.md, "Launches that read and write host
+ * memory in place").
  * Pinned memory crosses PCIe several times faster than pageable memory (see tests/bench/NOTES.md,
  * "Figures formerly quoted in kernel comments", cuda_backend: pinned staging); large copies into
  * and out of it run on the host threads
@@ -121,8 +127,10 @@ typedef struct {
   struct {
     const uint8_t *p;
     size_t n;
+    uint8_t *dev; /* the range's device mapping (cudaHostGetDevicePointer) */
   } reg[MAX_REGISTERED];
   int n_reg;
+  int alias; /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1) */
   /* Overlapped batches (backend.h, DSV4_BE_OVERLAP): their uploads from registered memory on
    * up_stream, their downloads into it on dn_stream, with events between those and the stream.
    * phase is the DSV4_BATCH_* of the batch being submitted (0 outside one). */
@@ -204,15 +212,22 @@ static int stage_take(cuda_backend_t *c, size_t n, uint8_t **p) {
   return 0;
 }
 
+/* The device mapping of the n bytes at p when they lie inside one range given to host_register,
+ * else NULL. */
+static uint8_t *registered_dev(cuda_backend_t *c, const void *p, size_t n) {
+  const uint8_t *b = p;
+  uint8_t *dev = NULL;
+  pthread_mutex_lock(&c->reg_lock);
+  for (int i = 0; i < c->n_reg && !dev; i++)
+    if (b >= c->reg[i].p && n <= c->reg[i].n && (size_t)(b - c->reg[i].p) <= c->reg[i].n - n)
+      dev = c->reg[i].dev + (b - c->reg[i].p);
+  pthread_mutex_unlock(&c->reg_lock);
+  return dev;
+}
+
 /* Whether the n bytes at p lie inside one range given to host_register. */
 static int registered(cuda_backend_t *c, const void *p, size_t n) {
-  const uint8_t *b = p;
-  int in = 0;
-  pthread_mutex_lock(&c->reg_lock);
-  for (int i = 0; i < c->n_reg && !in; i++)
-    in = b >= c->reg[i].p && n <= c->reg[i].n && (size_t)(b - c->reg[i].p) <= c->reg[i].n - n;
-  pthread_mutex_unlock(&c->reg_lock);
-  return in;
+  return registered_dev(c, p, n) != NULL;
 }
 
 /* Queue a copy of n host bytes to device address dst; returns once src may be reused, except from
@@ -707,15 +722,19 @@ static void cuda_host_parallel(dsv4_backend_t *be, void (*fn)(void *arg, size_t 
  * so that copies from and to it are DMA in place. */
 static int cuda_host_register(dsv4_backend_t *be, void *p, size_t n) {
   cuda_backend_t *c = cuda_of(be);
+  void *dev = NULL;
   int rc = use_device(c);
   if (!rc)
-    rc = cu(cudaHostRegister(p, n, cudaHostRegisterDefault));
+    rc = cu(cudaHostRegister(p, n, cudaHostRegisterMapped));
+  if (!rc && (rc = cu(cudaHostGetDevicePointer(&dev, p, 0))) != 0)
+    (void)cudaHostUnregister(p);
   if (rc)
     return rc;
   pthread_mutex_lock(&c->reg_lock);
   if (c->n_reg < MAX_REGISTERED) {
     c->reg[c->n_reg].p = p;
     c->reg[c->n_reg].n = n;
+    c->reg[c->n_reg].dev = dev;
     c->n_reg++;
   }
   pthread_mutex_unlock(&c->reg_lock);
@@ -734,6 +753,15 @@ static void cuda_host_unregister(dsv4_backend_t *be, void *p) {
   pthread_mutex_unlock(&c->reg_lock);
   if (use_device(c) == 0)
     (void)cu(cudaHostUnregister(p));
+}
+
+/* Registered memory, aligned for the launches' 16-byte accesses, at its device mapping: a launch
+ * reads its inputs there and writes its outputs there over PCIe, in place of a copy each way. */
+static void *cuda_host_alias(dsv4_backend_t *be, const void *p, size_t n) {
+  cuda_backend_t *c = cuda_of(be);
+  if (!c->alias || !p || n == 0 || ((uintptr_t)p & (DSV4_ALIAS_ALIGN - 1)))
+    return NULL;
+  return registered_dev(c, p, n);
 }
 
 static const dsv4_backend_ops_t cuda_ops = {
@@ -758,6 +786,7 @@ static const dsv4_backend_ops_t cuda_ops = {
     .host_parallel = cuda_host_parallel,
     .host_register = cuda_host_register,
     .host_unregister = cuda_host_unregister,
+    .host_alias = cuda_host_alias,
 };
 
 /* One line for why: what failed and CUDA's words for it. */
@@ -839,6 +868,8 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
   if ((e = overlap_create(c)) != cudaSuccess)
     return fail(c, e, "overlap streams and events", why, why_len);
   c->pdl = dsv4__cuda_pdl_supported(c->dev);
+  const char *no_alias = getenv("DSV4_CUDA_NO_ALIAS");
+  c->alias = !(no_alias && strcmp(no_alias, "1") == 0);
   if (!dsv4__cuda_attention_supported(c->dev))
     c->ops.attention = NULL;
   else if (dsv4__cuda_attention_fast_supported(c->dev) &&

@@ -222,9 +222,18 @@ static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
   return rc;
 }
 
-/* Upload n bytes of host src into staging buffer i; *dev receives the buffer's device address. */
-static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, void **dev) {
+/* The address at which the launches reach n bytes of host memory at p in place (backend.h,
+ * host_alias), or NULL. */
+static void *stage_alias(const dsv4_engine_t *e, const void *p, size_t n) {
+  return e->be->ops->host_alias ? e->be->ops->host_alias(e->be, p, n) : NULL;
+}
+
+/* Host src as the launches' input: read in place where the backend aliases it and in_place says
+ * so, else uploaded into staging buffer i; *dev receives the address the launches read. */
+static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, int in_place, void **dev) {
   dsv4_devbuf_t *b = &e->stage->half[e->stage->cur].buf[i];
+  if (in_place && (*dev = stage_alias(e, src, n)) != NULL)
+    return 0;
   if (n > b->size)
     return DSV4_EINVAL; /* stage_reserve_batch's bound was wrong: never launch past a buffer */
   *dev = b->ptr;
@@ -254,10 +263,20 @@ static void fuse_args(dsv4_insert_args_t *ia, dsv4_attn_args_t *aa) {
   aa->eps = ia->eps;
 }
 
+/* Where the launches write output i (n bytes, for the caller's host dst): dst itself where the
+ * backend aliases it, so that nothing is downloaded (stage_get skips it), else staging buffer i. */
+static void *stage_out(dsv4_engine_t *e, int i, void *dst, size_t n) {
+  void *a = dst ? stage_alias(e, dst, n) : NULL;
+  return a ? a : e->stage->half[e->stage->cur].buf[i].ptr;
+}
+
 /* Download n bytes of staging buffer i into the caller's dst, completing by the next sync when the
- * backend can defer it (backend.h): dst is then not read before that sync. */
-static int stage_get(dsv4_engine_t *e, int i, void *dst, size_t n) {
+ * backend can defer it (backend.h): dst is then not read before that sync. Nothing when the
+ * launches wrote dst in place (dev, where they wrote, is not staging buffer i). */
+static int stage_get(dsv4_engine_t *e, int i, const void *dev, void *dst, size_t n) {
   const dsv4_backend_ops_t *ops = e->be->ops;
+  if (dev != e->stage->half[e->stage->cur].buf[i].ptr)
+    return 0;
   if (ops->download_async)
     return ops->download_async(e->be, dst, &e->stage->half[e->stage->cur].buf[i], 0, n);
   return ops->download(e->be, dst, &e->stage->half[e->stage->cur].buf[i], 0, n);
@@ -284,7 +303,7 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, dsv4_map_args_t *ma
   for (int i = 0; i < M_COUNT; i++)
     if (bytes[i])
       memcpy(h->meta + off[i], src[i], bytes[i]);
-  int rc = stage_put(e, ST_META, h->meta, meta, &d);
+  int rc = stage_put(e, ST_META, h->meta, meta, 0, &d);
   if (rc)
     return rc;
   *m = d;
@@ -294,14 +313,18 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, dsv4_map_args_t *ma
   ma->seg_bt_off = (const uint32_t *)(*m + off[M_SEG_BT_OFF]);
   ma->seg_bt_len = (const uint32_t *)(*m + off[M_SEG_BT_LEN]);
   ma->block_table = (const int32_t *)(*m + off[M_BLOCK_TABLE]);
-  rc = stage_put(e, ST_Q, f->q, q_bytes, &d);
+  /* q and kv in place where the backend maps them (one read each, by the insert), except q on the
+   * fused decode path: there every attention CTA of a token (its head groups and window splits)
+   * reads its rows, which should not cross PCIe more than once. */
+  rc = stage_put(e, ST_Q, f->q, q_bytes, !fused_decode(e, f), &d);
   ia->q = d;
   if (!rc)
-    rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), &d);
+    rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), 1, &d);
   ia->kv = d;
   ma->slots = h->buf[ST_SLOTS].ptr;
   ia->slots = h->buf[ST_SLOTS].ptr;
-  ia->q_out = h->buf[ST_Q_OUT].ptr;
+  /* In place in the caller's buffer unless the attention reads it (over PCIe it would cost). */
+  ia->q_out = f->attn ? h->buf[ST_Q_OUT].ptr : stage_out(e, ST_Q_OUT, f->q_out, q_bytes);
   return rc;
 }
 
@@ -320,7 +343,6 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
                      dsv4_map_args_t *ma, dsv4_insert_args_t *ia, uint64_t *ticket) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   struct dsv4__engine_stage *s = e->stage;
-  stage_half_t *h = &s->half[s->cur];
   size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
   uint64_t t0 = mono_ns(), t1, t2;
   size_t off[M_COUNT];
@@ -337,8 +359,11 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
     aa.seg_p0 = (const int64_t *)(m + off[M_SEG_P0]);
     aa.cache = e->cache[idx].ptr;
     aa.sink = e->sinks ? (const float *)s->sinks.ptr + (size_t)idx * e->p.heads : NULL;
-    aa.out = h->buf[ST_ATTN].ptr;
-    aa.lse = f->lse ? h->buf[ST_LSE].ptr : NULL;
+    /* Staged, never in place: the attention kernels store 16-byte pieces scattered over the rows,
+     * which cross PCIe at half the speed of a download (tests/bench/NOTES.md, "Launches that read
+     * and write host memory in place"). */
+    aa.out = s->half[s->cur].buf[ST_ATTN].ptr;
+    aa.lse = f->lse ? s->half[s->cur].buf[ST_LSE].ptr : NULL;
     /* The compressed branch's inputs (engine_compress.c), and its part of the attention. */
     rc = dsv4__engine_c_stage_put(e, idx, f, ma->positions, ma->tok_seg, aa.seg_p0);
   }
@@ -366,13 +391,13 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   if (!rc)
     rc = stage_phase(e, ticket, DSV4_BATCH_DOWNLOADS, NULL);
   if (!rc && f->attn)
-    rc = stage_get(e, ST_ATTN, f->attn, q_bytes);
+    rc = stage_get(e, ST_ATTN, aa.out, f->attn, q_bytes);
   if (!rc && f->lse)
-    rc = stage_get(e, ST_LSE, f->lse, n * e->p.heads * sizeof(float));
+    rc = stage_get(e, ST_LSE, aa.lse, f->lse, n * e->p.heads * sizeof(float));
   if (!rc && !fused)
-    rc = stage_get(e, ST_Q_OUT, f->q_out, q_bytes);
+    rc = stage_get(e, ST_Q_OUT, ia->q_out, f->q_out, q_bytes);
   if (!rc)
-    rc = stage_get(e, ST_SLOTS, f->slots, n * sizeof(int64_t));
+    rc = stage_get(e, ST_SLOTS, ia->slots, f->slots, n * sizeof(int64_t));
   if (!rc)
     rc = dsv4__engine_c_stage_get(e, idx, f);
   if (!rc)

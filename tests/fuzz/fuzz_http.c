@@ -54,15 +54,17 @@ static void h_later(dsv4_req_t *req, void *ctx) {
 
 static void h_take(dsv4_req_t *req, void *ctx) {
   (void)ctx;
-  free(dsv4_req_take_body(req));
+  void *alloc = NULL;
+  (void)dsv4_req_take_body(req, &alloc);
+  free(alloc);
   dsv4_respond_error(req, DSV4_EPOSITION, "nope", json_pack("{s:i}", "expected", 3));
 }
 
 static const dsv4_route_t routes[] = {
-    {DSV4_HTTP_GET | DSV4_HTTP_HEAD | DSV4_HTTP_POST, "/now", "now", 4096, 1, h_now, NULL},
+    {DSV4_HTTP_GET | DSV4_HTTP_HEAD | DSV4_HTTP_POST, "/now", "now", 4096, 1, h_now, NULL, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST | DSV4_HTTP_DELETE, "/v1/later/", "later", 4096, 0, h_later,
-     NULL},
-    {DSV4_HTTP_POST, "/take", "take", 64, 0, h_take, NULL},
+     NULL, NULL},
+    {DSV4_HTTP_POST, "/take", "take", 64, 0, h_take, NULL, NULL},
 };
 
 static void init(void) {

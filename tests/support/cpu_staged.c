@@ -23,10 +23,11 @@ typedef struct {
   dsv4_devbuf_t real; /* the inner CPU backend's buffer */
 } staged_buf_t;
 
-/* A host range given to host_register. */
+/* A host range given to host_register, and the made-up device window host_alias maps it at. */
 typedef struct {
   uintptr_t p;
   size_t n;
+  uintptr_t dev;
 } host_range_t;
 
 /* A download_async not yet delivered: the source bytes as they were when it was queued, copied
@@ -63,6 +64,7 @@ typedef struct {
   size_t n_late, cap_late;
   uint64_t next_ticket, waited_ticket;
   dsv4_test_cpu_staged_stats_t stats;
+  int alias; /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1, as the CUDA backend reads it) */
   /* Host scratch of the fused decode path's stand-in (q_out the CPU backend computes and drops). */
   uint16_t *q_scratch;
   size_t q_scratch_bytes;
@@ -84,13 +86,19 @@ static staged_t *staged_of(dsv4_backend_t *be) {
   return (staged_t *)be;
 }
 
-/* The host address of [p, p + n) when it lies inside one buffer, else NULL. */
+/* The host address of [p, p + n) when it lies inside one buffer, or inside the device window of a
+ * registered range (host_alias), else NULL. */
 static void *to_host(staged_t *s, const void *p, size_t n) {
   uintptr_t a = (uintptr_t)p;
   for (size_t i = 0; i < s->n_bufs; i++) {
     staged_buf_t *b = &s->bufs[i];
     if (a >= b->dev && a - b->dev <= b->real.size && n <= b->real.size - (a - b->dev))
       return (uint8_t *)b->real.ptr + (a - b->dev);
+  }
+  for (size_t i = 0; i < s->n_ranges; i++) {
+    const host_range_t *r = &s->ranges[i];
+    if (a >= r->dev && a - r->dev <= r->n && n <= r->n - (a - r->dev))
+      return (void *)(r->p + (a - r->dev));
   }
   return NULL;
 }
@@ -162,9 +170,27 @@ static int st_host_register(dsv4_backend_t *be, void *p, size_t n) {
   if (!grown)
     return DSV4_ENOMEM;
   s->ranges = grown;
-  s->ranges[s->n_ranges++] = (host_range_t){a, n};
+  s->ranges[s->n_ranges++] = (host_range_t){a, n, s->next_dev};
+  s->next_dev += (n + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN + DEV_ALIGN;
   s->stats.live_registrations = s->n_ranges;
   return 0;
+}
+
+/* As CUDA's: aligned registered memory at its device window, which launches read and write in
+ * place (the CPU backend's launches run at once: what they write is in place when they return). */
+static void *st_host_alias(dsv4_backend_t *be, const void *p, size_t n) {
+  staged_t *s = staged_of(be);
+  uintptr_t a = (uintptr_t)p;
+  if (!s->alias || !p || !n || (a & (DSV4_ALIAS_ALIGN - 1)))
+    return NULL;
+  for (size_t i = 0; i < s->n_ranges; i++) {
+    const host_range_t *r = &s->ranges[i];
+    if (a >= r->p && a - r->p <= r->n && n <= r->n - (a - r->p)) {
+      s->stats.aliases++;
+      return (void *)(r->dev + (a - r->p));
+    }
+  }
+  return NULL;
 }
 
 /* Unregistering what was never registered is a bug of the caller: fail loudly. */
@@ -593,6 +619,9 @@ static int staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, 
   s->ops.host_parallel = s->inner->ops->host_parallel ? st_host_parallel : NULL;
   s->ops.host_register = st_host_register;
   s->ops.host_unregister = st_host_unregister;
+  s->ops.host_alias = st_host_alias;
+  const char *no_alias = getenv("DSV4_CUDA_NO_ALIAS");
+  s->alias = !(no_alias && strcmp(no_alias, "1") == 0);
   if (overlap) {
     s->ops.name = "cpu_staged_overlap";
     s->ops.caps |= DSV4_BE_OVERLAP;

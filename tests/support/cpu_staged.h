@@ -35,7 +35,9 @@ int dsv4_test_cpu_staged_overlap_open(const dsv4_backend_options_t *opt, dsv4_ba
 /*
  * Counters of the staged backend be (for tests that check the engine staged what it should). The
  * backend has a host_register hook, as CUDA's: it keeps the ranges (one may not overlap another;
- * unregistering a pointer that starts none aborts) and counts the copies from and to them.
+ * unregistering a pointer that starts none aborts) and counts the copies from and to them. Its
+ * host_alias, as CUDA's, maps aligned registered memory at a made-up device window of its own,
+ * which its launches translate back (DSV4_CUDA_NO_ALIAS=1 turns it off, as on CUDA).
  */
 typedef struct {
   size_t uploads, downloads, launches, syncs;
@@ -47,6 +49,7 @@ typedef struct {
   size_t live_buffers;
   size_t live_registrations;                       /* host ranges registered now */
   size_t registered_uploads, registered_downloads; /* copies whose host side lies in one */
+  size_t aliases; /* host_alias calls answered with an address (launches then reach host memory) */
 } dsv4_test_cpu_staged_stats_t;
 
 void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out);

@@ -162,6 +162,7 @@ static int faulty_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, 
   f->ops.attention = f->inner->ops->attention ? f_attn : NULL;
   f->ops.host_register = f_host_register;
   f->ops.host_unregister = f_host_unregister;
+  f->ops.host_alias = NULL; /* the counting hooks register nothing with the inner backend */
   f->ops.host_parallel = f->inner->ops->host_parallel ? f_host_parallel : NULL;
   f->base.ops = &f->ops;
   *out = &f->base;
@@ -889,6 +890,128 @@ static void test_fused_decode(void **state) {
   dsv4_engine_destroy(b);
 }
 
+/* n bytes of src (or n zero bytes when src is NULL) at *off + skew of region, *off then moved past
+ * them to the next 64-byte boundary. */
+static void *in_region(uint8_t *region, size_t cap, size_t *off, const void *src, size_t n,
+                       size_t skew) {
+  uint8_t *p = region + *off + skew;
+  assert_true(*off + skew + n <= cap);
+  if (src)
+    memcpy(p, src, n);
+  else
+    memset(p, 0, n);
+  *off = (*off + skew + n + 63) & ~(size_t)63;
+  return p;
+}
+
+/* y's inputs and outputs moved into region (skew bytes past 64-byte boundaries). */
+static void batch_into_region(attn_batch_t *y, uint8_t *region, size_t cap, size_t skew) {
+  size_t off = 0, n = y->b.n, qb = n * HEADS * DSV4_HEAD_DIM * 2;
+  y->b.f.q = in_region(region, cap, &off, y->b.q, qb, skew);
+  y->b.f.kv = in_region(region, cap, &off, y->b.kv, n * DSV4_HEAD_DIM * 2, skew);
+  y->b.f.q_out = in_region(region, cap, &off, NULL, qb, skew);
+  y->b.f.slots = in_region(region, cap, &off, NULL, n * sizeof(int64_t), skew);
+  if (y->b.f.attn) {
+    y->b.f.attn = in_region(region, cap, &off, NULL, qb, skew);
+    y->b.f.lse = in_region(region, cap, &off, NULL, n * HEADS * sizeof(float), skew);
+  }
+}
+
+/* One batch on a (host memory) and b (its tensors in region, skew bytes off alignment): the same
+ * answer. Returns the staged backend's uploads and downloads for b's batch (0 on other backends).
+ */
+static size_t in_place_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint8_t *region, size_t cap,
+                             size_t skew, uint64_t seed, const char *const *names,
+                             const int64_t *st, const uint32_t *len, const int *is_new, int attn,
+                             int q_wanted) {
+  attn_batch_t x, y;
+  attn_batch_make(&x, served[0], seed, 2, names, st, len, is_new);
+  attn_batch_make(&y, served[0], seed, 2, names, st, len, is_new);
+  if (!attn) {
+    x.b.f.attn = y.b.f.attn = NULL;
+    x.b.f.lse = y.b.f.lse = NULL;
+  }
+  y.b.f.q_unwanted = !q_wanted;
+  batch_into_region(&y, region, cap, skew);
+  dsv4_test_cpu_staged_stats_t s0 = {0}, s1 = {0};
+  const int staged = !strncmp(dsv4_engine_backend_name(b), "cpu_staged", 10);
+  if (staged)
+    dsv4_test_cpu_staged_stats(b->be, &s0);
+  assert_int_equal(dsv4_engine_forward(a, &x.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &y.b.f), 0);
+  if (staged)
+    dsv4_test_cpu_staged_stats(b->be, &s1);
+  size_t n = x.b.n, qb = n * HEADS * DSV4_HEAD_DIM * 2;
+  assert_memory_equal(x.b.slots, y.b.f.slots, n * sizeof(int64_t));
+  if (q_wanted)
+    assert_memory_equal(x.b.q_out, y.b.f.q_out, qb);
+  if (attn) {
+    assert_memory_equal(x.attn, y.b.f.attn, qb);
+    assert_memory_equal(x.lse, y.b.f.lse, n * HEADS * sizeof(float));
+  }
+  assert_int_equal(x.b.f.digest, y.b.f.digest);
+  attn_batch_free(&x);
+  attn_batch_free(&y);
+  return (s1.uploads - s0.uploads) * 100 + (s1.async_downloads - s0.async_downloads);
+}
+
+/*
+ * A batch whose tensors lie in memory given to host_register (the daemon's page-locked pool, a
+ * shared region): where they are aligned (DSV4_ALIAS_ALIGN) the launches read q and kv and write
+ * q_out in place (host_alias) instead of uploads and downloads; 8 bytes off, they are copied as
+ * before. Both answer the CPU backend's bytes: prefills with attention, q-only batches (q_out in
+ * place) and decode steps with and without q (the fused path). On the staged backend the copies
+ * are counted: in place, one upload (the packed metadata; and q on the fused path) and one
+ * download (the slots) a batch, plus attn's and lse's, and q_out's when the attention reads it. On
+ * cuda (argv[1]) this runs the device's mapping of the pages.
+ */
+static void test_in_place_matches_cpu(void **state) {
+  (void)state;
+  const size_t cap = (size_t)8 << 20;
+  uint8_t *region = aligned_alloc(4096, cap);
+  assert_non_null(region);
+  const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
+  dsv4_engine_t *a = open_engine_chunked("cpu", 0), *b = open_engine_chunked(other, 0);
+  const int staged = !strcmp(other, "cpu_staged");
+  const int fused = (b->be->ops->caps & DSV4_BE_ATTN_FUSED_Q) != 0;
+  assert_int_equal(dsv4_engine_host_register(b, region, cap), 0);
+  const uint32_t prefill[2] = {40, 23}, one[2] = {1, 1};
+  const int yes[2] = {1, 1}, no[2] = {0, 0};
+  for (size_t skew = 0; skew <= 8; skew += 8) {
+    int64_t st[2] = {0, 0};
+    const char *names[2] = {skew ? "r" : "p", skew ? "s" : "q"};
+    size_t c = in_place_batch(a, b, region, cap, skew, 90 + skew, names, st, prefill, yes, 1, 1);
+    if (staged) /* in place: q and kv (q_out is staged for the attention, attn and lse always) */
+      assert_int_equal(c, skew ? 304 : 104);
+    st[0] = prefill[0];
+    st[1] = prefill[1];
+    for (int k = 0; k < 4; k++) {
+      const int attn = k != 1, q_wanted = k != 2;
+      c = in_place_batch(a, b, region, cap, skew, 91 + skew + (uint64_t)k, names, st, one, no, attn,
+                         q_wanted);
+      /* The fused decode path uploads q (its attention CTAs read it); the attention's q_out is
+       * staged unless fused; attn and lse always are. */
+      const size_t is_fused = fused && attn && !q_wanted, down = 1 + (attn ? 2u : 0u);
+      if (staged && !skew)
+        assert_int_equal(c, (1 + is_fused) * 100 + down + (size_t)(attn && !is_fused));
+      if (staged && skew)
+        assert_int_equal(c, 300 + down + (size_t)!is_fused);
+      st[0]++;
+      st[1]++;
+    }
+  }
+  if (staged) {
+    dsv4_test_cpu_staged_stats_t sb;
+    dsv4_test_cpu_staged_stats(b->be, &sb);
+    assert_true(sb.aliases > 0);
+  }
+  same_cache(a, b);
+  dsv4_engine_host_unregister(b, region);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+  free(region);
+}
+
 /* ---- restore ---- */
 
 /* What a dump of sequence name on e holds: its state and the stored records of each served layer.
@@ -1436,6 +1559,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_chunked_validation_yields),
       cmocka_unit_test(test_chunked_device_failure),
       cmocka_unit_test(test_host_register),
+      cmocka_unit_test(test_in_place_matches_cpu),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
