@@ -12,6 +12,11 @@ if(DSV4_CUDA)
   dsv4_bench(cuda_compress_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_compress_bench.c
              ${CMAKE_CURRENT_LIST_DIR}/cuda_fma_peak.cu LIBS dsv4_cuda dsv4_kernels)
   add_dependencies(benchmarks cuda_compress_bench)
+  # Launches that read and write registered host memory in place against the copies they replace
+  # (tests/bench/cuda_inplace_bench.cu; backend.h, host_alias).
+  dsv4_bench(cuda_inplace_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_inplace_bench.cu
+             LIBS CUDA::cudart_static)
+  add_dependencies(benchmarks cuda_inplace_bench)
 endif()
 
 # The same benchmark on a build of the kernels with DSV4_TEST_TUNE, whose rows per warp the
