@@ -138,6 +138,7 @@ typedef struct {
   cudaEvent_t ev_alloc, ev_up, ev_kern;
   int phase;
   int alloc_pending; /* a buf_alloc's memset queued on the stream since the last batch's uploads */
+  int up_queued;     /* the batch being submitted queued an upload on up_stream */
   uint64_t tickets;  /* batches submitted */
   struct {
     cudaEvent_t done;       /* recorded on dn_stream after the batch's downloads */
@@ -466,9 +467,11 @@ static int cuda_upload(dsv4_backend_t *be, const dsv4_devbuf_t *dst, size_t off,
   /* A batch's upload from registered memory goes on the copy stream, beside the launches of the
    * batch before; from other memory it goes through the staging on the stream, as ever, which
    * orders it before the batch's launches too. */
-  if (c->phase == DSV4_BATCH_UPLOADS && n && registered(c, src, n))
+  if (c->phase == DSV4_BATCH_UPLOADS && n && registered(c, src, n)) {
+    c->up_queued = 1;
     return cu(
         cudaMemcpyAsync((uint8_t *)dst->ptr + off, src, n, cudaMemcpyHostToDevice, c->up_stream));
+  }
   return h2d(c, (uint8_t *)dst->ptr + off, src, n);
 }
 
@@ -670,11 +673,15 @@ static int cuda_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
       rc = cu(cudaStreamWaitEvent(c->up_stream, c->ev_alloc, 0));
     c->alloc_pending = rc != 0;
   }
-  if (!rc && phase == DSV4_BATCH_LAUNCHES) {
+  /* A batch whose inputs the launches read in place (host_alias) may have queued no upload there:
+   * then they wait for none (each earlier batch's launches waited for its own). */
+  if (!rc && phase == DSV4_BATCH_LAUNCHES && c->up_queued) {
     rc = cu(cudaEventRecord(c->ev_up, c->up_stream));
     if (!rc)
       rc = cu(cudaStreamWaitEvent(c->stream, c->ev_up, 0));
   }
+  if (phase == DSV4_BATCH_LAUNCHES)
+    c->up_queued = 0;
   if (!rc && phase == DSV4_BATCH_DOWNLOADS) {
     c->slot[k].has_err = c->attn_pending;
     if (c->attn_pending) {
