@@ -2,8 +2,9 @@
  * The CUDA backend's host glue without the engine: zero-filled allocations, uploads and downloads
  * through the pinned two-half staging (pieces smaller than, equal to and larger than a half, many
  * small uploads that wrap both halves before one download), copies from and to registered host
- * memory (in place, and ranges that reach past a registered one), and argument checks. Needs a CUDA
- * device: without one it prints "skipped" and exits 77.
+ * memory (in place, and ranges that reach past a registered one), the device addresses of
+ * registered memory (host_alias), and argument checks. Needs a CUDA device: without one it prints
+ * "skipped" and exits 77.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -138,6 +139,45 @@ static void test_registered_memory(void **state) {
 }
 
 /*
+ * host_alias: registered memory at 16-byte boundaries has a device address, offsets carried over;
+ * 8 bytes off, past the registered range, never registered, or after host_unregister it has none.
+ * A copy from the address the device reads (a devbuf over it) gives the host's bytes.
+ */
+static void test_host_alias(void **state) {
+  (void)state;
+  dsv4_backend_t *be = open_cuda();
+  assert_non_null(be->ops->host_alias);
+  const size_t size = 4 * MIB, page = 4096;
+  uint8_t *reg = aligned_alloc(page, size + page), *other = aligned_alloc(page, page);
+  assert_non_null(reg);
+  assert_non_null(other);
+  for (size_t i = 0; i < size; i++)
+    reg[i] = pattern(500, i);
+  assert_null(be->ops->host_alias(be, reg, MIB));
+  assert_int_equal(be->ops->host_register(be, reg, size), 0);
+  uint8_t *a = be->ops->host_alias(be, reg, size);
+  assert_non_null(a);
+  assert_ptr_equal(be->ops->host_alias(be, reg + 4096 + 16, MIB), a + 4096 + 16);
+  assert_null(be->ops->host_alias(be, reg + 8, MIB));
+  assert_null(be->ops->host_alias(be, reg + size - MIB, MIB + 16));
+  assert_null(be->ops->host_alias(be, other, 64));
+  assert_null(be->ops->host_alias(be, reg, 0));
+  /* The device's view of the pages holds the host's bytes. */
+  dsv4_devbuf_t view = {a + 64, MIB};
+  uint8_t *back = malloc(MIB);
+  assert_non_null(back);
+  assert_int_equal(be->ops->download(be, back, &view, 0, MIB), 0);
+  assert_memory_equal(back, reg + 64, MIB);
+  assert_int_equal(be->ops->sync(be), 0);
+  be->ops->host_unregister(be, reg);
+  assert_null(be->ops->host_alias(be, reg, MIB));
+  free(back);
+  free(reg);
+  free(other);
+  dsv4_backend_close(be);
+}
+
+/*
  * download_async (the bytes are there at the next sync, into registered memory and into other
  * memory alike) and two overlapped batches through the phases: batch 2's uploads and downloads
  * queued while batch 1 is in flight, each batch's bytes back by its own batch_wait, and phases out
@@ -220,6 +260,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_zero_fill_and_round_trips),
       cmocka_unit_test(test_registered_memory),
+      cmocka_unit_test(test_host_alias),
       cmocka_unit_test(test_async_and_batch_phases),
       cmocka_unit_test(test_argument_checks),
   };
