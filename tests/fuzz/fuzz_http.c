@@ -60,11 +60,26 @@ static void h_take(dsv4_req_t *req, void *ctx) {
   dsv4_respond_error(req, DSV4_EPOSITION, "nope", json_pack("{s:i}", "expected", 3));
 }
 
+/* A route that places its bodies (body_skew) by their first byte, as the forward route does by
+ * their first 8: the placement runs on whatever bytes arrive. The handler reads every byte. */
+static size_t skew_of(const uint8_t *first8) {
+  return first8[0] & 63;
+}
+
+static void h_skew(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  unsigned sum = 0;
+  for (size_t i = 0; i < req->body_len; i++)
+    sum += req->body[i];
+  dsv4_respond_json(req, 200, json_pack("{s:I}", "sum", (json_int_t)sum));
+}
+
 static const dsv4_route_t routes[] = {
     {DSV4_HTTP_GET | DSV4_HTTP_HEAD | DSV4_HTTP_POST, "/now", "now", 4096, 1, h_now, NULL, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST | DSV4_HTTP_DELETE, "/v1/later/", "later", 4096, 0, h_later,
      NULL, NULL},
     {DSV4_HTTP_POST, "/take", "take", 64, 0, h_take, NULL, NULL},
+    {DSV4_HTTP_POST, "/skew", "skew", 4096, 0, h_skew, NULL, skew_of},
 };
 
 static void init(void) {
