@@ -69,6 +69,11 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  * may write before that batch's downloads read their outputs, so the two must not share a set.
  * Batch k + 2 begins only after batch k has ended (its downloads waited for), so two sets suffice.
  * A batch that does not overlap runs alone and syncs before it returns, so any set would do.
+ *
+ * In place where the backend maps host memory (backend.h, host_alias: the page-locked pool of
+ * bodies and answers, a shared region): the insert reads q and kv where the caller holds them and
+ * writes q_out into the caller's buffer, and those copies are skipped (stage_put, stage_out,
+ * stage_get). Each batch's host buffers are its own, so the two sets' rule does not concern them.
  */
 enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_ATTN, ST_LSE, ST_COUNT };
 
