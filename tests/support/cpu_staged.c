@@ -30,12 +30,15 @@ typedef struct {
   uintptr_t dev;
 } host_range_t;
 
-/* A download_async not yet delivered: the source bytes as they were when it was queued, copied
- * into dst by the next sync. */
+/* A download_async not yet delivered (the source bytes as they were when it was queued), or what
+ * a launch wrote in place into registered host memory (host_alias): copied into dst by the next
+ * sync, or, when queued inside an overlapped batch's phases, by that batch's wait. */
 typedef struct {
   void *dst;
   void *bytes;
   size_t n;
+  int in_batch;    /* queued between a batch's UPLOADS and SUBMITTED phases */
+  uint64_t ticket; /* that batch's, from its SUBMITTED phase (0 until then) */
 } deferred_t;
 
 /* A download_async of a batch's DOWNLOADS phase (overlap mode): src is read when the batch is
@@ -86,8 +89,20 @@ static staged_t *staged_of(dsv4_backend_t *be) {
   return (staged_t *)be;
 }
 
+/* The host address of [p, p + n) when it lies inside the device window of a registered range
+ * (host_alias), else NULL. */
+static void *window_host(staged_t *s, const void *p, size_t n) {
+  uintptr_t a = (uintptr_t)p;
+  for (size_t i = 0; i < s->n_ranges; i++) {
+    const host_range_t *r = &s->ranges[i];
+    if (a >= r->dev && a - r->dev <= r->n && n <= r->n - (a - r->dev))
+      return (void *)(r->p + (a - r->dev));
+  }
+  return NULL;
+}
+
 /* The host address of [p, p + n) when it lies inside one buffer, or inside the device window of a
- * registered range (host_alias), else NULL. */
+ * registered range, else NULL. */
 static void *to_host(staged_t *s, const void *p, size_t n) {
   uintptr_t a = (uintptr_t)p;
   for (size_t i = 0; i < s->n_bufs; i++) {
@@ -95,12 +110,7 @@ static void *to_host(staged_t *s, const void *p, size_t n) {
     if (a >= b->dev && a - b->dev <= b->real.size && n <= b->real.size - (a - b->dev))
       return (uint8_t *)b->real.ptr + (a - b->dev);
   }
-  for (size_t i = 0; i < s->n_ranges; i++) {
-    const host_range_t *r = &s->ranges[i];
-    if (a >= r->dev && a - r->dev <= r->n && n <= r->n - (a - r->dev))
-      return (void *)(r->p + (a - r->dev));
-  }
-  return NULL;
+  return window_host(s, p, n);
 }
 
 /* The buffer a devbuf names: its address is a buffer's start, its size at most that buffer's. */
@@ -273,6 +283,33 @@ static int st_download(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t *src, 
   return s->inner->ops->download(s->inner, dst, &b->real, off, n);
 }
 
+/* Queue n bytes (malloc'd; owned from here on success) for dst, which holds DEFERRED_POISON until
+ * they are delivered (deferred_t). */
+static int deferred_queue(staged_t *s, void *dst, void *bytes, size_t n) {
+  void *grown = grow(s->deferred, s->n_deferred, &s->cap_deferred, sizeof(*s->deferred), 8);
+  if (!grown)
+    return DSV4_ENOMEM;
+  s->deferred = grown;
+  s->deferred[s->n_deferred++] = (deferred_t){dst, bytes, n, s->phase != 0, 0};
+  memset(dst, DEFERRED_POISON, n);
+  return 0;
+}
+
+/* Deliver the queued bytes of batch ticket (every one when ticket is 0), in queue order. */
+static void deferred_deliver(staged_t *s, uint64_t ticket) {
+  size_t kept = 0;
+  for (size_t i = 0; i < s->n_deferred; i++) {
+    deferred_t *d = &s->deferred[i];
+    if (ticket && d->ticket != ticket) {
+      s->deferred[kept++] = *d;
+      continue;
+    }
+    memcpy(d->dst, d->bytes, d->n);
+    free(d->bytes);
+  }
+  s->n_deferred = kept;
+}
+
 static int late_queue(staged_t *s, void *dst, const dsv4_devbuf_t *src, size_t off, size_t n) {
   void *grown = grow(s->late, s->n_late, &s->cap_late, sizeof(*s->late), 8);
   if (!grown)
@@ -328,6 +365,9 @@ static int st_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
     for (size_t i = 0; i < s->n_late; i++)
       if (!s->late[i].ticket)
         s->late[i].ticket = *ticket;
+    for (size_t i = 0; i < s->n_deferred; i++)
+      if (s->deferred[i].in_batch && !s->deferred[i].ticket)
+        s->deferred[i].ticket = *ticket;
     s->phase = 0;
     return 0;
   }
@@ -348,6 +388,7 @@ static int st_batch_wait(dsv4_backend_t *be, uint64_t ticket) {
   s->stats.batch_waits++;
   int rc = s->inner->ops->sync(s->inner);
   int lrc = late_deliver(s, ticket);
+  deferred_deliver(s, ticket);
   return rc ? rc : lrc;
 }
 
@@ -366,32 +407,19 @@ static int st_download_async(dsv4_backend_t *be, void *dst, const dsv4_devbuf_t 
     return 0;
   if (s->phase == DSV4_BATCH_DOWNLOADS)
     return late_queue(s, dst, src, off, n);
-  void *grown = grow(s->deferred, s->n_deferred, &s->cap_deferred, sizeof(*s->deferred), 8);
-  if (!grown)
-    return DSV4_ENOMEM;
-  s->deferred = grown;
   void *bytes = malloc(n);
   if (!bytes)
     return DSV4_ENOMEM;
   int rc = s->inner->ops->download(s->inner, bytes, &b->real, off, n);
+  if (!rc)
+    rc = deferred_queue(s, dst, bytes, n);
   if (rc) {
     free(bytes);
     return rc;
   }
-  s->deferred[s->n_deferred++] = (deferred_t){dst, bytes, n};
-  memset(dst, DEFERRED_POISON, n);
   s->stats.async_downloads++;
   s->stats.registered_downloads += registered(s, dst, n);
   return 0;
-}
-
-/* Deliver every queued download_async, in queue order. */
-static void deferred_deliver(staged_t *s) {
-  for (size_t i = 0; i < s->n_deferred; i++) {
-    memcpy(s->deferred[i].dst, s->deferred[i].bytes, s->deferred[i].n);
-    free(s->deferred[i].bytes);
-  }
-  s->n_deferred = 0;
 }
 
 /* Translate field f of a launch (n bytes from it); a field that is not inside a buffer refuses the
@@ -438,8 +466,14 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   XLATE(s, h.slots, n * sizeof(int64_t));
   /* The fused decode path's KV-only insert (DSV4_BE_ATTN_FUSED_Q): the CPU backend writes q_out
    * with the records, so it gets a scratch q_out that nobody reads. */
+  uint16_t *in_place = NULL; /* q_out written into registered host memory (host_alias) */
   if (!h.q_out && h.write_kv && n) {
     if (!(h.q_out = q_scratch(s, q_bytes)))
+      return DSV4_ENOMEM;
+  } else if (n && (in_place = window_host(s, h.q_out, q_bytes)) != NULL) {
+    /* As a device's launch: its bytes reach host memory when the batch completes (its sync or
+     * wait), and until then the memory holds DEFERRED_POISON. */
+    if (!(h.q_out = malloc(q_bytes)))
       return DSV4_ENOMEM;
   } else {
     XLATE(s, h.q_out, q_bytes);
@@ -450,7 +484,12 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
     XLATE(s, h.cache, (size_t)a->n_blocks * a->stride);
   /* The RoPE table is a host structure by contract (a device backend mirrors its rows). */
   s->stats.launches++;
-  return s->inner->ops->qkv_insert(s->inner, &h);
+  int rc = s->inner->ops->qkv_insert(s->inner, &h);
+  if (in_place && !rc)
+    rc = deferred_queue(s, in_place, h.q_out, q_bytes);
+  if (in_place && rc)
+    free(h.q_out);
+  return rc;
 }
 
 static int st_attn(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
@@ -571,7 +610,7 @@ static int st_sync(dsv4_backend_t *be) {
   s->stats.syncs++;
   int rc = s->inner->ops->sync(s->inner);
   /* The copies were queued before the work that failed, if any: a device delivers them too. */
-  deferred_deliver(s);
+  deferred_deliver(s, 0);
   int lrc = late_deliver(s, 0);
   /* sync() waits for every batch: a batch cut short in its submission ends here. */
   s->phase = 0;

@@ -37,7 +37,9 @@ int dsv4_test_cpu_staged_overlap_open(const dsv4_backend_options_t *opt, dsv4_ba
  * backend has a host_register hook, as CUDA's: it keeps the ranges (one may not overlap another;
  * unregistering a pointer that starts none aborts) and counts the copies from and to them. Its
  * host_alias, as CUDA's, maps aligned registered memory at a made-up device window of its own,
- * which its launches translate back (DSV4_CUDA_NO_ALIAS=1 turns it off, as on CUDA).
+ * which its launches translate back (DSV4_CUDA_NO_ALIAS=1 turns it off, as on CUDA). What an
+ * insert writes there (q_out in place) reaches host memory only at the batch's sync or wait, as a
+ * device's would; until then it holds the poison of a pending download_async.
  */
 typedef struct {
   size_t uploads, downloads, launches, syncs;
