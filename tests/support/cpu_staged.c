@@ -471,10 +471,7 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
     if (!(h.q_out = q_scratch(s, q_bytes)))
       return DSV4_ENOMEM;
   } else if (n && (in_place = window_host(s, h.q_out, q_bytes)) != NULL) {
-    /* As a device's launch: its bytes reach host memory when the batch completes (its sync or
-     * wait), and until then the memory holds DEFERRED_POISON. */
-    if (!(h.q_out = malloc(q_bytes)))
-      return DSV4_ENOMEM;
+    h.q_out = NULL; /* a buffer of its own, once the other arguments are translated */
   } else {
     XLATE(s, h.q_out, q_bytes);
   }
@@ -482,6 +479,10 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
     XLATE(s, h.kv_norm_weight, DSV4_HEAD_DIM * sizeof(float));
   if (h.write_kv)
     XLATE(s, h.cache, (size_t)a->n_blocks * a->stride);
+  /* As a device's launch, an insert whose q_out is in place puts its bytes in host memory when the
+   * batch completes (its sync or wait); until then that memory holds DEFERRED_POISON. */
+  if (in_place && !(h.q_out = malloc(q_bytes)))
+    return DSV4_ENOMEM;
   /* The RoPE table is a host structure by contract (a device backend mirrors its rows). */
   s->stats.launches++;
   int rc = s->inner->ops->qkv_insert(s->inner, &h);
