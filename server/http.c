@@ -190,8 +190,8 @@ struct conn {
   size_t wnb, wfirst, wslice;
   bool pace_due;
   conn_t *pace_next;
-  /* A body read filled its slice (READ_SLICE bytes, or the rest of the body): reading is stopped
-   * and the connection is on the pace list (pace_due) for the check to start it again. */
+  /* A body read filled a slice (READ_SLICE bytes): reading is stopped and the connection is on
+   * the pace list (pace_due) for the check to start it again. */
   bool read_paced;
   void (*wrelease)(void *);
   void *wrelease_arg;
@@ -1481,8 +1481,10 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
     parsed_t p = conn_parse(c, buf->base, (size_t)nread, &used, &why);
     conn_parsed(c, p, why);
     conn_process(c);
-    if (c->state == CONN_BODY && (size_t)nread == buf->len && c->reading && !c->pace_due) {
-      /* A whole slice: the next waits for the pace check (libuv would read again at once). */
+    if (c->state == CONN_BODY && (size_t)nread == READ_SLICE && c->reading && !c->pace_due) {
+      /* A whole slice: the next waits for the pace check (libuv would read again at once). A
+       * shorter read that filled its offer either ended the body or was the first 8 bytes that
+       * place it (on_alloc), which should not cost the body a loop iteration. */
       uv_read_stop(&c->io.stream);
       c->reading = false;
       c->read_paced = true;

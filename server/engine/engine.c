@@ -293,8 +293,9 @@ static int stage_phase(dsv4_engine_t *e, const uint64_t *ticket, int phase, uint
 }
 
 /* The batch's inputs into the current half: the packed metadata, q and kv; ma and ia are
- * re-pointed at the copies, and *m receives the device address of the packed metadata. */
-static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, dsv4_map_args_t *ma,
+ * re-pointed at the copies, and *m receives the device address of the packed metadata. fused: the
+ * batch takes the fused decode path (fused_decode). */
+static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, dsv4_map_args_t *ma,
                         dsv4_insert_args_t *ia, const uint8_t **m, size_t off[M_COUNT]) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
   size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
@@ -321,7 +322,7 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, dsv4_map_args_t *ma
   /* q and kv in place where the backend maps them (one read each, by the insert), except q on the
    * fused decode path: there every attention CTA of a token (its head groups and window splits)
    * reads its rows, which should not cross PCIe more than once. */
-  rc = stage_put(e, ST_Q, f->q, q_bytes, !fused_decode(e, f), &d);
+  rc = stage_put(e, ST_Q, f->q, q_bytes, !fused, &d);
   ia->q = d;
   if (!rc)
     rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), 1, &d);
@@ -352,9 +353,10 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   uint64_t t0 = mono_ns(), t1, t2;
   size_t off[M_COUNT];
   const uint8_t *m = NULL;
+  const int fused = fused_decode(e, f);
   int rc = stage_phase(e, ticket, DSV4_BATCH_UPLOADS, NULL);
   if (!rc)
-    rc = stage_inputs(e, f, ma, ia, &m, off);
+    rc = stage_inputs(e, f, fused, ma, ia, &m, off);
   dsv4_attn_args_t aa;
   if (!rc) {
     ia->kv_norm_weight =
@@ -374,8 +376,7 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   }
   if (!rc)
     dsv4__engine_c_attn_args(e, idx, f, &aa);
-  const int fused = !rc && fused_decode(e, f);
-  if (fused)
+  if (!rc && fused)
     fuse_args(ia, &aa);
   t1 = mono_ns();
   if (!rc)

@@ -157,14 +157,19 @@ static uint16_t *q_scratch(staged_t *s, size_t n) {
   return s->q_scratch;
 }
 
-/* 1 when the n host bytes at p lie inside one registered range. */
-static int registered(const staged_t *s, const void *p, size_t n) {
+/* The registered range the n host bytes at p lie inside, or NULL. */
+static const host_range_t *range_of(const staged_t *s, const void *p, size_t n) {
   uintptr_t a = (uintptr_t)p;
   for (size_t i = 0; i < s->n_ranges; i++)
     if (a >= s->ranges[i].p && a - s->ranges[i].p <= s->ranges[i].n &&
         n <= s->ranges[i].n - (a - s->ranges[i].p))
-      return 1;
-  return 0;
+      return &s->ranges[i];
+  return NULL;
+}
+
+/* 1 when the n host bytes at p lie inside one registered range. */
+static int registered(const staged_t *s, const void *p, size_t n) {
+  return range_of(s, p, n) != NULL;
 }
 
 /* As cudaHostRegister: a range overlapping one already registered is refused. */
@@ -187,20 +192,16 @@ static int st_host_register(dsv4_backend_t *be, void *p, size_t n) {
 }
 
 /* As CUDA's: aligned registered memory at its device window, which launches read and write in
- * place (the CPU backend's launches run at once: what they write is in place when they return). */
+ * place (what an insert writes there arrives at the batch's end: st_insert). */
 static void *st_host_alias(dsv4_backend_t *be, const void *p, size_t n) {
   staged_t *s = staged_of(be);
   uintptr_t a = (uintptr_t)p;
-  if (!s->alias || !p || !n || (a & (DSV4_ALIAS_ALIGN - 1)))
+  const host_range_t *r =
+      s->alias && p && n && !(a & (DSV4_ALIAS_ALIGN - 1)) ? range_of(s, p, n) : NULL;
+  if (!r)
     return NULL;
-  for (size_t i = 0; i < s->n_ranges; i++) {
-    const host_range_t *r = &s->ranges[i];
-    if (a >= r->p && a - r->p <= r->n && n <= r->n - (a - r->p)) {
-      s->stats.aliases++;
-      return (void *)(r->dev + (a - r->p));
-    }
-  }
-  return NULL;
+  s->stats.aliases++;
+  return (void *)(r->dev + (a - r->p));
 }
 
 /* Unregistering what was never registered is a bug of the caller: fail loudly. */
