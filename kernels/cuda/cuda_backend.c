@@ -139,6 +139,7 @@ typedef struct {
   int phase;
   int alloc_pending; /* a buf_alloc's memset queued on the stream since the last batch's uploads */
   int up_queued;     /* the batch being submitted queued an upload on up_stream */
+  int dn_queued;     /* ... a download on dn_stream (which then waits for its launches) */
   uint64_t tickets;  /* batches submitted */
   struct {
     cudaEvent_t done;       /* recorded on dn_stream after the batch's downloads */
@@ -496,12 +497,22 @@ static int cuda_download_async(dsv4_backend_t *be, void *dst, const dsv4_devbuf_
   if (rc || n == 0)
     return rc;
   const uint8_t *s = (const uint8_t *)src->ptr + off;
-  /* In a batch's DOWNLOADS phase the copy stream, which waits for the batch's launches only.
-   * Into other memory the staging on the stream waits for them, as download does. */
-  if (registered(c, dst, n))
-    return cu(cudaMemcpyAsync(dst, s, n, cudaMemcpyDeviceToHost,
-                              c->phase == DSV4_BATCH_DOWNLOADS ? c->dn_stream : c->stream));
-  return d2h(c, dst, s, n);
+  /* In a batch's DOWNLOADS phase the copy stream, which waits for the batch's launches only (the
+   * first such download queues that wait). Into other memory the staging on the stream waits for
+   * them, as download does. */
+  if (!registered(c, dst, n))
+    return d2h(c, dst, s, n);
+  if (c->phase != DSV4_BATCH_DOWNLOADS)
+    return cu(cudaMemcpyAsync(dst, s, n, cudaMemcpyDeviceToHost, c->stream));
+  if (!c->dn_queued) {
+    rc = cu(cudaEventRecord(c->ev_kern, c->stream));
+    if (!rc)
+      rc = cu(cudaStreamWaitEvent(c->dn_stream, c->ev_kern, 0));
+    if (rc)
+      return rc;
+    c->dn_queued = 1;
+  }
+  return cu(cudaMemcpyAsync(dst, s, n, cudaMemcpyDeviceToHost, c->dn_stream));
 }
 
 /*
@@ -657,8 +668,9 @@ static int cuda_sync(dsv4_backend_t *be) {
  * The phases of an overlapped batch (backend.h). UPLOADS: the copy stream first waits for the
  * zeroing memsets of buffers allocated since (they run on the stream). LAUNCHES: the stream waits
  * for the batch's uploads. DOWNLOADS: the batch's error word is copied aside on the stream and
- * cleared for the next batch, then the download stream waits for the launches. SUBMITTED: the
- * batch's completion event, after its downloads.
+ * cleared for the next batch; the download stream waits for the launches once a download is queued
+ * there (download_async). SUBMITTED: the batch's completion event, after its downloads, or after
+ * its launches on the stream when it queued none (its outputs were written in place).
  */
 static int cuda_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
   cuda_backend_t *c = cuda_of(be);
@@ -691,13 +703,10 @@ static int cuda_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
         rc = cu(cudaMemsetAsync(c->attn_err, 0, sizeof(uint32_t), c->stream));
       c->attn_pending = 0;
     }
-    if (!rc)
-      rc = cu(cudaEventRecord(c->ev_kern, c->stream));
-    if (!rc)
-      rc = cu(cudaStreamWaitEvent(c->dn_stream, c->ev_kern, 0));
+    c->dn_queued = 0;
   }
   if (!rc && phase == DSV4_BATCH_SUBMITTED) {
-    rc = cu(cudaEventRecord(c->slot[k].done, c->dn_stream));
+    rc = cu(cudaEventRecord(c->slot[k].done, c->dn_queued ? c->dn_stream : c->stream));
     if (!rc)
       *ticket = ++c->tickets;
   }

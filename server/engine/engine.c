@@ -74,6 +74,9 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  * bodies and answers, a shared region): the insert reads q and kv where the caller holds them and
  * writes q_out into the caller's buffer, and those copies are skipped (stage_put, stage_out,
  * stage_get). Each batch's host buffers are its own, so the two sets' rule does not concern them.
+ * The packed metadata too: each half's host copy is registered with the backend (meta_register),
+ * and the producer and the insert read it where the engine assembled it, one upload fewer on a
+ * decode's path (the half's rule applies to it as to the device buffers).
  */
 enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_ATTN, ST_LSE, ST_COUNT };
 
@@ -113,8 +116,9 @@ static size_t meta_layout(size_t n, size_t nseg, size_t bt, size_t bytes[M_COUNT
 
 typedef struct {
   dsv4_devbuf_t buf[ST_COUNT];
-  uint8_t *meta; /* host: ST_META's bytes, assembled before the upload */
+  uint8_t *meta; /* host: ST_META's bytes, assembled before the upload (or read in place) */
   size_t meta_cap;
+  int meta_reg; /* meta is registered with the backend (meta_register) */
 } stage_half_t;
 
 struct dsv4__engine_stage {
@@ -125,6 +129,39 @@ struct dsv4__engine_stage {
   uint8_t *span;         /* host copy of up to one block, for the forward digest */
 };
 
+/* Free a half's host metadata, unregistered first. Its batch has ended (synced or waited for). */
+static void meta_free(dsv4_engine_t *e, stage_half_t *h) {
+  if (h->meta_reg)
+    e->be->ops->host_unregister(e->be, h->meta);
+  free(h->meta);
+  h->meta = NULL;
+  h->meta_cap = 0;
+  h->meta_reg = 0;
+}
+
+/* A half's host metadata of at least bytes, zeroed: the padding between the arrays is read too and
+ * never holds uninitialised memory (later batches leave their own bytes there). Whole pages,
+ * registered where the backend maps host memory for its launches (host_alias), so that they read
+ * it in place; without that it is uploaded as any input. Growth doubles. */
+static int meta_reserve(dsv4_engine_t *e, stage_half_t *h, size_t bytes) {
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  const size_t page = 4096;
+  if (bytes <= h->meta_cap)
+    return 0;
+  size_t want = h->meta_cap * 2 > bytes ? h->meta_cap * 2 : bytes;
+  want = (want + page - 1) & ~(page - 1);
+  uint8_t *m = aligned_alloc(page, want);
+  if (!m)
+    return DSV4_ENOMEM;
+  memset(m, 0, want);
+  meta_free(e, h);
+  h->meta = m;
+  h->meta_cap = want;
+  h->meta_reg = ops->host_alias && ops->host_register && ops->host_unregister &&
+                ops->host_register(e->be, m, want) == 0;
+  return 0;
+}
+
 static void stage_destroy(dsv4_engine_t *e) {
   struct dsv4__engine_stage *s = e->stage;
   if (!s)
@@ -133,7 +170,7 @@ static void stage_destroy(dsv4_engine_t *e) {
     for (int i = 0; i < ST_COUNT; i++)
       if (s->half[h].buf[i].ptr)
         e->be->ops->buf_free(e->be, &s->half[h].buf[i]);
-    free(s->half[h].meta);
+    meta_free(e, &s->half[h]);
   }
   if (s->kv_norm.ptr)
     e->be->ops->buf_free(e->be, &s->kv_norm);
@@ -201,17 +238,9 @@ static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
   for (uint32_t s = 0; s < f->n_segs; s++)
     bt += ((size_t)DSV4_WINDOW - 2 + f->segs[s].len) / e->p.block_size + 2;
   size_t meta = meta_layout(n, f->n_segs, bt, bytes, off);
-  if (meta > st->meta_cap) {
-    /* Zeroed: the padding between the arrays is uploaded too, and never holds uninitialised
-     * memory (later batches leave their own bytes there). */
-    uint8_t *m = calloc(1, meta);
-    if (!m)
-      return DSV4_ENOMEM;
-    free(st->meta);
-    st->meta = m;
-    st->meta_cap = meta;
-  }
-  int rc = stage_reserve(e, ST_Q, q_bytes);
+  int rc = meta_reserve(e, st, meta);
+  if (!rc)
+    rc = stage_reserve(e, ST_Q, q_bytes);
   if (!rc)
     rc = stage_reserve(e, ST_KV, n * DSV4_HEAD_DIM * sizeof(uint16_t));
   if (!rc)
@@ -309,7 +338,7 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, dsv4_map
   for (int i = 0; i < M_COUNT; i++)
     if (bytes[i])
       memcpy(h->meta + off[i], src[i], bytes[i]);
-  int rc = stage_put(e, ST_META, h->meta, meta, 0, &d);
+  int rc = stage_put(e, ST_META, h->meta, meta, 1, &d);
   if (rc)
     return rc;
   *m = d;
@@ -327,8 +356,10 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, dsv4_map
   if (!rc)
     rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), 1, &d);
   ia->kv = d;
-  ma->slots = h->buf[ST_SLOTS].ptr;
-  ia->slots = h->buf[ST_SLOTS].ptr;
+  /* The slots in place too: the producer writes them where the caller reads them, the insert
+   * reads them back from there (its KV rows only, beside their own reads over PCIe). */
+  ma->slots = stage_out(e, ST_SLOTS, f->slots, n * sizeof(int64_t));
+  ia->slots = ma->slots;
   /* In place in the caller's buffer unless the attention reads it (over PCIe it would cost). */
   ia->q_out = f->attn ? h->buf[ST_Q_OUT].ptr : stage_out(e, ST_Q_OUT, f->q_out, q_bytes);
   return rc;

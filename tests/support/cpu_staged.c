@@ -296,6 +296,19 @@ static int deferred_queue(staged_t *s, void *dst, void *bytes, size_t n) {
   return 0;
 }
 
+/* What a launch of this batch wrote in place over the n host bytes at host (the newest such
+ * write), as the device's next launch would read it back, or NULL when none did. */
+static const void *deferred_pending(const staged_t *s, const void *host, size_t n) {
+  const uint8_t *a = host;
+  for (size_t i = s->n_deferred; i-- > 0;) {
+    const deferred_t *d = &s->deferred[i];
+    const uint8_t *b = d->dst;
+    if (!d->ticket && a >= b && (size_t)(a - b) <= d->n && n <= d->n - (size_t)(a - b))
+      return (const uint8_t *)d->bytes + (a - b);
+  }
+  return NULL;
+}
+
 /* Deliver the queued bytes of batch ticket (every one when ticket is 0), in queue order. */
 static void deferred_deliver(staged_t *s, uint64_t ticket) {
   size_t kept = 0;
@@ -444,15 +457,26 @@ static int st_map(dsv4_backend_t *be, const dsv4_map_args_t *a) {
   XLATE(s, h.seg_first_lb, nseg * sizeof(int64_t));
   XLATE(s, h.seg_bt_off, nseg * sizeof(uint32_t));
   XLATE(s, h.seg_bt_len, nseg * sizeof(uint32_t));
-  XLATE(s, h.slots, n * sizeof(int64_t));
+  /* Slots written into registered host memory (host_alias) arrive there at the batch's end, as
+   * an insert's q_out does (st_insert); the insert reads them back before that. */
+  int64_t *in_place = n ? window_host(s, h.slots, n * sizeof(int64_t)) : NULL;
+  if (!in_place)
+    XLATE(s, h.slots, n * sizeof(int64_t));
   uint64_t bt = 0;
   for (size_t i = 0; i < nseg; i++)
     if ((uint64_t)h.seg_bt_off[i] + h.seg_bt_len[i] > bt)
       bt = (uint64_t)h.seg_bt_off[i] + h.seg_bt_len[i];
   if (nseg)
     XLATE(s, h.block_table, bt * sizeof(int32_t));
+  if (in_place && !(h.slots = malloc(n * sizeof(int64_t))))
+    return DSV4_ENOMEM;
   s->stats.launches++;
-  return s->inner->ops->map_slots(s->inner, &h);
+  int rc = s->inner->ops->map_slots(s->inner, &h);
+  if (in_place && !rc)
+    rc = deferred_queue(s, in_place, h.slots, n * sizeof(int64_t));
+  if (in_place && rc)
+    free(h.slots);
+  return rc;
 }
 
 static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
@@ -465,6 +489,10 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   XLATE(s, h.kv, n * DSV4_HEAD_DIM * sizeof(uint16_t));
   XLATE(s, h.positions, n * sizeof(int64_t));
   XLATE(s, h.slots, n * sizeof(int64_t));
+  /* Slots the producer wrote in place are read as it wrote them (st_map). */
+  const void *pending = n ? deferred_pending(s, h.slots, n * sizeof(int64_t)) : NULL;
+  if (pending)
+    h.slots = pending;
   /* The fused decode path's KV-only insert (DSV4_BE_ATTN_FUSED_Q): the CPU backend writes q_out
    * with the records, so it gets a scratch q_out that nobody reads. */
   uint16_t *in_place = NULL; /* q_out written into registered host memory (host_alias) */
