@@ -18,6 +18,9 @@ PCIe as q_out), in exact mode and, on a backend that offers it, in fast mode (ro
 decode+fast); their answers are checked for shape and mode, not values (test_attention.py does that).
 
     python3 tests/gpu/forward_stages.py <dsv4d> <dsv4_ref.py> cpu cuda
+
+DSV4_STAGES_DAEMON_ARGS adds options to every daemon's command line (for instance "--threads 8
+--busy-poll-us 100").
 """
 
 import os
@@ -111,6 +114,7 @@ def run(backend, rng, rows):
     write_sinks(weights)
     args = ["--backend", backend, "--layers", "0-0", "--heads", str(HEADS), "--kv-blocks", "256",
             "--max-batch-tokens", "2048", "--weights", weights]
+    args += os.environ.get("DSV4_STAGES_DAEMON_ARGS", "").split()
     with h.Daemon(args, name=backend) as d:
         conn = d.conn()
         segs = [h.Seg("s%d" % i, 0, PREFILL, True) for i in range(SEQS)]
