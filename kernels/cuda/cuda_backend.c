@@ -161,8 +161,18 @@ static int cu(cudaError_t e) {
   return dsv4__cuda_err(e);
 }
 
+/* The device this thread last selected through use_device: every entry point selects the
+ * backend's, and a batch makes a dozen such calls, so a thread that has it already skips the call.
+ * Nothing else in the process selects devices. */
+static _Thread_local int thread_dev = -1;
+
 static int use_device(cuda_backend_t *c) {
-  return cu(cudaSetDevice(c->dev));
+  if (thread_dev == c->dev)
+    return 0;
+  int rc = cu(cudaSetDevice(c->dev));
+  if (!rc)
+    thread_dev = c->dev;
+  return rc;
 }
 
 typedef struct {

@@ -74,9 +74,10 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  * bodies and answers, a shared region): the insert reads q and kv where the caller holds them and
  * writes q_out into the caller's buffer, and those copies are skipped (stage_put, stage_out,
  * stage_get). Each batch's host buffers are its own, so the two sets' rule does not concern them.
- * The packed metadata too: each half's host copy is registered with the backend (meta_register),
- * and the producer and the insert read it where the engine assembled it, one upload fewer on a
- * decode's path (the half's rule applies to it as to the device buffers).
+ * The packed metadata too, in a batch without attention: each half's host copy is registered with
+ * the backend (meta_reserve), and the producer and the insert read it where the engine assembled
+ * it, one upload fewer on a decode's path (the half's rule applies to it as to the device
+ * buffers). The slots: the producer writes them into the caller's buffer.
  */
 enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_ATTN, ST_LSE, ST_COUNT };
 
@@ -118,7 +119,7 @@ typedef struct {
   dsv4_devbuf_t buf[ST_COUNT];
   uint8_t *meta; /* host: ST_META's bytes, assembled before the upload (or read in place) */
   size_t meta_cap;
-  int meta_reg; /* meta is registered with the backend (meta_register) */
+  int meta_reg; /* meta is registered with the backend (meta_reserve) */
 } stage_half_t;
 
 struct dsv4__engine_stage {
@@ -338,7 +339,11 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, dsv4_map
   for (int i = 0; i < M_COUNT; i++)
     if (bytes[i])
       memcpy(h->meta + off[i], src[i], bytes[i]);
-  int rc = stage_put(e, ST_META, h->meta, meta, 1, &d);
+  /* Read in place by the producer and the insert (a few loads per thread, at once), but uploaded
+   * when the attention runs: its CTAs walk the block tables and segments of every token, which
+   * over PCIe made a 16-token decode with attention half again as slow (tests/bench/NOTES.md,
+   * "The metadata and the slots in place"). */
+  int rc = stage_put(e, ST_META, h->meta, meta, !f->attn, &d);
   if (rc)
     return rc;
   *m = d;

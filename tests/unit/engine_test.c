@@ -962,8 +962,9 @@ static size_t in_place_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint8_t *region
  * q_out in place (host_alias) instead of uploads and downloads; 8 bytes off, they are copied as
  * before. Both answer the CPU backend's bytes: prefills with attention, q-only batches (q_out in
  * place) and decode steps with and without q (the fused path). On the staged backend the copies
- * are counted: in place, no upload (q on the fused path) and no download a batch but attn's and
- * lse's, and q_out's when the attention reads it. On
+ * are counted: in place, no upload a batch but the packed metadata's and q's on the fused path
+ * when the attention runs, and no download but attn's and lse's, and q_out's when the attention
+ * reads it. On
  * cuda (argv[1]) this runs the device's mapping of the pages.
  */
 static void test_in_place_matches_cpu(void **state) {
@@ -982,22 +983,24 @@ static void test_in_place_matches_cpu(void **state) {
     int64_t st[2] = {0, 0};
     const char *names[2] = {skew ? "r" : "p", skew ? "s" : "q"};
     size_t c = in_place_batch(a, b, region, cap, skew, 90 + skew, names, st, prefill, yes, 1, 1);
-    /* In place: q, kv and the slots (q_out is staged for the attention, attn and lse always). */
+    /* In place: q, kv and the slots (q_out is staged for the attention, attn and lse always, and
+     * the packed metadata is uploaded for the attention). */
     if (staged)
-      assert_int_equal(c, skew ? 204 : 3);
+      assert_int_equal(c, skew ? 304 : 103);
     st[0] = prefill[0];
     st[1] = prefill[1];
     for (int k = 0; k < 4; k++) {
       const int attn = k != 1, q_wanted = k != 2;
       c = in_place_batch(a, b, region, cap, skew, 91 + skew + (uint64_t)k, names, st, one, no, attn,
                          q_wanted);
-      /* The fused decode path uploads q (its attention CTAs read it); the attention's q_out is
-       * staged unless fused; attn and lse always are. */
+      /* The fused decode path uploads q (its attention CTAs read it), and a batch with attention
+       * the packed metadata; the attention's q_out is staged unless fused; attn and lse always
+       * are. */
       const size_t is_fused = fused && attn && !q_wanted, down = attn ? 2u : 0u;
       if (staged && !skew)
-        assert_int_equal(c, is_fused * 100 + down + (size_t)(attn && !is_fused));
+        assert_int_equal(c, (is_fused + (size_t)attn) * 100 + down + (size_t)(attn && !is_fused));
       if (staged && skew) /* the slots too */
-        assert_int_equal(c, 200 + 1 + down + (size_t)!is_fused);
+        assert_int_equal(c, 200 + (size_t)attn * 100 + 1 + down + (size_t)!is_fused);
       st[0]++;
       st[1]++;
     }
