@@ -9,17 +9,24 @@
  * workers that joined. A worker that the scheduler keeps off the CPU (the host may be busy with
  * other work) therefore never delays a launch it did not take part in.
  *
- * Workers spin briefly after a launch before sleeping on a condition variable, because the executor
- * usually launches again within microseconds and a futex wake costs more than a small batch's work.
+ * Workers spin briefly after a launch before sleeping, because the executor usually launches again
+ * within microseconds and a futex wake costs more than a small batch's work. They sleep on a futex
+ * of the launch generation (wake_gen), which a launch wakes in one call: every sleeper runs at
+ * once, where on a condition variable each woken worker had to take the mutex in turn before it
+ * could join.
  */
 #include "host_pool.h"
 
 #include <assert.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "dsv4-error.h"
 
@@ -65,9 +72,11 @@ struct dsv4_host_pool {
   unsigned started; /* workers that have recorded their MXCSR (under mu) */
 
   pthread_mutex_t mu;
-  pthread_cond_t cv_start;
   pthread_cond_t cv_done;
   _Atomic uint64_t word;
+  /* The generation of word, for the workers' futex: stored after word, before the wake. */
+  _Atomic uint32_t wake_gen;
+  atomic_int sleepers; /* workers between deciding to sleep and waking */
   atomic_int stop;
   atomic_int caller_sleeping;
 
@@ -89,6 +98,40 @@ static void run_chunks(dsv4_host_pool_t *p) {
       last = p->n_items;
     p->fn(p->arg, first, last);
   }
+}
+
+/* Sleep while the futex word at w holds val (or until a wake); spurious returns are fine. */
+static void futex_wait(_Atomic uint32_t *w, uint32_t val) {
+  (void)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *w) {
+  (void)syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* A new generation published in word: wake the workers that sleep on it. Seen by a worker that is
+ * about to sleep either in its check of word (it counted itself first) or here (sleepers). */
+static void wake_workers(dsv4_host_pool_t *p, uint32_t gen) {
+  atomic_store_explicit(&p->wake_gen, gen, memory_order_seq_cst);
+  if (atomic_load_explicit(&p->sleepers, memory_order_seq_cst) > 0)
+    futex_wake_all(&p->wake_gen);
+}
+
+/* Worker: wait for a generation after seen, or the pool's stop; returns the generation. */
+static uint32_t await_launch(dsv4_host_pool_t *p, uint32_t seen) {
+  uint32_t g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire));
+  for (int spin = 0; g == seen && spin < SPIN_LIMIT; spin++) {
+    CPU_RELAX();
+    g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire));
+  }
+  if (g != seen)
+    return g;
+  atomic_fetch_add_explicit(&p->sleepers, 1, memory_order_seq_cst);
+  while ((g = W_GEN(atomic_load_explicit(&p->word, memory_order_seq_cst))) == seen &&
+         !atomic_load_explicit(&p->stop, memory_order_seq_cst))
+    futex_wait(&p->wake_gen, seen);
+  atomic_fetch_sub_explicit(&p->sleepers, 1, memory_order_relaxed);
+  return g;
 }
 
 /* Join the launch of generation gen if it is still open; returns 1 when joined. */
@@ -117,18 +160,7 @@ static void *worker_main(void *varg) {
 #endif
   uint32_t seen = 0;
   for (;;) {
-    uint32_t g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire));
-    for (int spin = 0; g == seen && spin < SPIN_LIMIT; spin++) {
-      CPU_RELAX();
-      g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire));
-    }
-    if (g == seen) {
-      pthread_mutex_lock(&p->mu);
-      while ((g = W_GEN(atomic_load_explicit(&p->word, memory_order_acquire))) == seen &&
-             !atomic_load_explicit(&p->stop, memory_order_relaxed))
-        pthread_cond_wait(&p->cv_start, &p->mu);
-      pthread_mutex_unlock(&p->mu);
-    }
+    uint32_t g = await_launch(p, seen);
     if (atomic_load_explicit(&p->stop, memory_order_relaxed))
       break;
     seen = g;
@@ -163,9 +195,10 @@ int dsv4_host_pool_create(unsigned threads, dsv4_host_pool_t **out) {
     return DSV4_ENOMEM;
   }
   pthread_mutex_init(&p->mu, NULL);
-  pthread_cond_init(&p->cv_start, NULL);
   pthread_cond_init(&p->cv_done, NULL);
   atomic_init(&p->word, 0);
+  atomic_init(&p->wake_gen, 0);
+  atomic_init(&p->sleepers, 0);
   atomic_init(&p->stop, 0);
   atomic_init(&p->caller_sleeping, 0);
   atomic_init(&p->next, 0);
@@ -197,16 +230,13 @@ int dsv4_host_pool_create(unsigned threads, dsv4_host_pool_t **out) {
 void dsv4_host_pool_destroy(dsv4_host_pool_t *p) {
   if (!p)
     return;
-  pthread_mutex_lock(&p->mu);
   atomic_store(&p->stop, 1);
   /* A new generation wakes spinning workers as well as sleeping ones. */
-  atomic_fetch_add(&p->word, UINT64_C(1) << 32);
-  pthread_cond_broadcast(&p->cv_start);
-  pthread_mutex_unlock(&p->mu);
+  uint64_t w = atomic_fetch_add(&p->word, UINT64_C(1) << 32);
+  wake_workers(p, W_GEN(w) + 1u);
   for (unsigned i = 0; i < p->n_workers; i++)
     pthread_join(p->workers[i].thread, NULL);
   pthread_cond_destroy(&p->cv_done);
-  pthread_cond_destroy(&p->cv_start);
   pthread_mutex_destroy(&p->mu);
   free(p->start_mxcsr);
   free(p->workers);
@@ -238,13 +268,9 @@ void dsv4_host_pool_run(dsv4_host_pool_t *p, dsv4_host_job_fn fn, void *arg, siz
   p->chunk = chunk;
   atomic_store_explicit(&p->next, 0, memory_order_relaxed);
   /* Publish the job: a new generation, open, nobody joined yet. */
-  uint64_t gen = W_GEN(atomic_load_explicit(&p->word, memory_order_relaxed)) + 1u;
-  pthread_mutex_lock(&p->mu);
-  atomic_store_explicit(&p->word, (uint64_t)(uint32_t)gen << 32, memory_order_release);
-  pthread_mutex_unlock(&p->mu);
-  /* Woken after the unlock, so that a sleeping worker does not wake only to wait for the mutex;
-   * one that checked the generation under it before the store is already waiting, and is woken. */
-  pthread_cond_broadcast(&p->cv_start);
+  uint32_t gen = W_GEN(atomic_load_explicit(&p->word, memory_order_relaxed)) + 1u;
+  atomic_store_explicit(&p->word, (uint64_t)gen << 32, memory_order_seq_cst);
+  wake_workers(p, gen);
   run_chunks(p);
   /* Every item is taken: close the launch, then wait for the workers that joined it. */
   uint64_t w = atomic_fetch_or_explicit(&p->word, W_CLOSED, memory_order_acq_rel);
