@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -277,8 +278,45 @@ static void add_compressed(json_t *header, const dsv4c_forward_t *f, uint64_t n)
       typed_entry("F32", json_pack("[I,I]", jn, ih), f->iw_off, (size_t)n * f->index_heads * 4));
 }
 
-/* The __metadata__ of the HTTP body: layer, segments (JSON text), outputs and attention. */
-static json_t *metadata(const dsv4c_forward_t *f, uint64_t *n_tokens) {
+/* Whether name needs no escaping in a JSON string: the characters of a valid sequence name. */
+static int plain_name(const char *name) {
+  for (const char *c = name; *c; c++)
+    if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') ||
+          *c == '.' || *c == '_' || *c == ':' || *c == '-'))
+      return 0;
+  return 1;
+}
+
+/* The segments' JSON text written directly when every name is plain (a gateway's many one-token
+ * segments cost a JSON document per call otherwise), else NULL: the caller builds it with jansson,
+ * which escapes what needs it. */
+static char *segments_plain(const dsv4c_forward_t *f, uint64_t *n_tokens) {
+  size_t cap = 3;
+  for (uint32_t i = 0; i < f->n_segs; i++) {
+    if (!f->segs[i].seq || !plain_name(f->segs[i].seq))
+      return NULL;
+    cap += strlen(f->segs[i].seq) + 80;
+  }
+  char *t = malloc(cap);
+  size_t o = 0;
+  if (!t)
+    return NULL;
+  t[o++] = '[';
+  *n_tokens = 0;
+  for (uint32_t i = 0; i < f->n_segs; i++) {
+    const dsv4c_segment_t *sg = &f->segs[i];
+    o += (size_t)snprintf(t + o, cap - o,
+                          "%s{\"seq\":\"%s\",\"start\":%" PRId64 ",\"len\":%" PRIu32 "%s}",
+                          i ? "," : "", sg->seq, (int64_t)sg->start, (uint32_t)sg->len,
+                          sg->is_new ? ",\"new\":true" : "");
+    *n_tokens += sg->len;
+  }
+  snprintf(t + o, cap - o, "]");
+  return t;
+}
+
+/* The segments' JSON text through jansson (any name it can encode), or NULL. */
+static char *segments_json(const dsv4c_forward_t *f, uint64_t *n_tokens) {
   json_t *segs = json_array();
   *n_tokens = 0;
   for (uint32_t i = 0; i < f->n_segs && segs; i++) {
@@ -294,7 +332,16 @@ static json_t *metadata(const dsv4c_forward_t *f, uint64_t *n_tokens) {
     }
     *n_tokens += s->len;
   }
-  char *segs_text = segs ? json_dumps(segs, JSON_COMPACT) : NULL;
+  char *text = segs ? json_dumps(segs, JSON_COMPACT) : NULL;
+  json_decref(segs);
+  return text;
+}
+
+/* The __metadata__ of the HTTP body: layer, segments (JSON text), outputs and attention. */
+static json_t *metadata(const dsv4c_forward_t *f, uint64_t *n_tokens) {
+  char *segs_text = segments_plain(f, n_tokens);
+  if (!segs_text)
+    segs_text = segments_json(f, n_tokens);
   char layer[16];
   snprintf(layer, sizeof(layer), "%u", f->layer);
   json_t *m = segs_text ? json_pack("{s:s,s:s,s:s}", "layer", layer, "segments", segs_text,
@@ -303,7 +350,6 @@ static json_t *metadata(const dsv4c_forward_t *f, uint64_t *n_tokens) {
   if (m && f->attention)
     json_object_set_new(m, "attention", json_string(f->attention));
   free(segs_text);
-  json_decref(segs);
   return m;
 }
 

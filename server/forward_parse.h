@@ -53,7 +53,7 @@ typedef struct {
   const uint16_t *kv;   /* [N, 512] bf16, likewise */
   size_t q_bytes;       /* N * heads * 512 * 2 */
   size_t kv_bytes;      /* N * 512 * 2 */
-  dsv4_seg_req_t *segs; /* [n_segs]; names point into segs_doc; hash = 0 */
+  dsv4_seg_req_t *segs; /* [n_segs]; names point into segs_doc or segs_text; hash = 0 */
   uint32_t n_segs;
   int want_q;      /* "outputs" absent or naming q */
   int want_digest; /* "outputs" naming digest */
@@ -76,6 +76,7 @@ typedef struct {
   /* Owned storage, released by dsv4_forward_req_free(). */
   dsv4_st_view_t view;
   json_t *segs_doc;
+  char *segs_text;            /* the segments' text, when read without a document */
   uint16_t *q_copy, *kv_copy; /* aligned copies when the sender's offsets were not 2-aligned */
   void *c_copy[4];            /* the same for ckv, ikv, iq and iw */
   size_t c_bytes[4];          /* their sizes */
@@ -97,6 +98,12 @@ int dsv4_forward_parse(const uint8_t *body, size_t len, const dsv4_forward_limit
 int dsv4_forward_parse_view(const dsv4_forward_limits_t *lim, dsv4_forward_req_t *out, char *why,
                             size_t why_len);
 void dsv4_forward_req_free(dsv4_forward_req_t *r);
+
+/* The segments text into r->segs and r->n_segs, or an error and its message (exposed for the unit
+ * test, which holds the two readers to the same answers). fast: the usual shape is read without a
+ * JSON document when it can be; 0: always through the JSON parser. */
+int dsv4__forward_segments(const char *segs_s, uint32_t max_segments, int fast,
+                           dsv4_forward_req_t *r, char *why, size_t why_len);
 /*
  * Make the request own every input that reaches the cache or the rings (kv, ckv, ikv, iq, iw): a
  * copy of each one still pointing into memory the sender can change (a shared region), so that what

@@ -4,7 +4,8 @@
  * token at 3 KiB, and max_batch_tokens = 8 puts "N too large" within the length limit. An accepted
  * body must satisfy everything the engine relies on; a refused one must say why, the same way
  * however short the message buffer; and dsv4_forward_req_free must release everything
- * (LeakSanitizer).
+ * (LeakSanitizer). The input is also read as a segments text, by the fast reader and by the JSON
+ * parser, which must agree.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -126,6 +127,33 @@ static void check_u64(const uint8_t *data, size_t size) {
     CHECK(rc == DSV4_EINVAL && (n == 0 || n > 20 || digits < n));
 }
 
+/* The input as a segments text: the fast reader and the JSON parser give the same answer. */
+static void check_segments(const uint8_t *data, size_t size) {
+  char *text = malloc(size + 1), why_a[320], why_b[320];
+  dsv4_forward_req_t a, b;
+  CHECK(text);
+  memcpy(text, data, size);
+  text[size] = '\0';
+  memset(&a, 0, sizeof(a));
+  memset(&b, 0, sizeof(b));
+  why_a[0] = why_b[0] = '\0';
+  int ra = dsv4__forward_segments(text, MAX_SEGS, 0, &a, why_a, sizeof(why_a));
+  int rb = dsv4__forward_segments(text, MAX_SEGS, 1, &b, why_b, sizeof(why_b));
+  CHECK(ra == rb && strcmp(why_a, why_b) == 0);
+  if (ra == 0) {
+    CHECK(a.n_segs == b.n_segs);
+    for (uint32_t s = 0; s < a.n_segs; s++) {
+      CHECK(a.segs[s].name_len == b.segs[s].name_len);
+      CHECK(memcmp(a.segs[s].name, b.segs[s].name, a.segs[s].name_len) == 0);
+      CHECK(a.segs[s].start == b.segs[s].start && a.segs[s].len == b.segs[s].len);
+      CHECK(a.segs[s].is_new == b.segs[s].is_new);
+    }
+  }
+  dsv4_forward_req_free(&a);
+  dsv4_forward_req_free(&b);
+  free(text);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* A private copy, so reads past the end are caught by ASan whatever libFuzzer's buffer is. */
   uint8_t *buf = malloc(size ? size : 1);
@@ -134,6 +162,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   CHECK(buf);
   memcpy(buf, data, size);
   check_u64(data, size);
+  check_segments(data, size);
 
   msg[0] = '\0';
   int rc = dsv4_forward_parse(buf, size, &limits, &r, msg, sizeof(msg));

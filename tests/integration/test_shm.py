@@ -297,7 +297,8 @@ def test_shm_registration_refusals():
 
 def test_shm_bad_requests_change_nothing():
     """Offsets past the region, misaligned or overlapping, missing or unasked outputs, an unknown
-    region, a bad header, bad JSON, an unknown op and an oversized message: each answered with a
+    region, a bad header, bad JSON, an unknown op, an oversized message and a sequence name that
+    needs escaping: each answered with a
     JSON error, none changing a sequence or a block; then the valid batch gives the bytes of a
     daemon that saw none of them."""
     rng = np.random.default_rng(93)
@@ -351,6 +352,10 @@ def test_shm_bad_requests_change_nothing():
                 (c.request({"op": "dance"}), 400, "bad_request", "op"),
                 (c.request({"op": "forward", "pad": "x" * (300 << 10)}), 413, "payload_too_large",
                  None),
+                # A name the client library cannot write plainly (it escapes it through jansson).
+                (c.forward(r, good.layer, [('y "2"', 0, 4, True), ("x", 10, 5)], HEADS, lay.q,
+                           lay.kv, out, outputs="q,attn", check=False), 400, "bad_request",
+                 "seq"),
             ]
             for i, (ans, status, code, words) in enumerate(cases):
                 refused(ans, status, code, "case %d" % i, words)

@@ -411,6 +411,166 @@ static void test_short_message_buffer(void **state) {
   assert_string_equal(msg, "N = 9 e");
 }
 
+/* ---- the segments' two readers ---- */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint32_t rnd(uint32_t n) {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (uint32_t)(rng_state % n);
+}
+
+/* White space between tokens: none, JSON's own, or (rarely) a character JSON does not allow. */
+static void put_ws(char *b, size_t *o) {
+  static const char *const ws[] = {"", "", "", " ", "\n", "\t ", "\r\n  ", "\v", "\f"};
+  const char *w = ws[rnd(9)];
+  if ((w[0] == '\v' || w[0] == '\f') && rnd(64))
+    w = "";
+  *o += (size_t)sprintf(b + *o, "%s", w);
+}
+
+static void put_name(char *b, size_t *o) {
+  static const char ok[] = "abcXYZ019._:-";
+  static const char *const odd[] = {"", ".hidden", "a\\u0041", "a b", "\\\"q", "\xc3\xa9", "a/b"};
+  if (rnd(16) == 0) {
+    *o += (size_t)sprintf(b + *o, "\"%s\"", odd[rnd(7)]);
+    return;
+  }
+  uint32_t n = rnd(24) == 0 ? 120 + rnd(20) : 1 + rnd(16);
+  b[(*o)++] = '"';
+  for (uint32_t i = 0; i < n; i++)
+    b[(*o)++] = ok[rnd(sizeof(ok) - 1)];
+  b[(*o)++] = '"';
+}
+
+static void put_int(char *b, size_t *o) {
+  static const char *const odd[] = {"-1",
+                                    "0",
+                                    "-0",
+                                    "01",
+                                    "1.0",
+                                    "1e3",
+                                    "4294967296",
+                                    "4294967295",
+                                    "999999999999999999",
+                                    "9999999999999999999",
+                                    "-",
+                                    "\"1\"",
+                                    "null",
+                                    "true"};
+  if (rnd(16) == 0)
+    *o += (size_t)sprintf(b + *o, "%s", odd[rnd(14)]);
+  else
+    *o += (size_t)sprintf(b + *o, "%u", rnd(5000));
+}
+
+/* A segments text: mostly the usual shape, with odd keys, values and spacing mixed in. */
+static void make_segments(char *b, size_t cap) {
+  size_t o = 0;
+  uint32_t n = rnd(12) == 0 ? 0 : rnd(8) == 0 ? 5 + rnd(2) : 1 + rnd(4);
+  put_ws(b, &o);
+  b[o++] = '[';
+  for (uint32_t s = 0; s < n && o + 600 < cap; s++) {
+    if (s)
+      b[o++] = ',';
+    put_ws(b, &o);
+    b[o++] = '{';
+    static const char *const keys[] = {"seq", "start", "len", "new", "seq", "other"};
+    uint32_t order[4] = {0, 1, 2, 3}, nk = 3 + rnd(2);
+    for (int i = 3; i > 0; i--) {
+      uint32_t j = rnd((uint32_t)i + 1), t = order[i];
+      order[i] = order[j];
+      order[j] = t;
+    }
+    for (uint32_t k = 0, first = 1; k < 4; k++) {
+      uint32_t key = order[k];
+      if (key == 3 && nk == 3)
+        continue;
+      if (rnd(30) == 0)
+        key = 4 + rnd(2); /* a repeated or unknown key */
+      else if (rnd(40) == 0)
+        continue; /* a missing one */
+      if (!first)
+        b[o++] = ',';
+      first = 0;
+      put_ws(b, &o);
+      o += (size_t)sprintf(b + o, "\"%s\"", keys[key]);
+      put_ws(b, &o);
+      b[o++] = ':';
+      put_ws(b, &o);
+      if (key == 0 || key == 4)
+        put_name(b, &o);
+      else if (key == 3)
+        o += (size_t)sprintf(b + o, "%s", rnd(32) == 0 ? "1" : rnd(2) ? "true" : "false");
+      else
+        put_int(b, &o);
+      put_ws(b, &o);
+    }
+    b[o++] = '}';
+    put_ws(b, &o);
+  }
+  b[o++] = ']';
+  put_ws(b, &o);
+  b[o] = '\0';
+  /* One in six: a byte deleted, changed or inserted somewhere. */
+  size_t len = strlen(b);
+  if (rnd(6) == 0 && len > 1) {
+    static const char set[] = "{}[],:\"\\ e.-0a";
+    size_t at = rnd((uint32_t)len);
+    switch (rnd(3)) {
+    case 0:
+      memmove(b + at, b + at + 1, len - at);
+      break;
+    case 1:
+      b[at] = set[rnd(sizeof(set) - 1)];
+      break;
+    default:
+      memmove(b + at + 1, b + at, len - at + 1);
+      b[at] = set[rnd(sizeof(set) - 1)];
+    }
+  }
+}
+
+/* Both readers give the same answer to every text: the same segments, or the same error and
+ * message; and the fast one reads the usual shape itself. */
+static void test_segments_fast_matches_json(void **state) {
+  (void)state;
+  char text[8192], why_a[320], why_b[320];
+  unsigned fast_taken = 0, valid = 0;
+  for (int i = 0; i < 20000; i++) {
+    make_segments(text, sizeof(text));
+    dsv4_forward_req_t a, b;
+    memset(&a, 0, sizeof(a));
+    memset(&b, 0, sizeof(b));
+    why_a[0] = why_b[0] = '\0';
+    int ra = dsv4__forward_segments(text, 4, 0, &a, why_a, sizeof(why_a));
+    int rb = dsv4__forward_segments(text, 4, 1, &b, why_b, sizeof(why_b));
+    if (ra != rb || strcmp(why_a, why_b))
+      fail_msg("text %s: json %d \"%s\", fast %d \"%s\"", text, ra, why_a, rb, why_b);
+    if (ra == 0) {
+      valid++;
+      fast_taken += b.segs_text != NULL;
+      assert_int_equal(a.n_segs, b.n_segs);
+      for (uint32_t s = 0; s < a.n_segs; s++) {
+        assert_int_equal(a.segs[s].name_len, b.segs[s].name_len);
+        assert_memory_equal(a.segs[s].name, b.segs[s].name, a.segs[s].name_len);
+        assert_int_equal(a.segs[s].start, b.segs[s].start);
+        assert_int_equal(a.segs[s].len, b.segs[s].len);
+        assert_int_equal(a.segs[s].is_new, b.segs[s].is_new);
+      }
+    } else {
+      assert_null(b.segs_text);
+    }
+    dsv4_forward_req_free(&a);
+    dsv4_forward_req_free(&b);
+  }
+  /* The generator's texts are valid often enough, and the fast reader takes most of those. */
+  assert_true(valid > 3000);
+  assert_true(fast_taken > valid / 10 * 9);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_valid),
@@ -424,6 +584,7 @@ int main(void) {
       cmocka_unit_test(test_reject_segments),
       cmocka_unit_test(test_duplicate_keys),
       cmocka_unit_test(test_short_message_buffer),
+      cmocka_unit_test(test_segments_fast_matches_json),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
