@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Writes the seed corpus of fuzz_forward (tests/fuzz/corpus/forward): POST /v1/forward bodies for the
 fuzzer's limits (heads 2, max_batch_tokens 8, max_segments 8, layers 0-3, max_position_embeddings
-65536), a few accepted and one of each kind of refusal. Usage: forward_corpus.py [out-dir]"""
+65536), a few accepted and one of each kind of refusal, and a few segments texts alone. Usage:
+forward_corpus.py [out-dir]"""
 
 import json
 import os
@@ -78,6 +79,11 @@ SEEDS = {
     "bad-seg-sum": body(2, segments=[seg("a", 0, 1)]),
     "bad-posrange": body(1, segments=[seg("a", 65536, 1)]),
     "bad-truncated": body()[:100],
+    # Segments texts alone, for the two segments readers the driver compares on every input.
+    "segs-plain": b'[{"seq":"a.b","start":7,"len":2,"new":true},{"len":1,"seq":"c-1:x_y","start":0}]',
+    "segs-spaced": b' [ { "seq" : "a" ,\n "start" : 0 ,\t"len" : 3 , "new" : false } ]\r\n',
+    "segs-escaped": b'[{"seq":"\\u0041b","start":0,"len":1}]',
+    "segs-numbers": b'[{"seq":"a","start":1.0,"len":1},{"seq":"b","start":-0,"len":01}]',
 }
 
 if __name__ == "__main__":
