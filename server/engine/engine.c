@@ -74,10 +74,11 @@ static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_ta
  * bodies and answers, a shared region): the insert reads q and kv where the caller holds them and
  * writes q_out into the caller's buffer, and those copies are skipped (stage_put, stage_out,
  * stage_get). Each batch's host buffers are its own, so the two sets' rule does not concern them.
- * The packed metadata too, in a batch without attention: each half's host copy is registered with
- * the backend (meta_reserve), and the producer and the insert read it where the engine assembled
- * it, one upload fewer on a decode's path (the half's rule applies to it as to the device
- * buffers). The slots: the producer writes them into the caller's buffer.
+ * The packed metadata too, in a batch that neither attends nor runs the compressed branch: each
+ * half's host copy is registered with the backend (meta_reserve), and the producer and the insert
+ * read it where the engine assembled it, one upload fewer on a decode's path (the half's rule
+ * applies to it as to the device buffers). The slots: the producer writes them into the caller's
+ * buffer.
  */
 enum { ST_Q, ST_KV, ST_Q_OUT, ST_META, ST_SLOTS, ST_ATTN, ST_LSE, ST_COUNT };
 
@@ -324,9 +325,11 @@ static int stage_phase(dsv4_engine_t *e, const uint64_t *ticket, int phase, uint
 
 /* The batch's inputs into the current half: the packed metadata, q and kv; ma and ia are
  * re-pointed at the copies, and *m receives the device address of the packed metadata. fused: the
- * batch takes the fused decode path (fused_decode). */
-static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, dsv4_map_args_t *ma,
-                        dsv4_insert_args_t *ia, const uint8_t **m, size_t off[M_COUNT]) {
+ * batch takes the fused decode path (fused_decode); meta_in_place: only the producer and the insert
+ * read the packed metadata. */
+static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta_in_place,
+                        dsv4_map_args_t *ma, dsv4_insert_args_t *ia, const uint8_t **m,
+                        size_t off[M_COUNT]) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
   size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
   void *d = NULL;
@@ -340,10 +343,11 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, dsv4_map
     if (bytes[i])
       memcpy(h->meta + off[i], src[i], bytes[i]);
   /* Read in place by the producer and the insert (a few loads per thread, at once), but uploaded
-   * when the attention runs: its CTAs walk the block tables and segments of every token, which
-   * over PCIe made a 16-token decode with attention half again as slow (tests/bench/NOTES.md,
-   * "The metadata and the slots in place"). */
-  int rc = stage_put(e, ST_META, h->meta, meta, !f->attn, &d);
+   * when other launches read it too: the attention's CTAs walk the block tables and segments of
+   * every token, which over PCIe made a 16-token decode with attention half again as slow
+   * (tests/bench/NOTES.md, "The metadata and the slots in place"), and the compressed branch's
+   * launches read the positions of every token. */
+  int rc = stage_put(e, ST_META, h->meta, meta, meta_in_place, &d);
   if (rc)
     return rc;
   *m = d;
@@ -390,9 +394,10 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   size_t off[M_COUNT];
   const uint8_t *m = NULL;
   const int fused = fused_decode(e, f);
+  const int meta_in_place = !f->attn && !(e->c_ratio && e->c_ratio[idx]);
   int rc = stage_phase(e, ticket, DSV4_BATCH_UPLOADS, NULL);
   if (!rc)
-    rc = stage_inputs(e, f, fused, ma, ia, &m, off);
+    rc = stage_inputs(e, f, fused, meta_in_place, ma, ia, &m, off);
   dsv4_attn_args_t aa;
   if (!rc) {
     ia->kv_norm_weight =
