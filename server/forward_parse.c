@@ -280,9 +280,11 @@ static int take_int(seg_reader_t *rd, int64_t *v) {
   if (*rd->p == '0' && rd->p[1] >= '0' && rd->p[1] <= '9')
     return rd->ok = 0; /* a leading zero: not JSON */
   int64_t x = 0;
-  for (; *rd->p >= '0' && *rd->p <= '9' && digits < 19; rd->p++, digits++)
+  for (; *rd->p >= '0' && *rd->p <= '9' && digits < 18; rd->p++, digits++)
     x = x * 10 + (*rd->p - '0');
-  if (digits == 0 || digits > 18 || *rd->p == '.' || *rd->p == 'e' || *rd->p == 'E')
+  /* A 19th digit, a fraction or an exponent: left to the JSON parser. */
+  if (digits == 0 || (*rd->p >= '0' && *rd->p <= '9') || *rd->p == '.' || *rd->p == 'e' ||
+      *rd->p == 'E')
     return rd->ok = 0;
   *v = neg ? -x : x;
   return 1;
