@@ -44,7 +44,7 @@ static __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
 /* The warps of a fast kernel's CTA of MT m-tiles (the window's and the union's): 8 for one, 16 for
  * more. Such a CTA has an SM to itself (its shared memory), and its serial instruction stream is
  * the kernel's time: twice the warps share it (32, tried, were slower: 64 registers a thread). */
-static constexpr int fast_warps(int mt) {
+static constexpr __host__ __device__ int fast_warps(int mt) {
   return mt >= 2 ? 16 : 8;
 }
 
@@ -234,6 +234,43 @@ static __device__ void fast_store_out(const attn_params_t &p, const attn_misc_t 
       row[d >> 1] = fast_out_pair(acc[j][2 * half], acc[j][2 * half + 1], inv, d, ms.rope);
     }
   }
+}
+
+/* Bytes of a warp's output tile in shared memory (fast_store_out_tile): 16 heads, 64 bf16 dims. */
+#define OUT_TILE 2048
+
+/*
+ * o = N (1 / D), the inverse RoPE on dims 448..511 and bf16, as fast_store_out, for the 8 n-tiles
+ * of dims d0..d0 + 63 of the warp's m-tile, through the warp's tile in shared memory: the lanes'
+ * pairs go into it (16 rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r & 7): the
+ * quads' 4-byte writes fall in 32 different banks), then each lane takes 16 bytes of it, so that a
+ * store writes four whole rows of 128 bytes. The 4-byte stores of fast_store_out left each 32-byte
+ * sector half written by one instruction: four times the L2 requests of whole lines.
+ */
+static __device__ void fast_store_out_tile(const attn_params_t &p, const attn_misc_t &ms,
+                                           const fast_misc_t &fm, uint32_t t, uint32_t h_first,
+                                           uint32_t mt, uint32_t d0, uint32_t lane, uint8_t *tile,
+                                           const float (&acc)[8][4]) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    const uint32_t r = (lane >> 2) + 8 * half;
+    const float inv = 1.0f / fm.den[mt * 16 + r]; /* +inf (a sink of +inf) gives 0 */
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const uint32_t d = d0 + 8 * j + 2 * (lane & 3);
+      *reinterpret_cast<uint32_t *>(tile + r * 128 + ((j ^ (r & 7)) << 4) + 4 * (lane & 3)) =
+          fast_out_pair(acc[j][2 * half], acc[j][2 * half + 1], inv, d, ms.rope);
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const uint32_t r = 4 * i + (lane >> 3), c = lane & 7, h = h_first + mt * 16 + r;
+    const uint4 v = *reinterpret_cast<const uint4 *>(tile + r * 128 + ((c ^ (r & 7)) << 4));
+    if (h < p.heads)
+      p.out[((uint64_t)t * p.heads + h) * 64 + d0 / 8 + c] = v;
+  }
+  __syncwarp(); /* the tile is read before the warp's next chunk writes it */
 }
 
 /* The pairs (m, S) of a split launch's partial states, after every N (attention-split.h). */

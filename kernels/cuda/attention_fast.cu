@@ -19,8 +19,9 @@
  *   scores  warp w: m-tile w % MT, candidates (w / MT) 128 MT / W.. of the 128, mma m16n8k16 over
  *           the 512 dims
  *   softmax warp w: heads w, w + W, ...: max, w, S, D (with the sink), lse, the weights as bf16
- *   output  warp w: m-tile w % MT, dims (w / MT) 512 MT / W.., mma over the candidates, then
- *           o = N / D, inverse RoPE, bf16, stored
+ *   output  warp w: m-tile w % MT, dims (w / MT) 512 MT / W.., 64 at a time: mma over the
+ *           candidates, then o = N / D, inverse RoPE, bf16, through the warp's tile in shared
+ *           memory to whole 128-byte rows of the output
  * Split windows (flash-decoding), when a launch's CTAs fill less than half the device (a decode
  * step of a few tokens; attention-split.h): the grid's y holds nsplit = 2, 4 or 8 splits, and split
  * s stages, scores and weighs only the window's candidates 128 s / nsplit.. (128 / nsplit of them:
@@ -37,11 +38,17 @@
 #include "attention-split.h"
 
 /* Shared memory of a CTA of MT m-tiles: the window (bf16, 128 rows of 1 KiB), then q (16 MT rows
- * of 1 KiB), whose space the scores and the weights (hi and lo) take once the scores are made. */
+ * of 1 KiB), whose space the scores and the weights (hi and lo) take once the scores are made.
+ * The scores' space then holds the warps' output tiles (OUT_TILE each): at least their size. */
+static constexpr __host__ __device__ size_t fast_ss_bytes(int mt) {
+  return (size_t)16 * mt * S_STRIDE * 4 > (size_t)fast_warps(mt) * OUT_TILE
+             ? (size_t)16 * mt * S_STRIDE * 4
+             : (size_t)fast_warps(mt) * OUT_TILE;
+}
 static constexpr size_t fast_q_bytes(int mt) {
-  return (size_t)16 * mt * K_ROW > (size_t)16 * mt * (S_STRIDE * 4 + 2 * P_ROW)
+  return (size_t)16 * mt * K_ROW > fast_ss_bytes(mt) + (size_t)16 * mt * 2 * P_ROW
              ? (size_t)16 * mt * K_ROW
-             : (size_t)16 * mt * (S_STRIDE * 4 + 2 * P_ROW);
+             : fast_ss_bytes(mt) + (size_t)16 * mt * 2 * P_ROW;
 }
 static constexpr size_t fast_smem_bytes(int mt) {
   return (size_t)DSV4_WINDOW * K_ROW + fast_q_bytes(mt);
@@ -93,20 +100,33 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
 }
 
 /*
- * The weighted sums of the warp's m-tile over its DW = 512 MT / W dims, in chunks of at most 128
- * dims (16 n-tiles of accumulators): N = P_hi V + P_lo V over the candidates 0..n16 - 1, then
- * stored (a split's N unnormalised, into its partial state).
+ * The weighted sums of the warp's m-tile over its DW = 512 MT / W dims: N = P_hi V + P_lo V over
+ * the candidates 0..n16 - 1, then stored. The output in chunks of 64 dims through the warp's tile
+ * (so: the scores' space, free after the softmax), each chunk's stores draining while the next
+ * chunk's MMAs run; a split's N unnormalised into its partial state, in chunks of at most 128
+ * dims (16 n-tiles of accumulators).
  */
 template <int MT, int W>
 static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms,
                                    const fast_misc_t &fm, const uint8_t *sp, const uint8_t *sk,
-                                   uint32_t n, uint32_t t, uint32_t h_first, uint32_t split,
-                                   uint32_t warp, uint32_t lane) {
+                                   uint8_t *so, uint32_t n, uint32_t t, uint32_t h_first,
+                                   uint32_t split, uint32_t warp, uint32_t lane) {
   constexpr int DW = DSV4_HEAD_DIM * MT / W;
   constexpr int NT = DW / 8 < 16 ? DW / 8 : 16, CHUNKS = DW / 8 / NT;
+  static_assert(DW % 64 == 0, "whole output tiles");
   const uint32_t mt = warp % MT, dw0 = (warp / MT) * DW;
   const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 16 * MT * P_ROW), ka = smem_addr(sk);
   const uint32_t kcs = ((n + 15) / 16) * 2;
+  if (p.nsplit == 1) {
+#pragma unroll 1
+    for (int ch = 0; ch < DW / 64; ch++) {
+      float acc[8][4] = {};
+      fast_pv<8>(pa, pla, ka, mt, dw0 + 64 * ch, kcs, lane, acc);
+      fast_store_out_tile(p, ms, fm, t, h_first, mt, dw0 + 64 * ch, lane, so + warp * OUT_TILE,
+                          acc);
+    }
+    return;
+  }
 #pragma unroll 1
   for (int ch = 0; ch < CHUNKS; ch++) {
     const uint32_t d0 = dw0 + ch * 8 * NT;
@@ -115,10 +135,7 @@ static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms
     for (int j = 0; j < NT; j++)
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     fast_pv<NT>(pa, pla, ka, mt, d0, kcs, lane, acc);
-    if (p.nsplit > 1)
-      fast_store_part<NT>(p, t, h_first, mt * 16 + (lane >> 2), d0, split, lane, acc);
-    else
-      fast_store_out<NT>(p, ms, fm, t, h_first, mt * 16 + (lane >> 2), d0, lane, acc);
+    fast_store_part<NT>(p, t, h_first, mt * 16 + (lane >> 2), d0, split, lane, acc);
   }
 }
 
@@ -131,7 +148,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq);
-  uint8_t *sp = sq + (size_t)16 * MT * S_STRIDE * 4;
+  uint8_t *sp = sq + fast_ss_bytes(MT);
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, split = blockIdx.y;
   const uint32_t t = blockIdx.x / p.groups;
   const uint32_t h_first = (blockIdx.x - t * p.groups) * 16 * MT;
@@ -176,7 +193,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   __syncthreads();
   fast_softmax<MT, W>(p, ss, sp, fm, t, h_first, split, warp, lane);
   __syncthreads();
-  fast_output<MT, W>(p, ms, fm, sp, sk, n, t, h_first, split, warp, lane);
+  fast_output<MT, W>(p, ms, fm, sp, sk, sq, n, t, h_first, split, warp, lane);
 }
 
 template <int MT>
