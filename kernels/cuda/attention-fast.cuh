@@ -185,6 +185,55 @@ static __device__ void fast_store_scores(float *ss, uint32_t warp, uint32_t lane
   }
 }
 
+/*
+ * The softmax's weights for the HPW heads warp, warp + W, ... of a warp, all at once so that their
+ * shuffle trees overlap: each head's 128 scaled scores from ss (lane l: candidates l, l + 32, l +
+ * 64, l + 96), m = max(m on entry, their maximum), the weights w = exp(l - m) in fp32 into the two
+ * weight planes as bf16 pairs (hi = bf16(w), lo = bf16(w - hi)), and their sum S in one fixed order
+ * (each lane's four in turn, then a shuffle tree), the same on every run.
+ */
+template <int HPW, int W>
+static __device__ __forceinline__ void fast_weights(const float *ss, uint8_t *sp, uint8_t *sp_lo,
+                                                    uint32_t warp, uint32_t lane, float (&m)[HPW],
+                                                    float (&sum)[HPW]) {
+  float v[HPW][4], tm[HPW];
+#pragma unroll
+  for (int i = 0; i < HPW; i++) {
+    tm[i] = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      v[i][k] = ss[(warp + W * i) * S_STRIDE + lane + 32 * k];
+      tm[i] = fmaxf(tm[i], v[i][k]);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1)
+#pragma unroll
+    for (int i = 0; i < HPW; i++)
+      tm[i] = fmaxf(tm[i], __shfl_xor_sync(FULL, tm[i], off));
+#pragma unroll
+  for (int i = 0; i < HPW; i++) {
+    const uint32_t h = warp + W * i;
+    m[i] = fmaxf(m[i], tm[i]);
+    sum[i] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const float w = __expf(v[i][k] - m[i]); /* exp(-inf) = +0 past the candidates */
+      sum[i] += w;
+      const uint32_t hw = bf16x2(w, 0.0f);
+      const uint16_t hi = (uint16_t)hw, lo = (uint16_t)bf16x2(w - __uint_as_float(hw << 16), 0.0f);
+      const uint32_t s = lane + 32 * k, off = swz(h, s >> 3, P_ROW) + 2 * (s & 7);
+      *reinterpret_cast<uint16_t *>(sp + off) = hi;
+      *reinterpret_cast<uint16_t *>(sp_lo + off) = lo;
+    }
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1)
+#pragma unroll
+    for (int i = 0; i < HPW; i++)
+      sum[i] += __shfl_xor_sync(FULL, sum[i], off);
+}
+
 /* A head's denominator D = S + exp(sink - m) (the sink in the denominator only; none without
  * sinks), and lse = m + log S (the sink excluded): the window's kernel, the union's and the split
  * union's combine compute them here. */
@@ -213,39 +262,17 @@ static __device__ __forceinline__ uint32_t fast_out_pair(float ne, float no, flo
   return bf16x2(e, od);
 }
 
-/* o = N (1 / D), the inverse RoPE on dims 448..511, bf16, stored: n-tile j of dims d0.. of the
- * warp's m-tile (a lane holds dims d, d + 1 of two heads, an even-odd pair of the RoPE part). */
-template <int NT>
-static __device__ void fast_store_out(const attn_params_t &p, const attn_misc_t &ms,
-                                      const fast_misc_t &fm, uint32_t t, uint32_t h_first,
-                                      uint32_t h, uint32_t d0, uint32_t lane,
-                                      const float (&acc)[NT][4]) {
-#pragma unroll
-  for (int half = 0; half < 2; half++) {
-    const uint32_t hh = h + 8 * half;
-    if (h_first + hh >= p.heads)
-      continue;
-    const float inv = 1.0f / fm.den[hh]; /* +inf (a sink of +inf) gives 0 */
-    uint32_t *row =
-        reinterpret_cast<uint32_t *>(p.out + ((uint64_t)t * p.heads + h_first + hh) * 64);
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-      const uint32_t d = d0 + 8 * j + 2 * (lane & 3);
-      row[d >> 1] = fast_out_pair(acc[j][2 * half], acc[j][2 * half + 1], inv, d, ms.rope);
-    }
-  }
-}
-
 /* Bytes of a warp's output tile in shared memory (fast_store_out_tile): 16 heads, 64 bf16 dims. */
 #define OUT_TILE 2048
 
 /*
- * o = N (1 / D), the inverse RoPE on dims 448..511 and bf16, as fast_store_out, for the 8 n-tiles
- * of dims d0..d0 + 63 of the warp's m-tile, through the warp's tile in shared memory: the lanes'
- * pairs go into it (16 rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r & 7): the
- * quads' 4-byte writes fall in 32 different banks), then each lane takes 16 bytes of it, so that a
- * store writes four whole rows of 128 bytes. The 4-byte stores of fast_store_out left each 32-byte
- * sector half written by one instruction: four times the L2 requests of whole lines.
+ * o = N (1 / D), the inverse RoPE on dims 448..511, bf16, stored: the 8 n-tiles of dims d0..d0 + 63
+ * of the warp's m-tile (a lane holds dims d, d + 1 of heads r and r + 8 of the tile, an even-odd
+ * pair of the RoPE part), through the warp's tile in shared memory. The lanes' pairs go into it
+ * (16 rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r & 7): the quads' 4-byte writes
+ * fall in 32 different banks), then each lane takes 16 bytes of it, so that a store writes four
+ * whole rows of 128 bytes. The lanes' own 4-byte stores left each 32-byte sector half written by
+ * one instruction: four times the L2 requests of whole lines.
  */
 static __device__ void fast_store_out_tile(const attn_params_t &p, const attn_misc_t &ms,
                                            const fast_misc_t &fm, uint32_t t, uint32_t h_first,
@@ -280,7 +307,7 @@ static __device__ __forceinline__ float2 *part_ms(const attn_params_t &p) {
 }
 
 /* N of split `split` unnormalised into its partial state: n-tile j of dims d0.. of heads h and h +
- * 8 of the CTA (a lane holds dims d, d + 1 of two heads, as in fast_store_out). */
+ * 8 of the CTA (a lane holds dims d, d + 1 of two heads, as in fast_store_out_tile). */
 template <int NT>
 static __device__ void fast_store_part(const attn_params_t &p, uint32_t t, uint32_t h_first,
                                        uint32_t h, uint32_t d0, uint32_t split, uint32_t lane,

@@ -55,46 +55,33 @@ static constexpr size_t fast_smem_bytes(int mt) {
 }
 
 /*
- * Warp per head: the maximum m, the weights w = exp(l - m) in fp32, S and D = S + exp(sink - m),
- * lse = m + log S, and the weights as bf16 pairs (hi, lo) into the two weight planes. The sums
- * run as fixed shuffle trees, the same on every run.
+ * Warp per head (heads warp, warp + W, ...): the maximum m, the weights w = exp(l - m)
+ * (fast_weights), S and D = S + exp(sink - m), lse = m + log S; a split's m and S into its partial
+ * state.
  */
 template <int MT, int W>
 static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uint8_t *sp,
                                     fast_misc_t &fm, uint32_t t, uint32_t h_first, uint32_t split,
                                     uint32_t warp, uint32_t lane) {
-  uint8_t *sp_lo = sp + 16 * MT * P_ROW;
-  for (uint32_t h = warp; h < 16 * MT; h += W) {
-    float v[4], m = -INFINITY;
+  constexpr int HPW = 16 * MT / W;
+  float m[HPW], sum[HPW];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-      v[k] = ss[h * S_STRIDE + lane + 32 * k];
-      m = fmaxf(m, v[k]);
-    }
+  for (int i = 0; i < HPW; i++)
+    m[i] = -INFINITY;
+  fast_weights<HPW, W>(ss, sp, sp + 16 * MT * P_ROW, warp, lane, m, sum);
+  if (lane != 0)
+    return;
 #pragma unroll
-    for (int off = 16; off >= 1; off >>= 1)
-      m = fmaxf(m, __shfl_xor_sync(FULL, m, off));
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const float w = __expf(v[k] - m); /* exp(-inf) = +0 past the window */
-      sum += w;
-      const uint32_t hw = bf16x2(w, 0.0f);
-      const uint16_t hi = (uint16_t)hw, lo = (uint16_t)bf16x2(w - __uint_as_float(hw << 16), 0.0f);
-      const uint32_t s = lane + 32 * k, off = swz(h, s >> 3, P_ROW) + 2 * (s & 7);
-      *reinterpret_cast<uint16_t *>(sp + off) = hi;
-      *reinterpret_cast<uint16_t *>(sp_lo + off) = lo;
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off >>= 1)
-      sum += __shfl_xor_sync(FULL, sum, off);
-    if (lane == 0 && p.nsplit > 1) {
+  for (int i = 0; i < HPW; i++) {
+    const uint32_t h = warp + W * i;
+    if (p.nsplit > 1) {
       if (h_first + h < p.heads) /* a split's partial m and S: the combine ends the softmax */
-        part_ms(p)[((uint64_t)t * p.heads + h_first + h) * p.nsplit + split] = make_float2(m, sum);
-    } else if (lane == 0) {
-      fm.den[h] = fast_den(p, sum, m, fm.sink[h]);
+        part_ms(p)[((uint64_t)t * p.heads + h_first + h) * p.nsplit + split] =
+            make_float2(m[i], sum[i]);
+    } else {
+      fm.den[h] = fast_den(p, sum[i], m[i], fm.sink[h]);
       if (p.lse && h_first + h < p.heads)
-        p.lse[(uint64_t)t * p.heads + h_first + h] = fast_lse(m, sum);
+        p.lse[(uint64_t)t * p.heads + h_first + h] = fast_lse(m[i], sum[i]);
     }
   }
 }

@@ -71,47 +71,30 @@ static constexpr size_t funion_smem_bytes(int mt) {
 }
 
 /*
- * One tile of the online softmax, warp per head: the new maximum m' (ms.m), the weights exp(l - m')
- * as bf16 pairs into the two weight planes, the rescale a = exp(m - m') of the earlier tiles
- * (alpha), and S = S a + the tile's sum (um.s) in a fixed shuffle tree.
+ * One tile of the online softmax, warp per head (heads warp, warp + W, ...): the new maximum m'
+ * (ms.m) and the weights exp(l - m') as bf16 pairs into the two weight planes (fast_weights), the
+ * rescale a = exp(m - m') of the earlier tiles (alpha), and S = S a + the tile's sum (um.s).
  */
 template <int MT, int W>
 static __device__ void funion_softmax(const float *ss, uint8_t *sp, attn_misc_t &ms,
                                       union_misc_t &um, float *alpha, uint32_t warp,
                                       uint32_t lane) {
-  uint8_t *sp_lo = sp + 16 * MT * P_ROW;
-  for (uint32_t h = warp; h < 16 * MT; h += W) {
-    float v[4], tm = -INFINITY;
+  constexpr int HPW = 16 * MT / W;
+  float m_old[HPW], m[HPW], sum[HPW];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-      v[k] = ss[h * S_STRIDE + lane + 32 * k];
-      tm = fmaxf(tm, v[k]);
-    }
+  for (int i = 0; i < HPW; i++)
+    m_old[i] = m[i] = ms.m[warp + W * i];
+  fast_weights<HPW, W>(ss, sp, sp + 16 * MT * P_ROW, warp, lane, m, sum);
+  __syncwarp(); /* every lane has read ms.m before lane 0 replaces it */
+  if (lane != 0)
+    return;
 #pragma unroll
-    for (int off = 16; off >= 1; off >>= 1)
-      tm = fmaxf(tm, __shfl_xor_sync(FULL, tm, off));
-    const float m_old = ms.m[h], m = fmaxf(m_old, tm);
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const float w = __expf(v[k] - m); /* exp(-inf) = +0 past the tile's candidates */
-      sum += w;
-      const uint32_t hw = bf16x2(w, 0.0f);
-      const uint16_t hi = (uint16_t)hw, lo = (uint16_t)bf16x2(w - __uint_as_float(hw << 16), 0.0f);
-      const uint32_t s = lane + 32 * k, off = swz(h, s >> 3, P_ROW) + 2 * (s & 7);
-      *reinterpret_cast<uint16_t *>(sp + off) = hi;
-      *reinterpret_cast<uint16_t *>(sp_lo + off) = lo;
-    }
-#pragma unroll
-    for (int off = 16; off >= 1; off >>= 1)
-      sum += __shfl_xor_sync(FULL, sum, off);
-    __syncwarp(); /* every lane has read ms.m[h] before lane 0 replaces it */
-    if (lane == 0) {
-      const float a = __expf(m_old - m); /* 0 on the first tile (m_old = -inf) */
-      um.s[h] = um.s[h] * a + sum;
-      ms.m[h] = m;
-      alpha[h] = a;
-    }
+  for (int i = 0; i < HPW; i++) {
+    const uint32_t h = warp + W * i;
+    const float a = __expf(m_old[i] - m[i]); /* 0 on the first tile (m_old = -inf) */
+    um.s[h] = um.s[h] * a + sum[i];
+    ms.m[h] = m[i];
+    alpha[h] = a;
   }
 }
 
@@ -239,8 +222,10 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   }
   funion_finish<MT>(p, ms, um, fm, t, h_first);
   __syncthreads();
-  fast_store_out<NT>(p, ms, fm, t, h_first, (warp % MT) * 16 + (lane >> 2), (warp / MT) * 8 * NT,
-                     lane, acc);
+  /* The output through the warps' tiles in the records' space, free after the last tile. */
+  static_assert(NT == 8, "a warp's dims are one output tile");
+  fast_store_out_tile(p, ms, fm, t, h_first, warp % MT, (warp / MT) * 8 * NT, lane,
+                      sk + warp * OUT_TILE, acc);
 }
 
 /*
