@@ -36,6 +36,10 @@
  */
 #include "attention-fast.cuh"
 #include "attention-split.h"
+#include "phase-probe.cuh"
+
+/* The phases of a CTA the probe build times (phase-probe.cuh; dsv4__cuda_attention_fast_phases). */
+enum { PH_WAIT, PH_SETUP, PH_STAGE, PH_SCORES, PH_SOFTMAX, PH_OUTPUT };
 
 /* Shared memory of a CTA of MT m-tiles: the window (bf16, 128 rows of 1 KiB), then q (16 MT rows
  * of 1 KiB), whose space the scores and the weights (hi and lo) take once the scores are made.
@@ -139,6 +143,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, split = blockIdx.y;
   const uint32_t t = blockIdx.x / p.groups;
   const uint32_t h_first = (blockIdx.x - t * p.groups) * 16 * MT;
+  PHASE_START();
   /* Before the wait: the sinks, immutable data. */
   if (tid < 16 * MT)
     fm.sink[tid] = p.sink && h_first + tid < p.heads ? p.sink[h_first + tid] : 0.0f;
@@ -148,12 +153,14 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
 #endif
   dsv4__dep_wait_params(p);
+  PHASE_MARK(PH_WAIT);
   dsv4__dep_trigger();
   uint4 qv[16 * MT * 64 / (32 * W)]; /* q_out's rows, in flight during the setup's loads */
   if (!p.q_raw)
     fast_fetch_q<MT, W>(p, t, h_first, qv);
   if (attn_setup(p, t, ms))
     return;
+  PHASE_MARK(PH_SETUP);
   /* The CTA's candidates: the window, or split `split`'s part of it. */
   const uint32_t span = DSV4_WINDOW / p.nsplit, first = split * span;
   const uint32_t n = first < ms.n ? min(ms.n - first, span) : 0;
@@ -170,6 +177,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   attn_stage<true, 32 * W>(p, ms, sk, first, n);
   fast_zero_tail(sk, n);
   __syncthreads();
+  PHASE_MARK(PH_STAGE);
   {
     float acc[2 * NP][4] = {};
     if ((warp / MT) * 16 * NP < n) /* warp-uniform: a warp whose candidates all lie past n rests */
@@ -178,9 +186,12 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
     fast_store_scores<MT, NP>(ss, warp, lane, n, acc);
   }
   __syncthreads();
+  PHASE_MARK(PH_SCORES);
   fast_softmax<MT, W>(p, ss, sp, fm, t, h_first, split, warp, lane);
   __syncthreads();
+  PHASE_MARK(PH_SOFTMAX);
   fast_output<MT, W>(p, ms, fm, sp, sk, sq, n, t, h_first, split, warp, lane);
+  PHASE_END(PH_OUTPUT);
 }
 
 template <int MT>
@@ -204,6 +215,16 @@ extern "C" int dsv4__cuda_attention_fast_supported(int dev) {
   return major >= 9 &&
          (size_t)optin >= fast_smem_bytes(4) + sizeof(attn_misc_t) + sizeof(fast_misc_t);
 }
+
+#ifdef DSV4_PHASE_PROBE
+extern "C" long long dsv4__cuda_attention_fast_phases(double cycles[6]) {
+  double all[DSV4_PHASE_SLOTS - 1];
+  const long long ctas = dsv4__phase_take(all);
+  for (int i = 0; i <= PH_OUTPUT; i++)
+    cycles[i] = all[i];
+  return ctas;
+}
+#endif
 
 extern "C" uint32_t dsv4__cuda_attention_fast_heads_per_block(uint32_t n_tokens, uint32_t heads) {
   dsv4__cuda_dev_t dev;

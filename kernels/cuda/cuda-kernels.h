@@ -200,6 +200,12 @@ uint32_t dsv4__cuda_attention_fast_union_heads_per_block(uint32_t n_tokens, uint
 uint32_t dsv4__cuda_attention_fast_union_splits(uint32_t n_tokens, uint32_t heads);
 /* The splits of each token's window in a fast launch without compressed entries (1, 2, 4 or 8). */
 uint32_t dsv4__cuda_attention_fast_splits(uint32_t n_tokens, uint32_t heads);
+#ifdef DSV4_PHASE_PROBE
+/* A build with the phase probe (CMake DSV4_CUDA_PHASES, phase-probe.cuh): the fast window kernel's
+ * cycles a CTA since the last call, by phase (the dependency wait, the setup, the staging, the
+ * scores, the softmax, the weighted sum and its stores), and the CTAs counted (-1: unreadable). */
+long long dsv4__cuda_attention_fast_phases(double cycles[6]);
+#endif
 
 /*
  * A CUDA error as a project error code: cudaSuccess -> 0, out of memory -> DSV4_ENOMEM, no device

@@ -149,6 +149,14 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
     CK(cudaStreamEndCapture(s, &gr));
     us[mode] = replay_us(s, gr, per_graph);
   }
+#ifdef DSV4_PHASE_PROBE
+  double ph[6];
+  const long long ctas = dsv4__cuda_attention_fast_phases(ph);
+  if (fast && ctas > 0)
+    printf("%9s phases, cycles a CTA: wait %.0f, setup %.0f, stage %.0f, scores %.0f, softmax "
+           "%.0f, weighted sum and stores %.0f (%lld CTAs)\n",
+           "", ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ctas);
+#endif
   uint32_t word = 1;
   CK(cudaMemcpy(&word, err, sizeof(word), cudaMemcpyDeviceToHost));
   if (word) {
