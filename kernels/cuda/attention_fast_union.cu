@@ -57,6 +57,10 @@
 #include "attention-fast.cuh"
 #include "attention-split.h"
 #include "attention-union.cuh"
+#include "phase-probe.cuh"
+
+/* The phases of a union CTA the probe build times (phase-probe.cuh), each tile's added up. */
+enum { UPH_WAIT, UPH_SETUP, UPH_STAGE, UPH_SCORES, UPH_SOFTMAX, UPH_SUM, UPH_OUTPUT };
 
 /* Threads of a combine CTA: one (token, head), 4 of its 512 dims each. */
 #define COMBINE_THREADS 128
@@ -158,6 +162,7 @@ static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &m
   stage_records<true, 32 * W>(nt, sk, ms);
   fast_zero_tail(sk, nt);
   __syncthreads();
+  PHASE_MARK(UPH_STAGE);
   constexpr int NP = 8 * MT / W; /* pairs of n-tiles of candidates a warp scores */
   float acc[2 * NP][4] = {};
   if ((warp / MT) * 16 * NP < nt) /* warp-uniform: a warp whose candidates all lie past nt rests */
@@ -180,6 +185,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, split = blockIdx.y;
   const uint32_t t = blockIdx.x / p.groups;
   const uint32_t h_first = (blockIdx.x - t * p.groups) * 16 * MT;
+  PHASE_START();
   /* Before the wait: the sinks, immutable data. */
   if (tid < 16 * MT)
     fm.sink[tid] = p.sink && h_first + tid < p.heads ? p.sink[h_first + tid] : 0.0f;
@@ -187,9 +193,11 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   union_early_count(p, t, um);
 #endif
   dsv4__dep_wait_params(p);
+  PHASE_MARK(UPH_WAIT);
   dsv4__dep_trigger();
   if (union_setup(p, t, ms, um))
     return;
+  PHASE_MARK(UPH_SETUP);
   /* The CTA's part of the list: candidates lo..hi - 1 (attention-split.h), in tiles of 128. */
   const uint32_t nc = um.nc, per = dsv4__union_split_span(nc, p.nsplit);
   const uint32_t lo = min(split * per, nc), hi = min(lo + per, nc);
@@ -205,10 +213,13 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
     const uint32_t nt = min(hi - first, (uint32_t)DSV4_WINDOW);
     funion_tile_scores<MT, W>(p, ms, um, sq, sk, ss, first, nt, warp, lane);
     __syncthreads();
+    PHASE_MARK(UPH_SCORES);
     funion_softmax<MT, W>(ss, sp, ms, um, alpha, warp, lane);
     __syncthreads();
+    PHASE_MARK(UPH_SOFTMAX);
     funion_accumulate<MT, NT>(sp, sk, alpha, nt, warp, lane, acc);
     __syncthreads(); /* the next tile rewrites the addresses, the records and the weights */
+    PHASE_MARK(UPH_SUM);
   }
   if (p.nsplit > 1) {
 #ifdef DSV4_TEST_DELAY_PARTS
@@ -218,6 +229,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
     dsv4__test_delay();
 #endif
     funion_store_part<MT, NT>(p, ms, um, t, h_first, split, warp, lane, acc);
+    PHASE_END(UPH_OUTPUT);
     return;
   }
   funion_finish<MT>(p, ms, um, fm, t, h_first);
@@ -226,6 +238,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   static_assert(NT == 8, "a warp's dims are one output tile");
   fast_store_out_tile(p, ms, fm, t, h_first, warp % MT, (warp / MT) * 8 * NT, lane,
                       sk + warp * OUT_TILE, acc);
+  PHASE_END(UPH_OUTPUT);
 }
 
 /*
@@ -327,6 +340,13 @@ static void funion_shape(uint32_t n_tokens, uint32_t heads, int sms, int *mt, ui
                                                                    : DSV4_UNION_MAX_SPLITS;
 #endif
 }
+
+#ifdef DSV4_PHASE_PROBE
+extern "C" long long dsv4__cuda_attention_fast_union_phases(double cycles[7]) {
+  static_assert(UPH_OUTPUT < DSV4_PHASE_SLOTS - 1, "a slot a phase");
+  return dsv4__phase_take(cycles);
+}
+#endif
 
 extern "C" uint32_t dsv4__cuda_attention_fast_union_heads_per_block(uint32_t n_tokens,
                                                                     uint32_t heads) {

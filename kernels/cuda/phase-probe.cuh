@@ -5,22 +5,28 @@
  * DSV4_PHASE_PROBE for the CUDA backend; off in every other build, where these are no-ops).
  * Thread 0 of each CTA reads the SM's cycle counter at the kernel's start and at each mark (placed
  * after a barrier, so it is the CTA's progress, not one warp's) and adds the cycles since the last
- * one to the phase's total, summed over every CTA of every launch of the translation unit; the
- * last slot counts the CTAs that reached PHASE_END. A kernel file that uses them defines a function
- * that reads and resets the totals (cuda-kernels.h).
+ * one to the phase's total, summed over every CTA of every launch of the translation unit (a phase
+ * marked once a tile sums its tiles); the last slot counts the CTAs that reached PHASE_END. A
+ * kernel file that uses them defines a function that reads and resets the totals (cuda-kernels.h).
  */
 #define DSV4_PHASE_SLOTS 8
 
 #ifdef DSV4_PHASE_PROBE
 static __device__ unsigned long long dsv4__phase_cycles[DSV4_PHASE_SLOTS];
+/* The last stamp, thread 0's (so that a mark may sit in any function the kernel calls). */
+static __shared__ unsigned long long dsv4__phase_last;
 
-#define PHASE_START() unsigned long long phase_t_ = clock64()
+#define PHASE_START()                                                                              \
+  do {                                                                                             \
+    if (threadIdx.x == 0)                                                                          \
+      dsv4__phase_last = clock64();                                                                \
+  } while (0)
 #define PHASE_MARK(k)                                                                              \
   do {                                                                                             \
     if (threadIdx.x == 0) {                                                                        \
       const unsigned long long c_ = clock64();                                                     \
-      atomicAdd(&dsv4__phase_cycles[(k)], c_ - phase_t_);                                          \
-      phase_t_ = c_;                                                                               \
+      atomicAdd(&dsv4__phase_cycles[(k)], c_ - dsv4__phase_last);                                  \
+      dsv4__phase_last = c_;                                                                       \
     }                                                                                              \
   } while (0)
 /* The last phase k ends when every warp is done; the CTA is counted. */

@@ -150,7 +150,7 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
     us[mode] = replay_us(s, gr, per_graph);
   }
 #ifdef DSV4_PHASE_PROBE
-  double ph[6];
+  double ph[7];
   const long long ctas = dsv4__cuda_attention_fast_phases(ph);
   if (fast && ctas > 0)
     printf("%9s phases, cycles a CTA: wait %.0f, setup %.0f, stage %.0f, scores %.0f, softmax "

@@ -540,6 +540,14 @@ static void bench(const shape_t *sh, double copy, float *mirror, dsv4_rope_table
            dsv4__cuda_attention_fast_union_splits(sh->b, HEADS));
     row(name, sh->b, "step fast", t_index + t_fast, f_index + f_attn);
     printf("\n");
+#ifdef DSV4_PHASE_PROBE
+    double ph[7];
+    const long long ctas = dsv4__cuda_attention_fast_union_phases(ph);
+    if (ctas > 0)
+      printf("          attn fast phases, cycles a CTA: wait %.0f, setup %.0f, staging %.0f, "
+             "scores %.0f, softmax %.0f, weighted sum %.0f, output %.0f (%lld CTAs)\n",
+             ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6], ctas);
+#endif
   }
   fflush(stdout);
   world_free(&w);
