@@ -499,7 +499,7 @@ int dsv4_forward_parse_view(const dsv4_forward_limits_t *lim, dsv4_forward_req_t
   }
 
   layer_s = dsv4_st_meta(&r->view, "layer");
-  segs_s = dsv4_st_meta(&r->view, "segments");
+  segs_s = r->segs_given ? r->segs_given : dsv4_st_meta(&r->view, "segments");
   outputs_s = dsv4_st_meta(&r->view, "outputs");
   if (!layer_s || !segs_s) {
     snprintf(why, why_len, "__metadata__ must have \"layer\" and \"segments\"");
@@ -543,6 +543,7 @@ int dsv4_forward_parse_view(const dsv4_forward_limits_t *lim, dsv4_forward_req_t
 void dsv4_forward_req_free(dsv4_forward_req_t *r) {
   free(r->segs);
   free(r->segs_text);
+  free(r->segs_given);
   json_decref(r->segs_doc);
   dsv4_st_view_free(&r->view);
   free(r->q_copy);

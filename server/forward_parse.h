@@ -76,7 +76,9 @@ typedef struct {
   /* Owned storage, released by dsv4_forward_req_free(). */
   dsv4_st_view_t view;
   json_t *segs_doc;
-  char *segs_text;            /* the segments' text, when read without a document */
+  char *segs_text;  /* the segments' text, when read without a document */
+  char *segs_given; /* the segments' text given beside the header instead of in __metadata__ (a
+                     * shared-region message's trailer, SPEC §6.1), set before the parse */
   uint16_t *q_copy, *kv_copy; /* aligned copies when the sender's offsets were not 2-aligned */
   void *c_copy[4];            /* the same for ckv, ikv, iq and iw */
   size_t c_bytes[4];          /* their sizes */

@@ -111,6 +111,13 @@ typedef struct {
   int rc;
 } reg_job_t;
 
+/* What follows a message's JSON object: a forward's segments text ("segments_bytes"), or white
+ * space. */
+typedef struct {
+  const char *text;
+  size_t len;
+} trailer_t;
+
 static void conn_close(conn_t *c);
 static void conn_update(conn_t *c);
 
@@ -474,14 +481,49 @@ static void forward_done(void *arg, int rc, const char *message, json_t *details
 }
 
 /*
+ * The segments' text after a forward's JSON object ("segments_bytes": its length; SPEC §6.1): as
+ * __metadata__ "segments" would give it, but never lexed as a JSON string (4 KiB of escaped
+ * segments cost jansson about 35 us to read, and the client as much to write). Into p->segs_given;
+ * 0 when the message has none.
+ */
+static int segments_after(json_t *msg, const trailer_t *tr, dsv4_forward_req_t *p, char *why,
+                          size_t why_len) {
+  json_t *sb = json_object_get(msg, "segments_bytes");
+  if (!sb)
+    return 0;
+  if (!json_is_integer(sb) || json_integer_value(sb) < 1 ||
+      (uint64_t)json_integer_value(sb) != tr->len) {
+    snprintf(why, why_len,
+             "\"segments_bytes\" must be the length of the segments text after the message (%zu "
+             "bytes follow it)",
+             tr->len);
+    return DSV4_EINVAL;
+  }
+  if (dsv4_st_meta(&p->view, "segments")) {
+    snprintf(why, why_len, "the segments are given twice: in __metadata__ and after the message");
+    return DSV4_EINVAL;
+  }
+  if (memchr(tr->text, 0, tr->len)) {
+    snprintf(why, why_len, "the segments text after the message holds a NUL byte");
+    return DSV4_EINVAL;
+  }
+  p->segs_given = malloc(tr->len + 1);
+  if (!p->segs_given)
+    return DSV4_ENOMEM;
+  memcpy(p->segs_given, tr->text, tr->len);
+  p->segs_given[tr->len] = '\0';
+  return 0;
+}
+
+/*
  * The request as the HTTP body would be checked: the header's tensors in the region, then the
  * same parse, then the outputs' places. kv and the compressed branch's tensors are copied out of
  * the region, so the cache and the rings only ever holds bytes that passed the range check; q is
  * read where the client wrote it (a client that writes it during its own request changes only its
  * own answer).
  */
-static int forward_parse(conn_t *c, json_t *msg, region_t *r, dsv4_forward_req_t *p, char *why,
-                         size_t why_len) {
+static int forward_parse(conn_t *c, json_t *msg, region_t *r, const trailer_t *tr,
+                         dsv4_forward_req_t *p, char *why, size_t why_len) {
   const dsv4_forward_limits_t lim = dsv4_forward_limits(c->srv->d);
   memset(p, 0, sizeof(*p));
   int rc = dsv4_st_view_region(json_object_get(msg, "header"), r->base, r->size, &p->view);
@@ -490,7 +532,9 @@ static int forward_parse(conn_t *c, json_t *msg, region_t *r, dsv4_forward_req_t
     memset(&p->view, 0, sizeof(p->view));
     return rc;
   }
-  rc = dsv4_forward_parse_view(&lim, p, why, why_len);
+  rc = segments_after(msg, tr, p, why, why_len);
+  if (!rc)
+    rc = dsv4_forward_parse_view(&lim, p, why, why_len);
   if (rc)
     return rc;
   outputs_wanted(c, p, lim.heads, c->srv->d->cfg->model.index_topk);
@@ -500,7 +544,7 @@ static int forward_parse(conn_t *c, json_t *msg, region_t *r, dsv4_forward_req_t
   return dsv4_forward_req_own_cache_inputs(p);
 }
 
-static void op_forward(conn_t *c, json_t *msg, uint64_t t_recv) {
+static void op_forward(conn_t *c, json_t *msg, const trailer_t *tr, uint64_t t_recv) {
   char why[320] = "";
   dsv4_forward_req_t p;
   json_t *id = json_object_get(msg, "region");
@@ -516,7 +560,7 @@ static void op_forward(conn_t *c, json_t *msg, uint64_t t_recv) {
     return;
   }
   dsv4_region_forward_t rf = {.done = forward_done, .arg = c};
-  int rc = forward_parse(c, msg, *rp, &p, why, sizeof(why));
+  int rc = forward_parse(c, msg, *rp, tr, &p, why, sizeof(why));
   if (!rc) {
     uint8_t *base = (*rp)->base;
     rf.q_out = c->out[OUT_Q].wanted ? (uint16_t *)(void *)(base + c->out[OUT_Q].off) : NULL;
@@ -572,6 +616,13 @@ static int take_fds(struct msghdr *mh, int *fds) {
   return n;
 }
 
+static int all_space(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (s[i] != ' ' && s[i] != '\t' && s[i] != '\n' && s[i] != '\r')
+      return 0;
+  return 1;
+}
+
 static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd) {
   json_error_t jerr;
   if (trunc) {
@@ -584,8 +635,22 @@ static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd) 
     answer_error(c, "other", DSV4_EINVAL, "too many descriptors in one message", NULL);
     return;
   }
-  json_t *msg = json_loadb((const char *)c->srv->rx, len, JSON_REJECT_DUPLICATES, &jerr);
+  /* The JSON object, then (a forward with "segments_bytes") the segments' text: anything else
+   * after the object but white space makes the message no JSON, as the parser alone would say. */
+  json_t *msg = json_loadb((const char *)c->srv->rx, len,
+                           JSON_REJECT_DUPLICATES | JSON_DISABLE_EOF_CHECK, &jerr);
+  trailer_t tr = {NULL, 0};
   const char *op = json_string_value(json_object_get(msg, "op"));
+  if (msg && (size_t)jerr.position < len) {
+    tr.text = (const char *)c->srv->rx + jerr.position;
+    tr.len = len - (size_t)jerr.position;
+    if (!all_space(tr.text, tr.len) &&
+        !(op && !strcmp(op, "forward") && json_object_get(msg, "segments_bytes"))) {
+      json_decref(msg);
+      msg = NULL;
+      op = NULL;
+    }
+  }
   if (!json_is_object(msg) || !op) {
     answer_error(c, "other", DSV4_EINVAL,
                  msg ? "a message is a JSON object with \"op\"" : "a message must be JSON", NULL);
@@ -594,7 +659,7 @@ static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd) 
   } else if (nfd) {
     answer_error(c, "other", DSV4_EINVAL, "only a registration carries a descriptor", NULL);
   } else if (!strcmp(op, "forward")) {
-    op_forward(c, msg, uv_hrtime());
+    op_forward(c, msg, &tr, uv_hrtime());
   } else if (!strcmp(op, "unregister")) {
     op_unregister(c, msg);
   } else {

@@ -297,8 +297,9 @@ def test_shm_registration_refusals():
 
 def test_shm_bad_requests_change_nothing():
     """Offsets past the region, misaligned or overlapping, missing or unasked outputs, an unknown
-    region, a bad header, bad JSON, an unknown op, an oversized message and a sequence name that
-    needs escaping: each answered with a
+    region, a bad header, bad JSON, the segments' text after the message of the wrong length, given
+    twice, after another op or without "segments_bytes", an unknown op, an oversized message and a
+    sequence name that needs escaping: each answered with a
     JSON error, none changing a sequence or a block; then the valid batch gives the bytes of a
     daemon that saw none of them."""
     rng = np.random.default_rng(93)
@@ -329,6 +330,15 @@ def test_shm_bad_requests_change_nothing():
             def fwd(hdr=None, o=None, region=None):
                 return c.request({"op": "forward", "region": r.id if region is None else region,
                                   "header": hdr or header(), "out": out if o is None else o})
+
+            # The segments' text after the message (SPEC 6.1, "segments_bytes").
+            segs = good.metadata()["segments"]
+            bare = {k: v for k, v in good.metadata().items() if k != "segments"}
+
+            def fwd_after(meta, declared, after, op="forward"):
+                msg = {"op": op, "region": r.id, "header": header(meta=meta), "out": out,
+                       "segments_bytes": declared}
+                return c.request(json.dumps(msg, separators=(",", ":")) + after)
             big = r.size - lay.q_bytes + 2
             cases = [
                 (fwd(header(q=[big, big + lay.q_bytes])), 400, "bad_request", "past the region"),
@@ -349,6 +359,12 @@ def test_shm_bad_requests_change_nothing():
                 (c.request({"op": "forward", "region": r.id, "header": 5, "out": out}), 400,
                  "bad_request", "malformed region header"),
                 (c.request("not json"), 400, "bad_request", "JSON"),
+                (fwd_after(bare, len(segs) + 1, segs), 400, "bad_request", "segments_bytes"),
+                (fwd_after(bare, len(segs), ""), 400, "bad_request", "segments_bytes"),
+                (fwd_after(good.metadata(), len(segs), segs), 400, "bad_request", "twice"),
+                (fwd_after(bare, len(segs), segs, op="unregister"), 400, "bad_request", "JSON"),
+                (c.request(json.dumps({"op": "forward", "region": r.id, "header": header(),
+                                       "out": out}) + segs), 400, "bad_request", "JSON"),
                 (c.request({"op": "dance"}), 400, "bad_request", "op"),
                 (c.request({"op": "forward", "pad": "x" * (300 << 10)}), 413, "payload_too_large",
                  None),
