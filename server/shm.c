@@ -78,6 +78,8 @@ struct conn {
   int closing;   /* the peer left or the server closes: tear down once not busy */
   char *pending; /* an answer the socket did not take yet */
   size_t pending_len;
+  int armed; /* the events the poll handle waits for (conn_update) */
+  int hold;  /* the client sent before its answer: readability ignored until it is answered */
   out_t out[OUT_COUNT]; /* the forward in flight */
   int want_digest;
 };
@@ -714,27 +716,39 @@ static void on_conn(uv_poll_t *h, int status, int events) {
   }
   if ((events & UV_WRITABLE) && c->pending)
     conn_flush(c);
-  if (!c->closing && (events & UV_READABLE) && !c->busy && !c->pending)
+  if (!c->closing && (events & UV_READABLE) && (c->busy || c->pending))
+    c->hold = 1;
+  else if (!c->closing && (events & UV_READABLE))
     conn_read(c);
   if (!c->closing)
     conn_update(c);
 }
 
-/* Wait for what the connection can do next: a message when idle, room for a pending answer. */
+/*
+ * Wait for what the connection can do next: a message when idle, room for a pending answer. While
+ * a request is in flight the handle stays armed for reading, as it was, until the client sends
+ * anyway (on_conn then sets hold): a client that waits for its answers costs no epoll_ctl per
+ * request (libuv's uv_poll_start re-registers the descriptor even for the same events).
+ */
 static void conn_update(conn_t *c) {
-  int ev = 0;
   if (!c->busy && !c->pending)
-    ev |= c->srv->draining ? 0 : UV_READABLE;
+    c->hold = 0;
+  int ev = 0;
+  if (!c->hold && !c->pending && !c->srv->draining && (!c->busy || (c->armed & UV_READABLE)))
+    ev |= UV_READABLE;
   if (c->pending)
     ev |= UV_WRITABLE;
   if (c->srv->draining && !c->busy && !c->pending) {
     conn_close(c); /* drained: nothing in flight and nothing to send */
     return;
   }
+  if (ev == c->armed)
+    return;
   if (ev)
     uv_poll_start(&c->poll, ev, on_conn);
   else
     uv_poll_stop(&c->poll);
+  c->armed = ev;
 }
 
 static void server_maybe_done(dsv4_shm_server_t *s) {
