@@ -13,6 +13,7 @@ import mmap
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -390,6 +391,58 @@ def test_shm_bad_requests_change_nothing():
         shutil.rmtree(work, ignore_errors=True)
 
 
+def test_shm_message_before_answer():
+    """A client that sends its next message while its forward is in flight: the daemon reads it
+    only after answering the forward, so the answers come in the order of the messages; then a
+    forward of the next tokens is answered as usual."""
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        sock = os.path.join(work, "shm.sock")
+        with Daemon(h.SMALL + ["--listen-shm", sock]):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(sock)
+            size = 64 << 20
+            fd = memfd(size, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            socket.send_fds(s, [b'{"op":"register"}'], [fd])
+            ans = json.loads(s.recv(1 << 18))
+            check_eq(ans["status"], 200, "registration: %r" % ans)
+            rid = ans["region"]
+            rng = np.random.default_rng(95)
+            model = h.model()
+            # A 2048-token prefill on one host thread: milliseconds in flight, while the next
+            # message is already in the socket.
+            for i, (start, n) in enumerate(((0, 2048), (2048, 3))):
+                b = Batch.random(rng, 0, [Seg("p", start, n, start == 0)], HEADS)
+                lay = Layout(b)
+                with mmap.mmap(fd, size) as m:
+                    m[lay.q:lay.q + lay.q_bytes] = b.q.astype("<u2").tobytes()
+                    m[lay.kv:lay.kv + lay.kv_bytes] = b.kv.astype("<u2").tobytes()
+                header = {"__metadata__": b.metadata(),
+                          "q": {"dtype": "BF16", "shape": [n, HEADS, 512],
+                                "data_offsets": [lay.q, lay.q + lay.q_bytes]},
+                          "kv": {"dtype": "BF16", "shape": [n, 512],
+                                 "data_offsets": [lay.kv, lay.kv + lay.kv_bytes]}}
+                fwd = json.dumps({"op": "forward", "region": rid, "header": header,
+                                  "out": {"q_out": lay.out["q_out"], "slots": lay.out["slots"]}})
+                nxt = json.dumps({"op": "unregister", "region": rid + 9}).encode()
+                s.send(fwd.encode())
+                if i == 0:  # sent before the forward's answer
+                    s.send(nxt)
+                ans = json.loads(s.recv(1 << 18))
+                check_eq(ans["status"], 200, "forward %d answered first: %r" % (i, ans))
+                with mmap.mmap(fd, size) as m:
+                    o = ans["tensors"]["q_out"]["data_offsets"]
+                    q_out = np.frombuffer(m[o[0]:o[1]], dtype="<u2").reshape(n, HEADS, 512)
+                check(np.array_equal(q_out, model.q_out(b)), "forward %d: q_out" % i)
+                if i == 0:
+                    refused(json.loads(s.recv(1 << 18)), 404, "not_found",
+                            "the message sent before the answer")
+            s.close()
+            os.close(fd)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def test_shm_c_example():
     """The README's C example through libdsv4client: its prefill and decode answer what the same
     batches answer over HTTP."""
@@ -478,5 +531,5 @@ def test_shm_max_connections():
 
 if __name__ == "__main__":
     h.main([test_shm_same_bytes, test_shm_registration_refusals,
-            test_shm_bad_requests_change_nothing, test_shm_c_example, test_shm_close_and_drain,
-            test_shm_max_connections])
+            test_shm_bad_requests_change_nothing, test_shm_message_before_answer,
+            test_shm_c_example, test_shm_close_and_drain, test_shm_max_connections])
