@@ -156,8 +156,8 @@ int dsv4c_request(dsv4c_client_t *c, const char *msg, int fd, dsv4c_result_t *re
   return rc;
 }
 
-/* Send a message built as a JSON object (taken) and read the answer. */
-/* doc as compact JSON, then trailer (a forward's segments text, or NULL), as one message. */
+/* Send a message built as a JSON object (taken), then trailer (a forward's segments text, or
+ * NULL), as one message, and read the answer. */
 static int request_doc(dsv4c_client_t *c, json_t *doc, const char *trailer, int fd,
                        dsv4c_result_t *res) {
   char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
@@ -356,21 +356,18 @@ static char *segments_json(const dsv4c_forward_t *f, uint64_t *n_tokens) {
  * escaping here and the unescaping in the daemon, about 20 and 35 us at 64 segments.
  */
 static json_t *metadata(const dsv4c_forward_t *f, uint64_t *n_tokens, char **after) {
-  char *segs_text = segments_plain(f, n_tokens);
-  *after = segs_text;
-  if (!segs_text)
-    segs_text = segments_json(f, n_tokens);
+  *after = segments_plain(f, n_tokens);
+  char *segs_text = *after ? NULL : segments_json(f, n_tokens);
+  if (!*after && !segs_text)
+    return NULL;
   char layer[16];
   snprintf(layer, sizeof(layer), "%u", f->layer);
-  json_t *m = segs_text
-                  ? json_pack("{s:s,s:s}", "layer", layer, "outputs", f->outputs ? f->outputs : "q")
-                  : NULL;
-  if (m && !*after)
+  json_t *m = json_pack("{s:s,s:s}", "layer", layer, "outputs", f->outputs ? f->outputs : "q");
+  if (m && segs_text)
     json_object_set_new(m, "segments", json_string(segs_text));
   if (m && f->attention)
     json_object_set_new(m, "attention", json_string(f->attention));
-  if (!*after)
-    free(segs_text);
+  free(segs_text);
   return m;
 }
 

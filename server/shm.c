@@ -78,8 +78,7 @@ struct conn {
   int closing;   /* the peer left or the server closes: tear down once not busy */
   char *pending; /* an answer the socket did not take yet */
   size_t pending_len;
-  int armed; /* the events the poll handle waits for (conn_update) */
-  int hold;  /* the client sent before its answer: readability ignored until it is answered */
+  int armed;            /* the events the poll handle waits for (conn_arm) */
   out_t out[OUT_COUNT]; /* the forward in flight */
   int want_digest;
 };
@@ -122,6 +121,7 @@ typedef struct {
 
 static void conn_close(conn_t *c);
 static void conn_update(conn_t *c);
+static void conn_arm(conn_t *c, int ev);
 
 /* ---- answers ---- */
 
@@ -716,32 +716,19 @@ static void on_conn(uv_poll_t *h, int status, int events) {
   }
   if ((events & UV_WRITABLE) && c->pending)
     conn_flush(c);
-  if (!c->closing && (events & UV_READABLE) && (c->busy || c->pending))
-    c->hold = 1;
-  else if (!c->closing && (events & UV_READABLE))
-    conn_read(c);
+  if (!c->closing && (events & UV_READABLE)) {
+    if (c->busy || c->pending) /* the client sent before its answer: read it after that */
+      conn_arm(c, c->armed & ~UV_READABLE);
+    else
+      conn_read(c);
+  }
   if (!c->closing)
     conn_update(c);
 }
 
-/*
- * Wait for what the connection can do next: a message when idle, room for a pending answer. While
- * a request is in flight the handle stays armed for reading, as it was, until the client sends
- * anyway (on_conn then sets hold): a client that waits for its answers costs no epoll_ctl per
- * request (libuv's uv_poll_start re-registers the descriptor even for the same events).
- */
-static void conn_update(conn_t *c) {
-  if (!c->busy && !c->pending)
-    c->hold = 0;
-  int ev = 0;
-  if (!c->hold && !c->pending && !c->srv->draining && (!c->busy || (c->armed & UV_READABLE)))
-    ev |= UV_READABLE;
-  if (c->pending)
-    ev |= UV_WRITABLE;
-  if (c->srv->draining && !c->busy && !c->pending) {
-    conn_close(c); /* drained: nothing in flight and nothing to send */
-    return;
-  }
+/* The poll handle waiting for ev, touched only when ev changes: libuv's uv_poll_start takes the
+ * descriptor out of epoll and puts it back even for the same events. */
+static void conn_arm(conn_t *c, int ev) {
   if (ev == c->armed)
     return;
   if (ev)
@@ -749,6 +736,25 @@ static void conn_update(conn_t *c) {
   else
     uv_poll_stop(&c->poll);
   c->armed = ev;
+}
+
+/*
+ * Wait for what the connection can do next: a message when idle, room for a pending answer. While
+ * a request is in flight the handle stays armed for reading, as it was, until the client sends
+ * anyway (on_conn then disarms it until the answer): a client that waits for its answers costs no
+ * epoll_ctl per request.
+ */
+static void conn_update(conn_t *c) {
+  int ev = 0;
+  if (!c->pending && !c->srv->draining && (!c->busy || (c->armed & UV_READABLE)))
+    ev |= UV_READABLE;
+  if (c->pending)
+    ev |= UV_WRITABLE;
+  if (c->srv->draining && !c->busy && !c->pending) {
+    conn_close(c); /* drained: nothing in flight and nothing to send */
+    return;
+  }
+  conn_arm(c, ev);
 }
 
 static void server_maybe_done(dsv4_shm_server_t *s) {
