@@ -298,16 +298,12 @@ static __device__ __forceinline__ void norm_q(const attn_params_t &p, uint32_t h
 }
 
 /*
- * The query's window and the launch's check (after the dependency wait): the physical blocks of
- * the window into ms.blk, the RoPE row into ms.rope; with check_all, every token of the launch is
- * checked here, else by the check kernel that ran before. On both paths the error word is read:
- * the check kernel's bits, or those of an earlier kernel of the batch (cuda-kernels.h: once the
- * word is set, every later kernel of the batch writes nothing), as union_setup and the combine
- * kernel read it. Returns 0 when the CTA may go on; otherwise every thread of it returns before
- * writing anything (SPEC §7: a failed launch writes nothing), and the error bits have been
- * reported.
+ * The query's window (after the dependency wait): the physical blocks of the window into ms.blk,
+ * the RoPE row into ms.rope, ms.lo and ms.n. Returns the calling thread's error bits (a thread
+ * checks one block): once or-ed over the CTA, 0 when the window's blocks may be read, and then ms
+ * holds them after a barrier.
  */
-static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
+static __device__ uint32_t attn_window(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
   const uint32_t tid = threadIdx.x;
   window_t w;
   uint32_t bits = token_window(p, t, &w);
@@ -322,6 +318,20 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
       ms.n = (uint32_t)(w.pos - w.lo + 1);
     }
   }
+  return bits;
+}
+
+/*
+ * The launch's check, after attn_window gave this thread's bits: with check_all, every token of the
+ * launch is checked here, else by the check kernel that ran before. On both paths the error word is
+ * read: the check kernel's bits, or those of an earlier kernel of the batch (cuda-kernels.h: once
+ * the word is set, every later kernel of the batch writes nothing), as union_setup and the combine
+ * kernel read it. Returns 0 when the CTA may go on; otherwise every thread of it returns before
+ * writing anything (SPEC §7: a failed launch writes nothing), and the error bits have been
+ * reported. A barrier.
+ */
+static __device__ int attn_check(const attn_params_t &p, uint32_t bits) {
+  const uint32_t tid = threadIdx.x;
   if (p.check_all) {
     window_t wu; /* a launch without compressed entries: the window's checks are all */
     for (uint32_t u = tid; u < p.n_tokens; u += blockDim.x)
@@ -336,14 +346,21 @@ static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t
   return __syncthreads_or(bits != 0);
 }
 
+/* The query's window and the launch's check (attn_window, then attn_check). */
+static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
+  return attn_check(p, attn_window(p, t, ms));
+}
+
 /*
  * Candidate i's record, at slot o of the block whose bytes begin at base: its addresses into ms.rec
  * and ms.scl for stage_records, and an L2 prefetch of every line of them (the records are
  * scattered over blocks, and every round of the staging's loads would otherwise wait for the
  * DRAM): the five lines of its 576 data bytes (the fifth also holds part of the next record) and
  * the line of its scales. The thread that computes a candidate's addresses does this once, so the
- * staging's loads need only an offset each.
+ * staging's loads need only an offset each. Without PREFETCH the addresses only: the caller copies
+ * the records at once (fast_copy_record).
  */
+template <bool PREFETCH = true>
 static __device__ __forceinline__ void
 put_record_addr(attn_misc_t &ms, uint32_t i, const uint8_t *base, int64_t o, uint32_t bs_shift) {
   const uint8_t *rec = base + (uint64_t)o * DSV4_TOKEN_DATA_BYTES;
@@ -351,10 +368,11 @@ put_record_addr(attn_misc_t &ms, uint32_t i, const uint8_t *base, int64_t o, uin
       base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << bs_shift) + (uint64_t)o * DSV4_SCALE_BYTES;
   ms.rec[i] = rec;
   ms.scl[i] = scl;
-#pragma unroll
-  for (int line = 0; line < 5; line++)
-    dsv4__prefetch_l2(rec + 128 * line);
-  dsv4__prefetch_l2(scl);
+  if (PREFETCH) {
+    for (int line = 0; line < 5; line++)
+      dsv4__prefetch_l2(rec + 128 * line);
+    dsv4__prefetch_l2(scl);
+  }
 }
 
 /*
@@ -363,19 +381,17 @@ put_record_addr(attn_misc_t &ms, uint32_t i, const uint8_t *base, int64_t o, uin
  * 8c..8c+7, 16 bytes) lies at byte (c & 1) * 512 + (c >> 1) * 16 of its row, so that the two
  * 16-byte pieces a lane reads for its 16 dims (pieces 2 lane and 2 lane + 1) are, over the warp,
  * two contiguous 512-byte runs. Of a CTA of T threads, thread x stages piece x & 63 of the
- * candidates x / 64 + j T / 64, sixteen candidates' loads in flight at a time. With SWZ (the fast
- * kernel's layout, read by ldmatrix) piece c of candidate s lies instead at 16-byte chunk
- * c ^ (s & 7) of its row: eight consecutive candidates' copies of one piece fall in eight
- * different bank groups.
+ * candidates x / 64 + j T / 64, sixteen candidates' loads in flight at a time. (The fast
+ * kernels copy their records instead: fast_copy_record.)
  */
-template <bool SWZ = false, int THREADS = ATTN_THREADS>
+template <int THREADS = ATTN_THREADS>
 static __device__ void stage_records(uint32_t n, uint8_t *sk, const attn_misc_t &ms) {
   constexpr int BATCH = 16, ROWS = THREADS / 64;
   const uint32_t c = threadIdx.x & 63;
   const bool nope = c < NOPE_PIECES;
   /* The piece's bytes in a record: 8 E4M3FN bytes of the NoPE part, or 16 of the RoPE part. */
   const uint32_t off = nope ? 8 * c : DSV4_NOPE_DIM + 16 * (c - NOPE_PIECES);
-  uint8_t *dst = sk + (SWZ ? 0 : (c & 1) * 512 + (c >> 1) * 16);
+  uint8_t *dst = sk + (c & 1) * 512 + (c >> 1) * 16;
   for (uint32_t s0 = threadIdx.x >> 6; s0 < n; s0 += ROWS * BATCH) {
     uint4 raw[BATCH];
     uint32_t code[BATCH];
@@ -400,16 +416,16 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, const attn_misc_t 
     for (int j = 0; j < BATCH; j++) {
       const uint32_t s = s0 + ROWS * j;
       if (s < n)
-        *reinterpret_cast<uint4 *>(dst + (size_t)s * K_ROW + (SWZ ? ((c ^ (s & 7)) << 4) : 0)) =
+        *reinterpret_cast<uint4 *>(dst + (size_t)s * K_ROW) =
             nope ? dequant8(raw[j].x, raw[j].y, code[j]) : raw[j];
     }
   }
 }
 
-/* The window's records (the window kernel's only candidates), through the blocks in ms.blk: n of
- * them from candidate `first` on (a split of fast mode's window), into rows 0..n - 1: their
- * addresses a thread each, then the staging. */
-template <bool SWZ = false, int THREADS = ATTN_THREADS>
+/* The window's records (the exact window kernel's only candidates), through the blocks in ms.blk:
+ * n of them from candidate `first` on, into rows 0..n - 1: their addresses a thread each, then the
+ * staging. */
+template <int THREADS = ATTN_THREADS>
 static __device__ void attn_stage(const attn_params_t &p, attn_misc_t &ms, uint8_t *sk,
                                   uint32_t first, uint32_t n) {
   const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
@@ -420,7 +436,7 @@ static __device__ void attn_stage(const attn_params_t &p, attn_misc_t &ms, uint8
                     pos & mask, p.bs_shift);
   }
   __syncthreads();
-  stage_records<SWZ, THREADS>(n, sk, ms);
+  stage_records<THREADS>(n, sk, ms);
 }
 
 /* Fast mode (attention_fast.cu): the kernel for the launch's shape, after the launch's check (the

@@ -124,6 +124,83 @@ static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t 
   fast_put_q<MT, W>(sq, v);
 }
 
+/* q_out's rows of heads h_first.. into shared memory as fast_load_q places them (zeros past the
+ * last head), by asynchronous copies: issued right after the dependency wait, they land while the
+ * window and the launch's check are read, and cost no registers. Complete after
+ * dsv4__cp_async_wait_all and a barrier. */
+template <int MT, int W>
+static __device__ void fast_copy_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
+                                   uint8_t *sq) {
+#pragma unroll
+  for (int k = 0; k < 16 * MT * 64 / (32 * W); k++) {
+    const uint32_t i = threadIdx.x + 32 * W * k, h = i >> 6, c = i & 63;
+    uint8_t *dst = sq + swz(h, c, K_ROW);
+    if (h_first + h < p.heads)
+      dsv4__cp_async16(dst, p.q + ((uint64_t)t * p.heads + h_first + h) * 64 + c);
+    else
+      *reinterpret_cast<uint4 *>(dst) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+/*
+ * Where a staged row's raw NoPE bytes wait for fast_dequant_rows: bytes RAW_OFF..RAW_OFF + 447 of
+ * its 1 KiB, inside the 896 bytes its NoPE dims take as bf16 (so the dequantisation reads the
+ * whole row before it writes), below the 128 bytes of its RoPE dims.
+ */
+#define RAW_OFF 448
+
+/*
+ * The record whose 576 data bytes lie at rec and 8 scale bytes at scl into row s, by asynchronous
+ * copies (a warp, lane by lane): its 28 chunks of NoPE bytes raw at RAW_OFF, its 8 chunks of RoPE
+ * dims (bf16 already) at their swizzled places, its scales into sscl[s]. Complete after
+ * dsv4__cp_async_wait_all and a barrier; then fast_dequant_rows.
+ */
+static __device__ __forceinline__ void fast_copy_record(uint8_t *sk, uint2 *sscl, uint32_t s,
+                                                        const uint8_t *rec, const uint8_t *scl,
+                                                        uint32_t lane) {
+  const uint32_t j = lane; /* chunk j of the record: 0..27 NoPE, 28..35 RoPE (j = 32 + lane) */
+  dsv4__cp_async16(j < 28 ? sk + (size_t)s * K_ROW + RAW_OFF + 16 * j : sk + swz(s, 28 + j, K_ROW),
+                   rec + 16 * j);
+  if (lane < 4)
+    dsv4__cp_async16(sk + swz(s, 60 + lane, K_ROW), rec + 16 * (32 + lane));
+  else if (lane == 4)
+    dsv4__cp_async<8>(sscl + s, scl);
+}
+
+/*
+ * The NoPE dims of rows 0..n - 1, copied raw by fast_copy_record, dequantised in place to bf16
+ * (dequant8, exact: the values stage_records writes), a warp per row (rows warp, warp + W, ...,
+ * four in flight): lane l < 28 reads the row's raw chunk l (pieces 2 l and 2 l + 1, one scale
+ * code), and once the warp has read the whole row it writes the pieces' swizzled chunks.
+ */
+template <int W>
+static __device__ void fast_dequant_rows(uint8_t *sk, const uint2 *sscl, uint32_t n, uint32_t warp,
+                                         uint32_t lane) {
+  for (uint32_t s0 = warp; s0 < n; s0 += 4 * W) {
+    uint4 raw[4];
+    uint32_t code[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const uint32_t s = s0 + W * r;
+      if (s < n && lane < 28) {
+        raw[r] = *reinterpret_cast<const uint4 *>(sk + (size_t)s * K_ROW + RAW_OFF + 16 * lane);
+        code[r] = reinterpret_cast<const uint8_t *>(sscl + s)[lane >> 2];
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+      const uint32_t s = s0 + W * r;
+      if (s < n && lane < 28) {
+        *reinterpret_cast<uint4 *>(sk + swz(s, 2 * lane, K_ROW)) =
+            dequant8(raw[r].x, raw[r].y, code[r]);
+        *reinterpret_cast<uint4 *>(sk + swz(s, 2 * lane + 1, K_ROW)) =
+            dequant8(raw[r].z, raw[r].w, code[r]);
+      }
+    }
+  }
+}
+
 /* Zeros in the rows n..n16 - 1 of the window (n16 = n rounded up to 16), which the weighted sum
  * multiplies by zero weights: staged memory left from before could hold NaN patterns. */
 static __device__ void fast_zero_tail(uint8_t *sk, uint32_t n) {

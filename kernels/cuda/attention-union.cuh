@@ -118,8 +118,9 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
 }
 
 /* The record addresses of candidates first..first + nt - 1 (one thread each) into ms.rec and
- * ms.scl (put_record_addr): window positions through ms.blk, then entries through the segment's
- * entry table. */
+ * ms.scl (put_record_addr, with its L2 prefetch unless the caller copies them at once): window
+ * positions through ms.blk, then entries through the segment's entry table. */
+template <bool PREFETCH = true>
 static __device__ void union_addrs(const attn_params_t &p, attn_misc_t &ms, const union_misc_t &um,
                                    uint32_t first, uint32_t nt) {
   const uint32_t i = threadIdx.x;
@@ -138,7 +139,7 @@ static __device__ void union_addrs(const attn_params_t &p, attn_misc_t &ms, cons
     base = p.c_cache + (uint64_t)entry_block(p, um.seg, j >> p.bs_shift) * p.stride;
     o = j & mask;
   }
-  put_record_addr(ms, i, base, o, p.bs_shift);
+  put_record_addr<PREFETCH>(ms, i, base, o, p.bs_shift);
 }
 
 #endif /* DSV4_KERNELS_CUDA_ATTENTION_UNION_CUH */

@@ -15,7 +15,9 @@
  * A CTA of W warps takes one query token and 16 MT heads (MT = 1, 2 or 4 m-tiles of 16 heads;
  * W = 8 for one m-tile, 16 for more: one CTA an SM, whose serial instruction stream is the time,
  * so the more warps share it the sooner it ends):
- *   stage   the window's records as bf16 in shared memory (swizzled for ldmatrix), q beside them
+ *   stage   q_out's rows and the window's records copied into shared memory asynchronously, the
+ *           records as soon as the window's blocks are known (the launch's check runs under the
+ *           copies), then their NoPE bytes dequantised to bf16 in place (swizzled for ldmatrix)
  *   scores  warp w: m-tile w % MT, candidates (w / MT) 128 MT / W.. of the 128, mma m16n8k16 over
  *           the 512 dims
  *   softmax warp w: heads w, w + W, ...: max, w, S, D (with the sink), lse, the weights as bf16
@@ -130,12 +132,31 @@ static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms
   }
 }
 
+/* The window's n candidates from `first` on into rows 0..n - 1 (raw, fast_copy_record): warp w
+ * copies candidates w, w + W, ..., whose addresses it reads from ms.blk. */
+template <int W>
+static __device__ void fast_copy_window(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk,
+                                        uint2 *sscl, uint32_t first, uint32_t n, uint32_t warp,
+                                        uint32_t lane) {
+  const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
+  const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
+  for (uint32_t s = warp; s < n; s += W) {
+    const int64_t pos = lo + first + s, o = pos & mask;
+    const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
+    fast_copy_record(sk, sscl, s, base + (uint64_t)o * DSV4_TOKEN_DATA_BYTES,
+                     base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) +
+                         (uint64_t)o * DSV4_SCALE_BYTES,
+                     lane);
+  }
+}
+
 template <int MT, int W = fast_warps(MT)>
 __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_params_t p) {
   constexpr int NP = 8 * MT / W; /* pairs of n-tiles of candidates a warp scores */
   extern __shared__ uint4 smem_dyn[];
   __shared__ attn_misc_t ms;
   __shared__ fast_misc_t fm;
+  __shared__ uint2 sscl[DSV4_WINDOW]; /* the staged records' scale bytes */
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq);
@@ -155,26 +176,33 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   dsv4__dep_wait_params(p);
   PHASE_MARK(PH_WAIT);
   dsv4__dep_trigger();
-  uint4 qv[16 * MT * 64 / (32 * W)]; /* q_out's rows, in flight during the setup's loads */
-  if (!p.q_raw)
-    fast_fetch_q<MT, W>(p, t, h_first, qv);
-  if (attn_setup(p, t, ms))
-    return;
-  PHASE_MARK(PH_SETUP);
+#ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
+  if (!p.q_raw) /* q_out's rows land while the window and the check are read */
+    fast_copy_q<MT, W>(p, t, h_first, sq);
+#endif
+  /* The window's records are copied as soon as its blocks are known (reading them needs no more
+   * than that they lie in the pool); the launch's check runs under the copies. */
+  const uint32_t bits = attn_window(p, t, ms);
+  const bool own_bad = __syncthreads_or(bits != 0);
   /* The CTA's candidates: the window, or split `split`'s part of it. */
   const uint32_t span = DSV4_WINDOW / p.nsplit, first = split * span;
-  const uint32_t n = first < ms.n ? min(ms.n - first, span) : 0;
-  if (n == 0) { /* a split past a short window (uniform: ms.n is the CTA's) */
-    fast_empty_part(p, t, h_first, 16 * MT, split);
+  const uint32_t n = own_bad ? 0 : first < ms.n ? min(ms.n - first, span) : 0;
+  fast_copy_window<W>(p, ms, sk, sscl, first, n, warp, lane);
+  const int stop = attn_check(p, bits);
+  if (stop || n == 0) {
+    dsv4__cp_async_wait_all(); /* no copy outlives the CTA */
+    if (!stop)                 /* a split past a short window (uniform: ms.n is the CTA's) */
+      fast_empty_part(p, t, h_first, 16 * MT, split);
     return;
   }
+  PHASE_MARK(PH_SETUP);
 #ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
   if (p.q_raw)
     fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
-  else
-    fast_put_q<MT, W>(sq, qv);
 #endif
-  attn_stage<true, 32 * W>(p, ms, sk, first, n);
+  dsv4__cp_async_wait_all();
+  __syncthreads();
+  fast_dequant_rows<W>(sk, sscl, n, warp, lane);
   fast_zero_tail(sk, n);
   __syncthreads();
   PHASE_MARK(PH_STAGE);
@@ -212,8 +240,8 @@ extern "C" int dsv4__cuda_attention_fast_supported(int dev) {
     (void)cudaGetLastError();
     return 0;
   }
-  return major >= 9 &&
-         (size_t)optin >= fast_smem_bytes(4) + sizeof(attn_misc_t) + sizeof(fast_misc_t);
+  return major >= 9 && (size_t)optin >= fast_smem_bytes(4) + sizeof(attn_misc_t) +
+                                            sizeof(fast_misc_t) + DSV4_WINDOW * sizeof(uint2);
 }
 
 #ifdef DSV4_PHASE_PROBE

@@ -20,8 +20,10 @@
  * A CTA of W warps (attention-fast.cuh's fast_warps: 8 at MT = 1, 16 at MT = 2) takes one query
  * token and 16 MT heads (MT = 1 or 2: the accumulators N of the warp's 16 heads and 512 MT / W
  * dims, 256 MT / W floats a lane, live across the tiles in registers):
- *   q        loaded once after the wait, swizzled, kept in shared memory for every tile
- *   per tile the addresses (union_addrs), the records staged as bf16 (swizzled), the scores (warp
+ *   q        copied once right after the wait (under the setup), swizzled, kept in shared
+ *            memory for every tile
+ *   per tile the addresses (union_addrs), the records copied raw (a warp a record) and their NoPE
+ *            bytes dequantised in place to bf16 (swizzled), the scores (warp
  *            w: m-tile w % MT, candidates (w / MT) 128 MT / W..), the online softmax (warp per
  *            head), then N rescaled and continued (warp w: m-tile w % MT, dims (w / MT) 512 MT /
  *            W..)
@@ -151,15 +153,21 @@ static __device__ void funion_store_part(const attn_params_t &p, const attn_misc
         make_float2(ms.m[hh], um.s[hh]);
 }
 
-/* Tile `first` of nt candidates: addresses, records staged as bf16 (zeros up to a multiple of 16),
- * scores into ss (-inf past nt). */
+/* Tile `first` of nt candidates: addresses, records copied (a warp each, candidates warp, warp +
+ * W, ...) and dequantised in place to bf16 (zeros up to a multiple of 16), scores into ss (-inf
+ * past nt). */
 template <int MT, int W>
 static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &ms, union_misc_t &um,
-                                          const uint8_t *sq, uint8_t *sk, float *ss, uint32_t first,
-                                          uint32_t nt, uint32_t warp, uint32_t lane) {
-  union_addrs(p, ms, um, first, nt);
+                                          const uint8_t *sq, uint8_t *sk, uint2 *sscl, float *ss,
+                                          uint32_t first, uint32_t nt, uint32_t warp,
+                                          uint32_t lane) {
+  union_addrs<false>(p, ms, um, first, nt);
   __syncthreads();
-  stage_records<true, 32 * W>(nt, sk, ms);
+  for (uint32_t s = warp; s < nt; s += W)
+    fast_copy_record(sk, sscl, s, ms.rec[s], ms.scl[s], lane);
+  dsv4__cp_async_wait_all();
+  __syncthreads();
+  fast_dequant_rows<W>(sk, sscl, nt, warp, lane);
   fast_zero_tail(sk, nt);
   __syncthreads();
   PHASE_MARK(UPH_STAGE);
@@ -178,6 +186,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   __shared__ union_misc_t um;
   __shared__ fast_misc_t fm;
   __shared__ float alpha[16 * MT];
+  __shared__ uint2 sscl[DSV4_WINDOW]; /* the staged records' scale bytes */
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq + (size_t)16 * MT * K_ROW);
@@ -195,15 +204,21 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   dsv4__dep_wait_params(p);
   PHASE_MARK(UPH_WAIT);
   dsv4__dep_trigger();
-  if (union_setup(p, t, ms, um))
+  if (!p.q_raw) /* q_out's rows land during the setup (a split without a tile wastes them) */
+    fast_copy_q<MT, W>(p, t, h_first, sq);
+  if (union_setup(p, t, ms, um)) {
+    dsv4__cp_async_wait_all(); /* no copy outlives the CTA */
     return;
+  }
   PHASE_MARK(UPH_SETUP);
   /* The CTA's part of the list: candidates lo..hi - 1 (attention-split.h), in tiles of 128. */
   const uint32_t nc = um.nc, per = dsv4__union_split_span(nc, p.nsplit);
   const uint32_t lo = min(split * per, nc), hi = min(lo + per, nc);
   /* q is read once and kept for every tile, where the window's kernel reuses its space after
-   * its one tile; made visible by the first tile's barriers. A split without a tile needs none. */
-  if (lo < hi)
+   * its one tile: q_out's rows copied after the wait, the fused path's raw rows normalised here
+   * (with the RoPE row of the setup); made visible by the first tile's wait and barriers. A split
+   * without a tile needs none. */
+  if (lo < hi && p.q_raw)
     fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
   float acc[NT][4];
 #pragma unroll
@@ -211,7 +226,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   for (uint32_t first = lo; first < hi; first += DSV4_WINDOW) {
     const uint32_t nt = min(hi - first, (uint32_t)DSV4_WINDOW);
-    funion_tile_scores<MT, W>(p, ms, um, sq, sk, ss, first, nt, warp, lane);
+    funion_tile_scores<MT, W>(p, ms, um, sq, sk, sscl, ss, first, nt, warp, lane);
     __syncthreads();
     PHASE_MARK(UPH_SCORES);
     funion_softmax<MT, W>(ss, sp, ms, um, alpha, warp, lane);
@@ -221,6 +236,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
     __syncthreads(); /* the next tile rewrites the addresses, the records and the weights */
     PHASE_MARK(UPH_SUM);
   }
+  dsv4__cp_async_wait_all(); /* a split without a tile: no copy of q outlives the CTA */
   if (p.nsplit > 1) {
 #ifdef DSV4_TEST_DELAY_PARTS
     /* Test-only (tests/gpu/gpu_inv_union_wait.c, "split"): the split has let the combine launch

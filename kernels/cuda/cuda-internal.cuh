@@ -84,6 +84,36 @@ static __device__ __forceinline__ void dsv4__test_delay(void) {
 }
 #endif
 
+/* ---- asynchronous copies from global to shared memory (cp.async, sm_80+) ---- */
+
+/* 16 bytes (both addresses 16-byte aligned), around the L1. */
+static __device__ __forceinline__ void dsv4__cp_async16(void *smem, const void *gmem) {
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
+      "l"(gmem)
+      : "memory");
+}
+
+/* 8 or 4 bytes (both addresses aligned to their size). */
+template <int N>
+static __device__ __forceinline__ void dsv4__cp_async(void *smem, const void *gmem) {
+  static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], %2;" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
+      "l"(gmem), "n"(N)
+      : "memory");
+}
+
+static __device__ __forceinline__ void dsv4__cp_async_commit(void) {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+/* Until every copy the thread issued has landed (its own copies only: a barrier after it makes
+ * them the CTA's). */
+static __device__ __forceinline__ void dsv4__cp_async_wait_all(void) {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 /*
  * Two fp32 values to a packed pair of bf16 (lo in the low half), round to nearest even, in one
  * instruction (sm_80+). For every non-NaN input this is dsv4_f32_to_bf16 of each half

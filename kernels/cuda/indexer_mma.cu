@@ -64,28 +64,6 @@ typedef struct {
 
 static_assert(sizeof(mma_smem_t) % 16 == 0, "whole 16-byte chunks");
 
-static __device__ __forceinline__ uint32_t smem_u32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-static __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src)
-               : "memory");
-}
-
-static __device__ __forceinline__ void cp_async4(void *dst, const void *src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src)
-               : "memory");
-}
-
-static __device__ __forceinline__ void cp_async_commit(void) {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-static __device__ __forceinline__ void cp_async_wait_all(void) {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-}
-
 /* The records of entries jlo + i, i in [b0, b1) (at most TILE), into rows i - b0 of stage and
  * codes: a thread's entry, 4 copies of 16 value bytes and one of the 4 codes. */
 static __device__ void stage_round(const idx_params_t &p, uint32_t s, int64_t jlo, uint32_t b0,
@@ -97,10 +75,10 @@ static __device__ void stage_round(const idx_params_t &p, uint32_t s, int64_t jl
     uint8_t *row = stage + threadIdx.x * STAGE_ROW;
 #pragma unroll
     for (int k = 0; k < 4; k++)
-      cp_async16(row + 16 * k, vals + 16 * k);
-    cp_async4(codes + threadIdx.x, c);
+      dsv4__cp_async16(row + 16 * k, vals + 16 * k);
+    dsv4__cp_async<4>(codes + threadIdx.x, c);
   }
-  cp_async_commit();
+  dsv4__cp_async_commit();
 }
 
 /* The statistics of a set of summaries, one a lane (absent lanes with in false): per-block minima
@@ -409,7 +387,7 @@ __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel
   int buf = 0;
   uint32_t base = i0;
   for (;; buf ^= 1) {
-    cp_async_wait_all();
+    dsv4__cp_async_wait_all();
     __syncthreads(); /* round staged, qstat written; d[buf] and stage[buf ^ 1] free */
     if (base + TILE < i1)
       stage_round(p, s, jlo, base + TILE, min(i1, base + 2 * TILE), sm.stage[buf ^ 1],
