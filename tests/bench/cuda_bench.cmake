@@ -17,6 +17,11 @@ if(DSV4_CUDA)
   dsv4_bench(cuda_inplace_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_inplace_bench.cu
              LIBS CUDA::cudart_static)
   add_dependencies(benchmarks cuda_inplace_bench)
+  # How fast one wave of CTAs reads a fast attention CTA's inputs into shared memory, beside the
+  # streaming read ceiling (tests/bench/cuda_read_bench.cu).
+  dsv4_bench(cuda_read_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_read_bench.cu
+             LIBS CUDA::cudart_static)
+  add_dependencies(benchmarks cuda_read_bench)
 endif()
 
 # The same benchmark on a build of the kernels with DSV4_TEST_TUNE, whose rows per warp the

@@ -20,14 +20,7 @@
 
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e_ = (x);                                                                          \
-    if (e_ != cudaSuccess) {                                                                       \
-      fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                                     \
-      exit(1);                                                                                     \
-    }                                                                                              \
-  } while (0)
+#include "cuda_check.h"
 
 static __global__ void copy_rows(const uint4 *__restrict__ a, uint4 *__restrict__ b, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
