@@ -85,33 +85,10 @@ static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint3
   }
 }
 
-/* The q_out rows of heads h_first.. (zeros past the last head) into registers, a CTA of W warps'
- * loads all in flight at once; fast_put_q then places them, swizzled like the records. The window's
- * kernel issues them right after the dependency wait, so that their latency passes under the
- * setup's. */
-template <int MT, int W>
-static __device__ void fast_fetch_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
-                                    uint4 (&v)[16 * MT * 64 / (32 * W)]) {
-#pragma unroll
-  for (int k = 0; k < 16 * MT * 64 / (32 * W); k++) {
-    const uint32_t i = threadIdx.x + 32 * W * k, h = i >> 6, c = i & 63;
-    v[k] = h_first + h < p.heads ? p.q[((uint64_t)t * p.heads + h_first + h) * 64 + c]
-                                 : make_uint4(0, 0, 0, 0);
-  }
-}
-
-template <int MT, int W>
-static __device__ void fast_put_q(uint8_t *sq, const uint4 (&v)[16 * MT * 64 / (32 * W)]) {
-#pragma unroll
-  for (int k = 0; k < 16 * MT * 64 / (32 * W); k++) {
-    const uint32_t i = threadIdx.x + 32 * W * k;
-    *reinterpret_cast<uint4 *>(sq + swz(i >> 6, i & 63, K_ROW)) = v[k];
-  }
-}
-
-/* The queries of heads h_first.. in shared memory, by a CTA of W warps: q_out's rows, or on the
- * fused decode path the raw rows normalised; rope: the query position's RoPE row (ms.rope, after
- * the setup). */
+/* The queries of heads h_first.. in shared memory, swizzled like the records (zeros past the last
+ * head), by a CTA of W warps: on the fused decode path the raw rows normalised (rope: the query
+ * position's RoPE row, ms.rope, after the setup); else q_out's rows by loads, which only the
+ * ordering tests' broken builds use, before the wait (the kernels copy them: fast_copy_q). */
 template <int MT, int W = ATTN_WARPS>
 static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
                                    uint8_t *sq, const float *rope) {
@@ -119,9 +96,19 @@ static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t 
     fast_load_q_raw<MT, W>(p, t, h_first, sq, rope);
     return;
   }
-  uint4 v[16 * MT * 64 / (32 * W)];
-  fast_fetch_q<MT, W>(p, t, h_first, v);
-  fast_put_q<MT, W>(sq, v);
+  constexpr int K = 16 * MT * 64 / (32 * W);
+  uint4 v[K];
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const uint32_t i = threadIdx.x + 32 * W * k, h = i >> 6, c = i & 63;
+    v[k] = h_first + h < p.heads ? p.q[((uint64_t)t * p.heads + h_first + h) * 64 + c]
+                                 : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const uint32_t i = threadIdx.x + 32 * W * k;
+    *reinterpret_cast<uint4 *>(sq + swz(i >> 6, i & 63, K_ROW)) = v[k];
+  }
 }
 
 /* q_out's rows of heads h_first.. into shared memory as fast_load_q places them (zeros past the
