@@ -346,11 +346,6 @@ static __device__ int attn_check(const attn_params_t &p, uint32_t bits) {
   return __syncthreads_or(bits != 0);
 }
 
-/* The query's window and the launch's check (attn_window, then attn_check). */
-static __device__ int attn_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
-  return attn_check(p, attn_window(p, t, ms));
-}
-
 /*
  * Candidate i's record, at slot o of the block whose bytes begin at base: its addresses into ms.rec
  * and ms.scl for stage_records, and an L2 prefetch of every line of them (the records are
@@ -422,12 +417,12 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, const attn_misc_t 
   }
 }
 
-/* The window's records (the exact window kernel's only candidates), through the blocks in ms.blk:
- * n of them from candidate `first` on, into rows 0..n - 1: their addresses a thread each, then the
- * staging. */
+/* The addresses of the window's n records (the exact window kernel's only candidates) from
+ * candidate `first` on, through the blocks in ms.blk, a thread each, with their L2 prefetches
+ * (put_record_addr): stage_records may read them after a barrier. */
 template <int THREADS = ATTN_THREADS>
-static __device__ void attn_stage(const attn_params_t &p, attn_misc_t &ms, uint8_t *sk,
-                                  uint32_t first, uint32_t n) {
+static __device__ void attn_addrs(const attn_params_t &p, attn_misc_t &ms, uint32_t first,
+                                  uint32_t n) {
   const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
   const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
   for (uint32_t i = threadIdx.x; i < n; i += THREADS) {
@@ -435,8 +430,6 @@ static __device__ void attn_stage(const attn_params_t &p, attn_misc_t &ms, uint8
     put_record_addr(ms, i, p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride,
                     pos & mask, p.bs_shift);
   }
-  __syncthreads();
-  stage_records<THREADS>(n, sk, ms);
 }
 
 /* Fast mode (attention_fast.cu): the kernel for the launch's shape, after the launch's check (the

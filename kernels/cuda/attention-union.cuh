@@ -63,7 +63,7 @@ static __device__ uint32_t union_check_all(const attn_params_t &p) {
 
 /*
  * The union kernel's setup (after the dependency wait): the window's blocks and the RoPE row as
- * attn_setup, the running maxima and sums, and the candidate count. The launch was checked by the
+ * attn_window, the running maxima and sums, and the candidate count. The launch was checked by the
  * check kernel before, or, for a small launch (p.check_all), every CTA checks all of it here: a
  * CTA that finds the error word set, or an error, returns before writing anything, every thread of
  * it (with check_all every CTA finds every error, and the first one reports them).

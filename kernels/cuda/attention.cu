@@ -13,6 +13,10 @@
  */
 #include "attention-split.h"
 #include "attention-union.cuh"
+#include "phase-probe.cuh"
+
+/* The window kernel's phases for the probe build (phase-probe.cuh). */
+enum { XPH_WAIT, XPH_SETUP, XPH_STAGE, XPH_LOGITS, XPH_WEIGHTS, XPH_CHAINS, XPH_STORES };
 
 /*
  * Pass 1, the logits of the warp's octet (SPEC §2's dot product, then one scale product). Lane l
@@ -267,6 +271,12 @@ static __device__ void attn_output(const attn_params_t &p, const uint8_t *sk, co
     for (int d = 0; d < DL; d++)
       acc[hh][d] = 0.0f;
   attn_accumulate<R>(sk, sl, n, oct, off, acc);
+#ifdef DSV4_PHASE_PROBE
+  if (p.heads % 64 == 0) { /* every warp is live: the chains and the stores apart */
+    __syncthreads();
+    PHASE_MARK(XPH_CHAINS);
+  }
+#endif
   attn_store<R>(p, ms, t, h0, oct, d0, acc);
 }
 
@@ -276,8 +286,9 @@ static __device__ void attn_output(const attn_params_t &p, const uint8_t *sk, co
  * (dsv4__cuda_attention_heads_per_block). Warp w owns octet w / R of the group (8 heads) together
  * with the other R - 1 warps of that octet, as their (w % R)-th member.
  *
- *   stage    all threads: the window's records (up to 128 x 584 bytes) -> bf16 in shared memory,
- *            128 KiB, read once from the cache and reused by every head of the CTA
+ *   stage    all threads: the window's records (up to 128 x 584 bytes; their lines prefetched
+ *            into the L2 while the launch's check runs) -> bf16 in shared memory, 128 KiB, read
+ *            once from the cache and reused by every head of the CTA
  *   logits   warp: its octet's queries in registers (lane = one canonical 16-dim partial), every
  *            R-th step of 4 candidates; the 32 partials of a (head, candidate) meet in one lane
  *            through a transposition buffer and are folded in the canonical order
@@ -308,6 +319,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
   const uint32_t t = blockIdx.x / p.groups;
   const uint32_t h_first = (blockIdx.x - t * p.groups) * HG;
   const uint32_t oct = warp / R, r = warp % R, h0 = h_first + oct * OCT;
+  PHASE_START();
   /* Before the wait: the sink of one head per thread, immutable data. */
   float sink = 0.0f;
   if (p.sink && tid < HG && h_first + tid < p.heads)
@@ -326,6 +338,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
     load_q(p, t, h0, lane, qraw);
 #endif
   dsv4__dep_wait_params(p);
+  PHASE_MARK(XPH_WAIT);
   dsv4__dep_trigger();
 #ifndef DSV4_TEST_BROKEN_ATTN_EARLY_READ
 #ifdef DSV4_TEST_BROKEN_FUSED_EARLY_READ
@@ -333,10 +346,17 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
 #endif
     load_q(p, t, h0, lane, qraw); /* in flight during the setup and the staging */
 #endif
-  if (attn_setup(p, t, ms))
+  /* The records' addresses and L2 prefetches as soon as the window's blocks are known (reading
+   * them needs no more than that they lie in the pool); the launch's check runs under them. */
+  const uint32_t bits = attn_window(p, t, ms);
+  if (!__syncthreads_or(bits != 0))
+    attn_addrs(p, ms, 0, ms.n);
+  if (attn_check(p, bits))
     return;
-  attn_stage(p, ms, sk, 0, ms.n);
+  PHASE_MARK(XPH_SETUP);
+  stage_records(ms.n, sk, ms);
   __syncthreads();
+  PHASE_MARK(XPH_STAGE);
   const uint32_t n = ms.n;
   const bool live = h0 < p.heads; /* warp-uniform: an octet past the last head idles */
   if (live) {
@@ -344,12 +364,15 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
     attn_logits<R>(sk, sl, tbuf + warp * 32 * T_STRIDE, qraw, n, oct, r, lane);
   }
   __syncthreads();
+  PHASE_MARK(XPH_LOGITS);
   attn_weights<HG>(sl, ms, n, warp, lane);
   __syncthreads();
   attn_sums<HG>(p, sl, ms, n, t, h_first, sink);
   __syncthreads();
+  PHASE_MARK(XPH_WEIGHTS);
   if (live)
     attn_output<R>(p, sk, sl, ms, n, t, h0, oct, r, lane);
+  PHASE_END(XPH_STORES);
 }
 
 /* ---- the union of the window and the compressed entries (SPEC §8.6) ---- */
@@ -544,6 +567,13 @@ static uint64_t check_threads(const attn_params_t &p) {
   const uint64_t tok = (uint64_t)p.n_tokens * 32;
   return tok > p.n_segments ? tok : (uint64_t)p.n_segments;
 }
+
+#ifdef DSV4_PHASE_PROBE
+extern "C" long long dsv4__cuda_attention_phases(double cycles[7]) {
+  static_assert(XPH_STORES < DSV4_PHASE_SLOTS - 1, "a slot a phase");
+  return dsv4__phase_take(cycles);
+}
+#endif
 
 /* ---- the launch ---- */
 

@@ -210,6 +210,9 @@ long long dsv4__cuda_attention_fast_phases(double cycles[7]);
  * addresses and staging, the scores, the softmax, the weighted sum, the output (or a split's
  * partial state). */
 long long dsv4__cuda_attention_fast_union_phases(double cycles[7]);
+/* The exact window kernel's: the wait, the setup, the staging, the logits, the weights and sums,
+ * the chains N (0 unless heads is a multiple of 64), the output's division, RoPE and stores. */
+long long dsv4__cuda_attention_phases(double cycles[7]);
 #endif
 
 /*

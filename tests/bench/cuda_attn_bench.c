@@ -156,6 +156,11 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
     printf("%9s phases, cycles a CTA: wait %.0f, setup %.0f, stage %.0f, scores %.0f, softmax "
            "%.0f, weighted sum and stores %.0f (%lld CTAs)\n",
            "", ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ctas);
+  const long long xctas = dsv4__cuda_attention_phases(ph);
+  if (!fast && xctas > 0)
+    printf("%9s phases, cycles a CTA: wait %.0f, setup %.0f, stage %.0f, logits %.0f, weights "
+           "%.0f, chains %.0f, stores %.0f (%lld CTAs)\n",
+           "", ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6], xctas);
 #endif
   uint32_t word = 1;
   CK(cudaMemcpy(&word, err, sizeof(word), cudaMemcpyDeviceToHost));
