@@ -2,12 +2,33 @@
  * One attention item at a vector level (SPEC §7), the same at every level: the queries, the logits
  * tile by tile, the maximum and sums, the chains N tile by tile, and each head's output and lse.
  * Included once by cpu_attention_avx2.c and once by cpu_attention_avx512.c, after the level's own
- * queries_t, tile_load, tile_logits, softmax_sums, tile_accumulate, finish_head and QUAD, with
- * DSV4__CPU_ATTN_ITEM_FN naming the function it defines; compiled with that file's instruction set.
+ * queries_t, tile_load, tile_logits, max_logit, weights, tile_accumulate, finish_head and QUAD,
+ * with DSV4__CPU_ATTN_ITEM_FN naming the function it defines; built with that file's ISA.
  */
 #ifndef DSV4__CPU_ATTN_ITEM_FN
 #error "define DSV4__CPU_ATTN_ITEM_FN before including cpu-attn-item.h"
 #endif
+
+/* Every head's max and weights over the whole list, and their sums S in list order; a quad's four
+ * chains of additions run side by side (a head past nh sums logits of a zero query, unused). */
+static void softmax_sums(const dsv4__cpu_attn_item_t *it, float *m, float *sum) {
+  const uint32_t nc = it->nc;
+  for (uint32_t h = 0; h < it->nh; h++) {
+    float *l = it->l + (size_t)h * it->l_stride;
+    m[h] = max_logit(l, nc);
+    weights(l, nc, m[h]);
+  }
+  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
+    const float *l = it->l + (size_t)h0 * it->l_stride;
+    float acc[QUAD] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint32_t i = 0; i < nc; i++)
+#pragma GCC unroll 4
+      for (int h = 0; h < QUAD; h++)
+        acc[h] = acc[h] + l[(size_t)h * it->l_stride + i];
+    for (int h = 0; h < QUAD; h++)
+      sum[h0 + h] = acc[h];
+  }
+}
 
 void DSV4__CPU_ATTN_ITEM_FN(const dsv4__cpu_attn_item_t *it) {
   const uint32_t tiles = (it->nc + DSV4__CPU_ATTN_TILE - 1) / DSV4__CPU_ATTN_TILE;

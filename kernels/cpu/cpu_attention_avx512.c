@@ -255,27 +255,6 @@ static void tile_logits(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_
   }
 }
 
-/* Every head's max and weights over the whole list, and their sums S in list order; a quad's four
- * chains of additions run side by side (a head past nh sums logits of a zero query, unused). */
-static void softmax_sums(const dsv4__cpu_attn_item_t *it, float *m, float *sum) {
-  const uint32_t nc = it->nc;
-  for (uint32_t h = 0; h < it->nh; h++) {
-    float *l = it->l + (size_t)h * it->l_stride;
-    m[h] = max_logit(l, nc);
-    weights(l, nc, m[h]);
-  }
-  for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
-    const float *l = it->l + (size_t)h0 * it->l_stride;
-    float acc[QUAD] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (uint32_t i = 0; i < nc; i++)
-#pragma GCC unroll 4
-      for (int h = 0; h < QUAD; h++)
-        acc[h] = acc[h] + l[(size_t)h * it->l_stride + i];
-    for (int h = 0; h < QUAD; h++)
-      sum[h0 + h] = acc[h];
-  }
-}
-
 /* Every head quad's chains N continued over the tile's candidates. */
 static void tile_accumulate(const dsv4__cpu_attn_item_t *it, uint32_t first, uint32_t count) {
   for (uint32_t h0 = 0; h0 < it->nh; h0 += QUAD) {
