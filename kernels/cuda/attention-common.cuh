@@ -417,16 +417,15 @@ static __device__ void stage_records(uint32_t n, uint8_t *sk, const attn_misc_t 
   }
 }
 
-/* The addresses of the window's n records (the exact window kernel's only candidates) from
- * candidate `first` on, through the blocks in ms.blk, a thread each, with their L2 prefetches
- * (put_record_addr): stage_records may read them after a barrier. */
-template <int THREADS = ATTN_THREADS>
-static __device__ void attn_addrs(const attn_params_t &p, attn_misc_t &ms, uint32_t first,
-                                  uint32_t n) {
+/* The addresses of the window's ms.n records (the exact window kernel's only candidates), through
+ * the blocks in ms.blk, a thread each, with their L2 prefetches (put_record_addr): stage_records
+ * may read them after a barrier. */
+static __device__ void attn_addrs(const attn_params_t &p, attn_misc_t &ms) {
+  const uint32_t n = ms.n;
   const int64_t lo = ms.lo, lb0 = lo >> p.bs_shift;
   const int64_t mask = ((int64_t)1 << p.bs_shift) - 1;
-  for (uint32_t i = threadIdx.x; i < n; i += THREADS) {
-    const int64_t pos = lo + first + i;
+  for (uint32_t i = threadIdx.x; i < n; i += ATTN_THREADS) {
+    const int64_t pos = lo + i;
     put_record_addr(ms, i, p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride,
                     pos & mask, p.bs_shift);
   }

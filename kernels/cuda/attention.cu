@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
    * them needs no more than that they lie in the pool); the launch's check runs under them. */
   const uint32_t bits = attn_window(p, t, ms);
   if (!__syncthreads_or(bits != 0))
-    attn_addrs(p, ms, 0, ms.n);
+    attn_addrs(p, ms);
   if (attn_check(p, bits))
     return;
   PHASE_MARK(XPH_SETUP);
