@@ -41,7 +41,7 @@
 #include "phase-probe.cuh"
 
 /* The phases of a CTA the probe build times (phase-probe.cuh; dsv4__cuda_attention_fast_phases). */
-enum { PH_WAIT, PH_SETUP, PH_STAGE, PH_SCORES, PH_SOFTMAX, PH_OUTPUT };
+enum { PH_WAIT, PH_WINDOW, PH_SETUP, PH_STAGE, PH_SCORES, PH_SOFTMAX, PH_OUTPUT };
 
 /* Shared memory of a CTA of MT m-tiles: the window (bf16, 128 rows of 1 KiB), then q (16 MT rows
  * of 1 KiB), whose space the scores and the weights (hi and lo) take once the scores are made.
@@ -184,6 +184,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
    * than that they lie in the pool); the launch's check runs under the copies. */
   const uint32_t bits = attn_window(p, t, ms);
   const bool own_bad = __syncthreads_or(bits != 0);
+  PHASE_MARK(PH_WINDOW);
   /* The CTA's candidates: the window, or split `split`'s part of it. */
   const uint32_t span = DSV4_WINDOW / p.nsplit, first = split * span;
   const uint32_t n = own_bad ? 0 : first < ms.n ? min(ms.n - first, span) : 0;

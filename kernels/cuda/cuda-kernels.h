@@ -202,9 +202,9 @@ uint32_t dsv4__cuda_attention_fast_union_splits(uint32_t n_tokens, uint32_t head
 uint32_t dsv4__cuda_attention_fast_splits(uint32_t n_tokens, uint32_t heads);
 #ifdef DSV4_PHASE_PROBE
 /* A build with the phase probe (CMake DSV4_CUDA_PHASES, phase-probe.cuh): the fast window kernel's
- * cycles a CTA since the last call, by phase (the dependency wait, the setup, the staging, the
- * scores, the softmax, the weighted sum and its stores; cycles[6] is 0), and the CTAs counted
- * (-1: unreadable). */
+ * cycles a CTA since the last call, by phase (the dependency wait, the window's blocks, the copies'
+ * issue and the launch's check, the staging's end, the scores, the softmax, the weighted sum and
+ * its stores), and the CTAs counted (-1: unreadable). */
 long long dsv4__cuda_attention_fast_phases(double cycles[7]);
 /* The fast union kernel's, each phase summed over a CTA's tiles: the wait, the setup, the
  * addresses and staging, the scores, the softmax, the weighted sum, the output (or a split's

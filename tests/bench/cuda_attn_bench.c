@@ -18,7 +18,8 @@
  * and the attention as two launches through q_out against the fused decode path (SPEC §7).
  *
  * Usage: cuda_attn_bench [heads...]   (default 64; DSV4_BENCH_N="1,128" picks batch sizes and
- * leaves out the prefill row)
+ * leaves out the prefill row; DSV4_BENCH_WARM_L2=1, a probe, takes one input set for the decode
+ * rows instead, whose bytes every call after the first finds in the L2: what the DRAM costs)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -64,6 +65,8 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
   double flop = (double)b * cands * heads * DSV4_HEAD_DIM * 4;
   uint32_t sets = (uint32_t)(120e6 / bytes) + 1;
   sets = sets < 2 ? 2 : sets;
+  if (getenv("DSV4_BENCH_WARM_L2"))
+    sets = 1;
   uint32_t per_graph = len > 1 ? 2 * sets : sets * ((64 + sets - 1) / sets);
   /* Every set's b sequences in one plan: a full window each past its p0 (0 or later), or a fresh
    * sequence's first len tokens. */
@@ -153,9 +156,10 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
   double ph[7];
   const long long ctas = dsv4__cuda_attention_fast_phases(ph);
   if (fast && ctas > 0)
-    printf("%9s phases, cycles a CTA: wait %.0f, setup %.0f, stage %.0f, scores %.0f, softmax "
-           "%.0f, weighted sum and stores %.0f (%lld CTAs)\n",
-           "", ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ctas);
+    printf("%9s phases, cycles a CTA: wait %.0f, window %.0f, copies and check %.0f, stage %.0f, "
+           "scores "
+           "%.0f, softmax %.0f, weighted sum and stores %.0f (%lld CTAs)\n",
+           "", ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6], ctas);
   const long long xctas = dsv4__cuda_attention_phases(ph);
   if (!fast && xctas > 0)
     printf("%9s phases, cycles a CTA: wait %.0f, setup %.0f, stage %.0f, logits %.0f, weights "
