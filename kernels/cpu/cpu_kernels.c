@@ -7,6 +7,7 @@
 
 #include <string.h>
 
+#include "dsv4-clones.h"
 #include "dsv4-numerics.h"
 
 /* The AVX2 and AVX-512 kernels are built on every x86-64 compiler and chosen at run time. */
@@ -60,17 +61,7 @@ const char *dsv4__cpu_isa_name(int isa) {
  * one FMA instruction instead of a libm call. fmaf is correctly rounded either way: the bytes are
  * the same.
  */
-#if defined(__x86_64__) && defined(__has_attribute)
-/* Not in sanitizer builds: their ifunc resolvers run before the sanitizer runtime is set up
- * (ThreadSanitizer then crashes at start-up). */
-#if __has_attribute(target_clones) && !defined(__SANITIZE_ADDRESS__) &&                            \
-    !defined(__SANITIZE_THREAD__)
-#define SCALAR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef SCALAR_CLONES
-#define SCALAR_CLONES
-#endif
+#define SCALAR_CLONES DSV4_CLONES("arch=x86-64-v3", "default")
 
 #ifdef DSV4_TEST_BROKEN_ORDER
 /*

@@ -26,26 +26,6 @@ static uint64_t mono_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-int dsv4_bf16_any_out_of_range(const uint16_t *x, size_t n) {
-  /* The largest magnitude of each block against the limit. The block's fixed length lets GCC
-   * vectorise the inner loop at -O2 too (its cheap cost model leaves a loop of unknown length
-   * scalar), and a magnitude fits int16_t, so the maximum is one signed SSE2 instruction. */
-  enum { BLOCK = 512 };
-  unsigned bad = 0;
-  size_t i = 0;
-  for (; n - i >= BLOCK; i += BLOCK) {
-    int16_t m = 0;
-    for (size_t k = 0; k < BLOCK; k++) {
-      int16_t v = (int16_t)(x[i + k] & 0x7fffu);
-      m = v > m ? v : m;
-    }
-    bad |= (unsigned)((unsigned)m >= DSV4_BF16_LIMIT_BITS);
-  }
-  for (; i < n; i++)
-    bad |= (unsigned)((x[i] & 0x7fffu) >= DSV4_BF16_LIMIT_BITS);
-  return bad != 0;
-}
-
 static int make_rope(const dsv4_rope_params_t *rp, int64_t max_pos, dsv4_rope_table_t **out) {
   float inv_freq[DSV4_ROPE_PAIRS];
   dsv4_rope_inv_freq(rp, inv_freq);

@@ -220,5 +220,9 @@ uint64_t dsv4_engine_cache_bytes(const dsv4_engine_t *e);
 
 /* 1 when any element of n bf16 values has |x| >= 2^59 (this also catches Inf and NaN). */
 int dsv4_bf16_any_out_of_range(const uint16_t *x, size_t n);
+/* 1 when any of n bf16 (f32) values has a magnitude whose bits, the sign cleared, are at least
+ * limit_bits: |x| >= the limit, or Inf or NaN (range_check.c). */
+int dsv4_bf16_any_at_least(const uint16_t *x, size_t n, uint16_t limit_bits);
+int dsv4_f32_any_at_least(const float *x, size_t n, uint32_t limit_bits);
 
 #endif /* DSV4_SERVER_ENGINE_H */

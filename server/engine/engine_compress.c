@@ -37,23 +37,6 @@
 #define BF16_LIMIT_2_32 0x4F80u
 #define INDEX_DIM 128u
 
-static int f32_any_at_least(const float *x, size_t n, uint32_t limit_bits) {
-  unsigned bad = 0;
-  for (size_t i = 0; i < n; i++) {
-    uint32_t u;
-    memcpy(&u, &x[i], 4);
-    bad |= (unsigned)((u & 0x7fffffffu) >= limit_bits);
-  }
-  return bad != 0;
-}
-
-static int bf16_any_at_least(const uint16_t *x, size_t n, uint16_t limit_bits) {
-  unsigned bad = 0;
-  for (size_t i = 0; i < n; i++)
-    bad |= (unsigned)((x[i] & 0x7fffu) >= limit_bits);
-  return bad != 0;
-}
-
 static int pool_index(uint32_t ratio) {
   return ratio == 4 ? 0 : 1;
 }
@@ -402,21 +385,21 @@ int dsv4__engine_c_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4
   size_t t0 = tok_off, ih = e->p.model->index_n_heads;
   size_t w = ratio == 4 ? 2048 : 1024;
   *bad = "ckv";
-  if (f32_any_at_least(f->ckv + t0 * w, len * w, F32_LIMIT_2_59))
+  if (dsv4_f32_any_at_least(f->ckv + t0 * w, len * w, F32_LIMIT_2_59))
     return DSV4_ERANGE;
   XXH3_64bits_update(st, f->ckv + t0 * w, len * w * sizeof(float));
   if (ratio != 4)
     return 0;
   *bad = "ikv";
-  if (f32_any_at_least(f->ikv + t0 * 512, len * 512, F32_LIMIT_2_59))
+  if (dsv4_f32_any_at_least(f->ikv + t0 * 512, len * 512, F32_LIMIT_2_59))
     return DSV4_ERANGE;
   XXH3_64bits_update(st, f->ikv + t0 * 512, len * 512 * sizeof(float));
   *bad = "iq";
-  if (bf16_any_at_least(f->iq + t0 * ih * INDEX_DIM, len * ih * INDEX_DIM, BF16_LIMIT_2_32))
+  if (dsv4_bf16_any_at_least(f->iq + t0 * ih * INDEX_DIM, len * ih * INDEX_DIM, BF16_LIMIT_2_32))
     return DSV4_ERANGE;
   XXH3_64bits_update(st, f->iq + t0 * ih * INDEX_DIM, len * ih * INDEX_DIM * sizeof(uint16_t));
   *bad = "iw";
-  if (f32_any_at_least(f->iw + t0 * ih, len * ih, F32_LIMIT_2_32))
+  if (dsv4_f32_any_at_least(f->iw + t0 * ih, len * ih, F32_LIMIT_2_32))
     return DSV4_ERANGE;
   XXH3_64bits_update(st, f->iw + t0 * ih, len * ih * sizeof(float));
   *bad = NULL;

@@ -406,6 +406,49 @@ static void test_bf16_range_check_every_position(void **state) {
     }
 }
 
+/* The f32 check (the compressed branch's ckv, ikv and iw, SPEC §8.8) and the bf16 one at another
+ * limit (iq) alike: one value at or above the limit found wherever it lies, with either sign, Inf
+ * and NaN among them, and the largest value below it let through. */
+static void test_range_check_f32_and_limits(void **state) {
+  (void)state;
+  enum { N = 1536 + 29 };
+  static float x[N];
+  static uint16_t y[N];
+  const uint32_t limits[] = {0x5D000000u, 0x4F800000u}; /* 2^59, 2^32 */
+  for (size_t l = 0; l < 2; l++) {
+    const uint32_t lim = limits[l];
+    for (size_t i = 0; i < N; i++) {
+      const uint32_t u = (uint32_t)((i * 2654435761u) % lim) | (uint32_t)(i & 1) << 31;
+      memcpy(&x[i], &u, 4);
+      y[i] = (uint16_t)(u >> 16);
+    }
+    const size_t lens[] = {0, 1, 511, 512, 513, 1024, N};
+    for (size_t k = 0; k < sizeof(lens) / sizeof(lens[0]); k++) {
+      assert_int_equal(dsv4_f32_any_at_least(x, lens[k], lim), 0);
+      assert_int_equal(dsv4_bf16_any_at_least(y, lens[k], (uint16_t)(lim >> 16)), 0);
+    }
+    const uint32_t hits[] = {lim, lim | 0x80000000u, 0x7f800000u, 0x7fc00000u, 0xffffffffu};
+    for (size_t h = 0; h < sizeof(hits) / sizeof(hits[0]); h++)
+      for (size_t i = 0; i < N; i += 7) {
+        const float kx = x[i];
+        const uint16_t ky = y[i];
+        const uint32_t below = (lim - 1u) | (hits[h] & 0x80000000u);
+        memcpy(&x[i], &hits[h], 4);
+        y[i] = (uint16_t)(hits[h] >> 16);
+        assert_int_equal(dsv4_f32_any_at_least(x, N, lim), 1);
+        assert_int_equal(dsv4_f32_any_at_least(x, i, lim), 0);
+        assert_int_equal(dsv4_bf16_any_at_least(y, N, (uint16_t)(lim >> 16)), 1);
+        assert_int_equal(dsv4_bf16_any_at_least(y, i, (uint16_t)(lim >> 16)), 0);
+        memcpy(&x[i], &below, 4);
+        y[i] = (uint16_t)(below >> 16);
+        assert_int_equal(dsv4_f32_any_at_least(x, N, lim), 0);
+        assert_int_equal(dsv4_bf16_any_at_least(y, N, (uint16_t)(lim >> 16)), 0);
+        x[i] = kx;
+        y[i] = ky;
+      }
+  }
+}
+
 /* A batch refused for any reason leaves the next valid batch's bytes as on a fresh engine. */
 static void test_refused_batch_changes_nothing(void **state) {
   (void)state;
@@ -1551,6 +1594,7 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_prefill_decode_deterministic),
       cmocka_unit_test(test_bf16_range_check_every_position),
+      cmocka_unit_test(test_range_check_f32_and_limits),
       cmocka_unit_test(test_refused_batch_changes_nothing),
       cmocka_unit_test(test_replay),
       cmocka_unit_test(test_device_failure_drops_batch),

@@ -120,7 +120,7 @@ if(TARGET dsv4_engine)
   add_library(dsv4_inv_engine_emit_late STATIC
     ${DSV4_INV_ENGINE_DIR}/engine.c ${DSV4_INV_ENGINE_DIR}/engine_admin.c
     ${DSV4_INV_ENGINE_DIR}/engine_attn.c ${DSV4_INV_ENGINE_DIR}/engine_compress.c
-    ${DSV4_INV_ENGINE_DIR}/engine_restore.c)
+    ${DSV4_INV_ENGINE_DIR}/engine_restore.c ${DSV4_INV_ENGINE_DIR}/range_check.c)
   target_include_directories(dsv4_inv_engine_emit_late PUBLIC ${DSV4_INV_ENGINE_DIR}
                                                               ${XXHASH_INCLUDE_DIR})
   target_link_libraries(dsv4_inv_engine_emit_late PUBLIC dsv4_config dsv4_kvcache dsv4_kernels
@@ -142,7 +142,7 @@ if(TARGET dsv4_engine AND TARGET dsv4_test_staged)
   add_library(dsv4_inv_engine_one_half STATIC
     ${DSV4_INV_ENGINE_DIR}/engine.c ${DSV4_INV_ENGINE_DIR}/engine_admin.c
     ${DSV4_INV_ENGINE_DIR}/engine_attn.c ${DSV4_INV_ENGINE_DIR}/engine_compress.c
-    ${DSV4_INV_ENGINE_DIR}/engine_restore.c)
+    ${DSV4_INV_ENGINE_DIR}/engine_restore.c ${DSV4_INV_ENGINE_DIR}/range_check.c)
   target_include_directories(dsv4_inv_engine_one_half PUBLIC ${DSV4_INV_ENGINE_DIR}
                                                              ${XXHASH_INCLUDE_DIR})
   target_link_libraries(dsv4_inv_engine_one_half PUBLIC dsv4_config dsv4_kvcache dsv4_kernels
