@@ -31,7 +31,12 @@
  * those alone and it writes its partial state (N unnormalised, m, S) instead of the output; a split
  * past a short window writes N = 0, m = -inf, S = 0. The union's combine kernel
  * (attention_fast_union.cu) then merges the splits in fixed order and ends the softmax; the bytes
- * are deterministic for a launch of that shape.
+ * are deterministic for a launch of that shape. Where the launcher splits (always one m-tile) and
+ * the device can hold them, the splits of a token's head group run as one thread-block cluster
+ * instead (fast_cluster_end): each keeps its partial state in its shared memory and, after the
+ * cluster's barrier, split s ends heads s 16 / nsplit.. from every split's state over the cluster's
+ * shared memory, with the combine kernel's arithmetic in its order: the same bytes, without the
+ * second launch or the partial states' round trip through device memory.
  * Ordering (SPEC §5.2) as the exact kernel: nothing but the parameters and the sinks is read before
  * griddepcontrol.wait; a launch whose check finds a bad token writes nothing (no partial state
  * either, and the combine, seeing the error word, writes nothing).
@@ -39,6 +44,8 @@
 #include "attention-fast.cuh"
 #include "attention-split.h"
 #include "phase-probe.cuh"
+
+#include <cooperative_groups.h>
 
 /* The phases of a CTA the probe build times (phase-probe.cuh; dsv4__cuda_attention_fast_phases). */
 enum { PH_WAIT, PH_WINDOW, PH_SETUP, PH_STAGE, PH_SCORES, PH_SOFTMAX, PH_OUTPUT };
@@ -63,12 +70,12 @@ static constexpr size_t fast_smem_bytes(int mt) {
 /*
  * Warp per head (heads warp, warp + W, ...): the maximum m, the weights w = exp(l - m)
  * (fast_weights), S and D = S + exp(sink - m), lse = m + log S; a split's m and S into its partial
- * state.
+ * state (into cms, in shared memory, for a cluster split).
  */
 template <int MT, int W>
 static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uint8_t *sp,
-                                    fast_misc_t &fm, uint32_t t, uint32_t h_first, uint32_t split,
-                                    uint32_t warp, uint32_t lane) {
+                                    fast_misc_t &fm, float2 *cms, uint32_t t, uint32_t h_first,
+                                    uint32_t split, uint32_t warp, uint32_t lane) {
   constexpr int HPW = 16 * MT / W;
   float m[HPW], sum[HPW];
 #pragma unroll
@@ -80,7 +87,9 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
 #pragma unroll
   for (int i = 0; i < HPW; i++) {
     const uint32_t h = warp + W * i;
-    if (p.nsplit > 1) {
+    if (cms) {
+      cms[h] = make_float2(m[i], sum[i]); /* a cluster split's m and S, in its shared memory */
+    } else if (p.nsplit > 1) {
       if (h_first + h < p.heads) /* a split's partial m and S: the combine ends the softmax */
         part_ms(p)[((uint64_t)t * p.heads + h_first + h) * p.nsplit + split] =
             make_float2(m[i], sum[i]);
@@ -92,17 +101,150 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
   }
 }
 
+/* Floats a row of a cluster split's N takes in its shared memory: 512 and a pad, so that the quads'
+ * float2 stores into 8 rows fall in different banks. */
+#define CL_N_STRIDE 520
+/* Where a cluster split keeps N: past the 64 rows of the window that a split's candidates can take
+ * (128 / nsplit of them, nsplit >= 2). */
+#define CL_N_OFF ((size_t)64 * K_ROW)
+static_assert((size_t)16 * CL_N_STRIDE * sizeof(float) <= (size_t)64 * K_ROW, "N beside the rows");
+
+/* A cluster split's state beside its N: each head's (m, S), and whether its check stopped it. */
+typedef struct {
+  float2 ms[16];
+  uint32_t stop;
+} fast_cl_t;
+
+/* N of n-tile j of dims d0.. of heads h and h + 8 into the cluster split's rows cn (a lane holds
+ * dims d, d + 1 of two heads, as in fast_store_part). */
+template <int NT>
+static __device__ __forceinline__ void
+fast_cluster_put_n(float *cn, uint32_t h, uint32_t d0, uint32_t lane, const float (&acc)[NT][4]) {
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    float *row = cn + (size_t)(h + 8 * half) * CL_N_STRIDE;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+      *reinterpret_cast<float2 *>(row + d0 + 8 * j + 2 * (lane & 3)) =
+          make_float2(acc[j][2 * half], acc[j][2 * half + 1]);
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+/*
+ * Split `split` of a cluster of NS ends heads split 16 / NS.. of the CTA's 16 from every split's
+ * partial state in the cluster's shared memory, as the combine kernel (attention_fast_union.cu)
+ * ends a (token, head): the same arithmetic in the same order, so the same bytes. 128 threads a
+ * head, 4 dims each; a thread's 8 remote loads (8 / NS heads of NS splits) are all in flight
+ * before the first sum.
+ */
+template <int NS>
+static __device__ void fast_cluster_combine(const attn_params_t &p, const attn_misc_t &ms,
+                                            const fast_misc_t &fm, fast_cl_t &cl, float *cn,
+                                            uint32_t t, uint32_t h_first, uint32_t split) {
+  constexpr int HC = 16 / NS, ITEMS = HC / 2;
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const uint32_t i = threadIdx.x & 127, h0 = split * HC + (threadIdx.x >> 7);
+  float2 v[ITEMS][NS];
+  float4 x[ITEMS][NS];
+#pragma unroll
+  for (int it = 0; it < ITEMS; it++)
+#pragma unroll
+    for (int s = 0; s < NS; s++) {
+      const uint32_t hl = h0 + 2 * it;
+      v[it][s] = cluster.map_shared_rank(&cl, s)->ms[hl];
+      x[it][s] = reinterpret_cast<const float4 *>(cluster.map_shared_rank(cn, s) +
+                                                  (size_t)hl * CL_N_STRIDE)[i];
+    }
+#pragma unroll
+  for (int it = 0; it < ITEMS; it++) {
+    const uint32_t hl = h0 + 2 * it, h = h_first + hl;
+    if (h >= p.heads)
+      continue;
+    float m = -INFINITY, sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < NS; s++)
+      m = fmaxf(m, v[it][s].x); /* finite: split 0 holds the window's first candidates */
+    float4 n = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int s = 0; s < NS; s++) {
+      const float a = __expf(v[it][s].x - m); /* 0 for a split without candidates (m_s = -inf) */
+      sum = sum + v[it][s].y * a;
+      n.x = n.x + x[it][s].x * a;
+      n.y = n.y + x[it][s].y * a;
+      n.z = n.z + x[it][s].z * a;
+      n.w = n.w + x[it][s].w * a;
+    }
+    if (i == 0 && p.lse)
+      p.lse[(uint64_t)t * p.heads + h] = fast_lse(m, sum);
+    const float inv = 1.0f / fast_den(p, sum, m, fm.sink[hl]); /* +inf (a sink of +inf) gives 0 */
+    const uint32_t d = 4 * i;
+    reinterpret_cast<uint2 *>(p.out + ((uint64_t)t * p.heads + h) * 64)[i] = make_uint2(
+        fast_out_pair(n.x, n.y, inv, d, ms.rope), fast_out_pair(n.z, n.w, inv, d + 2, ms.rope));
+  }
+}
+#endif
+
+/*
+ * The end of a cluster split (one m-tile): a split without candidates (n = 0) puts N = 0, m = -inf,
+ * S = 0 where the others put their partial states, every CTA its stop, then the cluster's barrier
+ * makes them visible to all. Unless a CTA of the cluster stopped (the launch's check is the same
+ * for all of a token's CTAs; a stop seen by any is honoured by all, so that the cluster's barriers
+ * are met by every CTA), each split ends its heads (fast_cluster_combine). A second barrier keeps
+ * every CTA's shared memory until the others have read it.
+ */
+static __device__ void fast_cluster_end(const attn_params_t &p, const attn_misc_t &ms,
+                                        const fast_misc_t &fm, fast_cl_t &cl, float *cn, int stop,
+                                        uint32_t n, uint32_t t, uint32_t h_first, uint32_t split) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  if (!stop && n == 0) {
+    for (uint32_t i = threadIdx.x; i < 16 * DSV4_HEAD_DIM / 4; i += blockDim.x) {
+      float *row = cn + (size_t)(i / (DSV4_HEAD_DIM / 4)) * CL_N_STRIDE;
+      reinterpret_cast<float4 *>(row)[i % (DSV4_HEAD_DIM / 4)] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (threadIdx.x < 16)
+      cl.ms[threadIdx.x] = make_float2(-INFINITY, 0.0f);
+  }
+  if (threadIdx.x == 0)
+    cl.stop = (uint32_t)stop;
+#ifndef DSV4_TEST_BROKEN_CLUSTER_EARLY_READ
+  cluster.sync(); /* release and acquire: every split's state is visible to every split */
+#else
+  /* Test-only (gpu_attn_split_test's broken build): the states read before the barrier that
+   * publishes them, while the delayed splits have not written theirs. */
+  __syncthreads();
+#endif
+  uint32_t any = 0;
+  for (uint32_t s = 0; s < p.nsplit; s++)
+    any |= cluster.map_shared_rank(&cl, s)->stop;
+  if (!any && p.nsplit == 2)
+    fast_cluster_combine<2>(p, ms, fm, cl, cn, t, h_first, split);
+  else if (!any && p.nsplit == 4)
+    fast_cluster_combine<4>(p, ms, fm, cl, cn, t, h_first, split);
+  else if (!any)
+    fast_cluster_combine<8>(p, ms, fm, cl, cn, t, h_first, split);
+  cluster.sync(); /* no CTA leaves while another still reads its shared memory */
+#else
+  (void)p, (void)ms, (void)fm, (void)cl, (void)cn, (void)stop, (void)n, (void)t, (void)h_first,
+      (void)split;
+  __trap(); /* launched on sm_90+ only (launch_fast_mt) */
+#endif
+}
+
 /*
  * The weighted sums of the warp's m-tile over its DW = 512 MT / W dims: N = P_hi V + P_lo V over
  * the candidates 0..n16 - 1, then stored. The output in chunks of 64 dims through the warp's tile
  * (so: the scores' space, free after the softmax), each chunk's stores draining while the next
- * chunk's MMAs run; a split's N unnormalised into its partial state, in chunks of at most 128
- * dims (16 n-tiles of accumulators).
+ * chunk's MMAs run; a split's N unnormalised into its partial state (into cn, in shared memory,
+ * for a cluster split), in chunks of at most 128 dims (16 n-tiles of accumulators).
  */
 template <int MT, int W>
 static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms,
                                    const fast_misc_t &fm, const uint8_t *sp, const uint8_t *sk,
-                                   uint8_t *so, uint32_t n, uint32_t t, uint32_t h_first,
+                                   uint8_t *so, float *cn, uint32_t n, uint32_t t, uint32_t h_first,
                                    uint32_t split, uint32_t warp, uint32_t lane) {
   constexpr int DW = DSV4_HEAD_DIM * MT / W;
   constexpr int NT = DW / 8 < 16 ? DW / 8 : 16, CHUNKS = DW / 8 / NT;
@@ -128,7 +270,10 @@ static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms
     for (int j = 0; j < NT; j++)
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     fast_pv<NT>(pa, pla, ka, mt, d0, kcs, lane, acc);
-    fast_store_part<NT>(p, t, h_first, mt * 16 + (lane >> 2), d0, split, lane, acc);
+    if (cn)
+      fast_cluster_put_n<NT>(cn, mt * 16 + (lane >> 2), d0, lane, acc);
+    else
+      fast_store_part<NT>(p, t, h_first, mt * 16 + (lane >> 2), d0, split, lane, acc);
   }
 }
 
@@ -150,17 +295,21 @@ static __device__ void fast_copy_window(const attn_params_t &p, const attn_misc_
   }
 }
 
-template <int MT, int W = fast_warps(MT)>
+/* CL: the splits of a head group are one thread-block cluster (one m-tile only). */
+template <int MT, bool CL = false, int W = fast_warps(MT)>
 __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_params_t p) {
   constexpr int NP = 8 * MT / W; /* pairs of n-tiles of candidates a warp scores */
+  static_assert(!CL || MT == 1, "a cluster split ends 16 heads");
   extern __shared__ uint4 smem_dyn[];
   __shared__ attn_misc_t ms;
   __shared__ fast_misc_t fm;
+  __shared__ fast_cl_t cl;
   __shared__ uint2 sscl[DSV4_WINDOW]; /* the staged records' scale bytes */
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq);
   uint8_t *sp = sq + fast_ss_bytes(MT);
+  float *cn = CL ? reinterpret_cast<float *>(sk + CL_N_OFF) : nullptr;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, split = blockIdx.y;
   const uint32_t t = blockIdx.x / p.groups;
   const uint32_t h_first = (blockIdx.x - t * p.groups) * 16 * MT;
@@ -176,6 +325,11 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   dsv4__dep_wait_params(p);
   PHASE_MARK(PH_WAIT);
   dsv4__dep_trigger();
+#ifdef DSV4_TEST_DELAY_CLUSTER
+  /* Test-only: NaN where the split's N goes, so that a state read before it is written shows. */
+  for (uint32_t i = tid; CL && i < 16 * CL_N_STRIDE; i += 32 * W)
+    cn[i] = __uint_as_float(0x7fc00000u);
+#endif
 #ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
   if (!p.q_raw) /* q_out's rows land while the window and the check are read */
     fast_copy_q<MT, W>(p, t, h_first, sq);
@@ -192,8 +346,15 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   const int stop = attn_check(p, bits);
   if (stop || n == 0) {
     dsv4__cp_async_wait_all(); /* no copy outlives the CTA */
-    if (!stop)                 /* a split past a short window (uniform: ms.n is the CTA's) */
+    if (CL) {
+#ifdef DSV4_TEST_DELAY_CLUSTER
+      if (split != 0)
+        dsv4__test_delay();
+#endif
+      fast_cluster_end(p, ms, fm, cl, cn, stop, n, t, h_first, split);
+    } else if (!stop) { /* a split past a short window (uniform: ms.n is the CTA's) */
       fast_empty_part(p, t, h_first, 16 * MT, split);
+    }
     return;
   }
   PHASE_MARK(PH_SETUP);
@@ -216,11 +377,95 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   }
   __syncthreads();
   PHASE_MARK(PH_SCORES);
-  fast_softmax<MT, W>(p, ss, sp, fm, t, h_first, split, warp, lane);
+  fast_softmax<MT, W>(p, ss, sp, fm, CL ? cl.ms : nullptr, t, h_first, split, warp, lane);
   __syncthreads();
   PHASE_MARK(PH_SOFTMAX);
-  fast_output<MT, W>(p, ms, fm, sp, sk, sq, n, t, h_first, split, warp, lane);
+#ifdef DSV4_TEST_DELAY_CLUSTER
+  /* Test-only (gpu_attn_split_test): every split but the first writes N 200 µs late. */
+  if (CL && split != 0)
+    dsv4__test_delay();
+#endif
+  fast_output<MT, W>(p, ms, fm, sp, sk, sq, cn, n, t, h_first, split, warp, lane);
+  if (CL)
+    fast_cluster_end(p, ms, fm, cl, cn, 0, n, t, h_first, split);
   PHASE_END(PH_OUTPUT);
+}
+
+#ifdef DSV4_TEST_TUNE
+/* Test-only (cuda-kernels.h): 1 = a split window launch ends in the combine kernel; the launches
+ * queued as clusters. */
+unsigned dsv4__cuda_test_window_combine, dsv4__cuda_test_window_cluster_launches;
+#endif
+
+/* The launch configuration of a cluster launch (grid's y: the splits, one cluster of them). */
+static cudaLaunchConfig_t fast_cluster_config(const attn_params_t &p, dim3 grid, cudaStream_t s,
+                                              int pdl, cudaLaunchAttribute (&attr)[2]) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(32 * fast_warps(1), 1, 1);
+  cfg.dynamicSmemBytes = fast_smem_bytes(1);
+  cfg.stream = s;
+  attr[0] = {};
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = p.nsplit;
+  attr[0].val.clusterDim.z = 1;
+  attr[1] = {};
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 2 : 1;
+  return cfg;
+}
+
+/*
+ * The window's splits as clusters (fast_cluster_end), when the current device can run a cluster of
+ * p.nsplit such CTAs at once (asked once per device and split count; devices from 64 on at every
+ * launch): cudaSuccess, or cudaErrorNotSupported where it cannot or the launch failed (then
+ * nothing was queued, and that device and split count take the combine kernel from then on).
+ */
+static cudaError_t launch_fast_cluster(const attn_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
+  static std::atomic<uint64_t> limit_raised{0};
+  static std::atomic<uint32_t> known[64]; /* bit k: asked for 2^k splits; bit 8 + k: it can */
+  void (*k)(attn_params_t) = dsv4__attention_fast_kernel<1, true>;
+  cudaError_t e = dsv4__cuda_smem_limit(k, fast_smem_bytes(1), limit_raised);
+  int dev = 0;
+  if (e == cudaSuccess)
+    e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return e;
+  }
+  const uint32_t lg = p.nsplit >= 8 ? 3 : p.nsplit >= 4 ? 2 : 1;
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t cfg = fast_cluster_config(p, grid, s, pdl, attr);
+  uint32_t st = dev >= 0 && dev < 64 ? known[dev].load(std::memory_order_acquire) : 0;
+  if (!(st & (1u << lg))) {
+    int clusters = 0;
+    cudaLaunchConfig_t one = cfg;
+    one.gridDim = dim3(1, p.nsplit, 1);
+    one.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&clusters, k, &one) != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
+    }
+    st = (1u << lg) | (clusters > 0 ? 1u << (8 + lg) : 0u);
+    if (dev >= 0 && dev < 64)
+      known[dev].fetch_or(st, std::memory_order_release);
+  }
+  if (!(st & (1u << (8 + lg))))
+    return cudaErrorNotSupported;
+  if (cudaLaunchKernelEx(&cfg, k, p) == cudaSuccess) {
+#ifdef DSV4_TEST_TUNE
+    dsv4__cuda_test_window_cluster_launches++;
+#endif
+    return cudaSuccess;
+  }
+  /* Not queued: the launch takes the combine kernel, now and from here on. */
+  (void)cudaGetLastError();
+  if (dev >= 0 && dev < 64)
+    known[dev].fetch_and(~(1u << (8 + lg)), std::memory_order_release);
+  return cudaErrorNotSupported;
 }
 
 template <int MT>
@@ -290,10 +535,20 @@ cudaError_t dsv4__attention_fast_launch(attn_params_t p, int sms, cudaStream_t s
   int mt;
   fast_shape(p.n_tokens, p.heads, sms, &mt, &p.groups, &p.nsplit);
   const uint64_t ctas = (uint64_t)p.n_tokens * p.groups;
-  if (ctas > 0x7fffffffu || (uint64_t)p.n_tokens * p.heads > 0x7fffffffu ||
-      (p.nsplit > 1 && !p.part))
+  if (ctas > 0x7fffffffu || (uint64_t)p.n_tokens * p.heads > 0x7fffffffu)
     return cudaErrorInvalidValue;
   const dim3 grid((unsigned)ctas, p.nsplit, 1);
+  int cluster = mt == 1 && p.nsplit > 1;
+#ifdef DSV4_TEST_TUNE
+  cluster = cluster && !dsv4__cuda_test_window_combine;
+#endif
+  if (cluster) {
+    cudaError_t e = launch_fast_cluster(p, grid, s, pdl);
+    if (e != cudaErrorNotSupported)
+      return e;
+  }
+  if (p.nsplit > 1 && !p.part)
+    return cudaErrorInvalidValue;
   cudaError_t e;
   switch (mt) {
   case 1:

@@ -71,7 +71,8 @@ static __device__ __forceinline__ void dsv4__dep_trigger(void) {
 #endif
 }
 
-#if defined(DSV4_TEST_DELAY_PRODUCER) || defined(DSV4_TEST_DELAY_PARTS)
+#if defined(DSV4_TEST_DELAY_PRODUCER) || defined(DSV4_TEST_DELAY_PARTS) ||                         \
+    defined(DSV4_TEST_DELAY_CLUSTER)
 /* Test-only (the ordering tests' delayed builds): the calling thread waits 200 µs of the global
  * timer, napping 1 µs between two looks at it, before the writes that follow. */
 static __device__ __forceinline__ void dsv4__test_delay(void) {

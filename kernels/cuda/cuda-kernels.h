@@ -246,6 +246,10 @@ extern unsigned dsv4__cuda_test_flags_host;
  * most DSV4_UNION_MAX_SPLITS; a window launch takes the power of two at or below); 0 = the
  * launcher's choice. */
 extern unsigned dsv4__cuda_test_union_splits;
+/* Test-only (the same build): 1 = a split window launch ends in the combine kernel, not in its
+ * thread-block clusters; 0 = clusters where the device can run them. The count of split window
+ * launches queued as clusters. */
+extern unsigned dsv4__cuda_test_window_combine, dsv4__cuda_test_window_cluster_launches;
 #endif
 
 #if defined(DSV4_TEST_SELECT)

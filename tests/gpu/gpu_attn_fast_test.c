@@ -182,10 +182,12 @@ static int measure(ctx_t *c, const char *what, const attn_plan_t *p, uint32_t he
 /*
  * The batch of plan p and inputs in on the CPU backend in exact mode (the reference) and on the
  * CUDA backend in fast mode, measured; then fast mode four more times, which must give the same
- * bytes. Returns 1 on a failure (named on stderr).
+ * bytes. A window launch that splits (window_split) ends in thread-block clusters where the device
+ * runs them: in the split build it runs once more through the combine kernel, which must give the
+ * same bytes too. Returns 1 on a failure (named on stderr).
  */
-static int check_fast(ctx_t *c, const char *what, const attn_plan_t *p, attn_inputs_t *in,
-                      int wide) {
+static int check_fast(ctx_t *c, const char *what, const attn_plan_t *p, attn_inputs_t *in, int wide,
+                      int window_split) {
   const uint32_t heads = in->heads;
   size_t out_n = (size_t)p->n_q * heads * DSV4_HEAD_DIM, lse_n = (size_t)p->n_q * heads;
   uint16_t *ref = gpu_host_alloc(out_n * 2), *out = gpu_host_alloc(out_n * 2);
@@ -212,6 +214,21 @@ static int check_fast(ctx_t *c, const char *what, const attn_plan_t *p, attn_inp
       bad = 1;
     }
   }
+#ifdef DSV4_TEST_TUNE
+  if (!bad && window_split) {
+    dsv4__cuda_test_window_combine = 1;
+    rc = attn_run(c->cuda, p, in, NULL, again, again_lse, NULL);
+    dsv4__cuda_test_window_combine = 0;
+    CKD(rc);
+    if (memcmp(again, out, out_n * 2) != 0 || memcmp(again_lse, lse, lse_n * 4) != 0) {
+      fprintf(stderr, "FAIL %s: the splits ended in clusters differ from the combine kernel's\n",
+              what);
+      bad = 1;
+    }
+  }
+#else
+  (void)window_split;
+#endif
   free(ref);
   free(out);
   free(again);
@@ -276,7 +293,7 @@ static void run_case(ctx_t *c, const case_t *k) {
            "%u split(s)",
            k->heads, p.n_q, p.n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks),
            k->spread, k->zero_q ? " q=0" : "", hpb, splits);
-  c->failures += check_fast(c, what, &p, &in, k->wide);
+  c->failures += check_fast(c, what, &p, &in, k->wide, splits > 1);
   free(sinks);
   attn_inputs_free(&in);
   attn_plan_free(&p);
@@ -512,7 +529,7 @@ static void run_union_case(ctx_t *c, const ucase_t *k) {
            k->ratio, k->ratio == 4 ? " topk " : "", k->ratio == 4 ? k->topk : 0, k->heads, p.n_q,
            p.n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks), fewest, most, hpb,
            splits, splits == 1 ? "" : "s");
-  c->failures += check_fast(c, what, &p, &in, 0);
+  c->failures += check_fast(c, what, &p, &in, 0, 0);
   free(sinks);
   attn_entries_free(&e);
   attn_inputs_free(&in);
@@ -624,6 +641,7 @@ static void run_window_split_cases(ctx_t *c) {
       {64, 40, SHAPE_PREFILL, 64, SINK_FINITE, 0, 3, 0, 0},
   };
   static const uint32_t splits[] = {1, 2, 4, 8};
+  const unsigned clusters0 = dsv4__cuda_test_window_cluster_launches;
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     const uint64_t rng = c->rng;
     for (size_t j = 0; j < sizeof(splits) / sizeof(splits[0]); j++) {
@@ -640,6 +658,14 @@ static void run_window_split_cases(ctx_t *c) {
     }
   }
   dsv4__cuda_test_union_splits = 0;
+  /* Every device with fast mode (compute capability 9.0 and newer) runs clusters of 8 such CTAs. */
+  if (dsv4__cuda_test_window_cluster_launches == clusters0) {
+    fprintf(stderr, "FAIL no split window launch ran as thread-block clusters\n");
+    c->failures++;
+  } else {
+    printf("ok   %u split window launches ran as thread-block clusters\n",
+           dsv4__cuda_test_window_cluster_launches - clusters0);
+  }
 }
 
 /* The union cases of the split build: each shape's inputs once, then every forced split count. */
