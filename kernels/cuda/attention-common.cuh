@@ -151,44 +151,65 @@ static __device__ __forceinline__ int32_t entry_block(const attn_params_t &p, ui
   return dsv4__entry_block(p, s, lb);
 }
 
+/* No event in a part of a token's entries (entries_event). */
+#define NO_EVENT (~0ull)
+
 /*
- * 0, or the error bits of token t's compressed entries (SPEC §8.4, backend.h): every visible
- * entry's block, or every listed entry visible, above the one before, and its block. A warp per
- * token, every lane calling with its lane number: the lanes take 32 entries of the list at a time,
- * and the first entry in list order that ends the list (-1) or fails decides, as a walk of the list
- * from its start would: the bits of that entry's first failing check, or 0.
+ * The first event of entries k0..k0 + 31 of token t's selection row (SPEC §8.4, backend.h; p.c_sel
+ * set), for a warp, every lane calling with its lane number: NO_EVENT, or (k << 32) | ev for the
+ * first entry k of them that ends the list (ev = 1: a -1) or fails (ev: the bits of its first
+ * failing check: visible, above the one before, its block). The first event of all parts in list
+ * order decides the token (entries_event_bits), as a walk of the list from its start would.
  */
-static __device__ uint32_t entries_check(const attn_params_t &p, uint32_t t, uint32_t s,
-                                         int64_t pos, uint32_t lane) {
+static __device__ uint64_t entries_event(const attn_params_t &p, uint32_t t, uint32_t s,
+                                         int64_t pos, uint32_t k0, uint32_t lane) {
   const int64_t j_lo = p.seg_p0[s] / p.ratio, j_hi = (pos + 1) / p.ratio;
-  if (!p.c_sel) {
-    uint32_t bad = 0;
-    for (int64_t lb = (j_lo >> p.bs_shift) + lane; j_hi > j_lo && lb <= (j_hi - 1) >> p.bs_shift;
-         lb += 32)
-      bad |= entry_block(p, s, lb) < 0;
-    return __any_sync(0xffffffffu, bad) ? DSV4_CUDA_ATTN_ERR_BLOCK : 0u;
-  }
   const int32_t *row = p.c_sel + (uint64_t)t * p.c_sel_stride;
-  for (uint32_t k0 = 0; k0 < p.c_sel_stride; k0 += 32) {
-    const uint32_t k = k0 + lane;
-    uint32_t ev = 0; /* 1: the list ends here; else the bits of this entry's failure */
-    if (k < p.c_sel_stride) {
-      const int64_t j = row[k], prev = k ? row[k - 1] : -1;
-      if (j == -1)
-        ev = 1;
-      else if (j < j_lo || j >= j_hi || (k && j <= prev))
-        ev = DSV4_CUDA_ERR_ENTRY;
-      else if ((!k || (j >> p.bs_shift) != (prev >> p.bs_shift)) &&
-               entry_block(p, s, j >> p.bs_shift) < 0)
-        ev = DSV4_CUDA_ATTN_ERR_BLOCK;
-    }
-    const uint32_t any = __ballot_sync(0xffffffffu, ev != 0);
-    if (any) {
-      const uint32_t first = __shfl_sync(0xffffffffu, ev, __ffs(any) - 1);
-      return first == 1 ? 0u : first;
-    }
+  const uint32_t k = k0 + lane;
+  uint32_t ev = 0;
+  if (k < p.c_sel_stride) {
+    const int64_t j = row[k], prev = k ? row[k - 1] : -1;
+    if (j == -1)
+      ev = 1;
+    else if (j < j_lo || j >= j_hi || (k && j <= prev))
+      ev = DSV4_CUDA_ERR_ENTRY;
+    else if ((!k || (j >> p.bs_shift) != (prev >> p.bs_shift)) &&
+             entry_block(p, s, j >> p.bs_shift) < 0)
+      ev = DSV4_CUDA_ATTN_ERR_BLOCK;
   }
-  return 0;
+  const uint32_t any = __ballot_sync(0xffffffffu, ev != 0);
+  if (!any)
+    return NO_EVENT;
+  const uint32_t f = __ffs(any) - 1;
+  return ((uint64_t)(k0 + f) << 32) | __shfl_sync(0xffffffffu, ev, f);
+}
+
+/* The error bits a token's first event gives (entries_event): 0 for none or the list's end. */
+static __device__ __forceinline__ uint32_t entries_event_bits(uint64_t e) {
+  return e == NO_EVENT || (uint32_t)e == 1u ? 0u : (uint32_t)e;
+}
+
+/* The parts a token's entries check is cut into (entries_check_part): its selection row's 32
+ * entries at a time; without a selection one, its visible entries' blocks. */
+static __device__ __forceinline__ uint32_t entries_parts(const attn_params_t &p) {
+  return p.c_sel ? (p.c_sel_stride + 31) / 32 : 1u;
+}
+
+/*
+ * Part c of token t's entries check, for a warp (every lane calling with its lane number): with a
+ * selection entries_event of its entries 32 c..; without one every visible entry's block (one part:
+ * NO_EVENT, or an event at entry 0 with the block bit).
+ */
+static __device__ uint64_t entries_check_part(const attn_params_t &p, uint32_t t, uint32_t s,
+                                              int64_t pos, uint32_t c, uint32_t lane) {
+  if (p.c_sel)
+    return entries_event(p, t, s, pos, 32 * c, lane);
+  const int64_t j_lo = p.seg_p0[s] / p.ratio, j_hi = (pos + 1) / p.ratio;
+  uint32_t bad = 0;
+  for (int64_t lb = (j_lo >> p.bs_shift) + lane; j_hi > j_lo && lb <= (j_hi - 1) >> p.bs_shift;
+       lb += 32)
+    bad |= entry_block(p, s, lb) < 0;
+  return __any_sync(0xffffffffu, bad) ? (uint64_t)DSV4_CUDA_ATTN_ERR_BLOCK : NO_EVENT;
 }
 
 /* 0, or the error bits of token t: its segment, position and every block of its window (and its

@@ -8,6 +8,38 @@
  */
 #include "attention-common.cuh"
 
+/* A token's check in shared memory, made of parts (union_check_part): its window's error bits
+ * (or-ed) and its entries' first event (atomicMin, NO_EVENT before the first). */
+typedef struct {
+  unsigned long long ev;
+  uint32_t wb;
+} union_tok_check_t;
+
+/*
+ * Part c of token u's check (SPEC §8.4), for a warp (every lane calling with its lane number):
+ * part 0 checks the token's segment, position and window (token_check), every part the segment and
+ * position (token_window) and, when they hold, its part of the entries (entries_check_part).
+ */
+static __device__ __forceinline__ void union_check_part(const attn_params_t &p, uint32_t u,
+                                                        uint32_t c, uint32_t lane,
+                                                        union_tok_check_t &r) {
+  window_t w;
+  const uint32_t tb = c == 0 ? token_check(p, u, &w) : token_window(p, u, &w);
+  if (tb) {
+    if (lane == 0)
+      atomicOr(&r.wb, tb);
+    return;
+  }
+  const uint64_t e = entries_check_part(p, u, (uint32_t)p.tok_seg[u], w.pos, c, lane);
+  if (lane == 0 && e != NO_EVENT)
+    atomicMin(&r.ev, (unsigned long long)e);
+}
+
+/* A token's error bits once every part of its check is in r: its window's, else its entries'. */
+static __device__ __forceinline__ uint32_t union_check_bits(const union_tok_check_t &r) {
+  return r.wb ? r.wb : entries_event_bits(r.ev);
+}
+
 /* Per-CTA facts of the union kernel, beyond attn_misc_t (whose m holds the running maximum). */
 typedef struct {
   float s[64];        /* each head's sum S, continued tile by tile */
@@ -16,6 +48,7 @@ typedef struct {
   uint32_t nw, nc;    /* window candidates; all candidates */
   uint32_t seg;
   uint32_t ne; /* entries listed: the first -1 of the row (atomicMin), or c_sel_stride */
+  union_tok_check_t chk[UNION_CHECK_ALL_MAX]; /* a small launch's tokens (union_check_all) */
 } union_misc_t;
 
 /* The entries the token's selection row lists: every thread scans its part of the row for a -1
@@ -42,22 +75,33 @@ static __device__ void union_early_count(const attn_params_t &p, uint32_t t, uni
 #endif
 
 /*
- * 0, or the error bits of a whole small union launch (p.check_all): every segment (a thread each)
- * and every token (a warp each: its window, then its entries), the checks of the check kernel,
- * which such a launch does not run.
+ * 0, or the error bits of a whole small union launch (p.check_all; um.chk cleared before a
+ * barrier): every segment (a thread each) and every part of every token's check (a warp each,
+ * union_check_part: a selection of 512 is 16 parts, which the CTA's warps take side by side), the
+ * checks of the check kernel, which such a launch does not run. A barrier, unless every token is
+ * one part (no selection).
  */
-static __device__ uint32_t union_check_all(const attn_params_t &p) {
-  const uint32_t tid = threadIdx.x;
+static __device__ uint32_t union_check_all(const attn_params_t &p, union_misc_t &um) {
+  const uint32_t tid = threadIdx.x, parts = entries_parts(p);
   uint32_t bits = 0;
   for (uint32_t s = tid; s < p.n_segments; s += blockDim.x)
     bits |= segment_check(p, s);
-  for (uint32_t u = tid >> 5; u < p.n_tokens; u += blockDim.x >> 5) { /* warp-uniform */
-    window_t w;
-    uint32_t tb = token_check(p, u, &w);
-    if (!tb)
-      tb = entries_check(p, u, (uint32_t)p.tok_seg[u], w.pos, tid & 31);
-    bits |= tb;
+  if (parts == 1) { /* a part a token: a warp's bits are the token's, with no barrier */
+    for (uint32_t u = tid >> 5; u < p.n_tokens; u += blockDim.x >> 5) { /* warp-uniform */
+      window_t w;
+      uint32_t tb = token_check(p, u, &w);
+      if (!tb)
+        tb = entries_event_bits(
+            entries_check_part(p, u, (uint32_t)p.tok_seg[u], w.pos, 0, tid & 31));
+      bits |= tb;
+    }
+    return bits;
   }
+  for (uint32_t i = tid >> 5; i < p.n_tokens * parts; i += blockDim.x >> 5) /* warp-uniform */
+    union_check_part(p, i / parts, i % parts, tid & 31, um.chk[i / parts]);
+  __syncthreads();
+  for (uint32_t u = tid; u < p.n_tokens; u += blockDim.x)
+    bits |= union_check_bits(um.chk[u]);
   return bits;
 }
 
@@ -78,6 +122,10 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
   if (tid < 64) {
     ms.m[tid] = -INFINITY;
     um.s[tid] = 0.0f;
+  }
+  if (tid < UNION_CHECK_ALL_MAX) {
+    um.chk[tid].ev = NO_EVENT;
+    um.chk[tid].wb = 0;
   }
   __syncthreads();
   window_t w;
@@ -104,7 +152,7 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
     }
   }
   if (p.check_all)
-    bits |= union_check_all(p);
+    bits |= union_check_all(p, um);
   if (tid == 0 && __ldcg(p.err) != 0)
     bits |= ERR_EARLIER;
   if ((bits & ERR_REPORTED) && (!p.check_all || (blockIdx.x == 0 && blockIdx.y == 0)))

@@ -479,7 +479,7 @@ static __device__ void union_finish_sums(const attn_params_t &p, attn_misc_t &ms
  * The same CTA shape as the window kernel, with R of 4 or 8 only: the chains N (8 x 16 / R floats
  * per lane) stay in registers across the tiles, beside the queries of pass 1. The queries are
  * loaded again for each tile. Ordering (SPEC §5.2) as the window kernel; the check kernel runs
- * first (or every CTA checks a launch of at most UNION_CHECK_ALL_MAX tokens itself) and every CTA
+ * first (or every CTA checks a small launch itself: dsv4__cuda_union_checks_all) and every CTA
  * reads its error word after the wait.
  */
 template <int R>
@@ -540,32 +540,42 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_union_kernel(
     attn_store<R>(p, ms, t, h0, oct, d0, acc);
 }
 
-/* The launch check of a launch of more than CHECK_ALL_MAX tokens, and of a launch with compressed
- * entries of more than UNION_CHECK_ALL_MAX: a warp per token (a decode token's list of entries is
- * hundreds long) and, with entries, a thread per segment. */
+/* The launch check of a window launch of more than CHECK_ALL_MAX tokens: a warp per token. */
 __global__ void __launch_bounds__(256) dsv4__attention_check_kernel(attn_params_t p) {
   /* The attention kernel may launch now; it still waits for this grid to complete. */
   dsv4__dep_trigger();
   dsv4__dep_wait_params(p);
-  const uint32_t i = blockIdx.x * 256 + threadIdx.x, t = i / 32;
-  uint32_t bits = 0;
-  if (p.c_cache && i < p.n_segments)
-    bits |= segment_check(p, i);
-  if (t < p.n_tokens) { /* warp-uniform */
-    window_t w;
-    uint32_t tb = token_check(p, t, &w);
-    if (!tb && p.c_cache)
-      tb = entries_check(p, t, (uint32_t)p.tok_seg[t], w.pos, i & 31);
-    bits |= tb;
-  }
+  const uint32_t t = (blockIdx.x * 256 + threadIdx.x) / 32;
+  if (t >= p.n_tokens) /* warp-uniform */
+    return;
+  window_t w;
+  const uint32_t bits = token_check(p, t, &w);
   if (bits)
     atomicOr(p.err, bits);
 }
 
-/* Threads of a check kernel's launch: a warp per token, a thread per segment. */
-static uint64_t check_threads(const attn_params_t &p) {
-  const uint64_t tok = (uint64_t)p.n_tokens * 32;
-  return tok > p.n_segments ? tok : (uint64_t)p.n_segments;
+/* The launch check of a launch with compressed entries too large for its CTAs to check: a
+ * CTA per token, whose warps take the parts of its check side by side (union_check_part: a decode
+ * token's selection of 512 is 16 parts), and a thread per segment. */
+__global__ void __launch_bounds__(256) dsv4__attention_union_check_kernel(attn_params_t p) {
+  __shared__ union_tok_check_t r;
+  dsv4__dep_trigger();
+  dsv4__dep_wait_params(p);
+  const uint32_t tid = threadIdx.x, t = blockIdx.x, i = blockIdx.x * 256 + tid;
+  if (tid == 0) {
+    r.ev = NO_EVENT;
+    r.wb = 0;
+  }
+  __syncthreads();
+  uint32_t bits = i < p.n_segments ? segment_check(p, i) : 0u;
+  if (t < p.n_tokens)
+    for (uint32_t c = tid >> 5; c < entries_parts(p); c += 256 / 32) /* warp-uniform */
+      union_check_part(p, t, c, tid & 31, r);
+  __syncthreads();
+  if (tid == 0 && t < p.n_tokens)
+    bits |= union_check_bits(r);
+  if (bits)
+    atomicOr(p.err, bits);
 }
 
 #ifdef DSV4_PHASE_PROBE
@@ -647,10 +657,16 @@ static cudaError_t launch_union_r(const attn_params_t &p, unsigned grid, cudaStr
                                 p);
 }
 
-/* The check kernel of a launch, before its attention kernel (a warp per token). */
+/* The check kernel of a launch, before its attention kernel: a warp per token of a window
+ * launch; a CTA per token, and a thread per segment, of a launch with compressed entries. */
 static cudaError_t launch_check(const attn_params_t &p, cudaStream_t s, int pdl) {
-  return dsv4__cuda_launch(dsv4__attention_check_kernel, (unsigned)((check_threads(p) + 255) / 256),
-                           256, s, pdl, p);
+  if (!p.c_cache)
+    return dsv4__cuda_launch(dsv4__attention_check_kernel,
+                             (unsigned)(((uint64_t)p.n_tokens * 32 + 255) / 256), 256, s, pdl, p);
+  const uint64_t seg_ctas = ((uint64_t)p.n_segments + 255) / 256;
+  return dsv4__cuda_launch(dsv4__attention_union_check_kernel,
+                           (unsigned)(p.n_tokens > seg_ctas ? p.n_tokens : seg_ctas), 256, s, pdl,
+                           p);
 }
 
 /* A union launch (SPEC §8.6): the check kernel (unless the launch is small enough for every CTA
@@ -751,7 +767,9 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
   p.n_blocks = a->n_blocks;
   while ((1u << p.bs_shift) < a->block_size)
     p.bs_shift++;
-  p.check_all = a->n_tokens <= (a->c_cache ? UNION_CHECK_ALL_MAX : CHECK_ALL_MAX);
+  p.check_all = a->c_cache
+                    ? dsv4__cuda_union_checks_all(a->n_tokens, a->c_sel ? a->c_sel_stride : 0)
+                    : a->n_tokens <= CHECK_ALL_MAX;
   p.c_cache = a->c_cache;
   p.seg_c_first_lb = a->seg_c_first_lb;
   p.seg_cbt_off = a->seg_cbt_off;

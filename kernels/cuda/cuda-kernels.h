@@ -108,6 +108,20 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
  * compressed entries, and with them. For the tests, which report the path a launch takes. */
 #define DSV4_CUDA_ATTN_CHECK_ALL_MAX 1024u
 #define DSV4_CUDA_UNION_CHECK_ALL_MAX 16u
+/* A launch with compressed entries is checked by every CTA only while its tokens' checks take at
+ * most this many parts (a token's selection row is a part per 32 entries, a token without one a
+ * part): two rounds of a CTA's 16 warps. A decode step of 3 or more tokens with selections of 512
+ * has the check kernel, whose CTA per token takes the parts side by side. */
+#define DSV4_CUDA_UNION_CHECK_ALL_PARTS 32u
+
+/* 1 when a launch of n_tokens with compressed entries (selection rows of sel_stride entries, 0
+ * without a selection) is checked by every CTA of its attention kernel, 0 when the check kernel
+ * runs first. */
+static inline int dsv4__cuda_union_checks_all(uint32_t n_tokens, uint32_t sel_stride) {
+  const uint64_t parts = sel_stride ? ((uint64_t)sel_stride + 31) / 32 : 1;
+  return n_tokens <= DSV4_CUDA_UNION_CHECK_ALL_MAX &&
+         (uint64_t)n_tokens * parts <= DSV4_CUDA_UNION_CHECK_ALL_PARTS;
+}
 
 /*
  * SPEC §7: out and lse for every token, or nothing and bits in

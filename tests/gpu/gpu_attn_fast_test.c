@@ -33,12 +33,14 @@
  * Refusals (SPEC §7: DSV4_EINVAL, no byte of attn or lse written, the launch after it right again):
  * window launches with a block-table entry of -1 or past the pool in a token's window, at 1, 16, 64
  * and 1100 tokens; union launches with a bad selection row (repeated entry, entry not yet visible),
- * at 8, 40 and 200 tokens; and at each of those sizes a valid launch queued after an invalid one in
- * the same batch (the error word already set: cuda-kernels.h, every later kernel of the batch
+ * at 1, 8, 40 and 200 tokens; and at each of those sizes a valid launch queued after an invalid one
+ * in the same batch (the error word already set: cuda-kernels.h, every later kernel of the batch
  * writes nothing). Between them they take every way a launch is checked: by every CTA of the
- * attention kernel (up to DSV4_CUDA_ATTN_CHECK_ALL_MAX tokens, DSV4_CUDA_UNION_CHECK_ALL_MAX with
- * entries) or by the check kernel before it, split with a combine after or not (on an H200: window
- * 8, 2, 1 and 1 splits, union 4, 3 and 1; each names its path).
+ * attention kernel (up to DSV4_CUDA_ATTN_CHECK_ALL_MAX tokens; with entries while
+ * dsv4__cuda_union_checks_all holds) or by the check kernel before it, split with a combine after
+ * or not (on an H200: window 8, 2, 1 and 1 splits, union 32, 4, 3 and 1; each names its path).
+ * Every selection row that ends early carries junk after its -1, which no check may take for an
+ * error.
  *
  * The small batches among those (1 to 16 decode tokens on an H200) split each token's list over
  * several CTAs and merge the partial states in a combine kernel (attention_fast_union.cu), the
@@ -324,9 +326,10 @@ static void expect_refusal(ctx_t *c, const char *what, const attn_plan_t *p, att
 
 /* The path a fast launch of n tokens takes: who checks it (every CTA of the attention kernel, or
  * the check kernel before it) and into how many splits each token's list goes (a combine after). */
-static void launch_path(char *buf, size_t len, uint32_t n, int with_entries, uint32_t splits) {
+static void launch_path(char *buf, size_t len, uint32_t n, int with_entries, uint32_t sel_stride,
+                        uint32_t splits) {
   const int all =
-      n <= (with_entries ? DSV4_CUDA_UNION_CHECK_ALL_MAX : DSV4_CUDA_ATTN_CHECK_ALL_MAX);
+      with_entries ? dsv4__cuda_union_checks_all(n, sel_stride) : n <= DSV4_CUDA_ATTN_CHECK_ALL_MAX;
   snprintf(buf, len, "%s, %u split%s%s", all ? "checked by every CTA" : "the check kernel first",
            splits, splits == 1 ? "" : "s", splits == 1 ? "" : " and the combine");
 }
@@ -380,7 +383,7 @@ static void window_refusals(ctx_t *c) {
     attn_table_t tab = attn_plan_table(&p);
     tab.block_table = bt;
     char path[96];
-    launch_path(path, sizeof(path), p.n_q, 0, dsv4__cuda_attention_fast_splits(p.n_q, k->heads));
+    launch_path(path, sizeof(path), p.n_q, 0, 0, dsv4__cuda_attention_fast_splits(p.n_q, k->heads));
     for (int brk = 0; brk < 3; brk++) {
       memcpy(bt, p.block_table, sizeof(int32_t) * p.bt_len);
       bt[e] = brk == 1 ? (int32_t)p.n_blocks : -1;
@@ -491,6 +494,21 @@ static void union_span(const attn_plan_t *p, const attn_entries_t *e, uint32_t *
   }
 }
 
+/* Junk after the first -1 of every selection row of e that ends before its stride: entries not
+ * yet visible, decreasing, of blocks outside the tables. A row ends at its first -1 (SPEC §8.4),
+ * so every backend must ignore them (and the launch's checks, whose parts take 32 entries each,
+ * must not fail on them). */
+static void junk_after_rows(const attn_plan_t *p, attn_entries_t *e) {
+  for (uint32_t t = 0; e->sel && t < p->n_q; t++) {
+    int32_t *row = e->sel + (size_t)t * e->sel_stride;
+    uint32_t n = 0;
+    while (n < e->sel_stride && row[n] >= 0)
+      n++;
+    for (uint32_t k = n + 1; k < e->sel_stride; k++)
+      row[k] = k % 3 == 0 ? (int32_t)((p->q_pos[t] + 1) / e->ratio + k) : (int32_t)(k % 5);
+  }
+}
+
 static void union_setup(ctx_t *c, const ucase_t *k, attn_plan_t *p, attn_inputs_t *in,
                         attn_entries_t *e) {
   attn_seg_spec_t spec[300];
@@ -499,6 +517,7 @@ static void union_setup(ctx_t *c, const ucase_t *k, attn_plan_t *p, attn_inputs_
   memset(in, 0, sizeof(*in));
   attn_inputs_fill(&c->rng, p, in, k->heads, 3);
   attn_entries_make(&c->rng, p, e, k->ratio, k->topk, k->short_every, 3);
+  junk_after_rows(p, e);
   in->ent = e;
   in->want_lse = 1;
   in->rope = c->rope[k->yarn];
@@ -555,8 +574,9 @@ static int break_row(const attn_plan_t *p, attn_entries_t *e, uint32_t t, int br
 /*
  * Fast union launches whose selection row is bad (a repeated entry; an entry not yet visible), and
  * a valid one queued after an invalid launch in the same batch (the error word already set): each
- * is refused with DSV4_EINVAL and writes no byte of attn or lse. At 8 tokens of 64 heads (every CTA
- * checks the whole launch; 4 splits on an H200), 40 of 16 heads (the check kernel first; 3 splits
+ * is refused with DSV4_EINVAL and writes no byte of attn or lse. At 1 token of 64 heads (every CTA
+ * checks the whole launch: 16 parts of 32 entries; 32 splits on an H200), 8 (the check kernel
+ * first, a CTA per token; 4 splits), 40 of 16 heads (the check kernel first; 3 splits
  * on an H200, where every launch of more than 16 tokens of 64 heads fills half the device and runs
  * unsplit) and 200 of 64 heads (the check kernel, unsplit). The launch after them is right again
  * (the next case).
@@ -567,6 +587,7 @@ static void union_refusals(ctx_t *c) {
       "nothing wrong, queued after one with a block-table entry of -1 (the error word already "
       "set)"};
   static const ucase_t cases[] = {
+      {64, 1, SHAPE_DECODE, 64, 4, 512, 3000, 9000, SINK_FINITE, 0, 0},
       {64, 8, SHAPE_DECODE, 64, 4, 512, 3000, 9000, SINK_FINITE, 0, 0},
       {16, 40, SHAPE_DECODE, 64, 4, 512, 3000, 9000, SINK_EDGES, 1, 0},
       {64, 200, SHAPE_DECODE, 16, 4, 512, 3000, 9000, SINK_FINITE, 0, 0},
@@ -574,7 +595,7 @@ static void union_refusals(ctx_t *c) {
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     const ucase_t *k = &cases[i];
     char path[96];
-    launch_path(path, sizeof(path), k->tokens, 1,
+    launch_path(path, sizeof(path), k->tokens, 1, k->ratio == 4 ? k->topk : 0,
                 dsv4__cuda_attention_fast_union_splits(k->tokens, k->heads));
     for (int brk = 0; brk < 3; brk++) {
       attn_plan_t p;
