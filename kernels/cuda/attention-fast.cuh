@@ -326,6 +326,33 @@ static __device__ __forceinline__ uint32_t fast_out_pair(float ne, float no, flo
   return bf16x2(e, od);
 }
 
+/* One split's term of a head's merge (the split union's combine kernel, a window cluster's
+ * splits): a = exp(m_s - M) for the split's pair (m_s, S_s) and the heads' maximum M, then
+ * S += S_s a and N += N_s a on thread i's 4 dims, in the splits' order (0 for a split without
+ * candidates, m_s = -inf). */
+static __device__ __forceinline__ void fast_merge_term(float2 ms, float4 x, float m, float &sum,
+                                                       float4 &n) {
+  const float a = __expf(ms.x - m);
+  sum = sum + ms.y * a;
+  n.x = n.x + x.x * a;
+  n.y = n.y + x.y * a;
+  n.z = n.z + x.z * a;
+  n.w = n.w + x.w * a;
+}
+
+/* A merged head's end: lse (thread 0), then o = N / D on thread i's dims 4 i..4 i + 3 of token t's
+ * head h (rope: the query position's row, read for the rotated dims only). */
+static __device__ __forceinline__ void fast_merge_out(const attn_params_t &p, float m, float sum,
+                                                      float4 n, float sink, const float *rope,
+                                                      uint32_t t, uint32_t h, uint32_t i) {
+  if (i == 0 && p.lse)
+    p.lse[(uint64_t)t * p.heads + h] = fast_lse(m, sum);
+  const float inv = 1.0f / fast_den(p, sum, m, sink); /* +inf (a sink of +inf) gives 0 */
+  const uint32_t d = 4 * i;
+  reinterpret_cast<uint2 *>(p.out + ((uint64_t)t * p.heads + h) * 64)[i] =
+      make_uint2(fast_out_pair(n.x, n.y, inv, d, rope), fast_out_pair(n.z, n.w, inv, d + 2, rope));
+}
+
 /* Bytes of a warp's output tile in shared memory (fast_store_out_tile): 16 heads, 64 bf16 dims. */
 #define OUT_TILE 2048
 

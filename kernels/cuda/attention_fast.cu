@@ -168,20 +168,9 @@ static __device__ void fast_cluster_combine(const attn_params_t &p, const attn_m
       m = fmaxf(m, v[it][s].x); /* finite: split 0 holds the window's first candidates */
     float4 n = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int s = 0; s < NS; s++) {
-      const float a = __expf(v[it][s].x - m); /* 0 for a split without candidates (m_s = -inf) */
-      sum = sum + v[it][s].y * a;
-      n.x = n.x + x[it][s].x * a;
-      n.y = n.y + x[it][s].y * a;
-      n.z = n.z + x[it][s].z * a;
-      n.w = n.w + x[it][s].w * a;
-    }
-    if (i == 0 && p.lse)
-      p.lse[(uint64_t)t * p.heads + h] = fast_lse(m, sum);
-    const float inv = 1.0f / fast_den(p, sum, m, fm.sink[hl]); /* +inf (a sink of +inf) gives 0 */
-    const uint32_t d = 4 * i;
-    reinterpret_cast<uint2 *>(p.out + ((uint64_t)t * p.heads + h) * 64)[i] = make_uint2(
-        fast_out_pair(n.x, n.y, inv, d, ms.rope), fast_out_pair(n.z, n.w, inv, d + 2, ms.rope));
+    for (int s = 0; s < NS; s++)
+      fast_merge_term(v[it][s], x[it][s], m, sum, n);
+    fast_merge_out(p, m, sum, n, fm.sink[hl], ms.rope, t, h, i);
   }
 }
 #endif

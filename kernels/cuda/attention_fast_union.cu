@@ -302,25 +302,14 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
       }
 #pragma unroll
     for (uint32_t j = 0; j < 8; j++)
-      if (s0 + j < p.nsplit) {
-        const float a = __expf(v[j].x - m); /* 0 for a split without a tile (m_s = -inf) */
-        sum = sum + v[j].y * a;
-        n.x = n.x + x[j].x * a;
-        n.y = n.y + x[j].y * a;
-        n.z = n.z + x[j].z * a;
-        n.w = n.w + x[j].w * a;
-      }
+      if (s0 + j < p.nsplit)
+        fast_merge_term(v[j], x[j], m, sum, n);
   }
-  if (i == 0 && p.lse)
-    p.lse[(uint64_t)t * p.heads + h] = fast_lse(m, sum);
-  const float inv = 1.0f / fast_den(p, sum, m, sink); /* +inf (a sink of +inf) gives 0 */
-  const uint32_t d = 4 * i;
   /* The query position's RoPE row, for the dims that are rotated (checked by the check kernel). */
-  const float *rope = d >= DSV4_NOPE_DIM ? reinterpret_cast<const float *>(p.rope) +
-                                               (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS
-                                         : nullptr;
-  reinterpret_cast<uint2 *>(p.out + ((uint64_t)t * p.heads + h) * 64)[i] =
-      make_uint2(fast_out_pair(n.x, n.y, inv, d, rope), fast_out_pair(n.z, n.w, inv, d + 2, rope));
+  const float *rope = 4 * i >= DSV4_NOPE_DIM ? reinterpret_cast<const float *>(p.rope) +
+                                                   (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS
+                                             : nullptr;
+  fast_merge_out(p, m, sum, n, sink, rope, t, h, i);
 }
 
 template <int MT>
