@@ -124,6 +124,19 @@ typedef struct {
 } dsv4_insert_args_t;
 
 /*
+ * A token's window as the engine plans it (dsv4_attn_windows): its candidates are the positions
+ * lo .. lo + n - 1 (the last the query's), whose logical blocks lo / bs .. (lo + n - 1) / bs map
+ * to the physical blocks blk[0..], -1 past them. 64 bytes, so that one line holds it.
+ */
+#define DSV4_ATTN_WIN_BLOCKS 12
+typedef struct {
+  int64_t lo;
+  uint32_t n;        /* 1..DSV4_WINDOW */
+  uint32_t reserved; /* 0 */
+  int32_t blk[DSV4_ATTN_WIN_BLOCKS];
+} dsv4_attn_win_t;
+
+/*
  * Exact-mode attention (SPEC §7), run after the batch's insert: every token sees the whole batch's
  * records. Token t at position p = positions[t] of segment s = tok_seg[t] attends, per head, to the
  * positions max(seg_p0[s], p - 127)..p of its sequence in increasing order. The slot of a position
@@ -203,6 +216,15 @@ typedef struct {
    */
   int q_raw;
   float eps;
+  /*
+   * Optional (NULL: the backend walks the tables): [n_tokens] windows, 16-byte aligned, that
+   * dsv4_attn_windows built from this launch's positions, segments and block table. A backend may
+   * take a token's window and blocks from it instead of from those arrays (the CUDA backend's
+   * SWA-only launches do: one round of loads where the tables are three dependent ones); one that
+   * does refuses a window that is empty or longer than DSV4_WINDOW, whose last position has no
+   * RoPE row, or whose blocks lie outside the pool, as it refuses the tables' faults.
+   */
+  const dsv4_attn_win_t *win;
 } dsv4_attn_args_t;
 
 /*
@@ -377,6 +399,11 @@ int dsv4_backend_check_insert_args(const dsv4_insert_args_t *a);
 /* The attention check covers everything but the block table's contents, the positions and the
  * RoPE rows, which the backend checks where it can read them (before it writes anything). */
 int dsv4_backend_check_attn_args(const dsv4_attn_args_t *a);
+/* The windows of a's tokens (dsv4_attn_args_t.win) from its arrays, read on the host: 0, or
+ * DSV4_EINVAL for a launch that the tables would refuse (a token's segment, its position below
+ * its p0 or p0 below 0, or a window block outside the segment's table, past bt_entries or outside
+ * the pool); the RoPE rows are not looked at. */
+int dsv4_attn_windows(const dsv4_attn_args_t *a, dsv4_attn_win_t *win);
 
 /* The compress and indexer checks cover everything but the positions, the segments' tables and the
  * RoPE rows, which the backend checks where it can read them (before it writes anything). */

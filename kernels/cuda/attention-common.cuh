@@ -44,6 +44,7 @@ typedef struct {
   const uint32_t *seg_bt_off;
   const uint32_t *seg_bt_len;
   const int32_t *bt;
+  const uint4 *win; /* [n_tokens, 4]: the engine's windows (dsv4_attn_win_t), or NULL */
   const uint8_t *cache;
   const float *sink;  /* [heads] or NULL */
   const float4 *rope; /* 16 float4 per row: cos 0..7, sin 8..15 */
@@ -99,6 +100,29 @@ typedef struct {
   int64_t first;   /* the logical block that entry `off` maps */
   uint32_t off, len;
 } window_t;
+
+/* Word 0..3 of token t's window in p.win (dsv4_attn_win_t): lo, n and the reserved word, then
+ * the blocks from word 1 of the first uint4 on. */
+static __device__ __forceinline__ const int32_t *win_blocks(const attn_params_t &p, uint32_t t) {
+  return reinterpret_cast<const int32_t *>(p.win + 4 * (uint64_t)t) + 4;
+}
+
+/* 0, or the error bits of the head h of an engine's window (lo, n): a window that is empty,
+ * longer than DSV4_WINDOW or below position 0, or whose last position has no RoPE row; w->pos
+ * and w->lo on success. */
+static __device__ __forceinline__ uint32_t win_head(const attn_params_t &p, uint4 h, window_t *w) {
+  const int64_t lo = (int64_t)(((uint64_t)h.y << 32) | h.x);
+  if (lo < 0 || h.z == 0 || h.z > DSV4_WINDOW || lo + (int64_t)h.z - 1 >= p.max_pos)
+    return DSV4_CUDA_ATTN_ERR_POSITION;
+  w->lo = lo;
+  w->pos = lo + (int64_t)h.z - 1;
+  return 0;
+}
+
+/* The error bit of physical block b of an engine's window: outside the pool. */
+static __device__ __forceinline__ uint32_t win_block_bits(const attn_params_t &p, int32_t b) {
+  return b < 0 || (uint32_t)b >= p.n_blocks ? DSV4_CUDA_ATTN_ERR_BLOCK : 0u;
+}
 
 /* 0, or the error bits of token t's segment and position (SPEC §7: p0 <= p, a RoPE row for p). */
 static __device__ uint32_t token_window(const attn_params_t &p, uint32_t t, window_t *w) {
@@ -215,6 +239,24 @@ static __device__ uint64_t entries_check_part(const attn_params_t &p, uint32_t t
 /* 0, or the error bits of token t: its segment, position and every block of its window (and its
  * window's facts in *w). */
 static __device__ uint32_t token_check(const attn_params_t &p, uint32_t t, window_t *w) {
+  if (p.win) { /* the engine's window: its 64 bytes in one round of loads */
+    const uint4 *d = p.win + 4 * (uint64_t)t;
+    const uint4 h = d[0], b[3] = {d[1], d[2], d[3]};
+    const uint32_t bits = win_head(p, h, w);
+    if (bits)
+      return bits;
+    const uint32_t nb = window_blocks(p, *w);
+    uint32_t out = 0;
+#pragma unroll
+    for (int k = 0; k < 3; k++) {
+      const uint32_t v[4] = {b[k].x, b[k].y, b[k].z, b[k].w};
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        if (4u * k + j < nb)
+          out |= win_block_bits(p, (int32_t)v[j]);
+    }
+    return out;
+  }
   uint32_t bits = token_window(p, t, w);
   if (bits)
     return bits;
@@ -327,11 +369,20 @@ static __device__ __forceinline__ void norm_q(const attn_params_t &p, uint32_t h
 static __device__ uint32_t attn_window(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
   const uint32_t tid = threadIdx.x;
   window_t w;
-  uint32_t bits = token_window(p, t, &w);
-  if (!bits) {
-    const uint32_t nb = window_blocks(p, w);
-    if (tid < nb)
+  uint32_t bits;
+  if (p.win) { /* the engine's window: a block each in the same round of loads as its head */
+    const int32_t b = tid < MAX_WIN_BLOCKS ? win_blocks(p, t)[tid] : 0;
+    bits = win_head(p, p.win[4 * (uint64_t)t], &w);
+    if (!bits && tid < window_blocks(p, w)) {
+      bits = win_block_bits(p, b);
+      ms.blk[tid] = b;
+    }
+  } else {
+    bits = token_window(p, t, &w);
+    if (!bits && tid < window_blocks(p, w))
       ms.blk[tid] = window_block(p, w, tid, &bits);
+  }
+  if (!bits) {
     if (tid >= 32 && tid < 48)
       reinterpret_cast<float4 *>(ms.rope)[tid - 32] = p.rope[(uint64_t)w.pos * 16 + (tid - 32)];
     if (tid == 0) {

@@ -599,7 +599,7 @@ static int check_args(const dsv4_attn_args_t *a) {
     return DSV4_EINVAL;
   if (!DSV4_BLOCK_SIZE_VALID(a->block_size) || a->stride != DSV4_BLOCK_STRIDE(a->block_size))
     return DSV4_EINVAL;
-  if (((uintptr_t)a->q | (uintptr_t)a->out | (uintptr_t)a->cache) & 15u)
+  if (((uintptr_t)a->q | (uintptr_t)a->out | (uintptr_t)a->cache | (uintptr_t)a->win) & 15u)
     return DSV4_EINVAL;
   /* The compressed entries (SPEC §8.6), as dsv4_backend_check_attn_args has them. */
   if (!a->c_cache)
@@ -751,6 +751,8 @@ extern "C" int dsv4__cuda_attention(const dsv4_attn_args_t *a, const float *rope
   p.seg_bt_off = a->seg_bt_off;
   p.seg_bt_len = a->seg_bt_len;
   p.bt = a->block_table;
+  /* The engine's windows (backend.h), for the window kernels: a union launch walks its tables. */
+  p.win = a->c_cache ? nullptr : reinterpret_cast<const uint4 *>(a->win);
   p.cache = a->cache;
   p.sink = a->sink;
   p.rope = reinterpret_cast<const float4 *>(rope_rows_dev);

@@ -71,15 +71,16 @@ enum {
   M_SEG_BT_LEN,
   M_BLOCK_TABLE,
   M_SEG_P0,
+  M_WIN,
   M_COUNT
 };
 #define META_ALIGN 16
 /* The smallest staging buffer allocated: tiny batches do not each grow it by a few bytes. */
 #define STAGE_MIN_BYTES 256
 
-/* The sizes and offsets of the packed arrays for n tokens, nseg segments and bt table entries;
- * returns the total. */
-static size_t meta_layout(size_t n, size_t nseg, size_t bt, size_t bytes[M_COUNT],
+/* The sizes and offsets of the packed arrays for n tokens, nseg segments and bt table entries,
+ * with the tokens' windows (dsv4_attn_win_t) when win; returns the total. */
+static size_t meta_layout(size_t n, size_t nseg, size_t bt, int win, size_t bytes[M_COUNT],
                           size_t off[M_COUNT]) {
   bytes[M_POSITIONS] = n * sizeof(int64_t);
   bytes[M_TOK_SEG] = n * sizeof(int32_t);
@@ -88,6 +89,7 @@ static size_t meta_layout(size_t n, size_t nseg, size_t bt, size_t bytes[M_COUNT
   bytes[M_SEG_BT_LEN] = nseg * sizeof(uint32_t);
   bytes[M_BLOCK_TABLE] = bt * sizeof(int32_t);
   bytes[M_SEG_P0] = nseg * sizeof(int64_t);
+  bytes[M_WIN] = win ? n * sizeof(dsv4_attn_win_t) : 0;
   size_t total = 0;
   for (int i = 0; i < M_COUNT; i++) {
     off[i] = total;
@@ -219,7 +221,7 @@ static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
   size_t bt = 0, bytes[M_COUNT], off[M_COUNT];
   for (uint32_t s = 0; s < f->n_segs; s++)
     bt += ((size_t)DSV4_WINDOW - 2 + f->segs[s].len) / e->p.block_size + 2;
-  size_t meta = meta_layout(n, f->n_segs, bt, bytes, off);
+  size_t meta = meta_layout(n, f->n_segs, bt, f->attn != NULL, bytes, off);
   int rc = meta_reserve(e, st, meta);
   if (!rc)
     rc = stage_reserve(e, ST_Q, q_bytes);
@@ -306,22 +308,25 @@ static int stage_phase(dsv4_engine_t *e, const uint64_t *ticket, int phase, uint
 /* The batch's inputs into the current half: the packed metadata, q and kv; ma and ia are
  * re-pointed at the copies, and *m receives the device address of the packed metadata. fused: the
  * batch takes the fused decode path (fused_decode); meta_in_place: only the producer and the insert
- * read the packed metadata. */
+ * read the packed metadata; win: the attention's arguments on the host's arrays when its windows
+ * (backend.h, dsv4_attn_win_t) go at off[M_WIN], else NULL; *built: whether they were (not where
+ * dsv4_attn_windows refuses them: the attention then walks the tables, and refuses there). */
 static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta_in_place,
-                        dsv4_map_args_t *ma, dsv4_insert_args_t *ia, const uint8_t **m,
-                        size_t off[M_COUNT]) {
+                        const dsv4_attn_args_t *win, int *built, dsv4_map_args_t *ma,
+                        dsv4_insert_args_t *ia, const uint8_t **m, size_t off[M_COUNT]) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
   size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
   void *d = NULL;
   /* The slot mapper's arrays and the positions, packed (see ST_META), in one upload. */
-  size_t bytes[M_COUNT], meta = meta_layout(n, f->n_segs, e->plan.bt_len, bytes, off);
+  size_t bytes[M_COUNT], meta = meta_layout(n, f->n_segs, e->plan.bt_len, win != NULL, bytes, off);
   const void *src[M_COUNT] = {ma->positions,  ma->tok_seg,     ma->seg_first_lb, ma->seg_bt_off,
                               ma->seg_bt_len, ma->block_table, e->seg_p0};
   if (meta > h->meta_cap)
     return DSV4_EINVAL; /* stage_reserve_batch's bound was wrong: never write past the buffer */
   for (int i = 0; i < M_COUNT; i++)
-    if (bytes[i])
+    if (bytes[i] && src[i])
       memcpy(h->meta + off[i], src[i], bytes[i]);
+  *built = win && dsv4_attn_windows(win, (dsv4_attn_win_t *)(h->meta + off[M_WIN])) == 0;
   /* Read in place by the producer and the insert (a few loads per thread, at once), but uploaded
    * when other launches read it too: the attention's CTAs walk the block tables and segments of
    * every token, which over PCIe made a 16-token decode with attention half again as slow
@@ -375,16 +380,22 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   const uint8_t *m = NULL;
   const int fused = fused_decode(e, f);
   const int meta_in_place = !f->attn && !(e->c_ratio && e->c_ratio[idx]);
+  /* The windows for an SWA-only layer's attention (a union launch walks its tables anyway), from
+   * its arguments on the host's arrays. */
+  dsv4_attn_args_t aa;
+  dsv4__engine_attn_args(e, idx, f, ma, &aa);
+  const int want_win = f->attn && !(e->c_ratio && e->c_ratio[idx]);
+  int win = 0;
   int rc = stage_phase(e, ticket, DSV4_BATCH_UPLOADS, NULL);
   if (!rc)
-    rc = stage_inputs(e, f, fused, meta_in_place, ma, ia, &m, off);
-  dsv4_attn_args_t aa;
+    rc = stage_inputs(e, f, fused, meta_in_place, want_win ? &aa : NULL, &win, ma, ia, &m, off);
   if (!rc) {
     ia->kv_norm_weight =
         e->kv_norm ? (const float *)s->kv_norm.ptr + (size_t)idx * DSV4_HEAD_DIM : NULL;
     dsv4__engine_attn_args(e, idx, f, ma, &aa);
     aa.q = ia->q_out;
     aa.seg_p0 = (const int64_t *)(m + off[M_SEG_P0]);
+    aa.win = win ? (const dsv4_attn_win_t *)(m + off[M_WIN]) : NULL;
     aa.cache = e->cache[idx].ptr;
     aa.sink = e->sinks ? (const float *)s->sinks.ptr + (size_t)idx * e->p.heads : NULL;
     /* Staged, never in place: the attention kernels store 16-byte pieces scattered over the rows,

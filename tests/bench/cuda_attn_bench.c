@@ -19,7 +19,8 @@
  *
  * Usage: cuda_attn_bench [heads...]   (default 64; DSV4_BENCH_N="1,128" picks batch sizes and
  * leaves out the prefill row; DSV4_BENCH_WARM_L2=1, a probe, takes one input set for the decode
- * rows instead, whose bytes every call after the first finds in the L2: what the DRAM costs)
+ * rows instead, whose bytes every call after the first finds in the L2: what the DRAM costs;
+ * DSV4_BENCH_NO_WIN=1 launches without the engine's windows, as a direct caller would)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -46,6 +47,37 @@ static dsv4_map_args_t plan_tab(const attn_plan_t *p, void *const seg[4]) {
                          .block_table = seg[3],
                          .bt_entries = p->bt_len};
   return tab;
+}
+
+/*
+ * The engine's windows (backend.h, dsv4_attn_args_t.win) of every set's launch, in one device
+ * buffer: set i's tokens i tokens .. are sequences i b .. i b + b - 1 of plan p (local: each
+ * token's segment within its set). NULL with DSV4_BENCH_NO_WIN set: the kernels walk the tables.
+ */
+static dsv4_attn_win_t *plan_windows(const attn_plan_t *p, uint32_t sets, uint32_t b,
+                                     uint32_t tokens, const int32_t *local) {
+  if (getenv("DSV4_BENCH_NO_WIN"))
+    return NULL;
+  dsv4_attn_win_t *w = gpu_host_alloc(sizeof(*w) * sets * tokens);
+  for (uint32_t i = 0; i < sets; i++) {
+    const size_t g = (size_t)i * b, t0 = (size_t)i * tokens;
+    const dsv4_attn_args_t ha = {.n_tokens = tokens,
+                                 .n_segments = b,
+                                 .positions = p->q_pos + t0,
+                                 .tok_seg = local,
+                                 .seg_p0 = p->seg_p0 + g,
+                                 .seg_first_lb = p->seg_first_lb + g,
+                                 .seg_bt_off = p->seg_bt_off + g,
+                                 .seg_bt_len = p->seg_bt_len + g,
+                                 .block_table = p->block_table,
+                                 .bt_entries = p->bt_len,
+                                 .block_size = p->bs,
+                                 .n_blocks = p->n_blocks};
+    CKD(dsv4_attn_windows(&ha, w + t0));
+  }
+  dsv4_attn_win_t *d = dev_put(w, sizeof(*w) * sets * tokens);
+  free(w);
+  return d;
 }
 
 /*
@@ -111,6 +143,7 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
   for (uint32_t t = 0; t < tokens; t++)
     local[t] = (int32_t)(t / len);
   int32_t *tok_seg = dev_put(local, sizeof(int32_t) * tokens);
+  dsv4_attn_win_t *win = plan_windows(&p, sets, b, tokens, local);
   dsv4_attn_args_t *aa = gpu_host_alloc(sizeof(*aa) * sets);
   for (uint32_t i = 0; i < sets; i++) {
     size_t g = (size_t)i * b, t0 = (size_t)i * tokens;
@@ -134,7 +167,8 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
                                .rope = rope,
                                .out = out + t0 * heads * DSV4_HEAD_DIM,
                                .lse = lse + t0 * heads,
-                               .fast = fast};
+                               .fast = fast,
+                               .win = win ? win + t0 : NULL};
   }
   /* A small batch splits each token's window: the partial states (the same shape every set). */
   const uint64_t part_len = dsv4__cuda_attention_part_floats(&aa[0]);
@@ -185,7 +219,7 @@ static void bench(uint32_t heads, uint32_t b, uint32_t len, int fast, double cop
          fast && dsv4__cuda_attention_fast_splits(tokens, heads) > 1 ? "s" : "");
   fflush(stdout);
   void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,    qpos,    cache, q_hist,
-                  q,      out,    lse,    err,    dsink, tok_seg, part};
+                  q,      out,    lse,    err,    dsink, tok_seg, part,  win};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     cudaFree(bufs[i]);
   free(aa);
@@ -262,6 +296,7 @@ static void bench_chain(uint32_t heads, uint32_t b, int fast, double copy, float
   for (uint32_t t = 0; t < b; t++)
     local[t] = (int32_t)t;
   int32_t *tok_seg = dev_put(local, sizeof(int32_t) * b);
+  dsv4_attn_win_t *win = plan_windows(&p, sets, b, b, local);
   float *sink = gpu_host_alloc(sizeof(float) * heads);
   for (uint32_t h = 0; h < heads; h++)
     sink[h] = ((float)gpu_below(&rng, 4096) - 2048.0f) * 0x1p-9f;
@@ -305,7 +340,8 @@ static void bench_chain(uint32_t heads, uint32_t b, int fast, double copy, float
                                        .lse = lse + t0 * heads,
                                        .fast = fast,
                                        .q_raw = f,
-                                       .eps = 1e-6f};
+                                       .eps = 1e-6f,
+                                       .win = win ? win + t0 : NULL};
     }
   }
   /* us[0]: the two launches; us[1]: the fused chain. One chain of each outside the graphs first:
@@ -338,7 +374,7 @@ static void bench_chain(uint32_t heads, uint32_t b, int fast, double copy, float
          us[0] / us[1], sets, per_graph);
   fflush(stdout);
   void *bufs[] = {seg[0], seg[1], seg[2], seg[3], p0,  qpos, qseg,    cache, q_hist, q_out,
-                  out,    q,      kv,     slots,  lse, err,  tok_seg, dsink, part};
+                  out,    q,      kv,     slots,  lse, err,  tok_seg, dsink, part,   win};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     cudaFree(bufs[i]);
   free(ch);
@@ -376,6 +412,10 @@ int main(int argc, char **argv) {
   if (bench_peaks("cuda_attn_bench", s, has_fast, peaks))
     return 1;
   const double peak = peaks[0], tc = peaks[1];
+  printf("windows: %s\n",
+         getenv("DSV4_BENCH_NO_WIN")
+             ? "walked from the tables (DSV4_BENCH_NO_WIN)"
+             : "the engine's (dsv4_attn_windows; DSV4_BENCH_NO_WIN=1: the tables)");
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_plain_default, MAX_POS, &mirror);
   uint32_t ns[16] = {1, 16, 64, 128, 256};

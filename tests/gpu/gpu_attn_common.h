@@ -253,7 +253,14 @@ typedef struct {
    * in the same batch (no sync between), or NULL: a table that makes it invalid sets the device's
    * error word, and the measured launch must then write nothing either (cuda-kernels.h). */
   const attn_table_t *earlier;
+  /* The engine's windows with the launch (backend.h, dsv4_attn_args_t.win), or ATTN_WIN_NONE:
+   * ATTN_WIN_BUILT, dsv4_attn_windows' of the launch's own tables; ATTN_WIN_BAD_BLOCK, the same
+   * with the last window block of token win_bad_token past the pool. */
+  int win;
+  uint32_t win_bad_token;
 } attn_inputs_t;
+
+enum { ATTN_WIN_NONE, ATTN_WIN_BUILT, ATTN_WIN_BAD_BLOCK };
 
 /* Random inputs for a plan: queries and kv rows of bf16 around 1 (spread octaves each way). */
 static inline void attn_inputs_fill(uint64_t *rng, const attn_plan_t *p, attn_inputs_t *in,
@@ -421,12 +428,38 @@ static inline int attn_launch_over(dsv4_backend_t *be, const attn_plan_t *p,
   tb[2] = attn_put(be, t->seg_bt_len, sizeof(uint32_t) * p->n_segs);
   tb[3] = attn_put(be, t->block_table, sizeof(int32_t) * t->bt_len);
   dsv4_attn_args_t ea = *aa;
+  ea.win = NULL; /* the windows are the measured launch's: this one walks its own tables */
   ea.seg_first_lb = tb[0].ptr;
   ea.seg_bt_off = tb[1].ptr;
   ea.seg_bt_len = tb[2].ptr;
   ea.block_table = tb[3].ptr;
   ea.bt_entries = t->bt_len;
   return be->ops->attention(be, &ea);
+}
+
+/* The windows of launch aa, whose tables are tab (in->win, dsv4_attn_win_t), on backend be. */
+static inline dsv4_devbuf_t attn_put_windows(dsv4_backend_t *be, const attn_plan_t *p,
+                                             const attn_inputs_t *in, const attn_table_t *tab,
+                                             dsv4_attn_args_t *aa) {
+  dsv4_attn_args_t ha = *aa; /* the same launch on the host's copies of its arrays */
+  ha.positions = p->q_pos;
+  ha.tok_seg = p->q_seg;
+  ha.seg_p0 = p->seg_p0;
+  ha.seg_first_lb = tab->seg_first_lb;
+  ha.seg_bt_off = tab->seg_bt_off;
+  ha.seg_bt_len = tab->seg_bt_len;
+  ha.block_table = tab->block_table;
+  dsv4_attn_win_t *w = gpu_host_alloc(sizeof(*w) * p->n_q);
+  CKD(dsv4_attn_windows(&ha, w));
+  if (in->win == ATTN_WIN_BAD_BLOCK) {
+    dsv4_attn_win_t *b = &w[in->win_bad_token];
+    const int64_t last = (b->lo + b->n - 1) / p->bs - b->lo / p->bs;
+    b->blk[last] = (int32_t)p->n_blocks;
+  }
+  dsv4_devbuf_t d = attn_put(be, w, sizeof(*w) * p->n_q);
+  free(w);
+  aa->win = d.ptr;
+  return d;
 }
 
 /*
@@ -502,9 +535,11 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
                          .fast = in->fast,
                          .q_raw = in->fused,
                          .eps = ATTN_EPS};
-  dsv4_devbuf_t etab[5] = {{0}}, c_cache = {0};
+  dsv4_devbuf_t etab[5] = {{0}}, c_cache = {0}, dwin = {0};
   if (in->ent)
     attn_put_entries(be, p, in, etab, &c_cache, &aa);
+  if (in->win != ATTN_WIN_NONE)
+    dwin = attn_put_windows(be, p, in, tab, &aa);
   dsv4_devbuf_t early[4] = {{0}};
   int rc = in->earlier ? attn_launch_over(be, p, &aa, in->earlier, early) : 0;
   if (!rc)
@@ -526,10 +561,10 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
       CKD(be->ops->download(be, keep->c_cache, &c_cache, 0, c_cache.size));
   }
   CKD(be->ops->sync(be));
-  dsv4_devbuf_t *bufs[] = {&seg[0],  &seg[1],  &seg[2],   &seg[3],   &aseg[0],  &aseg[1], &aseg[2],
-                           &aseg[3], &cache,   &q_hist,   &q_out,    &dpos,     &dseg,    &dp0,
-                           &dsink,   &dout,    &dlse,     &etab[0],  &etab[1],  &etab[2], &etab[3],
-                           &etab[4], &c_cache, &early[0], &early[1], &early[2], &early[3]};
+  dsv4_devbuf_t *bufs[] = {&seg[0],  &seg[1],  &seg[2],   &seg[3],   &aseg[0],  &aseg[1],  &aseg[2],
+                           &aseg[3], &cache,   &q_hist,   &q_out,    &dpos,     &dseg,     &dp0,
+                           &dsink,   &dout,    &dlse,     &etab[0],  &etab[1],  &etab[2],  &etab[3],
+                           &etab[4], &c_cache, &early[0], &early[1], &early[2], &early[3], &dwin};
   for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
     be->ops->buf_free(be, bufs[i]);
   return rc;

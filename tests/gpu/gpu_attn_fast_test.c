@@ -210,12 +210,15 @@ static int check_fast(ctx_t *c, const char *what, const attn_plan_t *p, attn_inp
   if (!bad)
     bad = measure(c, what, p, heads, wide, out, ref, lse, ref_lse);
   for (int rep = 0; rep < 4 && !bad; rep++) {
+    in->win = rep % 2 ? ATTN_WIN_BUILT : ATTN_WIN_NONE; /* runs 3 and 5: the engine's windows */
     CKD(attn_run(c->cuda, p, in, NULL, again, again_lse, NULL));
     if (memcmp(again, out, out_n * 2) != 0 || memcmp(again_lse, lse, lse_n * 4) != 0) {
-      fprintf(stderr, "FAIL %s: run %d of fast mode differs from the first\n", what, rep + 2);
+      fprintf(stderr, "FAIL %s: run %d of fast mode%s differs from the first\n", what, rep + 2,
+              rep % 2 ? " (with the engine's windows)" : "");
       bad = 1;
     }
   }
+  in->win = ATTN_WIN_NONE;
 #ifdef DSV4_TEST_TUNE
   if (!bad && window_split) {
     dsv4__cuda_test_window_combine = 1;
@@ -359,10 +362,10 @@ static uint32_t window_entry(const attn_plan_t *p) {
  * the attention kernel past it. The launch after them is right again (the next case).
  */
 static void window_refusals(ctx_t *c) {
-  static const char *const names[3] = {"a block-table entry of -1",
-                                       "a block-table entry past the pool",
-                                       "nothing wrong, queued after one with a block of -1 "
-                                       "(the error word already set)"};
+  static const char *const names[4] = {
+      "a block-table entry of -1", "a block-table entry past the pool",
+      "nothing wrong, queued after one with a block of -1 (the error word already set)",
+      "right tables and the engine's windows, the last token's with a block past the pool"};
   /* heads, tokens, shape, bs, sinks, yarn, spread, zero_q, wide */
   static const case_t cases[] = {
       {64, 1, SHAPE_DECODE, 64, SINK_FINITE, 0, 3, 0, 0},
@@ -384,15 +387,19 @@ static void window_refusals(ctx_t *c) {
     tab.block_table = bt;
     char path[96];
     launch_path(path, sizeof(path), p.n_q, 0, 0, dsv4__cuda_attention_fast_splits(p.n_q, k->heads));
-    for (int brk = 0; brk < 3; brk++) {
+    for (int brk = 0; brk < 4; brk++) {
       memcpy(bt, p.block_table, sizeof(int32_t) * p.bt_len);
-      bt[e] = brk == 1 ? (int32_t)p.n_blocks : -1;
+      if (brk < 3)
+        bt[e] = brk == 1 ? (int32_t)p.n_blocks : -1;
       in.earlier = brk == 2 ? &tab : NULL;
+      in.win = brk == 3 ? ATTN_WIN_BAD_BLOCK : ATTN_WIN_NONE;
+      in.win_bad_token = p.n_q - 1;
       char what[300];
       snprintf(what, sizeof(what), "fast window launch of %u tokens (%s) with %s", p.n_q, path,
                names[brk]);
-      expect_refusal(c, what, &p, &in, brk == 2 ? NULL : &tab);
+      expect_refusal(c, what, &p, &in, brk == 1 || brk == 0 ? &tab : NULL);
     }
+    in.win = ATTN_WIN_NONE;
     free(bt);
     free(sinks);
     attn_inputs_free(&in);

@@ -179,6 +179,18 @@ static void run_case(ctx_t *c, const case_t *k, int repeats) {
   }
   if (!bad)
     bad = compare(name, &p, k->heads, out, ref, k->want_lse ? lse : NULL, ref_lse);
+  if (!bad) { /* the engine's windows instead of the tables: the same bytes */
+    uint16_t *w_out = gpu_host_alloc(out_n * 2);
+    float *w_lse = gpu_host_alloc(lse_n * 4);
+    char what[260];
+    snprintf(what, sizeof(what), "%s, with the engine's windows vs the tables", name);
+    in.win = ATTN_WIN_BUILT;
+    CKD(attn_run(c->cuda, &p, &in, NULL, w_out, w_lse, NULL));
+    in.win = ATTN_WIN_NONE;
+    bad = compare(what, &p, k->heads, w_out, out, k->want_lse ? w_lse : NULL, lse);
+    free(w_out);
+    free(w_lse);
+  }
   for (int rep = 0; rep < repeats && !bad; rep++) {
     uint16_t *again = gpu_host_alloc(out_n * 2);
     float *again_lse = gpu_host_alloc(lse_n * 4);
@@ -263,6 +275,32 @@ static int refuse_one(ctx_t *c, const char *shape, attn_plan_t *p, const attn_in
   return bad;
 }
 
+/* The engine's windows of a right plan (backend.h, dsv4_attn_args_t.win), the last token's with a
+ * block past the pool: the CUDA backend, which reads the windows instead of the tables, must
+ * refuse the launch and write nothing. */
+static int refuse_window(ctx_t *c, const char *shape, const attn_plan_t *p, attn_inputs_t *in) {
+  size_t out_bytes = (size_t)p->n_q * in->heads * DSV4_HEAD_DIM * 2;
+  size_t lse_bytes = (size_t)p->n_q * in->heads * 4;
+  uint16_t *out = gpu_host_alloc(out_bytes);
+  float *lse = gpu_host_alloc(lse_bytes);
+  in->win = ATTN_WIN_BAD_BLOCK;
+  in->win_bad_token = p->n_q - 1;
+  const int rc = attn_run(c->cuda, p, in, NULL, out, lse, NULL);
+  in->win = ATTN_WIN_NONE;
+  const int bad =
+      rc != DSV4_EINVAL || !attn_untouched(out, out_bytes) || !attn_untouched(lse, lse_bytes);
+  if (bad)
+    fprintf(
+        stderr, "FAIL refusal (%s, an engine's window block past the pool): %s, attn or lse %s\n",
+        shape, rc ? dsv4_strerror(rc) : "accepted",
+        attn_untouched(out, out_bytes) && attn_untouched(lse, lse_bytes) ? "untouched" : "written");
+  printf("%s refusal (%s, an engine's window block past the pool): DSV4_EINVAL, nothing written\n",
+         bad ? "FAIL" : "ok  ", shape);
+  free(out);
+  free(lse);
+  return bad;
+}
+
 /* Every refusal on a decode batch of 16 sequences and on a 1100-token prefill, then the same plan
  * unbroken on the same backend, equal to the CPU's. */
 static void refusals(ctx_t *c, int quick) {
@@ -297,6 +335,7 @@ static void refusals(ctx_t *c, int quick) {
     snprintf(shape, sizeof(shape), "%u queries, H=%u", p.n_q, k->heads);
     for (int how = 0; how < BREAKS; how++)
       c->failures += refuse_one(c, shape, &p, &in, g, how);
+    c->failures += refuse_window(c, shape, &p, &in);
     size_t out_n = (size_t)p.n_q * k->heads * DSV4_HEAD_DIM, lse_n = (size_t)p.n_q * k->heads;
     uint16_t *ref = gpu_host_alloc(out_n * 2), *out = gpu_host_alloc(out_n * 2);
     float *ref_lse = gpu_host_alloc(lse_n * 4), *lse = gpu_host_alloc(lse_n * 4);

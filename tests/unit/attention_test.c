@@ -709,6 +709,50 @@ static void expect_refused(fixture_t *fx, const dsv4_attn_args_t *a, outputs_t *
     assert_int_equal(f2u(o->lse[i]), 0xCDCDCDCDu);
 }
 
+/* The engine's windows (dsv4_attn_windows) of a batch mixing prefill chunks and decode tokens at
+ * block sizes 16 and 64, against the window rule written out (SPEC §7): max(p0, p - 127)..p, its
+ * logical blocks through the segment's table, -1 past them. */
+static void test_windows(void **state) {
+  (void)state;
+  const uint32_t sizes[2] = {16, 64};
+  for (int z = 0; z < 2; z++) {
+    fixture_t fx;
+    fixture_open(&fx, sizes[z], 256, 1);
+    seq_t sq[4];
+    seq_t *seqs[4] = {&sq[0], &sq[1], &sq[2], &sq[3]};
+    const int64_t p0[4] = {0, 37, 1000, 5};
+    const int64_t skip[4] = {0, 250, 3, 126}; /* positions before the batch (no blocks needed) */
+    const uint32_t lens[4] = {200, 1, 150, 2};
+    for (int i = 0; i < 4; i++) {
+      seq_init(&sq[i], p0[i]);
+      sq[i].next = p0[i] + skip[i];
+    }
+    batch_t b;
+    batch_build(&fx, &b, seqs, lens, 4, 1);
+    dsv4_attn_win_t *win = malloc(b.n * sizeof(*win));
+    assert_non_null(win);
+    const dsv4_attn_args_t a = attn_args(&fx, &b, NULL, NULL, NULL);
+    assert_int_equal(dsv4_attn_windows(&a, win), 0);
+    const int64_t bs = fx.bs;
+    for (uint32_t t = 0; t < b.n; t++) {
+      const uint32_t s = (uint32_t)b.tok_seg[t];
+      const int64_t p = b.positions[t], lo = p - 127 > b.seg_p0[s] ? p - 127 : b.seg_p0[s];
+      assert_int_equal(win[t].lo, lo);
+      assert_int_equal(win[t].n, p - lo + 1);
+      assert_int_equal(win[t].reserved, 0);
+      for (int64_t k = 0; k < DSV4_ATTN_WIN_BLOCKS; k++) {
+        const int64_t lb = lo / bs + k;
+        const int32_t want =
+            lb <= p / bs ? b.block_table[b.seg_bt_off[s] + (lb - b.seg_first_lb[s])] : -1;
+        assert_int_equal(win[t].blk[k], want);
+      }
+    }
+    free(win);
+    batch_free(&b);
+    fixture_close(&fx);
+  }
+}
+
 /* A decode token whose window spans three blocks, and every way its launch can be malformed. */
 static void test_refusals(void **state) {
   (void)state;
@@ -730,31 +774,47 @@ static void test_refusals(void **state) {
   outputs_alloc(&o, &b);
   const dsv4_attn_args_t good = attn_args(&fx, &b, NULL, o.out, o.lse);
   dsv4_attn_args_t a = good;
+  dsv4_attn_win_t win[1];
   int32_t saved = b.block_table[0];
   b.block_table[0] = -1; /* the block of candidates 3..63 is missing */
   expect_refused(&fx, &a, &o, "missing block");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   b.block_table[0] = (int32_t)fx.n_blocks;
   expect_refused(&fx, &a, &o, "block id past the pool");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   b.block_table[0] = saved;
   b.seg_first_lb[0] = 1; /* the table would start at the second block */
   expect_refused(&fx, &a, &o, "block before the table");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   b.seg_first_lb[0] = 0;
   b.seg_bt_len[0] = 2;
   expect_refused(&fx, &a, &o, "block after the table");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   b.seg_bt_len[0] = 3;
   a.bt_entries = 2;
   expect_refused(&fx, &a, &o, "table past bt_entries");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   a = good;
   b.seg_p0[0] = 131;
   expect_refused(&fx, &a, &o, "position below p0");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   b.seg_p0[0] = -1;
   expect_refused(&fx, &a, &o, "negative p0");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   b.seg_p0[0] = 0;
   b.tok_seg[0] = 1;
   expect_refused(&fx, &a, &o, "segment out of range");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   b.tok_seg[0] = -1;
   expect_refused(&fx, &a, &o, "negative segment");
+  assert_int_equal(dsv4_attn_windows(&a, win), DSV4_EINVAL);
   b.tok_seg[0] = 0;
+  assert_int_equal(dsv4_attn_windows(&a, win), 0); /* the good launch's window */
+  assert_int_equal(win[0].lo, 3);
+  assert_int_equal(win[0].n, 128);
+  a.win = (const dsv4_attn_win_t *)((const uint8_t *)win + 4);
+  expect_refused(&fx, &a, &o, "windows not 16-byte aligned");
+  a = good;
   b.positions[0] = 900000; /* no RoPE row there */
   expect_refused(&fx, &a, &o, "RoPE row not materialised");
   b.positions[0] = DSV4_MAX_POSITION_DEFAULT;
@@ -811,6 +871,7 @@ int main(void) {
       cmocka_unit_test(test_input_bound),
       cmocka_unit_test(test_head_slices),
       cmocka_unit_test(test_levels_and_determinism),
+      cmocka_unit_test(test_windows),
       cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
