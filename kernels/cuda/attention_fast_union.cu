@@ -22,7 +22,8 @@
  * dims, 256 MT / W floats a lane, live across the tiles in registers):
  *   q        copied once right after the wait (under the setup), swizzled, kept in shared
  *            memory for every tile
- *   per tile the addresses (union_addrs), the records copied raw (a warp a record) and their NoPE
+ *   per tile the records copied raw (a warp a record; their addresses from union_addrs, while the
+ *            copies are in flight the next tile's, with L2 prefetches) and their NoPE
  *            bytes dequantised in place to bf16 (swizzled), the scores (warp
  *            w: m-tile w % MT, candidates (w / MT) 128 MT / W..), the online softmax (warp per
  *            head), then N rescaled and continued (warp w: m-tile w % MT, dims (w / MT) 512 MT /
@@ -153,18 +154,22 @@ static __device__ void funion_store_part(const attn_params_t &p, const attn_misc
         make_float2(ms.m[hh], um.s[hh]);
 }
 
-/* Tile `first` of nt candidates: addresses, records copied (a warp each, candidates warp, warp +
- * W, ...) and dequantised in place to bf16 (zeros up to a multiple of 16), scores into ss (-inf
- * past nt). */
+/* Tile `first` of nt candidates, whose addresses ms holds (union_addrs, before a barrier): records
+ * copied (a warp each, candidates warp, warp + W, ...) and dequantised in place to bf16 (zeros up
+ * to a multiple of 16), scores into ss (-inf past nt). While the copies are in flight the next
+ * tile's nn addresses (none when nn = 0) replace the tile's in ms, with their L2 prefetches, so
+ * that its copies find their lines in the L2. */
 template <int MT, int W>
 static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &ms, union_misc_t &um,
                                           const uint8_t *sq, uint8_t *sk, uint2 *sscl, float *ss,
-                                          uint32_t first, uint32_t nt, uint32_t warp,
+                                          uint32_t first, uint32_t nt, uint32_t nn, uint32_t warp,
                                           uint32_t lane) {
-  union_addrs<false>(p, ms, um, first, nt);
-  __syncthreads();
   for (uint32_t s = warp; s < nt; s += W)
     fast_copy_record(sk, sscl, s, ms.rec[s], ms.scl[s], lane);
+  if (nn) {          /* CTA-uniform */
+    __syncthreads(); /* every warp has issued its copies: the addresses may change */
+    union_addrs<true>(p, ms, um, first + DSV4_WINDOW, nn);
+  }
   dsv4__cp_async_wait_all();
   __syncthreads();
   fast_dequant_rows<W>(sk, sscl, nt, warp, lane);
@@ -224,16 +229,20 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
 #pragma unroll
   for (int j = 0; j < NT; j++)
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  if (lo < hi) /* the first tile's addresses; each tile puts the next one's (funion_tile_scores) */
+    union_addrs<false>(p, ms, um, lo, min(hi - lo, (uint32_t)DSV4_WINDOW));
+  __syncthreads();
   for (uint32_t first = lo; first < hi; first += DSV4_WINDOW) {
     const uint32_t nt = min(hi - first, (uint32_t)DSV4_WINDOW);
-    funion_tile_scores<MT, W>(p, ms, um, sq, sk, sscl, ss, first, nt, warp, lane);
+    const uint32_t nn = first + nt < hi ? min(hi - first - nt, (uint32_t)DSV4_WINDOW) : 0u;
+    funion_tile_scores<MT, W>(p, ms, um, sq, sk, sscl, ss, first, nt, nn, warp, lane);
     __syncthreads();
     PHASE_MARK(UPH_SCORES);
     funion_softmax<MT, W>(ss, sp, ms, um, alpha, warp, lane);
     __syncthreads();
     PHASE_MARK(UPH_SOFTMAX);
     funion_accumulate<MT, NT>(sp, sk, alpha, nt, warp, lane, acc);
-    __syncthreads(); /* the next tile rewrites the addresses, the records and the weights */
+    __syncthreads(); /* the next tile rewrites the records and the weights */
     PHASE_MARK(UPH_SUM);
   }
   dsv4__cp_async_wait_all(); /* a split without a tile: no copy of q outlives the CTA */
