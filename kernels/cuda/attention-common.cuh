@@ -360,22 +360,43 @@ static __device__ __forceinline__ void norm_q(const attn_params_t &p, uint32_t h
       qn_row_run(lane, rope, p.eps, qraw[hh][0], qraw[hh][1]);
 }
 
+/* The first round of a token's window loads with the engine's windows (p.win): its head and the
+ * calling thread's block, loaded by attn_window_first before the CTA's other loads (q's rows), so
+ * that they do not wait behind them; `loaded` false (win_first_t{}): attn_window loads them. */
+typedef struct {
+  uint4 h;
+  int32_t b;
+  bool loaded;
+} win_first_t;
+
+static __device__ __forceinline__ win_first_t attn_window_first(const attn_params_t &p,
+                                                                uint32_t t) {
+  win_first_t f = {make_uint4(0, 0, 0, 0), 0, true};
+  if (p.win) {
+    f.h = p.win[4 * (uint64_t)t];
+    if (threadIdx.x < MAX_WIN_BLOCKS)
+      f.b = win_blocks(p, t)[threadIdx.x];
+  }
+  return f;
+}
+
 /*
  * The query's window (after the dependency wait): the physical blocks of the window into ms.blk,
- * the RoPE row into ms.rope, ms.lo and ms.n. Returns the calling thread's error bits (a thread
- * checks one block): once or-ed over the CTA, 0 when the window's blocks may be read, and then ms
- * holds them after a barrier.
+ * the RoPE row into ms.rope, ms.lo and ms.n (f: attn_window_first's loads). Returns the calling
+ * thread's error bits (a thread checks one block): once or-ed over the CTA, 0 when the window's
+ * blocks may be read, and then ms holds them after a barrier.
  */
-static __device__ uint32_t attn_window(const attn_params_t &p, uint32_t t, attn_misc_t &ms) {
+static __device__ uint32_t attn_window(const attn_params_t &p, uint32_t t, attn_misc_t &ms,
+                                       const win_first_t &f) {
   const uint32_t tid = threadIdx.x;
   window_t w;
   uint32_t bits;
-  if (p.win) { /* the engine's window: a block each in the same round of loads as its head */
-    const int32_t b = tid < MAX_WIN_BLOCKS ? win_blocks(p, t)[tid] : 0;
-    bits = win_head(p, p.win[4 * (uint64_t)t], &w);
+  if (p.win) { /* the engine's window: its head and a block each in one round of loads */
+    const win_first_t g = f.loaded ? f : attn_window_first(p, t);
+    bits = win_head(p, g.h, &w);
     if (!bits && tid < window_blocks(p, w)) {
-      bits = win_block_bits(p, b);
-      ms.blk[tid] = b;
+      bits = win_block_bits(p, g.b);
+      ms.blk[tid] = g.b;
     }
   } else {
     bits = token_window(p, t, &w);

@@ -340,6 +340,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
   dsv4__dep_wait_params(p);
   PHASE_MARK(XPH_WAIT);
   dsv4__dep_trigger();
+  const win_first_t wf = attn_window_first(p, t); /* ahead of q's loads */
 #ifndef DSV4_TEST_BROKEN_ATTN_EARLY_READ
 #ifdef DSV4_TEST_BROKEN_FUSED_EARLY_READ
   if (!p.q_raw)
@@ -348,7 +349,7 @@ __global__ void __launch_bounds__(ATTN_THREADS, 1) dsv4__attention_kernel(attn_p
 #endif
   /* The records' addresses and L2 prefetches as soon as the window's blocks are known (reading
    * them needs no more than that they lie in the pool); the launch's check runs under them. */
-  const uint32_t bits = attn_window(p, t, ms);
+  const uint32_t bits = attn_window(p, t, ms, wf);
   if (!__syncthreads_or(bits != 0))
     attn_addrs(p, ms);
   if (attn_check(p, bits))
