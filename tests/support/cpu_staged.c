@@ -522,6 +522,26 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   return rc;
 }
 
+/* The engine's windows of attention launch h (its arrays translated, backend.h): equal to those
+ * dsv4_attn_windows builds from its tables, as a device backend reads them in their place, or the
+ * launch is refused (DSV4_EINVAL). The CPU backend behind walks the tables: h->win becomes NULL. */
+static int st_windows_check(staged_t *s, dsv4_attn_args_t *h) {
+  const size_t bytes = (size_t)h->n_tokens * sizeof(dsv4_attn_win_t);
+  XLATE(s, h->win, bytes);
+  dsv4_attn_win_t *w = malloc(bytes ? bytes : 1);
+  if (!w)
+    return DSV4_ENOMEM;
+  const int same = dsv4_attn_windows(h, w) == 0 && memcmp(w, h->win, bytes) == 0;
+  free(w);
+  if (!same) {
+    fprintf(stderr, "cpu_staged: the engine's windows differ from its tables\n");
+    return DSV4_EINVAL;
+  }
+  s->stats.windows++;
+  h->win = NULL;
+  return 0;
+}
+
 static int st_attn(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
   staged_t *s = staged_of(be);
   if (!a)
@@ -555,6 +575,12 @@ static int st_attn(dsv4_backend_t *be, const dsv4_attn_args_t *a) {
       XLATE(s, h.c_sel, n * a->c_sel_stride * sizeof(int32_t));
   }
   s->stats.launches++;
+  s->stats.attn_launches++;
+  if (h.win) {
+    int rc = st_windows_check(s, &h);
+    if (rc)
+      return rc;
+  }
   /* The fused decode path (DSV4_BE_ATTN_FUSED_Q): q is the raw q, whose q_out the CPU backend's
    * insert computes first (without touching the cache), the bytes a device's attention computes
    * itself. */

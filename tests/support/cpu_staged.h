@@ -52,6 +52,9 @@ typedef struct {
   size_t live_registrations;                       /* host ranges registered now */
   size_t registered_uploads, registered_downloads; /* copies whose host side lies in one */
   size_t aliases; /* host_alias calls answered with an address (launches then reach host memory) */
+  /* attention launches, and those that came with the engine's windows (backend.h), each checked
+   * against dsv4_attn_windows of the launch's tables (a difference refuses the launch) */
+  size_t attn_launches, windows;
 } dsv4_test_cpu_staged_stats_t;
 
 void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out);

@@ -834,6 +834,15 @@ static void test_chunked_prefill_matches_one_launch(void **state) {
   assert_false(pb.b.f.replayed);
   same_answer(&pa, &pb);
   same_answer(&da, &db);
+  if (!strncmp(backend, "cpu_staged", 10)) {
+    /* Every attention launch of the SWA-only layer came with the engine's windows, which the
+     * staged backend found equal to the tables': the chunks' (their windows reach into the chunks
+     * before them) and the decode's. */
+    dsv4_test_cpu_staged_stats_t st;
+    dsv4_test_cpu_staged_stats(b->be, &st);
+    assert_int_equal(st.attn_launches, (130 + 15) / 16 + 1);
+    assert_int_equal(st.windows, st.attn_launches);
+  }
 
   /* The whole request again: a replay, recognised although it ran in chunks, with the same bytes.
    */
