@@ -101,8 +101,8 @@ typedef struct {
   uint32_t off, len;
 } window_t;
 
-/* Word 0..3 of token t's window in p.win (dsv4_attn_win_t): lo, n and the reserved word, then
- * the blocks from word 1 of the first uint4 on. */
+/* Token t's window in p.win (dsv4_attn_win_t), four uint4: lo, n and the reserved word in the
+ * first, the blocks from the second on (returned here). */
 static __device__ __forceinline__ const int32_t *win_blocks(const attn_params_t &p, uint32_t t) {
   return reinterpret_cast<const int32_t *>(p.win + 4 * (uint64_t)t) + 4;
 }
@@ -112,11 +112,21 @@ static __device__ __forceinline__ const int32_t *win_blocks(const attn_params_t 
  * and w->lo on success. */
 static __device__ __forceinline__ uint32_t win_head(const attn_params_t &p, uint4 h, window_t *w) {
   const int64_t lo = (int64_t)(((uint64_t)h.y << 32) | h.x);
-  if (lo < 0 || h.z == 0 || h.z > DSV4_WINDOW || lo + (int64_t)h.z - 1 >= p.max_pos)
+  /* lo + n - 1 >= max_pos, without an overflow for any lo */
+  if (lo < 0 || h.z == 0 || h.z > DSV4_WINDOW || lo > p.max_pos - (int64_t)h.z)
     return DSV4_CUDA_ATTN_ERR_POSITION;
   w->lo = lo;
   w->pos = lo + (int64_t)h.z - 1;
   return 0;
+}
+
+/* The query position of token t: the last of its engine's window with p.win (which the launch's
+ * check has found to have a RoPE row), else its entry in the positions array. */
+static __device__ __forceinline__ int64_t token_pos(const attn_params_t &p, uint32_t t) {
+  if (!p.win)
+    return p.pos[t];
+  const uint4 h = p.win[4 * (uint64_t)t];
+  return (int64_t)(((uint64_t)h.y << 32) | h.x) + (int64_t)h.z - 1;
 }
 
 /* The error bit of physical block b of an engine's window: outside the pool. */
@@ -237,7 +247,8 @@ static __device__ uint64_t entries_check_part(const attn_params_t &p, uint32_t t
 }
 
 /* 0, or the error bits of token t: its segment, position and every block of its window (and its
- * window's facts in *w). */
+ * window's facts in *w); with the engine's windows (p.win) those of its window (win_head, and each
+ * block within the pool), which stand for the segment and the positions array. */
 static __device__ uint32_t token_check(const attn_params_t &p, uint32_t t, window_t *w) {
   if (p.win) { /* the engine's window: its 64 bytes in one round of loads */
     const uint4 *d = p.win + 4 * (uint64_t)t;
@@ -426,7 +437,7 @@ static __device__ uint32_t attn_window(const attn_params_t &p, uint32_t t, attn_
 static __device__ int attn_check(const attn_params_t &p, uint32_t bits) {
   const uint32_t tid = threadIdx.x;
   if (p.check_all) {
-    window_t wu; /* a launch without compressed entries: the window's checks are all */
+    window_t wu; /* a launch without compressed entries: its windows' checks are all */
     for (uint32_t u = tid; u < p.n_tokens; u += blockDim.x)
       bits |= token_check(p, u, &wu);
   }

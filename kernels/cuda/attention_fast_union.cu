@@ -314,9 +314,10 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
       if (s0 + j < p.nsplit)
         fast_merge_term(v[j], x[j], m, sum, n);
   }
-  /* The query position's RoPE row, for the dims that are rotated (checked by the check kernel). */
+  /* The query position's RoPE row, for the dims that are rotated (checked by the launch's check:
+   * with the engine's windows the position is their last). */
   const float *rope = 4 * i >= DSV4_NOPE_DIM ? reinterpret_cast<const float *>(p.rope) +
-                                                   (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS
+                                                   (uint64_t)token_pos(p, t) * DSV4_ROPE_ROW_FLOATS
                                              : nullptr;
   fast_merge_out(p, m, sum, n, sink, rope, t, h, i);
 }

@@ -220,14 +220,18 @@ static int check_fast(ctx_t *c, const char *what, const attn_plan_t *p, attn_inp
   }
   in->win = ATTN_WIN_NONE;
 #ifdef DSV4_TEST_TUNE
-  if (!bad && window_split) {
+  /* The combine kernel, without and with the engine's windows (it takes the query's position from
+   * them then). */
+  for (int w = 0; w < 2 && !bad && window_split; w++) {
     dsv4__cuda_test_window_combine = 1;
+    in->win = w ? ATTN_WIN_BUILT : ATTN_WIN_NONE;
     rc = attn_run(c->cuda, p, in, NULL, again, again_lse, NULL);
+    in->win = ATTN_WIN_NONE;
     dsv4__cuda_test_window_combine = 0;
     CKD(rc);
     if (memcmp(again, out, out_n * 2) != 0 || memcmp(again_lse, lse, lse_n * 4) != 0) {
-      fprintf(stderr, "FAIL %s: the splits ended in clusters differ from the combine kernel's\n",
-              what);
+      fprintf(stderr, "FAIL %s: the splits ended in clusters differ from the combine kernel's%s\n",
+              what, w ? " (with the engine's windows)" : "");
       bad = 1;
     }
   }

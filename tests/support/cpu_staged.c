@@ -527,6 +527,8 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
  * launch is refused (DSV4_EINVAL). The CPU backend behind walks the tables: h->win becomes NULL. */
 static int st_windows_check(staged_t *s, dsv4_attn_args_t *h) {
   const size_t bytes = (size_t)h->n_tokens * sizeof(dsv4_attn_win_t);
+  if ((uintptr_t)h->win % 16 != 0) /* a device backend reads them as 16-byte words */
+    return DSV4_EINVAL;
   XLATE(s, h->win, bytes);
   dsv4_attn_win_t *w = malloc(bytes ? bytes : 1);
   if (!w)
