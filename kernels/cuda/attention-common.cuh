@@ -107,11 +107,16 @@ static __device__ __forceinline__ const int32_t *win_blocks(const attn_params_t 
   return reinterpret_cast<const int32_t *>(p.win + 4 * (uint64_t)t) + 4;
 }
 
+/* The first candidate's position in the head h of an engine's window. */
+static __device__ __forceinline__ int64_t win_lo(uint4 h) {
+  return (int64_t)(((uint64_t)h.y << 32) | h.x);
+}
+
 /* 0, or the error bits of the head h of an engine's window (lo, n): a window that is empty,
  * longer than DSV4_WINDOW or below position 0, or whose last position has no RoPE row; w->pos
  * and w->lo on success. */
 static __device__ __forceinline__ uint32_t win_head(const attn_params_t &p, uint4 h, window_t *w) {
-  const int64_t lo = (int64_t)(((uint64_t)h.y << 32) | h.x);
+  const int64_t lo = win_lo(h);
   /* lo + n - 1 >= max_pos, without an overflow for any lo */
   if (lo < 0 || h.z == 0 || h.z > DSV4_WINDOW || lo > p.max_pos - (int64_t)h.z)
     return DSV4_CUDA_ATTN_ERR_POSITION;
@@ -126,7 +131,7 @@ static __device__ __forceinline__ int64_t token_pos(const attn_params_t &p, uint
   if (!p.win)
     return p.pos[t];
   const uint4 h = p.win[4 * (uint64_t)t];
-  return (int64_t)(((uint64_t)h.y << 32) | h.x) + (int64_t)h.z - 1;
+  return win_lo(h) + (int64_t)h.z - 1;
 }
 
 /* The error bit of physical block b of an engine's window: outside the pool. */

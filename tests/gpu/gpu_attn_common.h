@@ -255,12 +255,13 @@ typedef struct {
   const attn_table_t *earlier;
   /* The engine's windows with the launch (backend.h, dsv4_attn_args_t.win), or ATTN_WIN_NONE:
    * ATTN_WIN_BUILT, dsv4_attn_windows' of the launch's own tables; ATTN_WIN_BAD_BLOCK, the same
-   * with the last window block of token win_bad_token past the pool. */
+   * with the last window block of token win_bad_token past the pool; ATTN_WIN_PLAN, those of the
+   * plan's tables while the launch is handed others. */
   int win;
   uint32_t win_bad_token;
 } attn_inputs_t;
 
-enum { ATTN_WIN_NONE, ATTN_WIN_BUILT, ATTN_WIN_BAD_BLOCK };
+enum { ATTN_WIN_NONE, ATTN_WIN_BUILT, ATTN_WIN_BAD_BLOCK, ATTN_WIN_PLAN };
 
 /* Random inputs for a plan: queries and kv rows of bf16 around 1 (spread octaves each way). */
 static inline void attn_inputs_fill(uint64_t *rng, const attn_plan_t *p, attn_inputs_t *in,
@@ -539,7 +540,7 @@ static inline int attn_run(dsv4_backend_t *be, const attn_plan_t *p, const attn_
   if (in->ent)
     attn_put_entries(be, p, in, etab, &c_cache, &aa);
   if (in->win != ATTN_WIN_NONE)
-    dwin = attn_put_windows(be, p, in, tab, &aa);
+    dwin = attn_put_windows(be, p, in, in->win == ATTN_WIN_PLAN ? &own : tab, &aa);
   dsv4_devbuf_t early[4] = {{0}};
   int rc = in->earlier ? attn_launch_over(be, p, &aa, in->earlier, early) : 0;
   if (!rc)

@@ -4,8 +4,9 @@
  * insert with q_out, then the attention reading it): every byte of attn, every bit of lse and
  * every byte of the cache. Decode steps of 1, 16, 64 and 256 sequences at H = 8, 64 and 128, block
  * sizes 16, 64 and 256, plain and YaRN tables, sinks finite, +inf/-inf and none, in exact mode and
- * (where the device has it) fast mode; then a batch mixing a prefill with decode steps, which the
- * kernels take as well although the engine fuses decode batches only.
+ * (where the device has it) fast mode, the fused attention with the engine's windows or its
+ * tables; then a batch mixing a prefill with decode steps, which the kernels take as well although
+ * the engine fuses decode batches only.
  *
  * Then the refusals (backend.h): the CUDA insert refuses q_out NULL on a launch that writes no KV
  * rows (a replay), and the CPU backend, which has no fused path, refuses a KV-only insert and an
@@ -79,9 +80,10 @@ static float *make_sinks(uint64_t *rng, uint32_t heads, int kind) {
   return s;
 }
 
-/* One batch through the unfused and the fused chain on the CUDA backend, in exact or fast mode. */
+/* One batch through the unfused and the fused chain on the CUDA backend, in exact or fast mode,
+ * the fused attention with the engine's windows (win) or walking its tables. */
 static void run_case(ctx_t *c, uint32_t n, int mixed, uint32_t heads, uint32_t bs, int yarn,
-                     int sinks, int fast) {
+                     int sinks, int fast, int win) {
   attn_seg_spec_t *spec = gpu_host_alloc(sizeof(attn_seg_spec_t) * (n + 2));
   uint32_t n_segs = make_specs(&c->rng, n, mixed, spec);
   attn_plan_t p;
@@ -96,11 +98,12 @@ static void run_case(ctx_t *c, uint32_t n, int mixed, uint32_t heads, uint32_t b
   CKD(dsv4_rope_table_ensure(in.rope, p.hist_pos, p.n_hist));
   CKD(dsv4_rope_table_ensure(in.rope, p.q_pos, p.n_q));
   char name[200];
-  snprintf(name, sizeof(name), "%s H=%u %u queries in %u segments bs=%u %s sinks=%s",
+  snprintf(name, sizeof(name), "%s H=%u %u queries in %u segments bs=%u %s sinks=%s, %s",
            fast ? "fast" : "exact", heads, p.n_q, n_segs, bs, yarn ? "yarn" : "plain",
            sinks == 0   ? "none"
            : sinks == 1 ? "finite"
-                        : "finite/+inf/-inf");
+                        : "finite/+inf/-inf",
+           win ? "the engine's windows" : "the tables");
   size_t out_n = (size_t)p.n_q * heads * DSV4_HEAD_DIM, lse_n = (size_t)p.n_q * heads;
   size_t cache_n = (size_t)p.n_blocks * DSV4_BLOCK_STRIDE(bs);
   uint16_t *ref = gpu_host_alloc(out_n * 2), *out = gpu_host_alloc(out_n * 2);
@@ -112,7 +115,7 @@ static void run_case(ctx_t *c, uint32_t n, int mixed, uint32_t heads, uint32_t b
     bad = 1;
   }
   in.fused = 1;
-  in.win = ATTN_WIN_BUILT; /* the engine's windows, as a decode's launch has them */
+  in.win = win ? ATTN_WIN_BUILT : ATTN_WIN_NONE; /* a decode's launch has them from the engine */
   if (!bad && (rc = attn_run(c->cuda, &p, &in, NULL, out, lse, &kfused)) != 0) {
     fprintf(stderr, "FAIL %s: the fused chain refused the batch: %s\n", name, dsv4_strerror(rc));
     bad = 1;
@@ -247,10 +250,11 @@ int main(int argc, char **argv) {
       continue;
     for (size_t h = 0; h < sizeof(heads) / sizeof(heads[0]); h++, k++)
       for (int fast = 0; fast <= c.fast; fast++)
-        run_case(&c, batches[b], 0, heads[h], bss[k % 3], k % 2, k % 3, fast);
+        run_case(&c, batches[b], 0, heads[h], bss[k % 3], k % 2, k % 3, fast, (k + fast) % 2);
   }
   for (int fast = 0; fast <= c.fast; fast++)
-    run_case(&c, 5, 1, 13, 16, 1, 2, fast);
+    for (int win = 0; win < 2; win++)
+      run_case(&c, 5, 1, 13, 16, 1, 2, fast, win);
   refusals(&c);
   dsv4_backend_close(c.cuda);
   dsv4_backend_close(c.cpu);

@@ -13,7 +13,9 @@
  * Then the refusals (SPEC §7, backend.h): a window block that is -1, one outside its segment's
  * table, one outside the pool, and a token below its sequence's p0, in a small launch and a large
  * one: the CPU and CUDA backends both answer DSV4_EINVAL, and the CUDA backend writes no byte of
- * attn or lse; its next launch is right again.
+ * attn or lse; its next launch is right again. The engine's windows of the right tables, handed
+ * with each broken table, are accepted with the right tables' bytes in exact and fast mode (the
+ * window kernels read the windows, not the tables).
  *
  * Usage: gpu_attn_test [quick]   (quick: the small cases only, for compute-sanitizer)
  */
@@ -221,28 +223,49 @@ static const char *const break_names[BREAKS] = {
     "a window block of -1", "a window block outside its segment's table",
     "a window block outside the pool", "a token below its sequence's p0"};
 
+/* A copy of a plan's tables, one segment's broken. */
+typedef struct {
+  int32_t *bt;
+  int64_t *first;
+  uint32_t *off, *len;
+  attn_table_t tab;
+} broken_t;
+
+/* b: p's tables with segment g's broken as `how` says (a table fault, not BREAK_BELOW_P0). */
+static void broken_make(const attn_plan_t *p, uint32_t g, int how, broken_t *b) {
+  b->bt = gpu_host_alloc(sizeof(int32_t) * p->bt_len);
+  b->first = gpu_host_alloc(sizeof(int64_t) * p->n_segs);
+  b->off = gpu_host_alloc(sizeof(uint32_t) * p->n_segs);
+  b->len = gpu_host_alloc(sizeof(uint32_t) * p->n_segs);
+  memcpy(b->bt, p->block_table, sizeof(int32_t) * p->bt_len);
+  memcpy(b->first, p->seg_first_lb, sizeof(int64_t) * p->n_segs);
+  memcpy(b->off, p->seg_bt_off, sizeof(uint32_t) * p->n_segs);
+  memcpy(b->len, p->seg_bt_len, sizeof(uint32_t) * p->n_segs);
+  b->tab = (attn_table_t){b->first, b->off, b->len, b->bt, p->bt_len};
+  if (how == BREAK_NO_BLOCK)
+    b->bt[b->off[g] + b->len[g] - 1] = -1;
+  else if (how == BREAK_OUTSIDE_TABLE) {
+    b->first[g]++; /* the window's first logical block is no longer in the table */
+    b->off[g]++;
+    b->len[g]--;
+  } else if (how == BREAK_OUTSIDE_POOL)
+    b->bt[b->off[g]] = (int32_t)p->n_blocks;
+}
+
+static void broken_free(broken_t *b) {
+  free(b->bt);
+  free(b->first);
+  free(b->off);
+  free(b->len);
+}
+
 /* One refusal on a plan whose segment g has a window of at least two blocks. */
 static int refuse_one(ctx_t *c, const char *shape, attn_plan_t *p, const attn_inputs_t *in,
                       uint32_t g, int how) {
-  int32_t *bt = gpu_host_alloc(sizeof(int32_t) * p->bt_len);
-  int64_t *first = gpu_host_alloc(sizeof(int64_t) * p->n_segs);
-  uint32_t *off = gpu_host_alloc(sizeof(uint32_t) * p->n_segs);
-  uint32_t *len = gpu_host_alloc(sizeof(uint32_t) * p->n_segs);
-  memcpy(bt, p->block_table, sizeof(int32_t) * p->bt_len);
-  memcpy(first, p->seg_first_lb, sizeof(int64_t) * p->n_segs);
-  memcpy(off, p->seg_bt_off, sizeof(uint32_t) * p->n_segs);
-  memcpy(len, p->seg_bt_len, sizeof(uint32_t) * p->n_segs);
-  attn_table_t tab = {first, off, len, bt, p->bt_len};
+  broken_t b;
+  broken_make(p, g, how, &b);
   int64_t saved_p0 = p->seg_p0[g];
-  if (how == BREAK_NO_BLOCK)
-    bt[off[g] + len[g] - 1] = -1;
-  else if (how == BREAK_OUTSIDE_TABLE) {
-    first[g]++; /* the window's first logical block is no longer in the table */
-    off[g]++;
-    len[g]--;
-  } else if (how == BREAK_OUTSIDE_POOL)
-    bt[off[g]] = (int32_t)p->n_blocks;
-  else
+  if (how == BREAK_BELOW_P0)
     for (uint32_t t = 0; t < p->n_q; t++) /* every query of segment g below its p0 */
       if (p->q_seg[t] == (int32_t)g && p->q_pos[t] >= p->seg_p0[g])
         p->seg_p0[g] = p->q_pos[t] + 1;
@@ -250,8 +273,8 @@ static int refuse_one(ctx_t *c, const char *shape, attn_plan_t *p, const attn_in
   size_t lse_bytes = (size_t)p->n_q * in->heads * 4;
   uint16_t *out = gpu_host_alloc(out_bytes);
   float *lse = gpu_host_alloc(lse_bytes);
-  int cpu_rc = attn_run(c->cpu, p, in, &tab, out, lse, NULL);
-  int cuda_rc = attn_run(c->cuda, p, in, &tab, out, lse, NULL);
+  int cpu_rc = attn_run(c->cpu, p, in, &b.tab, out, lse, NULL);
+  int cuda_rc = attn_run(c->cuda, p, in, &b.tab, out, lse, NULL);
   p->seg_p0[g] = saved_p0;
   int bad = 0;
   if (cpu_rc != DSV4_EINVAL || cuda_rc != DSV4_EINVAL) {
@@ -266,10 +289,7 @@ static int refuse_one(ctx_t *c, const char *shape, attn_plan_t *p, const attn_in
   }
   printf("%s refusal (%s, %s): DSV4_EINVAL, nothing written\n", bad ? "FAIL" : "ok  ", shape,
          break_names[how]);
-  free(bt);
-  free(first);
-  free(off);
-  free(len);
+  broken_free(&b);
   free(out);
   free(lse);
   return bad;
@@ -298,6 +318,53 @@ static int refuse_window(ctx_t *c, const char *shape, const attn_plan_t *p, attn
          bad ? "FAIL" : "ok  ", shape);
   free(out);
   free(lse);
+  return bad;
+}
+
+/*
+ * The engine's windows of the plan's right tables, handed with tables broken in each way a table
+ * can be (segment g's), in exact and in fast mode: the CUDA window kernels read the windows
+ * instead of the tables, so each launch is accepted and gives the bytes of the same mode over
+ * the right tables without windows (exact: ref and ref_lse).
+ */
+static int windows_over_broken(ctx_t *c, const char *shape, const attn_plan_t *p, attn_inputs_t *in,
+                               uint32_t g, const uint16_t *ref, const float *ref_lse) {
+  size_t out_n = (size_t)p->n_q * in->heads * DSV4_HEAD_DIM, lse_n = (size_t)p->n_q * in->heads;
+  uint16_t *out = gpu_host_alloc(out_n * 2), *fast_ref = gpu_host_alloc(out_n * 2);
+  float *lse = gpu_host_alloc(lse_n * 4), *fast_lse = gpu_host_alloc(lse_n * 4);
+  int bad = 0;
+  for (int fast = 0; fast < 2 && !bad; fast++) {
+    in->fast = fast;
+    int rc = fast ? attn_run(c->cuda, p, in, NULL, fast_ref, fast_lse, NULL) : 0;
+    if (rc == DSV4_EUNSUPPORTED) {
+      printf("windows over broken tables (%s), fast mode: skipped: not on this device\n", shape);
+      break;
+    }
+    CKD(rc);
+    for (int how = 0; how < BREAK_BELOW_P0 && !bad; how++) {
+      broken_t b;
+      broken_make(p, g, how, &b);
+      in->win = ATTN_WIN_PLAN;
+      rc = attn_run(c->cuda, p, in, &b.tab, out, lse, NULL);
+      in->win = ATTN_WIN_NONE;
+      broken_free(&b);
+      char what[200];
+      snprintf(what, sizeof(what), "%s mode, the right windows over tables with %s (%s)",
+               fast ? "fast" : "exact", break_names[how], shape);
+      if (rc) {
+        fprintf(stderr, "FAIL %s: the CUDA backend answered %s\n", what, dsv4_strerror(rc));
+        bad = 1;
+      } else
+        bad =
+            compare(what, p, in->heads, out, fast ? fast_ref : ref, lse, fast ? fast_lse : ref_lse);
+      printf("%s %s: accepted, the right tables' bytes\n", bad ? "FAIL" : "ok  ", what);
+    }
+  }
+  in->fast = 0;
+  free(out);
+  free(fast_ref);
+  free(lse);
+  free(fast_lse);
   return bad;
 }
 
@@ -350,6 +417,8 @@ static void refusals(ctx_t *c, int quick) {
       bad = compare(what, &p, k->heads, out, ref, lse, ref_lse);
     printf("%s %s: the next launch is byte-identical to the CPU's\n", bad ? "FAIL" : "ok  ", what);
     c->failures += bad;
+    if (!bad)
+      c->failures += windows_over_broken(c, shape, &p, &in, g, out, lse);
     free(ref);
     free(out);
     free(ref_lse);
