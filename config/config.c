@@ -138,6 +138,10 @@ static const opt_t opts[] = {
     {"busy_poll_us", OPT_U32, F(busy_poll_us), "0", 0, 10000, NULL, 0,
      "microseconds the executor thread and the event loop spin after each batch and answer instead "
      "of sleeping: no wake-up latency in a steady stream, for two cores while it lasts (0 = off)"},
+    {"inline_decode_tokens", OPT_U32, F(inline_decode_tokens), "64", 0, 1u << 20, NULL, 0,
+     "a decode batch of at most this many tokens from a lone client (one data-plane connection "
+     "open) that finds the executor idle runs on the event loop's thread, without the two thread "
+     "hand-offs (0 = never)"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
      "seconds without a batch after which a sequence is deleted"},
     {"implicit_create", OPT_BOOL, F(implicit_create), "false", 0, 1, NULL, 0,

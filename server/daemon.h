@@ -39,7 +39,8 @@ typedef struct dsv4_daemon {
   /* Metric families. */
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
       *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total,
-      *m_prefill_chunks, *m_pinned_bytes, *m_pinned_total, *m_pinned_fallbacks, *m_forward_request;
+      *m_prefill_chunks, *m_pinned_bytes, *m_pinned_total, *m_pinned_fallbacks, *m_forward_request,
+      *m_inline_batches;
 } dsv4_daemon_t;
 
 /*
@@ -74,8 +75,9 @@ void dsv4_daemon_buf_free(dsv4_daemon_t *d, void *p);
 /* The limits a forward request is parsed against. Any thread. */
 dsv4_forward_limits_t dsv4_forward_limits(const dsv4_daemon_t *d);
 /*
- * Loop thread: queue a parsed region request, moving *p into the job; rf->done is called later.
- * Or an error (draining, unsupported attention, queue full, no memory) with why set when it says
+ * Loop thread: queue a parsed region request, moving *p into the job; rf->done is called later,
+ * or before this returns when the batch ran at once on this thread (inline_decode_tokens). Or an
+ * error (draining, unsupported attention, queue full, no memory) with why set when it says
  * more than the code: then nothing was queued, *p is still the caller's and done is never called.
  */
 int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,

@@ -29,11 +29,18 @@ static int tick_due(const dsv4_executor_t *ex, uint64_t now) {
   return ex->tick && now - ex->last_tick_ns >= TICK_NS;
 }
 
-static void run_tick(dsv4_executor_t *ex, uint64_t now) {
-  if (tick_due(ex, now)) {
-    ex->last_tick_ns = now;
-    ex->tick(ex->tick_arg);
-  }
+/* Executor thread, under mu (released during the tick): the tick when it is due and no job runs on
+ * the loop thread (which may not start one while it runs). */
+static void run_tick(dsv4_executor_t *ex) {
+  const uint64_t now = now_ns();
+  if (ex->here || !tick_due(ex, now))
+    return;
+  ex->last_tick_ns = now;
+  ex->ticking = 1;
+  pthread_mutex_unlock(&ex->mu);
+  ex->tick(ex->tick_arg);
+  pthread_mutex_lock(&ex->mu);
+  ex->ticking = 0;
 }
 
 /* Whether job shares a key with other. */
@@ -220,18 +227,16 @@ static void *executor_main(void *arg) {
   pthread_mutex_lock(&ex->mu);
   for (;;) {
     spin_for_work(ex);
-    while (!ex->q_head && !ex->stopping) {
+    /* A job on the loop thread (here) holds the engine: nothing starts until it returns. */
+    while ((!ex->q_head || ex->here) && !ex->stopping) {
       struct timespec ts;
       clock_gettime(CLOCK_REALTIME, &ts);
       ts.tv_sec += TICK_S;
       ex->sleeping = 1;
       pthread_cond_timedwait(&ex->cv, &ex->mu, &ts);
       ex->sleeping = 0;
-      if (!ex->q_head && !ex->stopping) {
-        pthread_mutex_unlock(&ex->mu);
-        run_tick(ex, now_ns());
-        pthread_mutex_lock(&ex->mu);
-      }
+      if (!ex->q_head && !ex->stopping)
+        run_tick(ex);
     }
     if (!ex->q_head)
       break; /* stopping and nothing left */
@@ -241,8 +246,8 @@ static void *executor_main(void *arg) {
       run_overlapped(ex, job);
     else
       run_job(ex, job);
-    run_tick(ex, now_ns());
     pthread_mutex_lock(&ex->mu);
+    run_tick(ex);
   }
   pthread_mutex_unlock(&ex->mu);
   return NULL;
@@ -303,6 +308,7 @@ int dsv4_executor_start(dsv4_executor_t *ex, uv_loop_t *loop, uint32_t max_queue
     ex->waiting[c] = 0;
   ex->max_queue = max_queue ? max_queue : 1;
   ex->stopping = 0;
+  ex->here = ex->ticking = 0;
   ex->tick = tick;
   ex->tick_arg = tick_arg;
   ex->last_tick_ns = now_ns();
@@ -371,6 +377,26 @@ int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job) {
   if (!rc)
     poll_on(ex);
   return rc;
+}
+
+int dsv4_executor_run_here(dsv4_executor_t *ex, dsv4_job_t *job) {
+  pthread_mutex_lock(&ex->mu);
+  /* queued counts the jobs waiting, running and not yet handed back */
+  const int ok = !ex->stopping && !ex->queued && !ex->ticking;
+  ex->here = ok;
+  pthread_mutex_unlock(&ex->mu);
+  if (!ok)
+    return 0;
+  job->next = NULL;
+  job->t_submit_ns = job->t_start_ns = now_ns();
+  job->run(job);
+  pthread_mutex_lock(&ex->mu);
+  ex->here = 0;
+  const int wake = ex->q_head && ex->sleeping; /* a submit while here left it asleep */
+  pthread_mutex_unlock(&ex->mu);
+  if (wake)
+    pthread_cond_signal(&ex->cv);
+  return 1;
 }
 
 void dsv4_executor_submit_force(dsv4_executor_t *ex, dsv4_job_t *job) {

@@ -23,6 +23,11 @@
  * Any other job (control, one sharing a key, one whose begin defers) waits for the end, and so
  * does the tick when it falls due (it stops the chain of overlapping jobs).
  *
+ * Run here (dsv4_executor_run_here): the loop thread may run a job itself when the executor holds
+ * none (none waiting, running, or finished and not yet handed back) and is not in its tick; the
+ * executor then starts nothing (no job, no tick) until it returns. A lone batch so skips both
+ * hand-offs; it is the same order as a submit, since nothing else was in the executor.
+ *
  * Busy polling (dsv4_executor_set_busy_poll, off by default): for a window after each submit and
  * each hand-back, the executor thread spins on the queue instead of sleeping on its condition
  * variable, and the loop thread polls its sockets and the finished jobs without blocking (a
@@ -88,6 +93,8 @@ typedef struct {
   uint32_t queued;                    /* jobs submitted and not yet handed back */
   uint32_t waiting[DSV4_JOB_CLASSES]; /* jobs submitted and not yet started, by class */
   uint32_t max_queue;
+  int here;    /* a job runs on the loop thread (dsv4_executor_run_here) */
+  int ticking; /* the executor thread is in its tick */
   int stopping;
   int started;
   /* Called on the executor thread about once a second when idle and between jobs. */
@@ -117,6 +124,9 @@ int dsv4_executor_start(dsv4_executor_t *ex, uv_loop_t *loop, uint32_t max_queue
 void dsv4_executor_set_busy_poll(dsv4_executor_t *ex, uint32_t us);
 /* Loop thread. DSV4_EQUEUE when max_queue jobs are already in the executor. */
 int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job);
+/* Loop thread: run job's run here and now when the executor holds no job and is not in its tick,
+ * and return 1 (the caller calls its done); else 0, and nothing was done (submit it instead). */
+int dsv4_executor_run_here(dsv4_executor_t *ex, dsv4_job_t *job);
 /* Loop thread. Submit even past max_queue (control jobs such as DELETE must not be refused). */
 void dsv4_executor_submit_force(dsv4_executor_t *ex, dsv4_job_t *job);
 /* Jobs submitted and not yet handed back to the loop. Loop thread. */

@@ -20,6 +20,7 @@
 #include "log.h"
 #include "pinned_pool.h"
 #include "safetensors.h"
+#include "shm.h"
 
 /* ---- helpers ---- */
 
@@ -406,6 +407,29 @@ static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len
   return 0;
 }
 
+/* Whether one data-plane connection is open (HTTP, its Unix socket, the shared regions' socket): a
+ * lone client, whose next request cannot come while a batch runs on the loop thread. */
+static int lone_client(const dsv4_daemon_t *d) {
+  return dsv4_server_connections(d->data) + (d->shm ? dsv4_shm_connections(d->shm) : 0) == 1;
+}
+
+/* Loop thread: the accepted batch to the executor, or run here at once when it is a decode of at
+ * most inline_decode_tokens tokens from a lone client and the executor is idle (then answered
+ * before this returns). */
+static int fwd_submit(dsv4_daemon_t *d, fwd_job_t *j) {
+  d->inflight++;
+  if (j->job.cls == DSV4_JOB_DECODE && j->f.n_tokens <= d->cfg->inline_decode_tokens &&
+      lone_client(d) && dsv4_executor_run_here(&d->ex, &j->job)) {
+    dsv4_metric_add(d->m_inline_batches, NULL, 1);
+    fwd_done(&j->job);
+    return 0;
+  }
+  int rc = dsv4_executor_submit(&d->ex, &j->job);
+  if (rc)
+    d->inflight--;
+  return rc;
+}
+
 static void on_forward(dsv4_req_t *req, void *ctx) {
   dsv4_daemon_t *d = ctx;
   fwd_job_t *j;
@@ -459,13 +483,11 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
     fwd_free(j);
     return;
   }
-  rc = dsv4_executor_submit(&d->ex, &j->job);
+  rc = fwd_submit(d, j);
   if (rc) {
     dsv4_respond_error(req, rc, NULL, NULL);
     fwd_free(j);
-    return;
   }
-  d->inflight++;
 }
 
 int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,
@@ -504,14 +526,13 @@ int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,
   if (!rc && own_attn)
     j->f.attn = (uint16_t *)(void *)(j->out + (own_q ? q_span : 0));
   if (!rc)
-    rc = dsv4_executor_submit(&d->ex, &j->job);
+    rc = fwd_submit(d, j);
   if (rc) {
     *p = j->p; /* the caller still owns the request it is refused with */
     memset(&j->p, 0, sizeof(j->p));
     fwd_free(j);
     return rc;
   }
-  d->inflight++;
   return 0;
 }
 
@@ -753,6 +774,10 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   rc |= dsv4_metrics_counter(m, "dsv4d_prefill_chunks_total",
                              "Kernel chunks of the prefills run in chunks (prefill_chunk_tokens).",
                              NULL, 0, &d->m_prefill_chunks);
+  rc |= dsv4_metrics_counter(m, "dsv4d_inline_batches_total",
+                             "Decode batches run on the event loop's thread, the executor being "
+                             "idle (inline_decode_tokens).",
+                             NULL, 0, &d->m_inline_batches);
   rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
                            "Forward batches waiting in the executor (not running) by class.", cls,
                            1, &d->m_queued);
@@ -768,6 +793,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   dsv4_metric_set(d->m_block_size, NULL, (double)d->cfg->block_size);
   dsv4_metric_add(d->m_alloc_failures, NULL, 0);
   dsv4_metric_add(d->m_prefill_chunks, NULL, 0);
+  dsv4_metric_add(d->m_inline_batches, NULL, 0);
   dsv4_metrics_set_collect(m, collect, d);
   return 0;
 }

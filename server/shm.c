@@ -577,18 +577,19 @@ static void op_forward(conn_t *c, json_t *msg, const trailer_t *tr, uint64_t t_r
     uint64_t span = ms > UINT64_MAX / NS_PER_MS ? UINT64_MAX : ms * NS_PER_MS;
     rf.deadline_ns = span > UINT64_MAX - t_recv ? UINT64_MAX : t_recv + span;
   }
-  if (!rc)
+  if (!rc) {
+    c->busy = 1; /* first: a batch run at once is answered inside the call (forward_done) */
     rc = dsv4_forward_submit_region(c->srv->d, &p, &rf, why, sizeof(why));
+    if (rc)
+      c->busy = 0;
+  }
   /* SPEC §8.8: a refused compressed tensor is named with the reason, as over HTTP. */
   json_t *det = rc && p.bad_tensor
                     ? json_pack("{s:s,s:s}", "tensor", p.bad_tensor, "reason", p.bad_reason)
                     : NULL;
   dsv4_forward_req_free(&p);
-  if (rc) {
+  if (rc)
     answer_error(c, "forward", rc, why, det);
-    return;
-  }
-  c->busy = 1;
 }
 
 /* ---- connections ---- */

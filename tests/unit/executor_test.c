@@ -1,7 +1,8 @@
 /* The executor's scheduling: decode and control jobs pass waiting prefills, prefills keep their
  * arrival order, two jobs that share a key (a sequence) never swap, and a prefill that yields
  * between its chunks lets the waiting decodes run and be answered before it completes; with busy
- * polling as without. */
+ * polling as without; and a job run on the loop thread (dsv4_executor_run_here) only when the
+ * executor is idle, which then starts nothing until it returns. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -450,6 +451,140 @@ static void test_busy_poll(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/* test_run_here: what ran where, and the tick's state. */
+static pthread_t loop_thread;
+static int here_on_loop, ticks, in_tick, tick_blocks;
+static dsv4_executor_t *here_ex;
+static fake_job_t here_sub;
+
+static void here_run(dsv4_job_t *job) {
+  fake_run(job);
+  here_on_loop = pthread_equal(pthread_self(), loop_thread);
+}
+
+/* A job run here that, with chunks set, outlasts the executor's 1 s tick period, else submits
+ * another job: the executor starts neither meanwhile. */
+static void here_submit_run(dsv4_job_t *job) {
+  here_run(job);
+  const int long_nap = ((fake_job_t *)job)->chunks;
+  if (!long_nap)
+    assert_int_equal(dsv4_executor_submit(here_ex, &here_sub.job), 0);
+  const struct timespec nap = {long_nap ? 1 : 0, 200000000};
+  nanosleep(&nap, NULL);
+  pthread_mutex_lock(&mu);
+  assert_int_equal(n_ran, 1); /* this job only */
+  assert_int_equal(in_tick, 0);
+  pthread_mutex_unlock(&mu);
+}
+
+static void counting_tick(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&mu);
+  ticks++;
+  in_tick = 1;
+  pthread_cond_broadcast(&cv);
+  while (tick_blocks)
+    pthread_cond_wait(&cv, &mu);
+  in_tick = 0;
+  pthread_cond_broadcast(&cv);
+  pthread_mutex_unlock(&mu);
+}
+
+/*
+ * dsv4_executor_run_here: an idle executor lets the loop thread run a job itself (its done is then
+ * the caller's); a job running, waiting or not yet handed back, or the tick under way, makes it
+ * decline without running anything; and while a job runs here the executor starts nothing, not a
+ * job submitted meanwhile nor a tick that falls due, which both come after it.
+ */
+static void test_run_here(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  dsv4_executor_t ex;
+  fake_job_t j[4];
+  reset();
+  loop_thread = pthread_self();
+  here_ex = &ex;
+  ticks = in_tick = 0;
+  tick_blocks = 1;
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(&ex, &loop, 16, counting_tick, NULL), 0);
+  /* The tick (due 1 s after the start) under way: declined. */
+  pthread_mutex_lock(&mu);
+  while (!in_tick)
+    pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu);
+  fake_init(&j[0], 'A', DSV4_JOB_DECODE, 1, 0);
+  j[0].job.run = here_run;
+  assert_int_equal(dsv4_executor_run_here(&ex, &j[0].job), 0);
+  assert_int_equal(n_ran, 0);
+  pthread_mutex_lock(&mu);
+  tick_blocks = 0;
+  pthread_cond_broadcast(&cv);
+  while (in_tick)
+    pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu);
+  /* Idle: A runs on this thread (once the executor has come back from the tick, just after the
+   * tick function returned); nothing is handed back through the loop. */
+  int tries = 0;
+  while (!dsv4_executor_run_here(&ex, &j[0].job)) {
+    assert_int_equal(n_ran, 0);
+    assert_true(++tries < 1000);
+    const struct timespec nap = {0, 1000000};
+    nanosleep(&nap, NULL);
+  }
+  assert_true(here_on_loop);
+  assert_string_equal(ran, "A");
+  uv_run(&loop, UV_RUN_NOWAIT);
+  assert_int_equal(n_done, 0);
+  assert_int_equal(dsv4_executor_pending(&ex), 0);
+  /* B running on the executor, then finished but not handed back: C is declined both times. */
+  fake_init(&j[1], 'B', DSV4_JOB_PREFILL, 2, 0);
+  j[1].blocks = 1;
+  fake_init(&j[2], 'C', DSV4_JOB_DECODE, 3, 0);
+  j[2].job.run = here_run;
+  assert_int_equal(dsv4_executor_submit(&ex, &j[1].job), 0);
+  pthread_mutex_lock(&mu);
+  while (n_ran < 2)
+    pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu);
+  assert_int_equal(dsv4_executor_run_here(&ex, &j[2].job), 0);
+  pthread_mutex_lock(&mu);
+  gate_open = 1;
+  pthread_cond_broadcast(&cv);
+  pthread_mutex_unlock(&mu);
+  while (dsv4_executor_waiting(&ex, DSV4_JOB_PREFILL) || n_done == 0) {
+    assert_int_equal(dsv4_executor_run_here(&ex, &j[2].job), 0);
+    uv_run(&loop, UV_RUN_ONCE);
+  }
+  assert_string_equal(ran, "AB");
+  /* D runs here past a tick's period: the tick waits for it. */
+  reset();
+  const int ticks_before = ticks;
+  fake_init(&j[3], 'D', DSV4_JOB_DECODE, 4, 0);
+  j[3].job.run = here_submit_run;
+  j[3].chunks = 1; /* here: sleep past the tick's period */
+  assert_int_equal(dsv4_executor_run_here(&ex, &j[3].job), 1);
+  pthread_mutex_lock(&mu);
+  assert_int_equal(ticks, ticks_before);
+  while (ticks == ticks_before) /* then it comes */
+    pthread_cond_wait(&cv, &mu);
+  while (in_tick)
+    pthread_cond_wait(&cv, &mu);
+  pthread_mutex_unlock(&mu);
+  /* D again, submitting E: E waits for D. */
+  reset();
+  j[3].chunks = 0;
+  fake_init(&here_sub, 'E', DSV4_JOB_DECODE, 5, 0);
+  assert_int_equal(dsv4_executor_run_here(&ex, &j[3].job), 1);
+  while (n_done < 1)
+    uv_run(&loop, UV_RUN_ONCE);
+  assert_string_equal(ran, "DE");
+  assert_string_equal(done, "E");
+  dsv4_executor_stop(&ex, NULL, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* test_stop_frees: the loop it runs, and handles of the executor still on that loop at its closed
  * callback. */
 static uv_loop_t *stop_loop;
@@ -495,6 +630,7 @@ int main(void) {
       cmocka_unit_test(test_queue_full),        cmocka_unit_test(test_decode_between_chunks),
       cmocka_unit_test(test_overlapped_halves), cmocka_unit_test(test_overlap_tick),
       cmocka_unit_test(test_busy_poll),         cmocka_unit_test(test_stop_frees),
+      cmocka_unit_test(test_run_here),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
