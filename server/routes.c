@@ -775,8 +775,8 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                              "Kernel chunks of the prefills run in chunks (prefill_chunk_tokens).",
                              NULL, 0, &d->m_prefill_chunks);
   rc |= dsv4_metrics_counter(m, "dsv4d_inline_batches_total",
-                             "Decode batches run on the event loop's thread, the executor being "
-                             "idle (inline_decode_tokens).",
+                             "Decode batches of a lone client run on the event loop's thread, the "
+                             "executor being idle (inline_decode_tokens).",
                              NULL, 0, &d->m_inline_batches);
   rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
                            "Forward batches waiting in the executor (not running) by class.", cls,

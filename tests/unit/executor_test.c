@@ -490,6 +490,18 @@ static void counting_tick(void *arg) {
   pthread_mutex_unlock(&mu);
 }
 
+/* Run j here once the executor has come back from its tick (it clears its flag just after the tick
+ * function returns): until then it is declined and nothing runs. */
+static void run_here_after_tick(dsv4_executor_t *ex, fake_job_t *j) {
+  int tries = 0;
+  while (!dsv4_executor_run_here(ex, &j->job)) {
+    assert_int_equal(n_ran, 0);
+    assert_true(++tries < 1000);
+    const struct timespec nap = {0, 1000000};
+    nanosleep(&nap, NULL);
+  }
+}
+
 /*
  * dsv4_executor_run_here: an idle executor lets the loop thread run a job itself (its done is then
  * the caller's); a job running, waiting or not yet handed back, or the tick under way, makes it
@@ -523,15 +535,8 @@ static void test_run_here(void **state) {
   while (in_tick)
     pthread_cond_wait(&cv, &mu);
   pthread_mutex_unlock(&mu);
-  /* Idle: A runs on this thread (once the executor has come back from the tick, just after the
-   * tick function returned); nothing is handed back through the loop. */
-  int tries = 0;
-  while (!dsv4_executor_run_here(&ex, &j[0].job)) {
-    assert_int_equal(n_ran, 0);
-    assert_true(++tries < 1000);
-    const struct timespec nap = {0, 1000000};
-    nanosleep(&nap, NULL);
-  }
+  /* Idle: A runs on this thread; nothing is handed back through the loop. */
+  run_here_after_tick(&ex, &j[0]);
   assert_true(here_on_loop);
   assert_string_equal(ran, "A");
   uv_run(&loop, UV_RUN_NOWAIT);
@@ -575,7 +580,7 @@ static void test_run_here(void **state) {
   reset();
   j[3].chunks = 0;
   fake_init(&here_sub, 'E', DSV4_JOB_DECODE, 5, 0);
-  assert_int_equal(dsv4_executor_run_here(&ex, &j[3].job), 1);
+  run_here_after_tick(&ex, &j[3]);
   while (n_done < 1)
     uv_run(&loop, UV_RUN_ONCE);
   assert_string_equal(ran, "DE");
