@@ -339,7 +339,8 @@ def test_pipelined_deadline():
     rng = np.random.default_rng(47)
     with Daemon(["--kv-blocks", "64", "--layers", "0-0", "--threads", "1"]) as d:
         heads = 64
-        big = Batch.random(rng, 0, [Seg("big", 0, 1024, True)], heads, outputs="q")
+        # Long enough on a GPU too (there 1024 tokens were done before the third small came).
+        big = Batch.random(rng, 0, [Seg("big", 0, 2048, True)], heads, outputs="q")
         late = Batch.random(rng, 0, [Seg("late", 0, 2, True)], heads)
         s = h.connect(d)
         t0 = time.monotonic()
@@ -362,7 +363,8 @@ def test_deadline_and_queue_full():
     rng = np.random.default_rng(46)
     with Daemon(["--kv-blocks", "64", "--layers", "0-0", "--threads", "1", "--queue-depth", "2"]) as d:
         heads = 64
-        big = Batch.random(rng, 0, [Seg("big", 0, 1024, True)], heads, outputs="q")
+        # Long enough on a GPU too (there 1024 tokens were done before the third small came).
+        big = Batch.random(rng, 0, [Seg("big", 0, 2048, True)], heads, outputs="q")
         smalls = [Batch.random(rng, 0, [Seg("s%d" % i, 0, 2, True)], heads) for i in range(3)]
         t0 = time.monotonic()
         s0 = h.connect(d)
@@ -375,7 +377,7 @@ def test_deadline_and_queue_full():
             s = h.connect(d)
             s.sendall(fwd(b.body(), {"Dsv4d-Deadline-Ms": "1"} if i == 0 else None))
             socks.append(s)
-            time.sleep(0.02)
+            time.sleep(0.002)  # in this order
         answers = [h.read_response(s, timeout=30)[0] for s in socks]
         r0, _ = h.read_response(s0, timeout=30)
         dt = time.monotonic() - t0
