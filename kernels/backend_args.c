@@ -65,7 +65,7 @@ int dsv4_attn_windows(const dsv4_attn_args_t *a, dsv4_attn_win_t *win) {
     if (p0 < 0 || p < p0)
       return DSV4_EINVAL;
     dsv4_attn_win_t *w = &win[t];
-    w->lo = p - (DSV4_WINDOW - 1) > p0 ? p - (DSV4_WINDOW - 1) : p0;
+    w->lo = DSV4_WINDOW_LO(p, p0);
     w->n = (uint32_t)(p - w->lo + 1);
     w->reserved = 0;
     for (int64_t k = 0; k < DSV4_ATTN_WIN_BLOCKS; k++) {

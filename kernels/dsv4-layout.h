@@ -24,6 +24,9 @@
 #define DSV4_SCALE_BYTES 8        /* 7 UE8M0 codes + 1 pad byte */
 #define DSV4_RECORD_BYTES 584     /* a logical record: NoPE | RoPE | scales */
 #define DSV4_WINDOW 128
+/* The first candidate of a query at position p whose sequence starts at p0 (SPEC §7): the last
+ * DSV4_WINDOW positions up to p, cut at p0. */
+#define DSV4_WINDOW_LO(p, p0) ((p) - (DSV4_WINDOW - 1) > (p0) ? (p) - (DSV4_WINDOW - 1) : (p0))
 #define DSV4_MAX_HEADS 128
 #define DSV4_MIN_BLOCK_SIZE 16
 #define DSV4_MAX_BLOCK_SIZE 256

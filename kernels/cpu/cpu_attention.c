@@ -296,10 +296,6 @@ typedef struct {
   dsv4__cpu_attn_scratch_t *scratch;
 } attn_job_t;
 
-static int64_t window_lo(int64_t p, int64_t p0) {
-  return p - (DSV4_WINDOW - 1) > p0 ? p - (DSV4_WINDOW - 1) : p0;
-}
-
 /* The compressed entries token t sees (SPEC §8.4): with c_sel, the listed ones, which end at the
  * first -1 or after c_sel_stride; else floor(p0 / ratio) <= j < floor((p + 1) / ratio). *j_lo is
  * the first visible entry either way, *j_hi one past the last. */
@@ -321,7 +317,7 @@ static void item_list(const dsv4_attn_args_t *a, uint32_t t, dsv4__cpu_attn_item
   it->a = a;
   it->seg = (uint32_t)a->tok_seg[t];
   int64_t p = a->positions[t];
-  it->lo = window_lo(p, a->seg_p0[it->seg]);
+  it->lo = DSV4_WINDOW_LO(p, a->seg_p0[it->seg]);
   it->nw = (uint32_t)(p - it->lo + 1);
   it->nc = it->nw;
   it->sel = NULL;
@@ -419,7 +415,7 @@ static int validate_token(const dsv4_attn_args_t *a, uint32_t t, int64_t rope_ro
   int64_t p = a->positions[t], p0 = a->seg_p0[s];
   if (p < p0 || p >= rope_rows || !dsv4_rope_table_chunk(a->rope, p / DSV4_ROPE_CHUNK_ROWS, NULL))
     return DSV4_EINVAL;
-  int64_t lo = window_lo(p, p0);
+  int64_t lo = DSV4_WINDOW_LO(p, p0);
   for (int64_t lb = lo / bs; lb <= p / bs; lb++)
     if (!block_ok(a->seg_first_lb, a->seg_bt_off, a->seg_bt_len, a->block_table, a->n_blocks,
                   (uint32_t)s, lb))

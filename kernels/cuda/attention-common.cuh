@@ -148,7 +148,7 @@ static __device__ uint32_t token_window(const attn_params_t &p, uint32_t t, wind
   if (p0 < 0 || pos < p0 || pos >= p.max_pos)
     return DSV4_CUDA_ATTN_ERR_POSITION;
   w->pos = pos;
-  w->lo = pos - (DSV4_WINDOW - 1) > p0 ? pos - (DSV4_WINDOW - 1) : p0;
+  w->lo = DSV4_WINDOW_LO(pos, p0);
   w->first = p.seg_first_lb[seg];
   w->off = p.seg_bt_off[seg];
   w->len = p.seg_bt_len[seg];

@@ -330,7 +330,7 @@ dsv4_attn_check(uint n_tokens, uint n_segments, uint block_size, uint n_blocks,
     atomic_or(err, DSV4_LZ_ERR_POSITION);
     return;
   }
-  long bs = (long)block_size, first = max(p0, p - (DSV4_WINDOW - 1));
+  long bs = (long)block_size, first = DSV4_WINDOW_LO(p, p0);
   uint bits = 0;
   for (long lb = first / bs; lb <= p / bs; lb++) {
     long idx = lb - seg_first_lb[s];
@@ -473,7 +473,7 @@ __kernel __attribute__((reqd_work_group_size(DSV4_LZ_GROUP_SIZE, 1, 1))) void ds
   if (live) {
     int s = tok_seg[t];
     long p = positions[t];
-    L.lo = max(seg_p0[s], p - (DSV4_WINDOW - 1));
+    L.lo = DSV4_WINDOW_LO(p, seg_p0[s]);
     L.nw = p - L.lo + 1;
     L.lb0 = seg_first_lb[s];
     L.table = block_table + seg_bt_off[s];

@@ -383,8 +383,9 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   /* The windows for an SWA-only layer's attention (a union launch walks its tables anyway), from
    * its arguments on the host's arrays. */
   dsv4_attn_args_t aa;
-  dsv4__engine_attn_args(e, idx, f, ma, &aa);
   const int want_win = f->attn && !(e->c_ratio && e->c_ratio[idx]);
+  if (want_win)
+    dsv4__engine_attn_args(e, idx, f, ma, &aa);
   int win = 0;
   int rc = stage_phase(e, ticket, DSV4_BATCH_UPLOADS, NULL);
   if (!rc)
