@@ -16,6 +16,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -27,9 +28,13 @@
 #define BF16_BYTES 2u
 #define HEAD_DIM 512u
 
+/* The longest poll for an answer before sleeping (dsv4c_set_spin). */
+#define SPIN_MAX_US 10000u
+
 struct dsv4c_client {
   int fd;
   char *token;
+  uint32_t spin_us;
 };
 
 struct dsv4c_region {
@@ -71,6 +76,35 @@ void dsv4c_close(dsv4c_client_t *c) {
   close(c->fd);
   free(c->token);
   free(c);
+}
+
+void dsv4c_set_spin(dsv4c_client_t *c, uint32_t spin_us) {
+  c->spin_us = spin_us < SPIN_MAX_US ? spin_us : SPIN_MAX_US;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* recv of the answer: polled without sleeping for up to c->spin_us, then blocking (flags 0). */
+static ssize_t recv_answer(const dsv4c_client_t *c, char *buf, int flags) {
+  ssize_t n;
+  if (!flags && c->spin_us) {
+    const uint64_t until = now_ns() + (uint64_t)c->spin_us * 1000u;
+    for (uint32_t i = 1;; i++) {
+      n = recv(c->fd, buf, ANSWER_MAX, MSG_DONTWAIT);
+      if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+        return n;
+      if (!(i & 15) && now_ns() >= until)
+        break;
+    }
+  }
+  do
+    n = recv(c->fd, buf, ANSWER_MAX, flags);
+  while (n < 0 && errno == EINTR);
+  return n;
 }
 
 void dsv4c_result_free(dsv4c_result_t *r) {
@@ -138,9 +172,7 @@ int dsv4c_request(dsv4c_client_t *c, const char *msg, int fd, dsv4c_result_t *re
   char *buf = malloc(ANSWER_MAX);
   if (!buf)
     return -ENOMEM;
-  do
-    n = recv(c->fd, buf, ANSWER_MAX, flags);
-  while (n < 0 && errno == EINTR);
+  n = recv_answer(c, buf, flags);
   /* A peer that closed with our request unread reports the reset first, and its last answer after
    * it. */
   if (n < 0 && errno == ECONNRESET) {

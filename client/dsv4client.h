@@ -28,6 +28,13 @@ int dsv4c_connect(const char *path, const char *token, dsv4c_client_t **out);
 /* Close the connection: the daemon unregisters and unmaps its regions. Regions not destroyed
  * before stay mapped here until dsv4c_region_destroy. */
 void dsv4c_close(dsv4c_client_t *c);
+/*
+ * Wait for each answer by polling the socket for up to spin_us microseconds before sleeping in
+ * recv (0, the default: sleep at once). A client that calls again and again (a gateway's decode
+ * steps) then is not woken by the scheduler for every answer, at the price of a busy core while it
+ * waits; pair it with the daemon's busy_poll_us. At most 10,000 µs; larger values are clamped.
+ */
+void dsv4c_set_spin(dsv4c_client_t *c, uint32_t spin_us);
 
 /* What the daemon answered. */
 typedef struct {

@@ -396,6 +396,9 @@ int dsv4_executor_run_here(dsv4_executor_t *ex, dsv4_job_t *job) {
   pthread_mutex_unlock(&ex->mu);
   if (wake)
     pthread_cond_signal(&ex->cv);
+  /* With busy polling the loop keeps polling after the answer, as after a hand-back: the lone
+   * client's next batch is read without the loop's wake-up. */
+  poll_on(ex);
   return 1;
 }
 

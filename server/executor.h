@@ -31,7 +31,8 @@
  * Busy polling (dsv4_executor_set_busy_poll, off by default): for a window after each submit and
  * each hand-back, the executor thread spins on the queue instead of sleeping on its condition
  * variable, and the loop thread polls its sockets and the finished jobs without blocking (a
- * uv_idle_t), so neither hand-off waits for the scheduler to wake a sleeping thread. It costs the
+ * uv_idle_t), so neither hand-off waits for the scheduler to wake a sleeping thread; after a job
+ * run here the loop polls for the window too, for the lone client's next request. It costs the
  * two threads' cores while batches keep coming, and nothing once the window has passed.
  */
 
@@ -119,8 +120,8 @@ typedef struct {
 /* Start the thread. tick may be NULL. */
 int dsv4_executor_start(dsv4_executor_t *ex, uv_loop_t *loop, uint32_t max_queue,
                         void (*tick)(void *), void *tick_arg);
-/* Loop thread, after dsv4_executor_start: busy-poll for us microseconds after each submit and
- * hand-back (0, the default: off). */
+/* Loop thread, after dsv4_executor_start: busy-poll for us microseconds after each submit,
+ * hand-back and job run here (0, the default: off). */
 void dsv4_executor_set_busy_poll(dsv4_executor_t *ex, uint32_t us);
 /* Loop thread. DSV4_EQUEUE when max_queue jobs are already in the executor. */
 int dsv4_executor_submit(dsv4_executor_t *ex, dsv4_job_t *job);

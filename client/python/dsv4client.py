@@ -80,6 +80,8 @@ def load_library(path=None):
     lib.dsv4c_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(vp)]
     lib.dsv4c_close.argtypes = [vp]
     lib.dsv4c_close.restype = None
+    lib.dsv4c_set_spin.argtypes = [vp, ctypes.c_uint32]
+    lib.dsv4c_set_spin.restype = None
     lib.dsv4c_result_free.argtypes = [res]
     lib.dsv4c_result_free.restype = None
     lib.dsv4c_region_create.argtypes = [vp, sz, ctypes.POINTER(vp), res]
@@ -139,13 +141,16 @@ class Region:
 class Client:
     """One connection to the daemon's listen_shm socket; one request at a time."""
 
-    def __init__(self, path, token=None, lib=None):
+    def __init__(self, path, token=None, lib=None, spin_us=0):
+        """spin_us: poll for each answer that long before sleeping (dsv4c_set_spin)."""
         self._lib = lib or load_library()
         self._c = ctypes.c_void_p()
         rc = self._lib.dsv4c_connect(path.encode(), token.encode() if token else None,
                                      ctypes.byref(self._c))
         if rc:
             raise _errno(rc, "connect to %s" % path)
+        if spin_us:
+            self._lib.dsv4c_set_spin(self._c, spin_us)
 
     def close(self):
         if self._c:

@@ -61,6 +61,7 @@ typedef struct {
   long warmup;
   int layers;
   unsigned cpu_threads;
+  uint32_t spin_us; /* the client's poll for each answer (dsv4c_set_spin) */
   int run_http;
 } opts_t;
 
@@ -166,6 +167,7 @@ static int run_shm(const char *path, const bench_target_t *tcp, samples_t *st) {
     fprintf(stderr, "shm_bench: connect %s: %s\n", path, strerror(-rc));
     return -1;
   }
+  dsv4c_set_spin(c, O.spin_us);
   dsv4c_forward_t f = {.heads = O.heads, .outputs = "q", .deadline_ms = -1};
   f.q_off = 0;
   f.kv_off = ALIGN_UP(q_bytes());
@@ -529,6 +531,7 @@ static void usage(const char *argv0) {
           "  --layers L         cycle over layers 0..L-1 at each position (4); the daemon\n"
           "                     must serve exactly these, or its blocks are never released\n"
           "  --cpu-threads T    CPU backend threads for the cpu op ceiling (2)\n"
+          "  --spin-us S        the shm client polls for each answer S us before sleeping (0)\n"
           "  --no-http          the zero-copy path and the ceilings only\n"
           "The daemon must be started with --port 0 (its data port is read from its log) and\n"
           "enough --kv-blocks for 3 * N sequences' blocks; this program adds --listen-shm and\n"
@@ -570,6 +573,8 @@ static void parse_args(int argc, char **argv) {
       O.layers = (int)parse_long(v, 1, 1024, argv[0]);
     } else if (strcmp(a, "--cpu-threads") == 0) {
       O.cpu_threads = (unsigned)parse_long(v, 1, 1024, argv[0]);
+    } else if (strcmp(a, "--spin-us") == 0) {
+      O.spin_us = (uint32_t)parse_long(v, 0, 10000, argv[0]);
     } else {
       usage(argv[0]);
     }
@@ -655,8 +660,8 @@ static void print_table(const char *backend, samples_t *rows) {
       "0-%d in turn, %ld warm-up calls\n",
       O.n, O.heads, backend, O.layers - 1, O.warmup);
   printf("# request q + kv %zu B, answer q_out + slots %zu B; latency per call in microseconds, "
-         "cpu op on %u thread(s)\n",
-         q_bytes() + kv_bytes(), q_bytes() + (size_t)O.n * 8, O.cpu_threads);
+         "cpu op on %u thread(s); the shm client polls %u us for an answer before sleeping\n",
+         q_bytes() + kv_bytes(), q_bytes() + (size_t)O.n * 8, O.cpu_threads, O.spin_us);
   printf("%-42s %8s %9s %9s %9s %9s\n", "path", "calls", "p50", "p99", "max", "calls/s");
   for (int r = 0; r < R_COUNT; r++)
     if ((r < R_PCIE && (O.run_http || (r != R_UNIX && r != R_TCP))) || rows[r].n)

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -70,6 +71,11 @@ class Layout:
 
 def shm_forward(client, region, batch, check_ok=False):
     """The batch through the region: inputs written in place, then the daemon's answer."""
+    return client.forward(region, **shm_inputs(region, batch, check_ok))
+
+
+def shm_inputs(region, batch, check_ok=False):
+    """The batch's inputs written into the region; Client.forward's arguments for it."""
     lay = Layout(batch)
     region.buffer[lay.q:lay.q + lay.q_bytes] = batch.q.astype("<u2").tobytes()
     region.buffer[lay.kv:lay.kv + lay.kv_bytes] = batch.kv.astype("<u2").tobytes()
@@ -86,9 +92,9 @@ def shm_forward(client, region, batch, check_ok=False):
     names = {"q": "q_out", "attn": "attn", "lse": "lse", "topk": "topk"}
     out = {"slots": lay.out["slots"]}
     out.update({names[w]: lay.out[names[w]] for w in wanted if w in names})
-    return client.forward(region, batch.layer, [(s.seq, s.start, s.len, s.new) for s in batch.segs],
-                          HEADS, lay.q, lay.kv, out, outputs=batch.outputs or "q", check=check_ok,
-                          compressed=comp)
+    return dict(layer=batch.layer, segments=[(s.seq, s.start, s.len, s.new) for s in batch.segs],
+                heads=HEADS, q_off=lay.q, kv_off=lay.kv, out=out, outputs=batch.outputs or "q",
+                check=check_ok, compressed=comp)
 
 
 def region_tensors(region, ans):
@@ -198,6 +204,60 @@ def test_shm_same_bytes():
                      10.0 if r2 else 9.0,
                      "forwards counted in dsv4d_shm_requests_total")
             check_eq(h.metric(ms, "dsv4d_shm_regions"), 0.0, "regions after destroy")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_shm_spin():
+    """A client that polls for its answers (spin_us) gets the same bytes as the HTTP daemon,
+    whether the answer comes while it polls (spin_us 10000, a daemon polling too: busy_poll_us) or
+    after it has gone to sleep (spin_us 1); while it waits it uses the CPU, where a client that
+    sleeps at once does not."""
+    rng = np.random.default_rng(97)
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        da, db, sock = daemons(work, ["--busy-poll-us", "200"])
+        with da as a, db as b:
+            b.wait_lines(lambda ln: '"listening"' in ln and '"shm"' in ln)
+            for i, spin in enumerate((10000, 1, 0)):
+                with dsv4client.Client(sock, spin_us=spin) as c:
+                    r = c.region(64 << 20)
+                    seq = "s%d" % i
+                    ans = same_answer(a, c, r, Batch.random(rng, 0, [Seg(seq, 0, 20, True)], HEADS,
+                                                            outputs="q,attn,digest"),
+                                      "spin %d" % spin)
+                    check_eq(ans["status"], 200, "spin %d: %r" % (spin, ans))
+                    for step in range(4):
+                        same_answer(a, c, r, Batch.random(rng, 0, [Seg(seq, 20 + step, 1)], HEADS,
+                                                          outputs="q,attn,digest"),
+                                    "spin %d decode %d" % (spin, step))
+                    # A prefill of 2048 tokens with attention: milliseconds, while the client
+                    # waits polling (at most 10 ms) or asleep.
+                    big = Batch.random(rng, 1, [Seg(seq, 0, 2048)], HEADS, outputs="attn")
+                    lay = Layout(big)
+                    if lay.end > r.size:
+                        r.destroy()
+                        r = c.region(lay.end)
+                    ra = a.forward_raw(big.body())
+                    check_eq(ra.status, 200, "the long batch over HTTP")
+                    kw = shm_inputs(r, big)
+                    t0, c0 = time.monotonic(), time.thread_time()
+                    ans = c.forward(r, **kw)
+                    wall, cpu = time.monotonic() - t0, time.thread_time() - c0
+                    check_eq(ans["status"], 200, "the long batch, spin %d" % spin)
+                    check(region_tensors(r, ans)["attn"] == bytes(h.st_decode(ra.body)[1]["attn"][2]),
+                          "the long batch's attn, spin %d" % spin)
+                    if spin == 10000:
+                        check(cpu >= min(wall, 0.010) * 0.3,
+                              "a polling client used %.1f ms of CPU in %.1f ms" % (cpu * 1e3,
+                                                                                   wall * 1e3))
+                    else:
+                        check(cpu <= 0.3 * wall, "a sleeping client used %.1f ms of CPU in %.1f "
+                              "ms" % (cpu * 1e3, wall * 1e3))
+                    r.destroy()
+                    same_state(a, b, [seq])
+                    a.delete_seq(seq)  # the pool's blocks for the next client's sequence
+                    b.delete_seq(seq)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -530,6 +590,6 @@ def test_shm_max_connections():
 
 
 if __name__ == "__main__":
-    h.main([test_shm_same_bytes, test_shm_registration_refusals,
+    h.main([test_shm_same_bytes, test_shm_spin, test_shm_registration_refusals,
             test_shm_bad_requests_change_nothing, test_shm_message_before_answer,
             test_shm_c_example, test_shm_close_and_drain, test_shm_max_connections])

@@ -410,6 +410,16 @@ static void round_trip(dsv4_executor_t *ex, uv_loop_t *loop, fake_job_t *j) {
   pthread_mutex_unlock(&mu);
 }
 
+/* With a busy-poll window of 200 µs begun just now: the loop polls (its idle handle active) until
+ * the window has passed, and then no longer. */
+static void poll_window_passes(dsv4_executor_t *ex, uv_loop_t *loop) {
+  assert_true(uv_is_active((uv_handle_t *)&ex->idle));
+  const uint64_t t0 = mono_ns();
+  while (uv_is_active((uv_handle_t *)&ex->idle))
+    uv_run(loop, UV_RUN_NOWAIT);
+  assert_true(mono_ns() - t0 >= 150000u);
+}
+
 /*
  * Busy polling: the scheduling is unchanged (decode first, as test_decode_first); the loop polls
  * (its idle handle active) from a submit until the window has passed, then blocks again; a steady
@@ -427,11 +437,7 @@ static void test_busy_poll(void **state) {
   assert_int_equal(dsv4_executor_start(&ex, &loop, 16, NULL, NULL), 0);
   dsv4_executor_set_busy_poll(&ex, 200);
   check_decode_first(&ex, &loop);
-  assert_true(uv_is_active((uv_handle_t *)&ex.idle));
-  const uint64_t t0 = mono_ns();
-  while (uv_is_active((uv_handle_t *)&ex.idle))
-    uv_run(&loop, UV_RUN_NOWAIT);
-  assert_true(mono_ns() - t0 >= 150000u); /* the window, 200 µs from the last hand-back */
+  poll_window_passes(&ex, &loop); /* from the last hand-back */
   for (int off = 0; off < 2; off++) {
     if (off)
       dsv4_executor_set_busy_poll(&ex, 0);
@@ -590,6 +596,35 @@ static void test_run_here(void **state) {
   assert_int_equal(uv_loop_close(&loop), 0);
 }
 
+/*
+ * Busy polling after a job run here: the loop polls for the window from the run's end, as after a
+ * hand-back, so that the lone client's next batch is read without the loop's wake-up; with busy
+ * polling off it does not.
+ */
+static void test_busy_poll_here(void **state) {
+  (void)state;
+  uv_loop_t loop;
+  dsv4_executor_t ex;
+  fake_job_t j[2];
+  assert_int_equal(uv_loop_init(&loop), 0);
+  assert_int_equal(dsv4_executor_start(&ex, &loop, 16, NULL, NULL), 0);
+  for (int on = 0; on < 2; on++) {
+    reset();
+    dsv4_executor_set_busy_poll(&ex, on ? 200 : 0);
+    assert_false(uv_is_active((uv_handle_t *)&ex.idle));
+    fake_init(&j[on], on ? 'P' : 'O', DSV4_JOB_DECODE, 1, 0);
+    run_here_after_tick(&ex, &j[on]);
+    assert_int_equal(n_ran, 1);
+    if (on)
+      poll_window_passes(&ex, &loop); /* from the run's end */
+    else
+      assert_false(uv_is_active((uv_handle_t *)&ex.idle));
+  }
+  dsv4_executor_stop(&ex, NULL, NULL);
+  uv_run(&loop, UV_RUN_DEFAULT);
+  assert_int_equal(uv_loop_close(&loop), 0);
+}
+
 /* test_stop_frees: the loop it runs, and handles of the executor still on that loop at its closed
  * callback. */
 static uv_loop_t *stop_loop;
@@ -635,7 +670,7 @@ int main(void) {
       cmocka_unit_test(test_queue_full),        cmocka_unit_test(test_decode_between_chunks),
       cmocka_unit_test(test_overlapped_halves), cmocka_unit_test(test_overlap_tick),
       cmocka_unit_test(test_busy_poll),         cmocka_unit_test(test_stop_frees),
-      cmocka_unit_test(test_run_here),
+      cmocka_unit_test(test_run_here),          cmocka_unit_test(test_busy_poll_here),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
