@@ -10,6 +10,10 @@
 
 #include "dsv4-error.h"
 
+const double dsv4_seconds_bounds[DSV4_SECONDS_BOUNDS] = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4,
+                                                         1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                                                         0.1,  0.25,   0.5,  1,    2.5,    5};
+
 struct dsv4_series {
   struct dsv4_series *next;
   dsv4_metric_t *family;

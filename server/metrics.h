@@ -44,6 +44,9 @@ int dsv4_metrics_counter(dsv4_metrics_t *m, const char *name, const char *help,
                          const char *const *labels, size_t n_labels, dsv4_metric_t **out);
 int dsv4_metrics_gauge(dsv4_metrics_t *m, const char *name, const char *help,
                        const char *const *labels, size_t n_labels, dsv4_metric_t **out);
+/* The daemon's histograms of seconds (a forward's stages, its request): 10 µs to 5 s. */
+#define DSV4_SECONDS_BOUNDS 18
+extern const double dsv4_seconds_bounds[DSV4_SECONDS_BOUNDS];
 /* bounds: strictly increasing finite upper bounds; +Inf is implicit. */
 int dsv4_metrics_histogram(dsv4_metrics_t *m, const char *name, const char *help,
                            const char *const *labels, size_t n_labels, const double *bounds,

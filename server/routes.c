@@ -735,8 +735,6 @@ static int pinned_metrics_init(dsv4_daemon_t *d) {
 int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   static const double token_bounds[] = {1,   2,   4,    8,    16,   32,   64,   128,
                                         256, 512, 1024, 2048, 4096, 8192, 16384};
-  static const double sec_bounds[] = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
-                                      1e-2, 2.5e-2, 5e-2, 0.1,  0.25,   0.5,  1,    2.5,    5};
   const char *state[2] = {"pool", "state"}, *stage[2] = {"stage", "class"}, *cls[1] = {"class"};
   const char *pool[1] = {"pool"};
   const char *build[2] = {"version", "backend"};
@@ -758,14 +756,14 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   rc |= dsv4_metrics_histogram(m, "dsv4d_batch_tokens", "Tokens per forward batch.", NULL, 0,
                                token_bounds, sizeof(token_bounds) / sizeof(token_bounds[0]),
                                &d->m_batch_tokens);
-  rc |= dsv4_metrics_histogram(
-      m, "dsv4d_forward_seconds", "Forward batch time by stage and class (decode, prefill).", stage,
-      2, sec_bounds, sizeof(sec_bounds) / sizeof(sec_bounds[0]), &d->m_forward_seconds);
+  rc |= dsv4_metrics_histogram(m, "dsv4d_forward_seconds",
+                               "Forward batch time by stage and class (decode, prefill).", stage, 2,
+                               dsv4_seconds_bounds, DSV4_SECONDS_BOUNDS, &d->m_forward_seconds);
   rc |= dsv4_metrics_histogram(
       m, "dsv4d_forward_request_seconds",
       "HTTP forward requests answered 200, by class (decode, prefill): from "
       "the request's first byte to its answer handed to the socket.",
-      cls, 1, sec_bounds, sizeof(sec_bounds) / sizeof(sec_bounds[0]), &d->m_forward_request);
+      cls, 1, dsv4_seconds_bounds, DSV4_SECONDS_BOUNDS, &d->m_forward_request);
   rc |= dsv4_metrics_counter(m, "dsv4d_kv_alloc_failures_total",
                              "Batches refused because the KV pool was exhausted.", NULL, 0,
                              &d->m_alloc_failures);

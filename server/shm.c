@@ -81,6 +81,7 @@ struct conn {
   int armed;            /* the events the poll handle waits for (conn_arm) */
   out_t out[OUT_COUNT]; /* the forward in flight */
   int want_digest;
+  uint64_t t_recv; /* when the message of the forward in flight was read (uv_hrtime) */
 };
 
 struct dsv4_shm_server {
@@ -98,7 +99,7 @@ struct dsv4_shm_server {
   int listening, draining, closing;
   size_t handles; /* poll handles and teardowns not finished */
   uint8_t *rx;    /* one message: messages are handled one at a time on the loop thread */
-  dsv4_metric_t *requests, *regions;
+  dsv4_metric_t *requests, *regions, *forward_seconds;
   void (*close_cb)(void *);
   void *close_arg;
 };
@@ -475,6 +476,12 @@ static void forward_done(void *arg, int rc, const char *message, json_t *details
                                     (json_int_t)(o->off + o->nbytes)));
     }
     answer_ok(c, "forward", json_pack("{s:o,s:o}", "metadata", meta, "tensors", tensors));
+    /* The daemon's whole time for the forward, as dsv4d_forward_request_seconds is over HTTP. */
+    const char *cls[1] = {"decode"};
+    for (uint32_t s = 0; s < f->n_segs; s++)
+      if (f->segs[s].len != 1)
+        cls[0] = "prefill"; /* the executor's classes (routes.c) */
+    dsv4_metric_observe(c->srv->forward_seconds, cls, (double)(uv_hrtime() - c->t_recv) * 1e-9);
   }
   if (c->closing)
     conn_close(c);
@@ -548,6 +555,7 @@ static int forward_parse(conn_t *c, json_t *msg, region_t *r, const trailer_t *t
 
 static void op_forward(conn_t *c, json_t *msg, const trailer_t *tr, uint64_t t_recv) {
   char why[320] = "";
+  c->t_recv = t_recv;
   dsv4_forward_req_t p;
   json_t *id = json_object_get(msg, "region");
   region_t **rp = region_find(c, id);
@@ -626,7 +634,7 @@ static int all_space(const char *s, size_t n) {
   return 1;
 }
 
-static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd) {
+static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd, uint64_t t_read) {
   json_error_t jerr;
   if (trunc) {
     char why[96];
@@ -662,7 +670,7 @@ static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd) 
   } else if (nfd) {
     answer_error(c, "other", DSV4_EINVAL, "only a registration carries a descriptor", NULL);
   } else if (!strcmp(op, "forward")) {
-    op_forward(c, msg, &tr, uv_hrtime());
+    op_forward(c, msg, &tr, t_read);
   } else if (!strcmp(op, "unregister")) {
     op_unregister(c, msg);
   } else {
@@ -684,6 +692,7 @@ static void conn_read(conn_t *c) {
   ssize_t n = recvmsg(c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
     return;
+  const uint64_t t_read = uv_hrtime();
   int nfd = n >= 0 ? take_fds(&mh, fds) : 0;
   if (n <= 0) { /* the peer left (0), or the socket failed */
     for (int i = 0; i < nfd; i++)
@@ -691,7 +700,7 @@ static void conn_read(conn_t *c) {
     conn_close(c);
     return;
   }
-  dispatch(c, (size_t)n, (mh.msg_flags & MSG_TRUNC) != 0, fds, nfd);
+  dispatch(c, (size_t)n, (mh.msg_flags & MSG_TRUNC) != 0, fds, nfd, t_read);
   /* A registration has mapped its descriptor, or refused it: the daemon keeps none. */
   for (int i = 0; i < nfd; i++)
     close(fds[i]);
@@ -869,7 +878,7 @@ static void on_listen(uv_poll_t *h, int status, int events) {
 
 int dsv4_shm_listen(dsv4_daemon_t *d, const char *path, const char *token, size_t max_connections,
                     dsv4_shm_server_t **out) {
-  static const char *const labels[2] = {"op", "code"};
+  static const char *const labels[2] = {"op", "code"}, *cls[1] = {"class"};
   dsv4_shm_server_t *s = calloc(1, sizeof(*s));
   *out = NULL;
   if (!s || !(s->rx = malloc(SHM_MAX_MSG)) || !(s->path = strdup(path)) ||
@@ -878,7 +887,12 @@ int dsv4_shm_listen(dsv4_daemon_t *d, const char *path, const char *token, size_
                            "Shared-region messages answered, by op and status.", labels, 2,
                            &s->requests) ||
       dsv4_metrics_gauge(d->metrics, "dsv4d_shm_regions", "Shared regions mapped.", NULL, 0,
-                         &s->regions)) {
+                         &s->regions) ||
+      dsv4_metrics_histogram(d->metrics, "dsv4d_shm_forward_seconds",
+                             "Shared-region forwards answered 200, by class (decode, prefill): "
+                             "from the message read to its answer sent.",
+                             cls, 1, dsv4_seconds_bounds, DSV4_SECONDS_BOUNDS,
+                             &s->forward_seconds)) {
     if (s) {
       free(s->rx);
       free(s->path);

@@ -197,8 +197,26 @@ typedef struct {
   /* dsv4d_forward_request_seconds over every class: an HTTP forward's whole time in the daemon,
    * from its first byte to its answer handed to the socket. */
   double req_sum, req_count;
+  /* dsv4d_shm_forward_seconds over every class: a shared-region forward's, from its message read
+   * to its answer sent. */
+  double shm_sum, shm_count;
   int ok;
 } stages_t;
+
+/* Add the value of a histogram's _sum or _count line (name_ its family's name and "_") to *sum or
+ * *count. */
+static inline void scrape_sum_count(const char *line, const char *name_, double *sum,
+                                    double *count) {
+  const char *at = strstr(line, name_);
+  if (!at || line[0] == '#')
+    return;
+  const char *close_brace = strchr(at, '}');
+  at += strlen(name_);
+  if (close_brace && strncmp(at, "sum{", 4) == 0)
+    *sum += strtod(close_brace + 1, NULL);
+  else if (close_brace && strncmp(at, "count{", 6) == 0)
+    *count += strtod(close_brace + 1, NULL);
+}
 
 /*
  * Read the forward_seconds histogram's _sum and _count per stage from GET /metrics (a blocking
@@ -237,17 +255,11 @@ static inline int scrape_stages(const bench_target_t *t, stages_t *out) {
       *nl = '\0';
     /* e.g. dsv4d_forward_seconds_sum{stage="kernel",class="prefill"} 0.0123: the classes of a
      * stage add up. */
-    char *m = strstr(line, "forward_seconds_");
-    char *rq = strstr(line, "forward_request_seconds_");
-    if (rq && line[0] != '#') {
-      char *close_brace = strchr(rq, '}');
-      if (close_brace && strncmp(rq + 24, "sum{", 4) == 0)
-        out->req_sum += strtod(close_brace + 1, NULL);
-      else if (close_brace && strncmp(rq + 24, "count{", 6) == 0)
-        out->req_count += strtod(close_brace + 1, NULL);
-    }
+    char *m = strstr(line, "dsv4d_forward_seconds_");
+    scrape_sum_count(line, "dsv4d_forward_request_seconds_", &out->req_sum, &out->req_count);
+    scrape_sum_count(line, "dsv4d_shm_forward_seconds_", &out->shm_sum, &out->shm_count);
     if (m && line[0] != '#') {
-      int is_sum = strncmp(m + 16, "sum{", 4) == 0, is_count = strncmp(m + 16, "count{", 6) == 0;
+      int is_sum = strncmp(m + 22, "sum{", 4) == 0, is_count = strncmp(m + 22, "count{", 6) == 0;
       char *st = strstr(m, "stage=\"");
       char *close_brace = strchr(m, '}');
       if ((is_sum || is_count) && st && close_brace) {

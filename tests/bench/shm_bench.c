@@ -95,6 +95,9 @@ typedef struct {
   double mean_us;
   /* The daemon's mean per call in each stage (its /metrics around the run), -1 when unknown. */
   double stage_us[N_STAGES];
+  /* The daemon's whole time per call (dsv4d_shm_forward_seconds through a region, else
+   * dsv4d_forward_request_seconds), -1 when unknown. */
+  double request_us;
 } samples_t;
 
 static void samples_init(samples_t *s, long cap) {
@@ -130,6 +133,11 @@ static void samples_stages(samples_t *st, const stages_t *s0, const stages_t *s1
     double c = s1->count[k] - s0->count[k];
     st->stage_us[k] = s0->ok && s1->ok && c > 0 ? (s1->sum[k] - s0->sum[k]) / c * 1e6 : -1;
   }
+  const double rc = s1->req_count - s0->req_count, sc = s1->shm_count - s0->shm_count;
+  st->request_us = !s0->ok || !s1->ok ? -1
+                   : sc > 0           ? (s1->shm_sum - s0->shm_sum) / sc * 1e6
+                   : rc > 0           ? (s1->req_sum - s0->req_sum) / rc * 1e6
+                                      : -1;
 }
 
 /* ---- The batches ---------------------------------------------------------------------------- */
@@ -628,9 +636,12 @@ static void print_stages(const samples_t *rows) {
   printf(
       "# the daemon's mean per call (us) by its forward_seconds stages over the measured calls;\n"
       "# rest = the client's mean - the stages: the transport, parsing, thread hand-offs;\n"
+      "# request: the daemon's whole time per call (dsv4d_shm_forward_seconds, message read to\n"
+      "# answer sent; over HTTP dsv4d_forward_request_seconds), of which the stages are a part;\n"
+      "# outside = the client's mean - request: the client library and the transport;\n"
       "# \"-\": the daemon recorded no stage for these calls\n");
-  printf("%-42s %9s | %9s %9s %9s %9s | %9s\n", "path", "mean", "queue", "validate", "plan",
-         "kernel", "rest");
+  printf("%-42s %9s | %9s %9s %9s %9s | %9s | %9s %9s\n", "path", "mean", "queue", "validate",
+         "plan", "kernel", "rest", "request", "outside");
   for (int r = R_SHM; r <= R_TCP; r++) {
     if (!rows[r].n)
       continue;
@@ -649,8 +660,13 @@ static void print_stages(const samples_t *rows) {
       snprintf(cols[N_STAGES], sizeof(cols[N_STAGES]), "%.1f", rest);
     else
       snprintf(cols[N_STAGES], sizeof(cols[N_STAGES]), "-");
-    printf("%-42s %9.1f | %9s %9s %9s %9s | %9s\n", row_names[r], rows[r].mean_us, cols[0], cols[1],
-           cols[2], cols[3], cols[4]);
+    char req[16] = "-", outside[16] = "-";
+    if (rows[r].request_us >= 0) {
+      snprintf(req, sizeof(req), "%.1f", rows[r].request_us);
+      snprintf(outside, sizeof(outside), "%.1f", rows[r].mean_us - rows[r].request_us);
+    }
+    printf("%-42s %9.1f | %9s %9s %9s %9s | %9s | %9s %9s\n", row_names[r], rows[r].mean_us,
+           cols[0], cols[1], cols[2], cols[3], cols[4], req, outside);
   }
 }
 

@@ -474,6 +474,19 @@ def parse_metrics(text):
 _warned = set()
 
 
+def check_whole_time(ms, family, cls, count):
+    """family{class=cls}, a histogram of forwards' whole time in the daemon: count observations,
+    their sum at least the executor stages (queue, validate, plan, kernel) of the class's batches,
+    which are parts of it on the same clock (the daemon must have run no other forwards)."""
+    cl = {"class": cls}
+    check_eq(metric(ms, family + "_count", **cl), count, "%s{class=%s} count" % (family, cls))
+    whole = metric(ms, family + "_sum", **cl)
+    parts = sum(metric(ms, "dsv4d_forward_seconds_sum", stage=x, **cl)
+                for x in ("queue", "validate", "plan", "kernel"))
+    check(0 < parts <= whole, "%s{class=%s} sum %g s holds its stages' %g s" % (family, cls, whole,
+                                                                              parts))
+
+
 def metric(ms, name, **labels):
     """One sample by its SPEC §6 name. test_routes pins the names; elsewhere a sample exported under
     the prefix dsv4_ instead of dsv4d_ is read (with a warning), so that the block and sequence

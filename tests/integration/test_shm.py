@@ -204,6 +204,12 @@ def test_shm_same_bytes():
                      10.0 if r2 else 9.0,
                      "forwards counted in dsv4d_shm_requests_total")
             check_eq(h.metric(ms, "dsv4d_shm_regions"), 0.0, "regions after destroy")
+            # Each forward answered 200 in its class (the two prefills and the replay are
+            # prefills), its whole time at least its executor stages (the shm daemon serves
+            # regions only, so every stage it recorded is theirs).
+            ok = h.metric(ms, "dsv4d_shm_requests_total", op="forward", code="200")
+            for c, want in (("prefill", 3.0), ("decode", ok - 3.0)):
+                h.check_whole_time(ms, "dsv4d_shm_forward_seconds", c, want)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
