@@ -133,17 +133,15 @@ static void count(conn_t *c, const char *op, int status) {
   dsv4_metric_add(c->srv->requests, v, 1);
 }
 
-/* Send one answer, or keep it until the socket takes it. Takes doc. */
-static void send_doc(conn_t *c, json_t *doc) {
-  char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
-  json_decref(doc);
+/* Send one answer's text (malloc'd, taken; NULL: out of memory), or keep it until the socket takes
+ * it. */
+static void send_text(conn_t *c, char *text, size_t len) {
   if (!text || c->closing) {
     free(text);
     if (!text)
       conn_close(c); /* out of memory for an answer: the client sees the connection go */
     return;
   }
-  size_t len = strlen(text);
   ssize_t n = send(c->fd, text, len, MSG_DONTWAIT | MSG_NOSIGNAL);
   if (n == (ssize_t)len) {
     free(text);
@@ -156,6 +154,13 @@ static void send_doc(conn_t *c, json_t *doc) {
   }
   free(text);
   conn_close(c);
+}
+
+/* Send one answer, or keep it until the socket takes it. Takes doc. */
+static void send_doc(conn_t *c, json_t *doc) {
+  char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+  json_decref(doc);
+  send_text(c, text, text ? strlen(text) : 0);
 }
 
 /* The error answer: the HTTP status and error object of the same failure (SPEC §6). Takes
@@ -444,6 +449,51 @@ static int place_outputs(conn_t *c, json_t *out, const region_t *r, const dsv4_s
   return 0;
 }
 
+/*
+ * The 200 answer of a forward, as answer_ok would write it from its JSON document (the metadata,
+ * the tensors in the order of out_names, status, instance), but formatted directly: every value is
+ * a number, a hex digest or a fixed word, so nothing needs escaping, and the answer of a decode
+ * step costs no document built and dumped. NULL when out of memory; its length in *len.
+ */
+static char *forward_answer(const conn_t *c, const dsv4_forward_t *f, size_t *len) {
+  char *t = NULL;
+  FILE *x = open_memstream(&t, len);
+  if (!x)
+    return NULL;
+  const char *sep = "";
+  fputs("{\"metadata\":{", x);
+  if (c->want_digest) {
+    fprintf(x, "\"cache_digest\":\"%016" PRIx64 "\"", f->digest);
+    sep = ",";
+  }
+  if (f->attn) {
+    fprintf(x, "%s\"attention\":\"%s\"", sep,
+            f->attention == DSV4_ATTENTION_FAST ? "fast" : "exact");
+    sep = ",";
+  }
+  if (f->replayed)
+    fprintf(x, "%s\"replayed\":\"true\"", sep);
+  fputs("},\"tensors\":{", x);
+  sep = "";
+  for (int i = 0; i < OUT_COUNT; i++) {
+    const out_t *o = &c->out[i];
+    if (!o->wanted)
+      continue;
+    fprintf(x, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", sep, out_names[i],
+            dsv4_st_dtype_name(o->dtype));
+    for (int d = 0; d < o->ndim; d++)
+      fprintf(x, "%s%" PRId64, d ? "," : "", o->shape[d]);
+    fprintf(x, "],\"data_offsets\":[%zu,%zu]}", o->off, o->off + o->nbytes);
+    sep = ",";
+  }
+  fprintf(x, "},\"status\":200,\"instance\":\"%s\"}", c->srv->d->instance);
+  if (fclose(x) != 0) { /* out of memory: no answer rather than a cut one */
+    free(t);
+    return NULL;
+  }
+  return t;
+}
+
 /* Loop thread: the forward in flight has its result. */
 static void forward_done(void *arg, int rc, const char *message, json_t *details,
                          const dsv4_forward_t *f) {
@@ -452,30 +502,10 @@ static void forward_done(void *arg, int rc, const char *message, json_t *details
   if (rc) {
     answer_error(c, "forward", rc, message, details);
   } else {
-    json_t *meta = json_object(), *tensors = json_object();
-    char hex[17];
-    if (c->want_digest) {
-      snprintf(hex, sizeof(hex), "%016" PRIx64, f->digest);
-      json_object_set_new(meta, "cache_digest", json_string(hex));
-    }
-    if (f->attn)
-      json_object_set_new(meta, "attention",
-                          json_string(f->attention == DSV4_ATTENTION_FAST ? "fast" : "exact"));
-    if (f->replayed)
-      json_object_set_new(meta, "replayed", json_string("true"));
-    for (int i = 0; i < OUT_COUNT; i++) {
-      const out_t *o = &c->out[i];
-      if (!o->wanted)
-        continue;
-      json_t *shape = json_array();
-      for (int d = 0; d < o->ndim; d++)
-        json_array_append_new(shape, json_integer(o->shape[d]));
-      json_object_set_new(tensors, out_names[i],
-                          json_pack("{s:s,s:o,s:[I,I]}", "dtype", dsv4_st_dtype_name(o->dtype),
-                                    "shape", shape, "data_offsets", (json_int_t)o->off,
-                                    (json_int_t)(o->off + o->nbytes)));
-    }
-    answer_ok(c, "forward", json_pack("{s:o,s:o}", "metadata", meta, "tensors", tensors));
+    size_t len = 0;
+    char *text = forward_answer(c, f, &len);
+    count(c, "forward", 200);
+    send_text(c, text, len);
     /* The daemon's whole time for the forward, as dsv4d_forward_request_seconds is over HTTP. */
     const char *cls[1] = {"decode"};
     for (uint32_t s = 0; s < f->n_segs; s++)
