@@ -188,24 +188,12 @@ int dsv4c_request(dsv4c_client_t *c, const char *msg, int fd, dsv4c_result_t *re
   return rc;
 }
 
-/* Send a message built as a JSON object (taken), then trailer (a forward's segments text, or
- * NULL), as one message, and read the answer. */
-static int request_doc(dsv4c_client_t *c, json_t *doc, const char *trailer, int fd,
-                       dsv4c_result_t *res) {
+/* Send a message built as a JSON object (taken) and read the answer. */
+static int request_doc(dsv4c_client_t *c, json_t *doc, int fd, dsv4c_result_t *res) {
   char *text = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
   json_decref(doc);
   if (!text)
     return -ENOMEM;
-  if (trailer) {
-    const size_t a = strlen(text), b = strlen(trailer);
-    char *all = realloc(text, a + b + 1);
-    if (!all) {
-      free(text);
-      return -ENOMEM;
-    }
-    memcpy(all + a, trailer, b + 1);
-    text = all;
-  }
   int rc = dsv4c_request(c, text, fd, res);
   free(text);
   return rc;
@@ -237,7 +225,7 @@ int dsv4c_region_create(dsv4c_client_t *c, size_t bytes, dsv4c_region_t **out,
     json_t *msg = json_pack("{s:s}", "op", "register");
     if (msg && c->token)
       json_object_set_new(msg, "token", json_string(c->token));
-    rc = request_doc(c, msg, NULL, fd, r);
+    rc = request_doc(c, msg, fd, r);
     if (!rc && r->status != 200)
       rc = -EPROTO;
   }
@@ -279,8 +267,8 @@ int dsv4c_region_destroy(dsv4c_client_t *c, dsv4c_region_t *r) {
     return 0;
   if (c) {
     dsv4c_result_t res;
-    rc = request_doc(c, json_pack("{s:s,s:I}", "op", "unregister", "region", (json_int_t)r->id),
-                     NULL, -1, &res);
+    rc = request_doc(c, json_pack("{s:s,s:I}", "op", "unregister", "region", (json_int_t)r->id), -1,
+                     &res);
     if (!rc && res.status != 200)
       rc = -EPROTO;
     dsv4c_result_free(&res);
@@ -423,11 +411,98 @@ static json_t *out_offsets(const dsv4c_forward_t *f) {
   return out;
 }
 
-int dsv4c_forward(dsv4c_client_t *c, const dsv4c_region_t *r, const dsv4c_forward_t *f,
-                  dsv4c_result_t *res) {
+/* Whether s needs no escaping in a JSON string (outputs, attention): letters, digits, commas and
+ * spaces. */
+static int plain_words(const char *s) {
+  for (; *s; s++)
+    if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') ||
+          *s == ',' || *s == ' '))
+      return 0;
+  return 1;
+}
+
+/* A tensor's header entry, as typed_entry makes it; dims < 0 end the shape. */
+static void put_entry(FILE *x, const char *name, const char *dtype, int64_t d0, int64_t d1,
+                      int64_t d2, size_t off, size_t nbytes) {
+  fprintf(x, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%" PRId64, name, dtype, d0);
+  if (d1 >= 0)
+    fprintf(x, ",%" PRId64, d1);
+  if (d2 >= 0)
+    fprintf(x, ",%" PRId64, d2);
+  fprintf(x, "],\"data_offsets\":[%zu,%zu]}", off, off + nbytes);
+}
+
+/* The offsets of the outputs asked for, as out_offsets gives them: slots, then each output name
+ * of the list once. */
+static void put_outs(FILE *x, const dsv4c_forward_t *f) {
+  static const char *const word[4] = {"q", "attn", "lse", "topk"};
+  static const char *const key[4] = {"q_out", "attn", "lse", "topk"};
+  const size_t off[4] = {f->q_out_off, f->attn_off, f->lse_off, f->topk_off};
+  int seen[4] = {0};
+  char list[64];
+  snprintf(list, sizeof(list), "%s", f->outputs ? f->outputs : "q");
+  fprintf(x, ",\"out\":{\"slots\":%zu", f->slots_off);
+  for (char *save = NULL, *t = strtok_r(list, ", ", &save); t; t = strtok_r(NULL, ", ", &save))
+    for (int i = 0; i < 4; i++)
+      if (!strcmp(t, word[i]) && !seen[i]) {
+        seen[i] = 1;
+        fprintf(x, ",\"%s\":%zu", key[i], off[i]);
+      }
+  fprintf(x, "}");
+}
+
+/*
+ * The forward message written directly, the document dsv4c_forward would build with jansson and
+ * dump (the same keys, in the same order): when the segments go plain after it (segments_plain)
+ * and outputs and attention need no escaping, so that a decode step costs no document. NULL
+ * otherwise, or when out of memory: the caller builds the message with jansson. *after is the
+ * segments' text.
+ */
+static char *forward_plain(const dsv4c_region_t *r, const dsv4c_forward_t *f, char **after) {
   uint64_t n;
-  char *after;
-  json_t *meta = metadata(f, &n, &after);
+  const char *outputs = f->outputs ? f->outputs : "q";
+  if (!plain_words(outputs) || (f->attention && !plain_words(f->attention)) ||
+      !(*after = segments_plain(f, &n)))
+    return NULL;
+  const int64_t jn = (int64_t)n, ih = (int64_t)f->index_heads;
+  char *t = NULL;
+  size_t len = 0;
+  FILE *x = open_memstream(&t, &len);
+  if (!x)
+    return NULL;
+  fprintf(x, "{\"op\":\"forward\",\"region\":%" PRIu32 ",\"header\":{\"__metadata__\":{", r->id);
+  fprintf(x, "\"layer\":\"%" PRIu32 "\",\"outputs\":\"%s\"", f->layer, outputs);
+  if (f->attention)
+    fprintf(x, ",\"attention\":\"%s\"", f->attention);
+  fprintf(x, "}");
+  put_entry(x, "q", "BF16", jn, f->heads, HEAD_DIM, f->q_off,
+            (size_t)n * f->heads * HEAD_DIM * BF16_BYTES);
+  put_entry(x, "kv", "BF16", jn, HEAD_DIM, -1, f->kv_off, (size_t)n * HEAD_DIM * BF16_BYTES);
+  if (f->ckv_width)
+    put_entry(x, "ckv", "F32", jn, f->ckv_width, -1, f->ckv_off, (size_t)n * f->ckv_width * 4);
+  if (f->index_heads) {
+    put_entry(x, "ikv", "F32", jn, 512, -1, f->ikv_off, (size_t)n * 512 * 4);
+    put_entry(x, "iq", "BF16", jn, ih, 128, f->iq_off,
+              (size_t)n * f->index_heads * 128 * BF16_BYTES);
+    put_entry(x, "iw", "F32", jn, ih, -1, f->iw_off, (size_t)n * f->index_heads * 4);
+  }
+  fprintf(x, "}");
+  put_outs(x, f);
+  if (f->deadline_ms >= 0)
+    fprintf(x, ",\"deadline_ms\":%" PRId64, (int64_t)f->deadline_ms);
+  fprintf(x, ",\"segments_bytes\":%zu}", strlen(*after));
+  if (fclose(x) != 0) { /* out of memory */
+    free(t);
+    return NULL;
+  }
+  return t;
+}
+
+/* The forward message built with jansson and dumped (any segment names, outputs and attention it
+ * can encode), or NULL; *after is the segments' text when they go plain after it, else NULL. */
+static char *forward_json(const dsv4c_region_t *r, const dsv4c_forward_t *f, char **after) {
+  uint64_t n;
+  json_t *meta = metadata(f, &n, after);
   size_t q_bytes = (size_t)n * f->heads * HEAD_DIM * BF16_BYTES;
   json_t *header =
       meta ? json_pack("{s:o,s:o,s:o}", "__metadata__", meta, "q",
@@ -444,9 +519,33 @@ int dsv4c_forward(dsv4c_client_t *c, const dsv4c_region_t *r, const dsv4c_forwar
                        : NULL;
   if (msg && f->deadline_ms >= 0)
     json_object_set_new(msg, "deadline_ms", json_integer(f->deadline_ms));
-  if (msg && after)
-    json_object_set_new(msg, "segments_bytes", json_integer((json_int_t)strlen(after)));
-  const int rc = request_doc(c, msg, after, -1, res);
+  if (msg && *after)
+    json_object_set_new(msg, "segments_bytes", json_integer((json_int_t)strlen(*after)));
+  char *text = msg ? json_dumps(msg, JSON_COMPACT) : NULL;
+  json_decref(msg);
+  return text;
+}
+
+int dsv4c_forward(dsv4c_client_t *c, const dsv4c_region_t *r, const dsv4c_forward_t *f,
+                  dsv4c_result_t *res) {
+  char *after = NULL;
+  char *text = forward_plain(r, f, &after);
+  if (!text) {
+    free(after);
+    after = NULL;
+    text = forward_json(r, f, &after);
+  }
+  if (text && after) {
+    const size_t a = strlen(text), b = strlen(after);
+    char *all = realloc(text, a + b + 1);
+    if (all)
+      memcpy(all + a, after, b + 1);
+    else
+      free(text);
+    text = all;
+  }
   free(after);
+  const int rc = text ? dsv4c_request(c, text, -1, res) : -ENOMEM;
+  free(text);
   return rc;
 }

@@ -186,6 +186,10 @@ def test_shm_same_bytes():
                 check_eq(e["error"]["code"], "position_mismatch", "the gap's error code")
                 same_answer(a, c, r, Batch.random(rng, 0, [Seg("nobody", 0, 1)], HEADS), "unknown",
                             b=b)
+                # A name the client cannot write plain (its request built by jansson, escaped).
+                e = same_answer(a, c, r, Batch.random(rng, 0, [Seg('bad "name"', 0, 1, True)],
+                                                      HEADS), "a name that needs escaping", b=b)
+                check_eq(e["status"], 400, "the name that needs escaping")
                 same_answer(a, c, r, Batch.random(rng, 2, [Seg("a", 153, 1)], HEADS, ratio=r2,
                                                   outputs="q,attn,topk"), "attn on a ratio-4 layer")
                 if r2:
