@@ -3,7 +3,9 @@
  * the text forward_plain writes directly is byte for byte the text forward_json dumps from the
  * document jansson builds, for every form a forward takes (outputs in any order, repeated or
  * spaced, attention, a deadline, a compressed layer's tensors, new segments), and the plain
- * builder steps aside (NULL) where escaping is needed, leaving those requests to jansson.
+ * builder steps aside (NULL) where escaping is needed, leaving those requests to jansson; and the
+ * answer reader takes the daemon's form of a forward's 200 answer without jansson, with the same
+ * fields, and leaves every other text to jansson.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -99,10 +101,75 @@ static void test_escaping_left_to_jansson(void **state) {
   }
 }
 
+/* Both readers of an answer: the same rc and fields. */
+static void same_result(const char *text, int want_fast) {
+  dsv4c_result_t a, b;
+  const int fast = read_forward_ok(text, strlen(text), &a);
+  assert_int_equal(fast, want_fast ? 0 : 1);
+  if (!want_fast) {
+    dsv4c_result_free(&a);
+    return;
+  }
+  assert_int_equal(read_answer_json(text, strlen(text), &b), 0);
+  assert_int_equal(a.status, b.status);
+  assert_string_equal(a.code, b.code);
+  assert_string_equal(a.message, b.message);
+  assert_string_equal(a.cache_digest, b.cache_digest);
+  assert_string_equal(a.attention, b.attention);
+  assert_int_equal(a.replayed, b.replayed);
+  assert_string_equal(a.json, b.json);
+  dsv4c_result_free(&a);
+  dsv4c_result_free(&b);
+}
+
+#define INST "\"instance\":\"0123456789abcdef0123456789abcdef\"}"
+#define SLOTS "\"slots\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[0,8]}"
+#define Q_OUT "\"q_out\":{\"dtype\":\"BF16\",\"shape\":[1,64,512],\"data_offsets\":[64,65600]}"
+
+/*
+ * A forward's 200 answer in the daemon's form is read without jansson, with jansson's fields; any
+ * other text (an error, keys in another order, white space, a number with a leading zero or too
+ * many digits, a digest or an instance of the wrong length, a cut or longer text) goes to jansson.
+ */
+static void test_answer_reader(void **state) {
+  (void)state;
+  const char *fast[] = {
+      "{\"metadata\":{},\"tensors\":{" Q_OUT "," SLOTS "},\"status\":200," INST,
+      "{\"metadata\":{\"cache_digest\":\"00ff00ff00ff00ff\"},\"tensors\":{" SLOTS
+      "},\"status\":200," INST,
+      "{\"metadata\":{\"cache_digest\":\"00ff00ff00ff00ff\",\"attention\":\"fast\",\"replayed\":"
+      "\"true\"},\"tensors\":{" Q_OUT "," SLOTS "},\"status\":200," INST,
+      "{\"metadata\":{\"attention\":\"exact\"},\"tensors\":{" SLOTS "},\"status\":200," INST,
+      "{\"metadata\":{\"replayed\":\"true\"},\"tensors\":{" SLOTS "},\"status\":200," INST,
+  };
+  for (size_t i = 0; i < sizeof(fast) / sizeof(fast[0]); i++)
+    same_result(fast[i], 1);
+  const char *other[] = {
+      "{\"status\":404,\"instance\":\"x\",\"error\":{\"code\":\"not_found\",\"message\":\"m\"}}",
+      "{\"tensors\":{" SLOTS "},\"metadata\":{},\"status\":200," INST,
+      "{\"metadata\":{\"replayed\":\"true\",\"attention\":\"fast\"},\"tensors\":{" SLOTS
+      "},\"status\":200," INST,
+      "{\"metadata\": {},\"tensors\":{" SLOTS "},\"status\":200," INST,
+      "{\"metadata\":{},\"tensors\":{\"slots\":{\"dtype\":\"I64\",\"shape\":[01],\"data_"
+      "offsets\":[0,8]}},\"status\":200," INST,
+      "{\"metadata\":{},\"tensors\":{\"slots\":{\"dtype\":\"I64\",\"shape\":[1],\"data_"
+      "offsets\":[0,12345678901234567890]}},\"status\":200," INST,
+      "{\"metadata\":{\"cache_digest\":\"00ff\"},\"tensors\":{" SLOTS "},\"status\":200," INST,
+      "{\"metadata\":{\"attention\":\"slow\"},\"tensors\":{" SLOTS "},\"status\":200," INST,
+      "{\"metadata\":{},\"tensors\":{" SLOTS "},\"status\":200,\"instance\":\"0123\"}",
+      "{\"metadata\":{},\"tensors\":{" SLOTS "},\"status\":201," INST,
+      "{\"metadata\":{},\"tensors\":{" SLOTS "},\"status\":200," INST " ",
+      "{\"metadata\":{},\"tensors\":{" SLOTS "},\"status\":200,\"instance\":\"0123456789abcdef",
+  };
+  for (size_t i = 0; i < sizeof(other) / sizeof(other[0]); i++)
+    same_result(other[i], 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_plain_equals_jansson),
       cmocka_unit_test(test_escaping_left_to_jansson),
+      cmocka_unit_test(test_answer_reader),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
