@@ -313,15 +313,12 @@ static void fwd_yield(void *arg) {
  * segment, so a batch never passes a waiting one that names the same sequence. A prefill yields to
  * waiting decodes between its chunks (prefill_chunk_tokens). */
 static int fwd_schedule(fwd_job_t *j) {
-  j->job.cls = DSV4_JOB_DECODE;
+  j->job.cls = dsv4_forward_is_decode(&j->f) ? DSV4_JOB_DECODE : DSV4_JOB_PREFILL;
   j->keys = malloc((j->f.n_segs ? j->f.n_segs : 1) * sizeof(*j->keys));
   if (!j->keys)
     return DSV4_ENOMEM;
-  for (uint32_t s = 0; s < j->f.n_segs; s++) {
-    if (j->f.segs[s].len != 1)
-      j->job.cls = DSV4_JOB_PREFILL;
+  for (uint32_t s = 0; s < j->f.n_segs; s++)
     j->keys[s] = XXH3_64bits(j->f.segs[s].name, j->f.segs[s].name_len);
-  }
   j->job.keys = j->keys;
   j->job.n_keys = j->f.n_segs;
   if (j->job.cls == DSV4_JOB_PREFILL) {

@@ -507,10 +507,7 @@ static void forward_done(void *arg, int rc, const char *message, json_t *details
     count(c, "forward", 200);
     send_text(c, text, len);
     /* The daemon's whole time for the forward, as dsv4d_forward_request_seconds is over HTTP. */
-    const char *cls[1] = {"decode"};
-    for (uint32_t s = 0; s < f->n_segs; s++)
-      if (f->segs[s].len != 1)
-        cls[0] = "prefill"; /* the executor's classes (routes.c) */
+    const char *cls[1] = {dsv4_forward_is_decode(f) ? "decode" : "prefill"};
     dsv4_metric_observe(c->srv->forward_seconds, cls, (double)(uv_hrtime() - c->t_recv) * 1e-9);
   }
   if (c->closing)

@@ -134,6 +134,15 @@ typedef struct {
   int in_flight;
 } dsv4_forward_t;
 
+/* Whether f is a decode batch: every segment one token (else a prefill). The executor's classes
+ * and the metrics' class label follow it. */
+static inline int dsv4_forward_is_decode(const dsv4_forward_t *f) {
+  for (uint32_t s = 0; s < f->n_segs; s++)
+    if (f->segs[s].len != 1)
+      return 0;
+  return 1;
+}
+
 int dsv4_engine_create(const dsv4_engine_params_t *p, dsv4_engine_t **out, char *why,
                        size_t why_len);
 void dsv4_engine_destroy(dsv4_engine_t *e);
