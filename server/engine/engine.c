@@ -111,6 +111,9 @@ struct dsv4__engine_stage {
   dsv4_devbuf_t kv_norm; /* [n_served][512] fp32, uploaded once; size 0 for prenormed */
   dsv4_devbuf_t sinks;   /* [n_served][heads] fp32, uploaded once; size 0 without a checkpoint */
   uint8_t *span;         /* host copy of up to one block, for the forward digest */
+  /* The batch being begun launched its q half before its validation (q_early_launch): its insert
+   * then writes the KV rows only, and its q_out is in buf[ST_Q_OUT] of the current half. */
+  int q_early;
 };
 
 /* Free a half's host metadata, unregistered first. Its batch has ended (synced or waited for). */
@@ -323,8 +326,9 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
                               ma->seg_bt_len, ma->block_table, e->seg_p0};
   if (meta > h->meta_cap)
     return DSV4_EINVAL; /* stage_reserve_batch's bound was wrong: never write past the buffer */
+  /* The q half launched early reads the positions there already (q_early_launch). */
   for (int i = 0; i < M_COUNT; i++)
-    if (bytes[i] && src[i])
+    if (bytes[i] && src[i] && !(i == M_POSITIONS && e->stage->q_early))
       memcpy(h->meta + off[i], src[i], bytes[i]);
   *built = win && dsv4_attn_windows(win, (dsv4_attn_win_t *)(h->meta + off[M_WIN])) == 0;
   /* Read in place by the producer and the insert (a few loads per thread, at once), but uploaded
@@ -354,9 +358,23 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
    * reads them back from there (its KV rows only, beside their own reads over PCIe). */
   ma->slots = stage_out(e, ST_SLOTS, f->slots, n * sizeof(int64_t));
   ia->slots = ma->slots;
-  /* In place in the caller's buffer unless the attention reads it (over PCIe it would cost). */
-  ia->q_out = f->attn ? h->buf[ST_Q_OUT].ptr : stage_out(e, ST_Q_OUT, f->q_out, q_bytes);
+  /* In place in the caller's buffer unless the attention reads it (over PCIe it would cost), or
+   * the q half ran before the validation (q_early_launch: a refused batch writes nothing there). */
+  ia->q_out = f->attn || e->stage->q_early ? h->buf[ST_Q_OUT].ptr
+                                           : stage_out(e, ST_Q_OUT, f->q_out, q_bytes);
   return rc;
+}
+
+/* The batch's insert after its producer: the whole of it, or after q_early_launch its KV rows
+ * only (none for a replay, which writes none), q_out staying where that launch wrote it. */
+static int stage_insert(dsv4_engine_t *e, const dsv4_insert_args_t *ia) {
+  if (!e->stage->q_early)
+    return e->be->ops->qkv_insert(e->be, ia);
+  if (!ia->write_kv)
+    return 0;
+  dsv4_insert_args_t kv = *ia;
+  kv.q_out = NULL;
+  return e->be->ops->qkv_insert(e->be, &kv);
 }
 
 /*
@@ -417,7 +435,7 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   if (!rc)
     rc = ops->map_slots(e->be, ma);
   if (!rc)
-    rc = ops->qkv_insert(e->be, ia);
+    rc = stage_insert(e, ia);
   /* SPEC §8.4: the batch's emissions before its indexer and its attention. */
   if (!rc)
     rc = dsv4__engine_c_compress(e, idx, f, tok0);
@@ -448,6 +466,7 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
     if (!rc)
       rc = sync_rc;
   }
+  s->q_early = 0; /* this batch's alone: the batches of a later yield hook begin without it */
   f->timing.staged = 1;
   f->timing.upload_ns += t1 - t0;
   f->timing.launch_ns += t2 - t1;
@@ -818,6 +837,78 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
   return 0;
 }
 
+/* The q half goes ahead of the validation from this many bytes of q on (at one token of 64 heads,
+ * 128 KiB, the validation takes less than a launch). */
+#define Q_EARLY_MIN_BYTES ((size_t)256 << 10)
+
+/*
+ * Whether f's q half (Q norm and RoPE into staging, no cache byte) may run while the host checks
+ * and hashes the batch: a staged backend that reads host memory in place and inserts KV rows apart
+ * (DSV4_BE_ATTN_FUSED_Q), a batch without attention or compressed branch (their launches read the
+ * metadata uploaded, not in place), not in chunks, with nothing else in flight (a refusal waits
+ * for the device: forward_refused), and enough q to be worth a launch.
+ */
+static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t *f) {
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  const size_t q_bytes = (size_t)f->n_tokens * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  const uint32_t chunk = e->p.prefill_chunk_tokens;
+  if (!e->stage || !(ops->caps & DSV4_BE_ATTN_FUSED_Q) || !ops->host_alias || f->attn || f->lse)
+    return 0;
+  if (q_bytes < Q_EARLY_MIN_BYTES || (e->c_ratio && e->c_ratio[idx]) || e->fly[0].f || e->fly[1].f)
+    return 0;
+  return !(f->yield && chunk && f->n_tokens > chunk);
+}
+
+/*
+ * The q half of f's insert, launched before its range check, hashes and plan, where q is read in
+ * place: q_out into the current half's staging (so a refused batch writes nothing the caller
+ * sees), the positions from the half's packed metadata, where stage_inputs leaves them. Sets
+ * e->stage->q_early when launched; a launch that fails is waited for and the batch runs whole.
+ */
+static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
+  stage_half_t *h = &e->stage->half[e->stage->cur];
+  const size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  if (!h->meta_reg)
+    return;
+  memcpy(h->meta, e->positions, n * sizeof(int64_t)); /* M_POSITIONS: offset 0 of any layout */
+  const uint16_t *q = stage_alias(e, f->q, q_bytes);
+  const int64_t *pos = stage_alias(e, h->meta, n * sizeof(int64_t));
+  if (!q || !pos)
+    return;
+  const uint64_t t0 = mono_ns();
+  dsv4_insert_args_t ia = {
+      .n_tokens = (uint32_t)n,
+      .heads = e->p.heads,
+      .q = q,
+      .kv = q, /* not read without write_kv */
+      .positions = pos,
+      .slots = h->buf[ST_SLOTS].ptr, /* not read without write_kv */
+      .rope = e->rope[idx],
+      .eps = e->p.model->rms_norm_eps,
+      .write_kv = 0,
+      .q_out = h->buf[ST_Q_OUT].ptr,
+      .block_size = e->p.block_size,
+      .n_blocks = e->p.kv_blocks,
+      .stride = e->stride,
+  };
+  if (e->be->ops->qkv_insert(e->be, &ia) == 0)
+    e->stage->q_early = 1;
+  else
+    (void)e->be->ops->sync(e->be);
+  f->timing.launch_ns += mono_ns() - t0;
+}
+
+/* A batch refused after its q half was launched: the device is done with its inputs before the
+ * caller hears of it. A device that fails here fails the batches after it. */
+static int forward_refused(dsv4_engine_t *e, int rc) {
+  if (e->stage && e->stage->q_early) {
+    e->stage->q_early = 0;
+    if (e->be->ops->sync(e->be))
+      atomic_store(&e->healthy, 0);
+  }
+  return rc;
+}
+
 /* Forward pass 2, validation: bounds, value range, replay hashes, RoPE rows and staging room. */
 static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   /* Validation comes first, so that a refused batch changes nothing. */
@@ -826,6 +917,15 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     rc = forward_positions(e, f);
   if (rc)
     return rc;
+  const int early = q_early_wanted(e, idx, f);
+  if (early) {
+    rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
+    if (!rc)
+      rc = stage_reserve_batch(e, f);
+    if (rc)
+      return rc;
+    q_early_launch(e, idx, f);
+  }
   validate_job_t v = {.e = e, .f = f, .ratio = e->c_ratio[idx], .tok_off = e->seg_tok_off};
   atomic_init(&v.bad, 0);
   atomic_init(&v.bad_tensor, NULL);
@@ -837,10 +937,11 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     f->bad_tensor = atomic_load(&v.bad_tensor);
     return DSV4_ERANGE;
   }
-  rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
+  if (!early)
+    rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
   if (!rc)
     rc = dsv4__engine_c_prepare(e, (uint32_t)idx, f);
-  if (!rc && e->stage)
+  if (!rc && e->stage && !early)
     rc = stage_reserve_batch(e, f);
   return rc;
 }
@@ -1110,16 +1211,19 @@ int dsv4_engine_forward_begin(dsv4_engine_t *e, dsv4_forward_t *f) {
      * overlapped batch overwrites the buffers of the batch in flight before its downloads ran. */
 #endif
 
+  if (e->stage)
+    e->stage->q_early = 0;
   rc = forward_validate(e, idx, f);
   if (rc)
-    return rc;
+    return forward_refused(e, rc);
   t1 = mono_ns();
-  /* A chunked batch's validation may have yielded: that time was other batches'. */
+  /* A chunked batch's validation may have yielded: that time was other batches'. The q half's
+   * launch (q_early_launch) counts as a launch. */
   const uint64_t yield_validate = f->timing.yield_ns;
-  f->timing.validate_ns = t1 - t0 - yield_validate;
+  f->timing.validate_ns = t1 - t0 - yield_validate - f->timing.launch_ns;
   rc = forward_plan(e, idx, f, t1);
   if (rc)
-    return rc;
+    return forward_refused(e, rc);
   t2 = mono_ns();
   f->timing.plan_ns = t2 - t1;
   uint64_t ticket = 0;

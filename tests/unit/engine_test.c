@@ -1069,6 +1069,85 @@ static void test_in_place_matches_cpu(void **state) {
   free(region);
 }
 
+/* The staged backend's launches so far (0 on other backends). */
+static size_t staged_launches(dsv4_engine_t *e) {
+  dsv4_test_cpu_staged_stats_t s = {0};
+  if (!strncmp(dsv4_engine_backend_name(e), "cpu_staged", 10))
+    dsv4_test_cpu_staged_stats(e->be, &s);
+  return s.launches;
+}
+
+/* A q-only batch of two segments continuing names at st, in region on b, refused with want_rc (a q
+ * value out of range at its very end when bad_q): its outputs' bytes in the region stay as they
+ * were. */
+static void refused_in_place(dsv4_engine_t *b, uint8_t *region, size_t cap, uint64_t seed,
+                             const char *const *names, const int64_t *st, const uint32_t *len,
+                             int bad_q, int want_rc) {
+  attn_batch_t y;
+  const int no[2] = {0, 0};
+  attn_batch_make(&y, served[0], seed, 2, names, st, len, no);
+  y.b.f.attn = NULL;
+  y.b.f.lse = NULL;
+  const size_t n = y.b.n, qb = n * HEADS * DSV4_HEAD_DIM * 2;
+  if (bad_q)
+    y.b.q[n * HEADS * DSV4_HEAD_DIM - 1] = 0x5D00; /* 2^59 */
+  batch_into_region(&y, region, cap, 0);
+  memset(y.b.f.q_out, 0x5a, qb);
+  memset(y.b.f.slots, 0x5a, n * sizeof(int64_t));
+  assert_int_equal(dsv4_engine_forward(b, &y.b.f), want_rc);
+  const uint8_t *qo = (const uint8_t *)y.b.f.q_out, *sl = (const uint8_t *)y.b.f.slots;
+  for (size_t i = 0; i < qb; i++)
+    assert_int_equal(qo[i], 0x5a);
+  for (size_t i = 0; i < n * sizeof(int64_t); i++)
+    assert_int_equal(sl[i], 0x5a);
+  attn_batch_free(&y);
+}
+
+/*
+ * A batch with enough q (here 504 KiB) read in place and no attention runs its q half while the
+ * host checks and plans it (engine.c, q_early_launch), and its KV rows after: the CPU backend's
+ * bytes, a replay's too; a batch refused after its q half (a q value out of range, a position
+ * gap) writes nothing into the region, the cache or the sequences (the next batch answers as on
+ * the CPU backend). On the staged backend: three launches a batch (q half, producer, KV rows), two
+ * for a replay (no KV rows), and q_out downloaded from staging. On cuda (argv[1]) the device's.
+ */
+static void test_q_half_first(void **state) {
+  (void)state;
+  const size_t cap = (size_t)8 << 20;
+  uint8_t *region = aligned_alloc(4096, cap);
+  assert_non_null(region);
+  const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
+  dsv4_engine_t *a = open_engine_chunked("cpu", 0), *b = open_engine_chunked(other, 0);
+  const int staged = !strncmp(other, "cpu_staged", 10);
+  assert_int_equal(dsv4_engine_host_register(b, region, cap), 0);
+  const uint32_t len[2] = {40, 23};
+  const int yes[2] = {1, 1}, no[2] = {0, 0};
+  const char *names[2] = {"e", "f"};
+  int64_t st[2] = {0, 0};
+  size_t l0 = staged_launches(b);
+  size_t c = in_place_batch(a, b, region, cap, 0, 300, names, st, len, yes, 0, 1);
+  if (staged) {
+    assert_int_equal(c, 1); /* q_out downloaded, nothing uploaded */
+    assert_int_equal(staged_launches(b) - l0, 3);
+  }
+  l0 = staged_launches(b);
+  (void)in_place_batch(a, b, region, cap, 0, 300, names, st, len, yes, 0, 1); /* a replay */
+  if (staged)
+    assert_int_equal(staged_launches(b) - l0, 2);
+  st[0] = len[0];
+  st[1] = len[1];
+  refused_in_place(b, region, cap, 301, names, st, len, 1, DSV4_ERANGE);
+  st[0]++;
+  refused_in_place(b, region, cap, 302, names, st, len, 0, DSV4_EPOSITION);
+  st[0]--;
+  (void)in_place_batch(a, b, region, cap, 0, 303, names, st, len, no, 0, 1);
+  same_cache(a, b);
+  dsv4_engine_host_unregister(b, region);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+  free(region);
+}
+
 /* ---- restore ---- */
 
 /* What a dump of sequence name on e holds: its state and the stored records of each served layer.
@@ -1618,6 +1697,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_chunked_device_failure),
       cmocka_unit_test(test_host_register),
       cmocka_unit_test(test_in_place_matches_cpu),
+      cmocka_unit_test(test_q_half_first),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
