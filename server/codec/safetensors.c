@@ -115,7 +115,18 @@ static long other_dtype_size(const char *name) {
   return -1;
 }
 
-static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_st_tensor_t *t) {
+/* A tensor entry's fields as read, before their values are checked (tensor_check). */
+typedef struct {
+  const char *name;
+  const char *dtype;
+  int ndim;
+  int64_t shape[DSV4_ST_MAX_DIMS];
+  int64_t begin, end;
+} raw_tensor_t;
+
+/* A document's tensor entry into r: its shape as JSON (fields, their types, at most
+ * DSV4_ST_MAX_DIMS dimensions); the values are tensor_check's. */
+static int tensor_json(dsv4_st_view_t *v, const char *name, json_t *obj, raw_tensor_t *r) {
   if (!json_is_object(obj))
     return fail(v, "tensor \"%.64s\": entry is not a JSON object", name);
   json_t *jd = NULL, *js = NULL, *jo = NULL;
@@ -136,42 +147,54 @@ static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_s
                 !jd   ? "dtype"
                 : !js ? "shape"
                       : "data_offsets");
-  t->name = name;
+  r->name = name;
   if (!json_is_string(jd))
     return fail(v, "tensor \"%.64s\": dtype is not a string", name);
-  long other = -1;
-  if (dsv4_st_dtype_parse(json_string_value(jd), &t->dtype) != 0) {
-    other = v->checkpoint ? other_dtype_size(json_string_value(jd)) : -1;
-    if (other < 0)
-      return fail(v, "tensor \"%.64s\": unsupported dtype \"%.32s\"", name, json_string_value(jd));
-    t->dtype = DSV4_ST_OTHER;
-  }
-
+  r->dtype = json_string_value(jd);
   if (!json_is_array(js))
     return fail(v, "tensor \"%.64s\": shape is not an array", name);
   if (json_array_size(js) > DSV4_ST_MAX_DIMS)
     return fail(v, "tensor \"%.64s\": shape has %zu dimensions, at most %d allowed", name,
                 json_array_size(js), DSV4_ST_MAX_DIMS);
-  t->ndim = (int)json_array_size(js);
-  for (int d = 0; d < t->ndim; d++) {
+  r->ndim = (int)json_array_size(js);
+  for (int d = 0; d < r->ndim; d++) {
     json_t *e = json_array_get(js, (size_t)d);
     if (!json_is_integer(e))
       return fail(v, "tensor \"%.64s\": shape[%d] is not an integer", name, d);
-    if (json_integer_value(e) < 0)
-      return fail(v, "tensor \"%.64s\": shape[%d] = %lld is negative", name, d,
-                  (long long)json_integer_value(e));
-    t->shape[d] = (int64_t)json_integer_value(e);
+    r->shape[d] = (int64_t)json_integer_value(e);
   }
-  size_t elem = other >= 0 ? (size_t)(other ? other : 1) : dsv4_st_dtype_size(t->dtype);
-  if (shape_bytes(t->shape, t->ndim, elem, &t->numel, &t->nbytes) != 0)
-    return fail(v, "tensor \"%.64s\": shape product overflows", name);
-
   if (!json_is_array(jo) || json_array_size(jo) != 2)
     return fail(v, "tensor \"%.64s\": data_offsets is not an array [begin, end]", name);
   json_t *jb = json_array_get(jo, 0), *je = json_array_get(jo, 1);
   if (!json_is_integer(jb) || !json_is_integer(je))
     return fail(v, "tensor \"%.64s\": data_offsets are not integers", name);
-  json_int_t b = json_integer_value(jb), e = json_integer_value(je);
+  r->begin = (int64_t)json_integer_value(jb);
+  r->end = (int64_t)json_integer_value(je);
+  return 0;
+}
+
+/* A tensor entry's values: its dtype, its shape's size and its data_offsets against the data. */
+static int tensor_check(dsv4_st_view_t *v, const raw_tensor_t *r, dsv4_st_tensor_t *t) {
+  const char *name = r->name;
+  t->name = name;
+  long other = -1;
+  if (dsv4_st_dtype_parse(r->dtype, &t->dtype) != 0) {
+    other = v->checkpoint ? other_dtype_size(r->dtype) : -1;
+    if (other < 0)
+      return fail(v, "tensor \"%.64s\": unsupported dtype \"%.32s\"", name, r->dtype);
+    t->dtype = DSV4_ST_OTHER;
+  }
+  t->ndim = r->ndim;
+  for (int d = 0; d < t->ndim; d++) {
+    if (r->shape[d] < 0)
+      return fail(v, "tensor \"%.64s\": shape[%d] = %lld is negative", name, d,
+                  (long long)r->shape[d]);
+    t->shape[d] = r->shape[d];
+  }
+  size_t elem = other >= 0 ? (size_t)(other ? other : 1) : dsv4_st_dtype_size(t->dtype);
+  if (shape_bytes(t->shape, t->ndim, elem, &t->numel, &t->nbytes) != 0)
+    return fail(v, "tensor \"%.64s\": shape product overflows", name);
+  int64_t b = r->begin, e = r->end;
   if (b < 0 || e < b)
     return fail(v, "tensor \"%.64s\": data_offsets [%lld, %lld] are not an increasing range", name,
                 (long long)b, (long long)e);
@@ -182,10 +205,16 @@ static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_s
     t->nbytes = (size_t)(e - b);
   if ((uint64_t)(e - b) != t->nbytes)
     return fail(v, "tensor \"%.64s\": data_offsets span %lld bytes but shape and dtype %s need %zu",
-                name, (long long)(e - b), json_string_value(jd), t->nbytes);
+                name, (long long)(e - b), r->dtype, t->nbytes);
   t->offset = (size_t)b;
   t->data = v->data + t->offset;
   return 0;
+}
+
+static int parse_tensor(dsv4_st_view_t *v, const char *name, json_t *obj, dsv4_st_tensor_t *t) {
+  raw_tensor_t r = {0};
+  int rc = tensor_json(v, name, obj, &r);
+  return rc ? rc : tensor_check(v, &r, t);
 }
 
 /* The __metadata__ and the tensors of a header object; each tensor's data_offsets are checked
@@ -218,6 +247,203 @@ static int parse_entries(dsv4_st_view_t *v) {
   return 0;
 }
 
+/*
+ * ---- The usual header without a JSON document ----
+ *
+ * A header of the usual shape is read in one pass: an object of at most FAST_MAX_ENTRIES entries,
+ * keyed by tensor names and "__metadata__"; tensor entries of exactly dtype, shape and
+ * data_offsets, in any order; integers of 1 to 18 digits without sign or leading zeros; strings of
+ * printable ASCII, escapes (\" \\ \/ \b \f \n \r \t) only in metadata values; white space anywhere.
+ * Its strings are copied (unescaped) into memory of the view's own. Anything else (another escape,
+ * a duplicate key, a number of another form, an empty entry) answers FAST_NO and the header is
+ * read with jansson, so every answer, error or not, is the document's (safetensors_test and
+ * fuzz_safetensors compare the two). A request's header costs jansson a few microseconds.
+ */
+#define FAST_NO 1
+#define FAST_MAX_ENTRIES 16
+
+typedef struct {
+  const char *p, *end;
+  char *out; /* the next free byte of the strings' memory */
+} scan_t;
+
+static void sc_ws(scan_t *s) {
+  while (s->p < s->end && (*s->p == ' ' || *s->p == '\t' || *s->p == '\n' || *s->p == '\r'))
+    s->p++;
+}
+
+static int sc_take(scan_t *s, char c) {
+  sc_ws(s);
+  if (s->p == s->end || *s->p != c)
+    return 0;
+  s->p++;
+  return 1;
+}
+
+/* A string, NUL-terminated in the strings' memory; escapes only where esc. */
+static const char *sc_string(scan_t *s, int esc) {
+  static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
+  if (!sc_take(s, '"'))
+    return NULL;
+  char *start = s->out, *o = s->out;
+  while (s->p < s->end) {
+    char c = *s->p++;
+    if (c == '"') {
+      *o++ = '\0';
+      s->out = o;
+      return start;
+    }
+    if (c < 0x20 || c > 0x7e)
+      return NULL;
+    if (c == '\\') {
+      const char *k = s->p < s->end && esc && *s->p ? strchr(from, *s->p) : NULL;
+      if (!k)
+        return NULL;
+      c = to[k - from];
+      s->p++;
+    }
+    *o++ = c;
+  }
+  return NULL;
+}
+
+static int sc_int(scan_t *s, int64_t *v) {
+  sc_ws(s);
+  const char *q = s->p;
+  int64_t x = 0;
+  while (s->p < s->end && *s->p >= '0' && *s->p <= '9' && s->p - q < 18)
+    x = x * 10 + (*s->p++ - '0');
+  size_t n = (size_t)(s->p - q);
+  if (n == 0 || (n > 1 && *q == '0') ||
+      (s->p < s->end &&
+       ((*s->p >= '0' && *s->p <= '9') || *s->p == '.' || *s->p == 'e' || *s->p == 'E')))
+    return 0;
+  *v = x;
+  return 1;
+}
+
+/* [i, ...] of at most max integers into v. */
+static int sc_ints(scan_t *s, int64_t *v, int max, int *n) {
+  *n = 0;
+  if (!sc_take(s, '['))
+    return 0;
+  if (sc_take(s, ']'))
+    return 1;
+  do {
+    if (*n == max || !sc_int(s, &v[*n]))
+      return 0;
+    (*n)++;
+  } while (sc_take(s, ','));
+  return sc_take(s, ']');
+}
+
+static int sc_tensor(scan_t *s, raw_tensor_t *r) {
+  unsigned seen = 0;
+  if (!sc_take(s, '{'))
+    return 0;
+  do {
+    const char *k = sc_string(s, 0);
+    int64_t o[2];
+    int n = 0;
+    if (!k || !sc_take(s, ':'))
+      return 0;
+    if (!strcmp(k, "dtype") && !(seen & 1u) && (r->dtype = sc_string(s, 0)) != NULL) {
+      seen |= 1u;
+    } else if (!strcmp(k, "shape") && !(seen & 2u) &&
+               sc_ints(s, r->shape, DSV4_ST_MAX_DIMS, &r->ndim)) {
+      seen |= 2u;
+    } else if (!strcmp(k, "data_offsets") && !(seen & 4u) && sc_ints(s, o, 2, &n) && n == 2) {
+      r->begin = o[0];
+      r->end = o[1];
+      seen |= 4u;
+    } else {
+      return 0;
+    }
+  } while (sc_take(s, ','));
+  return seen == 7u && sc_take(s, '}');
+}
+
+static int sc_meta(scan_t *s, dsv4_st_meta_t *m, size_t *n) {
+  if (!sc_take(s, '{'))
+    return 0;
+  if (sc_take(s, '}'))
+    return 1;
+  do {
+    const char *k = *n < FAST_MAX_ENTRIES ? sc_string(s, 0) : NULL;
+    const char *val = k && sc_take(s, ':') ? sc_string(s, 1) : NULL;
+    if (!val)
+      return 0;
+    for (size_t i = 0; i < *n; i++)
+      if (!strcmp(m[i].key, k))
+        return 0;
+    m[(*n)++] = (dsv4_st_meta_t){k, val};
+  } while (sc_take(s, ','));
+  return sc_take(s, '}');
+}
+
+/* The entries of the header object: metadata, tensors (names and duplicates checked); 0 on a
+ * header that is not of the usual shape. */
+static int sc_header(scan_t *s, raw_tensor_t *raw, size_t *nt, dsv4_st_meta_t *meta, size_t *nm) {
+  int has_meta = 0;
+  if (!sc_take(s, '{'))
+    return 0;
+  if (sc_take(s, '}'))
+    return 1;
+  do {
+    const char *k = sc_string(s, 0);
+    if (!k || !sc_take(s, ':'))
+      return 0;
+    if (!strcmp(k, "__metadata__")) {
+      if (has_meta || !sc_meta(s, meta, nm))
+        return 0;
+      has_meta = 1;
+      continue;
+    }
+    for (size_t i = 0; i < *nt; i++)
+      if (!strcmp(raw[i].name, k))
+        return 0;
+    if (*nt == FAST_MAX_ENTRIES || !sc_tensor(s, &raw[*nt]))
+      return 0;
+    raw[(*nt)++].name = k;
+  } while (sc_take(s, ','));
+  return sc_take(s, '}');
+}
+
+/* The header text[0..len) of the usual shape into v, as parse_entries reads it from a document;
+ * FAST_NO when it is not of that shape (nothing then changed). */
+static int fast_entries(dsv4_st_view_t *v, const char *text, size_t len) {
+  raw_tensor_t raw[FAST_MAX_ENTRIES];
+  dsv4_st_meta_t meta[FAST_MAX_ENTRIES];
+  size_t nt = 0, nm = 0;
+  /* Every string is shorter unescaped than its quoted text: len bytes hold them all. */
+  char *mem = malloc(len + 1);
+  if (!mem)
+    return DSV4_ENOMEM;
+  scan_t s = {text, text + len, mem};
+  int ok = sc_header(&s, raw, &nt, meta, &nm);
+  sc_ws(&s);
+  if (!ok || s.p != s.end) {
+    free(mem);
+    return FAST_NO;
+  }
+  v->strings = mem;
+  if (nm) {
+    if (!(v->meta = malloc(nm * sizeof(*v->meta))))
+      return DSV4_ENOMEM;
+    memcpy(v->meta, meta, nm * sizeof(*v->meta));
+    v->n_meta = nm;
+  }
+  if (nt && !(v->tensors = calloc(nt, sizeof(*v->tensors))))
+    return DSV4_ENOMEM;
+  for (size_t i = 0; i < nt; i++) {
+    int rc = tensor_check(v, &raw[i], &v->tensors[i]);
+    if (rc != 0)
+      return rc;
+    v->n_tensors++;
+  }
+  return 0;
+}
+
 /* The tensors sorted by offset, or NULL (DSV4_ENOMEM) when there are some and no memory. */
 static dsv4_st_tensor_t **by_offset(dsv4_st_view_t *v) {
   dsv4_st_tensor_t **order = malloc((v->n_tensors ? v->n_tensors : 1) * sizeof(*order));
@@ -229,7 +455,7 @@ static dsv4_st_tensor_t **by_offset(dsv4_st_view_t *v) {
   return order;
 }
 
-static int parse(const uint8_t *buf, size_t len, dsv4_st_view_t *v) {
+static int parse(const uint8_t *buf, size_t len, int reference, dsv4_st_view_t *v) {
   if (len < PREFIX_BYTES)
     return fail(v, "safetensors body of %zu bytes is shorter than the 8-byte header length", len);
   uint64_t hlen = 0;
@@ -245,14 +471,17 @@ static int parse(const uint8_t *buf, size_t len, dsv4_st_view_t *v) {
   v->data = buf + PREFIX_BYTES + hlen;
   v->data_len = len - PREFIX_BYTES - (size_t)hlen;
 
-  json_error_t jerr;
-  v->doc = json_loadb((const char *)buf + PREFIX_BYTES, (size_t)hlen,
-                      JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
-  if (!v->doc)
-    return fail(v, "header is not valid JSON: %s (byte %d)", jerr.text, jerr.position);
-  if (!json_is_object(v->doc))
-    return fail(v, "header is not a JSON object");
-  int rc = parse_entries(v);
+  int rc = reference ? FAST_NO : fast_entries(v, (const char *)buf + PREFIX_BYTES, (size_t)hlen);
+  if (rc == FAST_NO) {
+    json_error_t jerr;
+    v->doc = json_loadb((const char *)buf + PREFIX_BYTES, (size_t)hlen,
+                        JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
+    if (!v->doc)
+      return fail(v, "header is not valid JSON: %s (byte %d)", jerr.text, jerr.position);
+    if (!json_is_object(v->doc))
+      return fail(v, "header is not a JSON object");
+    rc = parse_entries(v);
+  }
   if (rc != 0)
     return rc;
 
@@ -279,10 +508,11 @@ static int parse(const uint8_t *buf, size_t len, dsv4_st_view_t *v) {
   return rc;
 }
 
-static int parse_as(const uint8_t *buf, size_t len, int checkpoint, dsv4_st_view_t *out) {
+static int parse_as(const uint8_t *buf, size_t len, int checkpoint, int reference,
+                    dsv4_st_view_t *out) {
   memset(out, 0, sizeof(*out));
   out->checkpoint = checkpoint;
-  int rc = parse(buf, len, out);
+  int rc = parse(buf, len, reference, out);
   if (rc != 0) {
     char keep[DSV4_ST_ERR_LEN];
     if (rc == DSV4_ENOMEM)
@@ -341,16 +571,21 @@ int dsv4_st_view_region(json_t *header, const uint8_t *base, size_t size, dsv4_s
 }
 
 int dsv4_st_parse(const uint8_t *buf, size_t len, dsv4_st_view_t *out) {
-  return parse_as(buf, len, 0, out);
+  return parse_as(buf, len, 0, 0, out);
+}
+
+int dsv4__st_parse_reference(const uint8_t *buf, size_t len, dsv4_st_view_t *out) {
+  return parse_as(buf, len, 0, 1, out);
 }
 
 int dsv4_st_parse_checkpoint(const uint8_t *buf, size_t len, dsv4_st_view_t *out) {
-  return parse_as(buf, len, 1, out);
+  return parse_as(buf, len, 1, 0, out);
 }
 
 void dsv4_st_view_free(dsv4_st_view_t *v) {
   free(v->tensors);
   free(v->meta);
+  free(v->strings);
   if (v->doc)
     json_decref(v->doc);
   memset(v, 0, sizeof(*v));
@@ -412,9 +647,28 @@ static int build_doc(const dsv4_st_desc_t *tensors, size_t n_tensors, const dsv4
   return 0;
 }
 
-int dsv4_st_build_header(const dsv4_st_desc_t *tensors, size_t n_tensors,
-                         const dsv4_st_meta_t *meta, size_t n_meta, uint8_t **out, size_t *out_len,
-                         size_t *data_len) {
+/* The 8-byte prefix, then text padded with spaces (JSON white space) so that the data section
+ * starts on an 8-byte boundary. Takes text (malloc'd). */
+static int frame_header(char *text, size_t tlen, uint8_t **out, size_t *out_len) {
+  size_t hlen = (tlen + DATA_ALIGN - 1) & ~(size_t)(DATA_ALIGN - 1);
+  uint8_t *buf = hlen > DSV4_ST_MAX_HEADER ? NULL : malloc(PREFIX_BYTES + hlen);
+  if (!buf) {
+    free(text);
+    return hlen > DSV4_ST_MAX_HEADER ? DSV4_ETOOBIG : DSV4_ENOMEM;
+  }
+  for (int i = 0; i < PREFIX_BYTES; i++)
+    buf[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
+  memcpy(buf + PREFIX_BYTES, text, tlen);
+  memset(buf + PREFIX_BYTES + tlen, ' ', hlen - tlen);
+  free(text);
+  *out = buf;
+  *out_len = PREFIX_BYTES + hlen;
+  return 0;
+}
+
+int dsv4__st_build_header_reference(const dsv4_st_desc_t *tensors, size_t n_tensors,
+                                    const dsv4_st_meta_t *meta, size_t n_meta, uint8_t **out,
+                                    size_t *out_len, size_t *data_len) {
   json_t *doc = json_object();
   if (!doc)
     return DSV4_ENOMEM;
@@ -427,27 +681,94 @@ int dsv4_st_build_header(const dsv4_st_desc_t *tensors, size_t n_tensors,
       rc = DSV4_ENOMEM;
   }
   json_decref(doc);
-  if (rc != 0)
-    return rc;
-  size_t tlen = strlen(text);
-  /* Pad with spaces (JSON whitespace) so the data section starts on an 8-byte boundary. */
-  size_t hlen = (tlen + DATA_ALIGN - 1) & ~(size_t)(DATA_ALIGN - 1);
-  if (hlen > DSV4_ST_MAX_HEADER) {
-    free(text);
-    return DSV4_ETOOBIG;
+  if (rc == 0)
+    rc = frame_header(text, strlen(text), out, out_len);
+  if (rc == 0)
+    *data_len = dlen;
+  return rc;
+}
+
+/* Whether jansson writes s as itself between quotes: printable ASCII, no quote, no backslash. */
+static int plain(const char *s) {
+  for (; *s; s++)
+    if (*s < 0x20 || *s > 0x7e || *s == '"' || *s == '\\')
+      return 0;
+  return 1;
+}
+
+/* Whether build_doc takes these (no name repeated, every tensor valid, every string plain), with
+ * the header text's length bound in *bound; 0 sends the call to the document. */
+static int direct_ok(const dsv4_st_desc_t *t, size_t n, const dsv4_st_meta_t *m, size_t nm,
+                     size_t *bound) {
+  size_t b = 64, pos = 0;
+  for (size_t i = 0; i < nm; i++) {
+    if (!m[i].key || !m[i].value || !plain(m[i].key) || !plain(m[i].value))
+      return 0;
+    for (size_t k = 0; k < i; k++)
+      if (!strcmp(m[k].key, m[i].key))
+        return 0;
+    b += strlen(m[i].key) + strlen(m[i].value) + 8;
   }
-  uint8_t *buf = malloc(PREFIX_BYTES + hlen);
-  if (!buf) {
-    free(text);
+  for (size_t i = 0; i < n; i++) {
+    size_t numel, nbytes, end;
+    if (!t[i].name || !plain(t[i].name) || !strcmp(t[i].name, "__metadata__") ||
+        dsv4_st_dtype_size(t[i].dtype) == 0 || t[i].ndim < 0 || t[i].ndim > DSV4_ST_MAX_DIMS ||
+        shape_bytes(t[i].shape, t[i].ndim, dsv4_st_dtype_size(t[i].dtype), &numel, &nbytes) ||
+        nbytes != t[i].nbytes || __builtin_add_overflow(pos, nbytes, &end) ||
+        end > (size_t)INT64_MAX)
+      return 0;
+    for (size_t k = 0; k < i; k++)
+      if (!strcmp(t[k].name, t[i].name))
+        return 0;
+    pos = end;
+    b += strlen(t[i].name) + 64 + 21 * ((size_t)t[i].ndim + 2);
+  }
+  *bound = b;
+  return 1;
+}
+
+/*
+ * The header of plain names and values written directly, as jansson's compact dump of build_doc's
+ * document would write it (a response's header otherwise costs a document built and dumped);
+ * FAST_NO for anything else, which the document then answers.
+ */
+static int build_direct(const dsv4_st_desc_t *t, size_t n, const dsv4_st_meta_t *m, size_t nm,
+                        uint8_t **out, size_t *out_len, size_t *data_len) {
+  size_t bound, len = 0, pos = 0;
+  if (!direct_ok(t, n, m, nm, &bound))
+    return FAST_NO;
+  char *text = malloc(bound);
+  if (!text)
     return DSV4_ENOMEM;
+#define PUT(...) (len += (size_t)snprintf(text + len, bound - len, __VA_ARGS__))
+  PUT("{");
+  if (nm) {
+    PUT("\"__metadata__\":{");
+    for (size_t i = 0; i < nm; i++)
+      PUT("%s\"%s\":\"%s\"", i ? "," : "", m[i].key, m[i].value);
+    PUT("}");
   }
-  for (int i = 0; i < PREFIX_BYTES; i++)
-    buf[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
-  memcpy(buf + PREFIX_BYTES, text, tlen);
-  memset(buf + PREFIX_BYTES + tlen, ' ', hlen - tlen);
-  free(text);
-  *out = buf;
-  *out_len = PREFIX_BYTES + hlen;
-  *data_len = dlen;
-  return 0;
+  for (size_t i = 0; i < n; i++) {
+    PUT("%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", i || nm ? "," : "", t[i].name,
+        dtypes[t[i].dtype].name);
+    for (int d = 0; d < t[i].ndim; d++)
+      PUT("%s%lld", d ? "," : "", (long long)t[i].shape[d]);
+    PUT("],\"data_offsets\":[%lld,%lld]}", (long long)pos, (long long)(pos + t[i].nbytes));
+    pos += t[i].nbytes;
+  }
+  PUT("}");
+#undef PUT
+  int rc = frame_header(text, len, out, out_len);
+  if (rc == 0)
+    *data_len = pos;
+  return rc;
+}
+
+int dsv4_st_build_header(const dsv4_st_desc_t *tensors, size_t n_tensors,
+                         const dsv4_st_meta_t *meta, size_t n_meta, uint8_t **out, size_t *out_len,
+                         size_t *data_len) {
+  int rc = build_direct(tensors, n_tensors, meta, n_meta, out, out_len, data_len);
+  if (rc != FAST_NO)
+    return rc;
+  return dsv4__st_build_header_reference(tensors, n_tensors, meta, n_meta, out, out_len, data_len);
 }

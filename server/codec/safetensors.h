@@ -64,7 +64,8 @@ typedef struct {
   size_t header_len;   /* JSON bytes after the 8-byte prefix */
   const uint8_t *data; /* the data section */
   size_t data_len;
-  json_t *doc;                 /* the parsed header; owns the name and metadata strings */
+  json_t *doc;   /* the parsed header; owns the name and metadata strings */
+  char *strings; /* or, for a header read without a document, the strings' own memory */
   char error[DSV4_ST_ERR_LEN]; /* why parsing failed, naming the tensor and the problem */
   int checkpoint;              /* parsed by dsv4_st_parse_checkpoint */
   int region;                  /* made by dsv4_st_view_region: data is a shared region */
@@ -112,5 +113,14 @@ typedef struct {
 int dsv4_st_build_header(const dsv4_st_desc_t *tensors, size_t n_tensors,
                          const dsv4_st_meta_t *meta, size_t n_meta, uint8_t **out, size_t *out_len,
                          size_t *data_len);
+
+/*
+ * The same parse and header writer with jansson's document only (the functions above take the
+ * usual shapes without one, and must answer exactly as these do): for tests and fuzzers.
+ */
+int dsv4__st_parse_reference(const uint8_t *buf, size_t len, dsv4_st_view_t *out);
+int dsv4__st_build_header_reference(const dsv4_st_desc_t *tensors, size_t n_tensors,
+                                    const dsv4_st_meta_t *meta, size_t n_meta, uint8_t **out,
+                                    size_t *out_len, size_t *data_len);
 
 #endif /* DSV4_SERVER_SAFETENSORS_H */

@@ -1,7 +1,9 @@
 /*
  * libFuzzer driver for the safetensors parser. Beyond "no crash, no leak", an accepted body must
  * satisfy what the parser promises (tensors inside the buffer, covering the data section exactly)
- * and survive a round trip through the header writer.
+ * and survive a round trip through the header writer; the parse and the writer without a document
+ * must answer exactly as the document's (dsv4__st_parse_reference,
+ * dsv4__st_build_header_reference).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -12,6 +14,26 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* The parse without a document (the usual header's reader) answers as the document does: the
+ * same code, message, tensors and metadata. */
+static void same_as_document(const uint8_t *buf, size_t size, int rc, const dsv4_st_view_t *v) {
+  dsv4_st_view_t w;
+  int rw = dsv4__st_parse_reference(buf, size, &w);
+  if (rw != rc || strcmp(w.error, v->error) || w.n_tensors != v->n_tensors || w.n_meta != v->n_meta)
+    abort();
+  for (size_t i = 0; i < w.n_tensors; i++) {
+    const dsv4_st_tensor_t *a = &v->tensors[i], *b = &w.tensors[i];
+    if (strcmp(a->name, b->name) || a->dtype != b->dtype || a->ndim != b->ndim ||
+        memcmp(a->shape, b->shape, sizeof(a->shape)) || a->nbytes != b->nbytes ||
+        a->offset != b->offset || a->data != b->data)
+      abort();
+  }
+  for (size_t i = 0; i < w.n_meta; i++)
+    if (strcmp(v->meta[i].key, w.meta[i].key) || strcmp(v->meta[i].value, w.meta[i].value))
+      abort();
+  dsv4_st_view_free(&w);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* A private copy, so reads past the end are caught by ASan whatever libFuzzer's buffer is. */
   uint8_t *buf = malloc(size ? size : 1);
@@ -19,7 +41,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     return 0;
   memcpy(buf, data, size);
   dsv4_st_view_t v;
-  if (dsv4_st_parse(buf, size, &v) != 0) {
+  int parsed = dsv4_st_parse(buf, size, &v);
+  same_as_document(buf, size, parsed, &v);
+  if (parsed != 0) {
     if (v.error[0] == '\0')
       abort(); /* every rejection says why */
     free(buf);
@@ -45,6 +69,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   uint8_t *hdr;
   size_t hlen, dlen;
   int rc = dsv4_st_build_header(d, v.n_tensors, v.meta, v.n_meta, &hdr, &hlen, &dlen);
+  {
+    /* The header written directly is the document's dump, byte for byte. */
+    uint8_t *ref = NULL;
+    size_t rlen = 0, rdlen = 0;
+    int rr = dsv4__st_build_header_reference(d, v.n_tensors, v.meta, v.n_meta, &ref, &rlen, &rdlen);
+    if (rr != rc || (rc == 0 && (rlen != hlen || rdlen != dlen || memcmp(ref, hdr, hlen))))
+      abort();
+    free(ref);
+  }
   if (rc == 0) {
     if (dlen != total || hlen % 8 != 0)
       abort();

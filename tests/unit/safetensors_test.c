@@ -159,6 +159,9 @@ static void test_json_shape(void **state) {
                 "unknown field");
   expect_reject("{\"a\\u0000b\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
                 "not valid JSON");
+  /* A field cut short, then the same field again: not JSON, whichever reader sees it first. */
+  expect_reject("{\"q\":{\"dtype\":\"U8\",\"shape\":[1,,\"shape\":[1],\"data_offsets\":[0,1]}}", 1,
+                "not valid JSON");
 }
 
 static void test_bad_dtype(void **state) {
@@ -412,6 +415,263 @@ static void test_region(void **state) {
   region_expect("[1,2]", 4096, "not a JSON object");
 }
 
+/* ---- the usual header without a document, held to the document's answers ---- */
+
+#define TEST_RNG_SEED 0x5AFE7E450Full
+#include "test_rng.h"
+
+typedef struct {
+  char *p;
+  size_t n, cap;
+} text_t;
+
+static void put(text_t *t, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int k = vsnprintf(t->p + t->n, t->cap - t->n, fmt, ap);
+  va_end(ap);
+  assert_true(k >= 0 && (size_t)k < t->cap - t->n);
+  t->n += (size_t)k;
+}
+
+static const char *pick(const char *const *v, size_t n) {
+  return v[rng() % n];
+}
+
+/* White space now and then. */
+static void ws(text_t *t) {
+  static const char *const w[] = {"", "", "", "", "", "", " ", "\n  ", "\t", "\r\n"};
+  put(t, "%s", pick(w, sizeof(w) / sizeof(w[0])));
+}
+
+/* An integer, mostly plain, sometimes in a form only the document reads (or refuses). */
+static void put_int(text_t *t, long long v) {
+  static const char *const odd[] = {
+      "01", "-1", "1.0", "1e2", "99999999999999999999", "123456789012345678", "1234567890123456789",
+      "-0", "0"};
+  if (rng() % 16)
+    put(t, "%lld", v);
+  else
+    put(t, "%s", pick(odd, sizeof(odd) / sizeof(odd[0])));
+}
+
+static const char *const names[] = {"q",        "kv",     "ckv",      "x y",          "q",
+                                    "\xc3\xa9", "a\\\"b", "a\\u0041", "__metadata__", ""};
+static const char *const dts[] = {
+    "BF16", "F32", "I64", "I32", "U8", "F8_E4M3", "F16", "bogus", "BF\\u0031\\u0036", "BF16"};
+
+/* One tensor entry at *pos with n elements of a dtype, its fields in some order. */
+static void put_tensor(text_t *t, size_t *pos) {
+  const char *dt = pick(dts, sizeof(dts) / sizeof(dts[0]));
+  int ndim = (int)(rng() % 4), fields[3] = {0, 1, 2};
+  if (rng() % 20 == 0)
+    ndim = 9;
+  long long shape[9], numel = 1;
+  for (int d = 0; d < ndim; d++) {
+    shape[d] = (long long)(rng() % 5);
+    numel *= shape[d];
+  }
+  size_t elem = !strcmp(dt, "F32") || !strcmp(dt, "I32") ? 4 : !strcmp(dt, "I64") ? 8 : 2;
+  size_t bytes = (size_t)numel * elem + (rng() % 12 == 0);
+  for (int i = 2; i > 0; i--) {
+    int j = (int)(rng() % (uint64_t)(i + 1)), x = fields[i];
+    fields[i] = fields[j];
+    fields[j] = x;
+  }
+  put(t, "{");
+  int nf = rng() % 15 == 0 ? 2 : rng() % 15 == 0 ? 4 : 3;
+  for (int f = 0; f < nf; f++) {
+    put(t, "%s", f ? "," : "");
+    ws(t);
+    switch (f < 3 ? fields[f] : (int)(rng() % 4)) {
+    case 0:
+      put(t, "\"dtype\":");
+      ws(t);
+      put(t, rng() % 30 ? "\"%s\"" : "%s", rng() % 30 ? dt : "7");
+      break;
+    case 1:
+      put(t, "\"shape\":[");
+      for (int d = 0; d < ndim; d++) {
+        put(t, "%s", d ? "," : "");
+        ws(t);
+        put_int(t, shape[d]);
+      }
+      put(t, "]");
+      break;
+    case 2:
+      put(t, "\"data_offsets\":[");
+      put_int(t, (long long)*pos);
+      put(t, ",");
+      ws(t);
+      put_int(t, (long long)(*pos + bytes));
+      put(t, "]");
+      break;
+    default:
+      put(t, "\"extra\":1");
+    }
+  }
+  put(t, "}");
+  *pos += bytes;
+}
+
+static void put_meta(text_t *t) {
+  static const char *const keys[] = {"layer", "segments", "outputs", "layer", "\\n", "k\xc3\xa9"};
+  static const char *const vals[] = {"3",        "[{\\\"name\\\":\\\"s0\\\",\\\"len\\\":1}]",
+                                     "q,attn",   "a\\/b\\\\c\\b\\f\\n\\r\\t",
+                                     "\\u0041",  "",
+                                     "\xc3\xa9", "\\x"};
+  put(t, "{");
+  int n = (int)(rng() % 4);
+  for (int i = 0; i < n; i++) {
+    put(t, "%s", i ? "," : "");
+    ws(t);
+    put(t, "\"%s\":", pick(keys, sizeof(keys) / sizeof(keys[0])));
+    ws(t);
+    if (rng() % 20)
+      put(t, "\"%s\"", pick(vals, sizeof(vals) / sizeof(vals[0])));
+    else
+      put(t, "%d", 3);
+  }
+  put(t, "}");
+}
+
+/* A header of the usual shape mostly, with every way out of it now and then; *data_len is what its
+ * offsets need (or not quite). */
+static void gen_header(text_t *t, size_t *data_len) {
+  size_t pos = 0;
+  t->n = 0;
+  int n = rng() % 25 == 0 ? 17 + (int)(rng() % 3) : (int)(rng() % 5);
+  put(t, rng() % 40 ? "{" : "[");
+  int meta_at = rng() % 3 ? (int)(rng() % (uint64_t)(n + 1)) : -1;
+  for (int i = 0, first = 1; i <= n; i++) {
+    if (i == meta_at || i < n) {
+      put(t, "%s", first ? "" : ",");
+      ws(t);
+      first = 0;
+    }
+    if (i == meta_at) {
+      put(t, "\"__metadata__\":");
+      put_meta(t);
+      if (i < n)
+        put(t, ",");
+    }
+    if (i < n) {
+      /* Names from a short list (repeats happen), or numbered. */
+      if (rng() % 3)
+        put(t, "\"%s\":", pick(names, sizeof(names) / sizeof(names[0])));
+      else
+        put(t, "\"t%d\":", i);
+      ws(t);
+      put_tensor(t, &pos);
+    }
+  }
+  ws(t);
+  put(t, "}");
+  if (rng() % 20 == 0)
+    put(t, "%s", rng() % 2 ? "x" : "  ");
+  if (rng() % 20 == 0)
+    t->n = (size_t)(rng() % (t->n + 1)); /* cut short */
+  *data_len = rng() % 10 || pos == 0 ? pos : pos + (rng() % 3) - 1;
+}
+
+/* The two parses of one body: the same answer, field by field. */
+static int same_parse(const uint8_t *b, size_t len) {
+  dsv4_st_view_t x, y;
+  int rx = dsv4_st_parse(b, len, &x), ry = dsv4__st_parse_reference(b, len, &y);
+  assert_int_equal(rx, ry);
+  assert_string_equal(x.error, y.error);
+  assert_int_equal(x.n_tensors, y.n_tensors);
+  assert_int_equal(x.n_meta, y.n_meta);
+  for (size_t i = 0; i < x.n_tensors; i++) {
+    const dsv4_st_tensor_t *a = &x.tensors[i], *c = &y.tensors[i];
+    assert_string_equal(a->name, c->name);
+    assert_int_equal(a->dtype, c->dtype);
+    assert_int_equal(a->ndim, c->ndim);
+    assert_memory_equal(a->shape, c->shape, sizeof(a->shape));
+    assert_int_equal(a->numel, c->numel);
+    assert_int_equal(a->nbytes, c->nbytes);
+    assert_int_equal(a->offset, c->offset);
+    assert_ptr_equal(a->data, c->data);
+  }
+  for (size_t i = 0; i < x.n_meta; i++) {
+    assert_string_equal(x.meta[i].key, y.meta[i].key);
+    assert_string_equal(x.meta[i].value, y.meta[i].value);
+  }
+  int fast = rx == 0 && x.doc == NULL;
+  dsv4_st_view_free(&x);
+  dsv4_st_view_free(&y);
+  return fast;
+}
+
+/* 40,000 generated headers: read without a document where they have the usual shape, every answer
+ * (tensors, metadata, errors and their messages) the document's; both kinds occur often. */
+static void test_fast_matches_document(void **state) {
+  (void)state;
+  text_t t = {malloc(1 << 16), 0, 1 << 16};
+  assert_non_null(t.p);
+  size_t fast = 0, ok = 0, runs = 40000;
+  for (size_t r = 0; r < runs; r++) {
+    size_t data_len, len;
+    gen_header(&t, &data_len);
+    t.p[t.n] = '\0';
+    uint8_t *b = make(t.p, data_len, &len);
+    dsv4_st_view_t v;
+    ok += dsv4__st_parse_reference(b, len, &v) == 0;
+    dsv4_st_view_free(&v);
+    fast += (size_t)same_parse(b, len);
+    free(b);
+  }
+  free(t.p);
+  /* Both paths well exercised: most accepted bodies without a document, many refusals. */
+  assert_true(fast > runs / 10);
+  assert_true(ok - fast > runs / 50);
+  assert_true(runs - ok > runs / 4);
+}
+
+/* The header writer's direct text against the document's dump, byte for byte, over plain and
+ * escaped names and values, repeats and invalid tensors. */
+static void test_writer_direct_matches_document(void **state) {
+  (void)state;
+  static const char *const tn[] = {"q_out",    "slots", "attn",         "lse",  "a\"b",
+                                   "\xc3\xa9", "x/y",   "__metadata__", "q_out"};
+  static const char *const mk[] = {"cache_digest", "attention", "replayed", "a\\b", "attention"};
+  static const char *const mv[] = {"0123456789abcdef", "exact", "true", "\n", "\xff"};
+  size_t direct = 0;
+  for (int r = 0; r < 20000; r++) {
+    dsv4_st_desc_t d[5];
+    dsv4_st_meta_t m[3];
+    size_t n = rng() % 5, nm = rng() % 4;
+    for (size_t i = 0; i < n; i++) {
+      d[i].name = rng() % 6 ? tn[i] : pick(tn, sizeof(tn) / sizeof(tn[0]));
+      d[i].dtype = (int)(rng() % 7) - (rng() % 30 == 0);
+      d[i].ndim = (int)(rng() % 4) + (rng() % 30 == 0 ? 6 : 0);
+      size_t numel = 1;
+      for (int k = 0; k < DSV4_ST_MAX_DIMS; k++) {
+        d[i].shape[k] = (int64_t)(rng() % 70) - (rng() % 50 == 0);
+        if (k < d[i].ndim)
+          numel *= (size_t)d[i].shape[k];
+      }
+      d[i].nbytes = numel * dsv4_st_dtype_size(d[i].dtype) + (rng() % 25 == 0);
+    }
+    for (size_t i = 0; i < nm && i < 3; i++)
+      m[i] = (dsv4_st_meta_t){rng() % 5 ? mk[i] : pick(mk, 5), rng() % 5 ? mv[i] : pick(mv, 5)};
+    uint8_t *x = NULL, *y = NULL;
+    size_t xl = 0, yl = 0, xd = 0, yd = 0;
+    int rx = dsv4_st_build_header(d, n, m, nm < 3 ? nm : 3, &x, &xl, &xd);
+    int ry = dsv4__st_build_header_reference(d, n, m, nm < 3 ? nm : 3, &y, &yl, &yd);
+    assert_int_equal(rx, ry);
+    if (rx == 0) {
+      assert_int_equal(xl, yl);
+      assert_memory_equal(x, y, xl);
+      assert_int_equal(xd, yd);
+      direct++;
+    }
+    free(x);
+    free(y);
+  }
+  assert_true(direct > 2000);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_valid),
@@ -430,6 +690,8 @@ int main(void) {
       cmocka_unit_test(test_writer_rejects),
       cmocka_unit_test(test_dtypes),
       cmocka_unit_test(test_region),
+      cmocka_unit_test(test_fast_matches_document),
+      cmocka_unit_test(test_writer_direct_matches_document),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
