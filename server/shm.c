@@ -23,6 +23,7 @@
 #include "log.h"
 #include "metrics.h"
 #include "safetensors.h"
+#include "shm_msg.h"
 
 /* The largest message taken: a forward request of about 1000 segments. The kernel's default
  * socket buffers (net.core.wmem_default, 208 KiB) bound what a client can send in one message. */
@@ -190,11 +191,12 @@ static void answer_ok(conn_t *c, const char *op, json_t *doc) {
 
 /* ---- regions ---- */
 
-static region_t **region_find(conn_t *c, json_t *id) {
-  if (!json_is_integer(id))
+/* The region of this connection with id (given, an integer), or NULL. */
+static region_t **region_find(conn_t *c, int given, int64_t id) {
+  if (!given)
     return NULL;
   for (region_t **p = &c->regions; *p; p = &(*p)->next)
-    if ((json_int_t)(*p)->id == json_integer_value(id))
+    if ((int64_t)(*p)->id == id)
       return p;
   return NULL;
 }
@@ -361,7 +363,9 @@ static void op_register(conn_t *c, json_t *msg, const int *fds, int nfd) {
 }
 
 static void op_unregister(conn_t *c, json_t *msg) {
-  region_t **p = region_find(c, json_object_get(msg, "region"));
+  json_t *id = json_object_get(msg, "region");
+  region_t **p =
+      region_find(c, json_is_integer(id), json_is_integer(id) ? json_integer_value(id) : 0);
   if (!p) {
     answer_error(c, "unregister", DSV4_ENOTFOUND, "no such region on this connection",
                  json_pack("{s:O?}", "region", json_object_get(msg, "region")));
@@ -398,21 +402,19 @@ static int overlaps(size_t off, size_t n, size_t o2, size_t n2) {
 
 /* "out": an offset for exactly the outputs asked for, each inside the region, on a multiple of
  * its element size and sharing no byte with an input or another output. */
-static int place_outputs(conn_t *c, json_t *out, const region_t *r, const dsv4_st_view_t *v,
-                         char *why, size_t why_len) {
-  const char *key;
-  json_t *val;
-  if (!json_is_object(out)) {
+static int place_outputs(conn_t *c, const dsv4_shm_fwd_t *m, const region_t *r,
+                         const dsv4_st_view_t *v, char *why, size_t why_len) {
+  if (!m->out_object) {
     snprintf(why, why_len, "\"out\" must be an object of output offsets in the region");
     return DSV4_EINVAL;
   }
-  json_object_foreach(out, key, val) {
+  for (size_t k = 0; k < m->n_outs; k++) {
     int i = 0;
-    while (i < OUT_COUNT && strcmp(key, out_names[i]))
+    while (i < OUT_COUNT && strcmp(m->outs[k].name, out_names[i]))
       i++;
     if (i == OUT_COUNT || !c->out[i].wanted) {
       snprintf(why, why_len, "\"out\" names \"%.32s\", which the outputs asked for do not have",
-               key);
+               m->outs[k].name);
       return DSV4_EINVAL;
     }
   }
@@ -420,13 +422,15 @@ static int place_outputs(conn_t *c, json_t *out, const region_t *r, const dsv4_s
     out_t *o = &c->out[i];
     if (!o->wanted)
       continue;
-    json_t *j = json_object_get(out, out_names[i]);
+    const dsv4_shm_out_t *j = NULL;
+    for (size_t k = 0; k < m->n_outs && !j; k++)
+      j = strcmp(m->outs[k].name, out_names[i]) ? NULL : &m->outs[k];
     size_t elem = dsv4_st_dtype_size(o->dtype);
-    if (!json_is_integer(j) || json_integer_value(j) < 0) {
+    if (!j || !j->ok) {
       snprintf(why, why_len, "\"out\" needs the offset of \"%s\" (an integer >= 0)", out_names[i]);
       return DSV4_EINVAL;
     }
-    uint64_t off = (uint64_t)json_integer_value(j);
+    uint64_t off = (uint64_t)j->off;
     if (off > r->size || o->nbytes > r->size - off || off % elem) {
       snprintf(why, why_len, "output \"%s\" at %" PRIu64 " (%zu bytes) is %s the %zu-byte region",
                out_names[i], off, o->nbytes,
@@ -522,13 +526,11 @@ static void forward_done(void *arg, int rc, const char *message, json_t *details
  * segments cost jansson about 35 us to read, and the client as much to write). Into p->segs_given;
  * 0 when the message has none.
  */
-static int segments_after(json_t *msg, const trailer_t *tr, dsv4_forward_req_t *p, char *why,
-                          size_t why_len) {
-  json_t *sb = json_object_get(msg, "segments_bytes");
-  if (!sb)
+static int segments_after(const dsv4_shm_fwd_t *m, const trailer_t *tr, dsv4_forward_req_t *p,
+                          char *why, size_t why_len) {
+  if (!m->segs_given)
     return 0;
-  if (!json_is_integer(sb) || json_integer_value(sb) < 1 ||
-      (uint64_t)json_integer_value(sb) != tr->len) {
+  if (m->segs_bytes < 1 || (uint64_t)m->segs_bytes != tr->len) {
     snprintf(why, why_len,
              "\"segments_bytes\" must be the length of the segments text after the message (%zu "
              "bytes follow it)",
@@ -558,46 +560,49 @@ static int segments_after(json_t *msg, const trailer_t *tr, dsv4_forward_req_t *
  * read where the client wrote it (a client that writes it during its own request changes only its
  * own answer).
  */
-static int forward_parse(conn_t *c, json_t *msg, region_t *r, const trailer_t *tr,
+static int forward_parse(conn_t *c, dsv4_shm_fwd_t *m, region_t *r, const trailer_t *tr,
                          dsv4_forward_req_t *p, char *why, size_t why_len) {
   const dsv4_forward_limits_t lim = dsv4_forward_limits(c->srv->d);
   memset(p, 0, sizeof(*p));
-  int rc = dsv4_st_view_region(json_object_get(msg, "header"), r->base, r->size, &p->view);
+  dsv4_st_raw_t *raw = m->raw;
+  m->raw = NULL; /* the view takes it */
+  int rc = raw ? dsv4_st_view_region_raw(raw, r->base, r->size, &p->view)
+               : dsv4_st_view_region(m->header, r->base, r->size, &p->view);
   if (rc) {
     snprintf(why, why_len, "malformed region header: %s", p->view.error);
     memset(&p->view, 0, sizeof(p->view));
     return rc;
   }
-  rc = segments_after(msg, tr, p, why, why_len);
+  rc = segments_after(m, tr, p, why, why_len);
   if (!rc)
     rc = dsv4_forward_parse_view(&lim, p, why, why_len);
   if (rc)
     return rc;
   outputs_wanted(c, p, lim.heads, c->srv->d->cfg->model.index_topk);
-  rc = place_outputs(c, json_object_get(msg, "out"), r, &p->view, why, why_len);
+  rc = place_outputs(c, m, r, &p->view, why, why_len);
   if (rc)
     return rc;
   return dsv4_forward_req_own_cache_inputs(p);
 }
 
-static void op_forward(conn_t *c, json_t *msg, const trailer_t *tr, uint64_t t_recv) {
+static void op_forward(conn_t *c, dsv4_shm_fwd_t *m, const trailer_t *tr, uint64_t t_recv) {
   char why[320] = "";
   c->t_recv = t_recv;
   dsv4_forward_req_t p;
-  json_t *id = json_object_get(msg, "region");
-  region_t **rp = region_find(c, id);
+  region_t **rp = region_find(c, m->region_ok, m->region);
   if (!rp) {
     answer_error(c, "forward", DSV4_ENOTFOUND, "no such region on this connection",
-                 json_pack("{s:O?}", "region", id));
+                 m->region_ok && !m->region_json
+                     ? json_pack("{s:I}", "region", (json_int_t)m->region)
+                     : json_pack("{s:O?}", "region", m->region_json));
     return;
   }
-  json_t *dl = json_object_get(msg, "deadline_ms");
-  if (dl && (!json_is_integer(dl) || json_integer_value(dl) < 0)) {
+  if (m->deadline_given && !m->deadline_ok) {
     answer_error(c, "forward", DSV4_EINVAL, "\"deadline_ms\" must be a whole number of ms", NULL);
     return;
   }
   dsv4_region_forward_t rf = {.done = forward_done, .arg = c};
-  int rc = forward_parse(c, msg, *rp, tr, &p, why, sizeof(why));
+  int rc = forward_parse(c, m, *rp, tr, &p, why, sizeof(why));
   if (!rc) {
     uint8_t *base = (*rp)->base;
     rf.q_out = c->out[OUT_Q].wanted ? (uint16_t *)(void *)(base + c->out[OUT_Q].off) : NULL;
@@ -606,9 +611,9 @@ static void op_forward(conn_t *c, json_t *msg, const trailer_t *tr, uint64_t t_r
     rf.lse = c->out[OUT_LSE].wanted ? (float *)(void *)(base + c->out[OUT_LSE].off) : NULL;
     rf.topk = c->out[OUT_TOPK].wanted ? (int32_t *)(void *)(base + c->out[OUT_TOPK].off) : NULL;
   }
-  if (dl) {
+  if (m->deadline_given) {
     /* A deadline beyond the clock's range saturates, as Dsv4d-Deadline-Ms does. */
-    uint64_t ms = (uint64_t)json_integer_value(dl);
+    uint64_t ms = (uint64_t)m->deadline_ms;
     uint64_t span = ms > UINT64_MAX / NS_PER_MS ? UINT64_MAX : ms * NS_PER_MS;
     rf.deadline_ns = span > UINT64_MAX - t_recv ? UINT64_MAX : t_recv + span;
   }
@@ -673,6 +678,20 @@ static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd, 
     answer_error(c, "other", DSV4_EINVAL, "too many descriptors in one message", NULL);
     return;
   }
+  /* A forward of the usual shape is read without a document (shm_msg.h), with the same answers. */
+  dsv4_shm_fwd_t fm;
+  size_t used = 0;
+  int scanned =
+      nfd ? DSV4_ST_NOT_USUAL : dsv4_shm_fwd_scan((const char *)c->srv->rx, len, &fm, &used);
+  if (scanned != DSV4_ST_NOT_USUAL) {
+    trailer_t st = {(const char *)c->srv->rx + used, len - used};
+    if (scanned)
+      answer_error(c, "forward", scanned, "out of memory reading the message", NULL);
+    else
+      op_forward(c, &fm, &st, t_read);
+    dsv4_shm_fwd_free(&fm);
+    return;
+  }
   /* The JSON object, then (a forward with "segments_bytes") the segments' text: anything else
    * after the object but white space makes the message no JSON, as the parser alone would say. */
   json_t *msg = json_loadb((const char *)c->srv->rx, len,
@@ -697,7 +716,11 @@ static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd, 
   } else if (nfd) {
     answer_error(c, "other", DSV4_EINVAL, "only a registration carries a descriptor", NULL);
   } else if (!strcmp(op, "forward")) {
-    op_forward(c, msg, &tr, t_read);
+    if (dsv4_shm_fwd_from_doc(msg, &fm) == 0)
+      op_forward(c, &fm, &tr, t_read);
+    else
+      answer_error(c, "forward", DSV4_ENOMEM, "out of memory reading the message", NULL);
+    dsv4_shm_fwd_free(&fm);
   } else if (!strcmp(op, "unregister")) {
     op_unregister(c, msg);
   } else {

@@ -40,6 +40,6 @@ if [ "${DSV4_FUZZ:-1}" != 0 ] && command -v clang >/dev/null 2>&1; then
   CC=clang cmake -S . -B "$fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF -DDSV4_CUDA=OFF \
     "$@"
   cmake --build "$fuzz" -j"$jobs" --target fuzz_safetensors fuzz_http fuzz_config fuzz_forward \
-    fuzz_admin_query fuzz_dsv4ctl fuzz_restore
+    fuzz_admin_query fuzz_dsv4ctl fuzz_restore fuzz_shm_msg
   ctest --test-dir "$fuzz" --output-on-failure -L fuzz
 fi

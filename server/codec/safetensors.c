@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "dsv4-error.h"
+#include "json_scan.h"
 
 static const struct {
   const char *name;
@@ -259,95 +260,35 @@ static int parse_entries(dsv4_st_view_t *v) {
  * read with jansson, so every answer, error or not, is the document's (safetensors_test and
  * fuzz_safetensors compare the two). A request's header costs jansson a few microseconds.
  */
-#define FAST_NO 1
+#define FAST_NO DSV4_ST_NOT_USUAL
 #define FAST_MAX_ENTRIES 16
 
-typedef struct {
-  const char *p, *end;
-  char *out; /* the next free byte of the strings' memory */
-} scan_t;
-
-static void sc_ws(scan_t *s) {
-  while (s->p < s->end && (*s->p == ' ' || *s->p == '\t' || *s->p == '\n' || *s->p == '\r'))
-    s->p++;
-}
-
-static int sc_take(scan_t *s, char c) {
-  sc_ws(s);
-  if (s->p == s->end || *s->p != c)
-    return 0;
-  s->p++;
-  return 1;
-}
-
-/* A string, NUL-terminated in the strings' memory; escapes only where esc. */
-static const char *sc_string(scan_t *s, int esc) {
-  static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
-  if (!sc_take(s, '"'))
-    return NULL;
-  char *start = s->out, *o = s->out;
-  while (s->p < s->end) {
-    char c = *s->p++;
-    if (c == '"') {
-      *o++ = '\0';
-      s->out = o;
-      return start;
-    }
-    if (c < 0x20 || c > 0x7e)
-      return NULL;
-    if (c == '\\') {
-      const char *k = s->p < s->end && esc && *s->p ? strchr(from, *s->p) : NULL;
-      if (!k)
-        return NULL;
-      c = to[k - from];
-      s->p++;
-    }
-    *o++ = c;
-  }
-  return NULL;
-}
-
-static int sc_int(scan_t *s, int64_t *v) {
-  sc_ws(s);
-  const char *q = s->p;
-  int64_t x = 0;
-  while (s->p < s->end && *s->p >= '0' && *s->p <= '9' && s->p - q < 18)
-    x = x * 10 + (*s->p++ - '0');
-  size_t n = (size_t)(s->p - q);
-  if (n == 0 || (n > 1 && *q == '0') ||
-      (s->p < s->end &&
-       ((*s->p >= '0' && *s->p <= '9') || *s->p == '.' || *s->p == 'e' || *s->p == 'E')))
-    return 0;
-  *v = x;
-  return 1;
-}
-
 /* [i, ...] of at most max integers into v. */
-static int sc_ints(scan_t *s, int64_t *v, int max, int *n) {
+static int sc_ints(dsv4_scan_t *s, int64_t *v, int max, int *n) {
   *n = 0;
-  if (!sc_take(s, '['))
+  if (!dsv4_scan_take(s, '['))
     return 0;
-  if (sc_take(s, ']'))
+  if (dsv4_scan_take(s, ']'))
     return 1;
   do {
-    if (*n == max || !sc_int(s, &v[*n]))
+    if (*n == max || !dsv4_scan_int(s, &v[*n]))
       return 0;
     (*n)++;
-  } while (sc_take(s, ','));
-  return sc_take(s, ']');
+  } while (dsv4_scan_take(s, ','));
+  return dsv4_scan_take(s, ']');
 }
 
-static int sc_tensor(scan_t *s, raw_tensor_t *r) {
+static int sc_tensor(dsv4_scan_t *s, raw_tensor_t *r) {
   unsigned seen = 0;
-  if (!sc_take(s, '{'))
+  if (!dsv4_scan_take(s, '{'))
     return 0;
   do {
-    const char *k = sc_string(s, 0);
+    const char *k = dsv4_scan_string(s, 0);
     int64_t o[2];
     int n = 0;
-    if (!k || !sc_take(s, ':'))
+    if (!k || !dsv4_scan_take(s, ':'))
       return 0;
-    if (!strcmp(k, "dtype") && !(seen & 1u) && (r->dtype = sc_string(s, 0)) != NULL) {
+    if (!strcmp(k, "dtype") && !(seen & 1u) && (r->dtype = dsv4_scan_string(s, 0)) != NULL) {
       seen |= 1u;
     } else if (!strcmp(k, "shape") && !(seen & 2u) &&
                sc_ints(s, r->shape, DSV4_ST_MAX_DIMS, &r->ndim)) {
@@ -359,39 +300,40 @@ static int sc_tensor(scan_t *s, raw_tensor_t *r) {
     } else {
       return 0;
     }
-  } while (sc_take(s, ','));
-  return seen == 7u && sc_take(s, '}');
+  } while (dsv4_scan_take(s, ','));
+  return seen == 7u && dsv4_scan_take(s, '}');
 }
 
-static int sc_meta(scan_t *s, dsv4_st_meta_t *m, size_t *n) {
-  if (!sc_take(s, '{'))
+static int sc_meta(dsv4_scan_t *s, dsv4_st_meta_t *m, size_t *n) {
+  if (!dsv4_scan_take(s, '{'))
     return 0;
-  if (sc_take(s, '}'))
+  if (dsv4_scan_take(s, '}'))
     return 1;
   do {
-    const char *k = *n < FAST_MAX_ENTRIES ? sc_string(s, 0) : NULL;
-    const char *val = k && sc_take(s, ':') ? sc_string(s, 1) : NULL;
+    const char *k = *n < FAST_MAX_ENTRIES ? dsv4_scan_string(s, 0) : NULL;
+    const char *val = k && dsv4_scan_take(s, ':') ? dsv4_scan_string(s, 1) : NULL;
     if (!val)
       return 0;
     for (size_t i = 0; i < *n; i++)
       if (!strcmp(m[i].key, k))
         return 0;
     m[(*n)++] = (dsv4_st_meta_t){k, val};
-  } while (sc_take(s, ','));
-  return sc_take(s, '}');
+  } while (dsv4_scan_take(s, ','));
+  return dsv4_scan_take(s, '}');
 }
 
 /* The entries of the header object: metadata, tensors (names and duplicates checked); 0 on a
  * header that is not of the usual shape. */
-static int sc_header(scan_t *s, raw_tensor_t *raw, size_t *nt, dsv4_st_meta_t *meta, size_t *nm) {
+static int sc_header(dsv4_scan_t *s, raw_tensor_t *raw, size_t *nt, dsv4_st_meta_t *meta,
+                     size_t *nm) {
   int has_meta = 0;
-  if (!sc_take(s, '{'))
+  if (!dsv4_scan_take(s, '{'))
     return 0;
-  if (sc_take(s, '}'))
+  if (dsv4_scan_take(s, '}'))
     return 1;
   do {
-    const char *k = sc_string(s, 0);
-    if (!k || !sc_take(s, ':'))
+    const char *k = dsv4_scan_string(s, 0);
+    if (!k || !dsv4_scan_take(s, ':'))
       return 0;
     if (!strcmp(k, "__metadata__")) {
       if (has_meta || !sc_meta(s, meta, nm))
@@ -405,43 +347,78 @@ static int sc_header(scan_t *s, raw_tensor_t *raw, size_t *nt, dsv4_st_meta_t *m
     if (*nt == FAST_MAX_ENTRIES || !sc_tensor(s, &raw[*nt]))
       return 0;
     raw[(*nt)++].name = k;
-  } while (sc_take(s, ','));
-  return sc_take(s, '}');
+  } while (dsv4_scan_take(s, ','));
+  return dsv4_scan_take(s, '}');
+}
+
+/* A header of the usual shape as read (sc_header), its values not yet checked: what
+ * dsv4_st_scan_header hands its caller until the data they point at is known. */
+struct dsv4_st_raw {
+  raw_tensor_t raw[FAST_MAX_ENTRIES];
+  dsv4_st_meta_t meta[FAST_MAX_ENTRIES];
+  size_t nt, nm;
+  char *mem; /* the strings */
+};
+
+void dsv4_st_raw_free(dsv4_st_raw_t *r) {
+  if (r) {
+    free(r->mem);
+    free(r);
+  }
+}
+
+int dsv4_st_scan_header(const char *text, size_t len, size_t *used, dsv4_st_raw_t **out) {
+  *out = NULL;
+  dsv4_st_raw_t *r = calloc(1, sizeof(*r));
+  /* Every string is shorter unescaped than its quoted text: len bytes hold them all. */
+  char *mem = r ? malloc(len + 1) : NULL;
+  if (!mem) {
+    free(r);
+    return DSV4_ENOMEM;
+  }
+  r->mem = mem;
+  dsv4_scan_t s = {text, text + len, mem};
+  int ok = sc_header(&s, r->raw, &r->nt, r->meta, &r->nm);
+  if (used) /* the object alone: what follows it is the caller's */
+    *used = (size_t)(s.p - text);
+  else
+    dsv4_scan_ws(&s);
+  if (!ok || (!used && s.p != s.end)) {
+    dsv4_st_raw_free(r);
+    return FAST_NO;
+  }
+  *out = r;
+  return 0;
+}
+
+/* A scanned header's entries into v (taking r), as parse_entries reads them from a document. */
+static int raw_entries(dsv4_st_view_t *v, dsv4_st_raw_t *r) {
+  const size_t nt = r->nt, nm = r->nm;
+  v->strings = r->mem;
+  r->mem = NULL;
+  if (nm) {
+    if (!(v->meta = malloc(nm * sizeof(*v->meta)))) {
+      dsv4_st_raw_free(r);
+      return DSV4_ENOMEM;
+    }
+    memcpy(v->meta, r->meta, nm * sizeof(*v->meta));
+    v->n_meta = nm;
+  }
+  int rc = nt && !(v->tensors = calloc(nt, sizeof(*v->tensors))) ? DSV4_ENOMEM : 0;
+  for (size_t i = 0; i < nt && !rc; i++) {
+    rc = tensor_check(v, &r->raw[i], &v->tensors[i]);
+    v->n_tensors += rc == 0;
+  }
+  dsv4_st_raw_free(r);
+  return rc;
 }
 
 /* The header text[0..len) of the usual shape into v, as parse_entries reads it from a document;
  * FAST_NO when it is not of that shape (nothing then changed). */
 static int fast_entries(dsv4_st_view_t *v, const char *text, size_t len) {
-  raw_tensor_t raw[FAST_MAX_ENTRIES];
-  dsv4_st_meta_t meta[FAST_MAX_ENTRIES];
-  size_t nt = 0, nm = 0;
-  /* Every string is shorter unescaped than its quoted text: len bytes hold them all. */
-  char *mem = malloc(len + 1);
-  if (!mem)
-    return DSV4_ENOMEM;
-  scan_t s = {text, text + len, mem};
-  int ok = sc_header(&s, raw, &nt, meta, &nm);
-  sc_ws(&s);
-  if (!ok || s.p != s.end) {
-    free(mem);
-    return FAST_NO;
-  }
-  v->strings = mem;
-  if (nm) {
-    if (!(v->meta = malloc(nm * sizeof(*v->meta))))
-      return DSV4_ENOMEM;
-    memcpy(v->meta, meta, nm * sizeof(*v->meta));
-    v->n_meta = nm;
-  }
-  if (nt && !(v->tensors = calloc(nt, sizeof(*v->tensors))))
-    return DSV4_ENOMEM;
-  for (size_t i = 0; i < nt; i++) {
-    int rc = tensor_check(v, &raw[i], &v->tensors[i]);
-    if (rc != 0)
-      return rc;
-    v->n_tensors++;
-  }
-  return 0;
+  dsv4_st_raw_t *r;
+  int rc = dsv4_st_scan_header(text, len, NULL, &r);
+  return rc ? rc : raw_entries(v, r);
 }
 
 /* The tensors sorted by offset, or NULL (DSV4_ENOMEM) when there are some and no memory. */
@@ -526,16 +503,9 @@ static int parse_as(const uint8_t *buf, size_t len, int checkpoint, int referenc
 
 /* A region's header: every tensor inside the region, on a multiple of its element size, and no
  * two tensors sharing a byte; gaps are allowed. */
-static int parse_region(json_t *header, const uint8_t *base, size_t size, dsv4_st_view_t *v) {
-  if (!json_is_object(header))
-    return fail(v, "header is not a JSON object");
-  v->doc = json_incref(header);
-  v->region = 1;
-  v->data = base;
-  v->data_len = size;
-  int rc = parse_entries(v);
-  if (rc != 0)
-    return rc;
+/* A region's tensors: each on a multiple of its element size, no two sharing a byte. */
+static int region_checks(dsv4_st_view_t *v) {
+  int rc = 0;
   for (size_t i = 0; i < v->n_tensors; i++) {
     const dsv4_st_tensor_t *t = &v->tensors[i];
     size_t elem = dsv4_st_dtype_size(t->dtype);
@@ -556,9 +526,25 @@ static int parse_region(json_t *header, const uint8_t *base, size_t size, dsv4_s
   return rc;
 }
 
-int dsv4_st_view_region(json_t *header, const uint8_t *base, size_t size, dsv4_st_view_t *out) {
+/* A region's header: every tensor inside the region, on a multiple of its element size, and no
+ * two tensors sharing a byte; gaps are allowed. From the document header, or (header NULL) from
+ * the scanned raw (taken). */
+static int parse_region(json_t *header, dsv4_st_raw_t *raw, const uint8_t *base, size_t size,
+                        dsv4_st_view_t *v) {
+  if (header && !json_is_object(header))
+    return fail(v, "header is not a JSON object");
+  v->doc = header ? json_incref(header) : NULL;
+  v->region = 1;
+  v->data = base;
+  v->data_len = size;
+  int rc = header ? parse_entries(v) : raw_entries(v, raw);
+  return rc ? rc : region_checks(v);
+}
+
+static int view_region(json_t *header, dsv4_st_raw_t *raw, const uint8_t *base, size_t size,
+                       dsv4_st_view_t *out) {
   memset(out, 0, sizeof(*out));
-  int rc = parse_region(header, base, size, out);
+  int rc = parse_region(header, raw, base, size, out);
   if (rc != 0) {
     char keep[DSV4_ST_ERR_LEN];
     if (rc == DSV4_ENOMEM)
@@ -568,6 +554,19 @@ int dsv4_st_view_region(json_t *header, const uint8_t *base, size_t size, dsv4_s
     memcpy(out->error, keep, sizeof(keep));
   }
   return rc;
+}
+
+int dsv4_st_view_region(json_t *header, const uint8_t *base, size_t size, dsv4_st_view_t *out) {
+  if (!header) {
+    memset(out, 0, sizeof(*out));
+    return fail(out, "header is not a JSON object");
+  }
+  return view_region(header, NULL, base, size, out);
+}
+
+int dsv4_st_view_region_raw(dsv4_st_raw_t *raw, const uint8_t *base, size_t size,
+                            dsv4_st_view_t *out) {
+  return view_region(NULL, raw, base, size, out);
 }
 
 int dsv4_st_parse(const uint8_t *buf, size_t len, dsv4_st_view_t *out) {

@@ -89,6 +89,20 @@ int dsv4_st_parse_checkpoint(const uint8_t *buf, size_t len, dsv4_st_view_t *out
  * share no byte with another (gaps are allowed). Errors and release as for dsv4_st_parse.
  */
 int dsv4_st_view_region(json_t *header, const uint8_t *base, size_t size, dsv4_st_view_t *out);
+/*
+ * A header of the usual shape (an object of at most 16 tensor entries and "__metadata__", which
+ * safetensors.c reads without a document) scanned from its JSON text at text[0..len), its values
+ * not yet checked against any data: *out, for dsv4_st_view_region_raw once the region is known.
+ * *used receives the bytes the object took (with used NULL, only white space may follow it).
+ * DSV4_ST_NOT_USUAL, with nothing to free, for any other text: the caller reads it with jansson.
+ * dsv4_st_view_region_raw answers as dsv4_st_view_region does for the same header, and takes raw.
+ */
+#define DSV4_ST_NOT_USUAL 1
+typedef struct dsv4_st_raw dsv4_st_raw_t;
+int dsv4_st_scan_header(const char *text, size_t len, size_t *used, dsv4_st_raw_t **out);
+int dsv4_st_view_region_raw(dsv4_st_raw_t *raw, const uint8_t *base, size_t size,
+                            dsv4_st_view_t *out);
+void dsv4_st_raw_free(dsv4_st_raw_t *r);
 void dsv4_st_view_free(dsv4_st_view_t *v);
 /* A tensor by name, or NULL. */
 const dsv4_st_tensor_t *dsv4_st_find(const dsv4_st_view_t *v, const char *name);
