@@ -845,8 +845,9 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
  * Whether f's q half (Q norm and RoPE into staging, no cache byte) may run while the host checks
  * and hashes the batch: a staged backend that reads host memory in place and inserts KV rows apart
  * (DSV4_BE_ATTN_FUSED_Q), a batch without attention or compressed branch (their launches read the
- * metadata uploaded, not in place), not in chunks, with nothing else in flight (a refusal waits
- * for the device: forward_refused), and enough q to be worth a launch.
+ * metadata uploaded, not in place), not in chunks, and enough q to be worth a launch. A batch in
+ * flight beside it is no obstacle: the q half writes the other staging half, queued after that
+ * batch's launches, and a refusal's sync (forward_refused) waits for both, as backend.h allows.
  */
 static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t *f) {
   const dsv4_backend_ops_t *ops = e->be->ops;
@@ -854,7 +855,7 @@ static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t 
   const uint32_t chunk = e->p.prefill_chunk_tokens;
   if (!e->stage || !(ops->caps & DSV4_BE_ATTN_FUSED_Q) || !ops->host_alias || f->attn || f->lse)
     return 0;
-  if (q_bytes < Q_EARLY_MIN_BYTES || (e->c_ratio && e->c_ratio[idx]) || e->fly[0].f || e->fly[1].f)
+  if (q_bytes < Q_EARLY_MIN_BYTES || (e->c_ratio && e->c_ratio[idx]))
     return 0;
   return !(f->yield && chunk && f->n_tokens > chunk);
 }

@@ -957,9 +957,10 @@ static void *in_region(uint8_t *region, size_t cap, size_t *off, const void *src
   return p;
 }
 
-/* y's inputs and outputs moved into region (skew bytes past 64-byte boundaries). */
-static void batch_into_region(attn_batch_t *y, uint8_t *region, size_t cap, size_t skew) {
-  size_t off = 0, n = y->b.n, qb = n * HEADS * DSV4_HEAD_DIM * 2;
+/* y's inputs and outputs moved into region from byte at (skew bytes past 64-byte boundaries). */
+static void batch_into_region_at(attn_batch_t *y, uint8_t *region, size_t cap, size_t skew,
+                                 size_t at) {
+  size_t off = at, n = y->b.n, qb = n * HEADS * DSV4_HEAD_DIM * 2;
   y->b.f.q = in_region(region, cap, &off, y->b.q, qb, skew);
   y->b.f.kv = in_region(region, cap, &off, y->b.kv, n * DSV4_HEAD_DIM * 2, skew);
   y->b.f.q_out = in_region(region, cap, &off, NULL, qb, skew);
@@ -968,6 +969,10 @@ static void batch_into_region(attn_batch_t *y, uint8_t *region, size_t cap, size
     y->b.f.attn = in_region(region, cap, &off, NULL, qb, skew);
     y->b.f.lse = in_region(region, cap, &off, NULL, n * HEADS * sizeof(float), skew);
   }
+}
+
+static void batch_into_region(attn_batch_t *y, uint8_t *region, size_t cap, size_t skew) {
+  batch_into_region_at(y, region, cap, skew, 0);
 }
 
 /* One batch on a (host memory) and b (its tensors in region, skew bytes off alignment): the same
@@ -1091,7 +1096,8 @@ static void refused_in_place(dsv4_engine_t *b, uint8_t *region, size_t cap, uint
   const size_t n = y.b.n, qb = n * HEADS * DSV4_HEAD_DIM * 2;
   if (bad_q)
     y.b.q[n * HEADS * DSV4_HEAD_DIM - 1] = 0x5D00; /* 2^59 */
-  batch_into_region(&y, region, cap, 0);
+  y.b.f.want_digest = 0; /* so that it may begin beside a batch in flight */
+  batch_into_region_at(&y, region, cap, 0, cap / 2);
   memset(y.b.f.q_out, 0x5a, qb);
   memset(y.b.f.slots, 0x5a, n * sizeof(int64_t));
   assert_int_equal(dsv4_engine_forward(b, &y.b.f), want_rc);
@@ -1142,6 +1148,81 @@ static void test_q_half_first(void **state) {
   st[0]--;
   (void)in_place_batch(a, b, region, cap, 0, 303, names, st, len, no, 0, 1);
   same_cache(a, b);
+  dsv4_engine_host_unregister(b, region);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+  free(region);
+}
+
+/* A q-only batch of one segment (name at st, len tokens) for a (x, host memory) and b (y, in
+ * region from byte at). */
+static void q_pair(attn_batch_t *x, attn_batch_t *y, uint64_t seed, const char *name, int64_t st,
+                   uint32_t len, uint8_t *region, size_t cap, size_t at) {
+  const char *names[1] = {name};
+  const int nw[1] = {st == 0};
+  attn_batch_make(x, served[0], seed, 1, names, &st, &len, nw);
+  attn_batch_make(y, served[0], seed, 1, names, &st, &len, nw);
+  x->b.f.attn = y->b.f.attn = NULL;
+  x->b.f.lse = y->b.f.lse = NULL;
+  x->b.f.want_digest = y->b.f.want_digest = 0;
+  batch_into_region_at(y, region, cap, 0, at);
+}
+
+static void same_q_answer(const attn_batch_t *x, const attn_batch_t *y) {
+  const size_t n = x->b.n;
+  assert_memory_equal(x->b.q_out, y->b.f.q_out, n * HEADS * DSV4_HEAD_DIM * 2);
+  assert_memory_equal(x->b.slots, y->b.f.slots, n * sizeof(int64_t));
+}
+
+/*
+ * The q half first beside a batch in flight (an overlapping backend: cpu_staged_overlap, or the
+ * device's): B begins while A is in flight and launches its q half before its validation; both end
+ * with the CPU backend's answers. Then C, refused (a q value out of range) while D is in flight,
+ * writes nothing into the region, and D ends as on the CPU backend.
+ */
+static void test_q_half_first_beside_flight(void **state) {
+  (void)state;
+  const size_t cap = (size_t)16 << 20, quarter = cap / 4;
+  uint8_t *region = aligned_alloc(4096, cap);
+  assert_non_null(region);
+  const char *other = !strncmp(backend, "cpu", 3) ? "cpu_staged_overlap" : backend;
+  dsv4_engine_t *a = open_engine_chunked("cpu", 0), *b = open_engine_chunked(other, 0);
+  const int staged = !strncmp(other, "cpu_staged", 10);
+  assert_int_equal(dsv4_engine_host_register(b, region, cap), 0);
+  attn_batch_t xa, ya, xb, yb, xd, yd;
+  q_pair(&xa, &ya, 400, "ga", 0, 40, region, cap, 0);
+  q_pair(&xb, &yb, 401, "gb", 0, 33, region, cap, quarter);
+  assert_true(dsv4_engine_can_overlap(b, &ya.b.f));
+  assert_int_equal(dsv4_engine_forward(a, &xa.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(a, &xb.b.f), 0);
+  assert_int_equal(dsv4_engine_forward_begin(b, &ya.b.f), 0);
+  assert_true(ya.b.f.in_flight);
+  const size_t l0 = staged_launches(b);
+  assert_int_equal(dsv4_engine_forward_begin(b, &yb.b.f), 0);
+  assert_true(yb.b.f.in_flight);
+  if (staged)
+    assert_int_equal(staged_launches(b) - l0, 3); /* q half, producer, KV rows */
+  assert_int_equal(dsv4_engine_forward_end(b, &ya.b.f), 0);
+  assert_int_equal(dsv4_engine_forward_end(b, &yb.b.f), 0);
+  same_q_answer(&xa, &ya);
+  same_q_answer(&xb, &yb);
+  q_pair(&xd, &yd, 402, "gb", 33, 33, region, cap, quarter);
+  assert_int_equal(dsv4_engine_forward(a, &xd.b.f), 0);
+  assert_int_equal(dsv4_engine_forward_begin(b, &yd.b.f), 0);
+  assert_true(yd.b.f.in_flight);
+  const char *names[2] = {"ga", "ga"};
+  const int64_t st[2] = {40, 41};
+  const uint32_t len[2] = {1, 39};
+  refused_in_place(b, region, cap, 403, names, st, len, 1, DSV4_ERANGE);
+  assert_int_equal(dsv4_engine_forward_end(b, &yd.b.f), 0);
+  same_q_answer(&xd, &yd);
+  same_cache(a, b);
+  attn_batch_free(&xa);
+  attn_batch_free(&ya);
+  attn_batch_free(&xb);
+  attn_batch_free(&yb);
+  attn_batch_free(&xd);
+  attn_batch_free(&yd);
   dsv4_engine_host_unregister(b, region);
   dsv4_engine_destroy(a);
   dsv4_engine_destroy(b);
@@ -1698,6 +1779,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_host_register),
       cmocka_unit_test(test_in_place_matches_cpu),
       cmocka_unit_test(test_q_half_first),
+      cmocka_unit_test(test_q_half_first_beside_flight),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
