@@ -681,14 +681,9 @@ static void dispatch(conn_t *c, size_t len, int trunc, const int *fds, int nfd, 
   /* A forward of the usual shape is read without a document (shm_msg.h), with the same answers. */
   dsv4_shm_fwd_t fm;
   size_t used = 0;
-  int scanned =
-      nfd ? DSV4_ST_NOT_USUAL : dsv4_shm_fwd_scan((const char *)c->srv->rx, len, &fm, &used);
-  if (scanned != DSV4_ST_NOT_USUAL) {
+  if (!nfd && dsv4_shm_fwd_scan((const char *)c->srv->rx, len, &fm, &used) == 0) {
     trailer_t st = {(const char *)c->srv->rx + used, len - used};
-    if (scanned)
-      answer_error(c, "forward", scanned, "out of memory reading the message", NULL);
-    else
-      op_forward(c, &fm, &st, t_read);
+    op_forward(c, &fm, &st, t_read);
     dsv4_shm_fwd_free(&fm);
     return;
   }

@@ -100,9 +100,10 @@ static int scan_field(dsv4_scan_t *s, dsv4_shm_fwd_t *m, unsigned *seen) {
 
 int dsv4_shm_fwd_scan(const char *text, size_t len, dsv4_shm_fwd_t *m, size_t *used) {
   memset(m, 0, sizeof(*m));
-  /* Every string is shorter unescaped than its quoted text: len bytes hold them all. */
+  /* Every string is shorter unescaped than its quoted text: len bytes hold them all. Out of
+   * memory, jansson reads the message (and answers for it). */
   if (!(m->mem = malloc(len + 1)))
-    return DSV4_ENOMEM;
+    return DSV4_ST_NOT_USUAL;
   dsv4_scan_t s = {text, text + len, m->mem};
   unsigned seen = 0;
   int ok = dsv4_scan_take(&s, '{');

@@ -54,8 +54,8 @@ int dsv4_shm_fwd_from_doc(json_t *msg, dsv4_shm_fwd_t *m);
 /*
  * A forward message of the usual shape at text[0..len), read without a document: 0 with *m
  * filled and *used the bytes of its JSON object (what follows is "segments_bytes" of segments
- * text, or only white space), DSV4_ST_NOT_USUAL for any other message (nothing to free: read it
- * with jansson), or DSV4_ENOMEM.
+ * text, or only white space), or DSV4_ST_NOT_USUAL for any other message and when out of memory
+ * (nothing to free: read it with jansson).
  */
 int dsv4_shm_fwd_scan(const char *text, size_t len, dsv4_shm_fwd_t *m, size_t *used);
 void dsv4_shm_fwd_free(dsv4_shm_fwd_t *m);

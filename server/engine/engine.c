@@ -837,8 +837,8 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
   return 0;
 }
 
-/* The q half goes ahead of the validation from this many bytes of q on (at one token of 64 heads,
- * 128 KiB, the validation takes less than a launch). */
+/* The q half goes ahead of the validation from this many bytes of q on (4 one-token segments of 64
+ * heads; at one, 64 KiB, the validation takes less than a launch). */
 #define Q_EARLY_MIN_BYTES ((size_t)256 << 10)
 
 /*
@@ -900,7 +900,8 @@ static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
 }
 
 /* A batch refused after its q half was launched: the device is done with its inputs before the
- * caller hears of it. A device that fails here fails the batches after it. */
+ * caller hears of it. A device that fails here leaves the refusal as it is (nothing of the batch
+ * was applied) and fails the batches after it (DSV4_EBACKEND). */
 static int forward_refused(dsv4_engine_t *e, int rc) {
   if (e->stage && e->stage->q_early) {
     e->stage->q_early = 0;
