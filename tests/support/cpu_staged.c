@@ -50,6 +50,16 @@ typedef struct {
   uint64_t ticket; /* 0 until the batch's SUBMITTED phase */
 } late_read_t;
 
+/* Registered host memory a launch read in place (host_alias), as it was then: backend.h has the
+ * caller leave it unchanged until the sync or batch_wait that ends the batch, which checks that
+ * it did (a device may read it at any moment until then). */
+typedef struct {
+  const uint8_t *host;
+  uint8_t *bytes;
+  size_t n;
+  uint64_t ticket; /* the batch's, from its SUBMITTED phase (0 until then) */
+} in_place_read_t;
+
 typedef struct {
   dsv4_backend_t base; /* first */
   dsv4_backend_t *inner;
@@ -65,6 +75,9 @@ typedef struct {
   int phase;
   late_read_t *late;
   size_t n_late, cap_late;
+  in_place_read_t *reads;
+  size_t n_reads, cap_reads;
+  int reads_lost; /* a read not recorded for want of memory: the checks are off from there */
   uint64_t next_ticket, waited_ticket;
   dsv4_test_cpu_staged_stats_t stats;
   int alias; /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1, as the CUDA backend reads it) */
@@ -101,8 +114,44 @@ static void *window_host(staged_t *s, const void *p, size_t n) {
   return NULL;
 }
 
+/* A launch reads the n host bytes at host in place: keep them as they are now (in_place_read_t). */
+static void read_record(staged_t *s, const void *host, size_t n) {
+  void *grown = grow(s->reads, s->n_reads, &s->cap_reads, sizeof(*s->reads), 16);
+  uint8_t *bytes = grown ? malloc(n) : NULL;
+  if (!bytes) {
+    s->reads_lost = 1;
+    return;
+  }
+  s->reads = grown;
+  memcpy(bytes, host, n);
+  s->reads[s->n_reads++] = (in_place_read_t){host, bytes, n, 0};
+}
+
+/* The end of batch ticket (every batch when 0): the host memory its launches read in place must
+ * hold what they read; a caller that changed it before this point would have fed a device other
+ * bytes than it checked, so the test stops here. Before any write in place is delivered. */
+static void reads_check(staged_t *s, uint64_t ticket) {
+  size_t kept = 0;
+  for (size_t i = 0; i < s->n_reads; i++) {
+    in_place_read_t *r = &s->reads[i];
+    if (ticket && r->ticket != ticket) {
+      s->reads[kept++] = *r;
+      continue;
+    }
+    if (!s->reads_lost && memcmp(r->host, r->bytes, r->n)) {
+      fprintf(stderr,
+              "cpu_staged: %zu bytes of host memory a launch read in place changed "
+              "before its batch ended\n",
+              r->n);
+      abort();
+    }
+    free(r->bytes);
+  }
+  s->n_reads = kept;
+}
+
 /* The host address of [p, p + n) when it lies inside one buffer, or inside the device window of a
- * registered range, else NULL. */
+ * registered range (a read in place: read_record), else NULL. */
 static void *to_host(staged_t *s, const void *p, size_t n) {
   uintptr_t a = (uintptr_t)p;
   for (size_t i = 0; i < s->n_bufs; i++) {
@@ -110,7 +159,10 @@ static void *to_host(staged_t *s, const void *p, size_t n) {
     if (a >= b->dev && a - b->dev <= b->real.size && n <= b->real.size - (a - b->dev))
       return (uint8_t *)b->real.ptr + (a - b->dev);
   }
-  return window_host(s, p, n);
+  void *h = window_host(s, p, n);
+  if (h && n)
+    read_record(s, h, n);
+  return h;
 }
 
 /* The buffer a devbuf names: its address is a buffer's start, its size at most that buffer's. */
@@ -134,6 +186,9 @@ static void st_destroy(dsv4_backend_t *be) {
   for (size_t i = 0; i < s->n_deferred; i++)
     free(s->deferred[i].bytes);
   free(s->deferred);
+  for (size_t i = 0; i < s->n_reads; i++)
+    free(s->reads[i].bytes);
+  free(s->reads);
   free(s->late);
   for (size_t i = 0; i < s->n_bufs; i++)
     s->inner->ops->buf_free(s->inner, &s->bufs[i].real);
@@ -382,6 +437,11 @@ static int st_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
     for (size_t i = 0; i < s->n_deferred; i++)
       if (s->deferred[i].in_batch && !s->deferred[i].ticket)
         s->deferred[i].ticket = *ticket;
+    /* Every launch since the last sync or submission is this batch's (one queued before its
+     * UPLOADS phase too: the engine's q half). */
+    for (size_t i = 0; i < s->n_reads; i++)
+      if (!s->reads[i].ticket)
+        s->reads[i].ticket = *ticket;
     s->phase = 0;
     return 0;
   }
@@ -400,6 +460,7 @@ static int st_batch_wait(dsv4_backend_t *be, uint64_t ticket) {
   }
   s->waited_ticket = ticket;
   s->stats.batch_waits++;
+  reads_check(s, ticket);
   int rc = s->inner->ops->sync(s->inner);
   int lrc = late_deliver(s, ticket);
   deferred_deliver(s, ticket);
@@ -666,6 +727,7 @@ static int st_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
 static int st_sync(dsv4_backend_t *be) {
   staged_t *s = staged_of(be);
   s->stats.syncs++;
+  reads_check(s, 0);
   int rc = s->inner->ops->sync(s->inner);
   /* The copies were queued before the work that failed, if any: a device delivers them too. */
   deferred_deliver(s, 0);

@@ -39,7 +39,9 @@ int dsv4_test_cpu_staged_overlap_open(const dsv4_backend_options_t *opt, dsv4_ba
  * host_alias, as CUDA's, maps aligned registered memory at a made-up device window of its own,
  * which its launches translate back (DSV4_CUDA_NO_ALIAS=1 turns it off, as on CUDA). What an
  * insert writes there (q_out in place) reaches host memory only at the batch's sync or wait, as a
- * device's would; until then it holds the poison of a pending download_async.
+ * device's would; until then it holds the poison of a pending download_async. What a launch reads
+ * there must hold the same bytes at the batch's sync or wait (a device may read it until then):
+ * a caller that changed it earlier aborts the test there (cpu_staged_test).
  */
 typedef struct {
   size_t uploads, downloads, launches, syncs;

@@ -6,6 +6,8 @@ if(TARGET dsv4_engine)
   dsv4_strict(dsv4_test_staged)
 
   dsv4_unit_test(engine_test SOURCES unit/engine_test.c LIBS dsv4_engine dsv4_test_staged)
+  # The staged backend's check of host memory read in place (what the engine's tests rely on).
+  dsv4_unit_test(cpu_staged_test SOURCES unit/cpu_staged_test.c LIBS dsv4_test_staged)
   # The same tests with every engine on the staged backend.
   add_test(NAME engine_test_staged COMMAND engine_test cpu_staged)
   # And on the staged backend in overlap mode: every batch through dsv4_engine_forward_begin/end
