@@ -8,7 +8,7 @@ regions (SPEC §6.1 in docs/SPEC.md).
     ...
     res = c.forward(r, layer=0, segments=[("req-1", 0, n, True)], heads=heads,
                     q_off=0, kv_off=..., out={"q_out": ..., "slots": ...}, outputs="q,digest")
-    q_out = r.array(np.uint16, (n, heads, 512), res.tensors["q_out"]["data_offsets"][0])
+    q_out = r.array(np.uint16, (n, heads, 512), res["tensors"]["q_out"]["data_offsets"][0])
 
 The library is found through $DSV4CLIENT_LIB, then next to this file's checkout build
 (build*/libdsv4client.so), then by the loader (ctypes.util.find_library).
