@@ -13,6 +13,7 @@
 #include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
+#include "json_scan.h"
 
 /* Parse one segments entry into sg. Returns NULL or a message. */
 static const char *parse_segment(json_t *o, dsv4_seg_req_t *sg) {
@@ -235,96 +236,41 @@ static int parse_attention(const char *mode, dsv4_forward_req_t *r, char *why, s
 
 /* ---- the segments' usual shape, read without a JSON document ---- */
 
-/* A reader over NUL-terminated text: pos, and 0 once the text left the usual shape. */
-typedef struct {
-  char *p;
-  int ok;
-} seg_reader_t;
-
-static void skip_ws(seg_reader_t *rd) {
-  while (*rd->p == ' ' || *rd->p == '\t' || *rd->p == '\n' || *rd->p == '\r')
-    rd->p++;
-}
-
-/* Take the character c (after white space). */
-static int take(seg_reader_t *rd, char c) {
-  skip_ws(rd);
-  if (*rd->p != c)
-    return rd->ok = 0;
-  rd->p++;
-  return 1;
-}
-
-/* A string without escapes: *s and *len point into the text. What it may hold is the caller's
- * check (a key is one of four, a name dsv4_seq_name_valid): anything else, bytes JSON refuses
- * among them, leaves the text to the JSON parser. */
-static int take_name(seg_reader_t *rd, const char **s, uint32_t *len) {
-  if (!take(rd, '"'))
-    return 0;
-  char *b = rd->p;
-  while (*rd->p && *rd->p != '"' && *rd->p != '\\')
-    rd->p++;
-  if (*rd->p != '"' || rd->p - b > DSV4_SEQ_NAME_MAX)
-    return rd->ok = 0;
-  *s = b;
-  *len = (uint32_t)(rd->p - b);
-  rd->p++;
-  return 1;
-}
-
-/* A JSON integer of at most 18 digits, without fraction or exponent. */
-static int take_int(seg_reader_t *rd, int64_t *v) {
-  skip_ws(rd);
-  int neg = *rd->p == '-', digits = 0;
-  rd->p += neg;
-  if (*rd->p == '0' && rd->p[1] >= '0' && rd->p[1] <= '9')
-    return rd->ok = 0; /* a leading zero: not JSON */
-  int64_t x = 0;
-  for (; *rd->p >= '0' && *rd->p <= '9' && digits < 18; rd->p++, digits++)
-    x = x * 10 + (*rd->p - '0');
-  /* A 19th digit, a fraction or an exponent: left to the JSON parser. */
-  if (digits == 0 || (*rd->p >= '0' && *rd->p <= '9') || *rd->p == '.' || *rd->p == 'e' ||
-      *rd->p == 'E')
-    return rd->ok = 0;
-  *v = neg ? -x : x;
-  return 1;
-}
-
-/* One segment object; the rules of parse_segment hold, or the reader stops. */
-static int take_segment(seg_reader_t *rd, dsv4_seg_req_t *sg) {
-  int have[4] = {0, 0, 0, 0}; /* seq, start, len, new */
+/* One segment object, read with the primitives of json_scan.h (names copied into the scanner's
+ * memory); the rules of parse_segment hold, or 0: the text then goes to the JSON parser, which
+ * names what is wrong (an escape, a sign, an unknown or repeated key among them). */
+static int take_segment(dsv4_scan_t *s, dsv4_seg_req_t *sg) {
+  int have[4] = {0, 0, 0, 0};
   int64_t start = -1, len = 0;
-  if (!take(rd, '{'))
+  if (!dsv4_scan_take(s, '{'))
     return 0;
   do {
-    const char *key;
-    uint32_t klen;
-    if (!take_name(rd, &key, &klen) || !take(rd, ':'))
+    const char *key = dsv4_scan_string(s, 0);
+    /* The scanner's copy ends right before s->out: its length without a strlen. */
+    const size_t kl = key ? (size_t)(s->out - key) - 1 : 0;
+    int k = kl == 3 && !memcmp(key, "seq", 3)     ? 0
+            : kl == 5 && !memcmp(key, "start", 5) ? 1
+            : kl == 3 && !memcmp(key, "len", 3)   ? 2
+            : kl == 3 && !memcmp(key, "new", 3)   ? 3
+                                                  : -1;
+    if (k < 0 || have[k]++ || !dsv4_scan_take(s, ':'))
       return 0;
-    int k = klen == 3 && !memcmp(key, "seq", 3)     ? 0
-            : klen == 5 && !memcmp(key, "start", 5) ? 1
-            : klen == 3 && !memcmp(key, "len", 3)   ? 2
-            : klen == 3 && !memcmp(key, "new", 3)   ? 3
-                                                    : -1;
-    if (k < 0 || have[k]++)
-      return rd->ok = 0; /* unknown or repeated: the JSON parser names it */
-    skip_ws(rd);
-    if (k == 0 && take_name(rd, &sg->name, &sg->name_len)) {
-    } else if (k == 1 && take_int(rd, &start)) {
-    } else if (k == 2 && take_int(rd, &len)) {
-    } else if (k == 3 && !strncmp(rd->p, "true", 4)) {
+    if (k == 0) {
+      if (!(sg->name = dsv4_scan_string(s, 0)))
+        return 0;
+      sg->name_len = (uint32_t)(s->out - sg->name) - 1;
+    } else if (k < 3) {
+      if (!dsv4_scan_int(s, k == 1 ? &start : &len))
+        return 0;
+    } else if (dsv4_scan_lit(s, "true")) {
       sg->is_new = 1;
-      rd->p += 4;
-    } else if (k == 3 && !strncmp(rd->p, "false", 5)) {
-      rd->p += 5;
-    } else {
-      return rd->ok = 0;
+    } else if (!dsv4_scan_lit(s, "false")) {
+      return 0;
     }
-    skip_ws(rd);
-  } while (*rd->p == ',' && rd->p++);
-  if (!take(rd, '}') || !have[0] || !have[1] || !have[2] || start < 0 || len < 1 ||
+  } while (dsv4_scan_take(s, ','));
+  if (!dsv4_scan_take(s, '}') || !have[0] || !have[1] || !have[2] || len < 1 ||
       len > (int64_t)UINT32_MAX || !dsv4_seq_name_valid(sg->name, sg->name_len))
-    return rd->ok = 0;
+    return 0;
   sg->start = start;
   sg->len = (uint32_t)len;
   return 1;
@@ -332,11 +278,11 @@ static int take_segment(seg_reader_t *rd, dsv4_seg_req_t *sg) {
 
 /*
  * The segments as a gateway writes them (an array of 1..max objects with seq, start, len and new;
- * names without escapes; integers without fraction or exponent; every rule of parse_segment met),
- * read without building a JSON document: for a decode of many sequences that document cost more
- * than the rest of the request's parse. Returns 1 with r->segs and r->n_segs filled (names point
- * into r->segs_text, a copy of the text), else 0 with nothing kept: the JSON parser then reads the
- * text and says what is wrong, so the answers are the same either way.
+ * names without escapes; integers without sign, fraction or exponent; every rule of parse_segment
+ * met), read without building a JSON document: for a decode of many sequences that document cost
+ * more than the rest of the request's parse. Returns 1 with r->segs and r->n_segs filled (names
+ * point into r->segs_text, the scanner's copies), else 0 with nothing kept: the JSON parser then
+ * reads the text and says what is wrong, so the answers are the same either way.
  */
 static int segments_fast(const char *text, uint32_t max_segments, dsv4_forward_req_t *r) {
   size_t cap = 0, len = strlen(text);
@@ -344,30 +290,26 @@ static int segments_fast(const char *text, uint32_t max_segments, dsv4_forward_r
     cap++;
   if (cap < 1 || cap > max_segments)
     return 0;
-  seg_reader_t rd = {malloc(len + 1), 1};
+  /* Every string is shorter unescaped than its quoted text: len bytes hold them all. */
+  char *mem = malloc(len + 1);
   dsv4_seg_req_t *segs = calloc(cap, sizeof(*segs));
+  dsv4_scan_t s = {text, text + len, mem};
   uint32_t ns = 0;
-  if (rd.p && segs) {
-    memcpy(rd.p, text, len + 1);
-    char *copy = rd.p;
-    if (take(&rd, '[')) {
-      do {
-        if (ns == cap || !take_segment(&rd, &segs[ns++]))
-          rd.ok = 0;
-        skip_ws(&rd);
-      } while (rd.ok && *rd.p == ',' && rd.p++);
-    }
-    if (rd.ok && take(&rd, ']'))
-      skip_ws(&rd);
-    if (rd.ok && *rd.p == '\0') {
-      r->segs = segs;
-      r->n_segs = ns;
-      r->segs_text = copy;
-      return 1;
-    }
-    rd.p = copy;
+  int ok = mem && segs && dsv4_scan_take(&s, '[');
+  while (ok) {
+    ok = ns < cap && take_segment(&s, &segs[ns++]);
+    if (!dsv4_scan_take(&s, ','))
+      break;
   }
-  free(rd.p);
+  ok = ok && dsv4_scan_take(&s, ']');
+  dsv4_scan_ws(&s);
+  if (ok && s.p == s.end) {
+    r->segs = segs;
+    r->n_segs = ns;
+    r->segs_text = mem;
+    return 1;
+  }
+  free(mem);
   free(segs);
   return 0;
 }

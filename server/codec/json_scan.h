@@ -2,10 +2,11 @@
 #define DSV4_SERVER_JSON_SCAN_H
 
 /*
- * One-pass readers of JSON text of a fixed, usual shape (the safetensors header, the shared-region
- * forward message), for the paths where a jansson document costs more than the rest of the work.
- * They accept only a strict subset of JSON: a caller answers "not the usual shape" on any failure
- * and hands the text to jansson, whose answers stay the reference (each user tests that).
+ * One-pass readers of JSON text of a fixed, usual shape (the safetensors header, a forward's
+ * segments, the shared-region forward message), for the paths where a jansson document costs more
+ * than the rest of the work. They accept only a strict subset of JSON: a caller answers "not the
+ * usual shape" on any failure and hands the text to jansson, whose answers stay the reference (each
+ * user tests that).
  *
  * Strings are copied, unescaped and NUL-terminated, into memory the caller gives (out): a string
  * is never longer unescaped than its quoted text, so the text's length is always room enough.
@@ -74,6 +75,16 @@ static inline int dsv4_scan_int(dsv4_scan_t *s, int64_t *v) {
        ((*s->p >= '0' && *s->p <= '9') || *s->p == '.' || *s->p == 'e' || *s->p == 'E')))
     return 0;
   *v = x;
+  return 1;
+}
+
+/* White space, then the literal word w (true, false, null). */
+static inline int dsv4_scan_lit(dsv4_scan_t *s, const char *w) {
+  size_t n = strlen(w);
+  dsv4_scan_ws(s);
+  if ((size_t)(s->end - s->p) < n || memcmp(s->p, w, n))
+    return 0;
+  s->p += n;
   return 1;
 }
 
