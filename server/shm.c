@@ -483,11 +483,8 @@ static char *forward_answer(const conn_t *c, const dsv4_forward_t *f, size_t *le
     const out_t *o = &c->out[i];
     if (!o->wanted)
       continue;
-    fprintf(x, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", sep, out_names[i],
-            dsv4_st_dtype_name(o->dtype));
-    for (int d = 0; d < o->ndim; d++)
-      fprintf(x, "%s%" PRId64, d ? "," : "", o->shape[d]);
-    fprintf(x, "],\"data_offsets\":[%zu,%zu]}", o->off, o->off + o->nbytes);
+    fputs(sep, x);
+    dsv4_st_put_entry(x, out_names[i], o->dtype, o->ndim, o->shape, o->off, o->off + o->nbytes);
     sep = ",";
   }
   fprintf(x, "},\"status\":200,\"instance\":\"%s\"}", c->srv->d->instance);

@@ -604,6 +604,22 @@ const char *dsv4_st_meta(const dsv4_st_view_t *v, const char *key) {
   return NULL;
 }
 
+/* A tensor the writer lays out at pos: a name that is not "__metadata__", a dtype of the six, its
+ * shape's bytes its nbytes, ending (*end) within int64. 0, or why not (DSV4_EINVAL, DSV4_ERANGE).
+ */
+static int desc_check(const dsv4_st_desc_t *t, size_t pos, size_t *end) {
+  size_t numel, nbytes;
+  if (!t->name || strcmp(t->name, "__metadata__") == 0 || dsv4_st_dtype_size(t->dtype) == 0 ||
+      t->ndim < 0 || t->ndim > DSV4_ST_MAX_DIMS)
+    return DSV4_EINVAL;
+  int rc = shape_bytes(t->shape, t->ndim, dsv4_st_dtype_size(t->dtype), &numel, &nbytes);
+  if (rc != 0)
+    return rc;
+  if (nbytes != t->nbytes || __builtin_add_overflow(pos, nbytes, end) || *end > (size_t)INT64_MAX)
+    return DSV4_EINVAL;
+  return 0;
+}
+
 static int build_doc(const dsv4_st_desc_t *tensors, size_t n_tensors, const dsv4_st_meta_t *meta,
                      size_t n_meta, json_t *doc, size_t *data_len) {
   if (n_meta > 0) {
@@ -621,15 +637,12 @@ static int build_doc(const dsv4_st_desc_t *tensors, size_t n_tensors, const dsv4
   size_t pos = 0;
   for (size_t i = 0; i < n_tensors; i++) {
     const dsv4_st_desc_t *t = &tensors[i];
-    size_t numel, nbytes, end;
-    if (!t->name || strcmp(t->name, "__metadata__") == 0 || json_object_get(doc, t->name) ||
-        dsv4_st_dtype_size(t->dtype) == 0 || t->ndim < 0 || t->ndim > DSV4_ST_MAX_DIMS)
+    size_t end;
+    if (t->name && json_object_get(doc, t->name))
       return DSV4_EINVAL;
-    int rc = shape_bytes(t->shape, t->ndim, dsv4_st_dtype_size(t->dtype), &numel, &nbytes);
+    int rc = desc_check(t, pos, &end);
     if (rc != 0)
       return rc;
-    if (nbytes != t->nbytes || __builtin_add_overflow(pos, nbytes, &end) || end > (size_t)INT64_MAX)
-      return DSV4_EINVAL;
     json_t *shape = json_array();
     json_t *e = json_pack("{s:s, s:o, s:[I, I]}", "dtype", dtypes[t->dtype].name, "shape", shape,
                           "data_offsets", (json_int_t)pos, (json_int_t)end);
@@ -695,35 +708,33 @@ static int plain(const char *s) {
   return 1;
 }
 
-/* Whether build_doc takes these (no name repeated, every tensor valid, every string plain), with
- * the header text's length bound in *bound; 0 sends the call to the document. */
-static int direct_ok(const dsv4_st_desc_t *t, size_t n, const dsv4_st_meta_t *m, size_t nm,
-                     size_t *bound) {
-  size_t b = 64, pos = 0;
+/* Whether build_doc takes these and writes them as they are: no name repeated, every tensor
+ * valid (desc_check), every string plain; 0 sends the call to the document. */
+static int direct_ok(const dsv4_st_desc_t *t, size_t n, const dsv4_st_meta_t *m, size_t nm) {
+  size_t pos = 0;
   for (size_t i = 0; i < nm; i++) {
     if (!m[i].key || !m[i].value || !plain(m[i].key) || !plain(m[i].value))
       return 0;
     for (size_t k = 0; k < i; k++)
       if (!strcmp(m[k].key, m[i].key))
         return 0;
-    b += strlen(m[i].key) + strlen(m[i].value) + 8;
   }
   for (size_t i = 0; i < n; i++) {
-    size_t numel, nbytes, end;
-    if (!t[i].name || !plain(t[i].name) || !strcmp(t[i].name, "__metadata__") ||
-        dsv4_st_dtype_size(t[i].dtype) == 0 || t[i].ndim < 0 || t[i].ndim > DSV4_ST_MAX_DIMS ||
-        shape_bytes(t[i].shape, t[i].ndim, dsv4_st_dtype_size(t[i].dtype), &numel, &nbytes) ||
-        nbytes != t[i].nbytes || __builtin_add_overflow(pos, nbytes, &end) ||
-        end > (size_t)INT64_MAX)
+    if (desc_check(&t[i], pos, &pos) || !plain(t[i].name))
       return 0;
     for (size_t k = 0; k < i; k++)
       if (!strcmp(t[k].name, t[i].name))
         return 0;
-    pos = end;
-    b += strlen(t[i].name) + 64 + 21 * ((size_t)t[i].ndim + 2);
   }
-  *bound = b;
   return 1;
+}
+
+void dsv4_st_put_entry(FILE *x, const char *name, int dtype, int ndim, const int64_t *shape,
+                       size_t begin, size_t end) {
+  fprintf(x, "\"%s\":{\"dtype\":\"%s\",\"shape\":[", name, dsv4_st_dtype_name(dtype));
+  for (int d = 0; d < ndim; d++)
+    fprintf(x, "%s%lld", d ? "," : "", (long long)shape[d]);
+  fprintf(x, "],\"data_offsets\":[%zu,%zu]}", begin, end);
 }
 
 /*
@@ -733,30 +744,31 @@ static int direct_ok(const dsv4_st_desc_t *t, size_t n, const dsv4_st_meta_t *m,
  */
 static int build_direct(const dsv4_st_desc_t *t, size_t n, const dsv4_st_meta_t *m, size_t nm,
                         uint8_t **out, size_t *out_len, size_t *data_len) {
-  size_t bound, len = 0, pos = 0;
-  if (!direct_ok(t, n, m, nm, &bound))
+  if (!direct_ok(t, n, m, nm))
     return FAST_NO;
-  char *text = malloc(bound);
-  if (!text)
+  char *text = NULL;
+  size_t len = 0, pos = 0;
+  FILE *x = open_memstream(&text, &len);
+  if (!x)
     return DSV4_ENOMEM;
-#define PUT(...) (len += (size_t)snprintf(text + len, bound - len, __VA_ARGS__))
-  PUT("{");
+  fputc('{', x);
   if (nm) {
-    PUT("\"__metadata__\":{");
+    fputs("\"__metadata__\":{", x);
     for (size_t i = 0; i < nm; i++)
-      PUT("%s\"%s\":\"%s\"", i ? "," : "", m[i].key, m[i].value);
-    PUT("}");
+      fprintf(x, "%s\"%s\":\"%s\"", i ? "," : "", m[i].key, m[i].value);
+    fputc('}', x);
   }
   for (size_t i = 0; i < n; i++) {
-    PUT("%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", i || nm ? "," : "", t[i].name,
-        dtypes[t[i].dtype].name);
-    for (int d = 0; d < t[i].ndim; d++)
-      PUT("%s%lld", d ? "," : "", (long long)t[i].shape[d]);
-    PUT("],\"data_offsets\":[%lld,%lld]}", (long long)pos, (long long)(pos + t[i].nbytes));
+    if (i || nm)
+      fputc(',', x);
+    dsv4_st_put_entry(x, t[i].name, t[i].dtype, t[i].ndim, t[i].shape, pos, pos + t[i].nbytes);
     pos += t[i].nbytes;
   }
-  PUT("}");
-#undef PUT
+  fputc('}', x);
+  if (fclose(x) != 0) {
+    free(text);
+    return DSV4_ENOMEM;
+  }
   int rc = frame_header(text, len, out, out_len);
   if (rc == 0)
     *data_len = pos;

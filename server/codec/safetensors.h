@@ -13,6 +13,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include <jansson.h>
 
@@ -127,6 +128,14 @@ typedef struct {
 int dsv4_st_build_header(const dsv4_st_desc_t *tensors, size_t n_tensors,
                          const dsv4_st_meta_t *meta, size_t n_meta, uint8_t **out, size_t *out_len,
                          size_t *data_len);
+
+/*
+ * One tensor's header entry, "name":{"dtype":"BF16","shape":[...],"data_offsets":[begin,end]}, as
+ * the writer (and jansson's compact dump) writes it, onto x: for answers that list tensors in
+ * another file's form (a shared region's, SPEC §6.1). name must need no escaping.
+ */
+void dsv4_st_put_entry(FILE *x, const char *name, int dtype, int ndim, const int64_t *shape,
+                       size_t begin, size_t end);
 
 /*
  * The same parse and header writer with jansson's document only (the functions above take the
