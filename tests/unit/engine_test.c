@@ -975,6 +975,28 @@ static void batch_into_region(attn_batch_t *y, uint8_t *region, size_t cap, size
   batch_into_region_at(y, region, cap, skew, 0);
 }
 
+/* The in-place tests' setting: engine a on the CPU backend, engine b on backend other, and a
+ * region of cap bytes registered with b. */
+typedef struct {
+  uint8_t *region;
+  dsv4_engine_t *a, *b;
+} beside_t;
+
+static beside_t beside_open(const char *other, size_t cap) {
+  beside_t t = {aligned_alloc(4096, cap), open_engine_chunked("cpu", 0),
+                open_engine_chunked(other, 0)};
+  assert_non_null(t.region);
+  assert_int_equal(dsv4_engine_host_register(t.b, t.region, cap), 0);
+  return t;
+}
+
+static void beside_close(beside_t *t) {
+  dsv4_engine_host_unregister(t->b, t->region);
+  dsv4_engine_destroy(t->a);
+  dsv4_engine_destroy(t->b);
+  free(t->region);
+}
+
 /* One batch on a (host memory) and b (its tensors in region, skew bytes off alignment): the same
  * answer. Returns the staged backend's uploads and downloads for b's batch (0 on other backends).
  */
@@ -1027,13 +1049,12 @@ static size_t in_place_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint8_t *region
 static void test_in_place_matches_cpu(void **state) {
   (void)state;
   const size_t cap = (size_t)8 << 20;
-  uint8_t *region = aligned_alloc(4096, cap);
-  assert_non_null(region);
   const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
-  dsv4_engine_t *a = open_engine_chunked("cpu", 0), *b = open_engine_chunked(other, 0);
+  beside_t t = beside_open(other, cap);
+  uint8_t *region = t.region;
+  dsv4_engine_t *a = t.a, *b = t.b;
   const int staged = !strcmp(other, "cpu_staged");
   const int fused = (b->be->ops->caps & DSV4_BE_ATTN_FUSED_Q) != 0;
-  assert_int_equal(dsv4_engine_host_register(b, region, cap), 0);
   const uint32_t prefill[2] = {40, 23}, one[2] = {1, 1};
   const int yes[2] = {1, 1}, no[2] = {0, 0};
   for (size_t skew = 0; skew <= 8; skew += 8) {
@@ -1068,10 +1089,7 @@ static void test_in_place_matches_cpu(void **state) {
     assert_true(sb.aliases > 0);
   }
   same_cache(a, b);
-  dsv4_engine_host_unregister(b, region);
-  dsv4_engine_destroy(a);
-  dsv4_engine_destroy(b);
-  free(region);
+  beside_close(&t);
 }
 
 /* The staged backend's launches so far (0 on other backends). */
@@ -1120,12 +1138,11 @@ static void refused_in_place(dsv4_engine_t *b, uint8_t *region, size_t cap, uint
 static void test_q_half_first(void **state) {
   (void)state;
   const size_t cap = (size_t)8 << 20;
-  uint8_t *region = aligned_alloc(4096, cap);
-  assert_non_null(region);
   const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
-  dsv4_engine_t *a = open_engine_chunked("cpu", 0), *b = open_engine_chunked(other, 0);
+  beside_t t = beside_open(other, cap);
+  uint8_t *region = t.region;
+  dsv4_engine_t *a = t.a, *b = t.b;
   const int staged = !strncmp(other, "cpu_staged", 10);
-  assert_int_equal(dsv4_engine_host_register(b, region, cap), 0);
   const uint32_t len[2] = {40, 23};
   const int yes[2] = {1, 1}, no[2] = {0, 0};
   const char *names[2] = {"e", "f"};
@@ -1148,10 +1165,7 @@ static void test_q_half_first(void **state) {
   st[0]--;
   (void)in_place_batch(a, b, region, cap, 0, 303, names, st, len, no, 0, 1);
   same_cache(a, b);
-  dsv4_engine_host_unregister(b, region);
-  dsv4_engine_destroy(a);
-  dsv4_engine_destroy(b);
-  free(region);
+  beside_close(&t);
 }
 
 /* A q-only batch of one segment (name at st, len tokens) for a (x, host memory) and b (y, in
@@ -1183,12 +1197,11 @@ static void same_q_answer(const attn_batch_t *x, const attn_batch_t *y) {
 static void test_q_half_first_beside_flight(void **state) {
   (void)state;
   const size_t cap = (size_t)16 << 20, quarter = cap / 4;
-  uint8_t *region = aligned_alloc(4096, cap);
-  assert_non_null(region);
   const char *other = !strncmp(backend, "cpu", 3) ? "cpu_staged_overlap" : backend;
-  dsv4_engine_t *a = open_engine_chunked("cpu", 0), *b = open_engine_chunked(other, 0);
+  beside_t t = beside_open(other, cap);
+  uint8_t *region = t.region;
+  dsv4_engine_t *a = t.a, *b = t.b;
   const int staged = !strncmp(other, "cpu_staged", 10);
-  assert_int_equal(dsv4_engine_host_register(b, region, cap), 0);
   attn_batch_t xa, ya, xb, yb, xd, yd;
   q_pair(&xa, &ya, 400, "ga", 0, 40, region, cap, 0);
   q_pair(&xb, &yb, 401, "gb", 0, 33, region, cap, quarter);
@@ -1223,10 +1236,7 @@ static void test_q_half_first_beside_flight(void **state) {
   attn_batch_free(&yb);
   attn_batch_free(&xd);
   attn_batch_free(&yd);
-  dsv4_engine_host_unregister(b, region);
-  dsv4_engine_destroy(a);
-  dsv4_engine_destroy(b);
-  free(region);
+  beside_close(&t);
 }
 
 /* ---- restore ---- */
