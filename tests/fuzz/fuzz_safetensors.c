@@ -11,6 +11,7 @@
 
 #include "dsv4-error.h"
 #include "safetensors.h"
+#include "st_views.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -19,18 +20,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 static void same_as_document(const uint8_t *buf, size_t size, int rc, const dsv4_st_view_t *v) {
   dsv4_st_view_t w;
   int rw = dsv4__st_parse_reference(buf, size, &w);
-  if (rw != rc || strcmp(w.error, v->error) || w.n_tensors != v->n_tensors || w.n_meta != v->n_meta)
+  if (st_views_differ(rc, v, rw, &w))
     abort();
-  for (size_t i = 0; i < w.n_tensors; i++) {
-    const dsv4_st_tensor_t *a = &v->tensors[i], *b = &w.tensors[i];
-    if (strcmp(a->name, b->name) || a->dtype != b->dtype || a->ndim != b->ndim ||
-        memcmp(a->shape, b->shape, sizeof(a->shape)) || a->nbytes != b->nbytes ||
-        a->offset != b->offset || a->data != b->data)
-      abort();
-  }
-  for (size_t i = 0; i < w.n_meta; i++)
-    if (strcmp(v->meta[i].key, w.meta[i].key) || strcmp(v->meta[i].value, w.meta[i].value))
-      abort();
   dsv4_st_view_free(&w);
 }
 

@@ -15,26 +15,7 @@
 #include "dsv4-error.h"
 #include "safetensors.h"
 #include "shm_msg.h"
-
-/* Two views (or refusals) of one header: the same answer, field by field; 0 or why. */
-static const char *shm_views_differ(int ra, const dsv4_st_view_t *a, int rb,
-                                    const dsv4_st_view_t *b) {
-  if (ra != rb || strcmp(a->error, b->error))
-    return "the header's answers differ";
-  if (a->n_tensors != b->n_tensors || a->n_meta != b->n_meta)
-    return "the header's entries differ";
-  for (size_t i = 0; i < a->n_tensors; i++) {
-    const dsv4_st_tensor_t *x = &a->tensors[i], *y = &b->tensors[i];
-    if (strcmp(x->name, y->name) || x->dtype != y->dtype || x->ndim != y->ndim ||
-        memcmp(x->shape, y->shape, sizeof(x->shape)) || x->nbytes != y->nbytes ||
-        x->offset != y->offset || x->data != y->data)
-      return "a tensor differs";
-  }
-  for (size_t i = 0; i < a->n_meta; i++)
-    if (strcmp(a->meta[i].key, b->meta[i].key) || strcmp(a->meta[i].value, b->meta[i].value))
-      return "a metadata entry differs";
-  return NULL;
-}
+#include "st_views.h"
 
 static const char *shm_fields_differ(const dsv4_shm_fwd_t *a, const dsv4_shm_fwd_t *b) {
   if (a->region_ok != b->region_ok || a->region != b->region)
@@ -83,7 +64,7 @@ static int shm_msg_check(const char *text, size_t len, size_t region_size, const
     int ra = dsv4_st_view_region_raw(a.raw, base, region_size, &va);
     a.raw = NULL; /* taken */
     int rb = dsv4_st_view_region(b.header, base, region_size, &vb);
-    *why = shm_views_differ(ra, &va, rb, &vb);
+    *why = st_views_differ(ra, &va, rb, &vb);
     dsv4_st_view_free(&va);
     dsv4_st_view_free(&vb);
   }
