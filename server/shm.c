@@ -368,7 +368,7 @@ static void op_unregister(conn_t *c, json_t *msg) {
       region_find(c, json_is_integer(id), json_is_integer(id) ? json_integer_value(id) : 0);
   if (!p) {
     answer_error(c, "unregister", DSV4_ENOTFOUND, "no such region on this connection",
-                 json_pack("{s:O?}", "region", json_object_get(msg, "region")));
+                 json_pack("{s:O?}", "region", id));
     return;
   }
   region_t *r = *p;
