@@ -2,8 +2,9 @@
  * codec_bench: a forward's safetensors headers on the loop thread, µs a call. The request header
  * of a decode of T one-token segments parsed (dsv4_st_parse, which reads the usual header without
  * a JSON document, against dsv4__st_parse_reference, jansson's document), and the answer's header
- * written (dsv4_st_build_header against dsv4__st_build_header_reference). Ceiling: a memcpy of the
- * same header bytes, what they cost without the work.
+ * written (dsv4_st_build_header against dsv4__st_build_header_reference), and its segments text
+ * read (dsv4__forward_segments, without a document and with one). Ceiling: a memcpy of the same
+ * header bytes, what they cost without the work.
  *
  *   codec_bench [--tokens 1,16,64] [--calls N]
  */
@@ -14,6 +15,7 @@
 #include <time.h>
 
 #include "dsv4-layout.h"
+#include "forward_parse.h"
 #include "safetensors.h"
 
 static double now_us(void) {
@@ -24,17 +26,35 @@ static double now_us(void) {
 
 static volatile size_t sink;
 
+/* The segments text of T one-token segments, as a gateway writes it. */
+static void segments_text(int tokens, char *segs, size_t cap) {
+  size_t n = 0;
+  n += (size_t)snprintf(segs + n, cap - n, "[");
+  for (int s = 0; s < tokens; s++)
+    n += (size_t)snprintf(segs + n, cap - n, "%s{\"seq\":\"seq-%d\",\"start\":%d,\"len\":1}",
+                          s ? "," : "", s, 1000 + s);
+  snprintf(segs + n, cap - n, "]");
+}
+
+static double time_segments(const char *text, int fast, int calls) {
+  char why[320];
+  double t0 = now_us();
+  for (int i = 0; i < calls; i++) {
+    dsv4_forward_req_t r;
+    memset(&r, 0, sizeof(r));
+    if (dsv4__forward_segments(text, 4096, fast, &r, why, sizeof(why)))
+      exit(1);
+    sink += r.n_segs;
+    dsv4_forward_req_free(&r);
+  }
+  return (now_us() - t0) / calls;
+}
+
 /* The request body of T one-token segments of 64 heads, as a client sends it (its header written
  * by the reference writer, the segments text escaped in the metadata). */
 static uint8_t *request(int tokens, size_t *len, size_t *hlen) {
   char segs[8192];
-  size_t n = 0;
-  n += (size_t)snprintf(segs + n, sizeof(segs) - n, "[");
-  for (int s = 0; s < tokens; s++)
-    n += (size_t)snprintf(segs + n, sizeof(segs) - n,
-                          "%s{\"name\":\"seq-%d\",\"start\":%d,\"len\":1}", s ? "," : "", s,
-                          1000 + s);
-  snprintf(segs + n, sizeof(segs) - n, "]");
+  segments_text(tokens, segs, sizeof(segs));
   const int64_t t = tokens;
   dsv4_st_desc_t d[2] = {
       {"q", DSV4_ST_BF16, 3, {t, 64, DSV4_HEAD_DIM}, (size_t)t * 64 * DSV4_HEAD_DIM * 2},
@@ -113,7 +133,8 @@ int main(int argc, char **argv) {
   printf("# codec_bench: a decode's request header parsed and its answer's header written, us a "
          "call (%d calls)\n",
          calls);
-  printf("tokens  header B | parse  parse(doc)  copy | write  write(doc)\n");
+  printf(
+      "tokens  header B | parse  parse(doc)  copy | write  write(doc) | segments  segments(doc)\n");
   for (const char *p = tokens; *p;) {
     int t = atoi(p);
     size_t len, hlen;
@@ -123,11 +144,16 @@ int main(int argc, char **argv) {
     double cp = time_copy(b, hlen, calls);
     double wf = time_build(dsv4_st_build_header, t, calls);
     double wr = time_build(dsv4__st_build_header_reference, t, calls);
-    printf("%6d  %8zu | %5.2f  %10.2f  %4.2f | %5.2f  %10.2f\n", t, hlen, pf, pr, cp, wf, wr);
+    char segs[8192];
+    segments_text(t, segs, sizeof(segs));
+    double sf = time_segments(segs, 1, calls), sr = time_segments(segs, 0, calls);
+    printf("%6d  %8zu | %5.2f  %10.2f  %4.2f | %5.2f  %10.2f | %8.2f  %13.2f\n", t, hlen, pf, pr,
+           cp, wf, wr, sf, sr);
     free(b);
     const char *comma = strchr(p, ',');
     p = comma ? comma + 1 : p + strlen(p);
   }
-  printf("# ceiling: copy = a memcpy of the request header's bytes\n");
+  printf("# ceiling: copy = a memcpy of the request header's bytes; segments: the segments text "
+         "read (doc: with jansson's document)\n");
   return sink == 0;
 }
