@@ -24,7 +24,6 @@ int dsv4_shm_fwd_from_doc(json_t *msg, dsv4_shm_fwd_t *m) {
   m->outs = n > DSV4_SHM_SCAN_OUTS ? calloc(n, sizeof(*m->outs)) : m->scan_outs;
   if (!m->outs)
     return DSV4_ENOMEM;
-  m->outs_heap = m->outs != m->scan_outs;
   const char *key;
   json_t *val;
   if (m->out_object)
@@ -126,7 +125,7 @@ int dsv4_shm_fwd_scan(const char *text, size_t len, dsv4_shm_fwd_t *m, size_t *u
 
 void dsv4_shm_fwd_free(dsv4_shm_fwd_t *m) {
   dsv4_st_raw_free(m->raw);
-  if (m->outs_heap)
+  if (m->outs != m->scan_outs)
     free(m->outs);
   free(m->mem);
   memset(m, 0, sizeof(*m));

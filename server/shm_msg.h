@@ -42,9 +42,8 @@ typedef struct {
   int out_object;     /* "out" is an object */
   dsv4_shm_out_t *outs;
   size_t n_outs;
-  /* What the fields own. */
+  /* What the fields own: outs is scan_outs unless a document had more entries (then malloc'd). */
   dsv4_shm_out_t scan_outs[DSV4_SHM_SCAN_OUTS];
-  int outs_heap;
   char *mem;
 } dsv4_shm_fwd_t;
 
