@@ -20,7 +20,8 @@ import glob
 import json
 import os
 
-__all__ = ["Client", "Region", "Result", "Dsv4Error", "load_library"]
+__all__ = ["Client", "Forward", "Region", "Reply", "Result", "Dsv4Error", "load_library",
+           "segments"]
 
 
 class Result(ctypes.Structure):
@@ -102,7 +103,60 @@ def _answer(lib, res):
     try:
         return json.loads(ctypes.string_at(res.json).decode()) if res.json else None
     finally:
-        lib.dsv4c_result_free(ctypes.byref(res))
+        lib.dsv4c_result_free(res)
+
+
+def _seg_array(segs):
+    """The C array of segments (seq, start, len[, new]): what Forward.segments takes, built once
+    for several Forwards (a step's layers of each kind)."""
+    return (_Segment * len(segs))(*[(s[0].encode(), s[1], s[2], 1 if len(s) > 3 and s[3] else 0)
+                                    for s in segs])
+
+
+segments = _seg_array  # public: Forward.segments takes what it makes
+
+
+def _forward_args(layer, segs, heads, q_off, kv_off, out, outputs, attention, deadline_ms,
+                  compressed):
+    """dsv4c_forward_t of Client.forward's arguments, segs a _seg_array."""
+    c = compressed or {}
+    return _Forward(layer, segs, len(segs), heads, outputs.encode(),
+                    attention.encode() if attention else None, q_off, kv_off,
+                    out.get("q_out", 0), out.get("slots", 0), out.get("attn", 0),
+                    out.get("lse", 0), -1 if deadline_ms is None else deadline_ms,
+                    c.get("ckv_width", 0), c.get("index_heads", 0), c.get("ckv", 0),
+                    c.get("ikv", 0), c.get("iq", 0), c.get("iw", 0), c.get("index_topk", 0),
+                    out.get("topk", 0))
+
+
+class Reply:
+    """A forward's answer as the C library read it (dsv4c_result_t): status, replayed,
+    cache_digest and attention as attributes, and answer, the whole JSON as Client.forward returns
+    it, parsed only when first read."""
+
+    __slots__ = ("status", "replayed", "_res_digest", "_res_attention", "_text", "_answer")
+
+    def __init__(self, res):
+        self.status, self.replayed = res.status, bool(res.replayed)
+        self._res_digest, self._res_attention = res.cache_digest, res.attention
+        self._text = ctypes.string_at(res.json) if res.json else None
+        self._answer = None
+
+    @property
+    def cache_digest(self):
+        """The cache digest (outputs naming digest), else ""."""
+        return self._res_digest.decode()
+
+    @property
+    def attention(self):
+        """"exact" or "fast" for a forward that ran attention, else ""."""
+        return self._res_attention.decode()
+
+    @property
+    def answer(self):
+        if self._answer is None and self._text is not None:
+            self._answer = json.loads(self._text)
+        return self._answer
 
 
 def _errno(rc, what):
@@ -166,7 +220,7 @@ class Client:
     def region(self, nbytes):
         """A new region of at least nbytes; Dsv4Error when the daemon refuses it."""
         h, res = ctypes.c_void_p(), Result()
-        rc = self._lib.dsv4c_region_create(self._c, nbytes, ctypes.byref(h), ctypes.byref(res))
+        rc = self._lib.dsv4c_region_create(self._c, nbytes, ctypes.byref(h), res)
         ans = _answer(self._lib, res)
         if rc == -71 and ans:  # EPROTO: the daemon answered with a refusal
             raise Dsv4Error(ans)
@@ -182,29 +236,28 @@ class Client:
         and iw (with index_heads) and index_topk for a topk output. Returns the answer as a dict
         (status, metadata, tensors: the outputs' header with data_offsets into the region); a
         refusal raises Dsv4Error unless check is false."""
-        segs = (_Segment * len(segments))()
-        for i, s in enumerate(segments):
-            segs[i] = _Segment(s[0].encode(), s[1], s[2], 1 if len(s) > 3 and s[3] else 0)
-        f = _Forward(layer, segs, len(segments), heads, outputs.encode(),
-                     attention.encode() if attention else None, q_off, kv_off,
-                     out.get("q_out", 0), out.get("slots", 0), out.get("attn", 0),
-                     out.get("lse", 0), -1 if deadline_ms is None else deadline_ms)
-        c = compressed or {}
-        f.ckv_width, f.index_heads = c.get("ckv_width", 0), c.get("index_heads", 0)
-        f.ckv_off, f.ikv_off = c.get("ckv", 0), c.get("ikv", 0)
-        f.iq_off, f.iw_off = c.get("iq", 0), c.get("iw", 0)
-        f.index_topk, f.topk_off = c.get("index_topk", 0), out.get("topk", 0)
+        if not (self._c and region._h):
+            raise ValueError("forward: the client is closed or the region destroyed")
+        f = _forward_args(layer, _seg_array(segments), heads, q_off, kv_off, out, outputs,
+                          attention, deadline_ms, compressed)
         res = Result()
-        rc = self._lib.dsv4c_forward(self._c, region._h, ctypes.byref(f), ctypes.byref(res))
+        rc = self._lib.dsv4c_forward(self._c, region._h, f, res)
         if rc:
             raise _errno(rc, "forward")
         return self._checked(_answer(self._lib, res), check)
+
+    def prepare(self, region, heads, q_off, kv_off, out, outputs="q", attention=None,
+                deadline_ms=None, compressed=None):
+        """A Forward: forward's arguments but the layer and the segments, built once for calls
+        that repeat them."""
+        return Forward(self, region, heads, q_off, kv_off, out, outputs, attention, deadline_ms,
+                       compressed)
 
     def request(self, msg, fd=-1, check=False):
         """A raw message (a dict or JSON text) with a descriptor attached when fd >= 0."""
         text = msg if isinstance(msg, str) else json.dumps(msg, separators=(",", ":"))
         res = Result()
-        rc = self._lib.dsv4c_request(self._c, text.encode(), fd, ctypes.byref(res))
+        rc = self._lib.dsv4c_request(self._c, text.encode(), fd, res)
         if rc:
             raise _errno(rc, "request")
         return self._checked(_answer(self._lib, res), check)
@@ -214,3 +267,53 @@ class Client:
         if check and ans["status"] != 200:
             raise Dsv4Error(ans)
         return ans
+
+
+class Forward:
+    """Client.forward's arguments built once (Client.prepare), for a caller that repeats them: a
+    gateway's decode step sends the same segments through every layer, and its layers' tensors lie
+    at the same offsets.
+
+        fw = c.prepare(r, heads=64, q_off=0, kv_off=kv_off, out=out)
+        for step in ...:
+            fw.segments([("req-1", pos, 1), ("req-2", pos2, 1)])
+            for layer in (0, 1):
+                ...                                   # q and kv of this layer into the region
+                rep = fw(layer)                       # a Reply; Dsv4Error on a refusal
+
+    Each kind of layer takes a Forward of its own (a compressed layer's tensors, SPEC §8.2, differ
+    by ratio); dsv4client.segments builds a step's segments once for all of them. One call costs
+    the C library's call and the reading of its result: no arguments are built and no JSON is
+    parsed unless Reply.answer is read."""
+
+    def __init__(self, client, region, heads, q_off, kv_off, out, outputs, attention, deadline_ms,
+                 compressed):
+        self._fn = client._lib.dsv4c_forward
+        self._free = client._lib.dsv4c_result_free
+        self._client, self._region = client, region
+        self._f = _forward_args(0, _seg_array([]), heads, q_off, kv_off, out, outputs, attention,
+                                deadline_ms, compressed)
+        self._res = Result()
+
+    def segments(self, segs):
+        """The segments of the next calls: a list of (seq, start, len[, new]), or the array
+        dsv4client.segments made of one."""
+        arr = segs if isinstance(segs, ctypes.Array) else _seg_array(segs)
+        self._f.segs, self._f.n_segs = arr, len(arr)
+
+    def __call__(self, layer, check=True):
+        """Run the batch on layer; a refusal raises Dsv4Error unless check is false."""
+        f, res, c, h = self._f, self._res, self._client._c, self._region._h
+        if not (c and h):
+            raise ValueError("forward: the client is closed or the region destroyed")
+        f.layer = layer
+        rc = self._fn(c, h, f, res)
+        if rc:
+            raise _errno(rc, "forward")
+        try:
+            rep = Reply(res)
+        finally:
+            self._free(res)
+        if check and rep.status != 200:
+            raise Dsv4Error(rep.answer)
+        return rep

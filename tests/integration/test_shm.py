@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dsv4_harness as h  # noqa: E402
-from dsv4_harness import Batch, Daemon, Seg, check, check_eq, expect_error  # noqa: E402
+from dsv4_harness import Batch, Daemon, Seg, check, check_eq  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
@@ -299,6 +299,97 @@ def refused(ans, status, code, what, words=None):
     if words:
         check(words in ans["error"]["message"], "%s: %r in %r" % (what, words,
                                                                   ans["error"]["message"]))
+
+
+def prepared_call(fw, region, batch, check_ok=True):
+    """The batch through a prepared Forward: its inputs written where fw reads them (the layout of
+    its shape), its segments set (as a list, or on layer 1 as dsv4client.segments' array), then the
+    call on its layer."""
+    kw = shm_inputs(region, batch)
+    segs = kw["segments"]
+    fw.segments(dsv4client.segments(segs) if kw["layer"] == 1 else segs)
+    return fw(kw["layer"], check=check_ok)
+
+
+def same_reply(a, fw, region, batch, what, attention=None):
+    """A prepared call's Reply against the HTTP daemon's answer to the same batch (attention: the
+    mode fw was prepared with): status, replayed, cache_digest and attention read without the JSON,
+    the answer parsed on demand, and the output bytes in the region."""
+    meta = batch.metadata()
+    if attention:
+        meta["attention"] = attention
+    ra = a.forward_raw(batch.body(meta))
+    check_eq(ra.status, 200, "%s over HTTP" % what)
+    rep = prepared_call(fw, region, batch)
+    meta, t = h.st_decode(ra.body)
+    check_eq((rep.status, rep.replayed, rep.cache_digest, rep.attention),
+             (200, meta.get("replayed") == "true", meta.get("cache_digest", ""),
+              meta.get("attention", "")), "%s: the reply's fields" % what)
+    check_eq(rep.answer["metadata"], meta, "%s: the answer's metadata" % what)
+    got = region_tensors(region, rep.answer)
+    check_eq(sorted(got), sorted(t), "%s: the tensors" % what)
+    for name, (_, _, raw) in t.items():
+        check(got[name] == bytes(raw), "%s: %s differs from the HTTP answer" % (what, name))
+    return rep
+
+
+def test_shm_prepared():
+    """Client.prepare: a decode step's segments set once and run through two layers, a replay and
+    a refusal give what the HTTP daemon gives, and the cache ends the same."""
+    rng = np.random.default_rng(98)
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        da, db, sock = daemons(work)
+        with da as a, db as b, dsv4client.Client(sock) as c:
+            b.wait_lines(lambda ln: '"listening"' in ln and '"shm"' in ln)
+            r = c.region(16 << 20)
+            pre = Batch.random(rng, 0, [Seg("u", 0, 30, True), Seg("v", 0, 7, True)], HEADS,
+                               outputs="q,attn,digest")
+            kw = shm_inputs(r, pre)
+            fw = c.prepare(r, HEADS, kw["q_off"], kw["kv_off"], kw["out"], kw["outputs"])
+            same_reply(a, fw, r, pre, "the prefill")
+            rep = same_reply(a, fw, r, pre, "its replay")
+            check(rep.replayed, "the replay's reply says so")
+            pre1 = Batch.random(rng, 1, [Seg("u", 0, 30), Seg("v", 0, 7)], HEADS,
+                                outputs="q,attn,digest")
+            same_reply(a, fw, r, pre1, "the prefill on layer 1")
+            # Decode steps: the same offsets for every step (a layout of 2 tokens), attention
+            # named exact (every backend runs it).
+            kw = shm_inputs(r, Batch.random(rng, 0, [Seg("u", 30, 1), Seg("v", 7, 1)], HEADS,
+                                            outputs="q,attn,digest"))
+            dec = c.prepare(r, HEADS, kw["q_off"], kw["kv_off"], kw["out"], "q,attn,digest",
+                            attention="exact")
+            for step in range(3):
+                for layer in (0, 1):
+                    d = Batch.random(rng, layer, [Seg("u", 30 + step, 1), Seg("v", 7 + step, 1)],
+                                     HEADS, outputs="q,attn,digest")
+                    rep = same_reply(a, dec, r, d, "decode %d layer %d" % (step, layer), "exact")
+                    check_eq(rep.attention, "exact", "decode %d layer %d: attention" % (step,
+                                                                                       layer))
+            # A position gap: refused as over HTTP, with the answer's error; nothing changes.
+            gap = Batch.random(rng, 0, [Seg("u", 40, 1), Seg("v", 10, 1)], HEADS)
+            err = a.forward_raw(gap.body())
+            check_eq(err.status, 409, "the gap over HTTP")
+            try:
+                prepared_call(dec, r, gap)
+                check(False, "the gap through a prepared call was not refused")
+            except dsv4client.Dsv4Error as e:
+                check_eq((e.status, e.code), (409, err.json()["error"]["code"]), "the gap's error")
+            rep = prepared_call(dec, r, gap, check_ok=False)
+            check_eq((rep.status, rep.answer["error"]["code"]), (409, "position_mismatch"),
+                     "the gap unchecked: its reply")
+            r.destroy()
+            # A destroyed region (its pages unmapped here) is refused before the library is
+            # called, by a Forward and by forward alike.
+            for call in (lambda: dec(0), lambda: c.forward(r, **kw)):
+                try:
+                    call()
+                    check(False, "a call on a destroyed region was not refused")
+                except ValueError as e:
+                    check("destroyed" in str(e), "the refusal says why: %s" % e)
+            same_state(a, b, ["u", "v"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_shm_registration_refusals():
@@ -611,6 +702,6 @@ def test_shm_max_connections():
 
 
 if __name__ == "__main__":
-    h.main([test_shm_same_bytes, test_shm_spin, test_shm_registration_refusals,
+    h.main([test_shm_same_bytes, test_shm_spin, test_shm_prepared, test_shm_registration_refusals,
             test_shm_bad_requests_change_nothing, test_shm_message_before_answer,
             test_shm_c_example, test_shm_close_and_drain, test_shm_max_connections])
