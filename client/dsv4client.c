@@ -1,6 +1,8 @@
 /*
  * libdsv4client (dsv4client.h): the messages of SPEC §6.1 over a SOCK_SEQPACKET socket, one JSON
- * object each way, built and read with jansson.
+ * object each way. A forward's message is written directly into buffers the client keeps, and its
+ * 200 answer read without a document; anything else (a name that needs escaping, an error, the
+ * region messages) is built and read with jansson.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* memfd_create, MFD_ALLOW_SEALING, F_ADD_SEALS */
@@ -15,6 +17,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -31,10 +34,21 @@
 /* The longest poll for an answer before sleeping (dsv4c_set_spin). */
 #define SPIN_MAX_US 10000u
 
+/* A text that grows, written without stdio (a decode step's message is built at every call). */
+typedef struct {
+  char *p;
+  size_t len, cap;
+  int oom; /* a growth failed: the text is incomplete */
+} text_t;
+
 struct dsv4c_client {
   int fd;
   char *token;
   uint32_t spin_us;
+  /* Kept from call to call (one request at a time): a forward's message, its segments' text, and
+   * the answer read. */
+  text_t msg, segs;
+  char *answer;
 };
 
 struct dsv4c_region {
@@ -75,6 +89,9 @@ void dsv4c_close(dsv4c_client_t *c) {
     return;
   close(c->fd);
   free(c->token);
+  free(c->msg.p);
+  free(c->segs.p);
+  free(c->answer);
   free(c);
 }
 
@@ -234,14 +251,17 @@ static int read_answer(const char *text, size_t len, dsv4c_result_t *res) {
   return fast <= 0 ? fast : read_answer_json(text, len, res);
 }
 
-int dsv4c_request(dsv4c_client_t *c, const char *msg, int fd, dsv4c_result_t *res) {
+/* Send one message, the concatenation of iov[0..n-1] (a descriptor attached when fd >= 0), and
+ * read its answer into res. */
+static int exchange(dsv4c_client_t *c, struct iovec *iov, int n_iov, int fd, dsv4c_result_t *res) {
   union {
     struct cmsghdr align;
     char buf[CMSG_SPACE(sizeof(int))];
   } ctl;
-  struct iovec iov = {(void *)msg, strlen(msg)};
-  struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+  struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n_iov};
   memset(res, 0, sizeof(*res));
+  if (!c->answer && !(c->answer = malloc(ANSWER_MAX)))
+    return -ENOMEM;
   if (fd >= 0) {
     memset(&ctl, 0, sizeof(ctl));
     mh.msg_control = ctl.buf;
@@ -263,9 +283,7 @@ int dsv4c_request(dsv4c_client_t *c, const char *msg, int fd, dsv4c_result_t *re
     return -err;
   if (n < 0)
     flags = MSG_DONTWAIT;
-  char *buf = malloc(ANSWER_MAX);
-  if (!buf)
-    return -ENOMEM;
+  char *buf = c->answer;
   n = recv_answer(c, buf, flags);
   /* A peer that closed with our request unread reports the reset first, and its last answer after
    * it. */
@@ -273,13 +291,14 @@ int dsv4c_request(dsv4c_client_t *c, const char *msg, int fd, dsv4c_result_t *re
     err = ECONNRESET;
     n = recv(c->fd, buf, ANSWER_MAX, MSG_DONTWAIT);
   }
-  if (err && n <= 0) {
-    free(buf);
+  if (err && n <= 0)
     return -err;
-  }
-  int rc = n < 0 ? -errno : n == 0 ? -ECONNRESET : read_answer(buf, (size_t)n, res);
-  free(buf);
-  return rc;
+  return n < 0 ? -errno : n == 0 ? -ECONNRESET : read_answer(buf, (size_t)n, res);
+}
+
+int dsv4c_request(dsv4c_client_t *c, const char *msg, int fd, dsv4c_result_t *res) {
+  struct iovec iov = {(void *)msg, strlen(msg)};
+  return exchange(c, &iov, 1, fd, res);
 }
 
 /* Send a message built as a JSON object (taken) and read the answer. */
@@ -413,32 +432,88 @@ static int plain_name(const char *name) {
   return 1;
 }
 
-/* The segments' JSON text written directly when every name is plain (a gateway's many one-token
- * segments cost a JSON document per call otherwise), else NULL: the caller builds it with jansson,
- * which escapes what needs it. */
-static char *segments_plain(const dsv4c_forward_t *f, uint64_t *n_tokens) {
-  size_t cap = 3;
-  for (uint32_t i = 0; i < f->n_segs; i++) {
-    if (!f->segs[i].seq || !plain_name(f->segs[i].seq))
-      return NULL;
-    cap += strlen(f->segs[i].seq) + 80;
+/* ---- text written without stdio ---- */
+
+/* Room for n more bytes and the terminating NUL: 1, or 0 when the text could not grow (oom). */
+static int text_room(text_t *t, size_t n) {
+  if (t->oom)
+    return 0;
+  if (t->len + n < t->cap)
+    return 1;
+  size_t cap = t->cap ? t->cap : 1024;
+  while (cap <= t->len + n)
+    cap *= 2;
+  char *p = realloc(t->p, cap);
+  if (!p) {
+    t->oom = 1;
+    return 0;
   }
-  char *t = malloc(cap);
-  size_t o = 0;
-  if (!t)
-    return NULL;
-  t[o++] = '[';
+  t->p = p;
+  t->cap = cap;
+  return 1;
+}
+
+static void put_mem(text_t *t, const char *s, size_t n) {
+  if (!text_room(t, n))
+    return;
+  memcpy(t->p + t->len, s, n);
+  t->len += n;
+  t->p[t->len] = '\0';
+}
+
+/* A string literal's bytes. */
+#define put_lit(t, lit) put_mem((t), (lit), sizeof(lit) - 1)
+
+static void put_str(text_t *t, const char *s) {
+  put_mem(t, s, strlen(s));
+}
+
+static void put_u64(text_t *t, uint64_t v) {
+  char b[20];
+  size_t i = sizeof(b);
+  do
+    b[--i] = (char)('0' + v % 10);
+  while (v /= 10);
+  put_mem(t, b + i, sizeof(b) - i);
+}
+
+static void put_i64(text_t *t, int64_t v) {
+  if (v < 0)
+    put_lit(t, "-");
+  put_u64(t, v < 0 ? 0 - (uint64_t)v : (uint64_t)v);
+}
+
+/* t emptied for a new text. */
+static void text_reset(text_t *t) {
+  t->len = 0;
+  t->oom = 0;
+  if (text_room(t, 0))
+    t->p[0] = '\0';
+}
+
+/* The segments' JSON text written directly into t when every name is plain (a gateway's many
+ * one-token segments cost a JSON document per call otherwise): 1, with *n_tokens their tokens; 0
+ * when a name needs jansson, which escapes what needs it. t->oom tells a text cut short. */
+static int segments_plain(const dsv4c_forward_t *f, text_t *t, uint64_t *n_tokens) {
+  for (uint32_t i = 0; i < f->n_segs; i++)
+    if (!f->segs[i].seq || !plain_name(f->segs[i].seq))
+      return 0;
+  text_reset(t);
+  put_lit(t, "[");
   *n_tokens = 0;
   for (uint32_t i = 0; i < f->n_segs; i++) {
     const dsv4c_segment_t *sg = &f->segs[i];
-    o += (size_t)snprintf(t + o, cap - o,
-                          "%s{\"seq\":\"%s\",\"start\":%" PRId64 ",\"len\":%" PRIu32 "%s}",
-                          i ? "," : "", sg->seq, (int64_t)sg->start, (uint32_t)sg->len,
-                          sg->is_new ? ",\"new\":true" : "");
+    put_str(t, i ? ",{\"seq\":\"" : "{\"seq\":\"");
+    put_str(t, sg->seq);
+    put_lit(t, "\",\"start\":");
+    put_i64(t, sg->start);
+    put_lit(t, ",\"len\":");
+    put_u64(t, sg->len);
+    put_str(t, sg->is_new ? ",\"new\":true}" : "}");
     *n_tokens += sg->len;
   }
-  snprintf(t + o, cap - o, "]");
-  return t;
+  put_lit(t, "]");
+  return 1;
 }
 
 /* The segments' JSON text through jansson (any name it can encode), or NULL. */
@@ -470,7 +545,12 @@ static char *segments_json(const dsv4c_forward_t *f, uint64_t *n_tokens) {
  * escaping here and the unescaping in the daemon, about 20 and 35 us at 64 segments.
  */
 static json_t *metadata(const dsv4c_forward_t *f, uint64_t *n_tokens, char **after) {
-  *after = segments_plain(f, n_tokens);
+  text_t plain = {0};
+  *after = NULL;
+  if (segments_plain(f, &plain, n_tokens) && !plain.oom)
+    *after = plain.p;
+  else
+    free(plain.p);
   char *segs_text = *after ? NULL : segments_json(f, n_tokens);
   if (!*after && !segs_text)
     return NULL;
@@ -516,59 +596,78 @@ static int plain_words(const char *s) {
 }
 
 /* A tensor's header entry, as typed_entry makes it; dims < 0 end the shape. */
-static void put_entry(FILE *x, const char *name, const char *dtype, int64_t d0, int64_t d1,
+static void put_entry(text_t *x, const char *name, const char *dtype, int64_t d0, int64_t d1,
                       int64_t d2, size_t off, size_t nbytes) {
-  fprintf(x, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%" PRId64, name, dtype, d0);
-  if (d1 >= 0)
-    fprintf(x, ",%" PRId64, d1);
-  if (d2 >= 0)
-    fprintf(x, ",%" PRId64, d2);
-  fprintf(x, "],\"data_offsets\":[%zu,%zu]}", off, off + nbytes);
+  put_lit(x, ",\"");
+  put_str(x, name);
+  put_lit(x, "\":{\"dtype\":\"");
+  put_str(x, dtype);
+  put_lit(x, "\",\"shape\":[");
+  put_i64(x, d0);
+  for (int i = 0; i < 2; i++) {
+    const int64_t d = i ? d2 : d1;
+    if (d < 0)
+      break;
+    put_lit(x, ",");
+    put_i64(x, d);
+  }
+  put_lit(x, "],\"data_offsets\":[");
+  put_u64(x, off);
+  put_lit(x, ",");
+  put_u64(x, off + nbytes);
+  put_lit(x, "]}");
 }
 
 /* The offsets of the outputs asked for, as out_offsets gives them: slots, then each output name
  * of the list once. */
-static void put_outs(FILE *x, const dsv4c_forward_t *f) {
+static void put_outs(text_t *x, const dsv4c_forward_t *f) {
   static const char *const word[4] = {"q", "attn", "lse", "topk"};
-  static const char *const key[4] = {"q_out", "attn", "lse", "topk"};
+  static const char *const key[4] = {",\"q_out\":", ",\"attn\":", ",\"lse\":", ",\"topk\":"};
   const size_t off[4] = {f->q_out_off, f->attn_off, f->lse_off, f->topk_off};
   int seen[4] = {0};
   char list[64];
   snprintf(list, sizeof(list), "%s", f->outputs ? f->outputs : "q");
-  fprintf(x, ",\"out\":{\"slots\":%zu", f->slots_off);
+  put_lit(x, ",\"out\":{\"slots\":");
+  put_u64(x, f->slots_off);
   for (char *save = NULL, *t = strtok_r(list, ", ", &save); t; t = strtok_r(NULL, ", ", &save))
     for (int i = 0; i < 4; i++)
       if (!strcmp(t, word[i]) && !seen[i]) {
         seen[i] = 1;
-        fprintf(x, ",\"%s\":%zu", key[i], off[i]);
+        put_str(x, key[i]);
+        put_u64(x, off[i]);
       }
-  fprintf(x, "}");
+  put_lit(x, "}");
 }
 
 /*
- * The forward message written directly, the document dsv4c_forward would build with jansson and
- * dump (the same keys, in the same order): when the segments go plain after it (segments_plain)
- * and outputs and attention need no escaping, so that a decode step costs no document. NULL
- * otherwise, or when out of memory: the caller builds the message with jansson. *after is the
- * segments' text.
+ * The forward message written directly into x, the document dsv4c_forward would build with jansson
+ * and dump (the same keys, in the same order), and the segments' text into after
+ * (segments_plain): 1, when the segments are plain and outputs and attention need no escaping, so
+ * that a decode step costs no document. 0 otherwise: the caller builds the message with jansson.
+ * x->oom or after->oom tells a text cut short.
  */
-static char *forward_plain(const dsv4c_region_t *r, const dsv4c_forward_t *f, char **after) {
+static int forward_plain(const dsv4c_region_t *r, const dsv4c_forward_t *f, text_t *x,
+                         text_t *after) {
   uint64_t n;
   const char *outputs = f->outputs ? f->outputs : "q";
   if (!plain_words(outputs) || (f->attention && !plain_words(f->attention)) ||
-      !(*after = segments_plain(f, &n)))
-    return NULL;
+      !segments_plain(f, after, &n))
+    return 0;
   const int64_t jn = (int64_t)n, ih = (int64_t)f->index_heads;
-  char *t = NULL;
-  size_t len = 0;
-  FILE *x = open_memstream(&t, &len);
-  if (!x)
-    return NULL;
-  fprintf(x, "{\"op\":\"forward\",\"region\":%" PRIu32 ",\"header\":{\"__metadata__\":{", r->id);
-  fprintf(x, "\"layer\":\"%" PRIu32 "\",\"outputs\":\"%s\"", f->layer, outputs);
-  if (f->attention)
-    fprintf(x, ",\"attention\":\"%s\"", f->attention);
-  fprintf(x, "}");
+  text_reset(x);
+  put_lit(x, "{\"op\":\"forward\",\"region\":");
+  put_u64(x, r->id);
+  put_lit(x, ",\"header\":{\"__metadata__\":{\"layer\":\"");
+  put_u64(x, f->layer);
+  put_lit(x, "\",\"outputs\":\"");
+  put_str(x, outputs);
+  put_lit(x, "\"");
+  if (f->attention) {
+    put_lit(x, ",\"attention\":\"");
+    put_str(x, f->attention);
+    put_lit(x, "\"");
+  }
+  put_lit(x, "}");
   put_entry(x, "q", "BF16", jn, f->heads, HEAD_DIM, f->q_off,
             (size_t)n * f->heads * HEAD_DIM * BF16_BYTES);
   put_entry(x, "kv", "BF16", jn, HEAD_DIM, -1, f->kv_off, (size_t)n * HEAD_DIM * BF16_BYTES);
@@ -580,16 +679,16 @@ static char *forward_plain(const dsv4c_region_t *r, const dsv4c_forward_t *f, ch
               (size_t)n * f->index_heads * 128 * BF16_BYTES);
     put_entry(x, "iw", "F32", jn, ih, -1, f->iw_off, (size_t)n * f->index_heads * 4);
   }
-  fprintf(x, "}");
+  put_lit(x, "}");
   put_outs(x, f);
-  if (f->deadline_ms >= 0)
-    fprintf(x, ",\"deadline_ms\":%" PRId64, (int64_t)f->deadline_ms);
-  fprintf(x, ",\"segments_bytes\":%zu}", strlen(*after));
-  if (fclose(x) != 0) { /* out of memory */
-    free(t);
-    return NULL;
+  if (f->deadline_ms >= 0) {
+    put_lit(x, ",\"deadline_ms\":");
+    put_i64(x, f->deadline_ms);
   }
-  return t;
+  put_lit(x, ",\"segments_bytes\":");
+  put_u64(x, after->len);
+  put_lit(x, "}");
+  return 1;
 }
 
 /* The forward message built with jansson and dumped (any segment names, outputs and attention it
@@ -622,24 +721,18 @@ static char *forward_json(const dsv4c_region_t *r, const dsv4c_forward_t *f, cha
 
 int dsv4c_forward(dsv4c_client_t *c, const dsv4c_region_t *r, const dsv4c_forward_t *f,
                   dsv4c_result_t *res) {
+  memset(res, 0, sizeof(*res));
+  if (forward_plain(r, f, &c->msg, &c->segs)) {
+    if (c->msg.oom || c->segs.oom)
+      return -ENOMEM;
+    struct iovec iov[2] = {{c->msg.p, c->msg.len}, {c->segs.p, c->segs.len}};
+    return exchange(c, iov, 2, -1, res);
+  }
   char *after = NULL;
-  char *text = forward_plain(r, f, &after);
-  if (!text) {
-    free(after);
-    after = NULL;
-    text = forward_json(r, f, &after);
-  }
-  if (text && after) {
-    const size_t a = strlen(text), b = strlen(after);
-    char *all = realloc(text, a + b + 1);
-    if (all)
-      memcpy(all + a, after, b + 1);
-    else
-      free(text);
-    text = all;
-  }
-  free(after);
-  const int rc = text ? dsv4c_request(c, text, -1, res) : -ENOMEM;
+  char *text = forward_json(r, f, &after);
+  struct iovec iov[2] = {{text, text ? strlen(text) : 0}, {after, after ? strlen(after) : 0}};
+  const int rc = text ? exchange(c, iov, after ? 2 : 1, -1, res) : -ENOMEM;
   free(text);
+  free(after);
   return rc;
 }

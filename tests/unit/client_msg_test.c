@@ -3,7 +3,7 @@
  * the text forward_plain writes directly is byte for byte the text forward_json dumps from the
  * document jansson builds, for every form a forward takes (outputs in any order, repeated or
  * spaced, attention, a deadline, a compressed layer's tensors, new segments), and the plain
- * builder steps aside (NULL) where escaping is needed, leaving those requests to jansson; and the
+ * builder steps aside (0) where escaping is needed, leaving those requests to jansson; and the
  * answer reader takes the daemon's form of a forward's 200 answer without jansson, with the same
  * fields, and leaves every other text to jansson.
  */
@@ -18,29 +18,40 @@
 /* Both builders on f: the same message text and the same segments' text after it. */
 static void same_message(const dsv4c_forward_t *f) {
   const dsv4c_region_t r = {.base = NULL, .size = 1u << 30, .id = 7};
-  char *after_p = NULL, *after_j = NULL;
-  char *p = forward_plain(&r, f, &after_p);
+  /* The plain texts start non-empty: forward_plain writes them from the start. */
+  text_t p = {0}, after_p = {0};
+  put_lit(&p, "stale");
+  put_lit(&after_p, "stale");
+  char *after_j = NULL;
+  assert_int_equal(forward_plain(&r, f, &p, &after_p), 1);
   char *j = forward_json(&r, f, &after_j);
-  assert_non_null(p);
+  assert_false(p.oom || after_p.oom);
   assert_non_null(j);
-  assert_string_equal(p, j);
-  assert_non_null(after_p);
+  assert_string_equal(p.p, j);
+  assert_int_equal(p.len, strlen(j));
   assert_non_null(after_j);
-  assert_string_equal(after_p, after_j);
-  free(p), free(j), free(after_p), free(after_j);
+  assert_string_equal(after_p.p, after_j);
+  assert_int_equal(after_p.len, strlen(after_j));
+  /* Both paths write plain segments with segments_plain: their text against jansson's dump. */
+  uint64_t n = 0;
+  char *segs_j = segments_json(f, &n);
+  assert_non_null(segs_j);
+  assert_string_equal(after_p.p, segs_j);
+  free(p.p), free(j), free(after_p.p), free(after_j), free(segs_j);
 }
 
 static void test_plain_equals_jansson(void **state) {
   (void)state;
-  const dsv4c_segment_t segs[3] = {
-      {"req-1", 0, 150, 1}, {"b.2:x_y", 40, 1, 0}, {"c", 9000000000LL, 3, 0}};
+  /* A negative start is the daemon's to refuse: the message carries it as jansson writes it. */
+  const dsv4c_segment_t segs[4] = {
+      {"req-1", 0, 150, 1}, {"b.2:x_y", 40, 1, 0}, {"c", 9000000000LL, 3, 0}, {"d", -5, 1, 0}};
   const char *outputs[] = {
       NULL, "q", "attn", "q,attn,lse,digest", "lse, attn ,q,q,topk", "digest", "topk,attn,lse,q"};
   for (size_t o = 0; o < sizeof(outputs) / sizeof(outputs[0]); o++)
     for (int form = 0; form < 4; form++) {
       dsv4c_forward_t f = {.layer = 2 + form,
                            .segs = segs,
-                           .n_segs = form == 1 ? 1 : 3,
+                           .n_segs = form == 1 ? 1 : 4,
                            .heads = 64,
                            .outputs = outputs[o],
                            .attention = form == 2   ? "fast"
@@ -69,7 +80,7 @@ static void test_plain_equals_jansson(void **state) {
     }
 }
 
-/* What needs escaping goes to jansson: the plain builder returns NULL and leaves no text. */
+/* What needs escaping goes to jansson: the plain builder returns 0 and writes no message. */
 static void test_escaping_left_to_jansson(void **state) {
   (void)state;
   const dsv4c_segment_t plain = {"a", 0, 1, 1}, quoted = {"a\"b", 0, 1, 1};
@@ -85,11 +96,12 @@ static void test_escaping_left_to_jansson(void **state) {
                          .outputs = cases[i].outputs,
                          .attention = cases[i].attention,
                          .deadline_ms = -1};
+    text_t p = {0}, plain_after = {0};
+    assert_int_equal(forward_plain(&r, &f, &p, &plain_after), 0);
+    assert_int_equal(p.len, 0);
+    free(p.p);
+    free(plain_after.p);
     char *after = NULL;
-    char *p = forward_plain(&r, &f, &after);
-    assert_null(p);
-    free(after);
-    after = NULL;
     char *j = forward_json(&r, &f, &after);
     assert_non_null(j); /* jansson escapes it; the daemon then judges the request */
     json_error_t err;
