@@ -379,7 +379,7 @@ int dsv4c_region_destroy(dsv4c_client_t *c, dsv4c_region_t *r) {
   if (!r)
     return 0;
   if (c) {
-    dsv4c_result_t res;
+    dsv4c_result_t res = {0};
     rc = request_doc(c, json_pack("{s:s,s:I}", "op", "unregister", "region", (json_int_t)r->id), -1,
                      &res);
     if (!rc && res.status != 200)

@@ -8,9 +8,10 @@
  * q_out, slots, attn and lse at the offsets given. Nothing is copied through a socket: a message
  * each way carries only the metadata.
  *
- * Calls on one client are made one at a time (one request in flight per connection); use one
- * client per thread. Functions return 0 or a negative errno for the transport (the connection,
- * the memfd); the daemon's answer, success or refusal, is in a dsv4c_result_t.
+ * Calls on one client are made one at a time (one request in flight per connection, and the
+ * client's message and answer buffers are reused from call to call): use one client per thread,
+ * or a lock around its calls. Functions return 0 or a negative errno for the transport (the
+ * connection, the memfd); the daemon's answer, success or refusal, is in a dsv4c_result_t.
  */
 
 #include <stddef.h>

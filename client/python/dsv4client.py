@@ -19,6 +19,7 @@ import ctypes.util
 import glob
 import json
 import os
+import threading
 
 __all__ = ["Client", "Forward", "Region", "Reply", "Result", "Dsv4Error", "load_library",
            "segments"]
@@ -187,17 +188,21 @@ class Region:
         if self._h:
             self.buffer.release()
             h, self._h = self._h, None
-            rc = self._client._lib.dsv4c_region_destroy(self._client._c, h)
+            with self._client._lock:  # a closed client's region is unmapped only
+                rc = self._client._lib.dsv4c_region_destroy(self._client._c, h)
             if rc:
                 raise _errno(rc, "unregister")
 
 
 class Client:
-    """One connection to the daemon's listen_shm socket; one request at a time."""
+    """One connection to the daemon's listen_shm socket; one request at a time: threads that share
+    a client (or its Forwards) take turns on its lock, since the library reuses the connection's
+    buffers from call to call."""
 
     def __init__(self, path, token=None, lib=None, spin_us=0):
         """spin_us: poll for each answer that long before sleeping (dsv4c_set_spin)."""
         self._lib = lib or load_library()
+        self._lock = threading.Lock()
         self._c = ctypes.c_void_p()
         rc = self._lib.dsv4c_connect(path.encode(), token.encode() if token else None,
                                      ctypes.byref(self._c))
@@ -207,9 +212,17 @@ class Client:
             self._lib.dsv4c_set_spin(self._c, spin_us)
 
     def close(self):
-        if self._c:
-            self._lib.dsv4c_close(self._c)
-            self._c = ctypes.c_void_p()
+        with self._lock:
+            if self._c:
+                self._lib.dsv4c_close(self._c)
+                self._c = ctypes.c_void_p()
+
+    def _live(self, region=None):
+        """The connection's handle; ValueError when the client is closed or the region destroyed
+        (the library would be handed a null handle)."""
+        if not self._c or (region is not None and not region._h):
+            raise ValueError("the client is closed or the region destroyed")
+        return self._c
 
     def __enter__(self):
         return self
@@ -220,7 +233,8 @@ class Client:
     def region(self, nbytes):
         """A new region of at least nbytes; Dsv4Error when the daemon refuses it."""
         h, res = ctypes.c_void_p(), Result()
-        rc = self._lib.dsv4c_region_create(self._c, nbytes, ctypes.byref(h), res)
+        with self._lock:
+            rc = self._lib.dsv4c_region_create(self._live(), nbytes, ctypes.byref(h), res)
         ans = _answer(self._lib, res)
         if rc == -71 and ans:  # EPROTO: the daemon answered with a refusal
             raise Dsv4Error(ans)
@@ -236,12 +250,11 @@ class Client:
         and iw (with index_heads) and index_topk for a topk output. Returns the answer as a dict
         (status, metadata, tensors: the outputs' header with data_offsets into the region); a
         refusal raises Dsv4Error unless check is false."""
-        if not (self._c and region._h):
-            raise ValueError("forward: the client is closed or the region destroyed")
         f = _forward_args(layer, _seg_array(segments), heads, q_off, kv_off, out, outputs,
                           attention, deadline_ms, compressed)
         res = Result()
-        rc = self._lib.dsv4c_forward(self._c, region._h, f, res)
+        with self._lock:
+            rc = self._lib.dsv4c_forward(self._live(region), region._h, f, res)
         if rc:
             raise _errno(rc, "forward")
         return self._checked(_answer(self._lib, res), check)
@@ -257,7 +270,8 @@ class Client:
         """A raw message (a dict or JSON text) with a descriptor attached when fd >= 0."""
         text = msg if isinstance(msg, str) else json.dumps(msg, separators=(",", ":"))
         res = Result()
-        rc = self._lib.dsv4c_request(self._c, text.encode(), fd, res)
+        with self._lock:
+            rc = self._lib.dsv4c_request(self._live(), text.encode(), fd, res)
         if rc:
             raise _errno(rc, "request")
         return self._checked(_answer(self._lib, res), check)
@@ -303,17 +317,17 @@ class Forward:
 
     def __call__(self, layer, check=True):
         """Run the batch on layer; a refusal raises Dsv4Error unless check is false."""
-        f, res, c, h = self._f, self._res, self._client._c, self._region._h
-        if not (c and h):
-            raise ValueError("forward: the client is closed or the region destroyed")
-        f.layer = layer
-        rc = self._fn(c, h, f, res)
+        f, res, client, region = self._f, self._res, self._client, self._region
+        with client._lock:
+            c = client._live(region)
+            f.layer = layer
+            rc = self._fn(c, region._h, f, res)
+            try:
+                rep = None if rc else Reply(res)
+            finally:
+                self._free(res)
         if rc:
             raise _errno(rc, "forward")
-        try:
-            rep = Reply(res)
-        finally:
-            self._free(res)
         if check and rep.status != 200:
             raise Dsv4Error(rep.answer)
         return rep

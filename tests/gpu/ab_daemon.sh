@@ -14,9 +14,9 @@
 # The server's Debian packages in .debs/ are unpacked into .devroot/ (never into /), as
 # run_quick.sh does; without .debs/ the system's are used.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
 if [ $# -lt 1 ] || [ ! -d "$1" ]; then echo "usage: $0 OLD_SRC [cuda|cpu]" >&2; exit 2; fi
 old_src=$(cd "$1" && pwd)
+cd "$(dirname "$0")/../.."
 backend=${2:-cuda}
 rounds=${ROUNDS:-2}
 tokens=${TOKENS:-1 16 64}
@@ -45,9 +45,10 @@ cuda=OFF
 # build NAME SRC: the daemon and the benchmarks of one tree into build-ab-NAME.
 build() {
   local name=$1 src=$2 dir=$PWD/build-ab-$1
+  # (an empty array under set -u: bash before 4.4 needs the ${a[@]+...} form)
   cmake -S "$src" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=ON -DDSV4_CUDA=$cuda \
-    -DDSV4_LEVEL_ZERO=OFF -DCMAKE_CUDA_ARCHITECTURES="${DSV4_CUDA_ARCH:-90}" "${prefix[@]}" \
-    >"$out/configure-$name.log" 2>&1 || { tail -n 30 "$out/configure-$name.log"; exit 1; }
+    -DDSV4_LEVEL_ZERO=OFF -DCMAKE_CUDA_ARCHITECTURES="${DSV4_CUDA_ARCH:-90}" \
+    ${prefix[@]+"${prefix[@]}"} >"$out/configure-$name.log" 2>&1 || { tail -n 30 "$out/configure-$name.log"; exit 1; }
   cmake --build "$dir" -j"$(nproc)" --target dsv4d shm_bench http_bench bare_server \
     >"$out/build-$name.log" 2>&1 || { grep -E -A6 "error" "$out/build-$name.log" | head -n 40; exit 1; }
 }

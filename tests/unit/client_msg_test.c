@@ -98,7 +98,6 @@ static void test_escaping_left_to_jansson(void **state) {
                          .deadline_ms = -1};
     text_t p = {0}, plain_after = {0};
     assert_int_equal(forward_plain(&r, &f, &p, &plain_after), 0);
-    assert_int_equal(p.len, 0);
     free(p.p);
     free(plain_after.p);
     char *after = NULL;
