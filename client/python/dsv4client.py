@@ -119,8 +119,12 @@ segments = _seg_array  # public: Forward.segments takes what it makes
 
 def _forward_args(layer, segs, heads, q_off, kv_off, out, outputs, attention, deadline_ms,
                   compressed):
-    """dsv4c_forward_t of Client.forward's arguments, segs a _seg_array."""
+    """dsv4c_forward_t of Client.forward's arguments, segs a _seg_array. A negative offset is a
+    ValueError (ctypes would wrap it into a huge size_t)."""
     c = compressed or {}
+    offs = [q_off, kv_off] + list(out.values()) + [v for v in c.values() if v is not None]
+    if any(v < 0 for v in offs):
+        raise ValueError("forward: a negative offset or width (%r)" % min(offs))
     return _Forward(layer, segs, len(segs), heads, outputs.encode(),
                     attention.encode() if attention else None, q_off, kv_off,
                     out.get("q_out", 0), out.get("slots", 0), out.get("attn", 0),

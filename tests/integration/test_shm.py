@@ -416,6 +416,15 @@ def test_shm_prepared():
             same_state(a, b, ["u", "v"])
             # (the threads' sequences are b's alone: after the comparison)
             shared_client_threads(c, r, rng)
+            # A negative offset is refused in Python (ctypes would wrap it to a huge size_t).
+            neg = dict(kw, out=dict(kw["out"], q_out=-64))
+            for call in (lambda: c.prepare(r, HEADS, -64, kw["kv_off"], kw["out"]),
+                         lambda: c.forward(r, **neg)):
+                try:
+                    call()
+                    check(False, "a negative offset was not refused")
+                except ValueError as e:
+                    check("negative" in str(e), "the refusal says why: %s" % e)
             r.destroy()
             # A destroyed region (its pages unmapped here) is refused before the library is
             # called, by a Forward and by forward alike.
