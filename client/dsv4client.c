@@ -55,6 +55,7 @@ struct dsv4c_region {
   uint8_t *base;
   size_t size;
   uint32_t id;
+  const dsv4c_client_t *client; /* the connection the id belongs to */
 };
 
 int dsv4c_connect(const char *path, const char *token, dsv4c_client_t **out) {
@@ -357,6 +358,7 @@ int dsv4c_region_create(dsv4c_client_t *c, size_t bytes, dsv4c_region_t **out,
     return rc;
   }
   reg->base = base;
+  reg->client = c;
   reg->size = size;
   *out = reg;
   return 0;
@@ -378,6 +380,8 @@ int dsv4c_region_destroy(dsv4c_client_t *c, dsv4c_region_t *r) {
   int rc = 0;
   if (!r)
     return 0;
+  if (c && c != r->client)
+    return -EINVAL;
   if (c) {
     dsv4c_result_t res = {0};
     rc = request_doc(c, json_pack("{s:s,s:I}", "op", "unregister", "region", (json_int_t)r->id), -1,
@@ -722,6 +726,8 @@ static char *forward_json(const dsv4c_region_t *r, const dsv4c_forward_t *f, cha
 int dsv4c_forward(dsv4c_client_t *c, const dsv4c_region_t *r, const dsv4c_forward_t *f,
                   dsv4c_result_t *res) {
   memset(res, 0, sizeof(*res));
+  if (r->client != c)
+    return -EINVAL;
   if (forward_plain(r, f, &c->msg, &c->segs)) {
     if (c->msg.oom || c->segs.oom)
       return -ENOMEM;

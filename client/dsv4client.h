@@ -60,7 +60,9 @@ void *dsv4c_region_data(const dsv4c_region_t *r);
 size_t dsv4c_region_size(const dsv4c_region_t *r);
 /* The daemon's id of the region (in raw messages). */
 uint32_t dsv4c_region_id(const dsv4c_region_t *r);
-/* Unregister (when the connection is still open), unmap and free. */
+/* Unregister (when the connection is still open), unmap and free. c is the client that created r,
+ * or NULL when it is closed (r is then only unmapped); another client's region is -EINVAL and
+ * stays as it was (region ids are the connection's own: another connection may hold the same). */
 int dsv4c_region_destroy(dsv4c_client_t *c, dsv4c_region_t *r);
 
 /* One segment of a batch (SPEC §4). */
@@ -101,7 +103,8 @@ typedef struct {
   size_t topk_off;
 } dsv4c_forward_t;
 
-/* Run one batch. 0 when the daemon answered (res->status says how), else the transport's error. */
+/* Run one batch. 0 when the daemon answered (res->status says how), else the transport's error;
+ * -EINVAL, nothing sent, when r is not c's region. */
 int dsv4c_forward(dsv4c_client_t *c, const dsv4c_region_t *r, const dsv4c_forward_t *f,
                   dsv4c_result_t *res);
 

@@ -223,9 +223,11 @@ class Client:
 
     def _live(self, region=None):
         """The connection's handle; ValueError when the client is closed or the region destroyed
-        (the library would be handed a null handle)."""
+        (the library would be handed a null handle), or the region is another client's."""
         if not self._c or (region is not None and not region._h):
             raise ValueError("the client is closed or the region destroyed")
+        if region is not None and region._client is not self:
+            raise ValueError("the region is another client's")
         return self._c
 
     def __enter__(self):

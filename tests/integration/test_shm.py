@@ -416,6 +416,23 @@ def test_shm_prepared():
             same_state(a, b, ["u", "v"])
             # (the threads' sequences are b's alone: after the comparison)
             shared_client_threads(c, r, rng)
+            # Region ids are each connection's own: another client's region is refused, in Python
+            # and by the library itself (-EINVAL, nothing sent).
+            with dsv4client.Client(sock) as c2:
+                r2 = c2.region(1 << 20)
+                try:
+                    c2.forward(r, **kw)
+                    check(False, "another client's region was not refused")
+                except ValueError as e:
+                    check("another client" in str(e), "the refusal says why: %s" % e)
+                f = dsv4client._forward_args(0, dsv4client.segments([("u", 0, 1)]), HEADS,
+                                             kw["q_off"], kw["kv_off"], kw["out"], "q", None, None,
+                                             None)
+                check_eq(c2._lib.dsv4c_forward(c2._c, r._h, f, dsv4client.Result()), -22,
+                         "the library's answer to another client's region")
+                check_eq(c2._lib.dsv4c_region_destroy(c2._c, r._h), -22,
+                         "the library's destroy of another client's region")
+                r2.destroy()
             # A negative offset is refused in Python (ctypes would wrap it to a huge size_t).
             neg = dict(kw, out=dict(kw["out"], q_out=-64))
             for call in (lambda: c.prepare(r, HEADS, -64, kw["kv_off"], kw["out"]),

@@ -5,7 +5,7 @@
  * spaced, attention, a deadline, a compressed layer's tensors, new segments), and the plain
  * builder steps aside (0) where escaping is needed, leaving those requests to jansson; and the
  * answer reader takes the daemon's form of a forward's 200 answer without jansson, with the same
- * fields, and leaves every other text to jansson.
+ * fields, and leaves every other text to jansson; and a region is refused to a client not its own.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -176,11 +176,31 @@ static void test_answer_reader(void **state) {
     same_result(other[i], 0);
 }
 
+/* A region is its own client's: another client's forward or destroy of it is -EINVAL, with
+ * nothing sent (neither fake client has a socket) and the region left as it was. */
+static void test_region_of_another_client(void **state) {
+  (void)state;
+  dsv4c_client_t a = {.fd = -1}, b = {.fd = -1};
+  uint8_t page[64];
+  dsv4c_region_t r = {.base = page, .size = sizeof(page), .id = 1, .client = &a};
+  const dsv4c_segment_t seg = {"s", 0, 1, 1};
+  const dsv4c_forward_t f = {.segs = &seg, .n_segs = 1, .heads = 8, .deadline_ms = -1};
+  dsv4c_result_t res;
+  memset(&res, 0x5a, sizeof(res));
+  assert_int_equal(dsv4c_forward(&b, &r, &f, &res), -EINVAL);
+  assert_null(res.json);
+  assert_int_equal(res.status, 0);
+  assert_int_equal(dsv4c_region_destroy(&b, &r), -EINVAL);
+  assert_ptr_equal(r.base, page);
+  assert_null(b.msg.p);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_plain_equals_jansson),
       cmocka_unit_test(test_escaping_left_to_jansson),
       cmocka_unit_test(test_answer_reader),
+      cmocka_unit_test(test_region_of_another_client),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
