@@ -7,7 +7,9 @@ offsets out of range, misaligned or overlapping are refused with the JSON error 
 a region the client unmaps or tries to truncate never hurts the daemon; closing the connection
 unmaps its regions; SIGTERM drains and removes the socket file."""
 
+import contextlib
 import fcntl
+import io
 import json
 import mmap
 import os
@@ -27,7 +29,8 @@ import dsv4_harness as h  # noqa: E402
 from dsv4_harness import Batch, Daemon, Seg, check, check_eq  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "client", "python"))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 import dsv4client  # noqa: E402
 
 HEADS = 8
@@ -709,6 +712,64 @@ def test_shm_c_example():
         shutil.rmtree(work, ignore_errors=True)
 
 
+def readme_python_blocks():
+    """The README's two Python blocks of the shared regions: the forward, and the prepared calls."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    first = [b for b in blocks if 'dsv4client.Client("/run/dsv4d/shm.sock")' in b]
+    second = [b for b in blocks if "c.prepare(" in b]
+    check(len(first) == 1 and len(second) == 1, "the README's two shared-region Python blocks")
+    return first[0], second[0]
+
+
+def test_shm_readme_python():
+    """The README's Python blocks run as written against a daemon of 64 heads (its socket path and
+    the binding's folder put in): every call answers 200, and the same batches over HTTP give the
+    same digests and q_out, and the same cache."""
+    first, second = readme_python_blocks()
+    work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
+    try:
+        w = os.path.join(work, "w.safetensors")
+        write_weights(w)
+        sock = os.path.join(work, "shm.sock")
+        args = ["--kv-blocks", "64", "--layers", "0-3", "--heads", "64", "--threads", "1",
+                "--weights", w, "--prefill-chunk-tokens", "0"]
+        with Daemon(args, name="http") as a, Daemon(args + ["--listen-shm", sock],
+                                                     name="shm") as b:
+            b.wait_lines(lambda ln: '"listening"' in ln and '"shm"' in ln)
+            code = (first + second).replace('"/run/dsv4d/shm.sock"', repr(sock)).replace(
+                '"client/python"', repr(os.path.join(ROOT, "client", "python")))
+            ns, printed = {}, io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(code, "README.md", "exec"), ns)  # noqa: S102 (the README's own code)
+            lines = printed.getvalue().split("\n")
+
+            def http(layer, start, n, new=False):
+                ones = np.full((n, MODEL_HEADS, 512), 0x3F80, np.uint16)
+                extra = [("ckv", "F32", [n, 1024], bytes(n * 4096))] if layer == 3 else []
+                return a.forward(Batch(layer, [Seg("req-1", start, n, new)], ones,
+                                       np.full((n, 512), 0x3F80, np.uint16), "q,digest", extra))
+            check_eq(lines[0].split()[0], http(0, 0, 4, True).cache_digest,
+                     "the first block's digest")
+            http(1, 0, 4)
+            http(3, 0, 4)
+            want = []
+            for pos in range(4, 7):
+                for layer in (0, 1, 3):
+                    res = http(layer, pos, 1)
+                    want.append("%d %d 200 %s" % (pos, layer, res.cache_digest))
+            check_eq(lines[1:10], want, "the prepared calls' lines")
+            # The region's q_out (the first block's view) holds the last call's.
+            check(ns["q_out"][:1].tobytes() == res.q_out.astype("<u2").tobytes(),
+                  "the last call's q_out")
+            ns["r"].destroy()
+            ns["c"].close()
+            same_state(a, b, ["req-1"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def test_shm_close_and_drain():
     """A connection that goes away has its regions unmapped; SIGTERM with a client connected
     drains, closes it and removes the socket file."""
@@ -767,4 +828,5 @@ def test_shm_max_connections():
 if __name__ == "__main__":
     h.main([test_shm_same_bytes, test_shm_spin, test_shm_prepared, test_shm_registration_refusals,
             test_shm_bad_requests_change_nothing, test_shm_message_before_answer,
-            test_shm_c_example, test_shm_close_and_drain, test_shm_max_connections])
+            test_shm_c_example, test_shm_readme_python, test_shm_close_and_drain,
+            test_shm_max_connections])
