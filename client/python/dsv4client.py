@@ -99,12 +99,17 @@ def load_library(path=None):
     return lib
 
 
+def _reply(free, res):
+    """The C result read into a Reply, and freed (free: dsv4c_result_free)."""
+    try:
+        return Reply(res)
+    finally:
+        free(res)
+
+
 def _answer(lib, res):
     """The answer's JSON as a dict, and the C result freed."""
-    try:
-        return json.loads(ctypes.string_at(res.json).decode()) if res.json else None
-    finally:
-        lib.dsv4c_result_free(res)
+    return _reply(lib.dsv4c_result_free, res).answer
 
 
 def _seg_array(segs):
@@ -328,10 +333,7 @@ class Forward:
             c = client._live(region)
             f.layer = layer
             rc = self._fn(c, region._h, f, res)
-            try:
-                rep = None if rc else Reply(res)
-            finally:
-                self._free(res)
+            rep = _reply(self._free, res)
         if rc:
             raise _errno(rc, "forward")
         if check and rep.status != 200:

@@ -120,7 +120,14 @@ def same_answer(a, client, region, batch, what, b=None):
             check_eq(got.pop("instance", None), ans["instance"], "%s: instance in the error" % what)
         check_eq(got, want, "%s: the error object" % what)
         return ans
-    meta, t = h.st_decode(ra.body)
+    same_outputs(region, ans, ra.body, what)
+    return ans
+
+
+def same_outputs(region, ans, body, what):
+    """A 200 answer through the region against the HTTP answer's body: the metadata, and each
+    output's dtype, shape and bytes in the region. The HTTP metadata is returned."""
+    meta, t = h.st_decode(body)
     check_eq(ans["metadata"], meta, "%s: the metadata" % what)
     got = region_tensors(region, ans)
     check_eq(sorted(got), sorted(t), "%s: the tensors" % what)
@@ -128,7 +135,7 @@ def same_answer(a, client, region, batch, what, b=None):
         check_eq(ans["tensors"][name]["dtype"], dt, "%s: dtype of %s" % (what, name))
         check_eq(ans["tensors"][name]["shape"], list(shape), "%s: shape of %s" % (what, name))
         check(got[name] == bytes(raw), "%s: %s differs from the HTTP answer" % (what, name))
-    return ans
+    return meta
 
 
 def daemons(work, extra_b=()):
@@ -330,15 +337,10 @@ def same_reply(a, fw, region, batch, what, attention=None):
     ra = a.forward_raw(batch.body(meta))
     check_eq(ra.status, 200, "%s over HTTP" % what)
     rep = prepared_call(fw, region, batch)
-    meta, t = h.st_decode(ra.body)
+    meta = same_outputs(region, rep.answer, ra.body, what)
     check_eq((rep.status, rep.replayed, rep.cache_digest, rep.attention),
              (200, meta.get("replayed") == "true", meta.get("cache_digest", ""),
               meta.get("attention", "")), "%s: the reply's fields" % what)
-    check_eq(rep.answer["metadata"], meta, "%s: the answer's metadata" % what)
-    got = region_tensors(region, rep.answer)
-    check_eq(sorted(got), sorted(t), "%s: the tensors" % what)
-    for name, (_, _, raw) in t.items():
-        check(got[name] == bytes(raw), "%s: %s differs from the HTTP answer" % (what, name))
     return rep
 
 
