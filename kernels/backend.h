@@ -378,7 +378,24 @@ typedef struct dsv4_backend_ops {
    * that sync or batch_wait returns, as a download_async's bytes are, and not read before.
    */
   void *(*host_alias)(dsv4_backend_t *be, const void *p, size_t n);
+  /*
+   * Optional, both or neither (NULL: a download waits for every launch queued before it). mark
+   * names the point the launches have reached, the launches queued so far, as mark k (0 <= k <
+   * DSV4_MARKS; a later mark k replaces it). download_marked is download_async of bytes that the
+   * launches before mark k wrote, ordered after those launches only: it may run beside launches
+   * queued after the mark (CUDA: the download stream waits for the mark's event, not for the
+   * stream), so an output written piece by piece crosses PCIe while its later pieces are computed.
+   * Its bytes land as a download_async's do, by the next sync, or by batch_wait of the batch in
+   * whose phases it was queued. The caller queues no launch that writes src's bytes after mark k
+   * before then.
+   */
+  int (*mark)(dsv4_backend_t *be, unsigned k);
+  int (*download_marked)(dsv4_backend_t *be, unsigned k, void *dst, const dsv4_devbuf_t *src,
+                         size_t off, size_t n);
 } dsv4_backend_ops_t;
+
+/* The marks a backend keeps (mark, download_marked). */
+#define DSV4_MARKS 8u
 
 /* The alignment host_alias asks of host memory: the launches' 16-byte loads and stores. */
 #define DSV4_ALIAS_ALIGN 16u

@@ -140,7 +140,9 @@ typedef struct {
   int alloc_pending; /* a buf_alloc's memset queued on the stream since the last batch's uploads */
   int up_queued;     /* the batch being submitted queued an upload on up_stream */
   int dn_queued;     /* ... a download on dn_stream (which then waits for its launches) */
-  uint64_t tickets;  /* batches submitted */
+  int dn_marked;     /* ... a marked download on dn_stream (which waits for its mark only) */
+  cudaEvent_t ev_mark[DSV4_MARKS]; /* mark: recorded on the stream */
+  uint64_t tickets;                /* batches submitted */
   struct {
     cudaEvent_t done;       /* recorded on dn_stream after the batch's downloads */
     int has_err;            /* the batch's error word was copied into batch_err_host */
@@ -394,6 +396,9 @@ static void overlap_destroy(cuda_backend_t *c) {
   for (int k = 0; k < BATCH_SLOTS; k++)
     if (c->slot[k].done)
       (void)cudaEventDestroy(c->slot[k].done);
+  for (unsigned k = 0; k < DSV4_MARKS; k++)
+    if (c->ev_mark[k])
+      (void)cudaEventDestroy(c->ev_mark[k]);
   if (c->batch_err_host)
     (void)cudaFreeHost(c->batch_err_host);
 }
@@ -523,6 +528,35 @@ static int cuda_download_async(dsv4_backend_t *be, void *dst, const dsv4_devbuf_
     c->dn_queued = 1;
   }
   return cu(cudaMemcpyAsync(dst, s, n, cudaMemcpyDeviceToHost, c->dn_stream));
+}
+
+/* A mark (backend.h): an event on the stream, after the launches queued so far. */
+static int cuda_mark(dsv4_backend_t *be, unsigned k) {
+  cuda_backend_t *c = cuda_of(be);
+  if (k >= DSV4_MARKS)
+    return DSV4_EINVAL;
+  int rc = use_device(c);
+  return rc ? rc : cu(cudaEventRecord(c->ev_mark[k], c->stream));
+}
+
+/* A marked download (backend.h): into registered memory, on the download stream after mark k's
+ * event only, so that it runs beside the launches queued since; into other memory as
+ * download_async, after every launch. */
+static int cuda_download_marked(dsv4_backend_t *be, unsigned k, void *dst, const dsv4_devbuf_t *src,
+                                size_t off, size_t n) {
+  cuda_backend_t *c = cuda_of(be);
+  if (k >= DSV4_MARKS || !src || !src->ptr || off > src->size || n > src->size - off || (n && !dst))
+    return DSV4_EINVAL;
+  if (n == 0 || !registered(c, dst, n))
+    return cuda_download_async(be, dst, src, off, n);
+  int rc = use_device(c);
+  if (!rc)
+    rc = cu(cudaStreamWaitEvent(c->dn_stream, c->ev_mark[k], 0));
+  if (!rc)
+    rc = cu(cudaMemcpyAsync(dst, (const uint8_t *)src->ptr + off, n, cudaMemcpyDeviceToHost,
+                            c->dn_stream));
+  c->dn_marked |= c->phase != 0;
+  return rc;
 }
 
 /*
@@ -704,6 +738,8 @@ static int cuda_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
   }
   if (phase == DSV4_BATCH_LAUNCHES)
     c->up_queued = 0;
+  if (phase == DSV4_BATCH_UPLOADS)
+    c->dn_marked = 0;
   if (!rc && phase == DSV4_BATCH_DOWNLOADS) {
     c->slot[k].has_err = c->attn_pending;
     if (c->attn_pending) {
@@ -714,6 +750,14 @@ static int cuda_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
       c->attn_pending = 0;
     }
     c->dn_queued = 0;
+  }
+  /* Marked downloads alone on dn_stream: it waits for the batch's launches as well, so that the
+   * completion event follows both. */
+  if (!rc && phase == DSV4_BATCH_SUBMITTED && c->dn_marked && !c->dn_queued) {
+    rc = cu(cudaEventRecord(c->ev_kern, c->stream));
+    if (!rc)
+      rc = cu(cudaStreamWaitEvent(c->dn_stream, c->ev_kern, 0));
+    c->dn_queued = !rc;
   }
   if (!rc && phase == DSV4_BATCH_SUBMITTED) {
     rc = cu(cudaEventRecord(c->slot[k].done, c->dn_queued ? c->dn_stream : c->stream));
@@ -813,6 +857,8 @@ static const dsv4_backend_ops_t cuda_ops = {
     .host_register = cuda_host_register,
     .host_unregister = cuda_host_unregister,
     .host_alias = cuda_host_alias,
+    .mark = cuda_mark,
+    .download_marked = cuda_download_marked,
 };
 
 /* One line for why: what failed and CUDA's words for it. */
@@ -834,6 +880,8 @@ static cudaError_t overlap_create(cuda_backend_t *c) {
     c->ops.caps &= ~(unsigned)DSV4_BE_OVERLAP;
     c->ops.batch_phase = NULL;
     c->ops.batch_wait = NULL;
+    c->ops.mark = NULL; /* a marked download goes on the download stream */
+    c->ops.download_marked = NULL;
     return cudaSuccess;
   }
   if (e == cudaSuccess)
@@ -845,6 +893,8 @@ static cudaError_t overlap_create(cuda_backend_t *c) {
     e = cudaEventCreateWithFlags(ev[i], cudaEventDisableTiming);
   for (int k = 0; k < BATCH_SLOTS && e == cudaSuccess; k++)
     e = cudaEventCreateWithFlags(&c->slot[k].done, cudaEventDisableTiming);
+  for (unsigned k = 0; k < DSV4_MARKS && e == cudaSuccess; k++)
+    e = cudaEventCreateWithFlags(&c->ev_mark[k], cudaEventDisableTiming);
   if (e == cudaSuccess)
     e = cudaMallocHost((void **)&c->batch_err_host, BATCH_SLOTS * sizeof(uint32_t));
   if (e == cudaSuccess)

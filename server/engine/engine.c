@@ -114,6 +114,9 @@ struct dsv4__engine_stage {
   /* The batch being begun launched its q half before its validation (q_early_launch): its insert
    * then writes the KV rows only, and its q_out is in buf[ST_Q_OUT] of the current half. */
   int q_early;
+  /* ... in q_pieces launches of q_piece_tokens tokens (the last one fewer), launch i followed by
+   * the backend's mark i when there are more than one (stage_get_q). */
+  uint32_t q_pieces, q_piece_tokens;
 };
 
 /* Free a half's host metadata, unregistered first. Its batch has ended (synced or waited for). */
@@ -303,6 +306,23 @@ static int stage_get(dsv4_engine_t *e, int i, const void *dev, void *dst, size_t
   return ops->download(e->be, dst, &e->stage->half[e->stage->cur].buf[i], 0, n);
 }
 
+/* q_out's download (n bytes for the caller's dst from dev): after q_early_launch's launches in
+ * pieces, each piece as soon as its own launch is done (marked downloads, backend.h), so that the
+ * first pieces cross PCIe while the later ones are computed; else as stage_get. */
+static int stage_get_q(dsv4_engine_t *e, const void *dev, void *dst, size_t n) {
+  const struct dsv4__engine_stage *s = e->stage;
+  const dsv4_devbuf_t *b = &s->half[s->cur].buf[ST_Q_OUT];
+  if (!s->q_early || s->q_pieces < 2 || dev != b->ptr)
+    return stage_get(e, ST_Q_OUT, dev, dst, n);
+  const size_t piece = (size_t)s->q_piece_tokens * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  int rc = 0;
+  for (uint32_t i = 0; i < s->q_pieces && !rc; i++) {
+    const size_t off = i * piece, len = n - off < piece ? n - off : piece;
+    rc = e->be->ops->download_marked(e->be, i, (uint8_t *)dst + off, b, off, len);
+  }
+  return rc;
+}
+
 /* A phase of an overlapped batch (backend.h), or nothing for a batch that runs alone. */
 static int stage_phase(dsv4_engine_t *e, const uint64_t *ticket, int phase, uint64_t *out) {
   return ticket ? e->be->ops->batch_phase(e->be, phase, out) : 0;
@@ -452,7 +472,7 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   if (!rc && f->lse)
     rc = stage_get(e, ST_LSE, aa.lse, f->lse, n * e->p.heads * sizeof(float));
   if (!rc && !fused)
-    rc = stage_get(e, ST_Q_OUT, ia->q_out, f->q_out, q_bytes);
+    rc = stage_get_q(e, ia->q_out, f->q_out, q_bytes);
   if (!rc)
     rc = stage_get(e, ST_SLOTS, ia->slots, f->slots, n * sizeof(int64_t));
   if (!rc)
@@ -840,6 +860,13 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
 /* The q half goes ahead of the validation from this many bytes of q on (4 one-token segments of 64
  * heads; at one, 64 KiB, the validation takes less than a launch). */
 #define Q_EARLY_MIN_BYTES ((size_t)256 << 10)
+/* The q half's pieces where the backend marks launches (q_piece_bytes 0): 32 tokens of 64 heads,
+ * so a 64-token decode goes in two (on the H200 a call p50 1.31-1.45 x the PCIe floor plus device
+ * time against 1.43-1.51 x whole, and 1.39-1.50 x in 1 MiB pieces: tests/bench/NOTES.md, "q's
+ * half in pieces"). */
+#ifndef DSV4_Q_PIECE_BYTES
+#define DSV4_Q_PIECE_BYTES ((size_t)2 << 20)
+#endif
 
 /*
  * Whether f's q half (Q norm and RoPE into staging, no cache byte) may run while the host checks
@@ -860,6 +887,52 @@ static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t 
   return !(f->yield && chunk && f->n_tokens > chunk);
 }
 
+/* The tokens of each of the q half's launches over n tokens, of row bytes of q each: pieces of
+ * about q_piece_bytes (at most DSV4_MARKS of them) on a backend with marks, else all n at once. */
+static uint32_t q_piece_tokens(const dsv4_engine_t *e, size_t n, size_t row) {
+  const size_t want = e->p.q_piece_bytes ? e->p.q_piece_bytes : DSV4_Q_PIECE_BYTES;
+  size_t t = want / row ? want / row : 1;
+  if (!e->be->ops->mark || !e->be->ops->download_marked || t >= n)
+    return (uint32_t)n;
+  if ((n + t - 1) / t > DSV4_MARKS)
+    t = (n + DSV4_MARKS - 1) / DSV4_MARKS;
+  return (uint32_t)t;
+}
+
+/* The q half's launches: ia's tokens in pieces of per, each followed by its mark when there are
+ * several (the backend then downloads a piece once its launch is done, stage_get_q). */
+static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32_t per) {
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  const size_t row = (size_t)ia->heads * DSV4_HEAD_DIM;
+  const uint32_t pieces = (ia->n_tokens + per - 1) / per;
+  int rc = 0;
+  for (uint32_t i = 0; i < pieces && !rc; i++) {
+    dsv4_insert_args_t p = *ia;
+    const uint32_t t0 = i * per;
+    p.n_tokens = ia->n_tokens - t0 < per ? ia->n_tokens - t0 : per;
+    p.q = ia->q + t0 * row;
+    p.positions = ia->positions + t0;
+    p.q_out = ia->q_out + t0 * row;
+#ifdef DSV4_TEST_BROKEN_MARK_EARLY
+    /* Test-only breakage (tests/unit/inv_q_pieces.c): each mark before its piece's launch, so the
+     * piece's download may copy q_out before that launch wrote it. */
+    if (pieces > 1)
+      rc = ops->mark(e->be, i);
+    if (!rc)
+      rc = ops->qkv_insert(e->be, &p);
+#else
+    rc = ops->qkv_insert(e->be, &p);
+    if (!rc && pieces > 1)
+      rc = ops->mark(e->be, i);
+#endif
+  }
+  if (!rc) {
+    e->stage->q_pieces = pieces;
+    e->stage->q_piece_tokens = per;
+  }
+  return rc;
+}
+
 /*
  * The q half of f's insert, launched before its range check, hashes and plan, where q is read in
  * place: q_out into the current half's staging (so a refused batch writes nothing the caller
@@ -868,7 +941,8 @@ static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t 
  */
 static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
-  const size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  const size_t n = f->n_tokens, row = (size_t)e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  const size_t q_bytes = n * row;
   if (!h->meta_reg)
     return;
   memcpy(h->meta, e->positions, n * sizeof(int64_t)); /* M_POSITIONS: offset 0 of any layout */
@@ -892,7 +966,7 @@ static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       .n_blocks = e->p.kv_blocks,
       .stride = e->stride,
   };
-  if (e->be->ops->qkv_insert(e->be, &ia) == 0)
+  if (q_early_pieces(e, &ia, q_piece_tokens(e, n, row)) == 0)
     e->stage->q_early = 1;
   else
     (void)e->be->ops->sync(e->be);

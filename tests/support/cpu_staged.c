@@ -60,6 +60,14 @@ typedef struct {
   uint64_t ticket; /* the batch's, from its SUBMITTED phase (0 until then) */
 } in_place_read_t;
 
+/* The staging bytes an insert wrote as q_out (made-up device addresses lo .. hi), by the launch
+ * numbered launch (stats.launches once it was counted): what a marked download may copy. */
+typedef struct {
+  uintptr_t lo, hi;
+  size_t launch;
+  uint64_t ticket; /* the batch's, from its SUBMITTED phase (0 until then) */
+} q_write_t;
+
 typedef struct {
   dsv4_backend_t base; /* first */
   dsv4_backend_t *inner;
@@ -78,6 +86,11 @@ typedef struct {
   in_place_read_t *reads;
   size_t n_reads, cap_reads;
   int reads_lost; /* a read not recorded for want of memory: the checks are off from there */
+  /* Marks (backend.h): the launches each one follows; the q_out writes since the last sync. */
+  size_t mark_launches[DSV4_MARKS];
+  q_write_t *writes;
+  size_t n_writes, cap_writes;
+  int writes_lost; /* a write not recorded for want of memory: marked downloads are unchecked */
   uint64_t next_ticket, waited_ticket;
   dsv4_test_cpu_staged_stats_t stats;
   int alias; /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1, as the CUDA backend reads it) */
@@ -150,6 +163,46 @@ static void reads_check(staged_t *s, uint64_t ticket) {
   s->n_reads = kept;
 }
 
+/* The insert about to be counted writes n staging bytes at dev as q_out (q_write_t). */
+static void q_write_record(staged_t *s, uintptr_t dev, size_t n) {
+  void *grown = grow(s->writes, s->n_writes, &s->cap_writes, sizeof(*s->writes), 16);
+  if (!grown) {
+    s->writes_lost = 1;
+    return;
+  }
+  s->writes = grown;
+  s->writes[s->n_writes++] = (q_write_t){dev, dev + n, s->stats.launches + 1, 0};
+}
+
+/* Keep the writes of batches other than ticket (none when ticket is 0: a sync ends them all). */
+static void q_writes_end(staged_t *s, uint64_t ticket) {
+  size_t kept = 0;
+  for (size_t i = 0; i < s->n_writes && ticket; i++)
+    if (s->writes[i].ticket != ticket)
+      s->writes[kept++] = s->writes[i];
+  s->n_writes = kept;
+  if (!ticket)
+    s->writes_lost = 0;
+}
+
+/* Whether launches up to number upto wrote every byte of lo .. hi and none after them wrote any:
+ * then a download that waits for those launches only copies what the caller asked for. */
+static int q_writes_cover(const staged_t *s, uintptr_t lo, uintptr_t hi, size_t upto) {
+  for (size_t i = 0; i < s->n_writes; i++)
+    if (s->writes[i].launch > upto && s->writes[i].lo < hi && lo < s->writes[i].hi)
+      return 0;
+  while (lo < hi) {
+    size_t i = 0;
+    while (i < s->n_writes &&
+           !(s->writes[i].launch <= upto && s->writes[i].lo <= lo && lo < s->writes[i].hi))
+      i++;
+    if (i == s->n_writes)
+      return 0;
+    lo = s->writes[i].hi;
+  }
+  return 1;
+}
+
 /* The host address of [p, p + n) when it lies inside one buffer, or inside the device window of a
  * registered range (a read in place: read_record), else NULL. */
 static void *to_host(staged_t *s, const void *p, size_t n) {
@@ -190,6 +243,7 @@ static void st_destroy(dsv4_backend_t *be) {
     free(s->reads[i].bytes);
   free(s->reads);
   free(s->late);
+  free(s->writes);
   for (size_t i = 0; i < s->n_bufs; i++)
     s->inner->ops->buf_free(s->inner, &s->bufs[i].real);
   dsv4_backend_close(s->inner);
@@ -442,6 +496,9 @@ static int st_batch_phase(dsv4_backend_t *be, int phase, uint64_t *ticket) {
     for (size_t i = 0; i < s->n_reads; i++)
       if (!s->reads[i].ticket)
         s->reads[i].ticket = *ticket;
+    for (size_t i = 0; i < s->n_writes; i++)
+      if (!s->writes[i].ticket)
+        s->writes[i].ticket = *ticket;
     s->phase = 0;
     return 0;
   }
@@ -461,6 +518,7 @@ static int st_batch_wait(dsv4_backend_t *be, uint64_t ticket) {
   s->waited_ticket = ticket;
   s->stats.batch_waits++;
   reads_check(s, ticket);
+  q_writes_end(s, ticket);
   int rc = s->inner->ops->sync(s->inner);
   int lrc = late_deliver(s, ticket);
   deferred_deliver(s, ticket);
@@ -540,6 +598,41 @@ static int st_map(dsv4_backend_t *be, const dsv4_map_args_t *a) {
   return rc;
 }
 
+static int st_mark(dsv4_backend_t *be, unsigned k) {
+  staged_t *s = staged_of(be);
+  if (k >= DSV4_MARKS)
+    return DSV4_EINVAL;
+  s->mark_launches[k] = s->stats.launches;
+  s->stats.marks++;
+  return 0;
+}
+
+/*
+ * As a device's copy engine that waits for mark k's launches only: where those launches wrote
+ * every byte asked for, and none since, the bytes the other downloads deliver; otherwise the
+ * copy may run before the launch that writes them, and dst receives DEFERRED_POISON, bytes no
+ * backend computes, so that the caller's answer shows it (tests/unit/inv_q_pieces.c).
+ */
+static int st_download_marked(dsv4_backend_t *be, unsigned k, void *dst, const dsv4_devbuf_t *src,
+                              size_t off, size_t n) {
+  staged_t *s = staged_of(be);
+  if (k >= DSV4_MARKS || !src || off > src->size || n > src->size - off)
+    return DSV4_EINVAL;
+  s->stats.marked_downloads++;
+  const uintptr_t lo = (uintptr_t)src->ptr + off;
+  if (n == 0 || s->writes_lost || q_writes_cover(s, lo, lo + n, s->mark_launches[k]))
+    return st_download_async(be, dst, src, off, n);
+  s->stats.early_marked++;
+  void *bytes = malloc(n);
+  if (!bytes)
+    return DSV4_ENOMEM;
+  memset(bytes, DEFERRED_POISON, n);
+  int rc = deferred_queue(s, dst, bytes, n);
+  if (rc)
+    free(bytes);
+  return rc;
+}
+
 static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
   staged_t *s = staged_of(be);
   if (!a)
@@ -564,6 +657,7 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
     h.q_out = NULL; /* a buffer of its own, once the other arguments are translated */
   } else {
     XLATE(s, h.q_out, q_bytes);
+    q_write_record(s, (uintptr_t)a->q_out, q_bytes);
   }
   if (h.kv_norm_weight)
     XLATE(s, h.kv_norm_weight, DSV4_HEAD_DIM * sizeof(float));
@@ -728,6 +822,7 @@ static int st_sync(dsv4_backend_t *be) {
   staged_t *s = staged_of(be);
   s->stats.syncs++;
   reads_check(s, 0);
+  q_writes_end(s, 0);
   int rc = s->inner->ops->sync(s->inner);
   /* The copies were queued before the work that failed, if any: a device delivers them too. */
   deferred_deliver(s, 0);
@@ -779,6 +874,8 @@ static int staged_open(const dsv4_backend_options_t *opt, dsv4_backend_t **out, 
   s->ops.host_register = st_host_register;
   s->ops.host_unregister = st_host_unregister;
   s->ops.host_alias = st_host_alias;
+  s->ops.mark = st_mark;
+  s->ops.download_marked = st_download_marked;
   const char *no_alias = getenv("DSV4_CUDA_NO_ALIAS");
   s->alias = !(no_alias && strcmp(no_alias, "1") == 0);
   if (overlap) {

@@ -57,6 +57,10 @@ typedef struct {
   /* attention launches, and those that came with the engine's windows (backend.h), each checked
    * against dsv4_attn_windows of the launch's tables (a difference refuses the launch) */
   size_t attn_launches, windows;
+  /* marks (backend.h); marked downloads, and those of them that asked for bytes the launches
+   * before their mark had not all written (or a launch after it wrote too): a device could copy
+   * them before they are written, so they deliver 0xa5 bytes */
+  size_t marks, marked_downloads, early_marked;
 } dsv4_test_cpu_staged_stats_t;
 
 void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out);

@@ -201,8 +201,9 @@ static dsv4_engine_t *open_engine(const char *name) {
   return open_engine_w(name, NULL);
 }
 
-/* An engine with attention sinks for both served layers and prefill_chunk_tokens = chunk. */
-static dsv4_engine_t *open_engine_chunked(const char *name, uint32_t chunk) {
+/* An engine with attention sinks for both served layers, prefill_chunk_tokens = chunk and
+ * q_piece_bytes = piece. */
+static dsv4_engine_t *open_engine_pieces(const char *name, uint32_t chunk, uint32_t piece) {
   float sinks[2 * HEADS];
   for (int i = 0; i < 2 * HEADS; i++)
     sinks[i] = -1.0f + 0.25f * (float)i;
@@ -218,11 +219,16 @@ static dsv4_engine_t *open_engine_chunked(const char *name, uint32_t chunk) {
       .max_sequences = 64,
       .attn_sinks = sinks,
       .prefill_chunk_tokens = chunk,
+      .q_piece_bytes = piece,
   };
   dsv4_engine_t *e = NULL;
   char why[256];
   assert_int_equal(dsv4_engine_create(&p, &e, why, sizeof(why)), 0);
   return e;
+}
+
+static dsv4_engine_t *open_engine_chunked(const char *name, uint32_t chunk) {
+  return open_engine_pieces(name, chunk, 0);
 }
 
 /* Deterministic small bf16 inputs for token t of a batch. */
@@ -982,12 +988,17 @@ typedef struct {
   dsv4_engine_t *a, *b;
 } beside_t;
 
-static beside_t beside_open(const char *other, size_t cap) {
+/* (b's q_piece_bytes: piece) */
+static beside_t beside_open_pieces(const char *other, size_t cap, uint32_t piece) {
   beside_t t = {aligned_alloc(4096, cap), open_engine_chunked("cpu", 0),
-                open_engine_chunked(other, 0)};
+                open_engine_pieces(other, 0, piece)};
   assert_non_null(t.region);
   assert_int_equal(dsv4_engine_host_register(t.b, t.region, cap), 0);
   return t;
+}
+
+static beside_t beside_open(const char *other, size_t cap) {
+  return beside_open_pieces(other, cap, 0);
 }
 
 static void beside_close(beside_t *t) {
@@ -1127,36 +1138,50 @@ static void refused_in_place(dsv4_engine_t *b, uint8_t *region, size_t cap, uint
   attn_batch_free(&y);
 }
 
+/* The staged backend's marked downloads so far, and those that asked for bytes before they were
+ * written (0 on other backends). */
+static size_t staged_marked(dsv4_engine_t *e, size_t *early) {
+  dsv4_test_cpu_staged_stats_t s = {0};
+  if (!strncmp(dsv4_engine_backend_name(e), "cpu_staged", 10))
+    dsv4_test_cpu_staged_stats(e->be, &s);
+  *early = s.early_marked;
+  return s.marked_downloads;
+}
+
 /*
  * A batch with enough q (here 504 KiB) read in place and no attention runs its q half while the
  * host checks and plans it (engine.c, q_early_launch), and its KV rows after: the CPU backend's
  * bytes, a replay's too; a batch refused after its q half (a q value out of range, a position
  * gap) writes nothing into the region, the cache or the sequences (the next batch answers as on
  * the CPU backend). On the staged backend: three launches a batch (q half, producer, KV rows), two
- * for a replay (no KV rows), and q_out downloaded from staging. On cuda (argv[1]) the device's.
+ * for a replay (no KV rows), and q_out downloaded from staging. With q_piece_bytes 64 KiB the q
+ * half goes in 8 launches, each downloaded on its own after its mark (backend.h). On cuda
+ * (argv[1]) the device's.
  */
-static void test_q_half_first(void **state) {
-  (void)state;
+static void q_half_first(uint32_t piece) {
   const size_t cap = (size_t)8 << 20;
   const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
-  beside_t t = beside_open(other, cap);
+  beside_t t = beside_open_pieces(other, cap, piece);
   uint8_t *region = t.region;
   dsv4_engine_t *a = t.a, *b = t.b;
   const int staged = !strncmp(other, "cpu_staged", 10);
+  const size_t pieces = piece ? 8 : 1, pieces_marked = piece ? 8 : 0;
   const uint32_t len[2] = {40, 23};
   const int yes[2] = {1, 1}, no[2] = {0, 0};
   const char *names[2] = {"e", "f"};
   int64_t st[2] = {0, 0};
-  size_t l0 = staged_launches(b);
+  size_t early, m0 = staged_marked(b, &early), l0 = staged_launches(b);
   size_t c = in_place_batch(a, b, region, cap, 0, 300, names, st, len, yes, 0, 1);
   if (staged) {
-    assert_int_equal(c, 1); /* q_out downloaded, nothing uploaded */
-    assert_int_equal(staged_launches(b) - l0, 3);
+    assert_int_equal(c, pieces); /* q_out downloaded, nothing uploaded */
+    assert_int_equal(staged_launches(b) - l0, pieces + 2);
+    assert_int_equal(staged_marked(b, &early) - m0, pieces_marked);
+    assert_int_equal(early, 0);
   }
   l0 = staged_launches(b);
   (void)in_place_batch(a, b, region, cap, 0, 300, names, st, len, yes, 0, 1); /* a replay */
   if (staged)
-    assert_int_equal(staged_launches(b) - l0, 2);
+    assert_int_equal(staged_launches(b) - l0, pieces + 1);
   st[0] = len[0];
   st[1] = len[1];
   refused_in_place(b, region, cap, 301, names, st, len, 1, DSV4_ERANGE);
@@ -1166,6 +1191,12 @@ static void test_q_half_first(void **state) {
   (void)in_place_batch(a, b, region, cap, 0, 303, names, st, len, no, 0, 1);
   same_cache(a, b);
   beside_close(&t);
+}
+
+static void test_q_half_first(void **state) {
+  (void)state;
+  q_half_first(0);
+  q_half_first(64u << 10);
 }
 
 /* A q-only batch of one segment (name at st, len tokens) for a (x, host memory) and b (y, in

@@ -112,21 +112,22 @@ dsv4_inv_broken(inv_determinism_broken_order SOURCE inv_determinism.c
                 LIBS dsv4_inv_kernels_order TIMEOUT 120
                 EXPECT "invariant violated: SPEC 5[.]4: determinism: .* with [24] threads, .* differ from the 1-thread run")
 
+# The engine's own sources again as library name, with the test-only macro that breaks one rule.
+function(dsv4_inv_engine name macro)
+  set(dir ${DSV4_INV_ROOT}/server/engine)
+  add_library(${name} STATIC ${dir}/engine.c ${dir}/engine_admin.c ${dir}/engine_attn.c
+                             ${dir}/engine_compress.c ${dir}/engine_restore.c ${dir}/range_check.c)
+  target_include_directories(${name} PUBLIC ${dir} ${XXHASH_INCLUDE_DIR})
+  target_link_libraries(${name} PUBLIC dsv4_config dsv4_kvcache dsv4_kernels ${XXHASH_LIBRARY} m)
+  target_compile_definitions(${name} PRIVATE ${macro})
+  dsv4_strict(${name})
+endfunction()
+
 # 5.2 for the compressed branch (SPEC §8.4): a batch's emissions are stored before its indexer and
 # its attention read the entry caches. The broken build is the engine's own sources again with the
 # launch order reversed.
 if(TARGET dsv4_engine)
-  set(DSV4_INV_ENGINE_DIR ${DSV4_INV_ROOT}/server/engine)
-  add_library(dsv4_inv_engine_emit_late STATIC
-    ${DSV4_INV_ENGINE_DIR}/engine.c ${DSV4_INV_ENGINE_DIR}/engine_admin.c
-    ${DSV4_INV_ENGINE_DIR}/engine_attn.c ${DSV4_INV_ENGINE_DIR}/engine_compress.c
-    ${DSV4_INV_ENGINE_DIR}/engine_restore.c ${DSV4_INV_ENGINE_DIR}/range_check.c)
-  target_include_directories(dsv4_inv_engine_emit_late PUBLIC ${DSV4_INV_ENGINE_DIR}
-                                                              ${XXHASH_INCLUDE_DIR})
-  target_link_libraries(dsv4_inv_engine_emit_late PUBLIC dsv4_config dsv4_kvcache dsv4_kernels
-                                                         ${XXHASH_LIBRARY} m)
-  target_compile_definitions(dsv4_inv_engine_emit_late PRIVATE DSV4_TEST_BROKEN_EMIT_LATE)
-  dsv4_strict(dsv4_inv_engine_emit_late)
+  dsv4_inv_engine(dsv4_inv_engine_emit_late DSV4_TEST_BROKEN_EMIT_LATE)
   dsv4_unit_test(inv_emit_first SOURCES unit/inv_emit_first.c LIBS dsv4_engine TIMEOUT 120
                  LABELS invariants)
   dsv4_inv_broken(inv_emit_first_broken_emit_late SOURCE inv_emit_first.c
@@ -139,19 +140,24 @@ endif()
 # staged CPU backend in overlap mode (its batch downloads read their sources only when the batch is
 # waited for); the broken build is the engine's sources again with one staging half for every batch.
 if(TARGET dsv4_engine AND TARGET dsv4_test_staged)
-  add_library(dsv4_inv_engine_one_half STATIC
-    ${DSV4_INV_ENGINE_DIR}/engine.c ${DSV4_INV_ENGINE_DIR}/engine_admin.c
-    ${DSV4_INV_ENGINE_DIR}/engine_attn.c ${DSV4_INV_ENGINE_DIR}/engine_compress.c
-    ${DSV4_INV_ENGINE_DIR}/engine_restore.c ${DSV4_INV_ENGINE_DIR}/range_check.c)
-  target_include_directories(dsv4_inv_engine_one_half PUBLIC ${DSV4_INV_ENGINE_DIR}
-                                                             ${XXHASH_INCLUDE_DIR})
-  target_link_libraries(dsv4_inv_engine_one_half PUBLIC dsv4_config dsv4_kvcache dsv4_kernels
-                                                        ${XXHASH_LIBRARY} m)
-  target_compile_definitions(dsv4_inv_engine_one_half PRIVATE DSV4_TEST_BROKEN_ONE_STAGING_HALF)
-  dsv4_strict(dsv4_inv_engine_one_half)
+  dsv4_inv_engine(dsv4_inv_engine_one_half DSV4_TEST_BROKEN_ONE_STAGING_HALF)
   dsv4_unit_test(inv_overlap SOURCES unit/inv_overlap.c LIBS dsv4_engine dsv4_test_staged
                  TIMEOUT 120 LABELS invariants)
   dsv4_inv_broken(inv_overlap_broken_one_staging_half SOURCE inv_overlap.c
                   LIBS dsv4_inv_engine_one_half dsv4_test_staged TIMEOUT 120
                   EXPECT "invariant violated: SPEC 5: overlapped batches: .* differs from .* run alone")
+endif()
+
+# SPEC §5.2 for q's half of the insert in pieces (engine.c, q_early_launch): each piece's q_out is
+# downloaded after its own launch only (backend.h, mark and download_marked). The test runs on the
+# staged CPU backend, whose marked downloads deliver 0xa5 bytes when their mark does not follow
+# every launch that wrote what they copy; the broken build is the engine's sources again with each
+# mark before its piece's launch.
+if(TARGET dsv4_engine AND TARGET dsv4_test_staged)
+  dsv4_inv_engine(dsv4_inv_engine_mark_early DSV4_TEST_BROKEN_MARK_EARLY)
+  dsv4_unit_test(inv_q_pieces SOURCES unit/inv_q_pieces.c LIBS dsv4_engine dsv4_test_staged
+                 TIMEOUT 120 LABELS invariants)
+  dsv4_inv_broken(inv_q_pieces_broken_mark_early SOURCE inv_q_pieces.c
+                  LIBS dsv4_inv_engine_mark_early dsv4_test_staged TIMEOUT 120
+                  EXPECT "invariant violated: SPEC 5[.]2: q half in pieces: batch [0-9]+ .*: its q_out differs")
 endif()
