@@ -66,8 +66,8 @@ enum {
  *  - SUBMITTED: the batch is whole; *ticket receives its completion point, for batch_wait.
  * Until batch_wait of a batch returns, the host memory its uploads read and its downloads write
  * stays valid and unchanged (the caller neither writes the one nor reads the other). Only batch
- * calls (phases, uploads, launches, download_async) may come between SUBMITTED and the batch's
- * batch_wait; sync() waits for every batch as well.
+ * calls (phases, uploads, launches, download_async, mark, download_marked) may come between
+ * SUBMITTED and the batch's batch_wait; sync() waits for every batch as well.
  */
 enum {
   DSV4_BATCH_UPLOADS = 1,
@@ -386,8 +386,8 @@ typedef struct dsv4_backend_ops {
    * queued after the mark (CUDA: the download stream waits for the mark's event, not for the
    * stream), so an output written piece by piece crosses PCIe while its later pieces are computed.
    * Its bytes land as a download_async's do, by the next sync, or by batch_wait of the batch in
-   * whose phases it was queued. The caller queues no launch that writes src's bytes after mark k
-   * before then.
+   * whose phases it was queued. The caller queues no launch or upload that writes src's bytes
+   * after mark k before then: unlike download_async's, the copy may read them after such work.
    */
   int (*mark)(dsv4_backend_t *be, unsigned k);
   int (*download_marked)(dsv4_backend_t *be, unsigned k, void *dst, const dsv4_devbuf_t *src,

@@ -114,8 +114,8 @@ struct dsv4__engine_stage {
   /* The batch being begun launched its q half before its validation (q_early_launch): its insert
    * then writes the KV rows only, and its q_out is in buf[ST_Q_OUT] of the current half. */
   int q_early;
-  /* ... in q_pieces launches of q_piece_tokens tokens (the last one fewer), launch i followed by
-   * the backend's mark i when there are more than one (stage_get_q). */
+  /* ... in q_pieces launches of q_piece_tokens tokens (the last one as many or fewer), launch i
+   * followed by the backend's mark i when there are more than one (stage_get_q). */
   uint32_t q_pieces, q_piece_tokens;
 };
 
@@ -887,11 +887,11 @@ static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t 
   return !(f->yield && chunk && f->n_tokens > chunk);
 }
 
-/* The tokens of each of the q half's launches over n tokens, of row bytes of q each: pieces of
+/* The tokens of each of the q half's launches over n tokens, of row_bytes of q each: pieces of
  * about q_piece_bytes (at most DSV4_MARKS of them) on a backend with marks, else all n at once. */
-static uint32_t q_piece_tokens(const dsv4_engine_t *e, size_t n, size_t row) {
+static uint32_t q_piece_tokens(const dsv4_engine_t *e, size_t n, size_t row_bytes) {
   const size_t want = e->p.q_piece_bytes ? e->p.q_piece_bytes : DSV4_Q_PIECE_BYTES;
-  size_t t = want / row ? want / row : 1;
+  size_t t = want / row_bytes ? want / row_bytes : 1;
   if (!e->be->ops->mark || !e->be->ops->download_marked || t >= n)
     return (uint32_t)n;
   if ((n + t - 1) / t > DSV4_MARKS)
@@ -903,16 +903,16 @@ static uint32_t q_piece_tokens(const dsv4_engine_t *e, size_t n, size_t row) {
  * several (the backend then downloads a piece once its launch is done, stage_get_q). */
 static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32_t per) {
   const dsv4_backend_ops_t *ops = e->be->ops;
-  const size_t row = (size_t)ia->heads * DSV4_HEAD_DIM;
+  const size_t row_elems = (size_t)ia->heads * DSV4_HEAD_DIM;
   const uint32_t pieces = (ia->n_tokens + per - 1) / per;
   int rc = 0;
   for (uint32_t i = 0; i < pieces && !rc; i++) {
     dsv4_insert_args_t p = *ia;
     const uint32_t t0 = i * per;
     p.n_tokens = ia->n_tokens - t0 < per ? ia->n_tokens - t0 : per;
-    p.q = ia->q + t0 * row;
+    p.q = ia->q + t0 * row_elems;
     p.positions = ia->positions + t0;
-    p.q_out = ia->q_out + t0 * row;
+    p.q_out = ia->q_out + t0 * row_elems;
 #ifdef DSV4_TEST_BROKEN_MARK_EARLY
     /* Test-only breakage (tests/unit/inv_q_pieces.c): each mark before its piece's launch, so the
      * piece's download may copy q_out before that launch wrote it. */
@@ -941,8 +941,8 @@ static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32
  */
 static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
-  const size_t n = f->n_tokens, row = (size_t)e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
-  const size_t q_bytes = n * row;
+  const size_t n = f->n_tokens, row_bytes = (size_t)e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  const size_t q_bytes = n * row_bytes;
   if (!h->meta_reg)
     return;
   memcpy(h->meta, e->positions, n * sizeof(int64_t)); /* M_POSITIONS: offset 0 of any layout */
@@ -966,7 +966,7 @@ static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       .n_blocks = e->p.kv_blocks,
       .stride = e->stride,
   };
-  if (q_early_pieces(e, &ia, q_piece_tokens(e, n, row)) == 0)
+  if (q_early_pieces(e, &ia, q_piece_tokens(e, n, row_bytes)) == 0)
     e->stage->q_early = 1;
   else
     (void)e->be->ops->sync(e->be);

@@ -56,8 +56,9 @@ typedef struct {
    * many, calling the hook between them; 0 = never. */
   uint32_t prefill_chunk_tokens;
   /* On a backend with marks (backend.h), a q half launched ahead of its batch's validation
-   * (engine.c, q_early_launch) goes in launches of about this many bytes of q, each downloaded on
-   * its own as soon as it is done and the batch accepted; 0 = 2 MiB. */
+   * (engine.c, q_early_launch) goes in launches of about this many bytes of q (at most DSV4_MARKS
+   * of them: a larger batch's pieces are larger), each downloaded on its own as soon as it is done
+   * and the batch accepted; 0 = 2 MiB. */
   uint32_t q_piece_bytes;
 } dsv4_engine_params_t;
 

@@ -163,7 +163,7 @@ static void reads_check(staged_t *s, uint64_t ticket) {
   s->n_reads = kept;
 }
 
-/* The insert about to be counted writes n staging bytes at dev as q_out (q_write_t). */
+/* The insert just counted writes n staging bytes at dev as q_out (q_write_t). */
 static void q_write_record(staged_t *s, uintptr_t dev, size_t n) {
   void *grown = grow(s->writes, s->n_writes, &s->cap_writes, sizeof(*s->writes), 16);
   if (!grown) {
@@ -171,7 +171,7 @@ static void q_write_record(staged_t *s, uintptr_t dev, size_t n) {
     return;
   }
   s->writes = grown;
-  s->writes[s->n_writes++] = (q_write_t){dev, dev + n, s->stats.launches + 1, 0};
+  s->writes[s->n_writes++] = (q_write_t){dev, dev + n, s->stats.launches, 0};
 }
 
 /* Keep the writes of batches other than ticket (none when ticket is 0: a sync ends them all). */
@@ -181,8 +181,8 @@ static void q_writes_end(staged_t *s, uint64_t ticket) {
     if (s->writes[i].ticket != ticket)
       s->writes[kept++] = s->writes[i];
   s->n_writes = kept;
-  if (!ticket)
-    s->writes_lost = 0;
+  if (!kept)
+    s->writes_lost = 0; /* nothing left that a lost record could have covered */
 }
 
 /* Whether launches up to number upto wrote every byte of lo .. hi and none after them wrote any:
@@ -616,7 +616,7 @@ static int st_mark(dsv4_backend_t *be, unsigned k) {
 static int st_download_marked(dsv4_backend_t *be, unsigned k, void *dst, const dsv4_devbuf_t *src,
                               size_t off, size_t n) {
   staged_t *s = staged_of(be);
-  if (k >= DSV4_MARKS || !src || off > src->size || n > src->size - off)
+  if (k >= DSV4_MARKS || !download_src(s, dst, src, off, n))
     return DSV4_EINVAL;
   s->stats.marked_downloads++;
   const uintptr_t lo = (uintptr_t)src->ptr + off;
@@ -657,7 +657,6 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
     h.q_out = NULL; /* a buffer of its own, once the other arguments are translated */
   } else {
     XLATE(s, h.q_out, q_bytes);
-    q_write_record(s, (uintptr_t)a->q_out, q_bytes);
   }
   if (h.kv_norm_weight)
     XLATE(s, h.kv_norm_weight, DSV4_HEAD_DIM * sizeof(float));
@@ -669,6 +668,8 @@ static int st_insert(dsv4_backend_t *be, const dsv4_insert_args_t *a) {
     return DSV4_ENOMEM;
   /* The RoPE table is a host structure by contract (a device backend mirrors its rows). */
   s->stats.launches++;
+  if (!in_place && a->q_out) /* into staging (not in place, not the fused path's scratch) */
+    q_write_record(s, (uintptr_t)a->q_out, q_bytes);
   int rc = s->inner->ops->qkv_insert(s->inner, &h);
   if (in_place && !rc)
     rc = deferred_queue(s, in_place, h.q_out, q_bytes);
