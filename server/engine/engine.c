@@ -114,9 +114,9 @@ struct dsv4__engine_stage {
   /* The batch being begun launched its q half before its validation (q_early_launch): its insert
    * then writes the KV rows only, and its q_out is in buf[ST_Q_OUT] of the current half. */
   int q_early;
-  /* ... in q_pieces launches of q_piece_tokens tokens (the last one as many or fewer), launch i
-   * followed by the backend's mark i when there are more than one (stage_get_q). */
-  uint32_t q_pieces, q_piece_tokens;
+  /* ... in launches of q_piece_tokens tokens (the last one as many or fewer), launch i followed
+   * by the backend's mark i when there are more than one (stage_get_q). */
+  uint32_t q_piece_tokens;
 };
 
 /* Free a half's host metadata, unregistered first. Its batch has ended (synced or waited for). */
@@ -312,11 +312,11 @@ static int stage_get(dsv4_engine_t *e, int i, const void *dev, void *dst, size_t
 static int stage_get_q(dsv4_engine_t *e, const void *dev, void *dst, size_t n) {
   const struct dsv4__engine_stage *s = e->stage;
   const dsv4_devbuf_t *b = &s->half[s->cur].buf[ST_Q_OUT];
-  if (!s->q_early || s->q_pieces < 2 || dev != b->ptr)
-    return stage_get(e, ST_Q_OUT, dev, dst, n);
   const size_t piece = (size_t)s->q_piece_tokens * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  if (!s->q_early || piece >= n || dev != b->ptr)
+    return stage_get(e, ST_Q_OUT, dev, dst, n);
   int rc = 0;
-  for (uint32_t i = 0; i < s->q_pieces && !rc; i++) {
+  for (unsigned i = 0; i * piece < n && !rc; i++) {
     const size_t off = i * piece, len = n - off < piece ? n - off : piece;
     rc = e->be->ops->download_marked(e->be, i, (uint8_t *)dst + off, b, off, len);
   }
@@ -926,10 +926,8 @@ static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32
       rc = ops->mark(e->be, i);
 #endif
   }
-  if (!rc) {
-    e->stage->q_pieces = pieces;
+  if (!rc)
     e->stage->q_piece_tokens = per;
-  }
   return rc;
 }
 
