@@ -142,6 +142,10 @@ static const opt_t opts[] = {
      "a decode batch of at most this many tokens from a lone client (one data-plane connection "
      "open) that finds the executor idle runs on the event loop's thread, without the two thread "
      "hand-offs (0 = never)"},
+    {"direct_answer_bytes", OPT_U32, F(direct_answer_bytes), "262144", 0, 1u << 30, NULL, 0,
+     "a forward's answer goes to the socket from the executor's thread as soon as it is made, up "
+     "to this many bytes of it at once (the rest from the event loop), rather than waiting for the "
+     "loop to wake (0 = always from the loop)"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
      "seconds without a batch after which a sequence is deleted"},
     {"implicit_create", OPT_BOOL, F(implicit_create), "false", 0, 1, NULL, 0,

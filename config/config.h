@@ -69,6 +69,7 @@ typedef struct dsv4_config {
   uint32_t pinned_pool_mib;      /* page-locked pool for bodies and answers; 0 = off */
   uint32_t busy_poll_us;         /* executor and loop spin this long after each batch; 0 = off */
   uint32_t inline_decode_tokens; /* a lone client's decode this small runs on the loop thread */
+  uint32_t direct_answer_bytes;  /* of a forward's answer written by the executor thread */
   uint64_t sequence_idle_timeout_s;
   int implicit_create; /* 0 or 1 */
   uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;

@@ -40,7 +40,7 @@ typedef struct dsv4_daemon {
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
       *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total,
       *m_prefill_chunks, *m_pinned_bytes, *m_pinned_total, *m_pinned_fallbacks, *m_forward_request,
-      *m_inline_batches;
+      *m_inline_batches, *m_direct_answers;
 } dsv4_daemon_t;
 
 /*
@@ -58,6 +58,10 @@ typedef struct {
    * answer's metadata), or an error code with its JSON details (owned by the callee, may be NULL).
    * The region must stay mapped until then. */
   void (*done)(void *arg, int rc, const char *message, json_t *details, const dsv4_forward_t *f);
+  /* Optional, executor thread, with direct_answer_bytes on: the batch succeeded (f its result);
+   * send its answer now if that cannot block, and return 1 if it went. done follows as ever (the
+   * bookkeeping, on the loop thread), and then sends nothing. */
+  int (*answer_now)(void *arg, const dsv4_forward_t *f);
   void *arg;
 } dsv4_region_forward_t;
 

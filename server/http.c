@@ -699,10 +699,10 @@ static void on_write(uv_write_t *w, int status) {
  * Content-Type and Content-Length only when the answer has a body. malloc'd; NULL when out of
  * memory.
  */
-static char *response_head(const conn_t *c, const req_t *r, int status, const char *content_type,
-                           const dsv4_hdr_t *extra, size_t n_extra, int has_body,
-                           uint64_t content_length, int keep, size_t *len) {
-  size_t cap = 256 + strlen(c->srv->instance) + (content_type ? strlen(content_type) : 0);
+static char *response_head(const char *instance, int http_minor, int status,
+                           const char *content_type, const dsv4_hdr_t *extra, size_t n_extra,
+                           int has_body, uint64_t content_length, int keep, size_t *len) {
+  size_t cap = 256 + strlen(instance) + (content_type ? strlen(content_type) : 0);
   for (size_t i = 0; i < n_extra; i++)
     cap += strlen(extra[i].name) + strlen(extra[i].value) + 4;
   char *h = malloc(cap);
@@ -714,10 +714,10 @@ static char *response_head(const conn_t *c, const req_t *r, int status, const ch
   if (has_body)
     n += (size_t)snprintf(h + n, cap - n, "Content-Length: %llu\r\n",
                           (unsigned long long)content_length);
-  n += (size_t)snprintf(h + n, cap - n, "Dsv4d-Instance: %s\r\n", c->srv->instance);
+  n += (size_t)snprintf(h + n, cap - n, "Dsv4d-Instance: %s\r\n", instance);
   if (!keep)
     n += (size_t)snprintf(h + n, cap - n, "Connection: close\r\n");
-  else if (r->http_minor == 0)
+  else if (http_minor == 0)
     n += (size_t)snprintf(h + n, cap - n, "Connection: keep-alive\r\n");
   for (size_t i = 0; i < n_extra; i++) {
     if (strpbrk(extra[i].name, "\r\n:") || strpbrk(extra[i].value, "\r\n"))
@@ -730,31 +730,29 @@ static char *response_head(const conn_t *c, const req_t *r, int status, const ch
   return h;
 }
 
-void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const dsv4_hdr_t *extra,
-                  size_t n_extra, const uv_buf_t *body, size_t n_body, void (*release)(void *),
-                  void *release_arg) {
-  req_t *r = req_of(pub);
-  assert(r->state == REQ_DISPATCHED);
-  conn_t *c = r->conn;
+/* The connection went away while the handler worked: nothing to write, only to release. */
+static void respond_gone(conn_t *c, req_t *r, int status, void (*release)(void *),
+                         void *release_arg) {
+  if (release)
+    release(release_arg);
+  req_record(r, status, 0);
+  if (c)
+    c->req = NULL;
+  req_free(r);
+}
+
+/*
+ * The answer, head h (n bytes, taken; NULL: out of memory) and body (with_body: else the head
+ * alone), into the connection's write state, and out: the first sent bytes already went
+ * (dsv4_direct_write), or the connection failed (failed); the rest goes from here.
+ */
+static void respond_start(conn_t *c, req_t *r, int status, char *h, size_t n, const uv_buf_t *body,
+                          size_t n_body, int with_body, int keep, void (*release)(void *),
+                          void *release_arg, size_t sent, int failed) {
   size_t total = 0;
   for (size_t i = 0; i < n_body; i++)
     total += body[i].len;
-  int no_body = status < 200 || status == 204 || status == 304;
-  if (!c || c->state == CONN_CLOSING) {
-    /* The client went away while the handler worked: nothing to write, only to release. */
-    if (release)
-      release(release_arg);
-    req_record(r, status, 0);
-    if (c)
-      c->req = NULL;
-    req_free(r);
-    return;
-  }
   r->state = REQ_WRITING;
-  int keep = conn_keeps(c, r->keep_alive);
-
-  size_t n = 0;
-  char *h = response_head(c, r, status, content_type, extra, n_extra, !no_body, total, keep, &n);
   uv_buf_t *bufs = malloc((n_body + 1) * sizeof(uv_buf_t));
   if (!h || !bufs) {
     free(h);
@@ -769,12 +767,12 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
 
   size_t nb = 0;
   bufs[nb++] = uv_buf_init(h, (unsigned)n);
-  if (pub->method != DSV4_HTTP_HEAD && !no_body)
+  if (with_body)
     for (size_t i = 0; i < n_body; i++)
       if (body[i].len > 0)
         bufs[nb++] = body[i];
   r->keep_alive = keep;
-  r->bytes_out = n + (pub->method != DSV4_HTTP_HEAD && !no_body ? total : 0);
+  r->bytes_out = n + (with_body ? total : 0);
   c->whdr = h;
   c->wbufs = bufs;
   c->wrelease = release;
@@ -785,8 +783,16 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
 
   c->wnb = nb;
   c->wfirst = 0;
+  if (failed) {
+    write_done(c, 0);
+    return;
+  }
   /* The first slice (the whole of most answers) goes to the socket now, without a write request;
    * the rest a slice a loop iteration, through the pace check. */
+  if (write_advance(c, sent)) {
+    write_done(c, 1);
+    return;
+  }
   uv_buf_t part[WRITE_SLICE_BUFS];
   unsigned np;
   slice_bufs(c, part, &np);
@@ -797,6 +803,124 @@ void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const d
     write_done(c, 1);
   else
     pace_add(c);
+}
+
+void dsv4_respond(dsv4_req_t *pub, int status, const char *content_type, const dsv4_hdr_t *extra,
+                  size_t n_extra, const uv_buf_t *body, size_t n_body, void (*release)(void *),
+                  void *release_arg) {
+  req_t *r = req_of(pub);
+  assert(r->state == REQ_DISPATCHED);
+  conn_t *c = r->conn;
+  if (!c || c->state == CONN_CLOSING) {
+    respond_gone(c, r, status, release, release_arg);
+    return;
+  }
+  size_t total = 0;
+  for (size_t i = 0; i < n_body; i++)
+    total += body[i].len;
+  int no_body = status < 200 || status == 204 || status == 304;
+  int keep = conn_keeps(c, r->keep_alive);
+  size_t n = 0;
+  char *h = response_head(c->srv->instance, r->http_minor, status, content_type, extra, n_extra,
+                          !no_body, total, keep, &n);
+  respond_start(c, r, status, h, n, body, n_body, pub->method != DSV4_HTTP_HEAD && !no_body, keep,
+                release, release_arg, 0, 0);
+}
+
+/* ---- answers written by another thread ------------------------------------------------------ */
+
+int dsv4_direct_open(dsv4_req_t *pub, size_t max_bytes, dsv4_direct_t *dw) {
+  req_t *r = req_of(pub);
+  conn_t *c = r->conn;
+  uv_os_fd_t fd;
+  *dw = (dsv4_direct_t){.fd = -1};
+  if (!c || c->state != CONN_HANDLING || c->srv->draining || pub->method == DSV4_HTTP_HEAD ||
+      max_bytes == 0 || uv_stream_get_write_queue_size(&c->io.stream) > 0 ||
+      uv_fileno(&c->io.handle, &fd) != 0)
+    return -1;
+    /* The duplicate keeps the socket open for the other thread even if the loop closes the
+     * connection meanwhile (a reset, the server closing): no other connection can get its number.
+     */
+#ifdef DSV4_TEST_BROKEN_DIRECT_NO_DUP
+  int dup_fd = fd; /* broken on purpose: the number the loop closes and the next accept reuses */
+#else
+  int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+#endif
+  if (dup_fd < 0)
+    return -1;
+  *dw = (dsv4_direct_t){.fd = dup_fd,
+                        .keep = conn_keeps(c, r->keep_alive),
+                        .http_minor = r->http_minor,
+                        .max_bytes = max_bytes};
+  snprintf(dw->instance, sizeof(dw->instance), "%s", c->srv->instance);
+  return 0;
+}
+
+size_t dsv4_direct_write(dsv4_direct_t *dw, int status, const char *content_type,
+                         const uv_buf_t *body, size_t n_body) {
+  if (dw->fd < 0 || dw->head)
+    return 0;
+  uint64_t total = 0;
+  for (size_t i = 0; i < n_body; i++)
+    total += body[i].len;
+  dw->head = response_head(dw->instance, dw->http_minor, status, content_type, NULL, 0, 1, total,
+                           dw->keep, &dw->head_len);
+  if (!dw->head)
+    return 0;
+  struct iovec iov[WRITE_SLICE_BUFS];
+  size_t room = dw->max_bytes, k = 0;
+  iov[k].iov_base = dw->head;
+  iov[k].iov_len = dw->head_len < room ? dw->head_len : room;
+  room -= iov[k++].iov_len;
+  for (size_t i = 0; i < n_body && room > 0 && k < WRITE_SLICE_BUFS; i++) {
+    iov[k].iov_base = body[i].base;
+    iov[k].iov_len = body[i].len < room ? body[i].len : room;
+    room -= iov[k++].iov_len;
+  }
+  struct msghdr m = {.msg_iov = iov, .msg_iovlen = k};
+  ssize_t w = sendmsg(dw->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (w < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      dw->err = -errno;
+    return 0;
+  }
+  dw->written = (size_t)w;
+  dw->t_written_ns = uv_hrtime();
+  return dw->written;
+}
+
+void dsv4_respond_direct(dsv4_req_t *pub, dsv4_direct_t *dw, int status, const char *content_type,
+                         const uv_buf_t *body, size_t n_body, void (*release)(void *),
+                         void *release_arg) {
+  if (!dw->written && !dw->err) {
+    dsv4_direct_close(dw);
+    dsv4_respond(pub, status, content_type, NULL, 0, body, n_body, release, release_arg);
+    return;
+  }
+  req_t *r = req_of(pub);
+  assert(r->state == REQ_DISPATCHED);
+  conn_t *c = r->conn;
+  char *h = dw->head;
+  size_t n = dw->head_len, sent = dw->written;
+  int keep = dw->keep, failed = dw->err != 0;
+  dw->head = NULL;
+  dsv4_direct_close(dw);
+  if (!c || c->state == CONN_CLOSING) {
+    free(h);
+    respond_gone(c, r, status, release, release_arg);
+    return;
+  }
+  respond_start(c, r, status, h, n, body, n_body, 1, keep, release, release_arg, sent, failed);
+}
+
+void dsv4_direct_close(dsv4_direct_t *dw) {
+#ifndef DSV4_TEST_BROKEN_DIRECT_NO_DUP
+  if (dw->fd >= 0)
+    close(dw->fd);
+#endif
+  dw->fd = -1;
+  free(dw->head);
+  dw->head = NULL;
 }
 
 /* ---- streamed responses --------------------------------------------------------------------- */
@@ -819,8 +943,8 @@ int dsv4_respond_stream_begin(dsv4_req_t *pub, int status, const char *content_t
   }
   r->keep_alive = conn_keeps(c, r->keep_alive);
   size_t n = 0;
-  char *h = response_head(c, r, status, content_type, extra, n_extra, 1, content_length,
-                          r->keep_alive, &n);
+  char *h = response_head(c->srv->instance, r->http_minor, status, content_type, extra, n_extra, 1,
+                          content_length, r->keep_alive, &n);
   if (!h) {
     r->stream_failed = 1;
     return DSV4_ENOMEM;

@@ -17,7 +17,8 @@
  * per episode of refusals; dsv4d_connections is the gauge of open connections (every listener
  * sharing the registry adds to it).
  *
- * Thread affinity: everything here is loop thread only.
+ * Thread affinity: everything here is loop thread only, except dsv4_direct_write and
+ * dsv4_direct_close.
  */
 
 #include <stddef.h>
@@ -77,6 +78,52 @@ typedef struct {
 void dsv4_respond(dsv4_req_t *req, int status, const char *content_type, const dsv4_hdr_t *extra,
                   size_t n_extra, const uv_buf_t *body, size_t n_body, void (*release)(void *),
                   void *release_arg);
+/*
+ * An answer written to the socket by another thread (the executor), so that it leaves the moment it
+ * is made instead of waiting for the loop thread to wake up and take it (docs/DESIGN.md, "An answer
+ * is written where it was made"), in three steps.
+ *
+ * dsv4_direct_open, loop thread, before the work is handed over: whether the connection may be
+ * written from elsewhere now (nothing of it queued, the server not draining), what the answer will
+ * announce (keep-alive or close: decided here), and a duplicate of its socket for the other thread,
+ * which therefore stays valid whatever the loop does with the connection or the server meanwhile.
+ *
+ * dsv4_direct_write, the other thread: the response head and what of the body the socket takes at
+ * once, up to max_bytes in all, without blocking.
+ *
+ * dsv4_respond_direct, loop thread, in place of dsv4_respond: the rest of the answer, and the
+ * request's bookkeeping (log line, counters, keep-alive), as dsv4_respond.
+ *
+ * Between open and respond the loop writes nothing on the connection (one request in flight).
+ * dsv4_direct_close releases an opened one that will not be answered so (an error answer).
+ */
+typedef struct {
+  int fd;            /* the socket's duplicate, -1 once closed */
+  int keep;          /* what the answer announces (the loop's decision at open) */
+  int http_minor;    /* of the request */
+  char instance[40]; /* Dsv4d-Instance (a copy: the server may be gone before the write) */
+  size_t max_bytes;  /* at most this many bytes of the answer from the other thread */
+  char *head;        /* the response head dsv4_direct_write built (malloc'd) */
+  size_t head_len;
+  size_t written;        /* bytes of the answer (head first) that went out */
+  int err;               /* the socket's error (-errno), 0 */
+  uint64_t t_written_ns; /* when they went (uv_hrtime's clock) */
+} dsv4_direct_t;
+
+/* Loop thread. 0 and *dw ready; else -1 (bytes queued on the connection, draining, a HEAD request,
+ * no descriptor left for the duplicate) and nothing to close. */
+int dsv4_direct_open(dsv4_req_t *req, size_t max_bytes, dsv4_direct_t *dw);
+/* Any one thread. Returns the bytes written (0: none, for the loop to write); never blocks. */
+size_t dsv4_direct_write(dsv4_direct_t *dw, int status, const char *content_type,
+                         const uv_buf_t *body, size_t n_body);
+/* Loop thread: answer req whose first dw->written bytes went out (0: as dsv4_respond); the body
+ * must be the one given to dsv4_direct_write. Closes dw. */
+void dsv4_respond_direct(dsv4_req_t *req, dsv4_direct_t *dw, int status, const char *content_type,
+                         const uv_buf_t *body, size_t n_body, void (*release)(void *),
+                         void *release_arg);
+/* Any thread: free what an opened dw holds (idempotent). */
+void dsv4_direct_close(dsv4_direct_t *dw);
+
 /* Answer with a JSON document (stolen reference). */
 void dsv4_respond_json(dsv4_req_t *req, int status, json_t *doc);
 /*

@@ -63,9 +63,20 @@ typedef struct {
   size_t q_bytes;
   int rc;
   json_t *err_details;
+  /* The 200 answer once made (fwd_answer_make): its safetensors header (malloc'd) and buffers. */
+  uint8_t *ans_hdr;
+  uv_buf_t ans[6];
+  size_t n_ans;
+  /* The executor thread answers (direct_answer_bytes): an HTTP answer through direct (http.h), a
+   * region request's through region.answer_now (then region_sent). */
+  int direct_on, region_sent;
+  dsv4_direct_t direct;
 } fwd_job_t;
 
 static void fwd_free(fwd_job_t *j) {
+  if (j->direct_on && j->req)
+    dsv4_direct_close(&j->direct);
+  free(j->ans_hdr);
   dsv4_forward_release(&j->f);
   json_decref(j->err_details);
   dsv4_forward_req_free(&j->p);
@@ -110,60 +121,17 @@ static void fwd_after(fwd_job_t *j) {
   }
 }
 
-/* Executor thread. */
-static void fwd_run(dsv4_job_t *job) {
-  fwd_job_t *j = (fwd_job_t *)job;
-  if (j->deadline_ns && job->t_start_ns > j->deadline_ns) {
-    j->rc = DSV4_EDEADLINE;
-    return;
-  }
-  j->rc = dsv4_engine_forward(j->d->engine, &j->f);
-  fwd_after(j);
-}
-
-/* Executor thread: the batch's first half (dsv4_job_t.begin); it stays in flight when the engine
- * overlaps it with the next batch. */
-static int fwd_begin(dsv4_job_t *job, int alone) {
-  fwd_job_t *j = (fwd_job_t *)job;
-  if (j->deadline_ns && job->t_start_ns > j->deadline_ns) {
-    j->rc = DSV4_EDEADLINE;
-    return DSV4_JOB_DONE;
-  }
-  if (!alone && !dsv4_engine_can_overlap(j->d->engine, &j->f))
-    return DSV4_JOB_DEFER;
-  j->rc = dsv4_engine_forward_begin(j->d->engine, &j->f);
-  if (!j->rc && j->f.in_flight)
-    return DSV4_JOB_IN_FLIGHT;
-  fwd_after(j);
-  return DSV4_JOB_DONE;
-}
-
-static void fwd_end(dsv4_job_t *job) {
-  fwd_job_t *j = (fwd_job_t *)job;
-  j->rc = dsv4_engine_forward_end(j->d->engine, &j->f);
-  fwd_after(j);
-}
-
-static const char *class_label(const dsv4_job_t *job) {
-  return job->cls == DSV4_JOB_DECODE ? "decode" : "prefill";
-}
-
-static void observe_stage(dsv4_daemon_t *d, const char *stage, const char *cls, uint64_t ns) {
-  const char *v[2] = {stage, cls};
-  dsv4_metric_observe(d->m_forward_seconds, v, (double)ns * 1e-9);
-}
-
-/* Loop thread: the 200 answer, a safetensors file of the outputs asked for. */
-static void fwd_answer(fwd_job_t *j) {
+/* Any thread: the 200 answer, a safetensors file of the outputs asked for, into j->ans (its header
+ * in j->ans_hdr). DSV4_ENOMEM when the header cannot be built. */
+static int fwd_answer_make(fwd_job_t *j) {
   uint32_t n = j->f.n_tokens, h = j->d->cfg->heads;
   dsv4_st_desc_t desc[5];
   dsv4_st_meta_t meta[3];
   size_t nd = 0, nm = 0, hdr_len = 0, data_len = 0;
   char digest_hex[17];
-  uint8_t *hdr = NULL;
   const void *data[5];
-  uv_buf_t bufs[6];
-  size_t nb = 0;
+  if (j->ans_hdr)
+    return 0;
   if (j->p.want_q) {
     data[nd] = j->f.q_out;
     desc[nd++] = (dsv4_st_desc_t){"q_out", DSV4_ST_BF16, 3, {n, h, DSV4_HEAD_DIM}, j->q_bytes};
@@ -192,23 +160,104 @@ static void fwd_answer(fwd_job_t *j) {
         (dsv4_st_meta_t){"attention", j->f.attention == DSV4_ATTENTION_FAST ? "fast" : "exact"};
   if (j->f.replayed)
     meta[nm++] = (dsv4_st_meta_t){"replayed", "true"};
-  if (dsv4_st_build_header(desc, nd, meta, nm, &hdr, &hdr_len, &data_len)) {
+  if (dsv4_st_build_header(desc, nd, meta, nm, &j->ans_hdr, &hdr_len, &data_len))
+    return DSV4_ENOMEM;
+  /* uv_buf_init takes an unsigned length, and q_out reaches 2^37 bytes (N = 2^20, H = 128): set
+   * the size_t lengths directly. */
+  j->n_ans = 0;
+  j->ans[j->n_ans++] = uv_buf_init((char *)j->ans_hdr, (unsigned)hdr_len);
+  for (size_t i = 0; i < nd; i++) {
+    j->ans[j->n_ans].base = (char *)data[i];
+    j->ans[j->n_ans++].len = desc[i].nbytes;
+  }
+  return 0;
+}
+
+/* Executor thread, once a batch has finished: its 200 answer to the socket now, as much of it as
+ * direct_answer_bytes and the socket take (fwd_answer sends the rest from the loop). */
+static void fwd_direct(fwd_job_t *j) {
+  if (!j->direct_on || j->rc)
+    return;
+  if (!j->req)
+    j->region_sent = j->region.answer_now(j->region.arg, &j->f);
+  else if (!fwd_answer_make(j))
+    dsv4_direct_write(&j->direct, 200, "application/octet-stream", j->ans, j->n_ans);
+}
+
+/* Executor thread. */
+static void fwd_run(dsv4_job_t *job) {
+  fwd_job_t *j = (fwd_job_t *)job;
+  if (j->deadline_ns && job->t_start_ns > j->deadline_ns) {
+    j->rc = DSV4_EDEADLINE;
+    return;
+  }
+  j->rc = dsv4_engine_forward(j->d->engine, &j->f);
+  fwd_after(j);
+  fwd_direct(j);
+}
+
+/* Executor thread: the batch's first half (dsv4_job_t.begin); it stays in flight when the engine
+ * overlaps it with the next batch. */
+static int fwd_begin(dsv4_job_t *job, int alone) {
+  fwd_job_t *j = (fwd_job_t *)job;
+  if (j->deadline_ns && job->t_start_ns > j->deadline_ns) {
+    j->rc = DSV4_EDEADLINE;
+    return DSV4_JOB_DONE;
+  }
+  if (!alone && !dsv4_engine_can_overlap(j->d->engine, &j->f))
+    return DSV4_JOB_DEFER;
+  j->rc = dsv4_engine_forward_begin(j->d->engine, &j->f);
+  if (!j->rc && j->f.in_flight)
+    return DSV4_JOB_IN_FLIGHT;
+  fwd_after(j);
+  fwd_direct(j);
+  return DSV4_JOB_DONE;
+}
+
+static void fwd_end(dsv4_job_t *job) {
+  fwd_job_t *j = (fwd_job_t *)job;
+  j->rc = dsv4_engine_forward_end(j->d->engine, &j->f);
+  fwd_after(j);
+  fwd_direct(j);
+}
+
+static const char *class_label(const dsv4_job_t *job) {
+  return job->cls == DSV4_JOB_DECODE ? "decode" : "prefill";
+}
+
+static void observe_stage(dsv4_daemon_t *d, const char *stage, const char *cls, uint64_t ns) {
+  const char *v[2] = {stage, cls};
+  dsv4_metric_observe(d->m_forward_seconds, v, (double)ns * 1e-9);
+}
+
+/* Loop thread: the 200 answer (fwd_answer_make), or what the executor did not write of it. */
+static void fwd_answer(fwd_job_t *j) {
+  if (fwd_answer_make(j)) {
     dsv4_respond_error(j->req, DSV4_ENOMEM, "cannot build the response header", NULL);
     fwd_free(j);
     return;
   }
-  /* The header buffer is freed with the job: keep it in the job's body slot (a heap pointer there
-   * goes back to the heap). */
-  dsv4_daemon_buf_free(j->d, j->body_alloc);
-  j->body = j->body_alloc = hdr;
-  /* uv_buf_init takes an unsigned length, and q_out reaches 2^37 bytes (N = 2^20, H = 128): set
-   * the size_t lengths directly. */
-  bufs[nb++] = uv_buf_init((char *)hdr, (unsigned)hdr_len);
-  for (size_t i = 0; i < nd; i++) {
-    bufs[nb].base = (char *)data[i];
-    bufs[nb++].len = desc[i].nbytes;
+  if (j->direct_on) {
+    j->direct_on = 0;
+    if (j->direct.written)
+      dsv4_metric_add(j->d->m_direct_answers, NULL, 1);
+    {
+      static unsigned long nn, nw, ne, nb;
+      nn++;
+      nw += j->direct.written > 0;
+      ne += j->direct.err != 0;
+      nb += j->direct.written;
+      if (nn % 5000 == 0) {
+        FILE *f = fopen("/tmp/direct.log", "a");
+        fprintf(f, "n=%lu written=%lu err=%lu avgbytes=%lu\n", nn, nw, ne, nb / nn);
+        fclose(f);
+      }
+    }
+    dsv4_respond_direct(j->req, &j->direct, 200, "application/octet-stream", j->ans, j->n_ans,
+                        fwd_release, j);
+    return;
   }
-  dsv4_respond(j->req, 200, "application/octet-stream", NULL, 0, bufs, nb, fwd_release, j);
+  dsv4_respond(j->req, 200, "application/octet-stream", NULL, 0, j->ans, j->n_ans, fwd_release, j);
 }
 
 /* Loop thread. */
@@ -285,13 +334,16 @@ static void fwd_done(dsv4_job_t *job) {
   dsv4_metric_observe(d->m_batch_tokens, NULL, (double)j->f.n_tokens);
 
   if (!req) {
+    if (j->region_sent)
+      dsv4_metric_add(d->m_direct_answers, NULL, 1);
     region_answer(j, 0, NULL);
     return;
   }
   /* The whole of the daemon's time for the request, the loop's hand-offs and reads included (the
    * stages above are the executor's part of it). */
   const char *v[1] = {cls};
-  dsv4_metric_observe(d->m_forward_request, v, (double)(uv_hrtime() - req->t_start_ns) * 1e-9);
+  uint64_t t_out = j->direct_on && j->direct.written ? j->direct.t_written_ns : uv_hrtime();
+  dsv4_metric_observe(d->m_forward_request, v, (double)(t_out - req->t_start_ns) * 1e-9);
   fwd_answer(j);
 }
 
@@ -421,6 +473,11 @@ static int fwd_submit(dsv4_daemon_t *d, fwd_job_t *j) {
     fwd_done(&j->job);
     return 0;
   }
+  /* Only for the executor: an answer made on the loop thread goes out from there at once. */
+  if (j->req && d->cfg->direct_answer_bytes)
+    j->direct_on = dsv4_direct_open(j->req, d->cfg->direct_answer_bytes, &j->direct) == 0;
+  else if (!j->req)
+    j->direct_on = d->cfg->direct_answer_bytes && j->region.answer_now;
   int rc = dsv4_executor_submit(&d->ex, &j->job);
   if (rc)
     d->inflight--;
@@ -773,6 +830,10 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                              "Decode batches of a lone client run on the event loop's thread, the "
                              "executor being idle (inline_decode_tokens).",
                              NULL, 0, &d->m_inline_batches);
+  rc |= dsv4_metrics_counter(m, "dsv4d_direct_answers_total",
+                             "Forward answers whose first bytes the executor's thread wrote to the "
+                             "socket itself, as soon as each was made (direct_answer_bytes).",
+                             NULL, 0, &d->m_direct_answers);
   rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
                            "Forward batches waiting in the executor (not running) by class.", cls,
                            1, &d->m_queued);
@@ -789,6 +850,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   dsv4_metric_add(d->m_alloc_failures, NULL, 0);
   dsv4_metric_add(d->m_prefill_chunks, NULL, 0);
   dsv4_metric_add(d->m_inline_batches, NULL, 0);
+  dsv4_metric_add(d->m_direct_answers, NULL, 0);
   dsv4_metrics_set_collect(m, collect, d);
   return 0;
 }

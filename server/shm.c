@@ -83,6 +83,9 @@ struct conn {
   out_t out[OUT_COUNT]; /* the forward in flight */
   int want_digest;
   uint64_t t_recv; /* when the message of the forward in flight was read (uv_hrtime) */
+  /* The executor thread sent the forward's answer itself (forward_now), at t_sent. */
+  int sent;
+  uint64_t t_sent;
 };
 
 struct dsv4_shm_server {
@@ -495,6 +498,28 @@ static char *forward_answer(const conn_t *c, const dsv4_forward_t *f, size_t *le
   return t;
 }
 
+/*
+ * Executor thread (dsv4_region_forward_t.answer_now): the 200 answer of the forward that just ran,
+ * sent at once when the socket takes it without blocking (a SOCK_SEQPACKET message goes whole or
+ * not at all), so that it does not wait for the loop thread. While the forward is in flight the
+ * loop reads and sends nothing on the connection and keeps it open (busy), and what this reads of
+ * it was set before the batch was submitted.
+ */
+static int forward_now(void *arg, const dsv4_forward_t *f) {
+  conn_t *c = arg;
+  size_t len = 0;
+  char *text = forward_answer(c, f, &len);
+  if (!text)
+    return 0;
+  ssize_t n = send(c->fd, text, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+  free(text);
+  if (n != (ssize_t)len)
+    return 0; /* the loop sends it (again), and sees a failed socket for itself */
+  c->t_sent = uv_hrtime();
+  c->sent = 1;
+  return 1;
+}
+
 /* Loop thread: the forward in flight has its result. */
 static void forward_done(void *arg, int rc, const char *message, json_t *details,
                          const dsv4_forward_t *f) {
@@ -503,14 +528,18 @@ static void forward_done(void *arg, int rc, const char *message, json_t *details
   if (rc) {
     answer_error(c, "forward", rc, message, details);
   } else {
-    size_t len = 0;
-    char *text = forward_answer(c, f, &len);
     count(c, "forward", 200);
-    send_text(c, text, len);
+    if (!c->sent) {
+      size_t len = 0;
+      char *text = forward_answer(c, f, &len);
+      send_text(c, text, len);
+    }
     /* The daemon's whole time for the forward, as dsv4d_forward_request_seconds is over HTTP. */
     const char *cls[1] = {dsv4_forward_is_decode(f) ? "decode" : "prefill"};
-    dsv4_metric_observe(c->srv->forward_seconds, cls, (double)(uv_hrtime() - c->t_recv) * 1e-9);
+    uint64_t t = c->sent ? c->t_sent : uv_hrtime();
+    dsv4_metric_observe(c->srv->forward_seconds, cls, (double)(t - c->t_recv) * 1e-9);
   }
+  c->sent = 0;
   if (c->closing)
     conn_close(c);
   else
@@ -598,7 +627,7 @@ static void op_forward(conn_t *c, dsv4_shm_fwd_t *m, const trailer_t *tr, uint64
     answer_error(c, "forward", DSV4_EINVAL, "\"deadline_ms\" must be a whole number of ms", NULL);
     return;
   }
-  dsv4_region_forward_t rf = {.done = forward_done, .arg = c};
+  dsv4_region_forward_t rf = {.done = forward_done, .answer_now = forward_now, .arg = c};
   int rc = forward_parse(c, m, *rp, tr, &p, why, sizeof(why));
   if (!rc) {
     uint8_t *base = (*rp)->base;

@@ -159,10 +159,28 @@ def same_state(a, b, names):
 def test_shm_same_bytes():
     """Prefills across blocks with attention, a YaRN layer, replays, decodes and a conflict: every
     answer through the region equals the HTTP daemon's, and so does the cache."""
+    same_bytes_run(())
+
+
+def test_shm_direct_answers():
+    """The same with every batch queued (inline_decode_tokens 0): answered by the executor's thread
+    itself (direct_answer_bytes, on by default) or by the loop's (0), every answer the HTTP
+    daemon's; dsv4d_direct_answers_total counts each 200 answer of the first, none of the second."""
+    for extra, direct in ((["--inline-decode-tokens", "0"], True),
+                          (["--inline-decode-tokens", "0", "--direct-answer-bytes", "0"], False)):
+        ms = same_bytes_run(extra)
+        ok = h.metric(ms, "dsv4d_shm_requests_total", op="forward", code="200")
+        check_eq(h.metric(ms, "dsv4d_direct_answers_total"), ok if direct else 0.0,
+                 "answers the executor's thread sent (%s)" % " ".join(extra))
+
+
+def same_bytes_run(extra_b):
+    """test_shm_same_bytes's batches with extra_b on the shm daemon's command line; returns that
+    daemon's metrics at the end."""
     rng = np.random.default_rng(91)
     work = tempfile.mkdtemp(prefix="dsv4d-it-shm-")
     try:
-        da, db, sock = daemons(work)
+        da, db, sock = daemons(work, extra_b)
         with da as a, db as b:
             # The line reaches this process through a pipe, a little after the data listener's.
             lines = [j for j in h.log_records("\n".join(
@@ -225,6 +243,7 @@ def test_shm_same_bytes():
             ok = h.metric(ms, "dsv4d_shm_requests_total", op="forward", code="200")
             for c, want in (("prefill", 3.0), ("decode", ok - 3.0)):
                 h.check_whole_time(ms, "dsv4d_shm_forward_seconds", c, want)
+            return ms
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -828,7 +847,7 @@ def test_shm_max_connections():
 
 
 if __name__ == "__main__":
-    h.main([test_shm_same_bytes, test_shm_spin, test_shm_prepared, test_shm_registration_refusals,
-            test_shm_bad_requests_change_nothing, test_shm_message_before_answer,
+    h.main([test_shm_same_bytes, test_shm_direct_answers, test_shm_spin, test_shm_prepared,
+            test_shm_registration_refusals, test_shm_bad_requests_change_nothing, test_shm_message_before_answer,
             test_shm_c_example, test_shm_readme_python, test_shm_close_and_drain,
             test_shm_max_connections])

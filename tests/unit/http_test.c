@@ -329,31 +329,102 @@ static uint8_t parts_byte(size_t i) {
   return (uint8_t)((i * 131u) ^ (i >> 9) ^ (i >> 19));
 }
 
-/* An answer of several body buffers, their sizes in the query ("s=N,N,..."), one allocation
- * filled with parts_byte: an answer larger than the server's write slice goes out in slices. */
-static void h_parts(dsv4_req_t *req, void *ctx) {
-  (void)ctx;
+/* Body buffers of the sizes in q ("N,N,...", at most 8) over one allocation (*b, malloc'd) filled
+ * with parts_byte; returns how many. */
+static size_t parts_make(const char *q, uint8_t **b, uv_buf_t out[8]) {
   size_t len[8], n = 0, total = 0;
-  const char *q = req->query && strncmp(req->query, "s=", 2) == 0 ? req->query + 2 : "";
   while (*q && n < 8) {
     char *end;
     len[n] = strtoul(q, &end, 10);
     total += len[n++];
     q = *end == ',' ? end + 1 : end;
   }
-  uint8_t *b = malloc(total ? total : 1);
+  *b = malloc(total ? total : 1);
   for (size_t i = 0; i < total; i++)
-    b[i] = parts_byte(i);
-  uv_buf_t out[8];
+    (*b)[i] = parts_byte(i);
   for (size_t i = 0, off = 0; i < n; off += len[i++])
-    out[i] = uv_buf_init((char *)b + off, (unsigned)len[i]);
+    out[i] = uv_buf_init((char *)*b + off, (unsigned)len[i]);
+  return n;
+}
+
+/* An answer of several body buffers, their sizes in the query ("s=N,N,..."), one allocation
+ * filled with parts_byte: an answer larger than the server's write slice goes out in slices. */
+static void h_parts(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  uint8_t *b;
+  uv_buf_t out[8];
+  size_t n = parts_make(strncmp(req->query, "s=", 2) == 0 ? req->query + 2 : "", &b, out);
   dsv4_respond(req, 200, "application/octet-stream", NULL, 0, out, n, free, b);
+}
+
+/* ---- answers written by another thread (dsv4_direct_*) ---- */
+
+/* A /direct request: answered as /parts by a thread of its own, which writes at most max bytes
+ * of it itself (after wait ms), then hands it back to the loop through the async. */
+typedef struct {
+  uv_async_t back; /* first */
+  dsv4_req_t *req;
+  dsv4_direct_t dw;
+  int opened, wait_ms;
+  uint8_t *b;
+  uv_buf_t out[8];
+  size_t n;
+  pthread_t t;
+} direct_job_t;
+
+/* Answers whose bytes the other thread wrote (in part at least), and its write errors. */
+static atomic_int direct_written, direct_errors, direct_calls;
+
+static void direct_closed(uv_handle_t *h) {
+  free(h->data);
+}
+
+static void direct_back(uv_async_t *a) {
+  direct_job_t *j = a->data;
+  pthread_join(j->t, NULL);
+  if (j->dw.written)
+    atomic_fetch_add(&direct_written, 1);
+  if (j->dw.err)
+    atomic_fetch_add(&direct_errors, 1);
+  if (j->opened)
+    dsv4_respond_direct(j->req, &j->dw, 200, "application/octet-stream", j->out, j->n, free, j->b);
+  else
+    dsv4_respond(j->req, 200, "application/octet-stream", NULL, 0, j->out, j->n, free, j->b);
+  uv_close((uv_handle_t *)&j->back, direct_closed);
+}
+
+static void *direct_worker(void *arg) {
+  direct_job_t *j = arg;
+  if (j->wait_ms)
+    usleep((useconds_t)j->wait_ms * 1000);
+  if (j->opened)
+    dsv4_direct_write(&j->dw, 200, "application/octet-stream", j->out, j->n);
+  uv_async_send(&j->back);
+  return NULL;
+}
+
+/* GET /direct?max=M&wait=W&s=N,N,...: /parts's answer, written as the daemon's executor writes
+ * a forward's. */
+static void h_direct(dsv4_req_t *req, void *ctx) {
+  (void)ctx;
+  atomic_fetch_add(&direct_calls, 1);
+  direct_job_t *j = calloc(1, sizeof(*j));
+  unsigned long max = 0;
+  int used = 0;
+  sscanf(req->query, "max=%lu&wait=%d&s=%n", &max, &j->wait_ms, &used);
+  j->req = req;
+  j->n = parts_make(used ? req->query + used : "", &j->b, j->out);
+  j->opened = dsv4_direct_open(req, max, &j->dw) == 0;
+  uv_async_init(&loop, &j->back, direct_back);
+  j->back.data = j;
+  assert_int_equal(pthread_create(&j->t, NULL, direct_worker, j), 0);
 }
 
 static const dsv4_route_t routes[] = {
     {DSV4_HTTP_POST, "/take", "take", 1 << 20, 0, h_take, NULL, NULL},
     {DSV4_HTTP_GET, "/stream", "stream", 0, 0, h_stream, NULL, NULL},
     {DSV4_HTTP_GET, "/parts", "parts", 0, 0, h_parts, NULL, NULL},
+    {DSV4_HTTP_GET, "/direct", "direct", 0, 0, h_direct, NULL, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST | DSV4_HTTP_HEAD, "/imm", "imm", 1 << 20, 0, h_imm, NULL, NULL},
     {DSV4_HTTP_GET | DSV4_HTTP_POST, "/defer", "defer", 1 << 20, 0, h_defer, NULL, NULL},
     {DSV4_HTTP_POST, "/gone", "gone", 1 << 20, 0, h_defer, (void *)1, NULL},
@@ -440,6 +511,9 @@ static int setup(void **state) {
   atomic_store(&stream_failed_cbs, 0);
   atomic_store(&streams_ended, 0);
   atomic_store(&completions, 0);
+  atomic_store(&direct_written, 0);
+  atomic_store(&direct_errors, 0);
+  atomic_store(&direct_calls, 0);
   snprintf(log_path, sizeof(log_path), "/tmp/dsv4-http-test-%d.log", (int)getpid());
   log_fd = open(log_path, O_CREAT | O_TRUNC | O_RDWR, 0600);
   dsv4_log_set_fd(log_fd);
@@ -1332,6 +1406,86 @@ static void test_sliced_answer_client_gone(void **state) {
   }
 }
 
+/*
+ * Answers written in part by another thread (dsv4_direct_*): whatever share it wrote (none, a byte
+ * of the head, the head and some of the body, all of it) and however the loop goes on from there
+ * (at once, in slices, to a slow reader), the client reads one whole answer, every byte once and
+ * in order, and the connection serves its next request. (A build whose loop wrote the answer from
+ * its start again, or lost the other thread's bytes, fails read_parts here.)
+ */
+static void test_direct_answers(void **state) {
+  (void)state;
+  static const size_t maxes[] = {0, 1, 37, 4096, (size_t)1 << 20, (size_t)1 << 30};
+  static const struct {
+    const char *sizes;
+    size_t total;
+  } cases[] = {{"5000", 5000}, {"1,65536,0,3", 65540}, {"9000001", 9000001}};
+  client_t *c = client_new();
+  for (size_t m = 0; m < sizeof(maxes) / sizeof(maxes[0]); m++)
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+      int before = atomic_load(&direct_written);
+      char path[128];
+      snprintf(path, sizeof(path), "/direct?max=%zu&wait=0&s=%s", maxes[m], cases[k].sizes);
+      atomic_store(&completion_bytes, -1);
+      get(c, path, "d");
+      read_parts(c, cases[k].total, k == 2 && m % 2, 1);
+      /* Nothing queued on the connection, so the other thread wrote what the limit let it. */
+      assert_int_equal(atomic_load(&direct_written), before + (maxes[m] > 0));
+      resp_t r;
+      get(c, "/imm", "after-direct");
+      assert_int_equal(read_response(c, &r, 0), 200);
+      assert_non_null(strstr(r.body, "imm id=after-direct"));
+    }
+  assert_int_equal(atomic_load(&direct_errors), 0);
+  client_free(c);
+}
+
+/*
+ * A client that resets its connection before the other thread writes its answer: the write fails
+ * on that socket (whose duplicate kept it), the server frees the request, and a client that
+ * connected meanwhile, whose socket may have the closed one's number, gets its own answers and
+ * nothing else. (A build that wrote to the connection's descriptor number rather than a duplicate
+ * sent the first answer to the second client here.)
+ */
+static void test_direct_client_gone(void **state) {
+  (void)state;
+  for (int k = 0; k < 4; k++) {
+    client_t *a = client_new();
+    get(a, "/direct?max=1048576&wait=300&s=300000", "gone");
+    while (atomic_load(&direct_calls) < 1 + k)
+      usleep(1000);
+    struct linger reset = {1, 0};
+    setsockopt(a->fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+    client_free(a);
+    wait_connections(0);
+    client_t *b = client_new();
+    double t0 = now_s();
+    int n = 0;
+    /* Past the other thread's write (300 ms after the handler): b's answers are its own. */
+    while (now_s() - t0 < 0.5) {
+      char id[32];
+      snprintf(id, sizeof(id), "b%d-%d", k, n++);
+      resp_t r;
+      get(b, "/imm", id);
+      while (!memmem(b->buf, b->len, "\r\n\r\n", 4))
+        assert_int_equal(fill(b), 1);
+      if (memmem(b->buf, b->len, "application/octet-stream", 24))
+        fail_msg("the second client got another connection's answer (request %d)", n);
+      assert_int_equal(read_response(b, &r, 0), 200);
+      char want[64];
+      snprintf(want, sizeof(want), "imm id=%s ", id);
+      if (strncmp(r.body, want, strlen(want)) != 0)
+        fail_msg("answer %d of the second client: %.60s", n, r.body);
+      usleep(20000);
+    }
+    assert_int_equal(b->len, 0);
+    client_free(b);
+    wait_connections(0);
+  }
+  assert_int_equal(atomic_load(&direct_written), 0);
+  assert_int_equal(atomic_load(&direct_errors), 4);
+}
+
 /* The head of a POST /big of n bytes with X-Id id, and its body (h_imm's pattern). */
 static char *big_request(size_t n, const char *id, char *head, size_t head_cap) {
   snprintf(head, head_cap,
@@ -1618,7 +1772,10 @@ static void test_body_hook(void **state) {
   free(body);
 }
 
-int main(void) {
+/* argv[1]: run only the tests whose names match this pattern (cmocka_set_test_filter). */
+int main(int argc, char **argv) {
+  if (argc > 1)
+    cmocka_set_test_filter(argv[1]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_keep_alive, setup, teardown),
       cmocka_unit_test_setup_teardown(test_pipelining_order, setup, teardown),
@@ -1643,6 +1800,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_sliced_answers, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_ended_with_piece_queued, setup, teardown),
       cmocka_unit_test_setup_teardown(test_sliced_answer_client_gone, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_direct_answers, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_direct_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_paced_body_reads, setup, teardown),
       cmocka_unit_test_setup_teardown(test_body_skew, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
