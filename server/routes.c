@@ -54,7 +54,7 @@ typedef struct {
   dsv4_req_t *req;              /* the HTTP request answered, or NULL for a region request */
   dsv4_region_forward_t region; /* a region request's outputs and who is told (region.c) */
   uint8_t *body;
-  void *body_alloc;     /* what holds body (dsv4_req_take_body), freed with the job */
+  void *body_alloc;     /* what holds body (dsv4_req_take_body): freed once the answer is made */
   dsv4_forward_req_t p; /* the parsed body; f's inputs point into it */
   uint64_t deadline_ns; /* 0 = none */
   dsv4_forward_t f;
@@ -237,22 +237,14 @@ static void fwd_answer(fwd_job_t *j) {
     fwd_free(j);
     return;
   }
+  /* The body is no longer needed (the answer's tensors are in the job's own buffers): back to
+   * the page-locked pool now, not once the answer is out. */
+  dsv4_daemon_buf_free(j->d, j->body_alloc);
+  j->body = j->body_alloc = NULL;
   if (j->direct_on) {
     j->direct_on = 0;
     if (j->direct.written)
       dsv4_metric_add(j->d->m_direct_answers, NULL, 1);
-    {
-      static unsigned long nn, nw, ne, nb;
-      nn++;
-      nw += j->direct.written > 0;
-      ne += j->direct.err != 0;
-      nb += j->direct.written;
-      if (nn % 5000 == 0) {
-        FILE *f = fopen("/tmp/direct.log", "a");
-        fprintf(f, "n=%lu written=%lu err=%lu avgbytes=%lu\n", nn, nw, ne, nb / nn);
-        fclose(f);
-      }
-    }
     dsv4_respond_direct(j->req, &j->direct, 200, "application/octet-stream", j->ans, j->n_ans,
                         fwd_release, j);
     return;
