@@ -125,9 +125,10 @@ typedef struct {
   uint8_t *body_base;
   bool skew_pending; /* the route places the body and fewer than 8 of its bytes have come */
   size_t bytes_out;
-  int authed;      /* carried the listener's bearer token */
-  char peer[64];   /* "ip:port" of the client */
-  int resp_status; /* a streamed answer's status, recorded at its end */
+  uint64_t t_sent_ns; /* the answer's first bytes went from another thread then (0: from here) */
+  int authed;         /* carried the listener's bearer token */
+  char peer[64];      /* "ip:port" of the client */
+  int resp_status;    /* a streamed answer's status, recorded at its end */
   uint64_t stream_len, stream_sent;
   int stream_hdr_sent, stream_failed;
   dsv4_stream_cb stream_cb;
@@ -522,7 +523,7 @@ static void req_record(req_t *r, int status, int written) {
                                           : DSV4_LOG_DEBUG;
   if (!dsv4_log_enabled(level))
     return;
-  double ms = (double)(uv_hrtime() - r->pub.t_start_ns) * 1e-6;
+  double ms = (double)((r->t_sent_ns ? r->t_sent_ns : uv_hrtime()) - r->pub.t_start_ns) * 1e-6;
   json_t *f = json_object();
   if (!f)
     return;
@@ -903,6 +904,7 @@ void dsv4_respond_direct(dsv4_req_t *pub, dsv4_direct_t *dw, int status, const c
   char *h = dw->head;
   size_t n = dw->head_len, sent = dw->written;
   int keep = dw->keep, failed = dw->err != 0;
+  r->t_sent_ns = dw->t_written_ns; /* the log line's duration: until the answer went */
   dw->head = NULL;
   dsv4_direct_close(dw);
   if (!c || c->state == CONN_CLOSING) {
