@@ -3,6 +3,7 @@
 #include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +45,8 @@
 #define READ_SLICE ((size_t)1 << 20)
 /* Buffers of one slice: an answer's head and its tensors (fwd_answer has at most 6). */
 #define WRITE_SLICE_BUFS 16
+/* Duplicates of sockets held for answers written by another thread (DSV4_DIRECT_MAX). */
+static atomic_int direct_fds;
 /* After a response that closes the connection: shut down our side, then read and discard for at
  * most this long, so unread request bytes do not turn the close into a reset that destroys the
  * response before the client reads it (nginx's lingering close). */
@@ -126,6 +129,7 @@ typedef struct {
   bool skew_pending; /* the route places the body and fewer than 8 of its bytes have come */
   size_t bytes_out;
   uint64_t t_sent_ns; /* the answer's first bytes went from another thread then (0: from here) */
+  bool direct;        /* dsv4_direct_open gave another thread a duplicate of the socket */
   int authed;         /* carried the listener's bearer token */
   char peer[64];      /* "ip:port" of the client */
   int resp_status;    /* a streamed answer's status, recorded at its end */
@@ -839,16 +843,24 @@ int dsv4_direct_open(dsv4_req_t *pub, size_t max_bytes, dsv4_direct_t *dw) {
       max_bytes == 0 || uv_stream_get_write_queue_size(&c->io.stream) > 0 ||
       uv_fileno(&c->io.handle, &fd) != 0)
     return -1;
-    /* The duplicate keeps the socket open for the other thread even if the loop closes the
-     * connection meanwhile (a reset, the server closing): no other connection can get its number.
-     */
+  /* The duplicate keeps the socket open for the other thread even if the loop closes the
+   * connection meanwhile (a reset, the server closing): no other connection can get its number.
+   * At most DSV4_DIRECT_MAX of them at once, so that the descriptors FD_RESERVE keeps for
+   * everything else stay there however many batches are queued. */
+  if (atomic_fetch_add(&direct_fds, 1) >= DSV4_DIRECT_MAX) {
+    atomic_fetch_sub(&direct_fds, 1);
+    return -1;
+  }
 #ifdef DSV4_TEST_BROKEN_DIRECT_NO_DUP
   int dup_fd = fd; /* broken on purpose: the number the loop closes and the next accept reuses */
 #else
   int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
 #endif
-  if (dup_fd < 0)
+  if (dup_fd < 0) {
+    atomic_fetch_sub(&direct_fds, 1);
     return -1;
+  }
+  r->direct = true;
   *dw = (dsv4_direct_t){.fd = dup_fd,
                         .keep = conn_keeps(c, r->keep_alive),
                         .http_minor = r->http_minor,
@@ -909,6 +921,7 @@ void dsv4_respond_direct(dsv4_req_t *pub, dsv4_direct_t *dw, int status, const c
   dsv4_direct_close(dw);
   if (!c || c->state == CONN_CLOSING) {
     free(h);
+    r->bytes_out = sent; /* what went before the connection did */
     respond_gone(c, r, status, release, release_arg);
     return;
   }
@@ -916,10 +929,12 @@ void dsv4_respond_direct(dsv4_req_t *pub, dsv4_direct_t *dw, int status, const c
 }
 
 void dsv4_direct_close(dsv4_direct_t *dw) {
+  if (dw->fd >= 0) {
 #ifndef DSV4_TEST_BROKEN_DIRECT_NO_DUP
-  if (dw->fd >= 0)
     close(dw->fd);
 #endif
+    atomic_fetch_sub(&direct_fds, 1);
+  }
   dw->fd = -1;
   free(dw->head);
   dw->head = NULL;
@@ -1696,7 +1711,12 @@ static void conn_close(conn_t *c) {
   } else if (r &&
              (r->state == REQ_DISPATCHED || (r->state == REQ_STREAMING && !c->stream_pending))) {
     /* The handler still owns the request and will respond (or end its stream); that only frees
-     * it. A streamed piece in flight is cancelled by uv_close, and its callback detaches. */
+     * it. A streamed piece in flight is cancelled by uv_close, and its callback detaches. A
+     * duplicate held for its answer would keep the socket open past uv_close: shut it down now,
+     * so that the client sees the end at once and the other thread's write fails. */
+    uv_os_fd_t fd;
+    if (r->direct && uv_fileno(&c->io.handle, &fd) == 0)
+      shutdown(fd, SHUT_RDWR);
     r->conn = NULL;
     r->gone = 1;
     r->stream_failed = 1;

@@ -97,6 +97,10 @@ void dsv4_respond(dsv4_req_t *req, int status, const char *content_type, const d
  * Between open and respond the loop writes nothing on the connection (one request in flight).
  * dsv4_direct_close releases an opened one that will not be answered so (an error answer).
  */
+/* Opened and not yet closed at most, in the whole process (each holds a descriptor); past it,
+ * dsv4_direct_open refuses and the loop writes the answer. */
+#define DSV4_DIRECT_MAX 16
+
 typedef struct {
   int fd;            /* the socket's duplicate, -1 once closed */
   int keep;          /* what the answer announces (the loop's decision at open) */
@@ -111,7 +115,7 @@ typedef struct {
 } dsv4_direct_t;
 
 /* Loop thread. 0 and *dw ready; else -1 (bytes queued on the connection, draining, a HEAD request,
- * no descriptor left for the duplicate) and nothing to close. */
+ * DSV4_DIRECT_MAX open, no descriptor left for the duplicate) and nothing to close. */
 int dsv4_direct_open(dsv4_req_t *req, size_t max_bytes, dsv4_direct_t *dw);
 /* Any one thread. Returns the bytes written (0: none, for the loop to write); never blocks. */
 size_t dsv4_direct_write(dsv4_direct_t *dw, int status, const char *content_type,

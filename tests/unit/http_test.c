@@ -1482,8 +1482,48 @@ static void test_direct_client_gone(void **state) {
     client_free(b);
     wait_connections(0);
   }
+  double t0 = now_s();
+  while (atomic_load(&direct_errors) < 4 && now_s() - t0 < 5)
+    usleep(1000);
   assert_int_equal(atomic_load(&direct_written), 0);
   assert_int_equal(atomic_load(&direct_errors), 4);
+}
+
+/* More answers waiting for their other thread than DSV4_DIRECT_MAX at once: that many get a
+ * duplicate of their socket, the others are written by the loop, and every one arrives whole. */
+static void test_direct_max(void **state) {
+  (void)state;
+  enum { N = DSV4_DIRECT_MAX + 4 };
+  client_t *c[N];
+  for (int i = 0; i < N; i++) {
+    c[i] = client_new();
+    get(c[i], "/direct?max=1048576&wait=700&s=5000,3", "many");
+  }
+  double t0 = now_s();
+  while (atomic_load(&direct_calls) < N && now_s() - t0 < 5)
+    usleep(1000);
+  assert_int_equal(atomic_load(&direct_calls), N);
+  for (int i = 0; i < N; i++) {
+    read_parts(c[i], 5003, 0, 0);
+    client_free(c[i]);
+  }
+  /* The loop's part of each answer (its completion is counted after the duplicate is closed). */
+  t0 = now_s();
+  while (atomic_load(&completions) < N && now_s() - t0 < 5)
+    usleep(1000);
+  assert_int_equal(atomic_load(&completions), N);
+  /* Every handler ran within the first one's wait: none had closed its duplicate yet. */
+  assert_int_equal(atomic_load(&direct_written), DSV4_DIRECT_MAX);
+  wait_connections(0);
+  /* All closed again: the next answer gets one. */
+  client_t *d = client_new();
+  get(d, "/direct?max=1048576&wait=0&s=100", "after");
+  read_parts(d, 100, 0, 0);
+  client_free(d);
+  t0 = now_s();
+  while (atomic_load(&completions) < N + 1 && now_s() - t0 < 5)
+    usleep(1000);
+  assert_int_equal(atomic_load(&direct_written), DSV4_DIRECT_MAX + 1);
 }
 
 /* The head of a POST /big of n bytes with X-Id id, and its body (h_imm's pattern). */
@@ -1805,6 +1845,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_sliced_answer_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_direct_answers, setup, teardown),
       cmocka_unit_test_setup_teardown(test_direct_client_gone, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_direct_max, setup, teardown),
       cmocka_unit_test_setup_teardown(test_paced_body_reads, setup, teardown),
       cmocka_unit_test_setup_teardown(test_body_skew, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
