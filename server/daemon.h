@@ -6,6 +6,7 @@
  * the metrics. Route handlers get it as their context.
  */
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include <uv.h>
@@ -36,6 +37,12 @@ typedef struct dsv4_daemon {
   int draining;
   int restoring;     /* the snapshot in snapshot_dir is being restored: /readyz says so */
   uint64_t inflight; /* forward batches submitted and not yet answered (loop thread) */
+  /* Answers the executor's thread sent itself (direct_answer_bytes): counted there before each
+   * send, and here as each batch comes back; a /metrics request waits in metrics_waiting until
+   * those sent before it are back, so that a client that has read an answer sees it counted. */
+  atomic_uint_fast64_t direct_sent;
+  uint64_t direct_back;
+  struct dsv4_metrics_wait *metrics_waiting;
   /* Metric families. */
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
       *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total,

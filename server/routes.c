@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <xxhash.h>
 
@@ -70,6 +71,7 @@ typedef struct {
   /* The executor thread answers (direct_answer_bytes): an HTTP answer through direct (http.h), a
    * region request's through region.answer_now (then region_sent). */
   int direct_on, region_sent;
+  int sent_ahead; /* counted in d->direct_sent: the answer may be with the client before done */
   dsv4_direct_t direct;
 } fwd_job_t;
 
@@ -178,10 +180,15 @@ static int fwd_answer_make(fwd_job_t *j) {
 static void fwd_direct(fwd_job_t *j) {
   if (!j->direct_on || j->rc)
     return;
+  j->sent_ahead = 1;
+  atomic_fetch_add(&j->d->direct_sent, 1);
   if (!j->req)
     j->region_sent = j->region.answer_now(j->region.arg, &j->f);
   else if (!fwd_answer_make(j))
     dsv4_direct_write(&j->direct, 200, "application/octet-stream", j->ans, j->n_ans);
+#ifdef DSV4_TEST_DIRECT_SLOW_BACK_US
+  usleep(DSV4_TEST_DIRECT_SLOW_BACK_US); /* a test build: the batch comes back late to the loop */
+#endif
 }
 
 /* Executor thread. */
@@ -252,9 +259,8 @@ static void fwd_answer(fwd_job_t *j) {
   dsv4_respond(j->req, 200, "application/octet-stream", NULL, 0, j->ans, j->n_ans, fwd_release, j);
 }
 
-/* Loop thread. */
-static void fwd_done(dsv4_job_t *job) {
-  fwd_job_t *j = (fwd_job_t *)job;
+/* Loop thread: a batch back from the executor, its counts and its answer (frees j). */
+static void fwd_finish(fwd_job_t *j) {
   dsv4_daemon_t *d = j->d;
   dsv4_req_t *req = j->req;
   d->inflight--;
@@ -307,8 +313,8 @@ static void fwd_done(dsv4_job_t *job) {
     return;
   }
 
-  const char *cls = class_label(job);
-  observe_stage(d, "queue", cls, job->t_start_ns - job->t_submit_ns);
+  const char *cls = class_label(&j->job);
+  observe_stage(d, "queue", cls, j->job.t_start_ns - j->job.t_submit_ns);
   observe_stage(d, "validate", cls, j->f.timing.validate_ns);
   observe_stage(d, "plan", cls, j->f.timing.plan_ns);
   observe_stage(d, "kernel", cls, j->f.timing.kernel_ns);
@@ -337,6 +343,38 @@ static void fwd_done(dsv4_job_t *job) {
   uint64_t t_out = j->direct_on && j->direct.written ? j->direct.t_written_ns : uv_hrtime();
   dsv4_metric_observe(d->m_forward_request, v, (double)(t_out - req->t_start_ns) * 1e-9);
   fwd_answer(j);
+}
+
+/* /metrics requests waiting for the answers the executor sent before they came (daemon.h). */
+typedef struct dsv4_metrics_wait {
+  struct dsv4_metrics_wait *next;
+  dsv4_req_t *req;
+  uint64_t sent; /* d->direct_sent when it came */
+} metrics_wait_t;
+
+static void metrics_respond(dsv4_daemon_t *d, dsv4_req_t *req);
+
+/* Loop thread. */
+static void fwd_done(dsv4_job_t *job) {
+  fwd_job_t *j = (fwd_job_t *)job;
+  dsv4_daemon_t *d = j->d;
+  int ahead = j->sent_ahead;
+  fwd_finish(j);
+  if (!ahead)
+    return;
+  /* Batches come back in the order the executor counted their answers: those waiting for at most
+   * this many are answered, with this batch's counts in. */
+  d->direct_back++;
+  for (metrics_wait_t **p = &d->metrics_waiting; *p;) {
+    metrics_wait_t *w = *p;
+    if (w->sent > d->direct_back) {
+      p = &w->next;
+      continue;
+    }
+    *p = w->next;
+    metrics_respond(d, w->req);
+    free(w);
+  }
 }
 
 static int layer_served(const void *engine, uint32_t layer) {
@@ -705,8 +743,7 @@ static void on_readyz(dsv4_req_t *req, void *ctx) {
         json_pack("{s:s,s:s}", "status", "ready", "backend", dsv4_engine_backend_name(d->engine)));
 }
 
-static void on_metrics(dsv4_req_t *req, void *ctx) {
-  dsv4_daemon_t *d = ctx;
+static void metrics_respond(dsv4_daemon_t *d, dsv4_req_t *req) {
   char *text = NULL;
   size_t len = 0;
   if (dsv4_metrics_render(d->metrics, &text, &len)) {
@@ -715,6 +752,21 @@ static void on_metrics(dsv4_req_t *req, void *ctx) {
   }
   uv_buf_t b = uv_buf_init(text, (unsigned)len);
   dsv4_respond(req, 200, DSV4_METRICS_CONTENT_TYPE, NULL, 0, &b, 1, free_release, text);
+}
+
+/* A client may have read an answer the executor sent before that batch came back here: then the
+ * metrics wait for it (fwd_done), so that what a client has seen answered is counted. Every such
+ * batch comes back, also at shutdown (the executor hands back all it ran). */
+static void on_metrics(dsv4_req_t *req, void *ctx) {
+  dsv4_daemon_t *d = ctx;
+  uint64_t sent = atomic_load(&d->direct_sent);
+  metrics_wait_t *w = sent > d->direct_back ? malloc(sizeof(*w)) : NULL;
+  if (!w) {
+    metrics_respond(d, req);
+    return;
+  }
+  *w = (metrics_wait_t){d->metrics_waiting, req, sent};
+  d->metrics_waiting = w;
 }
 
 /* dsv4d_kv_blocks{pool,state} and dsv4d_kv_blocks_total{pool} of one block pool. */

@@ -124,5 +124,29 @@ def test_direct_many_clients():
         d.stop()
 
 
+def test_direct_counted_when_read():
+    """A client that has read an answer the executor's thread sent, and then asks for the metrics
+    on another connection, finds that batch counted: the metrics wait for the batch to come back
+    to the loop (dsv4d_slow_back, whose executor hands each batch back 2 ms after its answer,
+    makes the wait needed every time)."""
+    rng = np.random.default_rng(95)
+    with Daemon(h.SMALL + ["--inline-decode-tokens", "0"]) as d:
+        conn = d.conn()
+        p = Batch.random(rng, 0, [Seg("m", 0, 8, True)], HEADS, outputs="q")
+        d.forward(p, conn=conn)
+        for i in range(150):
+            b = Batch.random(rng, 0, [Seg("m", 8 + i, 1)], HEADS, outputs="q")
+            d.forward(b, conn=conn)
+            ms = d.metrics()  # on a connection of its own: not queued behind the forward's
+            check_eq(h.metric(ms, "dsv4d_inflight_batches"), 0.0, "in flight after %d" % i)
+            check_eq(h.metric(ms, "dsv4d_batch_tokens_count"), float(i + 2),
+                     "batches counted after answer %d" % i)
+            check_eq(h.metric(ms, "dsv4d_direct_answers_total"), float(i + 2),
+                     "direct answers after answer %d" % i)
+            check_eq(h.metric(ms, "dsv4d_requests_total", route="forward", code="200"),
+                     float(i + 2), "forward requests after answer %d" % i)
+        conn.close()
+
+
 if __name__ == "__main__":
-    h.main([test_direct_same_bytes, test_direct_many_clients])
+    h.main([test_direct_same_bytes, test_direct_many_clients, test_direct_counted_when_read])
