@@ -43,6 +43,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import shlex
 import socket
 import struct
 import sys
@@ -465,6 +466,7 @@ def run(backend, chunk, threads, args, rng, rows):
              "--max-batch-tokens", str(max(2048, args.prefill_tokens))] + extra
     if args.request_log:
         dargs += ["--log-level", "debug"]
+    dargs += shlex.split(args.daemon_args)
     with h.Daemon(dargs, name=backend) as d:
         opts = d.admin_json("/admin/v1/config")["options"]
         cfg = {k: opts[k]["value"] for k in ("prefill_chunk_tokens", "threads")}
@@ -582,6 +584,8 @@ def main():
                     "thread a core)")
     ap.add_argument("--request-log", action="store_true",
                     help="run the daemon at log level debug and print its own time of a decode")
+    ap.add_argument("--daemon-args", default="",
+                    help="more options for every daemon, one string (\"--direct-answer-bytes 0\")")
     ap.add_argument("--check-s", type=float, default=2.0,
                     help="seconds between decode answers checked against the model")
     args = ap.parse_args()
