@@ -76,8 +76,7 @@ typedef struct {
 } fwd_job_t;
 
 static void fwd_free(fwd_job_t *j) {
-  if (j->direct_on && j->req)
-    dsv4_direct_close(&j->direct);
+  dsv4_direct_close(&j->direct);
   free(j->ans_hdr);
   dsv4_forward_release(&j->f);
   json_decref(j->err_details);
@@ -537,6 +536,7 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
   }
   j->d = d;
   j->req = req;
+  j->direct.fd = -1; /* none opened (dsv4_direct_close is then a no-op) */
   j->body = dsv4_req_take_body(req, &j->body_alloc);
   j->job.run = fwd_run;
   j->job.done = fwd_done;
@@ -582,6 +582,7 @@ int dsv4_forward_submit_region(dsv4_daemon_t *d, dsv4_forward_req_t *p,
   if (!j)
     return DSV4_ENOMEM;
   j->d = d;
+  j->direct.fd = -1; /* a region request's answer never goes through it */
   j->region = *rf;
   j->p = *p;
   memset(p, 0, sizeof(*p));
