@@ -71,7 +71,6 @@ typedef struct {
   /* The executor thread answers (direct_answer_bytes): an HTTP answer through direct (http.h), a
    * region request's through region.answer_now (then region_sent). */
   int direct_on, region_sent;
-  int sent_ahead; /* counted in d->direct_sent: the answer may be with the client before done */
   dsv4_direct_t direct;
 } fwd_job_t;
 
@@ -179,7 +178,7 @@ static int fwd_answer_make(fwd_job_t *j) {
 static void fwd_direct(fwd_job_t *j) {
   if (!j->direct_on || j->rc)
     return;
-  j->sent_ahead = 1;
+  /* Counted before it can reach the client (on_metrics). */
   atomic_fetch_add(&j->d->direct_sent, 1);
   if (!j->req)
     j->region_sent = j->region.answer_now(j->region.arg, &j->f);
@@ -248,7 +247,6 @@ static void fwd_answer(fwd_job_t *j) {
   dsv4_daemon_buf_free(j->d, j->body_alloc);
   j->body = j->body_alloc = NULL;
   if (j->direct_on) {
-    j->direct_on = 0;
     if (j->direct.written)
       dsv4_metric_add(j->d->m_direct_answers, NULL, 1);
     dsv4_respond_direct(j->req, &j->direct, 200, "application/octet-stream", j->ans, j->n_ans,
@@ -339,7 +337,7 @@ static void fwd_finish(fwd_job_t *j) {
   /* The whole of the daemon's time for the request, the loop's hand-offs and reads included (the
    * stages above are the executor's part of it). */
   const char *v[1] = {cls};
-  uint64_t t_out = j->direct_on && j->direct.written ? j->direct.t_written_ns : uv_hrtime();
+  uint64_t t_out = j->direct.written ? j->direct.t_written_ns : uv_hrtime();
   dsv4_metric_observe(d->m_forward_request, v, (double)(t_out - req->t_start_ns) * 1e-9);
   fwd_answer(j);
 }
@@ -357,7 +355,7 @@ static void metrics_respond(dsv4_daemon_t *d, dsv4_req_t *req);
 static void fwd_done(dsv4_job_t *job) {
   fwd_job_t *j = (fwd_job_t *)job;
   dsv4_daemon_t *d = j->d;
-  int ahead = j->sent_ahead;
+  int ahead = j->direct_on && !j->rc; /* fwd_direct counted it in d->direct_sent */
   fwd_finish(j);
   if (!ahead)
     return;
