@@ -25,6 +25,10 @@
 #include "metrics.h"
 
 #define READ_CHUNK ((size_t)64 * 1024)
+/* A read into the read buffer (a head, and whatever follows it) takes at most this much: the body
+ * bytes that come with a head are copied out of the buffer, the rest of the body is read straight
+ * into its place (on_alloc). Offered the whole buffer, a one-token decode's q was copied whole. */
+#define READ_HEAD_OFFER ((size_t)8 * 1024)
 /* While a request is in flight the connection keeps reading only to notice a client that went away;
  * pipelined bytes beyond this much stay in the kernel's buffer (backpressure). */
 #define INFLIGHT_READ_CAP ((size_t)64 * 1024)
@@ -1588,7 +1592,9 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
       c->rbuf_cap = cap;
     }
   }
-  *buf = uv_buf_init(c->rbuf + c->rbuf_len, (unsigned)(c->rbuf_cap - c->rbuf_len));
+  const size_t room = c->rbuf_cap - c->rbuf_len;
+  *buf = uv_buf_init(c->rbuf + c->rbuf_len,
+                     (unsigned)(room < READ_HEAD_OFFER ? room : READ_HEAD_OFFER));
 }
 
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
