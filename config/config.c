@@ -146,6 +146,10 @@ static const opt_t opts[] = {
      "a forward's answer goes to the socket from the executor's thread as soon as it is made, up "
      "to this many bytes of it at once (the rest from the event loop), rather than waiting for the "
      "loop to wake (0 = always from the loop)"},
+    {"io_slice_bytes", OPT_U32, F(io_slice_bytes), "1048576", 65536, 1u << 30, NULL, 0,
+     "bytes of a request body read, or of an answer written, on one connection in an event loop "
+     "iteration at most: what a prefill's large body or answer holds the loop before the other "
+     "connections' turns"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
      "seconds without a batch after which a sequence is deleted"},
     {"implicit_create", OPT_BOOL, F(implicit_create), "false", 0, 1, NULL, 0,

@@ -35,18 +35,16 @@
 /* Reads whose arrival times a connection remembers (conn_t.marks). */
 #define MARKS 16
 /*
- * An answer larger than this goes out a slice at a time, at most one slice a connection in a loop
- * iteration (the server's pace check sends the next). Written at once, a prefill's 64 MiB answer
- * held the loop for the kernel's copy of what the socket took, 1.3-1.9 ms a write on the H200
- * host, while other connections' decodes waited (tests/bench/NOTES.md, "mixed_load v3").
+ * The slice (dsv4_server_config_t.io_slice_bytes, 1 MiB unless set). An answer larger than a slice
+ * goes out a slice at a time, at most one slice a connection in a loop iteration (the server's pace
+ * check sends the next). Written at once, a prefill's 64 MiB answer held the loop for the kernel's
+ * copy of what the socket took, 1.3-1.9 ms a write on the H200 host, while other connections'
+ * decodes waited (tests/bench/NOTES.md, "mixed_load v3"). Likewise a body is read at most a slice
+ * a connection in a loop iteration: a read that fills its slice stops the reading until the pace
+ * check. Offered the whole rest of a 64 MiB body, one read took what the socket held, up to
+ * several MiB, and held the loop for up to 1.7 ms on the H200 host.
  */
-#define WRITE_SLICE ((size_t)1 << 20)
-/*
- * A body is read at most this much a connection in a loop iteration: a read that fills its slice
- * stops the reading until the pace check. Offered the whole rest of a 64 MiB body, one read took
- * what the socket held, up to several MiB, and held the loop for up to 1.7 ms on the H200 host.
- */
-#define READ_SLICE ((size_t)1 << 20)
+#define DEFAULT_IO_SLICE ((size_t)1 << 20)
 /* Buffers of one slice: an answer's head and its tensors (fwd_answer has at most 6). */
 #define WRITE_SLICE_BUFS 16
 /* Duplicates of sockets held for answers written by another thread (DSV4_DIRECT_MAX). */
@@ -199,7 +197,7 @@ struct conn {
   size_t wnb, wfirst, wslice;
   bool pace_due;
   conn_t *pace_next;
-  /* A body read filled a slice (READ_SLICE bytes): reading is stopped and the connection is on
+  /* A body read filled a slice (io_slice bytes): reading is stopped and the connection is on
    * the pace list (pace_due) for the check to start it again. */
   bool read_paced;
   void (*wrelease)(void *);
@@ -245,7 +243,7 @@ struct dsv4_server {
   int spare_fd; /* held so that at the descriptor limit a connection can still be taken and told */
   uv_timer_t
       retry; /* restarts accepting after a pause; closing it also guarantees a close callback */
-  /* Paced answers (WRITE_SLICE): the check sends the next slice of each connection on the list,
+  /* Paced answers (io_slice): the check sends the next slice of each connection on the list,
    * once a loop iteration; the idle handle keeps the loop's poll from blocking meanwhile. */
   uv_check_t pace;
   uv_idle_t pace_idle;
@@ -256,6 +254,7 @@ struct dsv4_server {
   char instance[40];
   size_t max_header_bytes, max_connections;
   uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;
+  size_t io_slice; /* io_slice_bytes */
   dsv4_route_t *routes;
   size_t n_routes;
   llhttp_settings_t settings;
@@ -600,14 +599,15 @@ static void stream_piece_done(conn_t *c, int status);
 
 static void on_write(uv_write_t *w, int status);
 
-/* The answer's next slice: up to WRITE_SLICE bytes from wbufs[wfirst] on; returns its bytes. */
+/* The answer's next slice: up to a slice's bytes from wbufs[wfirst] on; returns its bytes. */
 static size_t slice_bufs(const conn_t *c, uv_buf_t *part, unsigned *n) {
+  const size_t slice = c->srv->io_slice;
   size_t bytes = 0;
   *n = 0;
-  for (size_t i = c->wfirst; i < c->wnb && *n < WRITE_SLICE_BUFS && bytes < WRITE_SLICE; i++) {
+  for (size_t i = c->wfirst; i < c->wnb && *n < WRITE_SLICE_BUFS && bytes < slice; i++) {
     part[*n] = c->wbufs[i];
-    if (part[*n].len > WRITE_SLICE - bytes)
-      part[*n].len = WRITE_SLICE - bytes;
+    if (part[*n].len > slice - bytes)
+      part[*n].len = slice - bytes;
     bytes += part[(*n)++].len;
   }
   return bytes;
@@ -1569,7 +1569,7 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
     if (r->skew_pending) /* the first 8 bytes alone, which say where the body goes */
       left = 8 - r->body_received;
     *buf = uv_buf_init((char *)r->pub.body + r->body_received,
-                       (unsigned)(left < READ_SLICE ? left : READ_SLICE));
+                       (unsigned)(left < c->srv->io_slice ? left : c->srv->io_slice));
     c->read_into_body = true;
     return;
   }
@@ -1628,7 +1628,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
     parsed_t p = conn_parse(c, buf->base, (size_t)nread, &used, &why);
     conn_parsed(c, p, why);
     conn_process(c);
-    if (c->state == CONN_BODY && (size_t)nread == READ_SLICE && c->reading && !c->pace_due) {
+    if (c->state == CONN_BODY && (size_t)nread == c->srv->io_slice && c->reading && !c->pace_due) {
       /* A whole slice: the next waits for the pace check (libuv would read again at once). A
        * shorter read that filled its offer either ended the body or was the first 8 bytes that
        * place it (on_alloc), which should not cost the body a loop iteration. */
@@ -2320,6 +2320,7 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
   s->body_timeout_ms = cfg->body_timeout_ms;
   s->idle_timeout_ms = cfg->idle_timeout_ms;
   s->write_timeout_ms = cfg->write_timeout_ms;
+  s->io_slice = cfg->io_slice_bytes ? cfg->io_slice_bytes : DEFAULT_IO_SLICE;
   s->on_complete = cfg->on_complete;
   s->on_complete_arg = cfg->on_complete_arg;
   if (cfg->body_alloc && cfg->body_free) {

@@ -177,6 +177,9 @@ typedef struct {
    * Its connections count toward max_connections with the TCP ones. */
   const char *unix_path;
   size_t max_header_bytes;
+  /* A connection's body read, and its answer's write, at most this many bytes in a loop iteration
+   * (0 = 1 MiB): what a large body or answer holds the loop before other connections' turns. */
+  size_t io_slice_bytes;
   size_t max_connections;       /* open connections; more are refused with 503 (0 = no limit) */
   uint64_t header_timeout_ms;   /* request line + headers */
   uint64_t body_timeout_ms;     /* between body reads */

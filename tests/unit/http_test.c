@@ -447,6 +447,7 @@ static void *loop_main(void *arg) {
 static uint64_t cfg_idle_timeout_ms;
 static uint64_t cfg_body_timeout_ms;
 static size_t cfg_max_connections;
+static size_t cfg_io_slice; /* 0: the server's default */
 static int cfg_body_hook;
 
 static void do_create(void *arg) {
@@ -470,6 +471,7 @@ static void do_create(void *arg) {
   if (cfg_body_timeout_ms)
     cfg.body_timeout_ms = cfg_body_timeout_ms;
   cfg.max_connections = cfg_max_connections;
+  cfg.io_slice_bytes = cfg_io_slice;
   if (cfg_body_hook) {
     cfg.body_alloc = hook_alloc;
     cfg.body_free = hook_free;
@@ -542,6 +544,13 @@ static int setup_long_body(void **state) {
   return setup(state);
 }
 
+/* Slices of 64 KiB (io_slice_bytes' least): a 24 MiB body is read in 384 of them, a 9 MB answer
+ * written in 138, each after the pace check. */
+static int setup_small_slice(void **state) {
+  cfg_io_slice = 65536;
+  return setup_long_body(state);
+}
+
 static int setup_two_connections(void **state) {
   cfg_max_connections = 2;
   return setup(state);
@@ -562,6 +571,7 @@ static int teardown(void **state) {
   cfg_idle_timeout_ms = 0;
   cfg_body_timeout_ms = 0;
   cfg_max_connections = 0;
+  cfg_io_slice = 0;
   cfg_body_hook = 0;
   on_loop(do_close, NULL);
   pthread_join(loop_thread, NULL);
@@ -1668,6 +1678,15 @@ static void test_paced_body_reads(void **state) {
   free(body);
 }
 
+/* The same bodies and answers in slices of 64 KiB (setup_small_slice). */
+static void test_small_slice_bodies(void **state) {
+  test_paced_body_reads(state);
+}
+
+static void test_small_slice_answers(void **state) {
+  test_sliced_answers(state);
+}
+
 /* A streamed answer: the head with its Content-Length, then every piece in order, and the
  * connection stays usable; the completion hook sees it once, with every byte counted. */
 static void test_stream(void **state) {
@@ -1862,6 +1881,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_direct_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_direct_max, setup, teardown),
       cmocka_unit_test_setup_teardown(test_paced_body_reads, setup_long_body, teardown),
+      cmocka_unit_test_setup_teardown(test_small_slice_bodies, setup_small_slice, teardown),
+      cmocka_unit_test_setup_teardown(test_small_slice_answers, setup_small_slice, teardown),
       cmocka_unit_test_setup_teardown(test_body_skew, setup, teardown),
       cmocka_unit_test_setup_teardown(test_stream_client_gone, setup, teardown),
       cmocka_unit_test_setup_teardown(test_body_hook, setup_body_hook, teardown),
