@@ -47,13 +47,13 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSV4_BENCH=OFF -DDSV4
   -DLLHTTP_INCLUDE_DIR="$root/usr/share/include/llhttp" -DLLHTTP_SRC_DIR="$root/usr/share/llhttp" \
   -DDSV4_IT_PYTHON="$py" >"$out/configure.log" 2>&1 || { tail -n 40 "$out/configure.log"; exit 1; }
 # Only what the runs below use (the kernel tests of tests/gpu run on their own), dsv4ctl for the
-# integration test that drives it, and the client library and its C example for those of the
-# shared region.
+# integration test that drives it, the client library and its C example for those of the shared
+# region, and the test daemon whose executor waits before each answer (it_slow_back_test_direct).
 targets="dsv4d engine_test engine_bounds_test cuda_backend_test"
 # (The list is read whole first: grep -q would stop reading early, and pipefail would count cmake's
 # broken pipe as the test failing.)
 help=$(cmake --build "$build" --target help 2>/dev/null || true)
-for t in dsv4ctl dsv4client dsv4client_example; do
+for t in dsv4ctl dsv4client dsv4client_example dsv4d_slow_back; do
   if grep -q "$t\$" <<<"$help"; then
     targets="$targets $t"
   fi
