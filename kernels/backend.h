@@ -301,6 +301,10 @@ typedef struct {
   uint32_t c_n_blocks;
   uint32_t block_size;
   int32_t *sel; /* [n_tokens, topk] out */
+  /* Fast mode (SPEC §8.9): a backend may sum each score's heads in another fixed order, so that
+   * the selection can differ from exact mode's at near-ties; CUDA does with 64 index heads on
+   * compute capability 9.0 and newer, the other backends select as in exact mode. */
+  int fast;
 } dsv4_indexer_args_t;
 
 typedef struct dsv4_backend_ops {

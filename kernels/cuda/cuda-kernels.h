@@ -189,7 +189,9 @@ enum {
   DSV4_CUDA_INDEXER_AUTO = 0,
   DSV4_CUDA_INDEXER_THREADS = 1,
   DSV4_CUDA_INDEXER_MMA_PARTIAL = 2,
-  DSV4_CUDA_INDEXER_MMA_SCALAR = 3
+  DSV4_CUDA_INDEXER_MMA_SCALAR = 3,
+  /* The tensor-core kernel's fast mode (dsv4_indexer_args_t.fast) whatever the launch asks. */
+  DSV4_CUDA_INDEXER_MMA_FAST = 4
 };
 void dsv4__cuda_indexer_set_path(int path);
 

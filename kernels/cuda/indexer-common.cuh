@@ -198,9 +198,11 @@ static __device__ void index_query_warp(const uint16_t *iq, const float *rope_ro
 }
 
 /* The tensor-core score kernel (indexer_mma.cu) over grid (tokens of the wave, splits): the keys
- * of exactly the entries the per-entry kernel scores, with the same bits. n_heads must be
+ * of exactly the entries the per-entry kernel scores, with the same bits; with fast set, each
+ * score's 64 heads summed in another fixed order (fast mode, SPEC §8.9). n_heads must be
  * MMA_HEADS, the device of compute capability 8.0 or newer and dsv4__indexer_mma_fits() true. */
-cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl);
+cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl,
+                                     int fast);
 /* The query kernel before it (indexer_mma.cu): the q^ rows, weights and summaries of the wave's
  * tokens (one slot each, ctas of them) into the end of their key slots. */
 cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cudaStream_t s,

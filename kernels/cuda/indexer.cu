@@ -38,7 +38,9 @@
  *            memory for the later rounds.
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
- * the selection is a function of the scores alone, so the lists are equal.
+ * the selection is a function of the scores alone, so the lists are equal. In fast mode
+ * (dsv4_indexer_args_t.fast) the tensor-core kernel sums the heads in another fixed order, so a
+ * list may differ from the CPU's at near-ties (SPEC §8.9).
  *
  * Ordering (SPEC §5.2): every kernel executes the dependency wait first in every CTA (the select
  * kernel's waits for the score kernel that wrote its keys; the tensor-core score kernel only fills
@@ -567,6 +569,9 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   const int path = score_path.load(std::memory_order_relaxed);
   const int mma = a->n_heads == MMA_HEADS && dev.pdl && path != DSV4_CUDA_INDEXER_THREADS &&
                   dsv4__indexer_mma_fits();
+  /* Fast mode (SPEC §8.9): the same d, the heads' sum in another fixed order. */
+  const int fast =
+      mma && (path == DSV4_CUDA_INDEXER_MMA_FAST || (path == DSV4_CUDA_INDEXER_AUTO && a->fast));
   p.mma_cap = path == DSV4_CUDA_INDEXER_MMA_PARTIAL  ? DSV4_INDEX_MX_PARTIAL
               : path == DSV4_CUDA_INDEXER_MMA_SCALAR ? DSV4_INDEX_MX_SCALAR
                                                      : DSV4_INDEX_MX_FUSED;
@@ -598,7 +603,7 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
     if (mma) {
       e = dsv4__indexer_query_launch(p, ctas, s, pdl);
       if (e == cudaSuccess)
-        e = dsv4__indexer_mma_launch(p, dim3(ctas, splits, 1), s, pdl);
+        e = dsv4__indexer_mma_launch(p, dim3(ctas, splits, 1), s, pdl, fast);
     } else {
       e = dsv4__cuda_launch_smem(dsv4__indexer_score_kernel, dim3(ctas, splits, 1), SEL_THREADS,
                                  smem, s, pdl, p);

@@ -26,6 +26,11 @@
  * of the round before, from the other d tile, so that one warp's chains overlap another's MMAs.
  * One barrier a round. About 220 KiB of shared memory: one CTA an SM.
  *
+ * Fast mode (the kernel's FAST instance, SPEC §8.9): the same rounds, modes and d, but no d tile
+ * and no chains: each lane sums the weighted terms of its 8 heads of its 2 entries from its MMA
+ * results in registers, and the 8 lanes of an entry add those sums by shuffles in a fixed tree
+ * (ntile_keys); a warp of the scalar product runs its own rows' chains.
+ *
  * The MMA's k-slots 2c, 2c + 1, 2c + 8, 2c + 9 (c = lane % 4) of partial l hold dims 16l + 4c ..
  * 16l + 4c + 3 on both sides (the sum of 16 exact products does not depend on the order), so a lane
  * takes 4 consecutive nibbles, 2 bytes, of each partial; the A rows g and g + 8 of head tile m are
@@ -134,10 +139,10 @@ static __device__ __forceinline__ void store_d(float *row, int m, const float (&
   *reinterpret_cast<float2 *>(row + D_STRIDE + 16 * m) = make_float2(x[1], x[3]);
 }
 
-/* Fused mode: the products of all 8 partials accumulated on the tensor cores, d exactly. */
-static __device__ __forceinline__ void scores_fused(const uint32_t (&a)[4][8][4],
-                                                    const uint32_t (&b)[8][2], float *row) {
-  float d[4][4];
+/* Fused mode: the products of all 8 partials accumulated on the tensor cores, d exactly; d[m] is
+ * the lane's four results of head tile m (store_d's order). */
+static __device__ __forceinline__ void d_fused(const uint32_t (&a)[4][8][4],
+                                               const uint32_t (&b)[8][2], float (&d)[4][4]) {
 #pragma unroll
   for (int m = 0; m < 4; m++)
     d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.0f;
@@ -146,9 +151,6 @@ static __device__ __forceinline__ void scores_fused(const uint32_t (&a)[4][8][4]
 #pragma unroll
     for (int m = 0; m < 4; m++)
       mma16816(d[m], a[m][l], b[l][0], b[l][1]);
-#pragma unroll
-  for (int m = 0; m < 4; m++)
-    store_d(row, m, d[m]);
 }
 
 /* Partial l of head tile m from zero. */
@@ -165,39 +167,32 @@ static __device__ __forceinline__ void add4(float (&x)[4], const float (&y)[4]) 
 }
 
 /* Partial mode: dsv4_fold8 of the 8 partials, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)),
- * a head tile at a time. */
-static __device__ __forceinline__ void scores_partial(const uint32_t (&a)[4][8][4],
-                                                      const uint32_t (&b)[8][2], float *row) {
-#pragma unroll
-  for (int m = 0; m < 4; m++) {
-    float x[4], y[4], u[4], v[4];
-    partial(a, b, m, 0, x);
-    partial(a, b, m, 4, y);
-    add4(x, y);
-    partial(a, b, m, 2, u);
-    partial(a, b, m, 6, v);
-    add4(u, v);
-    add4(x, u);
-    partial(a, b, m, 1, u);
-    partial(a, b, m, 5, v);
-    add4(u, v);
-    partial(a, b, m, 3, y);
-    partial(a, b, m, 7, v);
-    add4(y, v);
-    add4(u, y);
-    add4(x, u);
-    store_d(row, m, x);
-  }
+ * of head tile m. */
+static __device__ __forceinline__ void d_partial(const uint32_t (&a)[4][8][4],
+                                                 const uint32_t (&b)[8][2], int m, float (&x)[4]) {
+  float y[4], u[4], v[4];
+  partial(a, b, m, 0, x);
+  partial(a, b, m, 4, y);
+  add4(x, y);
+  partial(a, b, m, 2, u);
+  partial(a, b, m, 6, v);
+  add4(u, v);
+  add4(x, u);
+  partial(a, b, m, 1, u);
+  partial(a, b, m, 5, v);
+  add4(u, v);
+  partial(a, b, m, 3, y);
+  partial(a, b, m, 7, v);
+  add4(y, v);
+  add4(u, y);
+  add4(x, u);
 }
 
-/* The d of the 64 heads and the 8 entries of rows r0..r0 + 7 of the staged round, into rows
- * r0.. of dt: a lane's B fragments from entry r0 + g, its results for entries r0 + 2c, + 1. */
-template <bool FUSED>
-static __device__ __forceinline__ void ntile_scores(const uint32_t (&a)[4][8][4],
-                                                    const uint8_t *stage, const uint32_t *codes,
-                                                    const uint4 *lut, uint32_t r0, float *dt) {
+/* The B fragments of the 8 entries of rows r0..r0 + 7 of the staged round: a lane's from entry
+ * r0 + g. */
+static __device__ __forceinline__ void ntile_b(const uint8_t *stage, const uint32_t *codes,
+                                               const uint4 *lut, uint32_t r0, uint32_t (&b)[8][2]) {
   const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  uint32_t b[8][2];
   const uint8_t *v = stage + (r0 + g) * STAGE_ROW + 2 * c;
   const uint32_t c4 = codes[r0 + g];
 #pragma unroll
@@ -211,11 +206,76 @@ static __device__ __forceinline__ void ntile_scores(const uint32_t (&a)[4][8][4]
       dsv4_index_mx_bf16x4(x, tw, &b[l][0], &b[l][1]);
     }
   }
+}
+
+/* The lane's d of the 64 heads and the n-tile's entries, in the mode FUSED names (d[m]: head
+ * tile m, store_d's order). */
+template <bool FUSED>
+static __device__ __forceinline__ void ntile_d(const uint32_t (&a)[4][8][4],
+                                               const uint32_t (&b)[8][2], float (&d)[4][4]) {
+  if (FUSED) {
+    d_fused(a, b, d);
+  } else {
+#pragma unroll
+    for (int m = 0; m < 4; m++)
+      d_partial(a, b, m, d[m]);
+  }
+}
+
+/* The d of the 64 heads and the 8 entries of rows r0..r0 + 7 of the staged round, into rows
+ * r0.. of dt: a lane's B fragments from entry r0 + g, its results for entries r0 + 2c, + 1. */
+template <bool FUSED>
+static __device__ __forceinline__ void ntile_scores(const uint32_t (&a)[4][8][4],
+                                                    const uint8_t *stage, const uint32_t *codes,
+                                                    const uint4 *lut, uint32_t r0, float *dt) {
+  const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  uint32_t b[8][2];
+  ntile_b(stage, codes, lut, r0, b);
+  float d[4][4];
+  ntile_d<FUSED>(a, b, d);
   float *row = dt + (r0 + 2 * c) * D_STRIDE + 2 * g;
-  if (FUSED)
-    scores_fused(a, b, row);
-  else
-    scores_partial(a, b, row);
+#pragma unroll
+  for (int m = 0; m < 4; m++)
+    store_d(row, m, d[m]);
+}
+
+/*
+ * Fast mode: the keys of the n-tile's entries from the lane's d in registers. The lane adds the
+ * terms of its 8 heads of each of its two entries (entries r0 + 2c, + 1; heads 16m + 2g, + 1 for
+ * m = 0..3, in that order, dsv4_index_score_add from +0.0f), the 8 lanes of an entry add their sums
+ * in a fixed tree (lanes g and g ^ 1, then ^ 2, then ^ 4: every lane gets the same value), and
+ * lanes 0..3 store the keys of entries with index i0 + 2c, + 1 below i1. d is the exact mode's, bit
+ * for bit; only the order of the heads' sum differs from the chain of entry_chain.
+ */
+template <bool FUSED>
+static __device__ __forceinline__ void ntile_keys(const uint32_t (&a)[4][8][4], const float *w,
+                                                  const uint8_t *stage, const uint32_t *codes,
+                                                  const uint4 *lut, uint32_t r0, uint32_t *keys,
+                                                  uint32_t i0, uint32_t i1) {
+  const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  uint32_t b[8][2];
+  ntile_b(stage, codes, lut, r0, b);
+  float d[4][4];
+  ntile_d<FUSED>(a, b, d);
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int m = 0; m < 4; m++) {
+    const float2 wm = *reinterpret_cast<const float2 *>(w + 16 * m + 2 * g);
+    s0 = dsv4_index_score_add(wm.x, d[m][0], s0);
+    s0 = dsv4_index_score_add(wm.y, d[m][2], s0);
+    s1 = dsv4_index_score_add(wm.x, d[m][1], s1);
+    s1 = dsv4_index_score_add(wm.y, d[m][3], s1);
+  }
+#pragma unroll
+  for (uint32_t x = 4; x < 32; x <<= 1) {
+    s0 = __fadd_rn(s0, __shfl_xor_sync(FULL, s0, x));
+    s1 = __fadd_rn(s1, __shfl_xor_sync(FULL, s1, x));
+  }
+  const uint32_t i = i0 + 2 * c;
+  if (lane < 4 && i < i1)
+    keys[i] = dsv4_index_score_key(s0);
+  if (lane < 4 && i + 1 < i1)
+    keys[i + 1] = dsv4_index_score_key(s1);
 }
 
 /* dsv4_dot128(x, y) by the same operations in the same order (8 fma chains of 16 dims from +0.0f,
@@ -253,34 +313,18 @@ static __device__ void rows_scalar(const float *qhat, const uint8_t *stage, cons
   }
 }
 
-/* Warp w's rows 32w.. of the staged round (n entries in it) into d[buf], in the mode its entries'
- * summaries and the heads' statistics allow (at most cap). */
-static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t (&a)[4][8][4],
-                                                  int buf, uint32_t n, uint32_t cap) {
-  const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = warp * WARP_ROWS;
-  if (r0 >= n)
-    return; /* warp-uniform */
-  const uint32_t rows = min(n - r0, (uint32_t)WARP_ROWS);
-  const uint8_t *stage = sm.stage[buf];
-  const uint32_t *codes = sm.codes[buf];
+/* The mode of the warp's rows r0..r0 + rows - 1 of a staged round: what its entries' summaries
+ * and the heads' statistics allow, at most cap. */
+static __device__ __forceinline__ int warp_mode(const mma_smem_t &sm, const uint8_t *stage,
+                                                const uint32_t *codes, uint32_t r0, uint32_t rows,
+                                                uint32_t cap) {
+  const uint32_t lane = threadIdx.x & 31;
   const bool in = lane < rows;
   uint32_t lo, hi, span;
   warp_stats(in ? staged_summary(stage + (r0 + lane) * STAGE_ROW, codes[r0 + lane]) : 0u, in, &lo,
              &hi, &span);
-  int mode = dsv4_index_mx_mode(sm.qstat[0], sm.qstat[1], sm.qstat[2], lo, hi, span);
-  mode = mode < (int)cap ? mode : (int)cap;
-  if (mode == DSV4_INDEX_MX_SCALAR) {
-    rows_scalar(sm.qhat, stage, codes, r0, rows, sm.kbuf[warp], sm.d[buf]);
-    return;
-  }
-  /* n-tiles past the last entry are skipped; the rows of one past it hold stale bytes, whose
-   * columns of d nobody reads. */
-  for (uint32_t t = 0; t < WARP_ROWS / 8 && 8 * t < rows; t++) {
-    if (mode == DSV4_INDEX_MX_FUSED)
-      ntile_scores<true>(a, stage, codes, sm.lut, r0 + 8 * t, sm.d[buf]);
-    else
-      ntile_scores<false>(a, stage, codes, sm.lut, r0 + 8 * t, sm.d[buf]);
-  }
+  const int mode = dsv4_index_mx_mode(sm.qstat[0], sm.qstat[1], sm.qstat[2], lo, hi, span);
+  return mode < (int)cap ? mode : (int)cap;
 }
 
 /* Entry i's score (the thread's row of d[buf], the heads in order) as its key, if i < i1. */
@@ -300,6 +344,45 @@ static __device__ void entry_chain(const mma_smem_t &sm, int buf, uint32_t *keys
     acc = dsv4_index_score_add(ww.w, d.w, acc);
   }
   keys[i] = dsv4_index_score_key(acc);
+}
+
+/* Warp w's rows 32w.. of the staged round (entries base + row, n in it), in the mode warp_mode
+ * gives: exact mode into d[buf], for the chains a round later; fast mode (FAST) to their keys, the
+ * heads' sums in registers (ntile_keys), a warp of the scalar product summing its own rows' chains
+ * from its rows of d[buf], which no other warp touches. */
+template <bool FAST>
+static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t (&a)[4][8][4],
+                                                  int buf, uint32_t n, uint32_t cap, uint32_t *keys,
+                                                  uint32_t base, uint32_t i1) {
+  const uint32_t warp = threadIdx.x >> 5, r0 = warp * WARP_ROWS;
+  if (r0 >= n)
+    return; /* warp-uniform */
+  const uint32_t rows = min(n - r0, (uint32_t)WARP_ROWS);
+  const uint8_t *stage = sm.stage[buf];
+  const uint32_t *codes = sm.codes[buf];
+  const int mode = warp_mode(sm, stage, codes, r0, rows, cap);
+  if (mode == DSV4_INDEX_MX_SCALAR) {
+    rows_scalar(sm.qhat, stage, codes, r0, rows, sm.kbuf[warp], sm.d[buf]);
+    if (FAST) {
+      __syncwarp();
+      entry_chain(sm, buf, keys, base + threadIdx.x, i1);
+    }
+    return;
+  }
+  /* n-tiles past the last entry are skipped; the rows of one past it hold stale bytes, whose
+   * columns of d nobody reads (and whose keys fast mode does not store). */
+  const bool fused = mode == DSV4_INDEX_MX_FUSED;
+  for (uint32_t t = 0; t < WARP_ROWS / 8 && 8 * t < rows; t++) {
+    const uint32_t r = r0 + 8 * t;
+    if (FAST && fused)
+      ntile_keys<true>(a, sm.w, stage, codes, sm.lut, r, keys, base + r, i1);
+    else if (FAST)
+      ntile_keys<false>(a, sm.w, stage, codes, sm.lut, r, keys, base + r, i1);
+    else if (fused)
+      ntile_scores<true>(a, stage, codes, sm.lut, r, sm.d[buf]);
+    else
+      ntile_scores<false>(a, stage, codes, sm.lut, r, sm.d[buf]);
+  }
 }
 
 /*
@@ -361,7 +444,9 @@ static __device__ void token_queries(const idx_params_t &p, mma_smem_t &sm) {
   }
 }
 
-/* Split y of token t_base + blockIdx.x: the queries, then rounds of TILE entries. */
+/* Split y of token t_base + blockIdx.x: the queries, then rounds of TILE entries; FAST: the heads'
+ * sums in registers (warp_round_fast), no chains a round behind. */
+template <bool FAST>
 __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel(idx_params_t p) {
   extern __shared__ uint4 smem_raw[];
   mma_smem_t &sm = *reinterpret_cast<mma_smem_t *>(smem_raw);
@@ -392,15 +477,17 @@ __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel
     if (base + TILE < i1)
       stage_round(p, s, jlo, base + TILE, min(i1, base + 2 * TILE), sm.stage[buf ^ 1],
                   sm.codes[buf ^ 1]);
-    warp_round(sm, a, buf, min(i1 - base, (uint32_t)TILE), p.mma_cap);
-    if (base > i0)
+    warp_round<FAST>(sm, a, buf, min(i1 - base, (uint32_t)TILE), p.mma_cap, keys, base, i1);
+    if (!FAST && base > i0)
       entry_chain(sm, buf ^ 1, keys, base - TILE + threadIdx.x, i1);
     if (base + TILE >= i1)
       break;
     base += TILE;
   }
-  __syncthreads();
-  entry_chain(sm, buf, keys, base + threadIdx.x, i1);
+  if (!FAST) {
+    __syncthreads();
+    entry_chain(sm, buf, keys, base + threadIdx.x, i1);
+  }
 }
 
 /* One entry per device id: 0 = not read yet, 1 = no, 2 = yes. Racing readers store the same. */
@@ -434,12 +521,14 @@ cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cud
                                 SEL_THREADS, 0, s, pdl, p);
 }
 
-cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
-  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
-  cudaError_t e =
-      dsv4__cuda_smem_limit(dsv4__indexer_score_mma_kernel, sizeof(mma_smem_t), limit_raised);
+cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl,
+                                     int fast) {
+  /* The devices whose limit is raised, per kernel. */
+  static std::atomic<uint64_t> limit_raised[2] = {{0}, {0}};
+  void (*kernel)(idx_params_t) =
+      fast ? dsv4__indexer_score_mma_kernel<true> : dsv4__indexer_score_mma_kernel<false>;
+  cudaError_t e = dsv4__cuda_smem_limit(kernel, sizeof(mma_smem_t), limit_raised[fast ? 1 : 0]);
   if (e != cudaSuccess)
     return e;
-  return dsv4__cuda_launch_smem(dsv4__indexer_score_mma_kernel, grid, SEL_THREADS,
-                                sizeof(mma_smem_t), s, pdl, p);
+  return dsv4__cuda_launch_smem(kernel, grid, SEL_THREADS, sizeof(mma_smem_t), s, pdl, p);
 }

@@ -47,10 +47,10 @@
  *
  * Usage: cuda_compress_bench   (DSV4_BENCH_N="1,64" picks the decode batch sizes, default 1, 64,
  * 256, and leaves out the prefill row; DSV4_BENCH_LAYERS="C4/64K,C128/64K" picks the layers, of
- * C4/8K, C4/64K and C128/64K; DSV4_BENCH_INDEXER=threads|partial|scalar times the
- * indexer's per-entry kernel or the tensor-core kernel held to a lower mode instead of the
- * daemon's choice; DSV4_BENCH_INDEX_CODES=narrow writes index records whose block codes are
- * within one of each other, as the compressor's are)
+ * C4/8K, C4/64K and C128/64K; DSV4_BENCH_INDEXER=threads|partial|scalar|fast times the
+ * indexer's per-entry kernel, the tensor-core kernel held to a lower mode, or its fast mode
+ * (the heads' sum in registers) instead of the daemon's choice; DSV4_BENCH_INDEX_CODES=narrow
+ * writes index records whose block codes are within one of each other, as the compressor's are)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -672,16 +672,16 @@ int main(void) {
   const char *codes = getenv("DSV4_BENCH_INDEX_CODES"), *path = getenv("DSV4_BENCH_INDEXER");
   narrow_codes = codes && !strcmp(codes, "narrow");
   if (path && *path) {
-    static const char *const names[4] = {"auto", "threads", "partial", "scalar"};
+    static const char *const names[5] = {"auto", "threads", "partial", "scalar", "fast"};
     int k = 0;
-    while (k < 4 && strcmp(path, names[k]))
+    while (k < 5 && strcmp(path, names[k]))
       k++;
-    if (k == 4) {
-      fprintf(stderr, "cuda_compress_bench: DSV4_BENCH_INDEXER is auto, threads, partial or "
-                      "scalar\n");
+    if (k == 5) {
+      fprintf(stderr, "cuda_compress_bench: DSV4_BENCH_INDEXER is auto, threads, partial, "
+                      "scalar or fast\n");
       return 2;
     }
-    dsv4__cuda_indexer_set_path(k); /* DSV4_CUDA_INDEXER_AUTO .. _MMA_SCALAR in that order */
+    dsv4__cuda_indexer_set_path(k); /* DSV4_CUDA_INDEXER_AUTO .. _MMA_FAST in that order */
   }
   printf("indexer: %s path, index records' block codes %s\n", path && *path ? path : "auto",
          narrow_codes ? "within one of each other" : "independent in 120..130");

@@ -1053,6 +1053,158 @@ static void indexer_paths(ctx_t *c) {
   ix_free(&x);
 }
 
+/* The score a key (dsv4_index_score_key) orders. */
+static float ix_key_score(uint32_t k) {
+  return dsv4_u2f((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+/*
+ * The exact scores of token t's visible entries (from their per-entry keys) and, per entry, how
+ * far fast mode's may be from them: both sum the same 64 terms w_h max(d_hj, 0) (d is exact mode's
+ * in both) in fixed orders, so each is within gamma_64 * sum |term| of the true sum (about 64 ulps
+ * of that sum), their difference within twice that. bound[i] < 0: a term is not finite, and the
+ * keys must then be equal.
+ */
+static void ix_fast_bounds(ctx_t *c, const ix_t *x, uint32_t t, const float *khat, uint32_t n,
+                           float *bound) {
+  float qhat[IH][128], w[IH];
+  for (uint32_t h = 0; h < IH; h++) {
+    dsv4_index_query(x->iq + ((size_t)t * IH + h) * 128, dsv4_rope_table_row(c->rope, x->pos[t]),
+                     qhat[h]);
+    w[h] = x->iw[t * IH + h] * dsv4_u2f(DSV4_INDEX_W_SCALE_BITS);
+  }
+  for (uint32_t j = 0; j < n; j++) {
+    double sum = 0.0;
+    for (uint32_t h = 0; h < IH; h++) {
+      const float d = dsv4_dot128(qhat[h], khat + (size_t)j * 128);
+      sum += fabs((double)w[h] * (d > 0.0f ? (double)d : 0.0));
+    }
+    bound[j] = isfinite(sum) ? (float)(2.0 * 64.0 * 0x1p-24 * 1.01 * sum) : -1.0f;
+  }
+}
+
+/* The dequantised index records of segment s's entries 0..n-1. */
+static float *ix_khat(const ix_t *x, uint32_t s) {
+  float *k = gpu_host_alloc(sizeof(float) * 128 * x->n_ent[s]);
+  for (uint32_t j = 0; j < x->n_ent[s]; j++) {
+    const uint8_t *blk =
+        x->icache + (size_t)x->c_bt[x->cbt_off[s] + j / IX_BS] * DSV4_INDEX_BLOCK_BYTES(IX_BS);
+    dsv4_mxfp4_dequant128(blk + 64 * (j % IX_BS), blk + 64 * IX_BS + 4 * (j % IX_BS),
+                          k + (size_t)j * 128);
+  }
+  return k;
+}
+
+/* Token t's fast keys against the exact ones within their bounds; its fast selection against the
+ * CPU's: an entry only one of them took must be a near-tie, the exact scores of a swapped pair
+ * within their two bounds. Returns the failures; *swaps counts the swapped entries. */
+static int ix_fast_token(const ix_t *x, uint32_t t, const uint32_t *kf, const uint32_t *ke,
+                         const float *bound, const int32_t *sf, const int32_t *se,
+                         uint32_t *swaps) {
+  const uint32_t n = (uint32_t)((x->pos[t] + 1) / 4);
+  for (uint32_t j = 0; j < n; j++) {
+    if (kf[j] == ke[j])
+      continue;
+    const float diff = fabsf(ix_key_score(kf[j]) - ix_key_score(ke[j]));
+    if (!(bound[j] >= 0.0f && diff <= bound[j])) {
+      fprintf(stderr,
+              "FAIL indexer fast mode: token %u entry %u scores %.9g, exact mode %.9g (bound "
+              "%.3g)\n",
+              t, j, ix_key_score(kf[j]), ix_key_score(ke[j]), bound[j]);
+      return 1;
+    }
+  }
+  for (uint32_t a = 0; a < IX_TOPK; a++) {
+    const int32_t jf = sf[t * IX_TOPK + a];
+    int found = 0;
+    for (uint32_t b = 0; b < IX_TOPK && !found; b++)
+      found = se[t * IX_TOPK + b] == jf;
+    if (found)
+      continue;
+    (*swaps)++;
+    for (uint32_t b = 0; b < IX_TOPK; b++) {
+      const int32_t je = se[t * IX_TOPK + b];
+      int taken = 0;
+      for (uint32_t k = 0; k < IX_TOPK && !taken; k++)
+        taken = sf[t * IX_TOPK + k] == je;
+      if (taken || jf < 0 || je < 0)
+        continue;
+      if (ix_key_score(ke[je]) - ix_key_score(ke[jf]) > bound[je] + bound[jf]) {
+        fprintf(stderr,
+                "FAIL indexer fast mode: token %u took entry %d (exact score %.9g) over %d "
+                "(%.9g): not a near-tie\n",
+                t, jf, ix_key_score(ke[jf]), je, ix_key_score(ke[je]));
+        return 1;
+      }
+    }
+  }
+  return 0;
+}
+
+/*
+ * The tensor-core kernel's fast mode (DSV4_CUDA_INDEXER_MMA_FAST, SPEC §8.9) on the inputs of
+ * indexer_paths: the same keys on a second run, every score within its bound of exact mode's, and
+ * a selection that differs from the CPU's only at near-ties. Where the kernel does not run (no
+ * compute capability 9.0), the launch is exact mode's and must give its keys.
+ */
+static void indexer_fast(ctx_t *c) {
+  ix_t x;
+  ix_make(c, &x);
+  const size_t sel_n = (size_t)IX_TOKENS * IX_TOPK;
+  const uint64_t per_cta = dsv4__cuda_indexer_keys_per_cta(IX_MAX_POS);
+  const uint64_t keys_len = (uint64_t)dsv4__cuda_indexer_ctas(IX_TOKENS) * per_cta;
+  int32_t *se = gpu_host_alloc(4 * sel_n), *sf = gpu_host_alloc(4 * sel_n),
+          *sf2 = gpu_host_alloc(4 * sel_n);
+  uint32_t *ke = gpu_host_alloc(4 * keys_len), *kf = gpu_host_alloc(4 * keys_len),
+           *kf2 = gpu_host_alloc(4 * keys_len);
+  ix_cpu(c, &x, se);
+  ix_cuda(c, &x, DSV4_CUDA_INDEXER_THREADS, sf, ke, keys_len);
+  ix_cuda(c, &x, DSV4_CUDA_INDEXER_MMA_FAST, sf, kf, keys_len);
+  ix_cuda(c, &x, DSV4_CUDA_INDEXER_MMA_FAST, sf2, kf2, keys_len);
+  int major = 0, bad = 0;
+  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (memcmp(sf, sf2, 4 * sel_n) || memcmp(kf, kf2, 4 * keys_len)) {
+    fprintf(stderr, "FAIL indexer fast mode: two runs differ\n");
+    bad = 1;
+  }
+  uint32_t swaps = 0, moved = 0;
+  float *khat[2] = {ix_khat(&x, 0), ix_khat(&x, 1)}, *bound = gpu_host_alloc(4 * 2600);
+  for (uint32_t t = 0; t < IX_TOKENS && !bad; t++) {
+    const uint32_t n = (uint32_t)((x.pos[t] + 1) / 4);
+    const uint32_t *kft = kf + t * per_cta, *ket = ke + t * per_cta;
+    for (uint32_t j = 0; j < n; j++)
+      moved += kft[j] != ket[j];
+    if (major < 9) {
+      bad = memcmp(kft, ket, 4 * (size_t)n) || memcmp(sf, se, 4 * sel_n);
+      if (bad)
+        fprintf(stderr, "FAIL indexer fast mode: exact mode's launch differs from it\n");
+      continue;
+    }
+    ix_fast_bounds(c, &x, t, khat[x.tok_seg[t]], n, bound);
+    bad = ix_fast_token(&x, t, kft, ket, bound, sf, se, &swaps);
+  }
+  if (major >= 9 && !bad && !moved) {
+    fprintf(stderr, "FAIL indexer fast mode: every score equals exact mode's; the fast kernel "
+                    "did not run\n");
+    bad = 1;
+  }
+  printf("%s indexer fast mode: %u of the scores differ from exact mode's, each within its "
+         "bound; %u selected entries differ from the CPU's, each a near-tie; two runs alike\n",
+         bad ? "FAIL" : "ok  ", moved, swaps);
+  fflush(stdout);
+  c->failures += bad;
+  free(khat[0]);
+  free(khat[1]);
+  free(bound);
+  free(se);
+  free(sf);
+  free(sf2);
+  free(ke);
+  free(kf);
+  free(kf2);
+  ix_free(&x);
+}
+
 /* ---- the cases ---- */
 
 /* Ratio 4, topk 512: s0 from 0 past 2,048 positions (more than 512 visible entries), s1 from
@@ -1134,6 +1286,7 @@ int main(int argc, char **argv) {
   for (uint32_t i = 0; i < N(quick_cases); i++)
     run_case(&c, &quick_cases[i], 1);
   indexer_paths(&c);
+  indexer_fast(&c);
   for (uint32_t i = 0; !quick && i < N(cases); i++)
     run_case(&c, &cases[i], 0);
   dsv4_backend_close(c.cuda);

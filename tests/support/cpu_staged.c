@@ -816,6 +816,8 @@ static int st_indexer(dsv4_backend_t *be, const dsv4_indexer_args_t *a) {
   XLATE(s, h.sel, n * a->topk * sizeof(int32_t));
   XLATE_CTABLE(s, h, nseg);
   s->stats.launches++;
+  s->stats.indexer_launches++;
+  s->stats.fast_indexer_launches += a->fast != 0;
   return s->inner->ops->indexer(s->inner, &h);
 }
 

@@ -61,6 +61,9 @@ typedef struct {
    * before their mark had not all written (or a launch after it wrote too): a device could copy
    * them before they are written, so they deliver 0xa5 bytes */
   size_t marks, marked_downloads, early_marked;
+  /* indexer launches, and those of them in fast mode (dsv4_indexer_args_t.fast; the CPU selects
+   * as in exact mode either way) */
+  size_t indexer_launches, fast_indexer_launches;
 } dsv4_test_cpu_staged_stats_t;
 
 void dsv4_test_cpu_staged_stats(dsv4_backend_t *be, dsv4_test_cpu_staged_stats_t *out);

@@ -1796,6 +1796,43 @@ static void test_compressed_matches_cpu(void **state) {
   dsv4_engine_destroy(b);
 }
 
+/*
+ * The indexer runs in the batch's attention mode, also for a batch that asks for topk alone (SPEC
+ * §8.9): such a batch asking for fast mode reaches the backend's indexer with fast set, one that
+ * names no mode with the engine's (exact here), and the CPU selects the same entries either way.
+ */
+static void test_indexer_mode(void **state) {
+  (void)state;
+  dsv4_engine_t *a = open_c_engine("cpu", 0), *b = open_c_engine("cpu_staged", 0);
+  const char *names[2] = {"c", "d"};
+  const int yes[2] = {1, 1}, no[2] = {0, 0};
+  int64_t st[2] = {0, 5};
+  uint32_t len[2] = {120, 90}; /* 30 and 23 visible entries, topk 8: both score */
+  static const int modes[3] = {DSV4_ATTENTION_FAST, DSV4_ATTENTION_DEFAULT, DSV4_ATTENTION_FAST};
+  size_t fast_before = 0;
+  for (int k = 0; k < 3; k++) {
+    cbatch_t ca, cb;
+    cbatch_make(&ca, C4_LAYER, 70 + (uint64_t)k, 2, names, st, len, k ? no : yes, 2);
+    cbatch_make(&cb, C4_LAYER, 70 + (uint64_t)k, 2, names, st, len, k ? no : yes, 2);
+    cb.b.f.attention = modes[k];
+    assert_int_equal(dsv4_engine_forward(a, &ca.b.f), 0);
+    assert_int_equal(dsv4_engine_forward(b, &cb.b.f), 0);
+    same_c_answer(&ca, &cb, C4_LAYER);
+    dsv4_test_cpu_staged_stats_t sb;
+    dsv4_test_cpu_staged_stats(b->be, &sb);
+    assert_true(sb.indexer_launches > 0);
+    assert_int_equal(sb.fast_indexer_launches - fast_before, modes[k] == DSV4_ATTENTION_FAST);
+    fast_before = sb.fast_indexer_launches;
+    cbatch_free(&ca);
+    cbatch_free(&cb);
+    st[0] += len[0];
+    st[1] += len[1];
+    len[0] = len[1] = 1;
+  }
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+}
+
 int main(int argc, char **argv) {
   int skip = dsv4_test_backend_from_args(argc, argv, &backend);
   if (skip)
@@ -1812,6 +1849,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_restore),
       cmocka_unit_test(test_staged_matches_cpu),
       cmocka_unit_test(test_compressed_matches_cpu),
+      cmocka_unit_test(test_indexer_mode),
       cmocka_unit_test(test_chunked_prefill_matches_one_launch),
       cmocka_unit_test(test_fused_decode),
       cmocka_unit_test(test_chunked_refusal_changes_nothing),
