@@ -440,9 +440,11 @@ static int fwd_setup(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) 
   rc = fwd_schedule(j);
   if (rc)
     return rc;
+  /* The batch's mode: its attention's, and its indexer's also when it asks for topk alone (SPEC
+   * §8.9). */
+  j->f.attention = dsv4_engine_attention_mode(d->engine, j->p.layer, j->p.attention);
   if (j->p.want_attn || j->p.want_lse) {
     /* Refused here, before the batch is queued, so the refusal changes nothing. */
-    j->f.attention = dsv4_engine_attention_mode(d->engine, j->p.layer, j->p.attention);
     rc = dsv4_engine_attention_check(d->engine, j->p.layer, j->f.attention, why, why_len);
     if (rc)
       return rc;

@@ -445,7 +445,7 @@ static __device__ void token_queries(const idx_params_t &p, mma_smem_t &sm) {
 }
 
 /* Split y of token t_base + blockIdx.x: the queries, then rounds of TILE entries; FAST: the heads'
- * sums in registers (warp_round_fast), no chains a round behind. */
+ * sums in registers (warp_round's fast mode), no chains a round behind. */
 template <bool FAST>
 __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel(idx_params_t p) {
   extern __shared__ uint4 smem_raw[];

@@ -1739,10 +1739,13 @@ static void test_stream_ended_with_piece_queued(void **state) {
    * stream (in the same loop iteration). A client with a tiny window would not do: through a 4 KiB
    * one the kernel's persist timer makes 8 MiB take about 100 s. Nor would a client that reads
    * at once: over loopback one write can hand a reader on another core all 32 MiB. So the client
-   * reads only after the server has had time to write what the socket takes and end the stream. */
+   * reads only once the handler has ended the stream (streams_ended). */
   client_t *c = client_new();
+  const int ended = atomic_load(&streams_ended);
   get(c, "/stream?n=4&piece=33554432&short=0&abandon=1", "ab");
-  usleep(200000);
+  for (double t0 = now_s(); atomic_load(&streams_ended) == ended && now_s() - t0 < 5;)
+    usleep(1000);
+  assert_int_not_equal(atomic_load(&streams_ended), ended);
   size_t got = 0;
   int k;
   while ((k = fill(c)) == 1) {
