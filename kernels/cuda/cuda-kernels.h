@@ -175,6 +175,10 @@ int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rope_rows_dev,
                        uint32_t *err_dev, cudaStream_t s, int pdl);
 uint32_t dsv4__cuda_indexer_ctas(uint32_t n_tokens);
 uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions);
+/* 1 when dsv4__cuda_indexer scores n_heads index heads on the current device with the tensor-core
+ * kernel (indexer_mma.cu: 64 heads, compute capability 9.0 and newer, its shared memory granted),
+ * whose fast mode then applies; 0 when it runs the per-entry kernel. */
+int dsv4__cuda_indexer_mma(uint32_t n_heads);
 
 /*
  * Which score kernel dsv4__cuda_indexer runs from now on in this process, for the GPU tests and

@@ -517,6 +517,11 @@ extern "C" uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions) {
   return ((keys + 3) & ~(uint64_t)3) + SLOT_QUERY_WORDS;
 }
 
+extern "C" int dsv4__cuda_indexer_mma(uint32_t n_heads) {
+  dsv4__cuda_dev_t dev;
+  return n_heads == MMA_HEADS && !dsv4__cuda_dev_info(&dev) && dev.pdl && dsv4__indexer_mma_fits();
+}
+
 extern "C" uint32_t dsv4__cuda_indexer_ctas(uint32_t n_tokens) {
   dsv4__cuda_dev_t dev;
   if (dsv4__cuda_dev_info(&dev))
@@ -567,8 +572,7 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
    * devices with programmatic dependent launch) that grant its shared memory, unless a test asks
    * for the per-entry one. */
   const int path = score_path.load(std::memory_order_relaxed);
-  const int mma = a->n_heads == MMA_HEADS && dev.pdl && path != DSV4_CUDA_INDEXER_THREADS &&
-                  dsv4__indexer_mma_fits();
+  const int mma = path != DSV4_CUDA_INDEXER_THREADS && dsv4__cuda_indexer_mma(a->n_heads);
   /* Fast mode (SPEC §8.9): the same d, the heads' sum in another fixed order. */
   const int fast =
       mma && (path == DSV4_CUDA_INDEXER_MMA_FAST || (path == DSV4_CUDA_INDEXER_AUTO && a->fast));

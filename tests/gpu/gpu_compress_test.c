@@ -1027,12 +1027,12 @@ static void indexer_paths(ctx_t *c) {
       bad = 1;
     }
   }
-  int sms = 0, major = 0;
+  int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  const int mma = dsv4__cuda_indexer_mma(IH);
   uint32_t count[3] = {0, 0, 0};
   ix_census(&x, (uint32_t)sms, count);
-  if (major >= 9 && (!count[0] || !count[1] || !count[2])) {
+  if (mma && (!count[0] || !count[1] || !count[2])) {
     fprintf(stderr,
             "FAIL indexer paths: the data sends %u, %u, %u warps to the scalar, partial and "
             "fused modes; every mode must run\n",
@@ -1042,7 +1042,7 @@ static void indexer_paths(ctx_t *c) {
   printf("%s indexer paths: %d tokens, q codes %d..%d, warps in scalar/partial/fused mode %u/%u/%u "
          "(%s): keys of every path %s\n",
          bad ? "FAIL" : "ok  ", IX_TOKENS, x.qlo, x.qhi, count[0], count[1], count[2],
-         major >= 9 ? "tensor-core kernel" : "per-entry kernel everywhere",
+         mma ? "tensor-core kernel" : "per-entry kernel everywhere",
          bad ? "or selections differ" : "equal, selections the CPU's");
   fflush(stdout);
   c->failures += bad;
@@ -1144,8 +1144,9 @@ static int ix_fast_token(const ix_t *x, uint32_t t, const uint32_t *kf, const ui
 /*
  * The tensor-core kernel's fast mode (DSV4_CUDA_INDEXER_MMA_FAST, SPEC §8.9) on the inputs of
  * indexer_paths: the same keys on a second run, every score within its bound of exact mode's, and
- * a selection that differs from the CPU's only at near-ties. Where the kernel does not run (no
- * compute capability 9.0), the launch is exact mode's and must give its keys.
+ * a selection that differs from the CPU's only at near-ties. Where the kernel does not run
+ * (dsv4__cuda_indexer_mma: no compute capability 9.0, or too little shared memory), the launch is
+ * exact mode's and must give its keys.
  */
 static void indexer_fast(ctx_t *c) {
   ix_t x;
@@ -1161,8 +1162,8 @@ static void indexer_fast(ctx_t *c) {
   ix_cuda(c, &x, DSV4_CUDA_INDEXER_THREADS, sf, ke, keys_len);
   ix_cuda(c, &x, DSV4_CUDA_INDEXER_MMA_FAST, sf, kf, keys_len);
   ix_cuda(c, &x, DSV4_CUDA_INDEXER_MMA_FAST, sf2, kf2, keys_len);
-  int major = 0, bad = 0;
-  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  const int mma = dsv4__cuda_indexer_mma(IH);
+  int bad = 0;
   if (memcmp(sf, sf2, 4 * sel_n) || memcmp(kf, kf2, 4 * keys_len)) {
     fprintf(stderr, "FAIL indexer fast mode: two runs differ\n");
     bad = 1;
@@ -1174,7 +1175,7 @@ static void indexer_fast(ctx_t *c) {
     const uint32_t *kft = kf + t * per_cta, *ket = ke + t * per_cta;
     for (uint32_t j = 0; j < n; j++)
       moved += kft[j] != ket[j];
-    if (major < 9) {
+    if (!mma) {
       bad = memcmp(kft, ket, 4 * (size_t)n) || memcmp(sf, se, 4 * sel_n);
       if (bad)
         fprintf(stderr, "FAIL indexer fast mode: exact mode's launch differs from it\n");
@@ -1183,7 +1184,7 @@ static void indexer_fast(ctx_t *c) {
     ix_fast_bounds(c, &x, t, khat[x.tok_seg[t]], n, bound);
     bad = ix_fast_token(&x, t, kft, ket, bound, sf, se, &swaps);
   }
-  if (major >= 9 && !bad && !moved) {
+  if (mma && !bad && !moved) {
     fprintf(stderr, "FAIL indexer fast mode: every score equals exact mode's; the fast kernel "
                     "did not run\n");
     bad = 1;
