@@ -1266,6 +1266,8 @@ int dsv4_engine_forward_begin(dsv4_engine_t *e, dsv4_forward_t *f) {
   f->replayed = 0;
   f->chunks = 0;
   f->in_flight = 0;
+  /* DEFAULT resolved once, for the attention and the indexer alike (written back, engine.h). */
+  f->attention = dsv4_engine_attention_mode(e, f->layer, f->attention);
   if (idx < 0)
     return DSV4_ELAYER;
   const int overlap = dsv4_engine_can_overlap(e, f);

@@ -103,6 +103,6 @@ void dsv4__engine_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t
       .rope = e->rope[idx],
       .out = f->attn,
       .lse = f->lse,
-      .fast = dsv4_engine_attention_mode(e, f->layer, f->attention) == DSV4_ATTENTION_FAST,
+      .fast = f->attention == DSV4_ATTENTION_FAST,
   };
 }

@@ -574,8 +574,8 @@ int dsv4__engine_c_index(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint
       .c_n_blocks = e->p.c4_blocks,
       .block_size = e->p.block_size,
       .sel = dv->sel,
-      /* The batch's attention mode, also for a batch that asks for topk alone (SPEC §8.9). */
-      .fast = dsv4_engine_attention_mode(e, f->layer, f->attention) == DSV4_ATTENTION_FAST,
+      /* The batch's mode, also for a batch that asks for topk alone (SPEC §8.9). */
+      .fast = f->attention == DSV4_ATTENTION_FAST,
   };
   return e->be->ops->indexer(e->be, &xa);
 }

@@ -710,6 +710,14 @@ typedef struct {
   int qlo, qhi;                 /* the smallest and largest nonzero q code of any head */
 } ix_t;
 
+/* Entry j of segment s in the index cache: its 64 value bytes at *vals, its 4 codes at *codes. */
+static void ix_entry(const ix_t *x, uint32_t s, uint32_t j, uint8_t **vals, uint8_t **codes) {
+  uint8_t *blk =
+      x->icache + (size_t)x->c_bt[x->cbt_off[s] + j / IX_BS] * DSV4_INDEX_BLOCK_BYTES(IX_BS);
+  *vals = blk + 64 * (j % IX_BS);
+  *codes = blk + 64 * IX_BS + 4 * (j % IX_BS);
+}
+
 /* iq of every token (head groups as above), iw > 0 (no score is NaN), the queries' summaries. */
 static void ix_queries(ctx_t *c, ix_t *x) {
   static const int centre[8] = {127, 127, 180, 180, 24, 24, 0, 127};
@@ -806,11 +814,10 @@ static void ix_make(ctx_t *c, ix_t *x) {
   memset(x->icache, 0, x->icache_bytes);
   for (uint32_t s = 0; s < 2; s++)
     for (uint32_t j = 0; j < x->n_ent[s]; j++) {
-      uint8_t *blk =
-          x->icache + (size_t)x->c_bt[x->cbt_off[s] + j / IX_BS] * DSV4_INDEX_BLOCK_BYTES(IX_BS);
-      const uint32_t o = j % IX_BS;
+      uint8_t *vals, *codes;
+      ix_entry(x, s, j, &vals, &codes);
       const int run = (int)(j / IX_RUN);
-      ix_record(c, blk + 64 * o, blk + 64 * IX_BS + 4 * o, run, (run + (int)s) % IX_KINDS, ku, kl);
+      ix_record(c, vals, codes, run, (run + (int)s) % IX_KINDS, ku, kl);
     }
 }
 
@@ -954,10 +961,9 @@ static void ix_census(const ix_t *x, uint32_t sms, uint32_t count[3]) {
       for (uint32_t r0 = i0; r0 < i1; r0 += 32) {
         const uint32_t rows = i1 - r0 < 32 ? i1 - r0 : 32;
         for (uint32_t r = 0; r < rows; r++) {
-          const uint32_t j = r0 + r, o = j % IX_BS;
-          const uint8_t *blk = x->icache + (size_t)x->c_bt[x->cbt_off[s] + j / IX_BS] *
-                                               DSV4_INDEX_BLOCK_BYTES(IX_BS);
-          ksum[r] = dsv4_index_mx_summary(blk + 64 * o, blk + 64 * IX_BS + 4 * o);
+          uint8_t *vals, *codes;
+          ix_entry(x, s, r0 + r, &vals, &codes);
+          ksum[r] = dsv4_index_mx_summary(vals, codes);
         }
         uint32_t klo, khi, kspan;
         ix_stats(ksum, rows, &klo, &khi, &kspan);
@@ -1087,10 +1093,9 @@ static void ix_fast_bounds(ctx_t *c, const ix_t *x, uint32_t t, const float *kha
 static float *ix_khat(const ix_t *x, uint32_t s) {
   float *k = gpu_host_alloc(sizeof(float) * 128 * x->n_ent[s]);
   for (uint32_t j = 0; j < x->n_ent[s]; j++) {
-    const uint8_t *blk =
-        x->icache + (size_t)x->c_bt[x->cbt_off[s] + j / IX_BS] * DSV4_INDEX_BLOCK_BYTES(IX_BS);
-    dsv4_mxfp4_dequant128(blk + 64 * (j % IX_BS), blk + 64 * IX_BS + 4 * (j % IX_BS),
-                          k + (size_t)j * 128);
+    uint8_t *vals, *codes;
+    ix_entry(x, s, j, &vals, &codes);
+    dsv4_mxfp4_dequant128(vals, codes, k + (size_t)j * 128);
   }
   return k;
 }
