@@ -20,16 +20,18 @@
  * fragments of all 64 heads x 128 dims in registers (128 a thread). Rounds of 256 entries: their
  * 68-byte records are staged into shared memory by cp.async one round ahead (rows of 80 bytes, so
  * that the lanes' 2-byte reads of one partial fall in distinct banks); warp w takes entries
- * 32w..32w+31 as four n-tiles of 8, each lane turning the 16 nibbles of its entry and k-slots into
- * bf16 B fragments through a byte table per code (dsv4_index_mx_bf16x4), 32 MMAs (4 head tiles x
- * 8 partials) per n-tile, and d to a [256][68] float tile; then its threads run the heads' chains
+ * 32w..32w+31 as four n-tiles of 8, two at a time (one tile's fragments built and MMAs issued
+ * while the other's are in flight: with two warps a scheduler the kernel lives on a warp's own
+ * parallelism), each lane turning the 16 nibbles of its entry and k-slots into bf16 B fragments
+ * through a byte table per code (dsv4_index_mx_bf16x4), 32 MMAs (4 head tiles x 8 partials) per
+ * n-tile, and d to a [256][68] float tile; then its threads run the heads' chains
  * of the round before, from the other d tile, so that one warp's chains overlap another's MMAs.
  * One barrier a round. About 220 KiB of shared memory: one CTA an SM.
  *
  * Fast mode (the kernel's FAST instance, SPEC §8.9): the same rounds, modes and d, but no d tile
  * and no chains: each lane sums the weighted terms of its 8 heads of its 2 entries from its MMA
  * results in registers, and the 8 lanes of an entry add those sums by shuffles in a fixed tree
- * (ntile_keys); a warp of the scalar product runs its own rows' chains.
+ * (ntile_pair_keys); a warp of the scalar product runs its own rows' chains.
  *
  * The MMA's k-slots 2c, 2c + 1, 2c + 8, 2c + 9 (c = lane % 4) of partial l hold dims 16l + 4c ..
  * 16l + 4c + 3 on both sides (the sum of 16 exact products does not depend on the order), so a lane
@@ -139,18 +141,23 @@ static __device__ __forceinline__ void store_d(float *row, int m, const float (&
   *reinterpret_cast<float2 *>(row + D_STRIDE + 16 * m) = make_float2(x[1], x[3]);
 }
 
-/* Fused mode: the products of all 8 partials accumulated on the tensor cores, d exactly; d[m] is
- * the lane's four results of head tile m (store_d's order). */
+/* Fused mode for two n-tiles: the products of all 8 partials accumulated on the tensor cores, d
+ * exactly; d[k][m] is the lane's four results of n-tile k and head tile m (store_d's order). The
+ * tiles' chains are independent, so they interleave, each in its own order. */
 static __device__ __forceinline__ void d_fused(const uint32_t (&a)[4][8][4],
-                                               const uint32_t (&b)[8][2], float (&d)[4][4]) {
+                                               const uint32_t (&b)[2][8][2], float (&d)[2][4][4]) {
 #pragma unroll
-  for (int m = 0; m < 4; m++)
-    d[m][0] = d[m][1] = d[m][2] = d[m][3] = 0.0f;
+  for (int k = 0; k < 2; k++)
+#pragma unroll
+    for (int m = 0; m < 4; m++)
+      d[k][m][0] = d[k][m][1] = d[k][m][2] = d[k][m][3] = 0.0f;
 #pragma unroll
   for (int l = 0; l < 8; l++)
 #pragma unroll
     for (int m = 0; m < 4; m++)
-      mma16816(d[m], a[m][l], b[l][0], b[l][1]);
+#pragma unroll
+      for (int k = 0; k < 2; k++)
+        mma16816(d[k][m], a[m][l], b[k][l][0], b[k][l][1]);
 }
 
 /* Partial l of head tile m from zero. */
@@ -208,74 +215,94 @@ static __device__ __forceinline__ void ntile_b(const uint8_t *stage, const uint3
   }
 }
 
-/* The lane's d of the 64 heads and the n-tile's entries, in the mode FUSED names (d[m]: head
- * tile m, store_d's order). */
+/* The lane's d of the 64 heads and two n-tiles' entries (rows r0.. and r0 + 8..), in the mode
+ * FUSED names (d[k][m]: n-tile k, head tile m, store_d's order). In fused mode the two tiles' work
+ * interleaves: one's fragments are built and its MMAs issued while the other's are in flight. */
 template <bool FUSED>
-static __device__ __forceinline__ void ntile_d(const uint32_t (&a)[4][8][4],
-                                               const uint32_t (&b)[8][2], float (&d)[4][4]) {
+static __device__ __forceinline__ void
+ntile_pair_d(const uint32_t (&a)[4][8][4], const uint8_t *stage, const uint32_t *codes,
+             const uint4 *lut, uint32_t r0, float (&d)[2][4][4]) {
   if (FUSED) {
+    uint32_t b[2][8][2];
+    ntile_b(stage, codes, lut, r0, b[0]);
+    ntile_b(stage, codes, lut, r0 + 8, b[1]);
     d_fused(a, b, d);
   } else {
+    /* Partial mode's temporaries leave no room for both tiles' fragments at once. */
 #pragma unroll
-    for (int m = 0; m < 4; m++)
-      d_partial(a, b, m, d[m]);
+    for (int k = 0; k < 2; k++) {
+      uint32_t b[8][2];
+      ntile_b(stage, codes, lut, r0 + 8 * k, b);
+#pragma unroll
+      for (int m = 0; m < 4; m++)
+        d_partial(a, b, m, d[k][m]);
+    }
   }
 }
 
-/* The d of the 64 heads and the 8 entries of rows r0..r0 + 7 of the staged round, into rows
- * r0.. of dt: a lane's B fragments from entry r0 + g, its results for entries r0 + 2c, + 1. */
+/* The d of the 64 heads and the 16 entries of rows r0..r0 + 15 of the staged round, into rows
+ * r0.. of dt: a lane's B fragments from entries r0 + g and r0 + 8 + g, its results for entries
+ * r0 + 8k + 2c, + 1. */
 template <bool FUSED>
-static __device__ __forceinline__ void ntile_scores(const uint32_t (&a)[4][8][4],
-                                                    const uint8_t *stage, const uint32_t *codes,
-                                                    const uint4 *lut, uint32_t r0, float *dt) {
+static __device__ __forceinline__ void
+ntile_pair_scores(const uint32_t (&a)[4][8][4], const uint8_t *stage, const uint32_t *codes,
+                  const uint4 *lut, uint32_t r0, float *dt) {
   const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  uint32_t b[8][2];
-  ntile_b(stage, codes, lut, r0, b);
-  float d[4][4];
-  ntile_d<FUSED>(a, b, d);
-  float *row = dt + (r0 + 2 * c) * D_STRIDE + 2 * g;
+  float d[2][4][4];
+  ntile_pair_d<FUSED>(a, stage, codes, lut, r0, d);
 #pragma unroll
-  for (int m = 0; m < 4; m++)
-    store_d(row, m, d[m]);
+  for (int k = 0; k < 2; k++) {
+    float *row = dt + (r0 + 8 * k + 2 * c) * D_STRIDE + 2 * g;
+#pragma unroll
+    for (int m = 0; m < 4; m++)
+      store_d(row, m, d[k][m]);
+  }
 }
 
 /*
- * Fast mode: the keys of the n-tile's entries from the lane's d in registers. The lane adds the
- * terms of its 8 heads of each of its two entries (entries r0 + 2c, + 1; heads 16m + 2g, + 1 for
- * m = 0..3, in that order, dsv4_index_score_add from +0.0f), the 8 lanes of an entry add their sums
- * in a fixed tree (lanes g and g ^ 1, then ^ 2, then ^ 4: every lane gets the same value), and
- * lanes 0..3 store the keys of entries with index i0 + 2c, + 1 below i1. d is the exact mode's, bit
- * for bit; only the order of the heads' sum differs from the chain of entry_chain.
+ * Fast mode: the keys of two n-tiles' entries (rows r0.., r0 + 8..) from the lane's d in
+ * registers. For each tile k the lane adds the terms of its 8 heads of each of its two entries
+ * (entries r0 + 8k + 2c, + 1; heads 16m + 2g, + 1 for m = 0..3, in that order,
+ * dsv4_index_score_add from +0.0f), the 8 lanes of an entry add their sums in a fixed tree (lanes g
+ * and g ^ 1, then ^ 2, then ^ 4: every lane gets the same value), and lanes 0..3 store the keys of
+ * entries with index i0 + 8k + 2c, + 1 below i1. d is the exact mode's, bit for bit; only the
+ * order of the heads' sum differs from the chain of entry_chain.
  */
 template <bool FUSED>
-static __device__ __forceinline__ void ntile_keys(const uint32_t (&a)[4][8][4], const float *w,
-                                                  const uint8_t *stage, const uint32_t *codes,
-                                                  const uint4 *lut, uint32_t r0, uint32_t *keys,
-                                                  uint32_t i0, uint32_t i1) {
+static __device__ __forceinline__ void ntile_pair_keys(const uint32_t (&a)[4][8][4], const float *w,
+                                                       const uint8_t *stage, const uint32_t *codes,
+                                                       const uint4 *lut, uint32_t r0,
+                                                       uint32_t *keys, uint32_t i0, uint32_t i1) {
   const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  uint32_t b[8][2];
-  ntile_b(stage, codes, lut, r0, b);
-  float d[4][4];
-  ntile_d<FUSED>(a, b, d);
-  float s0 = 0.0f, s1 = 0.0f;
+  float d[2][4][4];
+  ntile_pair_d<FUSED>(a, stage, codes, lut, r0, d);
+  float s[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
   for (int m = 0; m < 4; m++) {
     const float2 wm = *reinterpret_cast<const float2 *>(w + 16 * m + 2 * g);
-    s0 = dsv4_index_score_add(wm.x, d[m][0], s0);
-    s0 = dsv4_index_score_add(wm.y, d[m][2], s0);
-    s1 = dsv4_index_score_add(wm.x, d[m][1], s1);
-    s1 = dsv4_index_score_add(wm.y, d[m][3], s1);
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      s[k][0] = dsv4_index_score_add(wm.x, d[k][m][0], s[k][0]);
+      s[k][0] = dsv4_index_score_add(wm.y, d[k][m][2], s[k][0]);
+      s[k][1] = dsv4_index_score_add(wm.x, d[k][m][1], s[k][1]);
+      s[k][1] = dsv4_index_score_add(wm.y, d[k][m][3], s[k][1]);
+    }
   }
 #pragma unroll
-  for (uint32_t x = 4; x < 32; x <<= 1) {
-    s0 = __fadd_rn(s0, __shfl_xor_sync(FULL, s0, x));
-    s1 = __fadd_rn(s1, __shfl_xor_sync(FULL, s1, x));
+  for (uint32_t x = 4; x < 32; x <<= 1)
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      s[k][0] = __fadd_rn(s[k][0], __shfl_xor_sync(FULL, s[k][0], x));
+      s[k][1] = __fadd_rn(s[k][1], __shfl_xor_sync(FULL, s[k][1], x));
+    }
+#pragma unroll
+  for (int k = 0; k < 2; k++) {
+    const uint32_t i = i0 + 8 * k + 2 * c;
+    if (lane < 4 && i < i1)
+      keys[i] = dsv4_index_score_key(s[k][0]);
+    if (lane < 4 && i + 1 < i1)
+      keys[i + 1] = dsv4_index_score_key(s[k][1]);
   }
-  const uint32_t i = i0 + 2 * c;
-  if (lane < 4 && i < i1)
-    keys[i] = dsv4_index_score_key(s0);
-  if (lane < 4 && i + 1 < i1)
-    keys[i + 1] = dsv4_index_score_key(s1);
 }
 
 /* dsv4_dot128(x, y) by the same operations in the same order (8 fma chains of 16 dims from +0.0f,
@@ -348,8 +375,8 @@ static __device__ void entry_chain(const mma_smem_t &sm, int buf, uint32_t *keys
 
 /* Warp w's rows 32w.. of the staged round (entries base + row, n in it), in the mode warp_mode
  * gives: exact mode into d[buf], for the chains a round later; fast mode (FAST) to their keys, the
- * heads' sums in registers (ntile_keys), a warp of the scalar product summing its own rows' chains
- * from its rows of d[buf], which no other warp touches. */
+ * heads' sums in registers (ntile_pair_keys), a warp of the scalar product summing its own rows'
+ * chains from its rows of d[buf], which no other warp touches. */
 template <bool FAST>
 static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t (&a)[4][8][4],
                                                   int buf, uint32_t n, uint32_t cap, uint32_t *keys,
@@ -369,19 +396,20 @@ static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t
     }
     return;
   }
-  /* n-tiles past the last entry are skipped; the rows of one past it hold stale bytes, whose
-   * columns of d nobody reads (and whose keys fast mode does not store). */
+  /* Pairs of n-tiles past the last entry are skipped; the rows past it in the last pair hold
+   * stale bytes (or none yet), whose columns of d nobody reads and whose keys fast mode does not
+   * store. */
   const bool fused = mode == DSV4_INDEX_MX_FUSED;
-  for (uint32_t t = 0; t < WARP_ROWS / 8 && 8 * t < rows; t++) {
+  for (uint32_t t = 0; t < WARP_ROWS / 8 && 8 * t < rows; t += 2) {
     const uint32_t r = r0 + 8 * t;
     if (FAST && fused)
-      ntile_keys<true>(a, sm.w, stage, codes, sm.lut, r, keys, base + r, i1);
+      ntile_pair_keys<true>(a, sm.w, stage, codes, sm.lut, r, keys, base + r, i1);
     else if (FAST)
-      ntile_keys<false>(a, sm.w, stage, codes, sm.lut, r, keys, base + r, i1);
+      ntile_pair_keys<false>(a, sm.w, stage, codes, sm.lut, r, keys, base + r, i1);
     else if (fused)
-      ntile_scores<true>(a, stage, codes, sm.lut, r, sm.d[buf]);
+      ntile_pair_scores<true>(a, stage, codes, sm.lut, r, sm.d[buf]);
     else
-      ntile_scores<false>(a, stage, codes, sm.lut, r, sm.d[buf]);
+      ntile_pair_scores<false>(a, stage, codes, sm.lut, r, sm.d[buf]);
   }
 }
 
