@@ -46,7 +46,8 @@ typedef struct {
   uint64_t keys_per_cta;
   float w_scale;
   uint32_t n_tokens, n_segments, topk, n_heads, c_bt_entries, c_n_blocks, bs_shift;
-  uint32_t t_base; /* the first token of this wave: key slot x holds token t_base + x */
+  uint32_t t_base;    /* the first token of this wave: key slot x holds token t_base + x */
+  uint32_t check_tpt; /* the check kernel's threads a token, a multiple of 32 */
   /* The tensor-core kernel's highest mode (DSV4_INDEX_MX_FUSED in the daemon; lower ones let the
    * GPU tests run its partial mode and its scalar product on any data). */
   uint32_t mma_cap;

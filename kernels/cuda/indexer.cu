@@ -59,7 +59,8 @@
 
 /* ---- check ---- */
 
-/* Lane `lane` of the warp that checks token t: the blocks lb, lb + 32, ... of its range. */
+/* Thread `lane` of the check_tpt threads that check token t: the blocks lb, lb + check_tpt, ... of
+ * its range. */
 static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t, uint32_t lane) {
   uint32_t s;
   int64_t jlo, jhi;
@@ -74,7 +75,7 @@ static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t, uint32
     if (prev_hi - jlo > (int64_t)p.topk && ((prev_hi - 1) >> p.bs_shift) > lb)
       lb = (prev_hi - 1) >> p.bs_shift;
   }
-  for (lb += lane; lb <= lb_hi; lb += 32)
+  for (lb += lane; lb <= lb_hi; lb += p.check_tpt)
     if (lb_block(p, s, lb) < 0)
       return DSV4_CUDA_ERR_BLOCK;
   return 0;
@@ -89,9 +90,10 @@ __global__ void __launch_bounds__(CHECK_BLOCK) dsv4__indexer_check_kernel(idx_pa
   if (i < p.n_segments && p.c_bt_entries &&
       (uint64_t)p.seg_cbt_off[i] + p.seg_cbt_len[i] > p.c_bt_entries)
     bits |= DSV4_CUDA_ERR_BLOCK;
-  /* A warp per token: a decode token at 64K context has hundreds of blocks to look up. */
-  if (i / 32 < p.n_tokens)
-    bits |= check_token(p, i / 32, i & 31);
+  /* check_tpt threads a token: a decode token at 64K context has hundreds of blocks to look up,
+   * each a chain of loads, so a small batch spreads them over the device. */
+  if (i / p.check_tpt < p.n_tokens)
+    bits |= check_token(p, i / p.check_tpt, i % p.check_tpt);
   if (bits)
     atomicOr(p.err, bits);
 }
@@ -589,8 +591,13 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   if (e != cudaSuccess)
     return dsv4__cuda_err(e);
   pdl = pdl && dev.pdl;
-  const uint64_t check_items = (uint64_t)a->n_tokens * 32 > a->n_segments
-                                   ? (uint64_t)a->n_tokens * 32
+  /* A warp a token at large batches; up to 32 warps a token while the batch has fewer than 8
+   * warps an SM. */
+  uint32_t check_warps = (uint32_t)dev.sms * 8 / (a->n_tokens ? a->n_tokens : 1);
+  check_warps = check_warps < 1 ? 1 : check_warps > 32 ? 32 : check_warps;
+  p.check_tpt = 32 * check_warps;
+  const uint64_t check_items = (uint64_t)a->n_tokens * p.check_tpt > a->n_segments
+                                   ? (uint64_t)a->n_tokens * p.check_tpt
                                    : (uint64_t)a->n_segments;
   if ((check_items + CHECK_BLOCK - 1) / CHECK_BLOCK > 0x7fffffffu)
     return DSV4_EINVAL;
