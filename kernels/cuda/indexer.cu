@@ -591,8 +591,8 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   if (e != cudaSuccess)
     return dsv4__cuda_err(e);
   pdl = pdl && dev.pdl;
-  /* A warp a token at large batches; up to 32 warps a token while the batch has fewer than 8
-   * warps an SM. */
+  /* A warp a token at large batches; a small batch's tokens get more, up to 32 each, so that the
+   * check has about 8 warps an SM. */
   uint32_t check_warps = (uint32_t)dev.sms * 8 / (a->n_tokens ? a->n_tokens : 1);
   check_warps = check_warps < 1 ? 1 : check_warps > 32 ? 32 : check_warps;
   p.check_tpt = 32 * check_warps;

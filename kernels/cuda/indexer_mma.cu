@@ -20,13 +20,13 @@
  * fragments of all 64 heads x 128 dims in registers (128 a thread). Rounds of 256 entries: their
  * 68-byte records are staged into shared memory by cp.async one round ahead (rows of 80 bytes, so
  * that the lanes' 2-byte reads of one partial fall in distinct banks); warp w takes entries
- * 32w..32w+31 as four n-tiles of 8, two at a time (one tile's fragments built and MMAs issued
- * while the other's are in flight: with two warps a scheduler the kernel lives on a warp's own
- * parallelism), each lane turning the 16 nibbles of its entry and k-slots into bf16 B fragments
- * through a byte table per code (dsv4_index_mx_bf16x4), 32 MMAs (4 head tiles x 8 partials) per
- * n-tile, and d to a [256][68] float tile; then its threads run the heads' chains
- * of the round before, from the other d tile, so that one warp's chains overlap another's MMAs.
- * One barrier a round. About 220 KiB of shared memory: one CTA an SM.
+ * 32w..32w+31 as four n-tiles of 8, two at a time (the two tiles' MMA chains interleaved, so that
+ * one's MMAs issue while the other's are in flight: with two warps a scheduler the kernel lives on
+ * a warp's own parallelism), each lane turning the 16 nibbles of its entry and k-slots into bf16 B
+ * fragments through a byte table per code (dsv4_index_mx_bf16x4), 32 MMAs (4 head tiles x 8
+ * partials) per n-tile, and d to a [256][68] float tile; then its threads run the heads' chains of
+ * the round before, from the other d tile, so that one warp's chains overlap another's MMAs. One
+ * barrier a round. About 220 KiB of shared memory: one CTA an SM.
  *
  * Fast mode (the kernel's FAST instance, SPEC §8.9): the same rounds, modes and d, but no d tile
  * and no chains: each lane sums the weighted terms of its 8 heads of its 2 entries from its MMA
@@ -51,6 +51,7 @@
 /* Entries a round: one a thread in the heads' chains. */
 #define TILE SEL_THREADS
 #define WARP_ROWS (TILE / SEL_WARPS)
+static_assert(WARP_ROWS % 16 == 0, "a warp's rows are whole pairs of n-tiles");
 /* Bytes per staged record's values: 64 and a pad, 16-byte aligned for cp.async. */
 #define STAGE_ROW 80
 /* Floats per entry's row of d: the 64 heads and a pad, so that the lanes' float2 stores of one
@@ -216,8 +217,9 @@ static __device__ __forceinline__ void ntile_b(const uint8_t *stage, const uint3
 }
 
 /* The lane's d of the 64 heads and two n-tiles' entries (rows r0.. and r0 + 8..), in the mode
- * FUSED names (d[k][m]: n-tile k, head tile m, store_d's order). In fused mode the two tiles' work
- * interleaves: one's fragments are built and its MMAs issued while the other's are in flight. */
+ * FUSED names (d[k][m]: n-tile k, head tile m, store_d's order). In fused mode both tiles'
+ * fragments are built first and their MMA chains interleave, one's MMAs issuing while the other's
+ * are in flight. */
 template <bool FUSED>
 static __device__ __forceinline__ void
 ntile_pair_d(const uint32_t (&a)[4][8][4], const uint8_t *stage, const uint32_t *codes,
