@@ -908,6 +908,12 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
   cudaError_t e;
   if (!out)
     return DSV4_EINVAL;
+  /* Every kernel's code loaded when the driver creates the context, not at its first launch (the
+   * runtime's default is lazy): the daemon's first batch of each kind would wait for it, a first
+   * prefill's launches 0.3-0.5 ms longer on an H100, while start-up took no measurably longer
+   * (tests/bench/NOTES.md, "Kernels loaded at start"). An operator's setting is kept. The driver
+   * reads it when it initialises, which cudaGetDeviceCount below does in the daemon. */
+  (void)setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count < 1) {
     if (why_len)
