@@ -22,6 +22,11 @@ if(DSV4_CUDA)
   dsv4_bench(cuda_read_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_read_bench.cu
              LIBS CUDA::cudart_static)
   add_dependencies(benchmarks cuda_read_bench)
+  # What a runtime call costs the calling thread with warm and with cold caches
+  # (tests/bench/cuda_launch_bench.cu).
+  dsv4_bench(cuda_launch_bench SOURCES ${CMAKE_CURRENT_LIST_DIR}/cuda_launch_bench.cu
+             LIBS CUDA::cudart_static)
+  add_dependencies(benchmarks cuda_launch_bench)
 endif()
 
 # The same benchmark on a build of the kernels with DSV4_TEST_TUNE, whose rows per warp the
