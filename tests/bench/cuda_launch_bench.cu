@@ -11,6 +11,12 @@
  *   event       cudaEventRecord on the same stream (the backend's marks)
  *   copy        cudaMemcpyAsync of 64 bytes from page-locked memory to the device
  *   round trip  a launch and cudaStreamSynchronize
+ * and, for a chain of CHAIN such launches (a decode batch's kernels), three ways to queue it:
+ *   launches    CHAIN cudaLaunchKernelEx calls
+ *   graph, set  one graph of the chain instantiated once; per call each node's parameters set
+ *               (cudaGraphExecKernelNodeSetParams) and the graph launched
+ *   graph, capture  per call the chain captured from a second stream, the instance updated to it
+ *               (cudaGraphExecUpdate) and launched
  * The ceiling of each call is its row at touch 0 (warm caches).
  *
  * Usage: cuda_launch_bench (no arguments; a table on stdout).
@@ -27,13 +33,14 @@
 #define CALLS 512
 #define WARM 16
 #define TOUCH_MAX ((size_t)16 << 20)
+#define CHAIN 4
 
-static __global__ void empty_kernel(int *p) {
+static __global__ void empty_kernel(int *p, int v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  if (p && threadIdx.x == 1024) /* never: keeps the parameter */
-    *p = 1;
+  if (p && threadIdx.x == 1024) /* never: keeps the parameters */
+    *p = v;
 }
 
 static double now_us() {
@@ -42,36 +49,94 @@ static double now_us() {
       .count();
 }
 
-enum { LAUNCH, EVENT, COPY, ROUND_TRIP, KINDS };
-static const char *const kind_name[KINDS] = {"launch (PDL, 1 CTA)", "cudaEventRecord",
-                                             "cudaMemcpyAsync 64 B H2D", "launch + stream sync"};
+enum { LAUNCH, EVENT, COPY, ROUND_TRIP, CHAIN_LAUNCHES, GRAPH_SET, GRAPH_CAPTURE, KINDS };
+static const char *const kind_name[KINDS] = {"launch (PDL, 1 CTA)",       "cudaEventRecord",
+                                             "cudaMemcpyAsync 64 B H2D",  "launch + stream sync",
+                                             "chain of 4: launches",      "chain of 4: graph, set",
+                                             "chain of 4: graph, capture"};
 
 typedef struct {
-  cudaStream_t s;
+  cudaStream_t s, s_cap;
   cudaEvent_t ev;
   int *d;
   void *h_pin;
   volatile uint8_t *junk;
+  cudaGraph_t graph; /* the instance's graph, whose nodes name the instance's */
+  cudaGraphExec_t exec;
+  cudaGraphNode_t nodes[CHAIN];
 } ctx_t;
 
-static void call(const ctx_t &c, int kind) {
+static void launch(cudaStream_t s, int *d, int v) {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  cfg.gridDim = dim3(1, 1, 1);
+  cfg.blockDim = dim3(128, 1, 1);
+  cfg.stream = s;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, d, v));
+}
+
+/* The chain captured from c.s_cap into a new graph (the caller destroys it). */
+static cudaGraph_t capture_chain(const ctx_t &c, int v) {
+  cudaGraph_t g;
+  CHECK(cudaStreamBeginCapture(c.s_cap, cudaStreamCaptureModeThreadLocal));
+  for (int k = 0; k < CHAIN; k++)
+    launch(c.s_cap, c.d, v + k);
+  CHECK(cudaStreamEndCapture(c.s_cap, &g));
+  return g;
+}
+
+/* The instance every graph row launches, and its kernel nodes (in any order: they differ in their
+ * parameters only). */
+static void make_graph(ctx_t &c) {
+  c.graph = capture_chain(c, 0);
+  CHECK(cudaGraphInstantiate(&c.exec, c.graph, 0));
+  size_t n = CHAIN;
+  CHECK(cudaGraphGetNodes(c.graph, c.nodes, &n));
+}
+
+static void graph_set(const ctx_t &c, int v) {
+  for (int k = 0; k < CHAIN; k++) {
+    int *d = c.d;
+    int val = v + k;
+    void *args[2] = {&d, &val};
+    cudaKernelNodeParams kp = {};
+    kp.func = reinterpret_cast<void *>(empty_kernel);
+    kp.gridDim = dim3(1, 1, 1);
+    kp.blockDim = dim3(128, 1, 1);
+    kp.kernelParams = args;
+    CHECK(cudaGraphExecKernelNodeSetParams(c.exec, c.nodes[k], &kp));
+  }
+  CHECK(cudaGraphLaunch(c.exec, c.s));
+}
+
+static void graph_capture(const ctx_t &c, int v) {
+  cudaGraph_t g = capture_chain(c, v);
+  cudaGraphExecUpdateResultInfo info;
+  CHECK(cudaGraphExecUpdate(c.exec, g, &info));
+  CHECK(cudaGraphLaunch(c.exec, c.s));
+  CHECK(cudaGraphDestroy(g));
+}
+
+static void call(const ctx_t &c, int kind, int v) {
   if (kind == LAUNCH || kind == ROUND_TRIP) {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1] = {};
-    cfg.gridDim = dim3(1, 1, 1);
-    cfg.blockDim = dim3(128, 1, 1);
-    cfg.stream = c.s;
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, c.d));
+    launch(c.s, c.d, v);
     if (kind == ROUND_TRIP)
       CHECK(cudaStreamSynchronize(c.s));
   } else if (kind == EVENT) {
     CHECK(cudaEventRecord(c.ev, c.s));
-  } else {
+  } else if (kind == COPY) {
     CHECK(cudaMemcpyAsync(c.d, c.h_pin, 64, cudaMemcpyHostToDevice, c.s));
+  } else if (kind == CHAIN_LAUNCHES) {
+    for (int k = 0; k < CHAIN; k++)
+      launch(c.s, c.d, v + k);
+  } else if (kind == GRAPH_SET) {
+    graph_set(c, v);
+  } else {
+    graph_capture(c, v);
   }
 }
 
@@ -82,7 +147,7 @@ static double time_calls(const ctx_t &c, int kind, size_t touch) {
     for (size_t j = 0; j < touch; j += 64)
       c.junk[j] = (uint8_t)(c.junk[j] + 1);
     const double t0 = now_us();
-    call(c, kind);
+    call(c, kind, i);
     const double t1 = now_us();
     if (i >= WARM)
       total += t1 - t0;
@@ -103,6 +168,7 @@ int main() {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   ctx_t c = {};
   CHECK(cudaStreamCreateWithFlags(&c.s, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&c.s_cap, cudaStreamNonBlocking));
   CHECK(cudaEventCreateWithFlags(&c.ev, cudaEventDisableTiming));
   CHECK(cudaMalloc(&c.d, 64));
   CHECK(cudaMallocHost(&c.h_pin, 64));
@@ -112,6 +178,7 @@ int main() {
     return 1;
   }
   c.junk = junk;
+  make_graph(c);
   printf("cuda_launch_bench: %s, sm_%d%d; µs of the calling thread a call, the mean over %d\n",
          prop.name, prop.major, prop.minor, CALLS);
   static const size_t touch[] = {0, (size_t)1 << 20, (size_t)4 << 20, TOUCH_MAX};
@@ -124,6 +191,9 @@ int main() {
     printf("\n");
   }
   free(junk);
+  CHECK(cudaGraphExecDestroy(c.exec));
+  CHECK(cudaGraphDestroy(c.graph));
+  CHECK(cudaStreamDestroy(c.s_cap));
   CHECK(cudaFreeHost(c.h_pin));
   CHECK(cudaFree(c.d));
   CHECK(cudaEventDestroy(c.ev));
