@@ -174,25 +174,26 @@ static __device__ __forceinline__ void add4(float (&x)[4], const float (&y)[4]) 
     x[i] = __fadd_rn(x[i], y[i]);
 }
 
+/* (p_l + p_l+4) + (p_l+2 + p_l+6) of head tile m, l = 0 or 1: one half of dsv4_fold8's tree. */
+static __device__ __forceinline__ void
+partial_half(const uint32_t (&a)[4][8][4], const uint32_t (&b)[8][2], int m, int l, float (&x)[4]) {
+  float y[4], u[4], v[4];
+  partial(a, b, m, l, x);
+  partial(a, b, m, l + 4, y);
+  add4(x, y);
+  partial(a, b, m, l + 2, u);
+  partial(a, b, m, l + 6, v);
+  add4(u, v);
+  add4(x, u);
+}
+
 /* Partial mode: dsv4_fold8 of the 8 partials, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)),
  * of head tile m. */
 static __device__ __forceinline__ void d_partial(const uint32_t (&a)[4][8][4],
                                                  const uint32_t (&b)[8][2], int m, float (&x)[4]) {
-  float y[4], u[4], v[4];
-  partial(a, b, m, 0, x);
-  partial(a, b, m, 4, y);
-  add4(x, y);
-  partial(a, b, m, 2, u);
-  partial(a, b, m, 6, v);
-  add4(u, v);
-  add4(x, u);
-  partial(a, b, m, 1, u);
-  partial(a, b, m, 5, v);
-  add4(u, v);
-  partial(a, b, m, 3, y);
-  partial(a, b, m, 7, v);
-  add4(y, v);
-  add4(u, y);
+  float u[4];
+  partial_half(a, b, m, 0, x);
+  partial_half(a, b, m, 1, u);
   add4(x, u);
 }
 
