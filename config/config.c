@@ -150,6 +150,10 @@ static const opt_t opts[] = {
      "bytes of a request body read, or of an answer written, on one connection in an event loop "
      "iteration at most: what a prefill's large body or answer holds the loop before the other "
      "connections' turns"},
+    {"bulk_io_bytes", OPT_U32, F(bulk_io_bytes), "2097152", 0, 1u << 30, NULL, 0,
+     "the rest of a request body, or of an answer, of at least this many bytes moves between its "
+     "socket and memory on a thread of its own, so that the event loop serves the other "
+     "connections meanwhile (0 = the loop moves every byte)"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
      "seconds without a batch after which a sequence is deleted"},
     {"implicit_create", OPT_BOOL, F(implicit_create), "false", 0, 1, NULL, 0,

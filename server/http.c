@@ -18,6 +18,7 @@
 
 #include <llhttp.h>
 
+#include "bulk_io.h"
 #include "dsv4-error.h"
 #include "errors.h"
 #include "http-internal.h"
@@ -206,6 +207,12 @@ struct conn {
    * write, and its callback must still reach the streaming handler. */
   bool stream_pending;
   uv_buf_t sbufs[2]; /* that piece: the response head (first piece only) and the caller's bytes */
+  /* The rest of a body, or of an answer, that the bulk thread moves (bulk_io_bytes): while
+   * bulk_out, the job is the bulk thread's and holds a reference (handles_open); the loop neither
+   * reads nor writes the socket. bulk_timed_out: the body's timer fired and cancelled the job. */
+  dsv4_bulk_job_t bulk;
+  uv_buf_t bulk_buf;
+  bool bulk_out, bulk_timed_out;
   char peer[64];
 };
 
@@ -255,6 +262,12 @@ struct dsv4_server {
   size_t max_header_bytes, max_connections;
   uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;
   size_t io_slice; /* io_slice_bytes */
+  /* The bulk thread (bulk_io_bytes; NULL: none) and its smallest transfer; bulk_open: 1 while it
+   * runs, 2 while it closes. bulk_bytes: dsv4d_bulk_bytes_total{direction}. */
+  dsv4_bulk_t *bulk;
+  size_t bulk_min;
+  int bulk_open;
+  dsv4_metric_t *bulk_bytes;
   dsv4_route_t *routes;
   size_t n_routes;
   llhttp_settings_t settings;
@@ -284,6 +297,7 @@ static void conn_close(conn_t *c);
 static void conn_process(conn_t *c);
 static void conn_update_reading(conn_t *c);
 static void server_maybe_done(dsv4_server_t *s);
+static bool answer_to_bulk(conn_t *c);
 
 /* ---- requests ------------------------------------------------------------------------------- */
 
@@ -449,6 +463,11 @@ static void on_timer(uv_timer_t *t) {
   switch (c->state) {
   case CONN_HEAD:
   case CONN_BODY:
+    if (c->bulk_out) { /* the bulk thread stops reading first; its callback answers the 408 */
+      c->bulk_timed_out = true;
+      dsv4_bulk_cancel(c->srv->bulk, &c->bulk);
+      break;
+    }
     /* A request that started but did not finish in time gets a 408; the connection then closes. */
     conn_fail(c, DSV4_ETIMEDOUT,
               c->state == CONN_HEAD ? "request headers not received in time"
@@ -797,11 +816,14 @@ static void respond_start(conn_t *c, req_t *r, int status, char *h, size_t n, co
     return;
   }
   /* The first slice (the whole of most answers) goes to the socket now, without a write request;
-   * the rest a slice a loop iteration, through the pace check. */
+   * the rest a slice a loop iteration, through the pace check, or all of it from the bulk thread.
+   */
   if (write_advance(c, sent)) {
     write_done(c, 1);
     return;
   }
+  if (answer_to_bulk(c))
+    return;
   uv_buf_t part[WRITE_SLICE_BUFS];
   unsigned np;
   slice_bufs(c, part, &np);
@@ -1653,6 +1675,116 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   conn_process(c);
 }
 
+/* ---- the bulk thread's transfers (bulk_io_bytes) ------------------------------------------- */
+
+static void on_conn_handle_closed(uv_handle_t *h);
+
+/* A transfer of the bulk thread is over: the reference it held on c goes (c may be freed). */
+static void conn_unref(conn_t *c) {
+  on_conn_handle_closed(&c->io.handle);
+}
+
+/* Hand bufs[0 .. nb) of c to the bulk thread: its socket's duplicate (within DSV4_DIRECT_MAX, as
+ * an answer written by another thread) and a reference on c until cb. Returns whether it went. */
+static bool bulk_start(conn_t *c, int writing, uv_buf_t *bufs, size_t nb,
+                       void (*cb)(dsv4_bulk_job_t *)) {
+  uv_os_fd_t fd;
+  if (uv_fileno(&c->io.handle, &fd) != 0)
+    return false;
+  if (atomic_fetch_add(&direct_fds, 1) >= DSV4_DIRECT_MAX) {
+    atomic_fetch_sub(&direct_fds, 1);
+    return false;
+  }
+  dsv4_bulk_job_t *j = &c->bulk;
+  j->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  j->writing = writing;
+  j->bufs = bufs;
+  j->nb = nb;
+  j->cb = cb;
+  j->data = c;
+  if (j->fd < 0 || dsv4_bulk_submit(c->srv->bulk, j) != 0) {
+    if (j->fd >= 0)
+      close(j->fd);
+    atomic_fetch_sub(&direct_fds, 1);
+    return false;
+  }
+  c->bulk_out = true;
+  c->handles_open++;
+  return true;
+}
+
+/* The job is back (its duplicate closed): count its bytes. */
+static void bulk_returned(conn_t *c, const char *direction) {
+  atomic_fetch_sub(&direct_fds, 1);
+  c->bulk_out = false;
+  dsv4_metric_add(c->srv->bulk_bytes, &direction, (double)c->bulk.done);
+}
+
+/* The rest of a body, read by the bulk thread, is in place: the parser takes it as read (on_body
+ * copies nothing, the bytes being where it would put them), and the request goes on. */
+static void on_bulk_read(dsv4_bulk_job_t *j) {
+  conn_t *c = j->data;
+  bulk_returned(c, "in");
+  if (c->state == CONN_CLOSING) {
+    if (c->req && c->req->state == REQ_PARSING) { /* conn_close left it to us */
+      req_free(c->req);
+      c->req = NULL;
+    }
+  } else if (j->err == 0) {
+    req_t *r = c->req;
+    size_t used;
+    const char *why = NULL;
+    parsed_t p = conn_parse(c, (const char *)r->pub.body + r->body_received, j->done, &used, &why);
+    conn_parsed(c, p, why);
+    conn_process(c);
+  } else if (c->bulk_timed_out) {
+    conn_fail(c, DSV4_ETIMEDOUT, "request body stalled");
+  } else {
+    conn_close(c); /* the end, or a reset, mid-body: nothing can be answered (as in on_read) */
+  }
+  c->bulk_timed_out = false;
+  conn_unref(c);
+}
+
+/* A body whose rest is bulk_min bytes or more goes to the bulk thread, once its place is known
+ * and no byte of it waits in rbuf. Returns whether it went. */
+static bool body_to_bulk(conn_t *c) {
+  const dsv4_server_t *s = c->srv;
+  req_t *r = c->req;
+  if (!s->bulk || c->bulk_out || !r || r->skew_pending || c->rbuf_off != c->rbuf_len ||
+      r->content_length - r->body_received < s->bulk_min)
+    return false;
+  c->bulk_buf.base = (char *)r->pub.body + r->body_received;
+  c->bulk_buf.len = (size_t)(r->content_length - r->body_received);
+  if (!bulk_start(c, 0, &c->bulk_buf, 1, on_bulk_read))
+    return false;
+  if (c->reading) {
+    uv_read_stop(&c->io.stream);
+    c->reading = false;
+  }
+  return true;
+}
+
+static void on_bulk_write(dsv4_bulk_job_t *j) {
+  conn_t *c = j->data;
+  bulk_returned(c, "out");
+  write_done(c, j->err == 0);
+  conn_unref(c);
+}
+
+/* An answer whose rest is bulk_min bytes or more goes to the bulk thread (the write timer keeps
+ * running: it bounds the whole answer). Returns whether it went. */
+static bool answer_to_bulk(conn_t *c) {
+  const dsv4_server_t *s = c->srv;
+  if (!s->bulk)
+    return false;
+  size_t left = 0;
+  for (size_t i = c->wfirst; i < c->wnb; i++)
+    left += c->wbufs[i].len;
+  return left >= s->bulk_min &&
+         bulk_start(c, 1, c->wbufs + c->wfirst, c->wnb - c->wfirst, on_bulk_write);
+}
+
 static void conn_update_reading(conn_t *c) {
   bool want;
   switch (c->state) {
@@ -1669,9 +1801,11 @@ static void conn_update_reading(conn_t *c) {
     want = !c->peer_eof && c->rbuf_len - c->rbuf_off < INFLIGHT_READ_CAP;
     break;
   default:
-    want = !c->peer_eof && !c->read_paced;
+    want = !c->peer_eof && !c->read_paced && !c->bulk_out;
     break;
   }
+  if (want && c->state == CONN_BODY && body_to_bulk(c))
+    want = false;
   if (want && !c->reading) {
     if (uv_read_start(&c->io.stream, on_alloc, on_read) == 0)
       c->reading = true;
@@ -1710,10 +1844,15 @@ static void conn_close(conn_t *c) {
     return;
   conn_enter(c, CONN_CLOSING);
   req_t *r = c->req;
+  if (c->bulk_out) /* its callback comes soon, and frees what the job held */
+    dsv4_bulk_cancel(c->srv->bulk, &c->bulk);
   if (r && r->state == REQ_PARSING) {
-    /* Disconnected mid-request: the handler never saw it, so it is simply dropped. */
-    req_free(r);
-    c->req = NULL;
+    /* Disconnected mid-request: the handler never saw it, so it is simply dropped (once the bulk
+     * thread no longer writes into its body). */
+    if (!c->bulk_out) {
+      req_free(r);
+      c->req = NULL;
+    }
   } else if (r &&
              (r->state == REQ_DISPATCHED || (r->state == REQ_STREAMING && !c->stream_pending))) {
     /* The handler still owns the request and will respond (or end its stream); that only frees
@@ -1994,12 +2133,24 @@ static void server_free(dsv4_server_t *s) {
   free(s);
 }
 
+static void on_bulk_closed(void *arg) {
+  dsv4_server_t *s = arg;
+  s->bulk_open = 0;
+  server_maybe_done(s);
+}
+
 static void server_maybe_done(dsv4_server_t *s) {
   if (!s->closing || s->retry_open || s->pace_open || s->n_conns > 0)
     return;
   for (size_t i = 0; i < s->n_listeners; i++)
     if (s->listeners[i].open)
       return;
+  if (s->bulk_open == 1) { /* every connection is gone, and with them the bulk thread's jobs */
+    s->bulk_open = 2;
+    dsv4_bulk_close(s->bulk, on_bulk_closed, s);
+  }
+  if (s->bulk_open)
+    return;
   void (*cb)(void *) = s->close_cb;
   void *arg = s->close_arg;
   server_free(s);
@@ -2103,6 +2254,15 @@ static int server_prepare(dsv4_server_t *s, const dsv4_server_config_t *cfg) {
   static const char *const reasons[2] = {"max_connections", "fd_limit"};
   for (int i = 0; i < 2; i++)
     dsv4_metric_add(s->rejected_total, &reasons[i], 0);
+  static const char *const direction[1] = {"direction"};
+  if (dsv4_metrics_counter(reg, "dsv4d_bulk_bytes_total",
+                           "Request body (in) and answer (out) bytes the bulk I/O thread moved "
+                           "(bulk_io_bytes), by direction.",
+                           direction, 1, &s->bulk_bytes) != 0)
+    return DSV4_ENOMEM;
+  static const char *const directions[2] = {"in", "out"};
+  for (int i = 0; i < 2; i++)
+    dsv4_metric_add(s->bulk_bytes, &directions[i], 0);
   char msg[128];
   snprintf(msg, sizeof(msg), "this listener serves at most %zu connections at once",
            s->max_connections);
@@ -2357,6 +2517,15 @@ int dsv4_server_create(uv_loop_t *loop, const dsv4_server_config_t *cfg, const d
     s->closing = 1;
     close_listener(s);
     return rc;
+  }
+  /* Without its bulk thread the server still serves: the loop moves every body and answer. */
+  s->bulk_min = cfg->bulk_io_bytes;
+  if (s->bulk_min > 0) {
+    if (dsv4_bulk_create(loop, s->io_slice, &s->bulk) == 0)
+      s->bulk_open = 1;
+    else
+      dsv4_logp(DSV4_LOG_WARN, "no bulk I/O thread: the loop moves every body and answer", "{s:s}",
+                "listener", s->name);
   }
   *out = s;
   return 0;

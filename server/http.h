@@ -180,6 +180,10 @@ typedef struct {
   /* A connection's body read, and its answer's write, at most this many bytes in a loop iteration
    * (0 = 1 MiB): what a large body or answer holds the loop before other connections' turns. */
   size_t io_slice_bytes;
+  /* A body's rest, or an answer's, of at least this many bytes moves on a thread of its own
+   * (server/bulk_io.h), a slice at a time as above, while the loop serves the other connections
+   * (0 = none: the loop moves every byte). */
+  size_t bulk_io_bytes;
   size_t max_connections;       /* open connections; more are refused with 503 (0 = no limit) */
   uint64_t header_timeout_ms;   /* request line + headers */
   uint64_t body_timeout_ms;     /* between body reads */

@@ -261,6 +261,7 @@ static int listen_on(dsv4_daemon_t *d, const char *name, const char *host, int p
       .idle_timeout_ms = cfg->idle_timeout_ms,
       .write_timeout_ms = cfg->write_timeout_ms,
       .io_slice_bytes = cfg->io_slice_bytes,
+      .bulk_io_bytes = cfg->bulk_io_bytes,
       .bearer_token = token,
       .instance = d->instance,
       .name = name,

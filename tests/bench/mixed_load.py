@@ -344,8 +344,8 @@ def check_warmup_prefill(d, n):
 
 def proc_sample(d):
     """The daemon's minor page faults and, per group of threads (the executor `dsv4d-exec`, the
-    host pool's `dsv4d-host*`, the loop `dsv4d`, the rest), CPU seconds and involuntary context
-    switches, from /proc."""
+    host pool's `dsv4d-host*`, the loop `dsv4d`, the bulk I/O threads `dsv4d-bulk`, the rest), CPU
+    seconds and involuntary context switches, from /proc."""
     pid = d.proc.pid
     with open("/proc/%d/stat" % pid) as f:
         out = {"minflt": int(f.read().rsplit(")", 1)[1].split()[7])}
@@ -362,7 +362,7 @@ def proc_sample(d):
         except (FileNotFoundError, ProcessLookupError):
             continue  # a thread that ended between the listing and the read
         g = ("exec" if comm == "dsv4d-exec" else "host" if comm.startswith("dsv4d-host") else
-             "loop" if comm == "dsv4d" else "other")
+             "loop" if comm == "dsv4d" else "bulk" if comm == "dsv4d-bulk" else "other")
         cpu, sw = out.get(g, (0.0, 0))
         out[g] = (cpu + (int(st[11]) + int(st[12])) / tick, sw + nv)
     return out
@@ -372,7 +372,7 @@ def proc_rates(before, after, seconds):
     """Per second between two proc_sample()s: minor faults, and per group (CPU share of one core,
     involuntary switches)."""
     out = {"minflt": (after["minflt"] - before["minflt"]) / seconds}
-    for g in ("exec", "host", "loop"):
+    for g in ("exec", "host", "loop", "bulk"):
         c0, s0 = before.get(g, (0.0, 0))
         c1, s1 = after.get(g, (0.0, 0))
         out[g] = ((c1 - c0) / seconds, (s1 - s0) / seconds)
@@ -495,20 +495,21 @@ def print_threads(rows):
     """The prefills' stages alone (P) and beside the decodes (B), and the daemon's threads."""
     print("Prefills alone (P, half a phase) and with the decodes (B); the daemon's threads over each "
           "phase")
-    print("%-7s %5s %-5s %5s %8s %8s %8s %8s %9s %9s %9s %9s %9s" % (
+    print("%-7s %5s %-5s %5s %8s %8s %8s %8s %9s %9s %9s %9s %9s %9s" % (
         "backend", "chunk", "phase", "pf/s", "pf p50ms", "pval ms", "pker ms", "yield ms",
-        "exec cpu", "exec sw/s", "host cpu", "loop cpu", "minflt/s"))
+        "exec cpu", "exec sw/s", "host cpu", "loop cpu", "bulk cpu", "minflt/s"))
     for backend, cfg, a, p, b, _ in rows:
         for phase, r in (("A", a), ("P", p), ("B", b)):
             pr = r["proc"]
-            print("%-7s %5d %-5s %5.2f %8.1f %8.2f %8.2f %8.2f %9.2f %9.0f %9.2f %9.2f %9.0f" % (
+            print("%-7s %5d %-5s %5.2f %8.1f %8.2f %8.2f %8.2f %9.2f %9.0f %9.2f %9.2f %9.2f %9.0f" % (
                 backend, cfg["prefill_chunk_tokens"], phase, r["pf_s"], r["pf_p50"],
                 r["stages"][("validate", "prefill")] / 1e3,
                 r["stages"][("kernel", "prefill")] / 1e3, r["yield"] / 1e3, pr["exec"][0],
-                pr["exec"][1], pr["host"][0], pr["loop"][0], pr["minflt"]))
+                pr["exec"][1], pr["host"][0], pr["loop"][0], pr["bulk"][0], pr["minflt"]))
     print("pval, pker: a prefill's mean validate and kernel stages; yield: the time decodes ran\n"
           "inside one prefill. cpu: CPU seconds a second of the executor thread (dsv4d-exec), the\n"
-          "host pool's workers together (dsv4d-host*) and the loop thread; exec sw/s: the\n"
+          "host pool's workers together (dsv4d-host*), the loop thread and the bulk I/O threads\n"
+          "(dsv4d-bulk, bulk_io_bytes); exec sw/s: the\n"
           "executor's involuntary context switches a second; minflt/s: the daemon's minor page\n"
           "faults a second.")
 

@@ -111,6 +111,7 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.busy_poll_us, 0);
   assert_int_equal(cfg.inline_decode_tokens, 64);
   assert_int_equal(cfg.io_slice_bytes, 1048576);
+  assert_int_equal(cfg.bulk_io_bytes, 2097152);
   assert_int_equal(cfg.pinned_pool_mib, 256);
   assert_string_equal(cfg.listen_shm, "");
   assert_int_equal(cfg.sequence_idle_timeout_s, 600);
@@ -241,6 +242,7 @@ static void test_range_errors_name_the_option(void **state) {
       {"--busy-poll-us", "-5", "busy_poll_us"},
       {"--inline-decode-tokens", "2000000", "inline_decode_tokens"},
       {"--io-slice-bytes", "65535", "io_slice_bytes"},
+      {"--bulk-io-bytes", "1073741825", "bulk_io_bytes"},
       {"--header-timeout-ms", "0", "header_timeout_ms"},
       {"--body-timeout-ms", "0", "body_timeout_ms"},
       {"--idle-timeout-ms", "0", "idle_timeout_ms"},
