@@ -6,7 +6,9 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <stdarg.h>
+#include <sched.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -35,6 +37,9 @@
 #define BODY_PREFIX_BYTES 8
 #define BODY_HEADER_ROOM ((uint64_t)1 << 20)
 #define BODY_ROUND ((uint64_t)1 << 20)
+
+#define STR_(x) #x
+#define STR(x) STR_(x) /* a macro's value as a string literal */
 
 typedef enum { OPT_STR, OPT_ENUM, OPT_U32, OPT_U64, OPT_INT, OPT_BOOL } opt_type_t;
 
@@ -137,7 +142,9 @@ static const opt_t opts[] = {
      "backend that copies from it directly (cuda); past it, buffers come from the heap (0 = off)"},
     {"busy_poll_us", OPT_U32, F(busy_poll_us), "0", 0, 10000, NULL, 0,
      "microseconds the executor thread and the event loop spin after each batch and answer instead "
-     "of sleeping: no wake-up latency in a steady stream, for two cores while it lasts (0 = off)"},
+     "of sleeping: no wake-up latency in a steady stream, for two cores while it lasts (0 = off; "
+     "unset: " STR(DSV4_BUSY_POLL_AUTO_US) " where the daemon may use at least " STR(
+         DSV4_BUSY_POLL_MIN_CPUS) " CPUs, else 0)"},
     {"inline_decode_tokens", OPT_U32, F(inline_decode_tokens), "64", 0, 1u << 20, NULL, 0,
      "a decode batch of at most this many tokens from a lone client (one data-plane connection "
      "open) that finds the executor idle runs on the event loop's thread, without the two thread "
@@ -669,6 +676,28 @@ out:
   return rc;
 }
 
+unsigned dsv4_config_usable_cpus(void) {
+  cpu_set_t set;
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  unsigned n = sched_getaffinity(0, sizeof(set), &set) == 0 ? (unsigned)CPU_COUNT(&set)
+               : online > 0                                 ? (unsigned)online
+                                                            : 1;
+  /* A container's cgroup (v2, its own namespace) may allow less time than its CPUs: "max" or a
+   * quota and a period in microseconds. */
+  FILE *f = fopen("/sys/fs/cgroup/cpu.max", "r");
+  if (!f)
+    return n;
+  char quota[32];
+  unsigned long long period = 0;
+  if (fscanf(f, "%31s %llu", quota, &period) == 2 && strcmp(quota, "max") != 0 && period > 0) {
+    unsigned long long q = strtoull(quota, NULL, 10), cpus = (q + period - 1) / period;
+    if (cpus >= 1 && cpus < n)
+      n = (unsigned)cpus;
+  }
+  fclose(f);
+  return n;
+}
+
 static int resolve(dsv4_config_t *cfg, char *why, size_t why_len) {
   int rc;
   char reason[768], val[32];
@@ -739,6 +768,9 @@ static int resolve(dsv4_config_t *cfg, char *why, size_t why_len) {
                         "is not a directory the daemon can write; allowed: an existing writable "
                         "directory (a path of at most 3072 bytes), or empty (no snapshots)",
                         why, why_len);
+  if (cfg->sources[opt_index_of_field(F(busy_poll_us))] == DSV4_CONFIG_SRC_DEFAULT)
+    cfg->busy_poll_us =
+        dsv4_config_usable_cpus() >= DSV4_BUSY_POLL_MIN_CPUS ? DSV4_BUSY_POLL_AUTO_US : 0;
   if (cfg->threads == 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     cfg->threads = n > 0 ? (uint32_t)(n > MAX_THREADS ? MAX_THREADS : n) : 1;

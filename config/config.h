@@ -67,7 +67,8 @@ typedef struct dsv4_config {
   uint32_t queue_depth;
   uint32_t prefill_chunk_tokens; /* 0 = never chunk a prefill */
   uint32_t pinned_pool_mib;      /* page-locked pool for bodies and answers; 0 = off */
-  uint32_t busy_poll_us;         /* executor and loop spin this long after each batch; 0 = off */
+  uint32_t busy_poll_us; /* executor and loop spin this long after each batch; 0 = off; unset:
+                          * DSV4_BUSY_POLL_AUTO_US where DSV4_BUSY_POLL_MIN_CPUS are usable */
   uint32_t inline_decode_tokens; /* a lone client's decode this small runs on the loop thread */
   uint32_t direct_answer_bytes;  /* of a forward's answer written by the executor thread */
   uint32_t io_slice_bytes;       /* a connection's read or write in a loop iteration, at most */
@@ -107,6 +108,17 @@ typedef struct dsv4_config {
  * Unknown DSV4D_* variables, unknown flags and unknown file keys are errors. cfg must be freed with
  * dsv4_config_free after any return (it is always left in a freeable state).
  */
+/* busy_poll_us when it is not set: this many microseconds where the daemon may keep at least
+ * DSV4_BUSY_POLL_MIN_CPUS CPUs busy (dsv4_config_usable_cpus), else 0. Its two spinning threads
+ * took 10-40 % of a 2-core machine's tokens/s, and gave a 16-core host's one-token decodes 6-28 %
+ * more (tests/bench/NOTES.md). */
+#define DSV4_BUSY_POLL_AUTO_US 100
+#define DSV4_BUSY_POLL_MIN_CPUS 8
+
+/* The CPUs this process may keep busy: its affinity mask's, or fewer where its cgroup (v2) has a
+ * CPU quota (cpu.max), rounded up. */
+unsigned dsv4_config_usable_cpus(void);
+
 int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, char *why,
                      size_t why_len);
 

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,7 +109,9 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.max_body_bytes, 0);
   assert_int_equal(cfg.queue_depth, 64);
   assert_int_equal(cfg.prefill_chunk_tokens, 512);
-  assert_int_equal(cfg.busy_poll_us, 0);
+  assert_int_equal(cfg.busy_poll_us, dsv4_config_usable_cpus() >= DSV4_BUSY_POLL_MIN_CPUS
+                                         ? DSV4_BUSY_POLL_AUTO_US
+                                         : 0);
   assert_int_equal(cfg.inline_decode_tokens, 64);
   assert_int_equal(cfg.io_slice_bytes, 1048576);
   assert_int_equal(cfg.bulk_io_bytes, 2097152);
@@ -212,6 +215,41 @@ static void test_sources_and_precedence(void **state) {
   assert_int_equal(cfg.pinned_pool_mib, 65536);
   assert_string_equal(dsv4_config_source(&cfg, "pinned_pool_mib"), "env");
   dsv4_config_free(&cfg);
+}
+
+/* busy_poll_us unset follows the CPUs the daemon may use (its affinity, here narrowed to one
+ * CPU and then widened again); set, it is kept, 0 included. */
+static void test_busy_poll_default(void **state) {
+  (void)state;
+  cpu_set_t all, one;
+  assert_int_equal(sched_getaffinity(0, sizeof(all), &all), 0);
+  unsigned n = dsv4_config_usable_cpus();
+  assert_true(n >= 1 && n <= (unsigned)CPU_COUNT(&all));
+  int first = 0;
+  while (!CPU_ISSET(first, &all))
+    first++;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  assert_int_equal(sched_setaffinity(0, sizeof(one), &one), 0);
+  dsv4_config_t cfg;
+  expect_ok(&cfg, NULL, NULL);
+  unsigned narrowed = dsv4_config_usable_cpus();
+  uint32_t narrowed_poll = cfg.busy_poll_us;
+  dsv4_config_free(&cfg);
+  assert_int_equal(sched_setaffinity(0, sizeof(all), &all), 0);
+  assert_int_equal(narrowed, 1);
+  assert_int_equal(narrowed_poll, 0);
+
+  expect_ok(&cfg, NULL, NULL);
+  assert_int_equal(cfg.busy_poll_us, n >= DSV4_BUSY_POLL_MIN_CPUS ? DSV4_BUSY_POLL_AUTO_US : 0);
+  assert_string_equal(dsv4_config_source(&cfg, "busy_poll_us"), "default");
+  dsv4_config_free(&cfg);
+  const char *const values[] = {"0", "7", "100"};
+  for (int i = 0; i < 3; i++) {
+    expect_ok(&cfg, (const char *const[]){"--busy-poll-us", values[i], NULL}, NULL);
+    assert_int_equal(cfg.busy_poll_us, (uint32_t)atoi(values[i]));
+    dsv4_config_free(&cfg);
+  }
 }
 
 static void test_range_errors_name_the_option(void **state) {
@@ -851,6 +889,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_defaults),
       cmocka_unit_test(test_sources_and_precedence),
+      cmocka_unit_test(test_busy_poll_default),
       cmocka_unit_test(test_range_errors_name_the_option),
       cmocka_unit_test(test_unknown_and_malformed),
       cmocka_unit_test(test_layer_lists),
