@@ -1776,7 +1776,8 @@ static void on_bulk_write(dsv4_bulk_job_t *j) {
  * running: it bounds the whole answer). Returns whether it went. */
 static bool answer_to_bulk(conn_t *c) {
   const dsv4_server_t *s = c->srv;
-  if (!s->bulk)
+  /* Bytes the loop has queued on the socket (an interim 100 Continue) go first, from the loop. */
+  if (!s->bulk || uv_stream_get_write_queue_size(&c->io.stream) > 0)
     return false;
   size_t left = 0;
   for (size_t i = c->wfirst; i < c->wnb; i++)

@@ -1726,7 +1726,9 @@ static void test_bulk_bodies(void **state) {
   assert_true(in > (double)(24u << 20) + 3 * (double)(12u << 20));
   atomic_store(&handler_calls, 0); /* it asserts that no handler ran */
   test_disconnect_mid_body(state);
-  assert_true(bulk_bytes("in") == in); /* a body that never completes is not counted */
+  /* Of the body that never completed, the bytes the thread read count, and no more. */
+  double after = bulk_bytes("in");
+  assert_true(after >= in && after <= in + 5000);
 }
 
 /* Answers whose rest the bulk thread writes: every byte once and in order to fast and slow
