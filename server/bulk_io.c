@@ -108,8 +108,10 @@ static ssize_t job_syscall(dsv4_bulk_job_t *j, size_t budget) {
 static void on_ready(uv_poll_t *p, int status, int events) {
   (void)events;
   dsv4_bulk_job_t *j = p->data;
-  if (status < 0) {
-    job_finish(j, status);
+  if (status < 0) { /* libuv says UV_EBADF for any POLLERR: the socket's own error says more */
+    int e = 0;
+    socklen_t len = sizeof(e);
+    job_finish(j, getsockopt(j->fd, SOL_SOCKET, SO_ERROR, &e, &len) == 0 && e ? -e : status);
     return;
   }
   size_t budget = j->owner->slice;
@@ -232,7 +234,12 @@ int dsv4_bulk_create(uv_loop_t *loop, size_t slice, dsv4_bulk_t **out) {
   }
   b->wake.data = b;
   b->done_async.data = b;
-  uv_async_init(&b->loop, &b->wake, on_wake);
+  if (uv_async_init(&b->loop, &b->wake, on_wake) != 0) {
+    (void)uv_loop_close(&b->loop);
+    pthread_mutex_destroy(&b->mu);
+    free(b);
+    return DSV4_ENOMEM;
+  }
   if (uv_async_init(loop, &b->done_async, on_done) != 0) {
     uv_close((uv_handle_t *)&b->wake, NULL);
     uv_run(&b->loop, UV_RUN_DEFAULT);

@@ -48,8 +48,9 @@
 #define DEFAULT_IO_SLICE ((size_t)1 << 20)
 /* Buffers of one slice: an answer's head and its tensors (fwd_answer has at most 6). */
 #define WRITE_SLICE_BUFS 16
-/* Duplicates of sockets held for answers written by another thread (DSV4_DIRECT_MAX). */
-static atomic_int direct_fds;
+/* Duplicates of sockets held for answers written by another thread (DSV4_DIRECT_MAX), and for the
+ * bulk I/O thread's transfers (DSV4_BULK_MAX). */
+static atomic_int direct_fds, bulk_fds;
 /* After a response that closes the connection: shut down our side, then read and discard for at
  * most this long, so unread request bytes do not turn the close into a reset that destroys the
  * response before the client reads it (nginx's lingering close). */
@@ -1684,15 +1685,15 @@ static void conn_unref(conn_t *c) {
   on_conn_handle_closed(&c->io.handle);
 }
 
-/* Hand bufs[0 .. nb) of c to the bulk thread: its socket's duplicate (within DSV4_DIRECT_MAX, as
- * an answer written by another thread) and a reference on c until cb. Returns whether it went. */
+/* Hand bufs[0 .. nb) of c to the bulk thread: its socket's duplicate (within DSV4_BULK_MAX) and a
+ * reference on c until cb. Returns whether it went. */
 static bool bulk_start(conn_t *c, int writing, uv_buf_t *bufs, size_t nb,
                        void (*cb)(dsv4_bulk_job_t *)) {
   uv_os_fd_t fd;
   if (uv_fileno(&c->io.handle, &fd) != 0)
     return false;
-  if (atomic_fetch_add(&direct_fds, 1) >= DSV4_DIRECT_MAX) {
-    atomic_fetch_sub(&direct_fds, 1);
+  if (atomic_fetch_add(&bulk_fds, 1) >= DSV4_BULK_MAX) {
+    atomic_fetch_sub(&bulk_fds, 1);
     return false;
   }
   dsv4_bulk_job_t *j = &c->bulk;
@@ -1705,7 +1706,7 @@ static bool bulk_start(conn_t *c, int writing, uv_buf_t *bufs, size_t nb,
   if (j->fd < 0 || dsv4_bulk_submit(c->srv->bulk, j) != 0) {
     if (j->fd >= 0)
       close(j->fd);
-    atomic_fetch_sub(&direct_fds, 1);
+    atomic_fetch_sub(&bulk_fds, 1);
     return false;
   }
   c->bulk_out = true;
@@ -1715,7 +1716,7 @@ static bool bulk_start(conn_t *c, int writing, uv_buf_t *bufs, size_t nb,
 
 /* The job is back (its duplicate closed): count its bytes. */
 static void bulk_returned(conn_t *c, const char *direction) {
-  atomic_fetch_sub(&direct_fds, 1);
+  atomic_fetch_sub(&bulk_fds, 1);
   c->bulk_out = false;
   dsv4_metric_add(c->srv->bulk_bytes, &direction, (double)c->bulk.done);
 }
@@ -1737,7 +1738,7 @@ static void on_bulk_read(dsv4_bulk_job_t *j) {
     parsed_t p = conn_parse(c, (const char *)r->pub.body + r->body_received, j->done, &used, &why);
     conn_parsed(c, p, why);
     conn_process(c);
-  } else if (c->bulk_timed_out) {
+  } else if (c->bulk_timed_out && j->err == UV_ECANCELED) {
     conn_fail(c, DSV4_ETIMEDOUT, "request body stalled");
   } else {
     conn_close(c); /* the end, or a reset, mid-body: nothing can be answered (as in on_read) */

@@ -100,6 +100,10 @@ void dsv4_respond(dsv4_req_t *req, int status, const char *content_type, const d
 /* Opened and not yet closed at most, in the whole process (each holds a descriptor); past it,
  * dsv4_direct_open refuses and the loop writes the answer. */
 #define DSV4_DIRECT_MAX 16
+/* Transfers out with the bulk I/O thread at most, in the whole process (each holds a descriptor,
+ * apart from those above, so that slow uploads cannot take the direct answers' turn); past it, the
+ * loop moves the bytes. */
+#define DSV4_BULK_MAX 16
 
 typedef struct {
   int fd;            /* the socket's duplicate, -1 once closed */

@@ -1715,6 +1715,37 @@ static double bulk_bytes(const char *direction) {
   return metric_value(series);
 }
 
+/* A large body behind "Expect: 100-continue" (the interim answer first, then the body through the
+ * bulk thread), and one with a request pipelined behind it, whose bytes the thread leaves in the
+ * socket for the loop: each answered, in order. */
+static void bulk_continue_and_pipelined(void) {
+  char head[256], cont[320];
+  const size_t n = (size_t)3 << 20;
+  char *body = big_request(n, "cont", head, sizeof(head));
+  snprintf(cont, sizeof(cont), "%.*sExpect: 100-continue\r\n\r\n", (int)strlen(head) - 2, head);
+  client_t *c = client_new();
+  send_s(c, cont);
+  resp_t r;
+  assert_int_equal(read_response(c, &r, 0), 100);
+  send_str(c, body, n);
+  expect_big_answer(c, n, "cont");
+
+  static const char next[] =
+      "GET /imm HTTP/1.1\r\nAuthorization: Bearer " TOKEN "\r\nX-Id: behind\r\n\r\n";
+  char *all = malloc(strlen(head) + n + strlen(next));
+  assert_non_null(all);
+  memcpy(all, head, strlen(head));
+  memcpy(all + strlen(head), body, n);
+  memcpy(all + strlen(head) + n, next, strlen(next));
+  send_str(c, all, strlen(head) + n + strlen(next));
+  expect_big_answer(c, n, "cont");
+  assert_int_equal(read_response(c, &r, 0), 200);
+  assert_non_null(strstr(r.body, "imm id=behind "));
+  client_free(c);
+  free(all);
+  free(body);
+}
+
 /* Bodies whose rest the bulk thread reads (setup_bulk): whole and in order whatever their size,
  * split or skew, two at once, and clients that leave mid-body close their connections without a
  * handler's call. (A build whose loop still read the bodies fails the count of bytes.) */
@@ -1722,6 +1753,7 @@ static void test_bulk_bodies(void **state) {
   test_paced_body_reads(state);
   test_body_large_and_split(state);
   test_body_skew(state);
+  bulk_continue_and_pipelined();
   double in = bulk_bytes("in");
   assert_true(in > (double)(24u << 20) + 3 * (double)(12u << 20));
   atomic_store(&handler_calls, 0); /* it asserts that no handler ran */
@@ -1739,6 +1771,13 @@ static void test_bulk_answers(void **state) {
   double out = bulk_bytes("out");
   assert_true(out > 10 * 5000000.0 + 9000001.0);
   test_sliced_answer_client_gone(state);
+  /* A client that stops reading: the write timer (3 s) ends the answer the thread is writing. */
+  client_t *w = client_small_window();
+  get(w, "/parts?s=40000000", "stops");
+  usleep(100000);
+  assert_int_equal(server_connections(), 1);
+  wait_connections(0);
+  client_free(w);
   /* It counts from zero: its wait for the handler's call, and its totals. */
   atomic_store(&direct_calls, 0);
   atomic_store(&direct_written, 0);
@@ -1769,6 +1808,7 @@ static void test_bulk_stall_and_close(void **state) {
   client_free(c);
   assert_int_equal(atomic_load(&handler_calls), 0);
   wait_connections(0);
+  assert_true(bulk_bytes("in") > 50000); /* the thread had read what came of it */
 
   client_t *a = client_new(), *b = client_small_window();
   send_s(a, head);
