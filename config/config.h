@@ -111,9 +111,9 @@ typedef struct dsv4_config {
 /* busy_poll_us when it is not set: this many microseconds where the daemon may keep at least
  * DSV4_BUSY_POLL_MIN_CPUS CPUs busy (dsv4_config_usable_cpus), else 0. Its two spinning threads
  * took 10-40 % of a 2-core machine's tokens/s, and gave a 16-core host's one-token decodes 6-28 %
- * more (tests/bench/NOTES.md). */
+ * more (tests/bench/NOTES.md); hosts between were not measured, so they do not spin. */
 #define DSV4_BUSY_POLL_AUTO_US 100
-#define DSV4_BUSY_POLL_MIN_CPUS 8
+#define DSV4_BUSY_POLL_MIN_CPUS 16
 
 /* The CPUs this process may keep busy: its affinity mask's, or fewer where its cgroup (v2) has a
  * CPU quota (cpu.max), rounded up. */
