@@ -149,10 +149,11 @@ static const opt_t opts[] = {
      "a decode batch of at most this many tokens from a lone client (one data-plane connection "
      "open) that finds the executor idle runs on the event loop's thread, without the two thread "
      "hand-offs (0 = never)"},
-    {"direct_answer_bytes", OPT_U32, F(direct_answer_bytes), "262144", 0, 1u << 30, NULL, 0,
-     "a forward's answer goes to the socket from the executor's thread as soon as it is made, up "
-     "to this many bytes of it at once (the rest from the event loop), rather than waiting for the "
-     "loop to wake (0 = always from the loop)"},
+    {"direct_answer_bytes", OPT_U32, F(direct_answer_bytes), "4198400", 0, 1u << 30, NULL, 0,
+     "a forward's answer of at most this many bytes goes to the socket from the executor's thread "
+     "as soon as it is made, as much of it as the socket takes at once (of a larger answer its "
+     "first 256 KiB; the rest from the event loop), rather than waiting for the loop to wake (0 = "
+     "always from the loop)"},
     {"io_slice_bytes", OPT_U32, F(io_slice_bytes), "1048576", 65536, 1u << 30, NULL, 0,
      "bytes of a request body read, or of an answer written, on one connection in an event loop "
      "iteration at most: what a prefill's large body or answer holds the loop before the other "

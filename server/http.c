@@ -908,7 +908,11 @@ size_t dsv4_direct_write(dsv4_direct_t *dw, int status, const char *content_type
   if (!dw->head)
     return 0;
   struct iovec iov[WRITE_SLICE_BUFS];
-  size_t room = dw->max_bytes, k = 0;
+  const uint64_t whole = dw->head_len + total;
+  size_t room = whole <= dw->max_bytes             ? (size_t)whole
+                : dw->max_bytes < DSV4_DIRECT_PART ? dw->max_bytes
+                                                   : DSV4_DIRECT_PART,
+         k = 0;
   iov[k].iov_base = dw->head;
   iov[k].iov_len = dw->head_len < room ? dw->head_len : room;
   room -= iov[k++].iov_len;

@@ -89,7 +89,9 @@ void dsv4_respond(dsv4_req_t *req, int status, const char *content_type, const d
  * which therefore stays valid whatever the loop does with the connection or the server meanwhile.
  *
  * dsv4_direct_write, the other thread: the response head and what of the body the socket takes at
- * once, up to max_bytes in all, without blocking.
+ * once, without blocking: all of an answer of at most max_bytes, of a larger one its first
+ * DSV4_DIRECT_PART bytes (or max_bytes, if less): a prefill's 64 MiB answer, whose rest the loop or
+ * the bulk thread moves anyway, holds the executor no longer than that.
  *
  * dsv4_respond_direct, loop thread, in place of dsv4_respond: the rest of the answer, and the
  * request's bookkeeping (log line, counters, keep-alive), as dsv4_respond.
@@ -100,6 +102,8 @@ void dsv4_respond(dsv4_req_t *req, int status, const char *content_type, const d
 /* Opened and not yet closed at most, in the whole process (each holds a descriptor); past it,
  * dsv4_direct_open refuses and the loop writes the answer. */
 #define DSV4_DIRECT_MAX 16
+/* Of an answer larger than max_bytes, the bytes the other thread writes (its head, early). */
+#define DSV4_DIRECT_PART ((size_t)256 << 10)
 /* Transfers out with the bulk I/O thread at most, in the whole process (each holds a descriptor,
  * apart from those above, so that slow uploads cannot take the direct answers' turn); past it, the
  * loop moves the bytes. */
@@ -110,7 +114,7 @@ typedef struct {
   int keep;          /* what the answer announces (the loop's decision at open) */
   int http_minor;    /* of the request */
   char instance[40]; /* Dsv4d-Instance (a copy: the server may be gone before the write) */
-  size_t max_bytes;  /* at most this many bytes of the answer from the other thread */
+  size_t max_bytes;  /* an answer of at most this many bytes whole from the other thread */
   char *head;        /* the response head dsv4_direct_write built (malloc'd) */
   size_t head_len;
   size_t written;        /* bytes of the answer (head first) that went out */

@@ -174,7 +174,8 @@ static int fwd_answer_make(fwd_job_t *j) {
 }
 
 /* Executor thread, once a batch has finished: its 200 answer to the socket now, as much of it as
- * direct_answer_bytes and the socket take (fwd_answer sends the rest from the loop). */
+ * the socket takes (all of an answer within direct_answer_bytes, else its first DSV4_DIRECT_PART
+ * bytes; fwd_answer sends the rest from the loop). */
 static void fwd_direct(fwd_job_t *j) {
   if (!j->direct_on || j->rc)
     return;

@@ -1,9 +1,10 @@
 """Bodies and answers moved by the bulk I/O thread (bulk_io_bytes): a daemon whose thread takes
-every body's and answer's rest of 64 KiB or more answers each request with the bytes of a daemon
-whose loop moves them all (--bulk-io-bytes 0): q_out, slots, attn, lse, cache_digest, the whole
-body, over TCP and over the Unix socket, and a refused batch's error; both end with the same cache
-and sequences. dsv4d_bulk_bytes_total counts the first daemon's bytes each way, and the second's
-stay 0; a daemon at the default (2 MiB) sends these requests of under 2 MiB through its loop."""
+every body's and answer's rest of 64 KiB or more (its executor writing the first 64 KiB of an
+answer, direct_answer_bytes) answers each request with the bytes of a daemon whose loop moves them
+all (--bulk-io-bytes 0): q_out, slots, attn, lse, cache_digest, the whole body, over TCP and over
+the Unix socket, and a refused batch's error; both end with the same cache and sequences.
+dsv4d_bulk_bytes_total counts the first daemon's bytes each way, and the second's stay 0; a daemon
+at the default (2 MiB) sends these requests of under 2 MiB through its loop."""
 
 import os
 import shutil
@@ -44,8 +45,8 @@ def test_bulk_same_bytes():
         sock = os.path.join(work, "d.sock")
         args = h.SMALL + ["--weights", w]
         with Daemon(args + ["--bulk-io-bytes", "0"], name="loop") as a, \
-                Daemon(args + ["--bulk-io-bytes", "65536", "--listen-unix", sock],
-                       name="bulk") as b, \
+                Daemon(args + ["--bulk-io-bytes", "65536", "--direct-answer-bytes", "65536",
+                               "--listen-unix", sock], name="bulk") as b, \
                 Daemon(args, name="default") as c:
             for layer in (0, 1):
                 segs = [Seg("b0", 0, 96, layer == 0), Seg("b1", 0, 40, layer == 0)]
@@ -54,7 +55,7 @@ def test_bulk_same_bytes():
                 c.forward(p)
             moved_in, moved_out = bulk_bytes(b, "in"), bulk_bytes(b, "out")
             # Each prefill's body (136 tokens of q and kv) is over 1 MiB, its answer (q_out, attn)
-            # over 2 MiB, of which the executor writes the first 256 KiB itself.
+            # over 2 MiB, of which the executor writes the first 64 KiB itself.
             check(moved_in > 2 * (1 << 20), "bytes in through the thread: %r" % moved_in)
             check(moved_out > 3 * (1 << 20), "bytes out through the thread: %r" % moved_out)
             for d in (a, c):
