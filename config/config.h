@@ -100,14 +100,6 @@ typedef struct dsv4_config {
 #define DSV4_CONFIG_HELP 1
 #define DSV4_CONFIG_VERSION 2
 
-/*
- * Fill cfg from the defaults, the JSON file, envp (NULL-terminated "NAME=value" strings; NULL = no
- * environment) and argv[1..argc-1], then load the model and resolve the derived values.
- * Returns 0; DSV4_CONFIG_HELP or DSV4_CONFIG_VERSION after printing to stdout; DSV4_ENOMEM; or
- * DSV4_ECONFIG with why naming the option, the value, the source and the allowed range or values.
- * Unknown DSV4D_* variables, unknown flags and unknown file keys are errors. cfg must be freed with
- * dsv4_config_free after any return (it is always left in a freeable state).
- */
 /* busy_poll_us when it is not set: this many microseconds where the daemon may keep at least
  * DSV4_BUSY_POLL_MIN_CPUS CPUs busy (dsv4_config_usable_cpus), else 0. Its two spinning threads
  * took 10-40 % of a 2-core machine's tokens/s, and gave a 16-core host's one-token decodes 6-28 %
@@ -119,6 +111,14 @@ typedef struct dsv4_config {
  * CPU quota (cpu.max), rounded up. */
 unsigned dsv4_config_usable_cpus(void);
 
+/*
+ * Fill cfg from the defaults, the JSON file, envp (NULL-terminated "NAME=value" strings; NULL = no
+ * environment) and argv[1..argc-1], then load the model and resolve the derived values.
+ * Returns 0; DSV4_CONFIG_HELP or DSV4_CONFIG_VERSION after printing to stdout; DSV4_ENOMEM; or
+ * DSV4_ECONFIG with why naming the option, the value, the source and the allowed range or values.
+ * Unknown DSV4D_* variables, unknown flags and unknown file keys are errors. cfg must be freed with
+ * dsv4_config_free after any return (it is always left in a freeable state).
+ */
 int dsv4_config_load(dsv4_config_t *cfg, int argc, char **argv, char **envp, char *why,
                      size_t why_len);
 

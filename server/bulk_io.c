@@ -16,7 +16,6 @@
 #define BULK_IOV 16
 
 struct dsv4_bulk {
-  uv_loop_t *main;       /* the submitters' loop */
   uv_async_t done_async; /* on main: finished jobs wait in outbox */
   uv_loop_t loop;        /* the bulk thread's */
   uv_async_t wake;       /* on the bulk loop: jobs in inbox, a cancel, or stop */
@@ -221,43 +220,37 @@ int dsv4_bulk_create(uv_loop_t *loop, size_t slice, dsv4_bulk_t **out) {
   dsv4_bulk_t *b = calloc(1, sizeof(*b));
   if (!b)
     return DSV4_ENOMEM;
-  b->main = loop;
   b->slice = slice ? slice : DEFAULT_SLICE;
   if (pthread_mutex_init(&b->mu, NULL) != 0) {
     free(b);
     return DSV4_ENOMEM;
   }
-  if (uv_loop_init(&b->loop) != 0) {
-    pthread_mutex_destroy(&b->mu);
-    free(b);
-    return DSV4_ENOMEM;
-  }
   b->wake.data = b;
   b->done_async.data = b;
-  if (uv_async_init(&b->loop, &b->wake, on_wake) != 0) {
-    (void)uv_loop_close(&b->loop);
+  if (uv_loop_init(&b->loop) != 0)
+    goto no_loop;
+  if (uv_async_init(&b->loop, &b->wake, on_wake) != 0)
+    goto no_wake;
+  if (uv_async_init(loop, &b->done_async, on_done) != 0)
+    goto no_done;
+  if (uv_thread_create(&b->thread, bulk_main, b) == 0) {
+    *out = b;
+    return 0;
+  }
+  /* The submitters' handle closes from their loop, whose callback then frees b. */
+  b->closing = 2;
+  uv_close((uv_handle_t *)&b->done_async, on_done_closed);
+no_done:
+  uv_close((uv_handle_t *)&b->wake, NULL);
+  uv_run(&b->loop, UV_RUN_DEFAULT);
+no_wake:
+  (void)uv_loop_close(&b->loop);
+no_loop:
+  if (b->closing != 2) {
     pthread_mutex_destroy(&b->mu);
     free(b);
-    return DSV4_ENOMEM;
   }
-  if (uv_async_init(loop, &b->done_async, on_done) != 0) {
-    uv_close((uv_handle_t *)&b->wake, NULL);
-    uv_run(&b->loop, UV_RUN_DEFAULT);
-    uv_loop_close(&b->loop);
-    pthread_mutex_destroy(&b->mu);
-    free(b);
-    return DSV4_ENOMEM;
-  }
-  if (uv_thread_create(&b->thread, bulk_main, b) != 0) {
-    uv_close((uv_handle_t *)&b->wake, NULL);
-    uv_run(&b->loop, UV_RUN_DEFAULT);
-    uv_loop_close(&b->loop);
-    b->closing = 2;
-    uv_close((uv_handle_t *)&b->done_async, on_done_closed);
-    return DSV4_ENOMEM;
-  }
-  *out = b;
-  return 0;
+  return DSV4_ENOMEM;
 }
 
 int dsv4_bulk_submit(dsv4_bulk_t *b, dsv4_bulk_job_t *job) {

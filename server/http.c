@@ -51,6 +51,19 @@
 /* Duplicates of sockets held for answers written by another thread (DSV4_DIRECT_MAX), and for the
  * bulk I/O thread's transfers (DSV4_BULK_MAX). */
 static atomic_int direct_fds, bulk_fds;
+
+/* A duplicate of fd (close-on-exec) counted in *held, while fewer than max are held; -1 when none
+ * (the count is then unchanged). Whoever closes it takes it off the count. */
+static int dup_counted(atomic_int *held, int max, int fd) {
+  if (atomic_fetch_add(held, 1) >= max) {
+    atomic_fetch_sub(held, 1);
+    return -1;
+  }
+  int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (d < 0)
+    atomic_fetch_sub(held, 1);
+  return d;
+}
 /* After a response that closes the connection: shut down our side, then read and discard for at
  * most this long, so unread request bytes do not turn the close into a reset that destroys the
  * response before the client reads it (nginx's lingering close). */
@@ -874,19 +887,13 @@ int dsv4_direct_open(dsv4_req_t *pub, size_t max_bytes, dsv4_direct_t *dw) {
    * connection meanwhile (a reset, the server closing): no other connection can get its number.
    * At most DSV4_DIRECT_MAX of them at once, so that the descriptors FD_RESERVE keeps for
    * everything else stay there however many batches are queued. */
-  if (atomic_fetch_add(&direct_fds, 1) >= DSV4_DIRECT_MAX) {
-    atomic_fetch_sub(&direct_fds, 1);
+  int dup_fd = dup_counted(&direct_fds, DSV4_DIRECT_MAX, fd);
+  if (dup_fd < 0)
     return -1;
-  }
 #ifdef DSV4_TEST_BROKEN_DIRECT_NO_DUP
-  int dup_fd = fd; /* broken on purpose: the number the loop closes and the next accept reuses */
-#else
-  int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  close(dup_fd);
+  dup_fd = fd; /* broken on purpose: the number the loop closes and the next accept reuses */
 #endif
-  if (dup_fd < 0) {
-    atomic_fetch_sub(&direct_fds, 1);
-    return -1;
-  }
   r->direct = true;
   *dw = (dsv4_direct_t){.fd = dup_fd,
                         .keep = conn_keeps(c, r->keep_alive),
@@ -1694,22 +1701,16 @@ static void conn_unref(conn_t *c) {
 static bool bulk_start(conn_t *c, int writing, uv_buf_t *bufs, size_t nb,
                        void (*cb)(dsv4_bulk_job_t *)) {
   uv_os_fd_t fd;
-  if (uv_fileno(&c->io.handle, &fd) != 0)
-    return false;
-  if (atomic_fetch_add(&bulk_fds, 1) >= DSV4_BULK_MAX) {
-    atomic_fetch_sub(&bulk_fds, 1);
-    return false;
-  }
   dsv4_bulk_job_t *j = &c->bulk;
-  j->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (uv_fileno(&c->io.handle, &fd) != 0 || (j->fd = dup_counted(&bulk_fds, DSV4_BULK_MAX, fd)) < 0)
+    return false;
   j->writing = writing;
   j->bufs = bufs;
   j->nb = nb;
   j->cb = cb;
   j->data = c;
-  if (j->fd < 0 || dsv4_bulk_submit(c->srv->bulk, j) != 0) {
-    if (j->fd >= 0)
-      close(j->fd);
+  if (dsv4_bulk_submit(c->srv->bulk, j) != 0) {
+    close(j->fd);
     atomic_fetch_sub(&bulk_fds, 1);
     return false;
   }

@@ -509,9 +509,8 @@ def print_threads(rows):
     print("pval, pker: a prefill's mean validate and kernel stages; yield: the time decodes ran\n"
           "inside one prefill. cpu: CPU seconds a second of the executor thread (dsv4d-exec), the\n"
           "host pool's workers together (dsv4d-host*), the loop thread and the bulk I/O threads\n"
-          "(dsv4d-bulk, bulk_io_bytes); exec sw/s: the\n"
-          "executor's involuntary context switches a second; minflt/s: the daemon's minor page\n"
-          "faults a second.")
+          "(dsv4d-bulk, bulk_io_bytes); exec sw/s: the executor's involuntary context switches a\n"
+          "second; minflt/s: the daemon's minor page faults a second.")
 
 
 def print_table(rows, args):
