@@ -134,9 +134,14 @@ static const opt_t opts[] = {
      "less a reserve of 64 descriptors)"},
     {"queue_depth", OPT_U32, F(queue_depth), "64", 1, 65536, NULL, 0,
      "batches waiting for the executor (503 queue_full beyond)"},
-    {"prefill_chunk_tokens", OPT_U32, F(prefill_chunk_tokens), "512", 0, 1u << 20, NULL, 0,
+    {"prefill_chunk_tokens", OPT_U32, F(prefill_chunk_tokens), "128", 0, 1u << 20, NULL, 0,
      "a prefill batch of more tokens runs in chunks of this many, waiting decodes between them (0 "
      "= never chunk)"},
+    {"prefill_chunk_tokens_alone", OPT_U32, F(prefill_chunk_tokens_alone), "512", 0, 1u << 20, NULL,
+     0,
+     "the chunks of such a prefill while no decode batch has begun since the last chunked prefill "
+     "did, nor begins between its chunks: fewer launches and syncs for prefills alone (at most "
+     "prefill_chunk_tokens: the same chunks)"},
     {"pinned_pool_mib", OPT_U32, F(pinned_pool_mib), "256", 0, PINNED_POOL_MAX_MIB, NULL, 0,
      "MiB of page-locked host memory for request bodies and answers, registered once with a "
      "backend that copies from it directly (cuda); past it, buffers come from the heap (0 = off)"},

@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Room for the source of every option; the table has fewer rows (checked at compile time). */
-#define DSV4_CONFIG_MAX_OPTIONS 48
+#define DSV4_CONFIG_MAX_OPTIONS 64
 
 typedef enum {
   DSV4_CONFIG_SRC_DEFAULT = 0,
@@ -65,8 +65,9 @@ typedef struct dsv4_config {
   uint64_t max_body_bytes;  /* 0 = derived, see max_body_bytes_effective */
   uint32_t max_connections; /* data plane; 0 = dsv4_server_default_max_connections() */
   uint32_t queue_depth;
-  uint32_t prefill_chunk_tokens; /* 0 = never chunk a prefill */
-  uint32_t pinned_pool_mib;      /* page-locked pool for bodies and answers; 0 = off */
+  uint32_t prefill_chunk_tokens;       /* 0 = never chunk a prefill */
+  uint32_t prefill_chunk_tokens_alone; /* its chunks while no decode runs beside it */
+  uint32_t pinned_pool_mib;            /* page-locked pool for bodies and answers; 0 = off */
   uint32_t busy_poll_us; /* executor and loop spin this long after each batch; 0 = off; unset:
                           * DSV4_BUSY_POLL_AUTO_US where DSV4_BUSY_POLL_MIN_CPUS are usable */
   uint32_t inline_decode_tokens; /* a lone client's decode this small runs on the loop thread */

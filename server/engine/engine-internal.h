@@ -93,6 +93,9 @@ struct dsv4_engine {
    * two are) with its scratch in spare; f NULL = none. */
   dsv4__engine_flight_t fly[2];
   atomic_int healthy;
+  /* A decode batch began since the last chunked batch did (forward_chunks): its ranges are then
+   * prefill_chunk_tokens, not prefill_chunk_tokens_alone. Executor thread only. */
+  int decode_seen;
   /* The compressed branch (engine_compress.c). */
   uint32_t *c_ratio;             /* [n_served]: 4 or 128 where the branch runs, else 0 */
   dsv4_engine_compressor_t *c_w; /* [n_served] copies of the weights (NULL members: none) */

@@ -1170,8 +1170,9 @@ static void batch_yield(dsv4_engine_t *e, dsv4_forward_t *f) {
  * Forward pass 4 of a batch with a yield hook and more than prefill_chunk_tokens tokens: the
  * kernels of each token range in turn, the hook between two. A token at position p reads the
  * records of positions p - 127 .. p only, which its own range or an earlier one wrote, so every
- * output and every cache byte is the one launch's. The plan (blocks, block tables) stays the whole
- * batch's.
+ * output and every cache byte is the one launch's, whatever the ranges. The plan (blocks, block
+ * tables) stays the whole batch's. The ranges are prefill_chunk_tokens_alone long while no decode
+ * has begun since the last chunked batch did (this one's hook included), else prefill_chunk_tokens.
  */
 static int forward_chunks(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   const uint32_t chunk = e->p.prefill_chunk_tokens, n = f->n_tokens;
@@ -1180,15 +1181,21 @@ static int forward_chunks(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     f->chunks = 1;
     return forward_kernels(e, idx, f, 0, NULL);
   }
-  for (uint32_t t0 = 0; t0 < n; t0 += chunk) {
+  const uint32_t alone =
+      e->p.prefill_chunk_tokens_alone > chunk ? e->p.prefill_chunk_tokens_alone : chunk;
+  int seen = e->decode_seen;
+  e->decode_seen = 0;
+  for (uint32_t t0 = 0, size; t0 < n; t0 += size) {
     if (t0) {
       batch_yield(e, f);
       /* A batch between the chunks found the device failed: this one cannot finish either. */
       if (!atomic_load(&e->healthy))
         return DSV4_EBACKEND;
     }
+    seen |= e->decode_seen;
+    size = seen ? chunk : alone;
     dsv4_forward_t v = *f;
-    v.n_tokens = n - t0 < chunk ? n - t0 : chunk;
+    v.n_tokens = n - t0 < size ? n - t0 : size;
     v.q = f->q + t0 * q_row;
     v.kv = f->kv + (size_t)t0 * DSV4_HEAD_DIM;
     v.q_out = f->q_out + t0 * q_row;
@@ -1266,6 +1273,8 @@ int dsv4_engine_forward_begin(dsv4_engine_t *e, dsv4_forward_t *f) {
   f->replayed = 0;
   f->chunks = 0;
   f->in_flight = 0;
+  if (f->n_segs && f->n_tokens == f->n_segs)
+    e->decode_seen = 1; /* the next chunked prefill's ranges are short (forward_chunks) */
   /* DEFAULT resolved once, for the attention and the indexer alike (written back, engine.h). */
   f->attention = dsv4_engine_attention_mode(e, f->layer, f->attention);
   if (idx < 0)

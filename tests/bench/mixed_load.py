@@ -469,7 +469,8 @@ def run(backend, chunk, threads, args, rng, rows):
     dargs += shlex.split(args.daemon_args)
     with h.Daemon(dargs, name=backend) as d:
         opts = d.admin_json("/admin/v1/config")["options"]
-        cfg = {k: opts[k]["value"] for k in ("prefill_chunk_tokens", "threads")}
+        cfg = {k: opts[k]["value"] for k in ("prefill_chunk_tokens", "prefill_chunk_tokens_alone",
+                                             "threads")}
         cfg["args"] = " ".join(dargs)
         check_warmup_prefill(d, args.prefill_tokens)
         dec = Decoder(d, args.seqs, rng, args.check_s)
@@ -519,8 +520,9 @@ def print_table(rows, args):
               os.cpu_count(), len(os.sched_getaffinity(0)), args.seqs, HEADS,
               args.prefill_clients, args.prefill_tokens, args.seconds))
     for backend, cfg, _, _, _, _ in rows:
-        print("daemon: dsv4d %s (prefill_chunk_tokens %d, threads %d)" % (
-            cfg["args"], cfg["prefill_chunk_tokens"], cfg["threads"]))
+        print("daemon: dsv4d %s (prefill_chunk_tokens %d, alone %d, threads %d)" % (
+            cfg["args"], cfg["prefill_chunk_tokens"], cfg["prefill_chunk_tokens_alone"],
+            cfg["threads"]))
     print("%-7s %5s %7s %-5s %7s %8s %8s %8s %6s %5s %8s %7s %8s %9s %8s %8s %6s" % (
         "backend", "chunk", "threads", "phase", "decodes", "p50 us", "p99 us", "max us", "ratio",
         "pf/s", "pf p50ms", "kdec us", "qdec us", "qdec99 us", "qpf us", "yield us", "chunks"))

@@ -255,7 +255,8 @@ def test_daemon_chunks_prefill():
     chunks, and the entries a chunk emits are visible to the next."""
     bodies = []
     for chunk in ("0", "16"):
-        with daemon(["--prefill-chunk-tokens", chunk, "--model-config", small_topk_config(8)]) as d:
+        with daemon(["--prefill-chunk-tokens", chunk, "--prefill-chunk-tokens-alone", chunk,
+                     "--model-config", small_topk_config(8)]) as d:
             if not runs_branch(d):
                 return check_without_branch(d, np.random.default_rng(12))
             rng = np.random.default_rng(13)

@@ -2,7 +2,9 @@
 tokens answers every request with the bytes of a daemon that never chunks (q_out, slots, attn, lse,
 cache_digest, the whole body) and ends with the same cache (pool digests, sequences); the replay of a
 whole chunked request is recognised; a chunked request that is refused changes nothing and runs no
-chunk; and a decode sent while a long prefill runs is answered before that prefill."""
+chunk; a decode sent while a long prefill runs is answered before that prefill; and a prefill runs
+in the longer chunks of prefill_chunk_tokens_alone while no decode has begun since the last chunked
+prefill began, and in prefill_chunk_tokens from the first decode that begins during it."""
 
 import os
 import shutil
@@ -33,14 +35,16 @@ def write_weights(path):
         f.write(h.st_encode(entries, {"format": "pt"}))
 
 
-def daemons(work, chunk_b, extra=()):
-    """Two daemons alike but for prefill_chunk_tokens: 0 (never) and chunk_b."""
+def daemons(work, chunk_b, extra=(), alone=None):
+    """Two daemons alike but for prefill_chunk_tokens: 0 (never) and chunk_b, whose chunks without
+    decodes are alone tokens long (None: chunk_b, the same chunks)."""
     w = os.path.join(work, "w.safetensors")
     if not os.path.exists(w):
         write_weights(w)
     args = h.SMALL + ["--weights", w] + list(extra)
     return (Daemon(args + ["--prefill-chunk-tokens", "0"], name="whole"),
-            Daemon(args + ["--prefill-chunk-tokens", str(chunk_b)], name="chunked"))
+            Daemon(args + ["--prefill-chunk-tokens", str(chunk_b), "--prefill-chunk-tokens-alone",
+                           str(chunk_b if alone is None else alone)], name="chunked"))
 
 
 def chunks_total(d):
@@ -160,8 +164,8 @@ def test_decode_answered_before_prefill():
     rng = np.random.default_rng(83)
     work = tempfile.mkdtemp(prefix="dsv4d-it-chunks-")
     try:
-        n = 4000
-        da, db = daemons(work, CHUNK, ["--kv-blocks", "160"])
+        n, alone = 4000, 4 * CHUNK
+        da, db = daemons(work, CHUNK, ["--kv-blocks", "160"], alone=alone)
         with da as a, db as b:
             same_body(a, b, Batch.random(rng, 0, [Seg("d", 0, 5, True)], HEADS), "decode's prefill")
             long = Batch.random(rng, 0, [Seg("long", 0, n, True)], HEADS,
@@ -203,12 +207,51 @@ def test_decode_answered_before_prefill():
             ra = a.forward(long)
             check(got["prefill"].body == ra.resp.body, "the long prefill's answer differs")
             check(a.forward(dec).resp.body == rd.resp.body, "the decode's answer differs")
-            check_eq(chunks_total(b), float((n + CHUNK - 1) // CHUNK), "chunks of the prefill")
+            # Long chunks until the decode began (during the validation: none), short ones after.
+            got_chunks = chunks_total(b)
+            check((n + alone - 1) // alone < got_chunks <= (n + CHUNK - 1) // CHUNK,
+                  "%d chunks of a %d-token prefill in chunks of %d, then %d after a decode" % (
+                      got_chunks, n, alone, CHUNK))
             same_state(a, b, ["d", "long"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_chunks_alone():
+    """Prefills of 190 tokens: in chunks of prefill_chunk_tokens_alone (64) on a fresh daemon and
+    after another prefill, in chunks of prefill_chunk_tokens (16) after a decode (through the
+    executor, or inline on the loop thread for a lone client), the bytes of the daemon that never
+    chunks every time."""
+    rng = np.random.default_rng(84)
+    work = tempfile.mkdtemp(prefix="dsv4d-it-chunks-")
+    alone, n = 4 * CHUNK, 190
+    long_chunks, short_chunks = (n + alone - 1) // alone, (n + CHUNK - 1) // CHUNK
+    try:
+        for inline in ("0", "64"):
+            da, db = daemons(work, CHUNK, ["--inline-decode-tokens", inline], alone=alone)
+            with da as a, db as b:
+                def prefill(seq, want, what):
+                    before = chunks_total(b)
+                    same_body(a, b, Batch.random(rng, 0, [Seg(seq, 0, n, True)], HEADS,
+                                                 outputs="q,attn,lse,digest"), what)
+                    check_eq(chunks_total(b) - before, float(want),
+                             "chunks of the %s (inline_decode_tokens %s)" % (what, inline))
+
+                prefill("p1", long_chunks, "first prefill")
+                prefill("p2", long_chunks, "prefill after a prefill")
+                same_body(a, b, Batch.random(rng, 0, [Seg("p1", n, 1)], HEADS), "a decode")
+                prefill("p3", short_chunks, "prefill after a decode")
+                prefill("p4", long_chunks, "prefill after that prefill")
+                # A decode the engine refuses began all the same: decode traffic is there.
+                bad = Batch.random(rng, 0, [Seg("p1", n + 1, 1)], HEADS)
+                bad.q[0, 0, 0] = 0x7F80  # +inf in bf16
+                expect_error(b.forward_raw(bad.body()), 400, "value_out_of_range")
+                prefill("p5", short_chunks, "prefill after a refused decode")
+                same_state(a, b, ["p1", "p2", "p3", "p4", "p5"])
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
     h.main([test_chunked_same_bytes, test_chunked_refusal_changes_nothing,
-            test_decode_answered_before_prefill])
+            test_decode_answered_before_prefill, test_chunks_alone])

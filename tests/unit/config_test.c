@@ -108,7 +108,8 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.max_header_bytes, 65536);
   assert_int_equal(cfg.max_body_bytes, 0);
   assert_int_equal(cfg.queue_depth, 64);
-  assert_int_equal(cfg.prefill_chunk_tokens, 512);
+  assert_int_equal(cfg.prefill_chunk_tokens, 128);
+  assert_int_equal(cfg.prefill_chunk_tokens_alone, 512);
   assert_int_equal(cfg.busy_poll_us, dsv4_config_usable_cpus() >= DSV4_BUSY_POLL_MIN_CPUS
                                          ? DSV4_BUSY_POLL_AUTO_US
                                          : 0);
@@ -273,6 +274,7 @@ static void test_range_errors_name_the_option(void **state) {
       {"--max-header-bytes", "10", "max_header_bytes"},
       {"--queue-depth", "0", "queue_depth"},
       {"--prefill-chunk-tokens", "2000000", "prefill_chunk_tokens"},
+      {"--prefill-chunk-tokens-alone", "2000000", "prefill_chunk_tokens_alone"},
       {"--pinned-pool-mib", "-1", "pinned_pool_mib"},
       {"--pinned-pool-mib", "65537", "pinned_pool_mib"},
       {"--pinned-pool-mib", "99999999999", "pinned_pool_mib"},
