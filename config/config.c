@@ -48,6 +48,7 @@ enum {
   OPT_POW2 = 1u << 1,    /* the value must also be a power of two */
   OPT_ZERO_OK = 1u << 2, /* 0 is accepted outside min..max and means "derive it" */
   OPT_NOFILE = 1u << 3,  /* may not appear in the JSON file (the file's own name) */
+  OPT_HOST = 1u << 4,    /* unset, the value comes from the host (dsv4_config_load), not def */
 };
 
 /* One row per option: everything else (file, env, flags, checks, help, JSON) reads this table. */
@@ -145,7 +146,7 @@ static const opt_t opts[] = {
     {"pinned_pool_mib", OPT_U32, F(pinned_pool_mib), "256", 0, PINNED_POOL_MAX_MIB, NULL, 0,
      "MiB of page-locked host memory for request bodies and answers, registered once with a "
      "backend that copies from it directly (cuda); past it, buffers come from the heap (0 = off)"},
-    {"busy_poll_us", OPT_U32, F(busy_poll_us), "0", 0, 10000, NULL, 0,
+    {"busy_poll_us", OPT_U32, F(busy_poll_us), "0", 0, 10000, NULL, OPT_HOST,
      "microseconds the executor thread and the event loop spin after each batch and answer instead "
      "of sleeping: no wake-up latency in a steady stream, for two cores while it lasts (0 = off; "
      "unset: " STR(DSV4_BUSY_POLL_AUTO_US) " where the daemon may use at least " STR(
@@ -819,8 +820,12 @@ void dsv4_config_print_help(FILE *out) {
     flag_name(o, flag, sizeof(flag));
     env_name(o, env, sizeof(env));
     allowed_text(o, allowed, sizeof(allowed));
-    fprintf(out, "  %s (%s, default \"%s\"; %s; env %s%s)\n      %s\n", flag, type_text(o), o->def,
-            allowed, env, (o->flags & OPT_SECRET) ? "; secret" : "", o->help);
+    if (o->flags & OPT_HOST)
+      fprintf(out, "  %s (%s, default depends on the host, see below; %s; env %s)\n      %s\n",
+              flag, type_text(o), allowed, env, o->help);
+    else
+      fprintf(out, "  %s (%s, default \"%s\"; %s; env %s%s)\n      %s\n", flag, type_text(o),
+              o->def, allowed, env, (o->flags & OPT_SECRET) ? "; secret" : "", o->help);
   }
 }
 

@@ -484,7 +484,8 @@ static void test_help_version_json(void **state) {
                                         "--api-token-file",
                                         "secret",
                                         "--layers",
-                                        "--max-body-bytes"};
+                                        "--max-body-bytes",
+                                        "--busy-poll-us (integer, default depends on the host"};
   for (size_t i = 0; i < sizeof(needles) / sizeof(needles[0]); i++)
     if (!strstr(text, needles[i]))
       fail_msg("help lacks %s", needles[i]);
