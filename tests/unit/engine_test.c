@@ -201,9 +201,10 @@ static dsv4_engine_t *open_engine(const char *name) {
   return open_engine_w(name, NULL);
 }
 
-/* An engine with attention sinks for both served layers, prefill_chunk_tokens = chunk and
- * q_piece_bytes = piece. */
-static dsv4_engine_t *open_engine_pieces(const char *name, uint32_t chunk, uint32_t piece) {
+/* An engine with attention sinks for both served layers, prefill_chunk_tokens = chunk,
+ * prefill_chunk_tokens_alone = alone and q_piece_bytes = piece. */
+static dsv4_engine_t *open_engine_full(const char *name, uint32_t chunk, uint32_t alone,
+                                       uint32_t piece) {
   float sinks[2 * HEADS];
   for (int i = 0; i < 2 * HEADS; i++)
     sinks[i] = -1.0f + 0.25f * (float)i;
@@ -219,12 +220,17 @@ static dsv4_engine_t *open_engine_pieces(const char *name, uint32_t chunk, uint3
       .max_sequences = 64,
       .attn_sinks = sinks,
       .prefill_chunk_tokens = chunk,
+      .prefill_chunk_tokens_alone = alone,
       .q_piece_bytes = piece,
   };
   dsv4_engine_t *e = NULL;
   char why[256];
   assert_int_equal(dsv4_engine_create(&p, &e, why, sizeof(why)), 0);
   return e;
+}
+
+static dsv4_engine_t *open_engine_pieces(const char *name, uint32_t chunk, uint32_t piece) {
+  return open_engine_full(name, chunk, 0, piece);
 }
 
 static dsv4_engine_t *open_engine_chunked(const char *name, uint32_t chunk) {
@@ -878,6 +884,51 @@ static void test_chunked_prefill_matches_one_launch(void **state) {
   attn_batch_free(&db);
   attn_batch_free(&ra);
   attn_batch_free(&rb);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
+}
+
+/*
+ * prefill_chunk_tokens_alone: on an engine with chunks of 16 and of 64 alone, a first prefill runs
+ * its first chunk long, then short after the decode its hook runs; the next prefill, after that
+ * decode, short throughout; the one after it, with no decode since, long again. Every answer is
+ * the one launch's of an engine that never chunks.
+ */
+static void test_chunks_alone(void **state) {
+  (void)state;
+  dsv4_engine_t *a = open_engine_chunked(backend, 0), *b = open_engine_full(backend, 16, 64, 0);
+  const char *const names[3][2] = {{"p", "q"}, {"r", "s"}, {"t", "u"}};
+  const char *dn[1] = {"d"};
+  const uint32_t one[1] = {1};
+  const int dnew[1] = {1};
+  /* 130 tokens: 64 then 66 in 16s; 130 in 16s; 130 in 64s. */
+  const uint32_t want[3] = {1 + (66 + 15) / 16, (130 + 15) / 16, (130 + 63) / 64};
+  attn_batch_t da, db;
+  attn_batch_make(&da, 0, 22, 1, dn, (const int64_t[]){0}, one, dnew);
+  attn_batch_make(&db, 0, 22, 1, dn, (const int64_t[]){0}, one, dnew);
+  for (int i = 0; i < 3; i++) {
+    attn_batch_t pa, pb;
+    attn_batch_make(&pa, 0, 23 + (uint64_t)i, 2, names[i], pf_starts, pf_lens, pf_new);
+    attn_batch_make(&pb, 0, 23 + (uint64_t)i, 2, names[i], pf_starts, pf_lens, pf_new);
+    yield_probe_t ya = {.e = a}, yb = {.e = b, .decode = i == 0 ? &db : NULL};
+    pa.b.f.yield = probe_yield;
+    pa.b.f.yield_arg = &ya;
+    pb.b.f.yield = probe_yield;
+    pb.b.f.yield_arg = &yb;
+    assert_int_equal(dsv4_engine_forward(a, &pa.b.f), 0);
+    if (i == 0)
+      assert_int_equal(dsv4_engine_forward(a, &da.b.f), 0);
+    assert_int_equal(dsv4_engine_forward(b, &pb.b.f), 0);
+    assert_int_equal(yb.decode_rc, 0);
+    assert_int_equal(pb.b.f.chunks, want[i]);
+    same_answer(&pa, &pb);
+    attn_batch_free(&pa);
+    attn_batch_free(&pb);
+  }
+  same_answer(&da, &db);
+  same_cache(a, b);
+  attn_batch_free(&da);
+  attn_batch_free(&db);
   dsv4_engine_destroy(a);
   dsv4_engine_destroy(b);
 }
@@ -1851,6 +1902,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_compressed_matches_cpu),
       cmocka_unit_test(test_indexer_mode),
       cmocka_unit_test(test_chunked_prefill_matches_one_launch),
+      cmocka_unit_test(test_chunks_alone),
       cmocka_unit_test(test_fused_decode),
       cmocka_unit_test(test_chunked_refusal_changes_nothing),
       cmocka_unit_test(test_chunked_validation_yields),
