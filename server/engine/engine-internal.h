@@ -94,7 +94,8 @@ struct dsv4_engine {
   dsv4__engine_flight_t fly[2];
   atomic_int healthy;
   /* A decode batch began since the last chunked batch did (forward_chunks): its ranges are then
-   * prefill_chunk_tokens, not prefill_chunk_tokens_alone. Executor thread only. */
+   * prefill_chunk_tokens, not prefill_chunk_tokens_alone. The thread that holds the engine (the
+   * executor's, or the loop's for a lone client's decode) reads and writes it. */
   int decode_seen;
   /* The compressed branch (engine_compress.c). */
   uint32_t *c_ratio;             /* [n_served]: 4 or 128 where the branch runs, else 0 */

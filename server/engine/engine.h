@@ -55,9 +55,9 @@ typedef struct {
   /* A batch with a yield hook and more tokens than this runs its kernels in token ranges of this
    * many, calling the hook between them; 0 = never. */
   uint32_t prefill_chunk_tokens;
-  /* The token ranges of such a batch while no decode batch (one token a segment) has run on this
-   * engine since the last chunked batch began, and none runs in its hook: a stream of prefills
-   * alone pays fewer launches and syncs. Used when larger than prefill_chunk_tokens. */
+  /* The token ranges of such a batch while no decode batch (one token a segment) has begun on
+   * this engine since the last chunked batch began, and none begins in its hook: a stream of
+   * prefills alone pays fewer launches and syncs. Used when larger than prefill_chunk_tokens. */
   uint32_t prefill_chunk_tokens_alone;
   /* On a backend with marks (backend.h), a q half launched ahead of its batch's validation
    * (engine.c, q_early_launch) goes in launches of about this many bytes of q (at most DSV4_MARKS
