@@ -1273,7 +1273,7 @@ int dsv4_engine_forward_begin(dsv4_engine_t *e, dsv4_forward_t *f) {
   f->replayed = 0;
   f->chunks = 0;
   f->in_flight = 0;
-  if (f->n_segs && f->n_tokens == f->n_segs)
+  if (dsv4_forward_is_decode(f))
     e->decode_seen = 1; /* the next chunked prefill's ranges are short (forward_chunks) */
   /* DEFAULT resolved once, for the attention and the indexer alike (written back, engine.h). */
   f->attention = dsv4_engine_attention_mode(e, f->layer, f->attention);
