@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -65,6 +66,50 @@ static void test_alignment(void **state) {
   for (size_t i = 0; i < N; i++)
     assert_int_equal(dsv4_pinned_pool_free(p, b[i]), 0);
   assert_int_equal(stats(p).used, 0);
+  dsv4_pinned_pool_destroy(p);
+}
+
+/* The VmFlags line of the mapping that holds a, from /proc/self/smaps ("" when not found). */
+static void vm_flags(const void *a, char *out, size_t n) {
+  FILE *f = fopen("/proc/self/smaps", "r");
+  char line[512];
+  int inside = 0;
+  out[0] = 0;
+  assert_non_null(f);
+  while (fgets(line, sizeof(line), f)) {
+    unsigned long lo, hi;
+    if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' '))
+      inside = (uintptr_t)a >= lo && (uintptr_t)a < hi;
+    else if (inside && !strncmp(line, "VmFlags:", 8)) {
+      snprintf(out, n, "%s", line + 8);
+      break;
+    }
+  }
+  fclose(f);
+}
+
+/* The arena starts on a 2 MiB boundary and is advised to use huge pages ("hg" in its VmFlags), so
+ * that a device's mapping of it needs fewer translations; DSV4_POOL_NO_HUGEPAGE=1 leaves it plain
+ * (page-aligned, no advice). Either way its bytes are the pool's. */
+static void test_huge_pages(void **state) {
+  (void)state;
+  char flags[512];
+  dsv4_pinned_pool_t *p = make(5 * 1024 * KIB + 3);
+  assert_int_equal((uintptr_t)dsv4_pinned_pool_base(p) % (2048 * KIB), 0);
+  vm_flags(dsv4_pinned_pool_base(p), flags, sizeof(flags));
+  assert_non_null(strstr(flags, " hg"));
+  uint8_t *b = dsv4_pinned_pool_alloc(p, 5 * 1024 * KIB);
+  assert_non_null(b);
+  memset(b, 7, 5 * 1024 * KIB);
+  assert_int_equal(dsv4_pinned_pool_free(p, b), 0);
+  dsv4_pinned_pool_destroy(p);
+
+  setenv("DSV4_POOL_NO_HUGEPAGE", "1", 1);
+  p = make(5 * 1024 * KIB + 3);
+  unsetenv("DSV4_POOL_NO_HUGEPAGE");
+  vm_flags(dsv4_pinned_pool_base(p), flags, sizeof(flags));
+  assert_true(flags[0] != 0);
+  assert_null(strstr(flags, " hg"));
   dsv4_pinned_pool_destroy(p);
 }
 
@@ -349,7 +394,7 @@ int main(void) {
       cmocka_unit_test(test_alignment),        cmocka_unit_test(test_exhaustion),
       cmocka_unit_test(test_coalescing),       cmocka_unit_test(test_reuse),
       cmocka_unit_test(test_foreign_pointers), cmocka_unit_test(test_random_against_model),
-      cmocka_unit_test(test_two_threads),
+      cmocka_unit_test(test_two_threads),      cmocka_unit_test(test_huge_pages),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
