@@ -51,11 +51,14 @@
  */
 #include "cuda_backend.h"
 
+#include <ctype.h>
+#include <linux/mempolicy.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cuda_runtime_api.h>
@@ -130,7 +133,8 @@ typedef struct {
     uint8_t *dev; /* the range's device mapping (cudaHostGetDevicePointer) */
   } reg[MAX_REGISTERED];
   int n_reg;
-  int alias; /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1) */
+  int alias;     /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1) */
+  int numa_node; /* the host node preferred for new pages (prefer_device_node), or -1 */
   /* Overlapped batches (backend.h, DSV4_BE_OVERLAP): their uploads from registered memory on
    * up_stream, their downloads into it on dn_stream, with events between those and the stream.
    * phase is the DSV4_BATCH_* of the batch being submitted (0 outside one). */
@@ -381,6 +385,50 @@ static int mirror_get(cuda_backend_t *c, const dsv4_rope_table_t *t, rope_mirror
   c->n_mirrors++;
   *out = m;
   return mirror_refresh(c, m);
+}
+
+/* The NUMA node of the device's PCIe slot (sysfs), or -1 where the host has none or does not say.
+ */
+static int device_numa_node(int dev) {
+  char bus[64], path[128];
+  int node = -1;
+  if (cudaDeviceGetPCIBusId(bus, (int)sizeof(bus), dev) != cudaSuccess)
+    return -1;
+  for (char *s = bus; *s; s++)
+    *s = (char)tolower((unsigned char)*s);
+  snprintf(path, sizeof(path), "/sys/bus/pci/devices/%s/numa_node", bus);
+  FILE *f = fopen(path, "r");
+  if (!f)
+    return -1;
+  if (fscanf(f, "%d", &node) != 1)
+    node = -1;
+  fclose(f);
+  return node;
+}
+
+/*
+ * Page-locked memory near the device. The DMA engine reads a request's bytes from host memory and
+ * writes the answer's there; on a host of several NUMA nodes, memory of a node other than the
+ * device's costs each transfer a crossing of the processors' link. Unless DSV4_CUDA_NO_NUMA=1 or
+ * the operator has set a policy (numactl), the opening thread, and the threads it starts after,
+ * prefer the device's node for new pages: the staging, the daemon's pool, which start-up registers
+ * on this thread, and the host threads' memory. Preferred, not bound: a full node falls back.
+ * Returns the node preferred, or -1.
+ */
+static int prefer_device_node(int dev) {
+  const char *off = getenv("DSV4_CUDA_NO_NUMA");
+  int mode = -1;
+  if (off && !strcmp(off, "1"))
+    return -1;
+  int node = device_numa_node(dev);
+  if (node < 0 || node >= 1024 || syscall(SYS_get_mempolicy, &mode, NULL, 0UL, NULL, 0UL) != 0 ||
+      mode != MPOL_DEFAULT)
+    return -1;
+  unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {0};
+  mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
+  if (syscall(SYS_set_mempolicy, MPOL_PREFERRED, mask, 1024UL) != 0)
+    return -1;
+  return node;
 }
 
 /* The copy streams and events of overlapped batches (NULL members: not made). */
@@ -934,6 +982,7 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
   pthread_mutex_init(&c->reg_lock, NULL);
   if ((e = cudaSetDevice(c->dev)) != cudaSuccess)
     return fail(c, e, "cudaSetDevice(0)", why, why_len);
+  c->numa_node = prefer_device_node(c->dev);
   if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
     c->stream = NULL;
     return fail(c, e, "cudaStreamCreateWithFlags", why, why_len);

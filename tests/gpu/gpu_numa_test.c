@@ -1,0 +1,162 @@
+/*
+ * The CUDA backend's page-locked memory near the device (cuda_backend.c, prefer_device_node): after
+ * the backend opens, the opening thread and the threads it starts prefer the device's NUMA node,
+ * and memory registered then (as start-up registers the daemon's pool) lies on that node. A policy
+ * the operator set (numactl) is kept, and DSV4_CUDA_NO_NUMA=1 leaves the thread's policy alone.
+ * Each case runs on a thread of its own, since a memory policy belongs to a thread.
+ */
+#include <ctype.h>
+#include <linux/mempolicy.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "gpu_check.h"
+
+#define MASK_LONGS 16 /* 1024 nodes */
+#define REGION ((size_t)8 << 20)
+
+typedef struct {
+  int mode;
+  unsigned long mask[MASK_LONGS];
+} policy_t;
+
+static int failures;
+
+static void expect(int ok, const char *what) {
+  if (!ok) {
+    fprintf(stderr, "gpu_numa_test: FAILED: %s\n", what);
+    failures++;
+  }
+}
+
+/* The device's node as sysfs says, found here apart from the backend's own lookup. */
+static int sysfs_node(void) {
+  char bus[64], path[128];
+  int node = -1;
+  CK(cudaDeviceGetPCIBusId(bus, (int)sizeof(bus), 0));
+  for (char *s = bus; *s; s++)
+    *s = (char)tolower((unsigned char)*s);
+  snprintf(path, sizeof(path), "/sys/bus/pci/devices/%s/numa_node", bus);
+  FILE *f = fopen(path, "r");
+  if (f) {
+    if (fscanf(f, "%d", &node) != 1)
+      node = -1;
+    fclose(f);
+  }
+  return node;
+}
+
+static policy_t policy_now(void) {
+  policy_t p = {0};
+  if (syscall(SYS_get_mempolicy, &p.mode, p.mask, (unsigned long)MASK_LONGS * 64, NULL, 0UL))
+    p.mode = -1;
+  return p;
+}
+
+static int has_node(const policy_t *p, int node) {
+  return node >= 0 && node < MASK_LONGS * 64 && (p->mask[node / 64] >> (node % 64)) & 1;
+}
+
+static void *read_policy(void *out) {
+  *(policy_t *)out = policy_now();
+  return NULL;
+}
+
+/* The node of the page at a, or -1. */
+static int page_node(void *a) {
+  int node = -1;
+  if (syscall(SYS_get_mempolicy, &node, NULL, 0UL, a, (unsigned long)(MPOL_F_NODE | MPOL_F_ADDR)))
+    return -1;
+  return node;
+}
+
+typedef struct {
+  int preset;   /* the thread binds itself to node 0 before the backend opens, as numactl would */
+  policy_t got; /* the opening thread's policy after the open */
+  policy_t child;
+  int first_page, last_page; /* nodes of a region registered after the open */
+} case_t;
+
+static void *run_case(void *arg) {
+  case_t *k = arg;
+  char why[256] = "";
+  dsv4_backend_t *be = NULL;
+  dsv4_backend_options_t opt = {.threads = 2};
+  if (k->preset) {
+    unsigned long m[MASK_LONGS] = {1UL};
+    if (syscall(SYS_set_mempolicy, MPOL_BIND, m, (unsigned long)MASK_LONGS * 64))
+      perror("set_mempolicy");
+  }
+  if (dsv4_backend_open("cuda", &opt, &be, why, sizeof(why))) {
+    fprintf(stderr, "gpu_numa_test: cannot open the cuda backend: %s\n", why);
+    exit(1);
+  }
+  k->got = policy_now();
+  pthread_t t;
+  pthread_create(&t, NULL, read_policy, &k->child);
+  pthread_join(t, NULL);
+  uint8_t *r = mmap(NULL, REGION, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (r == MAP_FAILED || be->ops->host_register(be, r, REGION)) {
+    fprintf(stderr, "gpu_numa_test: cannot map and register %zu bytes\n", REGION);
+    exit(1);
+  }
+  k->first_page = page_node(r);
+  k->last_page = page_node(r + REGION - 1);
+  be->ops->host_unregister(be, r);
+  munmap(r, REGION);
+  dsv4_backend_close(be);
+  return NULL;
+}
+
+static case_t run_on_thread(int preset, const char *no_numa) {
+  case_t k = {.preset = preset};
+  if (no_numa)
+    setenv("DSV4_CUDA_NO_NUMA", no_numa, 1);
+  else
+    unsetenv("DSV4_CUDA_NO_NUMA");
+  pthread_t t;
+  pthread_create(&t, NULL, run_case, &k);
+  pthread_join(t, NULL);
+  return k;
+}
+
+int main(void) {
+  if (!gpu_available("gpu_numa_test"))
+    return GPU_SKIP;
+  int node = sysfs_node();
+  printf("gpu_numa_test: the device's node (sysfs): %d\n", node);
+
+  case_t k = run_on_thread(0, NULL);
+  if (node >= 0) {
+    expect(k.got.mode == MPOL_PREFERRED && has_node(&k.got, node),
+           "the opening thread prefers the device's node");
+    expect(k.child.mode == MPOL_PREFERRED && has_node(&k.child, node),
+           "a thread started after the open prefers it too");
+    expect(k.first_page == node && k.last_page == node,
+           "memory registered after the open lies on the device's node");
+  } else {
+    expect(k.got.mode == MPOL_DEFAULT, "no node known: the thread's policy is left alone");
+  }
+  printf("gpu_numa_test: default: policy %d, registered pages on nodes %d and %d\n", k.got.mode,
+         k.first_page, k.last_page);
+
+  k = run_on_thread(0, "1");
+  expect(k.got.mode == MPOL_DEFAULT, "DSV4_CUDA_NO_NUMA=1 leaves the policy alone");
+
+  k = run_on_thread(1, NULL);
+  expect(k.got.mode == MPOL_BIND && has_node(&k.got, 0),
+         "an operator's policy (bound to node 0) is kept");
+  expect(k.first_page == 0 && k.last_page == 0, "and the registered pages follow it");
+
+  if (failures)
+    return 1;
+  printf("gpu_numa_test: passed\n");
+  return 0;
+}
