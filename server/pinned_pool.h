@@ -31,9 +31,16 @@ typedef struct {
   size_t largest_free; /* the largest block an allocation could get now */
 } dsv4_pinned_stats_t;
 
+/* Where the arena's pages lie, as the kernel reports them (dsv4_pinned_pool_placement). */
+typedef struct {
+  int first_node, last_node; /* NUMA nodes of the arena's first and last pages; -1 if unknown */
+  size_t huge_bytes; /* bytes of the arena in transparent huge pages (smaps AnonHugePages) */
+} dsv4_pinned_placement_t;
+
 /*
- * An arena of at least `bytes` (rounded up to whole pages), page-aligned, mapped but not yet
- * touched: 0, DSV4_EINVAL for 0 bytes, or DSV4_ENOMEM when it cannot be mapped.
+ * An arena of at least `bytes` (rounded up to whole pages), on a 2 MiB boundary and advised to use
+ * huge pages (page-aligned and plain with DSV4_POOL_NO_HUGEPAGE=1), mapped but not yet touched: 0,
+ * DSV4_EINVAL for 0 bytes, or DSV4_ENOMEM when it cannot be mapped.
  */
 int dsv4_pinned_pool_create(size_t bytes, dsv4_pinned_pool_t **out);
 /* Unmap the arena. Every block must have been freed, and the arena unregistered, before. */
@@ -53,6 +60,8 @@ int dsv4_pinned_pool_free(dsv4_pinned_pool_t *p, void *ptr);
 /* 1 when ptr lies inside the arena. */
 int dsv4_pinned_pool_owns(const dsv4_pinned_pool_t *p, const void *ptr);
 void dsv4_pinned_pool_stats(dsv4_pinned_pool_t *p, dsv4_pinned_stats_t *out);
+/* Where the arena's pages lie; call once they are committed (after registration), for the log. */
+void dsv4_pinned_pool_placement(const dsv4_pinned_pool_t *p, dsv4_pinned_placement_t *out);
 
 /*
  * n bytes (n rounded up to 64, at least 64), 64-byte aligned: from the pool when p is not NULL and

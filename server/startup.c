@@ -463,8 +463,12 @@ static void start_pinned_pool(app_t *a) {
     return;
   }
   d->pinned = p;
-  dsv4_logp(DSV4_LOG_INFO, "pinned pool", "{s:I,s:s}", "bytes",
-            (json_int_t)dsv4_pinned_pool_bytes(p), "backend", dsv4_engine_backend_name(d->engine));
+  dsv4_pinned_placement_t at;
+  dsv4_pinned_pool_placement(p, &at);
+  dsv4_logp(DSV4_LOG_INFO, "pinned pool", "{s:I,s:s,s:i,s:i,s:I}", "bytes",
+            (json_int_t)dsv4_pinned_pool_bytes(p), "backend", dsv4_engine_backend_name(d->engine),
+            "numa_node", at.first_node, "numa_node_last", at.last_node, "huge_page_bytes",
+            (json_int_t)at.huge_bytes);
 }
 
 /* After the executor thread has stopped: unregister the arena and unmap it. Every body and answer

@@ -6,6 +6,7 @@ either way. A pool too small for a batch falls back to heap memory and counts it
 dsv4d_pinned_pool_fallbacks_total{use}; every block goes back when its answer has been sent. A value
 out of range refuses the start."""
 
+import json
 import os
 import sys
 import threading
@@ -74,8 +75,17 @@ def test_default_pool():
     with Daemon(h.SMALL) as d:
         st = pool_state(d)
         check_eq(st["total"], 256 * MIB if pool_on() else 0, "pool bytes on %s" % h.BACKEND_NAME)
-        check_eq(len(log_msgs(d, "pinned pool")), 1 if pool_on() else 0,
-                 "the start-up line of the pool")
+        lines = log_msgs(d, "pinned pool")
+        check_eq(len(lines), 1 if pool_on() else 0, "the start-up line of the pool")
+        for ln in lines:
+            at = json.loads(ln)
+            # Where the kernel placed the arena: a NUMA node (-1 without NUMA) and the bytes in
+            # huge pages, whole 2 MiB pages of the arena.
+            for k in ("numa_node", "numa_node_last"):
+                check(isinstance(at.get(k), int) and at[k] >= -1, "%s in %s" % (k, ln))
+            hb = at.get("huge_page_bytes")
+            check(isinstance(hb, int) and 0 <= hb <= 256 * MIB and hb % (2 * MIB) == 0,
+                  "huge_page_bytes in %s" % ln)
         check_eq(log_msgs(d, "pinned pool off: bodies and answers in heap memory"), [],
                  "no failed registration")
         serve_and_check(d, rng, "a", 100, 30)

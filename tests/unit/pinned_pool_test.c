@@ -88,6 +88,38 @@ static void vm_flags(const void *a, char *out, size_t n) {
   fclose(f);
 }
 
+/* The kernel's transparent huge page mode: "always", "madvise", "never", or "" if not told. */
+static const char *thp_mode(void) {
+  static char mode[16];
+  char line[128] = "";
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+  mode[0] = 0;
+  if (f) {
+    if (fgets(line, sizeof(line), f)) {
+      char *a = strchr(line, '['), *z = a ? strchr(a, ']') : NULL;
+      if (a && z && z - a - 1 < (long)sizeof(mode))
+        snprintf(mode, sizeof(mode), "%.*s", (int)(z - a - 1), a + 1);
+    }
+    fclose(f);
+  }
+  return mode;
+}
+
+/* A placement report of a committed arena: nodes the host has (or -1 without NUMA), huge bytes
+ * in whole 2 MiB pages within the arena. */
+static void check_placement(const dsv4_pinned_placement_t *at, size_t bytes) {
+  int nodes[2] = {at->first_node, at->last_node};
+  for (int i = 0; i < 2; i++)
+    if (nodes[i] != -1) {
+      char path[64];
+      assert_true(nodes[i] >= 0);
+      snprintf(path, sizeof(path), "/sys/devices/system/node/node%d", nodes[i]);
+      assert_int_equal(access(path, F_OK), 0);
+    }
+  assert_true(at->huge_bytes <= bytes);
+  assert_int_equal(at->huge_bytes % (2048 * KIB), 0);
+}
+
 /* The arena starts on a 2 MiB boundary and is advised to use huge pages ("hg" in its VmFlags), so
  * that a device's mapping of it needs fewer translations; DSV4_POOL_NO_HUGEPAGE=1 leaves it plain
  * (page-aligned, no advice). Either way its bytes are the pool's. */
@@ -101,6 +133,11 @@ static void test_huge_pages(void **state) {
   uint8_t *b = dsv4_pinned_pool_alloc(p, 5 * 1024 * KIB);
   assert_non_null(b);
   memset(b, 7, 5 * 1024 * KIB);
+  dsv4_pinned_placement_t at;
+  dsv4_pinned_pool_placement(p, &at);
+  check_placement(&at, dsv4_pinned_pool_bytes(p));
+  printf("advised: nodes %d..%d, %zu bytes in huge pages (THP %s)\n", at.first_node, at.last_node,
+         at.huge_bytes, thp_mode());
   assert_int_equal(dsv4_pinned_pool_free(p, b), 0);
   dsv4_pinned_pool_destroy(p);
 
@@ -110,6 +147,12 @@ static void test_huge_pages(void **state) {
   vm_flags(dsv4_pinned_pool_base(p), flags, sizeof(flags));
   assert_true(flags[0] != 0);
   assert_null(strstr(flags, " hg"));
+  memset(dsv4_pinned_pool_base(p), 7, dsv4_pinned_pool_bytes(p));
+  dsv4_pinned_pool_placement(p, &at);
+  check_placement(&at, dsv4_pinned_pool_bytes(p));
+  /* Unadvised memory gets huge pages only where the kernel gives them to every mapping. */
+  if (strcmp(thp_mode(), "always") != 0)
+    assert_int_equal(at.huge_bytes, 0);
   dsv4_pinned_pool_destroy(p);
 }
 
