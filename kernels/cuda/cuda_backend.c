@@ -51,7 +51,6 @@
  */
 #include "cuda_backend.h"
 
-#include <ctype.h>
 #include <linux/mempolicy.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -391,12 +390,13 @@ static int mirror_get(cuda_backend_t *c, const dsv4_rope_table_t *t, rope_mirror
  */
 static int device_numa_node(int dev) {
   char bus[64], path[128];
+  unsigned dom, b, d, fn;
   int node = -1;
-  if (cudaDeviceGetPCIBusId(bus, (int)sizeof(bus), dev) != cudaSuccess)
+  if (cudaDeviceGetPCIBusId(bus, (int)sizeof(bus), dev) != cudaSuccess ||
+      sscanf(bus, "%x:%x:%x.%x", &dom, &b, &d, &fn) != 4)
     return -1;
-  for (char *s = bus; *s; s++)
-    *s = (char)tolower((unsigned char)*s);
-  snprintf(path, sizeof(path), "/sys/bus/pci/devices/%s/numa_node", bus);
+  /* sysfs names a function as 0000:19:00.0, lower case, whatever the runtime's spelling. */
+  snprintf(path, sizeof(path), "/sys/bus/pci/devices/%04x:%02x:%02x.%x/numa_node", dom, b, d, fn);
   FILE *f = fopen(path, "r");
   if (!f)
     return -1;

@@ -5,7 +5,6 @@
  * the operator set (numactl) is kept, and DSV4_CUDA_NO_NUMA=1 leaves the thread's policy alone.
  * Each case runs on a thread of its own, since a memory policy belongs to a thread.
  */
-#include <ctype.h>
 #include <linux/mempolicy.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -39,11 +38,13 @@ static void expect(int ok, const char *what) {
 /* The device's node as sysfs says, found here apart from the backend's own lookup. */
 static int sysfs_node(void) {
   char bus[64], path[128];
+  unsigned dom = 0, b = 0, d = 0, fn = 0;
   int node = -1;
   CK(cudaDeviceGetPCIBusId(bus, (int)sizeof(bus), 0));
-  for (char *s = bus; *s; s++)
-    *s = (char)tolower((unsigned char)*s);
-  snprintf(path, sizeof(path), "/sys/bus/pci/devices/%s/numa_node", bus);
+  if (sscanf(bus, "%x:%x:%x.%x", &dom, &b, &d, &fn) != 4)
+    fprintf(stderr, "gpu_numa_test: cannot read the bus id %s\n", bus);
+  snprintf(path, sizeof(path), "/sys/bus/pci/devices/%04x:%02x:%02x.%x/numa_node", dom, b, d, fn);
+  printf("gpu_numa_test: bus id %s, %s\n", bus, path);
   FILE *f = fopen(path, "r");
   if (f) {
     if (fscanf(f, "%d", &node) != 1)
