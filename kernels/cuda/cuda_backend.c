@@ -51,17 +51,16 @@
  */
 #include "cuda_backend.h"
 
-#include <linux/mempolicy.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
+#include "host_numa.h"
 #include "host_pool.h"
 #include "cuda-kernels.h"
 #include "dsv4-error.h"
@@ -386,49 +385,21 @@ static int mirror_get(cuda_backend_t *c, const dsv4_rope_table_t *t, rope_mirror
   return mirror_refresh(c, m);
 }
 
-/* The NUMA node of the device's PCIe slot (sysfs), or -1 where the host has none or does not say.
- */
-static int device_numa_node(int dev) {
-  char bus[64], path[128];
-  unsigned dom, b, d, fn;
-  int node = -1;
-  if (cudaDeviceGetPCIBusId(bus, (int)sizeof(bus), dev) != cudaSuccess ||
-      sscanf(bus, "%x:%x:%x.%x", &dom, &b, &d, &fn) != 4)
-    return -1;
-  /* sysfs names a function as 0000:19:00.0, lower case, whatever the runtime's spelling. */
-  snprintf(path, sizeof(path), "/sys/bus/pci/devices/%04x:%02x:%02x.%x/numa_node", dom, b, d, fn);
-  FILE *f = fopen(path, "r");
-  if (!f)
-    return -1;
-  if (fscanf(f, "%d", &node) != 1)
-    node = -1;
-  fclose(f);
-  return node;
-}
-
 /*
  * Page-locked memory near the device. The DMA engine reads a request's bytes from host memory and
  * writes the answer's there; on a host of several NUMA nodes, memory of a node other than the
  * device's costs each transfer a crossing of the processors' link. Unless DSV4_CUDA_NO_NUMA=1 or
  * the operator has set a policy (numactl), the opening thread, and the threads it starts after,
- * prefer the device's node for new pages: the staging, the daemon's pool, which start-up registers
- * on this thread, and the host threads' memory. Preferred, not bound: a full node falls back.
- * Returns the node preferred, or -1.
+ * prefer the device's node for new pages (host_numa.h): the staging, the daemon's pool, which
+ * start-up registers on this thread, and the host threads' memory. Returns the node, or -1.
  */
 static int prefer_device_node(int dev) {
-  const char *off = getenv("DSV4_CUDA_NO_NUMA");
-  int mode = -1;
-  if (off && !strcmp(off, "1"))
+  char bus[64];
+  unsigned dom, b, d, fn;
+  if (cudaDeviceGetPCIBusId(bus, (int)sizeof(bus), dev) != cudaSuccess ||
+      sscanf(bus, "%x:%x:%x.%x", &dom, &b, &d, &fn) != 4)
     return -1;
-  int node = device_numa_node(dev);
-  if (node < 0 || node >= 1024 || syscall(SYS_get_mempolicy, &mode, NULL, 0UL, NULL, 0UL) != 0 ||
-      mode != MPOL_DEFAULT)
-    return -1;
-  unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {0};
-  mask[node / (8 * sizeof(unsigned long))] |= 1UL << (node % (8 * sizeof(unsigned long)));
-  if (syscall(SYS_set_mempolicy, MPOL_PREFERRED, mask, 1024UL) != 0)
-    return -1;
-  return node;
+  return dsv4_host_prefer_node(dsv4_pci_numa_node(dom, b, d, fn), "DSV4_CUDA_NO_NUMA");
 }
 
 /* The copy streams and events of overlapped batches (NULL members: not made). */

@@ -5,26 +5,19 @@
  * the operator set (numactl) is kept, and DSV4_CUDA_NO_NUMA=1 leaves the thread's policy alone.
  * Each case runs on a thread of its own, since a memory policy belongs to a thread.
  */
-#include <linux/mempolicy.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
+#include "../support/mempolicy_probe.h"
 #include "backend.h"
 #include "gpu_check.h"
 
-#define MASK_LONGS 16 /* 1024 nodes */
 #define REGION ((size_t)8 << 20)
-
-typedef struct {
-  int mode;
-  unsigned long mask[MASK_LONGS];
-} policy_t;
 
 static int failures;
 
@@ -54,28 +47,9 @@ static int sysfs_node(void) {
   return node;
 }
 
-static policy_t policy_now(void) {
-  policy_t p = {0};
-  if (syscall(SYS_get_mempolicy, &p.mode, p.mask, (unsigned long)MASK_LONGS * 64, NULL, 0UL))
-    p.mode = -1;
-  return p;
-}
-
-static int has_node(const policy_t *p, int node) {
-  return node >= 0 && node < MASK_LONGS * 64 && (p->mask[node / 64] >> (node % 64)) & 1;
-}
-
 static void *read_policy(void *out) {
   *(policy_t *)out = policy_now();
   return NULL;
-}
-
-/* The node of the page at a, or -1. */
-static int page_node(void *a) {
-  int node = -1;
-  if (syscall(SYS_get_mempolicy, &node, NULL, 0UL, a, (unsigned long)(MPOL_F_NODE | MPOL_F_ADDR)))
-    return -1;
-  return node;
 }
 
 typedef struct {
@@ -91,8 +65,7 @@ static void *run_case(void *arg) {
   dsv4_backend_t *be = NULL;
   dsv4_backend_options_t opt = {.threads = 2};
   if (k->preset) {
-    unsigned long m[MASK_LONGS] = {1UL};
-    if (syscall(SYS_set_mempolicy, MPOL_BIND, m, (unsigned long)MASK_LONGS * 64))
+    if (bind_node0())
       perror("set_mempolicy");
   }
   if (dsv4_backend_open("cuda", &opt, &be, why, sizeof(why))) {
