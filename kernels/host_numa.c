@@ -47,3 +47,10 @@ int dsv4_host_prefer_node(int node, const char *off_env) {
     return -1;
   return node;
 }
+
+int dsv4_page_numa_node(const void *a) {
+  int node = -1;
+  if (syscall(SYS_get_mempolicy, &node, NULL, 0UL, a, (unsigned long)(MPOL_F_NODE | MPOL_F_ADDR)))
+    return -1;
+  return node;
+}

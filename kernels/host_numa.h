@@ -21,6 +21,9 @@ int dsv4_pci_numa_node(unsigned dom, unsigned bus, unsigned dev, unsigned fn);
 int dsv4__pci_numa_node_in(const char *devices, unsigned dom, unsigned bus, unsigned dev,
                            unsigned fn);
 
+/* The node of the committed page at a, or -1 (a kernel without NUMA, or no page there). */
+int dsv4_page_numa_node(const void *a);
+
 /*
  * The calling thread prefers node for new pages (MPOL_PREFERRED: a full node falls back), unless
  * the environment variable off_env is "1" or the thread already has a policy of its own (an

@@ -8,7 +8,6 @@
 #include "pinned_pool.h"
 
 #include <assert.h>
-#include <linux/mempolicy.h>
 #include <pthread.h>
 #include <search.h>
 #include <stdint.h>
@@ -16,10 +15,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "dsv4-error.h"
+#include "host_numa.h"
 
 typedef struct blk {
   size_t off; /* the key of the live tree: first */
@@ -278,15 +277,7 @@ void dsv4_pinned_free(dsv4_pinned_pool_t *p, void *ptr) {
   free(ptr);
 }
 
-/* The NUMA node of the committed page at a, or -1. */
-static int page_node(const void *a) {
-  int node = -1;
-  if (syscall(SYS_get_mempolicy, &node, NULL, 0UL, a, (unsigned long)(MPOL_F_NODE | MPOL_F_ADDR)))
-    return -1;
-  return node;
-}
-
-/* AnonHugePages of the mappings that start inside [base, base + bytes), from /proc/self/smaps. */
+/* AnonHugePages of the mappings that overlap [base, base + bytes), from /proc/self/smaps. */
 static size_t huge_bytes(const uint8_t *base, size_t bytes) {
   FILE *f = fopen("/proc/self/smaps", "r");
   char line[512];
@@ -298,7 +289,7 @@ static size_t huge_bytes(const uint8_t *base, size_t bytes) {
     unsigned long lo, hi, kib;
     char *dash = strchr(line, '-'), *sp = strchr(line, ' ');
     if (dash && sp && dash < sp && sscanf(line, "%lx-%lx ", &lo, &hi) == 2)
-      inside = lo >= (uintptr_t)base && lo < (uintptr_t)base + bytes;
+      inside = lo < (uintptr_t)base + bytes && hi > (uintptr_t)base;
     else if (inside && sscanf(line, "AnonHugePages: %lu kB", &kib) == 1)
       kib_total += kib;
   }
@@ -307,7 +298,7 @@ static size_t huge_bytes(const uint8_t *base, size_t bytes) {
 }
 
 void dsv4_pinned_pool_placement(const dsv4_pinned_pool_t *p, dsv4_pinned_placement_t *out) {
-  out->first_node = page_node(p->base);
-  out->last_node = page_node(p->base + p->bytes - 1);
+  out->first_node = dsv4_page_numa_node(p->base);
+  out->last_node = dsv4_page_numa_node(p->base + p->bytes - 1);
   out->huge_bytes = huge_bytes(p->base, p->bytes);
 }

@@ -131,8 +131,7 @@ typedef struct {
     uint8_t *dev; /* the range's device mapping (cudaHostGetDevicePointer) */
   } reg[MAX_REGISTERED];
   int n_reg;
-  int alias;     /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1) */
-  int numa_node; /* the host node preferred for new pages (prefer_device_node), or -1 */
+  int alias; /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1) */
   /* Overlapped batches (backend.h, DSV4_BE_OVERLAP): their uploads from registered memory on
    * up_stream, their downloads into it on dn_stream, with events between those and the stream.
    * phase is the DSV4_BATCH_* of the batch being submitted (0 outside one). */
@@ -391,7 +390,8 @@ static int mirror_get(cuda_backend_t *c, const dsv4_rope_table_t *t, rope_mirror
  * device's costs each transfer a crossing of the processors' link. Unless DSV4_CUDA_NO_NUMA=1 or
  * the operator has set a policy (numactl), the opening thread, and the threads it starts after,
  * prefer the device's node for new pages (host_numa.h): the staging, the daemon's pool, which
- * start-up registers on this thread, and the host threads' memory. Returns the node, or -1.
+ * start-up registers on this thread, and the host threads' memory. Returns the node, or -1 (the
+ * daemon's "pinned pool" line says where the pool's pages went).
  */
 static int prefer_device_node(int dev) {
   char bus[64];
@@ -953,7 +953,7 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
   pthread_mutex_init(&c->reg_lock, NULL);
   if ((e = cudaSetDevice(c->dev)) != cudaSuccess)
     return fail(c, e, "cudaSetDevice(0)", why, why_len);
-  c->numa_node = prefer_device_node(c->dev);
+  (void)prefer_device_node(c->dev);
   if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
     c->stream = NULL;
     return fail(c, e, "cudaStreamCreateWithFlags", why, why_len);

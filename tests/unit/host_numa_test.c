@@ -60,7 +60,11 @@ static void *run_case(void *arg) {
   memset(r, 1, REGION);
   k->first = page_node(r);
   k->last = page_node(r + REGION - 1);
+  /* The library's report of a page agrees with the kernel's, and has none for an unmapped one. */
+  assert_int_equal(dsv4_page_numa_node(r), k->first);
+  assert_int_equal(dsv4_page_numa_node(r + REGION - 1), k->last);
   munmap(r, REGION);
+  assert_int_equal(dsv4_page_numa_node(r), -1);
   return NULL;
 }
 
