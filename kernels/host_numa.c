@@ -43,9 +43,15 @@ int dsv4_host_prefer_node(int node, const char *off_env) {
     return -1;
   unsigned long mask[MAX_NODES / LONG_BITS] = {0};
   mask[node / LONG_BITS] |= 1UL << (node % LONG_BITS);
-  if (syscall(SYS_set_mempolicy, MPOL_PREFERRED, mask, (unsigned long)MAX_NODES) != 0)
+  /* maxnode counts one past the mask's bits: the kernel reads maxnode - 1 of them (libnuma's
+   * convention too), and would drop the last node's bit otherwise. */
+  if (syscall(SYS_set_mempolicy, MPOL_PREFERRED, mask, (unsigned long)MAX_NODES + 1) != 0)
     return -1;
   return node;
+}
+
+void dsv4_host_prefer_undo(void) {
+  (void)syscall(SYS_set_mempolicy, MPOL_DEFAULT, NULL, 0UL);
 }
 
 int dsv4_page_numa_node(const void *a) {

@@ -21,7 +21,9 @@ int dsv4_pci_numa_node(unsigned dom, unsigned bus, unsigned dev, unsigned fn);
 int dsv4__pci_numa_node_in(const char *devices, unsigned dom, unsigned bus, unsigned dev,
                            unsigned fn);
 
-/* The node of the committed page at a, or -1 (a kernel without NUMA, or no page there). */
+/* The node of the page at a, or -1 (a kernel without NUMA, or nothing mapped at a). Ask only of
+ * committed memory: the kernel answers for a mapped page never touched with the node of the zero
+ * page it reads in. */
 int dsv4_page_numa_node(const void *a);
 
 /*
@@ -30,6 +32,9 @@ int dsv4_page_numa_node(const void *a);
  * operator's numactl): the node preferred, or -1 when nothing changed (node < 0 included).
  */
 int dsv4_host_prefer_node(int node, const char *off_env);
+/* The calling thread back to the default policy, after a dsv4_host_prefer_node that took effect
+ * (a backend that fails to open after it: the next backend tried runs on the thread's own). */
+void dsv4_host_prefer_undo(void);
 
 #ifdef __cplusplus
 }

@@ -131,7 +131,8 @@ typedef struct {
     uint8_t *dev; /* the range's device mapping (cudaHostGetDevicePointer) */
   } reg[MAX_REGISTERED];
   int n_reg;
-  int alias; /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1) */
+  int alias;      /* host_alias answers (0 with DSV4_CUDA_NO_ALIAS=1) */
+  int numa_taken; /* the opening thread took the device node's preference (prefer_device_node) */
   /* Overlapped batches (backend.h, DSV4_BE_OVERLAP): their uploads from registered memory on
    * up_stream, their downloads into it on dn_stream, with events between those and the stream.
    * phase is the DSV4_BATCH_* of the batch being submitted (0 outside one). */
@@ -885,6 +886,8 @@ static int fail(cuda_backend_t *c, cudaError_t e, const char *what, char *why, s
   int rc = cu(e);
   if (why_len)
     snprintf(why, why_len, "cuda: %s: %s", what, cudaGetErrorString(e));
+  if (c && c->numa_taken)
+    dsv4_host_prefer_undo(); /* another backend may open on this thread next ("auto") */
   if (c)
     cuda_destroy(&c->base);
   return rc;
@@ -953,7 +956,7 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
   pthread_mutex_init(&c->reg_lock, NULL);
   if ((e = cudaSetDevice(c->dev)) != cudaSuccess)
     return fail(c, e, "cudaSetDevice(0)", why, why_len);
-  (void)prefer_device_node(c->dev);
+  c->numa_taken = prefer_device_node(c->dev) >= 0;
   if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
     c->stream = NULL;
     return fail(c, e, "cudaStreamCreateWithFlags", why, why_len);
@@ -1002,6 +1005,8 @@ int dsv4_cuda_backend_open(const dsv4_backend_options_t *opt, dsv4_backend_t **o
     c->pool = NULL;
     if (why_len)
       snprintf(why, why_len, "cuda backend: cannot start %u host threads", threads);
+    if (c->numa_taken)
+      dsv4_host_prefer_undo();
     cuda_destroy(&c->base);
     return DSV4_ENOMEM;
   }
