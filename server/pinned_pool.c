@@ -77,15 +77,28 @@ static void phys_unlink(blk_t *b) {
 /*
  * The arena: anonymous memory, committed only as it is touched or registered, starting on a huge
  * page boundary and advised to use huge pages (unless DSV4_POOL_NO_HUGEPAGE=1). A device reads
- * and writes the arena by DMA and, through its mapping, in place; 2 MiB pages give it 512 times
- * fewer translations to hold than 4 KiB ones (its own page tables and, where the host has one, the
- * IOMMU's). Where the kernel gives no huge pages the advice changes nothing. NULL when unmapped.
+ * and writes the arena by DMA and, through its mapping, in place; where the driver and an IOMMU
+ * map a huge page whole, they hold one translation for 2 MiB instead of 512 (x86-64). Where the
+ * kernel has no transparent huge pages the arena is plain. NULL when it cannot be mapped.
  */
+/* The size of a transparent huge page (x86-64: 2 MiB; arm64 with 64 KiB pages: 512 MiB), or 0 where
+ * the kernel has none. */
+static size_t thp_size(void) {
+  FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r");
+  unsigned long n = 0;
+  if (!f)
+    return 0;
+  if (fscanf(f, "%lu", &n) != 1)
+    n = 0;
+  fclose(f);
+  return (size_t)n;
+}
+
 static void *map_arena(size_t bytes, size_t pg) {
-  const size_t huge = (size_t)2 << 20;
+  const size_t huge = thp_size();
   const char *off = getenv("DSV4_POOL_NO_HUGEPAGE");
   int advise = !(off && off[0] == '1' && off[1] == 0);
-  size_t slack = advise && huge > pg && bytes <= SIZE_MAX - huge ? huge - pg : 0;
+  size_t slack = advise && huge > pg && huge % pg == 0 && bytes <= SIZE_MAX - huge ? huge - pg : 0;
   uint8_t *m =
       mmap(NULL, bytes + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (m == MAP_FAILED)
@@ -285,13 +298,20 @@ static size_t huge_bytes(const uint8_t *base, size_t bytes) {
   size_t kib_total = 0;
   if (!f)
     return 0;
+  uintptr_t b0 = (uintptr_t)base, b1 = b0 + bytes;
+  size_t overlap_kib = 0;
   while (fgets(line, sizeof(line), f)) {
     unsigned long lo, hi, kib;
     char *dash = strchr(line, '-'), *sp = strchr(line, ' ');
-    if (dash && sp && dash < sp && sscanf(line, "%lx-%lx ", &lo, &hi) == 2)
-      inside = lo < (uintptr_t)base + bytes && hi > (uintptr_t)base;
-    else if (inside && sscanf(line, "AnonHugePages: %lu kB", &kib) == 1)
-      kib_total += kib;
+    if (dash && sp && dash < sp && sscanf(line, "%lx-%lx ", &lo, &hi) == 2) {
+      if (lo >= b1)
+        break; /* smaps lists mappings by address */
+      inside = hi > b0;
+      /* A mapping merged with a neighbour counts no more than its part in the arena. */
+      if (inside)
+        overlap_kib = ((hi < b1 ? hi : b1) - (lo > b0 ? lo : b0)) >> 10;
+    } else if (inside && sscanf(line, "AnonHugePages: %lu kB", &kib) == 1)
+      kib_total += kib < overlap_kib ? kib : overlap_kib;
   }
   fclose(f);
   return kib_total << 10;

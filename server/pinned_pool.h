@@ -38,9 +38,10 @@ typedef struct {
 } dsv4_pinned_placement_t;
 
 /*
- * An arena of at least `bytes` (rounded up to whole pages), on a 2 MiB boundary and advised to use
- * huge pages (page-aligned and plain with DSV4_POOL_NO_HUGEPAGE=1), mapped but not yet touched: 0,
- * DSV4_EINVAL for 0 bytes, or DSV4_ENOMEM when it cannot be mapped.
+ * An arena of at least `bytes` (rounded up to whole pages), on a transparent huge page boundary and
+ * advised to use huge pages where the kernel has them (page-aligned and plain with
+ * DSV4_POOL_NO_HUGEPAGE=1), mapped but not yet touched: 0, DSV4_EINVAL for 0 bytes, or
+ * DSV4_ENOMEM when it cannot be mapped.
  */
 int dsv4_pinned_pool_create(size_t bytes, dsv4_pinned_pool_t **out);
 /* Unmap the arena. Every block must have been freed, and the arena unregistered, before. */
