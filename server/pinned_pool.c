@@ -74,13 +74,6 @@ static void phys_unlink(blk_t *b) {
     b->next->prev = b->prev;
 }
 
-/*
- * The arena: anonymous memory, committed only as it is touched or registered, starting on a huge
- * page boundary and advised to use huge pages (unless DSV4_POOL_NO_HUGEPAGE=1). A device reads
- * and writes the arena by DMA and, through its mapping, in place; where the driver and an IOMMU
- * map a huge page whole, they hold one translation for 2 MiB instead of 512 (x86-64). Where the
- * kernel has no transparent huge pages the arena is plain. NULL when it cannot be mapped.
- */
 /* The size of a transparent huge page (x86-64: 2 MiB; arm64 with 64 KiB pages: 512 MiB), or 0 where
  * the kernel has none. */
 static size_t thp_size(void) {
@@ -94,6 +87,13 @@ static size_t thp_size(void) {
   return (size_t)n;
 }
 
+/*
+ * The arena: anonymous memory, committed only as it is touched or registered, starting on a huge
+ * page boundary and advised to use huge pages (unless DSV4_POOL_NO_HUGEPAGE=1). A device reads
+ * and writes the arena by DMA and, through its mapping, in place; where the driver and an IOMMU
+ * map a huge page whole, they hold one translation for 2 MiB instead of 512 (x86-64). Where the
+ * kernel has no transparent huge pages the arena is plain. NULL when it cannot be mapped.
+ */
 static void *map_arena(size_t bytes, size_t pg) {
   const size_t huge = thp_size();
   const char *off = getenv("DSV4_POOL_NO_HUGEPAGE");

@@ -27,7 +27,6 @@
 
 typedef struct {
   int node;        /* asked for */
-  const char *env; /* the off variable's value, or NULL for unset */
   int preset;      /* the thread binds itself to node `node` first, as numactl would */
   int preset_rc;   /* bind_node's answer */
   int got;         /* dsv4_host_prefer_node's answer */
@@ -70,7 +69,7 @@ static void *run_case(void *arg) {
 }
 
 static case_t run(int node, const char *env, int preset) {
-  case_t k = {.node = node, .env = env, .preset = preset};
+  case_t k = {.node = node, .preset = preset};
   if (env)
     setenv("DSV4_TEST_NUMA_OFF", env, 1);
   else
