@@ -127,6 +127,21 @@ void dsv4__engine_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t
                             const dsv4_map_args_t *ma, dsv4_attn_args_t *aa);
 
 /*
+ * A batch's range check and replay hashes (engine_check.c), as the validation runs them. take: the
+ * batch's state, given (f->check) when it was begun for these segments and heads and never taken
+ * before, else a new one kept in *own for the caller to free (NULL: no memory). seg_feed: segment
+ * s's next values of q, then kv, at most *budget (q, kv: the batch's); *st its XXH3 state once its
+ * q and kv are all in, for the compressed rows and the digest; 1 on a value out of range.
+ */
+dsv4_check_t *dsv4__check_take(dsv4_check_t *given, uint32_t heads, const dsv4_forward_t *f,
+                               dsv4_check_t **own);
+int dsv4__check_bad(const dsv4_check_t *c);
+int dsv4__check_seg_done(const dsv4_check_t *c, uint32_t s);
+int dsv4__check_seg_feed(dsv4_check_t *c, uint32_t s, const uint16_t *q, const uint16_t *kv,
+                         size_t *budget, void **st);
+void dsv4__check_seg_finish(dsv4_check_t *c, uint32_t s);
+
+/*
  * The compressed branch (engine_compress.c): set-up and teardown; per batch, the range check and
  * the replay hash of the branch's tensors (DSV4_ERANGE with f->bad_tensor), the RoPE rows its
  * emissions use, the plan's per-segment arrays, the compress and indexer launches after the insert,

@@ -699,19 +699,6 @@ static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
   return 0;
 }
 
-/* Feed bytes to the hash in cache-sized pieces, range-checking each piece just before it is hashed,
- * so the bytes are read from memory once for both. Returns 1 when a value is out of range. */
-static int check_and_hash(XXH3_state_t *st, const uint16_t *x, size_t n) {
-  enum { PIECE = 8192 }; /* bf16 values: 16 KiB, well inside L1 */
-  for (size_t off = 0; off < n; off += PIECE) {
-    size_t len = n - off < PIECE ? n - off : PIECE;
-    if (dsv4_bf16_any_out_of_range(x + off, len))
-      return 1;
-    XXH3_64bits_update(st, x + off, len * 2);
-  }
-  return 0;
-}
-
 /* The per-segment range check and hash, spread over the backend's host threads. */
 typedef struct {
   const dsv4_engine_t *e;
@@ -762,20 +749,9 @@ static void batch_yield(dsv4_engine_t *e, dsv4_forward_t *f);
 /* A validation slice: the bytes of q (then kv) one segment checks and hashes between two yields. */
 #define VALIDATE_SLICE ((size_t)2 << 20)
 
-/*
- * One segment's range check (|x| < 2^59) and replay identity (SPEC §4: XXH3 of its q bytes, then
- * its kv bytes, then its compressed rows, SPEC §8.8), read once for both, in slices: its XXH3
- * state and how far it got.
- */
-typedef struct {
-  XXH3_state_t st;
-  size_t q_done, kv_done; /* bf16 values of the segment's q and kv checked and hashed */
-  int done;
-} seg_slices_t;
-
 typedef struct {
   validate_job_t *v;
-  seg_slices_t *ss;
+  dsv4_check_t *c;
   size_t slice; /* bf16 values of q or kv a segment takes in one round */
 } sliced_job_t;
 
@@ -784,35 +760,21 @@ typedef struct {
 static void validate_slices(void *arg, size_t first, size_t last) {
   sliced_job_t *j = arg;
   validate_job_t *v = j->v;
-  const size_t q_row = (size_t)v->e->p.heads * DSV4_HEAD_DIM;
   for (size_t s = first; s < last; s++) {
-    seg_slices_t *x = &j->ss[s];
+    if (dsv4__check_seg_done(j->c, (uint32_t)s))
+      continue;
     dsv4_seg_req_t *sg = &v->f->segs[s];
-    const size_t q_n = (size_t)sg->len * q_row, kv_n = (size_t)sg->len * DSV4_HEAD_DIM;
-    const uint16_t *q = v->f->q + (size_t)v->tok_off[s] * q_row;
-    const uint16_t *kv = v->f->kv + (size_t)v->tok_off[s] * DSV4_HEAD_DIM;
     const char *bad = NULL;
     size_t budget = j->slice;
-    int rc = 0;
-    while (!x->done && budget && !rc) {
-      if (x->q_done < q_n) {
-        size_t k = q_n - x->q_done < budget ? q_n - x->q_done : budget;
-        rc = check_and_hash(&x->st, q + x->q_done, k);
-        x->q_done += k;
-        budget -= k;
-      } else if (x->kv_done < kv_n) {
-        size_t k = kv_n - x->kv_done < budget ? kv_n - x->kv_done : budget;
-        rc = check_and_hash(&x->st, kv + x->kv_done, k);
-        x->kv_done += k;
-        budget -= k;
-      } else {
-        rc = dsv4__engine_c_check_hash(v->e, v->ratio, v->f, v->tok_off[s], sg->len, &x->st, &bad);
-        sg->hash = XXH3_64bits_digest(&x->st);
-        x->done = 1;
-      }
+    void *st = NULL;
+    int rc = dsv4__check_seg_feed(j->c, (uint32_t)s, v->f->q, v->f->kv, &budget, &st);
+    if (!rc && st) {
+      rc = dsv4__engine_c_check_hash(v->e, v->ratio, v->f, v->tok_off[s], sg->len, st, &bad);
+      sg->hash = XXH3_64bits_digest(st);
+      dsv4__check_seg_finish(j->c, (uint32_t)s);
     }
     if (rc) {
-      x->done = 1;
+      dsv4__check_seg_finish(j->c, (uint32_t)s);
       atomic_store_explicit(&v->bad, 1, memory_order_relaxed);
       if (bad)
         atomic_store_explicit(&v->bad_tensor, bad, memory_order_relaxed);
@@ -821,27 +783,26 @@ static void validate_slices(void *arg, size_t first, size_t last) {
 }
 
 /*
- * The range check and hashes of every segment, spread over the backend's host threads. A batch
- * that runs in chunks (a prefill) takes them in rounds of one slice per segment (VALIDATE_SLICE),
- * the batch's yield hook between two rounds: a decode that arrives while a long segment is checked
- * waits for one slice, not the whole batch. Nothing of this batch is applied before its validation
- * and plan are done, so the batches the hook runs see none of it. Any other batch takes one round.
+ * The range check and hashes of every segment, spread over the backend's host threads, resumed
+ * from f->check where the batch's arrival began them (engine_check.c). A batch that runs in chunks
+ * (a prefill) takes them in rounds of one slice per segment (VALIDATE_SLICE), the batch's yield
+ * hook between two rounds: a decode that arrives while a long segment is checked waits for one
+ * slice, not the whole batch. Nothing of this batch is applied before its validation and plan are
+ * done, so the batches the hook runs see none of it. Any other batch takes one round.
  */
 static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t *v,
                              int in_slices) {
-  seg_slices_t *ss = aligned_alloc(64, ((f->n_segs * sizeof(seg_slices_t)) + 63) & ~(size_t)63);
-  if (!ss)
+  dsv4_check_t *own;
+  dsv4_check_t *c = dsv4__check_take(f->check, e->p.heads, f, &own);
+  if (!c)
     return DSV4_ENOMEM;
-  for (uint32_t s = 0; s < f->n_segs; s++) {
-    XXH3_64bits_reset(&ss[s].st);
-    ss[s].q_done = ss[s].kv_done = 0;
-    ss[s].done = 0;
-  }
-  sliced_job_t j = {v, ss, in_slices ? VALIDATE_SLICE / 2 : SIZE_MAX};
+  if (dsv4__check_bad(c))
+    atomic_store(&v->bad, 1);
+  sliced_job_t j = {v, c, in_slices ? VALIDATE_SLICE / 2 : SIZE_MAX};
   for (int round = 0;; round++) {
     int left = 0;
     for (uint32_t s = 0; s < f->n_segs && !left; s++)
-      left = !ss[s].done;
+      left = !dsv4__check_seg_done(c, s);
     if (!left || atomic_load(&v->bad))
       break;
     if (round) {
@@ -853,7 +814,7 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
     else
       validate_slices(&j, 0, f->n_segs);
   }
-  free(ss);
+  dsv4_check_free(own);
   return 0;
 }
 

@@ -93,6 +93,23 @@ enum {
   DSV4_ATTENTION_FAST = 2,
 };
 
+/*
+ * A batch's range check and replay hashes (SPEC §4: per segment, XXH3 of its q, then its kv, then
+ * its compressed rows), begun before the batch runs: fed as its body arrives, so that the engine's
+ * validation finds them done, or as far as they got, and resumes them. create: for segments of
+ * seg_len[i] tokens (n_segs >= 1) and q rows of heads * 512 values; NULL when out of memory or
+ * the lengths add up past 2^32 - 1. feed: what is in since the last call, the first q_vals bf16
+ * values of the batch's q and the first kv_vals of its kv (neither more than the batch has); a
+ * segment's kv goes in after all of its q, so kv may come first. Returns 1 once a value is out of
+ * range, after which nothing more is fed. Any one thread at a time, until handed to the engine.
+ */
+typedef struct dsv4_check dsv4_check_t;
+dsv4_check_t *dsv4_check_create(uint32_t heads, const uint32_t *seg_len, uint32_t n_segs);
+int dsv4_check_feed(dsv4_check_t *c, const uint16_t *q, size_t q_vals, const uint16_t *kv,
+                    size_t kv_vals);
+size_t dsv4_check_fed_bytes(const dsv4_check_t *c); /* bytes checked and hashed by feed */
+void dsv4_check_free(dsv4_check_t *c);
+
 /* One forward batch. Inputs are host buffers; outputs go to host buffers the caller provides. */
 typedef struct {
   uint32_t layer; /* model layer number (the engine maps it to its served index) */
@@ -120,6 +137,9 @@ typedef struct {
   const float *iw;
   int32_t *topk;          /* ratio 4: [n_tokens, index_topk] the indexer's selection out, or NULL */
   const char *bad_tensor; /* on DSV4_ERANGE: the tensor holding the value */
+  /* The range check and hashes begun over q and kv as they arrived, or NULL. Used when its segments
+   * and heads are the batch's (else the engine begins its own); the caller's to free afterwards. */
+  dsv4_check_t *check;
   /*
    * Chunking (a prefill): when set and the batch has more than prefill_chunk_tokens tokens, the
    * kernels run in token ranges and yield(yield_arg) is called between two of them; its range

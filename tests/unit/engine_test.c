@@ -24,6 +24,9 @@
 #include "engine_restore.h"
 #include "model.h"
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 /* The backend under test: "cpu", or "cpu_staged" (the engine's device staging path) from argv[1].
  */
 static const char *backend = "cpu";
@@ -1884,6 +1887,123 @@ static void test_indexer_mode(void **state) {
   dsv4_engine_destroy(b);
 }
 
+/* ---- the range check and hashes begun as a batch arrives (dsv4_check_t) ---- */
+
+/* SPEC §4's replay identity of segment s of b, computed here: XXH3 of its q bytes, then its kv. */
+static uint64_t spec_seg_hash(const batch_t *b, uint32_t s) {
+  uint32_t t0 = 0;
+  for (uint32_t i = 0; i < s; i++)
+    t0 += b->segs[i].len;
+  const size_t q_row = (size_t)HEADS * DSV4_HEAD_DIM, len = b->segs[s].len;
+  XXH3_state_t *st = XXH3_createState();
+  assert_non_null(st);
+  XXH3_64bits_reset(st);
+  XXH3_64bits_update(st, b->q + t0 * q_row, len * q_row * 2);
+  XXH3_64bits_update(st, b->kv + (size_t)t0 * DSV4_HEAD_DIM, len * DSV4_HEAD_DIM * 2);
+  uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return h;
+}
+
+/* A check of b's segments fed in steps of `step` values of q and of kv, kv_first: all of kv before
+ * any q, as a body whose kv tensor comes first; up to q_part and kv_part values in all. */
+static dsv4_check_t *check_fed(const batch_t *b, size_t step, int kv_first, size_t q_part,
+                               size_t kv_part) {
+  uint32_t lens[4];
+  for (uint32_t s = 0; s < b->f.n_segs; s++)
+    lens[s] = b->segs[s].len;
+  dsv4_check_t *c = dsv4_check_create(HEADS, lens, b->f.n_segs);
+  assert_non_null(c);
+  size_t qv = 0, kvv = 0;
+  while (qv < q_part || kvv < kv_part) {
+    if (kv_first && kvv < kv_part)
+      kvv = kvv + step < kv_part ? kvv + step : kv_part;
+    else if (qv < q_part)
+      qv = qv + step < q_part ? qv + step : q_part;
+    else
+      kvv = kvv + step < kv_part ? kvv + step : kv_part;
+    assert_int_equal(dsv4_check_feed(c, b->q, qv, b->kv, kvv), 0);
+  }
+  return c;
+}
+
+/* The hashes of a batch whose check began as it arrived (every order, whole or in part, and in a
+ * chunked batch's slices) are SPEC §4's, its answer that of a batch checked by the engine alone; a
+ * value out of range found on arrival refuses the batch with nothing changed; a check begun for
+ * other segments is not used. */
+static void test_check_on_arrival(void **state) {
+  (void)state;
+  const char *names[3] = {"a", "b", "c"};
+  const int64_t starts[3] = {0, 0, 0};
+  const uint32_t lens[3] = {3, 1, 300};
+  const int nw[3] = {1, 1, 1};
+  const size_t nq = (size_t)304 * HEADS * DSV4_HEAD_DIM, nk = (size_t)304 * DSV4_HEAD_DIM;
+  const struct {
+    size_t step, q_part, kv_part;
+    int kv_first, chunked, other_lens;
+  } cases[] = {
+      {4096, nq, nk, 0, 0, 0},      {777, nq, nk, 1, 0, 0},       {65536, nq / 3, 0, 0, 0, 0},
+      {65536, nq, nk / 2, 0, 0, 0}, {100000, nq / 2, 0, 0, 1, 0}, {4096, nq, nk, 0, 0, 1},
+  };
+  batch_t ref;
+  batch_make(&ref, 0, 41, 3, names, starts, lens, nw);
+  dsv4_engine_t *e0 = open_engine(backend);
+  assert_int_equal(dsv4_engine_forward(e0, &ref.f), 0);
+  for (uint32_t s = 0; s < 3; s++)
+    assert_int_equal(ref.segs[s].hash, spec_seg_hash(&ref, s));
+  for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+    batch_t b;
+    batch_make(&b, 0, 41, 3, names, starts, lens, nw);
+    const uint32_t other[2] = {4, 300};
+    dsv4_check_t *c =
+        check_fed(&b, cases[k].step, cases[k].kv_first, cases[k].q_part, cases[k].kv_part);
+    if (cases[k].other_lens) {
+      dsv4_check_free(c);
+      c = dsv4_check_create(HEADS, other, 2);
+      assert_int_equal(dsv4_check_feed(c, b.q, nq, b.kv, nk), 0);
+    }
+    /* q goes in as it comes; kv here only where all of q came (or no kv came). */
+    assert_int_equal(dsv4_check_fed_bytes(c), cases[k].other_lens
+                                                  ? (nq + nk) * 2
+                                                  : (cases[k].q_part + cases[k].kv_part) * 2);
+    dsv4_engine_t *e = cases[k].chunked ? open_engine_chunked(backend, 64) : open_engine(backend);
+    b.f.check = c;
+    yield_probe_t y = {.e = e};
+    if (cases[k].chunked) {
+      b.f.yield = probe_yield;
+      b.f.yield_arg = &y;
+    }
+    assert_int_equal(dsv4_engine_forward(e, &b.f), 0);
+    for (uint32_t s = 0; s < 3; s++)
+      assert_int_equal(b.segs[s].hash, ref.segs[s].hash);
+    assert_int_equal(b.f.digest, ref.f.digest);
+    assert_memory_equal(b.q_out, ref.q_out, nq * 2);
+    if (cases[k].chunked)
+      assert_true(y.calls >= 1); /* the rest of q took more than one slice */
+    dsv4_check_free(c);
+    batch_free(&b);
+    dsv4_engine_destroy(e);
+  }
+  /* Out of range in the last segment's q, found on arrival: refused, nothing changed. */
+  batch_t x;
+  batch_make(&x, 0, 41, 3, names, starts, lens, nw);
+  x.q[nq - 5] = 0x5D00;
+  dsv4_check_t *c = dsv4_check_create(HEADS, lens, 3);
+  assert_int_equal(dsv4_check_feed(c, x.q, nq / 2, x.kv, 0), 0);
+  assert_int_equal(dsv4_check_feed(c, x.q, nq, x.kv, 0), 1);
+  assert_int_equal(dsv4_check_feed(c, x.q, nq, x.kv, nk), 1);
+  dsv4_engine_t *e = open_engine(backend);
+  x.f.check = c;
+  assert_int_equal(dsv4_engine_forward(e, &x.f), DSV4_ERANGE);
+  assert_int_equal(dsv4_engine_sequences(e), 0);
+  assert_int_equal(dsv4_engine_blocks_free(e), BLOCKS);
+  dsv4_check_free(c);
+  batch_free(&x);
+  dsv4_engine_destroy(e);
+  dsv4_engine_destroy(e0);
+  batch_free(&ref);
+}
+
 int main(int argc, char **argv) {
   int skip = dsv4_test_backend_from_args(argc, argv, &backend);
   if (skip)
@@ -1911,6 +2031,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_in_place_matches_cpu),
       cmocka_unit_test(test_q_half_first),
       cmocka_unit_test(test_q_half_first_beside_flight),
+      cmocka_unit_test(test_check_on_arrival),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

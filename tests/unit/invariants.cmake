@@ -116,7 +116,8 @@ dsv4_inv_broken(inv_determinism_broken_order SOURCE inv_determinism.c
 function(dsv4_inv_engine name macro)
   set(dir ${DSV4_INV_ROOT}/server/engine)
   add_library(${name} STATIC ${dir}/engine.c ${dir}/engine_admin.c ${dir}/engine_attn.c
-                             ${dir}/engine_compress.c ${dir}/engine_restore.c ${dir}/range_check.c)
+                             ${dir}/engine_check.c ${dir}/engine_compress.c ${dir}/engine_restore.c
+                             ${dir}/range_check.c)
   target_include_directories(${name} PUBLIC ${dir} ${XXHASH_INCLUDE_DIR})
   target_link_libraries(${name} PUBLIC dsv4_config dsv4_kvcache dsv4_kernels ${XXHASH_LIBRARY} m)
   target_compile_definitions(${name} PRIVATE ${macro})
