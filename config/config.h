@@ -74,6 +74,7 @@ typedef struct dsv4_config {
   uint32_t direct_answer_bytes;  /* of a forward's answer written by the executor thread */
   uint32_t io_slice_bytes;       /* a connection's read or write in a loop iteration, at most */
   uint32_t bulk_io_bytes;        /* a body's or answer's rest this large moves on its own thread */
+  int check_on_arrival;          /* a forward body's q and kv checked and hashed as they arrive */
   uint64_t sequence_idle_timeout_s;
   int implicit_create; /* 0 or 1 */
   uint64_t header_timeout_ms, body_timeout_ms, idle_timeout_ms, write_timeout_ms;

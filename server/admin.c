@@ -794,16 +794,16 @@ static void on_config(dsv4_req_t *req, void *ctx) {
 
 size_t dsv4_admin_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap) {
   const dsv4_route_t routes[] = {
-      {DSV4_HTTP_GET, "/admin/v1/cache", "admin_cache", 0, 0, on_cache, d, NULL},
-      {DSV4_HTTP_GET, "/admin/v1/sequences", "admin_sequences", 0, 0, on_sequences, d, NULL},
-      {DSV4_HTTP_GET, "/admin/v1/sequences/", "admin_sequence", 0, 0, on_sequence, d, NULL},
+      {DSV4_HTTP_GET, "/admin/v1/cache", "admin_cache", 0, 0, on_cache, d, NULL, NULL},
+      {DSV4_HTTP_GET, "/admin/v1/sequences", "admin_sequences", 0, 0, on_sequences, d, NULL, NULL},
+      {DSV4_HTTP_GET, "/admin/v1/sequences/", "admin_sequence", 0, 0, on_sequence, d, NULL, NULL},
       {DSV4_HTTP_PUT, "/admin/v1/sequences/", "admin_restore",
-       (size_t)dsv4__restore_max_body(d->cfg), 0, dsv4__admin_on_restore, d, NULL},
+       (size_t)dsv4__restore_max_body(d->cfg), 0, dsv4__admin_on_restore, d, NULL, NULL},
       {DSV4_HTTP_DELETE, "/admin/v1/sequences/", "admin_delete", 0, 0, dsv4__admin_on_delete, d,
-       NULL},
-      {DSV4_HTTP_GET, "/admin/v1/checksums", "admin_checksums", 0, 0, on_checksums, d, NULL},
-      {DSV4_HTTP_GET, "/admin/v1/dump", "admin_dump", 0, 0, dsv4__admin_on_dump, d, NULL},
-      {DSV4_HTTP_GET, "/admin/v1/config", "admin_config", 0, 0, on_config, d, NULL},
+       NULL, NULL},
+      {DSV4_HTTP_GET, "/admin/v1/checksums", "admin_checksums", 0, 0, on_checksums, d, NULL, NULL},
+      {DSV4_HTTP_GET, "/admin/v1/dump", "admin_dump", 0, 0, dsv4__admin_on_dump, d, NULL, NULL},
+      {DSV4_HTTP_GET, "/admin/v1/config", "admin_config", 0, 0, on_config, d, NULL, NULL},
   };
   return dsv4_routes_copy(routes, sizeof(routes) / sizeof(routes[0]), out, cap);
 }

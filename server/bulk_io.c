@@ -125,7 +125,10 @@ static void on_ready(uv_poll_t *p, int status, int events) {
       return;
     }
     budget -= (size_t)n < budget ? (size_t)n : budget;
-    if (job_advance(j, (size_t)n)) {
+    const bool all = job_advance(j, (size_t)n);
+    if (!j->writing && j->seen)
+      j->seen(j);
+    if (all) {
       job_finish(j, 0);
       return;
     }

@@ -28,6 +28,8 @@ struct dsv4_bulk_job {
   size_t nb;
   void (*cb)(dsv4_bulk_job_t *job); /* on the loop thread, once, after the fd is closed */
   void *data;
+  /* Optional: on the bulk thread, after each read that brought bytes (done counts them). */
+  void (*seen)(dsv4_bulk_job_t *job);
   /* Results, for the callback. */
   size_t done; /* bytes moved */
   int err;     /* 0 (all moved), UV_EOF (a read met the end), UV_ECANCELED or a negative errno */

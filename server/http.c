@@ -144,6 +144,7 @@ typedef struct {
   /* The body's allocation; pub.body is skew bytes into it once its route's body_skew placed it. */
   uint8_t *body_base;
   bool skew_pending; /* the route places the body and fewer than 8 of its bytes have come */
+  void *watch;       /* the route's watcher of this body (watch_begin), or NULL */
   size_t bytes_out;
   uint64_t t_sent_ns; /* the answer's first bytes went from another thread then (0: from here) */
   bool direct;        /* dsv4_direct_open gave another thread a duplicate of the socket */
@@ -227,6 +228,11 @@ struct conn {
   dsv4_bulk_job_t bulk;
   uv_buf_t bulk_buf;
   bool bulk_out, bulk_timed_out;
+  /* A body's watcher as the bulk thread calls it (on_bulk_seen), copied at the job's start. */
+  void *bulk_watch;
+  void (*bulk_watch_seen)(void *w, const uint8_t *body, size_t have);
+  const uint8_t *bulk_body;
+  size_t bulk_seen_from;
   char peer[64];
 };
 
@@ -336,6 +342,8 @@ static req_t *req_new(conn_t *c) {
 }
 
 static void req_free(req_t *r) {
+  if (r->watch)
+    r->route->watch->end(r->watch);
   if (r->body_free)
     r->body_free(r->body_alloc_arg, r->body_base);
   else
@@ -383,6 +391,13 @@ const char *dsv4_req_peer(const dsv4_req_t *pub) {
 
 int dsv4_req_authenticated(const dsv4_req_t *pub) {
   return req_of(pub)->authed;
+}
+
+void *dsv4_req_take_watch(dsv4_req_t *pub) {
+  req_t *r = req_of(pub);
+  void *w = r->watch;
+  r->watch = NULL;
+  return w;
 }
 
 uint8_t *dsv4_req_take_body(dsv4_req_t *pub, void **alloc) {
@@ -1363,6 +1378,8 @@ static int on_headers_complete(llhttp_t *p) {
       early_error(r, DSV4_ENOMEM, "cannot allocate the request body");
       return -1;
     }
+    if (rt->watch)
+      r->watch = rt->watch->begin(rt->ctx, (size_t)r->content_length);
     const char *expect = dsv4_req_header(q, "Expect");
     if (expect && strcasecmp(expect, "100-continue") == 0)
       send_continue(c);
@@ -1405,6 +1422,8 @@ static int on_body(llhttp_t *p, const char *at, size_t n) {
   if ((const uint8_t *)at != dst)
     memcpy(dst, at, n);
   r->body_received += n;
+  if (r->watch && !r->skew_pending)
+    r->route->watch->seen(r->watch, r->pub.body, r->body_received);
   /* body_timeout_ms is for the whole body, as header_timeout_ms is for the whole head: the timer
    * runs from the end of the headers and is not restarted by each piece, so a body dripped a byte
    * at a time cannot hold its buffer (up to max_body_bytes) for ever. */
@@ -1705,6 +1724,8 @@ static bool bulk_start(conn_t *c, int writing, uv_buf_t *bufs, size_t nb,
   if (uv_fileno(&c->io.handle, &fd) != 0 || (j->fd = dup_counted(&bulk_fds, DSV4_BULK_MAX, fd)) < 0)
     return false;
   j->writing = writing;
+  if (writing)
+    j->seen = NULL;
   j->bufs = bufs;
   j->nb = nb;
   j->cb = cb;
@@ -1754,6 +1775,13 @@ static void on_bulk_read(dsv4_bulk_job_t *j) {
 
 /* A body whose rest is bulk_min bytes or more goes to the bulk thread, once its place is known
  * and no byte of it waits in rbuf. Returns whether it went. */
+/* Bulk thread: the watcher learns of each read as the loop's on_body would tell it (see
+ * body_to_bulk: bulk_seen_from is the body's bytes received before the job). */
+static void on_bulk_seen(dsv4_bulk_job_t *j) {
+  conn_t *c = j->data;
+  c->bulk_watch_seen(c->bulk_watch, c->bulk_body, c->bulk_seen_from + j->done);
+}
+
 static bool body_to_bulk(conn_t *c) {
   const dsv4_server_t *s = c->srv;
   req_t *r = c->req;
@@ -1762,6 +1790,12 @@ static bool body_to_bulk(conn_t *c) {
     return false;
   c->bulk_buf.base = (char *)r->pub.body + r->body_received;
   c->bulk_buf.len = (size_t)(r->content_length - r->body_received);
+  /* What on_bulk_seen reads, set before the job goes (bulk_start hands it over under a lock). */
+  c->bulk_watch = r->watch;
+  c->bulk_watch_seen = r->watch ? r->route->watch->seen : NULL;
+  c->bulk_body = r->pub.body;
+  c->bulk_seen_from = r->body_received;
+  c->bulk.seen = r->watch ? on_bulk_seen : NULL;
   if (!bulk_start(c, 0, &c->bulk_buf, 1, on_bulk_read))
     return false;
   if (c->reading) {

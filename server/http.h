@@ -62,6 +62,9 @@ int dsv4_req_authenticated(const dsv4_req_t *req);
 /* Take ownership of the body; req->body becomes NULL. *alloc receives the allocation that holds it
  * (the body itself, or where a route's body_skew placed it inside): free that with the listener's
  * body_free hook (dsv4_server_config_t), or with free() when the listener has none. */
+/* The body's watcher (dsv4_route_t.watch_begin), from here on the caller's to free; NULL if none.
+ */
+void *dsv4_req_take_watch(dsv4_req_t *req);
 uint8_t *dsv4_req_take_body(dsv4_req_t *req, void **alloc);
 /* The method's name ("GET", ...), for logs. */
 const char *dsv4_req_method_name(const dsv4_req_t *req);
@@ -163,6 +166,19 @@ void dsv4_respond_stream_end(dsv4_req_t *req);
 
 typedef void (*dsv4_handler_fn)(dsv4_req_t *req, void *ctx);
 
+/*
+ * A watcher of a route's bodies as they arrive: begin(ctx, content_length) once the headers are in
+ * (it may answer NULL: none for this body); seen(w, body, have) each time reads have brought the
+ * body's first `have` bytes, once the body is in its place: on the loop thread, or on the bulk
+ * thread for the part that thread reads, never on both at once, always before the handler; end(w)
+ * frees it, unless the handler took it (dsv4_req_take_watch).
+ */
+typedef struct {
+  void *(*begin)(void *ctx, size_t content_length);
+  void (*seen)(void *w, const uint8_t *body, size_t have);
+  void (*end)(void *w);
+} dsv4_body_watch_t;
+
 typedef struct {
   unsigned methods;  /* DSV4_HTTP_* mask */
   const char *path;  /* exact path, or a prefix when it ends with '/' */
@@ -176,6 +192,8 @@ typedef struct {
    * (the forward route: its safetensors data section, which the CUDA backend's launches read in
    * place). Called once per body of 8 bytes or more, before the handler. */
   size_t (*body_skew)(const uint8_t *first8);
+  /* Optional (NULL: none): a watcher of the body as it arrives. */
+  const dsv4_body_watch_t *watch;
 } dsv4_route_t;
 
 typedef struct {

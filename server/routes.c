@@ -17,6 +17,7 @@
 #include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
+#include "forward_arrival.h"
 #include "forward_parse.h"
 #include "log.h"
 #include "pinned_pool.h"
@@ -55,9 +56,10 @@ typedef struct {
   dsv4_req_t *req;              /* the HTTP request answered, or NULL for a region request */
   dsv4_region_forward_t region; /* a region request's outputs and who is told (region.c) */
   uint8_t *body;
-  void *body_alloc;     /* what holds body (dsv4_req_take_body): freed once the answer is made */
-  dsv4_forward_req_t p; /* the parsed body; f's inputs point into it */
-  uint64_t deadline_ns; /* 0 = none */
+  void *body_alloc;        /* what holds body (dsv4_req_take_body): freed once the answer is made */
+  dsv4_forward_req_t p;    /* the parsed body; f's inputs point into it */
+  dsv4_arrival_t *arrival; /* the body's watcher (check_on_arrival), or NULL */
+  uint64_t deadline_ns;    /* 0 = none */
   dsv4_forward_t f;
   uint8_t *out;   /* q_out, slots, then attn and lse when asked: one aligned allocation */
   uint64_t *keys; /* the executor's keys: one per segment */
@@ -76,6 +78,8 @@ typedef struct {
 
 static void fwd_free(fwd_job_t *j) {
   dsv4_direct_close(&j->direct);
+  dsv4_arrival_end(j->arrival);
+  dsv4_check_free(j->f.check);
   free(j->ans_hdr);
   dsv4_forward_release(&j->f);
   json_decref(j->err_details);
@@ -456,11 +460,21 @@ static int fwd_setup(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) 
 static int fwd_prepare(dsv4_daemon_t *d, fwd_job_t *j, char *why, size_t why_len) {
   const dsv4_config_t *cfg = d->cfg;
   const dsv4_forward_limits_t lim = dsv4_forward_limits(d);
-  int rc = dsv4_forward_parse(j->body, j->req->body_len, &lim, &j->p, why, why_len);
+  int rc;
+  /* The header as its watcher parsed it when it came (the same view over the same bytes). */
+  memset(&j->p, 0, sizeof(j->p));
+  if (dsv4_arrival_take_view(j->arrival, j->body, j->req->body_len, &j->p.view))
+    rc = dsv4_forward_parse_view(&lim, &j->p, why, why_len);
+  else
+    rc = dsv4_forward_parse(j->body, j->req->body_len, &lim, &j->p, why, why_len);
   if (!rc)
     rc = fwd_setup(d, j, why, why_len);
   if (rc)
     return rc;
+  /* What its watcher checked and hashed as the body came, for the engine to resume. */
+  j->f.check = dsv4_arrival_take_check(j->arrival, &j->p);
+  if (j->f.check)
+    dsv4_metric_add(d->m_arrival_bytes, NULL, (double)dsv4_check_fed_bytes(j->f.check));
   int attend = j->p.want_attn || j->p.want_lse;
   /* q_out, slots, attn and lse, each from a 64-byte boundary. attn is the kernel's output even
    * when only lse is asked for. */
@@ -539,6 +553,7 @@ static void on_forward(dsv4_req_t *req, void *ctx) {
   j->req = req;
   j->direct.fd = -1; /* none opened (dsv4_direct_close is then a no-op) */
   j->body = dsv4_req_take_body(req, &j->body_alloc);
+  j->arrival = dsv4_req_take_watch(req);
   j->job.run = fwd_run;
   j->job.done = fwd_done;
   j->job.begin = fwd_begin;
@@ -880,6 +895,10 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                              "Forward answers whose first bytes the executor's thread wrote to the "
                              "socket itself, as soon as each was made (direct_answer_bytes).",
                              NULL, 0, &d->m_direct_answers);
+  rc |= dsv4_metrics_counter(m, "dsv4d_arrival_checked_bytes_total",
+                             "Bytes of forward bodies' q and kv range-checked and hashed by the "
+                             "thread that read them, as they arrived (check_on_arrival).",
+                             NULL, 0, &d->m_arrival_bytes);
   rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
                            "Forward batches waiting in the executor (not running) by class.", cls,
                            1, &d->m_queued);
@@ -897,6 +916,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   dsv4_metric_add(d->m_prefill_chunks, NULL, 0);
   dsv4_metric_add(d->m_inline_batches, NULL, 0);
   dsv4_metric_add(d->m_direct_answers, NULL, 0);
+  dsv4_metric_add(d->m_arrival_bytes, NULL, 0);
   dsv4_metrics_set_collect(m, collect, d);
   return 0;
 }
@@ -911,14 +931,32 @@ static size_t forward_body_skew(const uint8_t *first8) {
   return (64 - (size_t)((8 + hlen) & 63)) & 63;
 }
 
+/* The forward route's body watcher (check_on_arrival): forward_arrival.h. */
+static void *forward_watch_begin(void *ctx, size_t content_length) {
+  const dsv4_forward_limits_t lim = dsv4_forward_limits(ctx);
+  return dsv4_arrival_begin(&lim, content_length);
+}
+
+static void forward_watch_seen(void *w, const uint8_t *body, size_t have) {
+  dsv4_arrival_seen(w, body, have);
+}
+
+static void forward_watch_end(void *w) {
+  dsv4_arrival_end(w);
+}
+
+static const dsv4_body_watch_t forward_watch = {forward_watch_begin, forward_watch_seen,
+                                                forward_watch_end};
+
 size_t dsv4_data_routes(dsv4_daemon_t *d, dsv4_route_t *out, size_t cap) {
   const dsv4_route_t routes[] = {
       {DSV4_HTTP_POST, "/v1/forward", "forward", d->cfg->max_body_bytes_effective, 0, on_forward, d,
-       forward_body_skew},
-      {DSV4_HTTP_GET | DSV4_HTTP_DELETE, "/v1/sequences/", "sequences", 0, 0, on_sequence, d, NULL},
-      {DSV4_HTTP_GET, "/healthz", "healthz", 0, 1, on_healthz, d, NULL},
-      {DSV4_HTTP_GET, "/readyz", "readyz", 0, 1, on_readyz, d, NULL},
-      {DSV4_HTTP_GET, "/metrics", "metrics", 0, 1, on_metrics, d, NULL},
+       forward_body_skew, d->cfg->check_on_arrival ? &forward_watch : NULL},
+      {DSV4_HTTP_GET | DSV4_HTTP_DELETE, "/v1/sequences/", "sequences", 0, 0, on_sequence, d, NULL,
+       NULL},
+      {DSV4_HTTP_GET, "/healthz", "healthz", 0, 1, on_healthz, d, NULL, NULL},
+      {DSV4_HTTP_GET, "/readyz", "readyz", 0, 1, on_readyz, d, NULL, NULL},
+      {DSV4_HTTP_GET, "/metrics", "metrics", 0, 1, on_metrics, d, NULL, NULL},
   };
   return dsv4_routes_copy(routes, sizeof(routes) / sizeof(routes[0]), out, cap);
 }

@@ -136,6 +136,7 @@ void dsv4__engine_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t
 dsv4_check_t *dsv4__check_take(dsv4_check_t *given, uint32_t heads, const dsv4_forward_t *f,
                                dsv4_check_t **own);
 int dsv4__check_bad(const dsv4_check_t *c);
+int dsv4__check_all_fed(const dsv4_check_t *c); /* every segment's q and kv are in */
 int dsv4__check_seg_done(const dsv4_check_t *c, uint32_t s);
 int dsv4__check_seg_feed(dsv4_check_t *c, uint32_t s, const uint16_t *q, const uint16_t *kv,
                          size_t *budget, void **st);

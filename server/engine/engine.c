@@ -808,8 +808,11 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
     if (round) {
       batch_yield(e, f);
     }
-    /* One segment (a prefill's usual shape) runs on this thread: no pool hand-off per round. */
-    if (e->be->ops->host_parallel && f->n_segs > 1)
+    /* One segment (a prefill's usual shape) runs on this thread: no pool hand-off per round; nor
+     * do digests alone, where the batch's arrival checked all of q and kv and no compressed rows
+     * follow. */
+    const int digests_only = dsv4__check_all_fed(c) && !v->ratio;
+    if (e->be->ops->host_parallel && f->n_segs > 1 && !digests_only)
       e->be->ops->host_parallel(e->be, validate_slices, &j, f->n_segs);
     else
       validate_slices(&j, 0, f->n_segs);

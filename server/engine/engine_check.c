@@ -173,6 +173,10 @@ int dsv4__check_bad(const dsv4_check_t *c) {
   return c->bad;
 }
 
+int dsv4__check_all_fed(const dsv4_check_t *c) {
+  return c->open == c->n_segs;
+}
+
 int dsv4__check_seg_done(const dsv4_check_t *c, uint32_t s) {
   return c->seg[s].done;
 }
