@@ -5,7 +5,9 @@
  * body must satisfy everything the engine relies on; a refused one must say why, the same way
  * however short the message buffer; and dsv4_forward_req_free must release everything
  * (LeakSanitizer). The input is also read as a segments text, by the fast reader and by the JSON
- * parser, which must agree.
+ * parser, which must agree. And the body is fed to its arrival watcher (forward_arrival.h) cut in
+ * pieces, as reads would bring it: the header the watcher keeps parses to the same answer, and
+ * a check it hands over covers q and kv whole unless a value was out of range.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -15,6 +17,7 @@
 #include "decimal.h"
 #include "dsv4-error.h"
 #include "dsv4-layout.h"
+#include "forward_arrival.h"
 #include "forward_parse.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -154,6 +157,41 @@ static void check_segments(const uint8_t *data, size_t size) {
   free(text);
 }
 
+/* The body fed to its watcher in pieces of 1..4096 bytes (cut by an LCG seeded from the body): the
+ * view it keeps parses as the body does (rc, the first parse's answer), and its check covers every
+ * byte of q and kv or stopped at a value out of range. */
+static void check_arrival(const uint8_t *buf, size_t size, int rc) {
+  dsv4_arrival_t *a = dsv4_arrival_begin(&limits, size);
+  CHECK(a);
+  uint64_t x = size * 0x9E3779B97F4A7C15ull + (size ? buf[size / 2] : 0);
+  for (size_t have = 0; have < size;) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    const size_t step = 1 + (size_t)(x >> 33) % 4096;
+    have = step < size - have ? have + step : size;
+    dsv4_arrival_seen(a, buf, have);
+  }
+  dsv4_forward_req_t r;
+  char msg[320];
+  memset(&r, 0, sizeof(r));
+  int rc2;
+  if (dsv4_arrival_take_view(a, buf, size, &r.view))
+    rc2 = dsv4_forward_parse_view(&limits, &r, msg, sizeof(msg));
+  else
+    rc2 = dsv4_forward_parse(buf, size, &limits, &r, msg, sizeof(msg));
+  CHECK(rc2 == rc);
+  dsv4_check_t *c = rc2 == 0 ? dsv4_arrival_take_check(a, &r) : NULL;
+  if (c) {
+    CHECK(!r.q_copy && !r.kv_copy);
+    const int bad = dsv4_bf16_any_out_of_range(r.q, r.q_bytes / 2) ||
+                    dsv4_bf16_any_out_of_range(r.kv, r.kv_bytes / 2);
+    CHECK(bad || dsv4_check_fed_bytes(c) == r.q_bytes + r.kv_bytes);
+    CHECK(dsv4_check_feed(c, r.q, r.q_bytes / 2, r.kv, r.kv_bytes / 2) == bad);
+    dsv4_check_free(c);
+  }
+  dsv4_forward_req_free(&r);
+  dsv4_arrival_end(a);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* A private copy, so reads past the end are caught by ASan whatever libFuzzer's buffer is. */
   uint8_t *buf = malloc(size ? size : 1);
@@ -185,6 +223,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     CHECK(r2.n_tokens == r.n_tokens && r2.n_segs == r.n_segs && r2.layer == r.layer);
   }
   dsv4_forward_req_free(&r2);
+  check_arrival(buf, size, rc);
 
   dsv4_forward_req_free(&r);
   /* Released means emptied: a second free is harmless. */
