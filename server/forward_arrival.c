@@ -6,21 +6,27 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decimal.h"
 #include "dsv4-layout.h"
 
 enum { WAIT_HEADER, FEEDING, OFF };
 
+/* The tensors a check reads, in its order (engine.h). */
+static const char *const names[DSV4_CHECK_TENSORS] = {"q", "kv", "ckv", "ikv", "iq", "iw"};
+
 struct dsv4_arrival {
   int state;
   size_t content_length;
-  uint32_t heads, max_tokens, max_segments;
+  dsv4_forward_limits_t lim;
   dsv4_st_view_t view; /* the header's, over the whole body (view_ok) */
   int view_ok;
-  const uint8_t *body;    /* where the view was parsed */
-  dsv4_check_t *check;    /* FEEDING: over q and kv */
-  const uint16_t *q, *kv; /* their data in the body */
-  size_t q_at, kv_at;     /* their first byte's offset in the body */
-  size_t q_vals, kv_vals; /* their bf16 values */
+  const uint8_t *body;                  /* where the view was parsed */
+  dsv4_check_t *check;                  /* FEEDING: over the tensors */
+  int n_t;                              /* how many of them the layer's body carries */
+  const void *data[DSV4_CHECK_TENSORS]; /* their data in the body */
+  size_t at[DSV4_CHECK_TENSORS];        /* their first byte's offset in the body */
+  size_t vals[DSV4_CHECK_TENSORS];      /* their values */
+  size_t size[DSV4_CHECK_TENSORS];      /* bytes a value */
 };
 
 dsv4_arrival_t *dsv4_arrival_begin(const dsv4_forward_limits_t *lim, size_t content_length) {
@@ -28,9 +34,7 @@ dsv4_arrival_t *dsv4_arrival_begin(const dsv4_forward_limits_t *lim, size_t cont
   if (!a)
     return NULL;
   a->content_length = content_length;
-  a->heads = lim->heads;
-  a->max_tokens = lim->max_batch_tokens;
-  a->max_segments = lim->max_segments;
+  a->lim = *lim;
   return a;
 }
 
@@ -43,59 +47,94 @@ void dsv4_arrival_end(dsv4_arrival_t *a) {
   free(a);
 }
 
-/* q [N, heads, 512] and kv [N, 512] in BF16, 2-aligned, N in 1..max_tokens: their N, else 0. */
-static uint32_t tensors_followed(const dsv4_arrival_t *a, const dsv4_st_tensor_t *q,
-                                 const dsv4_st_tensor_t *kv) {
-  if (!q || !kv || q->dtype != DSV4_ST_BF16 || kv->dtype != DSV4_ST_BF16 || q->ndim != 3 ||
-      kv->ndim != 2 || ((uintptr_t)q->data & 1) || ((uintptr_t)kv->data & 1))
+/* Tensor k of a batch of N tokens as the check reads it in place: its dtype, its shape and its
+ * data aligned to its values (the parse copies what is not, elsewhere). */
+static int tensor_followed(const dsv4_st_tensor_t *t, int k, int64_t n,
+                           const dsv4_check_shape_t *sh) {
+  static const int ndims[DSV4_CHECK_TENSORS] = {3, 2, 2, 2, 3, 2};
+  static const int f32[DSV4_CHECK_TENSORS] = {0, 0, 1, 1, 0, 1};
+  const int64_t ih = sh->index_heads;
+  const int64_t shapes[DSV4_CHECK_TENSORS][3] = {{n, sh->heads, DSV4_HEAD_DIM},
+                                                 {n, DSV4_HEAD_DIM},
+                                                 {n, sh->ratio == 4 ? 2048 : 1024},
+                                                 {n, 512},
+                                                 {n, ih, 128},
+                                                 {n, ih}};
+  if (!t || t->dtype != (f32[k] ? DSV4_ST_F32 : DSV4_ST_BF16) || t->ndim != ndims[k] ||
+      ((uintptr_t)t->data & (f32[k] ? 3u : 1u)))
     return 0;
-  const int64_t n = q->shape[0];
-  if (n < 1 || n > (int64_t)a->max_tokens || q->shape[1] != a->heads ||
-      q->shape[2] != DSV4_HEAD_DIM || kv->shape[0] != n || kv->shape[1] != DSV4_HEAD_DIM)
+  for (int i = 0; i < ndims[k]; i++)
+    if (t->shape[i] != shapes[k][i])
+      return 0;
+  return 1;
+}
+
+/* The check's shape and N from the view: the layer's ratio as the engine runs it, q's N within the
+ * limits and every tensor the layer takes followed; else 0. */
+static uint32_t shape_of(const dsv4_arrival_t *a, dsv4_check_shape_t *sh) {
+  const dsv4_st_tensor_t *q = dsv4_st_find(&a->view, "q");
+  const char *layer_s = dsv4_st_meta(&a->view, "layer");
+  uint64_t layer;
+  if (!q || q->ndim < 1 || q->shape[0] < 1 || q->shape[0] > (int64_t)a->lim.max_batch_tokens ||
+      !layer_s || dsv4_parse_decimal(layer_s, strlen(layer_s), UINT32_MAX, &layer))
     return 0;
-  return (uint32_t)n;
+  sh->heads = a->lim.heads;
+  sh->ratio = a->lim.layer_ratio ? a->lim.layer_ratio(a->lim.layer_arg, (uint32_t)layer) : 0;
+  sh->index_heads = a->lim.index_heads;
+  const int n_t = dsv4_check_tensors(sh->ratio);
+  for (int k = 0; k < n_t; k++)
+    if (!tensor_followed(dsv4_st_find(&a->view, names[k]), k, q->shape[0], sh))
+      return 0;
+  return (uint32_t)q->shape[0];
+}
+
+/* The segments' lengths from the view, adding up to n: a check for them, or NULL. */
+static dsv4_check_t *check_of(const dsv4_arrival_t *a, const dsv4_check_shape_t *sh, uint32_t n) {
+  const char *segs_s = dsv4_st_meta(&a->view, "segments");
+  dsv4_forward_req_t r;
+  dsv4_check_t *c = NULL;
+  char why[8];
+  uint32_t *lens = NULL;
+  uint64_t total = 0;
+  memset(&r, 0, sizeof(r));
+  if (segs_s && dsv4__forward_segments(segs_s, a->lim.max_segments, 1, &r, why, sizeof(why)) == 0 &&
+      (lens = malloc(r.n_segs * sizeof(uint32_t))) != NULL) {
+    for (uint32_t s = 0; s < r.n_segs; s++)
+      total += lens[s] = r.segs[s].len;
+    if (total == n)
+      c = dsv4_check_create(sh, lens, r.n_segs);
+  }
+  free(lens);
+  dsv4_forward_req_free(&r);
+  return c;
 }
 
 /* The header is in: its view over the whole body, and the check when the body can be followed. */
 static void header_in(dsv4_arrival_t *a, const uint8_t *body) {
+  dsv4_check_shape_t sh;
   a->state = OFF;
   if (dsv4_st_parse(body, a->content_length, &a->view) != 0)
     return;
   a->view_ok = 1;
   a->body = body;
-  const dsv4_st_tensor_t *q = dsv4_st_find(&a->view, "q"), *kv = dsv4_st_find(&a->view, "kv");
-  const uint32_t n = tensors_followed(a, q, kv);
-  const char *segs_s = dsv4_st_meta(&a->view, "segments");
-  if (!n || !segs_s)
+  const uint32_t n = shape_of(a, &sh);
+  if (!n || !(a->check = check_of(a, &sh, n)))
     return;
-  dsv4_forward_req_t r;
-  char why[8];
-  memset(&r, 0, sizeof(r));
-  uint32_t *lens = NULL;
-  uint64_t total = 0;
-  if (dsv4__forward_segments(segs_s, a->max_segments, 1, &r, why, sizeof(why)) == 0 &&
-      (lens = malloc(r.n_segs * sizeof(uint32_t))) != NULL) {
-    for (uint32_t s = 0; s < r.n_segs; s++)
-      total += lens[s] = r.segs[s].len;
-    if (total == n)
-      a->check = dsv4_check_create(a->heads, lens, r.n_segs);
+  a->n_t = dsv4_check_tensors(sh.ratio);
+  for (int k = 0; k < a->n_t; k++) {
+    const dsv4_st_tensor_t *t = dsv4_st_find(&a->view, names[k]);
+    a->data[k] = t->data;
+    a->at[k] = (size_t)(t->data - body);
+    a->size[k] = dsv4_st_dtype_size(t->dtype);
+    a->vals[k] = t->nbytes / a->size[k];
   }
-  free(lens);
-  dsv4_forward_req_free(&r);
-  if (!a->check)
-    return;
-  a->q = (const uint16_t *)(const void *)q->data;
-  a->kv = (const uint16_t *)(const void *)kv->data;
-  a->q_at = (size_t)(q->data - body);
-  a->kv_at = (size_t)(kv->data - body);
-  a->q_vals = q->nbytes / 2;
-  a->kv_vals = kv->nbytes / 2;
   a->state = FEEDING;
 }
 
-/* Whole bf16 values of a tensor at `at` of `vals` values that the body's first have bytes hold. */
-static size_t values_in(size_t at, size_t vals, size_t have) {
-  const size_t v = have <= at ? 0 : (have - at) / 2;
+/* Whole values of a tensor at `at` of `vals` values of `size` bytes that the first have bytes hold.
+ */
+static size_t values_in(size_t at, size_t vals, size_t size, size_t have) {
+  const size_t v = have <= at ? 0 : (have - at) / size;
   return v < vals ? v : vals;
 }
 
@@ -116,8 +155,10 @@ void dsv4_arrival_seen(dsv4_arrival_t *a, const uint8_t *body, size_t have) {
   }
   if (a->state != FEEDING)
     return;
-  if (dsv4_check_feed(a->check, a->q, values_in(a->q_at, a->q_vals, have), a->kv,
-                      values_in(a->kv_at, a->kv_vals, have)))
+  size_t in[DSV4_CHECK_TENSORS];
+  for (int k = 0; k < a->n_t; k++)
+    in[k] = values_in(a->at[k], a->vals[k], a->size[k], have);
+  if (dsv4_check_feed(a->check, a->data, in))
     a->state = OFF; /* out of range: the engine refuses the batch from the check */
 }
 
@@ -132,8 +173,12 @@ int dsv4_arrival_take_view(dsv4_arrival_t *a, const uint8_t *body, size_t len,
 }
 
 dsv4_check_t *dsv4_arrival_take_check(dsv4_arrival_t *a, const dsv4_forward_req_t *p) {
-  if (!a || !a->check || p->q != a->q || p->kv != a->kv)
+  const void *got[DSV4_CHECK_TENSORS] = {p->q, p->kv, p->ckv, p->ikv, p->iq, p->iw};
+  if (!a || !a->check || a->n_t != dsv4_check_tensors(p->ratio))
     return NULL;
+  for (int k = 0; k < a->n_t; k++)
+    if (got[k] != a->data[k])
+      return NULL;
   dsv4_check_t *c = a->check;
   a->check = NULL;
   return c;

@@ -127,31 +127,30 @@ void dsv4__engine_attn_args(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t
                             const dsv4_map_args_t *ma, dsv4_attn_args_t *aa);
 
 /*
- * A batch's range check and replay hashes (engine_check.c), as the validation runs them. take: the
- * batch's state, given (f->check) when it was begun for these segments and heads and never taken
- * before, else a new one kept in *own for the caller to free (NULL: no memory). seg_feed: segment
- * s's next values of q, then kv, at most *budget (q, kv: the batch's); *st its XXH3 state once its
- * q and kv are all in, for the compressed rows and the digest; 1 on a value out of range.
+ * A batch's range checks and replay hashes (engine_check.c), as the validation runs them. take: the
+ * batch's state, given (f->check) when it was begun for these segments and this shape and never
+ * taken before, else a new one kept in *own for the caller to free (NULL: no memory). bad: 1 when
+ * the arrival met a value out of range, its tensor's name in *tensor. seg_feed: segment s's next
+ * values, at most *budget bytes (data: the batch's tensors in the check's order); once all of its
+ * rows are in, or on a value out of range (1, its tensor's name in *bad), the segment is finished,
+ * and when all went in its digest is in *digest. Segments may be fed on several threads at once.
  */
-dsv4_check_t *dsv4__check_take(dsv4_check_t *given, uint32_t heads, const dsv4_forward_t *f,
-                               dsv4_check_t **own);
-int dsv4__check_bad(const dsv4_check_t *c);
-int dsv4__check_all_fed(const dsv4_check_t *c); /* every segment's q and kv are in */
-int dsv4__check_seg_done(const dsv4_check_t *c, uint32_t s);
-int dsv4__check_seg_feed(dsv4_check_t *c, uint32_t s, const uint16_t *q, const uint16_t *kv,
-                         size_t *budget, void **st);
-void dsv4__check_seg_finish(dsv4_check_t *c, uint32_t s);
+dsv4_check_t *dsv4__check_take(dsv4_check_t *given, const dsv4_check_shape_t *sh,
+                               const dsv4_forward_t *f, dsv4_check_t **own);
+int dsv4__check_bad(const dsv4_check_t *c, const char **tensor);
+int dsv4__check_all_fed(const dsv4_check_t *c); /* every segment's rows are in */
+int dsv4__check_seg_finished(const dsv4_check_t *c, uint32_t s);
+int dsv4__check_seg_feed(dsv4_check_t *c, uint32_t s, const void *const *data, size_t *budget,
+                         uint64_t *digest, const char **bad);
 
 /*
- * The compressed branch (engine_compress.c): set-up and teardown; per batch, the range check and
- * the replay hash of the branch's tensors (DSV4_ERANGE with f->bad_tensor), the RoPE rows its
- * emissions use, the plan's per-segment arrays, the compress and indexer launches after the insert,
- * the union arguments of the attention, and the forward digest's entries.
+ * The compressed branch (engine_compress.c): set-up and teardown; per batch (its tensors' range
+ * checks and replay hashes are engine_check.c's), the RoPE rows its emissions use, the plan's
+ * per-segment arrays, the compress and indexer launches after the insert, the union arguments of
+ * the attention, and the forward digest's entries.
  */
 int dsv4__engine_c_setup(dsv4_engine_t *e, char *why, size_t why_len);
 void dsv4__engine_c_destroy(dsv4_engine_t *e);
-int dsv4__engine_c_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4_forward_t *f,
-                              uint32_t tok_off, uint32_t len, void *xxh3_state, const char **bad);
 int dsv4__engine_c_prepare(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
 void dsv4__engine_c_plan(dsv4_engine_t *e, uint32_t idx, const dsv4_forward_t *f);
 /* The view of tokens t0.. of a batch run in chunks: the branch's tensors of v (a copy of f whose

@@ -746,35 +746,28 @@ static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
 
 static void batch_yield(dsv4_engine_t *e, dsv4_forward_t *f);
 
-/* A validation slice: the bytes of q (then kv) one segment checks and hashes between two yields. */
+/* A validation slice: the bytes of a segment's tensors one round checks and hashes between two
+ * yields. */
 #define VALIDATE_SLICE ((size_t)2 << 20)
 
 typedef struct {
   validate_job_t *v;
   dsv4_check_t *c;
-  size_t slice; /* bf16 values of q or kv a segment takes in one round */
+  const void *data[DSV4_CHECK_TENSORS]; /* the batch's tensors, in the check's order */
+  size_t slice;                         /* bytes a segment takes in one round */
 } sliced_job_t;
 
-/* Each unfinished segment's next slice of q, then kv, then the compressed rows and the digest: a
+/* Each unfinished segment's next slice of its tensors' rows, and its digest once all are in: a
  * segment that fits one slice is done in the first round. */
 static void validate_slices(void *arg, size_t first, size_t last) {
   sliced_job_t *j = arg;
   validate_job_t *v = j->v;
   for (size_t s = first; s < last; s++) {
-    if (dsv4__check_seg_done(j->c, (uint32_t)s))
+    if (dsv4__check_seg_finished(j->c, (uint32_t)s))
       continue;
-    dsv4_seg_req_t *sg = &v->f->segs[s];
     const char *bad = NULL;
     size_t budget = j->slice;
-    void *st = NULL;
-    int rc = dsv4__check_seg_feed(j->c, (uint32_t)s, v->f->q, v->f->kv, &budget, &st);
-    if (!rc && st) {
-      rc = dsv4__engine_c_check_hash(v->e, v->ratio, v->f, v->tok_off[s], sg->len, st, &bad);
-      sg->hash = XXH3_64bits_digest(st);
-      dsv4__check_seg_finish(j->c, (uint32_t)s);
-    }
-    if (rc) {
-      dsv4__check_seg_finish(j->c, (uint32_t)s);
+    if (dsv4__check_seg_feed(j->c, (uint32_t)s, j->data, &budget, &v->f->segs[s].hash, &bad)) {
       atomic_store_explicit(&v->bad, 1, memory_order_relaxed);
       if (bad)
         atomic_store_explicit(&v->bad_tensor, bad, memory_order_relaxed);
@@ -783,7 +776,7 @@ static void validate_slices(void *arg, size_t first, size_t last) {
 }
 
 /*
- * The range check and hashes of every segment, spread over the backend's host threads, resumed
+ * The range checks and hashes of every segment, spread over the backend's host threads, resumed
  * from f->check where the batch's arrival began them (engine_check.c). A batch that runs in chunks
  * (a prefill) takes them in rounds of one slice per segment (VALIDATE_SLICE), the batch's yield
  * hook between two rounds: a decode that arrives while a long segment is checked waits for one
@@ -792,30 +785,33 @@ static void validate_slices(void *arg, size_t first, size_t last) {
  */
 static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t *v,
                              int in_slices) {
-  dsv4_check_t *own;
-  dsv4_check_t *c = dsv4__check_take(f->check, e->p.heads, f, &own);
+  const dsv4_check_shape_t sh = {e->p.heads, v->ratio, e->p.model->index_n_heads};
+  dsv4_check_t *own, *c = dsv4__check_take(f->check, &sh, f, &own);
+  const char *tensor;
   if (!c)
     return DSV4_ENOMEM;
-  if (dsv4__check_bad(c))
+  if (dsv4__check_bad(c, &tensor)) {
     atomic_store(&v->bad, 1);
-  sliced_job_t j = {v, c, in_slices ? VALIDATE_SLICE / 2 : SIZE_MAX};
+    atomic_store(&v->bad_tensor, tensor);
+  }
+  sliced_job_t j = {
+      v, c, {f->q, f->kv, f->ckv, f->ikv, f->iq, f->iw}, in_slices ? VALIDATE_SLICE : SIZE_MAX};
+  /* One segment (a prefill's usual shape) runs on this thread: no pool hand-off per round; nor do
+   * digests alone, where the batch's arrival checked every row. */
+  const int here = f->n_segs == 1 || !e->be->ops->host_parallel || dsv4__check_all_fed(c);
   for (int round = 0;; round++) {
     int left = 0;
     for (uint32_t s = 0; s < f->n_segs && !left; s++)
-      left = !dsv4__check_seg_done(c, s);
+      left = !dsv4__check_seg_finished(c, s);
     if (!left || atomic_load(&v->bad))
       break;
     if (round) {
       batch_yield(e, f);
     }
-    /* One segment (a prefill's usual shape) runs on this thread: no pool hand-off per round; nor
-     * do digests alone, where the batch's arrival checked all of q and kv and no compressed rows
-     * follow. */
-    const int digests_only = dsv4__check_all_fed(c) && !v->ratio;
-    if (e->be->ops->host_parallel && f->n_segs > 1 && !digests_only)
-      e->be->ops->host_parallel(e->be, validate_slices, &j, f->n_segs);
-    else
+    if (here)
       validate_slices(&j, 0, f->n_segs);
+    else
+      e->be->ops->host_parallel(e->be, validate_slices, &j, f->n_segs);
   }
   dsv4_check_free(own);
   return 0;

@@ -94,19 +94,28 @@ enum {
 };
 
 /*
- * A batch's range check and replay hashes (SPEC §4: per segment, XXH3 of its q, then its kv, then
- * its compressed rows), begun before the batch runs: fed as its body arrives, so that the engine's
- * validation finds them done, or as far as they got, and resumes them. create: for segments of
- * seg_len[i] tokens (n_segs >= 1) and q rows of heads * 512 values; NULL when out of memory or
- * the lengths add up past 2^32 - 1. feed: what is in since the last call, the first q_vals bf16
- * values of the batch's q and the first kv_vals of its kv (neither more than the batch has); a
- * segment's kv goes in after all of its q, so kv may come first. Returns 1 once a value is out of
- * range, after which nothing more is fed. Any one thread at a time, until handed to the engine.
+ * A batch's range checks and replay hashes (SPEC §4: per segment, XXH3 of its q, then its kv, then
+ * on a compressed layer its rows of ckv, ikv, iq and iw, §8.8), begun before the batch runs: fed as
+ * its body arrives, so that the engine's validation finds them done, or as far as they got, and
+ * resumes them. The tensors, in that order: q and kv; ckv at ratio 128; ckv, ikv, iq and iw at
+ * ratio 4 (dsv4_check_tensors of them). create: for segments of seg_len[i] tokens (n_segs >= 1) of
+ * a batch of this shape; NULL when out of memory or the lengths add up past 2^32 - 1. feed: what is
+ * in since the last call, the first vals[k] values of tensor k at data[k] (no more than the batch
+ * has); a segment's rows of a tensor go in after all of its rows of the tensors before it, so they
+ * may come in any order. Returns 1 once a value is out of range, after which nothing more is fed.
+ * Any one thread at a time, until handed to the engine.
  */
+#define DSV4_CHECK_TENSORS 6
+typedef struct {
+  uint32_t heads;
+  uint32_t ratio;       /* the layer's compressed branch as the engine runs it (0: none) */
+  uint32_t index_heads; /* ratio 4: iq [N, index_heads, 128], iw [N, index_heads] */
+} dsv4_check_shape_t;
 typedef struct dsv4_check dsv4_check_t;
-dsv4_check_t *dsv4_check_create(uint32_t heads, const uint32_t *seg_len, uint32_t n_segs);
-int dsv4_check_feed(dsv4_check_t *c, const uint16_t *q, size_t q_vals, const uint16_t *kv,
-                    size_t kv_vals);
+int dsv4_check_tensors(uint32_t ratio);
+dsv4_check_t *dsv4_check_create(const dsv4_check_shape_t *sh, const uint32_t *seg_len,
+                                uint32_t n_segs);
+int dsv4_check_feed(dsv4_check_t *c, const void *const *data, const size_t *vals);
 size_t dsv4_check_fed_bytes(const dsv4_check_t *c); /* bytes checked and hashed by feed */
 void dsv4_check_free(dsv4_check_t *c);
 
@@ -137,8 +146,9 @@ typedef struct {
   const float *iw;
   int32_t *topk;          /* ratio 4: [n_tokens, index_topk] the indexer's selection out, or NULL */
   const char *bad_tensor; /* on DSV4_ERANGE: the tensor holding the value */
-  /* The range check and hashes begun over q and kv as they arrived, or NULL. Used when its segments
-   * and heads are the batch's (else the engine begins its own); the caller's to free afterwards. */
+  /* The range checks and hashes begun over the batch's tensors as they arrived, or NULL. Used when
+   * its segments and shape are the batch's (else the engine begins its own); the caller's to free
+   * afterwards. */
   dsv4_check_t *check;
   /*
    * Chunking (a prefill): when set and the batch has more than prefill_chunk_tokens tokens, the

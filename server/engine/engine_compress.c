@@ -1,11 +1,12 @@
 /*
  * The compressed branch in the engine (SPEC §8): which served layers run it, the memory it owns
  * (the compressor rings of max_sequences state slots, the entry records and the index records of
- * each such layer, and the c4 and c128 entry block pools), and a batch's part: the range check and
- * replay hash of ckv, ikv, iq and iw, the RoPE rows of the entries it emits, the compress launch
- * (rows into the rings, emissions into the caches) and the indexer's selection after the insert,
- * and the union arguments of the attention. Compress runs before the indexer and the attention of
- * its batch (SPEC §8.4: a batch's emissions are visible to its later tokens).
+ * each such layer, and the c4 and c128 entry block pools), and a batch's part (the range checks and
+ * replay hashes of ckv, ikv, iq and iw are engine_check.c's): the RoPE rows of the entries it
+ * emits, the compress launch (rows into the rings, emissions into the caches) and the indexer's
+ * selection after the insert, and the union arguments of the attention. Compress runs before the
+ * indexer and the attention of its batch (SPEC §8.4: a batch's emissions are visible to its later
+ * tokens).
  *
  * The branch runs on a backend that has the compress and indexer ops; elsewhere a compressed layer
  * serves its SWA part only. On a backend whose memory is not host memory (no DSV4_BE_HOST_MEMORY)
@@ -375,35 +376,6 @@ void dsv4__engine_c_destroy(dsv4_engine_t *e) {
   free(e->seg_cbt_len);
   free(e->seg_c_first_lb);
   free(e->sel);
-}
-
-int dsv4__engine_c_check_hash(const dsv4_engine_t *e, uint32_t ratio, const dsv4_forward_t *f,
-                              uint32_t tok_off, uint32_t len, void *xxh3_state, const char **bad) {
-  if (!ratio)
-    return 0;
-  XXH3_state_t *st = xxh3_state;
-  size_t t0 = tok_off, ih = e->p.model->index_n_heads;
-  size_t w = ratio == 4 ? 2048 : 1024;
-  *bad = "ckv";
-  if (dsv4_f32_any_at_least(f->ckv + t0 * w, len * w, F32_LIMIT_2_59))
-    return DSV4_ERANGE;
-  XXH3_64bits_update(st, f->ckv + t0 * w, len * w * sizeof(float));
-  if (ratio != 4)
-    return 0;
-  *bad = "ikv";
-  if (dsv4_f32_any_at_least(f->ikv + t0 * 512, len * 512, F32_LIMIT_2_59))
-    return DSV4_ERANGE;
-  XXH3_64bits_update(st, f->ikv + t0 * 512, len * 512 * sizeof(float));
-  *bad = "iq";
-  if (dsv4_bf16_any_at_least(f->iq + t0 * ih * INDEX_DIM, len * ih * INDEX_DIM, BF16_LIMIT_2_32))
-    return DSV4_ERANGE;
-  XXH3_64bits_update(st, f->iq + t0 * ih * INDEX_DIM, len * ih * INDEX_DIM * sizeof(uint16_t));
-  *bad = "iw";
-  if (dsv4_f32_any_at_least(f->iw + t0 * ih, len * ih, F32_LIMIT_2_32))
-    return DSV4_ERANGE;
-  XXH3_64bits_update(st, f->iw + t0 * ih, len * ih * sizeof(float));
-  *bad = NULL;
-  return 0;
 }
 
 /* Grow *p to n elements of elem bytes (contents not kept). */

@@ -185,7 +185,9 @@ static void check_arrival(const uint8_t *buf, size_t size, int rc) {
     const int bad = dsv4_bf16_any_out_of_range(r.q, r.q_bytes / 2) ||
                     dsv4_bf16_any_out_of_range(r.kv, r.kv_bytes / 2);
     CHECK(bad || dsv4_check_fed_bytes(c) == r.q_bytes + r.kv_bytes);
-    CHECK(dsv4_check_feed(c, r.q, r.q_bytes / 2, r.kv, r.kv_bytes / 2) == bad);
+    const void *all[2] = {r.q, r.kv};
+    const size_t vals[2] = {r.q_bytes / 2, r.kv_bytes / 2};
+    CHECK(dsv4_check_feed(c, all, vals) == bad);
     dsv4_check_free(c);
   }
   dsv4_forward_req_free(&r);

@@ -17,26 +17,39 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dsv4_harness as h  # noqa: E402
 from dsv4_harness import Batch, Daemon, Seg, check, check_eq, expect_error  # noqa: E402
+from test_compressed import write_weights  # noqa: E402
 import xxhash  # noqa: E402  (the harness provides a stand-in where the module is missing)
 
 HEADS = 8
 
 
 def spec_hash(batch, i):
-    """SPEC §4's replay identity of segment i: XXH3 of its q bytes, then its kv bytes."""
+    """SPEC §4's replay identity of segment i: XXH3 of its q bytes, then its kv bytes, then on a
+    compressed layer its rows of ckv, ikv, iq and iw (§8.8), in that order."""
     t0 = sum(s.len for s in batch.segs[:i])
     t1 = t0 + batch.segs[i].len
     x = xxhash.xxh3_64()
     x.update(batch.q[t0:t1].astype("<u2").tobytes())
     x.update(batch.kv[t0:t1].astype("<u2").tobytes())
+    for _name, _dtype, _shape, raw in batch.extra:
+        row = len(raw) // batch.n
+        x.update(bytes(raw[t0 * row:t1 * row]))
     return x.intdigest()
 
 
+def entries(batch):
+    return [("q", "BF16", batch.q.shape, batch.q.astype("<u2").tobytes()),
+            ("kv", "BF16", batch.kv.shape, batch.kv.astype("<u2").tobytes())] + batch.extra
+
+
 def kv_first_body(batch):
-    """The batch's body with kv's data before q's (as safetensors' own writer orders them)."""
-    return h.st_encode([("kv", "BF16", batch.kv.shape, batch.kv.astype("<u2").tobytes()),
-                        ("q", "BF16", batch.q.shape, batch.q.astype("<u2").tobytes())],
-                       batch.metadata())
+    """The batch's body with its tensors' data in reverse order, kv's before q's (safetensors' own
+    writer puts kv first) and iw's before ckv's."""
+    return h.st_encode(entries(batch)[::-1], batch.metadata())
+
+
+def body_bytes(batch):
+    return sum(len(e[3]) for e in entries(batch))
 
 
 def send_in_pieces(d, body, piece, pause_s=0.001):
@@ -67,21 +80,21 @@ def arrival_bytes(d):
     return h.metric(d.metrics(), "dsv4d_arrival_checked_bytes_total")
 
 
-def test_arrival_same_answers_and_hashes():
-    """Three prefills and a decode step, each on layers 0 and 1, sent whole, kv first, and in
+def same_answers_and_hashes(args, layers, seed):
+    """Three prefills and a decode step, each on both layers, sent whole, in reverse order, and in
     pieces of 3000 bytes, to a daemon checking on the loop, one checking on the bulk thread, and
     one leaving it to the executor: the same answers, the replay triples SPEC §4 gives, replays."""
-    rng = np.random.default_rng(23)
-    with Daemon(h.SMALL, name="loop") as a, \
-            Daemon(h.SMALL + ["--bulk-io-bytes", "65536"], name="bulk") as b, \
-            Daemon(h.SMALL + ["--check-on-arrival=false"], name="executor") as c:
+    rng = np.random.default_rng(seed)
+    with Daemon(args, name="loop") as a, \
+            Daemon(args + ["--bulk-io-bytes", "65536"], name="bulk") as b, \
+            Daemon(args + ["--check-on-arrival=false"], name="executor") as c:
         sent = 0
         steps = [[Seg("a", 0, 5, True), Seg("b", 0, 1, True), Seg("c", 0, 60, True)],
                  [Seg("a", 5, 1), Seg("b", 1, 1), Seg("c", 60, 1)]]
         for k, segs in enumerate(steps):
-            for layer in (0, 1):
-                s = [Seg(x.seq, x.start, x.len, x.new and layer == 0) for x in segs]
-                batch = Batch.random(rng, layer, s, HEADS)
+            for layer in layers:
+                s = [Seg(x.seq, x.start, x.len, x.new and layer == layers[0]) for x in segs]
+                batch = Batch.random(rng, layer, s, HEADS, ratio=h.flash_ratio(layer))
                 bodies = [batch.body(), kv_first_body(batch)]
                 form = (k + layer) % 3
                 answers = []
@@ -95,7 +108,7 @@ def test_arrival_same_answers_and_hashes():
                     answers.append(r.body)
                 check(answers[0] == answers[1] == answers[2],
                       "step %d layer %d: the daemons' answers differ" % (k, layer))
-                sent += batch.q.nbytes + batch.kv.nbytes
+                sent += body_bytes(batch)
                 for i, sg in enumerate(s):
                     want = "%d,%d,%016x" % (sg.start, sg.len, spec_hash(batch, i))
                     for d in (a, b, c):
@@ -107,13 +120,52 @@ def test_arrival_same_answers_and_hashes():
                     check_eq(r.status, 200, "%s: the replay of step %d layer %d" % (d.name, k, layer))
                     meta, _ = h.st_decode(r.body)
                     check_eq(meta.get("replayed"), "true", "%s: replayed" % d.name)
-                sent += batch.q.nbytes + batch.kv.nbytes
+                sent += body_bytes(batch)
         check_eq(arrival_bytes(a), float(sent), "loop: bytes checked on arrival")
         check_eq(arrival_bytes(b), float(sent), "bulk: bytes checked on arrival")
         check_eq(arrival_bytes(c), 0.0, "executor: bytes checked on arrival")
         check(h.metric(b.metrics(), "dsv4d_bulk_bytes_total", direction="in") > 0,
               "bulk: bodies went through the bulk thread")
         for d in (a, b, c):
+            d.check_log_clean()
+
+
+def test_arrival_same_answers_and_hashes():
+    """On layers 0 and 1 (q and kv)."""
+    same_answers_and_hashes(list(h.SMALL), (0, 1), 23)
+
+
+def test_arrival_compressed():
+    """On layers 2 and 3 (ratio 4: ckv, ikv, iq and iw after q and kv; ratio 128: ckv), whose
+    compressed branch the daemons run."""
+    w = write_weights()
+    same_answers_and_hashes(h.SMALL + ["--weights", w], (2, 3), 31)
+    # A value out of iq's range (2^32) in the last token, and one out of ckv's (2^59) in the first:
+    # refused alike, the tensor named, sent in pieces and in reverse order.
+    rng = np.random.default_rng(37)
+    with Daemon(h.SMALL + ["--weights", w], name="arrival") as a, \
+            Daemon(h.SMALL + ["--weights", w, "--check-on-arrival=false"], name="executor") as c:
+        segs = [Seg("x", 0, 9, True), Seg("y", 0, 40, True)]
+        for name, at, bits, send in (("iq", -2, b"\x80\x4f", "pieces"),
+                                     ("ckv", 0, b"\x00\x00\x00\x5d", "reverse")):
+            bad = Batch.random(rng, 2, segs, HEADS, ratio=4)
+            k = [e[0] for e in bad.extra].index(name)
+            e = bad.extra[k]
+            raw = bytearray(e[3])
+            off = at % len(raw)
+            raw[off:off + len(bits)] = bits
+            bad.extra[k] = (e[0], e[1], e[2], bytes(raw))
+            errs = []
+            for d in (a, c):
+                r = send_in_pieces(d, bad.body(), 5000) if send == "pieces" else \
+                    d.forward_raw(kv_first_body(bad))
+                errs.append(expect_error(r, 400, "value_out_of_range"))
+            for err in errs:
+                err.pop("instance", None)
+            check_eq(errs[0], errs[1], "%s out of range: the same error" % name)
+            check(name in str(errs[0]), "the error names %s: %r" % (name, errs[0]))
+        for d in (a, c):
+            check(d.seq("x") is None and d.seq("y") is None, "%s: no sequence made" % d.name)
             d.check_log_clean()
 
 
@@ -168,4 +220,4 @@ def test_arrival_refusals():
 
 
 if __name__ == "__main__":
-    h.main([test_arrival_same_answers_and_hashes, test_arrival_refusals])
+    h.main([test_arrival_same_answers_and_hashes, test_arrival_compressed, test_arrival_refusals])

@@ -1717,6 +1717,30 @@ static void c_yield(void *arg) {
     y->rc = dsv4_engine_forward(y->e, &y->decode->b.f);
 }
 
+/* A check of c's tensors (q, kv, then the compressed ones of the layer's ratio) begun as if they
+ * had arrived whole, or the first two thirds of each (part). */
+static dsv4_check_t *c_check_fed(const cbatch_t *c, uint32_t layer, int part) {
+  uint32_t lens[4];
+  for (uint32_t s = 0; s < c->b.f.n_segs; s++)
+    lens[s] = c->b.segs[s].len;
+  const uint32_t ratio = layer == C4_LAYER ? 4 : 128;
+  const dsv4_check_shape_t sh = {HEADS, ratio, C_IH};
+  dsv4_check_t *k = dsv4_check_create(&sh, lens, c->b.f.n_segs);
+  assert_non_null(k);
+  const void *data[6] = {c->b.f.q, c->b.f.kv, c->b.f.ckv, c->b.f.ikv, c->b.f.iq, c->b.f.iw};
+  const size_t n = c->b.n;
+  size_t vals[6] = {n * HEADS * 512, n * 512,        n * (ratio == 4 ? 2048 : 1024),
+                    n * 512,         n * C_IH * 128, n * C_IH};
+  for (int t = 0; part && t < 6; t++)
+    vals[t] = vals[t] * 2 / 3;
+  assert_int_equal(dsv4_check_feed(k, data, vals), 0);
+  return k;
+}
+
+/* same_c_batch's calls: every other one gives b its batch's check begun (c_check_fed), whole or in
+ * part in turn, so that a replay meets the other path. */
+static unsigned c_arrivals;
+
 /* One batch on engines a (the CPU reference) and b (chunked when it is long, with dec between its
  * first two chunks when given): the same answers, byte for byte. */
 static void same_c_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint32_t layer, uint64_t seed,
@@ -1736,10 +1760,15 @@ static void same_c_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint32_t layer, uin
   }
   cb.b.f.yield = c_yield;
   cb.b.f.yield_arg = &y;
+  const unsigned call = c_arrivals++;
+  if (call % 2)
+    cb.b.f.check = c_check_fed(&cb, layer, call % 4 == 3);
   assert_int_equal(dsv4_engine_forward(a, &ca.b.f), 0);
   if (dec)
     assert_int_equal(dsv4_engine_forward(a, &da.b.f), 0);
   assert_int_equal(dsv4_engine_forward(b, &cb.b.f), 0);
+  dsv4_check_free(cb.b.f.check);
+  cb.b.f.check = NULL;
   same_c_answer(&ca, &cb, layer);
   if (dec) {
     assert_true(y.calls >= 1); /* b ran the batch in chunks */
@@ -1905,6 +1934,15 @@ static uint64_t spec_seg_hash(const batch_t *b, uint32_t s) {
   return h;
 }
 
+/* The check's shape on the engines' layers 0 and 2 (no compressed branch: q and kv). */
+static const dsv4_check_shape_t qkv_shape = {HEADS, 0, 0};
+
+static int feed_qkv(dsv4_check_t *c, const uint16_t *q, size_t qv, const uint16_t *kv, size_t kvv) {
+  const void *data[2] = {q, kv};
+  const size_t vals[2] = {qv, kvv};
+  return dsv4_check_feed(c, data, vals);
+}
+
 /* A check of b's segments fed in steps of `step` values of q and of kv, kv_first: all of kv before
  * any q, as a body whose kv tensor comes first; up to q_part and kv_part values in all. */
 static dsv4_check_t *check_fed(const batch_t *b, size_t step, int kv_first, size_t q_part,
@@ -1912,7 +1950,7 @@ static dsv4_check_t *check_fed(const batch_t *b, size_t step, int kv_first, size
   uint32_t lens[4];
   for (uint32_t s = 0; s < b->f.n_segs; s++)
     lens[s] = b->segs[s].len;
-  dsv4_check_t *c = dsv4_check_create(HEADS, lens, b->f.n_segs);
+  dsv4_check_t *c = dsv4_check_create(&qkv_shape, lens, b->f.n_segs);
   assert_non_null(c);
   size_t qv = 0, kvv = 0;
   while (qv < q_part || kvv < kv_part) {
@@ -1922,7 +1960,7 @@ static dsv4_check_t *check_fed(const batch_t *b, size_t step, int kv_first, size
       qv = qv + step < q_part ? qv + step : q_part;
     else
       kvv = kvv + step < kv_part ? kvv + step : kv_part;
-    assert_int_equal(dsv4_check_feed(c, b->q, qv, b->kv, kvv), 0);
+    assert_int_equal(feed_qkv(c, b->q, qv, b->kv, kvv), 0);
   }
   return c;
 }
@@ -1959,8 +1997,8 @@ static void test_check_on_arrival(void **state) {
         check_fed(&b, cases[k].step, cases[k].kv_first, cases[k].q_part, cases[k].kv_part);
     if (cases[k].other_lens) {
       dsv4_check_free(c);
-      c = dsv4_check_create(HEADS, other, 2);
-      assert_int_equal(dsv4_check_feed(c, b.q, nq, b.kv, nk), 0);
+      c = dsv4_check_create(&qkv_shape, other, 2);
+      assert_int_equal(feed_qkv(c, b.q, nq, b.kv, nk), 0);
     }
     /* q goes in as it comes; kv here only where all of q came (or no kv came). */
     assert_int_equal(dsv4_check_fed_bytes(c), cases[k].other_lens
@@ -1988,10 +2026,10 @@ static void test_check_on_arrival(void **state) {
   batch_t x;
   batch_make(&x, 0, 41, 3, names, starts, lens, nw);
   x.q[nq - 5] = 0x5D00;
-  dsv4_check_t *c = dsv4_check_create(HEADS, lens, 3);
-  assert_int_equal(dsv4_check_feed(c, x.q, nq / 2, x.kv, 0), 0);
-  assert_int_equal(dsv4_check_feed(c, x.q, nq, x.kv, 0), 1);
-  assert_int_equal(dsv4_check_feed(c, x.q, nq, x.kv, nk), 1);
+  dsv4_check_t *c = dsv4_check_create(&qkv_shape, lens, 3);
+  assert_int_equal(feed_qkv(c, x.q, nq / 2, x.kv, 0), 0);
+  assert_int_equal(feed_qkv(c, x.q, nq, x.kv, 0), 1);
+  assert_int_equal(feed_qkv(c, x.q, nq, x.kv, nk), 1);
   dsv4_engine_t *e = open_engine(backend);
   x.f.check = c;
   assert_int_equal(dsv4_engine_forward(e, &x.f), DSV4_ERANGE);
