@@ -169,7 +169,7 @@ static const opt_t opts[] = {
      "socket and memory on a thread of its own, so that the event loop serves the other "
      "connections meanwhile (0 = the loop moves every byte)"},
     {"check_on_arrival", OPT_BOOL, F(check_on_arrival), "true", 0, 1, NULL, 0,
-     "a forward body's q and kv are range-checked and hashed (SPEC 4) by the thread that reads "
+     "a forward body's tensors are range-checked and hashed (SPEC 4) by the thread that reads "
      "them, as they arrive, rather than by the executor once the whole body is in"},
     {"sequence_idle_timeout_s", OPT_U64, F(sequence_idle_timeout_s), "600", 1, 31536000, NULL, 0,
      "seconds without a batch after which a sequence is deleted"},

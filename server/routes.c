@@ -896,7 +896,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                              "socket itself, as soon as each was made (direct_answer_bytes).",
                              NULL, 0, &d->m_direct_answers);
   rc |= dsv4_metrics_counter(m, "dsv4d_arrival_checked_bytes_total",
-                             "Bytes of forward bodies' q and kv range-checked and hashed by the "
+                             "Bytes of forward bodies' tensors range-checked and hashed by the "
                              "thread that read them, as they arrived (check_on_arrival).",
                              NULL, 0, &d->m_arrival_bytes);
   rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
