@@ -422,6 +422,7 @@ static int start_engine(app_t *a) {
       .idle_timeout_ns = cfg->sequence_idle_timeout_s * 1000000000u,
       .prefill_chunk_tokens = cfg->prefill_chunk_tokens,
       .prefill_chunk_tokens_alone = cfg->prefill_chunk_tokens_alone,
+      .in_place_max_bytes = cfg->in_place_max_bytes,
   };
   err[0] = '\0';
   rc = dsv4_engine_create(&ep, &d->engine, err, sizeof(err));

@@ -252,6 +252,12 @@ static void *stage_alias(const dsv4_engine_t *e, const void *p, size_t n) {
   return e->be->ops->host_alias ? e->be->ops->host_alias(e->be, p, n) : NULL;
 }
 
+/* Whether a batch (or chunk) with q_bytes of q reads its q and kv and writes q_out in place where
+ * the backend can (in_place_max_bytes). */
+static int in_place_ok(const dsv4_engine_t *e, size_t q_bytes) {
+  return !e->p.in_place_max_bytes || q_bytes <= e->p.in_place_max_bytes;
+}
+
 /* Host src as the launches' input: read in place where the backend aliases it and in_place says
  * so, else uploaded into staging buffer i; *dev receives the address the launches read. */
 static int stage_put(dsv4_engine_t *e, int i, const void *src, size_t n, int in_place, void **dev) {
@@ -369,10 +375,11 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
   /* q and kv in place where the backend maps them (one read each, by the insert), except q on the
    * fused decode path: there every attention CTA of a token (its head groups and window splits)
    * reads its rows, which should not cross PCIe more than once. */
-  rc = stage_put(e, ST_Q, f->q, q_bytes, !fused, &d);
+  const int place = in_place_ok(e, q_bytes);
+  rc = stage_put(e, ST_Q, f->q, q_bytes, !fused && place, &d);
   ia->q = d;
   if (!rc)
-    rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), 1, &d);
+    rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), place, &d);
   ia->kv = d;
   /* The slots in place too: the producer writes them where the caller reads them, the insert
    * reads them back from there (its KV rows only, beside their own reads over PCIe). */
@@ -380,8 +387,8 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
   ia->slots = ma->slots;
   /* In place in the caller's buffer unless the attention reads it (over PCIe it would cost), or
    * the q half ran before the validation (q_early_launch: a refused batch writes nothing there). */
-  ia->q_out = f->attn || e->stage->q_early ? h->buf[ST_Q_OUT].ptr
-                                           : stage_out(e, ST_Q_OUT, f->q_out, q_bytes);
+  ia->q_out = f->attn || e->stage->q_early || !place ? h->buf[ST_Q_OUT].ptr
+                                                     : stage_out(e, ST_Q_OUT, f->q_out, q_bytes);
   return rc;
 }
 
@@ -842,7 +849,7 @@ static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t 
   const uint32_t chunk = e->p.prefill_chunk_tokens;
   if (!e->stage || !(ops->caps & DSV4_BE_ATTN_FUSED_Q) || !ops->host_alias || f->attn || f->lse)
     return 0;
-  if (q_bytes < Q_EARLY_MIN_BYTES || (e->c_ratio && e->c_ratio[idx]))
+  if (q_bytes < Q_EARLY_MIN_BYTES || !in_place_ok(e, q_bytes) || (e->c_ratio && e->c_ratio[idx]))
     return 0;
   return !(f->yield && chunk && f->n_tokens > chunk);
 }

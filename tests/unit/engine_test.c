@@ -204,6 +204,9 @@ static dsv4_engine_t *open_engine(const char *name) {
   return open_engine_w(name, NULL);
 }
 
+/* in_place_max_bytes of the engines open_engine_full opens (0: no limit). */
+static uint64_t in_place_limit;
+
 /* An engine with attention sinks for both served layers, prefill_chunk_tokens = chunk,
  * prefill_chunk_tokens_alone = alone and q_piece_bytes = piece. */
 static dsv4_engine_t *open_engine_full(const char *name, uint32_t chunk, uint32_t alone,
@@ -225,6 +228,7 @@ static dsv4_engine_t *open_engine_full(const char *name, uint32_t chunk, uint32_
       .prefill_chunk_tokens = chunk,
       .prefill_chunk_tokens_alone = alone,
       .q_piece_bytes = piece,
+      .in_place_max_bytes = in_place_limit,
   };
   dsv4_engine_t *e = NULL;
   char why[256];
@@ -1157,6 +1161,39 @@ static void test_in_place_matches_cpu(void **state) {
   beside_close(&t);
 }
 
+/* in_place_max_bytes: a batch whose q is larger goes through staging (q and kv uploaded, q_out
+ * downloaded), a smaller one in place, both answering the CPU backend's bytes; a prefill in chunks
+ * goes by its chunks' q. */
+static void test_in_place_limit(void **state) {
+  (void)state;
+  const size_t cap = (size_t)8 << 20, row = (size_t)HEADS * DSV4_HEAD_DIM * 2;
+  const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
+  in_place_limit = 16 * row; /* 16 tokens */
+  beside_t t = beside_open(other, cap);
+  in_place_limit = 0;
+  const int staged = !strcmp(other, "cpu_staged");
+  const char *names[2] = {"a", "b"};
+  const uint32_t big[2] = {10, 7}, small[2] = {9, 7}, one[2] = {1, 1};
+  const int yes[2] = {1, 1}, no[2] = {0, 0};
+  int64_t st[2] = {0, 0};
+  /* 17 tokens: q and kv up, q_out down; 16 and 2: nothing copied (the metadata read in place). */
+  size_t c = in_place_batch(t.a, t.b, t.region, cap, 0, 71, names, st, big, yes, 0, 1);
+  if (staged)
+    assert_int_equal(c, 201);
+  st[0] += big[0];
+  st[1] += big[1];
+  c = in_place_batch(t.a, t.b, t.region, cap, 0, 72, names, st, small, no, 0, 1);
+  if (staged)
+    assert_int_equal(c, 0);
+  st[0] += small[0];
+  st[1] += small[1];
+  c = in_place_batch(t.a, t.b, t.region, cap, 0, 73, names, st, one, no, 0, 1);
+  if (staged)
+    assert_int_equal(c, 0);
+  same_cache(t.a, t.b);
+  beside_close(&t);
+}
+
 /* The staged backend's launches so far (0 on other backends). */
 static size_t staged_launches(dsv4_engine_t *e) {
   dsv4_test_cpu_staged_stats_t s = {0};
@@ -2070,6 +2107,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_q_half_first),
       cmocka_unit_test(test_q_half_first_beside_flight),
       cmocka_unit_test(test_check_on_arrival),
+      cmocka_unit_test(test_in_place_limit),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
