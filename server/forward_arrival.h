@@ -11,6 +11,9 @@
  * it finds every tensor where the watcher found it: the engine resumes it, so that its validation
  * is left with what had not arrived checked.
  *
+ * A batch of several segments in a body of more than 2 MiB is left to the engine, whose validation
+ * spreads the segments over its host threads (forward_arrival.c, SPREAD_BODY_BYTES).
+ *
  * A body the watcher cannot follow (a header that does not parse, a layer number that does not, a
  * tensor missing, of another dtype or shape or unaligned, segments that do not parse or add up) is
  * left to the handler's parse and the engine's validation as it is, which answer it as they would

@@ -108,7 +108,9 @@ def same_answers_and_hashes(args, layers, seed):
                     answers.append(r.body)
                 check(answers[0] == answers[1] == answers[2],
                       "step %d layer %d: the daemons' answers differ" % (k, layer))
-                sent += body_bytes(batch)
+                # Several segments past 2 MiB go to the executor's validation (test_arrival_spread).
+                counted = body_bytes(batch) if len(s) == 1 or len(bodies[0]) <= 2 << 20 else 0
+                sent += counted
                 for i, sg in enumerate(s):
                     want = "%d,%d,%016x" % (sg.start, sg.len, spec_hash(batch, i))
                     for d in (a, b, c):
@@ -120,7 +122,8 @@ def same_answers_and_hashes(args, layers, seed):
                     check_eq(r.status, 200, "%s: the replay of step %d layer %d" % (d.name, k, layer))
                     meta, _ = h.st_decode(r.body)
                     check_eq(meta.get("replayed"), "true", "%s: replayed" % d.name)
-                sent += body_bytes(batch)
+                sent += counted
+        check(sent > 0, "some batches were checked on arrival")
         check_eq(arrival_bytes(a), float(sent), "loop: bytes checked on arrival")
         check_eq(arrival_bytes(b), float(sent), "bulk: bytes checked on arrival")
         check_eq(arrival_bytes(c), 0.0, "executor: bytes checked on arrival")
@@ -167,6 +170,23 @@ def test_arrival_compressed():
         for d in (a, c):
             check(d.seq("x") is None and d.seq("y") is None, "%s: no sequence made" % d.name)
             d.check_log_clean()
+
+
+def test_arrival_spread():
+    """A batch of several segments in a body of more than 2 MiB is left to the executor, whose
+    validation spreads them over its threads; one of one segment is checked as it arrives."""
+    rng = np.random.default_rng(41)
+    with Daemon(h.SMALL, name="arrival") as a, \
+            Daemon(h.SMALL + ["--check-on-arrival=false"], name="executor") as c:
+        for segs, on_arrival in (([Seg("m", 0, 150, True), Seg("n", 0, 150, True)], False),
+                                 ([Seg("o", 0, 300, True)], True),
+                                 ([Seg("p", 0, 100, True), Seg("q", 0, 100, True)], True)):
+            batch = Batch.random(rng, 0, segs, HEADS)
+            before = arrival_bytes(a)
+            check_eq(a.forward_raw(batch.body()).body, c.forward_raw(batch.body()).body,
+                     "%r: the same answer" % segs)
+            check_eq(arrival_bytes(a) - before, float(body_bytes(batch)) if on_arrival else 0.0,
+                     "%r (%d bytes): checked on arrival" % (segs, len(batch.body())))
 
 
 def test_arrival_refusals():
@@ -220,4 +240,5 @@ def test_arrival_refusals():
 
 
 if __name__ == "__main__":
-    h.main([test_arrival_same_answers_and_hashes, test_arrival_compressed, test_arrival_refusals])
+    h.main([test_arrival_same_answers_and_hashes, test_arrival_compressed, test_arrival_spread,
+            test_arrival_refusals])
