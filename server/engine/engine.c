@@ -383,7 +383,8 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
   ia->kv = d;
   /* The slots in place too: the producer writes them where the caller reads them, the insert
    * reads them back from there (its KV rows only, beside their own reads over PCIe). */
-  ma->slots = stage_out(e, ST_SLOTS, f->slots, n * sizeof(int64_t));
+  ma->slots = place ? stage_out(e, ST_SLOTS, f->slots, n * sizeof(int64_t))
+                    : e->stage->half[e->stage->cur].buf[ST_SLOTS].ptr;
   ia->slots = ma->slots;
   /* In place in the caller's buffer unless the attention reads it (over PCIe it would cost), or
    * the q half ran before the validation (q_early_launch: a refused batch writes nothing there). */
@@ -424,7 +425,7 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
   size_t off[M_COUNT];
   const uint8_t *m = NULL;
   const int fused = fused_decode(e, f);
-  const int meta_in_place = !f->attn && !(e->c_ratio && e->c_ratio[idx]);
+  const int meta_in_place = !f->attn && !(e->c_ratio && e->c_ratio[idx]) && in_place_ok(e, q_bytes);
   /* The windows for an SWA-only layer's attention (a union launch walks its tables anyway), from
    * its arguments on the host's arrays. */
   dsv4_attn_args_t aa;
