@@ -1162,8 +1162,8 @@ static void test_in_place_matches_cpu(void **state) {
 }
 
 /* in_place_max_bytes: a batch whose q is larger goes through staging (q, kv and the metadata
- * uploaded, q_out and the slots downloaded), a smaller one in place, both answering the CPU backend's bytes; a prefill in chunks
- * goes by its chunks' q. */
+ * uploaded, q_out and the slots downloaded), a smaller one in place, both answering the CPU
+ * backend's bytes; a prefill in chunks goes by its chunks' q. */
 static void test_in_place_limit(void **state) {
   (void)state;
   const size_t cap = (size_t)8 << 20, row = (size_t)HEADS * DSV4_HEAD_DIM * 2;
