@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Writes the seed corpus of fuzz_forward (tests/fuzz/corpus/forward): POST /v1/forward bodies for the
-fuzzer's limits (heads 2, max_batch_tokens 8, max_segments 8, layers 0-3, max_position_embeddings
-65536), a few accepted and one of each kind of refusal, and a few segments texts alone. Usage:
+fuzzer's limits (heads 2, max_batch_tokens 8, max_segments 8, layers 0-3 of which 2 runs the
+compressed branch at ratio 4 and 3 at ratio 128 with 2 index heads, max_position_embeddings 65536),
+a few accepted and one of each kind of refusal, and a few segments texts alone. Usage:
 forward_corpus.py [out-dir]"""
 
 import json
@@ -12,8 +13,10 @@ import sys
 HEADS = 2
 
 
-def body(n=1, heads=HEADS, layer="0", segments=None, outputs=None, odd=False, tensors=None, meta=None):
-    """A safetensors body; odd=True leaves the data section 1 byte off 2-alignment."""
+def body(n=1, heads=HEADS, layer="0", segments=None, outputs=None, odd=False, tensors=None, meta=None,
+         align=2):
+    """A safetensors body whose data section starts on a multiple of align bytes (16: the F32
+    tensors too, so that they are read in place); odd=True leaves it 1 byte off 2-alignment."""
     if segments is None:
         segments = [{"seq": "s0", "start": 0, "len": n, "new": True}]
     if tensors is None:
@@ -32,7 +35,7 @@ def body(n=1, heads=HEADS, layer="0", segments=None, outputs=None, odd=False, te
         data += bytes([(i * 37 + j) & 0x7F for j in range(nbytes)])
     text = json.dumps(hdr, separators=(",", ":")).encode()
     want = 1 if odd else 0
-    while (8 + len(text)) % 2 != want:
+    while (8 + len(text)) % (2 if odd else align) != want:
         text += b" "
     return struct.pack("<Q", len(text)) + text + data
 
@@ -47,10 +50,17 @@ def seg(seq, start, length, new=None):
 SEEDS = {
     # Accepted.
     "ok-one": body(),
-    "ok-two-segs": body(3, layer="3", segments=[seg("a", 0, 2, True), seg("b.c:d-e_f", 100, 1)],
+    "ok-two-segs": body(3, layer="1", segments=[seg("a", 0, 2, True), seg("b.c:d-e_f", 100, 1)],
                         outputs="q,digest"),
     "ok-digest-only": body(2, layer="1", outputs=" digest ", segments=[seg("x", 5, 2, False)]),
-    "ok-unaligned": body(2, layer="2", odd=True, segments=[seg("u", 0, 1), seg("v", 0, 1)]),
+    "ok-unaligned": body(2, layer="0", odd=True, segments=[seg("u", 0, 1), seg("v", 0, 1)]),
+    "ok-c4": body(2, layer="2", segments=[seg("c", 0, 1, True), seg("d", 7, 1)],
+                  tensors=[("q", "BF16", [2, HEADS, 512], 2), ("kv", "BF16", [2, 512], 2),
+                           ("ckv", "F32", [2, 2048], 4), ("ikv", "F32", [2, 512], 4),
+                           ("iq", "BF16", [2, 2, 128], 2), ("iw", "F32", [2, 2], 4)], align=16),
+    "ok-c128-kv-first": body(3, layer="3", segments=[seg("e", 0, 3, True)],
+                             tensors=[("ckv", "F32", [3, 1024], 4), ("kv", "BF16", [3, 512], 2),
+                                      ("q", "BF16", [3, HEADS, 512], 2)], align=16),
     "ok-kv-first": body(1, tensors=[("kv", "BF16", [1, 512], 2), ("q", "BF16", [1, HEADS, 512], 2)]),
     "ok-max": body(8, segments=[seg("s%d" % i, 65535, 1) for i in range(8)], outputs=""),
     # Refused, one of each.

@@ -29,6 +29,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static const uint32_t served[] = {0, 1, 2, 3};
 
+/* Layers 2 and 3 run the compressed branch (ratio 4: ckv, ikv, iq, iw; ratio 128: ckv). */
+static uint32_t fuzz_ratio(const void *arg, uint32_t layer) {
+  (void)arg;
+  return layer == 2 ? 4 : layer == 3 ? 128 : 0;
+}
+
 static const dsv4_forward_limits_t limits = {
     .heads = HEADS,
     .max_batch_tokens = MAX_TOKENS,
@@ -36,6 +42,8 @@ static const dsv4_forward_limits_t limits = {
     .max_position_embeddings = MAX_POS,
     .served_layers = served,
     .n_served = 4,
+    .layer_ratio = fuzz_ratio,
+    .index_heads = 2,
 };
 
 #define CHECK(c)                                                                                   \
@@ -158,8 +166,9 @@ static void check_segments(const uint8_t *data, size_t size) {
 }
 
 /* The body fed to its watcher in pieces of 1..4096 bytes (cut by an LCG seeded from the body): the
- * view it keeps parses as the body does (rc, the first parse's answer), and its check covers every
- * byte of q and kv or stopped at a value out of range. */
+ * view it keeps parses as the body does (rc, the first parse's answer), and a check it hands over
+ * (for tensors in place: none was copied) had fed every byte of the batch's tensors, unless a
+ * value was out of range (the whole batch fed again then says so). */
 static void check_arrival(const uint8_t *buf, size_t size, int rc) {
   dsv4_arrival_t *a = dsv4_arrival_begin(&limits, size);
   CHECK(a);
@@ -181,13 +190,18 @@ static void check_arrival(const uint8_t *buf, size_t size, int rc) {
   CHECK(rc2 == rc);
   dsv4_check_t *c = rc2 == 0 ? dsv4_arrival_take_check(a, &r) : NULL;
   if (c) {
-    CHECK(!r.q_copy && !r.kv_copy);
-    const int bad = dsv4_bf16_any_out_of_range(r.q, r.q_bytes / 2) ||
-                    dsv4_bf16_any_out_of_range(r.kv, r.kv_bytes / 2);
-    CHECK(bad || dsv4_check_fed_bytes(c) == r.q_bytes + r.kv_bytes);
-    const void *all[2] = {r.q, r.kv};
-    const size_t vals[2] = {r.q_bytes / 2, r.kv_bytes / 2};
-    CHECK(dsv4_check_feed(c, all, vals) == bad);
+    CHECK(!r.q_copy && !r.kv_copy && !r.c_copy[0] && !r.c_copy[1] && !r.c_copy[2] && !r.c_copy[3]);
+    const void *all[DSV4_CHECK_TENSORS] = {r.q, r.kv, r.ckv, r.ikv, r.iq, r.iw};
+    const size_t bytes[DSV4_CHECK_TENSORS] = {r.q_bytes,    r.kv_bytes,   r.c_bytes[0],
+                                              r.c_bytes[1], r.c_bytes[2], r.c_bytes[3]};
+    const size_t sizes[DSV4_CHECK_TENSORS] = {2, 2, 4, 4, 2, 4};
+    size_t vals[DSV4_CHECK_TENSORS], total = 0;
+    for (int k = 0; k < DSV4_CHECK_TENSORS; k++) {
+      vals[k] = k < dsv4_check_tensors(r.ratio) ? bytes[k] / sizes[k] : 0;
+      total += vals[k] * sizes[k];
+    }
+    const size_t fed = dsv4_check_fed_bytes(c);
+    CHECK(dsv4_check_feed(c, all, vals) == 1 || fed == total);
     dsv4_check_free(c);
   }
   dsv4_forward_req_free(&r);
