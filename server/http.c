@@ -1773,8 +1773,6 @@ static void on_bulk_read(dsv4_bulk_job_t *j) {
   conn_unref(c);
 }
 
-/* A body whose rest is bulk_min bytes or more goes to the bulk thread, once its place is known
- * and no byte of it waits in rbuf. Returns whether it went. */
 /* Bulk thread: the watcher learns of each read as the loop's on_body would tell it (see
  * body_to_bulk: bulk_seen_from is the body's bytes received before the job). */
 static void on_bulk_seen(dsv4_bulk_job_t *j) {
@@ -1782,6 +1780,8 @@ static void on_bulk_seen(dsv4_bulk_job_t *j) {
   c->bulk_watch_seen(c->bulk_watch, c->bulk_body, c->bulk_seen_from + j->done);
 }
 
+/* A body whose rest is bulk_min bytes or more goes to the bulk thread, once its place is known
+ * and no byte of it waits in rbuf. Returns whether it went. */
 static bool body_to_bulk(conn_t *c) {
   const dsv4_server_t *s = c->srv;
   req_t *r = c->req;
