@@ -7,7 +7,6 @@
 #include <string.h>
 
 #include "decimal.h"
-#include "dsv4-layout.h"
 
 enum { WAIT_HEADER, FEEDING, OFF };
 
@@ -47,26 +46,13 @@ void dsv4_arrival_end(dsv4_arrival_t *a) {
   free(a);
 }
 
-/* Tensor k of a batch of N tokens as the check reads it in place: its dtype, its shape and its
- * data aligned to its values (the parse copies what is not, elsewhere). */
-static int tensor_followed(const dsv4_st_tensor_t *t, int k, int64_t n,
-                           const dsv4_check_shape_t *sh) {
-  static const int ndims[DSV4_CHECK_TENSORS] = {3, 2, 2, 2, 3, 2};
-  static const int f32[DSV4_CHECK_TENSORS] = {0, 0, 1, 1, 0, 1};
-  const int64_t ih = sh->index_heads;
-  const int64_t shapes[DSV4_CHECK_TENSORS][3] = {{n, sh->heads, DSV4_HEAD_DIM},
-                                                 {n, DSV4_HEAD_DIM},
-                                                 {n, sh->ratio == 4 ? 2048 : 1024},
-                                                 {n, 512},
-                                                 {n, ih, 128},
-                                                 {n, ih}};
-  if (!t || t->dtype != (f32[k] ? DSV4_ST_F32 : DSV4_ST_BF16) || t->ndim != ndims[k] ||
-      ((uintptr_t)t->data & (f32[k] ? 3u : 1u)))
-    return 0;
-  for (int i = 0; i < ndims[k]; i++)
-    if (t->shape[i] != shapes[k][i])
-      return 0;
-  return 1;
+/* Tensor k as the check reads it in place: its dtype, and its data aligned to its values (the
+ * parse copies what is not, elsewhere). Its shape is the parse's to check: the check reads no more
+ * values than the tensor holds (dsv4_arrival_seen), and is used only for a body the parse took. */
+static int tensor_followed(const dsv4_st_tensor_t *t, int k) {
+  static const int dtypes[DSV4_CHECK_TENSORS] = {DSV4_ST_BF16, DSV4_ST_BF16, DSV4_ST_F32,
+                                                 DSV4_ST_F32,  DSV4_ST_BF16, DSV4_ST_F32};
+  return t && t->dtype == dtypes[k] && !((uintptr_t)t->data & (dsv4_st_dtype_size(t->dtype) - 1));
 }
 
 /* The check's shape and N from the view: the layer's ratio as the engine runs it, q's N within the
@@ -83,7 +69,7 @@ static uint32_t shape_of(const dsv4_arrival_t *a, dsv4_check_shape_t *sh) {
   sh->index_heads = a->lim.index_heads;
   const int n_t = dsv4_check_tensors(sh->ratio);
   for (int k = 0; k < n_t; k++)
-    if (!tensor_followed(dsv4_st_find(&a->view, names[k]), k, q->shape[0], sh))
+    if (!tensor_followed(dsv4_st_find(&a->view, names[k]), k))
       return 0;
   return (uint32_t)q->shape[0];
 }

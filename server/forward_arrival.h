@@ -15,9 +15,10 @@
  * spreads the segments over its host threads (forward_arrival.c, SPREAD_BODY_BYTES).
  *
  * A body the watcher cannot follow (a header that does not parse, a layer number that does not, a
- * tensor missing, of another dtype or shape or unaligned, segments that do not parse or add up) is
- * left to the handler's parse and the engine's validation as it is, which answer it as they would
- * have: the watcher never refuses anything.
+ * tensor missing, of another dtype or unaligned, segments that do not parse or add up) is left to
+ * the handler's parse and the engine's validation as it is, which answer it as they would have:
+ * the watcher never refuses anything. Shapes are the parse's to check: a body it refuses never
+ * hands its check on.
  *
  * Thread affinity: begin, take and end on the loop thread; seen on whichever thread reads the
  * body (one at a time, http.h).

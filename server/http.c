@@ -228,11 +228,9 @@ struct conn {
   dsv4_bulk_job_t bulk;
   uv_buf_t bulk_buf;
   bool bulk_out, bulk_timed_out;
-  /* A body's watcher as the bulk thread calls it (on_bulk_seen), copied at the job's start. */
-  void *bulk_watch;
-  void (*bulk_watch_seen)(void *w, const uint8_t *body, size_t have);
-  const uint8_t *bulk_body;
-  size_t bulk_seen_from;
+  /* The request whose body the bulk thread reads, for on_bulk_seen: while the job runs the loop
+   * changes none of it (its body_received counts the bytes before the job). */
+  req_t *bulk_req;
   char peer[64];
 };
 
@@ -1773,11 +1771,10 @@ static void on_bulk_read(dsv4_bulk_job_t *j) {
   conn_unref(c);
 }
 
-/* Bulk thread: the watcher learns of each read as the loop's on_body would tell it (see
- * body_to_bulk: bulk_seen_from is the body's bytes received before the job). */
+/* Bulk thread: the watcher learns of each read as the loop's on_body would tell it. */
 static void on_bulk_seen(dsv4_bulk_job_t *j) {
-  conn_t *c = j->data;
-  c->bulk_watch_seen(c->bulk_watch, c->bulk_body, c->bulk_seen_from + j->done);
+  const req_t *r = ((conn_t *)j->data)->bulk_req;
+  r->route->watch->seen(r->watch, r->pub.body, r->body_received + j->done);
 }
 
 /* A body whose rest is bulk_min bytes or more goes to the bulk thread, once its place is known
@@ -1791,10 +1788,7 @@ static bool body_to_bulk(conn_t *c) {
   c->bulk_buf.base = (char *)r->pub.body + r->body_received;
   c->bulk_buf.len = (size_t)(r->content_length - r->body_received);
   /* What on_bulk_seen reads, set before the job goes (bulk_start hands it over under a lock). */
-  c->bulk_watch = r->watch;
-  c->bulk_watch_seen = r->watch ? r->route->watch->seen : NULL;
-  c->bulk_body = r->pub.body;
-  c->bulk_seen_from = r->body_received;
+  c->bulk_req = r;
   c->bulk.seen = r->watch ? on_bulk_seen : NULL;
   if (!bulk_start(c, 0, &c->bulk_buf, 1, on_bulk_read))
     return false;

@@ -217,7 +217,7 @@ dsv4_check_t *dsv4__check_take(dsv4_check_t *given, const dsv4_check_shape_t *sh
                                const dsv4_forward_t *f, dsv4_check_t **own) {
   *own = NULL;
   int fits = given && !given->used && given->shape.heads == sh->heads &&
-             given->n_t == dsv4_check_tensors(sh->ratio) && given->shape.ratio == sh->ratio &&
+             given->shape.ratio == sh->ratio &&
              (sh->ratio != 4 || given->shape.index_heads == sh->index_heads) &&
              given->n_segs == f->n_segs && given->n_tokens == f->n_tokens;
   for (uint32_t s = 0; fits && s < f->n_segs; s++)
