@@ -24,7 +24,7 @@ typedef struct {
   int32_t *tok_seg;
   uint32_t tok_cap;
   int64_t *seg_first_lb;
-  uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
+  uint32_t *seg_bt_off, *seg_bt_len;
   int64_t *seg_p0;
   uint32_t seg_cap;
   dsv4_plan_t plan;
@@ -80,7 +80,7 @@ struct dsv4_engine {
   int32_t *tok_seg;
   uint32_t tok_cap;
   int64_t *seg_first_lb;
-  uint32_t *seg_bt_off, *seg_bt_len, *seg_tok_off;
+  uint32_t *seg_bt_off, *seg_bt_len;
   int64_t *seg_p0;
   uint32_t seg_cap;
   /* Device copies of the batch's inputs and outputs for a backend without DSV4_BE_HOST_MEMORY

@@ -660,14 +660,12 @@ void dsv4_engine_destroy(dsv4_engine_t *e) {
   free(e->seg_first_lb);
   free(e->seg_bt_off);
   free(e->seg_bt_len);
-  free(e->seg_tok_off);
   free(e->seg_p0);
   free(e->spare.positions);
   free(e->spare.tok_seg);
   free(e->spare.seg_first_lb);
   free(e->spare.seg_bt_off);
   free(e->spare.seg_bt_len);
-  free(e->spare.seg_tok_off);
   free(e->spare.seg_p0);
   dsv4_plan_free(&e->spare.plan);
   free(e->spare.seg_slot);
@@ -699,7 +697,6 @@ static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
     if (grow_array((void **)&e->seg_first_lb, sizeof(int64_t), n_segs) ||
         grow_array((void **)&e->seg_bt_off, sizeof(uint32_t), n_segs) ||
         grow_array((void **)&e->seg_bt_len, sizeof(uint32_t), n_segs) ||
-        grow_array((void **)&e->seg_tok_off, sizeof(uint32_t), n_segs) ||
         grow_array((void **)&e->seg_p0, sizeof(int64_t), n_segs))
       return DSV4_ENOMEM;
     e->seg_cap = n_segs;
@@ -709,10 +706,8 @@ static int grow_scratch(dsv4_engine_t *e, uint32_t n_tokens, uint32_t n_segs) {
 
 /* The per-segment range check and hash, spread over the backend's host threads. */
 typedef struct {
-  const dsv4_engine_t *e;
   dsv4_forward_t *f;
-  uint32_t ratio;          /* the layer's compressed branch, or 0 */
-  const uint32_t *tok_off; /* first token of each segment */
+  uint32_t ratio; /* the layer's compressed branch, or 0 */
   atomic_int bad;
   _Atomic(const char *) bad_tensor; /* a compressed tensor out of range (any one of them) */
 } validate_job_t;
@@ -742,7 +737,6 @@ static int forward_positions(dsv4_engine_t *e, const dsv4_forward_t *f) {
       return DSV4_EINVAL;
     if (sg->start > e->p.model->max_position_embeddings - (int64_t)sg->len)
       return DSV4_EPOSRANGE;
-    e->seg_tok_off[s] = t;
     for (uint32_t i = 0; i < sg->len; i++) {
       e->positions[t + i] = sg->start + i;
       e->tok_seg[t + i] = (int32_t)s;
@@ -968,7 +962,7 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       return rc;
     q_early_launch(e, idx, f);
   }
-  validate_job_t v = {.e = e, .f = f, .ratio = e->c_ratio[idx], .tok_off = e->seg_tok_off};
+  validate_job_t v = {.f = f, .ratio = e->c_ratio[idx]};
   atomic_init(&v.bad, 0);
   atomic_init(&v.bad_tensor, NULL);
   rc = validate_segments(
@@ -1089,7 +1083,6 @@ static void scratch_swap(dsv4_engine_t *e) {
   s->seg_first_lb = e->seg_first_lb;
   s->seg_bt_off = e->seg_bt_off;
   s->seg_bt_len = e->seg_bt_len;
-  s->seg_tok_off = e->seg_tok_off;
   s->seg_p0 = e->seg_p0;
   s->seg_cap = e->seg_cap;
   s->plan = e->plan;
@@ -1113,7 +1106,6 @@ static void scratch_swap(dsv4_engine_t *e) {
   e->seg_first_lb = t.seg_first_lb;
   e->seg_bt_off = t.seg_bt_off;
   e->seg_bt_len = t.seg_bt_len;
-  e->seg_tok_off = t.seg_tok_off;
   e->seg_p0 = t.seg_p0;
   e->seg_cap = t.seg_cap;
   e->plan = t.plan;
