@@ -160,7 +160,7 @@ static const opt_t opts[] = {
      "as soon as it is made, as much of it as the socket takes at once (of a larger answer its "
      "first 256 KiB; the rest from the event loop), rather than waiting for the loop to wake (0 = "
      "always from the loop)"},
-    {"in_place_max_bytes", OPT_U64, F(in_place_max_bytes), "0", 0, (uint64_t)1 << 40, NULL, 0,
+    {"in_place_max_bytes", OPT_U64, F(in_place_max_bytes), "4194304", 0, (uint64_t)1 << 40, NULL, 0,
      "on a backend whose launches reach page-locked host memory (cuda): a batch, or a prefill's "
      "chunk, whose q has more bytes than this goes through device memory with copies, and a "
      "smaller one is read and written in place (0 = no limit: every batch in place)"},

@@ -376,7 +376,11 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
    * fused decode path: there every attention CTA of a token (its head groups and window splits)
    * reads its rows, which should not cross PCIe more than once. */
   const int place = in_place_ok(e, q_bytes);
-  rc = stage_put(e, ST_Q, f->q, q_bytes, !fused && place, &d);
+  /* After the q half (q_early_launch) the insert writes the KV rows only and reads no q. */
+  if (e->stage->q_early)
+    d = h->buf[ST_Q].ptr;
+  else
+    rc = stage_put(e, ST_Q, f->q, q_bytes, !fused && place, &d);
   ia->q = d;
   if (!rc)
     rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), place, &d);
@@ -832,11 +836,12 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
 
 /*
  * Whether f's q half (Q norm and RoPE into staging, no cache byte) may run while the host checks
- * and hashes the batch: a staged backend that reads host memory in place and inserts KV rows apart
- * (DSV4_BE_ATTN_FUSED_Q), a batch without attention or compressed branch (their launches read the
- * metadata uploaded, not in place), not in chunks, and enough q to be worth a launch. A batch in
- * flight beside it is no obstacle: the q half writes the other staging half, queued after that
- * batch's launches, and a refusal's sync (forward_refused) waits for both, as backend.h allows.
+ * and hashes the batch: a staged backend that maps host memory (host_alias; q read in place or
+ * uploaded, q_early_launch) and inserts KV rows apart (DSV4_BE_ATTN_FUSED_Q), a batch without
+ * attention or compressed branch (their launches read the metadata uploaded, not in place), not in
+ * chunks, and enough q to be worth a launch. A batch in flight beside it is no obstacle: the q half
+ * writes the other staging half, queued after that batch's launches, and a refusal's sync
+ * (forward_refused) waits for both, as backend.h allows.
  */
 static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t *f) {
   const dsv4_backend_ops_t *ops = e->be->ops;
@@ -844,7 +849,7 @@ static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t 
   const uint32_t chunk = e->p.prefill_chunk_tokens;
   if (!e->stage || !(ops->caps & DSV4_BE_ATTN_FUSED_Q) || !ops->host_alias || f->attn || f->lse)
     return 0;
-  if (q_bytes < Q_EARLY_MIN_BYTES || !in_place_ok(e, q_bytes) || (e->c_ratio && e->c_ratio[idx]))
+  if (q_bytes < Q_EARLY_MIN_BYTES || (e->c_ratio && e->c_ratio[idx]))
     return 0;
   return !(f->yield && chunk && f->n_tokens > chunk);
 }
@@ -862,8 +867,11 @@ static uint32_t q_piece_tokens(const dsv4_engine_t *e, size_t n, size_t row_byte
 }
 
 /* The q half's launches: ia's tokens in pieces of per, each followed by its mark when there are
- * several (the backend then downloads a piece once its launch is done, stage_get_q). */
-static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32_t per) {
+ * several (the backend then downloads a piece once its launch is done, stage_get_q). With up (q's
+ * host bytes), each piece's q is uploaded into qbuf, where ia->q points, right before its launch,
+ * so that the next piece crosses PCIe while the downloads take the pieces before. */
+static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32_t per,
+                          const uint16_t *up, const dsv4_devbuf_t *qbuf) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   const size_t row_elems = (size_t)ia->heads * DSV4_HEAD_DIM;
   const uint32_t pieces = (ia->n_tokens + per - 1) / per;
@@ -875,15 +883,20 @@ static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32
     p.q = ia->q + t0 * row_elems;
     p.positions = ia->positions + t0;
     p.q_out = ia->q_out + t0 * row_elems;
+    const size_t elems = p.n_tokens * row_elems;
+    if (up)
+      rc = ops->upload(e->be, qbuf, t0 * row_elems * sizeof(uint16_t), up + t0 * row_elems,
+                       elems * sizeof(uint16_t));
 #ifdef DSV4_TEST_BROKEN_MARK_EARLY
     /* Test-only breakage (tests/unit/inv_q_pieces.c): each mark before its piece's launch, so the
      * piece's download may copy q_out before that launch wrote it. */
-    if (pieces > 1)
+    if (!rc && pieces > 1)
       rc = ops->mark(e->be, i);
     if (!rc)
       rc = ops->qkv_insert(e->be, &p);
 #else
-    rc = ops->qkv_insert(e->be, &p);
+    if (!rc)
+      rc = ops->qkv_insert(e->be, &p);
     if (!rc && pieces > 1)
       rc = ops->mark(e->be, i);
 #endif
@@ -894,23 +907,34 @@ static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32
 }
 
 /*
- * The q half of f's insert, launched before its range check, hashes and plan, where q is read in
- * place: q_out into the current half's staging (so a refused batch writes nothing the caller
- * sees), the positions from the half's packed metadata, where stage_inputs leaves them. Sets
- * e->stage->q_early when launched; a launch that fails is waited for and the batch runs whole.
+ * The q half of f's insert, launched before its range check, hashes and plan: q_out into the
+ * current half's staging (so a refused batch writes nothing the caller sees). q and the positions
+ * (from the half's packed metadata, where stage_inputs leaves them) are read in place where the
+ * backend maps them and the batch's size allows (in_place_ok); else the positions are uploaded into
+ * the half's slots buffer (the producer writes the slots there only after these launches, in
+ * queue order) and q into its q buffer piece by piece, by the copy engines, which on some hosts
+ * move a prefill's q over PCIe twice as fast as the launch's own reads (tests/bench/NOTES.md, "The
+ * q half first, staged"). Sets e->stage->q_early when launched; a launch or upload that fails is
+ * waited for and the batch runs whole.
  */
 static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
   const size_t n = f->n_tokens, row_bytes = (size_t)e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
   const size_t q_bytes = n * row_bytes;
-  if (!h->meta_reg)
-    return;
   memcpy(h->meta, e->positions, n * sizeof(int64_t)); /* M_POSITIONS: offset 0 of any layout */
-  const uint16_t *q = stage_alias(e, f->q, q_bytes);
-  const int64_t *pos = stage_alias(e, h->meta, n * sizeof(int64_t));
-  if (!q || !pos)
-    return;
+  const uint16_t *q = in_place_ok(e, q_bytes) ? stage_alias(e, f->q, q_bytes) : NULL;
+  const int64_t *pos = q && h->meta_reg ? stage_alias(e, h->meta, n * sizeof(int64_t)) : NULL;
+  const uint16_t *up = NULL;
   const uint64_t t0 = mono_ns();
+  if (!q || !pos) {
+    if (e->be->ops->upload(e->be, &h->buf[ST_SLOTS], 0, h->meta, n * sizeof(int64_t))) {
+      (void)e->be->ops->sync(e->be);
+      return;
+    }
+    q = h->buf[ST_Q].ptr;
+    pos = h->buf[ST_SLOTS].ptr;
+    up = f->q;
+  }
   dsv4_insert_args_t ia = {
       .n_tokens = (uint32_t)n,
       .heads = e->p.heads,
@@ -926,7 +950,7 @@ static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       .n_blocks = e->p.kv_blocks,
       .stride = e->stride,
   };
-  if (q_early_pieces(e, &ia, q_piece_tokens(e, n, row_bytes)) == 0)
+  if (q_early_pieces(e, &ia, q_piece_tokens(e, n, row_bytes), up, &h->buf[ST_Q]) == 0)
     e->stage->q_early = 1;
   else
     (void)e->be->ops->sync(e->be);

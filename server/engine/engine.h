@@ -66,9 +66,10 @@ typedef struct {
   uint32_t q_piece_bytes;
   /* On a backend that maps host memory for its launches (backend.h, host_alias): a batch (or a
    * chunk of one) whose q is larger than this many bytes has its q and kv uploaded and q_out
-   * downloaded through device staging instead of read and written in place; 0 = no limit. On some
-   * hosts the launches' own reads and writes over PCIe run at half the copy engines' rate for a
-   * prefill (tests/bench/NOTES.md, "In place against staged"). */
+   * downloaded through device staging instead of read and written in place; 0 = no limit (the
+   * daemon's default is 4 MiB). On some hosts the launches' own reads and writes over PCIe run at
+   * half the copy engines' rate for a prefill (tests/bench/NOTES.md, "The q half first, staged").
+   */
   uint64_t in_place_max_bytes;
 } dsv4_engine_params_t;
 

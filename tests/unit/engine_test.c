@@ -742,8 +742,10 @@ static void test_staged_matches_cpu(void **state) {
       const size_t batches = 2 * 2 + 70 * 2;
       /* One upload each for q and kv per batch, and the kv_norm weights once: the packed
        * metadata (positions, segments, table) is read where the engine assembled it, registered
-       * with the backend. */
-      assert_int_equal(st.uploads, 2 * batches + (size_t)fused);
+       * with the backend. The four prefills (two and their replays) run their q half before
+       * their validation, with q uploaded as it would be after it, and their positions ahead of
+       * it (engine.c, q_early_launch): one upload more each. */
+      assert_int_equal(st.uploads, 2 * batches + 4 + (size_t)fused);
       /* q_out and slots complete at the batch's one sync (download_async, which leaves 0xa5
        * bytes in them until then: the comparison with the CPU above fails if the engine read them
        * earlier, as its digest does); the digest's reads of the cache wait for their bytes. */
@@ -1246,13 +1248,17 @@ static size_t staged_marked(dsv4_engine_t *e, size_t *early) {
  * gap) writes nothing into the region, the cache or the sequences (the next batch answers as on
  * the CPU backend). On the staged backend: three launches a batch (q half, producer, KV rows), two
  * for a replay (no KV rows), and q_out downloaded from staging. With q_piece_bytes 64 KiB the q
- * half goes in 8 launches, each downloaded on its own after its mark (backend.h). On cuda
- * (argv[1]) the device's.
+ * half goes in 8 launches, each downloaded on its own after its mark (backend.h). Over the
+ * in_place_max_bytes bound (limit) the q half runs too, on q uploaded piece by piece and the
+ * positions uploaded ahead of it, and the batch's insert uploads no q again. On cuda (argv[1]) the
+ * device's.
  */
-static void q_half_first(uint32_t piece) {
+static void q_half_first(uint32_t piece, uint64_t limit) {
   const size_t cap = (size_t)8 << 20;
   const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
+  in_place_limit = limit;
   beside_t t = beside_open_pieces(other, cap, piece);
+  in_place_limit = 0;
   uint8_t *region = t.region;
   dsv4_engine_t *a = t.a, *b = t.b;
   const int staged = !strncmp(other, "cpu_staged", 10);
@@ -1263,7 +1269,13 @@ static void q_half_first(uint32_t piece) {
   int64_t st[2] = {0, 0};
   size_t early, m0 = staged_marked(b, &early), l0 = staged_launches(b);
   size_t c = in_place_batch(a, b, region, cap, 0, 300, names, st, len, yes, 0, 1);
-  if (staged) {
+  if (staged && limit) {
+    /* Up: the positions, q's pieces, the metadata and kv; down: q_out's pieces and the slots. */
+    assert_int_equal(c, (pieces + 3) * 100 + pieces + 1);
+    assert_int_equal(staged_launches(b) - l0, pieces + 2);
+    assert_int_equal(staged_marked(b, &early) - m0, pieces_marked);
+    assert_int_equal(early, 0);
+  } else if (staged) {
     assert_int_equal(c, pieces); /* q_out downloaded, nothing uploaded */
     assert_int_equal(staged_launches(b) - l0, pieces + 2);
     assert_int_equal(staged_marked(b, &early) - m0, pieces_marked);
@@ -1286,8 +1298,11 @@ static void q_half_first(uint32_t piece) {
 
 static void test_q_half_first(void **state) {
   (void)state;
-  q_half_first(0);
-  q_half_first(64u << 10);
+  const uint64_t row = (uint64_t)HEADS * DSV4_HEAD_DIM * 2;
+  q_half_first(0, 0);
+  q_half_first(64u << 10, 0);
+  q_half_first(0, 16 * row);
+  q_half_first(64u << 10, 16 * row);
 }
 
 /* A q-only batch of one segment (name at st, len tokens) for a (x, host memory) and b (y, in
