@@ -913,9 +913,9 @@ static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32
  * backend maps them and the batch's size allows (in_place_ok); else the positions are uploaded into
  * the half's slots buffer (the producer writes the slots there only after these launches, in
  * queue order) and q into its q buffer piece by piece, by the copy engines, which on some hosts
- * move a prefill's q over PCIe twice as fast as the launch's own reads (tests/bench/NOTES.md, "The
- * q half first, staged"). Sets e->stage->q_early when launched; a launch or upload that fails is
- * waited for and the batch runs whole.
+ * move a prefill's q over PCIe 1.6 × as fast as the launch's own reads (tests/bench/NOTES.md, "In
+ * place against the copy engines on four H100 hosts"). Sets e->stage->q_early when launched; a
+ * launch or upload that fails is waited for and the batch runs whole.
  */
 static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   stage_half_t *h = &e->stage->half[e->stage->cur];

@@ -68,7 +68,8 @@ typedef struct {
    * chunk of one) whose q is larger than this many bytes has its q and kv uploaded and q_out
    * downloaded through device staging instead of read and written in place; 0 = no limit (the
    * daemon's default is 4 MiB). On some hosts the launches' own reads and writes over PCIe run at
-   * half the copy engines' rate for a prefill (tests/bench/NOTES.md, "The q half first, staged").
+   * half the copy engines' rate for a prefill (tests/bench/NOTES.md, "In place against the
+   * copy engines on four H100 hosts").
    */
   uint64_t in_place_max_bytes;
 } dsv4_engine_params_t;
