@@ -73,6 +73,7 @@ typedef struct dsv4_config {
   uint32_t inline_decode_tokens; /* a lone client's decode this small runs on the loop thread */
   uint32_t direct_answer_bytes;  /* of a forward's answer written by the executor thread */
   uint64_t in_place_max_bytes;   /* a batch's q this large at most is read in place (cuda) */
+  uint64_t cache_flush_bytes;    /* a larger batch's tensors leave the CPU caches before copies */
   uint32_t io_slice_bytes;       /* a connection's read or write in a loop iteration, at most */
   uint32_t bulk_io_bytes;        /* a body's or answer's rest this large moves on its own thread */
   int check_on_arrival;          /* a forward body's q and kv checked and hashed as they arrive */

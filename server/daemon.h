@@ -47,7 +47,7 @@ typedef struct dsv4_daemon {
   dsv4_metric_t *m_usage, *m_blocks, *m_sequences, *m_batch_tokens, *m_forward_seconds, *m_queued,
       *m_alloc_failures, *m_inflight, *m_build_info, *m_rope_bytes, *m_block_size, *m_blocks_total,
       *m_prefill_chunks, *m_pinned_bytes, *m_pinned_total, *m_pinned_fallbacks, *m_forward_request,
-      *m_inline_batches, *m_direct_answers, *m_arrival_bytes;
+      *m_inline_batches, *m_direct_answers, *m_arrival_bytes, *m_flushed_bytes;
 } dsv4_daemon_t;
 
 /*

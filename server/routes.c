@@ -331,6 +331,8 @@ static void fwd_finish(fwd_job_t *j) {
     observe_stage(d, "yield", cls, j->f.timing.yield_ns);
     dsv4_metric_add(d->m_prefill_chunks, NULL, j->f.chunks);
   }
+  if (j->f.timing.flushed_bytes)
+    dsv4_metric_add(d->m_flushed_bytes, NULL, (double)j->f.timing.flushed_bytes);
   dsv4_metric_observe(d->m_batch_tokens, NULL, (double)j->f.n_tokens);
 
   if (!req) {
@@ -899,6 +901,11 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
                              "Bytes of forward bodies' tensors range-checked and hashed by the "
                              "thread that read them, as they arrived (check_on_arrival).",
                              NULL, 0, &d->m_arrival_bytes);
+  rc |=
+      dsv4_metrics_counter(m, "dsv4d_cache_flushed_bytes_total",
+                           "Bytes of forward batches' q and kv flushed from the CPU caches before "
+                           "the device copied them (cache_flush_bytes).",
+                           NULL, 0, &d->m_flushed_bytes);
   rc |= dsv4_metrics_gauge(m, "dsv4d_queued_batches",
                            "Forward batches waiting in the executor (not running) by class.", cls,
                            1, &d->m_queued);
@@ -917,6 +924,7 @@ int dsv4_daemon_metrics_init(dsv4_daemon_t *d) {
   dsv4_metric_add(d->m_inline_batches, NULL, 0);
   dsv4_metric_add(d->m_direct_answers, NULL, 0);
   dsv4_metric_add(d->m_arrival_bytes, NULL, 0);
+  dsv4_metric_add(d->m_flushed_bytes, NULL, 0);
   dsv4_metrics_set_collect(m, collect, d);
   return 0;
 }

@@ -423,6 +423,7 @@ static int start_engine(app_t *a) {
       .prefill_chunk_tokens = cfg->prefill_chunk_tokens,
       .prefill_chunk_tokens_alone = cfg->prefill_chunk_tokens_alone,
       .in_place_max_bytes = cfg->in_place_max_bytes,
+      .cache_flush_bytes = cfg->cache_flush_bytes,
   };
   err[0] = '\0';
   rc = dsv4_engine_create(&ep, &d->engine, err, sizeof(err));

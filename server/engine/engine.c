@@ -17,6 +17,7 @@
 
 #include "dsv4-layout.h"
 #include "dsv4-numerics.h"
+#include "host_flush.h"
 #include "pool.h"
 #include "records.h"
 
@@ -969,6 +970,44 @@ static int forward_refused(dsv4_engine_t *e, int rc) {
   return rc;
 }
 
+/* The host inputs of a batch flushed from the CPU caches, in pieces of FLUSH_PIECE. */
+#define FLUSH_PIECE ((size_t)1 << 20)
+
+typedef struct {
+  const uint8_t *q, *kv;
+  size_t q_bytes, kv_bytes;
+} flush_job_t;
+
+static void flush_pieces(void *arg, size_t first, size_t last) {
+  const flush_job_t *j = arg;
+  const size_t q_pieces = (j->q_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE;
+  for (size_t i = first; i < last; i++) {
+    const uint8_t *p = i < q_pieces ? j->q : j->kv;
+    const size_t n = i < q_pieces ? j->q_bytes : j->kv_bytes;
+    const size_t off = (i < q_pieces ? i : i - q_pieces) * FLUSH_PIECE;
+    dsv4_host_flush(p + off, n - off < FLUSH_PIECE ? n - off : FLUSH_PIECE);
+  }
+}
+
+/*
+ * A validated batch's q and kv, which the host threads have just read, out of the CPU caches
+ * before the device copies them or reads them in place (cache_flush_bytes), on the host threads;
+ * not after the q half, which read them before the validation. The bytes are unchanged.
+ */
+static void flush_batch(dsv4_engine_t *e, dsv4_forward_t *f) {
+  const size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  const dsv4_backend_ops_t *ops = e->be->ops;
+  if (!e->stage || e->stage->q_early || !e->p.cache_flush_bytes ||
+      q_bytes <= e->p.cache_flush_bytes || !ops->host_parallel || !dsv4_host_flush_works())
+    return;
+  flush_job_t j = {(const uint8_t *)f->q, (const uint8_t *)f->kv, q_bytes,
+                   n * DSV4_HEAD_DIM * sizeof(uint16_t)};
+  const size_t pieces =
+      (q_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE + (j.kv_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE;
+  ops->host_parallel(e->be, flush_pieces, &j, pieces);
+  f->timing.flushed_bytes += q_bytes + j.kv_bytes;
+}
+
 /* Forward pass 2, validation: bounds, value range, replay hashes, RoPE rows and staging room. */
 static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   /* Validation comes first, so that a refused batch changes nothing. */
@@ -997,6 +1036,7 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     f->bad_tensor = atomic_load(&v.bad_tensor);
     return DSV4_ERANGE;
   }
+  flush_batch(e, f);
   if (!early)
     rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
   if (!rc)

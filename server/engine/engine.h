@@ -72,6 +72,10 @@ typedef struct {
    * copy engines on four H100 hosts").
    */
   uint64_t in_place_max_bytes;
+  /* On a staged backend: a batch whose q is larger than this many bytes has its q and kv flushed
+   * from the CPU caches on the host threads once it is validated (unless its q half read them
+   * before), before the device copies or reads them (host_flush.h); 0 = never. */
+  uint64_t cache_flush_bytes;
 } dsv4_engine_params_t;
 
 /* Per-stage timings of one batch, in nanoseconds. */
@@ -92,6 +96,8 @@ typedef struct {
   uint64_t download_ns;
   /* A batch run in chunks: the time its yield hook took (other batches), left out of kernel_ns. */
   uint64_t yield_ns;
+  /* The bytes flushed from the host's caches before the device copies (cache_flush_bytes). */
+  uint64_t flushed_bytes;
 } dsv4_engine_timing_t;
 
 /* Attention modes (SPEC §7): exact is byte-identical on every backend; fast is a GPU's own. */

@@ -22,6 +22,7 @@
 #include "engine.h"
 #include "engine_admin.h"
 #include "engine_restore.h"
+#include "host_flush.h"
 #include "model.h"
 
 #define XXH_INLINE_ALL
@@ -206,6 +207,8 @@ static dsv4_engine_t *open_engine(const char *name) {
 
 /* in_place_max_bytes of the engines open_engine_full opens (0: no limit). */
 static uint64_t in_place_limit;
+/* cache_flush_bytes of the engines open_engine_full opens (0: never). */
+static uint64_t cache_flush;
 
 /* An engine with attention sinks for both served layers, prefill_chunk_tokens = chunk,
  * prefill_chunk_tokens_alone = alone and q_piece_bytes = piece. */
@@ -229,6 +232,7 @@ static dsv4_engine_t *open_engine_full(const char *name, uint32_t chunk, uint32_
       .prefill_chunk_tokens_alone = alone,
       .q_piece_bytes = piece,
       .in_place_max_bytes = in_place_limit,
+      .cache_flush_bytes = cache_flush,
   };
   dsv4_engine_t *e = NULL;
   char why[256];
@@ -1068,6 +1072,19 @@ static void beside_close(beside_t *t) {
   free(t->region);
 }
 
+/* The same batch of two segments twice (x for one engine, y for the other), on served layer 0,
+ * without attention outputs unless attn. */
+static void attn_pair_make(attn_batch_t *x, attn_batch_t *y, uint64_t seed,
+                           const char *const *names, const int64_t *st, const uint32_t *len,
+                           const int *is_new, int attn) {
+  attn_batch_make(x, served[0], seed, 2, names, st, len, is_new);
+  attn_batch_make(y, served[0], seed, 2, names, st, len, is_new);
+  if (!attn) {
+    x->b.f.attn = y->b.f.attn = NULL;
+    x->b.f.lse = y->b.f.lse = NULL;
+  }
+}
+
 /* One batch on a (host memory) and b (its tensors in region, skew bytes off alignment): the same
  * answer. Returns the staged backend's uploads and downloads for b's batch (0 on other backends).
  */
@@ -1076,12 +1093,7 @@ static size_t in_place_batch(dsv4_engine_t *a, dsv4_engine_t *b, uint8_t *region
                              const int64_t *st, const uint32_t *len, const int *is_new, int attn,
                              int q_wanted) {
   attn_batch_t x, y;
-  attn_batch_make(&x, served[0], seed, 2, names, st, len, is_new);
-  attn_batch_make(&y, served[0], seed, 2, names, st, len, is_new);
-  if (!attn) {
-    x.b.f.attn = y.b.f.attn = NULL;
-    x.b.f.lse = y.b.f.lse = NULL;
-  }
+  attn_pair_make(&x, &y, seed, names, st, len, is_new, attn);
   y.b.f.q_unwanted = !q_wanted;
   batch_into_region(&y, region, cap, skew);
   dsv4_test_cpu_staged_stats_t s0 = {0}, s1 = {0};
@@ -1194,6 +1206,64 @@ static void test_in_place_limit(void **state) {
     assert_int_equal(c, 0);
   same_cache(t.a, t.b);
   beside_close(&t);
+}
+
+/* One batch of two segments (lens, from st) on a (the CPU backend) and b: the same answers (q_out,
+ * slots, attn and lse where asked); returns the bytes b flushed from the host's caches. */
+static uint64_t flush_batch_pair(dsv4_engine_t *a, dsv4_engine_t *b, uint64_t seed,
+                                 const char *const *names, const int64_t *st, const uint32_t *lens,
+                                 const int *is_new, int attn) {
+  attn_batch_t x, y;
+  attn_pair_make(&x, &y, seed, names, st, lens, is_new, attn);
+  assert_int_equal(dsv4_engine_forward(a, &x.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &y.b.f), 0);
+  const size_t n = x.b.n, qb = n * HEADS * DSV4_HEAD_DIM * 2;
+  assert_memory_equal(x.b.q_out, y.b.q_out, qb);
+  assert_memory_equal(x.b.slots, y.b.slots, n * sizeof(int64_t));
+  if (attn) {
+    assert_memory_equal(x.attn, y.attn, qb);
+    assert_memory_equal(x.lse, y.lse, n * HEADS * sizeof(float));
+  }
+  assert_int_equal(x.b.f.timing.flushed_bytes, 0); /* no device, nothing flushed */
+  const uint64_t flushed = y.b.f.timing.flushed_bytes;
+  attn_batch_free(&x);
+  attn_batch_free(&y);
+  return flushed;
+}
+
+/*
+ * cache_flush_bytes: a batch with more q than the bound has its q and kv flushed from the CPU
+ * caches once validated (engine.c, flush_batch), with the CPU backend's answers; one at the bound
+ * is not, nor a batch whose q half read q before its validation (no attention, enough q).
+ */
+static void test_cache_flush(void **state) {
+  (void)state;
+  const uint64_t row = (uint64_t)HEADS * DSV4_HEAD_DIM * 2, kv_row = DSV4_HEAD_DIM * 2;
+  const char *other = strcmp(backend, "cpu") ? backend : "cpu_staged";
+  cache_flush = 16 * row;
+  dsv4_engine_t *a = open_engine_full("cpu", 0, 0, 0), *b = open_engine_full(other, 0, 0, 0);
+  cache_flush = 0;
+  const int works = dsv4_host_flush_works();
+  const char *names[2] = {"fa", "fb"};
+  int64_t st[2] = {0, 0};
+  const uint32_t big[2] = {10, 7}, at[2] = {9, 7}, early[2] = {30, 10};
+  const int yes[2] = {1, 1}, no[2] = {0, 0};
+  assert_int_equal(flush_batch_pair(a, b, 600, names, st, big, yes, 1),
+                   works ? 17 * (row + kv_row) : 0);
+  st[0] += big[0];
+  st[1] += big[1];
+  assert_int_equal(flush_batch_pair(a, b, 601, names, st, at, no, 1), 0);
+  st[0] += at[0];
+  st[1] += at[1];
+  /* 40 tokens of q alone: 320 KiB, the q half's. */
+  assert_int_equal(flush_batch_pair(a, b, 602, names, st, early, no, 0), 0);
+  st[0] += early[0];
+  st[1] += early[1];
+  assert_int_equal(flush_batch_pair(a, b, 603, names, st, big, no, 1),
+                   works ? 17 * (row + kv_row) : 0);
+  same_cache(a, b);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
 }
 
 /* The staged backend's launches so far (0 on other backends). */
@@ -2123,6 +2193,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_q_half_first_beside_flight),
       cmocka_unit_test(test_check_on_arrival),
       cmocka_unit_test(test_in_place_limit),
+      cmocka_unit_test(test_cache_flush),
   };
   return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
