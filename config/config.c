@@ -166,9 +166,9 @@ static const opt_t opts[] = {
      "smaller one is read and written in place (0 = no limit: every batch in place)"},
     {"cache_flush_bytes", OPT_U64, F(cache_flush_bytes), "4194304", 0, (uint64_t)1 << 40, NULL, 0,
      "on a backend with device memory (cuda): a batch whose q has more bytes than this has its q "
-     "and kv flushed from the CPU caches on the host threads once they are checked, before the "
-     "device copies them: some hosts copy memory that many cores have just read at half its rate "
-     "(0 = never)"},
+     "and kv flushed from the CPU caches on the host threads before the device copies them (once "
+     "they are checked, or before the batch's q half): some hosts copy memory that many cores "
+     "have just read at half its rate (0 = never)"},
     {"io_slice_bytes", OPT_U32, F(io_slice_bytes), "1048576", 65536, 1u << 30, NULL, 0,
      "bytes of a request body read, or of an answer written, on one connection in an event loop "
      "iteration at most: what a prefill's large body or answer holds the loop before the other "

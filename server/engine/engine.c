@@ -990,15 +990,17 @@ static void flush_pieces(void *arg, size_t first, size_t last) {
 }
 
 /*
- * A validated batch's q and kv, which the host threads have just read, out of the CPU caches
- * before the device copies them or reads them in place (cache_flush_bytes), on the host threads;
- * not after the q half, which read them before the validation. The bytes are unchanged.
+ * A batch's q and kv out of the CPU caches before the device copies them or reads them in place
+ * (cache_flush_bytes), on the host threads: after its validation, which has just read them on
+ * every host thread, or before its q half (q_early_launch), which reads q before the validation,
+ * the lines then being those the socket's reads and the checks on arrival left. The bytes are
+ * unchanged.
  */
 static void flush_batch(dsv4_engine_t *e, dsv4_forward_t *f) {
   const size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
   const dsv4_backend_ops_t *ops = e->be->ops;
-  if (!e->stage || e->stage->q_early || !e->p.cache_flush_bytes ||
-      q_bytes <= e->p.cache_flush_bytes || !ops->host_parallel || !dsv4_host_flush_works())
+  if (!e->stage || !e->p.cache_flush_bytes || q_bytes <= e->p.cache_flush_bytes ||
+      !ops->host_parallel || !dsv4_host_flush_works())
     return;
   flush_job_t j = {(const uint8_t *)f->q, (const uint8_t *)f->kv, q_bytes,
                    n * DSV4_HEAD_DIM * sizeof(uint16_t)};
@@ -1023,6 +1025,7 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       rc = stage_reserve_batch(e, f);
     if (rc)
       return rc;
+    flush_batch(e, f);
     q_early_launch(e, idx, f);
   }
   validate_job_t v = {.f = f, .ratio = e->c_ratio[idx]};
@@ -1036,9 +1039,10 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     f->bad_tensor = atomic_load(&v.bad_tensor);
     return DSV4_ERANGE;
   }
-  flush_batch(e, f);
-  if (!early)
+  if (!early) {
+    flush_batch(e, f);
     rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
+  }
   if (!rc)
     rc = dsv4__engine_c_prepare(e, (uint32_t)idx, f);
   if (!rc && e->stage && !early)
