@@ -5,6 +5,7 @@
  */
 #include "host_flush.h"
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define LINE 64
@@ -22,9 +23,12 @@ static int has_clflushopt(void) {
 void dsv4_host_flush(const void *p, size_t n) {
   if (n == 0)
     return;
-  static int opt = -1;
-  if (opt < 0)
-    opt = has_clflushopt(); /* a benign race: every thread stores the same value */
+  static _Atomic int known = -1; /* every thread that finds it unknown stores the same value */
+  int opt = atomic_load_explicit(&known, memory_order_relaxed);
+  if (opt < 0) {
+    opt = has_clflushopt();
+    atomic_store_explicit(&known, opt, memory_order_relaxed);
+  }
   uintptr_t a = (uintptr_t)p & ~(uintptr_t)(LINE - 1), end = (uintptr_t)p + n;
   if (opt) {
     for (; a < end; a += LINE)

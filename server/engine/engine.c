@@ -835,10 +835,17 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
 #define DSV4_Q_PIECE_BYTES ((size_t)2 << 20)
 #endif
 
+/* Whether a batch runs in chunks (forward_chunks): a prefill that may yield, over the chunk size.
+ */
+static int in_chunks(const dsv4_engine_t *e, const dsv4_forward_t *f) {
+  return f->yield && e->p.prefill_chunk_tokens && f->n_tokens > e->p.prefill_chunk_tokens;
+}
+
 /*
  * Whether f's q half (Q norm and RoPE into staging, no cache byte) may run while the host checks
- * and hashes the batch: a staged backend that maps host memory (host_alias; q read in place or
- * uploaded, q_early_launch) and inserts KV rows apart (DSV4_BE_ATTN_FUSED_Q), a batch without
+ * and hashes the batch: a staged backend that maps host memory (host_alias: the one it was
+ * measured on, although q_early_launch uploads what it may not read in place) and inserts KV rows
+ * apart (DSV4_BE_ATTN_FUSED_Q), a batch without
  * attention or compressed branch (their launches read the metadata uploaded, not in place), not in
  * chunks, and enough q to be worth a launch. A batch in flight beside it is no obstacle: the q half
  * writes the other staging half, queued after that batch's launches, and a refusal's sync
@@ -847,12 +854,11 @@ static int validate_segments(dsv4_engine_t *e, dsv4_forward_t *f, validate_job_t
 static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t *f) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   const size_t q_bytes = (size_t)f->n_tokens * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
-  const uint32_t chunk = e->p.prefill_chunk_tokens;
   if (!e->stage || !(ops->caps & DSV4_BE_ATTN_FUSED_Q) || !ops->host_alias || f->attn || f->lse)
     return 0;
   if (q_bytes < Q_EARLY_MIN_BYTES || (e->c_ratio && e->c_ratio[idx]))
     return 0;
-  return !(f->yield && chunk && f->n_tokens > chunk);
+  return !in_chunks(e, f);
 }
 
 /* The tokens of each of the q half's launches over n tokens, of row_bytes of q each: pieces of
@@ -911,12 +917,13 @@ static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32
  * The q half of f's insert, launched before its range check, hashes and plan: q_out into the
  * current half's staging (so a refused batch writes nothing the caller sees). q and the positions
  * (from the half's packed metadata, where stage_inputs leaves them) are read in place where the
- * backend maps them and the batch's size allows (in_place_ok); else the positions are uploaded into
- * the half's slots buffer (the producer writes the slots there only after these launches, in
- * queue order) and q into its q buffer piece by piece, by the copy engines, which on some hosts
- * move a prefill's q over PCIe 1.6 × as fast as the launch's own reads (tests/bench/NOTES.md, "In
- * place against the copy engines on four H100 hosts"). Sets e->stage->q_early when launched; a
- * launch or upload that fails is waited for and the batch runs whole.
+ * backend maps them and, for q, the batch's size allows (in_place_ok); else the positions are
+ * uploaded into the half's slots buffer (the producer writes the slots there only after these
+ * launches, in queue order), and q into its q buffer piece by piece, by the copy engines, which on
+ * some hosts move a prefill's q over PCIe 1.6 × as fast as the launch's own reads
+ * (tests/bench/NOTES.md, "In place against the copy engines on four H100 hosts"). Sets
+ * e->stage->q_early when launched; a launch or upload that fails is waited for and the batch runs
+ * whole.
  */
 static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
@@ -924,18 +931,18 @@ static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   const size_t q_bytes = n * row_bytes;
   memcpy(h->meta, e->positions, n * sizeof(int64_t)); /* M_POSITIONS: offset 0 of any layout */
   const uint16_t *q = in_place_ok(e, q_bytes) ? stage_alias(e, f->q, q_bytes) : NULL;
-  const int64_t *pos = q && h->meta_reg ? stage_alias(e, h->meta, n * sizeof(int64_t)) : NULL;
-  const uint16_t *up = NULL;
+  const int64_t *pos = h->meta_reg ? stage_alias(e, h->meta, n * sizeof(int64_t)) : NULL;
+  const uint16_t *up = q ? NULL : f->q;
   const uint64_t t0 = mono_ns();
-  if (!q || !pos) {
+  if (!pos) {
     if (e->be->ops->upload(e->be, &h->buf[ST_SLOTS], 0, h->meta, n * sizeof(int64_t))) {
       (void)e->be->ops->sync(e->be);
       return;
     }
-    q = h->buf[ST_Q].ptr;
     pos = h->buf[ST_SLOTS].ptr;
-    up = f->q;
   }
+  if (!q)
+    q = h->buf[ST_Q].ptr;
   dsv4_insert_args_t ia = {
       .n_tokens = (uint32_t)n,
       .heads = e->p.heads,
@@ -989,25 +996,32 @@ static void flush_pieces(void *arg, size_t first, size_t last) {
   }
 }
 
+/* Whether batch f has its q and kv flushed from the CPU caches before the device copies them or
+ * reads them in place (cache_flush_bytes; flush_inputs). */
+static int flush_wanted(const dsv4_engine_t *e, const dsv4_forward_t *f) {
+  const size_t q_bytes = (size_t)f->n_tokens * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  return e->stage && e->p.cache_flush_bytes && q_bytes > e->p.cache_flush_bytes &&
+         e->be->ops->host_parallel && dsv4_host_flush_works();
+}
+
 /*
- * A batch's q and kv out of the CPU caches before the device copies them or reads them in place
- * (cache_flush_bytes), on the host threads: after its validation, which has just read them on
- * every host thread, or before its q half (q_early_launch), which reads q before the validation,
- * the lines then being those the socket's reads and the checks on arrival left. The bytes are
- * unchanged.
+ * The q (with_q) and kv (with_kv) of batch or chunk f out of the CPU caches, on the host threads;
+ * the bytes are unchanged. Where: before a q half (q_early_launch), which reads q before the
+ * validation, the lines being those the socket's reads and the checks on arrival left in one core,
+ * then kv after the validation; after the validation, which has just read both on every host
+ * thread, for a batch in one launch; before each chunk's kernels for a batch in chunks, so that
+ * no flush runs longer than a chunk's between two yields.
  */
-static void flush_batch(dsv4_engine_t *e, dsv4_forward_t *f) {
-  const size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
-  const dsv4_backend_ops_t *ops = e->be->ops;
-  if (!e->stage || !e->p.cache_flush_bytes || q_bytes <= e->p.cache_flush_bytes ||
-      !ops->host_parallel || !dsv4_host_flush_works())
-    return;
-  flush_job_t j = {(const uint8_t *)f->q, (const uint8_t *)f->kv, q_bytes,
-                   n * DSV4_HEAD_DIM * sizeof(uint16_t)};
+static void flush_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int with_q, int with_kv) {
+  const size_t n = f->n_tokens;
+  flush_job_t j = {(const uint8_t *)f->q, (const uint8_t *)f->kv,
+                   with_q ? n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t) : 0,
+                   with_kv ? n * DSV4_HEAD_DIM * sizeof(uint16_t) : 0};
   const size_t pieces =
-      (q_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE + (j.kv_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE;
-  ops->host_parallel(e->be, flush_pieces, &j, pieces);
-  f->timing.flushed_bytes += q_bytes + j.kv_bytes;
+      (j.q_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE + (j.kv_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE;
+  if (pieces)
+    e->be->ops->host_parallel(e->be, flush_pieces, &j, pieces);
+  f->timing.flushed_bytes += j.q_bytes + j.kv_bytes;
 }
 
 /* Forward pass 2, validation: bounds, value range, replay hashes, RoPE rows and staging room. */
@@ -1025,24 +1039,24 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
       rc = stage_reserve_batch(e, f);
     if (rc)
       return rc;
-    flush_batch(e, f);
+    if (flush_wanted(e, f))
+      flush_inputs(e, f, 1, 0);
     q_early_launch(e, idx, f);
   }
   validate_job_t v = {.f = f, .ratio = e->c_ratio[idx]};
   atomic_init(&v.bad, 0);
   atomic_init(&v.bad_tensor, NULL);
-  rc = validate_segments(
-      e, f, &v, f->yield && e->p.prefill_chunk_tokens && f->n_tokens > e->p.prefill_chunk_tokens);
+  rc = validate_segments(e, f, &v, in_chunks(e, f));
   if (rc)
     return rc;
   if (atomic_load(&v.bad)) {
     f->bad_tensor = atomic_load(&v.bad_tensor);
     return DSV4_ERANGE;
   }
-  if (!early) {
-    flush_batch(e, f);
+  if (flush_wanted(e, f) && !in_chunks(e, f))
+    flush_inputs(e, f, !early, 1);
+  if (!early)
     rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
-  }
   if (!rc)
     rc = dsv4__engine_c_prepare(e, (uint32_t)idx, f);
   if (!rc && e->stage && !early)
@@ -1205,12 +1219,13 @@ static void batch_yield(dsv4_engine_t *e, dsv4_forward_t *f) {
 static int forward_chunks(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   const uint32_t chunk = e->p.prefill_chunk_tokens, n = f->n_tokens;
   const size_t q_row = (size_t)e->p.heads * DSV4_HEAD_DIM;
-  if (!f->yield || chunk == 0 || n <= chunk) {
+  if (!in_chunks(e, f)) {
     f->chunks = 1;
     return forward_kernels(e, idx, f, 0, NULL);
   }
   const uint32_t alone =
       e->p.prefill_chunk_tokens_alone > chunk ? e->p.prefill_chunk_tokens_alone : chunk;
+  const int flush = flush_wanted(e, f);
   int seen = e->decode_seen;
   e->decode_seen = 0;
   for (uint32_t t0 = 0, size; t0 < n; t0 += size) {
@@ -1231,6 +1246,8 @@ static int forward_chunks(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     v.attn = f->attn ? f->attn + t0 * q_row : NULL;
     v.lse = f->lse ? f->lse + (size_t)t0 * e->p.heads : NULL;
     dsv4__engine_c_view(e, (uint32_t)idx, f, t0, &v);
+    if (flush)
+      flush_inputs(e, &v, 1, 1);
     int rc = forward_kernels(e, idx, &v, t0, NULL);
     f->timing = v.timing;
     f->chunks++;
@@ -1265,8 +1282,7 @@ int dsv4_engine_can_overlap(const dsv4_engine_t *e, const dsv4_forward_t *f) {
    * set: such batches run alone. So does a batch that runs in chunks (it yields between them). */
   if (f->want_digest || (e->c_ratio && e->c_ratio[idx]))
     return 0;
-  uint32_t chunk = e->p.prefill_chunk_tokens;
-  return !(f->yield && chunk && f->n_tokens > chunk);
+  return !in_chunks(e, f);
 }
 
 /* SPEC §4: never serve from a partly written state. Drop the batch's sequences (plan is where its

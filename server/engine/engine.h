@@ -74,7 +74,8 @@ typedef struct {
   uint64_t in_place_max_bytes;
   /* On a staged backend: a batch whose q is larger than this many bytes has its q and kv flushed
    * from the CPU caches on the host threads before the device copies or reads them: once it is
-   * validated, or before its q half where it has one (host_flush.h); 0 = never. */
+   * validated, before its q half where it has one, or chunk by chunk for a batch in chunks
+   * (host_flush.h); 0 = never. */
   uint64_t cache_flush_bytes;
 } dsv4_engine_params_t;
 

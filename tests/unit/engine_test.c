@@ -747,9 +747,8 @@ static void test_staged_matches_cpu(void **state) {
       /* One upload each for q and kv per batch, and the kv_norm weights once: the packed
        * metadata (positions, segments, table) is read where the engine assembled it, registered
        * with the backend. The four prefills (two and their replays) run their q half before
-       * their validation, with q uploaded as it would be after it, and their positions ahead of
-       * it (engine.c, q_early_launch): one upload more each. */
-      assert_int_equal(st.uploads, 2 * batches + 4 + (size_t)fused);
+       * their validation, with q uploaded then instead of after it (engine.c, q_early_launch). */
+      assert_int_equal(st.uploads, 2 * batches + (size_t)fused);
       /* q_out and slots complete at the batch's one sync (download_async, which leaves 0xa5
        * bytes in them until then: the comparison with the CPU above fails if the engine read them
        * earlier, as its digest does); the digest's reads of the cache wait for their bytes. */
@@ -1266,6 +1265,27 @@ static void test_cache_flush(void **state) {
   same_cache(a, b);
   dsv4_engine_destroy(a);
   dsv4_engine_destroy(b);
+  /* In chunks of 16 tokens (each at the bound, the batch over it): every chunk's q and kv before
+   * its kernels, and nothing after the validation, so each byte once. */
+  cache_flush = 16 * row;
+  a = open_engine_full("cpu", 0, 0, 0);
+  b = open_engine_full(other, 16, 0, 0);
+  cache_flush = 0;
+  attn_batch_t pa, pb;
+  attn_batch_make(&pa, served[0], 604, 2, pf_names, pf_starts, pf_lens, pf_new);
+  attn_batch_make(&pb, served[0], 604, 2, pf_names, pf_starts, pf_lens, pf_new);
+  yield_probe_t yb = {.e = b};
+  pb.b.f.yield = probe_yield;
+  pb.b.f.yield_arg = &yb;
+  assert_int_equal(dsv4_engine_forward(a, &pa.b.f), 0);
+  assert_int_equal(dsv4_engine_forward(b, &pb.b.f), 0);
+  assert_int_equal(pb.b.f.chunks, (130 + 15) / 16);
+  assert_int_equal(pb.b.f.timing.flushed_bytes, works ? 130 * (row + kv_row) : 0);
+  same_answer(&pa, &pb);
+  attn_batch_free(&pa);
+  attn_batch_free(&pb);
+  dsv4_engine_destroy(a);
+  dsv4_engine_destroy(b);
 }
 
 /* The staged backend's launches so far (0 on other backends). */
@@ -1321,9 +1341,8 @@ static size_t staged_marked(dsv4_engine_t *e, size_t *early) {
  * the CPU backend). On the staged backend: three launches a batch (q half, producer, KV rows), two
  * for a replay (no KV rows), and q_out downloaded from staging. With q_piece_bytes 64 KiB the q
  * half goes in 8 launches, each downloaded on its own after its mark (backend.h). Over the
- * in_place_max_bytes bound (limit) the q half runs too, on q uploaded piece by piece and the
- * positions uploaded ahead of it, and the batch's insert uploads no q again. On cuda (argv[1]) the
- * device's.
+ * in_place_max_bytes bound (limit) the q half runs too, on q uploaded piece by piece, and the
+ * batch's insert uploads no q again. On cuda (argv[1]) the device's.
  */
 static void q_half_first(uint32_t piece, uint64_t limit) {
   const size_t cap = (size_t)8 << 20;
@@ -1342,8 +1361,9 @@ static void q_half_first(uint32_t piece, uint64_t limit) {
   size_t early, m0 = staged_marked(b, &early), l0 = staged_launches(b);
   size_t c = in_place_batch(a, b, region, cap, 0, 300, names, st, len, yes, 0, 1);
   if (staged && limit) {
-    /* Up: the positions, q's pieces, the metadata and kv; down: q_out's pieces and the slots. */
-    assert_int_equal(c, (pieces + 3) * 100 + pieces + 1);
+    /* Up: q's pieces, the metadata and kv (the q half reads the positions in place, in the
+     * registered metadata); down: q_out's pieces and the slots. */
+    assert_int_equal(c, (pieces + 2) * 100 + pieces + 1);
     assert_int_equal(staged_launches(b) - l0, pieces + 2);
     assert_int_equal(staged_marked(b, &early) - m0, pieces_marked);
     assert_int_equal(early, 0);

@@ -2,7 +2,8 @@
  * Host memory out of the CPU caches (kernels/host_flush.c): the bytes of every range flushed are
  * unchanged, written just before or not, at any alignment and length (none, one byte, a line's
  * edge, several pages); a read-only mapping is flushed without a fault (a flush reads, never
- * writes); and on x86-64 the flush does something.
+ * writes); and the build takes the flushing path on x86-64 and the empty one elsewhere (whether a
+ * line leaves the caches is seen only in the copies' speed: tests/gpu/host_cache_dma.py).
  */
 #include <setjmp.h>
 #include <stdarg.h>

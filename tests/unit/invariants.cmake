@@ -161,4 +161,12 @@ if(TARGET dsv4_engine AND TARGET dsv4_test_staged)
   dsv4_inv_broken(inv_q_pieces_broken_mark_early SOURCE inv_q_pieces.c
                   LIBS dsv4_inv_engine_mark_early dsv4_test_staged TIMEOUT 120
                   EXPECT "invariant violated: SPEC 5[.]2: q half in pieces: batch [0-9]+ .*: its q_out differs")
+  # The same with nothing read in place (as DSV4_CUDA_NO_ALIAS=1 makes the CUDA backend): the q
+  # half runs on q uploaded piece by piece and the positions uploaded ahead of it.
+  add_test(NAME inv_q_pieces_uploaded COMMAND inv_q_pieces)
+  dsv4_inv_broken(inv_q_pieces_uploaded_broken_mark_early TARGET inv_q_pieces_broken_mark_early
+                  TIMEOUT 120
+                  EXPECT "invariant violated: SPEC 5[.]2: q half in pieces: batch [0-9]+ .*: its q_out differs")
+  set_tests_properties(inv_q_pieces_uploaded inv_q_pieces_uploaded_broken_mark_early PROPERTIES
+                       ENVIRONMENT DSV4_CUDA_NO_ALIAS=1 LABELS invariants TIMEOUT 120)
 endif()
