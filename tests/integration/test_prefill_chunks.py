@@ -252,6 +252,44 @@ def test_chunks_alone():
         shutil.rmtree(work, ignore_errors=True)
 
 
+def test_cache_flush():
+    """cache_flush_bytes: where the engine stages batches into device memory (the staged test
+    backend, cuda), a prefill with more q than the bound has its q and kv flushed from the host's caches
+    once, in chunks or whole (with its q half or with attention), and
+    dsv4d_cache_flushed_bytes_total grows by their bytes; a prefill at the bound adds nothing. The
+    answers are those of a daemon that flushes nothing. On the CPU backend nothing is flushed."""
+    rng = np.random.default_rng(84)
+    work = tempfile.mkdtemp(prefix="dsv4d-it-flush-")
+    try:
+        w = os.path.join(work, "w.safetensors")
+        write_weights(w)
+        row = HEADS * 512 * 2 + 512 * 2  # q and kv bytes a token
+        args = h.SMALL + ["--weights", w, "--prefill-chunk-tokens-alone", str(CHUNK)]
+        bound = ["--cache-flush-bytes", str(CHUNK * HEADS * 512 * 2)]
+        # The backends whose batches the engine stages into device memory (not level_zero's,
+        # whose launches read the batch where it lies).
+        staged = h.BACKEND_NAME.startswith("cpu_staged") or h.BACKEND_NAME == "cuda"
+        with Daemon(args + ["--prefill-chunk-tokens", "0", "--cache-flush-bytes", "0"],
+                    name="none") as a, \
+                Daemon(args + ["--prefill-chunk-tokens", str(CHUNK)] + bound, name="chunks") as b, \
+                Daemon(args + ["--prefill-chunk-tokens", "0"] + bound, name="whole") as c:
+            flushed = lambda d: h.metric(d.metrics(), "dsv4d_cache_flushed_bytes_total")
+            want = 0.0
+            for name, n, outputs in (("f", 150, "q,attn,lse"), ("g", 40, "q"), ("k", CHUNK, "q")):
+                batch = Batch.random(rng, 0, [Seg(name, 0, n, True)], HEADS, outputs=outputs)
+                ra = a.forward(batch)
+                for d in (b, c):
+                    rd = d.forward(batch)
+                    check(rd.resp.body == ra.resp.body, "%s: %s's answer differs" % (name, d.name))
+                want += float(n * row) if staged and n > CHUNK else 0.0
+                for d in (b, c):
+                    check_eq(flushed(d), want, "bytes %s flushed after prefill %s" % (d.name, name))
+            check_eq(flushed(a), 0.0, "bytes flushed with cache_flush_bytes 0")
+            same_state(a, b, ["f", "g", "k"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 if __name__ == "__main__":
     h.main([test_chunked_same_bytes, test_chunked_refusal_changes_nothing,
-            test_decode_answered_before_prefill, test_chunks_alone])
+            test_decode_answered_before_prefill, test_chunks_alone, test_cache_flush])
