@@ -200,6 +200,11 @@ static int stage_create(dsv4_engine_t *e) {
   return rc;
 }
 
+/* The bytes of q (and of q_out) of n tokens: heads rows of 512 bf16 each. */
+static size_t q_bytes_of(const dsv4_engine_t *e, size_t n) {
+  return n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+}
+
 /* Make staging buffer i hold at least bytes; the old contents are not kept. Growth doubles, so a
  * daemon whose batches grow slowly reallocates only a few times. */
 static int stage_reserve(dsv4_engine_t *e, int i, size_t bytes) {
@@ -224,7 +229,7 @@ static int stage_reserve(dsv4_engine_t *e, int i, size_t bytes) {
  */
 static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
   stage_half_t *st = &e->stage->half[e->stage->cur];
-  size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  size_t n = f->n_tokens, q_bytes = q_bytes_of(e, n);
   size_t bt = 0, bytes[M_COUNT], off[M_COUNT];
   for (uint32_t s = 0; s < f->n_segs; s++)
     bt += ((size_t)DSV4_WINDOW - 2 + f->segs[s].len) / e->p.block_size + 2;
@@ -345,7 +350,7 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
                         const dsv4_attn_args_t *win, int *built, dsv4_map_args_t *ma,
                         dsv4_insert_args_t *ia, const uint8_t **m, size_t off[M_COUNT]) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
-  size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  size_t n = f->n_tokens, q_bytes = q_bytes_of(e, n);
   void *d = NULL;
   /* The slot mapper's arrays and the positions, packed (see ST_META), in one upload. */
   size_t bytes[M_COUNT], meta = meta_layout(n, f->n_segs, e->plan.bt_len, win != NULL, bytes, off);
@@ -388,8 +393,7 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
   ia->kv = d;
   /* The slots in place too: the producer writes them where the caller reads them, the insert
    * reads them back from there (its KV rows only, beside their own reads over PCIe). */
-  ma->slots = place ? stage_out(e, ST_SLOTS, f->slots, n * sizeof(int64_t))
-                    : e->stage->half[e->stage->cur].buf[ST_SLOTS].ptr;
+  ma->slots = place ? stage_out(e, ST_SLOTS, f->slots, n * sizeof(int64_t)) : h->buf[ST_SLOTS].ptr;
   ia->slots = ma->slots;
   /* In place in the caller's buffer unless the attention reads it (over PCIe it would cost), or
    * the q half ran before the validation (q_early_launch: a refused batch writes nothing there). */
@@ -425,7 +429,7 @@ static int stage_run(dsv4_engine_t *e, uint32_t idx, dsv4_forward_t *f, uint32_t
                      dsv4_map_args_t *ma, dsv4_insert_args_t *ia, uint64_t *ticket) {
   const dsv4_backend_ops_t *ops = e->be->ops;
   struct dsv4__engine_stage *s = e->stage;
-  size_t n = f->n_tokens, q_bytes = n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  size_t n = f->n_tokens, q_bytes = q_bytes_of(e, n);
   uint64_t t0 = mono_ns(), t1, t2;
   size_t off[M_COUNT];
   const uint8_t *m = NULL;
@@ -845,15 +849,14 @@ static int in_chunks(const dsv4_engine_t *e, const dsv4_forward_t *f) {
  * Whether f's q half (Q norm and RoPE into staging, no cache byte) may run while the host checks
  * and hashes the batch: a staged backend that maps host memory (host_alias: the one it was
  * measured on, although q_early_launch uploads what it may not read in place) and inserts KV rows
- * apart (DSV4_BE_ATTN_FUSED_Q), a batch without
- * attention or compressed branch (their launches read the metadata uploaded, not in place), not in
- * chunks, and enough q to be worth a launch. A batch in flight beside it is no obstacle: the q half
- * writes the other staging half, queued after that batch's launches, and a refusal's sync
- * (forward_refused) waits for both, as backend.h allows.
+ * apart (DSV4_BE_ATTN_FUSED_Q), a batch without attention or compressed branch (their launches read
+ * the metadata uploaded, not in place), not in chunks, and enough q to be worth a launch. A batch
+ * in flight beside it is no obstacle: the q half writes the other staging half, queued after that
+ * batch's launches, and a refusal's sync (forward_refused) waits for both, as backend.h allows.
  */
 static int q_early_wanted(const dsv4_engine_t *e, int idx, const dsv4_forward_t *f) {
   const dsv4_backend_ops_t *ops = e->be->ops;
-  const size_t q_bytes = (size_t)f->n_tokens * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  const size_t q_bytes = q_bytes_of(e, f->n_tokens);
   if (!e->stage || !(ops->caps & DSV4_BE_ATTN_FUSED_Q) || !ops->host_alias || f->attn || f->lse)
     return 0;
   if (q_bytes < Q_EARLY_MIN_BYTES || (e->c_ratio && e->c_ratio[idx]))
@@ -985,9 +988,13 @@ typedef struct {
   size_t q_bytes, kv_bytes;
 } flush_job_t;
 
+static size_t flush_pieces_of(size_t bytes) {
+  return (bytes + FLUSH_PIECE - 1) / FLUSH_PIECE;
+}
+
 static void flush_pieces(void *arg, size_t first, size_t last) {
   const flush_job_t *j = arg;
-  const size_t q_pieces = (j->q_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE;
+  const size_t q_pieces = flush_pieces_of(j->q_bytes);
   for (size_t i = first; i < last; i++) {
     const uint8_t *p = i < q_pieces ? j->q : j->kv;
     const size_t n = i < q_pieces ? j->q_bytes : j->kv_bytes;
@@ -999,7 +1006,7 @@ static void flush_pieces(void *arg, size_t first, size_t last) {
 /* Whether batch f has its q and kv flushed from the CPU caches before the device copies them or
  * reads them in place (cache_flush_bytes; flush_inputs). */
 static int flush_wanted(const dsv4_engine_t *e, const dsv4_forward_t *f) {
-  const size_t q_bytes = (size_t)f->n_tokens * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  const size_t q_bytes = q_bytes_of(e, f->n_tokens);
   return e->stage && e->p.cache_flush_bytes && q_bytes > e->p.cache_flush_bytes &&
          e->be->ops->host_parallel && dsv4_host_flush_works();
 }
@@ -1014,11 +1021,9 @@ static int flush_wanted(const dsv4_engine_t *e, const dsv4_forward_t *f) {
  */
 static void flush_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int with_q, int with_kv) {
   const size_t n = f->n_tokens;
-  flush_job_t j = {(const uint8_t *)f->q, (const uint8_t *)f->kv,
-                   with_q ? n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t) : 0,
+  flush_job_t j = {(const uint8_t *)f->q, (const uint8_t *)f->kv, with_q ? q_bytes_of(e, n) : 0,
                    with_kv ? n * DSV4_HEAD_DIM * sizeof(uint16_t) : 0};
-  const size_t pieces =
-      (j.q_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE + (j.kv_bytes + FLUSH_PIECE - 1) / FLUSH_PIECE;
+  const size_t pieces = flush_pieces_of(j.q_bytes) + flush_pieces_of(j.kv_bytes);
   if (pieces)
     e->be->ops->host_parallel(e->be, flush_pieces, &j, pieces);
   f->timing.flushed_bytes += j.q_bytes + j.kv_bytes;
