@@ -194,10 +194,21 @@ enum {
   DSV4_CUDA_INDEXER_THREADS = 1,
   DSV4_CUDA_INDEXER_MMA_PARTIAL = 2,
   DSV4_CUDA_INDEXER_MMA_SCALAR = 3,
-  /* The tensor-core kernel's fast mode (dsv4_indexer_args_t.fast) whatever the launch asks. */
-  DSV4_CUDA_INDEXER_MMA_FAST = 4
+  /* Fast mode (dsv4_indexer_args_t.fast) whatever the launch asks, on the tensor-core kernel
+   * AUTO takes for it: the warpgroup-MMA one (sm90a/indexer_wgmma.cu) where the device runs it,
+   * else indexer_mma.cu's; FAST_PARTIAL and FAST_SCALAR as FAST with the modes left out as for
+   * MMA_PARTIAL and MMA_SCALAR. */
+  DSV4_CUDA_INDEXER_MMA_FAST = 4,
+  DSV4_CUDA_INDEXER_MMA_FAST_PARTIAL = 5,
+  DSV4_CUDA_INDEXER_MMA_FAST_SCALAR = 6
 };
 void dsv4__cuda_indexer_set_path(int path);
+/* With on, fast mode runs on indexer_mma.cu's kernel even where the warpgroup-MMA one would run
+ * (the tests and benchmarks that compare the two); off by default. */
+void dsv4__cuda_indexer_force_sync(int on);
+/* 1 when fast mode's scores run on warpgroup MMAs on the current device (dsv4__indexer_wg_ready,
+ * for 64 index heads). */
+int dsv4__cuda_indexer_wg(uint32_t n_heads);
 
 /* Whether device dev can run the attention kernels (about 199 KiB of shared memory per block:
  * compute capability 9.0 and 10.0 can, 8.x cannot). */

@@ -110,6 +110,15 @@ static __device__ bool score_split(const idx_params_t &p, uint32_t *t, uint32_t 
   return *i0 < *i1;
 }
 
+/* A score kernel's start: the dependency wait (after the parameters are read, which it may
+ * precede), the trigger for the select kernel's prologue, and score_split's part of the token. */
+static __device__ __forceinline__ bool score_begin(const idx_params_t &p, uint32_t *t, uint32_t *s,
+                                                   int64_t *jlo, uint32_t *i0, uint32_t *i1) {
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  return score_split(p, t, s, jlo, i0, i1);
+}
+
 /* The index record of entry j of segment s (its block checked): 64 value bytes, 4 codes. */
 static __device__ void entry_record(const idx_params_t &p, uint32_t s, int64_t j,
                                     const uint8_t **vals, const uint8_t **codes) {
@@ -198,12 +207,49 @@ static __device__ void index_query_warp(const uint16_t *iq, const float *rope_ro
   }
 }
 
+/* Device ids whose answers per_device_cached keeps. */
+#define DEV_CACHE 64
+
+/* probe(dev)'s answer (0 or 1) for the current device, asked once per device id below DEV_CACHE
+ * (cache: 0 = not asked yet, 1 = no, 2 = yes; racing askers store the same); 0 when there is no
+ * current device. */
+static inline int per_device_cached(std::atomic<int> (&cache)[DEV_CACHE], int (*probe)(int dev)) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (dev >= 0 && dev < DEV_CACHE) {
+    const int v = cache[dev].load(std::memory_order_relaxed);
+    if (v)
+      return v == 2;
+  }
+  const int yes = probe(dev);
+  (void)cudaGetLastError(); /* a probe's failed call is its answer, not the thread's error */
+  if (dev >= 0 && dev < DEV_CACHE)
+    cache[dev].store(yes ? 2 : 1, std::memory_order_relaxed);
+  return yes;
+}
+
+/* Whether device dev grants a CTA bytes of shared memory. */
+static inline int smem_grants(int dev, size_t bytes) {
+  int optin = 0;
+  return cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) ==
+             cudaSuccess &&
+         (size_t)optin >= bytes;
+}
+
 /* The tensor-core score kernel (indexer_mma.cu) over grid (tokens of the wave, splits): the keys
  * of exactly the entries the per-entry kernel scores, with the same bits; with fast set, each
  * score's 64 heads summed in another fixed order (fast mode, SPEC §8.9). n_heads must be
  * MMA_HEADS, the device of compute capability 8.0 or newer and dsv4__indexer_mma_fits() true. */
 cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl,
                                      int fast);
+/* The same keys in fast mode by warpgroup MMAs (sm90a/indexer_wgmma.cu), where
+ * dsv4__indexer_wg_ready() says the current device runs that kernel (compute capability 9.0, whose
+ * sm_90a image it has, granting its shared memory). */
+cudaError_t dsv4__indexer_wg_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl);
+int dsv4__indexer_wg_ready(void);
 /* The query kernel before it (indexer_mma.cu): the q^ rows, weights and summaries of the wave's
  * tokens (one slot each, ctas of them) into the end of their key slots. */
 cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cudaStream_t s,

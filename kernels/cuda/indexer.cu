@@ -408,11 +408,9 @@ static __device__ void select_keys(const uint32_t *keys, uint32_t n, uint32_t to
  * TPE lanes) per entry. */
 __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_score_kernel(idx_params_t p) {
   extern __shared__ float qhat[]; /* [n_heads, Q_STRIDE] q^, then [n_heads] weights */
-  dsv4__dep_wait_params(p);
-  dsv4__dep_trigger();
   uint32_t t, s, i0, i1;
   int64_t jlo;
-  if (!score_split(p, &t, &s, &jlo, &i0, &i1))
+  if (!score_begin(p, &t, &s, &jlo, &i0, &i1))
     return;
   float *w = qhat + (size_t)p.n_heads * Q_STRIDE;
   const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
@@ -512,6 +510,12 @@ extern "C" void dsv4__cuda_indexer_set_path(int path) {
   score_path.store(path, std::memory_order_relaxed);
 }
 
+static std::atomic<int> force_sync{0};
+
+extern "C" void dsv4__cuda_indexer_force_sync(int on) {
+  force_sync.store(on, std::memory_order_relaxed);
+}
+
 extern "C" uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions) {
   /* The keys of the most entries a token can see, rounded up to 16 bytes, then the tensor-core
    * kernel's query rows (slot_queries). */
@@ -522,6 +526,10 @@ extern "C" uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions) {
 extern "C" int dsv4__cuda_indexer_mma(uint32_t n_heads) {
   dsv4__cuda_dev_t dev;
   return n_heads == MMA_HEADS && !dsv4__cuda_dev_info(&dev) && dev.pdl && dsv4__indexer_mma_fits();
+}
+
+extern "C" int dsv4__cuda_indexer_wg(uint32_t n_heads) {
+  return dsv4__cuda_indexer_mma(n_heads) && dsv4__indexer_wg_ready();
 }
 
 extern "C" uint32_t dsv4__cuda_indexer_ctas(uint32_t n_tokens) {
@@ -575,12 +583,16 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
    * for the per-entry one. */
   const int path = score_path.load(std::memory_order_relaxed);
   const int mma = path != DSV4_CUDA_INDEXER_THREADS && dsv4__cuda_indexer_mma(a->n_heads);
-  /* Fast mode (SPEC §8.9): the same d, the heads' sum in another fixed order. */
+  /* Fast mode (SPEC §8.9): the same d, the heads' sum in another fixed order; on warpgroup MMAs
+   * where the device runs them. */
   const int fast =
-      mma && (path == DSV4_CUDA_INDEXER_MMA_FAST || (path == DSV4_CUDA_INDEXER_AUTO && a->fast));
-  p.mma_cap = path == DSV4_CUDA_INDEXER_MMA_PARTIAL  ? DSV4_INDEX_MX_PARTIAL
-              : path == DSV4_CUDA_INDEXER_MMA_SCALAR ? DSV4_INDEX_MX_SCALAR
-                                                     : DSV4_INDEX_MX_FUSED;
+      mma && (path >= DSV4_CUDA_INDEXER_MMA_FAST || (path == DSV4_CUDA_INDEXER_AUTO && a->fast));
+  const int wg = fast && !force_sync.load(std::memory_order_relaxed) && dsv4__indexer_wg_ready();
+  p.mma_cap = path == DSV4_CUDA_INDEXER_MMA_PARTIAL || path == DSV4_CUDA_INDEXER_MMA_FAST_PARTIAL
+                  ? DSV4_INDEX_MX_PARTIAL
+              : path == DSV4_CUDA_INDEXER_MMA_SCALAR || path == DSV4_CUDA_INDEXER_MMA_FAST_SCALAR
+                  ? DSV4_INDEX_MX_SCALAR
+                  : DSV4_INDEX_MX_FUSED;
   const uint32_t ctas = a->n_tokens < (uint32_t)dev.sms ? a->n_tokens : (uint32_t)dev.sms;
   if (keys_len < (uint64_t)ctas * p.keys_per_cta)
     return DSV4_EINVAL;
@@ -613,7 +625,9 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
     p.t_base = t0;
     if (mma) {
       e = dsv4__indexer_query_launch(p, ctas, s, pdl);
-      if (e == cudaSuccess)
+      if (e == cudaSuccess && wg)
+        e = dsv4__indexer_wg_launch(p, dim3(ctas, splits, 1), s, pdl);
+      else if (e == cudaSuccess)
         e = dsv4__indexer_mma_launch(p, dim3(ctas, splits, 1), s, pdl, fast);
     } else {
       e = dsv4__cuda_launch_smem(dsv4__indexer_score_kernel, dim3(ctas, splits, 1), SEL_THREADS,

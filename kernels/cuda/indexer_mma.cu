@@ -44,16 +44,14 @@
  * own wait; the next wave's query kernel rewrites them only after this wave's select kernel, which
  * waited for this score kernel, has completed.
  */
-#include "indexer-common.cuh"
+#include "indexer-mx.cuh"
 
 #include <atomic>
 
 /* Entries a round: one a thread in the heads' chains. */
-#define TILE SEL_THREADS
+#define TILE STAGE_ENTRIES
 #define WARP_ROWS (TILE / SEL_WARPS)
 static_assert(WARP_ROWS % 16 == 0, "a warp's rows are whole pairs of n-tiles");
-/* Bytes per staged record's values: 64 and a pad, 16-byte aligned for cp.async. */
-#define STAGE_ROW 80
 /* Floats per entry's row of d: the 64 heads and a pad, so that the lanes' float2 stores of one
  * head tile fall in distinct banks and the chains' float4 reads of 8 rows too. */
 #define D_STRIDE (MMA_HEADS + 4)
@@ -71,51 +69,6 @@ typedef struct {
 } mma_smem_t;
 
 static_assert(sizeof(mma_smem_t) % 16 == 0, "whole 16-byte chunks");
-
-/* The records of entries jlo + i, i in [b0, b1) (at most TILE), into rows i - b0 of stage and
- * codes: a thread's entry, 4 copies of 16 value bytes and one of the 4 codes. */
-static __device__ void stage_round(const idx_params_t &p, uint32_t s, int64_t jlo, uint32_t b0,
-                                   uint32_t b1, uint8_t *stage, uint32_t *codes) {
-  const uint32_t i = b0 + threadIdx.x;
-  if (i < b1) {
-    const uint8_t *vals, *c;
-    entry_record(p, s, jlo + i, &vals, &c);
-    uint8_t *row = stage + threadIdx.x * STAGE_ROW;
-#pragma unroll
-    for (int k = 0; k < 4; k++)
-      dsv4__cp_async16(row + 16 * k, vals + 16 * k);
-    dsv4__cp_async<4>(codes + threadIdx.x, c);
-  }
-  dsv4__cp_async_commit();
-}
-
-/* The statistics of a set of summaries, one a lane (absent lanes with in false): per-block minima
- * of the nonzero bytes (255 where none), maxima and the largest span, as dsv4_index_mx_mode takes
- * them. Every lane returns them. */
-static __device__ void warp_stats(uint32_t sum, bool in, uint32_t *lo, uint32_t *hi,
-                                  uint32_t *span) {
-  *lo = *hi = 0;
-#pragma unroll
-  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
-    const uint32_t c = in ? (sum >> (8 * b)) & 255u : 0u;
-    *lo |= __reduce_min_sync(FULL, c ? c : 255u) << (8 * b);
-    *hi |= __reduce_max_sync(FULL, c) << (8 * b);
-  }
-  *span = __reduce_max_sync(FULL, in ? dsv4_index_mx_span(sum) : 0u);
-}
-
-/* The summary of a staged record (dsv4_index_mx_summary from words). */
-static __device__ uint32_t staged_summary(const uint8_t *row, uint32_t codes) {
-  const uint4 *v = reinterpret_cast<const uint4 *>(row);
-  uint32_t sum = 0;
-#pragma unroll
-  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
-    const uint4 x = v[b];
-    const bool nz = ((x.x | x.y | x.z | x.w) & 0x77777777u) != 0;
-    sum |= dsv4_index_mx_block(nz, (codes >> (8 * b)) & 255u) << (8 * b);
-  }
-  return sum;
-}
 
 /* The A fragments of the 64 heads (dims permuted within each partial as the file's header says). */
 static __device__ __forceinline__ void load_queries(const float *qhat, uint32_t (&a)[4][8][4]) {
@@ -343,20 +296,6 @@ static __device__ void rows_scalar(const float *qhat, const uint8_t *stage, cons
   }
 }
 
-/* The mode of the warp's rows r0..r0 + rows - 1 of a staged round: what its entries' summaries
- * and the heads' statistics allow, at most cap. */
-static __device__ __forceinline__ int warp_mode(const mma_smem_t &sm, const uint8_t *stage,
-                                                const uint32_t *codes, uint32_t r0, uint32_t rows,
-                                                uint32_t cap) {
-  const uint32_t lane = threadIdx.x & 31;
-  const bool in = lane < rows;
-  uint32_t lo, hi, span;
-  warp_stats(in ? staged_summary(stage + (r0 + lane) * STAGE_ROW, codes[r0 + lane]) : 0u, in, &lo,
-             &hi, &span);
-  const int mode = dsv4_index_mx_mode(sm.qstat[0], sm.qstat[1], sm.qstat[2], lo, hi, span);
-  return mode < (int)cap ? mode : (int)cap;
-}
-
 /* Entry i's score (the thread's row of d[buf], the heads in order) as its key, if i < i1. */
 static __device__ void entry_chain(const mma_smem_t &sm, int buf, uint32_t *keys, uint32_t i,
                                    uint32_t i1) {
@@ -390,7 +329,7 @@ static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t
   const uint32_t rows = min(n - r0, (uint32_t)WARP_ROWS);
   const uint8_t *stage = sm.stage[buf];
   const uint32_t *codes = sm.codes[buf];
-  const int mode = warp_mode(sm, stage, codes, r0, rows, cap);
+  const int mode = warp_mode(sm.qstat, stage, codes, r0, rows, cap);
   if (mode == DSV4_INDEX_MX_SCALAR) {
     rows_scalar(sm.qhat, stage, codes, r0, rows, sm.kbuf[warp], sm.d[buf]);
     if (FAST) {
@@ -457,22 +396,8 @@ static __device__ void token_queries(const idx_params_t &p, mma_smem_t &sm) {
     sm.qsum[h] = __float_as_uint(sm.qhat[h * Q_STRIDE + DSV4_INDEX_DIM + 1]);
   }
   __syncthreads();
-  if (threadIdx.x < 32) {
-    /* Two heads a lane: the statistics of the lanes' first and second heads, then both. */
-    uint32_t lo[2], hi[2], span[2];
-    warp_stats(sm.qsum[threadIdx.x], true, &lo[0], &hi[0], &span[0]);
-    warp_stats(sm.qsum[threadIdx.x + 32], true, &lo[1], &hi[1], &span[1]);
-    if (threadIdx.x == 0) {
-      uint32_t l = 0, h = 0;
-      for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
-        l |= min((lo[0] >> (8 * b)) & 255u, (lo[1] >> (8 * b)) & 255u) << (8 * b);
-        h |= max((hi[0] >> (8 * b)) & 255u, (hi[1] >> (8 * b)) & 255u) << (8 * b);
-      }
-      sm.qstat[0] = l;
-      sm.qstat[1] = h;
-      sm.qstat[2] = max(span[0], span[1]);
-    }
-  }
+  if (threadIdx.x < 32)
+    heads_stats(sm.qsum, sm.qstat);
 }
 
 /* Split y of token t_base + blockIdx.x: the queries, then rounds of TILE entries; FAST: the heads'
@@ -481,18 +406,12 @@ template <bool FAST>
 __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel(idx_params_t p) {
   extern __shared__ uint4 smem_raw[];
   mma_smem_t &sm = *reinterpret_cast<mma_smem_t *>(smem_raw);
-  for (uint32_t c = threadIdx.x; c < 256; c += SEL_THREADS) {
-    uint32_t t[4];
-    dsv4_index_mx_lut(c, t);
-    sm.lut[c] = make_uint4(t[0], t[1], t[2], t[3]);
-  }
-  dsv4__dep_wait_params(p);
-  dsv4__dep_trigger();
+  mx_lut_build(sm.lut, SEL_THREADS);
   uint32_t t, s, i0, i1;
   int64_t jlo;
-  if (!score_split(p, &t, &s, &jlo, &i0, &i1))
+  if (!score_begin(p, &t, &s, &jlo, &i0, &i1))
     return;
-  stage_round(p, s, jlo, i0, min(i1, i0 + TILE), sm.stage[0], sm.codes[0]);
+  stage_round(p, s, jlo, i0, min(i1, i0 + TILE), sm.stage[0], sm.codes[0], threadIdx.x);
   token_queries(p, sm);
   uint32_t a[4][8][4];
   load_queries(sm.qhat, a);
@@ -507,7 +426,7 @@ __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel
     __syncthreads(); /* round staged, qstat written; d[buf] and stage[buf ^ 1] free */
     if (base + TILE < i1)
       stage_round(p, s, jlo, base + TILE, min(i1, base + 2 * TILE), sm.stage[buf ^ 1],
-                  sm.codes[buf ^ 1]);
+                  sm.codes[buf ^ 1], threadIdx.x);
     warp_round<FAST>(sm, a, buf, min(i1 - base, (uint32_t)TILE), p.mma_cap, keys, base, i1);
     if (!FAST && base > i0)
       entry_chain(sm, buf ^ 1, keys, base - TILE + threadIdx.x, i1);
@@ -521,29 +440,14 @@ __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel
   }
 }
 
-/* One entry per device id: 0 = not read yet, 1 = no, 2 = yes. Racing readers store the same. */
-#define FITS_CACHE 64
-static std::atomic<int> fits_cache[FITS_CACHE];
+static std::atomic<int> fits_cache[DEV_CACHE];
+
+static int mma_fits_probe(int dev) {
+  return smem_grants(dev, sizeof(mma_smem_t));
+}
 
 int dsv4__indexer_mma_fits(void) {
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (dev >= 0 && dev < FITS_CACHE) {
-    const int v = fits_cache[dev].load(std::memory_order_relaxed);
-    if (v)
-      return v == 2;
-  }
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  const int fits = (size_t)optin >= sizeof(mma_smem_t);
-  if (dev >= 0 && dev < FITS_CACHE)
-    fits_cache[dev].store(fits ? 2 : 1, std::memory_order_relaxed);
-  return fits;
+  return per_device_cached(fits_cache, mma_fits_probe);
 }
 
 cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cudaStream_t s,

@@ -47,9 +47,10 @@
  *
  * Usage: cuda_compress_bench   (DSV4_BENCH_N="1,64" picks the decode batch sizes, default 1, 64,
  * 256, and leaves out the prefill row; DSV4_BENCH_LAYERS="C4/64K,C128/64K" picks the layers, of
- * C4/8K, C4/64K and C128/64K; DSV4_BENCH_INDEXER=threads|partial|scalar|fast times the
- * indexer's per-entry kernel, the tensor-core kernel held to a lower mode, or its fast mode
- * (the heads' sum in registers) instead of the daemon's choice; DSV4_BENCH_INDEX_CODES=narrow
+ * C4/8K, C4/64K and C128/64K; DSV4_BENCH_INDEXER=threads|partial|scalar|fast|fast_sync times
+ * the indexer's per-entry kernel, the tensor-core kernel held to a lower mode, or its fast mode
+ * (the heads' sum in registers; on warpgroup MMAs where the device runs them, fast_sync on
+ * mma.sync) instead of the daemon's choice; DSV4_BENCH_INDEX_CODES=narrow
  * writes index records whose block codes are within one of each other, as the compressor's are)
  */
 #include <cuda_runtime_api.h>
@@ -672,19 +673,26 @@ int main(void) {
   const char *codes = getenv("DSV4_BENCH_INDEX_CODES"), *path = getenv("DSV4_BENCH_INDEXER");
   narrow_codes = codes && !strcmp(codes, "narrow");
   if (path && *path) {
-    static const char *const names[5] = {"auto", "threads", "partial", "scalar", "fast"};
+    static const char *const names[6] = {"auto",   "threads", "partial",
+                                         "scalar", "fast",    "fast_sync"};
     int k = 0;
-    while (k < 5 && strcmp(path, names[k]))
+    while (k < 6 && strcmp(path, names[k]))
       k++;
-    if (k == 5) {
+    if (k == 6) {
       fprintf(stderr, "cuda_compress_bench: DSV4_BENCH_INDEXER is auto, threads, partial, "
-                      "scalar or fast\n");
+                      "scalar, fast or fast_sync\n");
       return 2;
     }
-    dsv4__cuda_indexer_set_path(k); /* DSV4_CUDA_INDEXER_AUTO .. _MMA_FAST in that order */
+    /* DSV4_CUDA_INDEXER_AUTO .. _MMA_FAST in that order; fast_sync: fast on mma.sync */
+    dsv4__cuda_indexer_set_path(k < 5 ? k : DSV4_CUDA_INDEXER_MMA_FAST);
+    dsv4__cuda_indexer_force_sync(k == 5);
   }
-  printf("indexer: %s path, index records' block codes %s\n", path && *path ? path : "auto",
-         narrow_codes ? "within one of each other" : "independent in 120..130");
+  printf("indexer: %s path, index records' block codes %s; fast mode on %s\n",
+         path && *path ? path : "auto",
+         narrow_codes ? "within one of each other" : "independent in 120..130",
+         path && !strcmp(path, "fast_sync") ? "mma.sync"
+         : dsv4__cuda_indexer_wg(64)        ? "warpgroup MMAs"
+                                            : "mma.sync");
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_yarn_default, MAX_POS, &mirror);
   uint32_t bs[8] = {1, 64, 256};

@@ -1211,6 +1211,53 @@ static void indexer_fast(ctx_t *c) {
   ix_free(&x);
 }
 
+/*
+ * Fast mode's tensor-core kernels (SPEC §8.9): where the device runs the warpgroup-MMA kernel
+ * (sm90a/indexer_wgmma.cu), its keys and selection in every mode (DSV4_CUDA_INDEXER_MMA_FAST and
+ * its partial and scalar caps) are those of indexer_mma.cu's fast mode with the same caps
+ * (dsv4__cuda_indexer_force_sync), bit for bit: the same d and the same order of the heads' sum.
+ */
+static void indexer_fast_kernels(ctx_t *c) {
+  if (!dsv4__cuda_indexer_wg(IH)) {
+    printf("skipped indexer fast mode on warpgroup MMAs: the device does not run them\n");
+    return;
+  }
+  ix_t x;
+  ix_make(c, &x);
+  const size_t sel_n = (size_t)IX_TOKENS * IX_TOPK;
+  const uint64_t keys_len =
+      (uint64_t)dsv4__cuda_indexer_ctas(IX_TOKENS) * dsv4__cuda_indexer_keys_per_cta(IX_MAX_POS);
+  int32_t *s0 = gpu_host_alloc(4 * sel_n), *s1 = gpu_host_alloc(4 * sel_n);
+  uint32_t *k0 = gpu_host_alloc(4 * keys_len), *k1 = gpu_host_alloc(4 * keys_len);
+  static const int paths[3] = {DSV4_CUDA_INDEXER_MMA_FAST, DSV4_CUDA_INDEXER_MMA_FAST_PARTIAL,
+                               DSV4_CUDA_INDEXER_MMA_FAST_SCALAR};
+  static const char *const names[3] = {"fused", "partial", "scalar"};
+  int bad = 0;
+  for (int i = 0; i < 3; i++) {
+    dsv4__cuda_indexer_force_sync(1);
+    ix_cuda(c, &x, paths[i], s0, k0, keys_len);
+    dsv4__cuda_indexer_force_sync(0);
+    ix_cuda(c, &x, paths[i], s1, k1, keys_len);
+    if (memcmp(k0, k1, 4 * keys_len) || memcmp(s0, s1, 4 * sel_n)) {
+      fprintf(stderr,
+              "FAIL indexer fast mode on warpgroup MMAs, %s mode: keys or selection differ "
+              "from mma.sync's\n",
+              names[i]);
+      bad = 1;
+    }
+  }
+  printf("%s indexer fast mode on warpgroup MMAs: fused, partial and scalar modes give "
+         "mma.sync's keys and selections\n",
+         bad ? "FAIL" : "ok  ");
+  fflush(stdout);
+  c->failures += bad;
+  free(s0);
+  free(s1);
+  free(k0);
+  free(k1);
+  ix_free(&x);
+}
+
 /* ---- the cases ---- */
 
 /* Ratio 4, topk 512: s0 from 0 past 2,048 positions (more than 512 visible entries), s1 from
@@ -1293,6 +1340,7 @@ int main(int argc, char **argv) {
     run_case(&c, &quick_cases[i], 1);
   indexer_paths(&c);
   indexer_fast(&c);
+  indexer_fast_kernels(&c);
   for (uint32_t i = 0; !quick && i < N(cases); i++)
     run_case(&c, &cases[i], 0);
   dsv4_backend_close(c.cuda);
