@@ -179,7 +179,7 @@ static __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void *p) {
  * of the 8 partials of 16 dims of tile k, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)), each
  * an mma.sync m16n8k16 from zero. The warp's own 16 rows of each tile (16w..) against the 8 n-tiles
  * of q^'s columns: mma.sync's results of n-tile j are registers 4j..4j + 3 of the warpgroup MMA's
- * layout, so tile_keys takes them as they are. The fragments come from the operands by ldmatrix
+ * layout, so tiles_keys takes them as they are. The fragments come from the operands by ldmatrix
  * (a core matrix is an 8x8 matrix of it); the tiles' A fragments stay in registers, and each
  * n-tile's B fragments, read from shared memory by every warp, serve both tiles.
  */
@@ -234,30 +234,41 @@ static __device__ __forceinline__ void tiles_partial(float (&d0)[32], float (&d1
   }
 }
 
-/* Fast mode's keys of the tile's entries from d (rows g and g + 8 of the thread's warp): each
- * thread's partials P(2c) and P(2c + 1) in order, their sum, then the quad's (see the header);
- * lane c = 0 stores row g's key, c = 1 row g + 8's, for rows whose entry index is below i1. */
-static __device__ __forceinline__ void tile_keys(const float (&d)[32], const float *wcol,
-                                                 uint32_t *keys, uint32_t i0, uint32_t i1) {
+/* Fast mode's keys of the round's two tiles from d (rows g and g + 8 of the thread's warp in
+ * each): each thread's partials P(2c) and P(2c + 1) in order and their sum, then the quad's (see
+ * the header), the weights of the thread's columns read once for the four rows. The quad adds
+ * its rows' sums crosswise: after lanes c and c ^ 1 exchange the row the other keeps, the even
+ * lanes hold row g's, the odd ones row g + 8's, the same tree's values; lane c = 0 stores row g's
+ * key, c = 1 row g + 8's, of a tile in `on` whose entry index is below i1. */
+static __device__ __forceinline__ void tiles_keys(const float (&d)[2][32], const float *wcol,
+                                                  const bool (&on)[2], uint32_t *keys, uint32_t i0,
+                                                  uint32_t i1) {
   const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, w = (threadIdx.x >> 5) & 3;
+  float s[2][2][2] = {}; /* [tile][row][P(2c), P(2c + 1)] */
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    float s0 = 0.0f, s1 = 0.0f;
+  for (int m = 0; m < 4; m++) {
+    const int j0 = 2 * m, j1 = 2 * m + 1;
+    const float2 w0 = *reinterpret_cast<const float2 *>(wcol + 8 * j0 + 2 * c),
+                 w1 = *reinterpret_cast<const float2 *>(wcol + 8 * j1 + 2 * c);
 #pragma unroll
-    for (int m = 0; m < 4; m++) {
-      const int j0 = 2 * m, j1 = 2 * m + 1;
-      const float2 w0 = *reinterpret_cast<const float2 *>(wcol + 8 * j0 + 2 * c),
-                   w1 = *reinterpret_cast<const float2 *>(wcol + 8 * j1 + 2 * c);
-      s0 = dsv4_index_score_add(w0.x, d[4 * j0 + 2 * r], s0);
-      s0 = dsv4_index_score_add(w0.y, d[4 * j0 + 2 * r + 1], s0);
-      s1 = dsv4_index_score_add(w1.x, d[4 * j1 + 2 * r], s1);
-      s1 = dsv4_index_score_add(w1.y, d[4 * j1 + 2 * r + 1], s1);
-    }
-    float t = __fadd_rn(s0, s1);
-    t = __fadd_rn(t, __shfl_xor_sync(FULL, t, 1));
+    for (int k = 0; k < 2; k++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        float *x = s[k][r];
+        x[0] = dsv4_index_score_add(w0.x, d[k][4 * j0 + 2 * r], x[0]);
+        x[0] = dsv4_index_score_add(w0.y, d[k][4 * j0 + 2 * r + 1], x[0]);
+        x[1] = dsv4_index_score_add(w1.x, d[k][4 * j1 + 2 * r], x[1]);
+        x[1] = dsv4_index_score_add(w1.y, d[k][4 * j1 + 2 * r + 1], x[1]);
+      }
+  }
+#pragma unroll
+  for (int k = 0; k < 2; k++) {
+    const float t0 = __fadd_rn(s[k][0][0], s[k][0][1]), t1 = __fadd_rn(s[k][1][0], s[k][1][1]);
+    const bool odd = c & 1;
+    float t = __fadd_rn(odd ? t1 : t0, __shfl_xor_sync(FULL, odd ? t0 : t1, 1));
     t = __fadd_rn(t, __shfl_xor_sync(FULL, t, 2));
-    const uint32_t i = i0 + 16 * w + g + 8 * r;
-    if (c == (uint32_t)r && i < i1)
+    const uint32_t i = i0 + WG_TILE * k + 16 * w + g + 8 * c;
+    if (on[k] && c < 2 && i < i1)
       keys[i] = dsv4_index_score_key(t);
   }
 }
@@ -370,20 +381,6 @@ static __device__ void token_setup(const idx_params_t &p, wg_smem_t &sm) {
   __syncthreads(); /* the statistics, for both warpgroups' modes */
 }
 
-/* Tile h's keys from d (its fused MMAs' results, or its partial mode's), or its scalar product's,
- * in mode m; nothing for a tile past the round's n entries. */
-static __device__ __forceinline__ void tile_finish(const wg_smem_t &sm, wg_group_t &gr, int buf,
-                                                   uint32_t h, int m, const float (&d)[32],
-                                                   uint32_t n, uint32_t *keys, uint32_t base,
-                                                   uint32_t i1) {
-  if (WG_TILE * h >= n)
-    return;
-  if (m == DSV4_INDEX_MX_SCALAR)
-    tile_scalar(sm, gr, buf, h, n, keys, base, i1);
-  else
-    tile_keys(d, sm.wcol, keys, base + WG_TILE * h, i1);
-}
-
 /* The warpgroup's two tiles of its staged round (entries base + row, n in the round), each in the
  * lower mode of its two warps: both tiles' fused MMAs issued whatever their modes (a tile past the
  * round's entries or of another mode wastes them, the tensor cores being otherwise idle), so that
@@ -414,8 +411,12 @@ static __device__ void wg_round(const idx_params_t &p, const wg_smem_t &sm, wg_g
     tiles_partial<1>(d[0], d[0], gr.ent[0], gr.ent[0], sm.q);
   else if (m1 == DSV4_INDEX_MX_PARTIAL)
     tiles_partial<1>(d[1], d[1], gr.ent[1], gr.ent[1], sm.q);
-  tile_finish(sm, gr, buf, 0, m0, d[0], n, keys, base, i1);
-  tile_finish(sm, gr, buf, 1, m1, d[1], n, keys, base, i1);
+  const bool on[2] = {m0 != DSV4_INDEX_MX_SCALAR, two && m1 != DSV4_INDEX_MX_SCALAR};
+  tiles_keys(d, sm.wcol, on, keys, base, i1);
+  if (m0 == DSV4_INDEX_MX_SCALAR)
+    tile_scalar(sm, gr, buf, 0, n, keys, base, i1);
+  if (two && m1 == DSV4_INDEX_MX_SCALAR)
+    tile_scalar(sm, gr, buf, 1, n, keys, base, i1);
 }
 
 /* Split y of token t_base + blockIdx.x: the queries, then warpgroup G's rounds of WG_ROUND
