@@ -184,7 +184,8 @@ int dsv4__cuda_indexer_mma(uint32_t n_heads);
  * Which score kernel dsv4__cuda_indexer runs from now on in this process, for the GPU tests and
  * benchmarks that compare them on the same inputs (every path gives the same keys, bit for bit):
  * AUTO (the daemon's) the tensor-core kernel where it applies (64 index heads, compute capability
- * 9.0 and newer: indexer_mma.cu) and the per-entry kernel elsewhere; THREADS the per-entry kernel
+ * 9.0 and newer: sm90a/indexer_wgmma.cu where the device runs it, else indexer_mma.cu) and the
+ * per-entry kernel elsewhere; THREADS the per-entry kernel
  * everywhere; MMA_PARTIAL and MMA_SCALAR the tensor-core kernel (where it applies) with its fused
  * mode, or both its matrix modes, left out, so that its partial mode and its scalar product run on
  * any data.
@@ -194,19 +195,20 @@ enum {
   DSV4_CUDA_INDEXER_THREADS = 1,
   DSV4_CUDA_INDEXER_MMA_PARTIAL = 2,
   DSV4_CUDA_INDEXER_MMA_SCALAR = 3,
-  /* Fast mode (dsv4_indexer_args_t.fast) whatever the launch asks, on the tensor-core kernel
-   * AUTO takes for it: the warpgroup-MMA one (sm90a/indexer_wgmma.cu) where the device runs it,
-   * else indexer_mma.cu's; FAST_PARTIAL and FAST_SCALAR as FAST with the modes left out as for
-   * MMA_PARTIAL and MMA_SCALAR. */
+  /* Fast mode (dsv4_indexer_args_t.fast) whatever the launch asks; FAST_PARTIAL and FAST_SCALAR
+   * with the modes left out as for MMA_PARTIAL and MMA_SCALAR. Every tensor-core path runs the
+   * warpgroup-MMA kernel (sm90a/indexer_wgmma.cu) where the device runs it, else indexer_mma.cu's
+   * (dsv4__cuda_indexer_force_sync). */
   DSV4_CUDA_INDEXER_MMA_FAST = 4,
   DSV4_CUDA_INDEXER_MMA_FAST_PARTIAL = 5,
   DSV4_CUDA_INDEXER_MMA_FAST_SCALAR = 6
 };
 void dsv4__cuda_indexer_set_path(int path);
-/* With on, fast mode runs on indexer_mma.cu's kernel even where the warpgroup-MMA one would run
- * (the tests and benchmarks that compare the two); off by default. */
+/* With on, the tensor-core paths run indexer_mma.cu's kernel even where the warpgroup-MMA one
+ * (sm90a/indexer_wgmma.cu, both modes) would run: the tests and benchmarks that compare the two;
+ * off by default. */
 void dsv4__cuda_indexer_force_sync(int on);
-/* 1 when fast mode's scores run on warpgroup MMAs on the current device (dsv4__indexer_wg_ready,
+/* 1 when the indexer's scores run on warpgroup MMAs on the current device (dsv4__indexer_wg_ready,
  * for 64 index heads). */
 int dsv4__cuda_indexer_wg(uint32_t n_heads);
 

@@ -245,10 +245,11 @@ static inline int smem_grants(int dev, size_t bytes) {
  * MMA_HEADS, the device of compute capability 8.0 or newer and dsv4__indexer_mma_fits() true. */
 cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl,
                                      int fast);
-/* The same keys in fast mode by warpgroup MMAs (sm90a/indexer_wgmma.cu), where
+/* The same keys by warpgroup MMAs (sm90a/indexer_wgmma.cu), in fast mode with fast set, where
  * dsv4__indexer_wg_ready() says the current device runs that kernel (compute capability 9.0, whose
  * sm_90a image it has, granting its shared memory). */
-cudaError_t dsv4__indexer_wg_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl);
+cudaError_t dsv4__indexer_wg_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl,
+                                    int fast);
 int dsv4__indexer_wg_ready(void);
 /* The query kernel before it (indexer_mma.cu): the q^ rows, weights and summaries of the wave's
  * tokens (one slot each, ctas of them) into the end of their key slots. */

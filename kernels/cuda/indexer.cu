@@ -583,11 +583,11 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
    * for the per-entry one. */
   const int path = score_path.load(std::memory_order_relaxed);
   const int mma = path != DSV4_CUDA_INDEXER_THREADS && dsv4__cuda_indexer_mma(a->n_heads);
-  /* Fast mode (SPEC §8.9): the same d, the heads' sum in another fixed order; on warpgroup MMAs
-   * where the device runs them. */
+  /* Fast mode (SPEC §8.9): the same d, the heads' sum in another fixed order. Either mode on
+   * warpgroup MMAs where the device runs them. */
   const int fast =
       mma && (path >= DSV4_CUDA_INDEXER_MMA_FAST || (path == DSV4_CUDA_INDEXER_AUTO && a->fast));
-  const int wg = fast && !force_sync.load(std::memory_order_relaxed) && dsv4__indexer_wg_ready();
+  const int wg = mma && !force_sync.load(std::memory_order_relaxed) && dsv4__indexer_wg_ready();
   p.mma_cap = path == DSV4_CUDA_INDEXER_MMA_PARTIAL || path == DSV4_CUDA_INDEXER_MMA_FAST_PARTIAL
                   ? DSV4_INDEX_MX_PARTIAL
               : path == DSV4_CUDA_INDEXER_MMA_SCALAR || path == DSV4_CUDA_INDEXER_MMA_FAST_SCALAR
@@ -626,7 +626,7 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
     if (mma) {
       e = dsv4__indexer_query_launch(p, ctas, s, pdl);
       if (e == cudaSuccess && wg)
-        e = dsv4__indexer_wg_launch(p, dim3(ctas, splits, 1), s, pdl);
+        e = dsv4__indexer_wg_launch(p, dim3(ctas, splits, 1), s, pdl, fast);
       else if (e == cudaSuccess)
         e = dsv4__indexer_mma_launch(p, dim3(ctas, splits, 1), s, pdl, fast);
     } else {

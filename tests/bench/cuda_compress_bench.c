@@ -47,11 +47,12 @@
  *
  * Usage: cuda_compress_bench   (DSV4_BENCH_N="1,64" picks the decode batch sizes, default 1, 64,
  * 256, and leaves out the prefill row; DSV4_BENCH_LAYERS="C4/64K,C128/64K" picks the layers, of
- * C4/8K, C4/64K and C128/64K; DSV4_BENCH_INDEXER=threads|partial|scalar|fast|fast_sync times
- * the indexer's per-entry kernel, the tensor-core kernel held to a lower mode, or its fast mode
- * (the heads' sum in registers; on warpgroup MMAs where the device runs them, fast_sync on
- * mma.sync) instead of the daemon's choice; DSV4_BENCH_INDEX_CODES=narrow
- * writes index records whose block codes are within one of each other, as the compressor's are)
+ * C4/8K, C4/64K and C128/64K; DSV4_BENCH_INDEXER=threads|partial|scalar|fast times the
+ * indexer's per-entry kernel, the tensor-core kernel held to a lower mode, or its fast mode (the
+ * heads' sum in registers) instead of the daemon's choice, on warpgroup MMAs where the device runs
+ * them; sync and fast_sync: the daemon's choice and fast mode on mma.sync;
+ * DSV4_BENCH_INDEX_CODES=narrow writes index records whose block codes are within one of each
+ * other, as the compressor's are)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -673,26 +674,27 @@ int main(void) {
   const char *codes = getenv("DSV4_BENCH_INDEX_CODES"), *path = getenv("DSV4_BENCH_INDEXER");
   narrow_codes = codes && !strcmp(codes, "narrow");
   if (path && *path) {
-    static const char *const names[6] = {"auto",   "threads", "partial",
-                                         "scalar", "fast",    "fast_sync"};
+    static const char *const names[7] = {"auto", "threads",   "partial", "scalar",
+                                         "fast", "fast_sync", "sync"};
     int k = 0;
-    while (k < 6 && strcmp(path, names[k]))
+    while (k < 7 && strcmp(path, names[k]))
       k++;
-    if (k == 6) {
+    if (k == 7) {
       fprintf(stderr, "cuda_compress_bench: DSV4_BENCH_INDEXER is auto, threads, partial, "
-                      "scalar, fast or fast_sync\n");
+                      "scalar, fast, fast_sync or sync\n");
       return 2;
     }
-    /* DSV4_CUDA_INDEXER_AUTO .. _MMA_FAST in that order; fast_sync: fast on mma.sync */
-    dsv4__cuda_indexer_set_path(k < 5 ? k : DSV4_CUDA_INDEXER_MMA_FAST);
-    dsv4__cuda_indexer_force_sync(k == 5);
+    /* DSV4_CUDA_INDEXER_AUTO .. _MMA_FAST in that order; fast_sync and sync: fast and auto on
+     * mma.sync */
+    dsv4__cuda_indexer_set_path(k < 5 ? k : k == 5 ? DSV4_CUDA_INDEXER_MMA_FAST : 0);
+    dsv4__cuda_indexer_force_sync(k >= 5);
   }
-  printf("indexer: %s path, index records' block codes %s; fast mode on %s\n",
+  printf("indexer: %s path, index records' block codes %s; tensor cores by %s\n",
          path && *path ? path : "auto",
          narrow_codes ? "within one of each other" : "independent in 120..130",
-         path && !strcmp(path, "fast_sync") ? "mma.sync"
-         : dsv4__cuda_indexer_wg(64)        ? "warpgroup MMAs"
-                                            : "mma.sync");
+         path && strstr(path, "sync") ? "mma.sync"
+         : dsv4__cuda_indexer_wg(64)  ? "warpgroup MMAs"
+                                      : "mma.sync");
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_yarn_default, MAX_POS, &mirror);
   uint32_t bs[8] = {1, 64, 256};

@@ -1212,14 +1212,15 @@ static void indexer_fast(ctx_t *c) {
 }
 
 /*
- * Fast mode's tensor-core kernels (SPEC §8.9): where the device runs the warpgroup-MMA kernel
- * (sm90a/indexer_wgmma.cu), its keys and selection in every mode (DSV4_CUDA_INDEXER_MMA_FAST and
- * its partial and scalar caps) are those of indexer_mma.cu's fast mode with the same caps
- * (dsv4__cuda_indexer_force_sync), bit for bit: the same d and the same order of the heads' sum.
+ * The tensor-core kernels on the same inputs: where the device runs the warpgroup-MMA kernel
+ * (sm90a/indexer_wgmma.cu), its keys and selection in both modes, each with the partial and scalar
+ * caps too (the daemon's path, MMA_PARTIAL, MMA_SCALAR, and the same in fast mode), are those of
+ * indexer_mma.cu on the same path (dsv4__cuda_indexer_force_sync), bit for bit: the same d and
+ * the same order of the heads' sums (SPEC §8.9's in fast mode).
  */
-static void indexer_fast_kernels(ctx_t *c) {
+static void indexer_wg_kernels(ctx_t *c) {
   if (!dsv4__cuda_indexer_wg(IH)) {
-    printf("skipped indexer fast mode on warpgroup MMAs: the device does not run them\n");
+    printf("skipped indexer on warpgroup MMAs: the device does not run them\n");
     return;
   }
   ix_t x;
@@ -1229,24 +1230,29 @@ static void indexer_fast_kernels(ctx_t *c) {
       (uint64_t)dsv4__cuda_indexer_ctas(IX_TOKENS) * dsv4__cuda_indexer_keys_per_cta(IX_MAX_POS);
   int32_t *s0 = gpu_host_alloc(4 * sel_n), *s1 = gpu_host_alloc(4 * sel_n);
   uint32_t *k0 = gpu_host_alloc(4 * keys_len), *k1 = gpu_host_alloc(4 * keys_len);
-  static const int paths[3] = {DSV4_CUDA_INDEXER_MMA_FAST, DSV4_CUDA_INDEXER_MMA_FAST_PARTIAL,
+  static const int paths[6] = {DSV4_CUDA_INDEXER_AUTO,
+                               DSV4_CUDA_INDEXER_MMA_PARTIAL,
+                               DSV4_CUDA_INDEXER_MMA_SCALAR,
+                               DSV4_CUDA_INDEXER_MMA_FAST,
+                               DSV4_CUDA_INDEXER_MMA_FAST_PARTIAL,
                                DSV4_CUDA_INDEXER_MMA_FAST_SCALAR};
-  static const char *const names[3] = {"fused", "partial", "scalar"};
+  static const char *const names[6] = {"exact", "exact held to partial", "exact held to scalar",
+                                       "fast",  "fast held to partial",  "fast held to scalar"};
   int bad = 0;
-  for (int i = 0; i < 3; i++) {
+  for (int i = 0; i < 6; i++) {
     dsv4__cuda_indexer_force_sync(1);
     ix_cuda(c, &x, paths[i], s0, k0, keys_len);
     dsv4__cuda_indexer_force_sync(0);
     ix_cuda(c, &x, paths[i], s1, k1, keys_len);
     if (memcmp(k0, k1, 4 * keys_len) || memcmp(s0, s1, 4 * sel_n)) {
       fprintf(stderr,
-              "FAIL indexer fast mode on warpgroup MMAs, %s mode: keys or selection differ "
-              "from mma.sync's\n",
+              "FAIL indexer on warpgroup MMAs, %s: keys or selection differ from "
+              "mma.sync's\n",
               names[i]);
       bad = 1;
     }
   }
-  printf("%s indexer fast mode on warpgroup MMAs: fused, partial and scalar modes give "
+  printf("%s indexer on warpgroup MMAs: exact and fast mode, fused, partial and scalar, give "
          "mma.sync's keys and selections\n",
          bad ? "FAIL" : "ok  ");
   fflush(stdout);
@@ -1340,7 +1346,7 @@ int main(int argc, char **argv) {
     run_case(&c, &quick_cases[i], 1);
   indexer_paths(&c);
   indexer_fast(&c);
-  indexer_fast_kernels(&c);
+  indexer_wg_kernels(&c);
   for (uint32_t i = 0; !quick && i < N(cases); i++)
     run_case(&c, &cases[i], 0);
   dsv4_backend_close(c.cuda);

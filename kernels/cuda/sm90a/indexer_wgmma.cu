@@ -1,7 +1,7 @@
 /*
- * The indexer's fast-mode scores on Hopper's warpgroup MMAs (SPEC §8.5, §8.9): the keys of the
- * tensor-core score kernel's fast mode (indexer_mma.cu), bit for bit, for the same grid of (token,
- * split) CTAs, waves and key slots. Built for sm_90a only (wgmma has no other target);
+ * The indexer's scores on Hopper's warpgroup MMAs (SPEC §8.5, §8.9): the keys of the tensor-core
+ * score kernel (indexer_mma.cu) in both modes, bit for bit, for the same grid of (token, split)
+ * CTAs, waves and key slots. Built for sm_90a only (wgmma has no other target);
  * dsv4__indexer_wg_ready says whether the current device runs it.
  *
  * With mma.sync each warp held the token's q^ as A fragments (128 registers for 64 heads), which
@@ -15,24 +15,26 @@
  *
  * The CTA's three warpgroups (384 threads; 168 registers a thread) take the split's rounds of 128
  * entries in turn, each at its own pace, with its own barrier: while one converts, another's MMAs
- * run. A warpgroup stages its next round by cp.async one round ahead (indexer-mx.cuh); each of its
+ * run. A warpgroup stages its next round by cp.async a round ahead (indexer-mx.cuh); each of its
  * warps takes the mode of its 32 entries (warp_mode, at most p.mma_cap) and turns their nibbles
- * into bf16 values of the round's two tiles (the byte table of their codes, dsv4_index_mx_bf16x4);
- * then each tile runs in the lower mode of its two warps: fused    the 8 k-steps of 16 dims
- * accumulated in the tensor cores, d exactly. Both tiles' MMAs are issued whatever their modes,
- * before either is waited for: an MMA on a path the compiler cannot prove the whole warpgroup takes
- * (a branch on the mode, or a predicate) makes it serialize every MMA of the kernel; partial  each
- * k-step's 16 dims from zero on mma.sync, the fragments read by ldmatrix, then dsv4_fold8's adds.
- * With the fused MMAs also issued, spread index codes (every warp in this mode) cost more tensor
- * time than indexer_mma.cu's fast mode, which is then the quicker (tests/bench/NOTES.md); the
- * compressor's codes, within one of each other, are mostly fused; scalar   dsv4_dot128 of the
- * dequantised entry, a warp an entry, two heads a lane. Every mode gives the same d
- * (dsv4-compress.h). q^'s columns are permuted so that the thread of quad lane c holds, for its two
- * entries, the heads 16m + 2g and 16m + 2g + 1 of g = 2c and 2c + 1, m = 0..3: column 8j + 2c + b
- * is head 16(j / 2) + 2(2c + j % 2) + b. So each thread sums fast mode's partials P(2c) and P(2c +
- * 1) in SPEC §8.9's order, adds the two (g with g ^ 1), and the quad's shuffles add g ^ 2, then g ^
- * 4, the same tree as indexer_mma.cu's. A warp of 32 entries whose own mode is scalar keeps exact
- * mode's chain, as there.
+ * into bf16 values of the round's two tiles (the byte table of their codes, dsv4_index_mx_bf16x4).
+ * Each tile then runs in the lower mode of its two warps (each gives the same d, dsv4-compress.h):
+ *   fused    the 8 k-steps of 16 dims accumulated in the tensor cores, d exactly;
+ *   partial  each k-step's 16 dims from zero on mma.sync (ldmatrix fragments), dsv4_fold8's adds;
+ *   scalar   dsv4_dot128 of the dequantised entry, a warp an entry, two heads a lane.
+ * Both tiles' fused MMAs are issued whatever their modes, before either is waited for: an MMA on a
+ * path the compiler cannot prove the whole warpgroup takes (a branch on the mode, or a predicate)
+ * makes it serialize every MMA of the kernel. So spread index codes (every tile in partial mode)
+ * cost more tensor time here than on indexer_mma.cu, which is then the quicker
+ * (tests/bench/NOTES.md); the compressor's codes, within one of each other, are mostly fused.
+ *
+ * q^'s columns are permuted so that the thread of quad lane c holds, for its two entries of a
+ * tile, heads 16m + 4c .. 16m + 4c + 3 of each m = 0..3 (column 8j + 2c + b is head
+ * 16(j / 2) + 2(2c + j % 2) + b), which are fast mode's partials P(2c) and P(2c + 1): each thread
+ * sums them in SPEC §8.9's order, adds the two (g with g ^ 1), and the quad's shuffles add g ^ 2,
+ * then g ^ 4, the same tree as indexer_mma.cu's. Exact mode's chain over the heads in order runs
+ * around the quad instead, four heads a lane at a time. A warp of 32 entries whose own mode is
+ * scalar keeps exact mode's chain in fast mode, as there.
  *
  * Ordering (SPEC §5.2): the byte table is built before the dependency wait (it reads nothing); the
  * query rows, the records and the error word are read after it, as in indexer_mma.cu.
@@ -234,39 +236,58 @@ static __device__ __forceinline__ void tiles_partial(float (&d0)[32], float (&d1
   }
 }
 
-/* Fast mode's keys of the round's two tiles from d (rows g and g + 8 of the thread's warp in
- * each): each thread's partials P(2c) and P(2c + 1) in order and their sum, then the quad's (see
- * the header), the weights of the thread's columns read once for the four rows. The quad adds
- * its rows' sums crosswise: after lanes c and c ^ 1 exchange the row the other keeps, the even
- * lanes hold row g's, the odd ones row g + 8's, the same tree's values; lane c = 0 stores row g's
- * key, c = 1 row g + 8's, of a tile in `on` whose entry index is below i1. */
+/*
+ * The keys of the round's two tiles from d (rows g and g + 8 of the thread's warp in each), the
+ * weights of the thread's columns read once for its four rows; lane c = 0 stores row g's key,
+ * c = 1 row g + 8's, of a tile in `on` whose entry index is below i1.
+ *
+ * FAST: each thread's partials P(2c) and P(2c + 1) in order and their sum, then the quad's (see the
+ * header), its rows' sums added crosswise: after lanes c and c ^ 1 exchange the row the other
+ * keeps, the even lanes hold row g's, the odd ones row g + 8's, the same tree's values.
+ *
+ * Exact mode: each entry's chain over the heads in order (h = 0..63 from +0.0f) passed around its
+ * quad, four terms at lane 0, then lane 1, 2, 3, for m = 0..3 (lane c holds heads 16m + 4c ..
+ * 16m + 4c + 3); every lane computes a step from the value its quad's lane of the step broadcast,
+ * and only that lane's is passed on.
+ */
+template <bool FAST>
 static __device__ __forceinline__ void tiles_keys(const float (&d)[2][32], const float *wcol,
                                                   const bool (&on)[2], uint32_t *keys, uint32_t i0,
                                                   uint32_t i1) {
   const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, w = (threadIdx.x >> 5) & 3;
-  float s[2][2][2] = {}; /* [tile][row][P(2c), P(2c + 1)] */
+  float s[2][2][2] = {}; /* [tile][row][P(2c), P(2c + 1)], or the chain in [..][0] */
 #pragma unroll
   for (int m = 0; m < 4; m++) {
     const int j0 = 2 * m, j1 = 2 * m + 1;
     const float2 w0 = *reinterpret_cast<const float2 *>(wcol + 8 * j0 + 2 * c),
                  w1 = *reinterpret_cast<const float2 *>(wcol + 8 * j1 + 2 * c);
 #pragma unroll
-    for (int k = 0; k < 2; k++)
+    for (uint32_t step = 0; step < (FAST ? 1u : 4u); step++)
 #pragma unroll
-      for (int r = 0; r < 2; r++) {
-        float *x = s[k][r];
-        x[0] = dsv4_index_score_add(w0.x, d[k][4 * j0 + 2 * r], x[0]);
-        x[0] = dsv4_index_score_add(w0.y, d[k][4 * j0 + 2 * r + 1], x[0]);
-        x[1] = dsv4_index_score_add(w1.x, d[k][4 * j1 + 2 * r], x[1]);
-        x[1] = dsv4_index_score_add(w1.y, d[k][4 * j1 + 2 * r + 1], x[1]);
-      }
+      for (int k = 0; k < 2; k++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+          float *x = s[k][r];
+          const int e = FAST ? 1 : 0; /* the exact chain stays in x[0] */
+          x[0] = dsv4_index_score_add(w0.x, d[k][4 * j0 + 2 * r], x[0]);
+          x[0] = dsv4_index_score_add(w0.y, d[k][4 * j0 + 2 * r + 1], x[0]);
+          x[e] = dsv4_index_score_add(w1.x, d[k][4 * j1 + 2 * r], x[e]);
+          x[e] = dsv4_index_score_add(w1.y, d[k][4 * j1 + 2 * r + 1], x[e]);
+          if (!FAST) /* lane step's were heads 16m + 4 step .. + 3 */
+            x[0] = __shfl_sync(FULL, x[0], (lane & ~3u) | step);
+        }
   }
 #pragma unroll
   for (int k = 0; k < 2; k++) {
-    const float t0 = __fadd_rn(s[k][0][0], s[k][0][1]), t1 = __fadd_rn(s[k][1][0], s[k][1][1]);
-    const bool odd = c & 1;
-    float t = __fadd_rn(odd ? t1 : t0, __shfl_xor_sync(FULL, odd ? t0 : t1, 1));
-    t = __fadd_rn(t, __shfl_xor_sync(FULL, t, 2));
+    float t;
+    if (FAST) {
+      const float t0 = __fadd_rn(s[k][0][0], s[k][0][1]), t1 = __fadd_rn(s[k][1][0], s[k][1][1]);
+      const bool odd = c & 1;
+      t = __fadd_rn(odd ? t1 : t0, __shfl_xor_sync(FULL, odd ? t0 : t1, 1));
+      t = __fadd_rn(t, __shfl_xor_sync(FULL, t, 2));
+    } else {
+      t = c ? s[k][1][0] : s[k][0][0];
+    }
     const uint32_t i = i0 + WG_TILE * k + 16 * w + g + 8 * c;
     if (on[k] && c < 2 && i < i1)
       keys[i] = dsv4_index_score_key(t);
@@ -319,6 +340,7 @@ static __device__ float dot128_q(const uint8_t *q, uint32_t col, const float *kb
  * per entry, d of two heads a lane into row, then its key, by its own warp's mode: exact mode's
  * chain (lane 0, the heads in order) for a warp of the scalar product, else fast mode's order
  * (lanes 0..7 the partials P(g), a tree of shuffles). */
+template <bool FAST>
 static __device__ void tile_scalar(const wg_smem_t &sm, wg_group_t &gr, int buf, uint32_t h,
                                    uint32_t n, uint32_t *keys, uint32_t base, uint32_t i1) {
   const uint32_t lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
@@ -338,7 +360,7 @@ static __device__ void tile_scalar(const wg_smem_t &sm, wg_group_t &gr, int buf,
       row[hd] = dot128_q(sm.q, col_of_head(hd), kb);
     __syncwarp();
     float acc = 0.0f;
-    if (gr.mode[r / 32] == DSV4_INDEX_MX_SCALAR) {
+    if (!FAST || gr.mode[r / 32] == DSV4_INDEX_MX_SCALAR) {
       if (lane == 0)
         for (uint32_t hd = 0; hd < MMA_HEADS; hd++)
           acc = dsv4_index_score_add(sm.w[hd], row[hd], acc);
@@ -386,6 +408,7 @@ static __device__ void token_setup(const idx_params_t &p, wg_smem_t &sm) {
  * round's entries or of another mode wastes them, the tensor cores being otherwise idle), so that
  * no MMA lies on a path the compiler cannot prove the warpgroup takes together (it would serialize
  * them all); then partial mode's mma.sync where a tile needs it, and each tile's keys. */
+template <bool FAST>
 static __device__ void wg_round(const idx_params_t &p, const wg_smem_t &sm, wg_group_t &gr, int buf,
                                 uint32_t n, uint32_t *keys, uint32_t base, uint32_t i1, uint32_t s,
                                 int64_t jlo) {
@@ -412,15 +435,16 @@ static __device__ void wg_round(const idx_params_t &p, const wg_smem_t &sm, wg_g
   else if (m1 == DSV4_INDEX_MX_PARTIAL)
     tiles_partial<1>(d[1], d[1], gr.ent[1], gr.ent[1], sm.q);
   const bool on[2] = {m0 != DSV4_INDEX_MX_SCALAR, two && m1 != DSV4_INDEX_MX_SCALAR};
-  tiles_keys(d, sm.wcol, on, keys, base, i1);
+  tiles_keys<FAST>(d, sm.wcol, on, keys, base, i1);
   if (m0 == DSV4_INDEX_MX_SCALAR)
-    tile_scalar(sm, gr, buf, 0, n, keys, base, i1);
+    tile_scalar<FAST>(sm, gr, buf, 0, n, keys, base, i1);
   if (two && m1 == DSV4_INDEX_MX_SCALAR)
-    tile_scalar(sm, gr, buf, 1, n, keys, base, i1);
+    tile_scalar<FAST>(sm, gr, buf, 1, n, keys, base, i1);
 }
 
 /* Split y of token t_base + blockIdx.x: the queries, then warpgroup G's rounds of WG_ROUND
  * entries, the split's rounds G, G + WG_GROUPS, .. */
+template <bool FAST>
 __global__ void __launch_bounds__(WG_THREADS, 1) dsv4__indexer_score_wg_kernel(idx_params_t p) {
   extern __shared__ uint4 smem_raw[];
   wg_smem_t &sm = *reinterpret_cast<wg_smem_t *>(smem_raw);
@@ -454,7 +478,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) dsv4__indexer_score_wg_kernel(i
     }
     wg_proxy_fence();
     wg_sync(G);
-    wg_round(p, sm, gr, buf, n, keys, base, i1, s, jlo);
+    wg_round<FAST>(p, sm, gr, buf, n, keys, base, i1, s, jlo);
   }
 }
 
@@ -463,7 +487,7 @@ static std::atomic<int> ready_cache[DEV_CACHE];
 /* The kernel's only image is sm_90a's: elsewhere its attributes cannot be read. */
 static int wg_ready_probe(int dev) {
   cudaFuncAttributes fa;
-  return cudaFuncGetAttributes(&fa, dsv4__indexer_score_wg_kernel) == cudaSuccess &&
+  return cudaFuncGetAttributes(&fa, dsv4__indexer_score_wg_kernel<true>) == cudaSuccess &&
          smem_grants(dev, sizeof(wg_smem_t));
 }
 
@@ -471,12 +495,14 @@ int dsv4__indexer_wg_ready(void) {
   return per_device_cached(ready_cache, wg_ready_probe);
 }
 
-cudaError_t dsv4__indexer_wg_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
-  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
-  cudaError_t e =
-      dsv4__cuda_smem_limit(dsv4__indexer_score_wg_kernel, sizeof(wg_smem_t), limit_raised);
+cudaError_t dsv4__indexer_wg_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl,
+                                    int fast) {
+  /* The devices whose limit is raised, per kernel. */
+  static std::atomic<uint64_t> limit_raised[2] = {{0}, {0}};
+  void (*kernel)(idx_params_t) =
+      fast ? dsv4__indexer_score_wg_kernel<true> : dsv4__indexer_score_wg_kernel<false>;
+  cudaError_t e = dsv4__cuda_smem_limit(kernel, sizeof(wg_smem_t), limit_raised[fast ? 1 : 0]);
   if (e != cudaSuccess)
     return e;
-  return dsv4__cuda_launch_smem(dsv4__indexer_score_wg_kernel, grid, WG_THREADS, sizeof(wg_smem_t),
-                                s, pdl, p);
+  return dsv4__cuda_launch_smem(kernel, grid, WG_THREADS, sizeof(wg_smem_t), s, pdl, p);
 }
