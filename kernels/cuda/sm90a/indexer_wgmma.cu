@@ -43,12 +43,16 @@
 
 #include <atomic>
 
-/* Entries a wgmma tile (its M); a warpgroup's round is two tiles, and the CTA's warpgroups take
- * alternate rounds of the split's entries, each at its own pace. */
-#define WG_TILE 64
-#ifndef WG_GROUPS
-#define WG_GROUPS 3
+/* Without sm_90a's features the MMAs below would compile to nothing (CMake builds this file for
+ * that architecture alone). */
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "sm90a/indexer_wgmma.cu is built for sm_90a only"
 #endif
+
+/* Entries a wgmma tile (its M); a warpgroup's round is two tiles, and the CTA's three warpgroups
+ * take the split's rounds in turn, each at its own pace. */
+#define WG_TILE 64
+#define WG_GROUPS 3
 #define WG_THREADS (128 * WG_GROUPS)
 #define WG_ROUND (2 * WG_TILE)
 /* Bytes of a K-major bf16 operand of 64 rows: 16 core-matrix columns of 8 core matrices. */
@@ -80,6 +84,9 @@ typedef struct {
 } wg_smem_t;
 
 static_assert(sizeof(wg_smem_t) % 16 == 0, "whole 16-byte chunks");
+/* An sm_90 CTA's shared memory at most (227 KiB), below the 256 KiB that a descriptor's address
+ * field spans (wg_desc, tile_fused). */
+static_assert(sizeof(wg_smem_t) <= 227 * 1024, "the kernel's shared memory fits a CTA");
 
 /* The byte offset of element (row r, dim k) in a canonical operand. */
 static __device__ __forceinline__ uint32_t wg_off(uint32_t r, uint32_t k) {
@@ -400,7 +407,7 @@ static __device__ void token_setup(const idx_params_t &p, wg_smem_t &sm) {
   if (threadIdx.x < 32)
     heads_stats(sm.qsum, sm.qstat);
   wg_proxy_fence();
-  __syncthreads(); /* the statistics, for both warpgroups' modes */
+  __syncthreads(); /* the statistics, for every warpgroup's modes */
 }
 
 /* The warpgroup's two tiles of its staged round (entries base + row, n in the round), each in the
