@@ -347,6 +347,35 @@ DSV4_FN int dsv4_index_mx_mode(dsv4_u32 q_lo, dsv4_u32 q_hi, dsv4_u32 q_span, ds
   return fused ? DSV4_INDEX_MX_FUSED : DSV4_INDEX_MX_PARTIAL;
 }
 
+/* The largest and the smallest nonzero byte of a summary, or of a set's per-block maxima or minima
+ * (0 and 255 where none); DSV4_INDEX_MX_INVALID is the largest byte there is. */
+DSV4_FN void dsv4_index_mx_range(dsv4_u32 s, dsv4_u32 *hi, dsv4_u32 *lo) {
+  *hi = 0u;
+  *lo = 255u;
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+    dsv4_u32 c = (s >> (8 * b)) & 255u;
+    *hi = c > *hi ? c : *hi;
+    *lo = c && c < *lo ? c : *lo;
+  }
+}
+
+/*
+ * A first look at the mode of a set of queries and a set of keys from their extremes over all four
+ * blocks (the CUDA kernels' warp_mode, three warp reductions where dsv4_index_mx_mode's statistics
+ * take nine): 1 when the largest summary bytes (q_hi, k_hi, from the sets' maxima by
+ * dsv4_index_mx_range) are valid and sum to at most DSV4_INDEX_MX_FUSED_E_MAX, the smallest (q_lo,
+ * k_lo) to at least DSV4_INDEX_MX_E_MIN, and the spans to at most DSV4_INDEX_MX_SPAN. Every block's
+ * code sums then lie within the same bounds, so dsv4_index_mx_mode gives fused mode too
+ * (index_mx_test holds it); 0 says nothing.
+ */
+DSV4_FN int dsv4_index_mx_fused_glance(dsv4_u32 q_hi, dsv4_u32 q_lo, dsv4_u32 q_span, dsv4_u32 k_hi,
+                                       dsv4_u32 k_lo, dsv4_u32 k_span) {
+  return q_hi != DSV4_INDEX_MX_INVALID && k_hi != DSV4_INDEX_MX_INVALID &&
+         (dsv4_i32)(q_hi + k_hi) - DSV4_INDEX_MX_CODE_SUM0 <= DSV4_INDEX_MX_FUSED_E_MAX &&
+         (dsv4_i32)(q_lo + k_lo) - DSV4_INDEX_MX_CODE_SUM0 >= DSV4_INDEX_MX_E_MIN &&
+         q_span + k_span <= DSV4_INDEX_MX_SPAN;
+}
+
 /* The mode of one pair: dsv4_index_mx_mode of two sets of one vector each. */
 DSV4_FN int dsv4_index_mx_pair_mode(dsv4_u32 qs, dsv4_u32 ks) {
   dsv4_u32 ql = 0, kl = 0;

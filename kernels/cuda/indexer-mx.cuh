@@ -69,18 +69,6 @@ static __device__ uint32_t staged_summary(const uint8_t *row, uint32_t codes) {
   return sum;
 }
 
-/* The largest and the smallest nonzero byte of a summary (0 and 255 where none). */
-static __device__ __forceinline__ void summary_range(uint32_t sum, uint32_t *hi, uint32_t *lo) {
-  *hi = 0;
-  *lo = 255;
-#pragma unroll
-  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
-    const uint32_t c = (sum >> (8 * b)) & 255u;
-    *hi = max(*hi, c);
-    *lo = min(*lo, c ? c : 255u);
-  }
-}
-
 /* The heads' statistics from their summaries (qsum, MMA_HEADS of them), by the CTA's first warp:
  * the per-block minima and maxima and the largest span into qstat[0..2]; into qstat[3] the
  * largest of the maxima (bits 0..7: DSV4_INDEX_MX_INVALID where some block is) and the smallest
@@ -100,19 +88,17 @@ static __device__ void heads_stats(const uint32_t *qsum, uint32_t *qstat) {
     qstat[1] = h;
     qstat[2] = max(span[0], span[1]);
     uint32_t hmax, lmin, unused;
-    summary_range(h, &hmax, &unused);
-    summary_range(l, &unused, &lmin);
+    dsv4_index_mx_range(h, &hmax, &unused);
+    dsv4_index_mx_range(l, &unused, &lmin);
     qstat[3] = hmax | lmin << 8;
   }
 }
 
 /*
  * The mode of the warp's rows r0..r0 + rows - 1 of a staged round: what its entries' summaries
- * and the heads' statistics (heads_stats) allow, at most cap. A first look takes fused mode from
- * the blocks' extremes over all four blocks: the largest code sums below DSV4_INDEX_MX_FUSED_E_MAX,
- * the smallest above DSV4_INDEX_MX_E_MIN, no invalid block and the spans within
- * DSV4_INDEX_MX_SPAN hold for every block if they hold for the extremes, so fused mode is then
- * what dsv4_index_mx_mode gives. Otherwise the per-block statistics decide, as there.
+ * and the heads' statistics (heads_stats) allow, at most cap: fused mode at a first look from the
+ * blocks' extremes (dsv4_index_mx_fused_glance, three reductions), else the per-block statistics
+ * decide (dsv4_index_mx_mode, nine).
  */
 static __device__ __forceinline__ int warp_mode(const uint32_t *qstat, const uint8_t *stage,
                                                 const uint32_t *codes, uint32_t r0, uint32_t rows,
@@ -121,16 +107,13 @@ static __device__ __forceinline__ int warp_mode(const uint32_t *qstat, const uin
   const bool in = lane < rows;
   const uint32_t sum = in ? staged_summary(stage + (r0 + lane) * STAGE_ROW, codes[r0 + lane]) : 0u;
   uint32_t khi, klo;
-  summary_range(sum, &khi, &klo);
+  dsv4_index_mx_range(sum, &khi, &klo);
   khi = __reduce_max_sync(FULL, khi);
   klo = __reduce_min_sync(FULL, klo);
   const uint32_t kspan = __reduce_max_sync(FULL, dsv4_index_mx_span(sum));
-  const uint32_t qhi = qstat[3] & 255u, qlo = (qstat[3] >> 8) & 255u;
   int mode;
-  if (qhi != DSV4_INDEX_MX_INVALID && khi != DSV4_INDEX_MX_INVALID &&
-      (int)(qhi + khi) - DSV4_INDEX_MX_CODE_SUM0 <= DSV4_INDEX_MX_FUSED_E_MAX &&
-      (int)(qlo + klo) - DSV4_INDEX_MX_CODE_SUM0 >= DSV4_INDEX_MX_E_MIN &&
-      qstat[2] + kspan <= DSV4_INDEX_MX_SPAN) {
+  if (dsv4_index_mx_fused_glance(qstat[3] & 255u, (qstat[3] >> 8) & 255u, qstat[2], khi, klo,
+                                 kspan)) {
     mode = DSV4_INDEX_MX_FUSED;
   } else {
     uint32_t lo, hi, span;

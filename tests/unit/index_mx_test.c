@@ -34,7 +34,10 @@
  *     nearest and truncating differ);
  *   - sets of 64 queries and 32 keys (the kernel's warp tile): the mode dsv4_index_mx_mode gives a
  *     set from its per-block minima, maxima and spans is allowed for every pair of the set, and the
- *     model in that mode equals dsv4_dot128 for every pair.
+ *     model in that mode equals dsv4_dot128 for every pair;
+ *   - the kernels' first look (dsv4_index_mx_fused_glance, from the extremes over all blocks)
+ *     takes fused mode only where dsv4_index_mx_mode does, on those sets and on millions of pairs
+ *     of summaries near the bounds.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -561,11 +564,21 @@ static void set_stats(const rec_t *r, int n, uint32_t *lo, uint32_t *hi, uint32_
   }
 }
 
+/* dsv4_index_mx_fused_glance of two sets' statistics (their extremes by dsv4_index_mx_range). */
+static int glance_of(uint32_t ql, uint32_t qh, uint32_t qs, uint32_t kl, uint32_t kh, uint32_t ks) {
+  uint32_t qhi, qlo, khi, klo, unused;
+  dsv4_index_mx_range(qh, &qhi, &unused);
+  dsv4_index_mx_range(ql, &unused, &qlo);
+  dsv4_index_mx_range(kh, &khi, &unused);
+  dsv4_index_mx_range(kl, &unused, &klo);
+  return dsv4_index_mx_fused_glance(qhi, qlo, qs, khi, klo, ks);
+}
+
 static void test_sets(void **state) {
   (void)state;
   enum { NQ = 64, NK = 32, SETS = 1500 };
   static rec_t q[NQ], k[NK];
-  uint32_t modes[3] = {0};
+  uint32_t modes[3] = {0}, glances = 0;
   for (int t = 0; t < SETS; t++) {
     /* One style per set, as the daemon's tiles are alike (realistic codes half of the time), and
      * in half of the sets an odd vector now and then. */
@@ -585,6 +598,11 @@ static void test_sets(void **state) {
     set_stats(k, NK, &kl, &kh, &ks);
     const int mode = dsv4_index_mx_mode(ql, qh, qs, kl, kh, ks);
     modes[mode]++;
+    if (glance_of(ql, qh, qs, kl, kh, ks)) {
+      glances++;
+      if (mode != DSV4_INDEX_MX_FUSED)
+        fail_msg("set %d: the first look says fused, dsv4_index_mx_mode %d", t, mode);
+    }
     for (int h = 0; h < NQ; h++)
       for (int j = 0; j < NK; j++) {
         const int pm = dsv4_index_mx_pair_mode(summary(&q[h]), summary(&k[j]));
@@ -596,10 +614,68 @@ static void test_sets(void **state) {
                    (double)cpu);
       }
   }
-  printf("sets of %d x %d: %u scalar, %u partial, %u fused\n", NQ, NK, modes[0], modes[1],
-         modes[2]);
+  printf("sets of %d x %d: %u scalar, %u partial, %u fused (%u of them at a first look)\n", NQ, NK,
+         modes[0], modes[1], modes[2], glances);
   for (int m = 0; m < 3; m++)
     assert_true(modes[m] > SETS / 20);
+  assert_true(glances > SETS / 20);
+}
+
+/* A summary byte for test_glance: zero blocks, invalid ones, codes at and near the bounds that
+ * the code sums meet (E_MIN and FUSED_E_MAX around a partner's code), or any. */
+static uint32_t glance_byte(void) {
+  static const uint32_t near[] = {2,   3,   4,   5,   6,   120, 124, 125, 126, 127, 128,
+                                  129, 130, 180, 184, 185, 186, 187, 188, 250, 251, 252};
+  switch (below(8)) {
+  case 0:
+  case 1:
+    return 0;
+  case 2:
+    return DSV4_INDEX_MX_INVALID;
+  case 3:
+  case 4:
+    return near[below((uint32_t)(sizeof(near) / sizeof(near[0])))];
+  case 5:
+    return 124 + below(7);
+  default:
+    return 2 + below(251);
+  }
+}
+
+/*
+ * The first look (dsv4_index_mx_fused_glance, the CUDA kernels' warp_mode) never takes fused mode
+ * where dsv4_index_mx_pair_mode does not: millions of pairs of summaries whose bytes are zero,
+ * invalid, near the bounds or any code, and sets of them (the same for their statistics).
+ */
+static void test_glance(void **state) {
+  (void)state;
+  enum { PAIRS = 4000000 };
+  uint32_t fused = 0, glances = 0;
+  for (int i = 0; i < PAIRS; i++) {
+    uint32_t qs = 0, ks = 0;
+    const int near_q = below(2); /* half of the pairs: every byte of q one code */
+    const uint32_t qb = glance_byte();
+    for (int b = 0; b < 4; b++) {
+      qs |= (near_q ? qb : glance_byte()) << (8 * b);
+      ks |= glance_byte() << (8 * b);
+    }
+    uint32_t ql = 0, kl = 0;
+    for (int b = 0; b < 4; b++) {
+      const uint32_t q = (qs >> (8 * b)) & 255u, k = (ks >> (8 * b)) & 255u;
+      ql |= (q ? q : 255u) << (8 * b);
+      kl |= (k ? k : 255u) << (8 * b);
+    }
+    const int mode = dsv4_index_mx_pair_mode(qs, ks);
+    fused += mode == DSV4_INDEX_MX_FUSED;
+    if (glance_of(ql, qs, dsv4_index_mx_span(qs), kl, ks, dsv4_index_mx_span(ks))) {
+      glances++;
+      if (mode != DSV4_INDEX_MX_FUSED)
+        fail_msg("summaries %08x and %08x: the first look says fused, the pair's mode is %d", qs,
+                 ks, mode);
+    }
+  }
+  printf("%d pairs: %u fused, %u of them at a first look\n", PAIRS, fused, glances);
+  assert_true(glances > PAIRS / 100);
 }
 
 int main(void) {
@@ -607,6 +683,7 @@ int main(void) {
       cmocka_unit_test(test_bf16_images), cmocka_unit_test(test_code_pairs),
       cmocka_unit_test(test_zero_blocks), cmocka_unit_test(test_random_pairs),
       cmocka_unit_test(test_witnesses),   cmocka_unit_test(test_sets),
+      cmocka_unit_test(test_glance),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
