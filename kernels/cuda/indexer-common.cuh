@@ -225,7 +225,8 @@ static inline int per_device_cached(std::atomic<int> (&cache)[DEV_CACHE], int (*
       return v == 2;
   }
   const int yes = probe(dev);
-  (void)cudaGetLastError(); /* a probe's failed call is its answer, not the thread's error */
+  if (!yes) /* a probe's failed call is its answer, not the thread's error */
+    (void)cudaGetLastError();
   if (dev >= 0 && dev < DEV_CACHE)
     cache[dev].store(yes ? 2 : 1, std::memory_order_relaxed);
   return yes;
