@@ -205,6 +205,11 @@ static size_t q_bytes_of(const dsv4_engine_t *e, size_t n) {
   return n * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
 }
 
+/* The bytes of kv of n tokens: a row of 512 bf16 each. */
+static size_t kv_bytes_of(size_t n) {
+  return n * DSV4_HEAD_DIM * sizeof(uint16_t);
+}
+
 /* Make staging buffer i hold at least bytes; the old contents are not kept. Growth doubles, so a
  * daemon whose batches grow slowly reallocates only a few times. */
 static int stage_reserve(dsv4_engine_t *e, int i, size_t bytes) {
@@ -238,7 +243,7 @@ static int stage_reserve_batch(dsv4_engine_t *e, const dsv4_forward_t *f) {
   if (!rc)
     rc = stage_reserve(e, ST_Q, q_bytes);
   if (!rc)
-    rc = stage_reserve(e, ST_KV, n * DSV4_HEAD_DIM * sizeof(uint16_t));
+    rc = stage_reserve(e, ST_KV, kv_bytes_of(n));
   if (!rc)
     rc = stage_reserve(e, ST_Q_OUT, q_bytes);
   if (!rc)
@@ -324,7 +329,7 @@ static int stage_get(dsv4_engine_t *e, int i, const void *dev, void *dst, size_t
 static int stage_get_q(dsv4_engine_t *e, const void *dev, void *dst, size_t n) {
   const struct dsv4__engine_stage *s = e->stage;
   const dsv4_devbuf_t *b = &s->half[s->cur].buf[ST_Q_OUT];
-  const size_t piece = (size_t)s->q_piece_tokens * e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
+  const size_t piece = q_bytes_of(e, s->q_piece_tokens);
   if (!s->q_early || piece >= n || dev != b->ptr)
     return stage_get(e, ST_Q_OUT, dev, dst, n);
   int rc = 0;
@@ -389,7 +394,7 @@ static int stage_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int fused, int meta
     rc = stage_put(e, ST_Q, f->q, q_bytes, !fused && place, &d);
   ia->q = d;
   if (!rc)
-    rc = stage_put(e, ST_KV, f->kv, n * DSV4_HEAD_DIM * sizeof(uint16_t), place, &d);
+    rc = stage_put(e, ST_KV, f->kv, kv_bytes_of(n), place, &d);
   ia->kv = d;
   /* The slots in place too: the producer writes them where the caller reads them, the insert
    * reads them back from there (its KV rows only, beside their own reads over PCIe). */
@@ -930,8 +935,7 @@ static int q_early_pieces(dsv4_engine_t *e, const dsv4_insert_args_t *ia, uint32
  */
 static void q_early_launch(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
   stage_half_t *h = &e->stage->half[e->stage->cur];
-  const size_t n = f->n_tokens, row_bytes = (size_t)e->p.heads * DSV4_HEAD_DIM * sizeof(uint16_t);
-  const size_t q_bytes = n * row_bytes;
+  const size_t n = f->n_tokens, row_bytes = q_bytes_of(e, 1), q_bytes = q_bytes_of(e, n);
   memcpy(h->meta, e->positions, n * sizeof(int64_t)); /* M_POSITIONS: offset 0 of any layout */
   const uint16_t *q = in_place_ok(e, q_bytes) ? stage_alias(e, f->q, q_bytes) : NULL;
   const int64_t *pos = h->meta_reg ? stage_alias(e, h->meta, n * sizeof(int64_t)) : NULL;
@@ -1022,7 +1026,7 @@ static int flush_wanted(const dsv4_engine_t *e, const dsv4_forward_t *f) {
 static void flush_inputs(dsv4_engine_t *e, dsv4_forward_t *f, int with_q, int with_kv) {
   const size_t n = f->n_tokens;
   flush_job_t j = {(const uint8_t *)f->q, (const uint8_t *)f->kv, with_q ? q_bytes_of(e, n) : 0,
-                   with_kv ? n * DSV4_HEAD_DIM * sizeof(uint16_t) : 0};
+                   with_kv ? kv_bytes_of(n) : 0};
   const size_t pieces = flush_pieces_of(j.q_bytes) + flush_pieces_of(j.kv_bytes);
   if (pieces)
     e->be->ops->host_parallel(e->be, flush_pieces, &j, pieces);
@@ -1037,28 +1041,29 @@ static int forward_validate(dsv4_engine_t *e, int idx, dsv4_forward_t *f) {
     rc = forward_positions(e, f);
   if (rc)
     return rc;
-  const int early = q_early_wanted(e, idx, f);
+  const int early = q_early_wanted(e, idx, f), flush = flush_wanted(e, f);
+  const int chunked = in_chunks(e, f);
   if (early) {
     rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
     if (!rc)
       rc = stage_reserve_batch(e, f);
     if (rc)
       return rc;
-    if (flush_wanted(e, f))
+    if (flush)
       flush_inputs(e, f, 1, 0);
     q_early_launch(e, idx, f);
   }
   validate_job_t v = {.f = f, .ratio = e->c_ratio[idx]};
   atomic_init(&v.bad, 0);
   atomic_init(&v.bad_tensor, NULL);
-  rc = validate_segments(e, f, &v, in_chunks(e, f));
+  rc = validate_segments(e, f, &v, chunked);
   if (rc)
     return rc;
   if (atomic_load(&v.bad)) {
     f->bad_tensor = atomic_load(&v.bad_tensor);
     return DSV4_ERANGE;
   }
-  if (flush_wanted(e, f) && !in_chunks(e, f))
+  if (flush && !chunked)
     flush_inputs(e, f, !early, 1);
   if (!early)
     rc = dsv4_rope_table_ensure(e->rope[idx], e->positions, f->n_tokens);
