@@ -376,6 +376,28 @@ DSV4_FN int dsv4_index_mx_fused_glance(dsv4_u32 q_hi, dsv4_u32 q_lo, dsv4_u32 q_
          q_span + k_span <= DSV4_INDEX_MX_SPAN;
 }
 
+/*
+ * The range of a record's four codes taken as if every block were nonzero: *hi the largest code
+ * (DSV4_INDEX_MX_INVALID where some code is outside [2, 252]), *lo the smallest, *span their
+ * difference. The record's summary byte of a block is its code, or 0 for a zero block (or
+ * DSV4_INDEX_MX_INVALID for a zero block of code 255, which makes *hi invalid here too), so
+ * dsv4_index_mx_range and dsv4_index_mx_span of the summary lie within these (its largest byte no
+ * larger, its smallest no smaller, its span no larger), and a first look
+ * (dsv4_index_mx_fused_glance) that passes on these passes on the summary: the CUDA kernels take
+ * it from the codes before they read a value byte (index_mx_test holds it).
+ */
+DSV4_FN void dsv4_index_mx_code_range(dsv4_u32 codes, dsv4_u32 *hi, dsv4_u32 *lo, dsv4_u32 *span) {
+  dsv4_u32 h = 0u, l = 255u;
+  for (int b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+    dsv4_u32 c = (codes >> (8 * b)) & 255u;
+    h = c > h ? c : h;
+    l = c < l ? c : l;
+  }
+  *hi = l >= DSV4_INDEX_MX_CODE_MIN && h <= DSV4_INDEX_MX_CODE_MAX ? h : DSV4_INDEX_MX_INVALID;
+  *lo = l;
+  *span = h - l;
+}
+
 /* The mode of one pair: dsv4_index_mx_mode of two sets of one vector each. */
 DSV4_FN int dsv4_index_mx_pair_mode(dsv4_u32 qs, dsv4_u32 ks) {
   dsv4_u32 ql = 0, kl = 0;
@@ -435,6 +457,31 @@ DSV4_FN void dsv4_index_mx_bf16x4(dsv4_u32 x, const dsv4_u32 *lut, dsv4_u32 *b0,
   hi |= sg & 0x80808080u;
   *b0 = dsv4_byte_perm(lo, hi, 0x5140u);
   *b1 = dsv4_byte_perm(lo, hi, 0x7362u);
+}
+
+/*
+ * Eight nibbles x (element i in bits 4i..4i+3) on one byte table: b[0], b[1] are
+ * dsv4_index_mx_bf16x4 of the low half, b[2], b[3] of the high half, bit for bit. The permutes
+ * read only the low 16 bits of a selector, so both halves share the masking and the shifted copy
+ * of x: ten byte permutes and four other operations for eight values.
+ */
+DSV4_FN void dsv4_index_mx_bf16x8(dsv4_u32 x, const dsv4_u32 *lut, dsv4_u32 *b) {
+  dsv4_u32 sel = x & 0x77777777u, x4 = x << 4;
+#ifdef __CUDA_ARCH__
+  /* One mask for both halves: the compiler would narrow it to the low half for the first permutes
+   * and mask again for the high half's. */
+  asm("" : "+r"(sel));
+#endif
+  dsv4_u32 hi0 = dsv4_byte_perm(lut[0], lut[1], sel), lo0 = dsv4_byte_perm(lut[2], lut[3], sel);
+  dsv4_u32 hi1 = dsv4_byte_perm(lut[0], lut[1], sel >> 16);
+  dsv4_u32 lo1 = dsv4_byte_perm(lut[2], lut[3], sel >> 16);
+  /* The signs of elements 0..3 (bits 3, 7, 11, 15) and 4..7 to the top of bytes 0..3. */
+  hi0 |= dsv4_byte_perm(x4, x, 0x5140u) & 0x80808080u;
+  hi1 |= dsv4_byte_perm(x4, x, 0x7362u) & 0x80808080u;
+  b[0] = dsv4_byte_perm(lo0, hi0, 0x5140u);
+  b[1] = dsv4_byte_perm(lo0, hi0, 0x7362u);
+  b[2] = dsv4_byte_perm(lo1, hi1, 0x5140u);
+  b[3] = dsv4_byte_perm(lo1, hi1, 0x7362u);
 }
 
 /* ---- index keys, queries and scores (SPEC §8.5) ---- */

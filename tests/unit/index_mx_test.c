@@ -12,7 +12,8 @@
  *
  *   - the bf16 images of the nibbles (dsv4_index_mx_bf16x4 on the byte tables of
  *     dsv4_index_mx_lut): every code in [2, 252] and every 4-nibble word, against
- *     bf16(dsv4_e2m1_to_f32(n) * 2^(code - 127)), and every nonzero image normal;
+ *     bf16(dsv4_e2m1_to_f32(n) * 2^(code - 127)), and every nonzero image normal; the 8-nibble
+ *     form (dsv4_index_mx_bf16x8) equal to the 4-nibble one on each half;
  *   - every pair of block codes (0..255 each) with a nonzero block on both sides, and with a zero
  *     block on either: a battery of inputs (all +6, prefixes that overflow and cancel, products
  *     that round on the subnormal grid, random nibbles) finds a difference between the model
@@ -295,6 +296,32 @@ static void test_bf16_images(void **state) {
         const uint32_t ex = (got >> 7) & 255u;
         if ((got & 0x7fffu) != 0 && (ex == 0 || ex == 255))
           fail_msg("code %u nibbles %04x element %d: %04x is not a normal bf16", code, x, i, got);
+      }
+    }
+  }
+}
+
+/* dsv4_index_mx_bf16x8 is dsv4_index_mx_bf16x4 of each half, on every byte table: on the tables
+ * of the ends and the middle of the code range each half runs through all 65536 values against a
+ * random other half, on the others 2048 random ones. */
+static void test_bf16x8(void **state) {
+  (void)state;
+  for (uint32_t code = 0; code < 256u; code++) {
+    uint32_t lut[4];
+    dsv4_index_mx_lut(code, lut);
+    const int all = code <= 2u || code == 127u || code >= 252u;
+    for (uint32_t n = 0; n < (all ? 65536u : 2048u); n++) {
+      const uint32_t v = all ? n : below(65536u), r = below(65536u);
+      const uint32_t xs[2] = {v | r << 16, r | v << 16};
+      for (int k = 0; k < 2; k++) {
+        uint32_t got[4], want[4];
+        dsv4_index_mx_bf16x8(xs[k], lut, got);
+        dsv4_index_mx_bf16x4(xs[k] & 0xffffu, lut, &want[0], &want[1]);
+        dsv4_index_mx_bf16x4(xs[k] >> 16, lut, &want[2], &want[3]);
+        for (int i = 0; i < 4; i++)
+          if (got[i] != want[i])
+            fail_msg("code %u nibbles %08x word %d: %08x, expected %08x", code, xs[k], i, got[i],
+                     want[i]);
       }
     }
   }
@@ -678,12 +705,59 @@ static void test_glance(void **state) {
   assert_true(glances > PAIRS / 100);
 }
 
+/*
+ * The first look from the codes alone (dsv4_index_mx_code_range) is a first look on the record's
+ * summary too: millions of records of every nibble style (zero blocks, signed zeros) and code
+ * style, against heads' statistics of glance_byte summaries; where the codes' look passes, so does
+ * the summary's, and the codes' look passes often on the compressor's codes.
+ */
+static void test_code_glance(void **state) {
+  (void)state;
+  enum { RECORDS = 2000000 };
+  uint32_t passes = 0, near = 0, near_passes = 0;
+  for (int i = 0; i < RECORDS; i++) {
+    rec_t q, k;
+    gen_nibbles(&k, below(6));
+    gen_codes(&q, &k, below(5));
+    const int close = below(4) == 0; /* the compressor's codes: within one of each other */
+    if (close) {
+      const uint32_t c0 = 110 + below(30);
+      for (int b = 0; b < 4; b++)
+        k.c[b] = (uint8_t)(c0 + below(2));
+    }
+    uint32_t qs = 0;
+    for (int b = 0; b < 4; b++)
+      qs |= (close ? 120 + below(8) : glance_byte()) << (8 * b);
+    uint32_t qhi, qlo, chi, clo, cspan, khi, klo;
+    dsv4_index_mx_range(qs, &qhi, &qlo);
+    const uint32_t qspan = dsv4_index_mx_span(qs);
+    dsv4_index_mx_code_range((uint32_t)k.c[0] | (uint32_t)k.c[1] << 8 | (uint32_t)k.c[2] << 16 |
+                                 (uint32_t)k.c[3] << 24,
+                             &chi, &clo, &cspan);
+    const uint32_t ks = summary(&k);
+    dsv4_index_mx_range(ks, &khi, &klo);
+    near += close;
+    if (dsv4_index_mx_fused_glance(qhi, qlo, qspan, chi, clo, cspan)) {
+      passes++;
+      near_passes += close;
+      if (!dsv4_index_mx_fused_glance(qhi, qlo, qspan, khi, klo, dsv4_index_mx_span(ks)))
+        fail_msg("codes %02x %02x %02x %02x (summary %08x), heads %08x: the codes' first look "
+                 "passes, the summary's does not",
+                 k.c[0], k.c[1], k.c[2], k.c[3], ks, qs);
+    }
+  }
+  printf("%d records: the codes' first look passed %u times, %u of %u with close codes\n", RECORDS,
+         passes, near_passes, near);
+  assert_true(near_passes > near / 2);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_bf16_images), cmocka_unit_test(test_code_pairs),
-      cmocka_unit_test(test_zero_blocks), cmocka_unit_test(test_random_pairs),
-      cmocka_unit_test(test_witnesses),   cmocka_unit_test(test_sets),
-      cmocka_unit_test(test_glance),
+      cmocka_unit_test(test_bf16_images),  cmocka_unit_test(test_bf16x8),
+      cmocka_unit_test(test_code_pairs),   cmocka_unit_test(test_zero_blocks),
+      cmocka_unit_test(test_random_pairs), cmocka_unit_test(test_witnesses),
+      cmocka_unit_test(test_sets),         cmocka_unit_test(test_glance),
+      cmocka_unit_test(test_code_glance),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
