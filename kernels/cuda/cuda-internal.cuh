@@ -220,22 +220,48 @@ static cudaError_t dsv4__cuda_launch(void (*k)(Params...), unsigned grid, unsign
   return dsv4__cuda_launch_smem(k, grid, block, 0, s, pdl, args...);
 }
 
+/* A segment's entry table in a launch's entry tables (SPEC §8.4): its first logical block, its
+ * place and length in c_bt. Read once by a kernel that looks up many of the segment's blocks. */
+typedef struct {
+  int64_t first_lb;
+  uint64_t off;
+  uint32_t len;
+} dsv4__seg_table_t;
+
+/* Segment s's table. P: a kernel's parameter block with the fields seg_c_first_lb, seg_cbt_off
+ * and seg_cbt_len. */
+template <typename P>
+static __device__ __forceinline__ dsv4__seg_table_t dsv4__seg_table(const P &p, uint32_t s) {
+  dsv4__seg_table_t t;
+  t.first_lb = p.seg_c_first_lb[s];
+  t.off = p.seg_cbt_off[s];
+  t.len = p.seg_cbt_len[s];
+  return t;
+}
+
 /*
- * The physical block of logical entry block lb of segment s in a launch's entry tables (SPEC
- * §8.4), or -1 when lb is outside the segment's table (or past c_bt_entries, when given), or the
- * table names a negative block or one outside the pool. P: a kernel's parameter block with the
- * fields seg_c_first_lb, seg_cbt_off, seg_cbt_len, c_bt, c_bt_entries and c_n_blocks.
+ * The physical block of logical entry block lb of the segment of table t, or -1 when lb is
+ * outside the segment's table (or past c_bt_entries, when given), or the table names a negative
+ * block or one outside the pool. P: a kernel's parameter block with the fields c_bt,
+ * c_bt_entries and c_n_blocks.
  */
 template <typename P>
-static __device__ __forceinline__ int32_t dsv4__entry_block(const P &p, uint32_t s, int64_t lb) {
-  const int64_t idx = lb - p.seg_c_first_lb[s];
-  if (idx < 0 || idx >= (int64_t)p.seg_cbt_len[s])
+static __device__ __forceinline__ int32_t dsv4__table_block(const P &p, const dsv4__seg_table_t &t,
+                                                            int64_t lb) {
+  const int64_t idx = lb - t.first_lb;
+  if (idx < 0 || idx >= (int64_t)t.len)
     return -1;
-  const uint64_t e = (uint64_t)p.seg_cbt_off[s] + (uint64_t)idx;
+  const uint64_t e = t.off + (uint64_t)idx;
   if (p.c_bt_entries && e >= p.c_bt_entries)
     return -1;
   const int32_t b = p.c_bt[e];
   return b >= 0 && (uint32_t)b < p.c_n_blocks ? b : -1;
+}
+
+/* dsv4__table_block of segment s (dsv4__seg_table's fields and those above). */
+template <typename P>
+static __device__ __forceinline__ int32_t dsv4__entry_block(const P &p, uint32_t s, int64_t lb) {
+  return dsv4__table_block(p, dsv4__seg_table(p, s), lb);
 }
 
 #endif /* DSV4_KERNELS_CUDA_CUDA_INTERNAL_CUH */

@@ -119,12 +119,13 @@ static __device__ __forceinline__ bool score_begin(const idx_params_t &p, uint32
   return score_split(p, t, s, jlo, i0, i1);
 }
 
-/* The index record of entry j of segment s (its block checked): 64 value bytes, 4 codes. */
-static __device__ void entry_record(const idx_params_t &p, uint32_t s, int64_t j,
+/* The index record of entry j of the segment of table tb (its block checked): 64 value bytes, 4
+ * codes. */
+static __device__ void entry_record(const idx_params_t &p, const dsv4__seg_table_t &tb, int64_t j,
                                     const uint8_t **vals, const uint8_t **codes) {
   const uint64_t bs = 1u << p.bs_shift, o = (uint64_t)j & (bs - 1);
   const uint8_t *blk =
-      p.i_cache + (uint64_t)lb_block(p, s, j >> p.bs_shift) * DSV4_INDEX_BLOCK_BYTES(bs);
+      p.i_cache + (uint64_t)dsv4__table_block(p, tb, j >> p.bs_shift) * DSV4_INDEX_BLOCK_BYTES(bs);
   *vals = blk + DSV4_INDEX_VALUE_BYTES * o;
   *codes = blk + DSV4_INDEX_VALUE_BYTES * bs + DSV4_MXFP4_BLOCKS * o;
 }
@@ -132,7 +133,7 @@ static __device__ void entry_record(const idx_params_t &p, uint32_t s, int64_t j
 /* Entry j of segment s dequantised into k. */
 static __device__ void entry_key(const idx_params_t &p, uint32_t s, int64_t j, float *k) {
   const uint8_t *vals, *codes;
-  entry_record(p, s, j, &vals, &codes);
+  entry_record(p, dsv4__seg_table(p, s), j, &vals, &codes);
   dsv4_mxfp4_dequant128(vals, codes, k);
 }
 

@@ -13,15 +13,16 @@
 /* Bytes per staged record's values: 64 and a pad, 16-byte aligned for cp.async. */
 #define STAGE_ROW 80
 
-/* The records of entries jlo + i, i in [b0, b1), into rows i - b0 of stage and codes, a thread an
- * entry (tid: the thread's row, from 0 for the first of the threads that stage): 4 copies of 16
- * value bytes and one of the 4 codes. */
-static __device__ void stage_round(const idx_params_t &p, uint32_t s, int64_t jlo, uint32_t b0,
-                                   uint32_t b1, uint8_t *stage, uint32_t *codes, uint32_t tid) {
+/* The records of entries jlo + i, i in [b0, b1), of the segment of table tb into rows i - b0 of
+ * stage and codes, a thread an entry (tid: the thread's row, from 0 for the first of the threads
+ * that stage): 4 copies of 16 value bytes and one of the 4 codes. */
+static __device__ void stage_round(const idx_params_t &p, const dsv4__seg_table_t &tb, int64_t jlo,
+                                   uint32_t b0, uint32_t b1, uint8_t *stage, uint32_t *codes,
+                                   uint32_t tid) {
   const uint32_t i = b0 + tid;
   if (i < b1) {
     const uint8_t *vals, *c;
-    entry_record(p, s, jlo + i, &vals, &c);
+    entry_record(p, tb, jlo + i, &vals, &c);
     uint8_t *row = stage + tid * STAGE_ROW;
 #pragma unroll
     for (int k = 0; k < 4; k++)
@@ -96,29 +97,37 @@ static __device__ void heads_stats(const uint32_t *qsum, uint32_t *qstat) {
 
 /*
  * The mode of the warp's rows r0..r0 + rows - 1 of a staged round: what its entries' summaries
- * and the heads' statistics (heads_stats) allow, at most cap: fused mode at a first look from the
- * blocks' extremes (dsv4_index_mx_fused_glance, three reductions), else the per-block statistics
- * decide (dsv4_index_mx_mode, nine).
+ * and the heads' statistics (heads_stats) allow, at most cap. Fused mode at a first look from the
+ * codes alone (dsv4_index_mx_code_range: every block taken as nonzero; three reductions, no value
+ * byte read), else at one from the summaries' extremes (dsv4_index_mx_fused_glance, three more),
+ * else the per-block statistics decide (dsv4_index_mx_mode, nine). Each look that passes implies
+ * the next, so the mode is the per-block statistics' in every case.
  */
 static __device__ __forceinline__ int warp_mode(const uint32_t *qstat, const uint8_t *stage,
                                                 const uint32_t *codes, uint32_t r0, uint32_t rows,
                                                 uint32_t cap) {
   const uint32_t lane = threadIdx.x & 31;
   const bool in = lane < rows;
-  const uint32_t sum = in ? staged_summary(stage + (r0 + lane) * STAGE_ROW, codes[r0 + lane]) : 0u;
-  uint32_t khi, klo;
-  dsv4_index_mx_range(sum, &khi, &klo);
+  const uint32_t qhi = qstat[3] & 255u, qlo = (qstat[3] >> 8) & 255u;
+  const uint32_t c4 = in ? codes[r0 + lane] : 0u;
+  uint32_t khi = 0u, klo = 255u, kspan = 0u;
+  if (in)
+    dsv4_index_mx_code_range(c4, &khi, &klo, &kspan);
   khi = __reduce_max_sync(FULL, khi);
   klo = __reduce_min_sync(FULL, klo);
-  const uint32_t kspan = __reduce_max_sync(FULL, dsv4_index_mx_span(sum));
-  int mode;
-  if (dsv4_index_mx_fused_glance(qstat[3] & 255u, (qstat[3] >> 8) & 255u, qstat[2], khi, klo,
-                                 kspan)) {
-    mode = DSV4_INDEX_MX_FUSED;
-  } else {
-    uint32_t lo, hi, span;
-    warp_stats(sum, in, &lo, &hi, &span);
-    mode = dsv4_index_mx_mode(qstat[0], qstat[1], qstat[2], lo, hi, span);
+  kspan = __reduce_max_sync(FULL, kspan);
+  int mode = DSV4_INDEX_MX_FUSED;
+  if (!dsv4_index_mx_fused_glance(qhi, qlo, qstat[2], khi, klo, kspan)) {
+    const uint32_t sum = in ? staged_summary(stage + (r0 + lane) * STAGE_ROW, c4) : 0u;
+    dsv4_index_mx_range(sum, &khi, &klo);
+    khi = __reduce_max_sync(FULL, khi);
+    klo = __reduce_min_sync(FULL, klo);
+    kspan = __reduce_max_sync(FULL, dsv4_index_mx_span(sum));
+    if (!dsv4_index_mx_fused_glance(qhi, qlo, qstat[2], khi, klo, kspan)) {
+      uint32_t lo, hi, span;
+      warp_stats(sum, in, &lo, &hi, &span);
+      mode = dsv4_index_mx_mode(qstat[0], qstat[1], qstat[2], lo, hi, span);
+    }
   }
   return mode < (int)cap ? mode : (int)cap;
 }

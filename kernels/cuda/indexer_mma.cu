@@ -411,7 +411,8 @@ __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel
   int64_t jlo;
   if (!score_begin(p, &t, &s, &jlo, &i0, &i1))
     return;
-  stage_round(p, s, jlo, i0, min(i1, i0 + TILE), sm.stage[0], sm.codes[0], threadIdx.x);
+  const dsv4__seg_table_t tb = dsv4__seg_table(p, s);
+  stage_round(p, tb, jlo, i0, min(i1, i0 + TILE), sm.stage[0], sm.codes[0], threadIdx.x);
   token_queries(p, sm);
   uint32_t a[4][8][4];
   load_queries(sm.qhat, a);
@@ -425,7 +426,7 @@ __global__ void __launch_bounds__(SEL_THREADS, 1) dsv4__indexer_score_mma_kernel
     dsv4__cp_async_wait_all();
     __syncthreads(); /* round staged, qstat written; d[buf] and stage[buf ^ 1] free */
     if (base + TILE < i1)
-      stage_round(p, s, jlo, base + TILE, min(i1, base + 2 * TILE), sm.stage[buf ^ 1],
+      stage_round(p, tb, jlo, base + TILE, min(i1, base + 2 * TILE), sm.stage[buf ^ 1],
                   sm.codes[buf ^ 1], threadIdx.x);
     warp_round<FAST>(sm, a, buf, min(i1 - base, (uint32_t)TILE), p.mma_cap, keys, base, i1);
     if (!FAST && base > i0)

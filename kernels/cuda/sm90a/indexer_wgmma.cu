@@ -7,26 +7,33 @@
  * With mma.sync each warp held the token's q^ as A fragments (128 registers for 64 heads), which
  * capped that kernel at 8 warps an SM, one after the other building its fragments, issuing its MMAs
  * and summing (tests/bench/NOTES.md, "The indexer's n-tiles two at a time"). Here the MMA is
- * transposed: D[entry][head] = entries (A, M = 64 a tile) x q^ (B, N = 64 heads), both operands in
+ * transposed: D[entry][head] = entries (A, M = 64 a tile) x q^ (B, N = 64 heads). q^ sits in
  * shared memory in wgmma's canonical K-major layout without swizzle (8 rows x 16 bytes a core
- * matrix; core matrices 1 KiB apart along K, 128 bytes apart along M or N), so one copy of q^
- * serves every warpgroup and the accumulators (32 floats a thread a tile) are the only MMA state
- * in registers.
+ * matrix; core matrices 1 KiB apart along K, 128 bytes apart along N), one copy for every
+ * warpgroup; the entries are A fragments in registers, each warp converting its own 16 rows of a
+ * tile from its own staged records, so the warps of a warpgroup share no buffer and wait for one
+ * another nowhere.
  *
- * The CTA's three warpgroups (384 threads; 168 registers a thread) take the split's rounds of 128
- * entries in turn, each at its own pace, with its own barrier: while one converts, another's MMAs
- * run. A warpgroup stages its next round by cp.async a round ahead (indexer-mx.cuh); each of its
- * warps takes the mode of its 32 entries (warp_mode, at most p.mma_cap) and turns their nibbles
- * into bf16 values of the round's two tiles (the byte table of their codes, dsv4_index_mx_bf16x4).
- * Each tile then runs in the lower mode of its two warps (each gives the same d, dsv4-compress.h):
+ * The CTA's four warpgroups (512 threads) take the split's rounds of 128 entries in turn, each at
+ * its own pace: while one converts, another's MMAs run. Warp w of a warpgroup owns the round's
+ * entries 32w .. 32w + 31, staged by its own lanes by cp.async a round ahead (indexer-mx.cuh),
+ * takes their mode (warp_mode, at most p.mma_cap) and is rows 16w .. 16w + 15 of the round's two
+ * tiles in turn (its entries 32w + 16t .. in tile t). A lane turns its two rows' nibbles into bf16
+ * values on the byte tables of their codes (dsv4_index_mx_bf16x8), which are its A fragments;
+ * then, in the warp's mode (each gives the same d, dsv4-compress.h):
  *   fused    the 8 k-steps of 16 dims accumulated in the tensor cores, d exactly;
- *   partial  each k-step's 16 dims from zero on mma.sync (ldmatrix fragments), dsv4_fold8's adds;
+ *   partial  each k-step's 16 dims from zero on mma.sync (the same A fragments), dsv4_fold8's adds;
  *   scalar   dsv4_dot128 of the dequantised entry, a warp an entry, two heads a lane.
- * Both tiles' fused MMAs are issued whatever their modes, before either is waited for: an MMA on a
- * path the compiler cannot prove the whole warpgroup takes (a branch on the mode, or a predicate)
- * makes it serialize every MMA of the kernel. So spread index codes (every tile in partial mode)
- * cost more tensor time here than on indexer_mma.cu, which is then the quicker
- * (tests/bench/NOTES.md); the compressor's codes, within one of each other, are mostly fused.
+ * A tile's fused MMAs are issued whatever the warp's mode: an MMA on a path the compiler cannot
+ * prove the whole warpgroup takes (a branch on the mode, or a predicate) makes it serialize every
+ * MMA of the kernel. So spread index codes (partial mode) cost more tensor time here than on
+ * indexer_mma.cu, which is then the quicker (tests/bench/NOTES.md); the compressor's codes, within
+ * one of each other, are mostly fused.
+ *
+ * The dims within each 16-dim k-step are permuted (every mode sums a k-step's 16 products exactly,
+ * so their order is free) so that a lane's 8 nibbles of a block are one word: lane c of a quad
+ * holds, of k-step l, the dims 4q .. 4q + 3 of the step's 16 with q = c ^ (l & 1), which are half
+ * a word of the record each; the two halves of a block's two steps make one word (kslot_of_dim).
  *
  * q^'s columns are permuted so that the thread of quad lane c holds, for its two entries of a
  * tile, heads 16m + 4c .. 16m + 4c + 3 of each m = 0..3 (column 8j + 2c + b is head
@@ -49,33 +56,32 @@
 #error "sm90a/indexer_wgmma.cu is built for sm_90a only"
 #endif
 
-/* Entries a wgmma tile (its M); a warpgroup's round is two tiles, and the CTA's three warpgroups
- * take the split's rounds in turn, each at its own pace. */
+/* Entries a wgmma tile (its M); a warpgroup's round is two tiles, 32 entries a warp, and the
+ * CTA's warpgroups take the split's rounds in turn, each at its own pace. */
 #define WG_TILE 64
-#define WG_GROUPS 3
+#define WG_GROUPS 4
 #define WG_THREADS (128 * WG_GROUPS)
 #define WG_ROUND (2 * WG_TILE)
-/* Bytes of a K-major bf16 operand of 64 rows: 16 core-matrix columns of 8 core matrices. */
-#define WG_OPERAND (WG_TILE * DSV4_INDEX_DIM * 2)
+#define WG_WARP_ROWS (WG_ROUND / 4) /* a warp's entries of a round */
+/* Bytes of q^, the K-major bf16 operand B of 64 rows: 16 core-matrix columns of 8 core matrices. */
+#define WG_OPERAND (MMA_HEADS * DSV4_INDEX_DIM * 2)
 #define WG_KSTEP 2048u /* bytes between two k-steps' first core matrices (16 dims) */
 #define WG_LBO 1024u   /* between core matrices adjacent along K */
 #define WG_SBO 128u    /* between core matrices adjacent along M or N */
 
 static_assert(MMA_HEADS == WG_TILE, "q^'s 64 heads are the MMA's N");
 
-/* A warpgroup's part of the shared memory. */
+/* A warpgroup's part of the shared memory: each warp's rows are its own. */
 typedef struct {
-  uint8_t ent[2][WG_OPERAND]; /* the round's entries, bf16: A of its two tiles */
   uint8_t stage[2][WG_ROUND * STAGE_ROW];
   uint32_t codes[2][WG_ROUND];
-  int mode[4];                   /* each warp's 32 entries' mode this round */
   float row[4][MMA_HEADS];       /* the scalar product: an entry's d */
   float kbuf[4][DSV4_INDEX_DIM]; /* the scalar product: the entry dequantised */
 } wg_group_t;
 
 typedef struct {
   wg_group_t g[WG_GROUPS];
-  uint8_t q[WG_OPERAND]; /* q^, bf16, columns permuted: B */
+  uint8_t q[WG_OPERAND]; /* q^, bf16, columns and dims permuted: B */
   uint4 lut[256];        /* dsv4_index_mx_lut of every code */
   float w[MMA_HEADS];    /* by head */
   float wcol[MMA_HEADS]; /* by q^'s column */
@@ -88,9 +94,16 @@ static_assert(sizeof(wg_smem_t) % 16 == 0, "whole 16-byte chunks");
  * field spans (wg_desc, tile_fused). */
 static_assert(sizeof(wg_smem_t) <= 227 * 1024, "the kernel's shared memory fits a CTA");
 
-/* The byte offset of element (row r, dim k) in a canonical operand. */
+/* The byte offset of element (row r, k-slot k) in a canonical operand. */
 static __device__ __forceinline__ uint32_t wg_off(uint32_t r, uint32_t k) {
   return (k / 8) * WG_LBO + (r / 8) * WG_SBO + (r % 8) * 16 + (k % 8) * 2;
+}
+
+/* The k-slot of dim d (see the header): k-step l = d / 16; of its dims 4q + i, lane c = q ^ (l & 1)
+ * holds i = 0, 1 at slots 2c, 2c + 1 and i = 2, 3 at 2c + 8, 2c + 9 (an A fragment's layout). */
+static __device__ __forceinline__ uint32_t kslot_of_dim(uint32_t d) {
+  const uint32_t l = d / 16, q = (d % 16) / 4, i = d % 4, c = q ^ (l & 1);
+  return 16 * l + 2 * c + (i & 1) + 8 * (i >> 1);
 }
 
 /* The head of q^'s column n (see the header). */
@@ -116,16 +129,18 @@ static __device__ __forceinline__ uint64_t wg_desc(const void *p) {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),      \
       "+f"(d[i + 6]), "+f"(d[i + 7])
 
-/* One m64n64k16 step: d (+)= A . B^T, accumulating when acc. */
-static __device__ __forceinline__ void wg_mma(float (&d)[32], uint64_t a, uint64_t b, int acc) {
+/* One m64n64k16 step with A from registers (the warp's 16 rows, mma.sync's A fragment): d (+)=
+ * A . B^T, accumulating when acc. */
+static __device__ __forceinline__ void wg_mma(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                              int acc) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-               "%32, %33, p, 1, 1, 0, 0;\n}\n"
+               "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
                : WG_R8(0), WG_R8(8), WG_R8(16), WG_R8(24)
-               : "l"(a), "l"(b), "r"(acc));
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
 #else
   (void)d, (void)a, (void)b, (void)acc;
 #endif
@@ -143,11 +158,11 @@ static __device__ __forceinline__ void wg_commit(void) {
 #endif
 }
 
-/* Until at most N of the warpgroup's MMA groups are pending; then d's registers are read only
- * after it (the empty asm ties them to this point). */
-template <int N> static __device__ __forceinline__ void wg_wait(float (&d)[32]) {
+/* Until none of the warpgroup's MMA groups is pending; then d's registers are read only after it
+ * (the empty asm ties them to this point). */
+static __device__ __forceinline__ void wg_wait(float (&d)[32]) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #endif
 #pragma unroll
   for (int i = 0; i < 32; i++)
@@ -161,18 +176,15 @@ static __device__ __forceinline__ void wg_proxy_fence(void) {
 #endif
 }
 
-/* The warpgroup's barrier (named barrier 1 + G, its 128 threads). */
-static __device__ __forceinline__ void wg_sync(uint32_t g) {
-  asm volatile("bar.sync %0, 128;" ::"r"(1 + g) : "memory");
-}
-
-/* The fused mode's 8 k-steps into d: da and dq the descriptors of the tile's and q^'s first
+/* The fused mode's 8 k-steps into d: a the tile's fragments, dq the descriptor of q^'s first
  * k-step (a k-step further is WG_KSTEP >> 4 more in the address field, which does not carry out of
  * it below 256 KiB). */
-static __device__ __forceinline__ void tile_fused(float (&d)[32], uint64_t da, uint64_t dq) {
+static __device__ __forceinline__ void tile_fused(float (&d)[32], const uint32_t (&a)[8][4],
+                                                  uint64_t dq) {
+  wg_fence();
 #pragma unroll
   for (int l = 0; l < 8; l++)
-    wg_mma(d, da + l * (WG_KSTEP >> 4), dq + l * (WG_KSTEP >> 4), l > 0);
+    wg_mma(d, a[l], dq + l * (WG_KSTEP >> 4), l > 0);
   wg_commit();
 }
 
@@ -184,69 +196,80 @@ static __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void *p) {
 }
 
 /*
- * Partial mode for T tiles (1 or 2: both of the round's where both are in it): d[k] = dsv4_fold8
- * of the 8 partials of 16 dims of tile k, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)), each
- * an mma.sync m16n8k16 from zero. The warp's own 16 rows of each tile (16w..) against the 8 n-tiles
- * of q^'s columns: mma.sync's results of n-tile j are registers 4j..4j + 3 of the warpgroup MMA's
- * layout, so tiles_keys takes them as they are. The fragments come from the operands by ldmatrix
- * (a core matrix is an 8x8 matrix of it); the tiles' A fragments stay in registers, and each
- * n-tile's B fragments, read from shared memory by every warp, serve both tiles.
+ * The warp's A fragments of tile t: rows g and g + 8 of its 16 (its round rows 16t + g, + 8) from
+ * the staged records of buffer buf, bf16 on the byte tables of their codes. Of block b (k-steps 2b
+ * and 2b + 1) lane c takes word c >> 1 of each step's 8 bytes, the low half of step 2b's and the
+ * high half of step 2b + 1's for even c, the other halves for odd c, as one word.
  */
-template <int T>
-static __device__ __forceinline__ void tiles_partial(float (&d0)[32], float (&d1)[32],
-                                                     const uint8_t *a0, const uint8_t *a1,
-                                                     const uint8_t *q) {
-  const uint32_t lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3, mi = lane / 8;
-  /* a[0..3] of partial l: rows 0-7 / 8-15 of dims 16l.., then of 16l + 8.. */
-  const uint32_t aoff = wg_off(16 * w + 8 * (mi % 2) + lane % 8, 8 * (mi / 2));
-  uint32_t af[T][8][4];
-  float res[T][32]; /* indexed by the n-tile, a runtime value: in local memory */
+static __device__ __forceinline__ void warp_fragments(const wg_group_t &gr, const uint4 *lut,
+                                                      int buf, uint32_t t, uint32_t (&a)[8][4]) {
+  const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const uint32_t w = (threadIdx.x >> 5) & 3, sel = (c & 1) ? 0x5432u : 0x7610u;
 #pragma unroll
-  for (int k = 0; k < T; k++)
+  for (uint32_t r = 0; r < 2; r++) {
+    const uint32_t row = WG_WARP_ROWS * w + 16 * t + g + 8 * r;
+    const uint8_t *v = gr.stage[buf] + row * STAGE_ROW + 4 * (c >> 1);
+    const uint32_t codes = gr.codes[buf][row];
 #pragma unroll
-    for (int l = 0; l < 8; l++)
-      ldsm4(af[k][l], (k ? a1 : a0) + aoff + l * WG_KSTEP);
+    for (uint32_t b = 0; b < DSV4_MXFP4_BLOCKS; b++) {
+      const uint4 tb = lut[__byte_perm(codes, 0u, 0x4440u | b)]; /* code b, zero-extended */
+      const uint32_t tw[4] = {tb.x, tb.y, tb.z, tb.w};
+      const uint32_t x = __byte_perm(*reinterpret_cast<const uint32_t *>(v + 16 * b),
+                                     *reinterpret_cast<const uint32_t *>(v + 16 * b + 8), sel);
+      uint32_t o[4];
+      dsv4_index_mx_bf16x8(x, tw, o);
+      a[2 * b][r] = o[0];
+      a[2 * b][2 + r] = o[1];
+      a[2 * b + 1][r] = o[2];
+      a[2 * b + 1][2 + r] = o[3];
+    }
+  }
+}
+
+/*
+ * Partial mode: d = dsv4_fold8 of the 8 partials of 16 dims of the warp's rows of the tile,
+ * ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)), each an mma.sync m16n8k16 from zero on the
+ * tile's A fragments against the 8 n-tiles of q^'s columns: mma.sync's results of n-tile j are
+ * registers 4j..4j + 3 of the warpgroup MMA's layout, so tile_keys takes them as they are. The B
+ * fragments come from q^ by ldmatrix (a core matrix is an 8x8 matrix of it).
+ */
+static __device__ __forceinline__ void tile_partial(float (&d)[32], const uint32_t (&a)[8][4],
+                                                    const uint8_t *q) {
+  const uint32_t lane = threadIdx.x & 31, mi = lane / 8;
+  float res[32]; /* indexed by the n-tile, a runtime value: in local memory */
 #pragma unroll 1
   for (int j = 0; j < 8; j++) {
     /* dsv4_fold8's pairs in its order: s = (p0 + p4) + (p2 + p6), then t = (p1 + p5) + (p3 + p7),
      * s + t; each pair's B fragments in one load (partials l and l + 4). */
-    float s[T][4], t[T][4];
+    float s[4], t[4];
 #pragma unroll
     for (int pr = 0; pr < 4; pr++) {
       const int l = pr == 0 ? 0 : pr == 1 ? 2 : pr == 2 ? 1 : 3;
       uint32_t b[4]; /* b0, b1 of partial l, then of l + 4: columns 8j.. */
       ldsm4(b, q + wg_off(8 * j + lane % 8, 16 * (l + 4 * (mi / 2)) + 8 * (mi % 2)));
+      float x[4] = {0.0f, 0.0f, 0.0f, 0.0f}, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma16816(x, a[l], b[0], b[1]);
+      mma16816(y, a[l + 4], b[2], b[3]);
+      float *acc = pr < 2 ? s : t;
 #pragma unroll
-      for (int k = 0; k < T; k++) {
-        float x[4] = {0.0f, 0.0f, 0.0f, 0.0f}, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma16816(x, af[k][l], b[0], b[1]);
-        mma16816(y, af[k][l + 4], b[2], b[3]);
-        float *acc = pr < 2 ? s[k] : t[k];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-          const float v = __fadd_rn(x[i], y[i]);
-          acc[i] = pr % 2 ? __fadd_rn(acc[i], v) : v;
-        }
+      for (int i = 0; i < 4; i++) {
+        const float v = __fadd_rn(x[i], y[i]);
+        acc[i] = pr % 2 ? __fadd_rn(acc[i], v) : v;
       }
     }
 #pragma unroll
-    for (int k = 0; k < T; k++)
-#pragma unroll
-      for (int i = 0; i < 4; i++)
-        res[k][4 * j + i] = __fadd_rn(s[k][i], t[k][i]);
+    for (int i = 0; i < 4; i++)
+      res[4 * j + i] = __fadd_rn(s[i], t[i]);
   }
 #pragma unroll
-  for (int i = 0; i < 32; i++) { /* every element written: d's old values are dead before */
-    d0[i] = res[0][i];
-    if (T == 2)
-      d1[i] = res[T - 1][i];
-  }
+  for (int i = 0; i < 32; i++) /* every element written: d's old values are dead before */
+    d[i] = res[i];
 }
 
 /*
- * The keys of the round's two tiles from d (rows g and g + 8 of the thread's warp in each), the
- * weights of the thread's columns read once for its four rows; lane c = 0 stores row g's key,
- * c = 1 row g + 8's, of a tile in `on` whose entry index is below i1.
+ * The keys of the warp's rows of a tile from d (rows g and g + 8, round rows r0 + g, + 8), with the
+ * weights of the thread's columns wc[j] (columns 8j + 2c, + 1); lane c = 0 stores row g's key,
+ * c = 1 row g + 8's, when on and the entry index is below i1.
  *
  * FAST: each thread's partials P(2c) and P(2c + 1) in order and their sum, then the quad's (see the
  * header), its rows' sums added crosswise: after lanes c and c ^ 1 exchange the row the other
@@ -258,71 +281,41 @@ static __device__ __forceinline__ void tiles_partial(float (&d0)[32], float (&d1
  * and only that lane's is passed on.
  */
 template <bool FAST>
-static __device__ __forceinline__ void tiles_keys(const float (&d)[2][32], const float *wcol,
-                                                  const bool (&on)[2], uint32_t *keys, uint32_t i0,
-                                                  uint32_t i1) {
-  const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3, w = (threadIdx.x >> 5) & 3;
-  float s[2][2][2] = {}; /* [tile][row][P(2c), P(2c + 1)], or the chain in [..][0] */
+static __device__ __forceinline__ void tile_keys(const float (&d)[32], const float2 (&wc)[8],
+                                                 bool on, uint32_t *keys, uint32_t i0,
+                                                 uint32_t i1) {
+  const uint32_t lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  float s[2][2] = {}; /* [row][P(2c), P(2c + 1)], or the chain in [..][0] */
 #pragma unroll
   for (int m = 0; m < 4; m++) {
     const int j0 = 2 * m, j1 = 2 * m + 1;
-    const float2 w0 = *reinterpret_cast<const float2 *>(wcol + 8 * j0 + 2 * c),
-                 w1 = *reinterpret_cast<const float2 *>(wcol + 8 * j1 + 2 * c);
+    const float2 w0 = wc[j0], w1 = wc[j1];
 #pragma unroll
     for (uint32_t step = 0; step < (FAST ? 1u : 4u); step++)
 #pragma unroll
-      for (int k = 0; k < 2; k++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-          float *x = s[k][r];
-          const int e = FAST ? 1 : 0; /* the exact chain stays in x[0] */
-          x[0] = dsv4_index_score_add(w0.x, d[k][4 * j0 + 2 * r], x[0]);
-          x[0] = dsv4_index_score_add(w0.y, d[k][4 * j0 + 2 * r + 1], x[0]);
-          x[e] = dsv4_index_score_add(w1.x, d[k][4 * j1 + 2 * r], x[e]);
-          x[e] = dsv4_index_score_add(w1.y, d[k][4 * j1 + 2 * r + 1], x[e]);
-          if (!FAST) /* lane step's were heads 16m + 4 step .. + 3 */
-            x[0] = __shfl_sync(FULL, x[0], (lane & ~3u) | step);
-        }
+      for (int r = 0; r < 2; r++) {
+        float *x = s[r];
+        const int e = FAST ? 1 : 0; /* the exact chain stays in x[0] */
+        x[0] = dsv4_index_score_add(w0.x, d[4 * j0 + 2 * r], x[0]);
+        x[0] = dsv4_index_score_add(w0.y, d[4 * j0 + 2 * r + 1], x[0]);
+        x[e] = dsv4_index_score_add(w1.x, d[4 * j1 + 2 * r], x[e]);
+        x[e] = dsv4_index_score_add(w1.y, d[4 * j1 + 2 * r + 1], x[e]);
+        if (!FAST) /* lane step's were heads 16m + 4 step .. + 3 */
+          x[0] = __shfl_sync(FULL, x[0], (lane & ~3u) | step);
+      }
   }
-#pragma unroll
-  for (int k = 0; k < 2; k++) {
-    float t;
-    if (FAST) {
-      const float t0 = __fadd_rn(s[k][0][0], s[k][0][1]), t1 = __fadd_rn(s[k][1][0], s[k][1][1]);
-      const bool odd = c & 1;
-      t = __fadd_rn(odd ? t1 : t0, __shfl_xor_sync(FULL, odd ? t0 : t1, 1));
-      t = __fadd_rn(t, __shfl_xor_sync(FULL, t, 2));
-    } else {
-      t = c ? s[k][1][0] : s[k][0][0];
-    }
-    const uint32_t i = i0 + WG_TILE * k + 16 * w + g + 8 * c;
-    if (on[k] && c < 2 && i < i1)
-      keys[i] = dsv4_index_score_key(t);
+  float t;
+  if (FAST) {
+    const float t0 = __fadd_rn(s[0][0], s[0][1]), t1 = __fadd_rn(s[1][0], s[1][1]);
+    const bool odd = c & 1;
+    t = __fadd_rn(odd ? t1 : t0, __shfl_xor_sync(FULL, odd ? t0 : t1, 1));
+    t = __fadd_rn(t, __shfl_xor_sync(FULL, t, 2));
+  } else {
+    t = c ? s[1][0] : s[0][0];
   }
-}
-
-/* Warp w's 32 entries of its warpgroup's round (rows 32w..) into tile w / 2's rows 32(w % 2)..,
- * bf16: lane l takes entry l, a block of 32 dims at a time (its 16 value bytes in one load, the
- * byte table of its code), and stores 4 rows of 8 dims; the 8 lanes of a quarter write the 8 rows
- * of one core matrix, and read stage rows in distinct banks. */
-static __device__ void warp_convert(wg_group_t &gr, const uint4 *lut, int buf) {
-  const uint32_t w = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, r = 32 * w + lane;
-  const uint8_t *row = gr.stage[buf] + r * STAGE_ROW;
-  const uint32_t c4 = gr.codes[buf][r];
-  uint8_t *ent = gr.ent[w / 2] + wg_off(32 * (w % 2) + lane, 0);
-#pragma unroll
-  for (uint32_t k = 0; k < DSV4_MXFP4_BLOCKS; k++) {
-    const uint4 x = *reinterpret_cast<const uint4 *>(row + 16 * k);
-    const uint4 t = lut[(c4 >> (8 * k)) & 255u];
-    const uint32_t tw[4] = {t.x, t.y, t.z, t.w}, xw[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (uint32_t j = 0; j < 4; j++) { /* dims 32k + 8j .. + 7 */
-      uint4 v;
-      dsv4_index_mx_bf16x4(xw[j] & 0xffffu, tw, &v.x, &v.y);
-      dsv4_index_mx_bf16x4(xw[j] >> 16, tw, &v.z, &v.w);
-      *reinterpret_cast<uint4 *>(ent + (4 * k + j) * WG_LBO) = v;
-    }
-  }
+  const uint32_t i = i0 + g + 8 * c;
+  if (on && c < 2 && i < i1)
+    keys[i] = dsv4_index_score_key(t);
 }
 
 /* dsv4_dot128(q^ of column col, kb): the same 8 fma chains of 16 dims from +0.0f and
@@ -335,7 +328,7 @@ static __device__ float dot128_q(const uint8_t *q, uint32_t col, const float *kb
 #pragma unroll 4
     for (uint32_t k = 0; k < 16; k++) {
       const uint32_t dim = 16 * l + k;
-      const uint16_t bits = *reinterpret_cast<const uint16_t *>(q + wg_off(col, dim));
+      const uint16_t bits = *reinterpret_cast<const uint16_t *>(q + wg_off(col, kslot_of_dim(dim)));
       acc = DSV4_FMA(__uint_as_float((uint32_t)bits << 16), kb[dim], acc);
     }
     p[l] = acc;
@@ -343,19 +336,14 @@ static __device__ float dot128_q(const uint8_t *q, uint32_t col, const float *kb
   return dsv4_fold8(p);
 }
 
-/* The scalar product for the warp's 16 rows of its warpgroup's tile h (round rows 64h + 16w..):
- * per entry, d of two heads a lane into row, then its key, by its own warp's mode: exact mode's
- * chain (lane 0, the heads in order) for a warp of the scalar product, else fast mode's order
- * (lanes 0..7 the partials P(g), a tree of shuffles). */
-template <bool FAST>
-static __device__ void tile_scalar(const wg_smem_t &sm, wg_group_t &gr, int buf, uint32_t h,
+/* The scalar product for the warp's 16 rows of a tile (round rows r0 .. r0 + 15, the first of them
+ * below n), each entry's key by exact mode's chain (a warp of the scalar product keeps it in fast
+ * mode too): per entry, d of two heads a lane into row, then the chain at lane 0. */
+static __device__ void tile_scalar(const wg_smem_t &sm, wg_group_t &gr, int buf, uint32_t r0,
                                    uint32_t n, uint32_t *keys, uint32_t base, uint32_t i1) {
   const uint32_t lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
   float *kb = gr.kbuf[w], *row = gr.row[w];
-  for (uint32_t e = 0; e < 16; e++) {
-    const uint32_t r = WG_TILE * h + 16 * w + e;
-    if (r >= n)
-      break; /* warp-uniform */
+  for (uint32_t r = r0; r < r0 + 16 && r < n; r++) { /* warp-uniform */
     const uint8_t *v = gr.stage[buf] + r * STAGE_ROW + 2 * lane;
     const float scale = dsv4_ue8m0_scale((uint8_t)(gr.codes[buf][r] >> (8 * (lane / 8))));
     kb[4 * lane] = dsv4_e2m1_to_f32((uint8_t)(v[0] & 15u)) * scale;
@@ -366,37 +354,30 @@ static __device__ void tile_scalar(const wg_smem_t &sm, wg_group_t &gr, int buf,
     for (uint32_t hd = lane; hd < MMA_HEADS; hd += 32)
       row[hd] = dot128_q(sm.q, col_of_head(hd), kb);
     __syncwarp();
-    float acc = 0.0f;
-    if (!FAST || gr.mode[r / 32] == DSV4_INDEX_MX_SCALAR) {
-      if (lane == 0)
-        for (uint32_t hd = 0; hd < MMA_HEADS; hd++)
-          acc = dsv4_index_score_add(sm.w[hd], row[hd], acc);
-    } else {
-      const uint32_t g = lane % 8;
-      for (uint32_t m = 0; m < 4; m++) {
-        acc = dsv4_index_score_add(sm.w[16 * m + 2 * g], row[16 * m + 2 * g], acc);
-        acc = dsv4_index_score_add(sm.w[16 * m + 2 * g + 1], row[16 * m + 2 * g + 1], acc);
-      }
-      for (uint32_t x = 1; x < 8; x <<= 1)
-        acc = __fadd_rn(acc, __shfl_xor_sync(FULL, acc, x));
+    if (lane == 0) {
+      float acc = 0.0f;
+      for (uint32_t hd = 0; hd < MMA_HEADS; hd++)
+        acc = dsv4_index_score_add(sm.w[hd], row[hd], acc);
+      if (base + r < i1)
+        keys[base + r] = dsv4_index_score_key(acc);
     }
-    if (lane == 0 && base + r < i1)
-      keys[base + r] = dsv4_index_score_key(acc);
     __syncwarp();
   }
 }
 
-/* The token's q^ into sm.q (bf16, columns permuted), its weights, summaries and statistics: the
- * query kernel's rows of slot blockIdx.x (after the dependency wait); the q^ values are bf16
- * numbers, so their top halves are exact. */
+/* The token's q^ into sm.q (bf16, columns and dims permuted), its weights, summaries and
+ * statistics: the query kernel's rows of slot blockIdx.x (after the dependency wait); the q^
+ * values are bf16 numbers, so their top halves are exact. Dims 4q .. 4q + 3 of a k-step go to
+ * two pairs of k-slots (kslot_of_dim). */
 static __device__ void token_setup(const idx_params_t &p, wg_smem_t &sm) {
   const float *src = slot_queries(p, blockIdx.x);
   for (uint32_t i = threadIdx.x; i < MMA_HEADS * DSV4_INDEX_DIM / 4; i += WG_THREADS) {
     const uint32_t n = i / (DSV4_INDEX_DIM / 4), k = 4 * (i % (DSV4_INDEX_DIM / 4));
     const float4 x = __ldcg(reinterpret_cast<const float4 *>(src + head_of_col(n) * QROW + k));
-    const uint2 v = make_uint2(__float_as_uint(x.x) >> 16 | (__float_as_uint(x.y) & 0xffff0000u),
-                               __float_as_uint(x.z) >> 16 | (__float_as_uint(x.w) & 0xffff0000u));
-    *reinterpret_cast<uint2 *>(sm.q + wg_off(n, k)) = v;
+    const uint32_t lo = __float_as_uint(x.x) >> 16 | (__float_as_uint(x.y) & 0xffff0000u),
+                   hi = __float_as_uint(x.z) >> 16 | (__float_as_uint(x.w) & 0xffff0000u);
+    *reinterpret_cast<uint32_t *>(sm.q + wg_off(n, kslot_of_dim(k))) = lo;
+    *reinterpret_cast<uint32_t *>(sm.q + wg_off(n, kslot_of_dim(k + 2))) = hi;
   }
   for (uint32_t h = threadIdx.x; h < MMA_HEADS; h += WG_THREADS) {
     sm.w[h] = __ldcg(src + h * QROW + DSV4_INDEX_DIM);
@@ -410,43 +391,48 @@ static __device__ void token_setup(const idx_params_t &p, wg_smem_t &sm) {
   __syncthreads(); /* the statistics, for every warpgroup's modes */
 }
 
-/* The warpgroup's two tiles of its staged round (entries base + row, n in the round), each in the
- * lower mode of its two warps: both tiles' fused MMAs issued whatever their modes (a tile past the
- * round's entries or of another mode wastes them, the tensor cores being otherwise idle), so that
- * no MMA lies on a path the compiler cannot prove the warpgroup takes together (it would serialize
- * them all); then partial mode's mma.sync where a tile needs it, and each tile's keys. */
+/* Warp W's part of the round of entries base .. base + WG_ROUND - 1 (into stage[buf] and codes[buf]
+ * of its warpgroup): its rows, a lane an entry. */
+static __device__ __forceinline__ void stage_warp(const idx_params_t &p, wg_group_t &gr, int buf,
+                                                  const dsv4__seg_table_t &tb, int64_t jlo,
+                                                  uint32_t base, uint32_t i1) {
+  const uint32_t W = (threadIdx.x >> 5) & 3, b0 = base + WG_WARP_ROWS * W;
+  stage_round(p, tb, jlo, b0, min(i1, b0 + WG_WARP_ROWS),
+              gr.stage[buf] + WG_WARP_ROWS * W * STAGE_ROW, gr.codes[buf] + WG_WARP_ROWS * W,
+              threadIdx.x & 31);
+}
+
+/* The warp's part of its warpgroup's staged round (entries base + row, n in the round), in the
+ * warp's mode: each tile's fused MMAs issued whatever the mode (a tile past the round's entries
+ * or of another mode wastes them, the tensor cores being otherwise idle), so that no MMA lies on a
+ * path the compiler cannot prove the warpgroup takes (it would serialize them all); then partial
+ * mode's mma.sync where the warp needs it, and the keys. The next round is staged once the first
+ * tile's MMAs are issued. */
 template <bool FAST>
 static __device__ void wg_round(const idx_params_t &p, const wg_smem_t &sm, wg_group_t &gr, int buf,
-                                uint32_t n, uint32_t *keys, uint32_t base, uint32_t i1, uint32_t s,
+                                uint32_t n, int mode, const float2 (&wc)[8], uint32_t *keys,
+                                uint32_t base, uint32_t i1, const dsv4__seg_table_t &tb,
                                 int64_t jlo) {
-  float d[2][32];
   const uint64_t dq = wg_desc(sm.q);
-  wg_fence();
-  tile_fused(d[0], wg_desc(gr.ent[0]), dq);
-  tile_fused(d[1], wg_desc(gr.ent[1]), dq);
-  /* The next round's records while the MMAs run: their addresses' loads wait here, not before the
-   * conversion. stage[buf ^ 1] was last read in the round before (the top barrier passed). */
-  const uint32_t next = base + WG_GROUPS * WG_ROUND;
-  if (next < i1)
-    stage_round(p, s, jlo, next, min(i1, next + WG_ROUND), gr.stage[buf ^ 1], gr.codes[buf ^ 1],
-                threadIdx.x & 127);
-  wg_wait<1>(d[0]);
-  wg_wait<0>(d[1]);
-  const bool two = WG_TILE < n;
-  const int m0 = min(gr.mode[0], gr.mode[1]);
-  const int m1 = two ? min(gr.mode[2], gr.mode[3]) : DSV4_INDEX_MX_FUSED;
-  if (m0 == DSV4_INDEX_MX_PARTIAL && m1 == DSV4_INDEX_MX_PARTIAL)
-    tiles_partial<2>(d[0], d[1], gr.ent[0], gr.ent[1], sm.q);
-  else if (m0 == DSV4_INDEX_MX_PARTIAL)
-    tiles_partial<1>(d[0], d[0], gr.ent[0], gr.ent[0], sm.q);
-  else if (m1 == DSV4_INDEX_MX_PARTIAL)
-    tiles_partial<1>(d[1], d[1], gr.ent[1], gr.ent[1], sm.q);
-  const bool on[2] = {m0 != DSV4_INDEX_MX_SCALAR, two && m1 != DSV4_INDEX_MX_SCALAR};
-  tiles_keys<FAST>(d, sm.wcol, on, keys, base, i1);
-  if (m0 == DSV4_INDEX_MX_SCALAR)
-    tile_scalar<FAST>(sm, gr, buf, 0, n, keys, base, i1);
-  if (two && m1 == DSV4_INDEX_MX_SCALAR)
-    tile_scalar<FAST>(sm, gr, buf, 1, n, keys, base, i1);
+  const uint32_t W = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (uint32_t t = 0; t < 2; t++) {
+    uint32_t a[8][4];
+    float d[32];
+    warp_fragments(gr, sm.lut, buf, t, a);
+    tile_fused(d, a, dq);
+    const uint32_t next = base + WG_GROUPS * WG_ROUND;
+    if (t == 0 && next < i1) /* stage[buf ^ 1]: last read by this warp in the round before */
+      stage_warp(p, gr, buf ^ 1, tb, jlo, next, i1);
+    wg_wait(d);
+    const uint32_t r0 = WG_WARP_ROWS * W + 16 * t;
+    const bool any = r0 < n;
+    if (mode == DSV4_INDEX_MX_PARTIAL && any)
+      tile_partial(d, a, sm.q);
+    tile_keys<FAST>(d, wc, any && mode != DSV4_INDEX_MX_SCALAR, keys, base + r0, i1);
+    if (mode == DSV4_INDEX_MX_SCALAR && any)
+      tile_scalar(sm, gr, buf, r0, n, keys, base, i1);
+  }
 }
 
 /* Split y of token t_base + blockIdx.x: the queries, then warpgroup G's rounds of WG_ROUND
@@ -460,32 +446,28 @@ __global__ void __launch_bounds__(WG_THREADS, 1) dsv4__indexer_score_wg_kernel(i
   int64_t jlo;
   if (!score_begin(p, &t, &s, &jlo, &i0, &i1))
     return;
-  const uint32_t G = threadIdx.x >> 7, tid = threadIdx.x & 127, W = (threadIdx.x >> 5) & 3;
+  const uint32_t G = threadIdx.x >> 7, W = (threadIdx.x >> 5) & 3;
   wg_group_t &gr = sm.g[G];
   uint32_t base = i0 + WG_ROUND * G;
+  const dsv4__seg_table_t tb = dsv4__seg_table(p, s);
   if (base < i1)
-    stage_round(p, s, jlo, base, min(i1, base + WG_ROUND), gr.stage[0], gr.codes[0], tid);
+    stage_warp(p, gr, 0, tb, jlo, base, i1);
   token_setup(p, sm);
   uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
-  /* Round k of the warpgroup: its records staged in stage[k & 1] during round k - 1. Its barrier
-   * at the top of a round separates the records' arrival and the last round's MMAs and scalar
-   * products (every reader of ent, row, kbuf and that round's stage) from this round's writes. */
+  float2 wc[8]; /* the weights of the thread's columns 8j + 2c, + 1 */
+#pragma unroll
+  for (int j = 0; j < 8; j++)
+    wc[j] = *reinterpret_cast<const float2 *>(sm.wcol + 8 * j + 2 * (threadIdx.x & 3));
+  /* Round k of the warp: its records staged in stage[k & 1] during round k - 1 by its own lanes,
+   * which its __syncwarp shows every lane. */
   for (int buf = 0; base < i1; buf ^= 1, base += WG_GROUPS * WG_ROUND) {
     dsv4__cp_async_wait_all();
-    wg_sync(G);
-    const uint32_t n = min(i1 - base, (uint32_t)WG_ROUND);
-    if (32 * W < n) { /* warp-uniform */
-      const int mode = warp_mode(sm.qstat, gr.stage[buf], gr.codes[buf], 32 * W,
-                                 min(n - 32 * W, 32u), p.mma_cap);
-      if ((threadIdx.x & 31) == 0)
-        gr.mode[W] = mode;
-      warp_convert(gr, sm.lut, buf);
-    } else if ((threadIdx.x & 31) == 0) {
-      gr.mode[W] = DSV4_INDEX_MX_FUSED; /* no entries: the tile's other warp decides */
-    }
-    wg_proxy_fence();
-    wg_sync(G);
-    wg_round<FAST>(p, sm, gr, buf, n, keys, base, i1, s, jlo);
+    __syncwarp();
+    const uint32_t n = min(i1 - base, (uint32_t)WG_ROUND), r0 = WG_WARP_ROWS * W;
+    const int mode = r0 < n ? warp_mode(sm.qstat, gr.stage[buf], gr.codes[buf], r0,
+                                        min(n - r0, (uint32_t)WG_WARP_ROWS), p.mma_cap)
+                            : DSV4_INDEX_MX_FUSED; /* warp-uniform */
+    wg_round<FAST>(p, sm, gr, buf, n, mode, wc, keys, base, i1, tb, jlo);
   }
 }
 
