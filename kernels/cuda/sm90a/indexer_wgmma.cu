@@ -91,7 +91,7 @@ typedef struct {
 
 static_assert(sizeof(wg_smem_t) % 16 == 0, "whole 16-byte chunks");
 /* An sm_90 CTA's shared memory at most (227 KiB), below the 256 KiB that a descriptor's address
- * field spans (wg_desc, tile_fused). */
+ * field spans (wg_desc_lo, tile_fused). */
 static_assert(sizeof(wg_smem_t) <= 227 * 1024, "the kernel's shared memory fits a CTA");
 
 /* The byte offset of element (row r, k-slot k) in a canonical operand. */
@@ -118,31 +118,33 @@ static __device__ __forceinline__ uint32_t col_of_head(uint32_t h) {
   return 8 * (2 * m + g % 2) + 2 * (g / 2) + b;
 }
 
-/* A shared-memory matrix descriptor of a canonical operand at p (no swizzle). */
-static __device__ __forceinline__ uint64_t wg_desc(const void *p) {
+/* The low word of a shared-memory matrix descriptor of a canonical operand at p (no swizzle): the
+ * address and the leading byte offset; the high word is WG_DESC_HI (the stride byte offset). */
+static __device__ __forceinline__ uint32_t wg_desc_lo(const void *p) {
   const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-  return (uint64_t)((a >> 4) & 0x3FFFu) | (uint64_t)((WG_LBO >> 4) & 0x3FFFu) << 16 |
-         (uint64_t)((WG_SBO >> 4) & 0x3FFFu) << 32;
+  return ((a >> 4) & 0x3FFFu) | ((WG_LBO >> 4) & 0x3FFFu) << 16;
 }
+#define WG_DESC_HI ((WG_SBO >> 4) & 0x3FFFu)
 
 #define WG_R8(i)                                                                                   \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),      \
       "+f"(d[i + 6]), "+f"(d[i + 7])
 
-/* One m64n64k16 step with A from registers (the warp's 16 rows, mma.sync's A fragment): d (+)=
- * A . B^T, accumulating when acc. */
-static __device__ __forceinline__ void wg_mma(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+/* One m64n64k16 step with A from registers (the warp's 16 rows, mma.sync's A fragment) and B of
+ * descriptor {blo, WG_DESC_HI}: d (+)= A . B^T, accumulating when acc. */
+static __device__ __forceinline__ void wg_mma(float (&d)[32], const uint32_t (&a)[4], uint32_t blo,
                                               int acc) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+  asm volatile("{\n.reg .pred p;\n.reg .b64 b;\nsetp.ne.b32 p, %37, 0;\n"
+               "mov.b64 b, {%36, %38};\n"
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-               "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+               "{%32, %33, %34, %35}, b, p, 1, 1, 0;\n}\n"
                : WG_R8(0), WG_R8(8), WG_R8(16), WG_R8(24)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(blo), "r"(acc), "r"(WG_DESC_HI));
 #else
-  (void)d, (void)a, (void)b, (void)acc;
+  (void)d, (void)a, (void)blo, (void)acc;
 #endif
 }
 
@@ -176,11 +178,11 @@ static __device__ __forceinline__ void wg_proxy_fence(void) {
 #endif
 }
 
-/* The fused mode's 8 k-steps into d: a the tile's fragments, dq the descriptor of q^'s first
- * k-step (a k-step further is WG_KSTEP >> 4 more in the address field, which does not carry out of
- * it below 256 KiB). */
+/* The fused mode's 8 k-steps into d: a the tile's fragments, dq the low word of the descriptor of
+ * q^'s first k-step (a k-step further is WG_KSTEP >> 4 more in the address field, which does not
+ * carry out of it below 256 KiB). */
 static __device__ __forceinline__ void tile_fused(float (&d)[32], const uint32_t (&a)[8][4],
-                                                  uint64_t dq) {
+                                                  uint32_t dq) {
   wg_fence();
 #pragma unroll
   for (int l = 0; l < 8; l++)
@@ -413,7 +415,8 @@ static __device__ void wg_round(const idx_params_t &p, const wg_smem_t &sm, wg_g
                                 uint32_t n, int mode, const float2 (&wc)[8], uint32_t *keys,
                                 uint32_t base, uint32_t i1, const dsv4__seg_table_t &tb,
                                 int64_t jlo) {
-  const uint64_t dq = wg_desc(sm.q);
+  /* The same for every lane: from lane 0, so that the compiler keeps it in uniform registers. */
+  const uint32_t dq = __shfl_sync(FULL, wg_desc_lo(sm.q), 0);
   const uint32_t W = (threadIdx.x >> 5) & 3;
 #pragma unroll
   for (uint32_t t = 0; t < 2; t++) {
