@@ -11,8 +11,8 @@
  * shared memory in wgmma's canonical K-major layout without swizzle (8 rows x 16 bytes a core
  * matrix; core matrices 1 KiB apart along K, 128 bytes apart along N), one copy for every
  * warpgroup; the entries are A fragments in registers, each warp converting its own 16 rows of a
- * tile from its own staged records, so the warps of a warpgroup share no buffer and wait for one
- * another nowhere.
+ * tile from its own staged records, so the warps of a warpgroup share no buffer and no barrier:
+ * only the MMAs' warpgroup-wide instructions (fence, issue, commit, wait) bring them together.
  *
  * The CTA's four warpgroups (512 threads) take the split's rounds of 128 entries in turn, each at
  * its own pace: while one converts, another's MMAs run. Warp w of a warpgroup owns the round's
@@ -181,8 +181,14 @@ static __device__ __forceinline__ void wg_proxy_fence(void) {
 /* The fused mode's 8 k-steps into d: a the tile's fragments, dq the low word of the descriptor of
  * q^'s first k-step (a k-step further is WG_KSTEP >> 4 more in the address field, which does not
  * carry out of it below 256 KiB). */
-static __device__ __forceinline__ void tile_fused(float (&d)[32], const uint32_t (&a)[8][4],
+static __device__ __forceinline__ void tile_fused(float (&d)[32], uint32_t (&a)[8][4],
                                                   uint32_t dq) {
+  /* The fragments are written before the fence (the empty asm ties them to this point). */
+#pragma unroll
+  for (int l = 0; l < 8; l++)
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+      asm volatile("" : "+r"(a[l][i])::"memory");
   wg_fence();
 #pragma unroll
   for (int l = 0; l < 8; l++)
