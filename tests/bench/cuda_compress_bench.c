@@ -686,7 +686,9 @@ int main(void) {
     }
     /* DSV4_CUDA_INDEXER_AUTO .. _MMA_FAST in that order; fast_sync and sync: fast and auto on
      * mma.sync */
-    dsv4__cuda_indexer_set_path(k < 5 ? k : k == 5 ? DSV4_CUDA_INDEXER_MMA_FAST : 0);
+    dsv4__cuda_indexer_set_path(k < 5    ? k
+                                : k == 5 ? DSV4_CUDA_INDEXER_MMA_FAST
+                                         : DSV4_CUDA_INDEXER_AUTO);
     dsv4__cuda_indexer_force_sync(k >= 5);
   }
   printf("indexer: %s path, index records' block codes %s; tensor cores by %s\n",
