@@ -63,11 +63,6 @@ static __device__ __forceinline__ float *slot_queries(const idx_params_t &p, uin
                                    SLOT_QUERY_WORDS);
 }
 
-/* The physical block of logical entry block lb of segment s, or -1. */
-static __device__ __forceinline__ int32_t lb_block(const idx_params_t &p, uint32_t s, int64_t lb) {
-  return dsv4__entry_block(p, s, lb);
-}
-
 /* Token t's segment and its visible entries jlo..jhi-1 (SPEC §8.4 at ratio 4); error bits. */
 static __device__ uint32_t token_range(const idx_params_t &p, uint32_t t, uint32_t *s, int64_t *jlo,
                                        int64_t *jhi) {
@@ -239,6 +234,20 @@ static inline int smem_grants(int dev, size_t bytes) {
   return cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) ==
              cudaSuccess &&
          (size_t)optin >= bytes;
+}
+
+/* A score kernel of the tensor-core kinds (kernels[fast]: its fast and exact forms) over grid, with
+ * `smem` bytes of dynamic shared memory, its limit raised once a device (limit_raised[fast]: the
+ * devices whose limit is raised for that form). */
+static inline cudaError_t score_kernel_launch(void (*const (&kernels)[2])(idx_params_t),
+                                              std::atomic<uint64_t> (&limit_raised)[2], size_t smem,
+                                              unsigned threads, const idx_params_t &p, dim3 grid,
+                                              cudaStream_t s, int pdl, int fast) {
+  void (*kernel)(idx_params_t) = kernels[fast ? 1 : 0];
+  cudaError_t e = dsv4__cuda_smem_limit(kernel, smem, limit_raised[fast ? 1 : 0]);
+  if (e != cudaSuccess)
+    return e;
+  return dsv4__cuda_launch_smem(kernel, grid, threads, smem, s, pdl, p);
 }
 
 /* The tensor-core score kernel (indexer_mma.cu) over grid (tokens of the wave, splits): the keys

@@ -76,7 +76,7 @@ static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t, uint32
       lb = (prev_hi - 1) >> p.bs_shift;
   }
   for (lb += lane; lb <= lb_hi; lb += p.check_tpt)
-    if (lb_block(p, s, lb) < 0)
+    if (dsv4__entry_block(p, s, lb) < 0)
       return DSV4_CUDA_ERR_BLOCK;
   return 0;
 }

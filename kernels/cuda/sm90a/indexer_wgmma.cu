@@ -495,12 +495,9 @@ int dsv4__indexer_wg_ready(void) {
 
 cudaError_t dsv4__indexer_wg_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl,
                                     int fast) {
-  /* The devices whose limit is raised, per kernel. */
+  static void (*const kernels[2])(idx_params_t) = {dsv4__indexer_score_wg_kernel<false>,
+                                                   dsv4__indexer_score_wg_kernel<true>};
   static std::atomic<uint64_t> limit_raised[2] = {{0}, {0}};
-  void (*kernel)(idx_params_t) =
-      fast ? dsv4__indexer_score_wg_kernel<true> : dsv4__indexer_score_wg_kernel<false>;
-  cudaError_t e = dsv4__cuda_smem_limit(kernel, sizeof(wg_smem_t), limit_raised[fast ? 1 : 0]);
-  if (e != cudaSuccess)
-    return e;
-  return dsv4__cuda_launch_smem(kernel, grid, WG_THREADS, sizeof(wg_smem_t), s, pdl, p);
+  return score_kernel_launch(kernels, limit_raised, sizeof(wg_smem_t), WG_THREADS, p, grid, s, pdl,
+                             fast);
 }
