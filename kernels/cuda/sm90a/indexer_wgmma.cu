@@ -366,7 +366,7 @@ static __device__ void tile_scalar(const wg_smem_t &sm, wg_group_t &gr, int buf,
       float acc = 0.0f;
       for (uint32_t hd = 0; hd < MMA_HEADS; hd++)
         acc = dsv4_index_score_add(sm.w[hd], row[hd], acc);
-      if (base + r < i1)
+      if (base + r < i1) /* always (r < n <= i1 - base); without it ptxas takes 124 registers */
         keys[base + r] = dsv4_index_score_key(acc);
     }
     __syncwarp();
