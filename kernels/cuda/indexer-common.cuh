@@ -114,6 +114,46 @@ static __device__ __forceinline__ bool score_begin(const idx_params_t &p, uint32
   return score_split(p, t, s, jlo, i0, i1);
 }
 
+/* Threads of a check CTA (the check kernel's, and the check part of the check and query launch). */
+#define CHECK_BLOCK 256
+
+/* Thread `lane` of the check_tpt threads that check token t: the blocks lb, lb + check_tpt, ... of
+ * its range. */
+static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t, uint32_t lane) {
+  uint32_t s;
+  int64_t jlo, jhi;
+  uint32_t bits = token_range(p, t, &s, &jlo, &jhi);
+  if (bits || jhi - jlo <= (int64_t)p.topk)
+    return bits;
+  int64_t lb = jlo >> p.bs_shift;
+  const int64_t lb_hi = (jhi - 1) >> p.bs_shift;
+  /* The predecessor of the same segment at p - 1, if it scored, checked up to its last block. */
+  if (t > 0 && p.tok_seg[t - 1] == (int32_t)s && p.pos[t - 1] == p.pos[t] - 1) {
+    const int64_t prev_hi = p.pos[t] / 4;
+    if (prev_hi - jlo > (int64_t)p.topk && ((prev_hi - 1) >> p.bs_shift) > lb)
+      lb = (prev_hi - 1) >> p.bs_shift;
+  }
+  for (lb += lane; lb <= lb_hi; lb += p.check_tpt)
+    if (dsv4__entry_block(p, s, lb) < 0)
+      return DSV4_CUDA_ERR_BLOCK;
+  return 0;
+}
+
+/* Item i of the launch's check (after the dependency wait): segment i's table within the entries
+ * given (as the CPU's ctable_segments_ok), and thread i % check_tpt of token i / check_tpt
+ * (check_token; a decode token at 64K context has hundreds of blocks to look up, each a chain of
+ * loads, so a small batch spreads them over the device). A failure sets bits of the error word. */
+static __device__ void indexer_check_item(const idx_params_t &p, uint32_t i) {
+  uint32_t bits = 0;
+  if (i < p.n_segments && p.c_bt_entries &&
+      (uint64_t)p.seg_cbt_off[i] + p.seg_cbt_len[i] > p.c_bt_entries)
+    bits |= DSV4_CUDA_ERR_BLOCK;
+  if (i / p.check_tpt < p.n_tokens)
+    bits |= check_token(p, i / p.check_tpt, i % p.check_tpt);
+  if (bits)
+    atomicOr(p.err, bits);
+}
+
 /* The index record of entry j of the segment of table tb (its block checked): 64 value bytes, 4
  * codes. */
 static __device__ void entry_record(const idx_params_t &p, const dsv4__seg_table_t &tb, int64_t j,
@@ -266,6 +306,10 @@ int dsv4__indexer_wg_ready(void);
  * tokens (one slot each, ctas of them) into the end of their key slots. */
 cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cudaStream_t s,
                                        int pdl);
+/* The first wave's query kernel and the launch's check (check_ctas CTAs of CHECK_BLOCK threads,
+ * indexer_check_item) as one launch (indexer_mma.cu). */
+cudaError_t dsv4__indexer_check_query_launch(const idx_params_t &p, uint32_t ctas,
+                                             uint32_t check_ctas, cudaStream_t s, int pdl);
 /* Whether the current device grants a CTA the kernel's shared memory (about 220 KiB: compute
  * capability 9.0 and 10.0 do). */
 int dsv4__indexer_mma_fits(void);

@@ -8,7 +8,9 @@
  *            32nd block. Consecutive tokens of a segment see entries from the same first one, so
  *            a token whose predecessor scored checks only the blocks past the predecessor's last
  *            one (together they cover every range). A failure sets bits of the error word, and
- *            the select kernel then writes nothing.
+ *            the select kernel then writes nothing. With the tensor-core score kernels the check's
+ *            CTAs are part of the first wave's query launch (indexer_mma.cu), beside the queries,
+ *            which do not depend on it: one launch less ahead of the scores.
  *   score    in waves of at most one token per SM (a token's keys take one slot of the key
  *            scratch), a grid of (token, split) CTAs: a token's visible entries are split over
  *            several CTAs, so that one token's scan spreads over the device. Each CTA of a token
@@ -51,7 +53,6 @@
 
 #include <atomic>
 
-#define CHECK_BLOCK 256
 /* Consecutive keys a thread takes in a round of list_selected. */
 #define LIST_PER 8
 /* Lanes per entry in score_entries_grouped. */
@@ -59,43 +60,10 @@
 
 /* ---- check ---- */
 
-/* Thread `lane` of the check_tpt threads that check token t: the blocks lb, lb + check_tpt, ... of
- * its range. */
-static __device__ uint32_t check_token(const idx_params_t &p, uint32_t t, uint32_t lane) {
-  uint32_t s;
-  int64_t jlo, jhi;
-  uint32_t bits = token_range(p, t, &s, &jlo, &jhi);
-  if (bits || jhi - jlo <= (int64_t)p.topk)
-    return bits;
-  int64_t lb = jlo >> p.bs_shift;
-  const int64_t lb_hi = (jhi - 1) >> p.bs_shift;
-  /* The predecessor of the same segment at p - 1, if it scored, checked up to its last block. */
-  if (t > 0 && p.tok_seg[t - 1] == (int32_t)s && p.pos[t - 1] == p.pos[t] - 1) {
-    const int64_t prev_hi = p.pos[t] / 4;
-    if (prev_hi - jlo > (int64_t)p.topk && ((prev_hi - 1) >> p.bs_shift) > lb)
-      lb = (prev_hi - 1) >> p.bs_shift;
-  }
-  for (lb += lane; lb <= lb_hi; lb += p.check_tpt)
-    if (dsv4__entry_block(p, s, lb) < 0)
-      return DSV4_CUDA_ERR_BLOCK;
-  return 0;
-}
-
 __global__ void __launch_bounds__(CHECK_BLOCK) dsv4__indexer_check_kernel(idx_params_t p) {
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
-  const uint32_t i = blockIdx.x * CHECK_BLOCK + threadIdx.x;
-  uint32_t bits = 0;
-  /* Every segment's table within the entries given (as the CPU's ctable_segments_ok). */
-  if (i < p.n_segments && p.c_bt_entries &&
-      (uint64_t)p.seg_cbt_off[i] + p.seg_cbt_len[i] > p.c_bt_entries)
-    bits |= DSV4_CUDA_ERR_BLOCK;
-  /* check_tpt threads a token: a decode token at 64K context has hundreds of blocks to look up,
-   * each a chain of loads, so a small batch spreads them over the device. */
-  if (i / p.check_tpt < p.n_tokens)
-    bits |= check_token(p, i / p.check_tpt, i % p.check_tpt);
-  if (bits)
-    atomicOr(p.err, bits);
+  indexer_check_item(p, blockIdx.x * CHECK_BLOCK + threadIdx.x);
 }
 
 /* ---- select ---- */
@@ -611,11 +579,12 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   const uint64_t check_items = (uint64_t)a->n_tokens * p.check_tpt > a->n_segments
                                    ? (uint64_t)a->n_tokens * p.check_tpt
                                    : (uint64_t)a->n_segments;
-  if ((check_items + CHECK_BLOCK - 1) / CHECK_BLOCK > 0x7fffffffu)
+  const uint64_t check_ctas = (check_items + CHECK_BLOCK - 1) / CHECK_BLOCK;
+  if (check_ctas > 0x7fffffffu)
     return DSV4_EINVAL;
-  e = dsv4__cuda_launch(dsv4__indexer_check_kernel,
-                        (unsigned)((check_items + CHECK_BLOCK - 1) / CHECK_BLOCK), CHECK_BLOCK, s,
-                        pdl, p);
+  /* With the tensor-core kernels the check runs in the first wave's query launch, beside it. */
+  if (!mma)
+    e = dsv4__cuda_launch(dsv4__indexer_check_kernel, (unsigned)check_ctas, CHECK_BLOCK, s, pdl, p);
   /* Waves of ctas tokens (one key slot each); a token's entries split over about one CTA per SM
    * across the wave: a full wave takes one CTA per token, which computes the token's queries
    * once. */
@@ -624,7 +593,8 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
   for (uint32_t t0 = 0; e == cudaSuccess && t0 < a->n_tokens; t0 += ctas) {
     p.t_base = t0;
     if (mma) {
-      e = dsv4__indexer_query_launch(p, ctas, s, pdl);
+      e = t0 == 0 ? dsv4__indexer_check_query_launch(p, ctas, (uint32_t)check_ctas, s, pdl)
+                  : dsv4__indexer_query_launch(p, ctas, s, pdl);
       if (e == cudaSuccess && wg)
         e = dsv4__indexer_wg_launch(p, dim3(ctas, splits, 1), s, pdl, fast);
       else if (e == cudaSuccess)

@@ -355,17 +355,19 @@ static __device__ __forceinline__ void warp_round(mma_smem_t &sm, const uint32_t
   }
 }
 
+/* CTAs of the query kernel a token: a warp a head. */
+#define QUERY_Y (MMA_HEADS / SEL_WARPS)
+
 /*
- * The query kernel, grid (tokens of the wave, MMA_HEADS / SEL_WARPS): warp w of CTA (x, y) forms
- * head 8y + w's q^ of token t_base + x (index_query_warp), its summary and its weight into slot x's
- * query rows, once for all the splits of the token that the score kernel after it runs. Nothing
- * for a token that does not score, nor when the error word is set (the check failed: a position
- * may be out of the tables' range).
+ * Query CTA (x, y) of the wave (after the dependency wait): warp w forms head 8y + w's q^ of token
+ * t_base + x (index_query_warp), its summary and its weight into slot x's query rows, once for all
+ * the splits of the token that the score kernel after it runs. Nothing for a token that does not
+ * score, nor when the error word is set. The token's segment and position are checked here
+ * (token_range), so its RoPE row lies in the table whether or not the check has run; the rows
+ * are scratch that only the score kernel reads, after its wait, which follows the check.
  */
-__global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_query_kernel(idx_params_t p) {
-  dsv4__dep_wait_params(p);
-  dsv4__dep_trigger();
-  const uint32_t t = p.t_base + blockIdx.x, h = blockIdx.y * SEL_WARPS + threadIdx.x / 32;
+static __device__ void query_cta(const idx_params_t &p, uint32_t x, uint32_t y) {
+  const uint32_t t = p.t_base + x, h = y * SEL_WARPS + threadIdx.x / 32;
   uint32_t s;
   int64_t jlo, jhi;
   /* CTA-uniform: no rows for a token that does not score (it sees at most topk entries) */
@@ -373,13 +375,37 @@ __global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_query_kernel(idx_pa
       token_range(p, t, &s, &jlo, &jhi) || jhi - jlo <= (int64_t)p.topk)
     return;
   const float *rope_row = p.rope + (uint64_t)p.pos[t] * DSV4_ROPE_ROW_FLOATS;
-  float *row = slot_queries(p, blockIdx.x) + (uint64_t)h * QROW;
+  float *row = slot_queries(p, x) + (uint64_t)h * QROW;
   index_query_warp(p.iq + ((uint64_t)t * MMA_HEADS + h) * DSV4_INDEX_DIM, rope_row, row,
                    reinterpret_cast<uint32_t *>(row + DSV4_INDEX_DIM + 1));
   if ((threadIdx.x & 31) == 0) { /* the weight; the pad written too, so that no copy reads junk */
     row[DSV4_INDEX_DIM] = __fmul_rn(p.iw[(uint64_t)t * MMA_HEADS + h], p.w_scale);
     row[DSV4_INDEX_DIM + 2] = row[DSV4_INDEX_DIM + 3] = 0.0f;
   }
+}
+
+/* The query kernel, grid (tokens of the wave, QUERY_Y): query_cta (blockIdx.x, blockIdx.y). */
+__global__ void __launch_bounds__(SEL_THREADS) dsv4__indexer_query_kernel(idx_params_t p) {
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  query_cta(p, blockIdx.x, blockIdx.y);
+}
+
+/*
+ * The first wave's query kernel and the launch's check in one grid: CTAs 0..query_ctas - 1 are
+ * query_cta (x, y) for CTA x QUERY_Y + y, the rest check items (indexer_check_item). The two are
+ * independent (query_cta's comment), so the check runs beside the queries instead of one kernel
+ * ahead of them; the score kernel reads the error word after its wait for this whole grid.
+ */
+__global__ void __launch_bounds__(SEL_THREADS)
+    dsv4__indexer_check_query_kernel(idx_params_t p, uint32_t query_ctas) {
+  static_assert(CHECK_BLOCK == SEL_THREADS, "one CTA size for both parts");
+  dsv4__dep_wait_params(p);
+  dsv4__dep_trigger();
+  if (blockIdx.x < query_ctas)
+    query_cta(p, blockIdx.x / QUERY_Y, blockIdx.x % QUERY_Y);
+  else
+    indexer_check_item(p, (blockIdx.x - query_ctas) * CHECK_BLOCK + threadIdx.x);
 }
 
 /* The queries, the weights and the heads' statistics of the CTA's token into sm: the query kernel's
@@ -453,8 +479,17 @@ int dsv4__indexer_mma_fits(void) {
 
 cudaError_t dsv4__indexer_query_launch(const idx_params_t &p, uint32_t ctas, cudaStream_t s,
                                        int pdl) {
-  return dsv4__cuda_launch_smem(dsv4__indexer_query_kernel, dim3(ctas, MMA_HEADS / SEL_WARPS, 1),
-                                SEL_THREADS, 0, s, pdl, p);
+  return dsv4__cuda_launch_smem(dsv4__indexer_query_kernel, dim3(ctas, QUERY_Y, 1), SEL_THREADS, 0,
+                                s, pdl, p);
+}
+
+cudaError_t dsv4__indexer_check_query_launch(const idx_params_t &p, uint32_t ctas,
+                                             uint32_t check_ctas, cudaStream_t s, int pdl) {
+  const uint64_t grid = (uint64_t)ctas * QUERY_Y + check_ctas;
+  if (grid > 0x7fffffffu)
+    return cudaErrorInvalidValue;
+  return dsv4__cuda_launch(dsv4__indexer_check_query_kernel, (unsigned)grid, SEL_THREADS, s, pdl, p,
+                           ctas * QUERY_Y);
 }
 
 cudaError_t dsv4__indexer_mma_launch(const idx_params_t &p, dim3 grid, cudaStream_t s, int pdl,
