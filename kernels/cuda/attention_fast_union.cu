@@ -296,22 +296,28 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
   const float2 *ms = early;
 #endif
   float m = -INFINITY, sum = 0.0f;
-  for (uint32_t s = 0; s < p.nsplit; s++)
-    m = fmaxf(m, ms[s].x); /* finite: split 0 holds the list's first candidates */
+  uint32_t used = 0; /* the splits up to the last one with a candidate */
+  for (uint32_t s = 0; s < p.nsplit; s++) {
+    const float ms_s = ms[s].x;
+    m = fmaxf(m, ms_s); /* finite: split 0 holds the list's first candidates */
+    used = ms_s != -INFINITY ? s + 1 : used;
+  }
   float4 n = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  /* Eight splits' loads in flight at a time, then their terms in order. */
-  for (uint32_t s0 = 0; s0 < p.nsplit; s0 += 8) {
+  /* Eight splits' loads in flight at a time, then their terms in order. The splits from `used` on
+   * hold no candidate (m = -inf, S = 0, N = 0: a term of a = 0, which adds +0 to sums that are
+   * never -0), so they are not read: a one-token list of 640 candidates fills 20 of 32 splits. */
+  for (uint32_t s0 = 0; s0 < used; s0 += 8) {
     float2 v[8];
     float4 x[8];
 #pragma unroll
     for (uint32_t j = 0; j < 8; j++)
-      if (s0 + j < p.nsplit) {
+      if (s0 + j < used) {
         v[j] = ms[s0 + j];
         x[j] = reinterpret_cast<const float4 *>(p.part + (k0 + s0 + j) * DSV4_HEAD_DIM)[i];
       }
 #pragma unroll
     for (uint32_t j = 0; j < 8; j++)
-      if (s0 + j < p.nsplit)
+      if (s0 + j < used)
         fast_merge_term(v[j], x[j], m, sum, n);
   }
   /* The query position's RoPE row, for the dims that are rotated (checked by the launch's check:
