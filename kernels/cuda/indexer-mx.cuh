@@ -95,35 +95,39 @@ static __device__ void heads_stats(const uint32_t *qsum, uint32_t *qstat) {
   }
 }
 
+/* Whether the warp's entries pass dsv4_index_mx_fused_glance: each lane's largest code, smallest
+ * code and largest span, reduced over the warp, against the heads' statistics (heads_stats). */
+static __device__ __forceinline__ bool warp_glance(const uint32_t *qstat, uint32_t khi,
+                                                   uint32_t klo, uint32_t kspan) {
+  khi = __reduce_max_sync(FULL, khi);
+  klo = __reduce_min_sync(FULL, klo);
+  kspan = __reduce_max_sync(FULL, kspan);
+  return dsv4_index_mx_fused_glance(qstat[3] & 255u, (qstat[3] >> 8) & 255u, qstat[2], khi, klo,
+                                    kspan);
+}
+
 /*
  * The mode of the warp's rows r0..r0 + rows - 1 of a staged round: what its entries' summaries
  * and the heads' statistics (heads_stats) allow, at most cap. Fused mode at a first look from the
- * codes alone (dsv4_index_mx_code_range: every block taken as nonzero; three reductions, no value
- * byte read), else at one from the summaries' extremes (dsv4_index_mx_fused_glance, three more),
- * else the per-block statistics decide (dsv4_index_mx_mode, nine). Each look that passes implies
- * the next, so the mode is the per-block statistics' in every case.
+ * codes alone (dsv4_index_mx_code_range: every block taken as nonzero; no value byte read), else
+ * at a second from the summaries' extremes (each look three reductions, warp_glance), else the
+ * per-block statistics decide (dsv4_index_mx_mode, nine). Each look that passes implies the next,
+ * so the mode is the per-block statistics' in every case.
  */
 static __device__ __forceinline__ int warp_mode(const uint32_t *qstat, const uint8_t *stage,
                                                 const uint32_t *codes, uint32_t r0, uint32_t rows,
                                                 uint32_t cap) {
   const uint32_t lane = threadIdx.x & 31;
   const bool in = lane < rows;
-  const uint32_t qhi = qstat[3] & 255u, qlo = (qstat[3] >> 8) & 255u;
   const uint32_t c4 = in ? codes[r0 + lane] : 0u;
   uint32_t khi = 0u, klo = 255u, kspan = 0u;
   if (in)
     dsv4_index_mx_code_range(c4, &khi, &klo, &kspan);
-  khi = __reduce_max_sync(FULL, khi);
-  klo = __reduce_min_sync(FULL, klo);
-  kspan = __reduce_max_sync(FULL, kspan);
   int mode = DSV4_INDEX_MX_FUSED;
-  if (!dsv4_index_mx_fused_glance(qhi, qlo, qstat[2], khi, klo, kspan)) {
+  if (!warp_glance(qstat, khi, klo, kspan)) {
     const uint32_t sum = in ? staged_summary(stage + (r0 + lane) * STAGE_ROW, c4) : 0u;
     dsv4_index_mx_range(sum, &khi, &klo);
-    khi = __reduce_max_sync(FULL, khi);
-    klo = __reduce_min_sync(FULL, klo);
-    kspan = __reduce_max_sync(FULL, dsv4_index_mx_span(sum));
-    if (!dsv4_index_mx_fused_glance(qhi, qlo, qstat[2], khi, klo, kspan)) {
+    if (!warp_glance(qstat, khi, klo, dsv4_index_mx_span(sum))) {
       uint32_t lo, hi, span;
       warp_stats(sum, in, &lo, &hi, &span);
       mode = dsv4_index_mx_mode(qstat[0], qstat[1], qstat[2], lo, hi, span);
