@@ -35,9 +35,11 @@
  *            pass over the keys in entry order, 4096 at a time (8 a thread) with two block-wide
  *            prefix sums, lists every key above T and the first of those equal to T. A token of
  *            at most 16384 keys (64K positions) has them loaded into registers once, in the last
- *            pass's layout; above that, the rounds read them from global memory until the keys
- *            still in the race fit 8192, which the round that counts them copies into shared
- *            memory for the later rounds.
+ *            pass's layout, and its last pass takes one prefix sum over all of them; above that,
+ *            the rounds read them from global memory until the keys still in the race fit 8192,
+ *            which the round that counts them copies into shared memory for the later rounds.
+ *            The kernel needs 64 registers a thread, so an SM could hold two select CTAs; its
+ *            launch asks for unused shared memory so that it holds one (select_pad_probe).
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
  * the selection is a function of the scores alone, so the lists are equal. In fast mode
@@ -74,16 +76,22 @@ __global__ void __launch_bounds__(CHECK_BLOCK) dsv4__indexer_check_kernel(idx_pa
 #define SELECT_THREADS 512
 #define SELECT_WARPS (SELECT_THREADS / 32)
 
-/* The exclusive prefix sum of v over the CTA (in thread order) and, in *total, the sum. */
-static __device__ uint32_t block_scan(uint32_t v, uint32_t *warp_sums, uint32_t *total) {
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t x = v;
+/* The inclusive prefix sum of x over the warp's lanes. */
+static __device__ __forceinline__ uint32_t warp_scan(uint32_t x) {
+  const uint32_t lane = threadIdx.x & 31;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
     const uint32_t y = __shfl_up_sync(FULL, x, off);
     if (lane >= (uint32_t)off)
       x += y;
   }
+  return x;
+}
+
+/* The exclusive prefix sum of v over the CTA (in thread order) and, in *total, the sum. */
+static __device__ uint32_t block_scan(uint32_t v, uint32_t *warp_sums, uint32_t *total) {
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t x = warp_scan(v);
   if (lane == 31)
     warp_sums[warp] = x;
   __syncthreads();
@@ -166,6 +174,7 @@ static __device__ void score_entries_grouped(const idx_params_t &p, uint32_t s, 
 typedef struct {
   uint32_t hist[256];
   uint32_t warp_sums[SELECT_WARPS];
+  uint32_t round_sums[REG_ROUNDS * SELECT_WARPS]; /* list_registers' scan: a warp's sums a round */
   uint32_t prefix, need, count, n_cand;
   uint32_t cand[SEL_CAND]; /* the keys in the race, in no particular order */
 } sel_smem_t;
@@ -320,9 +329,61 @@ static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t 
   }
 }
 
+/* Every key above T and the first need keys equal to T, in entry order, from the registers of
+ * select_registers: one block-wide scan over every round's counts at once (in entry order: round,
+ * thread), the keys above T in the low 16 bits and those equal to T in the high (at most REG_KEYS
+ * of either). The keys a thread's run takes start at the keys above T before it plus those equal
+ * to T before it, at most need. */
+static __device__ void list_registers(const uint32_t (&k)[REG_ROUNDS][LIST_PER], uint32_t n,
+                                      uint32_t T, uint32_t need, int64_t jlo, int32_t *out,
+                                      sel_smem_t &sm) {
+  static_assert(REG_ROUNDS * SELECT_WARPS == 64, "the first warp scans two sums a lane");
+  static_assert(REG_KEYS < 65536, "counts packed 16 bits each");
+  constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t8 = threadIdx.x * LIST_PER;
+  uint32_t c[REG_ROUNDS], x[REG_ROUNDS];
+#pragma unroll
+  for (uint32_t r = 0; r < REG_ROUNDS; r++) {
+    c[r] = 0;
+#pragma unroll
+    for (uint32_t v = 0; v < LIST_PER; v++)
+      if (r * ROUND + t8 + v < n)
+        c[r] += k[r][v] > T ? 1u : k[r][v] == T ? 0x10000u : 0u;
+    x[r] = warp_scan(c[r]);
+  }
+  if (lane == 31)
+#pragma unroll
+    for (uint32_t r = 0; r < REG_ROUNDS; r++)
+      sm.round_sums[r * SELECT_WARPS + warp] = x[r];
+  __syncthreads();
+  if (warp == 0) { /* the 64 warp sums' exclusive prefix sums, in place */
+    const uint32_t a = sm.round_sums[2 * lane], b = sm.round_sums[2 * lane + 1];
+    const uint32_t incl = warp_scan(a + b);
+    sm.round_sums[2 * lane] = incl - a - b;
+    sm.round_sums[2 * lane + 1] = incl - b;
+  }
+  __syncthreads();
+#pragma unroll
+  for (uint32_t r = 0; r < REG_ROUNDS; r++) {
+    if (r * ROUND >= n) /* CTA-uniform */
+      break;
+    const uint32_t before = sm.round_sums[r * SELECT_WARPS + warp] + x[r] - c[r];
+    uint32_t eq = before >> 16, at = (before & 0xffffu) + min(eq, need);
+#pragma unroll
+    for (uint32_t v = 0; v < LIST_PER; v++) {
+      const uint32_t i = r * ROUND + t8 + v;
+      if (i >= n)
+        break;
+      if (k[r][v] > T || (k[r][v] == T && eq < need))
+        out[at++] = (int32_t)(jlo + i);
+      eq += k[r][v] == T ? 1u : 0u;
+    }
+  }
+}
+
 /* The selection of at most REG_KEYS keys (a token at up to 64K positions on a ratio-4 layer) from
  * registers: each thread loads its list_selected keys once, every histogram round and the list
- * read them there. */
+ * (list_registers) read them there. */
 static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32_t topk,
                                         int64_t jlo, int32_t *out, sel_smem_t &sm) {
   constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
@@ -353,11 +414,7 @@ static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32
       break;
     }
   }
-  list_state_t st = {0, 0};
-#pragma unroll
-  for (uint32_t r = 0; r < REG_ROUNDS; r++)
-    if (r * ROUND < n) /* CTA-uniform */
-      list_round(k[r], r * ROUND + t8, n, prefix, need, jlo, out, sm, st);
+  list_registers(k, n, prefix, need, jlo, out, sm);
 }
 
 /* The top topk of the n > topk keys (entries jlo, jlo + 1, ...) listed in entry order into out. */
@@ -484,6 +541,39 @@ extern "C" void dsv4__cuda_indexer_force_sync(int on) {
   force_sync.store(on, std::memory_order_relaxed);
 }
 
+/*
+ * Dynamic shared memory a select CTA asks for and does not use: enough that an SM holds one select
+ * CTA, where its 64 registers a thread would let it hold two. Two a SM made the selects of a batch
+ * of 64 or 256 tokens 4-14 % slower, the CTAs of a wave's selects sharing SMs while others sat
+ * idle (tests/bench/NOTES.md, "The select's one-scan listing at one CTA an SM"). Half the SM's
+ * shared memory and a byte, less the CTA's static; 0 where the device would not grant it.
+ */
+static int select_pad_probe(int dev) {
+  int per_sm = 0, optin = 0;
+  cudaFuncAttributes fa;
+  if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+      cudaFuncGetAttributes(&fa, dsv4__indexer_select_kernel) != cudaSuccess)
+    return 0;
+  const long pad = (long)per_sm / 2 + 1 - (long)fa.sharedSizeBytes;
+  return pad > 0 && pad + (long)fa.sharedSizeBytes <= (long)optin ? (int)pad : 0;
+}
+
+static std::atomic<int> pad_cache[DEV_CACHE];
+
+/* The select kernel over the wave's ctas tokens, one CTA an SM (select_pad_probe). */
+static cudaError_t select_launch(const idx_params_t &p, uint32_t ctas, cudaStream_t s, int pdl) {
+  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
+  const size_t pad = (size_t)per_device_cached(pad_cache, select_pad_probe);
+  if (pad) {
+    const cudaError_t e = dsv4__cuda_smem_limit(dsv4__indexer_select_kernel, pad, limit_raised);
+    if (e != cudaSuccess)
+      return e;
+  }
+  return dsv4__cuda_launch_smem(dsv4__indexer_select_kernel, ctas, SELECT_THREADS, pad, s, pdl, p);
+}
+
 extern "C" uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions) {
   /* The keys of the most entries a token can see, rounded up to 16 bytes, then the tensor-core
    * kernel's query rows (slot_queries). */
@@ -604,7 +694,7 @@ extern "C" int dsv4__cuda_indexer(const dsv4_indexer_args_t *a, const float *rop
                                  smem, s, pdl, p);
     }
     if (e == cudaSuccess)
-      e = dsv4__cuda_launch(dsv4__indexer_select_kernel, ctas, SELECT_THREADS, s, pdl, p);
+      e = select_launch(p, ctas, s, pdl);
   }
   return dsv4__cuda_err(e);
 }
