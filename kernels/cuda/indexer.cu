@@ -35,11 +35,12 @@
  *            pass over the keys in entry order, 4096 at a time (8 a thread) with two block-wide
  *            prefix sums, lists every key above T and the first of those equal to T. A token of
  *            at most 16384 keys (64K positions) has them loaded into registers once, in the last
- *            pass's layout, and its last pass takes one prefix sum over all of them; above that,
- *            the rounds read them from global memory until the keys still in the race fit 8192,
- *            which the round that counts them copies into shared memory for the later rounds.
- *            The kernel needs 64 registers a thread, so an SM could hold two select CTAs; its
- *            launch asks for unused shared memory so that it holds one (select_pad_probe).
+ *            pass's layout (the first 4096 before the token's range is read, beside it), and its
+ *            last pass takes one prefix sum over all of them; above that, the rounds read them
+ *            from global memory until the keys still in the race fit 8192, which the round that
+ *            counts them copies into shared memory for the later rounds. One select CTA an SM:
+ *            its launch asks for unused shared memory (select_pad_probe), whatever registers the
+ *            kernel is compiled to (128 a thread, which alone would do; 64 would allow two).
  *
  * The scores are the CPU's to the bit (the same functions of dsv4-compress.h in the same order) and
  * the selection is a function of the scores alone, so the lists are equal. In fast mode
@@ -344,7 +345,9 @@ static __device__ void list_registers(const uint32_t (&k)[REG_ROUNDS][LIST_PER],
   uint32_t c[REG_ROUNDS], x[REG_ROUNDS];
 #pragma unroll
   for (uint32_t r = 0; r < REG_ROUNDS; r++) {
-    c[r] = 0;
+    c[r] = x[r] = 0;
+    if (r * ROUND >= n) /* CTA-uniform: a short token counts and scans only its rounds */
+      continue;
 #pragma unroll
     for (uint32_t v = 0; v < LIST_PER; v++)
       if (r * ROUND + t8 + v < n)
@@ -382,18 +385,13 @@ static __device__ void list_registers(const uint32_t (&k)[REG_ROUNDS][LIST_PER],
 }
 
 /* The selection of at most REG_KEYS keys (a token at up to 64K positions on a ratio-4 layer) from
- * registers: each thread loads its list_selected keys once, every histogram round and the list
- * (list_registers) read them there. */
-static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32_t topk,
-                                        int64_t jlo, int32_t *out, sel_smem_t &sm) {
+ * registers: k holds each thread's list_selected keys (those past n any value), every histogram
+ * round and the list (list_registers) read them there. */
+static __device__ void select_in_registers(uint32_t (&k)[REG_ROUNDS][LIST_PER], uint32_t n,
+                                           uint32_t topk, int64_t jlo, int32_t *out,
+                                           sel_smem_t &sm) {
   constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
   const uint32_t t8 = threadIdx.x * LIST_PER;
-  uint32_t k[REG_ROUNDS][LIST_PER];
-#pragma unroll
-  for (uint32_t r = 0; r < REG_ROUNDS; r++)
-#pragma unroll
-    for (uint32_t v = 0; v < LIST_PER; v++)
-      k[r][v] = r * ROUND + t8 + v < n ? keys[r * ROUND + t8 + v] : 0u;
   uint32_t prefix = 0, mask = 0, need = topk;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (uint32_t i = threadIdx.x; i < 256; i += SELECT_THREADS)
@@ -415,6 +413,47 @@ static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32
     }
   }
   list_registers(k, n, prefix, need, jlo, out, sm);
+}
+
+/* The thread's select_in_registers keys of rounds R0..R1 - 1 among the first words words of keys
+ * (16-byte aligned, words a multiple of 4; zeros past them), 16 bytes a load from the L2 (written
+ * by the grid before), issued where this is called (volatile: not sunk into the branch that uses
+ * them). */
+template <uint32_t R0, uint32_t R1>
+static __device__ __forceinline__ void load_reg_keys(const uint32_t *keys, uint32_t words,
+                                                     uint32_t (&k)[REG_ROUNDS][LIST_PER]) {
+  constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
+  static_assert(LIST_PER % 4 == 0 && R1 <= REG_ROUNDS, "whole 16-byte loads of the rounds");
+  const uint32_t t8 = threadIdx.x * LIST_PER;
+#pragma unroll
+  for (uint32_t r = R0; r < R1; r++)
+#pragma unroll
+    for (uint32_t v = 0; v < LIST_PER; v += 4) {
+      const uint32_t i = r * ROUND + t8 + v;
+      uint32_t a = 0, b = 0, c = 0, d = 0;
+      if (i < words)
+        asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                     : "l"(keys + i));
+      k[r][v] = a;
+      k[r][v + 1] = b;
+      k[r][v + 2] = c;
+      k[r][v + 3] = d;
+    }
+}
+
+/* select_in_registers of keys[0..n), loaded here a word at a time (keys need not be aligned). */
+static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32_t topk,
+                                        int64_t jlo, int32_t *out, sel_smem_t &sm) {
+  constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
+  const uint32_t t8 = threadIdx.x * LIST_PER;
+  uint32_t k[REG_ROUNDS][LIST_PER];
+#pragma unroll
+  for (uint32_t r = 0; r < REG_ROUNDS; r++)
+#pragma unroll
+    for (uint32_t v = 0; v < LIST_PER; v++)
+      k[r][v] = r * ROUND + t8 + v < n ? keys[r * ROUND + t8 + v] : 0u;
+  select_in_registers(k, n, topk, jlo, out, sm);
 }
 
 /* The top topk of the n > topk keys (entries jlo, jlo + 1, ...) listed in entry order into out. */
@@ -467,19 +506,30 @@ __global__ void __launch_bounds__(SELECT_THREADS) dsv4__indexer_select_kernel(id
 #endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
-  if (__ldcg(p.err) != 0)
-    return; /* the check (or an earlier launch of the batch) failed: write nothing */
   const uint32_t t = p.t_base + blockIdx.x;
-  uint32_t s = 0;
-  int64_t jlo = 0, jhi = 0;
   if (t >= p.n_tokens)
     return;
+  /* The slot's first round of keys (as many of the first SELECT_THREADS * LIST_PER as a token of
+   * the launch can see, rounded up to 16 bytes as dsv4__cuda_indexer_keys_per_cta) is loaded
+   * first, then the error word and the token's range, so that their latencies overlap instead of
+   * adding up; the keys past the token's count are never used. The later rounds only once the
+   * count is known: a launch's bound is the model's context, and loading 16384 keys for a token
+   * of 2048 cost a wave of selects at 8K more than the overlap gained. */
+  const uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
+  uint32_t k[REG_ROUNDS][LIST_PER];
+  const uint64_t words = (((uint64_t)max(p.max_pos, (int64_t)0) / 4 + 1) + 3) & ~(uint64_t)3;
+  load_reg_keys<0, 1>(
+      keys, (uint32_t)min(min(words, p.keys_per_cta), (uint64_t)SELECT_THREADS * LIST_PER), k);
+  if (__ldcg(p.err) != 0)
+    return; /* the check (or an earlier launch of the batch) failed: write nothing */
+  uint32_t s = 0;
+  int64_t jlo = 0, jhi = 0;
   (void)token_range(p, t, &s, &jlo, &jhi); /* checked */
   const int64_t n = jhi > jlo ? jhi - jlo : 0;
   int32_t *out = p.sel + (uint64_t)t * p.topk;
   if (n <= (int64_t)p.topk) {
-    for (uint32_t k = threadIdx.x; k < p.topk; k += SELECT_THREADS)
-      out[k] = k < n ? (int32_t)(jlo + k) : -1;
+    for (uint32_t j = threadIdx.x; j < p.topk; j += SELECT_THREADS)
+      out[j] = j < n ? (int32_t)(jlo + j) : -1;
     return;
   }
 #ifdef DSV4_TEST_BROKEN_SELECT_EARLY_READ
@@ -488,7 +538,12 @@ __global__ void __launch_bounds__(SELECT_THREADS) dsv4__indexer_select_kernel(id
     return;
   }
 #endif
-  select_keys(p.keys + (uint64_t)blockIdx.x * p.keys_per_cta, (uint32_t)n, p.topk, jlo, out, sm);
+  if (n <= REG_KEYS) { /* CTA-uniform */
+    load_reg_keys<1, REG_ROUNDS>(keys, ((uint32_t)n + 3) & ~3u, k);
+    select_in_registers(k, (uint32_t)n, p.topk, jlo, out, sm);
+  } else {
+    select_keys(keys, (uint32_t)n, p.topk, jlo, out, sm);
+  }
 }
 
 #ifdef DSV4_TEST_SELECT
@@ -543,7 +598,7 @@ extern "C" void dsv4__cuda_indexer_force_sync(int on) {
 
 /*
  * Dynamic shared memory a select CTA asks for and does not use: enough that an SM holds one select
- * CTA, where its 64 registers a thread would let it hold two. Two a SM made the selects of a batch
+ * CTA, where 64 registers a thread would let it hold two. Two a SM made the selects of a batch
  * of 64 or 256 tokens 4-14 % slower, the CTAs of a wave's selects sharing SMs while others sat
  * idle (tests/bench/NOTES.md, "The select's one-scan listing at one CTA an SM"). Half the SM's
  * shared memory and a byte, less the CTA's static; 0 where the device would not grant it.
