@@ -63,6 +63,12 @@ static __device__ __forceinline__ float *slot_queries(const idx_params_t &p, uin
                                    SLOT_QUERY_WORDS);
 }
 
+/* Words of a token's key slot that its keys take: the most entries a token below max_pos can see,
+ * rounded up to 16 bytes (the query rows follow them, slot_queries). */
+static __host__ __device__ __forceinline__ uint64_t slot_key_words(int64_t max_pos) {
+  return ((uint64_t)(max_pos > 0 ? max_pos : 0) / 4 + 1 + 3) & ~(uint64_t)3;
+}
+
 /* Token t's segment and its visible entries jlo..jhi-1 (SPEC §8.4 at ratio 4); error bits. */
 static __device__ uint32_t token_range(const idx_params_t &p, uint32_t t, uint32_t *s, int64_t *jlo,
                                        int64_t *jhi) {

@@ -331,10 +331,10 @@ static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t 
 }
 
 /* Every key above T and the first need keys equal to T, in entry order, from the registers of
- * select_registers: one block-wide scan over every round's counts at once (in entry order: round,
- * thread), the keys above T in the low 16 bits and those equal to T in the high (at most REG_KEYS
- * of either). The keys a thread's run takes start at the keys above T before it plus those equal
- * to T before it, at most need. */
+ * select_in_registers: one block-wide scan over every round's counts at once (in entry order:
+ * round, thread), the keys above T in the low 16 bits and those equal to T in the high (at most
+ * REG_KEYS of either). The keys a thread's run takes start at the keys above T before it plus those
+ * equal to T before it, at most need. */
 static __device__ void list_registers(const uint32_t (&k)[REG_ROUNDS][LIST_PER], uint32_t n,
                                       uint32_t T, uint32_t need, int64_t jlo, int32_t *out,
                                       sel_smem_t &sm) {
@@ -510,16 +510,17 @@ __global__ void __launch_bounds__(SELECT_THREADS) dsv4__indexer_select_kernel(id
   if (t >= p.n_tokens)
     return;
   /* The slot's first round of keys (as many of the first SELECT_THREADS * LIST_PER as a token of
-   * the launch can see, rounded up to 16 bytes as dsv4__cuda_indexer_keys_per_cta) is loaded
-   * first, then the error word and the token's range, so that their latencies overlap instead of
-   * adding up; the keys past the token's count are never used. The later rounds only once the
-   * count is known: a launch's bound is the model's context, and loading 16384 keys for a token
-   * of 2048 cost a wave of selects at 8K more than the overlap gained. */
+   * the launch can see, slot_key_words) is loaded first, then the error word and the token's
+   * range, so that their latencies overlap instead of adding up; the keys past the token's count
+   * are never used. The later rounds only once the count is known: a launch's bound is the
+   * model's context, and loading 16384 keys for a token of 2048 cost a wave of selects at 8K more
+   * than the overlap gained. */
   const uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
   uint32_t k[REG_ROUNDS][LIST_PER];
-  const uint64_t words = (((uint64_t)max(p.max_pos, (int64_t)0) / 4 + 1) + 3) & ~(uint64_t)3;
-  load_reg_keys<0, 1>(
-      keys, (uint32_t)min(min(words, p.keys_per_cta), (uint64_t)SELECT_THREADS * LIST_PER), k);
+  load_reg_keys<0, 1>(keys,
+                      (uint32_t)min(min(slot_key_words(p.max_pos), p.keys_per_cta),
+                                    (uint64_t)SELECT_THREADS * LIST_PER),
+                      k);
   if (__ldcg(p.err) != 0)
     return; /* the check (or an earlier launch of the batch) failed: write nothing */
   uint32_t s = 0;
@@ -630,10 +631,8 @@ static cudaError_t select_launch(const idx_params_t &p, uint32_t ctas, cudaStrea
 }
 
 extern "C" uint64_t dsv4__cuda_indexer_keys_per_cta(int64_t max_positions) {
-  /* The keys of the most entries a token can see, rounded up to 16 bytes, then the tensor-core
-   * kernel's query rows (slot_queries). */
-  const uint64_t keys = (uint64_t)(max_positions > 0 ? max_positions : 0) / 4 + 1;
-  return ((keys + 3) & ~(uint64_t)3) + SLOT_QUERY_WORDS;
+  /* The keys, then the tensor-core kernel's query rows (slot_queries). */
+  return slot_key_words(max_positions) + SLOT_QUERY_WORDS;
 }
 
 extern "C" int dsv4__cuda_indexer_mma(uint32_t n_heads) {
