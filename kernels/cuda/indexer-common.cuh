@@ -69,13 +69,15 @@ static __host__ __device__ __forceinline__ uint64_t slot_key_words(int64_t max_p
   return ((uint64_t)(max_pos > 0 ? max_pos : 0) / 4 + 1 + 3) & ~(uint64_t)3;
 }
 
-/* Token t's segment and its visible entries jlo..jhi-1 (SPEC §8.4 at ratio 4); error bits. */
+/* Token t's segment and its visible entries jlo..jhi-1 (SPEC §8.4 at ratio 4); error bits. t is a
+ * token of the launch, so its position is loaded beside its segment: two latencies, not three. */
 static __device__ uint32_t token_range(const idx_params_t &p, uint32_t t, uint32_t *s, int64_t *jlo,
                                        int64_t *jhi) {
   const int32_t seg = p.tok_seg[t];
+  const int64_t pos = p.pos[t];
   if (seg < 0 || (uint32_t)seg >= p.n_segments)
     return DSV4_CUDA_ERR_SEGMENT;
-  const int64_t pos = p.pos[t], p0 = p.seg_p0[seg];
+  const int64_t p0 = p.seg_p0[seg];
   if (p0 < 0 || pos < p0 || pos >= p.max_pos)
     return DSV4_CUDA_ERR_POSITION;
   *s = (uint32_t)seg;
@@ -93,8 +95,7 @@ static __device__ uint32_t token_range(const idx_params_t &p, uint32_t t, uint32
  */
 static __device__ bool score_split(const idx_params_t &p, uint32_t *t, uint32_t *s, int64_t *jlo,
                                    uint32_t *i0, uint32_t *i1) {
-  if (__ldcg(p.err) != 0)
-    return false;
+  const uint32_t err = __ldcg(p.err); /* its latency under the token's range */
   *t = p.t_base + blockIdx.x;
   *s = 0;
   *jlo = 0;
@@ -102,6 +103,8 @@ static __device__ bool score_split(const idx_params_t &p, uint32_t *t, uint32_t 
   if (*t >= p.n_tokens)
     return false;
   (void)token_range(p, *t, s, jlo, &jhi); /* checked */
+  if (err != 0)
+    return false;
   const int64_t n = jhi > *jlo ? jhi - *jlo : 0;
   if (n <= (int64_t)p.topk)
     return false;

@@ -521,11 +521,12 @@ __global__ void __launch_bounds__(SELECT_THREADS) dsv4__indexer_select_kernel(id
                       (uint32_t)min(min(slot_key_words(p.max_pos), p.keys_per_cta),
                                     (uint64_t)SELECT_THREADS * LIST_PER),
                       k);
-  if (__ldcg(p.err) != 0)
-    return; /* the check (or an earlier launch of the batch) failed: write nothing */
+  const uint32_t err = __ldcg(p.err);
   uint32_t s = 0;
   int64_t jlo = 0, jhi = 0;
   (void)token_range(p, t, &s, &jlo, &jhi); /* checked */
+  if (err != 0)
+    return; /* the check (or an earlier launch of the batch) failed: write nothing */
   const int64_t n = jhi > jlo ? jhi - jlo : 0;
   int32_t *out = p.sel + (uint64_t)t * p.topk;
   if (n <= (int64_t)p.topk) {
