@@ -272,59 +272,62 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
  * The error word set by the check or the splits' kernel (or an earlier kernel of the batch):
  * nothing written.
  */
+template <uint32_t MS>
 __global__ void __launch_bounds__(COMBINE_THREADS)
     dsv4__attention_fast_combine_kernel(attn_params_t p) {
+  static_assert(MS <= DSV4_UNION_MAX_SPLITS, "the pairs' shared array");
   const uint32_t t = blockIdx.x / p.heads, h = blockIdx.x - t * p.heads, i = threadIdx.x;
+  const uint64_t k0 = ((uint64_t)t * p.heads + h) * p.nsplit;
+  __shared__ float2 sv[DSV4_UNION_MAX_SPLITS]; /* the splits' pairs (m, S) */
   /* Before the wait: the sink, immutable data. */
   const float sink = p.sink ? p.sink[h] : 0.0f;
 #ifdef DSV4_TEST_BROKEN_COMBINE_EARLY_READ
   /* Test-only breakage of SPEC §5.2 (tests/gpu/gpu_inv_union_wait.c, "split"): the splits' pairs
    * (m, S) are loaded before the wait, while the union kernel before this one may still be writing
    * them. */
-  float2 early[DSV4_UNION_MAX_SPLITS];
-  for (uint32_t s = 0; s < p.nsplit && s < DSV4_UNION_MAX_SPLITS; s++)
-    early[s] = part_ms(p)[((uint64_t)t * p.heads + h) * p.nsplit + s];
+  const float2 early = i < p.nsplit ? part_ms(p)[k0 + i] : make_float2(0.0f, 0.0f);
 #endif
   dsv4__dep_wait_params(p);
   dsv4__dep_trigger();
+  /* Every load of the merge is issued before the error word's check, so that their latencies
+   * overlap instead of following one another: thread s < nsplit split s's pair, every thread its 4
+   * dims of every split's N (the splits past the last with a candidate too, which are not used),
+   * the rotated dims' threads the query position. Nothing is written before the check. */
+  if (i < p.nsplit)
+#ifndef DSV4_TEST_BROKEN_COMBINE_EARLY_READ
+    sv[i] = part_ms(p)[k0 + i];
+#else
+    sv[i] = early;
+#endif
+  float4 x[MS];
+#pragma unroll
+  for (uint32_t s = 0; s < MS; s++)
+    if (s < p.nsplit)
+      x[s] = reinterpret_cast<const float4 *>(p.part + (k0 + s) * DSV4_HEAD_DIM)[i];
+  const bool rotated = 4 * i >= DSV4_NOPE_DIM;
+  const int64_t pos = rotated ? token_pos(p, t) : 0; /* checked by the launch's check */
   if (__syncthreads_or(i == 0 && __ldcg(p.err) != 0))
     return;
-  const uint64_t k0 = ((uint64_t)t * p.heads + h) * p.nsplit;
-#ifndef DSV4_TEST_BROKEN_COMBINE_EARLY_READ
-  const float2 *ms = part_ms(p) + k0;
-#else
-  const float2 *ms = early;
-#endif
   float m = -INFINITY, sum = 0.0f;
   uint32_t used = 0; /* the splits up to the last one with a candidate */
   for (uint32_t s = 0; s < p.nsplit; s++) {
-    const float ms_s = ms[s].x;
+    const float ms_s = sv[s].x;
     m = fmaxf(m, ms_s); /* finite: split 0 holds the list's first candidates */
     used = ms_s != -INFINITY ? s + 1 : used;
   }
+  /* The terms in order. The splits from `used` on hold no candidate (m = -inf, S = 0, N = 0: a
+   * term of a = 0, which adds +0 to sums that are never -0): a one-token list of 640 candidates
+   * fills 20 of 32 splits. */
   float4 n = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  /* Eight splits' loads in flight at a time, then their terms in order. The splits from `used` on
-   * hold no candidate (m = -inf, S = 0, N = 0: a term of a = 0, which adds +0 to sums that are
-   * never -0), so they are not read: a one-token list of 640 candidates fills 20 of 32 splits. */
-  for (uint32_t s0 = 0; s0 < used; s0 += 8) {
-    float2 v[8];
-    float4 x[8];
 #pragma unroll
-    for (uint32_t j = 0; j < 8; j++)
-      if (s0 + j < used) {
-        v[j] = ms[s0 + j];
-        x[j] = reinterpret_cast<const float4 *>(p.part + (k0 + s0 + j) * DSV4_HEAD_DIM)[i];
-      }
-#pragma unroll
-    for (uint32_t j = 0; j < 8; j++)
-      if (s0 + j < used)
-        fast_merge_term(v[j], x[j], m, sum, n);
-  }
-  /* The query position's RoPE row, for the dims that are rotated (checked by the launch's check:
-   * with the engine's windows the position is their last). */
-  const float *rope = 4 * i >= DSV4_NOPE_DIM ? reinterpret_cast<const float *>(p.rope) +
-                                                   (uint64_t)token_pos(p, t) * DSV4_ROPE_ROW_FLOATS
-                                             : nullptr;
+  for (uint32_t s = 0; s < MS; s++)
+    if (s < used)
+      fast_merge_term(sv[s], x[s], m, sum, n);
+  /* The query position's RoPE row, for the dims that are rotated (with the engine's windows the
+   * position is their last). */
+  const float *rope =
+      rotated ? reinterpret_cast<const float *>(p.rope) + (uint64_t)pos * DSV4_ROPE_ROW_FLOATS
+              : nullptr;
   fast_merge_out(p, m, sum, n, sink, rope, t, h, i);
 }
 
@@ -410,8 +413,16 @@ cudaError_t dsv4__attention_fast_union_launch(attn_params_t p, int sms, cudaStre
 
 cudaError_t dsv4__attention_fast_combine_launch(const attn_params_t &p, cudaStream_t s, int pdl) {
   const uint64_t rows = (uint64_t)p.n_tokens * p.heads;
-  if (rows > 0x7fffffffu)
+  if (rows > 0x7fffffffu || p.nsplit > DSV4_UNION_MAX_SPLITS)
     return cudaErrorInvalidValue;
-  return dsv4__cuda_launch(dsv4__attention_fast_combine_kernel, (unsigned)rows, COMBINE_THREADS, s,
-                           pdl, p);
+  /* The kernel whose registers hold the launch's splits' N: 8 (a window's splits at most), 16 or
+   * 32, so that a launch of few splits keeps its threads' registers few. */
+  if (p.nsplit <= 8)
+    return dsv4__cuda_launch(dsv4__attention_fast_combine_kernel<8>, (unsigned)rows,
+                             COMBINE_THREADS, s, pdl, p);
+  if (p.nsplit <= 16)
+    return dsv4__cuda_launch(dsv4__attention_fast_combine_kernel<16>, (unsigned)rows,
+                             COMBINE_THREADS, s, pdl, p);
+  return dsv4__cuda_launch(dsv4__attention_fast_combine_kernel<DSV4_UNION_MAX_SPLITS>,
+                           (unsigned)rows, COMBINE_THREADS, s, pdl, p);
 }
