@@ -276,6 +276,7 @@ template <uint32_t MS>
 __global__ void __launch_bounds__(COMBINE_THREADS)
     dsv4__attention_fast_combine_kernel(attn_params_t p) {
   static_assert(MS <= DSV4_UNION_MAX_SPLITS, "the pairs' shared array");
+  static_assert(COMBINE_THREADS >= DSV4_UNION_MAX_SPLITS, "a thread a split's pair");
   const uint32_t t = blockIdx.x / p.heads, h = blockIdx.x - t * p.heads, i = threadIdx.x;
   const uint64_t k0 = ((uint64_t)t * p.heads + h) * p.nsplit;
   __shared__ float2 sv[DSV4_UNION_MAX_SPLITS]; /* the splits' pairs (m, S) */
@@ -292,7 +293,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
   /* Every load of the merge is issued before the error word's check, so that their latencies
    * overlap instead of following one another: thread s < nsplit split s's pair, every thread its 4
    * dims of every split's N (the splits past the last with a candidate too, which are not used),
-   * the rotated dims' threads the query position. Nothing is written before the check. */
+   * the rotated dims' threads the query position. Nothing reaches device memory before the check
+   * (only the pairs' shared array is written), and what was loaded is used only after it. */
   if (i < p.nsplit)
 #ifndef DSV4_TEST_BROKEN_COMBINE_EARLY_READ
     sv[i] = part_ms(p)[k0 + i];
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
     if (s < p.nsplit)
       x[s] = reinterpret_cast<const float4 *>(p.part + (k0 + s) * DSV4_HEAD_DIM)[i];
   const bool rotated = 4 * i >= DSV4_NOPE_DIM;
-  const int64_t pos = rotated ? token_pos(p, t) : 0; /* checked by the launch's check */
+  const int64_t pos = rotated ? token_pos(p, t) : 0; /* used once the check has passed */
   if (__syncthreads_or(i == 0 && __ldcg(p.err) != 0))
     return;
   float m = -INFINITY, sum = 0.0f;
