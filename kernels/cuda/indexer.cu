@@ -169,7 +169,9 @@ static __device__ void score_entries_grouped(const idx_params_t &p, uint32_t s, 
 /* Rounds of list_selected whose keys a thread holds in registers: tokens with at most REG_KEYS
  * keys are selected without reading them twice. */
 #define REG_KEYS 16384
-#define REG_ROUNDS (REG_KEYS / (SELECT_THREADS * LIST_PER))
+/* Keys of one round of list_selected: LIST_PER consecutive keys a thread. */
+#define LIST_ROUND (SELECT_THREADS * LIST_PER)
+#define REG_ROUNDS (REG_KEYS / LIST_ROUND)
 
 /* Shared state of the selection. */
 typedef struct {
@@ -320,7 +322,7 @@ static __device__ __forceinline__ void list_round(const uint32_t (&key)[LIST_PER
 static __device__ void list_selected(const uint32_t *keys, uint32_t n, uint32_t T, uint32_t need,
                                      int64_t jlo, int32_t *out, sel_smem_t &sm) {
   list_state_t st = {0, 0};
-  for (uint32_t base = 0; base < n; base += SELECT_THREADS * LIST_PER) {
+  for (uint32_t base = 0; base < n; base += LIST_ROUND) {
     const uint32_t i0 = base + threadIdx.x * LIST_PER;
     uint32_t key[LIST_PER];
 #pragma unroll
@@ -340,17 +342,16 @@ static __device__ void list_registers(const uint32_t (&k)[REG_ROUNDS][LIST_PER],
                                       sel_smem_t &sm) {
   static_assert(REG_ROUNDS * SELECT_WARPS == 64, "the first warp scans two sums a lane");
   static_assert(REG_KEYS < 65536, "counts packed 16 bits each");
-  constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
   const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t8 = threadIdx.x * LIST_PER;
   uint32_t c[REG_ROUNDS], x[REG_ROUNDS];
 #pragma unroll
   for (uint32_t r = 0; r < REG_ROUNDS; r++) {
     c[r] = x[r] = 0;
-    if (r * ROUND >= n) /* CTA-uniform: a short token counts and scans only its rounds */
+    if (r * LIST_ROUND >= n) /* CTA-uniform: a short token counts and scans only its rounds */
       continue;
 #pragma unroll
     for (uint32_t v = 0; v < LIST_PER; v++)
-      if (r * ROUND + t8 + v < n)
+      if (r * LIST_ROUND + t8 + v < n)
         c[r] += k[r][v] > T ? 1u : k[r][v] == T ? 0x10000u : 0u;
     x[r] = warp_scan(c[r]);
   }
@@ -368,13 +369,13 @@ static __device__ void list_registers(const uint32_t (&k)[REG_ROUNDS][LIST_PER],
   __syncthreads();
 #pragma unroll
   for (uint32_t r = 0; r < REG_ROUNDS; r++) {
-    if (r * ROUND >= n) /* CTA-uniform */
+    if (r * LIST_ROUND >= n) /* CTA-uniform */
       break;
     const uint32_t before = sm.round_sums[r * SELECT_WARPS + warp] + x[r] - c[r];
     uint32_t eq = before >> 16, at = (before & 0xffffu) + min(eq, need);
 #pragma unroll
     for (uint32_t v = 0; v < LIST_PER; v++) {
-      const uint32_t i = r * ROUND + t8 + v;
+      const uint32_t i = r * LIST_ROUND + t8 + v;
       if (i >= n)
         break;
       if (k[r][v] > T || (k[r][v] == T && eq < need))
@@ -390,7 +391,6 @@ static __device__ void list_registers(const uint32_t (&k)[REG_ROUNDS][LIST_PER],
 static __device__ void select_in_registers(uint32_t (&k)[REG_ROUNDS][LIST_PER], uint32_t n,
                                            uint32_t topk, int64_t jlo, int32_t *out,
                                            sel_smem_t &sm) {
-  constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
   const uint32_t t8 = threadIdx.x * LIST_PER;
   uint32_t prefix = 0, mask = 0, need = topk;
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -399,11 +399,11 @@ static __device__ void select_in_registers(uint32_t (&k)[REG_ROUNDS][LIST_PER], 
     __syncthreads();
 #pragma unroll
     for (uint32_t r = 0; r < REG_ROUNDS; r++)
-      if (r * ROUND < n) /* CTA-uniform: a short token skips the rounds it has no key in */
+      if (r * LIST_ROUND < n) /* CTA-uniform: a short token skips the rounds it has no key in */
 #pragma unroll
         for (uint32_t v = 0; v < LIST_PER; v++)
           hist_add(sm.hist, (k[r][v] >> shift) & 255u,
-                   r * ROUND + t8 + v < n && (k[r][v] & mask) == prefix);
+                   r * LIST_ROUND + t8 + v < n && (k[r][v] & mask) == prefix);
     __syncthreads();
     radix_choose(shift, &prefix, &need, sm);
     mask |= 255u << shift;
@@ -422,14 +422,13 @@ static __device__ void select_in_registers(uint32_t (&k)[REG_ROUNDS][LIST_PER], 
 template <uint32_t R0, uint32_t R1>
 static __device__ __forceinline__ void load_reg_keys(const uint32_t *keys, uint32_t words,
                                                      uint32_t (&k)[REG_ROUNDS][LIST_PER]) {
-  constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
   static_assert(LIST_PER % 4 == 0 && R1 <= REG_ROUNDS, "whole 16-byte loads of the rounds");
   const uint32_t t8 = threadIdx.x * LIST_PER;
 #pragma unroll
   for (uint32_t r = R0; r < R1; r++)
 #pragma unroll
     for (uint32_t v = 0; v < LIST_PER; v += 4) {
-      const uint32_t i = r * ROUND + t8 + v;
+      const uint32_t i = r * LIST_ROUND + t8 + v;
       uint32_t a = 0, b = 0, c = 0, d = 0;
       if (i < words)
         asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -445,18 +444,20 @@ static __device__ __forceinline__ void load_reg_keys(const uint32_t *keys, uint3
 /* select_in_registers of keys[0..n), loaded here a word at a time (keys need not be aligned). */
 static __device__ void select_registers(const uint32_t *keys, uint32_t n, uint32_t topk,
                                         int64_t jlo, int32_t *out, sel_smem_t &sm) {
-  constexpr uint32_t ROUND = SELECT_THREADS * LIST_PER;
   const uint32_t t8 = threadIdx.x * LIST_PER;
   uint32_t k[REG_ROUNDS][LIST_PER];
 #pragma unroll
   for (uint32_t r = 0; r < REG_ROUNDS; r++)
 #pragma unroll
     for (uint32_t v = 0; v < LIST_PER; v++)
-      k[r][v] = r * ROUND + t8 + v < n ? keys[r * ROUND + t8 + v] : 0u;
+      k[r][v] = r * LIST_ROUND + t8 + v < n ? keys[r * LIST_ROUND + t8 + v] : 0u;
   select_in_registers(k, n, topk, jlo, out, sm);
 }
 
-/* The top topk of the n > topk keys (entries jlo, jlo + 1, ...) listed in entry order into out. */
+/* The top topk of the n > topk keys (entries jlo, jlo + 1, ...) listed in entry order into out.
+ * The select kernel loads a token's registers itself (load_reg_keys, beside its range) and calls
+ * this only above REG_KEYS; the register branch here serves gpu_select_test's kernel and the
+ * broken build's copy in shared memory, whose keys load_reg_keys' global loads cannot read. */
 static __device__ void select_keys(const uint32_t *keys, uint32_t n, uint32_t topk, int64_t jlo,
                                    int32_t *out, sel_smem_t &sm) {
   if (n <= REG_KEYS) {
@@ -509,7 +510,7 @@ __global__ void __launch_bounds__(SELECT_THREADS) dsv4__indexer_select_kernel(id
   const uint32_t t = p.t_base + blockIdx.x;
   if (t >= p.n_tokens)
     return;
-  /* The slot's first round of keys (as many of the first SELECT_THREADS * LIST_PER as a token of
+  /* The slot's first round of keys (as many of the first LIST_ROUND as a token of
    * the launch can see, slot_key_words) is loaded first, then the error word and the token's
    * range, so that their latencies overlap instead of adding up; the keys past the token's count
    * are never used. The later rounds only once the count is known: a launch's bound is the
@@ -517,10 +518,8 @@ __global__ void __launch_bounds__(SELECT_THREADS) dsv4__indexer_select_kernel(id
    * than the overlap gained. */
   const uint32_t *keys = p.keys + (uint64_t)blockIdx.x * p.keys_per_cta;
   uint32_t k[REG_ROUNDS][LIST_PER];
-  load_reg_keys<0, 1>(keys,
-                      (uint32_t)min(min(slot_key_words(p.max_pos), p.keys_per_cta),
-                                    (uint64_t)SELECT_THREADS * LIST_PER),
-                      k);
+  load_reg_keys<0, 1>(
+      keys, (uint32_t)min(min(slot_key_words(p.max_pos), p.keys_per_cta), (uint64_t)LIST_ROUND), k);
   const uint32_t err = __ldcg(p.err);
   uint32_t s = 0;
   int64_t jlo = 0, jhi = 0;
