@@ -264,4 +264,37 @@ static __device__ __forceinline__ int32_t dsv4__entry_block(const P &p, uint32_t
   return dsv4__table_block(p, dsv4__seg_table(p, s), lb);
 }
 
+/* Device ids whose answers per_device_cached keeps. */
+#define DEV_CACHE 64
+
+/* probe(dev)'s answer (0 or more) for the current device, asked once per device id below
+ * DEV_CACHE (cache: 0 = not asked yet, else the answer + 1; racing askers store the same); 0 when
+ * there is no current device. */
+static inline int per_device_cached(std::atomic<int> (&cache)[DEV_CACHE], int (*probe)(int dev)) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (dev >= 0 && dev < DEV_CACHE) {
+    const int v = cache[dev].load(std::memory_order_relaxed);
+    if (v)
+      return v - 1;
+  }
+  const int answer = probe(dev);
+  if (!answer) /* a probe's failed call is its answer, not the thread's error */
+    (void)cudaGetLastError();
+  if (dev >= 0 && dev < DEV_CACHE)
+    cache[dev].store(answer + 1, std::memory_order_relaxed);
+  return answer;
+}
+
+/* Whether device dev grants a CTA bytes of shared memory. */
+static inline int smem_grants(int dev, size_t bytes) {
+  int optin = 0;
+  return cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) ==
+             cudaSuccess &&
+         (size_t)optin >= bytes;
+}
+
 #endif /* DSV4_KERNELS_CUDA_CUDA_INTERNAL_CUH */

@@ -23,9 +23,8 @@ extern "C" int dsv4__cuda_err(cudaError_t e) {
   }
 }
 
-/* One entry per device id: 0 = not read yet, else (sms << 1 | pdl) + 1. Racing readers compute and
- * store the same value. */
-#define DEV_CACHE 64
+/* One entry per device id below DEV_CACHE: 0 = not read yet, else (sms << 1 | pdl) + 1. Racing
+ * readers compute and store the same value. */
 static std::atomic<int> dev_cache[DEV_CACHE];
 
 static int read_dev(int dev, dsv4__cuda_dev_t *out) {

@@ -252,39 +252,6 @@ static __device__ void index_query_warp(const uint16_t *iq, const float *rope_ro
   }
 }
 
-/* Device ids whose answers per_device_cached keeps. */
-#define DEV_CACHE 64
-
-/* probe(dev)'s answer (0 or more) for the current device, asked once per device id below
- * DEV_CACHE (cache: 0 = not asked yet, else the answer + 1; racing askers store the same); 0 when
- * there is no current device. */
-static inline int per_device_cached(std::atomic<int> (&cache)[DEV_CACHE], int (*probe)(int dev)) {
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (dev >= 0 && dev < DEV_CACHE) {
-    const int v = cache[dev].load(std::memory_order_relaxed);
-    if (v)
-      return v - 1;
-  }
-  const int answer = probe(dev);
-  if (!answer) /* a probe's failed call is its answer, not the thread's error */
-    (void)cudaGetLastError();
-  if (dev >= 0 && dev < DEV_CACHE)
-    cache[dev].store(answer + 1, std::memory_order_relaxed);
-  return answer;
-}
-
-/* Whether device dev grants a CTA bytes of shared memory. */
-static inline int smem_grants(int dev, size_t bytes) {
-  int optin = 0;
-  return cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) ==
-             cudaSuccess &&
-         (size_t)optin >= bytes;
-}
-
 /* A score kernel of the tensor-core kinds (kernels[fast]: its fast and exact forms) over grid, with
  * `smem` bytes of dynamic shared memory, its limit raised once a device (limit_raised[fast]: the
  * devices whose limit is raised for that form). */
