@@ -13,9 +13,17 @@
 /* Floats per row of scores: 128 candidates and a pad that spreads the rows over the banks. */
 #define S_STRIDE 132
 
-/* The byte offset of 16-byte chunk c of row r in rows of `row` bytes, swizzled (c ^ (r & 7)). */
+/*
+ * The byte offset of 16-byte chunk c of row r in a block of rows of `row` bytes (a multiple of 128;
+ * 8 rows a group), in the warpgroup MMA's 128-byte swizzled layout: a group of 8 rows takes 8 row
+ * bytes, in which piece k of its rows (chunks 8k..8k + 7 of each) lie together, a row's piece at
+ * 128 r % 8, its chunk c at place (c ^ r) % 8 (a swizzle atom of 1 KiB a piece). The 8 rows of one
+ * chunk (ldmatrix) and the 8 chunks of a piece of one row (the staging) fall in 8 different
+ * 16-byte bank groups; the wgmma kernel (sm90a/attention_fast_wg.cu) reads the same bytes through
+ * descriptors.
+ */
 static __device__ __forceinline__ uint32_t swz(uint32_t r, uint32_t c, uint32_t row) {
-  return r * row + ((c ^ (r & 7)) << 4);
+  return (r >> 3) * (row << 3) + ((c >> 3) << 10) + ((r & 7) << 7) + (((c ^ r) & 7) << 4);
 }
 
 static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
@@ -130,26 +138,26 @@ static __device__ void fast_copy_q(const attn_params_t &p, uint32_t t, uint32_t 
 }
 
 /*
- * Where a staged row's raw NoPE bytes wait for fast_dequant_rows: bytes RAW_OFF..RAW_OFF + 447 of
- * its 1 KiB, inside the 896 bytes its NoPE dims take as bf16 (so the dequantisation reads the
- * whole row before it writes), below the 128 bytes of its RoPE dims.
+ * Where a staged row's record waits for fast_dequant_rows: its chunk j (16 bytes) at the place of
+ * the row's chunk RAW_CHUNK + j, so that its 28 chunks of NoPE bytes lie inside the 56 chunks its
+ * NoPE dims take as bf16 (the dequantisation reads the whole row before it writes) and its 8 chunks
+ * of RoPE dims (bf16 already) land where they stay, chunks 56..63.
  */
-#define RAW_OFF 448
+#define RAW_CHUNK 28
 
 /*
  * The record whose 576 data bytes lie at rec and 8 scale bytes at scl into row s, by asynchronous
- * copies (a warp, lane by lane): its 28 chunks of NoPE bytes raw at RAW_OFF, its 8 chunks of RoPE
- * dims (bf16 already) at their swizzled places, its scales into sscl[s]. Complete after
- * dsv4__cp_async_wait_all and a barrier; then fast_dequant_rows.
+ * copies (a warp, lane by lane): its 36 chunks at the row's places RAW_CHUNK.. (the NoPE bytes raw,
+ * the RoPE dims where they stay), its scales into sscl[s]. Complete after dsv4__cp_async_wait_all
+ * and a barrier; then fast_dequant_rows.
  */
 static __device__ __forceinline__ void fast_copy_record(uint8_t *sk, uint2 *sscl, uint32_t s,
                                                         const uint8_t *rec, const uint8_t *scl,
                                                         uint32_t lane) {
-  const uint32_t j = lane; /* chunk j of the record: 0..27 NoPE, 28..35 RoPE (j = 32 + lane) */
-  dsv4__cp_async16(j < 28 ? sk + (size_t)s * K_ROW + RAW_OFF + 16 * j : sk + swz(s, 28 + j, K_ROW),
-                   rec + 16 * j);
+  /* chunk j of the record: 0..27 NoPE, 28..35 RoPE (j = 32 + lane) */
+  dsv4__cp_async16(sk + swz(s, RAW_CHUNK + lane, K_ROW), rec + 16 * lane);
   if (lane < 4)
-    dsv4__cp_async16(sk + swz(s, 60 + lane, K_ROW), rec + 16 * (32 + lane));
+    dsv4__cp_async16(sk + swz(s, RAW_CHUNK + 32 + lane, K_ROW), rec + 16 * (32 + lane));
   else if (lane == 4)
     dsv4__cp_async<8>(sscl + s, scl);
 }
@@ -170,7 +178,7 @@ static __device__ void fast_dequant_rows(uint8_t *sk, const uint2 *sscl, uint32_
     for (int r = 0; r < 4; r++) {
       const uint32_t s = s0 + W * r;
       if (s < n && lane < 28) {
-        raw[r] = *reinterpret_cast<const uint4 *>(sk + (size_t)s * K_ROW + RAW_OFF + 16 * lane);
+        raw[r] = *reinterpret_cast<const uint4 *>(sk + swz(s, RAW_CHUNK + lane, K_ROW));
         code[r] = reinterpret_cast<const uint8_t *>(sscl + s)[lane >> 2];
       }
     }
@@ -188,13 +196,12 @@ static __device__ void fast_dequant_rows(uint8_t *sk, const uint2 *sscl, uint32_
   }
 }
 
-/* Zeros in the rows n..n16 - 1 of the window (n16 = n rounded up to 16), which the weighted sum
- * multiplies by zero weights: staged memory left from before could hold NaN patterns. */
-static __device__ void fast_zero_tail(uint8_t *sk, uint32_t n) {
-  const uint32_t n16 = (n + 15) & ~15u;
-  for (uint32_t i = threadIdx.x; i < (n16 - n) * 64; i += blockDim.x)
-    *reinterpret_cast<uint4 *>(sk + (size_t)(n + (i >> 6)) * K_ROW + ((i & 63) << 4)) =
-        make_uint4(0, 0, 0, 0);
+/* Zeros in the rows n..end - 1 of the window (end: n rounded up to 16, or the whole window for
+ * the warpgroup MMAs, whose weighted sums take every row), which the weighted sum multiplies by
+ * zero weights: staged memory left from before could hold NaN patterns. */
+static __device__ void fast_zero_tail(uint8_t *sk, uint32_t n, uint32_t end) {
+  for (uint32_t i = threadIdx.x; i < (end - n) * 64; i += blockDim.x)
+    *reinterpret_cast<uint4 *>(sk + swz(n + (i >> 6), i & 63, K_ROW)) = make_uint4(0, 0, 0, 0);
 }
 
 /* The scores of the warp's m-tile and its 16 NP candidates: 2 NP n-tiles of 8, over 512 dims. */

@@ -173,7 +173,7 @@ static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &m
   dsv4__cp_async_wait_all();
   __syncthreads();
   fast_dequant_rows<W>(sk, sscl, nt, warp, lane);
-  fast_zero_tail(sk, nt);
+  fast_zero_tail(sk, nt, (nt + 15) & ~15u);
   __syncthreads();
   PHASE_MARK(UPH_STAGE);
   constexpr int NP = 8 * MT / W; /* pairs of n-tiles of candidates a warp scores */

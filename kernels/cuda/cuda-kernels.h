@@ -233,6 +233,11 @@ uint32_t dsv4__cuda_attention_fast_union_heads_per_block(uint32_t n_tokens, uint
 uint32_t dsv4__cuda_attention_fast_union_splits(uint32_t n_tokens, uint32_t heads);
 /* The splits of each token's window in a fast launch without compressed entries (1, 2, 4 or 8). */
 uint32_t dsv4__cuda_attention_fast_splits(uint32_t n_tokens, uint32_t heads);
+/* With on, the fast window kernel's CTAs of 64 heads run on mma.sync even where the warpgroup-MMA
+ * form (sm90a/attention_fast_wg.cu) would run: the tests and benchmarks that compare the two; off
+ * by default. dsv4__cuda_attention_fast_wg: 1 when that form runs on the current device. */
+void dsv4__cuda_attention_fast_force_sync(int on);
+int dsv4__cuda_attention_fast_wg(void);
 #ifdef DSV4_PHASE_PROBE
 /* A build with the phase probe (CMake DSV4_CUDA_PHASES, phase-probe.cuh): the fast window kernel's
  * cycles a CTA since the last call, by phase (the dependency wait, the window's blocks, the copies'

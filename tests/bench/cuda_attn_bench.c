@@ -20,7 +20,9 @@
  * Usage: cuda_attn_bench [heads...]   (default 64; DSV4_BENCH_N="1,128" picks batch sizes and
  * leaves out the prefill row; DSV4_BENCH_WARM_L2=1, a probe, takes one input set for the decode
  * rows instead, whose bytes every call after the first finds in the L2: what the DRAM costs;
- * DSV4_BENCH_NO_WIN=1 launches without the engine's windows, as a direct caller would)
+ * DSV4_BENCH_NO_WIN=1 launches without the engine's windows, as a direct caller would;
+ * DSV4_BENCH_FAST_SYNC=1 runs fast mode's 64-head CTAs on mma.sync where the device would take the
+ * warpgroup MMAs)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -412,6 +414,12 @@ int main(int argc, char **argv) {
   if (bench_peaks("cuda_attn_bench", s, has_fast, peaks))
     return 1;
   const double peak = peaks[0], tc = peaks[1];
+  if (getenv("DSV4_BENCH_FAST_SYNC"))
+    dsv4__cuda_attention_fast_force_sync(1);
+  if (has_fast)
+    printf("fast mode's 64-head CTAs: %s\n",
+           dsv4__cuda_attention_fast_wg() ? "warpgroup MMAs (DSV4_BENCH_FAST_SYNC=1: mma.sync)"
+                                          : "mma.sync (DSV4_BENCH_FAST_SYNC, or no sm_90a device)");
   printf("windows: %s\n",
          getenv("DSV4_BENCH_NO_WIN")
              ? "walked from the tables (DSV4_BENCH_NO_WIN)"

@@ -94,6 +94,7 @@ typedef struct {
   uint32_t union_shapes_seen; /* the same for the union kernel */
   uint32_t union_split_runs;  /* union cases whose launch split its tokens' lists */
   uint32_t window_split_runs; /* the same for the window's cases */
+  uint32_t wg_compared;       /* window cases run on warpgroup MMAs and on mma.sync */
   double worst_cos, worst_rel;
 } ctx_t;
 
@@ -286,6 +287,44 @@ static float *window_setup(ctx_t *c, const case_t *k, attn_plan_t *p, attn_input
   return sinks;
 }
 
+#ifndef DSV4_TEST_TUNE
+/* A window launch of 64-head CTAs on warpgroup MMAs (sm90a/attention_fast_wg.cu) against the same
+ * launch on mma.sync (dsv4__cuda_attention_fast_force_sync): the same bytes of attn and lse. */
+static int compare_wg(ctx_t *c, const char *what, const attn_plan_t *p, attn_inputs_t *in) {
+  const size_t out_n = (size_t)p->n_q * in->heads * DSV4_HEAD_DIM,
+               lse_n = (size_t)p->n_q * in->heads;
+  uint16_t *wg = gpu_host_alloc(out_n * 2), *sync = gpu_host_alloc(out_n * 2);
+  float *wg_lse = gpu_host_alloc(lse_n * 4), *sync_lse = gpu_host_alloc(lse_n * 4);
+  in->fast = 1;
+  CKD(attn_run(c->cuda, p, in, NULL, wg, wg_lse, NULL));
+  dsv4__cuda_attention_fast_force_sync(1);
+  int rc = attn_run(c->cuda, p, in, NULL, sync, sync_lse, NULL);
+  dsv4__cuda_attention_fast_force_sync(0);
+  CKD(rc);
+  size_t dv = 0, dl = 0;
+  int most = 0;
+  for (size_t i = 0; i < out_n; i++)
+    if (wg[i] != sync[i]) {
+      const int d = abs((int)wg[i] - (int)sync[i]);
+      dv++;
+      most = d > most ? d : most;
+    }
+  for (size_t i = 0; i < lse_n; i++)
+    dl += memcmp(&wg_lse[i], &sync_lse[i], 4) != 0;
+  if (dv || dl)
+    fprintf(stderr,
+            "FAIL %s: on warpgroup MMAs %zu of %zu values (at most %d bf16 steps apart) and %zu "
+            "of %zu lse differ from mma.sync's\n",
+            what, dv, out_n, most, dl, lse_n);
+  c->wg_compared++;
+  free(wg);
+  free(sync);
+  free(wg_lse);
+  free(sync_lse);
+  return dv || dl;
+}
+#endif
+
 static void run_case(ctx_t *c, const case_t *k) {
   attn_plan_t p;
   attn_inputs_t in;
@@ -303,6 +342,10 @@ static void run_case(ctx_t *c, const case_t *k) {
            k->heads, p.n_q, p.n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks),
            k->spread, k->zero_q ? " q=0" : "", hpb, splits);
   c->failures += check_fast(c, what, &p, &in, k->wide, splits > 1);
+#ifndef DSV4_TEST_TUNE
+  if (hpb == 64 && dsv4__cuda_attention_fast_wg())
+    c->failures += compare_wg(c, what, &p, &in);
+#endif
   free(sinks);
   attn_inputs_free(&in);
   attn_plan_free(&p);
@@ -457,6 +500,13 @@ static void run_window_cases(ctx_t *c) {
   if (dsv4__cuda_attention_fast_splits(1, 64) > 1 && c->window_split_runs == 0) {
     fprintf(stderr, "FAIL no window case of this device split its tokens' windows\n");
     c->failures++;
+  }
+  if (dsv4__cuda_attention_fast_wg()) {
+    if (!c->wg_compared) {
+      fprintf(stderr, "FAIL no window case ran on warpgroup MMAs, which this device runs\n");
+      c->failures++;
+    }
+    printf("%s: %u window cases on warpgroup MMAs against mma.sync\n", TEST_NAME, c->wg_compared);
   }
 }
 #endif

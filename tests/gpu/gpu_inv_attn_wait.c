@@ -98,21 +98,31 @@ int main(int argc, char **argv) {
   uint32_t *err = gpu_dev_alloc(sizeof(uint32_t));
   CK(cudaMemset(err, 0, sizeof(uint32_t)));
   uint64_t rng = 0xBE5466CF34E90C6Cull;
-  int bad = 0;
+  int bad = 0, wg_runs = 0; /* fast launches of 64-head CTAs on warpgroup MMAs */
   for (int batch = 0; batch < BATCHES && !bad; batch++) {
-    /* 1..8 decode steps, one of them a sequence's first token, and now and then a short prefill. */
+    /* 1..8 decode steps, one of them a sequence's first token, and now and then a short prefill;
+     * every fifth batch 64 heads and a prefill as long as fast mode needs to run the batch in CTAs
+     * of 64 heads on this device (on warpgroup MMAs where it has them). */
     attn_seg_spec_t spec[9];
-    uint32_t n_segs = 1 + gpu_below(&rng, 8), heads = 1 + gpu_below(&rng, 16);
+    const int wide = batch % 5 == 4;
+    uint32_t n_segs = 1 + gpu_below(&rng, 8), heads = wide ? 64 : 1 + gpu_below(&rng, 16);
     uint32_t bs = gpu_below(&rng, 2) ? 64 : 16;
     for (uint32_t g = 0; g < n_segs; g++) {
       int64_t p0 = (int64_t)gpu_below(&rng, 20000);
       int64_t first = g == 1 ? p0 : p0 + (int64_t)gpu_below(&rng, 40000);
       spec[g] = (attn_seg_spec_t){p0, first, 1};
     }
-    if (batch % 3 == 2)
-      spec[n_segs++] = (attn_seg_spec_t){100, 300, 1 + gpu_below(&rng, 40)};
+    uint32_t chunk = 1 + gpu_below(&rng, 40);
+    if (wide) /* the first length from 60 on (1024 at most) whose launch takes 64-head CTAs */
+      for (chunk = 60; chunk < 1024; chunk++)
+        if (dsv4__cuda_attention_fast_heads_per_block(n_segs + chunk, heads) == 64)
+          break;
+    if (batch % 3 == 2 || wide)
+      spec[n_segs++] = (attn_seg_spec_t){100, 300, chunk};
     attn_plan_t p;
     attn_plan_make(&rng, &p, spec, n_segs, bs, 3);
+    wg_runs += fast && dsv4__cuda_attention_fast_wg() &&
+               dsv4__cuda_attention_fast_heads_per_block(p.n_q, heads) == 64;
     attn_inputs_t in = {0};
     attn_inputs_fill(&rng, &p, &in, heads, 3);
     float *sink = gpu_host_alloc(sizeof(float) * heads);
@@ -240,8 +250,14 @@ int main(int argc, char **argv) {
   dsv4_backend_close(cpu);
   if (bad)
     return 1;
-  printf("gpu_inv_attn_wait: %d batches (%s mode%s), every output from the late writer's %s and "
-         "cache\n",
-         BATCHES, fast ? "fast" : "exact", fused ? ", fused" : "", fused ? "raw q" : "q_out");
+  if (fast && dsv4__cuda_attention_fast_wg() && wg_runs == 0) {
+    fprintf(stderr,
+            "gpu_inv_attn_wait: FAIL: no batch ran on warpgroup MMAs, which device 0 has\n");
+    return 1;
+  }
+  printf("gpu_inv_attn_wait: %d batches (%s mode%s; %d of them on warpgroup MMAs), every output "
+         "from the late writer's %s and cache\n",
+         BATCHES, fast ? "fast" : "exact", fused ? ", fused" : "", wg_runs,
+         fused ? "raw q" : "q_out");
   return 0;
 }

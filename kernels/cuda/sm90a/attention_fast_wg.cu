@@ -1,0 +1,262 @@
+/*
+ * The fast window kernel's CTAs of 64 heads (MT = 4, four warpgroups) on Hopper's warpgroup MMAs:
+ * the kernel of attention-fast-window.cuh with its two tensor-core steps issued by warpgroups, both
+ * operands read from shared memory by descriptors, instead of each warp's mma.sync on fragments it
+ * loads itself. Built for sm_90a only (wgmma has no other target); dsv4__attention_fast_wg_ready
+ * says whether the current device runs it.
+ *
+ * Why: with mma.sync a CTA of 16 warps loads its operands warp by warp, 768 KiB of shared memory
+ * for the scores (each of the 4 m-tiles' warps reloads its candidates, each of the 4 candidate
+ * groups' warps its queries) and 768 KiB for the weighted sums (the records again for every
+ * m-tile), about 6 k cycles each at 128 bytes a cycle, and the weighted sums' 4096 mma.sync (two
+ * weight planes) take as long again in the tensor cores. A warpgroup MMA reads its A operand once
+ * for the group's four warps and runs at twice mma.sync's rate: 384 KiB for the scores, 256 KiB
+ * for the weighted sums.
+ *
+ * The operands lie as the staging puts them (swz, attention-fast.cuh): rows in groups of 8 whose
+ * 128-byte pieces form the 1 KiB atoms of the 128-byte swizzle, which both K-major operands (q and
+ * the records for the scores, the weights for the sums) and the MN-major one (the records as V:
+ * rows are its K, their dims its N) read as they are:
+ *   scores  warpgroup g: candidates 32 g..32 g + 31 of the 64 heads, m64n32k16 over the 32 k-steps
+ *           of 16 dims, each k-step from zero and added to the total in fp32 as fast_scores adds
+ *           each mma.sync's partial (two k-steps in flight, the older added while the newer runs);
+ *   output  warpgroup g: dims 128 g..128 g + 127 of the 64 heads, m64n128k16 over the candidates'
+ *           k-steps, the hi plane then the lo plane each step, accumulated in the tensor cores as
+ *           fast_pv accumulates; then o = N / D and the stores (or a split's N) as fast_output's.
+ * Warp w of warpgroup g holds, of every n8 tile of the group's result, rows 16 w.. in mma.sync's
+ * m16n8 fragment, so the kernel's score store and output stores take the fragments as they are:
+ * warp 4 g + w is the mma.sync kernel's warp of m-tile w and candidates (or dims) of group g.
+ *
+ * Ordering (SPEC §5.2) is the kernel's: the MMAs read only shared memory staged after the wait.
+ */
+#include "../attention-fast-window.cuh"
+
+/* Without sm_90a's features the MMAs below would compile to nothing (CMake builds this file for
+ * that architecture alone). */
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "sm90a/attention_fast_wg.cu is built for sm_90a only"
+#endif
+
+/* Bytes between the atoms of the staged operands (swz): along a row's pieces, between groups of 8
+ * rows of 1 KiB rows (q, the records) and of 256-byte rows (the weights). */
+#define AWG_ATOM 1024u
+#define AWG_GROUP_K ((uint32_t)(8 * K_ROW))
+#define AWG_GROUP_P ((uint32_t)(8 * P_ROW))
+/* A k-step (16 bf16 values, 32 bytes) further along a K-major operand's atom. */
+#define AWG_KSTEP 32u
+
+/* A shared-memory matrix descriptor in the 128-byte swizzle mode: the operand at shared address a
+ * (its atoms on 1 KiB boundaries), lbo and sbo the leading and stride byte offsets. */
+static __device__ __forceinline__ uint64_t awg_desc(uint32_t a, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((a >> 4) & 0x3FFFu) | (uint64_t)((lbo >> 4) & 0x3FFFu) << 16 |
+         (uint64_t)((sbo >> 4) & 0x3FFFu) << 32 | 1ull << 62;
+}
+
+/* K-major: the leading byte offset is unused in the swizzled modes (1 by convention). */
+static __device__ __forceinline__ uint64_t awg_desc_k(uint32_t a, uint32_t sbo) {
+  return awg_desc(a, 16, sbo);
+}
+
+#define AWG_R8(d, i)                                                                               \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),      \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+
+/* d = A . B^T from zero, m64n32k16, A and B K-major by descriptors. */
+static __device__ __forceinline__ void awg_mma_n32(float (&d)[16], uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+               "%16, %17, p, 1, 1, 0, 0;\n}\n"
+               : AWG_R8(d, 0), AWG_R8(d, 8)
+               : "l"(a), "l"(b), "n"(0));
+#else
+  (void)d, (void)a, (void)b;
+#endif
+}
+
+/* d += A . B, m64n128k16, A K-major and B MN-major by descriptors. */
+static __device__ __forceinline__ void awg_mma_n128(float (&d)[64], uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+               "%64, %65, p, 1, 1, 0, 1;\n}\n"
+               : AWG_R8(d, 0), AWG_R8(d, 8), AWG_R8(d, 16), AWG_R8(d, 24), AWG_R8(d, 32),
+                 AWG_R8(d, 40), AWG_R8(d, 48), AWG_R8(d, 56)
+               : "l"(a), "l"(b), "n"(1));
+#else
+  (void)d, (void)a, (void)b;
+#endif
+}
+
+static __device__ __forceinline__ void awg_fence(void) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void awg_commit(void) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+/* Until at most N of the warpgroup's MMA groups are pending. */
+template <int N> static __device__ __forceinline__ void awg_wait(void) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/* d's registers are read or written only after this point (after a wait), or before it (before a
+ * fence): the empty asm ties them to it. */
+template <int R> static __device__ __forceinline__ void awg_tie(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; i++)
+    asm volatile("" : "+f"(d[i])::"memory");
+}
+
+struct fast_wg_ops {
+  /* Generic-proxy stores to shared memory made visible to the MMAs' (async-proxy) reads, before
+   * the barrier after them. */
+  static __device__ void publish() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+  }
+
+  /* The weighted sums read every row of the window (an MMA in a loop of n's length would serialize
+   * every MMA of the kernel): rows n.. hold zeros and their weights are zero. */
+  static __device__ uint32_t tail_end(uint32_t) {
+    return DSV4_WINDOW;
+  }
+
+  /* The scores of warpgroup g's 32 candidates (all of them: the kernel's store puts -inf past n,
+   * and an MMA under a branch would serialize every MMA of the kernel), k-step by k-step. */
+  template <int MT, int NP>
+  static __device__ void scores(const uint8_t *sq, const uint8_t *sk, uint32_t n, uint32_t warp,
+                                uint32_t lane, float (&acc)[2 * NP][4]) {
+    static_assert(MT == 4 && NP == 2, "64 heads, 32 candidates a warpgroup");
+    (void)n, (void)lane;
+    if (smem_addr(sk) & (AWG_ATOM - 1)) /* the swizzle's atoms must start on 1 KiB boundaries */
+      __trap();
+    const uint32_t qa = smem_addr(sq), ka = smem_addr(sk) + (warp >> 2) * 4 * AWG_GROUP_K;
+    float d[2][16] = {};
+    awg_tie(d[0]);
+    awg_tie(d[1]);
+#pragma unroll
+    for (int ks = 0; ks < DSV4_HEAD_DIM / 16; ks++) {
+      const uint32_t off = (ks >> 2) * AWG_ATOM + (ks & 3) * AWG_KSTEP;
+      awg_fence(); /* the buffer's last reads (the adds below) come before the MMA writes it */
+      awg_mma_n32(d[ks & 1], awg_desc_k(qa + off, AWG_GROUP_K), awg_desc_k(ka + off, AWG_GROUP_K));
+      awg_commit();
+      if (ks == 0)
+        continue;
+      awg_wait<1>();
+      awg_tie(d[(ks - 1) & 1]);
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+          acc[j][i] += d[(ks - 1) & 1][4 * j + i];
+    }
+    awg_wait<0>();
+    awg_tie(d[1]);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+        acc[j][i] += d[1][4 * j + i];
+  }
+
+  /* N of warpgroup g's 128 dims over the window's rows (zero weights past n), then the output (or
+   * a split's N). */
+  template <int MT, int W>
+  static __device__ void output(const attn_params_t &p, const attn_misc_t &ms,
+                                const fast_misc_t &fm, const uint8_t *sp, const uint8_t *sk,
+                                uint8_t *so, float *cn, uint32_t n, uint32_t t, uint32_t h_first,
+                                uint32_t split, uint32_t warp, uint32_t lane) {
+    static_assert(MT == 4 && W == 16, "64 heads, 128 dims a warpgroup");
+    (void)cn; /* never a cluster split: those have one m-tile */
+    (void)n;
+    const uint32_t g = warp >> 2, mt = warp & 3;
+    const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 16 * MT * P_ROW);
+    const uint32_t va = smem_addr(sk) + 2 * g * AWG_ATOM;
+    float d[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++)
+      d[i] = 0.0f;
+    awg_tie(d);
+    awg_fence();
+#pragma unroll
+    for (uint32_t k = 0; k < DSV4_WINDOW / 16; k++) {
+      const uint32_t off = (k >> 2) * AWG_ATOM + (k & 3) * AWG_KSTEP;
+      const uint64_t v = awg_desc(va + 2 * k * AWG_GROUP_K, AWG_ATOM, AWG_GROUP_K);
+      awg_mma_n128(d, awg_desc_k(pa + off, AWG_GROUP_P), v);
+      awg_mma_n128(d, awg_desc_k(pla + off, AWG_GROUP_P), v);
+    }
+    awg_commit();
+    awg_wait<0>();
+    awg_tie(d);
+    if (p.nsplit == 1) {
+#pragma unroll
+      for (int ch = 0; ch < 2; ch++) {
+        float a[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+          for (int i = 0; i < 4; i++)
+            a[j][i] = d[32 * ch + 4 * j + i];
+        fast_store_out_tile(p, ms, fm, t, h_first, mt, 128 * g + 64 * ch, lane,
+                            so + warp * OUT_TILE, a);
+      }
+      return;
+    }
+    float a[16][4];
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+        a[j][i] = d[4 * j + i];
+    fast_store_part<16>(p, t, h_first, mt * 16 + (lane >> 2), 128 * g, split, lane, a);
+  }
+};
+
+/* The weights' planes (sp, sp + 16 KiB) start on 1 KiB boundaries, as sk and q do. */
+static_assert(fast_ss_bytes(4) % AWG_ATOM == 0 && 16 * 4 * P_ROW % AWG_ATOM == 0,
+              "the weights' atoms on 1 KiB boundaries");
+
+#define AWG_KERNEL dsv4__attention_fast_kernel<4, false, 16, fast_wg_ops>
+
+static std::atomic<int> ready_cache[DEV_CACHE];
+
+/* The kernel's only image is sm_90a's: elsewhere its attributes cannot be read. */
+static int wg_ready_probe(int dev) {
+  cudaFuncAttributes fa;
+  return cudaFuncGetAttributes(&fa, AWG_KERNEL) == cudaSuccess &&
+         smem_grants(dev, fast_smem_bytes(4) + fa.sharedSizeBytes);
+}
+
+int dsv4__attention_fast_wg_ready(void) {
+  return per_device_cached(ready_cache, wg_ready_probe);
+}
+
+cudaError_t dsv4__attention_fast_wg_launch(const attn_params_t &p, dim3 grid, cudaStream_t s,
+                                           int pdl) {
+  static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
+  const size_t smem = fast_smem_bytes(4);
+  cudaError_t e = dsv4__cuda_smem_limit(AWG_KERNEL, smem, limit_raised);
+  if (e != cudaSuccess)
+    return e;
+  return dsv4__cuda_launch_smem(AWG_KERNEL, grid, 32 * 16, smem, s, pdl, p);
+}
+
+#ifdef DSV4_PHASE_PROBE
+long long dsv4__attention_fast_wg_phases(double cycles[7]) {
+  return dsv4__phase_take(cycles);
+}
+#endif
