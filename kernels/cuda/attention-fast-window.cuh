@@ -292,6 +292,7 @@ static __device__ void fast_copy_window(const attn_params_t &p, const attn_misc_
  * (fast_output). The warpgroup-MMA form (sm90a/attention_fast_wg.cu) gives the same fragments.
  */
 struct fast_mma_ops {
+  static constexpr uint32_t ALIGN = 16; /* the staged rows' alignment (ldmatrix's rows) */
   /* A thread's shared-memory stores made visible to the MMAs' reads, with the barrier after it:
    * nothing more is needed for mma.sync's fragments. */
   static __device__ void publish() {}
@@ -315,18 +316,20 @@ struct fast_mma_ops {
 };
 
 /* CL: the splits of a head group are one thread-block cluster (one m-tile only). Ops: the
- * tensor-core steps (fast_mma_ops, or the warpgroup MMAs' for 64 heads on sm_90a). The dynamic
- * shared memory starts on a 1 KiB boundary, as the warpgroup MMAs' swizzled operands must. */
+ * tensor-core steps (fast_mma_ops, or the warpgroup MMAs' for 64 heads on sm_90a), whose ALIGN
+ * says where the staged rows start in the dynamic shared memory (the launch gives ALIGN - 16 bytes
+ * more than fast_smem_bytes). */
 template <int MT, bool CL = false, int W = fast_warps(MT), class Ops = fast_mma_ops>
 __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_params_t p) {
   constexpr int NP = 8 * MT / W; /* pairs of n-tiles of candidates a warp scores */
   static_assert(!CL || MT == 1, "a cluster split ends 16 heads");
-  extern __shared__ __align__(1024) uint4 smem_dyn[];
+  extern __shared__ uint4 smem_dyn[];
   __shared__ attn_misc_t ms;
   __shared__ fast_misc_t fm;
   __shared__ fast_cl_t cl;
   __shared__ uint2 sscl[DSV4_WINDOW]; /* the staged records' scale bytes */
-  uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
+  uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn) +
+                ((Ops::ALIGN - (smem_addr(smem_dyn) & (Ops::ALIGN - 1))) & (Ops::ALIGN - 1));
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq);
   uint8_t *sp = sq + fast_ss_bytes(MT);

@@ -112,10 +112,8 @@ extern "C" int dsv4__cuda_attention_fast_supported(int dev) {
     (void)cudaGetLastError();
     return 0;
   }
-  /* The dynamic part starts on a 1 KiB boundary: at most 1 KiB between the two. */
   return major >= 9 && (size_t)optin >= fast_smem_bytes(4) + sizeof(attn_misc_t) +
-                                            sizeof(fast_misc_t) + DSV4_WINDOW * sizeof(uint2) +
-                                            1024;
+                                            sizeof(fast_misc_t) + DSV4_WINDOW * sizeof(uint2);
 }
 
 #ifdef DSV4_PHASE_PROBE

@@ -121,6 +121,7 @@ template <int R> static __device__ __forceinline__ void awg_tie(float (&d)[R]) {
 }
 
 struct fast_wg_ops {
+  static constexpr uint32_t ALIGN = AWG_ATOM; /* the swizzle's atoms start on 1 KiB boundaries */
   /* Generic-proxy stores to shared memory made visible to the MMAs' (async-proxy) reads, before
    * the barrier after them. */
   static __device__ void publish() {
@@ -142,8 +143,6 @@ struct fast_wg_ops {
                                 uint32_t lane, float (&acc)[2 * NP][4]) {
     static_assert(MT == 4 && NP == 2, "64 heads, 32 candidates a warpgroup");
     (void)n, (void)lane;
-    if (smem_addr(sk) & (AWG_ATOM - 1)) /* the swizzle's atoms must start on 1 KiB boundaries */
-      __trap();
     const uint32_t qa = smem_addr(sq), ka = smem_addr(sk) + (warp >> 2) * 4 * AWG_GROUP_K;
     float d[2][16] = {};
     awg_tie(d[0]);
@@ -226,11 +225,14 @@ struct fast_wg_ops {
   }
 };
 
-/* The weights' planes (sp, sp + 16 KiB) start on 1 KiB boundaries, as sk and q do. */
+/* The weights' planes (sp, sp + 16 KiB) start on 1 KiB boundaries, as sk (fast_wg_ops::ALIGN)
+ * and q do. */
 static_assert(fast_ss_bytes(4) % AWG_ATOM == 0 && 16 * 4 * P_ROW % AWG_ATOM == 0,
               "the weights' atoms on 1 KiB boundaries");
 
 #define AWG_KERNEL dsv4__attention_fast_kernel<4, false, 16, fast_wg_ops>
+/* The kernel's dynamic shared memory: room to start the rows on a 1 KiB boundary. */
+#define AWG_SMEM (fast_smem_bytes(4) + AWG_ATOM - 16)
 
 static std::atomic<int> ready_cache[DEV_CACHE];
 
@@ -238,7 +240,7 @@ static std::atomic<int> ready_cache[DEV_CACHE];
 static int wg_ready_probe(int dev) {
   cudaFuncAttributes fa;
   return cudaFuncGetAttributes(&fa, AWG_KERNEL) == cudaSuccess &&
-         smem_grants(dev, fast_smem_bytes(4) + fa.sharedSizeBytes);
+         smem_grants(dev, AWG_SMEM + fa.sharedSizeBytes);
 }
 
 int dsv4__attention_fast_wg_ready(void) {
@@ -248,7 +250,7 @@ int dsv4__attention_fast_wg_ready(void) {
 cudaError_t dsv4__attention_fast_wg_launch(const attn_params_t &p, dim3 grid, cudaStream_t s,
                                            int pdl) {
   static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
-  const size_t smem = fast_smem_bytes(4);
+  const size_t smem = AWG_SMEM;
   cudaError_t e = dsv4__cuda_smem_limit(AWG_KERNEL, smem, limit_raised);
   if (e != cudaSuccess)
     return e;
