@@ -74,7 +74,7 @@ static constexpr size_t fast_smem_bytes(int mt) {
  * (fast_weights), S and D = S + exp(sink - m), lse = m + log S; a split's m and S into its partial
  * state (into cms, in shared memory, for a cluster split).
  */
-template <int MT, int W>
+template <int MT, int W, class L>
 static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uint8_t *sp,
                                     fast_misc_t &fm, float2 *cms, uint32_t t, uint32_t h_first,
                                     uint32_t split, uint32_t warp, uint32_t lane) {
@@ -83,7 +83,7 @@ static __device__ void fast_softmax(const attn_params_t &p, const float *ss, uin
 #pragma unroll
   for (int i = 0; i < HPW; i++)
     m[i] = -INFINITY;
-  fast_weights<HPW, W>(ss, sp, sp + 16 * MT * P_ROW, warp, lane, m, sum);
+  fast_weights<HPW, W, L>(ss, sp, sp + 16 * MT * P_ROW, warp, lane, m, sum);
   if (lane != 0)
     return;
 #pragma unroll
@@ -270,7 +270,7 @@ static __device__ void fast_output(const attn_params_t &p, const attn_misc_t &ms
 
 /* The window's n candidates from `first` on into rows 0..n - 1 (raw, fast_copy_record): warp w
  * copies candidates w, w + W, ..., whose addresses it reads from ms.blk. */
-template <int W>
+template <int W, class L>
 static __device__ void fast_copy_window(const attn_params_t &p, const attn_misc_t &ms, uint8_t *sk,
                                         uint2 *sscl, uint32_t first, uint32_t n, uint32_t warp,
                                         uint32_t lane) {
@@ -279,10 +279,10 @@ static __device__ void fast_copy_window(const attn_params_t &p, const attn_misc_
   for (uint32_t s = warp; s < n; s += W) {
     const int64_t pos = lo + first + s, o = pos & mask;
     const uint8_t *base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - lb0] * p.stride;
-    fast_copy_record(sk, sscl, s, base + (uint64_t)o * DSV4_TOKEN_DATA_BYTES,
-                     base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) +
-                         (uint64_t)o * DSV4_SCALE_BYTES,
-                     lane);
+    fast_copy_record<L>(sk, sscl, s, base + (uint64_t)o * DSV4_TOKEN_DATA_BYTES,
+                        base + ((uint64_t)DSV4_TOKEN_DATA_BYTES << p.bs_shift) +
+                            (uint64_t)o * DSV4_SCALE_BYTES,
+                        lane);
   }
 }
 
@@ -292,7 +292,8 @@ static __device__ void fast_copy_window(const attn_params_t &p, const attn_misc_
  * (fast_output). The warpgroup-MMA form (sm90a/attention_fast_wg.cu) gives the same fragments.
  */
 struct fast_mma_ops {
-  static constexpr uint32_t ALIGN = 16; /* the staged rows' alignment (ldmatrix's rows) */
+  using L = swz_rows;                   /* the staged rows' layout */
+  static constexpr uint32_t ALIGN = 16; /* and their alignment (ldmatrix's rows) */
   /* A thread's shared-memory stores made visible to the MMAs' reads, with the barrier after it:
    * nothing more is needed for mma.sync's fragments. */
   static __device__ void publish() {}
@@ -328,8 +329,10 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   __shared__ fast_misc_t fm;
   __shared__ fast_cl_t cl;
   __shared__ uint2 sscl[DSV4_WINDOW]; /* the staged records' scale bytes */
-  uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn) +
-                ((Ops::ALIGN - (smem_addr(smem_dyn) & (Ops::ALIGN - 1))) & (Ops::ALIGN - 1));
+  using L = typename Ops::L;          /* the staged rows' layout */
+  uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
+  if constexpr (Ops::ALIGN > 16)
+    sk += (Ops::ALIGN - (smem_addr(smem_dyn) & (Ops::ALIGN - 1))) & (Ops::ALIGN - 1);
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq);
   uint8_t *sp = sq + fast_ss_bytes(MT);
@@ -344,7 +347,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
 #ifdef DSV4_TEST_BROKEN_FAST_EARLY_READ
   /* Test-only breakage of SPEC §5.2 (tests/gpu/gpu_inv_attn_wait.c, "fast"): the queries are
    * loaded before the wait, while the grid before this one may still be writing q_out. */
-  fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
+  fast_load_q<MT, W, L>(p, t, h_first, sq, ms.rope);
 #endif
   dsv4__dep_wait_params(p);
   PHASE_MARK(PH_WAIT);
@@ -359,7 +362,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
 #endif
 #ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
   if (!p.q_raw) /* q_out's rows land while the window and the check are read */
-    fast_copy_q<MT, W>(p, t, h_first, sq);
+    fast_copy_q<MT, W, L>(p, t, h_first, sq);
 #endif
   /* The window's records are copied as soon as its blocks are known (reading them needs no more
    * than that they lie in the pool); the launch's check runs under the copies. */
@@ -369,7 +372,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   /* The CTA's candidates: the window, or split `split`'s part of it. */
   const uint32_t span = DSV4_WINDOW / p.nsplit, first = split * span;
   const uint32_t n = own_bad ? 0 : first < ms.n ? min(ms.n - first, span) : 0;
-  fast_copy_window<W>(p, ms, sk, sscl, first, n, warp, lane);
+  fast_copy_window<W, L>(p, ms, sk, sscl, first, n, warp, lane);
   const int stop = attn_check(p, bits);
   if (stop || n == 0) {
     dsv4__cp_async_wait_all(); /* no copy outlives the CTA */
@@ -387,12 +390,12 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   PHASE_MARK(PH_SETUP);
 #ifndef DSV4_TEST_BROKEN_FAST_EARLY_READ
   if (p.q_raw)
-    fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
+    fast_load_q<MT, W, L>(p, t, h_first, sq, ms.rope);
 #endif
   dsv4__cp_async_wait_all();
   __syncthreads();
-  fast_dequant_rows<W>(sk, sscl, n, warp, lane);
-  fast_zero_tail(sk, n, Ops::tail_end(n));
+  fast_dequant_rows<W, L>(sk, sscl, n, warp, lane);
+  fast_zero_tail<L>(sk, n, Ops::tail_end(n));
   Ops::publish(); /* the staged rows and q, for the MMAs' reads */
   __syncthreads();
   PHASE_MARK(PH_STAGE);
@@ -404,7 +407,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   }
   __syncthreads();
   PHASE_MARK(PH_SCORES);
-  fast_softmax<MT, W>(p, ss, sp, fm, CL ? cl.ms : nullptr, t, h_first, split, warp, lane);
+  fast_softmax<MT, W, L>(p, ss, sp, fm, CL ? cl.ms : nullptr, t, h_first, split, warp, lane);
   Ops::publish(); /* the weights */
   __syncthreads();
   PHASE_MARK(PH_SOFTMAX);

@@ -13,18 +13,42 @@
 /* Floats per row of scores: 128 candidates and a pad that spreads the rows over the banks. */
 #define S_STRIDE 132
 
+/* Where a staged row's record waits for fast_dequant_rows (its raw NoPE bytes inside the 56 chunks
+ * its NoPE dims take as bf16, so that the dequantisation reads the whole row before it writes; its
+ * 8 chunks of RoPE dims, bf16 already, where they stay, chunks 56..63): the layouts' raw(). */
+#define RAW_CHUNK 28
+
 /*
- * The byte offset of 16-byte chunk c of row r in a block of rows of `row` bytes (a multiple of 128;
- * 8 rows a group), in the warpgroup MMA's 128-byte swizzled layout: a group of 8 rows takes 8 row
- * bytes, in which piece k of its rows (chunks 8k..8k + 7 of each) lie together, a row's piece at
- * 128 r % 8, its chunk c at place (c ^ r) % 8 (a swizzle atom of 1 KiB a piece). The 8 rows of one
- * chunk (ldmatrix) and the 8 chunks of a piece of one row (the staging) fall in 8 different
- * 16-byte bank groups; the wgmma kernel (sm90a/attention_fast_wg.cu) reads the same bytes through
- * descriptors.
+ * The staged rows' layouts in shared memory (q, the window's records, the weights; rows of `row`
+ * bytes, a multiple of 128, in blocks of a multiple of 8 rows): at(r, c, row) is the byte offset of
+ * 16-byte chunk c of row r, raw(s, j) where chunk j of record s waits raw (fast_copy_record). In
+ * both, the 8 rows of one chunk (ldmatrix) and the 8 chunks of one 128 bytes of a row (the staging)
+ * fall in 8 different 16-byte bank groups.
+ *
+ * swz_rows (the mma.sync kernels): each row whole, its chunk c at place c ^ (r % 8) of its 128
+ * bytes; a record's NoPE bytes raw at bytes 448.. of its row.
  */
-static __device__ __forceinline__ uint32_t swz(uint32_t r, uint32_t c, uint32_t row) {
-  return (r >> 3) * (row << 3) + ((c >> 3) << 10) + ((r & 7) << 7) + (((c ^ r) & 7) << 4);
-}
+struct swz_rows {
+  static __device__ __forceinline__ uint32_t at(uint32_t r, uint32_t c, uint32_t row) {
+    return r * row + ((c ^ (r & 7)) << 4);
+  }
+  static __device__ __forceinline__ uint32_t raw(uint32_t s, uint32_t j) {
+    return j < RAW_CHUNK ? s * K_ROW + 16 * (RAW_CHUNK + j) : at(s, RAW_CHUNK + j, K_ROW);
+  }
+};
+
+/* swz_atoms (the warpgroup MMAs, sm90a/attention_fast_wg.cu, which read it through descriptors):
+ * the 128-byte swizzle's layout, a group of 8 rows taking 8 row bytes in which piece k of its rows
+ * (chunks 8k..8k + 7 of each) lie together (a 1 KiB atom), a row's piece at 128 (r % 8), its chunk
+ * c at place (c ^ r) % 8; a record's chunk j at the place of its row's chunk RAW_CHUNK + j. */
+struct swz_atoms {
+  static __device__ __forceinline__ uint32_t at(uint32_t r, uint32_t c, uint32_t row) {
+    return (r >> 3) * (row << 3) + ((c >> 3) << 10) + ((r & 7) << 7) + (((c ^ r) & 7) << 4);
+  }
+  static __device__ __forceinline__ uint32_t raw(uint32_t s, uint32_t j) {
+    return at(s, RAW_CHUNK + j, K_ROW);
+  }
+};
 
 static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
   return (uint32_t)__cvta_generic_to_shared(p);
@@ -67,7 +91,7 @@ typedef struct {
  * flight at once, and turns each into the bf16 values the insert would have written (q-norm.cuh,
  * the run layout: lane l holds chunks 2l and 2l + 1), placed as fast_load_q places q_out.
  */
-template <int MT, int W>
+template <int MT, int W, class L>
 static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint32_t h_first,
                                        uint8_t *sq, const float *rope) {
   constexpr int RW = 16 * MT / W;
@@ -88,8 +112,8 @@ static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint3
     const uint32_t h = warp + W * i;
     if (h_first + h < p.heads) /* warp-uniform */
       qn_row_run(lane, rope, p.eps, v[i][0], v[i][1]);
-    *reinterpret_cast<uint4 *>(sq + swz(h, 2 * lane, K_ROW)) = v[i][0];
-    *reinterpret_cast<uint4 *>(sq + swz(h, 2 * lane + 1, K_ROW)) = v[i][1];
+    *reinterpret_cast<uint4 *>(sq + L::at(h, 2 * lane, K_ROW)) = v[i][0];
+    *reinterpret_cast<uint4 *>(sq + L::at(h, 2 * lane + 1, K_ROW)) = v[i][1];
   }
 }
 
@@ -97,11 +121,11 @@ static __device__ void fast_load_q_raw(const attn_params_t &p, uint32_t t, uint3
  * head), by a CTA of W warps: on the fused decode path the raw rows normalised (rope: the query
  * position's RoPE row, ms.rope, after the setup); else q_out's rows by loads, which only the
  * ordering tests' broken builds use, before the wait (the kernels copy them: fast_copy_q). */
-template <int MT, int W = ATTN_WARPS>
+template <int MT, int W = ATTN_WARPS, class L = swz_rows>
 static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
                                    uint8_t *sq, const float *rope) {
   if (p.q_raw) {
-    fast_load_q_raw<MT, W>(p, t, h_first, sq, rope);
+    fast_load_q_raw<MT, W, L>(p, t, h_first, sq, rope);
     return;
   }
   constexpr int K = 16 * MT * 64 / (32 * W);
@@ -115,7 +139,7 @@ static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t 
 #pragma unroll
   for (int k = 0; k < K; k++) {
     const uint32_t i = threadIdx.x + 32 * W * k;
-    *reinterpret_cast<uint4 *>(sq + swz(i >> 6, i & 63, K_ROW)) = v[k];
+    *reinterpret_cast<uint4 *>(sq + L::at(i >> 6, i & 63, K_ROW)) = v[k];
   }
 }
 
@@ -123,13 +147,13 @@ static __device__ void fast_load_q(const attn_params_t &p, uint32_t t, uint32_t 
  * last head), by asynchronous copies: issued right after the dependency wait, they land while the
  * window and the launch's check are read, and cost no registers. Complete after
  * dsv4__cp_async_wait_all and a barrier. */
-template <int MT, int W>
+template <int MT, int W, class L = swz_rows>
 static __device__ void fast_copy_q(const attn_params_t &p, uint32_t t, uint32_t h_first,
                                    uint8_t *sq) {
 #pragma unroll
   for (int k = 0; k < 16 * MT * 64 / (32 * W); k++) {
     const uint32_t i = threadIdx.x + 32 * W * k, h = i >> 6, c = i & 63;
-    uint8_t *dst = sq + swz(h, c, K_ROW);
+    uint8_t *dst = sq + L::at(h, c, K_ROW);
     if (h_first + h < p.heads)
       dsv4__cp_async16(dst, p.q + ((uint64_t)t * p.heads + h_first + h) * 64 + c);
     else
@@ -138,26 +162,19 @@ static __device__ void fast_copy_q(const attn_params_t &p, uint32_t t, uint32_t 
 }
 
 /*
- * Where a staged row's record waits for fast_dequant_rows: its chunk j (16 bytes) at the place of
- * the row's chunk RAW_CHUNK + j, so that its 28 chunks of NoPE bytes lie inside the 56 chunks its
- * NoPE dims take as bf16 (the dequantisation reads the whole row before it writes) and its 8 chunks
- * of RoPE dims (bf16 already) land where they stay, chunks 56..63.
- */
-#define RAW_CHUNK 28
-
-/*
  * The record whose 576 data bytes lie at rec and 8 scale bytes at scl into row s, by asynchronous
  * copies (a warp, lane by lane): its 36 chunks at the row's places RAW_CHUNK.. (the NoPE bytes raw,
  * the RoPE dims where they stay), its scales into sscl[s]. Complete after dsv4__cp_async_wait_all
  * and a barrier; then fast_dequant_rows.
  */
+template <class L = swz_rows>
 static __device__ __forceinline__ void fast_copy_record(uint8_t *sk, uint2 *sscl, uint32_t s,
                                                         const uint8_t *rec, const uint8_t *scl,
                                                         uint32_t lane) {
   /* chunk j of the record: 0..27 NoPE, 28..35 RoPE (j = 32 + lane) */
-  dsv4__cp_async16(sk + swz(s, RAW_CHUNK + lane, K_ROW), rec + 16 * lane);
+  dsv4__cp_async16(sk + L::raw(s, lane), rec + 16 * lane);
   if (lane < 4)
-    dsv4__cp_async16(sk + swz(s, RAW_CHUNK + 32 + lane, K_ROW), rec + 16 * (32 + lane));
+    dsv4__cp_async16(sk + L::raw(s, 32 + lane), rec + 16 * (32 + lane));
   else if (lane == 4)
     dsv4__cp_async<8>(sscl + s, scl);
 }
@@ -168,7 +185,7 @@ static __device__ __forceinline__ void fast_copy_record(uint8_t *sk, uint2 *sscl
  * four in flight): lane l < 28 reads the row's raw chunk l (pieces 2 l and 2 l + 1, one scale
  * code), and once the warp has read the whole row it writes the pieces' swizzled chunks.
  */
-template <int W>
+template <int W, class L = swz_rows>
 static __device__ void fast_dequant_rows(uint8_t *sk, const uint2 *sscl, uint32_t n, uint32_t warp,
                                          uint32_t lane) {
   for (uint32_t s0 = warp; s0 < n; s0 += 4 * W) {
@@ -178,7 +195,7 @@ static __device__ void fast_dequant_rows(uint8_t *sk, const uint2 *sscl, uint32_
     for (int r = 0; r < 4; r++) {
       const uint32_t s = s0 + W * r;
       if (s < n && lane < 28) {
-        raw[r] = *reinterpret_cast<const uint4 *>(sk + swz(s, RAW_CHUNK + lane, K_ROW));
+        raw[r] = *reinterpret_cast<const uint4 *>(sk + L::raw(s, lane));
         code[r] = reinterpret_cast<const uint8_t *>(sscl + s)[lane >> 2];
       }
     }
@@ -187,9 +204,9 @@ static __device__ void fast_dequant_rows(uint8_t *sk, const uint2 *sscl, uint32_
     for (int r = 0; r < 4; r++) {
       const uint32_t s = s0 + W * r;
       if (s < n && lane < 28) {
-        *reinterpret_cast<uint4 *>(sk + swz(s, 2 * lane, K_ROW)) =
+        *reinterpret_cast<uint4 *>(sk + L::at(s, 2 * lane, K_ROW)) =
             dequant8(raw[r].x, raw[r].y, code[r]);
-        *reinterpret_cast<uint4 *>(sk + swz(s, 2 * lane + 1, K_ROW)) =
+        *reinterpret_cast<uint4 *>(sk + L::at(s, 2 * lane + 1, K_ROW)) =
             dequant8(raw[r].z, raw[r].w, code[r]);
       }
     }
@@ -199,9 +216,10 @@ static __device__ void fast_dequant_rows(uint8_t *sk, const uint2 *sscl, uint32_
 /* Zeros in the rows n..end - 1 of the window (end: n rounded up to 16, or the whole window for
  * the warpgroup MMAs, whose weighted sums take every row), which the weighted sum multiplies by
  * zero weights: staged memory left from before could hold NaN patterns. */
+template <class L = swz_rows>
 static __device__ void fast_zero_tail(uint8_t *sk, uint32_t n, uint32_t end) {
   for (uint32_t i = threadIdx.x; i < (end - n) * 64; i += blockDim.x)
-    *reinterpret_cast<uint4 *>(sk + swz(n + (i >> 6), i & 63, K_ROW)) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4 *>(sk + L::at(n + (i >> 6), i & 63, K_ROW)) = make_uint4(0, 0, 0, 0);
 }
 
 /* The scores of the warp's m-tile and its 16 NP candidates: 2 NP n-tiles of 8, over 512 dims. */
@@ -221,12 +239,12 @@ static __device__ void fast_scores(const uint8_t *sq, const uint8_t *sk, uint32_
 #pragma unroll 4
   for (uint32_t kc = 0; kc < 64; kc += 2) {
     uint32_t a[4];
-    ldsm4(qa + swz(arow, kc + acol, K_ROW), a);
+    ldsm4(qa + swz_rows::at(arow, kc + acol, K_ROW), a);
 #pragma unroll
     for (int np = 0; np < NP; np++) {
       uint32_t b[4];
       float part[2][4] = {};
-      ldsm4(ka + swz(brow + 16 * np, kc + bcol, K_ROW), b);
+      ldsm4(ka + swz_rows::at(brow + 16 * np, kc + bcol, K_ROW), b);
       mma16816(part[0], a, b[0], b[1]);
       mma16816(part[1], a, b[2], b[3]);
 #pragma unroll
@@ -263,7 +281,7 @@ static __device__ void fast_store_scores(float *ss, uint32_t warp, uint32_t lane
  * weight planes as bf16 pairs (hi = bf16(w), lo = bf16(w - hi)), and their sum S in one fixed order
  * (each lane's four in turn, then a shuffle tree), the same on every run.
  */
-template <int HPW, int W>
+template <int HPW, int W, class L = swz_rows>
 static __device__ __forceinline__ void fast_weights(const float *ss, uint8_t *sp, uint8_t *sp_lo,
                                                     uint32_t warp, uint32_t lane, float (&m)[HPW],
                                                     float (&sum)[HPW]) {
@@ -293,7 +311,7 @@ static __device__ __forceinline__ void fast_weights(const float *ss, uint8_t *sp
       sum[i] += w;
       const uint32_t hw = bf16x2(w, 0.0f);
       const uint16_t hi = (uint16_t)hw, lo = (uint16_t)bf16x2(w - __uint_as_float(hw << 16), 0.0f);
-      const uint32_t s = lane + 32 * k, off = swz(h, s >> 3, P_ROW) + 2 * (s & 7);
+      const uint32_t s = lane + 32 * k, off = L::at(h, s >> 3, P_ROW) + 2 * (s & 7);
       *reinterpret_cast<uint16_t *>(sp + off) = hi;
       *reinterpret_cast<uint16_t *>(sp_lo + off) = lo;
     }
@@ -452,12 +470,12 @@ static __device__ __forceinline__ void fast_pv(uint32_t pa, uint32_t pla, uint32
   const uint32_t brow = (lane & 7) + ((lane >> 3) & 1) * 8, bcol = lane >> 4;
   for (uint32_t kc = 0; kc < kcs; kc += 2) {
     uint32_t a[4], al[4];
-    ldsm4(pa + swz(arow, kc + acol, P_ROW), a);
-    ldsm4(pla + swz(arow, kc + acol, P_ROW), al);
+    ldsm4(pa + swz_rows::at(arow, kc + acol, P_ROW), a);
+    ldsm4(pla + swz_rows::at(arow, kc + acol, P_ROW), al);
 #pragma unroll
     for (int np = 0; np < NT / 2; np++) {
       uint32_t b[4];
-      ldsm4_t(ka + swz(kc * 8 + brow, d0 / 8 + 2 * np + bcol, K_ROW), b);
+      ldsm4_t(ka + swz_rows::at(kc * 8 + brow, d0 / 8 + 2 * np + bcol, K_ROW), b);
       mma16816(acc[2 * np], a, b[0], b[1]);
       mma16816(acc[2 * np + 1], a, b[2], b[3]);
       mma16816(acc[2 * np], al, b[0], b[1]);

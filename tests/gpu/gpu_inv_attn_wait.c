@@ -21,6 +21,10 @@
  * and the cache; the reference is the same (the fused path's bytes are the unfused path's). Its
  * broken build loads the raw queries before the wait (DSV4_TEST_BROKEN_FUSED_EARLY_READ; ctest:
  * gpu_inv_attn_wait_fused_broken_early_read).
+ *
+ * Every fifth batch has 64 heads and a prefill long enough that fast mode runs it in CTAs of 64
+ * heads, on warpgroup MMAs where the device has them (sm90a/attention_fast_wg.cu); with the
+ * argument "wide" every batch does (to see the broken builds fail on that kernel too).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -67,10 +71,11 @@ static int check(int batch, const attn_plan_t *p, uint32_t heads, const uint16_t
 }
 
 int main(int argc, char **argv) {
-  int fast = 0, fused = 0;
+  int fast = 0, fused = 0, all_wide = 0;
   for (int i = 1; i < argc; i++) {
     fast |= strcmp(argv[i], "fast") == 0;
     fused |= strcmp(argv[i], "fused") == 0;
+    all_wide |= strcmp(argv[i], "wide") == 0;
   }
   if (!gpu_available("gpu_inv_attn_wait"))
     return GPU_SKIP;
@@ -104,7 +109,7 @@ int main(int argc, char **argv) {
      * every fifth batch 64 heads and a prefill as long as fast mode needs to run the batch in CTAs
      * of 64 heads on this device (on warpgroup MMAs where it has them). */
     attn_seg_spec_t spec[9];
-    const int wide = batch % 5 == 4;
+    const int wide = all_wide || batch % 5 == 4;
     uint32_t n_segs = 1 + gpu_below(&rng, 8), heads = wide ? 64 : 1 + gpu_below(&rng, 16);
     uint32_t bs = gpu_below(&rng, 2) ? 64 : 16;
     for (uint32_t g = 0; g < n_segs; g++) {

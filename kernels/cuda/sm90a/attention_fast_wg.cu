@@ -13,19 +13,19 @@
  * for the group's four warps and runs at twice mma.sync's rate: 384 KiB for the scores, 256 KiB
  * for the weighted sums.
  *
- * The operands lie as the staging puts them (swz, attention-fast.cuh): rows in groups of 8 whose
- * 128-byte pieces form the 1 KiB atoms of the 128-byte swizzle, which both K-major operands (q and
- * the records for the scores, the weights for the sums) and the MN-major one (the records as V:
- * rows are its K, their dims its N) read as they are:
- *   scores  warpgroup g: candidates 32 g..32 g + 31 of the 64 heads, m64n32k16 over the 32 k-steps
- *           of 16 dims, each k-step from zero and added to the total in fp32 as fast_scores adds
- *           each mma.sync's partial (two k-steps in flight, the older added while the newer runs);
- *   output  warpgroup g: dims 128 g..128 g + 127 of the 64 heads, m64n128k16 over the candidates'
- *           k-steps, the hi plane then the lo plane each step, accumulated in the tensor cores as
- *           fast_pv accumulates; then o = N / D and the stores (or a split's N) as fast_output's.
- * Warp w of warpgroup g holds, of every n8 tile of the group's result, rows 16 w.. in mma.sync's
- * m16n8 fragment, so the kernel's score store and output stores take the fragments as they are:
- * warp 4 g + w is the mma.sync kernel's warp of m-tile w and candidates (or dims) of group g.
+ * The operands lie as the staging puts them (swz_atoms, attention-fast.cuh): rows in groups of 8
+ * whose 128-byte pieces form the 1 KiB atoms of the 128-byte swizzle, which both K-major operands
+ * (q and the records for the scores, the weights for the sums) and the MN-major one (the records as
+ * V: rows are its K, their dims its N) read as they are: scores  warpgroup g: candidates 32 g..32 g
+ * + 31 of the 64 heads, m64n32k16 over the 32 k-steps of 16 dims, each k-step from zero and added
+ * to the total in fp32 as fast_scores adds each mma.sync's partial (two k-steps in flight, the
+ * older added while the newer runs); output  warpgroup g: dims 128 g..128 g + 127 of the 64 heads,
+ * m64n128k16 over the candidates' k-steps, the hi plane then the lo plane each step, accumulated in
+ * the tensor cores as fast_pv accumulates; then o = N / D and the stores (or a split's N) as
+ * fast_output's. Warp w of warpgroup g holds, of every n8 tile of the group's result, rows 16 w..
+ * in mma.sync's m16n8 fragment, so the kernel's score store and output stores take the fragments as
+ * they are: warp 4 g + w is the mma.sync kernel's warp of m-tile w and candidates (or dims) of
+ * group g.
  *
  * Ordering (SPEC §5.2) is the kernel's: the MMAs read only shared memory staged after the wait.
  */
@@ -37,8 +37,8 @@
 #error "sm90a/attention_fast_wg.cu is built for sm_90a only"
 #endif
 
-/* Bytes between the atoms of the staged operands (swz): along a row's pieces, between groups of 8
- * rows of 1 KiB rows (q, the records) and of 256-byte rows (the weights). */
+/* Bytes between the atoms of the staged operands (swz_atoms): along a row's pieces, between groups
+ * of 8 rows of 1 KiB rows (q, the records) and of 256-byte rows (the weights). */
 #define AWG_ATOM 1024u
 #define AWG_GROUP_K ((uint32_t)(8 * K_ROW))
 #define AWG_GROUP_P ((uint32_t)(8 * P_ROW))
@@ -121,7 +121,8 @@ template <int R> static __device__ __forceinline__ void awg_tie(float (&d)[R]) {
 }
 
 struct fast_wg_ops {
-  static constexpr uint32_t ALIGN = AWG_ATOM; /* the swizzle's atoms start on 1 KiB boundaries */
+  using L = swz_atoms;                        /* the staged rows in the 128-byte swizzle */
+  static constexpr uint32_t ALIGN = AWG_ATOM; /* whose atoms start on 1 KiB boundaries */
   /* Generic-proxy stores to shared memory made visible to the MMAs' (async-proxy) reads, before
    * the barrier after them. */
   static __device__ void publish() {
