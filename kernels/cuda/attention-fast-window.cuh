@@ -26,6 +26,8 @@
  *   output  warp w: m-tile w % MT, dims (w / MT) 512 MT / W.., 64 at a time: mma over the
  *           candidates, then o = N / D, inverse RoPE, bf16, through the warp's tile in shared
  *           memory to whole 128-byte rows of the output
+ * On sm_90a a CTA of 64 heads issues its scores and weighted sums as warpgroup MMAs instead (the
+ * kernel's Ops, sm90a/attention_fast_wg.cu): the same fragments in the same warps, the same bytes.
  * Split windows (flash-decoding), when a launch's CTAs fill less than half the device (a decode
  * step of a few tokens; attention-split.h): the grid's y holds nsplit = 2, 4 or 8 splits, and split
  * s stages, scores and weighs only the window's candidates 128 s / nsplit.. (128 / nsplit of them:
