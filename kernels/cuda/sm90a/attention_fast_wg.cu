@@ -15,17 +15,18 @@
  *
  * The operands lie as the staging puts them (swz_atoms, attention-fast.cuh): rows in groups of 8
  * whose 128-byte pieces form the 1 KiB atoms of the 128-byte swizzle, which both K-major operands
- * (q and the records for the scores, the weights for the sums) and the MN-major one (the records as
- * V: rows are its K, their dims its N) read as they are: scores  warpgroup g: candidates 32 g..32 g
- * + 31 of the 64 heads, m64n32k16 over the 32 k-steps of 16 dims, each k-step from zero and added
- * to the total in fp32 as fast_scores adds each mma.sync's partial (two k-steps in flight, the
- * older added while the newer runs); output  warpgroup g: dims 128 g..128 g + 127 of the 64 heads,
- * m64n128k16 over the candidates' k-steps, the hi plane then the lo plane each step, accumulated in
- * the tensor cores as fast_pv accumulates; then o = N / D and the stores (or a split's N) as
- * fast_output's. Warp w of warpgroup g holds, of every n8 tile of the group's result, rows 16 w..
- * in mma.sync's m16n8 fragment, so the kernel's score store and output stores take the fragments as
- * they are: warp 4 g + w is the mma.sync kernel's warp of m-tile w and candidates (or dims) of
- * group g.
+ * (q and the records for the scores, the weights for the sums) and the MN-major one (the records
+ * as V: rows are its K, their dims its N) read as they are.
+ *   scores  warpgroup g: candidates 32 g.. of the 64 heads, m64n32k16 over 32 k-steps of 16 dims,
+ *           each from zero and added to the total in fp32 as fast_scores adds each mma.sync's
+ *           partial (two k-steps in flight, the older added while the newer runs)
+ *   output  warpgroup g: dims 128 g.. of the 64 heads, m64n128k16 over the window's k-steps of
+ *           16 rows, the hi plane then the lo plane each step, accumulated in the tensor cores as
+ *           fast_pv accumulates; then o = N / D and the stores (or a split's N) as fast_output's
+ * Warp w of warpgroup g holds, of every n8 tile of the group's result, rows 16 w.. in mma.sync's
+ * m16n8 fragment: warp 4 g + w is the mma.sync kernel's warp of m-tile w and of candidates (or
+ * dims) group g, so the kernel's stores take the fragments as they are, and the bytes are the
+ * mma.sync kernel's (gpu_attn_fast_test compares them).
  *
  * Ordering (SPEC §5.2) is the kernel's: the MMAs read only shared memory staged after the wait.
  */
@@ -120,6 +121,9 @@ template <int R> static __device__ __forceinline__ void awg_tie(float (&d)[R]) {
     asm volatile("" : "+f"(d[i])::"memory");
 }
 
+/* The window kernel's Ops on warpgroup MMAs (fast_mma_ops' counterpart, attention-fast-window.cuh):
+ * the rows' layout and alignment, the proxy fence before the barriers, the zero tail, the scores
+ * and the weighted sums with the output. */
 struct fast_wg_ops {
   using L = swz_atoms;                        /* the staged rows in the 128-byte swizzle */
   static constexpr uint32_t ALIGN = AWG_ATOM; /* whose atoms start on 1 KiB boundaries */
