@@ -122,8 +122,8 @@ extern "C" long long dsv4__cuda_attention_fast_phases(double cycles[7]) {
   static_assert(PH_OUTPUT < DSV4_PHASE_SLOTS - 1, "a slot a phase");
   double wg[7];
   const long long n = dsv4__phase_take(cycles), nw = dsv4__attention_fast_wg_phases(wg);
-  if (n < 0 || nw <= 0)
-    return n < 0 ? n : n + (nw > 0 ? nw : 0);
+  if (n < 0 || nw <= 0) /* unreadable, or no CTA of the warpgroup form */
+    return n;
   for (int i = 0; i < 7; i++)
     cycles[i] = (cycles[i] * (double)n + wg[i] * (double)nw) / (double)(n + nw);
   return n + nw;

@@ -31,6 +31,7 @@
  * Ordering (SPEC §5.2) is the kernel's: the MMAs read only shared memory staged after the wait.
  */
 #include "../attention-fast-window.cuh"
+#include "wgmma.cuh"
 
 /* Without sm_90a's features the MMAs below would compile to nothing (CMake builds this file for
  * that architecture alone). */
@@ -94,33 +95,6 @@ static __device__ __forceinline__ void awg_mma_n128(float (&d)[64], uint64_t a, 
 #endif
 }
 
-static __device__ __forceinline__ void awg_fence(void) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-static __device__ __forceinline__ void awg_commit(void) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-/* Until at most N of the warpgroup's MMA groups are pending. */
-template <int N> static __device__ __forceinline__ void awg_wait(void) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
-/* d's registers are read or written only after this point (after a wait), or before it (before a
- * fence): the empty asm ties them to it. */
-template <int R> static __device__ __forceinline__ void awg_tie(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; i++)
-    asm volatile("" : "+f"(d[i])::"memory");
-}
-
 /* The window kernel's Ops on warpgroup MMAs (fast_mma_ops' counterpart, attention-fast-window.cuh):
  * the rows' layout and alignment, the proxy fence before the barriers, the zero tail, the scores
  * and the weighted sums with the output. */
@@ -130,9 +104,7 @@ struct fast_wg_ops {
   /* Generic-proxy stores to shared memory made visible to the MMAs' (async-proxy) reads, before
    * the barrier after them. */
   static __device__ void publish() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+    wg_proxy_fence();
   }
 
   /* The weighted sums read every row of the window (an MMA in a loop of n's length would serialize
@@ -150,26 +122,26 @@ struct fast_wg_ops {
     (void)n, (void)lane;
     const uint32_t qa = smem_addr(sq), ka = smem_addr(sk) + (warp >> 2) * 4 * AWG_GROUP_K;
     float d[2][16] = {};
-    awg_tie(d[0]);
-    awg_tie(d[1]);
+    wg_tie(d[0]);
+    wg_tie(d[1]);
 #pragma unroll
     for (int ks = 0; ks < DSV4_HEAD_DIM / 16; ks++) {
       const uint32_t off = (ks >> 2) * AWG_ATOM + (ks & 3) * AWG_KSTEP;
-      awg_fence(); /* the buffer's last reads (the adds below) come before the MMA writes it */
+      wg_fence(); /* the buffer's last reads (the adds below) come before the MMA writes it */
       awg_mma_n32(d[ks & 1], awg_desc_k(qa + off, AWG_GROUP_K), awg_desc_k(ka + off, AWG_GROUP_K));
-      awg_commit();
+      wg_commit();
       if (ks == 0)
         continue;
-      awg_wait<1>();
-      awg_tie(d[(ks - 1) & 1]);
+      wg_wait_group<1>();
+      wg_tie(d[(ks - 1) & 1]);
 #pragma unroll
       for (int j = 0; j < 4; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++)
           acc[j][i] += d[(ks - 1) & 1][4 * j + i];
     }
-    awg_wait<0>();
-    awg_tie(d[1]);
+    wg_wait_group<0>();
+    wg_tie(d[1]);
 #pragma unroll
     for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -194,8 +166,8 @@ struct fast_wg_ops {
 #pragma unroll
     for (int i = 0; i < 64; i++)
       d[i] = 0.0f;
-    awg_tie(d);
-    awg_fence();
+    wg_tie(d);
+    wg_fence();
 #pragma unroll
     for (uint32_t k = 0; k < DSV4_WINDOW / 16; k++) {
       const uint32_t off = (k >> 2) * AWG_ATOM + (k & 3) * AWG_KSTEP;
@@ -203,9 +175,9 @@ struct fast_wg_ops {
       awg_mma_n128(d, awg_desc_k(pa + off, AWG_GROUP_P), v);
       awg_mma_n128(d, awg_desc_k(pla + off, AWG_GROUP_P), v);
     }
-    awg_commit();
-    awg_wait<0>();
-    awg_tie(d);
+    wg_commit();
+    wg_wait_group<0>();
+    wg_tie(d);
     if (p.nsplit == 1) {
 #pragma unroll
       for (int ch = 0; ch < 2; ch++) {

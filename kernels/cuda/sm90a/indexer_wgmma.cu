@@ -47,6 +47,7 @@
  * query rows, the records and the error word are read after it, as in indexer_mma.cu.
  */
 #include "../indexer-mx.cuh"
+#include "wgmma.cuh"
 
 #include <atomic>
 
@@ -148,34 +149,11 @@ static __device__ __forceinline__ void wg_mma(float (&d)[32], const uint32_t (&a
 #endif
 }
 
-static __device__ __forceinline__ void wg_fence(void) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-static __device__ __forceinline__ void wg_commit(void) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-/* Until none of the warpgroup's MMA groups is pending; then d's registers are read only after it
- * (the empty asm ties them to this point). */
+/* Until none of the warpgroup's MMA groups is pending; then d's registers are read only after it.
+ */
 static __device__ __forceinline__ void wg_wait(float (&d)[32]) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-#pragma unroll
-  for (int i = 0; i < 32; i++)
-    asm volatile("" : "+f"(d[i])::"memory");
-}
-
-/* Generic-proxy stores to shared memory made visible to the MMAs' reads (before a barrier). */
-static __device__ __forceinline__ void wg_proxy_fence(void) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+  wg_wait_group<0>();
+  wg_tie(d);
 }
 
 /* The fused mode's 8 k-steps into d: a the tile's fragments, dq the low word of the descriptor of
