@@ -19,10 +19,11 @@
  * as V: rows are its K, their dims its N) read as they are.
  *   scores  warpgroup g: candidates 32 g.. of the 64 heads, m64n32k16 over 32 k-steps of 16 dims,
  *           each from zero and added to the total in fp32 as fast_scores adds each mma.sync's
- *           partial (two k-steps in flight, the older added while the newer runs)
- *   output  warpgroup g: dims 128 g.. of the 64 heads, m64n128k16 over the window's k-steps of
- *           16 rows, the hi plane then the lo plane each step, accumulated in the tensor cores as
- *           fast_pv accumulates; then o = N / D and the stores (or a split's N) as fast_output's
+ *           partial (four k-steps in flight, the oldest added while the newer ones run)
+ *   output  warpgroup g: dims 128 g.. of the 64 heads in two chunks of 64, m64n64k16 over the
+ *           window's k-steps of 16 rows, the hi plane then the lo plane each step, accumulated in
+ *           the tensor cores as fast_pv accumulates; then o = N / D and the stores (or a split's
+ *           N) as fast_output's, the first chunk's while the second chunk's MMAs run
  * Warp w of warpgroup g holds, of every n8 tile of the group's result, rows 16 w.. in mma.sync's
  * m16n8 fragment: warp 4 g + w is the mma.sync kernel's warp of m-tile w and of candidates (or
  * dims) group g, so the kernel's stores take the fragments as they are, and the bytes are the
@@ -46,6 +47,22 @@
 #define AWG_GROUP_P ((uint32_t)(8 * P_ROW))
 /* A k-step (16 bf16 values, 32 bytes) further along a K-major operand's atom. */
 #define AWG_KSTEP 32u
+/* The scores' k-steps in flight (each MMA's partial in its own registers). */
+#define AWG_KF 4
+
+/* Until a k-step's MMA has landed, with `later` MMA groups issued after it (groups complete in
+ * the order issued): at most min(later, AWG_KF - 1) may stay pending. */
+static __device__ __forceinline__ void awg_wait_kstep(int later) {
+  static_assert(AWG_KF == 4, "the waits below: at most 3 groups pending");
+  if (later >= 3)
+    wg_wait_group<3>();
+  else if (later == 2)
+    wg_wait_group<2>();
+  else if (later == 1)
+    wg_wait_group<1>();
+  else
+    wg_wait_group<0>();
+}
 
 /* A shared-memory matrix descriptor in the 128-byte swizzle mode: the operand at shared address a
  * (its atoms on 1 KiB boundaries), lbo and sbo the leading and stride byte offsets. */
@@ -77,18 +94,15 @@ static __device__ __forceinline__ void awg_mma_n32(float (&d)[16], uint64_t a, u
 #endif
 }
 
-/* d += A . B, m64n128k16, A K-major and B MN-major by descriptors. */
-static __device__ __forceinline__ void awg_mma_n128(float (&d)[64], uint64_t a, uint64_t b) {
+/* d += A . B, m64n64k16, A K-major and B MN-major by descriptors. */
+static __device__ __forceinline__ void awg_mma_n64(float (&d)[32], uint64_t a, uint64_t b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-               "%64, %65, p, 1, 1, 0, 1;\n}\n"
-               : AWG_R8(d, 0), AWG_R8(d, 8), AWG_R8(d, 16), AWG_R8(d, 24), AWG_R8(d, 32),
-                 AWG_R8(d, 40), AWG_R8(d, 48), AWG_R8(d, 56)
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+               "%32, %33, p, 1, 1, 0, 1;\n}\n"
+               : AWG_R8(d, 0), AWG_R8(d, 8), AWG_R8(d, 16), AWG_R8(d, 24)
                : "l"(a), "l"(b), "n"(1));
 #else
   (void)d, (void)a, (void)b;
@@ -114,43 +128,45 @@ struct fast_wg_ops {
   }
 
   /* The scores of warpgroup g's 32 candidates (all of them: the kernel's store puts -inf past n,
-   * and an MMA under a branch would serialize every MMA of the kernel), k-step by k-step. */
+   * and an MMA under a branch would serialize every MMA of the kernel), k-step by k-step, AWG_KF
+   * of them in flight: each k-step's partial is added to the total, in k-step order, once it has
+   * landed, while the later ones run. */
   template <int MT, int NP>
   static __device__ void scores(const uint8_t *sq, const uint8_t *sk, uint32_t n, uint32_t warp,
                                 uint32_t lane, float (&acc)[2 * NP][4]) {
     static_assert(MT == 4 && NP == 2, "64 heads, 32 candidates a warpgroup");
     (void)n, (void)lane;
+    constexpr int KS = DSV4_HEAD_DIM / 16;
     const uint32_t qa = smem_addr(sq), ka = smem_addr(sk) + (warp >> 2) * 4 * AWG_GROUP_K;
-    float d[2][16] = {};
-    wg_tie(d[0]);
-    wg_tie(d[1]);
+    float d[AWG_KF][16] = {};
 #pragma unroll
-    for (int ks = 0; ks < DSV4_HEAD_DIM / 16; ks++) {
-      const uint32_t off = (ks >> 2) * AWG_ATOM + (ks & 3) * AWG_KSTEP;
-      wg_fence(); /* the buffer's last reads (the adds below) come before the MMA writes it */
-      awg_mma_n32(d[ks & 1], awg_desc_k(qa + off, AWG_GROUP_K), awg_desc_k(ka + off, AWG_GROUP_K));
-      wg_commit();
-      if (ks == 0)
+    for (int b = 0; b < AWG_KF; b++)
+      wg_tie(d[b]);
+#pragma unroll
+    for (int ks = 0; ks < KS + AWG_KF - 1; ks++) {
+      if (ks < KS) {
+        const uint32_t off = (ks >> 2) * AWG_ATOM + (ks & 3) * AWG_KSTEP;
+        wg_fence(); /* the buffer's last reads (the adds below) come before the MMA writes it */
+        awg_mma_n32(d[ks % AWG_KF], awg_desc_k(qa + off, AWG_GROUP_K),
+                    awg_desc_k(ka + off, AWG_GROUP_K));
+        wg_commit();
+      }
+      const int done = ks - (AWG_KF - 1); /* the k-step whose partial is added now */
+      if (done < 0)
         continue;
-      wg_wait_group<1>();
-      wg_tie(d[(ks - 1) & 1]);
+      awg_wait_kstep(KS - 1 - done);
+      wg_tie(d[done % AWG_KF]);
 #pragma unroll
       for (int j = 0; j < 4; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++)
-          acc[j][i] += d[(ks - 1) & 1][4 * j + i];
+          acc[j][i] += d[done % AWG_KF][4 * j + i];
     }
-    wg_wait_group<0>();
-    wg_tie(d[1]);
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-      for (int i = 0; i < 4; i++)
-        acc[j][i] += d[1][4 * j + i];
   }
 
-  /* N of warpgroup g's 128 dims over the window's rows (zero weights past n), then the output (or
-   * a split's N). */
+  /* N of warpgroup g's 128 dims over the window's rows (zero weights past n), in two chunks of 64
+   * dims, then the output (or a split's N): the first chunk's stores run while the second
+   * chunk's MMAs do. */
   template <int MT, int W>
   static __device__ void output(const attn_params_t &p, const attn_misc_t &ms,
                                 const fast_misc_t &fm, const uint8_t *sp, const uint8_t *sk,
@@ -161,44 +177,46 @@ struct fast_wg_ops {
     (void)n;
     const uint32_t g = warp >> 2, mt = warp & 3;
     const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 16 * MT * P_ROW);
-    const uint32_t va = smem_addr(sk) + 2 * g * AWG_ATOM;
-    float d[64];
+    float d[2][32];
 #pragma unroll
-    for (int i = 0; i < 64; i++)
-      d[i] = 0.0f;
-    wg_tie(d);
+    for (int ch = 0; ch < 2; ch++) {
+#pragma unroll
+      for (int i = 0; i < 32; i++)
+        d[ch][i] = 0.0f;
+      wg_tie(d[ch]);
+    }
     wg_fence();
 #pragma unroll
-    for (uint32_t k = 0; k < DSV4_WINDOW / 16; k++) {
-      const uint32_t off = (k >> 2) * AWG_ATOM + (k & 3) * AWG_KSTEP;
-      const uint64_t v = awg_desc(va + 2 * k * AWG_GROUP_K, AWG_ATOM, AWG_GROUP_K);
-      awg_mma_n128(d, awg_desc_k(pa + off, AWG_GROUP_P), v);
-      awg_mma_n128(d, awg_desc_k(pla + off, AWG_GROUP_P), v);
+    for (int ch = 0; ch < 2; ch++) {
+      const uint32_t va = smem_addr(sk) + (2 * g + ch) * AWG_ATOM;
+#pragma unroll
+      for (uint32_t k = 0; k < DSV4_WINDOW / 16; k++) {
+        const uint32_t off = (k >> 2) * AWG_ATOM + (k & 3) * AWG_KSTEP;
+        const uint64_t v = awg_desc(va + 2 * k * AWG_GROUP_K, AWG_ATOM, AWG_GROUP_K);
+        awg_mma_n64(d[ch], awg_desc_k(pa + off, AWG_GROUP_P), v);
+        awg_mma_n64(d[ch], awg_desc_k(pla + off, AWG_GROUP_P), v);
+      }
+      wg_commit();
     }
-    wg_commit();
-    wg_wait_group<0>();
-    wg_tie(d);
-    if (p.nsplit == 1) {
 #pragma unroll
-      for (int ch = 0; ch < 2; ch++) {
-        float a[8][4];
+    for (int ch = 0; ch < 2; ch++) {
+      if (ch == 0)
+        wg_wait_group<1>();
+      else
+        wg_wait_group<0>();
+      wg_tie(d[ch]);
+      float a[8][4];
 #pragma unroll
-        for (int j = 0; j < 8; j++)
+      for (int j = 0; j < 8; j++)
 #pragma unroll
-          for (int i = 0; i < 4; i++)
-            a[j][i] = d[32 * ch + 4 * j + i];
+        for (int i = 0; i < 4; i++)
+          a[j][i] = d[ch][4 * j + i];
+      if (p.nsplit == 1)
         fast_store_out_tile(p, ms, fm, t, h_first, mt, 128 * g + 64 * ch, lane,
                             so + warp * OUT_TILE, a);
-      }
-      return;
+      else
+        fast_store_part<8>(p, t, h_first, mt * 16 + (lane >> 2), 128 * g + 64 * ch, split, lane, a);
     }
-    float a[16][4];
-#pragma unroll
-    for (int j = 0; j < 16; j++)
-#pragma unroll
-      for (int i = 0; i < 4; i++)
-        a[j][i] = d[4 * j + i];
-    fast_store_part<16>(p, t, h_first, mt * 16 + (lane >> 2), 128 * g, split, lane, a);
   }
 };
 
