@@ -209,21 +209,20 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   dsv4__dep_wait_params(p);
   PHASE_MARK(UPH_WAIT);
   dsv4__dep_trigger();
-  if (!p.q_raw) /* q_out's rows land during the setup (a split without a tile wastes them) */
-    fast_copy_q<MT, W>(p, t, h_first, sq);
-  if (union_setup(p, t, ms, um)) {
-    dsv4__cp_async_wait_all(); /* no copy outlives the CTA */
+  if (union_setup(p, t, ms, um)) /* nothing in flight yet */
     return;
-  }
   PHASE_MARK(UPH_SETUP);
   /* The CTA's part of the list: candidates lo..hi - 1 (attention-split.h), in tiles of 128. */
   const uint32_t nc = um.nc, per = dsv4__union_split_span(nc, p.nsplit);
   const uint32_t lo = min(split * per, nc), hi = min(lo + per, nc);
   /* q is read once and kept for every tile, where the window's kernel reuses its space after
-   * its one tile: q_out's rows copied after the wait, the fused path's raw rows normalised here
-   * (with the RoPE row of the setup); made visible by the first tile's wait and barriers. A split
-   * without a tile needs none. */
-  if (lo < hi && p.q_raw)
+   * its one tile: q_out's rows copied after the setup (before it, the setup's dependent loads
+   * waited behind them) to land beside the first tile's records, the fused path's raw rows
+   * normalised here (with the RoPE row of the setup); made visible by the first tile's wait and
+   * barriers. A split without a tile needs none. */
+  if (lo < hi && !p.q_raw)
+    fast_copy_q<MT, W>(p, t, h_first, sq);
+  else if (lo < hi)
     fast_load_q<MT, W>(p, t, h_first, sq, ms.rope);
   float acc[NT][4];
 #pragma unroll
