@@ -211,11 +211,13 @@ struct fast_wg_ops {
 #pragma unroll
         for (int i = 0; i < 4; i++)
           a[j][i] = d[ch][4 * j + i];
-      if (p.nsplit == 1)
+      if (p.nsplit == 1) {
         fast_store_out_tile(p, ms, fm, t, h_first, mt, 128 * g + 64 * ch, lane,
                             so + warp * OUT_TILE, a);
-      else
+      } else {
         fast_store_part<8>(p, t, h_first, mt * 16 + (lane >> 2), 128 * g + 64 * ch, split, lane, a);
+        __syncwarp(); /* its stores branch by lane (heads % 8 != 0); the next wait is .aligned */
+      }
     }
   }
 };
