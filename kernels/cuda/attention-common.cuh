@@ -139,20 +139,31 @@ static __device__ __forceinline__ uint32_t win_block_bits(const attn_params_t &p
   return b < 0 || (uint32_t)b >= p.n_blocks ? DSV4_CUDA_ATTN_ERR_BLOCK : 0u;
 }
 
-/* 0, or the error bits of token t's segment and position (SPEC §7: p0 <= p, a RoPE row for p). */
-static __device__ uint32_t token_window(const attn_params_t &p, uint32_t t, window_t *w) {
-  const int32_t seg = p.tok_seg[t];
+/* 0, or the error bits of a token of segment seg at position pos, as loaded from the launch's
+ * arrays (SPEC §7: p0 <= p, a RoPE row for p). */
+static __device__ uint32_t token_window_of(const attn_params_t &p, int32_t seg, int64_t pos,
+                                           window_t *w) {
   if (seg < 0 || (uint32_t)seg >= p.n_segments)
     return DSV4_CUDA_ATTN_ERR_SEGMENT;
-  const int64_t pos = p.pos[t], p0 = p.seg_p0[seg];
+  /* the segment's facts in one round of loads, before the checks that need only p0 */
+  const int64_t p0 = p.seg_p0[seg], first = p.seg_first_lb[seg];
+  const uint32_t off = p.seg_bt_off[seg], len = p.seg_bt_len[seg];
   if (p0 < 0 || pos < p0 || pos >= p.max_pos)
     return DSV4_CUDA_ATTN_ERR_POSITION;
   w->pos = pos;
   w->lo = DSV4_WINDOW_LO(pos, p0);
-  w->first = p.seg_first_lb[seg];
-  w->off = p.seg_bt_off[seg];
-  w->len = p.seg_bt_len[seg];
+  w->first = first;
+  w->off = off;
+  w->len = len;
   return 0;
+}
+
+/* 0, or the error bits of token t's segment and position (token_window_of). */
+static __device__ uint32_t token_window(const attn_params_t &p, uint32_t t, window_t *w) {
+  const int32_t seg = p.tok_seg[t];
+  if (seg < 0 || (uint32_t)seg >= p.n_segments)
+    return DSV4_CUDA_ATTN_ERR_SEGMENT;
+  return token_window_of(p, seg, p.pos[t], w);
 }
 
 /* The logical blocks the window spans (1..MAX_WIN_BLOCKS). */

@@ -42,20 +42,33 @@ static __device__ __forceinline__ uint32_t union_check_bits(const union_tok_chec
 
 /* Per-CTA facts of the union kernel, beyond attn_misc_t (whose m holds the running maximum). */
 typedef struct {
-  float s[64];        /* each head's sum S, continued tile by tile */
-  const int32_t *sel; /* the token's selection row, or NULL */
-  int64_t j_lo;       /* the first visible entry */
-  uint32_t nw, nc;    /* window candidates; all candidates */
-  uint32_t seg;
-  uint32_t ne; /* entries listed: the first -1 of the row (atomicMin), or c_sel_stride */
+  float s[64];            /* each head's sum S, continued tile by tile */
+  const int32_t *sel;     /* the token's selection row, or NULL */
+  int64_t j_lo;           /* the first visible entry */
+  uint32_t nw, nc;        /* window candidates; all candidates */
+  dsv4__seg_table_t ctab; /* the token's segment's entry table */
+  uint32_t ne;            /* entries listed: the first -1 of the row (atomicMin), or c_sel_stride */
   union_tok_check_t chk[UNION_CHECK_ALL_MAX]; /* a small launch's tokens (union_check_all) */
 } union_misc_t;
 
-/* The entries the token's selection row lists: every thread scans its part of the row for a -1
- * and lowers um.ne to the first one found (complete after the next barrier). */
+/* This thread's first entry of a selection row (row[threadIdx.x], or 0 past its end or without
+ * one), for union_scan_row. */
+static __device__ __forceinline__ int32_t union_row_first(const int32_t *row, uint32_t stride) {
+  return row && threadIdx.x < stride ? row[threadIdx.x] : 0;
+}
+
+/* The entries the token's selection row lists: every thread scans its part of the row (entry
+ * threadIdx.x, loaded as v by union_row_first, then every blockDim.x-th after it) for a -1 and
+ * lowers um.ne to the first one found (complete after the next barrier). */
 static __device__ __forceinline__ void union_scan_row(const int32_t *row, uint32_t stride,
-                                                      union_misc_t &um) {
-  for (uint32_t k = threadIdx.x; row && k < stride; k += blockDim.x)
+                                                      int32_t v, union_misc_t &um) {
+  if (!row || threadIdx.x >= stride)
+    return;
+  if (v == -1) { /* the thread's later entries come after it */
+    atomicMin(&um.ne, threadIdx.x);
+    return;
+  }
+  for (uint32_t k = threadIdx.x + blockDim.x; k < stride; k += blockDim.x)
     if (row[k] == -1)
       atomicMin(&um.ne, k);
 }
@@ -70,7 +83,8 @@ static __device__ void union_early_count(const attn_params_t &p, uint32_t t, uni
   if (threadIdx.x == 0)
     um.ne = p.c_sel ? p.c_sel_stride : 0u;
   __syncthreads();
-  union_scan_row(p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL, p.c_sel_stride, um);
+  const int32_t *row = p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL;
+  union_scan_row(row, p.c_sel_stride, union_row_first(row, p.c_sel_stride), um);
 }
 #endif
 
@@ -107,15 +121,24 @@ static __device__ uint32_t union_check_all(const attn_params_t &p, union_misc_t 
 
 /*
  * The union kernel's setup (after the dependency wait): the window's blocks and the RoPE row as
- * attn_window, the running maxima and sums, and the candidate count. The launch was checked by the
- * check kernel before, or, for a small launch (p.check_all), every CTA checks all of it here: a
- * CTA that finds the error word set, or an error, returns before writing anything, every thread of
- * it (with check_all every CTA finds every error, and the first one reports them).
+ * attn_window, the running maxima and sums, the candidate count and the segment's entry table. The
+ * launch was checked by the check kernel before, or, for a small launch (p.check_all), every CTA
+ * checks all of it here: a CTA that finds the error word set, or an error, returns before writing
+ * anything, every thread of it (with check_all every CTA finds every error, and the first one
+ * reports them). At one decode token the setup is a chain of dependent loads, so each is issued
+ * as soon as its address is known: the token's segment and position, the selection row and the
+ * error word first (an earlier kernel's error is final after the wait; this launch's CTAs report
+ * only errors that every CTA finds), then the segment's tables and the RoPE row, then the blocks.
  */
 static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms,
                                   union_misc_t &um) {
   const uint32_t tid = threadIdx.x;
+  const int32_t *row = p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL;
+  const int32_t seg = p.tok_seg[t];
+  const int64_t pos = p.pos[t];
+  const uint32_t earlier = tid == 0 ? __ldcg(p.err) : 0u;
 #ifndef DSV4_TEST_BROKEN_UNION_EARLY_READ
+  const int32_t v = union_row_first(row, p.c_sel_stride);
   if (tid == 0)
     um.ne = p.c_sel ? p.c_sel_stride : 0u;
 #endif
@@ -128,23 +151,29 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
     um.chk[tid].wb = 0;
   }
   __syncthreads();
+  /* the RoPE chunks and the entry table, beside the segment's loads (used once it checks out) */
+  float4 rope = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (tid >= 32 && tid < 48 && pos >= 0 && pos < p.max_pos)
+    rope = p.rope[(uint64_t)pos * 16 + (tid - 32)];
+  dsv4__seg_table_t ctab = {0, 0, 0};
+  if (tid == 0 && seg >= 0 && (uint32_t)seg < p.n_segments)
+    ctab = dsv4__seg_table(p, (uint32_t)seg);
   window_t w;
-  uint32_t bits = token_window(p, t, &w);
+  uint32_t bits = token_window_of(p, seg, pos, &w);
+#ifndef DSV4_TEST_BROKEN_UNION_EARLY_READ
+  union_scan_row(row, p.c_sel_stride, v, um);
+#endif
   if (!bits) {
-    const uint32_t nb = window_blocks(p, w), seg = (uint32_t)p.tok_seg[t];
+    const uint32_t nb = window_blocks(p, w);
     if (tid < nb)
       ms.blk[tid] = window_block(p, w, tid, &bits);
     if (tid >= 32 && tid < 48)
-      reinterpret_cast<float4 *>(ms.rope)[tid - 32] = p.rope[(uint64_t)w.pos * 16 + (tid - 32)];
-    const int32_t *row = p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL;
-#ifndef DSV4_TEST_BROKEN_UNION_EARLY_READ
-    union_scan_row(row, p.c_sel_stride, um);
-#endif
+      reinterpret_cast<float4 *>(ms.rope)[tid - 32] = rope;
     if (tid == 0) {
       const int64_t j_lo = p.seg_p0[seg] / p.ratio, j_hi = (w.pos + 1) / p.ratio;
       ms.lo = w.lo;
       um.nw = (uint32_t)(w.pos - w.lo + 1);
-      um.seg = seg;
+      um.ctab = ctab;
       um.j_lo = j_lo;
       um.sel = row;
       if (!row)
@@ -153,7 +182,7 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
   }
   if (p.check_all)
     bits |= union_check_all(p, um);
-  if (tid == 0 && __ldcg(p.err) != 0)
+  if (earlier != 0)
     bits |= ERR_EARLIER;
   if ((bits & ERR_REPORTED) && (!p.check_all || (blockIdx.x == 0 && blockIdx.y == 0)))
     atomicOr(p.err, bits & ERR_REPORTED);
@@ -184,7 +213,7 @@ static __device__ void union_addrs(const attn_params_t &p, attn_misc_t &ms, cons
     o = pos & mask;
   } else {
     const int64_t j = um.sel ? (int64_t)um.sel[c - um.nw] : um.j_lo + (c - um.nw);
-    base = p.c_cache + (uint64_t)entry_block(p, um.seg, j >> p.bs_shift) * p.stride;
+    base = p.c_cache + (uint64_t)dsv4__table_block(p, um.ctab, j >> p.bs_shift) * p.stride;
     o = j & mask;
   }
   put_record_addr<PREFETCH>(ms, i, base, o, p.bs_shift);
