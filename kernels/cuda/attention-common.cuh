@@ -24,7 +24,7 @@
 /* Launches of at most this many tokens (cuda-kernels.h) are checked whole by every CTA (below);
  * larger ones by a separate kernel before the attention kernel. A union launch (its tokens'
  * entries too) up to UNION_CHECK_ALL_MAX tokens: a warp per token, one or two rounds of the CTA's
- * warps. */
+ * warps, or, split (fast mode), by each CTA for what it reads (attention-union.cuh). */
 #define CHECK_ALL_MAX DSV4_CUDA_ATTN_CHECK_ALL_MAX
 #define UNION_CHECK_ALL_MAX DSV4_CUDA_UNION_CHECK_ALL_MAX
 /* Error bits that are not reported: the launch stopped because another token failed. */

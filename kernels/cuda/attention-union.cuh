@@ -44,10 +44,11 @@ static __device__ __forceinline__ uint32_t union_check_bits(const union_tok_chec
 typedef struct {
   float s[64];            /* each head's sum S, continued tile by tile */
   const int32_t *sel;     /* the token's selection row, or NULL */
-  int64_t j_lo;           /* the first visible entry */
+  int64_t j_lo, j_hi;     /* the visible entries */
   uint32_t nw, nc;        /* window candidates; all candidates */
   dsv4__seg_table_t ctab; /* the token's segment's entry table */
   uint32_t ne;            /* entries listed: the first -1 of the row (atomicMin), or c_sel_stride */
+  uint32_t bad;           /* the error bits of entries found wrong (union_addrs' CHECK) */
   union_tok_check_t chk[UNION_CHECK_ALL_MAX]; /* a small launch's tokens (union_check_all) */
 } union_misc_t;
 
@@ -88,6 +89,14 @@ static __device__ void union_early_count(const attn_params_t &p, uint32_t t, uni
 }
 #endif
 
+/* 0, or the error bits of the launch's segments (segment_check), a thread each. */
+static __device__ __forceinline__ uint32_t union_check_segments(const attn_params_t &p) {
+  uint32_t bits = 0;
+  for (uint32_t s = threadIdx.x; s < p.n_segments; s += blockDim.x)
+    bits |= segment_check(p, s);
+  return bits;
+}
+
 /*
  * 0, or the error bits of a whole small union launch (p.check_all; um.chk cleared before a
  * barrier): every segment (a thread each) and every part of every token's check (a warp each,
@@ -97,9 +106,7 @@ static __device__ void union_early_count(const attn_params_t &p, uint32_t t, uni
  */
 static __device__ uint32_t union_check_all(const attn_params_t &p, union_misc_t &um) {
   const uint32_t tid = threadIdx.x, parts = entries_parts(p);
-  uint32_t bits = 0;
-  for (uint32_t s = tid; s < p.n_segments; s += blockDim.x)
-    bits |= segment_check(p, s);
+  uint32_t bits = union_check_segments(p);
   if (parts == 1) { /* a part a token: a warp's bits are the token's, with no barrier */
     for (uint32_t u = tid >> 5; u < p.n_tokens; u += blockDim.x >> 5) { /* warp-uniform */
       window_t w;
@@ -122,16 +129,24 @@ static __device__ uint32_t union_check_all(const attn_params_t &p, union_misc_t 
 /*
  * The union kernel's setup (after the dependency wait): the window's blocks and the RoPE row as
  * attn_window, the running maxima and sums, the candidate count and the segment's entry table. The
- * launch was checked by the check kernel before, or, for a small launch (p.check_all), every CTA
- * checks all of it here: a CTA that finds the error word set, or an error, returns before writing
- * anything, every thread of it (with check_all every CTA finds every error, and the first one
- * reports them). At one decode token the setup is a chain of dependent loads, so each is issued
- * as soon as its address is known: the token's segment and position, the selection row and the
- * error word first (an earlier kernel's error is final after the wait; this launch's CTAs report
- * only errors that every CTA finds), then the segment's tables and the RoPE row, then the blocks.
+ * launch was checked by the check kernel before, or, for a small launch (p.check_all), here:
+ *   unsplit  every CTA checks all of it (the first one reports the errors): it writes its output,
+ *            so it must know that no token of the launch is wrong
+ *   split    (fast mode, p.nsplit > 1) a CTA writes only its partial state, and the combine
+ *            kernel, after its wait, writes nothing once the error word is set; so a CTA checks
+ *            the segments, its token's window here and, as union_addrs resolves them, the entries
+ *            it reads (CHECK), and sets the error word instead of writing its partial state when
+ *            one is wrong (split_checks: a kernel built to, attention_fast_union.cu). The token's
+ * entries are its list's (before the row's first -1), each in one split's span, so the launch is
+ * refused exactly when one is wrong. A CTA that finds the error word set, or an error, returns
+ * before writing anything, every thread of it. At one decode token the setup is a chain of
+ * dependent loads, so each is issued as soon as its address is known: the token's segment and
+ * position, the selection row and the error word first (an earlier kernel's error is final after
+ * the wait; one of this launch only spares the CTA's work), then the segment's tables and the RoPE
+ * row, then the blocks.
  */
 static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_t &ms,
-                                  union_misc_t &um) {
+                                  union_misc_t &um, bool split_checks = false) {
   const uint32_t tid = threadIdx.x;
   const int32_t *row = p.c_sel ? p.c_sel + (uint64_t)t * p.c_sel_stride : NULL;
   const int32_t seg = p.tok_seg[t];
@@ -142,6 +157,8 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
   if (tid == 0)
     um.ne = p.c_sel ? p.c_sel_stride : 0u;
 #endif
+  if (tid == 0)
+    um.bad = 0;
   if (tid < 64) {
     ms.m[tid] = -INFINITY;
     um.s[tid] = 0.0f;
@@ -175,16 +192,21 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
       um.nw = (uint32_t)(w.pos - w.lo + 1);
       um.ctab = ctab;
       um.j_lo = j_lo;
+      um.j_hi = j_hi;
       um.sel = row;
       if (!row)
         um.ne = j_hi > j_lo ? (uint32_t)(j_hi - j_lo) : 0u;
     }
   }
-  if (p.check_all)
+  split_checks = split_checks && p.check_all && p.nsplit > 1;
+  if (split_checks)
+    bits |= union_check_segments(p);
+  else if (p.check_all)
     bits |= union_check_all(p, um);
   if (earlier != 0)
     bits |= ERR_EARLIER;
-  if ((bits & ERR_REPORTED) && (!p.check_all || (blockIdx.x == 0 && blockIdx.y == 0)))
+  if ((bits & ERR_REPORTED) &&
+      (!p.check_all || split_checks || (blockIdx.x == 0 && blockIdx.y == 0)))
     atomicOr(p.err, bits & ERR_REPORTED);
   if (__syncthreads_or(bits != 0))
     return 1;
@@ -194,12 +216,23 @@ static __device__ int union_setup(const attn_params_t &p, uint32_t t, attn_misc_
   return 0;
 }
 
+/* The error bits of the token's entry k (SPEC §8.4, as entries_event checks it) whose block the
+ * entry table gives as b: not visible, not above the one before, or no block. */
+static __device__ __forceinline__ uint32_t union_entry_bits(const union_misc_t &um, uint32_t k,
+                                                            int64_t j, int32_t b) {
+  if (um.sel && (j < um.j_lo || j >= um.j_hi || (k && j <= (int64_t)um.sel[k - 1])))
+    return DSV4_CUDA_ERR_ENTRY;
+  return b < 0 ? DSV4_CUDA_ATTN_ERR_BLOCK : 0u;
+}
+
 /* The record addresses of candidates first..first + nt - 1 (one thread each) into ms.rec and
  * ms.scl (put_record_addr, with its L2 prefetch unless the caller copies them at once): window
- * positions through ms.blk, then entries through the segment's entry table. */
-template <bool PREFETCH = true>
+ * positions through ms.blk, then entries through the segment's entry table. CHECK (a split CTA
+ * that checks what it reads, union_setup): an entry found wrong (union_entry_bits) adds its bits to
+ * *bad and reads the query's own record instead, which the setup has checked. */
+template <bool PREFETCH = true, bool CHECK = false>
 static __device__ void union_addrs(const attn_params_t &p, attn_misc_t &ms, const union_misc_t &um,
-                                   uint32_t first, uint32_t nt) {
+                                   uint32_t first, uint32_t nt, uint32_t *bad = NULL) {
   const uint32_t i = threadIdx.x;
   if (i >= nt)
     return;
@@ -213,8 +246,16 @@ static __device__ void union_addrs(const attn_params_t &p, attn_misc_t &ms, cons
     o = pos & mask;
   } else {
     const int64_t j = um.sel ? (int64_t)um.sel[c - um.nw] : um.j_lo + (c - um.nw);
-    base = p.c_cache + (uint64_t)dsv4__table_block(p, um.ctab, j >> p.bs_shift) * p.stride;
+    const int32_t b = dsv4__table_block(p, um.ctab, j >> p.bs_shift);
+    base = p.c_cache + (uint64_t)b * p.stride;
     o = j & mask;
+    const uint32_t wrong = CHECK ? union_entry_bits(um, c - um.nw, j, b) : 0u;
+    if (wrong) {
+      const int64_t pos = ms.lo + um.nw - 1;
+      atomicOr(bad, wrong);
+      base = p.cache + (uint64_t)ms.blk[(pos >> p.bs_shift) - (ms.lo >> p.bs_shift)] * p.stride;
+      o = pos & mask;
+    }
   }
   put_record_addr<PREFETCH>(ms, i, base, o, p.bs_shift);
 }

@@ -51,11 +51,13 @@
  *
  * Ordering (SPEC §5.2) as the exact union kernel: before griddepcontrol.wait a CTA reads only its
  * parameters and the sinks; the check kernel (attention.cu) runs first, or, for a launch of at most
- * UNION_CHECK_ALL_MAX tokens, every CTA checks the whole launch after the wait (union_setup), and a
- * CTA that finds an error or its error word set returns before writing anything. The combine waits
- * before it reads the partial states (the union kernel's, complete after the wait) or anything else
- * but its parameters and the sinks, and writes nothing once the error word is set; the next launch
- * on the stream writes partial states only after its own wait, once the combine has completed.
+ * UNION_CHECK_ALL_MAX tokens, the CTAs check it after the wait (union_setup: unsplit, each the
+ * whole launch; split, each its token's window and the entries it reads), and a CTA that finds an
+ * error or its error word set returns before writing anything (a split: its partial state). The
+ * combine waits before it reads the partial states (the union kernel's, complete after the wait) or
+ * anything else but its parameters and the sinks, and writes nothing once the error word is set;
+ * the next launch on the stream writes partial states only after its own wait, once the combine has
+ * completed.
  */
 #include "attention-fast.cuh"
 #include "attention-split.h"
@@ -73,8 +75,14 @@ enum { UPH_WAIT, UPH_SETUP, UPH_STAGE, UPH_SCORES, UPH_SOFTMAX, UPH_SUM, UPH_OUT
 unsigned dsv4__cuda_test_union_splits;
 #endif
 
+/* Where the dynamic shared memory's buffers start: on a 1 KiB boundary, not wherever the static
+ * variables end. Where that was, moved with their size: a build whose static variables took 16
+ * bytes more than 469e7e7's 5120 measured C4 8K b = 64 9 % slower (tests/bench/NOTES.md). */
+#define FUNION_ALIGN 1024u
+
 static constexpr size_t funion_smem_bytes(int mt) {
-  return (size_t)DSV4_WINDOW * K_ROW + (size_t)16 * mt * (K_ROW + S_STRIDE * 4 + 2 * P_ROW);
+  return (size_t)DSV4_WINDOW * K_ROW + (size_t)16 * mt * (K_ROW + S_STRIDE * 4 + 2 * P_ROW) +
+         FUNION_ALIGN - 16;
 }
 
 /*
@@ -154,12 +162,19 @@ static __device__ void funion_store_part(const attn_params_t &p, const attn_misc
         make_float2(ms.m[hh], um.s[hh]);
 }
 
+/* union_addrs, checking the entries where the setup has left that to the tiles (CK). */
+template <bool PREFETCH, bool CK>
+static __device__ __forceinline__ void funion_addrs(const attn_params_t &p, attn_misc_t &ms,
+                                                    union_misc_t &um, uint32_t first, uint32_t nt) {
+  union_addrs<PREFETCH, CK>(p, ms, um, first, nt, &um.bad);
+}
+
 /* Tile `first` of nt candidates, whose addresses ms holds (union_addrs, before a barrier): records
  * copied (a warp each, candidates warp, warp + W, ...) and dequantised in place to bf16 (zeros up
  * to a multiple of 16), scores into ss (-inf past nt). While the copies are in flight the next
  * tile's nn addresses (none when nn = 0) replace the tile's in ms, with their L2 prefetches, so
  * that its copies find their lines in the L2. */
-template <int MT, int W>
+template <int MT, int W, bool CK>
 static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &ms, union_misc_t &um,
                                           const uint8_t *sq, uint8_t *sk, uint2 *sscl, float *ss,
                                           uint32_t first, uint32_t nt, uint32_t nn, uint32_t warp,
@@ -168,7 +183,7 @@ static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &m
     fast_copy_record(sk, sscl, s, ms.rec[s], ms.scl[s], lane);
   if (nn) {          /* CTA-uniform */
     __syncthreads(); /* every warp has issued its copies: the addresses may change */
-    union_addrs<true>(p, ms, um, first + DSV4_WINDOW, nn);
+    funion_addrs<true, CK>(p, ms, um, first + DSV4_WINDOW, nn);
   }
   dsv4__cp_async_wait_all();
   __syncthreads();
@@ -183,7 +198,9 @@ static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &m
   fast_store_scores<MT, NP>(ss, warp, lane, nt, acc);
 }
 
-template <int MT, int W = fast_warps(MT)>
+/* CK: a split launch of at most UNION_CHECK_ALL_MAX tokens, whose CTAs check what they read
+ * (union_setup); its own instance, so that the others' tiles keep their code. */
+template <int MT, bool CK = false, int W = fast_warps(MT)>
 __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(attn_params_t p) {
   constexpr int NT = DSV4_HEAD_DIM * MT / W / 8; /* n-tiles of N's dims a warp accumulates */
   extern __shared__ uint4 smem_dyn[];
@@ -193,6 +210,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   __shared__ float alpha[16 * MT];
   __shared__ uint2 sscl[DSV4_WINDOW]; /* the staged records' scale bytes */
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
+  sk += (FUNION_ALIGN - (smem_addr(smem_dyn) & (FUNION_ALIGN - 1))) & (FUNION_ALIGN - 1);
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq + (size_t)16 * MT * K_ROW);
   uint8_t *sp = reinterpret_cast<uint8_t *>(ss + (size_t)16 * MT * S_STRIDE);
@@ -209,7 +227,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   dsv4__dep_wait_params(p);
   PHASE_MARK(UPH_WAIT);
   dsv4__dep_trigger();
-  if (union_setup(p, t, ms, um)) /* nothing in flight yet */
+  if (union_setup(p, t, ms, um, CK)) /* nothing in flight yet */
     return;
   PHASE_MARK(UPH_SETUP);
   /* The CTA's part of the list: candidates lo..hi - 1 (attention-split.h), in tiles of 128. */
@@ -229,12 +247,12 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   for (int j = 0; j < NT; j++)
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   if (lo < hi) /* the first tile's addresses; each tile puts the next one's (funion_tile_scores) */
-    union_addrs<false>(p, ms, um, lo, min(hi - lo, (uint32_t)DSV4_WINDOW));
+    funion_addrs<false, CK>(p, ms, um, lo, min(hi - lo, (uint32_t)DSV4_WINDOW));
   __syncthreads();
   for (uint32_t first = lo; first < hi; first += DSV4_WINDOW) {
     const uint32_t nt = min(hi - first, (uint32_t)DSV4_WINDOW);
     const uint32_t nn = first + nt < hi ? min(hi - first - nt, (uint32_t)DSV4_WINDOW) : 0u;
-    funion_tile_scores<MT, W>(p, ms, um, sq, sk, sscl, ss, first, nt, nn, warp, lane);
+    funion_tile_scores<MT, W, CK>(p, ms, um, sq, sk, sscl, ss, first, nt, nn, warp, lane);
     __syncthreads();
     PHASE_MARK(UPH_SCORES);
     funion_softmax<MT, W>(ss, sp, ms, um, alpha, warp, lane);
@@ -246,6 +264,11 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   }
   dsv4__cp_async_wait_all(); /* a split without a tile: no copy of q outlives the CTA */
   if (p.nsplit > 1) {
+    if (CK && um.bad) { /* CTA-uniform after the last tile's barriers */
+      if (tid == 0)
+        atomicOr(p.err, um.bad);
+      return;
+    }
 #ifdef DSV4_TEST_DELAY_PARTS
     /* Test-only (tests/gpu/gpu_inv_union_wait.c, "split"): the split has let the combine launch
      * and waits before it writes its partial state, so a combine that reads the partial states
@@ -332,15 +355,16 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
   fast_merge_out(p, m, sum, n, sink, rope, t, h, i);
 }
 
-template <int MT>
+template <int MT, bool CK>
 static cudaError_t launch_funion_mt(const attn_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
   static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
   const size_t smem = funion_smem_bytes(MT);
-  cudaError_t e = dsv4__cuda_smem_limit(dsv4__attention_fast_union_kernel<MT>, smem, limit_raised);
+  cudaError_t e =
+      dsv4__cuda_smem_limit(dsv4__attention_fast_union_kernel<MT, CK>, smem, limit_raised);
   if (e != cudaSuccess)
     return e;
-  return dsv4__cuda_launch_smem(dsv4__attention_fast_union_kernel<MT>, grid, 32 * fast_warps(MT),
-                                smem, s, pdl, p);
+  return dsv4__cuda_launch_smem(dsv4__attention_fast_union_kernel<MT, CK>, grid,
+                                32 * fast_warps(MT), smem, s, pdl, p);
 }
 
 extern "C" int dsv4__cuda_attention_fast_union_supported(int dev) {
@@ -405,8 +429,11 @@ cudaError_t dsv4__attention_fast_union_launch(attn_params_t p, int sms, cudaStre
   if (ctas > 0x7fffffffu || rows > 0x7fffffffu)
     return cudaErrorInvalidValue;
   const dim3 grid((unsigned)ctas, p.nsplit, 1);
-  cudaError_t e =
-      mt == 1 ? launch_funion_mt<1>(p, grid, s, pdl) : launch_funion_mt<2>(p, grid, s, pdl);
+  const bool ck = p.check_all && p.nsplit > 1; /* union_setup */
+  cudaError_t e = mt == 1 ? (ck ? launch_funion_mt<1, true>(p, grid, s, pdl)
+                                : launch_funion_mt<1, false>(p, grid, s, pdl))
+                          : (ck ? launch_funion_mt<2, true>(p, grid, s, pdl)
+                                : launch_funion_mt<2, false>(p, grid, s, pdl));
   if (e != cudaSuccess || p.nsplit == 1)
     return e;
   return dsv4__attention_fast_combine_launch(p, s, pdl);

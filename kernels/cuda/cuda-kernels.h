@@ -115,8 +115,8 @@ int dsv4__cuda_qkv_insert(const dsv4_insert_args_t *a, const float *rope_rows_de
 #define DSV4_CUDA_UNION_CHECK_ALL_PARTS 32u
 
 /* 1 when a launch of n_tokens with compressed entries (selection rows of sel_stride entries, 0
- * without a selection) is checked by every CTA of its attention kernel, 0 when the check kernel
- * runs first. */
+ * without a selection) is checked by the CTAs of its attention kernel (every CTA all of it, or, in
+ * a split fast launch, each CTA what it reads), 0 when the check kernel runs first. */
 static inline int dsv4__cuda_union_checks_all(uint32_t n_tokens, uint32_t sel_stride) {
   const uint64_t parts = sel_stride ? ((uint64_t)sel_stride + 31) / 32 : 1;
   return n_tokens <= DSV4_CUDA_UNION_CHECK_ALL_MAX &&

@@ -33,15 +33,18 @@
  *
  * Refusals (SPEC §7: DSV4_EINVAL, no byte of attn or lse written, the launch after it right again):
  * window launches with a block-table entry of -1 or past the pool in a token's window, at 1, 16, 64
- * and 1100 tokens; union launches with a bad selection row (repeated entry, entry not yet visible),
- * at 1, 8, 40 and 200 tokens; and at each of those sizes a valid launch queued after an invalid one
- * in the same batch (the error word already set: cuda-kernels.h, every later kernel of the batch
+ * and 1100 tokens; union launches with a bad selection row (repeated entry, entry not yet visible)
+ * or an entry read whose block is -1 in the entry table, at 1, 8, 40 and 200 tokens of ratio 4 and
+ * 1 and 15 of ratio 128; and at each of those sizes a valid launch queued after an invalid one in
+ * the same batch (the error word already set: cuda-kernels.h, every later kernel of the batch
  * writes nothing). Between them they take every way a launch is checked: by every CTA of the
  * attention kernel (up to DSV4_CUDA_ATTN_CHECK_ALL_MAX tokens; with entries while
- * dsv4__cuda_union_checks_all holds) or by the check kernel before it, split with a combine after
- * or not (on an H200: window 8, 2, 1 and 1 splits, union 32, 4, 3 and 1; each names its path).
- * Every selection row that ends early carries junk after its -1, which no check may take for an
- * error.
+ * dsv4__cuda_union_checks_all holds, unsplit), by a split union's CTAs each checking what it reads
+ * (the combine writing nothing once one has set the error word), or by the check kernel before it,
+ * split with a combine after or not (on an H200: window 8, 2, 1 and 1 splits, union 32, 4, 3 and 1;
+ * each names its path). Every selection row that ends early carries junk after its -1, which no
+ * check may take for an error (the union case of 2 tokens of short rows takes it through the split
+ * CTAs' checks).
  *
  * The small batches among those (1 to 16 decode tokens on an H200) split each token's list over
  * several CTAs and merge the partial states in a combine kernel (attention_fast_union.cu), the
@@ -375,14 +378,18 @@ static void expect_refusal(ctx_t *c, const char *what, const attn_plan_t *p, att
   free(lse);
 }
 
-/* The path a fast launch of n tokens takes: who checks it (every CTA of the attention kernel, or
- * the check kernel before it) and into how many splits each token's list goes (a combine after). */
+/* The path a fast launch of n tokens takes: who checks it (every CTA of the attention kernel, a
+ * split union's CTAs what each reads, or the check kernel before it) and into how many splits each
+ * token's list goes (a combine after). */
 static void launch_path(char *buf, size_t len, uint32_t n, int with_entries, uint32_t sel_stride,
                         uint32_t splits) {
   const int all =
       with_entries ? dsv4__cuda_union_checks_all(n, sel_stride) : n <= DSV4_CUDA_ATTN_CHECK_ALL_MAX;
-  snprintf(buf, len, "%s, %u split%s%s", all ? "checked by every CTA" : "the check kernel first",
-           splits, splits == 1 ? "" : "s", splits == 1 ? "" : " and the combine");
+  const char *who = !all                         ? "the check kernel first"
+                    : with_entries && splits > 1 ? "each CTA checking what it reads"
+                                                 : "checked by every CTA";
+  snprintf(buf, len, "%s, %u split%s%s", who, splits, splits == 1 ? "" : "s",
+           splits == 1 ? "" : " and the combine");
 }
 
 /* The entry of the plan's block table that maps the first candidate of a token's window: the last
@@ -618,49 +625,61 @@ static void run_union_case(ctx_t *c, const ucase_t *k) {
   attn_plan_free(&p);
 }
 
-/* Breaks selection row t of e: brk 0 repeats an entry, brk 1 lists one not yet visible (brk 2
- * leaves it whole). 1 when the row lists too few entries to break. */
-static int break_row(const attn_plan_t *p, attn_entries_t *e, uint32_t t, int brk) {
-  int32_t *row = e->sel + (size_t)t * e->sel_stride;
-  uint32_t n = 0;
-  while (n < e->sel_stride && row[n] >= 0)
+/* Breaks token t's entries in e: brk 0 repeats an entry of its selection row, brk 1 lists one not
+ * yet visible, brk 3 sets the entry table's block of one it reads (the row's middle one, or at
+ * ratio 128 the middle visible one) to -1 (brk 2 leaves them whole). 1 when the token reads too
+ * few entries to break. */
+static int break_entries(const attn_plan_t *p, attn_entries_t *e, uint32_t t, int brk) {
+  const uint32_t g = (uint32_t)p->q_seg[t];
+  const int64_t j_lo = p->seg_p0[g] / e->ratio, j_hi = (p->q_pos[t] + 1) / e->ratio;
+  int32_t *row = e->sel ? e->sel + (size_t)t * e->sel_stride : NULL;
+  uint32_t n = row ? 0u : (uint32_t)(j_hi > j_lo ? j_hi - j_lo : 0);
+  while (row && n < e->sel_stride && row[n] >= 0)
     n++;
-  if (n < 8)
+  if (n < 8 || (!row && brk != 2 && brk != 3))
     return 1;
   if (brk == 0)
     row[7] = row[6];
   else if (brk == 1) /* after the last entry listed, or in place of it: past the visible ones */
     row[n < e->sel_stride ? n : e->sel_stride - 1] = (int32_t)((p->q_pos[t] + 1) / 4);
+  else if (brk == 3) {
+    const int64_t j = row ? row[n / 2] : j_lo + n / 2;
+    e->block_table[e->seg_bt_off[g] + (uint32_t)(j / p->bs - e->seg_first_lb[g])] = -1;
+  }
   return 0;
 }
 
 /*
- * Fast union launches whose selection row is bad (a repeated entry; an entry not yet visible), and
- * a valid one queued after an invalid launch in the same batch (the error word already set): each
- * is refused with DSV4_EINVAL and writes no byte of attn or lse. At 1 token of 64 heads (every CTA
- * checks the whole launch: 16 parts of 32 entries; 32 splits on an H200), 8 (the check kernel
- * first, a CTA per token; 4 splits), 40 of 16 heads (the check kernel first; 3 splits
- * on an H200, where every launch of more than 16 tokens of 64 heads fills half the device and runs
- * unsplit) and 200 of 64 heads (the check kernel, unsplit). The launch after them is right again
- * (the next case).
+ * Fast union launches whose entries are bad (a selection row repeating an entry or naming one not
+ * yet visible; an entry read whose block the entry table gives as -1), and a valid one queued
+ * after an invalid launch in the same batch (the error word already set): each is refused with
+ * DSV4_EINVAL and writes no byte of attn or lse. At 1 token of 64 heads (32 splits on an H200,
+ * each CTA checking the entries it reads), 8 (the check kernel first, a CTA per token; 4 splits),
+ * 40 of 16 heads (the check kernel first; 3 splits on an H200, where every launch of more than 16
+ * tokens of 64 heads fills half the device and runs unsplit), 200 of 64 heads (the check kernel,
+ * unsplit), and at ratio 128 1 and 15 tokens of 64 heads (split, each CTA checking the blocks of
+ * the entries it reads). The launch after them is right again (the next case).
  */
 static void union_refusals(ctx_t *c) {
-  static const char *const names[3] = {
+  static const char *const names[4] = {
       "a selection row not increasing", "a selection row naming an entry not yet visible",
       "nothing wrong, queued after one with a block-table entry of -1 (the error word already "
-      "set)"};
+      "set)",
+      "an entry table's block of -1 under an entry read"};
   static const ucase_t cases[] = {
       {64, 1, SHAPE_DECODE, 64, 4, 512, 3000, 9000, SINK_FINITE, 0, 0},
       {64, 8, SHAPE_DECODE, 64, 4, 512, 3000, 9000, SINK_FINITE, 0, 0},
       {16, 40, SHAPE_DECODE, 64, 4, 512, 3000, 9000, SINK_EDGES, 1, 0},
       {64, 200, SHAPE_DECODE, 16, 4, 512, 3000, 9000, SINK_FINITE, 0, 0},
+      {64, 1, SHAPE_DECODE, 64, 128, 0, 60000, 70000, SINK_FINITE, 0, 0},
+      {64, 15, SHAPE_DECODE, 64, 128, 0, 60000, 70000, SINK_EDGES, 1, 0},
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     const ucase_t *k = &cases[i];
     char path[96];
     launch_path(path, sizeof(path), k->tokens, 1, k->ratio == 4 ? k->topk : 0,
                 dsv4__cuda_attention_fast_union_splits(k->tokens, k->heads));
-    for (int brk = 0; brk < 3; brk++) {
+    for (int brk = k->ratio == 4 ? 0 : 2; brk < 4; brk++) {
       attn_plan_t p;
       attn_inputs_t in;
       attn_entries_t e;
@@ -668,7 +687,7 @@ static void union_refusals(ctx_t *c) {
       float *sinks = make_sinks(&c->rng, k->heads, k->sinks);
       in.sink = sinks;
       /* The last token, well past its p0: a full row. */
-      if (break_row(&p, &e, p.n_q - 1, brk)) {
+      if (break_entries(&p, &e, p.n_q - 1, brk)) {
         fprintf(stderr, "FAIL the refusal's token lists too few entries to break\n");
         c->failures++;
       }
@@ -708,6 +727,7 @@ static const ucase_t union_cases[] = {
     {64, 2, SHAPE_DECODE, 256, 128, 0, 530000, 540000, SINK_FINITE, 1, 0},
     {8, 8, SHAPE_DECODE, 64, 128, 0, 525000, 560000, SINK_NONE, 0, 0},
     {64, 200, SHAPE_PREFILL, 64, 128, 0, 66000, 67000, SINK_FINITE, 0, 0},
+    {64, 2, SHAPE_DECODE, 64, 4, 512, 300, 1800, SINK_FINITE, 0, 1},
 };
 
 #ifdef DSV4_TEST_TUNE
@@ -766,7 +786,7 @@ static void run_split_cases(ctx_t *c) {
   /* C4: one token (the split of every decode step at b = 1), 64 tokens of 32 heads per CTA with
    * short rows, 128 heads and sinks +-inf, H = 8 (a part-empty m-tile, no sinks); C128: entries
    * fewer than the splits' tiles, thousands of entries, two tokens of bs 256, a prefill chunk. */
-  static const size_t picks[] = {1, 0, 3, 4, 8, 10, 11, 13};
+  static const size_t picks[] = {1, 0, 3, 4, 8, 10, 11, 13, 14};
   for (size_t i = 0; i < sizeof(picks) / sizeof(picks[0]); i++) {
     const ucase_t *k = &union_cases[picks[i]];
     const uint64_t rng = c->rng; /* each split count draws the same inputs */
