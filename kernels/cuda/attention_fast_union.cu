@@ -76,8 +76,9 @@ unsigned dsv4__cuda_test_union_splits;
 #endif
 
 /* Where the dynamic shared memory's buffers start: on a 1 KiB boundary, not wherever the static
- * variables end. Where that was, moved with their size: a build whose static variables took 16
- * bytes more than 469e7e7's 5120 measured C4 8K b = 64 9 % slower (tests/bench/NOTES.md). */
+ * variables end, which moves with their size and moves the kernels' time with it (the window
+ * kernel's 16-head CTAs 6 % faster on a boundary, its 32-head ones 2.5 % slower:
+ * tests/bench/NOTES.md); the union kernel's were measured on one. */
 #define FUNION_ALIGN 1024u
 
 static constexpr size_t funion_smem_bytes(int mt) {
