@@ -288,12 +288,6 @@ static __device__ void fast_copy_window(const attn_params_t &p, const attn_misc_
   }
 }
 
-/* The dynamic shared memory a launch of the mma.sync kernel gives a CTA of MT m-tiles
- * (fast_rows_align's room included). */
-static constexpr size_t fast_launch_smem(int mt) {
-  return fast_smem_bytes(mt) + (mt == 1 ? 1024 - 16 : 0);
-}
-
 /*
  * The kernel's tensor-core steps on mma.sync: the scores of the warp's m-tile and its 16 NP
  * candidates (warps whose candidates all lie past n rest), and the weighted sums with the output
@@ -329,6 +323,12 @@ struct fast_mma_ops {
  * (b = 16 6 % faster on a boundary; the 32-head CTAs 2.5 % slower there: tests/bench/NOTES.md). */
 template <int MT, class Ops> static constexpr __host__ __device__ uint32_t fast_rows_align() {
   return MT == 1 && Ops::ALIGN < 1024 ? 1024u : Ops::ALIGN;
+}
+
+/* The dynamic shared memory a launch of the mma.sync kernel gives a CTA of MT m-tiles, with the
+ * room fast_rows_align needs (the dynamic shared memory starts on a 16-byte boundary). */
+template <int MT> static constexpr size_t fast_launch_smem() {
+  return fast_smem_bytes(MT) + fast_rows_align<MT, fast_mma_ops>() - 16;
 }
 
 /* CL: the splits of a head group are one thread-block cluster (one m-tile only). Ops: the

@@ -17,7 +17,7 @@ static cudaLaunchConfig_t fast_cluster_config(const attn_params_t &p, dim3 grid,
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(32 * fast_warps(1), 1, 1);
-  cfg.dynamicSmemBytes = fast_launch_smem(1);
+  cfg.dynamicSmemBytes = fast_launch_smem<1>();
   cfg.stream = s;
   attr[0] = {};
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -42,7 +42,7 @@ static cudaError_t launch_fast_cluster(const attn_params_t &p, dim3 grid, cudaSt
   static std::atomic<uint64_t> limit_raised{0};
   static std::atomic<uint32_t> known[64]; /* bit k: asked for 2^k splits; bit 8 + k: it can */
   void (*k)(attn_params_t) = dsv4__attention_fast_kernel<1, true>;
-  cudaError_t e = dsv4__cuda_smem_limit(k, fast_launch_smem(1), limit_raised);
+  cudaError_t e = dsv4__cuda_smem_limit(k, fast_launch_smem<1>(), limit_raised);
   int dev = 0;
   if (e == cudaSuccess)
     e = cudaGetDevice(&dev);
@@ -97,7 +97,7 @@ static cudaError_t launch_fast_mt(const attn_params_t &p, dim3 grid, cudaStream_
   if (MT == 4 && dsv4__cuda_attention_fast_wg())
     return dsv4__attention_fast_wg_launch(p, grid, s, pdl);
   static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
-  const size_t smem = fast_launch_smem(MT);
+  const size_t smem = fast_launch_smem<MT>();
   cudaError_t e = dsv4__cuda_smem_limit(dsv4__attention_fast_kernel<MT>, smem, limit_raised);
   if (e != cudaSuccess)
     return e;
