@@ -347,8 +347,8 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_kernel(attn_pa
   using L = typename Ops::L;          /* the staged rows' layout */
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
   constexpr uint32_t AL = fast_rows_align<MT, Ops>();
-  if constexpr (AL > 16)
-    sk += (AL - (smem_addr(smem_dyn) & (AL - 1))) & (AL - 1);
+  if constexpr (AL > 16) /* the dynamic shared memory starts on a 16-byte boundary anyway */
+    sk += smem_align_pad<AL>(smem_dyn);
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq);
   uint8_t *sp = sq + fast_ss_bytes(MT);

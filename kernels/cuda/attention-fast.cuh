@@ -54,6 +54,13 @@ static __device__ __forceinline__ uint32_t smem_addr(const void *p) {
   return (uint32_t)__cvta_generic_to_shared(p);
 }
 
+/* The bytes from p in shared memory to the next multiple of A (a power of two) of its shared
+ * address: how far a kernel's staged rows start into its dynamic shared memory, whose launch
+ * gives A - 16 bytes of room for it. */
+template <uint32_t A> static __device__ __forceinline__ uint32_t smem_align_pad(const void *p) {
+  return (A - (smem_addr(p) & (A - 1))) & (A - 1);
+}
+
 static __device__ __forceinline__ void ldsm4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

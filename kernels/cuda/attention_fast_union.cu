@@ -163,13 +163,6 @@ static __device__ void funion_store_part(const attn_params_t &p, const attn_misc
         make_float2(ms.m[hh], um.s[hh]);
 }
 
-/* union_addrs, checking the entries where the setup has left that to the tiles (CK). */
-template <bool PREFETCH, bool CK>
-static __device__ __forceinline__ void funion_addrs(const attn_params_t &p, attn_misc_t &ms,
-                                                    union_misc_t &um, uint32_t first, uint32_t nt) {
-  union_addrs<PREFETCH, CK>(p, ms, um, first, nt, &um.bad);
-}
-
 /* Tile `first` of nt candidates, whose addresses ms holds (union_addrs, before a barrier): records
  * copied (a warp each, candidates warp, warp + W, ...) and dequantised in place to bf16 (zeros up
  * to a multiple of 16), scores into ss (-inf past nt). While the copies are in flight the next
@@ -184,7 +177,7 @@ static __device__ void funion_tile_scores(const attn_params_t &p, attn_misc_t &m
     fast_copy_record(sk, sscl, s, ms.rec[s], ms.scl[s], lane);
   if (nn) {          /* CTA-uniform */
     __syncthreads(); /* every warp has issued its copies: the addresses may change */
-    funion_addrs<true, CK>(p, ms, um, first + DSV4_WINDOW, nn);
+    union_addrs<true, CK>(p, ms, um, first + DSV4_WINDOW, nn, &um.bad);
   }
   dsv4__cp_async_wait_all();
   __syncthreads();
@@ -211,7 +204,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   __shared__ float alpha[16 * MT];
   __shared__ uint2 sscl[DSV4_WINDOW]; /* the staged records' scale bytes */
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
-  sk += (FUNION_ALIGN - (smem_addr(smem_dyn) & (FUNION_ALIGN - 1))) & (FUNION_ALIGN - 1);
+  sk += smem_align_pad<FUNION_ALIGN>(smem_dyn);
   uint8_t *sq = sk + (size_t)DSV4_WINDOW * K_ROW;
   float *ss = reinterpret_cast<float *>(sq + (size_t)16 * MT * K_ROW);
   uint8_t *sp = reinterpret_cast<uint8_t *>(ss + (size_t)16 * MT * S_STRIDE);
@@ -248,7 +241,7 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   for (int j = 0; j < NT; j++)
     acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   if (lo < hi) /* the first tile's addresses; each tile puts the next one's (funion_tile_scores) */
-    funion_addrs<false, CK>(p, ms, um, lo, min(hi - lo, (uint32_t)DSV4_WINDOW));
+    union_addrs<false, CK>(p, ms, um, lo, min(hi - lo, (uint32_t)DSV4_WINDOW), &um.bad);
   __syncthreads();
   for (uint32_t first = lo; first < hi; first += DSV4_WINDOW) {
     const uint32_t nt = min(hi - first, (uint32_t)DSV4_WINDOW);

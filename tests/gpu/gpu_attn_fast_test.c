@@ -686,7 +686,7 @@ static void union_refusals(ctx_t *c) {
       union_setup(c, k, &p, &in, &e);
       float *sinks = make_sinks(&c->rng, k->heads, k->sinks);
       in.sink = sinks;
-      /* The last token, well past its p0: a full row. */
+      /* The last token, well past its p0: a full row, or at ratio 128 hundreds of entries. */
       if (break_entries(&p, &e, p.n_q - 1, brk)) {
         fprintf(stderr, "FAIL the refusal's token lists too few entries to break\n");
         c->failures++;
@@ -785,7 +785,9 @@ static void run_split_cases(ctx_t *c) {
   static const uint32_t splits[] = {1, 2, 3, 5, 8, 32};
   /* C4: one token (the split of every decode step at b = 1), 64 tokens of 32 heads per CTA with
    * short rows, 128 heads and sinks +-inf, H = 8 (a part-empty m-tile, no sinks); C128: entries
-   * fewer than the splits' tiles, thousands of entries, two tokens of bs 256, a prefill chunk. */
+   * fewer than the splits' tiles, thousands of entries, two tokens of bs 256, a prefill chunk; C4
+   * again: two tokens of short rows with junk after their -1 (each split CTA checks its entries).
+   */
   static const size_t picks[] = {1, 0, 3, 4, 8, 10, 11, 13, 14};
   for (size_t i = 0; i < sizeof(picks) / sizeof(picks[0]); i++) {
     const ucase_t *k = &union_cases[picks[i]];
