@@ -100,6 +100,8 @@ static void shutdown_now(app_t *a) {
   if (a->closing)
     return;
   a->closing = 1;
+  /* The drain's poll reads the servers, which free themselves as they close. */
+  uv_timer_stop(&a->drain_timer);
   a->servers_open = 1 + (a->d.admin != NULL) + (a->d.shm != NULL);
   dsv4_server_close(a->d.data, on_server_closed, a);
   if (a->d.admin)
