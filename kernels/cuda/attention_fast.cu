@@ -120,13 +120,7 @@ extern "C" int dsv4__cuda_attention_fast_supported(int dev) {
 /* The mma.sync kernels' and the warpgroup-MMA kernel's phases together, each CTA counted once. */
 extern "C" long long dsv4__cuda_attention_fast_phases(double cycles[7]) {
   static_assert(PH_OUTPUT < DSV4_PHASE_SLOTS - 1, "a slot a phase");
-  double wg[7];
-  const long long n = dsv4__phase_take(cycles), nw = dsv4__attention_fast_wg_phases(wg);
-  if (n < 0 || nw <= 0) /* unreadable, or no CTA of the warpgroup form */
-    return n;
-  for (int i = 0; i < 7; i++)
-    cycles[i] = (cycles[i] * (double)n + wg[i] * (double)nw) / (double)(n + nw);
-  return n + nw;
+  return dsv4__phase_take_with(cycles, dsv4__attention_fast_wg_phases);
 }
 #endif
 

@@ -19,7 +19,9 @@
  *
  * A CTA of W warps (attention-fast.cuh's fast_warps: 8 at MT = 1, 16 at MT = 2) takes one query
  * token and 16 MT heads (MT = 1 or 2: the accumulators N of the warp's 16 heads and 512 MT / W
- * dims, 256 MT / W floats a lane, live across the tiles in registers):
+ * dims, 256 MT / W floats a lane, live across the tiles in registers; on sm_90a, where such CTAs
+ * would need another wave, a CTA of 64 heads on warpgroup MMAs instead: funion_choose_mt,
+ * sm90a/attention_fast_union_wg.cu):
  *   q        copied once right after the wait (under the setup), swizzled, kept in shared
  *            memory for every tile
  *   per tile the records copied raw (a warp a record; their addresses from union_addrs, while the
@@ -59,13 +61,8 @@
  * the next launch on the stream writes partial states only after its own wait, once the combine has
  * completed.
  */
-#include "attention-fast.cuh"
+#include "attention-fast-union.cuh"
 #include "attention-split.h"
-#include "attention-union.cuh"
-#include "phase-probe.cuh"
-
-/* The phases of a union CTA the probe build times (phase-probe.cuh), each tile's added up. */
-enum { UPH_WAIT, UPH_SETUP, UPH_STAGE, UPH_SCORES, UPH_SOFTMAX, UPH_SUM, UPH_OUTPUT };
 
 /* Threads of a combine CTA: one (token, head), 4 of its 512 dims each. */
 #define COMBINE_THREADS 128
@@ -86,34 +83,6 @@ static constexpr size_t funion_smem_bytes(int mt) {
          FUNION_ALIGN - 16;
 }
 
-/*
- * One tile of the online softmax, warp per head (heads warp, warp + W, ...): the new maximum m'
- * (ms.m) and the weights exp(l - m') as bf16 pairs into the two weight planes (fast_weights), the
- * rescale a = exp(m - m') of the earlier tiles (alpha), and S = S a + the tile's sum (um.s).
- */
-template <int MT, int W>
-static __device__ void funion_softmax(const float *ss, uint8_t *sp, attn_misc_t &ms,
-                                      union_misc_t &um, float *alpha, uint32_t warp,
-                                      uint32_t lane) {
-  constexpr int HPW = 16 * MT / W;
-  float m_old[HPW], m[HPW], sum[HPW];
-#pragma unroll
-  for (int i = 0; i < HPW; i++)
-    m_old[i] = m[i] = ms.m[warp + W * i];
-  fast_weights<HPW, W>(ss, sp, sp + 16 * MT * P_ROW, warp, lane, m, sum);
-  __syncwarp(); /* every lane has read ms.m before lane 0 replaces it */
-  if (lane != 0)
-    return;
-#pragma unroll
-  for (int i = 0; i < HPW; i++) {
-    const uint32_t h = warp + W * i;
-    const float a = __expf(m_old[i] - m[i]); /* 0 on the first tile (m_old = -inf) */
-    um.s[h] = um.s[h] * a + sum[i];
-    ms.m[h] = m[i];
-    alpha[h] = a;
-  }
-}
-
 /* N of the warp's m-tile and its NT n-tiles of dims rescaled by the heads' a, then continued over
  * the tile's nt candidates (rows nt..nt16 - 1 hold zeros and weights +0). */
 template <int MT, int NT>
@@ -132,35 +101,6 @@ static __device__ void funion_accumulate(const uint8_t *sp, const uint8_t *sk, c
   }
   fast_pv<NT>(smem_addr(sp), smem_addr(sp + 16 * MT * P_ROW), smem_addr(sk), mt, dw0,
               ((nt + 15) / 16) * 2, lane, acc);
-}
-
-/* One thread per head: D = S + exp(sink - m) and lse = m + log S (the sink excluded). */
-template <int MT>
-static __device__ void funion_finish(const attn_params_t &p, const attn_misc_t &ms,
-                                     const union_misc_t &um, fast_misc_t &fm, uint32_t t,
-                                     uint32_t h_first) {
-  const uint32_t h = threadIdx.x;
-  if (h >= 16 * MT)
-    return;
-  const float m = ms.m[h], sum = um.s[h];
-  fm.den[h] = fast_den(p, sum, m, fm.sink[h]);
-  if (p.lse && h_first + h < p.heads)
-    p.lse[(uint64_t)t * p.heads + h_first + h] = fast_lse(m, sum);
-}
-
-/* The partial state of split `split` for each of the CTA's heads: N from the warps' accumulators,
- * m and S one thread per head. */
-template <int MT, int NT>
-static __device__ void funion_store_part(const attn_params_t &p, const attn_misc_t &ms,
-                                         const union_misc_t &um, uint32_t t, uint32_t h_first,
-                                         uint32_t split, uint32_t warp, uint32_t lane,
-                                         const float (&acc)[NT][4]) {
-  fast_store_part<NT>(p, t, h_first, (warp % MT) * 16 + (lane >> 2), (warp / MT) * 8 * NT, split,
-                      lane, acc);
-  const uint32_t hh = threadIdx.x;
-  if (hh < 16 * MT && h_first + hh < p.heads)
-    part_ms(p)[((uint64_t)t * p.heads + h_first + hh) * p.nsplit + split] =
-        make_float2(ms.m[hh], um.s[hh]);
 }
 
 /* Tile `first` of nt candidates, whose addresses ms holds (union_addrs, before a barrier): records
@@ -212,18 +152,8 @@ __global__ void __launch_bounds__(32 * W, 1) dsv4__attention_fast_union_kernel(a
   const uint32_t t = blockIdx.x / p.groups;
   const uint32_t h_first = (blockIdx.x - t * p.groups) * 16 * MT;
   PHASE_START();
-  /* Before the wait: the sinks, immutable data. */
-  if (tid < 16 * MT)
-    fm.sink[tid] = p.sink && h_first + tid < p.heads ? p.sink[h_first + tid] : 0.0f;
-#ifdef DSV4_TEST_BROKEN_UNION_EARLY_READ
-  union_early_count(p, t, um);
-#endif
-  dsv4__dep_wait_params(p);
-  PHASE_MARK(UPH_WAIT);
-  dsv4__dep_trigger();
-  if (union_setup(p, t, ms, um, CK)) /* nothing in flight yet */
+  if (funion_begin<CK>(p, 16 * MT, t, h_first, ms, um, fm))
     return;
-  PHASE_MARK(UPH_SETUP);
   /* The CTA's part of the list: candidates lo..hi - 1 (attention-split.h), in tiles of 128. */
   const uint32_t nc = um.nc, per = dsv4__union_split_span(nc, p.nsplit);
   const uint32_t lo = min(split * per, nc), hi = min(lo + per, nc);
@@ -371,10 +301,47 @@ extern "C" int dsv4__cuda_attention_fast_union_supported(int dev) {
                               sizeof(fast_misc_t) + 32 * sizeof(float);
 }
 
-/* A launch's shape: MT, the head groups and the splits (the test build may force the splits). */
+static std::atomic<int> force_wg{0};
+
+extern "C" void dsv4__cuda_attention_fast_union_force_wg(int on) {
+  force_wg.store(on, std::memory_order_relaxed);
+}
+
+extern "C" int dsv4__cuda_attention_fast_union_wg(void) {
+  return dsv4__cuda_attention_fast_wg() && dsv4__attention_fast_union_wg_ready();
+}
+
+/*
+ * MT for a union launch: the fewest waves of CTAs (one an SM) times a CTA's cost, ties to larger
+ * CTAs. The costs: a CTA of 16 heads 2, of 32 heads 3 (choose_mt's: a staging and an m-tile each),
+ * of 64 heads on warpgroup MMAs (`wg`: the device runs them, more than 32 heads) 4.4, from a CTA's
+ * walk of 640 candidates on an H100 (C4 8K: 32 heads about 60 µs, 64 heads about 88;
+ * tests/bench/NOTES.md). So a decode step of 64 heads takes 64-head CTAs from about 67 tokens on
+ * 132 SMs, where 32-head CTAs would need a second wave.
+ */
+static int funion_choose_mt(uint32_t n_tokens, uint32_t heads, int sms, bool wg) {
+  static const uint32_t cost10[3] = {20, 30, 44}; /* tenths, by log2 MT */
+  uint64_t best = UINT64_MAX;
+  int best_mt = 1;
+  for (int lg = wg ? 2 : 1; lg >= 0; lg--) {
+    const uint64_t groups = (heads + (16u << lg) - 1) / (16u << lg);
+    const uint64_t waves = ((uint64_t)n_tokens * groups + sms - 1) / sms;
+    if (waves * cost10[lg] < best) {
+      best = waves * cost10[lg];
+      best_mt = 1 << lg;
+    }
+  }
+  return best_mt;
+}
+
+/* A launch's shape: MT (4: the warpgroup kernel), the head groups and the splits (the test build
+ * may force the splits; the tests may force the warpgroup kernel wherever the device runs it). */
 static void funion_shape(uint32_t n_tokens, uint32_t heads, int sms, int *mt, uint32_t *groups,
                          uint32_t *nsplit) {
-  *mt = choose_mt(n_tokens, heads ? heads : 1, sms, 2);
+  const bool wg = heads > 32 && dsv4__cuda_attention_fast_union_wg();
+  *mt = wg && force_wg.load(std::memory_order_relaxed)
+            ? 4
+            : funion_choose_mt(n_tokens, heads ? heads : 1, sms, wg);
   *groups = (heads + 16u * *mt - 1) / (16u * *mt);
   *nsplit = dsv4__union_splits((uint64_t)n_tokens * *groups, sms);
 #ifdef DSV4_TEST_TUNE
@@ -385,9 +352,10 @@ static void funion_shape(uint32_t n_tokens, uint32_t heads, int sms, int *mt, ui
 }
 
 #ifdef DSV4_PHASE_PROBE
+/* The mma.sync kernels' and the warpgroup-MMA kernel's phases together, each CTA counted once. */
 extern "C" long long dsv4__cuda_attention_fast_union_phases(double cycles[7]) {
   static_assert(UPH_OUTPUT < DSV4_PHASE_SLOTS - 1, "a slot a phase");
-  return dsv4__phase_take(cycles);
+  return dsv4__phase_take_with(cycles, dsv4__attention_fast_union_wg_phases);
 }
 #endif
 
@@ -424,10 +392,11 @@ cudaError_t dsv4__attention_fast_union_launch(attn_params_t p, int sms, cudaStre
     return cudaErrorInvalidValue;
   const dim3 grid((unsigned)ctas, p.nsplit, 1);
   const bool ck = p.check_all && p.nsplit > 1; /* union_setup */
-  cudaError_t e = mt == 1 ? (ck ? launch_funion_mt<1, true>(p, grid, s, pdl)
-                                : launch_funion_mt<1, false>(p, grid, s, pdl))
-                          : (ck ? launch_funion_mt<2, true>(p, grid, s, pdl)
-                                : launch_funion_mt<2, false>(p, grid, s, pdl));
+  cudaError_t e = mt == 4   ? dsv4__attention_fast_union_wg_launch(p, grid, s, pdl)
+                  : mt == 1 ? (ck ? launch_funion_mt<1, true>(p, grid, s, pdl)
+                                  : launch_funion_mt<1, false>(p, grid, s, pdl))
+                            : (ck ? launch_funion_mt<2, true>(p, grid, s, pdl)
+                                  : launch_funion_mt<2, false>(p, grid, s, pdl));
   if (e != cudaSuccess || p.nsplit == 1)
     return e;
   return dsv4__attention_fast_combine_launch(p, s, pdl);

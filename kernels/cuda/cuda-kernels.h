@@ -225,7 +225,8 @@ uint32_t dsv4__cuda_attention_heads_per_block(uint32_t n_tokens, uint32_t heads)
  * the heads one CTA of the fast kernel computes for a launch of that shape (64, 32 or 16). */
 int dsv4__cuda_attention_fast_supported(int dev);
 uint32_t dsv4__cuda_attention_fast_heads_per_block(uint32_t n_tokens, uint32_t heads);
-/* The same for the fast union kernel (compressed entries; 32 or 16 heads per CTA), and the splits
+/* The same for the fast union kernel (compressed entries; 64 on warpgroup MMAs, 32 or 16 heads per
+ * CTA), and the splits
  * of each token's list in a fast union launch of that shape (1: not split; 0 when the device cannot
  * be queried). */
 int dsv4__cuda_attention_fast_union_supported(int dev);
@@ -233,11 +234,19 @@ uint32_t dsv4__cuda_attention_fast_union_heads_per_block(uint32_t n_tokens, uint
 uint32_t dsv4__cuda_attention_fast_union_splits(uint32_t n_tokens, uint32_t heads);
 /* The splits of each token's window in a fast launch without compressed entries (1, 2, 4 or 8). */
 uint32_t dsv4__cuda_attention_fast_splits(uint32_t n_tokens, uint32_t heads);
-/* With on, the fast window kernel's CTAs of 64 heads run on mma.sync even where the warpgroup-MMA
- * form (sm90a/attention_fast_wg.cu) would run: the tests and benchmarks that compare the two; off
- * by default. dsv4__cuda_attention_fast_wg: 1 when that form runs on the current device. */
+/* With on, the fast kernels' CTAs of 64 heads run on mma.sync even where the warpgroup-MMA forms
+ * (sm90a/attention_fast_wg.cu, the window's; sm90a/attention_fast_union_wg.cu, the union's, whose
+ * launches then take CTAs of 32 or 16 heads) would run: the tests and benchmarks that compare the
+ * two; off by default. dsv4__cuda_attention_fast_wg: 1 when the window's form runs on the current
+ * device; dsv4__cuda_attention_fast_union_wg: the union's. */
 void dsv4__cuda_attention_fast_force_sync(int on);
 int dsv4__cuda_attention_fast_wg(void);
+int dsv4__cuda_attention_fast_union_wg(void);
+/* With on, every fast union launch of more than 32 heads takes the warpgroup kernel's 64-head CTAs
+ * where the device runs it (dsv4__cuda_attention_fast_union_wg), whatever the launcher would
+ * choose (a force_sync wins over it): the tests that run both kernels on the same cases; off by
+ * default. */
+void dsv4__cuda_attention_fast_union_force_wg(int on);
 #ifdef DSV4_PHASE_PROBE
 /* A build with the phase probe (CMake DSV4_CUDA_PHASES, phase-probe.cuh): the fast window kernel's
  * cycles a CTA since the last call, by phase (the dependency wait, the window's blocks, the copies'

@@ -51,6 +51,18 @@ static inline long long dsv4__phase_take(double *out) {
     return -1;
   return (long long)h[DSV4_PHASE_SLOTS - 1];
 }
+
+/* dsv4__phase_take's totals of this translation unit and of another's (`other`, its own take, as
+ * a warpgroup-MMA form's in its sm_90a unit) as one: each CTA counted once. */
+static inline long long dsv4__phase_take_with(double *out, long long (*other)(double *)) {
+  double o[DSV4_PHASE_SLOTS - 1];
+  const long long n = dsv4__phase_take(out), no = other(o);
+  if (n < 0 || no <= 0) /* unreadable, or no CTA of the other unit's kernels */
+    return n;
+  for (int i = 0; i < DSV4_PHASE_SLOTS - 1; i++)
+    out[i] = (out[i] * (double)n + o[i] * (double)no) / (double)(n + no);
+  return n + no;
+}
 #else
 #define PHASE_START() ((void)0)
 #define PHASE_MARK(k) ((void)0)

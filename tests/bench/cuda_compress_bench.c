@@ -52,7 +52,8 @@
  * heads' sum in registers) instead of the daemon's choice, on warpgroup MMAs where the device runs
  * them; sync and fast_sync: the daemon's choice and fast mode on mma.sync;
  * DSV4_BENCH_INDEX_CODES=narrow writes index records whose block codes are within one of each
- * other, as the compressor's are)
+ * other, as the compressor's are; DSV4_BENCH_FAST_SYNC=1 runs fast mode's union on mma.sync, CTAs of
+ * 32 or 16 heads, where the device would take 64-head CTAs on warpgroup MMAs)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>
@@ -697,6 +698,13 @@ int main(void) {
          path && strstr(path, "sync") ? "mma.sync"
          : dsv4__cuda_indexer_wg(64)  ? "warpgroup MMAs"
                                       : "mma.sync");
+  if (getenv("DSV4_BENCH_FAST_SYNC"))
+    dsv4__cuda_attention_fast_force_sync(1);
+  if (fast)
+    printf("fast union of 64 heads: %s\n",
+           dsv4__cuda_attention_fast_union_wg()
+               ? "warpgroup MMAs, 64-head CTAs (DSV4_BENCH_FAST_SYNC=1: mma.sync)"
+               : "mma.sync, 32- or 16-head CTAs (DSV4_BENCH_FAST_SYNC, or no sm_90a device)");
   float *mirror = NULL;
   dsv4_rope_table_t *rope = gpu_rope_open(&dsv4_rope_yarn_default, MAX_POS, &mirror);
   uint32_t bs[8] = {1, 64, 256};

@@ -28,8 +28,10 @@
  * same way: ratio 4 with selections of 512 and 1024 (full rows, rows cut short and -1 padded, rows
  * of tokens that see fewer entries than topk), ratio 128 with few, about 512 and more than 4000
  * visible entries; p0 = 0 and p0 > 0, a token at its p0; H = 8, 64 and 128; sinks finite, +inf,
- * -inf and none; decode steps and prefill chunks; both of its CTA shapes. The entry pool is filled
- * with E4M3 NaN bytes as well.
+ * -inf and none; decode steps and prefill chunks; every CTA shape: 16 and 32 heads on mma.sync,
+ * and where the device runs it 64 on warpgroup MMAs (sm90a/attention_fast_union_wg.cu), every case
+ * of more than 32 heads on both kernels (the launcher's choice and the other one). The entry pool
+ * is filled with E4M3 NaN bytes as well.
  *
  * Refusals (SPEC §7: DSV4_EINVAL, no byte of attn or lse written, the launch after it right again):
  * window launches with a block-table entry of -1 or past the pool in a token's window, at 1, 16, 64
@@ -596,6 +598,27 @@ static void union_setup(ctx_t *c, const ucase_t *k, attn_plan_t *p, attn_inputs_
   CKD(dsv4_rope_table_ensure(in->rope, p->q_pos, p->n_q));
 }
 
+/* The union kernel other than the launcher's choice for a launch of n tokens of `heads` heads,
+ * where the device has both (sm_90a, more than 32 heads): mma.sync
+ * (dsv4__cuda_attention_fast_force_sync) in place of 64-head CTAs on warpgroup MMAs, or those
+ * (dsv4__cuda_attention_fast_union_force_wg) in place of mma.sync. 0 when there is none. */
+static int union_other_form(uint32_t n, uint32_t heads, int on) {
+  if (!on) {
+    dsv4__cuda_attention_fast_force_sync(0);
+    dsv4__cuda_attention_fast_union_force_wg(0);
+    return 1;
+  }
+  if (heads <= 32 || !dsv4__cuda_attention_fast_union_wg())
+    return 0;
+  if (dsv4__cuda_attention_fast_union_heads_per_block(n, heads) == 64)
+    dsv4__cuda_attention_fast_force_sync(1);
+  else
+    dsv4__cuda_attention_fast_union_force_wg(1);
+  return 1;
+}
+
+/* One union case's launch as the device runs it, then on the other union kernel where the device
+ * has both (union_other_form), each held to exact mode on its own. */
 static void run_union_case(ctx_t *c, const ucase_t *k) {
   attn_plan_t p;
   attn_inputs_t in;
@@ -603,22 +626,25 @@ static void run_union_case(ctx_t *c, const ucase_t *k) {
   union_setup(c, k, &p, &in, &e);
   float *sinks = make_sinks(&c->rng, k->heads, k->sinks);
   in.sink = sinks;
-  uint32_t hpb = dsv4__cuda_attention_fast_union_heads_per_block(p.n_q, k->heads);
-  for (uint32_t s = 0; s < 2; s++)
-    if (hpb == 16u << s)
-      c->union_shapes_seen |= 1u << s;
-  const uint32_t splits = dsv4__cuda_attention_fast_union_splits(p.n_q, k->heads);
-  c->union_split_runs += splits > 1;
   uint32_t most, fewest;
   union_span(&p, &e, &most, &fewest);
-  char what[300];
-  snprintf(what, sizeof(what),
-           "C%u%s%.0u H=%u %u queries in %u segments bs=%u %s sinks=%s, %u..%u candidates, %u "
-           "heads per CTA, %u split%s",
-           k->ratio, k->ratio == 4 ? " topk " : "", k->ratio == 4 ? k->topk : 0, k->heads, p.n_q,
-           p.n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks), fewest, most, hpb,
-           splits, splits == 1 ? "" : "s");
-  c->failures += check_fast(c, what, &p, &in, 0, 0);
+  for (int form = 0; form < 2 && union_other_form(p.n_q, k->heads, form); form++) {
+    const uint32_t hpb = dsv4__cuda_attention_fast_union_heads_per_block(p.n_q, k->heads);
+    for (uint32_t s = 0; s < 3; s++)
+      if (hpb == 16u << s)
+        c->union_shapes_seen |= 1u << s;
+    const uint32_t splits = dsv4__cuda_attention_fast_union_splits(p.n_q, k->heads);
+    c->union_split_runs += splits > 1;
+    char what[300];
+    snprintf(what, sizeof(what),
+             "C%u%s%.0u H=%u %u queries in %u segments bs=%u %s sinks=%s, %u..%u candidates, %u "
+             "heads per CTA%s, %u split%s",
+             k->ratio, k->ratio == 4 ? " topk " : "", k->ratio == 4 ? k->topk : 0, k->heads, p.n_q,
+             p.n_segs, k->bs, k->yarn ? "yarn" : "plain", sink_name(k->sinks), fewest, most, hpb,
+             hpb == 64 ? " (warpgroup MMAs)" : "", splits, splits == 1 ? "" : "s");
+    c->failures += check_fast(c, what, &p, &in, 0, 0);
+  }
+  union_other_form(0, 0, 0);
   free(sinks);
   attn_entries_free(&e);
   attn_inputs_free(&in);
@@ -658,7 +684,9 @@ static int break_entries(const attn_plan_t *p, attn_entries_t *e, uint32_t t, in
  * 40 of 16 heads (the check kernel first; 3 splits on an H200, where every launch of more than 16
  * tokens of 64 heads fills half the device and runs unsplit), 200 of 64 heads (the check kernel,
  * unsplit), and at ratio 128 1 and 15 tokens of 64 heads (split, each CTA checking the blocks of
- * the entries it reads). The launch after them is right again (the next case).
+ * the entries it reads). The launch after them is right again (the next case). Each case runs on
+ * the launcher's kernel, then, where the device has both, on the other (64-head CTAs on warpgroup
+ * MMAs, whose split counts differ).
  */
 static void union_refusals(ctx_t *c) {
   static const char *const names[4] = {
@@ -674,11 +702,17 @@ static void union_refusals(ctx_t *c) {
       {64, 1, SHAPE_DECODE, 64, 128, 0, 60000, 70000, SINK_FINITE, 0, 0},
       {64, 15, SHAPE_DECODE, 64, 128, 0, 60000, 70000, SINK_EDGES, 1, 0},
   };
-  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-    const ucase_t *k = &cases[i];
-    char path[96];
+  const size_t nc = sizeof(cases) / sizeof(cases[0]);
+  for (size_t f = 0; f < 2 * nc; f++) {
+    const ucase_t *k = &cases[f % nc];
+    /* each case on the launcher's kernel, then on the other one where the device has both */
+    if (!union_other_form(k->tokens, k->heads, f >= nc))
+      continue;
+    const uint32_t hpb = dsv4__cuda_attention_fast_union_heads_per_block(k->tokens, k->heads);
+    char path[128];
     launch_path(path, sizeof(path), k->tokens, 1, k->ratio == 4 ? k->topk : 0,
                 dsv4__cuda_attention_fast_union_splits(k->tokens, k->heads));
+    snprintf(path + strlen(path), sizeof(path) - strlen(path), ", %u-head CTAs", hpb);
     for (int brk = k->ratio == 4 ? 0 : 2; brk < 4; brk++) {
       attn_plan_t p;
       attn_inputs_t in;
@@ -708,6 +742,7 @@ static void union_refusals(ctx_t *c) {
       attn_inputs_free(&in);
       attn_plan_free(&p);
     }
+    union_other_form(0, 0, 0);
   }
 }
 
@@ -806,7 +841,7 @@ static void run_split_cases(ctx_t *c) {
     }
   }
   dsv4__cuda_test_union_splits = 0;
-  for (uint32_t sh = 0; sh < 2; sh++)
+  for (uint32_t sh = 0; sh < (dsv4__cuda_attention_fast_union_wg() ? 3u : 2u); sh++)
     if (!(c->union_shapes_seen & (1u << sh))) {
       fprintf(stderr, "FAIL no split case of this device got %u heads per CTA\n", 16u << sh);
       c->failures++;
@@ -819,9 +854,10 @@ static void run_union_cases(ctx_t *c) {
     if (i == 1)
       union_refusals(c);
   }
-  /* Both CTA shapes of the union kernel (16 and 32 heads) must have met exact mode, and so must
-   * the split lists where this device splits a one-token launch. */
-  for (uint32_t sh = 0; sh < 2; sh++)
+  /* Every CTA shape of the union kernel (16 and 32 heads, 64 on warpgroup MMAs where the device
+   * runs them) must have met exact mode, and so must the split lists where this device splits a
+   * one-token launch. */
+  for (uint32_t sh = 0; sh < (dsv4__cuda_attention_fast_union_wg() ? 3u : 2u); sh++)
     if (!(c->union_shapes_seen & (1u << sh))) {
       fprintf(stderr, "FAIL no union case of this device got %u heads per CTA\n", 16u << sh);
       c->failures++;

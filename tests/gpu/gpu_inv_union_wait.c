@@ -17,8 +17,9 @@
  * On a device without PDL (below sm_90) the launches are in plain stream order and the test
  * reports "skipped".
  *
- * With the argument "fast" the same runs go through fast mode's union kernel
- * (attention_fast_union.cu), whose reference is fast mode's own output over the real bytes written
+ * With the argument "fast" the same runs go through fast mode's union kernels
+ * (attention_fast_union.cu; batches of more than 32 heads sm90a/attention_fast_union_wg.cu where
+ * the device runs it), whose reference is fast mode's own output over the real bytes written
  * before the launch (fast mode is deterministic, SPEC §7): a launch that read stale bytes differs
  * from it. Its broken build is the same (ctest: gpu_inv_union_wait_fast_broken_early_read).
  *
@@ -99,7 +100,8 @@ static void *dev_copy(const void *h, size_t n) {
 }
 
 /*
- * Batch `batch`: 1..8 decode steps (1..4 in split mode), one of them a sequence's first token,
+ * Batch `batch`: 1..8 decode steps (1..4 in split mode) of 1..32 or 33..64 heads (every other
+ * pair of batches), one of them a sequence's first token,
  * and outside split mode now and then a short prefill. Ratio 4 on even batches (up to about 2000
  * visible entries a token, selections of 512 among them), ratio 128 on odd ones (up to about 300).
  * Every row of it computed by the CPU backend.
@@ -110,7 +112,9 @@ static void batch_make(ctx_t *c, int batch, host_batch_t *b) {
   const uint32_t span = b->ratio == 4 ? 4000 : 20000;
   attn_seg_spec_t spec[9];
   uint32_t n_segs = 1 + gpu_below(&c->rng, c->split ? 4 : 8);
-  b->heads = 1 + gpu_below(&c->rng, 32);
+  /* 1..32 heads, or 33..64 (in fast mode the 64-head CTAs on warpgroup MMAs where the device runs
+   * them, main forcing them), each with both ratios */
+  b->heads = 1 + gpu_below(&c->rng, 32) + (batch / 2 % 2 ? 32u : 0u);
   const uint32_t bs = gpu_below(&c->rng, 2) ? 64 : 16;
   for (uint32_t g = 0; g < n_segs; g++) {
     const int64_t p0 = (int64_t)gpu_below(&c->rng, span);
@@ -354,6 +358,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   c.fast |= c.split;
+  /* fast mode's batches of more than 32 heads on the 64-head CTAs of warpgroup MMAs where the device
+   * runs them, whatever the launcher would choose for so few tokens */
+  dsv4__cuda_attention_fast_union_force_wg(c.fast);
   c.why = c.split ? "the union attention read its inputs, or the combine the partial states, "
                     "before the dependency wait"
                   : "the union attention read q_out, the caches or the selection before its "

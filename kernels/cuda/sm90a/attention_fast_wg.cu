@@ -32,82 +32,13 @@
  * Ordering (SPEC §5.2) is the kernel's: the MMAs read only shared memory staged after the wait.
  */
 #include "../attention-fast-window.cuh"
-#include "wgmma.cuh"
+#include "attention-wg.cuh"
 
 /* Without sm_90a's features the MMAs below would compile to nothing (CMake builds this file for
  * that architecture alone). */
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "sm90a/attention_fast_wg.cu is built for sm_90a only"
 #endif
-
-/* Bytes between the atoms of the staged operands (swz_atoms): along a row's pieces, between groups
- * of 8 rows of 1 KiB rows (q, the records) and of 256-byte rows (the weights). */
-#define AWG_ATOM 1024u
-#define AWG_GROUP_K ((uint32_t)(8 * K_ROW))
-#define AWG_GROUP_P ((uint32_t)(8 * P_ROW))
-/* A k-step (16 bf16 values, 32 bytes) further along a K-major operand's atom. */
-#define AWG_KSTEP 32u
-/* The scores' k-steps in flight (each MMA's partial in its own registers). */
-#define AWG_KF 4
-
-/* Until a k-step's MMA has landed, with `later` MMA groups issued after it (groups complete in
- * the order issued): at most min(later, AWG_KF - 1) may stay pending. */
-static __device__ __forceinline__ void awg_wait_kstep(int later) {
-  static_assert(AWG_KF == 4, "the waits below: at most 3 groups pending");
-  if (later >= 3)
-    wg_wait_group<3>();
-  else if (later == 2)
-    wg_wait_group<2>();
-  else if (later == 1)
-    wg_wait_group<1>();
-  else
-    wg_wait_group<0>();
-}
-
-/* A shared-memory matrix descriptor in the 128-byte swizzle mode: the operand at shared address a
- * (its atoms on 1 KiB boundaries), lbo and sbo the leading and stride byte offsets. */
-static __device__ __forceinline__ uint64_t awg_desc(uint32_t a, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((a >> 4) & 0x3FFFu) | (uint64_t)((lbo >> 4) & 0x3FFFu) << 16 |
-         (uint64_t)((sbo >> 4) & 0x3FFFu) << 32 | 1ull << 62;
-}
-
-/* K-major: the leading byte offset is unused in the swizzled modes (1 by convention). */
-static __device__ __forceinline__ uint64_t awg_desc_k(uint32_t a, uint32_t sbo) {
-  return awg_desc(a, 16, sbo);
-}
-
-#define AWG_R8(d, i)                                                                               \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),      \
-      "+f"(d[i + 6]), "+f"(d[i + 7])
-
-/* d = A . B^T from zero, m64n32k16, A and B K-major by descriptors. */
-static __device__ __forceinline__ void awg_mma_n32(float (&d)[16], uint64_t a, uint64_t b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-               "%16, %17, p, 1, 1, 0, 0;\n}\n"
-               : AWG_R8(d, 0), AWG_R8(d, 8)
-               : "l"(a), "l"(b), "n"(0));
-#else
-  (void)d, (void)a, (void)b;
-#endif
-}
-
-/* d += A . B, m64n64k16, A K-major and B MN-major by descriptors. */
-static __device__ __forceinline__ void awg_mma_n64(float (&d)[32], uint64_t a, uint64_t b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-               "%32, %33, p, 1, 1, 0, 1;\n}\n"
-               : AWG_R8(d, 0), AWG_R8(d, 8), AWG_R8(d, 16), AWG_R8(d, 24)
-               : "l"(a), "l"(b), "n"(1));
-#else
-  (void)d, (void)a, (void)b;
-#endif
-}
 
 /* The window kernel's Ops on warpgroup MMAs (fast_mma_ops' counterpart, attention-fast-window.cuh):
  * the rows' layout and alignment, the proxy fence before the barriers, the zero tail, the scores
