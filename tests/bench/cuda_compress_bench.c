@@ -52,8 +52,8 @@
  * heads' sum in registers) instead of the daemon's choice, on warpgroup MMAs where the device runs
  * them; sync and fast_sync: the daemon's choice and fast mode on mma.sync;
  * DSV4_BENCH_INDEX_CODES=narrow writes index records whose block codes are within one of each
- * other, as the compressor's are; DSV4_BENCH_FAST_SYNC=1 runs fast mode's union on mma.sync, CTAs of
- * 32 or 16 heads, where the device would take 64-head CTAs on warpgroup MMAs)
+ * other, as the compressor's are; DSV4_BENCH_FAST_SYNC=1 runs fast mode's union on mma.sync, CTAs
+ * of 32 or 16 heads, where the device would take 64-head CTAs on warpgroup MMAs)
  */
 #include <cuda_runtime_api.h>
 #include <stdint.h>

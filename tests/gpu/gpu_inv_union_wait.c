@@ -358,8 +358,8 @@ int main(int argc, char **argv) {
     return 1;
   }
   c.fast |= c.split;
-  /* fast mode's batches of more than 32 heads on the 64-head CTAs of warpgroup MMAs where the device
-   * runs them, whatever the launcher would choose for so few tokens */
+  /* fast mode's batches of more than 32 heads on the 64-head CTAs of warpgroup MMAs where the
+   * device runs them, whatever the launcher would choose for so few tokens */
   dsv4__cuda_attention_fast_union_force_wg(c.fast);
   c.why = c.split ? "the union attention read its inputs, or the combine the partial states, "
                     "before the dependency wait"
