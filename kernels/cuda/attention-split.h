@@ -2,8 +2,9 @@
 #define DSV4_KERNELS_CUDA_ATTENTION_SPLIT_H
 /*
  * The split of fast mode's attention at small batches, in plain C so that the host's choices are
- * tested without a device (tests/unit/union_split_test.c): how many splits a launch gets, and the
- * size and layout of the partial states the splits leave for the combine kernel. Over the union
+ * tested without a device (tests/unit/union_split_test.c): how many splits a launch gets, the size
+ * and layout of the partial states the splits leave for the combine kernel, and how many heads a
+ * union CTA takes. Over the union
  * (attention_fast_union.cu) split s of nsplit takes the candidates s span.. of its token's list
  * (dsv4__union_split_span), in tiles of at most 128; over the window alone (attention_fast.cu) it
  * takes the window's candidates 128 s / nsplit.. (128 / nsplit of them).
@@ -60,6 +61,34 @@ static inline uint32_t dsv4__window_split_count(uint32_t k) {
  */
 static inline uint32_t dsv4__window_splits(uint64_t ctas, int sms) {
   return dsv4__window_split_count(dsv4__union_splits(ctas, sms));
+}
+
+/*
+ * The heads a fast union CTA takes (16 MT: MT 1, 2, or 4 for the warpgroup kernel, which `wg` says
+ * the device runs for this launch: sm_90a, more than 32 heads): the fewest waves of CTAs (one an
+ * SM) times a CTA's cost, ties to larger CTAs. The costs: a CTA of 16 heads 2, of 32 heads 3 (a
+ * staging and an m-tile each, as the window's choose_mt), of 64 heads on warpgroup MMAs 4.4, from a
+ * CTA's walk of 640 candidates on an H100 (C4 8K: 32 heads about 60 µs, 64 heads about 88;
+ * tests/bench/NOTES.md). So a decode step of 64 heads takes 64-head CTAs from 67 tokens on 132
+ * SMs, where 32-head CTAs would need a second wave.
+ */
+static inline int dsv4__union_choose_mt(uint32_t n_tokens, uint32_t heads, int sms, int wg) {
+  static const uint32_t cost10[3] = {20, 30, 44}; /* tenths, by log2 MT */
+  uint64_t best = UINT64_MAX;
+  int best_mt = 1;
+  if (heads == 0)
+    heads = 1;
+  if (sms <= 0)
+    sms = 1;
+  for (int lg = wg ? 2 : 1; lg >= 0; lg--) {
+    const uint64_t groups = (heads + (16u << lg) - 1) / (16u << lg);
+    const uint64_t waves = ((uint64_t)n_tokens * groups + (uint64_t)sms - 1) / (uint64_t)sms;
+    if (waves * cost10[lg] < best) {
+      best = waves * cost10[lg];
+      best_mt = 1 << lg;
+    }
+  }
+  return best_mt;
 }
 
 /*

@@ -20,7 +20,7 @@
  * A CTA of W warps (attention-fast.cuh's fast_warps: 8 at MT = 1, 16 at MT = 2) takes one query
  * token and 16 MT heads (MT = 1 or 2: the accumulators N of the warp's 16 heads and 512 MT / W
  * dims, 256 MT / W floats a lane, live across the tiles in registers; on sm_90a, where such CTAs
- * would need another wave, a CTA of 64 heads on warpgroup MMAs instead: funion_choose_mt,
+ * would need another wave, a CTA of 64 heads on warpgroup MMAs instead: dsv4__union_choose_mt,
  * sm90a/attention_fast_union_wg.cu):
  *   q        copied once right after the wait (under the setup), swizzled, kept in shared
  *            memory for every tile
@@ -311,29 +311,6 @@ extern "C" int dsv4__cuda_attention_fast_union_wg(void) {
   return dsv4__cuda_attention_fast_wg() && dsv4__attention_fast_union_wg_ready();
 }
 
-/*
- * MT for a union launch: the fewest waves of CTAs (one an SM) times a CTA's cost, ties to larger
- * CTAs. The costs: a CTA of 16 heads 2, of 32 heads 3 (choose_mt's: a staging and an m-tile each),
- * of 64 heads on warpgroup MMAs (`wg`: the device runs them, more than 32 heads) 4.4, from a CTA's
- * walk of 640 candidates on an H100 (C4 8K: 32 heads about 60 µs, 64 heads about 88;
- * tests/bench/NOTES.md). So a decode step of 64 heads takes 64-head CTAs from about 67 tokens on
- * 132 SMs, where 32-head CTAs would need a second wave.
- */
-static int funion_choose_mt(uint32_t n_tokens, uint32_t heads, int sms, bool wg) {
-  static const uint32_t cost10[3] = {20, 30, 44}; /* tenths, by log2 MT */
-  uint64_t best = UINT64_MAX;
-  int best_mt = 1;
-  for (int lg = wg ? 2 : 1; lg >= 0; lg--) {
-    const uint64_t groups = (heads + (16u << lg) - 1) / (16u << lg);
-    const uint64_t waves = ((uint64_t)n_tokens * groups + sms - 1) / sms;
-    if (waves * cost10[lg] < best) {
-      best = waves * cost10[lg];
-      best_mt = 1 << lg;
-    }
-  }
-  return best_mt;
-}
-
 /* A launch's shape: MT (4: the warpgroup kernel), the head groups and the splits (the test build
  * may force the splits; the tests may force the warpgroup kernel wherever the device runs it). */
 static void funion_shape(uint32_t n_tokens, uint32_t heads, int sms, int *mt, uint32_t *groups,
@@ -341,7 +318,7 @@ static void funion_shape(uint32_t n_tokens, uint32_t heads, int sms, int *mt, ui
   const bool wg = heads > 32 && dsv4__cuda_attention_fast_union_wg();
   *mt = wg && force_wg.load(std::memory_order_relaxed)
             ? 4
-            : funion_choose_mt(n_tokens, heads ? heads : 1, sms, wg);
+            : dsv4__union_choose_mt(n_tokens, heads, sms, wg);
   *groups = (heads + 16u * *mt - 1) / (16u * *mt);
   *nsplit = dsv4__union_splits((uint64_t)n_tokens * *groups, sms);
 #ifdef DSV4_TEST_TUNE

@@ -2,8 +2,8 @@
  * Unit tests of kernels/cuda/attention-split.h, the host's side of fast mode's split attention
  * (SPEC §7): a launch splits only while its CTAs fill less than half the device, never into more
  * CTAs than the device holds at once (one per SM) nor more than DSV4_UNION_MAX_SPLITS splits, the
- * choice depends on the shape alone, a window launch's count is a power of two; and the partial
- * states' size.
+ * choice depends on the shape alone, a window launch's count is a power of two; the heads a union
+ * CTA takes; and the partial states' size.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -48,6 +48,42 @@ static void test_every_shape(void **state) {
       /* As many as fit, up to the cap. */
       assert_true(k == DSV4_UNION_MAX_SPLITS || ctas * (k + 1) > (uint64_t)sms);
     }
+}
+
+/* The union CTA's heads (dsv4__union_choose_mt) for V4-Flash's 64 heads on 132 SMs: 16-head CTAs
+ * for a few decode tokens, 32 while they fit one wave, 64 on warpgroup MMAs (where the device runs
+ * them) from the token whose 32-head CTAs need a second wave; without them, 32 at most. */
+/* (ties go to the larger CTA: 67 tokens without warpgroup MMAs take 2 waves of 32-head CTAs, as
+ * costly as 3 of 16-head ones) */
+static void test_union_heads(void **state) {
+  (void)state;
+  static const struct {
+    uint32_t tokens;
+    int wg, mt;
+  } cases[] = {
+      {1, 1, 1},   {16, 1, 1},  {33, 1, 1},  {34, 1, 2},  {64, 1, 2},  {66, 1, 2},  {67, 1, 4},
+      {128, 1, 4}, {132, 1, 4}, {133, 1, 4}, {200, 1, 4}, {256, 1, 4}, {1, 0, 1},   {33, 0, 1},
+      {34, 0, 2},  {66, 0, 2},  {67, 0, 2},  {99, 0, 2},  {128, 0, 2}, {256, 0, 2},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
+    if (dsv4__union_choose_mt(cases[i].tokens, 64, H200_SMS, cases[i].wg) != cases[i].mt)
+      fail_msg("%u tokens of 64 heads%s: %d m-tiles, not %d", cases[i].tokens,
+               cases[i].wg ? " (warpgroup MMAs)" : "",
+               dsv4__union_choose_mt(cases[i].tokens, 64, H200_SMS, cases[i].wg), cases[i].mt);
+  /* 32 heads or fewer: never more than 32 a CTA, whatever wg says (the launcher passes 0). */
+  for (uint32_t heads = 1; heads <= 32; heads++)
+    for (uint32_t n = 1; n <= 600; n += 7)
+      assert_true(dsv4__union_choose_mt(n, heads, H200_SMS, 0) <= 2);
+  /* A wider CTA is taken only when it costs fewer waves' worth: never more waves than 16-head
+   * CTAs times 2.2 (64 heads against 16: 4.4 / 2). */
+  for (uint32_t n = 1; n <= 600; n++) {
+    const int mt = dsv4__union_choose_mt(n, 64, H200_SMS, 1);
+    const uint64_t waves = ((uint64_t)n * (4 / mt) + H200_SMS - 1) / H200_SMS;
+    const uint64_t waves16 = ((uint64_t)n * 4 + H200_SMS - 1) / H200_SMS;
+    assert_true(mt == 1 || mt == 2 || mt == 4);
+    assert_true(waves * (mt == 4 ? 44u : mt == 2 ? 30u : 20u) <= waves16 * 20u);
+  }
+  assert_int_equal(dsv4__union_choose_mt(5, 0, 0, 1), 1); /* degenerate shapes: one m-tile */
 }
 
 /* The window's splits: the union's count rounded down to a power of two, so that each split takes
@@ -110,8 +146,9 @@ static void test_part_floats(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_h200_shapes),   cmocka_unit_test(test_every_shape),
-      cmocka_unit_test(test_window_splits), cmocka_unit_test(test_union_spans),
-      cmocka_unit_test(test_degenerate),    cmocka_unit_test(test_part_floats),
+      cmocka_unit_test(test_window_splits), cmocka_unit_test(test_union_heads),
+      cmocka_unit_test(test_union_spans),   cmocka_unit_test(test_degenerate),
+      cmocka_unit_test(test_part_floats),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
