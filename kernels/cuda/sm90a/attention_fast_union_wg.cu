@@ -13,11 +13,11 @@
  * q (64 rows) stays in shared memory for every tile, so a tile is 64 candidates (the records 64
  * KiB, q 64 KiB, the weights 16 KiB, the scores 17 KiB). Per tile, in the 128-byte swizzle
  * (swz_atoms), as the window's warpgroup kernel (attention_fast_wg.cu):
- *   staging  the records copied raw (a warp a record; their addresses from union_addrs, the next
- *            tile's while the copies are in flight), dequantised in place, zeros past the tile's
- *            candidates (the weighted sums read every row)
+ *   staging  the records copied raw into a buffer of their own (a warp a record; their addresses
+ *            from union_addrs) while the tile before computes, then dequantised into the tile's
+ *            rows, zeros past its candidates (the weighted sums read every row)
  *   scores   warpgroup g: candidates 16 g.. of the 64 heads, m64n16k16 over 32 k-steps of 16 dims,
- *            each from zero and added to the total in fp32 (four in flight)
+ *            each from zero and added to the total in fp32 (two in flight)
  *   softmax  warp per head, online (funion_softmax over 64 candidates)
  *   sums     warpgroup g: dims 128 g.. of the 64 heads in two chunks of 64, rescaled by a = exp(m -
  *            m') in their registers, then m64n64k16 over the tile's 4 k-steps, the hi plane then
@@ -162,6 +162,8 @@ static __device__ void uwg_accumulate(const uint8_t *sp, const uint8_t *sk, cons
       d[ch][4 * j + 3] *= a1;
     }
   const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 64 * UWG_P_ROW);
+  wg_tie(d[0]); /* the rescale stays before the fence */
+  wg_tie(d[1]);
   wg_fence(); /* the rescaled registers before the MMAs that continue them */
 #pragma unroll
   for (int ch = 0; ch < 2; ch++) {
@@ -194,6 +196,7 @@ static __device__ void uwg_tile_scores(const attn_params_t &p, attn_misc_t &ms, 
   wg_proxy_fence(); /* the staged rows (and q, after the first tile's wait) for the MMAs */
   __syncthreads();  /* and the raw buffer free */
   uwg_copy_raw(ms, sr, sscl, nn, warp, lane);
+  __syncwarp(); /* the copies branch by lane; the MMAs' fence is .aligned */
   PHASE_MARK(UPH_STAGE);
   float acc[2][4] = {};
   uwg_scores(sq, sk, warp, acc);
