@@ -10,22 +10,27 @@
  * the records, which every head group of a token did again. One CTA of 64 heads stages each record
  * once, and its warpgroup MMAs read each operand once for the group's four warps.
  *
- * q (64 rows) stays in shared memory for every tile, so a tile is 64 candidates (the records 64
- * KiB, q 64 KiB, the weights 16 KiB, the scores 17 KiB). Per tile, in the 128-byte swizzle
- * (swz_atoms), as the window's warpgroup kernel (attention_fast_wg.cu):
- *   staging  the records copied raw into a buffer of their own (a warp a record; their addresses
- *            from union_addrs) while the tile before computes, then dequantised into the tile's
- *            rows, zeros past its candidates (the weighted sums read every row)
+ * q (64 rows) stays in shared memory for every tile, so a tile is 64 candidates, and the records
+ * take two buffers (2 x 64 KiB, q 64 KiB, the weights 16 KiB): a tile's weighted sums run in the
+ * tensor cores while the next tile is staged in the other buffer. Per tile, in the 128-byte
+ * swizzle (swz_atoms), as the window's warpgroup kernel (attention_fast_wg.cu):
  *   scores   warpgroup g: candidates 16 g.. of the 64 heads, m64n16k16 over 32 k-steps of 16 dims,
  *            each from zero and added to the total in fp32 (two in flight)
- *   softmax  warp per head, online (funion_softmax over 64 candidates)
+ *   softmax  online, from the scores in the registers: each head's maximum over the quad's lanes,
+ *            then over the four warpgroups through shared memory; the weights written as bf16
+ *            pairs, hi and lo planes; each thread keeps its part of a head's sum S, rescaled with
+ *            the head's m, and the parts meet once at the end (uwg_state_out)
  *   sums     warpgroup g: dims 128 g.. of the 64 heads in two chunks of 64, rescaled by a = exp(m -
  *            m') in their registers, then m64n64k16 over the tile's 4 k-steps, the hi plane then
- *            the lo plane each step, accumulated in the tensor cores
+ *            the lo plane each step, accumulated in the tensor cores; issued, and while they run
+ *            the addresses of the tile after next are resolved (union_addrs) and the next tile's
+ *            records (copied raw into the other buffer as the tile before ended) are dequantised
+ *            in place, zeros past its candidates (the weighted sums read every row); once the
+ *            sums have read this tile's buffer, it takes the records of the tile after next
  * Warp w of warpgroup g holds rows 16 w.. of its group's results in mma.sync's m16n8 fragment, so
  * the stores are the mma.sync kernel's. The end is the union kernel's: o = N / D, the inverse RoPE
- * and bf16, or a split's partial state for the combine kernel. Tiles of 64 round the online
- * softmax's rescales differently from the mma.sync kernel's tiles of 128: the bytes are this
+ * and bf16, or a split's partial state for the combine kernel. Tiles of 64 and the sums' parts
+ * round the online softmax differently from the mma.sync kernel's tiles of 128: the bytes are this
  * kernel's own, deterministic, within the same tolerances of exact mode (gpu_attn_fast_test).
  *
  * Ordering (SPEC §5.2) is the union kernel's (union_setup): before griddepcontrol.wait a CTA reads
@@ -42,70 +47,38 @@
 /* Candidates of a tile; floats of a row of scores (a pad spreads the rows over the banks); bytes of
  * a row of weights (one 128-byte atom row: a group of 8 rows is an atom). */
 #define UWG_T 64
-#define UWG_SS (UWG_T + 4)
 #define UWG_P_ROW (2 * UWG_T)
 #define UWG_GROUP_P (8u * UWG_P_ROW)
 static_assert(UWG_P_ROW == 128, "a weights row is the swizzle's 128 bytes");
 
-/* The dynamic shared memory: the records, q, the weights' two planes (all on 1 KiB boundaries), the
- * scores, and room to start them on a boundary. The warps' output tiles take the records' space
- * after the last tile. */
+/* The dynamic shared memory: two buffers of records (a tile staged while the one before it is
+ * summed), q, the weights' two planes (all on 1 KiB boundaries), and room to start them on a
+ * boundary. The warps' output tiles take the first buffer after the last tile. */
+#define UWG_BUF ((size_t)UWG_T * K_ROW)
 static constexpr size_t uwg_smem_bytes() {
-  return (size_t)UWG_T * K_ROW + (size_t)64 * K_ROW + (size_t)2 * 64 * UWG_P_ROW +
-         (size_t)64 * UWG_SS * 4 + (size_t)UWG_T * DSV4_TOKEN_DATA_BYTES + AWG_ATOM - 16;
+  return 2 * UWG_BUF + (size_t)64 * K_ROW + (size_t)2 * 64 * UWG_P_ROW + AWG_ATOM - 16;
 }
 
-/* The raw buffer's layout for fast_copy_record: record s's 576 data bytes as the cache holds them,
- * at s 576. */
-struct uwg_raw {
-  static __device__ __forceinline__ uint32_t raw(uint32_t s, uint32_t j) {
-    return s * DSV4_TOKEN_DATA_BYTES + 16 * j;
-  }
-};
-
-/* Records 0..nt - 1, whose addresses ms holds, into the raw buffer (a warp a record). */
-static __device__ void uwg_copy_raw(const attn_misc_t &ms, uint8_t *sr, uint2 *sscl, uint32_t nt,
-                                    uint32_t warp, uint32_t lane) {
+/* Records 0..nt - 1, whose addresses ms holds, copied raw into their rows of buffer sk (a warp a
+ * record, fast_copy_record's places), their scale bytes into sscl. */
+static __device__ void uwg_copy(const attn_misc_t &ms, uint8_t *sk, uint2 *sscl, uint32_t nt,
+                                uint32_t warp, uint32_t lane) {
   for (uint32_t s = warp; s < nt; s += 16)
-    fast_copy_record<uwg_raw>(sr, sscl, s, ms.rec[s], ms.scl[s], lane);
+    fast_copy_record<swz_atoms>(sk, sscl, s, ms.rec[s], ms.scl[s], lane);
+  __syncwarp(); /* the copies branch by lane; the MMAs' fences are .aligned */
 }
 
-/* The raw buffer's rows 0..nt - 1 into the tile's rows as bf16 (swz_atoms), a warp a row, two in
- * flight: lane l < 28 dequantises NoPE chunk l (dequant8, exact), lanes 28..31 move two chunks of
- * RoPE dims each; then zeros in the rows nt.. of the tile. */
-static __device__ void uwg_dequant(const uint8_t *sr, const uint2 *sscl, uint8_t *sk, uint32_t nt,
-                                   uint32_t warp, uint32_t lane) {
-  const uint32_t j = lane < 28 ? lane : 28 + 2 * (lane - 28); /* the first raw chunk it reads */
-  for (uint32_t s0 = warp; s0 < nt; s0 += 32) {
-    uint4 a[2], b[2];
-    uint32_t code[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const uint32_t s = s0 + 16 * r;
-      if (s < nt) {
-        a[r] = *reinterpret_cast<const uint4 *>(sr + uwg_raw::raw(s, j));
-        if (lane >= 28)
-          b[r] = *reinterpret_cast<const uint4 *>(sr + uwg_raw::raw(s, j + 1));
-        code[r] = reinterpret_cast<const uint8_t *>(sscl + s)[(lane & 31) >> 2];
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const uint32_t s = s0 + 16 * r;
-      if (s >= nt)
-        continue;
-      const uint32_t c = lane < 28 ? 2 * lane : 56 + 2 * (lane - 28);
-      if (lane < 28) {
-        b[r] = dequant8(a[r].z, a[r].w, code[r]);
-        a[r] = dequant8(a[r].x, a[r].y, code[r]);
-      }
-      *reinterpret_cast<uint4 *>(sk + swz_atoms::at(s, c, K_ROW)) = a[r];
-      *reinterpret_cast<uint4 *>(sk + swz_atoms::at(s, c + 1, K_ROW)) = b[r];
-    }
-  }
+/* Buffer sk's nt records, once landed, dequantised in place (fast_dequant_rows), zeros in the rows
+ * nt.. (the weighted sums read every row), published to the MMAs before the caller's barrier. */
+static __device__ void uwg_stage(uint8_t *sk, const uint2 *sscl, uint32_t nt, uint32_t warp,
+                                 uint32_t lane) {
+  dsv4__cp_async_wait_all();
+  __syncthreads();
+  fast_dequant_rows<16, swz_atoms>(sk, sscl, nt, warp, lane);
   fast_zero_tail<swz_atoms>(sk, nt, UWG_T);
+  wg_proxy_fence();
 }
-static_assert((size_t)16 * OUT_TILE <= (size_t)UWG_T * K_ROW, "the output tiles in the records");
+static_assert((size_t)16 * OUT_TILE <= UWG_BUF, "the output tiles in the first buffer");
 
 /* The scores of warpgroup g's 16 candidates (all of them: fast_store_scores puts -inf past the
  * tile's), k-step by k-step, UWG_KF in flight (N's 64 registers a thread live beside them), each
@@ -146,20 +119,101 @@ static __device__ void uwg_scores(const uint8_t *sq, const uint8_t *sk, uint32_t
   }
 }
 
-/* N of warpgroup g's 128 dims (two chunks of 64) rescaled by the heads' a, then continued over the
- * tile's 64 rows (zero weights and zero rows past its candidates); complete on return. */
-static __device__ void uwg_accumulate(const uint8_t *sp, const uint8_t *sk, const float *alpha,
-                                      uint32_t warp, uint32_t lane, float (&d)[2][32]) {
+/* The tile's online softmax from the scores in the warps' registers (acc: head h = 16 (warp % 4) +
+ * lane / 4 and h + 8, candidates 16 g + 8 j + 2 (lane % 4) + 0, 1 of warpgroup g): scaled, -inf
+ * past the tile's nt candidates; each head's maximum over the four warpgroups through red (a float
+ * a warpgroup and head); m' = max(m, it) and a = exp(m - m') for both heads (0 on the first tile);
+ * the weights w = exp(l - m') as bf16 pairs into the two weight planes (hi = bf16(w), lo = bf16(w -
+ * hi)); and the thread's own part of each head's S: S a + its four weights in order. */
+static __device__ void uwg_softmax(float (&acc)[2][4], float *red, uint8_t *sp, uint32_t nt,
+                                   uint32_t warp, uint32_t lane, float (&m)[2], float (&sum)[2],
+                                   float (&a)[2]) {
+  const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
+  const uint32_t g = warp >> 2, h = (warp & 3) * 16 + (lane >> 2), c0 = 16 * g + 2 * (lane & 3);
+  float tm[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < 2; j++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const float v = c0 + 8 * j + (i & 1) < nt ? __fmul_rn(acc[j][i], scale) : -INFINITY;
+      acc[j][i] = v;
+      tm[i >> 1] = fmaxf(tm[i >> 1], v);
+    }
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    tm[r] = fmaxf(tm[r], __shfl_xor_sync(FULL, tm[r], 1));
+    tm[r] = fmaxf(tm[r], __shfl_xor_sync(FULL, tm[r], 2));
+    if ((lane & 3) == 0)
+      red[64 * g + h + 8 * r] = tm[r];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const uint32_t hr = h + 8 * r;
+    const float mn =
+        fmaxf(fmaxf(m[r], fmaxf(red[hr], red[64 + hr])), fmaxf(red[128 + hr], red[192 + hr]));
+    a[r] = __expf(m[r] - mn); /* 0 on the first tile (m = -inf) */
+    m[r] = mn;
+    sum[r] *= a[r];
+  }
+  uint8_t *sp_lo = sp + 64 * UWG_P_ROW;
+#pragma unroll
+  for (int j = 0; j < 2; j++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const float w0 = __expf(acc[j][2 * r] - m[r]), w1 = __expf(acc[j][2 * r + 1] - m[r]);
+      sum[r] += w0;
+      sum[r] += w1;
+      const uint32_t hw = bf16x2(w0, w1);
+      const uint32_t lw =
+          bf16x2(w0 - __uint_as_float(hw << 16), w1 - __uint_as_float(hw & 0xFFFF0000u));
+      const uint32_t c = c0 + 8 * j,
+                     off = swz_atoms::at(h + 8 * r, c >> 3, UWG_P_ROW) + 2 * (c & 7);
+      *reinterpret_cast<uint32_t *>(sp + off) = hw;
+      *reinterpret_cast<uint32_t *>(sp_lo + off) = lw;
+    }
+}
+
+/* Each head's m (the same in every thread of its row) and S (the threads' parts: a quad's lanes,
+ * then the four warpgroups in order) into ms.m and um.s for the end; the CTA synchronised. */
+static __device__ void uwg_state_out(attn_misc_t &ms, union_misc_t &um, float *red, uint32_t warp,
+                                     uint32_t lane, const float (&m)[2], float (&sum)[2]) {
   const uint32_t g = warp >> 2, h = (warp & 3) * 16 + (lane >> 2);
-  const float a0 = alpha[h], a1 = alpha[h + 8];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    sum[r] += __shfl_xor_sync(FULL, sum[r], 1);
+    sum[r] += __shfl_xor_sync(FULL, sum[r], 2);
+  }
+  __syncthreads(); /* the last tile's maxima read */
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      red[64 * g + h + 8 * r] = sum[r];
+      if (g == 0)
+        ms.m[h + 8 * r] = m[r];
+    }
+  }
+  __syncthreads();
+  const uint32_t tid = threadIdx.x;
+  if (tid < 64)
+    um.s[tid] = (red[tid] + red[64 + tid]) + (red[128 + tid] + red[192 + tid]);
+  __syncthreads();
+}
+
+/* N of warpgroup g's 128 dims (two chunks of 64) rescaled by the heads' a, then the MMAs that
+ * continue it over the tile's 64 rows (zero weights and zero rows past its candidates) issued:
+ * complete after uwg_sums_wait. */
+static __device__ void uwg_sums_issue(const uint8_t *sp, const uint8_t *sk, const float (&a)[2],
+                                      uint32_t warp, float (&d)[2][32]) {
+  const uint32_t g = warp >> 2;
 #pragma unroll
   for (int ch = 0; ch < 2; ch++)
 #pragma unroll
     for (int j = 0; j < 8; j++) {
-      d[ch][4 * j] *= a0;
-      d[ch][4 * j + 1] *= a0;
-      d[ch][4 * j + 2] *= a1;
-      d[ch][4 * j + 3] *= a1;
+      d[ch][4 * j] *= a[0];
+      d[ch][4 * j + 1] *= a[0];
+      d[ch][4 * j + 2] *= a[1];
+      d[ch][4 * j + 3] *= a[1];
     }
   const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 64 * UWG_P_ROW);
   wg_tie(d[0]); /* the rescale stays before the fence */
@@ -176,34 +230,12 @@ static __device__ void uwg_accumulate(const uint8_t *sp, const uint8_t *sk, cons
     }
   }
   wg_commit();
+}
+
+static __device__ void uwg_sums_wait(float (&d)[2][32]) {
   wg_wait_group<0>();
   wg_tie(d[0]);
   wg_tie(d[1]);
-}
-
-/* Tile `first` of nt candidates, whose raw records are in flight into sr: once they land,
- * dequantised into the tile's rows, then the next tile's nn records put in flight (their addresses
- * in ms) and the scores into ss; the addresses of the tile after it (nnn) follow the scores' MMAs,
- * once every warp has issued its copies. */
-template <bool CK>
-static __device__ void uwg_tile_scores(const attn_params_t &p, attn_misc_t &ms, union_misc_t &um,
-                                       const uint8_t *sq, uint8_t *sk, uint8_t *sr, uint2 *sscl,
-                                       float *ss, uint32_t first, uint32_t nt, uint32_t nn,
-                                       uint32_t nnn, uint32_t warp, uint32_t lane) {
-  dsv4__cp_async_wait_all();
-  __syncthreads();
-  uwg_dequant(sr, sscl, sk, nt, warp, lane);
-  wg_proxy_fence(); /* the staged rows (and q, after the first tile's wait) for the MMAs */
-  __syncthreads();  /* and the raw buffer free */
-  uwg_copy_raw(ms, sr, sscl, nn, warp, lane);
-  __syncwarp(); /* the copies branch by lane; the MMAs' fence is .aligned */
-  PHASE_MARK(UPH_STAGE);
-  float acc[2][4] = {};
-  uwg_scores(sq, sk, warp, acc);
-  __syncthreads(); /* every warp has issued its copies: the addresses may change */
-  if (nnn)         /* CTA-uniform */
-    union_addrs<false, CK>(p, ms, um, first + 2 * UWG_T, nnn, &um.bad);
-  fast_store_scores<4, 1, UWG_SS>(ss, warp, lane, nt, acc);
 }
 
 /* The CTA's end from the warpgroup's accumulators (as the mma.sync kernel's n-tiles: chunk ch's
@@ -246,14 +278,12 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
   __shared__ attn_misc_t ms;
   __shared__ union_misc_t um;
   __shared__ fast_misc_t fm;
-  __shared__ float alpha[64];
-  __shared__ uint2 sscl[UWG_T]; /* the staged records' scale bytes */
+  __shared__ float red[4 * 64];    /* a float a warpgroup and head (uwg_softmax, uwg_state_out) */
+  __shared__ uint2 sscl[2][UWG_T]; /* the buffers' records' scale bytes */
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
   sk += smem_align_pad<AWG_ATOM>(smem_dyn);
-  uint8_t *sq = sk + (size_t)UWG_T * K_ROW;
+  uint8_t *sq = sk + 2 * UWG_BUF;
   uint8_t *sp = sq + (size_t)64 * K_ROW;
-  float *ss = reinterpret_cast<float *>(sp + (size_t)2 * 64 * UWG_P_ROW);
-  uint8_t *sr = reinterpret_cast<uint8_t *>(ss + (size_t)64 * UWG_SS);
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, split = blockIdx.y;
   const uint32_t t = blockIdx.x / p.groups, h_first = (blockIdx.x - t * p.groups) * 64;
   PHASE_START();
@@ -266,38 +296,60 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
     fast_copy_q<4, 16, swz_atoms>(p, t, h_first, sq);
   else if (lo < hi)
     fast_load_q<4, 16, swz_atoms>(p, t, h_first, sq, ms.rope);
-  float d[2][32];
+  float d[2][32], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int ch = 0; ch < 2; ch++)
 #pragma unroll
     for (int i = 0; i < 32; i++)
       d[ch][i] = 0.0f;
-  /* The first tile's records in flight, then the second's addresses; each tile puts the next one's
-   * records in flight and the addresses of the one after (uwg_tile_scores). */
+  /* The first tile staged, the second's records in flight into the other buffer; each tile's
+   * weighted sums run while the next tile is staged, the addresses of the one after it resolved,
+   * and once they have read their buffer it takes that one's records. */
   const uint32_t n0 = min(hi - lo, (uint32_t)UWG_T), n1 = min(hi - lo - n0, (uint32_t)UWG_T);
   if (n0)
     union_addrs<false, CK>(p, ms, um, lo, n0, &um.bad);
   __syncthreads();
-  uwg_copy_raw(ms, sr, sscl, n0, warp, lane);
-  __syncthreads();
+  uwg_copy(ms, sk, sscl[0], n0, warp, lane);
+  if (n0) /* CTA-uniform */
+    uwg_stage(sk, sscl[0], n0, warp, lane);
+  __syncthreads(); /* the first tile staged, the addresses free */
   if (n1)
     union_addrs<false, CK>(p, ms, um, lo + UWG_T, n1, &um.bad);
-  for (uint32_t first = lo; first < hi; first += UWG_T) {
+  __syncthreads();
+  uwg_copy(ms, sk + UWG_BUF, sscl[1], n1, warp, lane);
+  PHASE_MARK(UPH_STAGE);
+  uint32_t b = 0; /* the buffer of the tile */
+  for (uint32_t first = lo; first < hi; first += UWG_T, b ^= 1) {
     const uint32_t nt = min(hi - first, (uint32_t)UWG_T);
     const uint32_t nn = first + nt < hi ? min(hi - first - nt, (uint32_t)UWG_T) : 0u;
     const uint32_t nnn = first + nt + nn < hi ? min(hi - first - nt - nn, (uint32_t)UWG_T) : 0u;
-    uwg_tile_scores<CK>(p, ms, um, sq, sk, sr, sscl, ss, first, nt, nn, nnn, warp, lane);
-    __syncthreads();
+    uint8_t *cur = sk + b * UWG_BUF, *nxt = sk + (b ^ 1) * UWG_BUF;
+    float acc[2][4], a[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+#pragma unroll
+      for (int i = 0; i < 4; i++)
+        acc[j][i] = 0.0f;
+    uwg_scores(sq, cur, warp, acc);
     PHASE_MARK(UPH_SCORES);
-    funion_softmax<4, 16, swz_atoms, UWG_T>(ss, sp, ms, um, alpha, warp, lane);
+    uwg_softmax(acc, red, sp, nt, warp, lane, m, sum, a);
     wg_proxy_fence(); /* the weights, for the MMAs */
-    __syncthreads();
+    __syncthreads();  /* and every copy of the next tile issued: the addresses may change */
     PHASE_MARK(UPH_SOFTMAX);
-    uwg_accumulate(sp, sk, alpha, warp, lane, d);
-    __syncthreads(); /* the next tile rewrites the records and the weights */
+    uwg_sums_issue(sp, cur, a, warp, d);
+    if (nnn) /* CTA-uniform, as nn */
+      union_addrs<false, CK>(p, ms, um, first + 2 * UWG_T, nnn, &um.bad);
+    __syncwarp();
+    if (nn)
+      uwg_stage(nxt, sscl[b ^ 1], nn, warp, lane);
+    PHASE_MARK(UPH_STAGE);
+    uwg_sums_wait(d);
+    __syncthreads(); /* this tile's buffer and the weights read; the next tile staged */
     PHASE_MARK(UPH_SUM);
+    uwg_copy(ms, cur, sscl[b], nnn, warp, lane);
   }
-  dsv4__cp_async_wait_all();          /* a split without a tile: no copy of q outlives the CTA */
+  dsv4__cp_async_wait_all(); /* a split without a tile: no copy of q outlives the CTA */
+  uwg_state_out(ms, um, red, warp, lane, m, sum);
   if (CK && p.nsplit > 1 && um.bad) { /* CTA-uniform after the last tile's barriers */
     if (tid == 0)
       atomicOr(p.err, um.bad);
