@@ -2,8 +2,8 @@
 #define DSV4_KERNELS_CUDA_ATTENTION_FAST_UNION_CUH
 /*
  * What the fast union kernels share (attention_fast_union.cu on mma.sync, sm90a/
- * attention_fast_union_wg.cu on warpgroup MMAs): the probe's phases, a tile's online softmax and a
- * CTA's end (the denominators and lse, or a split's partial state).
+ * attention_fast_union_wg.cu on warpgroup MMAs): the probe's phases, a CTA's start and its end
+ * (the denominators and lse, or a split's partial state).
  */
 #include "attention-fast.cuh"
 #include "attention-union.cuh"
@@ -11,35 +11,6 @@
 
 /* The phases of a union CTA the probe build times (phase-probe.cuh), each tile's added up. */
 enum { UPH_WAIT, UPH_SETUP, UPH_STAGE, UPH_SCORES, UPH_SOFTMAX, UPH_SUM, UPH_OUTPUT };
-
-/*
- * One tile of TC candidates of the online softmax, warp per head (heads warp, warp + W, ...): the
- * new maximum m' (ms.m) and the weights exp(l - m') as bf16 pairs into the two weight planes
- * (fast_weights, layout L), the rescale a = exp(m - m') of the earlier tiles (alpha), and S = S a +
- * the tile's sum (um.s).
- */
-template <int MT, int W, class L = swz_rows, int TC = DSV4_WINDOW>
-static __device__ void funion_softmax(const float *ss, uint8_t *sp, attn_misc_t &ms,
-                                      union_misc_t &um, float *alpha, uint32_t warp,
-                                      uint32_t lane) {
-  constexpr int HPW = 16 * MT / W;
-  float m_old[HPW], m[HPW], sum[HPW];
-#pragma unroll
-  for (int i = 0; i < HPW; i++)
-    m_old[i] = m[i] = ms.m[warp + W * i];
-  fast_weights<HPW, W, L, TC>(ss, sp, sp + 16 * MT * 2 * TC, warp, lane, m, sum);
-  __syncwarp(); /* every lane has read ms.m before lane 0 replaces it */
-  if (lane != 0)
-    return;
-#pragma unroll
-  for (int i = 0; i < HPW; i++) {
-    const uint32_t h = warp + W * i;
-    const float a = __expf(m_old[i] - m[i]); /* 0 on the first tile (m_old = -inf) */
-    um.s[h] = um.s[h] * a + sum[i];
-    ms.m[h] = m[i];
-    alpha[h] = a;
-  }
-}
 
 /* A union CTA's start, for its nh heads from h_first of token t: the sinks (immutable data, before
  * the wait), the dependency wait, and the setup (union_setup, CK its split_checks). 1 when the CTA

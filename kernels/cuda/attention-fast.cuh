@@ -12,7 +12,6 @@
 #define P_ROW 256
 /* Floats per row of scores: 128 candidates and a pad that spreads the rows over the banks. */
 #define S_STRIDE 132
-static_assert(S_STRIDE == DSV4_WINDOW + 4 && P_ROW == 2 * DSV4_WINDOW, "fast_weights' rows");
 
 /* Where a staged row's record waits for fast_dequant_rows (its raw NoPE bytes inside the 56 chunks
  * its NoPE dims take as bf16, so that the dequantisation reads the whole row before it writes; its
@@ -264,9 +263,8 @@ static __device__ void fast_scores(const uint8_t *sq, const uint8_t *sk, uint32_
   }
 }
 
-/* The scaled scores into ss[head][candidate] (rows of SS floats), -inf past the window's n
- * candidates. */
-template <int MT, int NP = MT, int SS = S_STRIDE>
+/* The scaled scores into ss[head][candidate], -inf past the window's n candidates. */
+template <int MT, int NP = MT>
 static __device__ void fast_store_scores(float *ss, uint32_t warp, uint32_t lane, uint32_t n,
                                          const float (&acc)[2 * NP][4]) {
   const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
@@ -278,32 +276,29 @@ static __device__ void fast_store_scores(float *ss, uint32_t warp, uint32_t lane
 #pragma unroll
     for (int i = 0; i < 4; i++) {
       const uint32_t si = s + (i & 1), hi = h + (i >> 1) * 8;
-      ss[hi * SS + si] = si < n ? __fmul_rn(acc[j][i], scale) : -INFINITY;
+      ss[hi * S_STRIDE + si] = si < n ? __fmul_rn(acc[j][i], scale) : -INFINITY;
     }
   }
 }
 
 /*
  * The softmax's weights for the HPW heads warp, warp + W, ... of a warp, all at once so that their
- * shuffle trees overlap: each head's TC scaled scores from ss (rows of TC + 4 floats; lane l:
- * candidates l, l + 32, ...), m = max(m on entry, their maximum), the weights w = exp(l - m) in
- * fp32 into the two weight planes (rows of 2 TC bytes) as bf16 pairs (hi = bf16(w), lo = bf16(w -
- * hi)), and their sum S in one fixed order (each lane's in turn, then a shuffle tree), the same on
- * every run. TC: the candidates of a tile, 128 (S_STRIDE, P_ROW) or 64 (the union's warpgroup
- * kernel).
+ * shuffle trees overlap: each head's 128 scaled scores from ss (lane l: candidates l, l + 32, l +
+ * 64, l + 96), m = max(m on entry, their maximum), the weights w = exp(l - m) in fp32 into the two
+ * weight planes as bf16 pairs (hi = bf16(w), lo = bf16(w - hi)), and their sum S in one fixed order
+ * (each lane's four in turn, then a shuffle tree), the same on every run.
  */
-template <int HPW, int W, class L = swz_rows, int TC = DSV4_WINDOW>
+template <int HPW, int W, class L = swz_rows>
 static __device__ __forceinline__ void fast_weights(const float *ss, uint8_t *sp, uint8_t *sp_lo,
                                                     uint32_t warp, uint32_t lane, float (&m)[HPW],
                                                     float (&sum)[HPW]) {
-  constexpr int KC = TC / 32;
-  float v[HPW][KC], tm[HPW];
+  float v[HPW][4], tm[HPW];
 #pragma unroll
   for (int i = 0; i < HPW; i++) {
     tm[i] = -INFINITY;
 #pragma unroll
-    for (int k = 0; k < KC; k++) {
-      v[i][k] = ss[(warp + W * i) * (TC + 4) + lane + 32 * k];
+    for (int k = 0; k < 4; k++) {
+      v[i][k] = ss[(warp + W * i) * S_STRIDE + lane + 32 * k];
       tm[i] = fmaxf(tm[i], v[i][k]);
     }
   }
@@ -318,12 +313,12 @@ static __device__ __forceinline__ void fast_weights(const float *ss, uint8_t *sp
     m[i] = fmaxf(m[i], tm[i]);
     sum[i] = 0.0f;
 #pragma unroll
-    for (int k = 0; k < KC; k++) {
+    for (int k = 0; k < 4; k++) {
       const float w = __expf(v[i][k] - m[i]); /* exp(-inf) = +0 past the candidates */
       sum[i] += w;
       const uint32_t hw = bf16x2(w, 0.0f);
       const uint16_t hi = (uint16_t)hw, lo = (uint16_t)bf16x2(w - __uint_as_float(hw << 16), 0.0f);
-      const uint32_t s = lane + 32 * k, off = L::at(h, s >> 3, 2 * TC) + 2 * (s & 7);
+      const uint32_t s = lane + 32 * k, off = L::at(h, s >> 3, P_ROW) + 2 * (s & 7);
       *reinterpret_cast<uint16_t *>(sp + off) = hi;
       *reinterpret_cast<uint16_t *>(sp_lo + off) = lo;
     }

@@ -83,6 +83,35 @@ static constexpr size_t funion_smem_bytes(int mt) {
          FUNION_ALIGN - 16;
 }
 
+/*
+ * One tile of 128 candidates of the online softmax, warp per head (heads warp, warp + W, ...): the
+ * new maximum m' (ms.m) and the weights exp(l - m') as bf16 pairs into the two weight planes
+ * (fast_weights, layout L), the rescale a = exp(m - m') of the earlier tiles (alpha), and S = S a +
+ * the tile's sum (um.s).
+ */
+template <int MT, int W, class L = swz_rows>
+static __device__ void funion_softmax(const float *ss, uint8_t *sp, attn_misc_t &ms,
+                                      union_misc_t &um, float *alpha, uint32_t warp,
+                                      uint32_t lane) {
+  constexpr int HPW = 16 * MT / W;
+  float m_old[HPW], m[HPW], sum[HPW];
+#pragma unroll
+  for (int i = 0; i < HPW; i++)
+    m_old[i] = m[i] = ms.m[warp + W * i];
+  fast_weights<HPW, W, L>(ss, sp, sp + 16 * MT * P_ROW, warp, lane, m, sum);
+  __syncwarp(); /* every lane has read ms.m before lane 0 replaces it */
+  if (lane != 0)
+    return;
+#pragma unroll
+  for (int i = 0; i < HPW; i++) {
+    const uint32_t h = warp + W * i;
+    const float a = __expf(m_old[i] - m[i]); /* 0 on the first tile (m_old = -inf) */
+    um.s[h] = um.s[h] * a + sum[i];
+    ms.m[h] = m[i];
+    alpha[h] = a;
+  }
+}
+
 /* N of the warp's m-tile and its NT n-tiles of dims rescaled by the heads' a, then continued over
  * the tile's nt candidates (rows nt..nt16 - 1 hold zeros and weights +0). */
 template <int MT, int NT>

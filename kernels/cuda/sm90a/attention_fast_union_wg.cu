@@ -44,8 +44,8 @@
 #error "sm90a/attention_fast_union_wg.cu is built for sm_90a only"
 #endif
 
-/* Candidates of a tile; floats of a row of scores (a pad spreads the rows over the banks); bytes of
- * a row of weights (one 128-byte atom row: a group of 8 rows is an atom). */
+/* Candidates of a tile; bytes of a row of weights (one 128-byte atom row: a group of 8 rows is an
+ * atom). */
 #define UWG_T 64
 #define UWG_P_ROW (2 * UWG_T)
 #define UWG_GROUP_P (8u * UWG_P_ROW)
@@ -80,10 +80,10 @@ static __device__ void uwg_stage(uint8_t *sk, const uint2 *sscl, uint32_t nt, ui
 }
 static_assert((size_t)16 * OUT_TILE <= UWG_BUF, "the output tiles in the first buffer");
 
-/* The scores of warpgroup g's 16 candidates (all of them: fast_store_scores puts -inf past the
- * tile's), k-step by k-step, UWG_KF in flight (N's 64 registers a thread live beside them), each
- * k-step's partial added to the total in k-step order once it has landed. acc: the warp's two
- * n-tiles, as fast_scores' NP = 1. */
+/* The scores of warpgroup g's 16 candidates (all of them: uwg_softmax puts -inf past the tile's),
+ * k-step by k-step, UWG_KF in flight (N's 64 registers a thread live beside them), each k-step's
+ * partial added to the total in k-step order once it has landed. acc: the warp's two n-tiles, as
+ * fast_scores' NP = 1. */
 #define UWG_KF 2
 static __device__ void uwg_scores(const uint8_t *sq, const uint8_t *sk, uint32_t warp,
                                   float (&acc)[2][4]) {
@@ -232,6 +232,7 @@ static __device__ void uwg_sums_issue(const uint8_t *sp, const uint8_t *sk, cons
   wg_commit();
 }
 
+/* uwg_sums_issue's MMAs complete, their registers N again. */
 static __device__ void uwg_sums_wait(float (&d)[2][32]) {
   wg_wait_group<0>();
   wg_tie(d[0]);
@@ -324,12 +325,7 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
     const uint32_t nn = first + nt < hi ? min(hi - first - nt, (uint32_t)UWG_T) : 0u;
     const uint32_t nnn = first + nt + nn < hi ? min(hi - first - nt - nn, (uint32_t)UWG_T) : 0u;
     uint8_t *cur = sk + b * UWG_BUF, *nxt = sk + (b ^ 1) * UWG_BUF;
-    float acc[2][4], a[2];
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-      for (int i = 0; i < 4; i++)
-        acc[j][i] = 0.0f;
+    float acc[2][4] = {}, a[2];
     uwg_scores(sq, cur, warp, acc);
     PHASE_MARK(UPH_SCORES);
     uwg_softmax(acc, red, sp, nt, warp, lane, m, sum, a);
