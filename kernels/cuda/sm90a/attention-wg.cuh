@@ -50,7 +50,8 @@ static __device__ __forceinline__ uint64_t awg_desc_k(uint32_t a, uint32_t sbo) 
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),      \
       "+f"(d[i + 6]), "+f"(d[i + 7])
 
-/* d = A . B^T from zero, m64n16k16, A and B K-major by descriptors. */
+/* d = A . B^T from zero (ACC: d += A . B^T), m64n16k16, A and B K-major by descriptors. */
+template <int ACC = 0>
 static __device__ __forceinline__ void awg_mma_n16(float (&d)[8], uint64_t a, uint64_t b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
@@ -58,7 +59,7 @@ static __device__ __forceinline__ void awg_mma_n16(float (&d)[8], uint64_t a, ui
                "{%0, %1, %2, %3, %4, %5, %6, %7}, "
                "%8, %9, p, 1, 1, 0, 0;\n}\n"
                : AWG_R8(d, 0)
-               : "l"(a), "l"(b), "n"(0));
+               : "l"(a), "l"(b), "n"(ACC));
 #else
   (void)d, (void)a, (void)b;
 #endif

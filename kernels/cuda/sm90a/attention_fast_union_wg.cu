@@ -10,28 +10,27 @@
  * the records, which every head group of a token did again. One CTA of 64 heads stages each record
  * once, and its warpgroup MMAs read each operand once for the group's four warps.
  *
- * q (64 rows) stays in shared memory for every tile, so a tile is 64 candidates, and the records
- * take two buffers (2 x 64 KiB, q 64 KiB, the weights 16 KiB): a tile's weighted sums run in the
- * tensor cores while the next tile is staged in the other buffer. Per tile, in the 128-byte
+ * q (64 rows) stays in shared memory for every tile, so a tile is 64 candidates (the records 64
+ * KiB, q 64 KiB, the weights 16 KiB, the next tile's raw records 36 KiB). Per tile, in the 128-byte
  * swizzle (swz_atoms), as the window's warpgroup kernel (attention_fast_wg.cu):
- *   scores   warpgroup g: candidates 16 g.. of the 64 heads, m64n16k16 over 32 k-steps of 16 dims,
- *            each from zero and added to the total in fp32 (two in flight)
+ *   staging  the tile's raw records, once landed, dequantised into its rows (zeros past its
+ *            candidates: the weighted sums read every row); then the next tile's put in flight
+ *   scores   warpgroup g: candidates 16 g.. of the 64 heads, m64n16k16 over 32 k-steps of 16 dims
+ *            in chains of two (the first from zero, the second accumulated in the tensor cores),
+ *            each chain's partial added to the total in fp32 (two chains in flight)
  *   softmax  online, from the scores in the registers: each head's maximum over the quad's lanes,
  *            then over the four warpgroups through shared memory; the weights written as bf16
  *            pairs, hi and lo planes; each thread keeps its part of a head's sum S, rescaled with
  *            the head's m, and the parts meet once at the end (uwg_state_out)
  *   sums     warpgroup g: dims 128 g.. of the 64 heads in two chunks of 64, rescaled by a = exp(m -
  *            m') in their registers, then m64n64k16 over the tile's 4 k-steps, the hi plane then
- *            the lo plane each step, accumulated in the tensor cores; issued, and while they run
- *            the addresses of the tile after next are resolved (union_addrs) and the next tile's
- *            records (copied raw into the other buffer as the tile before ended) are dequantised
- *            in place, zeros past its candidates (the weighted sums read every row); once the
- *            sums have read this tile's buffer, it takes the records of the tile after next
+ *            the lo plane each step, accumulated in the tensor cores; while they run, the
+ *            addresses of the tile after next are resolved (union_addrs)
  * Warp w of warpgroup g holds rows 16 w.. of its group's results in mma.sync's m16n8 fragment, so
  * the stores are the mma.sync kernel's. The end is the union kernel's: o = N / D, the inverse RoPE
- * and bf16, or a split's partial state for the combine kernel. Tiles of 64 and the sums' parts
- * round the online softmax differently from the mma.sync kernel's tiles of 128: the bytes are this
- * kernel's own, deterministic, within the same tolerances of exact mode (gpu_attn_fast_test).
+ * and bf16, or a split's partial state for the combine kernel. Tiles of 64, the scores' chains and
+ * the sums' parts round differently from the mma.sync kernel's: the bytes are this kernel's own,
+ * deterministic, within the same tolerances of exact mode (gpu_attn_fast_test).
  *
  * Ordering (SPEC §5.2) is the union kernel's (union_setup): before griddepcontrol.wait a CTA reads
  * only its parameters and the sinks; the MMAs read only shared memory staged after the wait.
@@ -51,71 +50,111 @@
 #define UWG_GROUP_P (8u * UWG_P_ROW)
 static_assert(UWG_P_ROW == 128, "a weights row is the swizzle's 128 bytes");
 
-/* The dynamic shared memory: two buffers of records (a tile staged while the one before it is
- * summed), q, the weights' two planes (all on 1 KiB boundaries), and room to start them on a
- * boundary. The warps' output tiles take the first buffer after the last tile. */
+/* The dynamic shared memory: the records, q, the weights' two planes (all on 1 KiB boundaries), the
+ * raw records of the next tile, and room to start them on a boundary. The warps' output tiles take
+ * the records' space after the last tile. */
 #define UWG_BUF ((size_t)UWG_T * K_ROW)
 static constexpr size_t uwg_smem_bytes() {
-  return 2 * UWG_BUF + (size_t)64 * K_ROW + (size_t)2 * 64 * UWG_P_ROW + AWG_ATOM - 16;
+  return UWG_BUF + (size_t)64 * K_ROW + (size_t)2 * 64 * UWG_P_ROW +
+         (size_t)UWG_T * DSV4_TOKEN_DATA_BYTES + AWG_ATOM - 16;
 }
 
-/* Records 0..nt - 1, whose addresses ms holds, copied raw into their rows of buffer sk (a warp a
- * record, fast_copy_record's places), their scale bytes into sscl. */
-static __device__ void uwg_copy(const attn_misc_t &ms, uint8_t *sk, uint2 *sscl, uint32_t nt,
-                                uint32_t warp, uint32_t lane) {
+/* The raw buffer's layout for fast_copy_record: record s's 576 data bytes as the cache holds them,
+ * at s 576. */
+struct uwg_raw {
+  static __device__ __forceinline__ uint32_t raw(uint32_t s, uint32_t j) {
+    return s * DSV4_TOKEN_DATA_BYTES + 16 * j;
+  }
+};
+
+/* Records 0..nt - 1, whose addresses ms holds, into the raw buffer (a warp a record). */
+static __device__ void uwg_copy_raw(const attn_misc_t &ms, uint8_t *sr, uint2 *sscl, uint32_t nt,
+                                    uint32_t warp, uint32_t lane) {
   for (uint32_t s = warp; s < nt; s += 16)
-    fast_copy_record<swz_atoms>(sk, sscl, s, ms.rec[s], ms.scl[s], lane);
+    fast_copy_record<uwg_raw>(sr, sscl, s, ms.rec[s], ms.scl[s], lane);
   __syncwarp(); /* the copies branch by lane; the MMAs' fences are .aligned */
 }
 
-/* Buffer sk's nt records, once landed, dequantised in place (fast_dequant_rows), zeros in the rows
- * nt.. (the weighted sums read every row), published to the MMAs before the caller's barrier. */
-static __device__ void uwg_stage(uint8_t *sk, const uint2 *sscl, uint32_t nt, uint32_t warp,
-                                 uint32_t lane) {
-  dsv4__cp_async_wait_all();
-  __syncthreads();
-  fast_dequant_rows<16, swz_atoms>(sk, sscl, nt, warp, lane);
+/* The raw buffer's rows 0..nt - 1 into the tile's rows as bf16 (swz_atoms), a warp a row, two in
+ * flight: lane l < 28 dequantises NoPE chunk l (dequant8, exact), lanes 28..31 move two chunks of
+ * RoPE dims each; then zeros in the rows nt.. of the tile. */
+static __device__ void uwg_dequant(const uint8_t *sr, const uint2 *sscl, uint8_t *sk, uint32_t nt,
+                                   uint32_t warp, uint32_t lane) {
+  const uint32_t j = lane < 28 ? lane : 28 + 2 * (lane - 28); /* the first raw chunk it reads */
+  for (uint32_t s0 = warp; s0 < nt; s0 += 32) {
+    uint4 a[2], b[2];
+    uint32_t code[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const uint32_t s = s0 + 16 * r;
+      if (s < nt) {
+        a[r] = *reinterpret_cast<const uint4 *>(sr + uwg_raw::raw(s, j));
+        if (lane >= 28)
+          b[r] = *reinterpret_cast<const uint4 *>(sr + uwg_raw::raw(s, j + 1));
+        code[r] = reinterpret_cast<const uint8_t *>(sscl + s)[(lane & 31) >> 2];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const uint32_t s = s0 + 16 * r;
+      if (s >= nt)
+        continue;
+      const uint32_t c = lane < 28 ? 2 * lane : 56 + 2 * (lane - 28);
+      if (lane < 28) {
+        b[r] = dequant8(a[r].z, a[r].w, code[r]);
+        a[r] = dequant8(a[r].x, a[r].y, code[r]);
+      }
+      *reinterpret_cast<uint4 *>(sk + swz_atoms::at(s, c, K_ROW)) = a[r];
+      *reinterpret_cast<uint4 *>(sk + swz_atoms::at(s, c + 1, K_ROW)) = b[r];
+    }
+  }
   fast_zero_tail<swz_atoms>(sk, nt, UWG_T);
-  wg_proxy_fence();
 }
-static_assert((size_t)16 * OUT_TILE <= UWG_BUF, "the output tiles in the first buffer");
+static_assert((size_t)16 * OUT_TILE <= UWG_BUF, "the output tiles in the records");
 
 /* The scores of warpgroup g's 16 candidates (all of them: uwg_softmax puts -inf past the tile's),
- * k-step by k-step, UWG_KF in flight (N's 64 registers a thread live beside them), each k-step's
- * partial added to the total in k-step order once it has landed. acc: the warp's two n-tiles, as
- * fast_scores' NP = 1. */
-#define UWG_KF 2
+ * in chains of UWG_KC k-steps of 16 dims (the first from zero, the others accumulated in the tensor
+ * cores), two chains in flight (N's 64 registers a thread live beside them), each chain's partial
+ * added to the total in order once it has landed. acc: the warp's two n-tiles, as fast_scores'
+ * NP = 1. */
+#define UWG_KC 2
 static __device__ void uwg_scores(const uint8_t *sq, const uint8_t *sk, uint32_t warp,
                                   float (&acc)[2][4]) {
-  constexpr int KS = DSV4_HEAD_DIM / 16;
+  constexpr int NC = DSV4_HEAD_DIM / 16 / UWG_KC;
   const uint32_t qa = smem_addr(sq), ka = smem_addr(sk) + (warp >> 2) * 2 * AWG_GROUP_K;
-  float d[UWG_KF][8] = {};
+  float d[2][8] = {};
+  wg_tie(d[0]);
+  wg_tie(d[1]);
 #pragma unroll
-  for (int b = 0; b < UWG_KF; b++)
-    wg_tie(d[b]);
+  for (int c = 0; c <= NC; c++) {
+    if (c < NC) {
+      wg_fence(); /* the buffer's last reads (the adds below) come before the MMAs write it */
 #pragma unroll
-  for (int ks = 0; ks < KS + UWG_KF - 1; ks++) {
-    if (ks < KS) {
-      const uint32_t off = (ks >> 2) * AWG_ATOM + (ks & 3) * AWG_KSTEP;
-      wg_fence(); /* the buffer's last reads (the adds below) come before the MMA writes it */
-      awg_mma_n16(d[ks % UWG_KF], awg_desc_k(qa + off, AWG_GROUP_K),
-                  awg_desc_k(ka + off, AWG_GROUP_K));
+      for (int k = 0; k < UWG_KC; k++) {
+        const int ks = c * UWG_KC + k;
+        const uint32_t off = (ks >> 2) * AWG_ATOM + (ks & 3) * AWG_KSTEP;
+        const uint64_t qd = awg_desc_k(qa + off, AWG_GROUP_K),
+                       kd = awg_desc_k(ka + off, AWG_GROUP_K);
+        if (k == 0)
+          awg_mma_n16<0>(d[c % 2], qd, kd);
+        else
+          awg_mma_n16<1>(d[c % 2], qd, kd);
+      }
       wg_commit();
     }
-    const int done = ks - (UWG_KF - 1);
+    const int done = c - 1;
     if (done < 0)
       continue;
-    static_assert(UWG_KF == 2, "the wait below: at most one group pending");
-    if (done < KS - 1)
-      wg_wait_group<1>();
+    if (done < NC - 1)
+      wg_wait_group<1>(); /* the chain after it may stay pending */
     else
       wg_wait_group<0>();
-    wg_tie(d[done % UWG_KF]);
+    wg_tie(d[done % 2]);
 #pragma unroll
     for (int j = 0; j < 2; j++)
 #pragma unroll
       for (int i = 0; i < 4; i++)
-        acc[j][i] += d[done % UWG_KF][4 * j + i];
+        acc[j][i] += d[done % 2][4 * j + i];
   }
 }
 
@@ -279,12 +318,13 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
   __shared__ attn_misc_t ms;
   __shared__ union_misc_t um;
   __shared__ fast_misc_t fm;
-  __shared__ float red[4 * 64];    /* a float a warpgroup and head (uwg_softmax, uwg_state_out) */
-  __shared__ uint2 sscl[2][UWG_T]; /* the buffers' records' scale bytes */
+  __shared__ float red[4 * 64]; /* a float a warpgroup and head (uwg_softmax, uwg_state_out) */
+  __shared__ uint2 sscl[UWG_T]; /* the raw records' scale bytes */
   uint8_t *sk = reinterpret_cast<uint8_t *>(smem_dyn);
   sk += smem_align_pad<AWG_ATOM>(smem_dyn);
-  uint8_t *sq = sk + 2 * UWG_BUF;
+  uint8_t *sq = sk + UWG_BUF;
   uint8_t *sp = sq + (size_t)64 * K_ROW;
+  uint8_t *sr = sp + (size_t)2 * 64 * UWG_P_ROW;
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, split = blockIdx.y;
   const uint32_t t = blockIdx.x / p.groups, h_first = (blockIdx.x - t * p.groups) * 64;
   PHASE_START();
@@ -303,46 +343,42 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
 #pragma unroll
     for (int i = 0; i < 32; i++)
       d[ch][i] = 0.0f;
-  /* The first tile staged, the second's records in flight into the other buffer; each tile's
-   * weighted sums run while the next tile is staged, the addresses of the one after it resolved,
-   * and once they have read their buffer it takes that one's records. */
+  /* The first tile's records in flight, then the second's addresses. Each tile, once its records
+   * have landed and are staged, puts the next one's in flight; the addresses of the one after it
+   * are resolved while the weighted sums run. */
   const uint32_t n0 = min(hi - lo, (uint32_t)UWG_T), n1 = min(hi - lo - n0, (uint32_t)UWG_T);
   if (n0)
     union_addrs<false, CK>(p, ms, um, lo, n0, &um.bad);
   __syncthreads();
-  uwg_copy(ms, sk, sscl[0], n0, warp, lane);
-  if (n0) /* CTA-uniform */
-    uwg_stage(sk, sscl[0], n0, warp, lane);
-  __syncthreads(); /* the first tile staged, the addresses free */
+  uwg_copy_raw(ms, sr, sscl, n0, warp, lane);
+  __syncthreads(); /* every copy issued: the addresses may change */
   if (n1)
     union_addrs<false, CK>(p, ms, um, lo + UWG_T, n1, &um.bad);
-  __syncthreads();
-  uwg_copy(ms, sk + UWG_BUF, sscl[1], n1, warp, lane);
-  PHASE_MARK(UPH_STAGE);
-  uint32_t b = 0; /* the buffer of the tile */
-  for (uint32_t first = lo; first < hi; first += UWG_T, b ^= 1) {
+  for (uint32_t first = lo; first < hi; first += UWG_T) {
     const uint32_t nt = min(hi - first, (uint32_t)UWG_T);
     const uint32_t nn = first + nt < hi ? min(hi - first - nt, (uint32_t)UWG_T) : 0u;
     const uint32_t nnn = first + nt + nn < hi ? min(hi - first - nt - nn, (uint32_t)UWG_T) : 0u;
-    uint8_t *cur = sk + b * UWG_BUF, *nxt = sk + (b ^ 1) * UWG_BUF;
+    dsv4__cp_async_wait_all();
+    __syncthreads(); /* the tile's raw records landed (and the next addresses resolved) */
+    uwg_dequant(sr, sscl, sk, nt, warp, lane);
+    wg_proxy_fence(); /* the staged rows (and q, after the first tile's wait) for the MMAs */
+    __syncthreads();  /* and the raw buffer free */
+    uwg_copy_raw(ms, sr, sscl, nn, warp, lane);
+    PHASE_MARK(UPH_STAGE);
     float acc[2][4] = {}, a[2];
-    uwg_scores(sq, cur, warp, acc);
+    uwg_scores(sq, sk, warp, acc);
     PHASE_MARK(UPH_SCORES);
     uwg_softmax(acc, red, sp, nt, warp, lane, m, sum, a);
     wg_proxy_fence(); /* the weights, for the MMAs */
     __syncthreads();  /* and every copy of the next tile issued: the addresses may change */
     PHASE_MARK(UPH_SOFTMAX);
-    uwg_sums_issue(sp, cur, a, warp, d);
+    uwg_sums_issue(sp, sk, a, warp, d);
     if (nnn) /* CTA-uniform, as nn */
       union_addrs<false, CK>(p, ms, um, first + 2 * UWG_T, nnn, &um.bad);
-    __syncwarp();
-    if (nn)
-      uwg_stage(nxt, sscl[b ^ 1], nn, warp, lane);
-    PHASE_MARK(UPH_STAGE);
+    __syncwarp(); /* the MMAs' wait is .aligned */
     uwg_sums_wait(d);
-    __syncthreads(); /* this tile's buffer and the weights read; the next tile staged */
+    __syncthreads(); /* the records and the weights read */
     PHASE_MARK(UPH_SUM);
-    uwg_copy(ms, cur, sscl[b], nnn, warp, lane);
   }
   dsv4__cp_async_wait_all(); /* a split without a tile: no copy of q outlives the CTA */
   uwg_state_out(ms, um, red, warp, lane, m, sum);
