@@ -35,20 +35,12 @@
  * Ordering (SPEC §5.2) is the union kernel's (union_setup): before griddepcontrol.wait a CTA reads
  * only its parameters and the sinks; the MMAs read only shared memory staged after the wait.
  */
-#include "../attention-fast-union.cuh"
 #include "../attention-split.h"
-#include "attention-wg.cuh"
+#include "attention-union-wg.cuh"
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "sm90a/attention_fast_union_wg.cu is built for sm_90a only"
 #endif
-
-/* Candidates of a tile; bytes of a row of weights (one 128-byte atom row: a group of 8 rows is an
- * atom). */
-#define UWG_T 64
-#define UWG_P_ROW (2 * UWG_T)
-#define UWG_GROUP_P (8u * UWG_P_ROW)
-static_assert(UWG_P_ROW == 128, "a weights row is the swizzle's 128 bytes");
 
 /* The dynamic shared memory: the records, q, the weights' two planes (all on 1 KiB boundaries), the
  * raw records of the next tile, and room to start them on a boundary. The warps' output tiles take
@@ -112,133 +104,6 @@ static __device__ void uwg_dequant(const uint8_t *sr, const uint2 *sscl, uint8_t
 }
 static_assert((size_t)16 * OUT_TILE <= UWG_BUF, "the output tiles in the records");
 
-/* The scores of warpgroup g's 16 candidates (all of them: uwg_softmax puts -inf past the tile's),
- * in chains of UWG_KC k-steps of 16 dims (the first from zero, the others accumulated in the tensor
- * cores), two chains in flight (N's 64 registers a thread live beside them), each chain's partial
- * added to the total in order once it has landed. acc: the warp's two n-tiles, as fast_scores'
- * NP = 1. */
-#define UWG_KC 2
-static __device__ void uwg_scores(const uint8_t *sq, const uint8_t *sk, uint32_t warp,
-                                  float (&acc)[2][4]) {
-  constexpr int NC = DSV4_HEAD_DIM / 16 / UWG_KC;
-  const uint32_t qa = smem_addr(sq), ka = smem_addr(sk) + (warp >> 2) * 2 * AWG_GROUP_K;
-  float d[2][8] = {};
-  wg_tie(d[0]);
-  wg_tie(d[1]);
-#pragma unroll
-  for (int c = 0; c <= NC; c++) {
-    if (c < NC) {
-      wg_fence(); /* the buffer's last reads (the adds below) come before the MMAs write it */
-#pragma unroll
-      for (int k = 0; k < UWG_KC; k++) {
-        const int ks = c * UWG_KC + k;
-        const uint32_t off = (ks >> 2) * AWG_ATOM + (ks & 3) * AWG_KSTEP;
-        const uint64_t qd = awg_desc_k(qa + off, AWG_GROUP_K),
-                       kd = awg_desc_k(ka + off, AWG_GROUP_K);
-        if (k == 0)
-          awg_mma_n16<0>(d[c % 2], qd, kd);
-        else
-          awg_mma_n16<1>(d[c % 2], qd, kd);
-      }
-      wg_commit();
-    }
-    const int done = c - 1;
-    if (done < 0)
-      continue;
-    if (done < NC - 1)
-      wg_wait_group<1>(); /* the chain after it may stay pending */
-    else
-      wg_wait_group<0>();
-    wg_tie(d[done % 2]);
-#pragma unroll
-    for (int j = 0; j < 2; j++)
-#pragma unroll
-      for (int i = 0; i < 4; i++)
-        acc[j][i] += d[done % 2][4 * j + i];
-  }
-}
-
-/* The tile's online softmax from the scores in the warps' registers (acc: head h = 16 (warp % 4) +
- * lane / 4 and h + 8, candidates 16 g + 8 j + 2 (lane % 4) + 0, 1 of warpgroup g): scaled, -inf
- * past the tile's nt candidates; each head's maximum over the four warpgroups through red (a float
- * a warpgroup and head); m' = max(m, it) and a = exp(m - m') for both heads (0 on the first tile);
- * the weights w = exp(l - m') as bf16 pairs into the two weight planes (hi = bf16(w), lo = bf16(w -
- * hi)); and the thread's own part of each head's S: S a + its four weights in order. */
-static __device__ void uwg_softmax(float (&acc)[2][4], float *red, uint8_t *sp, uint32_t nt,
-                                   uint32_t warp, uint32_t lane, float (&m)[2], float (&sum)[2],
-                                   float (&a)[2]) {
-  const float scale = dsv4_u2f(DSV4_SOFTMAX_SCALE_BITS);
-  const uint32_t g = warp >> 2, h = (warp & 3) * 16 + (lane >> 2), c0 = 16 * g + 2 * (lane & 3);
-  float tm[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int j = 0; j < 2; j++)
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const float v = c0 + 8 * j + (i & 1) < nt ? __fmul_rn(acc[j][i], scale) : -INFINITY;
-      acc[j][i] = v;
-      tm[i >> 1] = fmaxf(tm[i >> 1], v);
-    }
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    tm[r] = fmaxf(tm[r], __shfl_xor_sync(FULL, tm[r], 1));
-    tm[r] = fmaxf(tm[r], __shfl_xor_sync(FULL, tm[r], 2));
-    if ((lane & 3) == 0)
-      red[64 * g + h + 8 * r] = tm[r];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const uint32_t hr = h + 8 * r;
-    const float mn =
-        fmaxf(fmaxf(m[r], fmaxf(red[hr], red[64 + hr])), fmaxf(red[128 + hr], red[192 + hr]));
-    a[r] = __expf(m[r] - mn); /* 0 on the first tile (m = -inf) */
-    m[r] = mn;
-    sum[r] *= a[r];
-  }
-  uint8_t *sp_lo = sp + 64 * UWG_P_ROW;
-#pragma unroll
-  for (int j = 0; j < 2; j++)
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const float w0 = __expf(acc[j][2 * r] - m[r]), w1 = __expf(acc[j][2 * r + 1] - m[r]);
-      sum[r] += w0;
-      sum[r] += w1;
-      const uint32_t hw = bf16x2(w0, w1);
-      const uint32_t lw =
-          bf16x2(w0 - __uint_as_float(hw << 16), w1 - __uint_as_float(hw & 0xFFFF0000u));
-      const uint32_t c = c0 + 8 * j,
-                     off = swz_atoms::at(h + 8 * r, c >> 3, UWG_P_ROW) + 2 * (c & 7);
-      *reinterpret_cast<uint32_t *>(sp + off) = hw;
-      *reinterpret_cast<uint32_t *>(sp_lo + off) = lw;
-    }
-}
-
-/* Each head's m (the same in every thread of its row) and S (the threads' parts: a quad's lanes,
- * then the four warpgroups in order) into ms.m and um.s for the end; the CTA synchronised. */
-static __device__ void uwg_state_out(attn_misc_t &ms, union_misc_t &um, float *red, uint32_t warp,
-                                     uint32_t lane, const float (&m)[2], float (&sum)[2]) {
-  const uint32_t g = warp >> 2, h = (warp & 3) * 16 + (lane >> 2);
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    sum[r] += __shfl_xor_sync(FULL, sum[r], 1);
-    sum[r] += __shfl_xor_sync(FULL, sum[r], 2);
-  }
-  __syncthreads(); /* the last tile's maxima read */
-  if ((lane & 3) == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      red[64 * g + h + 8 * r] = sum[r];
-      if (g == 0)
-        ms.m[h + 8 * r] = m[r];
-    }
-  }
-  __syncthreads();
-  const uint32_t tid = threadIdx.x;
-  if (tid < 64)
-    um.s[tid] = (red[tid] + red[64 + tid]) + (red[128 + tid] + red[192 + tid]);
-  __syncthreads();
-}
-
 /* N of warpgroup g's 128 dims (two chunks of 64) rescaled by the heads' a, then the MMAs that
  * continue it over the tile's 64 rows (zero weights and zero rows past its candidates) issued:
  * complete after uwg_sums_wait. */
@@ -276,38 +141,6 @@ static __device__ void uwg_sums_wait(float (&d)[2][32]) {
   wg_wait_group<0>();
   wg_tie(d[0]);
   wg_tie(d[1]);
-}
-
-/* The CTA's end from the warpgroup's accumulators (as the mma.sync kernel's n-tiles: chunk ch's
- * n-tile j is dims 128 g + 64 ch + 8 j): o = N / D stored, or the split's partial state. */
-static __device__ void uwg_end(const attn_params_t &p, const attn_misc_t &ms,
-                               const union_misc_t &um, fast_misc_t &fm, uint8_t *sk, uint32_t t,
-                               uint32_t h_first, uint32_t split, uint32_t warp, uint32_t lane,
-                               const float (&d)[2][32]) {
-  float acc[16][4];
-#pragma unroll
-  for (int j = 0; j < 16; j++)
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-      acc[j][i] = d[j / 8][4 * (j % 8) + i];
-  if (p.nsplit > 1) {
-    funion_store_part<4, 16>(p, ms, um, t, h_first, split, warp, lane, acc);
-    return;
-  }
-  funion_finish<4>(p, ms, um, fm, t, h_first);
-  __syncthreads();
-  const uint32_t g = warp >> 2, mt = warp & 3;
-#pragma unroll
-  for (int ch = 0; ch < 2; ch++) {
-    float a[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-#pragma unroll
-      for (int i = 0; i < 4; i++)
-        a[j][i] = acc[8 * ch + j][i];
-    fast_store_out_tile(p, ms, fm, t, h_first, mt, 128 * g + 64 * ch, lane, sk + warp * OUT_TILE,
-                        a);
-  }
 }
 
 /* CK: a split launch of at most UNION_CHECK_ALL_MAX tokens, whose CTAs check what they read
@@ -365,10 +198,10 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
     __syncthreads();  /* and the raw buffer free */
     uwg_copy_raw(ms, sr, sscl, nn, warp, lane);
     PHASE_MARK(UPH_STAGE);
-    float acc[2][4] = {}, a[2];
-    uwg_scores(sq, sk, warp, acc);
+    float acc[8] = {}, a[2];
+    awg_scores<16>(smem_addr(sq), smem_addr(sk) + (warp >> 2) * 2 * AWG_GROUP_K, acc);
     PHASE_MARK(UPH_SCORES);
-    uwg_softmax(acc, red, sp, nt, warp, lane, m, sum, a);
+    uwg_softmax<4, 2>(acc, red, sp, nt, warp, lane, m, sum, a);
     wg_proxy_fence(); /* the weights, for the MMAs */
     __syncthreads();  /* and every copy of the next tile issued: the addresses may change */
     PHASE_MARK(UPH_SOFTMAX);
@@ -381,7 +214,7 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
     PHASE_MARK(UPH_SUM);
   }
   dsv4__cp_async_wait_all(); /* a split without a tile: no copy of q outlives the CTA */
-  uwg_state_out(ms, um, red, warp, lane, m, sum);
+  uwg_state_out<4>(ms, um, red, warp, lane, m, sum);
   if (CK && p.nsplit > 1 && um.bad) { /* CTA-uniform after the last tile's barriers */
     if (tid == 0)
       atomicOr(p.err, um.bad);
@@ -391,19 +224,15 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
   if (p.nsplit > 1)
     dsv4__test_delay(); /* as the mma.sync kernel's (attention_fast_union.cu) */
 #endif
-  uwg_end(p, ms, um, fm, sk, t, h_first, split, warp, lane, d);
+  uwg_end<4, 16>(p, ms, um, fm, sk, t, h_first, split, warp, lane, d);
   PHASE_END(UPH_OUTPUT);
 }
 
 static std::atomic<int> ready_cache[DEV_CACHE];
 
-/* The kernel's only image is sm_90a's: elsewhere its attributes cannot be read. */
 static int uwg_ready_probe(int dev) {
-  cudaFuncAttributes fa, fc;
-  return cudaFuncGetAttributes(&fa, dsv4__attention_fast_union_wg_kernel<false>) == cudaSuccess &&
-         cudaFuncGetAttributes(&fc, dsv4__attention_fast_union_wg_kernel<true>) == cudaSuccess &&
-         smem_grants(dev, uwg_smem_bytes() + fa.sharedSizeBytes) &&
-         smem_grants(dev, uwg_smem_bytes() + fc.sharedSizeBytes);
+  return uwg_probe(dev, dsv4__attention_fast_union_wg_kernel<false>,
+                   dsv4__attention_fast_union_wg_kernel<true>, uwg_smem_bytes(), 512, 0);
 }
 
 int dsv4__attention_fast_union_wg_ready(void) {
@@ -413,12 +242,8 @@ int dsv4__attention_fast_union_wg_ready(void) {
 template <bool CK>
 static cudaError_t uwg_launch(const attn_params_t &p, dim3 grid, cudaStream_t s, int pdl) {
   static std::atomic<uint64_t> limit_raised{0}; /* the devices whose limit is raised */
-  cudaError_t e = dsv4__cuda_smem_limit(dsv4__attention_fast_union_wg_kernel<CK>, uwg_smem_bytes(),
-                                        limit_raised);
-  if (e != cudaSuccess)
-    return e;
-  return dsv4__cuda_launch_smem(dsv4__attention_fast_union_wg_kernel<CK>, grid, 512,
-                                uwg_smem_bytes(), s, pdl, p);
+  return uwg_launch_kernel(dsv4__attention_fast_union_wg_kernel<CK>, limit_raised, p, grid, 512,
+                           uwg_smem_bytes(), s, pdl);
 }
 
 cudaError_t dsv4__attention_fast_union_wg_launch(const attn_params_t &p, dim3 grid, cudaStream_t s,
