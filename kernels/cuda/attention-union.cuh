@@ -225,15 +225,18 @@ static __device__ __forceinline__ uint32_t union_entry_bits(const union_misc_t &
   return b < 0 ? DSV4_CUDA_ATTN_ERR_BLOCK : 0u;
 }
 
-/* The record addresses of candidates first..first + nt - 1 (one thread each) into ms.rec and
- * ms.scl (put_record_addr, with its L2 prefetch unless the caller copies them at once): window
- * positions through ms.blk, then entries through the segment's entry table. CHECK (a split CTA
- * that checks what it reads, union_setup): an entry found wrong (union_entry_bits) adds its bits to
- * *bad and reads the query's own record instead, which the setup has checked. */
+/* The record addresses of candidates first..first + nt - 1 (one thread each: the caller's i, by
+ * default its thread index) into ms.rec and ms.scl from slot0 on (put_record_addr, with its L2
+ * prefetch unless the caller copies them at once): window positions through ms.blk, then entries
+ * through the segment's entry table. CHECK (a split CTA that checks what it reads, union_setup): an
+ * entry found wrong (union_entry_bits) adds its bits to *bad and reads the query's own record
+ * instead, which the setup has checked. */
 template <bool PREFETCH = true, bool CHECK = false>
 static __device__ void union_addrs(const attn_params_t &p, attn_misc_t &ms, const union_misc_t &um,
-                                   uint32_t first, uint32_t nt, uint32_t *bad = NULL) {
-  const uint32_t i = threadIdx.x;
+                                   uint32_t first, uint32_t nt, uint32_t *bad = NULL,
+                                   uint32_t i = UINT32_MAX, uint32_t slot0 = 0) {
+  if (i == UINT32_MAX)
+    i = threadIdx.x;
   if (i >= nt)
     return;
   const uint32_t c = first + i;
@@ -257,7 +260,7 @@ static __device__ void union_addrs(const attn_params_t &p, attn_misc_t &ms, cons
       o = pos & mask;
     }
   }
-  put_record_addr<PREFETCH>(ms, i, base, o, p.bs_shift);
+  put_record_addr<PREFETCH>(ms, slot0 + i, base, o, p.bs_shift);
 }
 
 #endif /* DSV4_KERNELS_CUDA_ATTENTION_UNION_CUH */
