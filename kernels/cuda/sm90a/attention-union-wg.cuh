@@ -128,11 +128,9 @@ static __device__ void uwg_state_out(attn_misc_t &ms, union_misc_t &um, float *r
 }
 
 /* n-tile j's value i (mma.sync's m16n8 fragment) of a warp's accumulators: the four warpgroups'
- * two chunks of 64 dims (m64n64), or the math warpgroups' 256 dims (m64n256). */
-static __device__ __forceinline__ float uwg_acc(const float (&d)[2][32], int j, int i) {
-  return d[j / 8][4 * (j % 8) + i];
-}
-static __device__ __forceinline__ float uwg_acc(const float (&d)[128], int j, int i) {
+ * 128 dims (m64n128) or the math warpgroups' 256 dims (m64n256). */
+template <int R>
+static __device__ __forceinline__ float uwg_acc(const float (&d)[R], int j, int i) {
   return d[4 * j + i];
 }
 

@@ -96,6 +96,24 @@ static __device__ __forceinline__ void awg_mma_n64(float (&d)[32], uint64_t a, u
 #endif
 }
 
+/* d += A . B, m64n128k16, A K-major and B MN-major by descriptors. */
+static __device__ __forceinline__ void awg_mma_n128(float (&d)[64], uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+               "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
+               "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
+               "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+               "%64, %65, p, 1, 1, 0, 1;\n}\n"
+               : AWG_R8(d, 0), AWG_R8(d, 8), AWG_R8(d, 16), AWG_R8(d, 24), AWG_R8(d, 32),
+                 AWG_R8(d, 40), AWG_R8(d, 48), AWG_R8(d, 56)
+               : "l"(a), "l"(b), "n"(1));
+#else
+  (void)d, (void)a, (void)b;
+#endif
+}
+
 /* d += A . B, m64n256k16, A K-major and B MN-major by descriptors. */
 static __device__ __forceinline__ void awg_mma_n256(float (&d)[128], uint64_t a, uint64_t b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

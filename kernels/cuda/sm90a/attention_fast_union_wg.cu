@@ -14,7 +14,8 @@
  * KiB, q 64 KiB, the weights 16 KiB, the next tile's raw records 36 KiB). Per tile, in the 128-byte
  * swizzle (swz_atoms), as the window's warpgroup kernel (attention_fast_wg.cu):
  *   staging  the tile's raw records, once landed, dequantised into its rows (zeros past its
- *            candidates: the weighted sums read every row); then the next tile's put in flight
+ *            candidates: the weighted sums read every row) by the warp that copied them, which
+ *            then puts the next tile's in flight into the same raw rows: one barrier a tile
  *   scores   warpgroup g: candidates 16 g.. of the 64 heads, m64n16k16 over 32 k-steps of 16 dims
  *            in chains of two (the first from zero, the second accumulated in the tensor cores),
  *            each chain's partial added to the total in fp32 (two chains in flight)
@@ -22,10 +23,10 @@
  *            then over the four warpgroups through shared memory; the weights written as bf16
  *            pairs, hi and lo planes; each thread keeps its part of a head's sum S, rescaled with
  *            the head's m, and the parts meet once at the end (uwg_state_out)
- *   sums     warpgroup g: dims 128 g.. of the 64 heads in two chunks of 64, rescaled by a = exp(m -
- *            m') in their registers, then m64n64k16 over the tile's 4 k-steps, the hi plane then
- *            the lo plane each step, accumulated in the tensor cores; while they run, the
- *            addresses of the tile after next are resolved (union_addrs)
+ *   sums     warpgroup g: dims 128 g.. of the 64 heads, rescaled by a = exp(m - m') in their
+ *            registers, then m64n128k16 over the tile's 4 k-steps (the weights read once for the
+ *            128 dims), the hi plane then the lo plane each step, accumulated in the tensor cores;
+ *            while they run, the addresses of the tile after next are resolved (union_addrs)
  * Warp w of warpgroup g holds rows 16 w.. of its group's results in mma.sync's m16n8 fragment, so
  * the stores are the mma.sync kernel's. The end is the union kernel's: o = N / D, the inverse RoPE
  * and bf16, or a split's partial state for the combine kernel. Tiles of 64, the scores' chains and
@@ -68,8 +69,9 @@ static __device__ void uwg_copy_raw(const attn_misc_t &ms, uint8_t *sr, uint2 *s
 }
 
 /* The raw buffer's rows 0..nt - 1 into the tile's rows as bf16 (swz_atoms), a warp a row, two in
- * flight: lane l < 28 dequantises NoPE chunk l (dequant8, exact), lanes 28..31 move two chunks of
- * RoPE dims each; then zeros in the rows nt.. of the tile. */
+ * flight, warp w the rows w, w + 16, ... that it copied (uwg_copy_raw): lane l < 28 dequantises
+ * NoPE chunk l (dequant8, exact), lanes 28..31 move two chunks of RoPE dims each; then zeros in the
+ * rows nt.. of the tile. */
 static __device__ void uwg_dequant(const uint8_t *sr, const uint2 *sscl, uint8_t *sk, uint32_t nt,
                                    uint32_t warp, uint32_t lane) {
   const uint32_t j = lane < 28 ? lane : 28 + 2 * (lane - 28); /* the first raw chunk it reads */
@@ -104,43 +106,37 @@ static __device__ void uwg_dequant(const uint8_t *sr, const uint2 *sscl, uint8_t
 }
 static_assert((size_t)16 * OUT_TILE <= UWG_BUF, "the output tiles in the records");
 
-/* N of warpgroup g's 128 dims (two chunks of 64) rescaled by the heads' a, then the MMAs that
- * continue it over the tile's 64 rows (zero weights and zero rows past its candidates) issued:
- * complete after uwg_sums_wait. */
+/* N of warpgroup g's 128 dims rescaled by the heads' a, then the MMAs that continue it over the
+ * tile's 64 rows (zero weights and zero rows past its candidates) issued, m64n128k16 (V: 16 rows,
+ * two groups of 8 AWG_GROUP_K apart, of dims 128 g.., two atoms AWG_ATOM apart): complete after
+ * uwg_sums_wait. */
 static __device__ void uwg_sums_issue(const uint8_t *sp, const uint8_t *sk, const float (&a)[2],
-                                      uint32_t warp, float (&d)[2][32]) {
+                                      uint32_t warp, float (&d)[64]) {
   const uint32_t g = warp >> 2;
 #pragma unroll
-  for (int ch = 0; ch < 2; ch++)
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      d[ch][4 * j] *= a[0];
-      d[ch][4 * j + 1] *= a[0];
-      d[ch][4 * j + 2] *= a[1];
-      d[ch][4 * j + 3] *= a[1];
-    }
+  for (int j = 0; j < 16; j++) {
+    d[4 * j] *= a[0];
+    d[4 * j + 1] *= a[0];
+    d[4 * j + 2] *= a[1];
+    d[4 * j + 3] *= a[1];
+  }
   const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 64 * UWG_P_ROW);
-  wg_tie(d[0]); /* the rescale stays before the fence */
-  wg_tie(d[1]);
+  const uint32_t va = smem_addr(sk) + 2 * g * AWG_ATOM;
+  wg_tie(d);  /* the rescale stays before the fence */
   wg_fence(); /* the rescaled registers before the MMAs that continue them */
 #pragma unroll
-  for (int ch = 0; ch < 2; ch++) {
-    const uint32_t va = smem_addr(sk) + (2 * g + ch) * AWG_ATOM;
-#pragma unroll
-    for (uint32_t k = 0; k < UWG_T / 16; k++) {
-      const uint64_t v = awg_desc(va + 2 * k * AWG_GROUP_K, AWG_ATOM, AWG_GROUP_K);
-      awg_mma_n64(d[ch], awg_desc_k(pa + k * AWG_KSTEP, UWG_GROUP_P), v);
-      awg_mma_n64(d[ch], awg_desc_k(pla + k * AWG_KSTEP, UWG_GROUP_P), v);
-    }
+  for (uint32_t k = 0; k < UWG_T / 16; k++) {
+    const uint64_t v = awg_desc(va + 2 * k * AWG_GROUP_K, AWG_ATOM, AWG_GROUP_K);
+    awg_mma_n128(d, awg_desc_k(pa + k * AWG_KSTEP, UWG_GROUP_P), v);
+    awg_mma_n128(d, awg_desc_k(pla + k * AWG_KSTEP, UWG_GROUP_P), v);
   }
   wg_commit();
 }
 
 /* uwg_sums_issue's MMAs complete, their registers N again. */
-static __device__ void uwg_sums_wait(float (&d)[2][32]) {
+static __device__ void uwg_sums_wait(float (&d)[64]) {
   wg_wait_group<0>();
-  wg_tie(d[0]);
-  wg_tie(d[1]);
+  wg_tie(d);
 }
 
 /* CK: a split launch of at most UNION_CHECK_ALL_MAX tokens, whose CTAs check what they read
@@ -170,12 +166,10 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
     fast_copy_q<4, 16, swz_atoms>(p, t, h_first, sq);
   else if (lo < hi)
     fast_load_q<4, 16, swz_atoms>(p, t, h_first, sq, ms.rope);
-  float d[2][32], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0.0f, 0.0f};
+  float d[64], m[2] = {-INFINITY, -INFINITY}, sum[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int ch = 0; ch < 2; ch++)
-#pragma unroll
-    for (int i = 0; i < 32; i++)
-      d[ch][i] = 0.0f;
+  for (int i = 0; i < 64; i++)
+    d[i] = 0.0f;
   /* The first tile's records in flight, then the second's addresses. Each tile, once its records
    * have landed and are staged, puts the next one's in flight; the addresses of the one after it
    * are resolved while the weighted sums run. */
@@ -187,16 +181,19 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
   __syncthreads(); /* every copy issued: the addresses may change */
   if (n1)
     union_addrs<false, CK>(p, ms, um, lo + UWG_T, n1, &um.bad);
+  __syncthreads(); /* the second tile's addresses, for the copies the first tile issues */
   for (uint32_t first = lo; first < hi; first += UWG_T) {
     const uint32_t nt = min(hi - first, (uint32_t)UWG_T);
     const uint32_t nn = first + nt < hi ? min(hi - first - nt, (uint32_t)UWG_T) : 0u;
     const uint32_t nnn = first + nt + nn < hi ? min(hi - first - nt - nn, (uint32_t)UWG_T) : 0u;
+    /* A warp dequantises the raw rows it copied, then copies the next tile's into them. */
     dsv4__cp_async_wait_all();
-    __syncthreads(); /* the tile's raw records landed (and the next addresses resolved) */
+    __syncwarp();
     uwg_dequant(sr, sscl, sk, nt, warp, lane);
-    wg_proxy_fence(); /* the staged rows (and q, after the first tile's wait) for the MMAs */
-    __syncthreads();  /* and the raw buffer free */
+    __syncwarp();
     uwg_copy_raw(ms, sr, sscl, nn, warp, lane);
+    wg_proxy_fence(); /* the staged rows (and q, after the first tile's wait) for the MMAs */
+    __syncthreads();  /* every warp's rows staged */
     PHASE_MARK(UPH_STAGE);
     float acc[8] = {}, a[2];
     awg_scores<16>(smem_addr(sq), smem_addr(sk) + (warp >> 2) * 2 * AWG_GROUP_K, acc);
