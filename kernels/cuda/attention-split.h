@@ -67,13 +67,13 @@ static inline uint32_t dsv4__window_splits(uint64_t ctas, int sms) {
  * The heads a fast union CTA takes (16 MT: MT 1, 2, or 4 for the warpgroup kernel, which `wg` says
  * the device runs for this launch: sm_90a, more than 32 heads): the fewest waves of CTAs (one an
  * SM) times a CTA's cost, ties to larger CTAs. The costs: a CTA of 16 heads 2, of 32 heads 3 (a
- * staging and an m-tile each, as the window's choose_mt), of 64 heads on warpgroup MMAs 3.9, from a
- * CTA's walk of 640 candidates on an H100 (C4 8K: 32 heads about 60 µs, 64 heads about 77;
+ * staging and an m-tile each, as the window's choose_mt), of 64 heads on warpgroup MMAs 3.5, from a
+ * CTA's walk of 640 candidates on an H100 (C4 8K: 32 heads about 60 µs, 64 heads about 70;
  * tests/bench/NOTES.md). So a decode step of 64 heads takes 64-head CTAs from 67 tokens on 132
  * SMs, where 32-head CTAs would need a second wave.
  */
 static inline int dsv4__union_choose_mt(uint32_t n_tokens, uint32_t heads, int sms, int wg) {
-  static const uint32_t cost10[3] = {20, 30, 39}; /* tenths, by log2 MT */
+  static const uint32_t cost10[3] = {20, 30, 35}; /* tenths, by log2 MT */
   uint64_t best = UINT64_MAX;
   int best_mt = 1;
   if (heads == 0)
