@@ -127,6 +127,48 @@ static __device__ void uwg_state_out(attn_misc_t &ms, union_misc_t &um, float *r
   uwg_sync<G>();
 }
 
+/* N of warpgroup g's 2 R dims (R accumulators a thread) rescaled by the heads' a, then the MMAs
+ * that continue it over the tile's rows (zero weights and zero rows past its candidates) issued,
+ * the hi plane then the lo plane each k-step: m64n128k16 for the four warpgroups' 128 dims,
+ * m64n256k16 for the math warpgroups' 256 (V: 16 rows, two groups of 8 AWG_GROUP_K apart, of dims
+ * 2 R g.., R / 32 atoms AWG_ATOM apart); complete after uwg_sums_wait. */
+template <int R>
+static __device__ void uwg_sums_issue(const uint8_t *sp, const uint8_t *sk, const float (&a)[2],
+                                      uint32_t g, float (&d)[R]) {
+  static_assert(R == 64 || R == 128, "m64n128 or m64n256");
+#pragma unroll
+  for (int j = 0; j < R / 4; j++) {
+    d[4 * j] *= a[0];
+    d[4 * j + 1] *= a[0];
+    d[4 * j + 2] *= a[1];
+    d[4 * j + 3] *= a[1];
+  }
+  const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 64 * UWG_P_ROW);
+  const uint32_t va = smem_addr(sk) + (R / 32) * g * AWG_ATOM;
+  wg_tie(d);  /* the rescale stays before the fence */
+  wg_fence(); /* the rescaled registers before the MMAs that continue them */
+#pragma unroll
+  for (uint32_t k = 0; k < UWG_T / 16; k++) {
+    const uint64_t v = awg_desc(va + 2 * k * AWG_GROUP_K, AWG_ATOM, AWG_GROUP_K);
+    const uint64_t ph = awg_desc_k(pa + k * AWG_KSTEP, UWG_GROUP_P),
+                   pl = awg_desc_k(pla + k * AWG_KSTEP, UWG_GROUP_P);
+    if constexpr (R == 64) {
+      awg_mma_n128(d, ph, v);
+      awg_mma_n128(d, pl, v);
+    } else {
+      awg_mma_n256(d, ph, v);
+      awg_mma_n256(d, pl, v);
+    }
+  }
+  wg_commit();
+}
+
+/* uwg_sums_issue's MMAs complete, their registers N again. */
+template <int R> static __device__ void uwg_sums_wait(float (&d)[R]) {
+  wg_wait_group<0>();
+  wg_tie(d);
+}
+
 /* n-tile j's value i (mma.sync's m16n8 fragment) of a warp's accumulators: the four warpgroups'
  * 128 dims (m64n128) or the math warpgroups' 256 dims (m64n256). */
 template <int R>

@@ -106,39 +106,6 @@ static __device__ void uwg_dequant(const uint8_t *sr, const uint2 *sscl, uint8_t
 }
 static_assert((size_t)16 * OUT_TILE <= UWG_BUF, "the output tiles in the records");
 
-/* N of warpgroup g's 128 dims rescaled by the heads' a, then the MMAs that continue it over the
- * tile's 64 rows (zero weights and zero rows past its candidates) issued, m64n128k16 (V: 16 rows,
- * two groups of 8 AWG_GROUP_K apart, of dims 128 g.., two atoms AWG_ATOM apart): complete after
- * uwg_sums_wait. */
-static __device__ void uwg_sums_issue(const uint8_t *sp, const uint8_t *sk, const float (&a)[2],
-                                      uint32_t warp, float (&d)[64]) {
-  const uint32_t g = warp >> 2;
-#pragma unroll
-  for (int j = 0; j < 16; j++) {
-    d[4 * j] *= a[0];
-    d[4 * j + 1] *= a[0];
-    d[4 * j + 2] *= a[1];
-    d[4 * j + 3] *= a[1];
-  }
-  const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 64 * UWG_P_ROW);
-  const uint32_t va = smem_addr(sk) + 2 * g * AWG_ATOM;
-  wg_tie(d);  /* the rescale stays before the fence */
-  wg_fence(); /* the rescaled registers before the MMAs that continue them */
-#pragma unroll
-  for (uint32_t k = 0; k < UWG_T / 16; k++) {
-    const uint64_t v = awg_desc(va + 2 * k * AWG_GROUP_K, AWG_ATOM, AWG_GROUP_K);
-    awg_mma_n128(d, awg_desc_k(pa + k * AWG_KSTEP, UWG_GROUP_P), v);
-    awg_mma_n128(d, awg_desc_k(pla + k * AWG_KSTEP, UWG_GROUP_P), v);
-  }
-  wg_commit();
-}
-
-/* uwg_sums_issue's MMAs complete, their registers N again. */
-static __device__ void uwg_sums_wait(float (&d)[64]) {
-  wg_wait_group<0>();
-  wg_tie(d);
-}
-
 /* CK: a split launch of at most UNION_CHECK_ALL_MAX tokens, whose CTAs check what they read
  * (union_setup). */
 template <bool CK>
@@ -202,7 +169,7 @@ __global__ void __launch_bounds__(512, 1) dsv4__attention_fast_union_wg_kernel(a
     wg_proxy_fence(); /* the weights, for the MMAs */
     __syncthreads();  /* and every copy of the next tile issued: the addresses may change */
     PHASE_MARK(UPH_SOFTMAX);
-    uwg_sums_issue(sp, sk, a, warp, d);
+    uwg_sums_issue(sp, sk, a, warp >> 2, d);
     if (nnn) /* CTA-uniform, as nn */
       union_addrs<false, CK>(p, ms, um, first + 2 * UWG_T, nnn, &um.bad);
     __syncwarp(); /* the MMAs' wait is .aligned */

@@ -156,34 +156,6 @@ static __device__ void uws_producer(const attn_params_t &p, attn_misc_t &ms, uni
   }
 }
 
-/* N of math warpgroup g's 256 dims rescaled by the heads' a, then continued over the tile's 64
- * rows (zero weights and zero rows past its candidates); complete on return. */
-static __device__ void uws_sums(const uint8_t *sp, const uint8_t *sk, const float (&a)[2],
-                                uint32_t g, float (&d)[128]) {
-#pragma unroll
-  for (int j = 0; j < 32; j++) {
-    d[4 * j] *= a[0];
-    d[4 * j + 1] *= a[0];
-    d[4 * j + 2] *= a[1];
-    d[4 * j + 3] *= a[1];
-  }
-  const uint32_t pa = smem_addr(sp), pla = smem_addr(sp + 64 * UWG_P_ROW);
-  const uint32_t va = smem_addr(sk) + 4 * g * AWG_ATOM;
-  wg_tie(d);  /* the rescale stays before the fence */
-  wg_fence(); /* the rescaled registers before the MMAs that continue them */
-#pragma unroll
-  for (uint32_t k = 0; k < UWG_T / 16; k++) {
-    /* V: 16 rows (two groups of 8, AWG_GROUP_K apart) of dims 256 g.. (four atoms, AWG_ATOM
-     * apart) */
-    const uint64_t v = awg_desc(va + 2 * k * AWG_GROUP_K, AWG_ATOM, AWG_GROUP_K);
-    awg_mma_n256(d, awg_desc_k(pa + k * AWG_KSTEP, UWG_GROUP_P), v);
-    awg_mma_n256(d, awg_desc_k(pla + k * AWG_KSTEP, UWG_GROUP_P), v);
-  }
-  wg_commit();
-  wg_wait_group<0>();
-  wg_tie(d);
-}
-
 /* The math warpgroups over the split's tiles: each buffer once the producer hands it over, given
  * back after its weighted sums while the producer has a tile for it. */
 static __device__ void uws_math(const uint8_t *sq, uint8_t *sp, const uint8_t *sk0, float *red,
@@ -203,7 +175,8 @@ static __device__ void uws_math(const uint8_t *sq, uint8_t *sp, const uint8_t *s
     wg_proxy_fence(); /* the weights, for the MMAs */
     uwg_sync<2>();
     PHASE_MARK(UPH_SOFTMAX);
-    uws_sums(sp, cur, a, g, d);
+    uwg_sums_issue(sp, cur, a, g, d);
+    uwg_sums_wait(d);
     if (first + 2 * UWG_T < hi)
       uws_bar_arrive(UWS_BAR_EMPTY + b, UWS_THREADS);
     PHASE_MARK(UPH_SUM);
