@@ -31,8 +31,12 @@
  * into its place (on_alloc). Offered the whole buffer, a one-token decode's q was copied whole. */
 #define READ_HEAD_OFFER ((size_t)8 * 1024)
 /* While a request is in flight the connection keeps reading only to notice a client that went away;
- * pipelined bytes beyond this much stay in the kernel's buffer (backpressure). */
-#define INFLIGHT_READ_CAP ((size_t)64 * 1024)
+ * pipelined bytes beyond this much (a head's read) stay in the kernel's buffer (backpressure). A
+ * client that sends its next request as soon as an answer written by the executor arrives, before
+ * the loop has taken that answer's completion, then has the rest of the body read into its place
+ * afterwards: with 64 KiB here a one-token decode's q came in eight reads of 8 KiB into the read
+ * buffer and was copied out of it (tests/bench/NOTES.md). */
+#define INFLIGHT_READ_CAP READ_HEAD_OFFER
 /* Reads whose arrival times a connection remembers (conn_t.marks). */
 #define MARKS 16
 /*
